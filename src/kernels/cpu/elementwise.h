@@ -1,0 +1,39 @@
+// Elementwise kernels: GELU (erf form, as BERT; tanh form for "gelu_new"), ReLU, tanh,
+// residual add, dropout. Backward writes dinp (=); dinp may alias dout.
+// Dropout is keyed: element i is kept iff rng_uniform(key, offset + i) >= p, so backward (and a
+// resumed run) regenerates the same mask instead of storing it.
+#pragma once
+
+#include <cstdint>
+
+namespace bertrain::kernels {
+
+enum class Activation { GeluErf, GeluTanh, Relu };
+
+void activation_forward(Activation a, float* out, const float* inp, int64_t n);
+// dinp = dout * act'(inp)
+void activation_backward(Activation a, float* dinp, const float* inp, const float* dout, int64_t n);
+
+void tanh_forward(float* out, const float* inp, int64_t n);
+// dinp = dout * (1 - out^2), from the forward output.
+void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n);
+
+// out = a + b (out may alias a or b).
+void add(float* out, const float* a, const float* b, int64_t n);
+// out += a
+void add_inplace(float* out, const float* a, int64_t n);
+
+// x = x * keep / (1 - p), in place. p == 0 is the identity.
+void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset);
+// dx = dy * keep / (1 - p) with the same mask (dx may alias dy).
+void dropout_backward(float* dx, const float* dy, int64_t n, float p, uint64_t key,
+                      uint64_t offset);
+inline bool dropout_keep(float p, uint64_t key, uint64_t index);
+
+}  // namespace bertrain::kernels
+
+#include "core/rng.h"
+
+inline bool bertrain::kernels::dropout_keep(float p, uint64_t key, uint64_t index) {
+  return rng_uniform(key, index) >= p;
+}

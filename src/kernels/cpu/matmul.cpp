@@ -1,0 +1,119 @@
+#include "kernels/cpu/matmul.h"
+
+#include <dnnl.hpp>
+#include <map>
+#include <unordered_map>
+#include <mutex>
+#include <tuple>
+
+#include "core/error.h"
+
+namespace bertrain::kernels {
+namespace {
+
+using dims = dnnl::memory::dims;
+using dt = dnnl::memory::data_type;
+
+struct GemmKey {
+  bool ta, tb, acc, bias;
+  int64_t M, N, K, lda, ldb, ldc;
+  auto tie() const { return std::tie(ta, tb, acc, bias, M, N, K, lda, ldb, ldc); }
+  bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
+};
+
+struct GemmPrim {
+  dnnl::matmul prim;
+  dnnl::memory::desc a_md, b_md, c_md, bias_md;
+};
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  return eng;
+}
+
+const GemmPrim& get_prim(const GemmKey& k) {
+  static std::mutex mu;
+  static std::map<GemmKey, GemmPrim> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(k);
+  if (it != cache.end()) return it->second;
+  GemmPrim p;
+  // A logical [M,K]; stored [M,K] with stride lda, or stored [K,M] (transposed) with stride lda.
+  p.a_md = dnnl::memory::desc({k.M, k.K}, dt::f32, k.ta ? dims{1, k.lda} : dims{k.lda, 1});
+  p.b_md = dnnl::memory::desc({k.K, k.N}, dt::f32, k.tb ? dims{1, k.ldb} : dims{k.ldb, 1});
+  p.c_md = dnnl::memory::desc({k.M, k.N}, dt::f32, dims{k.ldc, 1});
+  if (k.bias) p.bias_md = dnnl::memory::desc({1, k.N}, dt::f32, dims{k.N, 1});
+  dnnl::primitive_attr attr;
+  if (k.acc) {
+    dnnl::post_ops po;
+    po.append_sum(1.0f);
+    attr.set_post_ops(po);
+  }
+  auto desc = k.bias ? dnnl::matmul::desc(p.a_md, p.b_md, p.bias_md, p.c_md)
+                     : dnnl::matmul::desc(p.a_md, p.b_md, p.c_md);
+  p.prim = dnnl::matmul(dnnl::matmul::primitive_desc(desc, attr, cpu_engine()));
+  return cache.emplace(k, std::move(p)).first->second;
+}
+
+}  // namespace
+
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float* C, int64_t ldc, const float* bias, bool accumulate) {
+  BT_CHECK(!(accumulate && bias), "gemm: bias with accumulate is not supported");
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = bias ? bias[j] : 0.0f;
+    return;
+  }
+  const GemmPrim& p = get_prim({trans_a, trans_b, accumulate, bias != nullptr, M, N, K, lda, ldb, ldc});
+  auto& eng = cpu_engine();
+  dnnl::stream s(eng);
+  std::unordered_map<int, dnnl::memory> args = {
+      {DNNL_ARG_SRC, dnnl::memory(p.a_md, eng, const_cast<float*>(A))},
+      {DNNL_ARG_WEIGHTS, dnnl::memory(p.b_md, eng, const_cast<float*>(B))},
+      {DNNL_ARG_DST, dnnl::memory(p.c_md, eng, C)}};
+  if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(p.bias_md, eng, const_cast<float*>(bias)));
+  p.prim.execute(s, args);
+  s.wait();
+}
+
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
+                    int64_t M, int64_t N, int64_t K) {
+  gemm(false, true, M, N, K, inp, K, weight, K, out, N, bias, false);
+}
+
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                     const float* inp, const float* weight, int64_t M, int64_t N, int64_t K,
+                     bool accumulate_dinp) {
+  if (dinp) gemm(false, false, M, K, N, dout, N, weight, K, dinp, K, nullptr, accumulate_dinp);
+  if (dweight) gemm(true, false, N, K, M, dout, N, inp, K, dweight, K, nullptr, true);
+  if (dbias) {
+#pragma omp parallel for schedule(static)
+    for (int64_t j0 = 0; j0 < N; j0 += 64) {
+      int64_t j1 = std::min<int64_t>(N, j0 + 64);
+      float acc[64] = {0};
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = j0; j < j1; ++j) acc[j - j0] += dout[i * N + j];
+      for (int64_t j = j0; j < j1; ++j) dbias[j] += acc[j - j0];
+    }
+  }
+}
+
+void gemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+                    int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                    const float* bias, bool accumulate) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = bias ? bias[j] : 0.0;
+      for (int64_t k = 0; k < K; ++k) {
+        double a = trans_a ? A[k * lda + i] : A[i * lda + k];
+        double b = trans_b ? B[j * ldb + k] : B[k * ldb + j];
+        s += a * b;
+      }
+      C[i * ldc + j] = static_cast<float>(accumulate ? C[i * ldc + j] + s : s);
+    }
+}
+
+}  // namespace bertrain::kernels

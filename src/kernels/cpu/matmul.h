@@ -1,0 +1,30 @@
+// Matrix products on the CPU through oneDNN; primitives are created once per shape and reused.
+// Layout: row-major; weights in PyTorch/HF layout weight[N,K] (out_features x in_features).
+// Dimension letters: M rows (tokens), K input features, N output features.
+#pragma once
+
+#include <cstdint>
+
+namespace bertrain::kernels {
+
+// C[M,N] (=|+=) op(A)·op(B) (+ bias[N]); op(X) = X or X^T as stored row-major with leading
+// dimension ld*. With accumulate, C += result (bias must then be null).
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float* C, int64_t ldc, const float* bias, bool accumulate);
+
+// out[M,N] = inp[M,K] · weight[N,K]^T + bias[N] (bias may be null).
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
+                    int64_t M, int64_t N, int64_t K);
+
+// Backward of linear_forward. dinp[M,K] = dout·weight (or += when accumulate_dinp; skipped when
+// dinp is null); dweight[N,K] += dout^T·inp; dbias[N] += column sums of dout (if non-null).
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                     const float* inp, const float* weight, int64_t M, int64_t N, int64_t K,
+                     bool accumulate_dinp = false);
+
+// Plain triple loop in double accumulation: the oracle for gemm in tests.
+void gemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+                    int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                    const float* bias, bool accumulate);
+
+}  // namespace bertrain::kernels

@@ -1,0 +1,355 @@
+#include "model/bert.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/cross_entropy.h"
+#include "kernels/cpu/elementwise.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/layernorm.h"
+#include "kernels/cpu/matmul.h"
+
+namespace bertrain::model {
+
+using namespace bertrain::kernels;
+
+namespace {
+
+// Dropout sites: one RNG stream per (seed, step, layer, site).
+enum Site : uint64_t { kEmbedding = 1, kAttnProbs, kAttnOut, kFfnOut, kPooler };
+
+constexpr float kMlmDenominatorEps = 1e-5f;  // Google BERT: sum(w*ce) / (sum(w) + 1e-5)
+
+size_t f32s(int64_t n) { return static_cast<size_t>(n) * sizeof(float); }
+
+}  // namespace
+
+void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const ModelDims& d) {
+  const int64_t B = d.batch, T = d.seq_len, N = B * T, C = cfg.hidden_size,
+                I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = cfg.vocab_size;
+  const int64_t BP = head == Head::Pretraining ? B * d.max_predictions : 0;
+  const std::string g = "activations";
+  plan.add(g, "emb.sum", f32s(N * C));
+  plan.add(g, "emb.mean", f32s(N));
+  plan.add(g, "emb.rstd", f32s(N));
+  plan.add(g, "emb.out", f32s(N * C));
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    const std::string p = "layer" + std::to_string(l) + ".";
+    plan.add(g, p + "qkv", f32s(N * 3 * C));
+    plan.add(g, p + "probs", f32s(B * NH * T * T));
+    plan.add(g, p + "ctx", f32s(N * C));
+    plan.add(g, p + "attn_res", f32s(N * C));
+    plan.add(g, p + "ln1_out", f32s(N * C));
+    plan.add(g, p + "ln1_mean", f32s(N));
+    plan.add(g, p + "ln1_rstd", f32s(N));
+    plan.add(g, p + "inter_pre", f32s(N * I));
+    plan.add(g, p + "inter_act", f32s(N * I));
+    plan.add(g, p + "ffn_res", f32s(N * C));
+    plan.add(g, p + "ln2_out", f32s(N * C));
+    plan.add(g, p + "ln2_mean", f32s(N));
+    plan.add(g, p + "ln2_rstd", f32s(N));
+  }
+  plan.add(g, "head.cls_in", f32s(B * C));
+  plan.add(g, "head.pooled", f32s(B * C));
+  plan.add(g, "head.pooled_drop", f32s(B * C));
+  plan.add(g, "head.nsp_logits", f32s(B * 2));
+  plan.add(g, "head.cls_logits", f32s(B * cfg.num_labels));
+  plan.add(g, "head.mlm_in", f32s(BP * C));
+  plan.add(g, "head.mlm_pre", f32s(BP * C));
+  plan.add(g, "head.mlm_act", f32s(BP * C));
+  plan.add(g, "head.mlm_ln", f32s(BP * C));
+  plan.add(g, "head.mlm_mean", f32s(BP));
+  plan.add(g, "head.mlm_rstd", f32s(BP));
+  plan.add(g, "head.mlm_logits", f32s(BP * V));
+  plan.add(g, "head.row_loss", f32s(std::max(BP, B)));
+  plan.add(g, "head.row_correct", f32s(std::max(BP, B)));
+  const std::string s = "scratch";
+  plan.add(s, "grad.dh", f32s(N * C));
+  plan.add(s, "grad.dA", f32s(N * C));
+  plan.add(s, "grad.dB", f32s(N * C));
+  plan.add(s, "grad.dI", f32s(N * std::max(I, 3 * C)));
+  plan.add(s, "grad.dhead1", f32s(std::max(BP, B) * C));
+  plan.add(s, "grad.dhead2", f32s(std::max(BP, B) * C));
+  plan.add(s, "grad.dsmall", f32s(B * std::max<int64_t>(2, cfg.num_labels)));
+}
+
+MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDims& dims) {
+  if (dims.seq_len > cfg.max_position_embeddings)
+    fail("--seq-len ", dims.seq_len, " exceeds the model's max_position_embeddings ",
+         cfg.max_position_embeddings);
+  if (dims.batch <= 0 || dims.seq_len <= 0 || dims.max_predictions < 0)
+    fail("batch size and sequence length must be positive and max predictions >= 0");
+  if (dims.max_predictions > dims.seq_len)
+    fail("--max-predictions ", dims.max_predictions, " exceeds --seq-len ", dims.seq_len);
+  const ParamTable table(cfg, head);
+  MemoryPlan plan;
+  plan.add("parameters", "params", f32s(table.total()));
+  plan.add("gradients", "grads", f32s(table.total()));
+  plan_activations(plan, cfg, head, dims);
+  return plan;
+}
+
+BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
+    : cfg_(cfg), head_(head), table_(cfg, head), dims_(dims), plan_(make_plan(cfg, head, dims)) {
+  params_ = Arena(plan_, "parameters");
+  grads_ = Arena(plan_, "gradients");
+  acts_arena_ = Arena(plan_, "activations");
+  scratch_ = Arena(plan_, "scratch");
+
+  const Arena& a = acts_arena_;
+  act_.emb_sum = a.f32("emb.sum");
+  act_.emb_mean = a.f32("emb.mean");
+  act_.emb_rstd = a.f32("emb.rstd");
+  act_.h0 = a.f32("emb.out");
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    const std::string p = "layer" + std::to_string(l) + ".";
+    act_.layers.push_back({a.f32(p + "qkv"), a.f32(p + "probs"), a.f32(p + "ctx"),
+                           a.f32(p + "attn_res"), a.f32(p + "ln1_out"), a.f32(p + "ln1_mean"),
+                           a.f32(p + "ln1_rstd"), a.f32(p + "inter_pre"), a.f32(p + "inter_act"),
+                           a.f32(p + "ffn_res"), a.f32(p + "ln2_out"), a.f32(p + "ln2_mean"),
+                           a.f32(p + "ln2_rstd")});
+  }
+  act_.cls_in = a.f32("head.cls_in");
+  act_.pooled = a.f32("head.pooled");
+  act_.pooled_drop = a.f32("head.pooled_drop");
+  act_.nsp_logits = a.f32("head.nsp_logits");
+  act_.cls_logits = a.f32("head.cls_logits");
+  act_.mlm_in = a.f32("head.mlm_in");
+  act_.mlm_pre = a.f32("head.mlm_pre");
+  act_.mlm_act = a.f32("head.mlm_act");
+  act_.mlm_ln = a.f32("head.mlm_ln");
+  act_.mlm_mean = a.f32("head.mlm_mean");
+  act_.mlm_rstd = a.f32("head.mlm_rstd");
+  act_.mlm_logits = a.f32("head.mlm_logits");
+  act_.row_loss = a.f32("head.row_loss");
+  act_.row_correct = reinterpret_cast<int32_t*>(a.f32("head.row_correct"));
+  const Arena& s = scratch_;
+  act_.dh = s.f32("grad.dh");
+  act_.dA = s.f32("grad.dA");
+  act_.dB = s.f32("grad.dB");
+  act_.dI = s.f32("grad.dI");
+  act_.dhead1 = s.f32("grad.dhead1");
+  act_.dhead2 = s.f32("grad.dhead2");
+  act_.dsmall = s.f32("grad.dsmall");
+}
+
+void BertModel::zero_grads() { std::memset(grads_.base(), 0, grads_.bytes()); }
+
+Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
+  if (b.B > dims_.batch || b.T > dims_.seq_len || b.P > dims_.max_predictions)
+    fail("batch [", b.B, " x ", b.T, ", ", b.P, " predictions] exceeds the planned [",
+         dims_.batch, " x ", dims_.seq_len, ", ", dims_.max_predictions, "]");
+  validate_batch(b, cfg_, head_);
+  const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
+                NH = cfg_.num_attention_heads, V = cfg_.vocab_size;
+  const float eps = cfg_.layer_norm_eps;
+  const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
+  const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
+  const Activation act = cfg_.activation();
+  const uint64_t off_tc = opt.example_offset * T * C;
+  const uint64_t off_probs = opt.example_offset * NH * T * T;
+  const int64_t L = cfg_.num_hidden_layers;
+
+  const ParamTable& t = table_;
+  embedding_forward(act_.emb_sum, b.input_ids.data(), b.segment_ids.data(),
+                    W(t.offset("bert.embeddings.word_embeddings.weight")),
+                    W(t.offset("bert.embeddings.position_embeddings.weight")),
+                    W(t.offset("bert.embeddings.token_type_embeddings.weight")), B, T, C);
+  layernorm_forward(act_.h0, act_.emb_mean, act_.emb_rstd, act_.emb_sum,
+                    W(t.offset("bert.embeddings.LayerNorm.weight")),
+                    W(t.offset("bert.embeddings.LayerNorm.bias")), N, C, eps);
+  dropout_forward(act_.h0, N * C, p_hidden, rng_key(opt.seed, opt.step, 0, kEmbedding), off_tc);
+
+  const float* x = act_.h0;
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerOffsets& o = t.layer(l);
+    const LayerActs& a = act_.layers[l];
+    linear_forward(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
+    attention_forward(a.ctx, a.probs, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
+                      rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs);
+    linear_forward(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
+    dropout_forward(a.attn_res, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut),
+                    off_tc);
+    add_inplace(a.attn_res, x, N * C);
+    layernorm_forward(a.ln1_out, a.ln1_mean, a.ln1_rstd, a.attn_res, W(o.ln1_w), W(o.ln1_b), N, C,
+                      eps);
+    linear_forward(a.inter_pre, a.ln1_out, W(o.inter_w), W(o.inter_b), N, I, C);
+    activation_forward(act, a.inter_act, a.inter_pre, N * I);
+    linear_forward(a.ffn_res, a.inter_act, W(o.out_w), W(o.out_b), N, C, I);
+    dropout_forward(a.ffn_res, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kFfnOut),
+                    off_tc);
+    add_inplace(a.ffn_res, a.ln1_out, N * C);
+    layernorm_forward(a.ln2_out, a.ln2_mean, a.ln2_rstd, a.ffn_res, W(o.ln2_w), W(o.ln2_b), N, C,
+                      eps);
+    x = a.ln2_out;
+  }
+  seq_out_ = const_cast<float*>(x);
+
+  // Pooler: tanh(dense(h[:, 0])).
+  for (int64_t i = 0; i < B; ++i) std::memcpy(act_.cls_in + i * C, x + i * T * C, f32s(C));
+  linear_forward(act_.pooled, act_.cls_in, W(t.offset("bert.pooler.dense.weight")),
+                 W(t.offset("bert.pooler.dense.bias")), B, C, C);
+  tanh_forward(act_.pooled, act_.pooled, B * C);
+
+  Losses out;
+  if (head_ == Head::Pretraining) {
+    linear_forward(act_.nsp_logits, act_.pooled, W(t.offset("cls.seq_relationship.weight")),
+                   W(t.offset("cls.seq_relationship.bias")), B, 2, C);
+    out.nsp_loss = cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct,
+                                                  act_.nsp_logits, b.next_sentence_labels.data(),
+                                                  nullptr, B, 2, 0.0f) / B;
+    for (int64_t i = 0; i < B; ++i) out.nsp_correct += act_.row_correct[i];
+
+    // MLM head on the masked positions only (gather first): BP rows instead of B*T.
+    const int64_t BP = B * b.P;
+    for (int64_t r = 0; r < BP; ++r) {
+      const int64_t row = (r / b.P) * T + b.masked_lm_positions[r];
+      std::memcpy(act_.mlm_in + r * C, x + row * C, f32s(C));
+    }
+    linear_forward(act_.mlm_pre, act_.mlm_in, W(t.offset("cls.predictions.transform.dense.weight")),
+                   W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C);
+    activation_forward(act, act_.mlm_act, act_.mlm_pre, BP * C);
+    layernorm_forward(act_.mlm_ln, act_.mlm_mean, act_.mlm_rstd, act_.mlm_act,
+                      W(t.offset("cls.predictions.transform.LayerNorm.weight")),
+                      W(t.offset("cls.predictions.transform.LayerNorm.bias")), BP, C, eps);
+    linear_forward(act_.mlm_logits, act_.mlm_ln, W(t.offset("bert.embeddings.word_embeddings.weight")),
+                   W(t.offset("cls.predictions.bias")), BP, V, C);
+    const double wsum_ce = cross_entropy_forward_backward(
+        nullptr, act_.row_loss, act_.row_correct, act_.mlm_logits, b.masked_lm_ids.data(),
+        b.masked_lm_weights.data(), BP, V, 0.0f);
+    for (int64_t r = 0; r < BP; ++r) {
+      out.mlm_weight += b.masked_lm_weights[r];
+      out.mlm_correct += b.masked_lm_weights[r] * act_.row_correct[r];
+    }
+    out.mlm_loss = wsum_ce / (out.mlm_weight + kMlmDenominatorEps);
+    out.loss = out.mlm_loss + out.nsp_loss;
+  } else {
+    std::memcpy(act_.pooled_drop, act_.pooled, f32s(B * C));
+    dropout_forward(act_.pooled_drop, B * C, p_hidden, rng_key(opt.seed, opt.step, L + 1, kPooler),
+                    opt.example_offset * C);
+    const int64_t NL = cfg_.num_labels;
+    linear_forward(act_.cls_logits, act_.pooled_drop, W(t.offset("classifier.weight")),
+                   W(t.offset("classifier.bias")), B, NL, C);
+    out.loss = cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct,
+                                              act_.cls_logits, b.label_ids.data(), nullptr, B, NL,
+                                              0.0f) / B;
+    for (int64_t i = 0; i < B; ++i) out.cls_correct += act_.row_correct[i];
+  }
+  return out;
+}
+
+void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scale) {
+  const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
+                NH = cfg_.num_attention_heads, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
+  const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
+  const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
+  const Activation act = cfg_.activation();
+  const uint64_t off_tc = opt.example_offset * T * C;
+  const uint64_t off_probs = opt.example_offset * NH * T * T;
+  const ParamTable& t = table_;
+  const int64_t word = t.offset("bert.embeddings.word_embeddings.weight");
+  float* dh = act_.dh;  // gradient of the residual stream [N,C]
+  std::memset(dh, 0, f32s(N * C));
+
+  // ---- heads: produce dpooled (and the MLM rows of dh) ----
+  float* dpooled = act_.dhead2;  // [B,C]
+  if (head_ == Head::Pretraining) {
+    float* dnsp = act_.dsmall;
+    cross_entropy_forward_backward(dnsp, nullptr, nullptr, act_.nsp_logits,
+                                   b.next_sentence_labels.data(), nullptr, B, 2, loss_scale / B);
+    linear_backward(dpooled, G(t.offset("cls.seq_relationship.weight")),
+                    G(t.offset("cls.seq_relationship.bias")), dnsp, act_.pooled,
+                    W(t.offset("cls.seq_relationship.weight")), B, 2, C);
+
+    const int64_t BP = B * b.P;
+    double wsum = 0;
+    for (int64_t r = 0; r < BP; ++r) wsum += b.masked_lm_weights[r];
+    const float dscale = static_cast<float>(loss_scale / (wsum + kMlmDenominatorEps));
+    float* dlogits = act_.mlm_logits;  // gradient overwrites the logits
+    cross_entropy_forward_backward(dlogits, nullptr, nullptr, act_.mlm_logits,
+                                   b.masked_lm_ids.data(), b.masked_lm_weights.data(), BP, V,
+                                   dscale);
+    float* d1 = act_.dhead1;  // [BP,C]
+    linear_backward(d1, G(word), G(t.offset("cls.predictions.bias")), dlogits, act_.mlm_ln,
+                    W(word), BP, V, C);
+    float* d2 = act_.dI;  // [BP,C] scratch (dI is free until the encoder backward)
+    layernorm_backward(d2, G(t.offset("cls.predictions.transform.LayerNorm.weight")),
+                       G(t.offset("cls.predictions.transform.LayerNorm.bias")), d1, act_.mlm_act,
+                       W(t.offset("cls.predictions.transform.LayerNorm.weight")), act_.mlm_mean,
+                       act_.mlm_rstd, BP, C);
+    activation_backward(act, d2, act_.mlm_pre, d2, BP * C);
+    linear_backward(d1, G(t.offset("cls.predictions.transform.dense.weight")),
+                    G(t.offset("cls.predictions.transform.dense.bias")), d2, act_.mlm_in,
+                    W(t.offset("cls.predictions.transform.dense.weight")), BP, C, C);
+    for (int64_t r = 0; r < BP; ++r) {  // scatter (+=): positions may repeat
+      float* dst = dh + ((r / b.P) * T + b.masked_lm_positions[r]) * C;
+      const float* src = d1 + r * C;
+      for (int64_t c = 0; c < C; ++c) dst[c] += src[c];
+    }
+  } else {
+    const int64_t NL = cfg_.num_labels;
+    float* dlog = act_.dsmall;
+    cross_entropy_forward_backward(dlog, nullptr, nullptr, act_.cls_logits, b.label_ids.data(),
+                                   nullptr, B, NL, loss_scale / B);
+    linear_backward(dpooled, G(t.offset("classifier.weight")), G(t.offset("classifier.bias")),
+                    dlog, act_.pooled_drop, W(t.offset("classifier.weight")), B, NL, C);
+    dropout_backward(dpooled, dpooled, B * C, p_hidden,
+                     rng_key(opt.seed, opt.step, L + 1, kPooler), opt.example_offset * C);
+  }
+  // pooler
+  tanh_backward(dpooled, act_.pooled, dpooled, B * C);
+  float* dcls = act_.dhead1;
+  linear_backward(dcls, G(t.offset("bert.pooler.dense.weight")),
+                  G(t.offset("bert.pooler.dense.bias")), dpooled, act_.cls_in,
+                  W(t.offset("bert.pooler.dense.weight")), B, C, C);
+  for (int64_t i = 0; i < B; ++i) add_inplace(dh + i * T * C, dcls + i * C, C);
+
+  // ---- encoder, last layer first ----
+  float *dA = act_.dA, *dB = act_.dB, *dI = act_.dI;
+  for (int64_t l = L - 1; l >= 0; --l) {
+    const LayerOffsets& o = t.layer(l);
+    const LayerActs& a = act_.layers[l];
+    const float* x = l == 0 ? act_.h0 : act_.layers[l - 1].ln2_out;
+    // h_out = LN2(ffn_res), ffn_res = drop(inter_act W_out + b) + ln1_out
+    layernorm_backward(dA, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w), a.ln2_mean,
+                       a.ln2_rstd, N, C);
+    dropout_backward(dB, dA, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kFfnOut), off_tc);
+    linear_backward(dI, G(o.out_w), G(o.out_b), dB, a.inter_act, W(o.out_w), N, C, I);
+    activation_backward(act, dI, a.inter_pre, dI, N * I);
+    linear_backward(dA, G(o.inter_w), G(o.inter_b), dI, a.ln1_out, W(o.inter_w), N, I, C,
+                    /*accumulate_dinp=*/true);  // dA = d ln1_out (residual + FFN path)
+    // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
+    layernorm_backward(dh, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w), a.ln1_mean,
+                       a.ln1_rstd, N, C);
+    dropout_backward(dB, dh, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
+    linear_backward(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
+    attention_backward(dI, dA, a.qkv, a.probs, {B, T, C, NH}, p_attn,
+                       rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs);
+    linear_backward(dh, G(o.qkv_w), G(o.qkv_b), dI, x, W(o.qkv_w), N, 3 * C, C,
+                    /*accumulate_dinp=*/true);  // dh = d x (residual + attention path)
+  }
+
+  // ---- embeddings ----
+  dropout_backward(dh, dh, N * C, p_hidden, rng_key(opt.seed, opt.step, 0, kEmbedding), off_tc);
+  layernorm_backward(dA, G(t.offset("bert.embeddings.LayerNorm.weight")),
+                     G(t.offset("bert.embeddings.LayerNorm.bias")), dh, act_.emb_sum,
+                     W(t.offset("bert.embeddings.LayerNorm.weight")), act_.emb_mean,
+                     act_.emb_rstd, N, C);
+  embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
+                     G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA,
+                     b.input_ids.data(), b.segment_ids.data(), B, T, C);
+}
+
+double BertModel::flops_per_step(int64_t B, int64_t T, int64_t P) const {
+  const double N = static_cast<double>(B) * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
+               V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
+  const double per_layer = 2 * N * (3 * C * C + C * C + 2 * C * I) + 2 * 2 * B * T * T * C;
+  double head = 2.0 * B * C * C;
+  if (head_ == Head::Pretraining) head += 2.0 * B * P * (C * C + C * V);
+  return 3.0 * (L * per_layer + head);  // backward = 2x forward
+}
+
+}  // namespace bertrain::model

@@ -1,0 +1,103 @@
+// BertModel: forward and hand-written backward of BERT with a pretraining (MLM + NSP) or a
+// sequence-classification head, over a flat parameter buffer (params.h) and an activation
+// arena sized by the memory plan for (max batch, seq len, max predictions).
+// Invariants: forward overwrites activations; backward accumulates (+=) into gradients, so
+// gradient accumulation is "call forward/backward K times, then step". backward overwrites the
+// logits buffers with their gradients. Dimension letters: B batch, T tokens, C hidden, NH heads,
+// I intermediate, V vocab, P masked predictions per sequence, N = B*T rows.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "core/arena.h"
+#include "model/batch.h"
+#include "model/config.h"
+#include "model/params.h"
+
+namespace bertrain::model {
+
+struct ModelDims {
+  int64_t batch = 8, seq_len = 128, max_predictions = 20;
+};
+
+struct StepOptions {
+  bool training = false;   // dropout on
+  uint64_t seed = 0;       // dropout stream (with step and layer)
+  uint64_t step = 0;
+  uint64_t example_offset = 0;  // global index of this batch's first example (data parallel)
+};
+
+struct Losses {
+  double loss = 0;        // mlm + nsp, or the classification loss
+  double mlm_loss = 0;    // sum(w * ce) / (sum(w) + 1e-5), as Google BERT
+  double nsp_loss = 0;    // mean over the batch
+  double mlm_weight = 0;  // sum of masked_lm_weights
+  double mlm_correct = 0; // weighted count of argmax hits
+  int64_t nsp_correct = 0, cls_correct = 0;
+};
+
+// Adds the activation and backward-scratch regions of one model to a plan (group
+// "activations"); shared by the model and `bertrain estimate`.
+void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const ModelDims& d);
+
+class BertModel {
+ public:
+  BertModel(const BertConfig& cfg, Head head, const ModelDims& dims);
+  // The plan this model allocates from: parameters, gradients, activations, scratch.
+  static MemoryPlan make_plan(const BertConfig& cfg, Head head, const ModelDims& dims);
+
+  const BertConfig& config() const { return cfg_; }
+  const ParamTable& table() const { return table_; }
+  const ModelDims& dims() const { return dims_; }
+  const MemoryPlan& plan() const { return plan_; }
+  float* params() const { return reinterpret_cast<float*>(params_.base()); }
+  float* grads() const { return reinterpret_cast<float*>(grads_.base()); }
+  float* param(const std::string& name) const { return params() + table_.offset(name); }
+  float* grad(const std::string& name) const { return grads() + table_.offset(name); }
+  void zero_grads();
+  void init_params(uint64_t seed) { table_.initialize(params(), cfg_, seed); }
+
+  Losses forward(const Batch& b, const StepOptions& opt);
+  // Gradients of loss_scale * loss, accumulated into grads(). Needs the preceding forward.
+  void backward(const Batch& b, const StepOptions& opt, float loss_scale = 1.0f);
+
+  // Outputs of the last forward (valid until the next backward/forward).
+  const float* sequence_output() const { return seq_out_; }  // [B,T,C]
+  const float* pooled_output() const { return act_.pooled; }  // [B,C]
+  const float* mlm_logits() const { return act_.mlm_logits; } // [B*P,V]
+  const float* nsp_logits() const { return act_.nsp_logits; } // [B,2]
+  const float* cls_logits() const { return act_.cls_logits; } // [B,num_labels]
+
+  // Model FLOPs of one forward+backward (matmuls and attention), for throughput reports.
+  double flops_per_step(int64_t B, int64_t T, int64_t P) const;
+
+ private:
+  struct LayerActs {
+    float *qkv, *probs, *ctx, *attn_res, *ln1_out, *ln1_mean, *ln1_rstd;
+    float *inter_pre, *inter_act, *ffn_res, *ln2_out, *ln2_mean, *ln2_rstd;
+  };
+  struct Acts {
+    float *emb_sum, *emb_mean, *emb_rstd, *h0;
+    std::vector<LayerActs> layers;
+    float *cls_in, *pooled, *pooled_drop, *nsp_logits, *cls_logits;
+    float *mlm_in, *mlm_pre, *mlm_act, *mlm_ln, *mlm_mean, *mlm_rstd, *mlm_logits;
+    float* row_loss;
+    int32_t* row_correct;
+    // backward scratch
+    float *dh, *dA, *dB, *dI, *dhead1, *dhead2, *dsmall;
+  };
+  const float* W(int64_t off) const { return params() + off; }
+  float* G(int64_t off) const { return grads() + off; }
+
+  BertConfig cfg_;
+  Head head_;
+  ParamTable table_;
+  ModelDims dims_;
+  MemoryPlan plan_;
+  Arena params_, grads_, acts_arena_, scratch_;
+  Acts act_{};
+  float* seq_out_ = nullptr;
+};
+
+}  // namespace bertrain::model

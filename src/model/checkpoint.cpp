@@ -1,0 +1,126 @@
+#include "model/checkpoint.h"
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "core/error.h"
+#include "model/safetensors.h"
+
+namespace bertrain::model {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
+
+bool has_prefix(const std::string& s, const std::vector<std::string>& prefixes) {
+  for (const auto& p : prefixes)
+    if (starts_with(s, p)) return true;
+  return false;
+}
+
+// Maps a file tensor name to the model's name, as HF's loader does.
+std::string canonical_name(std::string n, const ParamTable& table) {
+  auto replace_suffix = [&](const std::string& from, const std::string& to) {
+    if (n.size() >= from.size() && n.compare(n.size() - from.size(), from.size(), from) == 0)
+      n = n.substr(0, n.size() - from.size()) + to;
+  };
+  replace_suffix("LayerNorm.gamma", "LayerNorm.weight");
+  replace_suffix("LayerNorm.beta", "LayerNorm.bias");
+  if (!table.find(n) && table.find("bert." + n)) n = "bert." + n;  // BertModel checkpoint
+  return n;
+}
+
+bool is_tied_or_buffer(const std::string& n) {
+  return n == "cls.predictions.decoder.weight" || n == "cls.predictions.decoder.bias" ||
+         n == "bert.embeddings.position_ids" || n == "embeddings.position_ids";
+}
+
+}  // namespace
+
+std::string checkpoint_weights_path(const std::string& p) {
+  if (fs::is_directory(p)) {
+    fs::path f = fs::path(p) / "model.safetensors";
+    if (!fs::exists(f))
+      fail("no model.safetensors in ", p, " (a checkpoint directory needs model.safetensors and "
+           "config.json; PyTorch .bin files can be converted with HF save_pretrained)");
+    return f.string();
+  }
+  if (!fs::exists(p)) fail("checkpoint ", p, " does not exist");
+  return p;
+}
+
+std::string checkpoint_config_path(const std::string& p) {
+  fs::path f = fs::is_directory(p) ? fs::path(p) / "config.json" : fs::path(p).parent_path() / "config.json";
+  if (!fs::exists(f)) fail("no config.json next to checkpoint ", p);
+  return f.string();
+}
+
+LoadReport load_safetensors_into(BertModel& m, const std::string& path, const LoadOptions& opt) {
+  SafetensorsReader r(path);
+  const ParamTable& table = m.table();
+  LoadReport rep;
+  std::set<std::string> seen;
+  std::vector<std::string> mismatched, unexpected;
+  for (const auto& t : r.tensors()) {
+    const std::string name = canonical_name(t.name, table);
+    const ParamInfo* p = table.find(name);
+    if (!p) {
+      if (is_tied_or_buffer(name) || is_tied_or_buffer(t.name) ||
+          has_prefix(name, opt.ignore_unexpected_prefixes))
+        rep.ignored.push_back(t.name);
+      else
+        unexpected.push_back(t.name + " " + shape_str(t.shape));
+      continue;
+    }
+    if (t.shape != p->shape) {
+      mismatched.push_back(t.name + ": file " + shape_str(t.shape) + ", model " + shape_str(p->shape));
+      continue;
+    }
+    if (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16 &&
+        t.dtype != DType::F64)
+      fail(path, ": tensor ", t.name, " has dtype ", dtype_name(t.dtype), "; expected a float type");
+    r.read_f32(t, m.params() + p->offset);
+    seen.insert(name);
+    rep.loaded.push_back(name);
+  }
+  std::vector<std::string> missing;
+  for (const auto& p : table.params()) {
+    if (seen.count(p.name)) continue;
+    if (has_prefix(p.name, opt.allow_missing_prefixes)) rep.missing_allowed.push_back(p.name);
+    else missing.push_back(p.name + " " + shape_str(p.shape));
+  }
+  if (!mismatched.empty() || !unexpected.empty() || !missing.empty()) {
+    std::string msg = path + " does not match the model (" +
+                      head_architecture(table.head()) + " with the given config):";
+    auto list = [&](const char* what, const std::vector<std::string>& v) {
+      if (v.empty()) return;
+      msg += str("\n  ", v.size(), " ", what, ":");
+      for (size_t i = 0; i < v.size() && i < 20; ++i) msg += "\n    " + v[i];
+      if (v.size() > 20) msg += str("\n    ... and ", v.size() - 20, " more");
+    };
+    list("shape mismatches", mismatched);
+    list("missing tensors", missing);
+    list("unexpected tensors", unexpected);
+    msg += "\n  check that --model-config matches the checkpoint's config.json";
+    throw Error(msg);
+  }
+  return rep;
+}
+
+void save_pretrained(const BertModel& m, const std::string& dir, DType dtype) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) fail("cannot create checkpoint directory ", dir, ": ", ec.message());
+  std::vector<SafeTensorOut> out;
+  for (const auto& p : m.table().params())
+    out.push_back({p.name, dtype, p.shape, m.params() + p.offset, nullptr});
+  write_safetensors((fs::path(dir) / "model.safetensors").string(), out, {{"format", "pt"}});
+  nlohmann::json cfg = m.config().to_json(head_architecture(m.table().head()));
+  if (dtype != DType::F32) cfg["torch_dtype"] = dtype == DType::BF16 ? "bfloat16" : "float16";
+  write_file_atomic((fs::path(dir) / "config.json").string(), cfg.dump(2) + "\n");
+}
+
+}  // namespace bertrain::model

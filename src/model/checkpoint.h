@@ -1,0 +1,36 @@
+// HuggingFace-compatible model files: model.safetensors with HF parameter names + config.json.
+// Loading accepts the spellings HF itself accepts: with or without the "bert." prefix (BertModel
+// vs BertFor* checkpoints), LayerNorm gamma/beta, the tied cls.predictions.decoder.* copies, and
+// the position_ids buffer. Missing or unexpected tensors and shape mismatches are errors that
+// list every offending name with both shapes.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "model/bert.h"
+
+namespace bertrain::model {
+
+struct LoadOptions {
+  // Tensors of the model that may be absent from the file (keep their initialisation), as when
+  // fine-tuning a classifier from a pretraining checkpoint: "classifier." and/or "cls.".
+  std::vector<std::string> allow_missing_prefixes;
+  // Tensors in the file the model does not have that are skipped rather than an error.
+  std::vector<std::string> ignore_unexpected_prefixes;
+};
+
+struct LoadReport {
+  std::vector<std::string> loaded, missing_allowed, ignored;
+};
+
+LoadReport load_safetensors_into(BertModel& m, const std::string& path, const LoadOptions& opt = {});
+
+// Writes dir/model.safetensors (dtype F32, F16 or BF16) and dir/config.json, atomically.
+void save_pretrained(const BertModel& m, const std::string& dir, DType dtype = DType::F32);
+
+// Finds config.json and model.safetensors in a checkpoint directory (or accepts the file).
+std::string checkpoint_weights_path(const std::string& dir_or_file);
+std::string checkpoint_config_path(const std::string& dir_or_file);
+
+}  // namespace bertrain::model

@@ -1,0 +1,130 @@
+#include "model/params.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "core/rng.h"
+
+namespace bertrain::model {
+
+const char* head_architecture(Head h) {
+  return h == Head::Pretraining ? "BertForPreTraining" : "BertForSequenceClassification";
+}
+
+void ParamTable::add(const std::string& name, Shape shape, Init init, bool decay) {
+  ParamInfo p{name, std::move(shape), total_, init, decay};
+  total_ += (p.numel() + 15) / 16 * 16;  // 64-byte aligned tensors
+  index_[name] = params_.size();
+  params_.push_back(std::move(p));
+}
+
+ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head) {
+  const int64_t V = cfg.vocab_size, C = cfg.hidden_size, I = cfg.intermediate_size;
+  const std::string e = "bert.embeddings.";
+  add(e + "word_embeddings.weight", {V, C}, Init::Normal, true);
+  add(e + "position_embeddings.weight", {cfg.max_position_embeddings, C}, Init::Normal, true);
+  add(e + "token_type_embeddings.weight", {cfg.type_vocab_size, C}, Init::Normal, true);
+  add(e + "LayerNorm.weight", {C}, Init::Ones, false);
+  add(e + "LayerNorm.bias", {C}, Init::Zeros, false);
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    const std::string p = "bert.encoder.layer." + std::to_string(l) + ".";
+    // Adjacent without padding so that [query; key; value] is one [3C, C] matrix and the
+    // biases one [3C] vector (C*C and C are multiples of 16 for every real BERT; the checks
+    // below hold the invariant for the rest).
+    int64_t qkv_w = total_;
+    for (const char* m : {"query", "key", "value"}) {
+      ParamInfo w{p + "attention.self." + m + ".weight", {C, C}, total_, Init::Normal, true};
+      index_[w.name] = params_.size();
+      params_.push_back(w);
+      total_ += C * C;
+    }
+    total_ = (total_ + 15) / 16 * 16;
+    int64_t qkv_b = total_;
+    for (const char* m : {"query", "key", "value"}) {
+      ParamInfo b{p + "attention.self." + m + ".bias", {C}, total_, Init::Zeros, false};
+      index_[b.name] = params_.size();
+      params_.push_back(b);
+      total_ += C;
+    }
+    total_ = (total_ + 15) / 16 * 16;
+    LayerOffsets lo{};
+    lo.qkv_w = qkv_w;
+    lo.qkv_b = qkv_b;
+    lo.attn_out_w = total_;
+    add(p + "attention.output.dense.weight", {C, C}, Init::Normal, true);
+    lo.attn_out_b = total_;
+    add(p + "attention.output.dense.bias", {C}, Init::Zeros, false);
+    lo.ln1_w = total_;
+    add(p + "attention.output.LayerNorm.weight", {C}, Init::Ones, false);
+    lo.ln1_b = total_;
+    add(p + "attention.output.LayerNorm.bias", {C}, Init::Zeros, false);
+    lo.inter_w = total_;
+    add(p + "intermediate.dense.weight", {I, C}, Init::Normal, true);
+    lo.inter_b = total_;
+    add(p + "intermediate.dense.bias", {I}, Init::Zeros, false);
+    lo.out_w = total_;
+    add(p + "output.dense.weight", {C, I}, Init::Normal, true);
+    lo.out_b = total_;
+    add(p + "output.dense.bias", {C}, Init::Zeros, false);
+    lo.ln2_w = total_;
+    add(p + "output.LayerNorm.weight", {C}, Init::Ones, false);
+    lo.ln2_b = total_;
+    add(p + "output.LayerNorm.bias", {C}, Init::Zeros, false);
+    layers_.push_back(lo);
+  }
+  add("bert.pooler.dense.weight", {C, C}, Init::Normal, true);
+  add("bert.pooler.dense.bias", {C}, Init::Zeros, false);
+  if (head == Head::Pretraining) {
+    add("cls.predictions.transform.dense.weight", {C, C}, Init::Normal, true);
+    add("cls.predictions.transform.dense.bias", {C}, Init::Zeros, false);
+    add("cls.predictions.transform.LayerNorm.weight", {C}, Init::Ones, false);
+    add("cls.predictions.transform.LayerNorm.bias", {C}, Init::Zeros, false);
+    add("cls.predictions.bias", {V}, Init::Zeros, false);
+    add("cls.seq_relationship.weight", {2, C}, Init::Normal, true);
+    add("cls.seq_relationship.bias", {2}, Init::Zeros, false);
+  } else {
+    add("classifier.weight", {cfg.num_labels, C}, Init::Normal, true);
+    add("classifier.bias", {cfg.num_labels}, Init::Zeros, false);
+  }
+}
+
+const ParamInfo* ParamTable::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &params_[it->second];
+}
+
+const ParamInfo& ParamTable::at(const std::string& name) const {
+  const ParamInfo* p = find(name);
+  BT_CHECK(p, "no parameter named ", name);
+  return *p;
+}
+
+void ParamTable::initialize(float* params, const BertConfig& cfg, uint64_t seed) const {
+  for (size_t t = 0; t < params_.size(); ++t) {
+    const ParamInfo& p = params_[t];
+    float* w = params + p.offset;
+    const int64_t n = p.numel();
+    if (p.init == Init::Zeros) {
+      for (int64_t i = 0; i < n; ++i) w[i] = 0.0f;
+    } else if (p.init == Init::Ones) {
+      for (int64_t i = 0; i < n; ++i) w[i] = 1.0f;
+    } else {
+      // Box-Muller on counter-based uniforms; redraw outside 2 std (truncated normal, as
+      // Google BERT's tf.truncated_normal_initializer). Keyed by tensor name order and index.
+      const uint64_t key = rng_key(seed, 0x1a17, t);
+      for (int64_t i = 0; i < n; ++i) {
+        float z;
+        uint64_t draw = static_cast<uint64_t>(i) << 8;
+        do {
+          float u1 = rng_uniform(key, 2 * draw) + 1.0f / 33554432.0f;
+          float u2 = rng_uniform(key, 2 * draw + 1);
+          z = std::sqrt(-2.0f * std::log(u1)) * std::cos(6.28318530717958647692f * u2);
+          ++draw;
+        } while (std::fabs(z) > 2.0f);
+        w[i] = z * cfg.initializer_range;
+      }
+    }
+  }
+}
+
+}  // namespace bertrain::model

@@ -1,0 +1,63 @@
+// The parameter table: every BERT parameter by its HuggingFace name, with its shape and offset
+// into one flat fp32 buffer (gradients use a second buffer with the same offsets).
+// Layout choice: query/key/value weights are adjacent ([3C, C] as one matrix) and so are their
+// biases, so the QKV projection is a single GEMM over the flat buffer with no copy.
+// The MLM decoder is tied to bert.embeddings.word_embeddings.weight (no separate entry).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/config.h"
+
+namespace bertrain::model {
+
+enum class Head { Pretraining, SequenceClassification };
+const char* head_architecture(Head h);  // "BertForPreTraining", ...
+
+enum class Init { Normal, Zeros, Ones };
+
+struct ParamInfo {
+  std::string name;
+  Shape shape;
+  int64_t offset = 0;  // in floats
+  Init init = Init::Normal;
+  bool decay = true;  // false for LayerNorm weights and all biases (BERT's AdamW/LAMB exclusion)
+  int64_t numel() const { return shape_numel(shape); }
+};
+
+// Offsets of one encoder layer's parameters, for the model's hot loop.
+struct LayerOffsets {
+  int64_t qkv_w, qkv_b, attn_out_w, attn_out_b, ln1_w, ln1_b;
+  int64_t inter_w, inter_b, out_w, out_b, ln2_w, ln2_b;
+};
+
+class ParamTable {
+ public:
+  ParamTable(const BertConfig& cfg, Head head);
+
+  const std::vector<ParamInfo>& params() const { return params_; }
+  int64_t total() const { return total_; }  // floats, each tensor padded to 16 floats
+  const ParamInfo* find(const std::string& name) const;
+  const ParamInfo& at(const std::string& name) const;  // BT_CHECK if absent
+  int64_t offset(const std::string& name) const { return at(name).offset; }
+  const LayerOffsets& layer(int64_t l) const { return layers_.at(l); }
+  Head head() const { return head_; }
+
+  // Fills the flat buffer with BERT's initialisation: truncated normal (2 std) with
+  // std = initializer_range for matrices and embeddings, zeros for biases, LayerNorm 1/0.
+  void initialize(float* params, const BertConfig& cfg, uint64_t seed) const;
+
+ private:
+  void add(const std::string& name, Shape shape, Init init, bool decay);
+  Head head_;
+  std::vector<ParamInfo> params_;
+  std::map<std::string, size_t> index_;
+  std::vector<LayerOffsets> layers_;
+  int64_t total_ = 0;
+};
+
+}  // namespace bertrain::model

@@ -1,0 +1,249 @@
+// Kernel tests: oneDNN gemm against a double-accumulating triple loop, and every backward
+// against central finite differences of its forward on tiny shapes (STYLE.md §6).
+// FD in fp32 with eps = 1e-2: truncation error O(eps^2) ~ 1e-4 relative, rounding ~ 1e-7/eps =
+// 1e-5, so gradients must agree to rtol 2e-3 with atol 2e-3 of the largest gradient.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/cross_entropy.h"
+#include "kernels/cpu/elementwise.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/layernorm.h"
+#include "kernels/cpu/matmul.h"
+#include "test_util.h"
+
+namespace bertrain::kernels {
+namespace {
+
+using test::all_close;
+using test::dot;
+using test::numeric_grad;
+using test::random_vector;
+
+constexpr float kEps = 1e-2f;
+constexpr double kRtol = 2e-3, kAtol = 2e-3;
+
+struct GemmCase {
+  bool ta, tb, bias, acc;
+  int64_t M, N, K;
+};
+
+class GemmTest : public ::testing::TestWithParam<GemmCase> {};
+
+TEST_P(GemmTest, MatchesReference) {
+  const GemmCase c = GetParam();
+  const int64_t lda = (c.ta ? c.M : c.K) + 3, ldb = (c.tb ? c.K : c.N) + 1, ldc = c.N + 2;
+  auto A = random_vector((c.ta ? c.K : c.M) * lda, 1), B = random_vector((c.tb ? c.N : c.K) * ldb, 2);
+  auto bias = random_vector(c.N, 3);
+  auto C0 = random_vector(c.M * ldc, 4);
+  auto C1 = C0, C2 = C0;
+  const float* bp = c.bias ? bias.data() : nullptr;
+  gemm(c.ta, c.tb, c.M, c.N, c.K, A.data(), lda, B.data(), ldb, C1.data(), ldc, bp, c.acc);
+  gemm_reference(c.ta, c.tb, c.M, c.N, c.K, A.data(), lda, B.data(), ldb, C2.data(), ldc, bp, c.acc);
+  // fp32 accumulation of K products of N(0,1) values: error ~ sqrt(K) * eps * |terms|.
+  EXPECT_TRUE(all_close("gemm", C1.data(), C2.data(), C1.size(), 1e-5, 1e-5));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GemmTest,
+                         ::testing::Values(GemmCase{false, false, false, false, 7, 5, 9},
+                                           GemmCase{false, true, true, false, 33, 17, 65},
+                                           GemmCase{true, false, false, true, 16, 31, 8},
+                                           GemmCase{true, true, false, true, 3, 4, 129},
+                                           GemmCase{false, true, false, true, 1, 1, 1},
+                                           GemmCase{false, false, true, false, 64, 96, 0}));
+
+TEST(Linear, BackwardMatchesFiniteDifferences) {
+  const int64_t M = 5, N = 4, K = 6;
+  auto x = random_vector(M * K, 10), w = random_vector(N * K, 11), b = random_vector(N, 12);
+  auto r = random_vector(M * N, 13);  // loss = sum(out * r)
+  std::vector<float> out(M * N);
+  auto loss = [&] {
+    linear_forward(out.data(), x.data(), w.data(), b.data(), M, N, K);
+    return dot(out, r);
+  };
+  std::vector<float> dx(M * K, 0.5f), dw(N * K, 0.0f), db(N, 0.0f);
+  linear_backward(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), M, N, K);
+  EXPECT_TRUE(all_close("dx", dx.data(), numeric_grad(x, loss, kEps).data(), dx.size(), kRtol, kAtol));
+  EXPECT_TRUE(all_close("dw", dw.data(), numeric_grad(w, loss, kEps).data(), dw.size(), kRtol, kAtol));
+  EXPECT_TRUE(all_close("db", db.data(), numeric_grad(b, loss, kEps).data(), db.size(), kRtol, kAtol));
+  // accumulate_dinp adds to what is there
+  std::vector<float> dx2(M * K, 1.0f);
+  linear_backward(dx2.data(), nullptr, nullptr, r.data(), x.data(), w.data(), M, N, K, true);
+  for (size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dx2[i], dx[i] + 1.0f, 1e-5);
+}
+
+TEST(LayerNorm, BackwardMatchesFiniteDifferences) {
+  const int64_t N = 3, C = 8;
+  auto x = random_vector(N * C, 20), g = random_vector(C, 21), b = random_vector(C, 22);
+  for (auto& v : g) v += 1.0f;
+  auto r = random_vector(N * C, 23);
+  std::vector<float> out(N * C), mean(N), rstd(N);
+  auto loss = [&] {
+    layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), g.data(), b.data(), N, C, 1e-5f);
+    return dot(out, r);
+  };
+  loss();
+  // forward against the definition in double
+  for (int64_t i = 0; i < N; ++i) {
+    double m = 0, v = 0;
+    for (int64_t c = 0; c < C; ++c) m += x[i * C + c];
+    m /= C;
+    for (int64_t c = 0; c < C; ++c) v += (x[i * C + c] - m) * (x[i * C + c] - m);
+    v /= C;
+    for (int64_t c = 0; c < C; ++c)
+      EXPECT_NEAR(out[i * C + c], (x[i * C + c] - m) / std::sqrt(v + 1e-5) * g[c] + b[c], 1e-5);
+  }
+  std::vector<float> dx(N * C), dg(C, 0.0f), db(C, 0.0f);
+  layernorm_backward(dx.data(), dg.data(), db.data(), r.data(), x.data(), g.data(), mean.data(),
+                     rstd.data(), N, C);
+  EXPECT_TRUE(all_close("dx", dx.data(), numeric_grad(x, loss, 1e-3f).data(), dx.size(), kRtol, kAtol));
+  EXPECT_TRUE(all_close("dgamma", dg.data(), numeric_grad(g, loss, kEps).data(), C, kRtol, kAtol));
+  EXPECT_TRUE(all_close("dbeta", db.data(), numeric_grad(b, loss, kEps).data(), C, kRtol, kAtol));
+}
+
+class ActivationTest : public ::testing::TestWithParam<Activation> {};
+
+TEST_P(ActivationTest, BackwardMatchesFiniteDifferences) {
+  auto x = random_vector(64, 30, 2.0f);
+  for (auto& v : x)
+    if (std::fabs(v) < 0.05f) v = 0.3f;  // keep ReLU's kink out of the FD stencil
+  auto r = random_vector(64, 31);
+  std::vector<float> out(64);
+  auto loss = [&] {
+    activation_forward(GetParam(), out.data(), x.data(), 64);
+    return dot(out, r);
+  };
+  std::vector<float> dx(64);
+  activation_backward(GetParam(), dx.data(), x.data(), r.data(), 64);
+  EXPECT_TRUE(all_close("dx", dx.data(), numeric_grad(x, loss, 1e-3f).data(), 64, kRtol, kAtol));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ActivationTest,
+                         ::testing::Values(Activation::GeluErf, Activation::GeluTanh, Activation::Relu));
+
+TEST(Activation, GeluErfValues) {
+  // Reference values of x * Phi(x) computed in double.
+  const float x[] = {-3.0f, -1.0f, 0.0f, 0.5f, 2.0f};
+  float y[5];
+  activation_forward(Activation::GeluErf, y, x, 5);
+  for (int i = 0; i < 5; ++i)
+    EXPECT_NEAR(y[i], 0.5 * x[i] * (1.0 + std::erf(x[i] / std::sqrt(2.0))), 1e-6) << x[i];
+}
+
+TEST(Tanh, BackwardMatchesFiniteDifferences) {
+  auto x = random_vector(32, 40), r = random_vector(32, 41);
+  std::vector<float> out(32);
+  auto loss = [&] {
+    tanh_forward(out.data(), x.data(), 32);
+    return dot(out, r);
+  };
+  loss();
+  std::vector<float> dx(32);
+  tanh_backward(dx.data(), out.data(), r.data(), 32);
+  EXPECT_TRUE(all_close("dx", dx.data(), numeric_grad(x, loss, 1e-3f).data(), 32, kRtol, kAtol));
+}
+
+TEST(Embedding, ForwardAndBackward) {
+  const int64_t B = 2, T = 3, C = 4, V = 5;
+  std::vector<int32_t> ids = {1, 4, 1, 0, 2, 4}, seg = {0, 0, 1, 1, 1, 0};
+  auto word = random_vector(V * C, 50), pos = random_vector(T * C, 51), typ = random_vector(2 * C, 52);
+  auto r = random_vector(B * T * C, 53);
+  std::vector<float> out(B * T * C);
+  auto loss = [&] {
+    embedding_forward(out.data(), ids.data(), seg.data(), word.data(), pos.data(), typ.data(), B, T, C);
+    return dot(out, r);
+  };
+  loss();
+  EXPECT_FLOAT_EQ(out[(1 * T + 2) * C + 3], word[4 * C + 3] + pos[2 * C + 3] + typ[0 * C + 3]);
+  std::vector<float> dw(V * C, 0.0f), dp(T * C, 0.0f), dt(2 * C, 0.0f);
+  embedding_backward(dw.data(), dp.data(), dt.data(), r.data(), ids.data(), seg.data(), B, T, C);
+  EXPECT_TRUE(all_close("dword", dw.data(), numeric_grad(word, loss, kEps).data(), dw.size(), kRtol, kAtol));
+  EXPECT_TRUE(all_close("dpos", dp.data(), numeric_grad(pos, loss, kEps).data(), dp.size(), kRtol, kAtol));
+  EXPECT_TRUE(all_close("dtype", dt.data(), numeric_grad(typ, loss, kEps).data(), dt.size(), kRtol, kAtol));
+}
+
+TEST(CrossEntropy, LossAndGradient) {
+  const int64_t N = 4, V = 7;
+  auto logits = random_vector(N * V, 60, 2.0f);
+  std::vector<int32_t> y = {3, 0, 6, 2};
+  std::vector<float> w = {1.0f, 0.0f, 0.5f, 2.0f};
+  auto loss = [&] {
+    return cross_entropy_forward_backward(nullptr, nullptr, nullptr, logits.data(), y.data(), w.data(),
+                                          N, V, 0.0f);
+  };
+  // value against log-softmax in double
+  double ref = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    double s = 0;
+    for (int64_t v = 0; v < V; ++v) s += std::exp(static_cast<double>(logits[i * V + v]));
+    ref += w[i] * (std::log(s) - logits[i * V + y[i]]);
+  }
+  EXPECT_NEAR(loss(), ref, 1e-5);
+  std::vector<float> d(N * V);
+  std::vector<float> rows(N);
+  std::vector<int32_t> correct(N);
+  cross_entropy_forward_backward(d.data(), rows.data(), correct.data(), logits.data(), y.data(),
+                                 w.data(), N, V, 1.0f);
+  EXPECT_TRUE(all_close("dlogits", d.data(), numeric_grad(logits, loss, kEps).data(), d.size(), kRtol, kAtol));
+  for (int64_t v = 0; v < V; ++v) EXPECT_EQ(d[1 * V + v], 0.0f);  // weight 0 row
+}
+
+TEST(Dropout, DeterministicRateAndBackward) {
+  const int64_t n = 200000;
+  std::vector<float> x(n, 1.0f), y(n, 1.0f);
+  dropout_forward(x.data(), n, 0.1f, 42, 0);
+  dropout_forward(y.data(), n, 0.1f, 42, 0);
+  EXPECT_EQ(x, y);  // same key, same mask
+  int64_t zeros = 0;
+  for (float v : x) {
+    if (v == 0.0f) ++zeros;
+    else EXPECT_FLOAT_EQ(v, 1.0f / 0.9f);
+  }
+  // Binomial(n, 0.1): std = sqrt(n * 0.09) = 134; allow 5 std.
+  EXPECT_NEAR(static_cast<double>(zeros), 0.1 * n, 5 * 134.0);
+  // A different key gives a different mask; an offset shifts the stream.
+  std::vector<float> z(n, 1.0f), s(n - 10, 1.0f);
+  dropout_forward(z.data(), n, 0.1f, 43, 0);
+  EXPECT_NE(x, z);
+  dropout_forward(s.data(), n - 10, 0.1f, 42, 10);
+  for (int64_t i = 0; i < n - 10; ++i) ASSERT_EQ(s[i], x[i + 10]);
+  // backward applies the same mask and scale
+  std::vector<float> dy(n, 2.0f), dx(n);
+  dropout_backward(dx.data(), dy.data(), n, 0.1f, 42, 0);
+  for (int64_t i = 0; i < n; ++i) ASSERT_FLOAT_EQ(dx[i], 2.0f * x[i]);
+}
+
+class AttentionTest : public ::testing::TestWithParam<float> {};
+
+TEST_P(AttentionTest, BackwardMatchesFiniteDifferences) {
+  const float p = GetParam();
+  const AttentionShape s{2, 5, 8, 2};
+  auto qkv = random_vector(s.B * s.T * 3 * s.C, 70);
+  std::vector<int32_t> mask = {1, 1, 1, 1, 1, 1, 1, 1, 0, 0};
+  auto r = random_vector(s.B * s.T * s.C, 71);
+  std::vector<float> ctx(s.B * s.T * s.C), probs(s.B * s.C / s.C * s.NH * s.T * s.T);
+  auto loss = [&] {
+    attention_forward(ctx.data(), probs.data(), qkv.data(), mask.data(), s, p, 99, 7);
+    return dot(ctx, r);
+  };
+  loss();
+  // masked keys get zero probability; rows sum to one
+  for (int64_t h = 0; h < s.NH; ++h)
+    for (int64_t i = 0; i < s.T; ++i) {
+      const float* row = probs.data() + ((1 * s.NH + h) * s.T + i) * s.T;
+      EXPECT_EQ(row[3], 0.0f);
+      EXPECT_EQ(row[4], 0.0f);
+      EXPECT_NEAR(row[0] + row[1] + row[2], 1.0f, 1e-6);
+    }
+  std::vector<float> dqkv(qkv.size());
+  attention_backward(dqkv.data(), r.data(), qkv.data(), probs.data(), s, p, 99, 7);
+  EXPECT_TRUE(all_close("dqkv", dqkv.data(), numeric_grad(qkv, loss, kEps).data(), dqkv.size(), kRtol, kAtol));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dropout, AttentionTest, ::testing::Values(0.0f, 0.3f));
+
+}  // namespace
+}  // namespace bertrain::kernels

@@ -1,0 +1,90 @@
+// Test helpers: tolerance checks that report the worst element (STYLE.md §6, §7), finite
+// differences, temp directories.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace bertrain::test {
+
+inline std::string data_path(const std::string& rel) { return std::string(BERTRAIN_TEST_DATA) + "/" + rel; }
+
+// Passes iff every |got - ref| <= atol + rtol * |ref|, with atol = atol_rel * max|ref| (errors
+// of fp32 arithmetic scale with the tensor's magnitude, not each element's).
+template <typename G, typename R>
+::testing::AssertionResult all_close(const std::string& name, const G* got, const R* ref, size_t n,
+                                     double rtol, double atol_rel, double atol_floor = 0) {
+  double max_ref = 0;
+  for (size_t i = 0; i < n; ++i) max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[i])));
+  const double atol = std::max(atol_rel * max_ref, atol_floor) + 1e-30;
+  double worst = -1;
+  size_t wi = 0;
+  for (size_t i = 0; i < n; ++i) {
+    double g = got[i], r = ref[i];
+    double excess = std::fabs(g - r) / (atol + rtol * std::fabs(r));
+    if (!std::isfinite(g)) excess = INFINITY;
+    if (excess > worst) {
+      worst = excess;
+      wi = i;
+    }
+  }
+  if (n == 0 || worst <= 1.0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << name << ": worst element " << wi << " of " << n << ": got " << got[wi] << ", ref "
+         << ref[wi] << " (|diff| " << std::fabs(got[wi] - ref[wi]) << " is " << worst
+         << "x the bound; rtol " << rtol << ", atol " << atol << ")";
+}
+
+inline std::vector<float> random_vector(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// Central finite difference of a scalar function at every element of x (x restored after).
+inline std::vector<double> numeric_grad(std::vector<float>& x, const std::function<double()>& f,
+                                        float eps) {
+  std::vector<double> g(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float orig = x[i];
+    x[i] = orig + eps;
+    const double fp = f();
+    x[i] = orig - eps;
+    const double fm = f();
+    x[i] = orig;
+    g[i] = (fp - fm) / (2.0 * static_cast<double>(eps));
+  }
+  return g;
+}
+
+inline double dot(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
+  return s;
+}
+
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    path = std::filesystem::temp_directory_path() /
+           ("bertrain_test_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
+            "_" + std::to_string(std::random_device{}()));
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::string operator/(const std::string& f) const { return (path / f).string(); }
+};
+
+}  // namespace bertrain::test
