@@ -192,6 +192,9 @@ void write_all(int fd, const void* buf, size_t n, const std::string& path) {
 template <typename Body>
 void atomic_write(const std::string& path, Body body) {
   namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(path, ec) && !fs::is_regular_file(path, ec))
+    fail("refusing to replace ", path, ": it exists and is not a regular file");
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) fail("cannot create ", tmp, ": ", std::strerror(errno));

@@ -1,0 +1,122 @@
+// Whole-model gradient check by finite differences on a tiny BERT, with dropout ON (the
+// counter-based masks are the same in every forward of one step, so the loss is a smooth
+// function of the parameters): proves the backward wiring, residuals and the regenerated dropout
+// masks together. fp32 with eps 5e-3: bound rtol 5e-3, atol 5e-3 of the largest gradient.
+#include <gtest/gtest.h>
+
+#include "model/bert.h"
+#include "plan/memory.h"
+#include "test_util.h"
+
+namespace bertrain::model {
+namespace {
+
+BertConfig tiny_config() {
+  BertConfig c;
+  c.vocab_size = 23;
+  c.hidden_size = 8;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 2;
+  c.intermediate_size = 12;
+  c.max_position_embeddings = 8;
+  c.hidden_dropout_prob = 0.2f;
+  c.attention_probs_dropout_prob = 0.2f;
+  c.num_labels = 3;
+  c.initializer_range = 0.5f;  // large weights: every path carries gradient
+  return c;
+}
+
+Batch tiny_batch() {
+  Batch b;
+  b.resize(2, 6, 2);
+  b.input_ids = {2, 5, 9, 11, 3, 0, 2, 7, 7, 21, 0, 0};
+  b.input_mask = {1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0, 0};
+  b.segment_ids = {0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 0};
+  b.masked_lm_positions = {1, 3, 2, 0};
+  b.masked_lm_ids = {4, 17, 8, 0};
+  b.masked_lm_weights = {1, 1, 1, 0};
+  b.next_sentence_labels = {1, 0};
+  b.label_ids = {2, 0};
+  return b;
+}
+
+void check_fd(Head head) {
+  BertModel m(tiny_config(), head, {2, 6, 2});
+  m.init_params(5);
+  // LayerNorm weights and biases away from 1/0 so their gradients are exercised.
+  for (auto& p : m.table().params())
+    if (p.init != Init::Normal)
+      for (int64_t i = 0; i < p.numel(); ++i) m.params()[p.offset + i] += 0.3f * std::sin(1.0f + i);
+  Batch b = tiny_batch();
+  if (head == Head::SequenceClassification) b.P = 0;
+  StepOptions opt{true, 77, 3, 0};
+  m.forward(b, opt);
+  m.zero_grads();
+  m.backward(b, opt);
+  std::vector<float> analytic(m.grads(), m.grads() + m.table().total());
+  std::vector<float> x(m.params(), m.params() + m.table().total());
+  auto loss = [&] {
+    std::copy(x.begin(), x.end(), m.params());
+    return m.forward(b, opt).loss;
+  };
+  auto numeric = test::numeric_grad(x, loss, 5e-3f);
+  for (const auto& p : m.table().params())
+    EXPECT_TRUE(test::all_close(p.name, analytic.data() + p.offset, numeric.data() + p.offset,
+                                p.numel(), 5e-3, 5e-3, 5e-4));
+}
+
+TEST(ModelFiniteDifferences, PreTrainingWithDropout) { check_fd(Head::Pretraining); }
+TEST(ModelFiniteDifferences, ClassificationWithDropout) { check_fd(Head::SequenceClassification); }
+
+TEST(Model, DropoutIsDeterministicPerStepAndOffInEval) {
+  BertModel m(tiny_config(), Head::Pretraining, {2, 6, 2});
+  m.init_params(1);
+  Batch b = tiny_batch();
+  double a = m.forward(b, {true, 1, 0, 0}).loss, a2 = m.forward(b, {true, 1, 0, 0}).loss;
+  double c = m.forward(b, {true, 1, 1, 0}).loss;
+  double e1 = m.forward(b, {false, 1, 0, 0}).loss, e2 = m.forward(b, {false, 9, 5, 0}).loss;
+  EXPECT_EQ(a, a2);
+  EXPECT_NE(a, c);
+  EXPECT_EQ(e1, e2);
+}
+
+TEST(Model, InitialisationIsBertsAndSeeded) {
+  BertConfig cfg = tiny_config();
+  cfg.initializer_range = 0.02f;
+  BertModel m(cfg, Head::Pretraining, {2, 6, 2}), m2(cfg, Head::Pretraining, {2, 6, 2});
+  m.init_params(3);
+  m2.init_params(3);
+  EXPECT_EQ(std::memcmp(m.params(), m2.params(), m.table().total() * 4), 0);
+  const auto& w = m.table().at("bert.embeddings.word_embeddings.weight");
+  double s = 0, s2 = 0, mx = 0;
+  for (int64_t i = 0; i < w.numel(); ++i) {
+    float v = m.params()[w.offset + i];
+    s += v;
+    s2 += v * v;
+    mx = std::max(mx, std::fabs(static_cast<double>(v)));
+  }
+  EXPECT_LE(mx, 0.04 + 1e-7);  // truncated at 2 std
+  const double sd = std::sqrt(s2 / w.numel());
+  EXPECT_NEAR(sd, 0.02 * 0.88, 0.004);  // std of N(0,1) truncated at 2 is 0.88
+  EXPECT_EQ(m.params()[m.table().offset("bert.embeddings.LayerNorm.weight")], 1.0f);
+  EXPECT_EQ(m.params()[m.table().offset("cls.predictions.bias")], 0.0f);
+}
+
+TEST(Plan, EstimateIsTheAllocation) {
+  BertConfig cfg = tiny_config();
+  ModelDims d{4, 6, 2};
+  BertModel m(cfg, Head::Pretraining, d);
+  MemoryPlan p = plan::training_plan(cfg, Head::Pretraining, d, 2);
+  EXPECT_EQ(p.group_bytes("parameters"), m.plan().group_bytes("parameters"));
+  EXPECT_EQ(p.group_bytes("activations"), m.plan().group_bytes("activations"));
+  EXPECT_EQ(p.group_bytes("optimizer"), 2 * p.group_bytes("parameters"));
+  EXPECT_EQ(p.total_bytes(), m.plan().total_bytes() + p.group_bytes("optimizer"));
+  // The batch picker returns the largest batch that fits.
+  double budget = static_cast<double>(p.total_bytes());
+  EXPECT_EQ(plan::max_batch_for_budget(cfg, Head::Pretraining, d, 2, budget), 4);
+  EXPECT_EQ(plan::max_batch_for_budget(cfg, Head::Pretraining, d, 2, budget - 1), 3);
+  EXPECT_EQ(plan::max_batch_for_budget(cfg, Head::Pretraining, d, 2, 100), 0);
+}
+
+}  // namespace
+}  // namespace bertrain::model
