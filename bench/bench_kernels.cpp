@@ -15,10 +15,13 @@ static void BM_LinearForward(benchmark::State& st) {
   const int64_t M = st.range(0), N = st.range(1), K = st.range(2);
   std::vector<float> x(M * K, 0.5f), w(N * K, 0.01f), b(N, 0.1f), y(M * N);
   for (auto _ : st) linear_forward(y.data(), x.data(), w.data(), b.data(), M, N, K);
-  st.counters["GFLOP/s"] = benchmark::Counter(2.0 * M * N * K * st.iterations(),
-                                              benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+  st.counters["GFLOP/s"] = benchmark::Counter(
+      2.0 * M * N * K * st.iterations(), benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
 }
-BENCHMARK(BM_LinearForward)->Args({4096, 768, 768})->Args({4096, 3072, 768})->Args({4096, 256, 256})
+BENCHMARK(BM_LinearForward)
+    ->Args({4096, 768, 768})
+    ->Args({4096, 3072, 768})
+    ->Args({4096, 256, 256})
     ->Unit(benchmark::kMillisecond);
 
 static void BM_LinearBackward(benchmark::State& st) {
@@ -26,8 +29,8 @@ static void BM_LinearBackward(benchmark::State& st) {
   std::vector<float> x(M * K, 0.5f), w(N * K, 0.01f), dy(M * N, 0.1f), dx(M * K), dw(N * K), db(N);
   for (auto _ : st)
     linear_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), M, N, K);
-  st.counters["GFLOP/s"] = benchmark::Counter(4.0 * M * N * K * st.iterations(),
-                                              benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+  st.counters["GFLOP/s"] = benchmark::Counter(
+      4.0 * M * N * K * st.iterations(), benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_LinearBackward)->Args({4096, 768, 768})->Unit(benchmark::kMillisecond);
 
@@ -46,8 +49,9 @@ static void BM_AttentionForward(benchmark::State& st) {
   std::vector<int32_t> mask(B * T, 1);
   for (auto _ : st)
     attention_forward(ctx.data(), probs.data(), qkv.data(), mask.data(), {B, T, C, NH}, 0.1f, 7, 0);
-  st.counters["GFLOP/s"] = benchmark::Counter(4.0 * B * T * T * C * st.iterations(),
-                                              benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+  st.counters["GFLOP/s"] =
+      benchmark::Counter(4.0 * B * T * T * C * st.iterations(), benchmark::Counter::kIsRate,
+                         benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_AttentionForward)->Args({8, 128, 768, 12})->Unit(benchmark::kMillisecond);
 

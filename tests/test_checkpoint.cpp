@@ -21,7 +21,9 @@ namespace {
 using test::data_path;
 using test::TempDir;
 
-std::string hf_dir() { return data_path("golden/bert_pretrain"); }
+std::string hf_dir() {
+  return data_path("golden/bert_pretrain");
+}
 
 BertModel load_golden() {
   BertModel m(BertConfig::load(hf_dir() + "/config.json"), Head::Pretraining, {2, 8, 2});
@@ -87,8 +89,8 @@ TEST(Checkpoint, ClassifierFromPretrainingCheckpoint) {
   EXPECT_NE(err.find("unexpected tensors"), std::string::npos) << err;
   EXPECT_NE(err.find("cls.seq_relationship.weight"), std::string::npos) << err;
   // Fine-tuning options allow exactly that.
-  LoadReport rep = load_safetensors_into(m, hf_dir() + "/model.safetensors",
-                                         {{"classifier."}, {"cls."}});
+  LoadReport rep =
+      load_safetensors_into(m, hf_dir() + "/model.safetensors", {{"classifier."}, {"cls."}});
   EXPECT_EQ(rep.missing_allowed.size(), 2u);
   EXPECT_FALSE(rep.ignored.empty());
 }
@@ -98,8 +100,9 @@ TEST(Checkpoint, ShapeMismatchNamesTensorAndShapes) {
   cfg.intermediate_size = 96;
   BertModel m(cfg, Head::Pretraining, {2, 8, 2});
   std::string err = error_of([&] { load_safetensors_into(m, hf_dir() + "/model.safetensors"); });
-  EXPECT_NE(err.find("bert.encoder.layer.0.intermediate.dense.weight: file [128, 64], model [96, 64]"),
-            std::string::npos)
+  EXPECT_NE(
+      err.find("bert.encoder.layer.0.intermediate.dense.weight: file [128, 64], model [96, 64]"),
+      std::string::npos)
       << err;
   EXPECT_NE(err.find("--model-config"), std::string::npos) << err;
 }
@@ -164,18 +167,21 @@ TEST(Safetensors, FailedWriteKeepsThePreviousFile) {
   // A write that fails half-way (file size limit: EFBIG, as a full disk gives ENOSPC) leaves the
   // previous checkpoint untouched and no temp file behind.
   std::vector<float> big(1 << 16, 5.0f);
-  struct rlimit old_lim{};
+  struct rlimit old_lim {};
   getrlimit(RLIMIT_FSIZE, &old_lim);
   auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
   struct rlimit lim = old_lim;
   lim.rlim_cur = 4096;
   setrlimit(RLIMIT_FSIZE, &lim);
-  e = error_of([&] { write_safetensors(path, {{"a", DType::F32, {1 << 16}, big.data(), nullptr}}, {}); });
+  e = error_of([&] {
+    write_safetensors(path, {{"a", DType::F32, {1 << 16}, big.data(), nullptr}}, {});
+  });
   setrlimit(RLIMIT_FSIZE, &old_lim);
   std::signal(SIGXFSZ, old_handler);
   EXPECT_NE(e.find("cannot write " + path + ".tmp."), std::string::npos) << e;
   int files = 0;
-  for (auto& f : std::filesystem::directory_iterator(tmp.path)) files += f.path().filename() != "file";
+  for (auto& f : std::filesystem::directory_iterator(tmp.path))
+    files += f.path().filename() != "file";
   EXPECT_EQ(files, 1);  // only w.safetensors
   e = error_of([&] { write_file_atomic("/dev/null", "abc"); });
   EXPECT_NE(e.find("not a regular file"), std::string::npos) << e;
@@ -185,23 +191,27 @@ TEST(Safetensors, FailedWriteKeepsThePreviousFile) {
 
 TEST(Config, MissingAndInvalidFieldsAreNamed) {
   using nlohmann::json;
-  json good = {{"vocab_size", 100},         {"hidden_size", 64},        {"num_hidden_layers", 2},
-               {"num_attention_heads", 4},  {"intermediate_size", 128}, {"hidden_act", "gelu"}};
+  json good = {{"vocab_size", 100},        {"hidden_size", 64},        {"num_hidden_layers", 2},
+               {"num_attention_heads", 4}, {"intermediate_size", 128}, {"hidden_act", "gelu"}};
   EXPECT_NO_THROW(BertConfig::from_json(good, "c.json"));
   json j = good;
   j.erase("hidden_size");
-  EXPECT_NE(error_of([&] { BertConfig::from_json(j, "c.json"); }).find("missing field \"hidden_size\""),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { BertConfig::from_json(j, "c.json"); }).find("missing field \"hidden_size\""),
+      std::string::npos);
   j = good;
   j["num_attention_heads"] = 5;
-  EXPECT_NE(error_of([&] { BertConfig::from_json(j, "c.json"); }).find("not a multiple"), std::string::npos);
+  EXPECT_NE(error_of([&] { BertConfig::from_json(j, "c.json"); }).find("not a multiple"),
+            std::string::npos);
   j = good;
   j["hidden_act"] = "swish";
   EXPECT_NE(error_of([&] { BertConfig::from_json(j, "c.json"); }).find("hidden_act 'swish'"),
             std::string::npos);
   j = good;
   j["vocab_size"] = "many";
-  EXPECT_NE(error_of([&] { BertConfig::from_json(j, "c.json"); }).find("\"vocab_size\" has the wrong type"),
+  EXPECT_NE(error_of([&] {
+              BertConfig::from_json(j, "c.json");
+            }).find("\"vocab_size\" has the wrong type"),
             std::string::npos);
   j = good;
   j["hidden_dropout_prob"] = 1.5;
@@ -218,7 +228,8 @@ TEST(Batch, OutOfRangeIdsAreNamed) {
   b.input_mask.assign(16, 1);
   b.input_ids[11] = 999;
   std::string e = error_of([&] { m.forward(b, {}); });
-  EXPECT_NE(e.find("input_ids[1,3] = 999 is outside the vocabulary [0, 256)"), std::string::npos) << e;
+  EXPECT_NE(e.find("input_ids[1,3] = 999 is outside the vocabulary [0, 256)"), std::string::npos)
+      << e;
   b.input_ids[11] = 1;
   b.masked_lm_positions[3] = 8;
   e = error_of([&] { m.forward(b, {}); });

@@ -63,8 +63,8 @@ uint16_t bf16_reference(float f) {
   double dlo = std::fabs(static_cast<double>(bf16_to_f32(lo)) - f);
   double dhi = std::fabs(static_cast<double>(bf16_to_f32(hi)) - f);
   if ((u & 0xffff) == 0) return lo;
-  if ((lo & 0x7f80) == 0x7f80) return lo;  // already inf
-  if (std::isinf(bf16_to_f32(hi))) dhi = std::ldexp(1.0, 128) - std::fabs(f) ;  // distance to 2^128
+  if ((lo & 0x7f80) == 0x7f80) return lo;                                      // already inf
+  if (std::isinf(bf16_to_f32(hi))) dhi = std::ldexp(1.0, 128) - std::fabs(f);  // distance to 2^128
   if (dlo < dhi) return lo;
   if (dhi < dlo) return hi;
   return (lo & 1) ? hi : lo;
@@ -105,7 +105,8 @@ TEST(Convert, BulkMatchesScalar) {
     ASSERT_EQ(h[i], f32_to_f16(x[i]));
   }
   convert_bf16_to_f32(b.data(), back.data(), x.size());
-  for (size_t i = 0; i < x.size(); ++i) ASSERT_LE(std::fabs(back[i] - x[i]), std::fabs(x[i]) * 0x1p-8f);
+  for (size_t i = 0; i < x.size(); ++i)
+    ASSERT_LE(std::fabs(back[i] - x[i]), std::fabs(x[i]) * 0x1p-8f);
 }
 
 }  // namespace

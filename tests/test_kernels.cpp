@@ -36,13 +36,15 @@ class GemmTest : public ::testing::TestWithParam<GemmCase> {};
 TEST_P(GemmTest, MatchesReference) {
   const GemmCase c = GetParam();
   const int64_t lda = (c.ta ? c.M : c.K) + 3, ldb = (c.tb ? c.K : c.N) + 1, ldc = c.N + 2;
-  auto A = random_vector((c.ta ? c.K : c.M) * lda, 1), B = random_vector((c.tb ? c.N : c.K) * ldb, 2);
+  auto A = random_vector((c.ta ? c.K : c.M) * lda, 1),
+       B = random_vector((c.tb ? c.N : c.K) * ldb, 2);
   auto bias = random_vector(c.N, 3);
   auto C0 = random_vector(c.M * ldc, 4);
   auto C1 = C0, C2 = C0;
   const float* bp = c.bias ? bias.data() : nullptr;
   gemm(c.ta, c.tb, c.M, c.N, c.K, A.data(), lda, B.data(), ldb, C1.data(), ldc, bp, c.acc);
-  gemm_reference(c.ta, c.tb, c.M, c.N, c.K, A.data(), lda, B.data(), ldb, C2.data(), ldc, bp, c.acc);
+  gemm_reference(c.ta, c.tb, c.M, c.N, c.K, A.data(), lda, B.data(), ldb, C2.data(), ldc, bp,
+                 c.acc);
   // fp32 accumulation of K products of N(0,1) values: error ~ sqrt(K) * eps * |terms|.
   EXPECT_TRUE(all_close("gemm", C1.data(), C2.data(), C1.size(), 1e-5, 1e-5));
 }
@@ -66,9 +68,12 @@ TEST(Linear, BackwardMatchesFiniteDifferences) {
   };
   std::vector<float> dx(M * K, 0.5f), dw(N * K, 0.0f), db(N, 0.0f);
   linear_backward(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), M, N, K);
-  EXPECT_TRUE(all_close("dx", dx.data(), numeric_grad(x, loss, kEps).data(), dx.size(), kRtol, kAtol));
-  EXPECT_TRUE(all_close("dw", dw.data(), numeric_grad(w, loss, kEps).data(), dw.size(), kRtol, kAtol));
-  EXPECT_TRUE(all_close("db", db.data(), numeric_grad(b, loss, kEps).data(), db.size(), kRtol, kAtol));
+  EXPECT_TRUE(
+      all_close("dx", dx.data(), numeric_grad(x, loss, kEps).data(), dx.size(), kRtol, kAtol));
+  EXPECT_TRUE(
+      all_close("dw", dw.data(), numeric_grad(w, loss, kEps).data(), dw.size(), kRtol, kAtol));
+  EXPECT_TRUE(
+      all_close("db", db.data(), numeric_grad(b, loss, kEps).data(), db.size(), kRtol, kAtol));
   // accumulate_dinp adds to what is there
   std::vector<float> dx2(M * K, 1.0f);
   linear_backward(dx2.data(), nullptr, nullptr, r.data(), x.data(), w.data(), M, N, K, true);
@@ -82,7 +87,8 @@ TEST(LayerNorm, BackwardMatchesFiniteDifferences) {
   auto r = random_vector(N * C, 23);
   std::vector<float> out(N * C), mean(N), rstd(N);
   auto loss = [&] {
-    layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), g.data(), b.data(), N, C, 1e-5f);
+    layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), g.data(), b.data(), N, C,
+                      1e-5f);
     return dot(out, r);
   };
   loss();
@@ -99,7 +105,8 @@ TEST(LayerNorm, BackwardMatchesFiniteDifferences) {
   std::vector<float> dx(N * C), dg(C, 0.0f), db(C, 0.0f);
   layernorm_backward(dx.data(), dg.data(), db.data(), r.data(), x.data(), g.data(), mean.data(),
                      rstd.data(), N, C);
-  EXPECT_TRUE(all_close("dx", dx.data(), numeric_grad(x, loss, 1e-3f).data(), dx.size(), kRtol, kAtol));
+  EXPECT_TRUE(
+      all_close("dx", dx.data(), numeric_grad(x, loss, 1e-3f).data(), dx.size(), kRtol, kAtol));
   EXPECT_TRUE(all_close("dgamma", dg.data(), numeric_grad(g, loss, kEps).data(), C, kRtol, kAtol));
   EXPECT_TRUE(all_close("dbeta", db.data(), numeric_grad(b, loss, kEps).data(), C, kRtol, kAtol));
 }
@@ -122,7 +129,8 @@ TEST_P(ActivationTest, BackwardMatchesFiniteDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, ActivationTest,
-                         ::testing::Values(Activation::GeluErf, Activation::GeluTanh, Activation::Relu));
+                         ::testing::Values(Activation::GeluErf, Activation::GeluTanh,
+                                           Activation::Relu));
 
 TEST(Activation, GeluErfValues) {
   // Reference values of x * Phi(x) computed in double.
@@ -149,20 +157,25 @@ TEST(Tanh, BackwardMatchesFiniteDifferences) {
 TEST(Embedding, ForwardAndBackward) {
   const int64_t B = 2, T = 3, C = 4, V = 5;
   std::vector<int32_t> ids = {1, 4, 1, 0, 2, 4}, seg = {0, 0, 1, 1, 1, 0};
-  auto word = random_vector(V * C, 50), pos = random_vector(T * C, 51), typ = random_vector(2 * C, 52);
+  auto word = random_vector(V * C, 50), pos = random_vector(T * C, 51),
+       typ = random_vector(2 * C, 52);
   auto r = random_vector(B * T * C, 53);
   std::vector<float> out(B * T * C);
   auto loss = [&] {
-    embedding_forward(out.data(), ids.data(), seg.data(), word.data(), pos.data(), typ.data(), B, T, C);
+    embedding_forward(out.data(), ids.data(), seg.data(), word.data(), pos.data(), typ.data(), B, T,
+                      C);
     return dot(out, r);
   };
   loss();
   EXPECT_FLOAT_EQ(out[(1 * T + 2) * C + 3], word[4 * C + 3] + pos[2 * C + 3] + typ[0 * C + 3]);
   std::vector<float> dw(V * C, 0.0f), dp(T * C, 0.0f), dt(2 * C, 0.0f);
   embedding_backward(dw.data(), dp.data(), dt.data(), r.data(), ids.data(), seg.data(), B, T, C);
-  EXPECT_TRUE(all_close("dword", dw.data(), numeric_grad(word, loss, kEps).data(), dw.size(), kRtol, kAtol));
-  EXPECT_TRUE(all_close("dpos", dp.data(), numeric_grad(pos, loss, kEps).data(), dp.size(), kRtol, kAtol));
-  EXPECT_TRUE(all_close("dtype", dt.data(), numeric_grad(typ, loss, kEps).data(), dt.size(), kRtol, kAtol));
+  EXPECT_TRUE(all_close("dword", dw.data(), numeric_grad(word, loss, kEps).data(), dw.size(), kRtol,
+                        kAtol));
+  EXPECT_TRUE(
+      all_close("dpos", dp.data(), numeric_grad(pos, loss, kEps).data(), dp.size(), kRtol, kAtol));
+  EXPECT_TRUE(
+      all_close("dtype", dt.data(), numeric_grad(typ, loss, kEps).data(), dt.size(), kRtol, kAtol));
 }
 
 TEST(CrossEntropy, LossAndGradient) {
@@ -171,8 +184,8 @@ TEST(CrossEntropy, LossAndGradient) {
   std::vector<int32_t> y = {3, 0, 6, 2};
   std::vector<float> w = {1.0f, 0.0f, 0.5f, 2.0f};
   auto loss = [&] {
-    return cross_entropy_forward_backward(nullptr, nullptr, nullptr, logits.data(), y.data(), w.data(),
-                                          N, V, 0.0f);
+    return cross_entropy_forward_backward(nullptr, nullptr, nullptr, logits.data(), y.data(),
+                                          w.data(), N, V, 0.0f);
   };
   // value against log-softmax in double
   double ref = 0;
@@ -187,7 +200,8 @@ TEST(CrossEntropy, LossAndGradient) {
   std::vector<int32_t> correct(N);
   cross_entropy_forward_backward(d.data(), rows.data(), correct.data(), logits.data(), y.data(),
                                  w.data(), N, V, 1.0f);
-  EXPECT_TRUE(all_close("dlogits", d.data(), numeric_grad(logits, loss, kEps).data(), d.size(), kRtol, kAtol));
+  EXPECT_TRUE(all_close("dlogits", d.data(), numeric_grad(logits, loss, kEps).data(), d.size(),
+                        kRtol, kAtol));
   for (int64_t v = 0; v < V; ++v) EXPECT_EQ(d[1 * V + v], 0.0f);  // weight 0 row
 }
 
@@ -199,8 +213,10 @@ TEST(Dropout, DeterministicRateAndBackward) {
   EXPECT_EQ(x, y);  // same key, same mask
   int64_t zeros = 0;
   for (float v : x) {
-    if (v == 0.0f) ++zeros;
-    else EXPECT_FLOAT_EQ(v, 1.0f / 0.9f);
+    if (v == 0.0f)
+      ++zeros;
+    else
+      EXPECT_FLOAT_EQ(v, 1.0f / 0.9f);
   }
   // Binomial(n, 0.1): std = sqrt(n * 0.09) = 134; allow 5 std.
   EXPECT_NEAR(static_cast<double>(zeros), 0.1 * n, 5 * 134.0);
@@ -240,10 +256,12 @@ TEST_P(AttentionTest, BackwardMatchesFiniteDifferences) {
     }
   std::vector<float> dqkv(qkv.size());
   attention_backward(dqkv.data(), r.data(), qkv.data(), probs.data(), s, p, 99, 7);
-  EXPECT_TRUE(all_close("dqkv", dqkv.data(), numeric_grad(qkv, loss, kEps).data(), dqkv.size(), kRtol, kAtol));
+  EXPECT_TRUE(all_close("dqkv", dqkv.data(), numeric_grad(qkv, loss, kEps).data(), dqkv.size(),
+                        kRtol, kAtol));
 }
 
-INSTANTIATE_TEST_SUITE_P(Dropout, AttentionTest, ::testing::Values(0.0f, 0.3f));
+INSTANTIATE_TEST_SUITE_P(Dropout, AttentionTest, ::testing::Values(0.0f, 0.3f),
+                         [](const auto& info) { return info.param > 0 ? "p03" : "p0"; });
 
 }  // namespace
 }  // namespace bertrain::kernels

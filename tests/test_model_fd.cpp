@@ -65,8 +65,12 @@ void check_fd(Head head) {
                                 p.numel(), 5e-3, 5e-3, 5e-4));
 }
 
-TEST(ModelFiniteDifferences, PreTrainingWithDropout) { check_fd(Head::Pretraining); }
-TEST(ModelFiniteDifferences, ClassificationWithDropout) { check_fd(Head::SequenceClassification); }
+TEST(ModelFiniteDifferences, PreTrainingWithDropout) {
+  check_fd(Head::Pretraining);
+}
+TEST(ModelFiniteDifferences, ClassificationWithDropout) {
+  check_fd(Head::SequenceClassification);
+}
 
 TEST(Model, DropoutIsDeterministicPerStepAndOffInEval) {
   BertModel m(tiny_config(), Head::Pretraining, {2, 6, 2});

@@ -69,13 +69,14 @@ TEST(GoldenHF, BertForPreTrainingForwardBackward) {
   Losses l = m.forward(b, {});
   const int64_t C = cfg.hidden_size, V = cfg.vocab_size;
   EXPECT_TRUE(all_close("sequence_output", m.sequence_output(),
-                        g.read_f64("output.sequence_output").data(), b.B * b.T * C, kFwdRtol, kFwdAtol));
-  EXPECT_TRUE(all_close("pooled_output", m.pooled_output(), g.read_f64("output.pooled_output").data(),
-                        b.B * C, kFwdRtol, kFwdAtol));
+                        g.read_f64("output.sequence_output").data(), b.B * b.T * C, kFwdRtol,
+                        kFwdAtol));
+  EXPECT_TRUE(all_close("pooled_output", m.pooled_output(),
+                        g.read_f64("output.pooled_output").data(), b.B * C, kFwdRtol, kFwdAtol));
   EXPECT_TRUE(all_close("mlm_logits", m.mlm_logits(), g.read_f64("output.mlm_logits").data(),
                         b.B * b.P * V, kFwdRtol, kFwdAtol));
-  EXPECT_TRUE(all_close("nsp_logits", m.nsp_logits(), g.read_f64("output.nsp_logits").data(), b.B * 2,
-                        kFwdRtol, kFwdAtol));
+  EXPECT_TRUE(all_close("nsp_logits", m.nsp_logits(), g.read_f64("output.nsp_logits").data(),
+                        b.B * 2, kFwdRtol, kFwdAtol));
   EXPECT_NEAR(l.mlm_loss, g.read_f64("output.mlm_loss")[0], 1e-5);
   EXPECT_NEAR(l.nsp_loss, g.read_f64("output.nsp_loss")[0], 1e-5);
   EXPECT_NEAR(l.loss, g.read_f64("output.loss")[0], 2e-5);

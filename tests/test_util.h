@@ -14,7 +14,9 @@
 
 namespace bertrain::test {
 
-inline std::string data_path(const std::string& rel) { return std::string(BERTRAIN_TEST_DATA) + "/" + rel; }
+inline std::string data_path(const std::string& rel) {
+  return std::string(BERTRAIN_TEST_DATA) + "/" + rel;
+}
 
 // Passes iff every |got - ref| <= atol + rtol * |ref|, with atol = atol_rel * max|ref| (errors
 // of fp32 arithmetic scale with the tensor's magnitude, not each element's).
@@ -22,7 +24,8 @@ template <typename G, typename R>
 ::testing::AssertionResult all_close(const std::string& name, const G* got, const R* ref, size_t n,
                                      double rtol, double atol_rel, double atol_floor = 0) {
   double max_ref = 0;
-  for (size_t i = 0; i < n; ++i) max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[i])));
+  for (size_t i = 0; i < n; ++i)
+    max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[i])));
   const double atol = std::max(atol_rel * max_ref, atol_floor) + 1e-30;
   double worst = -1;
   size_t wi = 0;

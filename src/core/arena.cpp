@@ -47,7 +47,9 @@ std::vector<std::string> MemoryPlan::groups() const {
   return out;
 }
 
-void Arena::Free::operator()(std::byte* p) const { std::free(p); }
+void Arena::Free::operator()(std::byte* p) const {
+  std::free(p);
+}
 
 Arena::Arena(const MemoryPlan& plan, const std::string& group)
     : plan_(&plan), bytes_(plan.group_bytes(group)) {

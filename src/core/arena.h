@@ -14,7 +14,9 @@
 namespace bertrain {
 
 inline constexpr size_t kAlign = 64;
-inline size_t align_up(size_t n, size_t a = kAlign) { return (n + a - 1) / a * a; }
+inline size_t align_up(size_t n, size_t a = kAlign) {
+  return (n + a - 1) / a * a;
+}
 
 struct PlanRegion {
   std::string name;

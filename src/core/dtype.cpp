@@ -6,24 +6,36 @@ namespace bertrain {
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::F32: return 4;
-    case DType::F16: return 2;
-    case DType::BF16: return 2;
-    case DType::F64: return 8;
-    case DType::I64: return 8;
-    case DType::I32: return 4;
+    case DType::F32:
+      return 4;
+    case DType::F16:
+      return 2;
+    case DType::BF16:
+      return 2;
+    case DType::F64:
+      return 8;
+    case DType::I64:
+      return 8;
+    case DType::I32:
+      return 4;
   }
   return 0;
 }
 
 std::string_view dtype_name(DType t) {
   switch (t) {
-    case DType::F32: return "F32";
-    case DType::F16: return "F16";
-    case DType::BF16: return "BF16";
-    case DType::F64: return "F64";
-    case DType::I64: return "I64";
-    case DType::I32: return "I32";
+    case DType::F32:
+      return "F32";
+    case DType::F16:
+      return "F16";
+    case DType::BF16:
+      return "BF16";
+    case DType::F64:
+      return "F64";
+    case DType::I64:
+      return "I64";
+    case DType::I32:
+      return "I32";
   }
   return "?";
 }

@@ -13,7 +13,7 @@ namespace bertrain {
 enum class DType : uint8_t { F32, F16, BF16, F64, I64, I32 };
 
 size_t dtype_size(DType t);
-std::string_view dtype_name(DType t);  // safetensors spelling: "F32", "BF16", ...
+std::string_view dtype_name(DType t);          // safetensors spelling: "F32", "BF16", ...
 DType dtype_from_name(std::string_view name);  // throws Error for names it does not know
 
 inline uint32_t f32_bits(float f) {
@@ -34,7 +34,9 @@ inline uint16_t f32_to_bf16(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
-inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+inline float bf16_to_f32(uint16_t h) {
+  return bits_f32(static_cast<uint32_t>(h) << 16);
+}
 
 uint16_t f32_to_f16(float f);
 float f16_to_f32(uint16_t h);

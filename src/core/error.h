@@ -16,7 +16,8 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
-[[noreturn]] void check_failed(const char* expr, const char* file, int line, const std::string& msg);
+[[noreturn]] void check_failed(const char* expr, const char* file, int line,
+                               const std::string& msg);
 
 inline void format_into(std::ostringstream&) {}
 template <typename T, typename... Rest>
@@ -42,8 +43,9 @@ template <typename... Args>
 
 }  // namespace bertrain
 
-#define BT_CHECK(cond, ...)                                                              \
-  do {                                                                                   \
-    if (!(cond)) ::bertrain::detail::check_failed(#cond, __FILE__, __LINE__,             \
-                                                  ::bertrain::str("" __VA_OPT__(, ) __VA_ARGS__)); \
+#define BT_CHECK(cond, ...)                                                             \
+  do {                                                                                  \
+    if (!(cond))                                                                        \
+      ::bertrain::detail::check_failed(#cond, __FILE__, __LINE__,                       \
+                                       ::bertrain::str("" __VA_OPT__(, ) __VA_ARGS__)); \
   } while (0)

@@ -32,8 +32,9 @@ void check_range(const char* name, const std::vector<int32_t>& v, int64_t cols, 
                  int64_t hi, const char* what) {
   for (size_t i = 0; i < v.size(); ++i)
     if (v[i] < lo || v[i] >= hi)
-      fail("batch field ", name, "[", i / cols, ",", i % cols, "] = ", v[i], " is outside ",
-           what, " [", lo, ", ", hi, "); check that the data was prepared with this model's "
+      fail("batch field ", name, "[", i / cols, ",", i % cols, "] = ", v[i], " is outside ", what,
+           " [", lo, ", ", hi,
+           "); check that the data was prepared with this model's "
            "vocabulary and settings");
 }
 
@@ -59,8 +60,8 @@ void validate_batch(const Batch& b, const BertConfig& cfg, Head head) {
     check_range("next_sentence_labels", b.next_sentence_labels, 1, 0, 2, "{0,1}");
     for (size_t i = 0; i < b.masked_lm_weights.size(); ++i)
       if (!std::isfinite(b.masked_lm_weights[i]) || b.masked_lm_weights[i] < 0)
-        fail("batch field masked_lm_weights[", i / b.P, ",", i % b.P, "] = ",
-             b.masked_lm_weights[i], " must be finite and >= 0");
+        fail("batch field masked_lm_weights[", i / b.P, ",", i % b.P,
+             "] = ", b.masked_lm_weights[i], " must be finite and >= 0");
   } else {
     check_size("label_ids", b.label_ids.size(), b.B);
     check_range("label_ids", b.label_ids, 1, 0, cfg.num_labels, "num_labels");

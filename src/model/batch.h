@@ -11,11 +11,11 @@ namespace bertrain::model {
 
 struct Batch {
   int64_t B = 0, T = 0, P = 0;  // batch, tokens per sequence, masked predictions per sequence
-  std::vector<int32_t> input_ids, input_mask, segment_ids;            // [B,T]
-  std::vector<int32_t> masked_lm_positions, masked_lm_ids;            // [B,P]
-  std::vector<float> masked_lm_weights;                               // [B,P]
-  std::vector<int32_t> next_sentence_labels;                          // [B] (pretraining)
-  std::vector<int32_t> label_ids;                                     // [B] (classification)
+  std::vector<int32_t> input_ids, input_mask, segment_ids;  // [B,T]
+  std::vector<int32_t> masked_lm_positions, masked_lm_ids;  // [B,P]
+  std::vector<float> masked_lm_weights;                     // [B,P]
+  std::vector<int32_t> next_sentence_labels;                // [B] (pretraining)
+  std::vector<int32_t> label_ids;                           // [B] (classification)
 
   void resize(int64_t b, int64_t t, int64_t p);
 };

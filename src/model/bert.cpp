@@ -23,7 +23,9 @@ enum Site : uint64_t { kEmbedding = 1, kAttnProbs, kAttnOut, kFfnOut, kPooler };
 
 constexpr float kMlmDenominatorEps = 1e-5f;  // Google BERT: sum(w*ce) / (sum(w) + 1e-5)
 
-size_t f32s(int64_t n) { return static_cast<size_t>(n) * sizeof(float); }
+size_t f32s(int64_t n) {
+  return static_cast<size_t>(n) * sizeof(float);
+}
 
 }  // namespace
 
@@ -136,12 +138,14 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
   act_.dsmall = s.f32("grad.dsmall");
 }
 
-void BertModel::zero_grads() { std::memset(grads_.base(), 0, grads_.bytes()); }
+void BertModel::zero_grads() {
+  std::memset(grads_.base(), 0, grads_.bytes());
+}
 
 Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   if (b.B > dims_.batch || b.T > dims_.seq_len || b.P > dims_.max_predictions)
-    fail("batch [", b.B, " x ", b.T, ", ", b.P, " predictions] exceeds the planned [",
-         dims_.batch, " x ", dims_.seq_len, ", ", dims_.max_predictions, "]");
+    fail("batch [", b.B, " x ", b.T, ", ", b.P, " predictions] exceeds the planned [", dims_.batch,
+         " x ", dims_.seq_len, ", ", dims_.max_predictions, "]");
   validate_batch(b, cfg_, head_);
   const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
                 NH = cfg_.num_attention_heads, V = cfg_.vocab_size;
@@ -198,9 +202,10 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   if (head_ == Head::Pretraining) {
     linear_forward(act_.nsp_logits, act_.pooled, W(t.offset("cls.seq_relationship.weight")),
                    W(t.offset("cls.seq_relationship.bias")), B, 2, C);
-    out.nsp_loss = cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct,
-                                                  act_.nsp_logits, b.next_sentence_labels.data(),
-                                                  nullptr, B, 2, 0.0f) / B;
+    out.nsp_loss =
+        cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
+                                       b.next_sentence_labels.data(), nullptr, B, 2, 0.0f) /
+        B;
     for (int64_t i = 0; i < B; ++i) out.nsp_correct += act_.row_correct[i];
 
     // MLM head on the masked positions only (gather first): BP rows instead of B*T.
@@ -215,11 +220,12 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     layernorm_forward(act_.mlm_ln, act_.mlm_mean, act_.mlm_rstd, act_.mlm_act,
                       W(t.offset("cls.predictions.transform.LayerNorm.weight")),
                       W(t.offset("cls.predictions.transform.LayerNorm.bias")), BP, C, eps);
-    linear_forward(act_.mlm_logits, act_.mlm_ln, W(t.offset("bert.embeddings.word_embeddings.weight")),
+    linear_forward(act_.mlm_logits, act_.mlm_ln,
+                   W(t.offset("bert.embeddings.word_embeddings.weight")),
                    W(t.offset("cls.predictions.bias")), BP, V, C);
-    const double wsum_ce = cross_entropy_forward_backward(
-        nullptr, act_.row_loss, act_.row_correct, act_.mlm_logits, b.masked_lm_ids.data(),
-        b.masked_lm_weights.data(), BP, V, 0.0f);
+    const double wsum_ce = cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct,
+                                                          act_.mlm_logits, b.masked_lm_ids.data(),
+                                                          b.masked_lm_weights.data(), BP, V, 0.0f);
     for (int64_t r = 0; r < BP; ++r) {
       out.mlm_weight += b.masked_lm_weights[r];
       out.mlm_correct += b.masked_lm_weights[r] * act_.row_correct[r];
@@ -233,9 +239,10 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     const int64_t NL = cfg_.num_labels;
     linear_forward(act_.cls_logits, act_.pooled_drop, W(t.offset("classifier.weight")),
                    W(t.offset("classifier.bias")), B, NL, C);
-    out.loss = cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct,
-                                              act_.cls_logits, b.label_ids.data(), nullptr, B, NL,
-                                              0.0f) / B;
+    out.loss =
+        cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
+                                       b.label_ids.data(), nullptr, B, NL, 0.0f) /
+        B;
     for (int64_t i = 0; i < B; ++i) out.cls_correct += act_.row_correct[i];
   }
   return out;
@@ -273,8 +280,8 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
                                    b.masked_lm_ids.data(), b.masked_lm_weights.data(), BP, V,
                                    dscale);
     float* d1 = act_.dhead1;  // [BP,C]
-    linear_backward(d1, G(word), G(t.offset("cls.predictions.bias")), dlogits, act_.mlm_ln,
-                    W(word), BP, V, C);
+    linear_backward(d1, G(word), G(t.offset("cls.predictions.bias")), dlogits, act_.mlm_ln, W(word),
+                    BP, V, C);
     float* d2 = act_.dI;  // [BP,C] scratch (dI is free until the encoder backward)
     layernorm_backward(d2, G(t.offset("cls.predictions.transform.LayerNorm.weight")),
                        G(t.offset("cls.predictions.transform.LayerNorm.bias")), d1, act_.mlm_act,
@@ -294,10 +301,10 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     float* dlog = act_.dsmall;
     cross_entropy_forward_backward(dlog, nullptr, nullptr, act_.cls_logits, b.label_ids.data(),
                                    nullptr, B, NL, loss_scale / B);
-    linear_backward(dpooled, G(t.offset("classifier.weight")), G(t.offset("classifier.bias")),
-                    dlog, act_.pooled_drop, W(t.offset("classifier.weight")), B, NL, C);
-    dropout_backward(dpooled, dpooled, B * C, p_hidden,
-                     rng_key(opt.seed, opt.step, L + 1, kPooler), opt.example_offset * C);
+    linear_backward(dpooled, G(t.offset("classifier.weight")), G(t.offset("classifier.bias")), dlog,
+                    act_.pooled_drop, W(t.offset("classifier.weight")), B, NL, C);
+    dropout_backward(dpooled, dpooled, B * C, p_hidden, rng_key(opt.seed, opt.step, L + 1, kPooler),
+                     opt.example_offset * C);
   }
   // pooler
   tanh_backward(dpooled, act_.pooled, dpooled, B * C);
@@ -336,8 +343,8 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   dropout_backward(dh, dh, N * C, p_hidden, rng_key(opt.seed, opt.step, 0, kEmbedding), off_tc);
   layernorm_backward(dA, G(t.offset("bert.embeddings.LayerNorm.weight")),
                      G(t.offset("bert.embeddings.LayerNorm.bias")), dh, act_.emb_sum,
-                     W(t.offset("bert.embeddings.LayerNorm.weight")), act_.emb_mean,
-                     act_.emb_rstd, N, C);
+                     W(t.offset("bert.embeddings.LayerNorm.weight")), act_.emb_mean, act_.emb_rstd,
+                     N, C);
   embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
                      G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA,
                      b.input_ids.data(), b.segment_ids.data(), B, T, C);

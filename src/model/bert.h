@@ -22,18 +22,18 @@ struct ModelDims {
 };
 
 struct StepOptions {
-  bool training = false;   // dropout on
-  uint64_t seed = 0;       // dropout stream (with step and layer)
+  bool training = false;  // dropout on
+  uint64_t seed = 0;      // dropout stream (with step and layer)
   uint64_t step = 0;
   uint64_t example_offset = 0;  // global index of this batch's first example (data parallel)
 };
 
 struct Losses {
-  double loss = 0;        // mlm + nsp, or the classification loss
-  double mlm_loss = 0;    // sum(w * ce) / (sum(w) + 1e-5), as Google BERT
-  double nsp_loss = 0;    // mean over the batch
-  double mlm_weight = 0;  // sum of masked_lm_weights
-  double mlm_correct = 0; // weighted count of argmax hits
+  double loss = 0;         // mlm + nsp, or the classification loss
+  double mlm_loss = 0;     // sum(w * ce) / (sum(w) + 1e-5), as Google BERT
+  double nsp_loss = 0;     // mean over the batch
+  double mlm_weight = 0;   // sum of masked_lm_weights
+  double mlm_correct = 0;  // weighted count of argmax hits
   int64_t nsp_correct = 0, cls_correct = 0;
 };
 
@@ -63,11 +63,11 @@ class BertModel {
   void backward(const Batch& b, const StepOptions& opt, float loss_scale = 1.0f);
 
   // Outputs of the last forward (valid until the next backward/forward).
-  const float* sequence_output() const { return seq_out_; }  // [B,T,C]
-  const float* pooled_output() const { return act_.pooled; }  // [B,C]
-  const float* mlm_logits() const { return act_.mlm_logits; } // [B*P,V]
-  const float* nsp_logits() const { return act_.nsp_logits; } // [B,2]
-  const float* cls_logits() const { return act_.cls_logits; } // [B,num_labels]
+  const float* sequence_output() const { return seq_out_; }    // [B,T,C]
+  const float* pooled_output() const { return act_.pooled; }   // [B,C]
+  const float* mlm_logits() const { return act_.mlm_logits; }  // [B*P,V]
+  const float* nsp_logits() const { return act_.nsp_logits; }  // [B,2]
+  const float* cls_logits() const { return act_.cls_logits; }  // [B,num_labels]
 
   // Model FLOPs of one forward+backward (matmuls and attention), for throughput reports.
   double flops_per_step(int64_t B, int64_t T, int64_t P) const;

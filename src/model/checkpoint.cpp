@@ -13,7 +13,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
+bool starts_with(const std::string& s, const std::string& p) {
+  return s.rfind(p, 0) == 0;
+}
 
 bool has_prefix(const std::string& s, const std::vector<std::string>& prefixes) {
   for (const auto& p : prefixes)
@@ -44,7 +46,8 @@ std::string checkpoint_weights_path(const std::string& p) {
   if (fs::is_directory(p)) {
     fs::path f = fs::path(p) / "model.safetensors";
     if (!fs::exists(f))
-      fail("no model.safetensors in ", p, " (a checkpoint directory needs model.safetensors and "
+      fail("no model.safetensors in ", p,
+           " (a checkpoint directory needs model.safetensors and "
            "config.json; PyTorch .bin files can be converted with HF save_pretrained)");
     return f.string();
   }
@@ -53,7 +56,8 @@ std::string checkpoint_weights_path(const std::string& p) {
 }
 
 std::string checkpoint_config_path(const std::string& p) {
-  fs::path f = fs::is_directory(p) ? fs::path(p) / "config.json" : fs::path(p).parent_path() / "config.json";
+  fs::path f =
+      fs::is_directory(p) ? fs::path(p) / "config.json" : fs::path(p).parent_path() / "config.json";
   if (!fs::exists(f)) fail("no config.json next to checkpoint ", p);
   return f.string();
 }
@@ -76,12 +80,14 @@ LoadReport load_safetensors_into(BertModel& m, const std::string& path, const Lo
       continue;
     }
     if (t.shape != p->shape) {
-      mismatched.push_back(t.name + ": file " + shape_str(t.shape) + ", model " + shape_str(p->shape));
+      mismatched.push_back(t.name + ": file " + shape_str(t.shape) + ", model " +
+                           shape_str(p->shape));
       continue;
     }
     if (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16 &&
         t.dtype != DType::F64)
-      fail(path, ": tensor ", t.name, " has dtype ", dtype_name(t.dtype), "; expected a float type");
+      fail(path, ": tensor ", t.name, " has dtype ", dtype_name(t.dtype),
+           "; expected a float type");
     r.read_f32(t, m.params() + p->offset);
     seen.insert(name);
     rep.loaded.push_back(name);
@@ -89,12 +95,14 @@ LoadReport load_safetensors_into(BertModel& m, const std::string& path, const Lo
   std::vector<std::string> missing;
   for (const auto& p : table.params()) {
     if (seen.count(p.name)) continue;
-    if (has_prefix(p.name, opt.allow_missing_prefixes)) rep.missing_allowed.push_back(p.name);
-    else missing.push_back(p.name + " " + shape_str(p.shape));
+    if (has_prefix(p.name, opt.allow_missing_prefixes))
+      rep.missing_allowed.push_back(p.name);
+    else
+      missing.push_back(p.name + " " + shape_str(p.shape));
   }
   if (!mismatched.empty() || !unexpected.empty() || !missing.empty()) {
-    std::string msg = path + " does not match the model (" +
-                      head_architecture(table.head()) + " with the given config):";
+    std::string msg = path + " does not match the model (" + head_architecture(table.head()) +
+                      " with the given config):";
     auto list = [&](const char* what, const std::vector<std::string>& v) {
       if (v.empty()) return;
       msg += str("\n  ", v.size(), " ", what, ":");

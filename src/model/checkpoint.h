@@ -24,7 +24,8 @@ struct LoadReport {
   std::vector<std::string> loaded, missing_allowed, ignored;
 };
 
-LoadReport load_safetensors_into(BertModel& m, const std::string& path, const LoadOptions& opt = {});
+LoadReport load_safetensors_into(BertModel& m, const std::string& path,
+                                 const LoadOptions& opt = {});
 
 // Writes dir/model.safetensors (dtype F32, F16 or BF16) and dir/config.json, atomically.
 void save_pretrained(const BertModel& m, const std::string& dir, DType dtype = DType::F32);

@@ -12,7 +12,8 @@ kernels::Activation BertConfig::activation() const {
   if (hidden_act == "gelu_new" || hidden_act == "gelu_pytorch_tanh")
     return kernels::Activation::GeluTanh;
   if (hidden_act == "relu") return kernels::Activation::Relu;
-  fail("hidden_act '", hidden_act, "' is not supported (use gelu, gelu_new, gelu_pytorch_tanh or relu)");
+  fail("hidden_act '", hidden_act,
+       "' is not supported (use gelu, gelu_new, gelu_pytorch_tanh or relu)");
 }
 
 namespace {
@@ -51,8 +52,7 @@ BertConfig BertConfig::from_json(const nlohmann::json& j, const std::string& sou
   read_field(j, "initializer_range", c.initializer_range, source, false);
   if (j.contains("id2label") && j["id2label"].is_object()) c.num_labels = j["id2label"].size();
   read_field(j, "num_labels", c.num_labels, source, false);
-  if (j.contains("position_embedding_type") &&
-      j["position_embedding_type"] != "absolute")
+  if (j.contains("position_embedding_type") && j["position_embedding_type"] != "absolute")
     fail(source, ": position_embedding_type ", j["position_embedding_type"].dump(),
          " is not supported (bertrain implements \"absolute\")");
   c.validate(source);

@@ -23,7 +23,7 @@ constexpr uint64_t kMaxHeader = 100u << 20;  // the format's own limit (100 MB)
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY);
   if (fd < 0) fail("cannot open ", path, ": ", std::strerror(errno));
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
     fail("cannot stat ", path, ": ", std::strerror(errno));
@@ -85,7 +85,9 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   }
 }
 
-SafetensorsReader::~SafetensorsReader() { unmap(); }
+SafetensorsReader::~SafetensorsReader() {
+  unmap();
+}
 
 void SafetensorsReader::unmap() {
   if (map_) ::munmap(const_cast<unsigned char*>(map_), map_size_);
@@ -102,7 +104,9 @@ void SafetensorsReader::read_f32(const SafeTensorInfo& t, float* out) const {
   const size_t n = static_cast<size_t>(shape_numel(t.shape));
   const unsigned char* p = data_ + t.begin;
   switch (t.dtype) {
-    case DType::F32: std::memcpy(out, p, n * 4); break;
+    case DType::F32:
+      std::memcpy(out, p, n * 4);
+      break;
     case DType::BF16:
       for (size_t i = 0; i < n; ++i) {
         uint16_t h;
@@ -237,7 +241,8 @@ void write_safetensors(const std::string& path, const std::vector<SafeTensorOut>
   size_t offset = 0;
   for (const auto& t : tensors) {
     const size_t bytes = static_cast<size_t>(shape_numel(t.shape)) * dtype_size(t.dtype);
-    h[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape},
+    h[t.name] = {{"dtype", dtype_name(t.dtype)},
+                 {"shape", t.shape},
                  {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
@@ -264,9 +269,12 @@ void write_safetensors(const std::string& path, const std::vector<SafeTensorOut>
       }
       buf.resize(bytes);
       auto* h16 = reinterpret_cast<uint16_t*>(buf.data());
-      if (t.dtype == DType::BF16) convert_f32_to_bf16(t.f32, h16, n_el);
-      else if (t.dtype == DType::F16) convert_f32_to_f16(t.f32, h16, n_el);
-      else fail("cannot write tensor ", t.name, " as ", dtype_name(t.dtype));
+      if (t.dtype == DType::BF16)
+        convert_f32_to_bf16(t.f32, h16, n_el);
+      else if (t.dtype == DType::F16)
+        convert_f32_to_f16(t.f32, h16, n_el);
+      else
+        fail("cannot write tensor ", t.name, " as ", dtype_name(t.dtype));
       write_all(fd, buf.data(), bytes, tmp);
     }
   });

@@ -38,8 +38,8 @@ std::string format_plan(const MemoryPlan& plan, int top_regions) {
   return out;
 }
 
-int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head,
-                             model::ModelDims dims, int optimizer_slots, double budget_bytes) {
+int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, model::ModelDims dims,
+                             int optimizer_slots, double budget_bytes) {
   // The plan grows monotonically with the batch: binary search on it.
   int64_t lo = 0, hi = 1;
   auto fits = [&](int64_t b) {

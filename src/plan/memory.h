@@ -17,7 +17,7 @@ MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,
 std::string format_plan(const MemoryPlan& plan, int top_regions = 8);
 
 // Largest batch size whose plan fits in `budget_bytes` (0 if even batch 1 does not fit).
-int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head,
-                             model::ModelDims dims, int optimizer_slots, double budget_bytes);
+int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, model::ModelDims dims,
+                             int optimizer_slots, double budget_bytes);
 
 }  // namespace bertrain::plan

@@ -44,7 +44,8 @@ void attention_forward(float* ctx, float* probs, const float* qkv, const int32_t
           for (int64_t j = 0; j < T; ++j) {
             p[j] = row[j] * inv;
             float w = p[j];
-            if (dropout_p > 0.0f) w = dropout_keep(dropout_p, key, idx0 + j) ? w * keep_scale : 0.0f;
+            if (dropout_p > 0.0f)
+              w = dropout_keep(dropout_p, key, idx0 + j) ? w * keep_scale : 0.0f;
             const float* v = base + j * C3 + 2 * C;
 #pragma omp simd
             for (int64_t e = 0; e < HD; ++e) o[e] += w * v[e];

@@ -2,9 +2,9 @@
 
 #include <dnnl.hpp>
 #include <map>
-#include <unordered_map>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 
 #include "core/error.h"
 
@@ -67,7 +67,8 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const flo
         for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = bias ? bias[j] : 0.0f;
     return;
   }
-  const GemmPrim& p = get_prim({trans_a, trans_b, accumulate, bias != nullptr, M, N, K, lda, ldb, ldc});
+  const GemmPrim& p =
+      get_prim({trans_a, trans_b, accumulate, bias != nullptr, M, N, K, lda, ldb, ldc});
   auto& eng = cpu_engine();
   dnnl::stream s(eng);
   std::unordered_map<int, dnnl::memory> args = {
@@ -79,14 +80,13 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const flo
   s.wait();
 }
 
-void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
-                    int64_t M, int64_t N, int64_t K) {
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,
+                    int64_t N, int64_t K) {
   gemm(false, true, M, N, K, inp, K, weight, K, out, N, bias, false);
 }
 
-void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                     const float* inp, const float* weight, int64_t M, int64_t N, int64_t K,
-                     bool accumulate_dinp) {
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t M, int64_t N, int64_t K, bool accumulate_dinp) {
   if (dinp) gemm(false, false, M, K, N, dout, N, weight, K, dinp, K, nullptr, accumulate_dinp);
   if (dweight) gemm(true, false, N, K, M, dout, N, inp, K, dweight, K, nullptr, true);
   if (dbias) {

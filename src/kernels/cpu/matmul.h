@@ -13,13 +13,13 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const flo
           const float* B, int64_t ldb, float* C, int64_t ldc, const float* bias, bool accumulate);
 
 // out[M,N] = inp[M,K] · weight[N,K]^T + bias[N] (bias may be null).
-void linear_forward(float* out, const float* inp, const float* weight, const float* bias,
-                    int64_t M, int64_t N, int64_t K);
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,
+                    int64_t N, int64_t K);
 
 // Backward of linear_forward. dinp[M,K] = dout·weight (or += when accumulate_dinp; skipped when
 // dinp is null); dweight[N,K] += dout^T·inp; dbias[N] += column sums of dout (if non-null).
-void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                     const float* inp, const float* weight, int64_t M, int64_t N, int64_t K,
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t M, int64_t N, int64_t K,
                      bool accumulate_dinp = false);
 
 // Plain triple loop in double accumulation: the oracle for gemm in tests.

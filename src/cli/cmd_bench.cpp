@@ -1,0 +1,142 @@
+// bertrain bench: times full fp32 forward+backward steps of a model on synthetic batches and
+// reports tokens/s, ms per phase, achieved GFLOP/s and model FLOP utilisation against the
+// fp32 GEMM rate it measures itself in the same run (oneDNN at the model's largest matmul
+// shape). The optimizer step is not part of the timing yet (it arrives with `train`).
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <omp.h>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "kernels/cpu/matmul.h"
+
+namespace bertrain::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T, int64_t P, uint64_t seed) {
+  model::Batch b;
+  b.resize(B, T, P);
+  const uint64_t key = rng_key(seed, 0xba7c);
+  uint64_t k = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    for (int64_t t = 0; t < T; ++t) {
+      b.input_ids[i * T + t] = static_cast<int32_t>(rng_u64(key, k++) % cfg.vocab_size);
+      b.input_mask[i * T + t] = 1;
+      b.segment_ids[i * T + t] = t >= T / 2 ? 1 : 0;
+    }
+    for (int64_t p = 0; p < P; ++p) {  // distinct sorted positions: evenly spread
+      b.masked_lm_positions[i * P + p] = static_cast<int32_t>(1 + p * (T - 1) / std::max<int64_t>(P, 1));
+      b.masked_lm_ids[i * P + p] = static_cast<int32_t>(rng_u64(key, k++) % cfg.vocab_size);
+      b.masked_lm_weights[i * P + p] = 1.0f;
+    }
+    b.next_sentence_labels[i] = static_cast<int32_t>(rng_u64(key, k++) & 1);
+    b.label_ids[i] = static_cast<int32_t>(rng_u64(key, k++) % cfg.num_labels);
+  }
+  return b;
+}
+
+// fp32 GEMM GFLOP/s of oneDNN at [M,K] x [K,N], measured for about 1 s.
+double measure_gemm_gflops(int64_t M, int64_t N, int64_t K) {
+  std::vector<float> a(M * K, 0.01f), w(N * K, 0.02f), c(M * N);
+  kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);  // create the primitive
+  int iters = 0;
+  auto t0 = Clock::now();
+  do {
+    kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);
+    ++iters;
+  } while (seconds_since(t0) < 1.0);
+  return 2.0 * M * N * K * iters / seconds_since(t0) / 1e9;
+}
+
+}  // namespace
+
+void add_bench(CLI::App& app) {
+  struct Opts {
+    std::string config, head = "pretraining";
+    int64_t batch = 8, seq = 128, preds = 20;
+    int steps = 5, warmup = 2, threads = 0;
+    bool json = false;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("bench", "Time fp32 forward+backward training steps on synthetic batches");
+  c->add_option("--model-config", o->config, "HuggingFace config.json of the model")->required();
+  c->add_option("--batch-size", o->batch, "Sequences per step")->capture_default_str();
+  c->add_option("--seq-len", o->seq, "Tokens per sequence")->capture_default_str();
+  c->add_option("--max-predictions", o->preds, "Masked LM predictions per sequence")->capture_default_str();
+  c->add_option("--head", o->head, "pretraining or classification")->capture_default_str();
+  c->add_option("--steps", o->steps, "Timed steps")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--warmup", o->warmup, "Untimed steps first")->capture_default_str();
+  c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")->capture_default_str();
+  c->add_flag("--json", o->json, "Print one JSON object with the results");
+  c->callback([o] {
+    set_threads(o->threads);
+    model::BertConfig cfg = model::BertConfig::load(o->config);
+    const model::Head head = parse_head(o->head);
+    const int64_t P = head == model::Head::Pretraining ? o->preds : 0;
+    model::BertModel m(cfg, head, {o->batch, o->seq, P});
+    m.init_params(1);
+    model::Batch b = synthetic_batch(cfg, o->batch, o->seq, P, 7);
+    if (!o->json)
+      std::printf("bench: %s (%s), batch %lld x seq %lld, %d threads, fp32, %d+%d steps\n",
+                  o->config.c_str(), describe(cfg).c_str(), (long long)o->batch, (long long)o->seq,
+                  omp_get_max_threads(), o->warmup, o->steps);
+    std::vector<double> fwd, bwd;
+    double loss = 0;
+    for (int s = 0; s < o->warmup + o->steps; ++s) {
+      model::StepOptions opt{true, 1, static_cast<uint64_t>(s), 0};
+      m.zero_grads();
+      auto t0 = Clock::now();
+      loss = m.forward(b, opt).loss;
+      const double tf = seconds_since(t0);
+      t0 = Clock::now();
+      m.backward(b, opt);
+      const double tb = seconds_since(t0);
+      if (s >= o->warmup) {
+        fwd.push_back(tf);
+        bwd.push_back(tb);
+      }
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double tf = median(fwd), tb = median(bwd), step = tf + tb;
+    const double flops = m.flops_per_step(o->batch, o->seq, P);
+    const double gflops = flops / step / 1e9;
+    const double peak = measure_gemm_gflops(o->batch * o->seq, cfg.intermediate_size, cfg.hidden_size);
+    struct rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    const double rss = ru.ru_maxrss * 1024.0;
+    const double tokens = static_cast<double>(o->batch * o->seq) / step;
+    if (o->json) {
+      nlohmann::json j = {{"config", o->config}, {"batch", o->batch}, {"seq_len", o->seq},
+                          {"threads", omp_get_max_threads()}, {"precision", "fp32"},
+                          {"tokens_per_s", tokens}, {"forward_ms", tf * 1e3}, {"backward_ms", tb * 1e3},
+                          {"gflops", gflops}, {"gemm_peak_gflops", peak}, {"mfu", gflops / peak},
+                          {"peak_rss_bytes", rss}, {"plan_bytes", m.plan().total_bytes()}, {"loss", loss}};
+      std::printf("%s\n", j.dump().c_str());
+      return;
+    }
+    std::printf("  step       %8.1f ms (forward %.1f ms, backward %.1f ms; median of %d)\n", step * 1e3,
+                tf * 1e3, tb * 1e3, o->steps);
+    std::printf("  throughput %8.0f tokens/s, %.1f sequences/s\n", tokens, o->batch / step);
+    std::printf("  compute    %8.1f GFLOP/s model FLOPs; fp32 GEMM ceiling measured now %.1f GFLOP/s; "
+                "utilisation %.0f%%\n", gflops, peak, 100.0 * gflops / peak);
+    std::printf("  memory     peak RSS %s; planned %s\n", human_bytes(rss).c_str(),
+                human_bytes(static_cast<double>(m.plan().total_bytes())).c_str());
+    std::printf("  loss       %.4f (synthetic data; sanity only)\n", loss);
+  });
+}
+
+}  // namespace bertrain::cli

@@ -1,0 +1,72 @@
+// bertrain estimate: the memory plan of a training run (the same plan the trainer allocates),
+// and with --memory-budget the largest batch size that fits.
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "plan/memory.h"
+
+namespace bertrain::cli {
+
+namespace {
+
+double parse_bytes(const std::string& s) {
+  size_t pos = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &pos);
+  } catch (...) {
+    fail("--memory-budget '", s, "' is not a size (e.g. 16GiB, 512MiB)");
+  }
+  std::string unit = s.substr(pos);
+  if (unit.empty() || unit == "B") return v;
+  if (unit == "KiB" || unit == "K") return v * 1024;
+  if (unit == "MiB" || unit == "M") return v * 1024 * 1024;
+  if (unit == "GiB" || unit == "G") return v * 1024 * 1024 * 1024;
+  fail("--memory-budget unit '", unit, "' is not one of B, KiB, MiB, GiB");
+}
+
+}  // namespace
+
+void add_estimate(CLI::App& app) {
+  struct Opts {
+    std::string config, head = "pretraining", budget;
+    int64_t batch = 32, seq = 128, preds = 20;
+    int slots = 2;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("estimate", "Print the memory plan of a training run; pick the batch size for a budget");
+  c->add_option("--model-config", o->config, "HuggingFace config.json of the model")->required();
+  c->add_option("--batch-size", o->batch, "Sequences per step per rank")->capture_default_str();
+  c->add_option("--seq-len", o->seq, "Tokens per sequence")->capture_default_str();
+  c->add_option("--max-predictions", o->preds, "Masked LM predictions per sequence")->capture_default_str();
+  c->add_option("--head", o->head, "pretraining or classification")->capture_default_str();
+  c->add_option("--optimizer-slots", o->slots, "fp32 optimizer states per parameter (AdamW/LAMB: 2)")->capture_default_str();
+  c->add_option("--memory-budget", o->budget, "Memory available per rank, e.g. 16GiB: prints the largest batch that fits");
+  c->callback([o] {
+    model::BertConfig cfg = model::BertConfig::load(o->config);
+    model::Head head = parse_head(o->head);
+    model::ModelDims d{o->batch, o->seq, head == model::Head::Pretraining ? o->preds : 0};
+    MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots);
+    model::ParamTable table(cfg, head);
+    int64_t nparams = 0;
+    for (const auto& p : table.params()) nparams += p.numel();
+    std::printf("model     %s (%s, %s, %.1fM parameters)\n", o->config.c_str(), describe(cfg).c_str(),
+                model::head_architecture(head), nparams / 1e6);
+    std::printf("run       batch %lld x seq %lld, %lld predictions, fp32, %d optimizer slots\n",
+                (long long)d.batch, (long long)d.seq_len, (long long)d.max_predictions, o->slots);
+    std::printf("memory plan per rank:\n%s", plan::format_plan(plan).c_str());
+    if (!o->budget.empty()) {
+      const double budget = parse_bytes(o->budget);
+      const int64_t b = plan::max_batch_for_budget(cfg, head, d, o->slots, budget);
+      if (b == 0)
+        std::printf("budget    %s: even batch 1 does not fit; use a shorter --seq-len or a smaller model\n",
+                    human_bytes(budget).c_str());
+      else
+        std::printf("budget    %s: largest batch size that fits is %lld\n", human_bytes(budget).c_str(),
+                    (long long)b);
+    }
+  });
+}
+
+}  // namespace bertrain::cli

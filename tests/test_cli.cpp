@@ -1,0 +1,90 @@
+// The CLI as a user runs it: --help everywhere, exit codes, one-line errors that say what to do.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+
+#include "test_util.h"
+
+namespace {
+
+using bertrain::test::data_path;
+using bertrain::test::TempDir;
+
+struct RunResult {
+  int rc;
+  std::string out;
+};
+
+RunResult run(const std::string& args) {
+  std::string cmd = std::string(BERTRAIN_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+TEST(Cli, HelpForEverySubcommand) {
+  RunResult r = run("--help");
+  EXPECT_EQ(r.rc, 0);
+  for (const char* sub : {"estimate", "init", "inspect", "bench"}) {
+    EXPECT_NE(r.out.find(sub), std::string::npos) << sub;
+    RunResult s = run(std::string(sub) + " --help");
+    EXPECT_EQ(s.rc, 0) << sub;
+    EXPECT_NE(s.out.find("Usage"), std::string::npos) << s.out;
+  }
+  EXPECT_NE(run("").rc, 0);  // a subcommand is required
+}
+
+TEST(Cli, EstimatePrintsPlanAndBatchForBudget) {
+  RunResult r = run("estimate --model-config " + data_path("../configs/bert-base.json") +
+              " --batch-size 8 --memory-budget 8GiB");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("110.1M parameters"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("largest batch size that fits is"), std::string::npos) << r.out;
+}
+
+TEST(Cli, ErrorsAreOneLineWithTheCause) {
+  RunResult r = run("estimate --model-config /nonexistent.json");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("bertrain: error: cannot open model config /nonexistent.json"), std::string::npos)
+      << r.out;
+  r = run("estimate --model-config " + data_path("../configs/bert-base.json") + " --seq-len 1024");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("exceeds the model's max_position_embeddings 512"), std::string::npos) << r.out;
+}
+
+TEST(Cli, InitThenInspectRoundTrip) {
+  TempDir tmp;
+  RunResult r = run("init --model-config " + data_path("../configs/bert-tiny.json") + " --output " +
+              tmp.path.string() + " --seed 3 --dtype BF16");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  r = run("inspect " + tmp.path.string());
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("bert.embeddings.word_embeddings.weight"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("loads as BertForPreTraining"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("0 tensors with non-finite values"), std::string::npos) << r.out;
+}
+
+TEST(Cli, InspectHuggingFaceCheckpointAndCorruptFile) {
+  RunResult r = run("inspect " + data_path("golden/bert_cls"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("loads as BertForSequenceClassification"), std::string::npos) << r.out;
+  TempDir tmp;
+  std::ofstream(tmp / "bad.safetensors") << std::string("\x10\0\0\0\0\0\0\0{{{{", 12);
+  r = run("inspect " + tmp / "bad.safetensors");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("bertrain: error:"), std::string::npos) << r.out;
+}
+
+TEST(Cli, BenchRunsAStep) {
+  RunResult r = run("bench --model-config " + data_path("../configs/bert-tiny.json") +
+              " --batch-size 2 --seq-len 16 --max-predictions 3 --steps 1 --warmup 0 --json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("\"tokens_per_s\""), std::string::npos) << r.out;
+}
+
+}  // namespace
