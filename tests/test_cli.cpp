@@ -41,7 +41,7 @@ TEST(Cli, HelpForEverySubcommand) {
 
 TEST(Cli, EstimatePrintsPlanAndBatchForBudget) {
   RunResult r = run("estimate --model-config " + data_path("../configs/bert-base.json") +
-              " --batch-size 8 --memory-budget 8GiB");
+                    " --batch-size 8 --memory-budget 8GiB");
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("110.1M parameters"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("largest batch size that fits is"), std::string::npos) << r.out;
@@ -50,17 +50,19 @@ TEST(Cli, EstimatePrintsPlanAndBatchForBudget) {
 TEST(Cli, ErrorsAreOneLineWithTheCause) {
   RunResult r = run("estimate --model-config /nonexistent.json");
   EXPECT_EQ(r.rc, 1);
-  EXPECT_NE(r.out.find("bertrain: error: cannot open model config /nonexistent.json"), std::string::npos)
+  EXPECT_NE(r.out.find("bertrain: error: cannot open model config /nonexistent.json"),
+            std::string::npos)
       << r.out;
   r = run("estimate --model-config " + data_path("../configs/bert-base.json") + " --seq-len 1024");
   EXPECT_EQ(r.rc, 1);
-  EXPECT_NE(r.out.find("exceeds the model's max_position_embeddings 512"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("exceeds the model's max_position_embeddings 512"), std::string::npos)
+      << r.out;
 }
 
 TEST(Cli, InitThenInspectRoundTrip) {
   TempDir tmp;
   RunResult r = run("init --model-config " + data_path("../configs/bert-tiny.json") + " --output " +
-              tmp.path.string() + " --seed 3 --dtype BF16");
+                    tmp.path.string() + " --seed 3 --dtype BF16");
   ASSERT_EQ(r.rc, 0) << r.out;
   r = run("inspect " + tmp.path.string());
   ASSERT_EQ(r.rc, 0) << r.out;
@@ -82,7 +84,7 @@ TEST(Cli, InspectHuggingFaceCheckpointAndCorruptFile) {
 
 TEST(Cli, BenchRunsAStep) {
   RunResult r = run("bench --model-config " + data_path("../configs/bert-tiny.json") +
-              " --batch-size 2 --seq-len 16 --max-predictions 3 --steps 1 --warmup 0 --json");
+                    " --batch-size 2 --seq-len 16 --max-predictions 3 --steps 1 --warmup 0 --json");
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("\"tokens_per_s\""), std::string::npos) << r.out;
 }

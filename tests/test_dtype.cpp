@@ -87,7 +87,9 @@ TEST(Bf16, RoundsToNearestEven) {
   EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(NAN))));
   for (uint32_t h = 0; h < 65536; ++h) {
     float f = bf16_to_f32(static_cast<uint16_t>(h));
-    if (!std::isnan(f)) ASSERT_EQ(f32_to_bf16(f), h);
+    if (!std::isnan(f)) {
+      ASSERT_EQ(f32_to_bf16(f), h);
+    }
   }
 }
 

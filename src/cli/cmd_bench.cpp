@@ -4,11 +4,11 @@
 // shape). The optimizer step is not part of the timing yet (it arrives with `train`).
 #include <sys/resource.h>
 
+#include <omp.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
-#include <omp.h>
 
 #include "cli/commands.h"
 #include "core/error.h"
@@ -24,7 +24,8 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T, int64_t P, uint64_t seed) {
+model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T, int64_t P,
+                             uint64_t seed) {
   model::Batch b;
   b.resize(B, T, P);
   const uint64_t key = rng_key(seed, 0xba7c);
@@ -36,7 +37,8 @@ model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T,
       b.segment_ids[i * T + t] = t >= T / 2 ? 1 : 0;
     }
     for (int64_t p = 0; p < P; ++p) {  // distinct sorted positions: evenly spread
-      b.masked_lm_positions[i * P + p] = static_cast<int32_t>(1 + p * (T - 1) / std::max<int64_t>(P, 1));
+      b.masked_lm_positions[i * P + p] =
+          static_cast<int32_t>(1 + p * (T - 1) / std::max<int64_t>(P, 1));
       b.masked_lm_ids[i * P + p] = static_cast<int32_t>(rng_u64(key, k++) % cfg.vocab_size);
       b.masked_lm_weights[i * P + p] = 1.0f;
     }
@@ -69,15 +71,20 @@ void add_bench(CLI::App& app) {
     bool json = false;
   };
   auto o = std::make_shared<Opts>();
-  auto* c = app.add_subcommand("bench", "Time fp32 forward+backward training steps on synthetic batches");
+  auto* c =
+      app.add_subcommand("bench", "Time fp32 forward+backward training steps on synthetic batches");
   c->add_option("--model-config", o->config, "HuggingFace config.json of the model")->required();
   c->add_option("--batch-size", o->batch, "Sequences per step")->capture_default_str();
   c->add_option("--seq-len", o->seq, "Tokens per sequence")->capture_default_str();
-  c->add_option("--max-predictions", o->preds, "Masked LM predictions per sequence")->capture_default_str();
+  c->add_option("--max-predictions", o->preds, "Masked LM predictions per sequence")
+      ->capture_default_str();
   c->add_option("--head", o->head, "pretraining or classification")->capture_default_str();
-  c->add_option("--steps", o->steps, "Timed steps")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--steps", o->steps, "Timed steps")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   c->add_option("--warmup", o->warmup, "Untimed steps first")->capture_default_str();
-  c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")->capture_default_str();
+  c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
+      ->capture_default_str();
   c->add_flag("--json", o->json, "Print one JSON object with the results");
   c->callback([o] {
     set_threads(o->threads);
@@ -114,25 +121,37 @@ void add_bench(CLI::App& app) {
     const double tf = median(fwd), tb = median(bwd), step = tf + tb;
     const double flops = m.flops_per_step(o->batch, o->seq, P);
     const double gflops = flops / step / 1e9;
-    const double peak = measure_gemm_gflops(o->batch * o->seq, cfg.intermediate_size, cfg.hidden_size);
-    struct rusage ru{};
+    const double peak =
+        measure_gemm_gflops(o->batch * o->seq, cfg.intermediate_size, cfg.hidden_size);
+    struct rusage ru {};
     getrusage(RUSAGE_SELF, &ru);
     const double rss = ru.ru_maxrss * 1024.0;
     const double tokens = static_cast<double>(o->batch * o->seq) / step;
     if (o->json) {
-      nlohmann::json j = {{"config", o->config}, {"batch", o->batch}, {"seq_len", o->seq},
-                          {"threads", omp_get_max_threads()}, {"precision", "fp32"},
-                          {"tokens_per_s", tokens}, {"forward_ms", tf * 1e3}, {"backward_ms", tb * 1e3},
-                          {"gflops", gflops}, {"gemm_peak_gflops", peak}, {"mfu", gflops / peak},
-                          {"peak_rss_bytes", rss}, {"plan_bytes", m.plan().total_bytes()}, {"loss", loss}};
+      nlohmann::json j = {{"config", o->config},
+                          {"batch", o->batch},
+                          {"seq_len", o->seq},
+                          {"threads", omp_get_max_threads()},
+                          {"precision", "fp32"},
+                          {"tokens_per_s", tokens},
+                          {"forward_ms", tf * 1e3},
+                          {"backward_ms", tb * 1e3},
+                          {"gflops", gflops},
+                          {"gemm_peak_gflops", peak},
+                          {"mfu", gflops / peak},
+                          {"peak_rss_bytes", rss},
+                          {"plan_bytes", m.plan().total_bytes()},
+                          {"loss", loss}};
       std::printf("%s\n", j.dump().c_str());
       return;
     }
-    std::printf("  step       %8.1f ms (forward %.1f ms, backward %.1f ms; median of %d)\n", step * 1e3,
-                tf * 1e3, tb * 1e3, o->steps);
+    std::printf("  step       %8.1f ms (forward %.1f ms, backward %.1f ms; median of %d)\n",
+                step * 1e3, tf * 1e3, tb * 1e3, o->steps);
     std::printf("  throughput %8.0f tokens/s, %.1f sequences/s\n", tokens, o->batch / step);
-    std::printf("  compute    %8.1f GFLOP/s model FLOPs; fp32 GEMM ceiling measured now %.1f GFLOP/s; "
-                "utilisation %.0f%%\n", gflops, peak, 100.0 * gflops / peak);
+    std::printf(
+        "  compute    %8.1f GFLOP/s model FLOPs; fp32 GEMM ceiling measured now %.1f GFLOP/s; "
+        "utilisation %.0f%%\n",
+        gflops, peak, 100.0 * gflops / peak);
     std::printf("  memory     peak RSS %s; planned %s\n", human_bytes(rss).c_str(),
                 human_bytes(static_cast<double>(m.plan().total_bytes())).c_str());
     std::printf("  loss       %.4f (synthetic data; sanity only)\n", loss);

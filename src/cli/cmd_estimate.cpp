@@ -35,14 +35,19 @@ void add_estimate(CLI::App& app) {
     int slots = 2;
   };
   auto o = std::make_shared<Opts>();
-  auto* c = app.add_subcommand("estimate", "Print the memory plan of a training run; pick the batch size for a budget");
+  auto* c = app.add_subcommand(
+      "estimate", "Print the memory plan of a training run; pick the batch size for a budget");
   c->add_option("--model-config", o->config, "HuggingFace config.json of the model")->required();
   c->add_option("--batch-size", o->batch, "Sequences per step per rank")->capture_default_str();
   c->add_option("--seq-len", o->seq, "Tokens per sequence")->capture_default_str();
-  c->add_option("--max-predictions", o->preds, "Masked LM predictions per sequence")->capture_default_str();
+  c->add_option("--max-predictions", o->preds, "Masked LM predictions per sequence")
+      ->capture_default_str();
   c->add_option("--head", o->head, "pretraining or classification")->capture_default_str();
-  c->add_option("--optimizer-slots", o->slots, "fp32 optimizer states per parameter (AdamW/LAMB: 2)")->capture_default_str();
-  c->add_option("--memory-budget", o->budget, "Memory available per rank, e.g. 16GiB: prints the largest batch that fits");
+  c->add_option("--optimizer-slots", o->slots,
+                "fp32 optimizer states per parameter (AdamW/LAMB: 2)")
+      ->capture_default_str();
+  c->add_option("--memory-budget", o->budget,
+                "Memory available per rank, e.g. 16GiB: prints the largest batch that fits");
   c->callback([o] {
     model::BertConfig cfg = model::BertConfig::load(o->config);
     model::Head head = parse_head(o->head);
@@ -51,8 +56,8 @@ void add_estimate(CLI::App& app) {
     model::ParamTable table(cfg, head);
     int64_t nparams = 0;
     for (const auto& p : table.params()) nparams += p.numel();
-    std::printf("model     %s (%s, %s, %.1fM parameters)\n", o->config.c_str(), describe(cfg).c_str(),
-                model::head_architecture(head), nparams / 1e6);
+    std::printf("model     %s (%s, %s, %.1fM parameters)\n", o->config.c_str(),
+                describe(cfg).c_str(), model::head_architecture(head), nparams / 1e6);
     std::printf("run       batch %lld x seq %lld, %lld predictions, fp32, %d optimizer slots\n",
                 (long long)d.batch, (long long)d.seq_len, (long long)d.max_predictions, o->slots);
     std::printf("memory plan per rank:\n%s", plan::format_plan(plan).c_str());
@@ -60,11 +65,12 @@ void add_estimate(CLI::App& app) {
       const double budget = parse_bytes(o->budget);
       const int64_t b = plan::max_batch_for_budget(cfg, head, d, o->slots, budget);
       if (b == 0)
-        std::printf("budget    %s: even batch 1 does not fit; use a shorter --seq-len or a smaller model\n",
-                    human_bytes(budget).c_str());
+        std::printf(
+            "budget    %s: even batch 1 does not fit; use a shorter --seq-len or a smaller model\n",
+            human_bytes(budget).c_str());
       else
-        std::printf("budget    %s: largest batch size that fits is %lld\n", human_bytes(budget).c_str(),
-                    (long long)b);
+        std::printf("budget    %s: largest batch size that fits is %lld\n",
+                    human_bytes(budget).c_str(), (long long)b);
     }
   });
 }

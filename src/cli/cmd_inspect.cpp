@@ -22,7 +22,8 @@ int inspect_safetensors(const std::string& path, const std::string& config, bool
   if (!json) {
     std::printf("%s: %zu tensors", path.c_str(), r.tensors().size());
     for (const auto& [k, v] : r.metadata()) std::printf(", %s=%s", k.c_str(), v.c_str());
-    std::printf("\n  %-58s %-5s %-14s %11s %11s %11s\n", "name", "dtype", "shape", "mean", "std", "absmax");
+    std::printf("\n  %-58s %-5s %-14s %11s %11s %11s\n", "name", "dtype", "shape", "mean", "std",
+                "absmax");
   }
   std::vector<float> buf;
   for (const auto& t : r.tensors()) {
@@ -30,8 +31,8 @@ int inspect_safetensors(const std::string& path, const std::string& config, bool
     total += n;
     double mean = 0, sq = 0, absmax = 0;
     size_t nonfinite = 0;
-    const bool is_float = t.dtype == DType::F32 || t.dtype == DType::F16 || t.dtype == DType::BF16 ||
-                          t.dtype == DType::F64;
+    const bool is_float = t.dtype == DType::F32 || t.dtype == DType::F16 ||
+                          t.dtype == DType::BF16 || t.dtype == DType::F64;
     if (is_float) {
       buf.resize(n);
       r.read_f32(t, buf.data());
@@ -51,7 +52,8 @@ int inspect_safetensors(const std::string& path, const std::string& config, bool
     bad += nonfinite > 0;
     if (json) {
       nlohmann::json j = {{"name", t.name}, {"dtype", dtype_name(t.dtype)}, {"shape", t.shape}};
-      if (is_float) j.update({{"mean", mean}, {"std", sq}, {"absmax", absmax}, {"nonfinite", nonfinite}});
+      if (is_float)
+        j.update({{"mean", mean}, {"std", sq}, {"absmax", absmax}, {"nonfinite", nonfinite}});
       std::printf("%s\n", j.dump().c_str());
     } else {
       std::printf("  %-58s %-5s %-14s %11.4g %11.4g %11.4g%s\n", t.name.c_str(),
@@ -71,7 +73,8 @@ int inspect_safetensors(const std::string& path, const std::string& config, bool
                                                    : model::Head::Pretraining;
     model::BertModel m(cfg, head, {1, 1, 0});
     // A BertModel-only file (no heads) is fine for fine-tuning: allow the heads to be missing.
-    model::LoadReport rep = model::load_safetensors_into(m, path, {{"cls.", "classifier.", "bert.pooler."}, {}});
+    model::LoadReport rep =
+        model::load_safetensors_into(m, path, {{"cls.", "classifier.", "bert.pooler."}, {}});
     if (!json)
       std::printf("  loads as %s with %s (%s): %zu tensors loaded, %zu head tensors absent\n",
                   model::head_architecture(head), cfg_path.c_str(), describe(cfg).c_str(),
@@ -89,16 +92,19 @@ void add_inspect(CLI::App& app) {
     bool json = false;
   };
   auto o = std::make_shared<Opts>();
-  auto* c = app.add_subcommand("inspect", "Show and verify model files (.safetensors or checkpoint directories)");
+  auto* c = app.add_subcommand(
+      "inspect", "Show and verify model files (.safetensors or checkpoint directories)");
   c->add_option("files", o->files, "Files or checkpoint directories")->required();
-  c->add_option("--model-config", o->config, "config.json to check loading against (default: the one beside the file)");
+  c->add_option("--model-config", o->config,
+                "config.json to check loading against (default: the one beside the file)");
   c->add_flag("--json", o->json, "One JSON object per tensor");
   c->callback([o] {
     int rc = 0;
     for (const auto& f : o->files) {
       std::string path = std::filesystem::is_directory(f) ? model::checkpoint_weights_path(f) : f;
       if (path.size() < 12 || path.substr(path.size() - 12) != ".safetensors")
-        fail(f, ": unknown file type (inspect reads .safetensors files and checkpoint directories)");
+        fail(f,
+             ": unknown file type (inspect reads .safetensors files and checkpoint directories)");
       rc |= inspect_safetensors(path, o->config, o->json);
     }
     if (rc) throw CLI::RuntimeError(1);

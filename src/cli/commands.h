@@ -14,8 +14,8 @@ void add_inspect(CLI::App& app);
 void add_bench(CLI::App& app);
 
 // Shared option helpers.
-model::Head parse_head(const std::string& s);  // "pretraining" | "classification"
-void set_threads(int threads);                 // 0 = leave OpenMP's default
+model::Head parse_head(const std::string& s);      // "pretraining" | "classification"
+void set_threads(int threads);                     // 0 = leave OpenMP's default
 std::string describe(const model::BertConfig& c);  // "L4 H256 A4 I1024 V30522"
 
 }  // namespace bertrain::cli

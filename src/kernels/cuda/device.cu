@@ -1,0 +1,35 @@
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda.h"
+
+namespace bertrain::cuda {
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
+  if (bytes) BT_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_) cudaFree(ptr_);
+}
+
+void DeviceBuffer::upload(const void* host, size_t bytes) {
+  BT_CHECK(bytes <= bytes_, "upload of ", bytes, " bytes into a buffer of ", bytes_);
+  BT_CUDA_CHECK(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
+}
+
+void DeviceBuffer::download(void* host, size_t bytes) const {
+  BT_CHECK(bytes <= bytes_, "download of ", bytes, " bytes from a buffer of ", bytes_);
+  BT_CUDA_CHECK(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost));
+}
+
+void synchronize() { BT_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+}  // namespace bertrain::cuda
