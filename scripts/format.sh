@@ -2,7 +2,7 @@
 # clang-format over every C++/CUDA source. --check: fail (listing files) instead of rewriting.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mapfile -t files < <(git ls-files '*.h' '*.cpp' '*.cu' '*.cuh' 2>/dev/null || find src tests bench -name '*.[ch]pp' -o -name '*.h' -o -name '*.cu')
+mapfile -t files < <(git ls-files --cached --others --exclude-standard '*.h' '*.cpp' '*.cu' '*.cuh' 2>/dev/null || find src tests bench -name '*.[ch]pp' -o -name '*.h' -o -name '*.cu')
 if [ "${1:-}" = "--check" ]; then
   bad=()
   for f in "${files[@]}"; do

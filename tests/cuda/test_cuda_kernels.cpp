@@ -28,7 +28,9 @@ std::vector<float> to_host(const cuda::DeviceBuffer& b, size_t n) {
   return v;
 }
 
-TEST(Cuda, DeviceCountNeverThrows) { EXPECT_GE(cuda::device_count(), 0); }
+TEST(Cuda, DeviceCountNeverThrows) {
+  EXPECT_GE(cuda::device_count(), 0);
+}
 
 TEST(Cuda, LayerNormMatchesCpu) {
   SKIP_WITHOUT_GPU();
@@ -36,15 +38,16 @@ TEST(Cuda, LayerNormMatchesCpu) {
   auto x = random_vector(N * C, 1), g = random_vector(C, 2), b = random_vector(C, 3),
        dy = random_vector(N * C, 4);
   std::vector<float> out(N * C), mean(N), rstd(N), dx(N * C), dg(C, 0.0f), db(C, 0.0f);
-  kernels::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), g.data(), b.data(), N, C, 1e-12f);
+  kernels::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), g.data(), b.data(), N,
+                             C, 1e-12f);
   kernels::layernorm_backward(dx.data(), dg.data(), db.data(), dy.data(), x.data(), g.data(),
                               mean.data(), rstd.data(), N, C);
   auto dxd = to_device(x), dgd = to_device(g), dbd = to_device(b), ddy = to_device(dy);
   cuda::DeviceBuffer o(N * C * 4), m(N * 4), r(N * 4), ddx(N * C * 4);
   auto ddg = to_device(std::vector<float>(C, 0.0f)), ddb = to_device(std::vector<float>(C, 0.0f));
   cuda::layernorm_forward(o.f32(), m.f32(), r.f32(), dxd.f32(), dgd.f32(), dbd.f32(), N, C, 1e-12f);
-  cuda::layernorm_backward(ddx.f32(), ddg.f32(), ddb.f32(), ddy.f32(), dxd.f32(), dgd.f32(), m.f32(),
-                           r.f32(), N, C);
+  cuda::layernorm_backward(ddx.f32(), ddg.f32(), ddb.f32(), ddy.f32(), dxd.f32(), dgd.f32(),
+                           m.f32(), r.f32(), N, C);
   cuda::synchronize();
   // Different summation order only: fp32 rounding, rtol 1e-5 / atol 1e-5 of the tensor max.
   EXPECT_TRUE(all_close("out", to_host(o, N * C).data(), out.data(), N * C, 1e-5, 1e-5));
@@ -57,7 +60,8 @@ TEST(Cuda, ActivationsAndDropoutMatchCpu) {
   SKIP_WITHOUT_GPU();
   const int64_t n = 10000;
   auto x = random_vector(n, 5, 2.0f), dy = random_vector(n, 6);
-  for (auto a : {kernels::Activation::GeluErf, kernels::Activation::GeluTanh, kernels::Activation::Relu}) {
+  for (auto a :
+       {kernels::Activation::GeluErf, kernels::Activation::GeluTanh, kernels::Activation::Relu}) {
     std::vector<float> y(n), dx(n);
     kernels::activation_forward(a, y.data(), x.data(), n);
     kernels::activation_backward(a, dx.data(), x.data(), dy.data(), n);

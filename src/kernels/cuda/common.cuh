@@ -6,16 +6,18 @@
 
 #include "core/error.h"
 
-#define BT_CUDA_CHECK(call)                                                                     \
-  do {                                                                                          \
-    cudaError_t err_ = (call);                                                                  \
-    if (err_ != cudaSuccess)                                                                    \
+#define BT_CUDA_CHECK(call)                                                                      \
+  do {                                                                                           \
+    cudaError_t err_ = (call);                                                                   \
+    if (err_ != cudaSuccess)                                                                     \
       ::bertrain::fail("CUDA error ", cudaGetErrorString(err_), " in ", #call, " at ", __FILE__, \
-                       ":", __LINE__);                                                          \
+                       ":", __LINE__);                                                           \
   } while (0)
 
 namespace bertrain::cuda {
-inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+inline cudaStream_t as_stream(void* s) {
+  return static_cast<cudaStream_t>(s);
+}
 inline unsigned blocks_for(int64_t n, unsigned threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }

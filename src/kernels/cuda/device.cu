@@ -30,6 +30,8 @@ void DeviceBuffer::download(void* host, size_t bytes) const {
   BT_CUDA_CHECK(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost));
 }
 
-void synchronize() { BT_CUDA_CHECK(cudaDeviceSynchronize()); }
+void synchronize() {
+  BT_CUDA_CHECK(cudaDeviceSynchronize());
+}
 
 }  // namespace bertrain::cuda

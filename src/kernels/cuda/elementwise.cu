@@ -28,9 +28,12 @@ __global__ void activation_forward_kernel(int a, float* out, const float* inp, i
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float x = inp[i];
-  if (a == 0) out[i] = 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f));
-  else if (a == 1) out[i] = 0.5f * x * (1.0f + tanhf(0.79788456080286535588f * (x + 0.044715f * x * x * x)));
-  else out[i] = x > 0.0f ? x : 0.0f;
+  if (a == 0)
+    out[i] = 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f));
+  else if (a == 1)
+    out[i] = 0.5f * x * (1.0f + tanhf(0.79788456080286535588f * (x + 0.044715f * x * x * x)));
+  else
+    out[i] = x > 0.0f ? x : 0.0f;
 }
 
 __global__ void activation_backward_kernel(int a, float* dinp, const float* inp, const float* dout,
@@ -63,7 +66,8 @@ __global__ void dropout_kernel(float* x, int64_t n, float p, float scale, uint64
 
 }  // namespace
 
-void activation_forward(kernels::Activation a, float* out, const float* inp, int64_t n, void* stream) {
+void activation_forward(kernels::Activation a, float* out, const float* inp, int64_t n,
+                        void* stream) {
   if (n == 0) return;
   activation_forward_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(
       static_cast<int>(a), out, inp, n);
