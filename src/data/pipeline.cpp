@@ -1,0 +1,471 @@
+#include "data/pipeline.h"
+
+#include <glob.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "core/rng.h"
+#include "data/tfrecord.h"
+
+namespace bertrain::data {
+
+std::vector<std::string> list_files(const std::string& patterns) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= patterns.size()) {
+    size_t end = patterns.find(',', start);
+    if (end == std::string::npos) end = patterns.size();
+    const std::string pat = patterns.substr(start, end - start);
+    start = end + 1;
+    if (pat.empty()) continue;
+    glob_t g{};
+    const int rc = ::glob(pat.c_str(), GLOB_BRACE | GLOB_TILDE, nullptr, &g);
+    if (rc == 0)
+      for (size_t i = 0; i < g.gl_pathc; ++i) {
+        struct stat st{};
+        if (::stat(g.gl_pathv[i], &st) == 0 && S_ISREG(st.st_mode)) out.push_back(g.gl_pathv[i]);
+      }
+    globfree(&g);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  if (out.empty()) fail("no files match '", patterns, "' (check the path or quote the glob)");
+  return out;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Entry {
+  ParsedExample ex;
+  std::string error;  // non-empty: a fatal error at this point of the stream
+};
+
+struct Slot {
+  int64_t file = -1;  // index into the epoch's file list; -1: empty slot
+  std::unique_ptr<TFRecordReader> reader;
+  std::deque<Entry> q;
+  bool eof = false, busy = false;
+};
+
+struct Out {
+  model::Batch batch;
+  uint64_t epoch = 0, index = 0;
+  std::string error;
+  bool end = false;
+};
+
+void truncate_batch(model::Batch& b, int64_t rows) {
+  b.B = rows;
+  b.input_ids.resize(rows * b.T);
+  b.input_mask.resize(rows * b.T);
+  b.segment_ids.resize(rows * b.T);
+  b.masked_lm_positions.resize(rows * b.P);
+  b.masked_lm_ids.resize(rows * b.P);
+  b.masked_lm_weights.resize(rows * b.P);
+  b.next_sentence_labels.resize(rows);
+  b.label_ids.resize(rows);
+}
+
+uint64_t fingerprint_of(const std::vector<std::string>& files) {
+  uint64_t h = 0x6a09e667f3bcc908ull;
+  for (const auto& f : files) {
+    struct stat st{};
+    ::stat(f.c_str(), &st);
+    for (char c : f) h = mix64(h ^ static_cast<uint8_t>(c));
+    h = mix64(h ^ static_cast<uint64_t>(st.st_size));
+  }
+  return h;
+}
+
+}  // namespace
+
+struct Pipeline::Impl {
+  PipelineOptions opt;
+  Schema schema;
+  std::vector<std::string> all_files;
+  bool shard_by_file = true;
+  uint64_t fingerprint = 0;
+  size_t slot_cap = 0;
+
+  // Shared between the assembler and the readers (under mu).
+  std::mutex mu;
+  std::condition_variable cv_work, cv_data;
+  std::vector<std::string> epoch_files;
+  std::vector<Slot> slots;
+  size_t cur = 0;
+  int active_readers = 1;
+  bool stop = false;
+
+  // Output queue (under out_mu).
+  std::mutex out_mu;
+  std::condition_variable cv_out, cv_space;
+  std::deque<Out> out;
+  std::vector<model::Batch> free_batches;
+  int prefetch = 1;
+
+  // Consumer-side state.
+  PipelinePosition pos;
+  PipelineStats st;
+  Clock::time_point t_start = Clock::now();
+  double window_wait = 0;
+  Clock::time_point window_start = Clock::now();
+  int window_batches = 0, calm_windows = 0;
+
+  std::atomic<uint64_t> bytes{0}, skipped{0};
+  std::thread assembler;
+  std::vector<std::thread> readers;
+
+  Impl(const PipelineOptions& o, const Schema& s) : opt(o), schema(s) {}
+
+  std::vector<std::string> files_for_epoch(uint64_t epoch) const {
+    std::vector<std::string> f = all_files;
+    if (opt.shuffle) {  // same permutation on every rank: shards stay disjoint
+      const uint64_t key = rng_key(opt.seed, epoch, 0xf11e5);
+      for (size_t i = f.size(); i > 1; --i) std::swap(f[i - 1], f[rng_u64(key, i) % i]);
+    }
+    if (!shard_by_file) return f;
+    std::vector<std::string> mine;
+    for (size_t i = 0; i < f.size(); ++i)
+      if (static_cast<int>(i % opt.world) == opt.rank) mine.push_back(f[i]);
+    return mine;
+  }
+
+  // ---- readers ----
+  int find_work() {
+    const size_t n = slots.size();
+    for (size_t d = 0; d < n; ++d) {
+      const size_t i = (cur + d) % n;
+      const Slot& s = slots[i];
+      if (s.file >= 0 && !s.eof && !s.busy && s.q.size() < slot_cap) return static_cast<int>(i);
+    }
+    return -1;
+  }
+
+  void log_skip(const std::string& what) {
+    skipped.fetch_add(1);
+    if (opt.verbose_skips) std::fprintf(stderr, "bertrain: skipping corrupt record: %s\n", what.c_str());
+  }
+
+  void reader_loop(int id) {
+    std::string rec, err;
+    for (;;) {
+      std::unique_lock<std::mutex> lock(mu);
+      int s;
+      cv_work.wait(lock, [&] { return stop || (id < active_readers && (s = find_work()) >= 0); });
+      if (stop) return;
+      Slot& slot = slots[s];
+      slot.busy = true;
+      const std::string path = epoch_files[slot.file];
+      const size_t want = std::min<size_t>(std::max<size_t>(opt.block_length, 8), slot_cap - slot.q.size());
+      lock.unlock();
+
+      std::vector<Entry> got;
+      bool eof = false;
+      auto failure = [&](const std::string& msg, bool fatal_to_file) {
+        if (opt.on_corrupt == OnCorrupt::Fail) {
+          got.push_back({{}, msg});
+          eof = true;
+        } else {
+          log_skip(msg);
+          if (fatal_to_file) eof = true;
+        }
+      };
+      try {
+        if (!slot.reader) slot.reader = std::make_unique<TFRecordReader>(path, resolve_compression(opt.compression, path));
+        while (got.size() < want && !eof) {
+          try {
+            if (!slot.reader->next(rec)) {
+              eof = true;
+              break;
+            }
+          } catch (const CorruptRecord& e) {
+            failure(e.what(), !e.resumable());
+            continue;
+          }
+          bytes.fetch_add(rec.size() + 16, std::memory_order_relaxed);
+          Entry e;
+          if (schema.parse(rec, e.ex, err)) {
+            got.push_back(std::move(e));
+          } else {
+            failure(str(path, ": record ", slot.reader->records() - 1, " at byte ",
+                        slot.reader->offset() - rec.size() - 16, ": ", err,
+                        opt.on_corrupt == OnCorrupt::Fail ? "; fix the data or pass --on-corrupt=skip" : ""),
+                    false);
+          }
+        }
+      } catch (const Error& e) {  // cannot open or read the file
+        failure(e.what(), true);
+      }
+
+      lock.lock();
+      for (auto& e : got) slot.q.push_back(std::move(e));
+      slot.busy = false;
+      if (eof) {
+        slot.eof = true;
+        slot.reader.reset();
+      }
+      lock.unlock();
+      cv_data.notify_all();
+      cv_work.notify_all();
+    }
+  }
+
+  // ---- assembler ----
+  bool push_out(Out&& o) {
+    std::unique_lock<std::mutex> lock(out_mu);
+    cv_space.wait(lock, [&] { return stop || static_cast<int>(out.size()) < prefetch; });
+    if (stop) return false;
+    out.push_back(std::move(o));
+    lock.unlock();
+    cv_out.notify_one();
+    return true;
+  }
+
+  model::Batch take_free_batch() {
+    std::lock_guard<std::mutex> lock(out_mu);
+    model::Batch b;
+    if (!free_batches.empty()) {
+      b = std::move(free_batches.back());
+      free_batches.pop_back();
+    }
+    return b;
+  }
+
+  void assembler_loop() {
+    const int64_t B = opt.batch_size;
+    for (uint64_t epoch = pos.epoch; opt.epochs == 0 || epoch < static_cast<uint64_t>(opt.epochs); ++epoch) {
+      const uint64_t skip_batches = epoch == pos.epoch ? pos.batches : 0;
+      size_t next_file = 0;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        epoch_files = files_for_epoch(epoch);
+        for (auto& s : slots) {
+          s = Slot();
+          if (next_file < epoch_files.size()) s.file = static_cast<int64_t>(next_file++);
+        }
+        cur = 0;
+      }
+      cv_work.notify_all();
+
+      const uint64_t shuffle_key = rng_key(opt.seed, epoch, 0x5b0ff1e, opt.rank);
+      uint64_t draws = 0, stream_k = 0, batch_index = 0;
+      int64_t rows = 0;
+      std::vector<ParsedExample> buffer;
+      model::Batch batch = take_free_batch();
+      schema.shape_batch(batch, B);
+
+      auto emit = [&](ParsedExample& ex) -> bool {
+        if (batch_index >= skip_batches) schema.fill_row(ex, batch, rows);
+        if (++rows == B) {
+          if (batch_index >= skip_batches) {
+            if (!push_out({std::move(batch), epoch, batch_index, "", false})) return false;
+            batch = take_free_batch();
+            schema.shape_batch(batch, B);
+          }
+          ++batch_index;
+          rows = 0;
+        }
+        return true;
+      };
+      auto accept = [&](Entry& e) -> bool {
+        if (!shard_by_file && static_cast<int>(stream_k++ % opt.world) != opt.rank) return true;
+        if (!opt.shuffle || opt.shuffle_buffer <= 1) return emit(e.ex);
+        if (static_cast<int64_t>(buffer.size()) < opt.shuffle_buffer) {
+          buffer.push_back(std::move(e.ex));
+          return true;
+        }
+        const size_t j = rng_u64(shuffle_key, draws++) % buffer.size();
+        if (!emit(buffer[j])) return false;
+        buffer[j] = std::move(e.ex);
+        return true;
+      };
+
+      // Interleave: block_length examples from each open file in turn; an exhausted file is
+      // replaced in its slot by the next file of the epoch.
+      for (;;) {
+        bool any_open = false;
+        for (const auto& s : slots) any_open |= s.file >= 0;
+        if (!any_open) break;
+        Slot& slot = slots[cur];
+        for (int taken = 0; taken < opt.block_length;) {
+          std::unique_lock<std::mutex> lock(mu);
+          if (slot.file < 0) break;
+          cv_data.wait(lock, [&] { return stop || !slot.q.empty() || (slot.eof && !slot.busy); });
+          if (stop) return;
+          if (slot.q.empty()) {  // this file is done: the next one takes the slot
+            slot = Slot();
+            if (next_file < epoch_files.size()) slot.file = static_cast<int64_t>(next_file++);
+            lock.unlock();
+            cv_work.notify_all();
+            break;
+          }
+          Entry e = std::move(slot.q.front());
+          slot.q.pop_front();
+          lock.unlock();
+          cv_work.notify_all();
+          if (!e.error.empty()) {
+            push_out({{}, epoch, batch_index, e.error, false});
+            return;
+          }
+          if (!accept(e)) return;
+          ++taken;
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        cur = (cur + 1) % slots.size();
+      }
+      // End of the epoch: drain the shuffle buffer in random order, then the remainder.
+      while (!buffer.empty()) {
+        const size_t j = rng_u64(shuffle_key, draws++) % buffer.size();
+        if (!emit(buffer[j])) return;
+        buffer[j] = std::move(buffer.back());
+        buffer.pop_back();
+      }
+      if (rows > 0 && !opt.drop_remainder && batch_index >= skip_batches) {
+        truncate_batch(batch, rows);
+        if (!push_out({std::move(batch), epoch, batch_index, "", false})) return;
+      }
+    }
+    push_out({{}, 0, 0, "", true});
+  }
+
+  void autotune(double waited) {
+    window_wait += waited;
+    if (++window_batches < 8) return;
+    const double span = std::chrono::duration<double>(Clock::now() - window_start).count();
+    const double frac = span > 0 ? window_wait / span : 0;
+    size_t queued;
+    {
+      std::lock_guard<std::mutex> lock(out_mu);
+      queued = out.size();
+    }
+    if (frac > 0.02) {
+      calm_windows = 0;
+      if (opt.readers == 0) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (active_readers < static_cast<int>(readers.size())) ++active_readers;
+      }
+      if (opt.prefetch == 0) {
+        std::lock_guard<std::mutex> lock(out_mu);
+        if (prefetch < opt.max_prefetch) ++prefetch;
+      }
+      cv_work.notify_all();
+      cv_space.notify_all();
+    } else if (queued >= static_cast<size_t>(prefetch) && ++calm_windows >= 4 && opt.readers == 0) {
+      // The consumer never waits and the queue is full: give a core back to the compute.
+      std::lock_guard<std::mutex> lock(mu);
+      if (active_readers > 1) --active_readers;
+      calm_windows = 0;
+    }
+    window_wait = 0;
+    window_batches = 0;
+    window_start = Clock::now();
+  }
+};
+
+Pipeline::Pipeline(const PipelineOptions& opt, const Schema& schema, PipelinePosition start)
+    : impl_(new Impl(opt, schema)) {
+  Impl& m = *impl_;
+  if (opt.batch_size <= 0) fail("batch size must be positive");
+  if (opt.world <= 0 || opt.rank < 0 || opt.rank >= opt.world)
+    fail("rank ", opt.rank, " is outside a world of ", opt.world);
+  if (opt.cycle_length <= 0 || opt.block_length <= 0) fail("cycle and block length must be positive");
+  m.all_files = list_files(opt.files);
+  m.shard_by_file = static_cast<int>(m.all_files.size()) >= opt.world;
+  m.fingerprint = fingerprint_of(m.all_files);
+  if (start.fingerprint != 0 && start.fingerprint != m.fingerprint)
+    fail("the input files differ from the ones the checkpoint was reading (", opt.files,
+         "); resume with the same data, or start a new run");
+  m.pos = start;
+  m.pos.fingerprint = m.fingerprint;
+  m.slot_cap = static_cast<size_t>(std::max(2 * opt.block_length, 16));
+  m.slots.resize(opt.cycle_length);
+  const int max_readers = std::max(1, std::min(opt.cycle_length, opt.readers > 0 ? opt.readers : opt.cycle_length));
+  m.active_readers = opt.readers > 0 ? max_readers : 1;
+  m.prefetch = opt.prefetch > 0 ? opt.prefetch : 2;
+  if (opt.prefetch == 0 && opt.max_prefetch < 2) fail("--max-prefetch must be at least 2");
+  for (int i = 0; i < max_readers; ++i) m.readers.emplace_back([&m, i] { m.reader_loop(i); });
+  m.assembler = std::thread([&m] { m.assembler_loop(); });
+}
+
+Pipeline::~Pipeline() {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> a(m.mu);
+    std::lock_guard<std::mutex> b(m.out_mu);
+    m.stop = true;
+  }
+  m.cv_work.notify_all();
+  m.cv_data.notify_all();
+  m.cv_space.notify_all();
+  m.cv_out.notify_all();
+  if (m.assembler.joinable()) m.assembler.join();
+  for (auto& t : m.readers) t.join();
+}
+
+bool Pipeline::next(model::Batch& batch) {
+  Impl& m = *impl_;
+  const auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(m.out_mu);
+  m.cv_out.wait(lock, [&] { return !m.out.empty(); });
+  const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (m.out.front().end) return false;  // stays queued: later calls also end
+  Out o = std::move(m.out.front());
+  m.out.pop_front();
+  if (batch.input_ids.capacity() > 0 && m.free_batches.size() < 4) m.free_batches.push_back(std::move(batch));
+  lock.unlock();
+  m.cv_space.notify_one();
+  if (!o.error.empty()) {
+    std::lock_guard<std::mutex> l2(m.out_mu);
+    m.out.push_front({{}, 0, 0, o.error, false});  // keep failing on later calls
+    throw Error(o.error);
+  }
+  batch = std::move(o.batch);
+  m.pos.epoch = o.epoch;
+  m.pos.batches = o.index + 1;
+  m.st.batches++;
+  m.st.examples += batch.B;
+  m.st.consumer_wait_s += waited;
+  m.autotune(waited);
+  return true;
+}
+
+PipelinePosition Pipeline::position() const { return impl_->pos; }
+
+PipelineStats Pipeline::stats() const {
+  Impl& m = *impl_;
+  PipelineStats s = m.st;
+  s.bytes = m.bytes.load();
+  s.skipped = m.skipped.load();
+  s.elapsed_s = std::chrono::duration<double>(Clock::now() - m.t_start).count();
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    s.readers = m.active_readers;
+  }
+  std::lock_guard<std::mutex> lock(m.out_mu);
+  s.prefetch = m.prefetch;
+  s.queued_batches = static_cast<int64_t>(m.out.size());
+  return s;
+}
+
+size_t Pipeline::memory_bound_bytes() const {
+  const Impl& m = *impl_;
+  const size_t ex = m.schema.example_bytes() + 2 * sizeof(std::vector<int32_t>) + sizeof(Entry);
+  const size_t batch = ex * m.opt.batch_size;
+  const size_t read_buffers = m.opt.cycle_length * size_t{2} << 20;  // buffered file + zlib input
+  return m.opt.cycle_length * (m.slot_cap + 64) * ex + m.opt.shuffle_buffer * ex +
+         (m.opt.max_prefetch + 6) * batch + read_buffers;
+}
+
+const std::vector<std::string>& Pipeline::files() const { return impl_->all_files; }
+
+}  // namespace bertrain::data

@@ -1,0 +1,84 @@
+// data::Pipeline: TFRecord shards -> model::Batch, in parallel, deterministic, memory-bounded.
+//
+//   glob -> shard by rank (by file when files >= ranks, else by record) -> seeded file order
+//   per epoch -> interleave (cycle_length open files, block_length records from each in turn)
+//   -> reader threads (read, CRC, decompress, parse + validate) -> shuffle buffer -> batch
+//   -> prefetch queue -> next()
+//
+// Order depends only on (files, seed, options), never on thread timing or counts: the readers
+// fill per-file queues, and one assembler thread takes from them in the fixed interleave order.
+// Every queue is bounded (memory_bound_bytes() says how much at most). AUTOTUNE raises the
+// active reader threads and the prefetch depth while the consumer waits, and lowers them while
+// it never does. A position (epoch, batches) restarts the stream exactly where it left off:
+// the assembler replays the epoch's interleave and shuffle up to it without emitting batches.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/schema.h"
+#include "model/batch.h"
+
+namespace bertrain::data {
+
+enum class OnCorrupt { Fail, Skip };
+
+struct PipelineOptions {
+  std::string files;  // glob pattern(s), comma-separated
+  int64_t batch_size = 32;
+  int rank = 0, world = 1;
+  uint64_t seed = 12345;
+  bool shuffle = true;           // file order per epoch + shuffle buffer
+  int64_t shuffle_buffer = 4096; // examples
+  int cycle_length = 8;
+  int block_length = 16;
+  int readers = 0;               // reader threads; 0 = AUTOTUNE (1..cycle_length)
+  int prefetch = 0;              // batches ready ahead; 0 = AUTOTUNE (1..max_prefetch)
+  int max_prefetch = 8;
+  int64_t epochs = 0;            // 0 = repeat forever
+  bool drop_remainder = true;
+  OnCorrupt on_corrupt = OnCorrupt::Fail;
+  std::string compression = "auto";
+  bool verbose_skips = true;     // log each skipped record to stderr
+};
+
+struct PipelinePosition {
+  uint64_t epoch = 0;    // epochs completed before the current one
+  uint64_t batches = 0;  // batches already returned in the current epoch
+  uint64_t fingerprint = 0;  // of the file list (names, sizes): resuming on other data fails
+};
+
+struct PipelineStats {
+  uint64_t batches = 0, examples = 0, bytes = 0, skipped = 0;
+  double consumer_wait_s = 0, elapsed_s = 0;
+  int readers = 0, prefetch = 0;
+  int64_t queued_batches = 0;
+  double examples_per_s() const { return elapsed_s > 0 ? examples / elapsed_s : 0; }
+};
+
+// Files matching the comma-separated glob patterns, sorted; Error when none match.
+std::vector<std::string> list_files(const std::string& patterns);
+
+class Pipeline {
+ public:
+  Pipeline(const PipelineOptions& opt, const Schema& schema, PipelinePosition start = {});
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  // The next batch (swapped into `out`; out's old buffers are recycled). False at the end of
+  // the last epoch. Throws Error (file, offset, record) on corrupt data with OnCorrupt::Fail.
+  bool next(model::Batch& out);
+  PipelinePosition position() const;  // after the last batch returned
+  PipelineStats stats() const;
+  size_t memory_bound_bytes() const;
+  const std::vector<std::string>& files() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace bertrain::data

@@ -1,0 +1,241 @@
+// data::Pipeline: determinism, independence from thread counts, sharding (every record once per
+// epoch across ranks), exact resume, corrupt-data policies, bounded memory.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "data/example.h"
+#include "data/pipeline.h"
+#include "data/tfrecord.h"
+#include "test_util.h"
+
+namespace bertrain::data {
+namespace {
+
+using test::TempDir;
+
+constexpr int64_t kT = 8, kP = 2, kVocab = 1 << 20;
+
+std::string make_record(int64_t uid) {
+  Example ex;
+  std::vector<int64_t> ids(kT, 7);
+  ids[0] = uid;
+  ex["input_ids"] = {FeatureKind::Int64, ids, {}, {}};
+  ex["input_mask"] = {FeatureKind::Int64, std::vector<int64_t>(kT, 1), {}, {}};
+  ex["segment_ids"] = {FeatureKind::Int64, std::vector<int64_t>(kT, 0), {}, {}};
+  ex["masked_lm_positions"] = {FeatureKind::Int64, {1, 2}, {}, {}};
+  ex["masked_lm_ids"] = {FeatureKind::Int64, {5, 6}, {}, {}};
+  ex["masked_lm_weights"] = {FeatureKind::Float, {}, {1.0f, 1.0f}, {}};
+  ex["next_sentence_labels"] = {FeatureKind::Int64, {uid % 2}, {}, {}};
+  return encode_example(ex);
+}
+
+// files x records, uid = 1000 * file + record (+1 so that 0 never appears).
+void write_shards(const TempDir& dir, int files, int records, Compression c = Compression::None) {
+  for (int f = 0; f < files; ++f) {
+    TFRecordWriter w(dir / ("shard-" + std::to_string(f) + ".tfrecord"), c);
+    for (int r = 0; r < records; ++r) w.write(make_record(1000 * f + r + 1));
+    w.close();
+  }
+}
+
+Schema schema() { return Schema::pretraining(kT, kP, kVocab); }
+
+PipelineOptions options(const TempDir& dir, int64_t batch) {
+  PipelineOptions o;
+  o.files = dir / "shard-*.tfrecord";
+  o.batch_size = batch;
+  o.cycle_length = 3;
+  o.block_length = 4;
+  o.shuffle_buffer = 50;
+  o.seed = 99;
+  return o;
+}
+
+// uids of the next n batches
+std::vector<int32_t> take(Pipeline& p, int n) {
+  std::vector<int32_t> out;
+  model::Batch b;
+  for (int i = 0; i < n && p.next(b); ++i)
+    for (int64_t r = 0; r < b.B; ++r) out.push_back(b.input_ids[r * kT]);
+  return out;
+}
+
+TEST(Pipeline, OneEpochHoldsEveryRecordOnceAndIsShuffled) {
+  TempDir dir;
+  write_shards(dir, 5, 37);
+  PipelineOptions o = options(dir, 8);
+  o.epochs = 1;
+  o.drop_remainder = false;
+  Pipeline p(o, schema());
+  auto uids = take(p, 1000);
+  ASSERT_EQ(uids.size(), 5u * 37u);
+  std::set<int32_t> uniq(uids.begin(), uids.end());
+  EXPECT_EQ(uniq.size(), uids.size());
+  EXPECT_FALSE(std::is_sorted(uids.begin(), uids.end()));
+  model::Batch b;
+  EXPECT_FALSE(p.next(b));  // end, and it stays ended
+  EXPECT_FALSE(p.next(b));
+  EXPECT_LE(p.stats().examples, 185u);
+}
+
+TEST(Pipeline, DeterministicAndIndependentOfThreadCounts) {
+  TempDir dir;
+  write_shards(dir, 6, 50, Compression::Gzip);
+  std::vector<std::vector<int32_t>> runs;
+  for (int readers : {1, 3, 0}) {
+    for (int prefetch : {1, 4, 0}) {
+      PipelineOptions o = options(dir, 16);
+      o.files = dir / "shard-*";
+      o.readers = readers;
+      o.prefetch = prefetch;
+      Pipeline p(o, schema());
+      runs.push_back(take(p, 40));  // crosses epoch boundaries (300 records / 16)
+    }
+  }
+  for (size_t i = 1; i < runs.size(); ++i) EXPECT_EQ(runs[i], runs[0]) << "run " << i;
+  // Another seed gives another order.
+  PipelineOptions o = options(dir, 16);
+  o.files = dir / "shard-*";
+  o.seed = 100;
+  Pipeline p(o, schema());
+  EXPECT_NE(take(p, 40), runs[0]);
+}
+
+void check_sharding(int files, int world) {
+  TempDir dir;
+  write_shards(dir, files, 23);
+  std::multiset<int32_t> seen;
+  for (int rank = 0; rank < world; ++rank) {
+    PipelineOptions o = options(dir, 4);
+    o.rank = rank;
+    o.world = world;
+    o.epochs = 1;
+    o.drop_remainder = false;
+    Pipeline p(o, schema());
+    for (int32_t u : take(p, 10000)) seen.insert(u);
+  }
+  ASSERT_EQ(seen.size(), static_cast<size_t>(files * 23)) << files << " files, " << world << " ranks";
+  EXPECT_EQ(std::set<int32_t>(seen.begin(), seen.end()).size(), seen.size());
+}
+
+TEST(Pipeline, ShardsByFileEveryRecordOncePerEpoch) { check_sharding(7, 3); }
+TEST(Pipeline, ShardsByRecordWhenFewerFilesThanRanks) { check_sharding(2, 4); }
+
+TEST(Pipeline, ResumesExactlyMidEpochAndAcrossEpochs) {
+  TempDir dir;
+  write_shards(dir, 4, 30);
+  PipelineOptions o = options(dir, 7);
+  Pipeline full(o, schema());
+  auto ref = take(full, 40);  // 120 records per epoch: 17 batches per epoch
+  for (int cut : {1, 5, 17, 20, 33}) {
+    PipelinePosition pos;
+    std::vector<int32_t> got;
+    {
+      Pipeline a(o, schema());
+      got = take(a, cut);
+      pos = a.position();
+    }
+    Pipeline b(o, schema(), pos);
+    auto rest = take(b, 40 - cut);
+    got.insert(got.end(), rest.begin(), rest.end());
+    EXPECT_EQ(got, ref) << "cut after " << cut << " batches (epoch " << pos.epoch << ", batch " << pos.batches << ")";
+  }
+  // A position from other data is refused.
+  PipelinePosition foreign{0, 3, 12345};
+  try {
+    Pipeline c(o, schema(), foreign);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("input files differ"), std::string::npos);
+  }
+}
+
+void corrupt_second_file(const TempDir& dir) {
+  // Flip a data byte of record 3 of shard-1 (each record has the same size).
+  const std::string path = dir / "shard-1.tfrecord";
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes(std::istreambuf_iterator<char>(in), {});
+  const size_t rec = bytes.size() / 10;
+  bytes[3 * rec + 20] ^= 0x40;
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+TEST(Pipeline, CorruptRecordFailsWithFileAndOffset) {
+  TempDir dir;
+  write_shards(dir, 3, 10);
+  corrupt_second_file(dir);
+  PipelineOptions o = options(dir, 4);
+  o.epochs = 1;
+  Pipeline p(o, schema());
+  try {
+    take(p, 100);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("shard-1.tfrecord: corrupt record 3 at byte"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--on-corrupt=skip"), std::string::npos) << msg;
+  }
+}
+
+TEST(Pipeline, CorruptRecordSkippedAndCounted) {
+  TempDir dir;
+  write_shards(dir, 3, 10);
+  corrupt_second_file(dir);
+  // A record with a wrong feature length in another file.
+  {
+    TFRecordWriter w(dir / "shard-9.tfrecord", Compression::None);
+    w.write(make_record(9001));
+    Example bad;
+    bad["input_ids"] = {FeatureKind::Int64, {1, 2, 3}, {}, {}};
+    w.write(encode_example(bad));
+    w.close();
+  }
+  PipelineOptions o = options(dir, 4);
+  o.epochs = 1;
+  o.drop_remainder = false;
+  o.on_corrupt = OnCorrupt::Skip;
+  o.verbose_skips = false;
+  Pipeline p(o, schema());
+  auto uids = take(p, 100);
+  EXPECT_EQ(uids.size(), 3u * 10u - 1u + 1u);
+  EXPECT_EQ(std::count(uids.begin(), uids.end(), 1000 * 1 + 3 + 1), 0);
+  EXPECT_EQ(p.stats().skipped, 2u);
+}
+
+TEST(Pipeline, MissingFilesAndBadOptionsAreClearErrors) {
+  TempDir dir;
+  PipelineOptions o = options(dir, 4);
+  try {
+    Pipeline p(o, schema());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no files match"), std::string::npos);
+  }
+  write_shards(dir, 1, 3);
+  o.rank = 2;
+  o.world = 2;
+  EXPECT_THROW(Pipeline(o, schema()), Error);
+}
+
+TEST(Pipeline, MemoryIsBoundedAndReported) {
+  TempDir dir;
+  write_shards(dir, 4, 200);
+  PipelineOptions o = options(dir, 32);
+  Pipeline p(o, schema());
+  const size_t bound = p.memory_bound_bytes();
+  EXPECT_GT(bound, 0u);
+  EXPECT_LT(bound, size_t{64} << 20);  // a few MiB for these settings, not the data size
+  take(p, 50);
+  PipelineStats s = p.stats();
+  EXPECT_EQ(s.batches, 50u);
+  EXPECT_EQ(s.examples, 50u * 32u);
+  EXPECT_GT(s.bytes, 0u);
+  EXPECT_GE(s.readers, 1);
+  EXPECT_LE(s.queued_batches, 8);
+}
+
+}  // namespace
+}  // namespace bertrain::data
