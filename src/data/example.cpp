@@ -56,9 +56,11 @@ std::string encode_example(const Example& ex) {
   for (const auto& [name, f] : ex) {
     tensorflow::Feature& d = (*fmap)[name];
     switch (f.kind) {
-      case FeatureKind::Bytes:
-        for (const auto& b : f.bytes) d.mutable_bytes_list()->add_value(b);
+      case FeatureKind::Bytes: {
+        auto* list = d.mutable_bytes_list();  // set the kind even for an empty list
+        for (const auto& b : f.bytes) list->add_value(b);
         break;
+      }
       case FeatureKind::Float:
         d.mutable_float_list()->mutable_value()->Add(f.floats.begin(), f.floats.end());
         break;
