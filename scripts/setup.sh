@@ -14,6 +14,7 @@ PACKAGES=(
   libutf8proc-dev zlib1g-dev        # WordPiece Unicode; gzip TFRecords
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang libclang-rt-14-dev          # the fuzz target (libFuzzer + sanitizers) in scripts/test.sh
 )
 
 missing=()

@@ -30,7 +30,7 @@ RunResult run(const std::string& args) {
 TEST(Cli, HelpForEverySubcommand) {
   RunResult r = run("--help");
   EXPECT_EQ(r.rc, 0);
-  for (const char* sub : {"estimate", "init", "inspect", "bench"}) {
+  for (const char* sub : {"estimate", "init", "inspect", "bench", "bench-input"}) {
     EXPECT_NE(r.out.find(sub), std::string::npos) << sub;
     RunResult s = run(std::string(sub) + " --help");
     EXPECT_EQ(s.rc, 0) << sub;
@@ -87,6 +87,38 @@ TEST(Cli, BenchRunsAStep) {
                     " --batch-size 2 --seq-len 16 --max-predictions 3 --steps 1 --warmup 0 --json");
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("\"tokens_per_s\""), std::string::npos) << r.out;
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Cli, InspectTfRecordsAsJsonLinesAndVerifiesCrcs) {
+  RunResult r = run("inspect " + data_path("data/tfrecord/torchdata_example.tfrecord"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("\"x_int\":{\"size\":10,\"type\":\"int64\",\"values\":[0,10,20"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("4 records"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("all CRCs ok"), std::string::npos) << r.out;
+  r = run("inspect --count '" + data_path("data/tfrecord/*.tfrecord*") + "'");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("234 records"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("gzip compression"), std::string::npos) << r.out;
+  // Flip one byte inside the third record: exit 1 naming the file, record and offset.
+  TempDir tmp;
+  std::ifstream in(data_path("data/tfrecord/torchdata_example.tfrecord"), std::ios::binary);
+  std::string bytes(std::istreambuf_iterator<char>(in), {});
+  bytes[2 * 124 + 40] ^= 1;
+  std::ofstream(tmp / "bad.tfrecord", std::ios::binary) << bytes;
+  r = run("inspect " + tmp / "bad.tfrecord");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("bad.tfrecord: corrupt record 2 at byte 255: data CRC mismatch"), std::string::npos) << r.out;
+}
+
+TEST(Cli, BenchInputReadsShards) {
+  RunResult r = run("bench-input --data " + data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord") +
+                    " --batch-size 8 --seconds 0.5 --json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("\"examples_per_s\""), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
   bertrain::cli::add_init(app);
   bertrain::cli::add_inspect(app);
   bertrain::cli::add_bench(app);
+  bertrain::cli::add_bench_input(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

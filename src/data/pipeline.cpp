@@ -45,15 +45,20 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-struct Entry {
-  ParsedExample ex;
-  std::string error;  // non-empty: a fatal error at this point of the stream
+// Parsed examples travel in chunks (one reader pass over a file): flat storage, no allocation
+// per example, one lock per chunk.
+struct Chunk {
+  std::vector<int32_t> ints;  // n * schema.int_count()
+  std::vector<float> floats;  // n * schema.float_count()
+  size_t n = 0, pos = 0;      // examples held; examples already taken by the assembler
+  std::string error;          // non-empty: a fatal error after these examples
 };
 
 struct Slot {
   int64_t file = -1;  // index into the epoch's file list; -1: empty slot
   std::unique_ptr<TFRecordReader> reader;
-  std::deque<Entry> q;
+  std::deque<Chunk> q;
+  size_t queued = 0;  // examples in q
   bool eof = false, busy = false;
 };
 
@@ -102,6 +107,7 @@ struct Pipeline::Impl {
   std::condition_variable cv_work, cv_data;
   std::vector<std::string> epoch_files;
   std::vector<Slot> slots;
+  std::vector<Chunk> free_chunks;
   size_t cur = 0;
   int active_readers = 1;
   bool stop = false;
@@ -146,7 +152,7 @@ struct Pipeline::Impl {
     for (size_t d = 0; d < n; ++d) {
       const size_t i = (cur + d) % n;
       const Slot& s = slots[i];
-      if (s.file >= 0 && !s.eof && !s.busy && s.q.size() < slot_cap) return static_cast<int>(i);
+      if (s.file >= 0 && !s.eof && !s.busy && s.queued < slot_cap) return static_cast<int>(i);
     }
     return -1;
   }
@@ -166,14 +172,17 @@ struct Pipeline::Impl {
       Slot& slot = slots[s];
       slot.busy = true;
       const std::string path = epoch_files[slot.file];
-      const size_t want = std::min<size_t>(std::max<size_t>(opt.block_length, 8), slot_cap - slot.q.size());
+      const size_t want = std::min<size_t>(std::max<size_t>(opt.block_length, 8), slot_cap - slot.queued);
+      Chunk chunk = take_free_chunk_locked();
       lock.unlock();
 
-      std::vector<Entry> got;
+      const size_t IC = schema.int_count(), FC = schema.float_count();
+      chunk.ints.resize(want * IC);
+      chunk.floats.resize(want * FC);
       bool eof = false;
       auto failure = [&](const std::string& msg, bool fatal_to_file) {
         if (opt.on_corrupt == OnCorrupt::Fail) {
-          got.push_back({{}, msg});
+          chunk.error = msg;
           eof = true;
         } else {
           log_skip(msg);
@@ -182,7 +191,7 @@ struct Pipeline::Impl {
       };
       try {
         if (!slot.reader) slot.reader = std::make_unique<TFRecordReader>(path, resolve_compression(opt.compression, path));
-        while (got.size() < want && !eof) {
+        while (chunk.n < want && !eof) {
           try {
             if (!slot.reader->next(rec)) {
               eof = true;
@@ -193,9 +202,8 @@ struct Pipeline::Impl {
             continue;
           }
           bytes.fetch_add(rec.size() + 16, std::memory_order_relaxed);
-          Entry e;
-          if (schema.parse(rec, e.ex, err)) {
-            got.push_back(std::move(e));
+          if (schema.parse(rec, chunk.ints.data() + chunk.n * IC, chunk.floats.data() + chunk.n * FC, err)) {
+            ++chunk.n;
           } else {
             failure(str(path, ": record ", slot.reader->records() - 1, " at byte ",
                         slot.reader->offset() - rec.size() - 16, ": ", err,
@@ -208,7 +216,12 @@ struct Pipeline::Impl {
       }
 
       lock.lock();
-      for (auto& e : got) slot.q.push_back(std::move(e));
+      if (chunk.n > 0 || !chunk.error.empty()) {
+        slot.queued += chunk.n;
+        slot.q.push_back(std::move(chunk));
+      } else {
+        free_chunks.push_back(std::move(chunk));
+      }
       slot.busy = false;
       if (eof) {
         slot.eof = true;
@@ -218,6 +231,17 @@ struct Pipeline::Impl {
       cv_data.notify_all();
       cv_work.notify_all();
     }
+  }
+
+  Chunk take_free_chunk_locked() {
+    Chunk c;
+    if (!free_chunks.empty()) {
+      c = std::move(free_chunks.back());
+      free_chunks.pop_back();
+    }
+    c.n = c.pos = 0;
+    c.error.clear();
+    return c;
   }
 
   // ---- assembler ----
@@ -260,12 +284,17 @@ struct Pipeline::Impl {
       const uint64_t shuffle_key = rng_key(opt.seed, epoch, 0x5b0ff1e, opt.rank);
       uint64_t draws = 0, stream_k = 0, batch_index = 0;
       int64_t rows = 0;
-      std::vector<ParsedExample> buffer;
+      const size_t IC = schema.int_count(), FC = schema.float_count();
+      // Flat shuffle buffer: no allocation per example.
+      const size_t S = opt.shuffle && opt.shuffle_buffer > 1 ? static_cast<size_t>(opt.shuffle_buffer) : 0;
+      std::vector<int32_t> buf_ints(S * IC);
+      std::vector<float> buf_floats(S * FC);
+      size_t buffered = 0;
       model::Batch batch = take_free_batch();
       schema.shape_batch(batch, B);
 
-      auto emit = [&](ParsedExample& ex) -> bool {
-        if (batch_index >= skip_batches) schema.fill_row(ex, batch, rows);
+      auto emit = [&](const int32_t* ints, const float* floats) -> bool {
+        if (batch_index >= skip_batches) schema.fill_row(ints, floats, batch, rows);
         if (++rows == B) {
           if (batch_index >= skip_batches) {
             if (!push_out({std::move(batch), epoch, batch_index, "", false})) return false;
@@ -277,28 +306,47 @@ struct Pipeline::Impl {
         }
         return true;
       };
-      auto accept = [&](Entry& e) -> bool {
+      auto accept = [&](const int32_t* ints, const float* floats) -> bool {
         if (!shard_by_file && static_cast<int>(stream_k++ % opt.world) != opt.rank) return true;
-        if (!opt.shuffle || opt.shuffle_buffer <= 1) return emit(e.ex);
-        if (static_cast<int64_t>(buffer.size()) < opt.shuffle_buffer) {
-          buffer.push_back(std::move(e.ex));
+        if (S == 0) return emit(ints, floats);
+        if (buffered < S) {
+          std::copy_n(ints, IC, buf_ints.data() + buffered * IC);
+          std::copy_n(floats, FC, buf_floats.data() + buffered * FC);
+          ++buffered;
           return true;
         }
-        const size_t j = rng_u64(shuffle_key, draws++) % buffer.size();
-        if (!emit(buffer[j])) return false;
-        buffer[j] = std::move(e.ex);
+        const size_t j = rng_u64(shuffle_key, draws++) % S;
+        if (!emit(buf_ints.data() + j * IC, buf_floats.data() + j * FC)) return false;
+        std::copy_n(ints, IC, buf_ints.data() + j * IC);
+        std::copy_n(floats, FC, buf_floats.data() + j * FC);
         return true;
       };
 
       // Interleave: block_length examples from each open file in turn; an exhausted file is
-      // replaced in its slot by the next file of the epoch.
+      // replaced in its slot by the next file of the epoch. The assembler owns `held[i]`, the
+      // chunk it is taking examples from for slot i, so it locks once per chunk.
+      std::vector<Chunk> held(slots.size());
       for (;;) {
         bool any_open = false;
         for (const auto& s : slots) any_open |= s.file >= 0;
         if (!any_open) break;
         Slot& slot = slots[cur];
+        Chunk& h = held[cur];
         for (int taken = 0; taken < opt.block_length;) {
+          if (h.pos < h.n) {
+            const size_t k = std::min<size_t>(h.n - h.pos, opt.block_length - taken);
+            for (size_t i = 0; i < k; ++i, ++h.pos)
+              if (!accept(h.ints.data() + h.pos * IC, h.floats.data() + h.pos * FC)) return;
+            taken += static_cast<int>(k);
+            continue;
+          }
+          if (!h.error.empty()) {
+            push_out({{}, epoch, batch_index, h.error, false});
+            return;
+          }
           std::unique_lock<std::mutex> lock(mu);
+          if (h.ints.capacity() > 0) free_chunks.push_back(std::move(h));
+          h = Chunk();
           if (slot.file < 0) break;
           cv_data.wait(lock, [&] { return stop || !slot.q.empty() || (slot.eof && !slot.busy); });
           if (stop) return;
@@ -309,26 +357,22 @@ struct Pipeline::Impl {
             cv_work.notify_all();
             break;
           }
-          Entry e = std::move(slot.q.front());
+          h = std::move(slot.q.front());
           slot.q.pop_front();
+          slot.queued -= h.n;
           lock.unlock();
           cv_work.notify_all();
-          if (!e.error.empty()) {
-            push_out({{}, epoch, batch_index, e.error, false});
-            return;
-          }
-          if (!accept(e)) return;
-          ++taken;
         }
         std::lock_guard<std::mutex> lock(mu);
         cur = (cur + 1) % slots.size();
       }
       // End of the epoch: drain the shuffle buffer in random order, then the remainder.
-      while (!buffer.empty()) {
-        const size_t j = rng_u64(shuffle_key, draws++) % buffer.size();
-        if (!emit(buffer[j])) return;
-        buffer[j] = std::move(buffer.back());
-        buffer.pop_back();
+      while (buffered > 0) {
+        const size_t j = rng_u64(shuffle_key, draws++) % buffered;
+        if (!emit(buf_ints.data() + j * IC, buf_floats.data() + j * FC)) return;
+        --buffered;
+        std::copy_n(buf_ints.data() + buffered * IC, IC, buf_ints.data() + j * IC);
+        std::copy_n(buf_floats.data() + buffered * FC, FC, buf_floats.data() + j * FC);
       }
       if (rows > 0 && !opt.drop_remainder && batch_index >= skip_batches) {
         truncate_batch(batch, rows);
@@ -389,7 +433,11 @@ Pipeline::Pipeline(const PipelineOptions& opt, const Schema& schema, PipelinePos
   m.pos.fingerprint = m.fingerprint;
   m.slot_cap = static_cast<size_t>(std::max(2 * opt.block_length, 16));
   m.slots.resize(opt.cycle_length);
-  const int max_readers = std::max(1, std::min(opt.cycle_length, opt.readers > 0 ? opt.readers : opt.cycle_length));
+  // A reader works on one open file at a time: more readers than open files would idle.
+  const int files_here = static_cast<int>(m.shard_by_file ? (m.all_files.size() + opt.world - 1) / opt.world
+                                                          : m.all_files.size());
+  const int max_readers = std::max(
+      1, std::min({opt.cycle_length, files_here, opt.readers > 0 ? opt.readers : opt.cycle_length}));
   m.active_readers = opt.readers > 0 ? max_readers : 1;
   m.prefetch = opt.prefetch > 0 ? opt.prefetch : 2;
   if (opt.prefetch == 0 && opt.max_prefetch < 2) fail("--max-prefetch must be at least 2");
@@ -459,11 +507,14 @@ PipelineStats Pipeline::stats() const {
 
 size_t Pipeline::memory_bound_bytes() const {
   const Impl& m = *impl_;
-  const size_t ex = m.schema.example_bytes() + 2 * sizeof(std::vector<int32_t>) + sizeof(Entry);
+  const size_t ex = m.schema.example_bytes();
   const size_t batch = ex * m.opt.batch_size;
   const size_t read_buffers = m.opt.cycle_length * size_t{2} << 20;  // buffered file + zlib input
-  return m.opt.cycle_length * (m.slot_cap + 64) * ex + m.opt.shuffle_buffer * ex +
-         (m.opt.max_prefetch + 6) * batch + read_buffers;
+  // Per slot: queued chunks up to slot_cap plus one chunk in flight and one held; the free
+  // lists recycle those same chunks and batches.
+  const size_t chunk = std::max<size_t>(m.opt.block_length, 8) * ex;
+  return m.opt.cycle_length * (m.slot_cap * ex + 2 * chunk) + m.opt.shuffle_buffer * ex +
+         (m.opt.max_prefetch + 6) * batch + read_buffers + 64 * 1024;
 }
 
 const std::vector<std::string>& Pipeline::files() const { return impl_->all_files; }

@@ -38,13 +38,17 @@ Schema Schema::classification(int64_t T, int64_t labels, int64_t V, int64_t type
 }
 
 bool Schema::parse(std::string_view record, ParsedExample& out, std::string& error) const {
+  out.ints.resize(ints_);
+  out.floats.resize(floats_);
+  return parse(record, out.ints.data(), out.floats.data(), error);
+}
+
+bool Schema::parse(std::string_view record, int32_t* ints, float* floats, std::string& error) const {
   thread_local ExampleView view;
   if (!view.parse(record)) {
     error = "not a valid tf.train.Example: " + view.error();
     return false;
   }
-  out.ints.resize(ints_);
-  out.floats.resize(floats_);
   for (const FeatureSpec& f : features_) {
     const ExampleView::Entry* e = view.find(f.name);
     if (!e) {
@@ -60,7 +64,7 @@ bool Schema::parse(std::string_view record, ParsedExample& out, std::string& err
     bool ok, range_ok = true;
     int64_t bad_value = 0, bad_index = 0;
     if (f.kind == FeatureKind::Int64) {
-      int32_t* dst = out.ints.data() + f.offset;
+      int32_t* dst = ints + f.offset;
       ok = ExampleView::for_each_int64(e->list, [&](int64_t v) {
         if (n < f.length) {
           if ((v < f.lo || v >= f.hi) && range_ok) {
@@ -73,7 +77,7 @@ bool Schema::parse(std::string_view record, ParsedExample& out, std::string& err
         ++n;
       });
     } else {
-      float* dst = out.floats.data() + f.offset;
+      float* dst = floats + f.offset;
       ok = ExampleView::for_each_float(e->list, [&](float v) {
         if (n < f.length) {
           if (!std::isfinite(v) && range_ok) {
@@ -116,9 +120,9 @@ void Schema::shape_batch(model::Batch& b, int64_t batch_size) const {
     b.resize(batch_size, seq_len_, max_predictions_);
 }
 
-void Schema::fill_row(const ParsedExample& ex, model::Batch& b, int64_t row) const {
+void Schema::fill_row(const int32_t* ints, const float* floats, model::Batch& b, int64_t row) const {
   const int64_t T = seq_len_, P = max_predictions_;
-  const int32_t* p = ex.ints.data();
+  const int32_t* p = ints;
   auto copy = [&](std::vector<int32_t>& dst, int64_t n) {
     std::memcpy(dst.data() + row * n, p, n * 4);
     p += n;
@@ -130,7 +134,7 @@ void Schema::fill_row(const ParsedExample& ex, model::Batch& b, int64_t row) con
     copy(b.masked_lm_positions, P);
     copy(b.masked_lm_ids, P);
     copy(b.next_sentence_labels, 1);
-    std::memcpy(b.masked_lm_weights.data() + row * P, ex.floats.data(), P * 4);
+    std::memcpy(b.masked_lm_weights.data() + row * P, floats, P * 4);
   } else {
     copy(b.label_ids, 1);
   }

@@ -49,8 +49,13 @@ class Schema {
   // Parses `record`; on failure returns false and sets `error` to what is wrong (feature name,
   // expected vs found). Never throws.
   bool parse(std::string_view record, ParsedExample& out, std::string& error) const;
+  // The same into caller storage: ints[int_count()], floats[float_count()].
+  bool parse(std::string_view record, int32_t* ints, float* floats, std::string& error) const;
   // Copies a parsed example into row `row` of a batch shaped for this schema.
-  void fill_row(const ParsedExample& ex, model::Batch& b, int64_t row) const;
+  void fill_row(const ParsedExample& ex, model::Batch& b, int64_t row) const {
+    fill_row(ex.ints.data(), ex.floats.data(), b, row);
+  }
+  void fill_row(const int32_t* ints, const float* floats, model::Batch& b, int64_t row) const;
   void shape_batch(model::Batch& b, int64_t batch_size) const;
 
  private:
