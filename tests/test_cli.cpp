@@ -96,7 +96,9 @@ namespace {
 TEST(Cli, InspectTfRecordsAsJsonLinesAndVerifiesCrcs) {
   RunResult r = run("inspect " + data_path("data/tfrecord/torchdata_example.tfrecord"));
   ASSERT_EQ(r.rc, 0) << r.out;
-  EXPECT_NE(r.out.find("\"x_int\":{\"size\":10,\"type\":\"int64\",\"values\":[0,10,20"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"x_int\":{\"size\":10,\"type\":\"int64\",\"values\":[0,10,20"),
+            std::string::npos)
+      << r.out;
   EXPECT_NE(r.out.find("4 records"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("all CRCs ok"), std::string::npos) << r.out;
   r = run("inspect --count '" + data_path("data/tfrecord/*.tfrecord*") + "'");
@@ -111,12 +113,15 @@ TEST(Cli, InspectTfRecordsAsJsonLinesAndVerifiesCrcs) {
   std::ofstream(tmp / "bad.tfrecord", std::ios::binary) << bytes;
   r = run("inspect " + tmp / "bad.tfrecord");
   EXPECT_EQ(r.rc, 1);
-  EXPECT_NE(r.out.find("bad.tfrecord: corrupt record 2 at byte 255: data CRC mismatch"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("bad.tfrecord: corrupt record 2 at byte 255: data CRC mismatch"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST(Cli, BenchInputReadsShards) {
-  RunResult r = run("bench-input --data " + data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord") +
-                    " --batch-size 8 --seconds 0.5 --json");
+  RunResult r =
+      run("bench-input --data " + data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord") +
+          " --batch-size 8 --seconds 0.5 --json");
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("\"examples_per_s\""), std::string::npos) << r.out;
 }

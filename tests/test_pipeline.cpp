@@ -41,7 +41,9 @@ void write_shards(const TempDir& dir, int files, int records, Compression c = Co
   }
 }
 
-Schema schema() { return Schema::pretraining(kT, kP, kVocab); }
+Schema schema() {
+  return Schema::pretraining(kT, kP, kVocab);
+}
 
 PipelineOptions options(const TempDir& dir, int64_t batch) {
   PipelineOptions o;
@@ -117,12 +119,17 @@ void check_sharding(int files, int world) {
     Pipeline p(o, schema());
     for (int32_t u : take(p, 10000)) seen.insert(u);
   }
-  ASSERT_EQ(seen.size(), static_cast<size_t>(files * 23)) << files << " files, " << world << " ranks";
+  ASSERT_EQ(seen.size(), static_cast<size_t>(files * 23))
+      << files << " files, " << world << " ranks";
   EXPECT_EQ(std::set<int32_t>(seen.begin(), seen.end()).size(), seen.size());
 }
 
-TEST(Pipeline, ShardsByFileEveryRecordOncePerEpoch) { check_sharding(7, 3); }
-TEST(Pipeline, ShardsByRecordWhenFewerFilesThanRanks) { check_sharding(2, 4); }
+TEST(Pipeline, ShardsByFileEveryRecordOncePerEpoch) {
+  check_sharding(7, 3);
+}
+TEST(Pipeline, ShardsByRecordWhenFewerFilesThanRanks) {
+  check_sharding(2, 4);
+}
 
 TEST(Pipeline, ResumesExactlyMidEpochAndAcrossEpochs) {
   TempDir dir;
@@ -141,7 +148,8 @@ TEST(Pipeline, ResumesExactlyMidEpochAndAcrossEpochs) {
     Pipeline b(o, schema(), pos);
     auto rest = take(b, 40 - cut);
     got.insert(got.end(), rest.begin(), rest.end());
-    EXPECT_EQ(got, ref) << "cut after " << cut << " batches (epoch " << pos.epoch << ", batch " << pos.batches << ")";
+    EXPECT_EQ(got, ref) << "cut after " << cut << " batches (epoch " << pos.epoch << ", batch "
+                        << pos.batches << ")";
   }
   // A position from other data is refused.
   PipelinePosition foreign{0, 3, 12345};

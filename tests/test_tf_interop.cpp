@@ -25,7 +25,8 @@ json manifest() {
 
 std::string unhex(const std::string& h) {
   std::string out;
-  for (size_t i = 0; i + 1 < h.size(); i += 2) out.push_back(static_cast<char>(std::stoi(h.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i + 1 < h.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(h.substr(i, 2), nullptr, 16)));
   return out;
 }
 
@@ -87,7 +88,9 @@ TEST(TfInterop, FilesWrittenByTensorFlowDecodeExactly) {
   ASSERT_GE(m.size(), 5u);
   for (auto it = m.begin(); it != m.end(); ++it) {
     const std::string path = test::data_path("data/tfrecord/tf_written/" + it.key());
-    EXPECT_EQ(compression_name(resolve_compression("auto", path)), (*it)["compression"].get<std::string>()) << path;
+    EXPECT_EQ(compression_name(resolve_compression("auto", path)),
+              (*it)["compression"].get<std::string>())
+        << path;
     auto recs = read_all(path);
     ASSERT_EQ(recs.size(), (*it)["records"].size()) << path;
     for (size_t i = 0; i < recs.size(); ++i) {

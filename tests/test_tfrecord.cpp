@@ -30,7 +30,9 @@ std::string slurp(const std::string& p) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-void spit(const std::string& p, const std::string& s) { std::ofstream(p, std::ios::binary) << s; }
+void spit(const std::string& p, const std::string& s) {
+  std::ofstream(p, std::ios::binary) << s;
+}
 
 TEST(Crc32c, KnownValuesAndBothImplementations) {
   EXPECT_EQ(crc32c("123456789", 9), 0xe3069283u);  // the CRC-32C check value
@@ -42,7 +44,8 @@ TEST(Crc32c, KnownValuesAndBothImplementations) {
     std::string s(n, '\0');
     for (auto& c : s) c = static_cast<char>(rng());
     EXPECT_EQ(crc32c(s.data(), n), crc32c_portable(0, s.data(), n)) << n;
-    EXPECT_EQ(crc32c_extend(crc32c(s.data(), n / 2), s.data() + n / 2, n - n / 2), crc32c(s.data(), n));
+    EXPECT_EQ(crc32c_extend(crc32c(s.data(), n / 2), s.data() + n / 2, n - n / 2),
+              crc32c(s.data(), n));
   }
 }
 
@@ -73,7 +76,8 @@ TEST(RealFiles, GzipPenguinsFromTfx) {
   ASSERT_EQ(recs.size(), 234u);
   for (const auto& r : recs) {
     Example ex = decode_example(r);
-    for (const char* f : {"body_mass_g", "culmen_depth_mm", "culmen_length_mm", "flipper_length_mm"}) {
+    for (const char* f :
+         {"body_mass_g", "culmen_depth_mm", "culmen_length_mm", "flipper_length_mm"}) {
       ASSERT_EQ(ex.at(f).kind, FeatureKind::Float) << f;
       ASSERT_EQ(ex.at(f).floats.size(), 1u);
     }
@@ -105,7 +109,8 @@ TEST(RealFiles, GoogleBertPretrainingRecords) {
   const std::vector<int32_t> ids0 = {101, 2005, 2062, 2084, 1037, 103, 2039, 103};
   EXPECT_EQ(std::vector<int32_t>(b.input_ids.begin(), b.input_ids.begin() + 8), ids0);
   const std::vector<int32_t> pos0 = {5, 7, 12, 13, 14, 24, 32, 55, 59, 60, 71, 94};
-  EXPECT_EQ(std::vector<int32_t>(b.masked_lm_positions.begin(), b.masked_lm_positions.begin() + 12), pos0);
+  EXPECT_EQ(std::vector<int32_t>(b.masked_lm_positions.begin(), b.masked_lm_positions.begin() + 12),
+            pos0);
   // Every record: [CLS] first, weights 1 exactly where positions are set, valid NSP label.
   for (int i = 0; i < 60; ++i) {
     EXPECT_EQ(b.input_ids[i * 128], 101);
@@ -223,7 +228,8 @@ TEST_P(CorruptTest, IsReportedWithFileOffsetAndRecord) {
     EXPECT_EQ(e.kind, GetParam().kind);
     EXPECT_EQ(e.record, 1u);
     EXPECT_EQ(e.offset, 26u);
-    EXPECT_NE(std::string(e.what()).find(path + ": corrupt record 1 at byte 26"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(path + ": corrupt record 1 at byte 26"), std::string::npos)
+        << e.what();
   }
   // After a data-CRC error the reader goes on with record 2; otherwise the file ends.
   const bool more = r.next(rec);

@@ -21,17 +21,23 @@ void add_bench_input(CLI::App& app) {
     bool json = false;
   };
   auto o = std::make_shared<Opts>();
-  auto* c = app.add_subcommand("bench-input", "Measure the input pipeline alone: examples/s from TFRecord shards");
+  auto* c = app.add_subcommand("bench-input",
+                               "Measure the input pipeline alone: examples/s from TFRecord shards");
   c->add_option("--data", o->p.files, "TFRecord files: glob(s), comma-separated")->required();
   c->add_option("--batch-size", o->p.batch_size, "Examples per batch")->capture_default_str();
   c->add_option("--seq-len", o->seq, "Sequence length of the records")->capture_default_str();
-  c->add_option("--max-predictions", o->preds, "Masked LM predictions per record")->capture_default_str();
+  c->add_option("--max-predictions", o->preds, "Masked LM predictions per record")
+      ->capture_default_str();
   c->add_option("--vocab-size", o->vocab, "Token ids must be below this")->capture_default_str();
-  c->add_option("--cycle-length", o->p.cycle_length, "Files read in parallel (interleave)")->capture_default_str();
-  c->add_option("--block-length", o->p.block_length, "Records taken from a file in turn")->capture_default_str();
+  c->add_option("--cycle-length", o->p.cycle_length, "Files read in parallel (interleave)")
+      ->capture_default_str();
+  c->add_option("--block-length", o->p.block_length, "Records taken from a file in turn")
+      ->capture_default_str();
   c->add_option("--readers", o->p.readers, "Reader threads (0: AUTOTUNE)")->capture_default_str();
-  c->add_option("--prefetch", o->p.prefetch, "Batches prefetched (0: AUTOTUNE)")->capture_default_str();
-  c->add_option("--shuffle-buffer", o->p.shuffle_buffer, "Examples in the shuffle buffer")->capture_default_str();
+  c->add_option("--prefetch", o->p.prefetch, "Batches prefetched (0: AUTOTUNE)")
+      ->capture_default_str();
+  c->add_option("--shuffle-buffer", o->p.shuffle_buffer, "Examples in the shuffle buffer")
+      ->capture_default_str();
   c->add_option("--seconds", o->seconds, "How long to measure")->capture_default_str();
   c->add_flag("--json", o->json, "Print one JSON object");
   c->callback([o] {
@@ -41,7 +47,8 @@ void add_bench_input(CLI::App& app) {
     using Clock = std::chrono::steady_clock;
     // Warm up (file cache, AUTOTUNE), then measure.
     const auto w0 = Clock::now();
-    while (std::chrono::duration<double>(Clock::now() - w0).count() < std::min(2.0, o->seconds / 4)) p.next(b);
+    while (std::chrono::duration<double>(Clock::now() - w0).count() < std::min(2.0, o->seconds / 4))
+      p.next(b);
     const data::PipelineStats s0 = p.stats();
     const auto t0 = Clock::now();
     double dt = 0;
@@ -49,11 +56,14 @@ void add_bench_input(CLI::App& app) {
     const data::PipelineStats s1 = p.stats();
     const double ex = static_cast<double>(s1.examples - s0.examples) / dt;
     const double mb = static_cast<double>(s1.bytes - s0.bytes) / dt / 1e6;
-    struct rusage ru{};
+    struct rusage ru {};
     getrusage(RUSAGE_SELF, &ru);
     if (o->json) {
-      nlohmann::json j = {{"examples_per_s", ex}, {"mb_per_s", mb}, {"readers", s1.readers},
-                          {"prefetch", s1.prefetch}, {"files", p.files().size()},
+      nlohmann::json j = {{"examples_per_s", ex},
+                          {"mb_per_s", mb},
+                          {"readers", s1.readers},
+                          {"prefetch", s1.prefetch},
+                          {"files", p.files().size()},
                           {"memory_bound_bytes", p.memory_bound_bytes()},
                           {"peak_rss_bytes", ru.ru_maxrss * 1024.0}};
       std::printf("%s\n", j.dump().c_str());
@@ -62,8 +72,10 @@ void add_bench_input(CLI::App& app) {
     std::printf("bench-input: %zu files, batch %lld, seq %lld, %.1f s\n", p.files().size(),
                 (long long)o->p.batch_size, (long long)o->seq, dt);
     std::printf("  %.0f examples/s, %.1f MB/s of records\n", ex, mb);
-    std::printf("  after AUTOTUNE: %d reader threads, prefetch %d batches\n", s1.readers, s1.prefetch);
-    std::printf("  memory: bound %s, peak RSS %s\n", human_bytes(static_cast<double>(p.memory_bound_bytes())).c_str(),
+    std::printf("  after AUTOTUNE: %d reader threads, prefetch %d batches\n", s1.readers,
+                s1.prefetch);
+    std::printf("  memory: bound %s, peak RSS %s\n",
+                human_bytes(static_cast<double>(p.memory_bound_bytes())).c_str(),
                 human_bytes(ru.ru_maxrss * 1024.0).c_str());
   });
 }

@@ -11,11 +11,11 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
-#include "model/checkpoint.h"
-#include "model/safetensors.h"
 #include "data/example.h"
 #include "data/pipeline.h"
 #include "data/tfrecord.h"
+#include "model/checkpoint.h"
+#include "model/safetensors.h"
 
 namespace bertrain::cli {
 
@@ -93,16 +93,20 @@ nlohmann::json feature_json(const data::Feature& f, size_t max_values) {
   nlohmann::json values = nlohmann::json::array();
   const size_t n = std::min(f.size(), max_values);
   for (size_t i = 0; i < n; ++i) {
-    if (f.kind == data::FeatureKind::Int64) values.push_back(f.ints[i]);
+    if (f.kind == data::FeatureKind::Int64)
+      values.push_back(f.ints[i]);
     else if (f.kind == data::FeatureKind::Float) {
       const float v = f.floats[i];
-      if (std::isfinite(v)) values.push_back(v);
-      else values.push_back(std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf");
+      if (std::isfinite(v))
+        values.push_back(v);
+      else
+        values.push_back(std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf");
     } else {
       values.push_back(f.bytes[i]);  // nlohmann escapes; invalid UTF-8 is replaced below
     }
   }
-  nlohmann::json j = {{"type", data::feature_kind_name(f.kind)}, {"size", f.size()}, {"values", values}};
+  nlohmann::json j = {
+      {"type", data::feature_kind_name(f.kind)}, {"size", f.size()}, {"values", values}};
   if (f.size() > n) j["truncated"] = true;
   return j;
 }
@@ -188,9 +192,9 @@ void add_inspect(CLI::App& app) {
       const std::vector<std::string> paths =
           std::filesystem::exists(f) ? std::vector<std::string>{f} : data::list_files(f);
       for (const auto& path : paths)
-        rc |= is_safetensors(path) ? inspect_safetensors(path, o->config, o->json)
-                                   : inspect_tfrecord(path, o->compression, o->count,
-                                                      o->max_records, o->max_values);
+        rc |= is_safetensors(path)
+                  ? inspect_safetensors(path, o->config, o->json)
+                  : inspect_tfrecord(path, o->compression, o->count, o->max_records, o->max_values);
     }
     if (rc) throw CLI::RuntimeError(1);
   });

@@ -1,8 +1,8 @@
 #include "data/crc32c.h"
 
+#include <nmmintrin.h>
 #include <cstdlib>
 #include <cstring>
-#include <nmmintrin.h>
 
 namespace bertrain::data {
 
@@ -59,8 +59,9 @@ uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n) {
     std::memcpy(&lo, p, 4);
     std::memcpy(&hi, p + 4, 4);
     lo ^= c;
-    c = T.t[7][lo & 0xff] ^ T.t[6][(lo >> 8) & 0xff] ^ T.t[5][(lo >> 16) & 0xff] ^ T.t[4][lo >> 24] ^
-        T.t[3][hi & 0xff] ^ T.t[2][(hi >> 8) & 0xff] ^ T.t[1][(hi >> 16) & 0xff] ^ T.t[0][hi >> 24];
+    c = T.t[7][lo & 0xff] ^ T.t[6][(lo >> 8) & 0xff] ^ T.t[5][(lo >> 16) & 0xff] ^
+        T.t[4][lo >> 24] ^ T.t[3][hi & 0xff] ^ T.t[2][(hi >> 8) & 0xff] ^
+        T.t[1][(hi >> 16) & 0xff] ^ T.t[0][hi >> 24];
     p += 8;
     n -= 8;
   }
@@ -68,7 +69,9 @@ uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n) {
   return ~c;
 }
 
-bool crc32c_hardware_available() { return select() != crc32c_portable; }
+bool crc32c_hardware_available() {
+  return select() != crc32c_portable;
+}
 
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n) {
   static const CrcFn fn = getenv("BERTRAIN_NO_SSE42") ? crc32c_portable : select();

@@ -6,20 +6,28 @@ namespace bertrain::data {
 
 const char* feature_kind_name(FeatureKind k) {
   switch (k) {
-    case FeatureKind::Bytes: return "bytes";
-    case FeatureKind::Float: return "float";
-    case FeatureKind::Int64: return "int64";
-    case FeatureKind::Empty: return "empty";
+    case FeatureKind::Bytes:
+      return "bytes";
+    case FeatureKind::Float:
+      return "float";
+    case FeatureKind::Int64:
+      return "int64";
+    case FeatureKind::Empty:
+      return "empty";
   }
   return "?";
 }
 
 size_t Feature::size() const {
   switch (kind) {
-    case FeatureKind::Bytes: return bytes.size();
-    case FeatureKind::Float: return floats.size();
-    case FeatureKind::Int64: return ints.size();
-    case FeatureKind::Empty: return 0;
+    case FeatureKind::Bytes:
+      return bytes.size();
+    case FeatureKind::Float:
+      return floats.size();
+    case FeatureKind::Int64:
+      return ints.size();
+    case FeatureKind::Empty:
+      return 0;
   }
   return 0;
 }
@@ -44,7 +52,8 @@ Example decode_example(std::string_view bytes) {
         d.kind = FeatureKind::Int64;
         d.ints.assign(f.int64_list().value().begin(), f.int64_list().value().end());
         break;
-      default: d.kind = FeatureKind::Empty;
+      default:
+        d.kind = FeatureKind::Empty;
     }
   }
   return out;
@@ -67,7 +76,8 @@ std::string encode_example(const Example& ex) {
       case FeatureKind::Int64:
         d.mutable_int64_list()->mutable_value()->Add(f.ints.begin(), f.ints.end());
         break;
-      case FeatureKind::Empty: break;
+      case FeatureKind::Empty:
+        break;
     }
   }
   std::string out;
@@ -84,7 +94,8 @@ namespace wire {
 bool skip_field(const char*& p, const char* end, uint32_t wt) {
   uint64_t v;
   switch (wt) {
-    case 0: return varint(p, end, v);
+    case 0:
+      return varint(p, end, v);
     case 1:
       if (end - p < 8) return false;
       p += 8;
@@ -97,7 +108,8 @@ bool skip_field(const char*& p, const char* end, uint32_t wt) {
       if (end - p < 4) return false;
       p += 4;
       return true;
-    default: return false;  // groups (3, 4) are not used by tf.Example
+    default:
+      return false;  // groups (3, 4) are not used by tf.Example
   }
 }
 }  // namespace wire
@@ -145,8 +157,9 @@ bool ExampleView::parse(std::string_view bytes) {
             const uint64_t field = tag >> 3;
             if ((tag & 7) == 2 && field >= 1 && field <= 3) {
               if (!wire::length_delimited(s, se, e.list)) return bad("truncated feature list");
-              e.kind = field == 1 ? FeatureKind::Bytes
-                                  : field == 2 ? FeatureKind::Float : FeatureKind::Int64;
+              e.kind = field == 1   ? FeatureKind::Bytes
+                       : field == 2 ? FeatureKind::Float
+                                    : FeatureKind::Int64;
             } else if (!wire::skip_field(s, se, tag & 7)) {
               return bad("malformed Feature field");
             }
@@ -178,7 +191,8 @@ Example to_example(const ExampleView& v) {
     else if (e.kind == FeatureKind::Float)
       ok = ExampleView::for_each_float(e.list, [&](float x) { f.floats.push_back(x); });
     else if (e.kind == FeatureKind::Bytes)
-      ok = ExampleView::for_each_bytes(e.list, [&](std::string_view x) { f.bytes.emplace_back(x); });
+      ok =
+          ExampleView::for_each_bytes(e.list, [&](std::string_view x) { f.bytes.emplace_back(x); });
     if (!ok) fail("malformed ", feature_kind_name(e.kind), " list in feature '", e.key, "'");
     out[std::string(e.key)] = std::move(f);
   }

@@ -30,7 +30,7 @@ std::vector<std::string> list_files(const std::string& patterns) {
     const int rc = ::glob(pat.c_str(), GLOB_BRACE | GLOB_TILDE, nullptr, &g);
     if (rc == 0)
       for (size_t i = 0; i < g.gl_pathc; ++i) {
-        struct stat st{};
+        struct stat st {};
         if (::stat(g.gl_pathv[i], &st) == 0 && S_ISREG(st.st_mode)) out.push_back(g.gl_pathv[i]);
       }
     globfree(&g);
@@ -84,7 +84,7 @@ void truncate_batch(model::Batch& b, int64_t rows) {
 uint64_t fingerprint_of(const std::vector<std::string>& files) {
   uint64_t h = 0x6a09e667f3bcc908ull;
   for (const auto& f : files) {
-    struct stat st{};
+    struct stat st {};
     ::stat(f.c_str(), &st);
     for (char c : f) h = mix64(h ^ static_cast<uint8_t>(c));
     h = mix64(h ^ static_cast<uint64_t>(st.st_size));
@@ -159,7 +159,8 @@ struct Pipeline::Impl {
 
   void log_skip(const std::string& what) {
     skipped.fetch_add(1);
-    if (opt.verbose_skips) std::fprintf(stderr, "bertrain: skipping corrupt record: %s\n", what.c_str());
+    if (opt.verbose_skips)
+      std::fprintf(stderr, "bertrain: skipping corrupt record: %s\n", what.c_str());
   }
 
   void reader_loop(int id) {
@@ -172,7 +173,8 @@ struct Pipeline::Impl {
       Slot& slot = slots[s];
       slot.busy = true;
       const std::string path = epoch_files[slot.file];
-      const size_t want = std::min<size_t>(std::max<size_t>(opt.block_length, 8), slot_cap - slot.queued);
+      const size_t want =
+          std::min<size_t>(std::max<size_t>(opt.block_length, 8), slot_cap - slot.queued);
       Chunk chunk = take_free_chunk_locked();
       lock.unlock();
 
@@ -190,7 +192,9 @@ struct Pipeline::Impl {
         }
       };
       try {
-        if (!slot.reader) slot.reader = std::make_unique<TFRecordReader>(path, resolve_compression(opt.compression, path));
+        if (!slot.reader)
+          slot.reader =
+              std::make_unique<TFRecordReader>(path, resolve_compression(opt.compression, path));
         while (chunk.n < want && !eof) {
           try {
             if (!slot.reader->next(rec)) {
@@ -202,13 +206,16 @@ struct Pipeline::Impl {
             continue;
           }
           bytes.fetch_add(rec.size() + 16, std::memory_order_relaxed);
-          if (schema.parse(rec, chunk.ints.data() + chunk.n * IC, chunk.floats.data() + chunk.n * FC, err)) {
+          if (schema.parse(rec, chunk.ints.data() + chunk.n * IC,
+                           chunk.floats.data() + chunk.n * FC, err)) {
             ++chunk.n;
           } else {
-            failure(str(path, ": record ", slot.reader->records() - 1, " at byte ",
-                        slot.reader->offset() - rec.size() - 16, ": ", err,
-                        opt.on_corrupt == OnCorrupt::Fail ? "; fix the data or pass --on-corrupt=skip" : ""),
-                    false);
+            failure(
+                str(path, ": record ", slot.reader->records() - 1, " at byte ",
+                    slot.reader->offset() - rec.size() - 16, ": ", err,
+                    opt.on_corrupt == OnCorrupt::Fail ? "; fix the data or pass --on-corrupt=skip"
+                                                      : ""),
+                false);
           }
         }
       } catch (const Error& e) {  // cannot open or read the file
@@ -267,7 +274,8 @@ struct Pipeline::Impl {
 
   void assembler_loop() {
     const int64_t B = opt.batch_size;
-    for (uint64_t epoch = pos.epoch; opt.epochs == 0 || epoch < static_cast<uint64_t>(opt.epochs); ++epoch) {
+    for (uint64_t epoch = pos.epoch; opt.epochs == 0 || epoch < static_cast<uint64_t>(opt.epochs);
+         ++epoch) {
       const uint64_t skip_batches = epoch == pos.epoch ? pos.batches : 0;
       size_t next_file = 0;
       {
@@ -286,7 +294,8 @@ struct Pipeline::Impl {
       int64_t rows = 0;
       const size_t IC = schema.int_count(), FC = schema.float_count();
       // Flat shuffle buffer: no allocation per example.
-      const size_t S = opt.shuffle && opt.shuffle_buffer > 1 ? static_cast<size_t>(opt.shuffle_buffer) : 0;
+      const size_t S =
+          opt.shuffle && opt.shuffle_buffer > 1 ? static_cast<size_t>(opt.shuffle_buffer) : 0;
       std::vector<int32_t> buf_ints(S * IC);
       std::vector<float> buf_floats(S * FC);
       size_t buffered = 0;
@@ -422,7 +431,8 @@ Pipeline::Pipeline(const PipelineOptions& opt, const Schema& schema, PipelinePos
   if (opt.batch_size <= 0) fail("batch size must be positive");
   if (opt.world <= 0 || opt.rank < 0 || opt.rank >= opt.world)
     fail("rank ", opt.rank, " is outside a world of ", opt.world);
-  if (opt.cycle_length <= 0 || opt.block_length <= 0) fail("cycle and block length must be positive");
+  if (opt.cycle_length <= 0 || opt.block_length <= 0)
+    fail("cycle and block length must be positive");
   m.all_files = list_files(opt.files);
   m.shard_by_file = static_cast<int>(m.all_files.size()) >= opt.world;
   m.fingerprint = fingerprint_of(m.all_files);
@@ -434,10 +444,10 @@ Pipeline::Pipeline(const PipelineOptions& opt, const Schema& schema, PipelinePos
   m.slot_cap = static_cast<size_t>(std::max(2 * opt.block_length, 16));
   m.slots.resize(opt.cycle_length);
   // A reader works on one open file at a time: more readers than open files would idle.
-  const int files_here = static_cast<int>(m.shard_by_file ? (m.all_files.size() + opt.world - 1) / opt.world
-                                                          : m.all_files.size());
-  const int max_readers = std::max(
-      1, std::min({opt.cycle_length, files_here, opt.readers > 0 ? opt.readers : opt.cycle_length}));
+  const int files_here = static_cast<int>(
+      m.shard_by_file ? (m.all_files.size() + opt.world - 1) / opt.world : m.all_files.size());
+  const int max_readers = std::max(1, std::min({opt.cycle_length, files_here,
+                                                opt.readers > 0 ? opt.readers : opt.cycle_length}));
   m.active_readers = opt.readers > 0 ? max_readers : 1;
   m.prefetch = opt.prefetch > 0 ? opt.prefetch : 2;
   if (opt.prefetch == 0 && opt.max_prefetch < 2) fail("--max-prefetch must be at least 2");
@@ -469,7 +479,8 @@ bool Pipeline::next(model::Batch& batch) {
   if (m.out.front().end) return false;  // stays queued: later calls also end
   Out o = std::move(m.out.front());
   m.out.pop_front();
-  if (batch.input_ids.capacity() > 0 && m.free_batches.size() < 4) m.free_batches.push_back(std::move(batch));
+  if (batch.input_ids.capacity() > 0 && m.free_batches.size() < 4)
+    m.free_batches.push_back(std::move(batch));
   lock.unlock();
   m.cv_space.notify_one();
   if (!o.error.empty()) {
@@ -487,7 +498,9 @@ bool Pipeline::next(model::Batch& batch) {
   return true;
 }
 
-PipelinePosition Pipeline::position() const { return impl_->pos; }
+PipelinePosition Pipeline::position() const {
+  return impl_->pos;
+}
 
 PipelineStats Pipeline::stats() const {
   Impl& m = *impl_;
@@ -517,6 +530,8 @@ size_t Pipeline::memory_bound_bytes() const {
          (m.opt.max_prefetch + 6) * batch + read_buffers + 64 * 1024;
 }
 
-const std::vector<std::string>& Pipeline::files() const { return impl_->all_files; }
+const std::vector<std::string>& Pipeline::files() const {
+  return impl_->all_files;
+}
 
 }  // namespace bertrain::data

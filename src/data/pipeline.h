@@ -30,23 +30,23 @@ struct PipelineOptions {
   int64_t batch_size = 32;
   int rank = 0, world = 1;
   uint64_t seed = 12345;
-  bool shuffle = true;           // file order per epoch + shuffle buffer
-  int64_t shuffle_buffer = 4096; // examples
+  bool shuffle = true;            // file order per epoch + shuffle buffer
+  int64_t shuffle_buffer = 4096;  // examples
   int cycle_length = 8;
   int block_length = 16;
-  int readers = 0;               // reader threads; 0 = AUTOTUNE (1..cycle_length)
-  int prefetch = 0;              // batches ready ahead; 0 = AUTOTUNE (1..max_prefetch)
+  int readers = 0;   // reader threads; 0 = AUTOTUNE (1..cycle_length)
+  int prefetch = 0;  // batches ready ahead; 0 = AUTOTUNE (1..max_prefetch)
   int max_prefetch = 8;
-  int64_t epochs = 0;            // 0 = repeat forever
+  int64_t epochs = 0;  // 0 = repeat forever
   bool drop_remainder = true;
   OnCorrupt on_corrupt = OnCorrupt::Fail;
   std::string compression = "auto";
-  bool verbose_skips = true;     // log each skipped record to stderr
+  bool verbose_skips = true;  // log each skipped record to stderr
 };
 
 struct PipelinePosition {
-  uint64_t epoch = 0;    // epochs completed before the current one
-  uint64_t batches = 0;  // batches already returned in the current epoch
+  uint64_t epoch = 0;        // epochs completed before the current one
+  uint64_t batches = 0;      // batches already returned in the current epoch
   uint64_t fingerprint = 0;  // of the file list (names, sizes): resuming on other data fails
 };
 

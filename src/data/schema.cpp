@@ -43,7 +43,8 @@ bool Schema::parse(std::string_view record, ParsedExample& out, std::string& err
   return parse(record, out.ints.data(), out.floats.data(), error);
 }
 
-bool Schema::parse(std::string_view record, int32_t* ints, float* floats, std::string& error) const {
+bool Schema::parse(std::string_view record, int32_t* ints, float* floats,
+                   std::string& error) const {
   thread_local ExampleView view;
   if (!view.parse(record)) {
     error = "not a valid tf.train.Example: " + view.error();
@@ -97,14 +98,16 @@ bool Schema::parse(std::string_view record, int32_t* ints, float* floats, std::s
       const bool seq = f.length == seq_len_ && f.name != "masked_lm_positions";
       error = str("feature '", f.name, "' has ", n, " values, expected ", f.length,
                   seq ? " (the data's sequence length differs from --seq-len)"
-                      : f.length == max_predictions_ ? " (the data's max predictions differ from --max-predictions)" : "");
+                  : f.length == max_predictions_
+                      ? " (the data's max predictions differ from --max-predictions)"
+                      : "");
       return false;
     }
     if (!range_ok) {
       error = f.kind == FeatureKind::Float
                   ? str("feature '", f.name, "'[", bad_index, "] is not finite")
-                  : str("feature '", f.name, "'[", bad_index, "] = ", bad_value, " is outside [", f.lo,
-                        ", ", f.hi, ")",
+                  : str("feature '", f.name, "'[", bad_index, "] = ", bad_value, " is outside [",
+                        f.lo, ", ", f.hi, ")",
                         f.name.find("ids") != std::string::npos && f.hi > 2
                             ? " (was the data prepared with another vocabulary?)"
                             : "");
@@ -120,7 +123,8 @@ void Schema::shape_batch(model::Batch& b, int64_t batch_size) const {
     b.resize(batch_size, seq_len_, max_predictions_);
 }
 
-void Schema::fill_row(const int32_t* ints, const float* floats, model::Batch& b, int64_t row) const {
+void Schema::fill_row(const int32_t* ints, const float* floats, model::Batch& b,
+                      int64_t row) const {
   const int64_t T = seq_len_, P = max_predictions_;
   const int32_t* p = ints;
   auto copy = [&](std::vector<int32_t>& dst, int64_t n) {

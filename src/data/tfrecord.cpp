@@ -151,9 +151,12 @@ uint64_t get_u64(const unsigned char* p) {
 
 const char* compression_name(Compression c) {
   switch (c) {
-    case Compression::None: return "none";
-    case Compression::Gzip: return "gzip";
-    case Compression::Zlib: return "zlib";
+    case Compression::None:
+      return "none";
+    case Compression::Gzip:
+      return "gzip";
+    case Compression::Zlib:
+      return "zlib";
   }
   return "?";
 }

@@ -42,7 +42,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (pb_ok) {
     if (!fast_ok) {
-      std::fprintf(stderr, "protobuf accepted what the fast decoder rejected: %s\n", view.error().c_str());
+      std::fprintf(stderr, "protobuf accepted what the fast decoder rejected: %s\n",
+                   view.error().c_str());
       std::abort();
     }
     Example mine;

@@ -1,0 +1,54 @@
+// BERT's tokenizer, token for token as HuggingFace's BertTokenizer (itself a port of Google's
+// tokenization.py): BasicTokenizer (clean text, split CJK ideographs, NFC, whitespace split,
+// lower-case + strip accents for uncased vocabularies, split punctuation) then WordPiece
+// (greedy longest match, "##" continuations, words over 100 characters -> [UNK]).
+// Special tokens ([CLS], [SEP], [MASK], [UNK], [PAD]) written in the text stay whole.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace bertrain::data {
+
+class Vocab {
+ public:
+  static Vocab load(const std::string& path);  // one token per line; Error names what is wrong
+  int32_t id(std::string_view token) const;    // -1 if absent
+  const std::string& token(int32_t id) const { return tokens_.at(id); }
+  int32_t size() const { return static_cast<int32_t>(tokens_.size()); }
+  int32_t cls() const { return cls_; }
+  int32_t sep() const { return sep_; }
+  int32_t mask() const { return mask_; }
+  int32_t unk() const { return unk_; }
+  int32_t pad() const { return pad_; }
+  // True when no ordinary token has an upper-case letter: the vocabulary is uncased.
+  bool looks_uncased() const { return uncased_; }
+
+ private:
+  std::vector<std::string> tokens_;
+  std::unordered_map<std::string, int32_t> ids_;
+  int32_t cls_ = -1, sep_ = -1, mask_ = -1, unk_ = -1, pad_ = -1;
+  bool uncased_ = true;
+};
+
+class Tokenizer {
+ public:
+  Tokenizer(const Vocab& vocab, bool lower_case);
+  // Appends word pieces of `text` (UTF-8, invalid bytes replaced) as ids / as strings.
+  void encode(std::string_view text, std::vector<int32_t>& ids) const;
+  std::vector<std::string> tokenize(std::string_view text) const;
+  // Basic tokenization only (the words before WordPiece).
+  std::vector<std::u32string> basic(std::string_view text) const;
+  const Vocab& vocab() const { return vocab_; }
+  bool lower_case() const { return lower_; }
+
+ private:
+  void wordpiece(const std::u32string& word, std::vector<int32_t>& ids, std::string& scratch) const;
+  const Vocab& vocab_;
+  bool lower_;
+};
+
+}  // namespace bertrain::data
