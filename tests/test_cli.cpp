@@ -30,7 +30,8 @@ RunResult run(const std::string& args) {
 TEST(Cli, HelpForEverySubcommand) {
   RunResult r = run("--help");
   EXPECT_EQ(r.rc, 0);
-  for (const char* sub : {"estimate", "init", "inspect", "bench", "bench-input"}) {
+  for (const char* sub :
+       {"estimate", "init", "inspect", "bench", "bench-input", "prepare", "tokenize"}) {
     EXPECT_NE(r.out.find(sub), std::string::npos) << sub;
     RunResult s = run(std::string(sub) + " --help");
     EXPECT_EQ(s.rc, 0) << sub;
@@ -124,6 +125,31 @@ TEST(Cli, BenchInputReadsShards) {
           " --batch-size 8 --seconds 0.5 --json");
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("\"examples_per_s\""), std::string::npos) << r.out;
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Cli, TokenizeAndPrepare) {
+  RunResult r = run("tokenize --vocab " + data_path("../data/vocab/bert-base-uncased-vocab.txt") +
+                    " 'Hello, unaffable World!'");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("tokens: hello , una ##ffa ##ble world !"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("ids:    7592 1010 14477 20961 3468 2088 999"), std::string::npos) << r.out;
+  TempDir tmp;
+  r = run("prepare --input " + data_path("../data/corpus/bert_sample_text.txt") + " --vocab " +
+          data_path("../data/vocab/bert-base-uncased-vocab.txt") + " --output " +
+          tmp.path.string() + " --output-shards 2 --compression gzip --dupe-factor 2");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("to 2 file(s)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[MASK]"), std::string::npos) << r.out;
+  r = run("inspect --count '" + tmp.path.string() + "/*.gz'");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  r = run("prepare --input " + data_path("../data/corpus/bert_sample_text.txt") +
+          " --vocab /nonexistent --output " + tmp.path.string());
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("cannot open vocabulary /nonexistent"), std::string::npos) << r.out;
 }
 
 }  // namespace

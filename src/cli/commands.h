@@ -13,6 +13,8 @@ void add_init(CLI::App& app);
 void add_inspect(CLI::App& app);
 void add_bench(CLI::App& app);
 void add_bench_input(CLI::App& app);
+void add_prepare(CLI::App& app);
+void add_tokenize(CLI::App& app);
 
 // Shared option helpers.
 model::Head parse_head(const std::string& s);      // "pretraining" | "classification"

@@ -36,6 +36,8 @@ int main(int argc, char** argv) {
   bertrain::cli::add_inspect(app);
   bertrain::cli::add_bench(app);
   bertrain::cli::add_bench_input(app);
+  bertrain::cli::add_prepare(app);
+  bertrain::cli::add_tokenize(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

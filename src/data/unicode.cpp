@@ -176,6 +176,15 @@ std::u32string map(std::u32string_view s, int options) {
 }
 }  // namespace
 
+bool nfc_stable(std::u32string_view s) {
+  for (char32_t c : s) {
+    const bool stable = c < 0x300 || (c >= 0x4E00 && c <= 0x9FFF) || (c >= 0x3000 && c <= 0x3029) ||
+                        (c >= 0x3030 && c <= 0x303F) || (c >= 0xFF00 && c <= 0xFFEF);
+    if (!stable) return false;
+  }
+  return true;
+}
+
 std::u32string nfc(std::u32string_view s) {
   return map(s, UTF8PROC_STABLE | UTF8PROC_COMPOSE);
 }

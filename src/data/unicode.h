@@ -26,6 +26,9 @@ bool is_cjk(char32_t c);              // CJK Unified Ideographs blocks (BERT's _
 bool is_mark_nonspacing(char32_t c);  // category Mn (stripped with accents)
 
 std::u32string nfc(std::u32string_view s);
+// True when every character is one that NFC leaves alone whatever surrounds it (ASCII and
+// Latin-1, CJK ideographs and punctuation, full-width forms): lets most text skip nfc().
+bool nfc_stable(std::u32string_view s);
 std::u32string nfd(std::u32string_view s);
 std::u32string lower(std::u32string_view s);  // Python's str.lower(), per character
 

@@ -48,7 +48,7 @@ Vocab Vocab::load(const std::string& path) {
 }
 
 int32_t Vocab::id(std::string_view token) const {
-  auto it = ids_.find(std::string(token));
+  auto it = ids_.find(token);
   return it == ids_.end() ? -1 : it->second;
 }
 
@@ -86,22 +86,27 @@ void split_special(const std::u32string& s, F&& visit) {
 
 }  // namespace
 
-std::vector<std::u32string> Tokenizer::basic(std::string_view text) const {
-  std::u32string u;
+template <typename W, typename S>
+void Tokenizer::for_each_word(std::string_view text, W&& visit, S&& visit_special) const {
+  // Scratch buffers live per thread: no allocation per word or per line in steady state.
+  thread_local std::u32string u, t, tok, low;
   unicode::decode(text, u);
-  std::vector<std::u32string> words;
   split_special(u, [&](std::u32string_view part, const char* special) {
     if (special) {
-      std::u32string w;
-      for (const char* p = special; *p; ++p) w.push_back(static_cast<char32_t>(*p));
-      words.push_back(std::move(w));
+      visit_special(vocab_.id(special));
       return;
     }
     // clean text + space around CJK ideographs
-    std::u32string t;
-    t.reserve(part.size());
+    t.clear();
+    bool ascii = true;
     for (char32_t c : part) {
-      if (c == 0 || c == 0xfffd || unicode::is_control(c)) continue;
+      if (c < 0x80) {
+        if (c == 0 || (c < 0x20 && c != '\t' && c != '\n' && c != '\r') || c == 0x7f) continue;
+        t.push_back(c == '\t' || c == '\n' || c == '\r' ? U' ' : c);
+        continue;
+      }
+      ascii = false;
+      if (c == 0xfffd || unicode::is_control(c)) continue;
       if (unicode::is_whitespace(c)) {
         t.push_back(' ');
       } else if (unicode::is_cjk(c)) {
@@ -112,62 +117,85 @@ std::vector<std::u32string> Tokenizer::basic(std::string_view text) const {
         t.push_back(c);
       }
     }
-    t = unicode::nfc(t);
+    if (!ascii && !unicode::nfc_stable(t)) t = unicode::nfc(t);
     size_t i = 0;
     while (i < t.size()) {
       while (i < t.size() && unicode::is_python_space(t[i])) ++i;
       size_t j = i;
-      while (j < t.size() && !unicode::is_python_space(t[j])) ++j;
+      bool word_ascii = true;
+      while (j < t.size() && !unicode::is_python_space(t[j])) word_ascii &= t[j++] < 0x80;
       if (j == i) break;
-      std::u32string tok = t.substr(i, j - i);
+      std::u32string_view w(t.data() + i, j - i);
       i = j;
       if (lower_) {
-        tok = unicode::nfd(unicode::lower(tok));
-        std::u32string stripped;
-        for (char32_t c : tok)
-          if (!unicode::is_mark_nonspacing(c)) stripped.push_back(c);
-        tok.swap(stripped);
-      }
-      std::u32string cur;
-      for (char32_t c : tok) {
-        if (unicode::is_punctuation(c)) {
-          if (!cur.empty()) words.push_back(std::move(cur));
-          cur.clear();
-          words.push_back(std::u32string(1, c));
+        if (word_ascii) {
+          tok.assign(w);
+          for (auto& c : tok)
+            if (c >= 'A' && c <= 'Z') c += 32;
         } else {
-          cur.push_back(c);
+          low = unicode::nfd(unicode::lower(w));
+          tok.clear();
+          for (char32_t c : low)
+            if (!unicode::is_mark_nonspacing(c)) tok.push_back(c);
+        }
+        w = tok;
+      }
+      size_t start = 0;
+      for (size_t k = 0; k < w.size(); ++k) {
+        if (unicode::is_punctuation(w[k])) {
+          if (k > start) visit(w.substr(start, k - start));
+          visit(w.substr(k, 1));
+          start = k + 1;
         }
       }
-      if (!cur.empty()) words.push_back(std::move(cur));
+      if (start < w.size()) visit(w.substr(start));
     }
   });
+}
+
+std::vector<std::u32string> Tokenizer::basic(std::string_view text) const {
+  std::vector<std::u32string> words;
+  for_each_word(
+      text, [&](std::u32string_view w) { words.emplace_back(w); },
+      [&](int32_t id) {
+        std::u32string w;
+        for (char c : vocab_.token(id)) w.push_back(static_cast<char32_t>(c));
+        words.push_back(std::move(w));
+      });
   return words;
 }
 
-void Tokenizer::wordpiece(const std::u32string& word, std::vector<int32_t>& ids,
-                          std::string& piece) const {
+void Tokenizer::wordpiece(std::u32string_view word, std::vector<int32_t>& ids) const {
   if (word.size() > kMaxWordChars) {
     ids.push_back(vocab_.unk());
     return;
   }
-  // Byte offset of each code point, so substrings are slices of one UTF-8 string.
-  std::string utf8;
-  std::vector<size_t> off;
-  off.reserve(word.size() + 1);
+  // UTF-8 of the word and the byte offset of each code point: a first piece is a view of it,
+  // a continuation is "##" + view, built in a scratch string.
+  thread_local std::string utf8, cont;
+  thread_local std::vector<size_t> off;
+  utf8.clear();
+  off.clear();
   for (char32_t c : word) {
     off.push_back(utf8.size());
     unicode::append_utf8(c, utf8);
   }
   off.push_back(utf8.size());
+  const std::string_view all(utf8);
   const size_t mark = ids.size();
   size_t start = 0;
   while (start < word.size()) {
     size_t end = word.size();
     int32_t found = -1;
     while (start < end) {
-      piece.assign(start > 0 ? "##" : "");
-      piece.append(utf8, off[start], off[end] - off[start]);
-      found = vocab_.id(piece);
+      const std::string_view piece = all.substr(off[start], off[end] - off[start]);
+      if (start == 0) {
+        found = vocab_.id(piece);
+      } else {
+        cont.assign("##");
+        cont.append(piece);
+        found = vocab_.id(cont);
+      }
       if (found >= 0) break;
       --end;
     }
@@ -182,20 +210,9 @@ void Tokenizer::wordpiece(const std::u32string& word, std::vector<int32_t>& ids,
 }
 
 void Tokenizer::encode(std::string_view text, std::vector<int32_t>& ids) const {
-  std::string scratch;
-  for (const auto& w : basic(text)) {
-    if (!w.empty() && w[0] == '[') {
-      std::string s;
-      unicode::encode(w, s);
-      bool special = false;
-      for (const char* sp : kSpecial) special |= s == sp;
-      if (special) {
-        ids.push_back(vocab_.id(s));
-        continue;
-      }
-    }
-    wordpiece(w, ids, scratch);
-  }
+  for_each_word(
+      text, [&](std::u32string_view w) { wordpiece(w, ids); },
+      [&](int32_t id) { ids.push_back(id); });
 }
 
 std::vector<std::string> Tokenizer::tokenize(std::string_view text) const {

@@ -14,6 +14,11 @@
 namespace bertrain::data {
 
 class Vocab {
+  struct Hash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+
  public:
   static Vocab load(const std::string& path);  // one token per line; Error names what is wrong
   int32_t id(std::string_view token) const;    // -1 if absent
@@ -29,7 +34,7 @@ class Vocab {
 
  private:
   std::vector<std::string> tokens_;
-  std::unordered_map<std::string, int32_t> ids_;
+  std::unordered_map<std::string, int32_t, Hash, std::equal_to<>> ids_;  // lookup by view
   int32_t cls_ = -1, sep_ = -1, mask_ = -1, unk_ = -1, pad_ = -1;
   bool uncased_ = true;
 };
@@ -46,7 +51,11 @@ class Tokenizer {
   bool lower_case() const { return lower_; }
 
  private:
-  void wordpiece(const std::u32string& word, std::vector<int32_t>& ids, std::string& scratch) const;
+  void wordpiece(std::u32string_view word, std::vector<int32_t>& ids) const;
+  // Calls visit(word) for each word of basic tokenization (views into scratch storage), or
+  // visit_special(id) for a special token written in the text.
+  template <typename W, typename S>
+  void for_each_word(std::string_view text, W&& visit, S&& visit_special) const;
   const Vocab& vocab_;
   bool lower_;
 };
