@@ -4,6 +4,8 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
+#include "data/pipeline.h"
+#include "dist/communicator.h"
 #include "model/bert.h"
 
 namespace bertrain::cli {
@@ -15,6 +17,10 @@ void add_bench(CLI::App& app);
 void add_bench_input(CLI::App& app);
 void add_prepare(CLI::App& app);
 void add_tokenize(CLI::App& app);
+void add_train(CLI::App& app, dist::Communicator& (*comm)());
+void add_eval(CLI::App& app, dist::Communicator& (*comm)());
+void add_pipeline_options(CLI::App* c, data::PipelineOptions& p, std::string& on_corrupt);
+data::OnCorrupt parse_on_corrupt(const std::string& s);
 
 // Shared option helpers.
 model::Head parse_head(const std::string& s);      // "pretraining" | "classification"

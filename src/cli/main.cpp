@@ -24,6 +24,12 @@ std::string describe(const model::BertConfig& c) {
              c.intermediate_size, " V", c.vocab_size);
 }
 
+// The process's communicator, created on first use (MPI only when a subcommand needs it).
+dist::Communicator& communicator() {
+  static dist::SingleProcess single;
+  return single;
+}
+
 }  // namespace bertrain::cli
 
 int main(int argc, char** argv) {
@@ -38,6 +44,8 @@ int main(int argc, char** argv) {
   bertrain::cli::add_bench_input(app);
   bertrain::cli::add_prepare(app);
   bertrain::cli::add_tokenize(app);
+  bertrain::cli::add_train(app, bertrain::cli::communicator);
+  bertrain::cli::add_eval(app, bertrain::cli::communicator);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

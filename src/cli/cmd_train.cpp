@@ -1,0 +1,143 @@
+// bertrain train: pretraining (MLM + NSP) from TFRecords; bertrain eval: MLM/NSP metrics of a
+// checkpoint on TFRecords.
+#include <cstdio>
+#include <filesystem>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "model/checkpoint.h"
+#include "train/evaluate.h"
+#include "train/run_state.h"
+#include "train/trainer.h"
+
+namespace bertrain::cli {
+
+void add_pipeline_options(CLI::App* c, data::PipelineOptions& p, std::string& on_corrupt) {
+  c->add_option("--cycle-length", p.cycle_length, "Input files read in parallel (interleave)")
+      ->capture_default_str();
+  c->add_option("--block-length", p.block_length, "Records taken from a file in turn")
+      ->capture_default_str();
+  c->add_option("--shuffle-buffer", p.shuffle_buffer, "Examples in the shuffle buffer")
+      ->capture_default_str();
+  c->add_option("--readers", p.readers, "Input reader threads (0: AUTOTUNE)")
+      ->capture_default_str();
+  c->add_option("--prefetch", p.prefetch, "Batches prefetched (0: AUTOTUNE)")
+      ->capture_default_str();
+  c->add_option("--on-corrupt", on_corrupt, "Corrupt input records: fail or skip")
+      ->capture_default_str();
+}
+
+data::OnCorrupt parse_on_corrupt(const std::string& s) {
+  if (s == "fail") return data::OnCorrupt::Fail;
+  if (s == "skip") return data::OnCorrupt::Skip;
+  fail("--on-corrupt must be fail or skip, got '", s, "'");
+}
+
+void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
+  struct Opts {
+    train::TrainConfig cfg;
+    std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail";
+    int threads = 0;
+  };
+  auto o = std::make_shared<Opts>();
+  o->cfg.optimizer.kind = train::OptimizerKind::Lamb;
+  auto* c = app.add_subcommand("train", "Pretrain BERT (masked LM + next sentence) on TFRecords");
+  auto& t = o->cfg;
+  c->add_option("--model-config", t.model_config, "HuggingFace config.json of the model")
+      ->required();
+  c->add_option("--data", t.input.files, "Training TFRecords: glob(s), comma-separated")
+      ->required();
+  c->add_option("--output", t.output, "Run directory (checkpoints, latest)")->required();
+  c->add_option("--init-checkpoint", t.init_checkpoint,
+                "Start from these weights (HuggingFace or bertrain checkpoint)");
+  c->add_option("--batch-size", t.batch_size, "Sequences per rank per micro-batch")
+      ->capture_default_str();
+  c->add_option("--seq-len", t.seq_len, "Tokens per sequence (must match the data)")
+      ->capture_default_str();
+  c->add_option("--max-predictions", t.max_predictions,
+                "Masked LM predictions per sequence (must match the data)")
+      ->capture_default_str();
+  c->add_option("--steps", t.steps, "Optimizer steps in total")->capture_default_str();
+  c->add_option("--accumulation-steps", t.accumulation, "Micro-batches per optimizer step")
+      ->capture_default_str();
+  c->add_option("--precision", o->precision, "fp32, bf16 or fp16 (fp16: dynamic loss scaling)")
+      ->capture_default_str();
+  c->add_option("--optimizer", o->optimizer, "lamb or adamw")->capture_default_str();
+  c->add_option("--lr", t.lr, "Peak learning rate")->capture_default_str();
+  c->add_option("--warmup", t.warmup, "Warmup: a fraction of --steps (< 1) or a number of steps")
+      ->capture_default_str();
+  c->add_option("--end-lr", t.end_lr, "Learning rate at the last step")->capture_default_str();
+  c->add_option("--decay-power", t.power, "Polynomial decay power (1: linear)")
+      ->capture_default_str();
+  c->add_option("--weight-decay", t.optimizer.weight_decay,
+                "Decoupled weight decay (not on LayerNorm/biases)")
+      ->capture_default_str();
+  c->add_option("--max-grad-norm", t.optimizer.max_grad_norm,
+                "Global gradient-norm clipping (0: off)")
+      ->capture_default_str();
+  c->add_option("--seed", t.seed, "Seed for init, dropout, data order")->capture_default_str();
+  c->add_option("--save-every", t.save_every, "Checkpoint every N steps (and always at the end)")
+      ->capture_default_str();
+  c->add_option("--keep-last", t.keep_last, "Checkpoints kept (0: all)")->capture_default_str();
+  c->add_option("--log-every", t.log_every, "Progress line every N steps")->capture_default_str();
+  c->add_flag("--resume", t.resume, "Continue from the latest checkpoint in --output");
+  c->add_option("--stop-after-steps", t.stop_after,
+                "Run at most N steps now, checkpoint and exit 0 (time-sliced jobs)")
+      ->capture_default_str();
+  c->add_option("--max-skipped-steps", t.max_skipped_steps,
+                "fp16: consecutive skipped steps before giving up")
+      ->capture_default_str();
+  c->add_option("--threads", o->threads, "Compute threads per rank (0: OpenMP default)")
+      ->capture_default_str();
+  add_pipeline_options(c, t.input, o->on_corrupt);
+  c->callback([o, comm] {
+    set_threads(o->threads);
+    train::TrainConfig cfg = o->cfg;
+    cfg.precision = train::parse_precision(o->precision);
+    cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
+    cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
+    train::install_signal_handlers();
+    train::train(cfg, comm());
+  });
+}
+
+void add_eval(CLI::App& app, dist::Communicator& (*comm)()) {
+  struct Opts {
+    std::string checkpoint, data, model_config;
+    int64_t batch = 32, seq = 128, preds = 20, max_batches = 0;
+    int threads = 0;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("eval",
+                               "Masked LM and next-sentence metrics of a checkpoint on TFRecords");
+  c->add_option("--checkpoint", o->checkpoint,
+                "Run directory (its latest checkpoint) or checkpoint/HF directory")
+      ->required();
+  c->add_option("--data", o->data, "Evaluation TFRecords: glob(s)")->required();
+  c->add_option("--batch-size", o->batch, "Sequences per batch")->capture_default_str();
+  c->add_option("--seq-len", o->seq, "Tokens per sequence (must match the data)")
+      ->capture_default_str();
+  c->add_option("--max-predictions", o->preds, "Masked LM predictions per sequence")
+      ->capture_default_str();
+  c->add_option("--max-batches", o->max_batches, "Stop after N batches (0: all data)")
+      ->capture_default_str();
+  c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
+      ->capture_default_str();
+  c->callback([o, comm] {
+    set_threads(o->threads);
+    std::string dir = train::resolve_checkpoint(o->checkpoint);
+    if (dir.empty()) fail("no checkpoint in ", o->checkpoint);
+    const model::BertConfig cfg = model::BertConfig::load(model::checkpoint_config_path(dir));
+    model::BertModel m(cfg, model::Head::Pretraining, {o->batch, o->seq, o->preds});
+    model::load_safetensors_into(m, model::checkpoint_weights_path(dir));
+    const train::EvalResult r = train::evaluate(m, o->data, o->batch, o->max_batches, comm());
+    if (comm().rank() == 0)
+      std::printf(
+          "eval %s on %s: %lld examples, %lld predictions\n  masked LM loss %.4f, accuracy %.4f\n"
+          "  next sentence loss %.4f, accuracy %.4f\n",
+          dir.c_str(), o->data.c_str(), (long long)r.examples, (long long)r.predictions, r.mlm_loss,
+          r.mlm_accuracy, r.nsp_loss, r.nsp_accuracy);
+  });
+}
+
+}  // namespace bertrain::cli

@@ -1,0 +1,44 @@
+// Communicator: what data parallelism needs from the transport (rank, size, allreduce,
+// broadcast, barrier). SingleProcess is the identity; the MPI implementation (mpi.cpp) runs
+// under mpirun/srun/MPIJob. Collectives operate in place on fp32/fp64 buffers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace bertrain::dist {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual int local_rank() const { return rank(); }
+  virtual int local_size() const { return size(); }
+  // Sum over ranks, in place.
+  virtual void allreduce_sum(float* data, int64_t n) = 0;
+  virtual void allreduce_sum(double* data, int64_t n) = 0;
+  virtual void broadcast(void* data, int64_t bytes, int root) = 0;
+  virtual void barrier() = 0;
+  virtual std::string name() const = 0;
+  // Logical AND of a flag over ranks (e.g. "all gradients finite").
+  bool all(bool flag) {
+    double v = flag ? 0.0 : 1.0;
+    allreduce_sum(&v, 1);
+    return v == 0.0;
+  }
+};
+
+class SingleProcess : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  void allreduce_sum(float*, int64_t) override {}
+  void allreduce_sum(double*, int64_t) override {}
+  void broadcast(void*, int64_t, int) override {}
+  void barrier() override {}
+  std::string name() const override { return "single process"; }
+};
+
+}  // namespace bertrain::dist

@@ -1,0 +1,355 @@
+#include "train/trainer.h"
+
+#include <sys/resource.h>
+
+#include <omp.h>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "core/error.h"
+#include "kernels/cpu/matmul.h"
+#include "model/checkpoint.h"
+#include "train/loss_scaler.h"
+#include "train/run_state.h"
+
+namespace bertrain::train {
+
+std::atomic<int> g_stop_signal{0};
+
+namespace {
+void on_signal(int sig) {
+  g_stop_signal.store(sig);
+}
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+std::string hms(double s) {
+  char buf[32];
+  const int t = static_cast<int>(s + 0.5);
+  std::snprintf(buf, sizeof buf, "%d:%02d:%02d", t / 3600, t / 60 % 60, t % 60);
+  return buf;
+}
+
+// fp32 GEMM rate at the model's FFN shape, measured now (about 0.5 s).
+double gemm_peak_gflops(int64_t M, int64_t N, int64_t K) {
+  std::vector<float> a(M * K, 0.01f), w(N * K, 0.02f), c(M * N);
+  kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);
+  int it = 0;
+  const auto t0 = Clock::now();
+  do {
+    kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);
+    ++it;
+  } while (since(t0) < 0.5);
+  return 2.0 * M * N * K * it / since(t0) / 1e9;
+}
+
+// Rounds values to bf16/fp16 precision (the working copy of mixed-precision training).
+void round_to(Precision p, const float* src, float* dst, int64_t n) {
+  if (p == Precision::BF16) {
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(f32_to_bf16(src[i]));
+  } else if (p == Precision::FP16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(f32_to_f16(src[i]));
+  } else {
+    std::memcpy(dst, src, n * sizeof(float));
+  }
+}
+
+}  // namespace
+
+void install_signal_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+Precision parse_precision(const std::string& s) {
+  if (s == "fp32") return Precision::FP32;
+  if (s == "bf16") return Precision::BF16;
+  if (s == "fp16") return Precision::FP16;
+  fail("--precision must be fp32, bf16 or fp16, got '", s, "'");
+}
+
+const char* precision_name(Precision p) {
+  return p == Precision::FP32 ? "fp32" : p == Precision::BF16 ? "bf16" : "fp16";
+}
+
+TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
+  const int rank = comm.rank(), world = comm.size();
+  const bool lead = rank == 0 && !cfg.quiet;
+  if (cfg.steps <= 0) fail("--steps must be positive");
+  if (cfg.accumulation <= 0) fail("--accumulation-steps must be positive");
+  if (cfg.output.empty()) fail("--output is required (the run directory for checkpoints)");
+
+  const model::BertConfig mcfg = model::BertConfig::load(cfg.model_config);
+  model::BertModel m(mcfg, model::Head::Pretraining,
+                     {cfg.batch_size, cfg.seq_len, cfg.max_predictions});
+  std::vector<ParamSlice> slices;
+  for (const auto& p : m.table().params()) slices.push_back({p.name, p.offset, p.numel(), p.decay});
+  Optimizer opt(slices, m.table().total(), cfg.optimizer);
+  LossScaler::Config sc;
+  sc.enabled = cfg.precision == Precision::FP16;
+  sc.max_consecutive_skips = cfg.max_skipped_steps;
+  LossScaler scaler(sc);
+  const int64_t warmup = cfg.warmup < 1.0 ? static_cast<int64_t>(cfg.warmup * cfg.steps)
+                                          : static_cast<int64_t>(cfg.warmup);
+  const LrSchedule sched{cfg.lr, cfg.end_lr, cfg.power, warmup, cfg.steps};
+
+  nlohmann::json settings = {{"batch_size", cfg.batch_size},
+                             {"seq_len", cfg.seq_len},
+                             {"max_predictions", cfg.max_predictions},
+                             {"accumulation", cfg.accumulation},
+                             {"world_size", world},
+                             {"precision", precision_name(cfg.precision)},
+                             {"optimizer", optimizer_name(cfg.optimizer.kind)},
+                             {"seed", cfg.seed}};
+
+  // Master weights (fp32) live in `master`; the model computes with a working copy, rounded to
+  // bf16/fp16 for those precisions. For fp32 the model's own buffer is the master.
+  const int64_t P = m.table().total();
+  std::vector<float> master;
+  int64_t start_step = 0;
+  data::PipelinePosition position;
+  std::string resumed_from;
+  const std::string ck = cfg.resume ? resolve_checkpoint(cfg.output) : "";
+  if (!ck.empty()) {
+    TrainerState st = load_checkpoint(ck, m, &opt);
+    for (const char* k : {"batch_size", "seq_len", "max_predictions", "accumulation", "world_size",
+                          "precision", "optimizer"})
+      if (st.settings.contains(k) && st.settings[k] != settings[k])
+        fail("cannot resume from ", ck, ": it was trained with ", k, " = ", st.settings[k].dump(),
+             ", this run has ", settings[k].dump(), " (resume with the same settings)");
+    start_step = st.step;
+    scaler.restore(st.loss_scale, st.scaler_good, st.scaler_skipped);
+    if (static_cast<int>(st.positions.size()) == world) position = st.positions[rank];
+    resumed_from = ck;
+  } else if (!cfg.init_checkpoint.empty()) {
+    m.init_params(cfg.seed);  // heads absent from a BertModel checkpoint keep BERT's init
+    model::load_safetensors_into(m, model::checkpoint_weights_path(cfg.init_checkpoint),
+                                 {{"cls.", "bert.pooler."}, {}});
+  } else {
+    m.init_params(cfg.seed);
+  }
+  // Every rank starts from rank 0's parameters and optimizer state.
+  comm.broadcast(m.params(), P * static_cast<int64_t>(sizeof(float)), 0);
+  comm.broadcast(opt.m().data(), P * static_cast<int64_t>(sizeof(float)), 0);
+  comm.broadcast(opt.v().data(), P * static_cast<int64_t>(sizeof(float)), 0);
+  if (cfg.precision != Precision::FP32) master.assign(m.params(), m.params() + P);
+  float* master_p = cfg.precision == Precision::FP32 ? m.params() : master.data();
+
+  data::PipelineOptions in = cfg.input;
+  in.batch_size = cfg.batch_size;
+  in.rank = rank;
+  in.world = world;
+  in.seed = cfg.seed;
+  data::Pipeline pipe(in,
+                      data::Schema::pretraining(cfg.seq_len, cfg.max_predictions, mcfg.vocab_size,
+                                                mcfg.type_vocab_size),
+                      position);
+
+  const double peak =
+      gemm_peak_gflops(cfg.batch_size * cfg.seq_len, mcfg.intermediate_size, mcfg.hidden_size);
+  const double flops_step =
+      m.flops_per_step(cfg.batch_size, cfg.seq_len, cfg.max_predictions) * cfg.accumulation;
+  if (lead) {
+    std::printf(
+        "train: %s (L%lld H%lld A%lld I%lld V%lld), %s\n", cfg.model_config.c_str(),
+        (long long)mcfg.num_hidden_layers, (long long)mcfg.hidden_size,
+        (long long)mcfg.num_attention_heads, (long long)mcfg.intermediate_size,
+        (long long)mcfg.vocab_size,
+        resumed_from.empty()
+            ? (cfg.init_checkpoint.empty() ? "fresh init" : ("from " + cfg.init_checkpoint).c_str())
+            : ("resumed from " + resumed_from).c_str());
+    std::printf(
+        "  data %s (%zu files), batch %lld x %lld ranks x %lld accumulation = %lld sequences of "
+        "%lld tokens\n",
+        cfg.input.files.c_str(), pipe.files().size(), (long long)cfg.batch_size, (long long)world,
+        (long long)cfg.accumulation, (long long)(cfg.batch_size * world * cfg.accumulation),
+        (long long)cfg.seq_len);
+    std::printf(
+        "  %s lr %.3g (warmup %lld, decay power %.1f to %.3g), wd %.3g, clip %.3g, %s%s, seed "
+        "%llu\n",
+        optimizer_name(cfg.optimizer.kind), cfg.lr, (long long)warmup, cfg.power, cfg.end_lr,
+        cfg.optimizer.weight_decay, cfg.optimizer.max_grad_norm, precision_name(cfg.precision),
+        cfg.precision == Precision::FP32
+            ? ""
+            : " (fp32 master weights; working weights rounded; kernels compute in fp32)",
+        (unsigned long long)cfg.seed);
+    std::printf(
+        "  steps %lld..%lld, save every %lld to %s, %s, %d threads, memory plan %s, input bound "
+        "%s\n",
+        (long long)start_step, (long long)cfg.steps, (long long)cfg.save_every, cfg.output.c_str(),
+        comm.name().c_str(), omp_get_max_threads(),
+        human_bytes(static_cast<double>(m.plan().total_bytes() + 2 * P * 4)).c_str(),
+        human_bytes(static_cast<double>(pipe.memory_bound_bytes())).c_str());
+    std::fflush(stdout);
+  }
+
+  TrainResult res;
+  std::string last_ck = resumed_from;
+  auto save = [&](int64_t step_done) {
+    TrainerState st;
+    st.step = step_done;
+    st.loss_scale = scaler.scale();
+    st.scaler_good = scaler.good_steps();
+    st.scaler_skipped = scaler.skipped();
+    st.optimizer_steps = opt.steps();
+    st.settings = settings;
+    // Every rank's pipeline position goes into rank 0's checkpoint.
+    std::vector<double> pos(3 * world, 0.0);
+    const data::PipelinePosition mine = pipe.position();
+    pos[3 * rank] = static_cast<double>(mine.epoch);
+    pos[3 * rank + 1] = static_cast<double>(mine.batches);
+    comm.allreduce_sum(pos.data(), static_cast<int64_t>(pos.size()));
+    for (int r = 0; r < world; ++r)
+      st.positions.push_back({static_cast<uint64_t>(pos[3 * r]),
+                              static_cast<uint64_t>(pos[3 * r + 1]), mine.fingerprint});
+    if (rank == 0) {
+      // The checkpoint holds master weights.
+      if (cfg.precision != Precision::FP32) std::memcpy(m.params(), master_p, P * sizeof(float));
+      last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last));
+    }
+    comm.barrier();
+    return last_ck;
+  };
+
+  model::Batch batch;
+  double t_input = 0, t_fwd = 0, t_bwd = 0, t_comm = 0, t_opt = 0, t_total = 0;
+  double win_loss = 0, win_mlm_correct = 0, win_mlm_w = 0, win_nsp = 0, win_n = 0;
+  int64_t win_steps = 0;
+  const auto run_start = Clock::now();
+  auto win_start = Clock::now();
+  int64_t step = start_step;
+  for (; step < cfg.steps; ++step) {
+    const auto t_step = Clock::now();
+    if (cfg.precision != Precision::FP32) round_to(cfg.precision, master_p, m.params(), P);
+    m.zero_grads();
+    double loss_sum = 0, mlm_c = 0, mlm_w = 0, nsp_c = 0;
+    const float scale = scaler.scale();
+    for (int64_t micro = 0; micro < cfg.accumulation; ++micro) {
+      auto t0 = Clock::now();
+      if (!pipe.next(batch)) fail("the input pipeline ended (it repeats forever; this is a bug)");
+      t_input += since(t0);
+      const model::StepOptions so{true, cfg.seed, static_cast<uint64_t>(step),
+                                  static_cast<uint64_t>((micro * world + rank) * cfg.batch_size)};
+      t0 = Clock::now();
+      const model::Losses l = m.forward(batch, so);
+      t_fwd += since(t0);
+      if (!std::isfinite(l.loss) && cfg.precision != Precision::FP16)
+        fail("step ", step, ": the loss is ", l.loss, " on rank ", rank,
+             "; lower --lr or raise --warmup and resume from the last good checkpoint",
+             last_ck.empty() ? std::string(" (none saved yet)") : " (" + last_ck + ")");
+      loss_sum += l.loss;
+      mlm_c += l.mlm_correct;
+      mlm_w += l.mlm_weight;
+      nsp_c += static_cast<double>(l.nsp_correct);
+      t0 = Clock::now();
+      m.backward(batch, so, scale / static_cast<float>(cfg.accumulation));
+      t_bwd += since(t0);
+    }
+    // Average gradients across ranks (sum, then 1/world folded into the unscale).
+    auto t0 = Clock::now();
+    if (world > 1) comm.allreduce_sum(m.grads(), P);
+    double stats[5] = {loss_sum / cfg.accumulation, mlm_c, mlm_w, nsp_c,
+                       static_cast<double>(batch.B * cfg.accumulation)};
+    if (world > 1) comm.allreduce_sum(stats, 5);
+    t_comm += since(t0);
+
+    t0 = Clock::now();
+    const float inv = 1.0f / (scale * static_cast<float>(world));
+    StepResult r = opt.measure(m.grads(), inv);
+    const bool finite = world > 1 ? comm.all(r.finite) : r.finite;  // every rank skips together
+    if (scaler.update(finite, step)) {
+      const float lr = static_cast<float>(sched.at(step));
+      // Clipping must use the same global norm on every rank: it is, since gradients are
+      // identical after the allreduce.
+      opt.apply(master_p, m.grads(), lr, inv, r);
+    }
+    t_opt += since(t0);
+    t_total += since(t_step);
+
+    const double step_loss = stats[0] / world;
+    res.losses.push_back(step_loss);
+    win_loss += step_loss;
+    win_mlm_correct += stats[1];
+    win_mlm_w += stats[2];
+    win_nsp += stats[3];
+    win_n += stats[4];
+    ++win_steps;
+    const int64_t done = step + 1;
+    if (done == start_step + 1) res.first_loss = step_loss;
+    const bool log_now = cfg.log_every > 0 && (done % cfg.log_every == 0 || done == cfg.steps);
+    if (log_now) {
+      const double dt = since(win_start);
+      const double tok_s = win_n * cfg.seq_len / std::max(dt, 1e-9);
+      const double eta = since(run_start) / (done - start_step) * (cfg.steps - done);
+      if (lead) {
+        std::printf(
+            "step %6lld/%lld | loss %.4f | mlm acc %.3f | nsp acc %.3f | lr %.2e | scale %g | %.0f "
+            "tok/s | ETA %s\n",
+            (long long)done, (long long)cfg.steps, win_loss / win_steps,
+            win_mlm_correct / std::max(win_mlm_w, 1e-9), win_nsp / std::max(win_n, 1.0),
+            sched.at(step), scaler.scale(), tok_s, hms(eta).c_str());
+        std::fflush(stdout);
+      }
+      res.last_loss = win_loss / win_steps;
+      win_loss = win_mlm_correct = win_mlm_w = win_nsp = win_n = 0;
+      win_steps = 0;
+      win_start = Clock::now();
+    }
+    res.steps_done = done;
+    const bool slice_done =
+        cfg.stop_after > 0 && done - start_step >= cfg.stop_after && done != cfg.steps;
+    const bool stop = slice_done || (world > 1 ? !comm.all(g_stop_signal.load() == 0)
+                                               : g_stop_signal.load() != 0);
+    if (stop) {
+      res.interrupted = true;
+      ++step;
+      break;
+    }
+    if (cfg.save_every > 0 && done % cfg.save_every == 0 && done != cfg.steps) save(done);
+  }
+  if (win_steps > 0) res.last_loss = win_loss / win_steps;
+  res.last_checkpoint = save(step);
+  if (lead) {
+    if (res.interrupted)
+      std::printf("train: stopped %s after step %lld; checkpoint %s (continue with --resume)\n",
+                  g_stop_signal.load() ? str("by signal ", g_stop_signal.load()).c_str()
+                                       : "as --stop-after-steps asked",
+                  (long long)step, res.last_checkpoint.c_str());
+    const int64_t n = step - start_step;
+    if (n > 0) {
+      const double other = std::max(0.0, t_total - t_input - t_fwd - t_bwd - t_comm - t_opt);
+      auto pct = [&](double t) { return 100.0 * t / std::max(t_total, 1e-9); };
+      std::printf(
+          "step time %.1f ms: input wait %.1f%% | forward %.1f%% | backward %.1f%% | communication "
+          "%.1f%% | optimizer %.1f%% | other %.1f%%\n",
+          1e3 * t_total / n, pct(t_input), pct(t_fwd), pct(t_bwd), pct(t_comm), pct(t_opt),
+          pct(other));
+      const double achieved = flops_step * n / std::max(t_total, 1e-9) / 1e9;
+      std::printf(
+          "compute: %.1f GFLOP/s of model FLOPs per rank = %.0f%% of the fp32 GEMM rate measured "
+          "now (%.1f GFLOP/s)\n",
+          achieved, 100.0 * achieved / peak, peak);
+      const char* bottleneck =
+          pct(t_input) > 10  ? "input pipeline (raise --readers/--prefetch or add shards)"
+          : pct(t_comm) > 20 ? "communication (larger batch per rank or fewer ranks per link)"
+                             : "compute (forward/backward kernels)";
+      std::printf("bottleneck: %s; loss scale %g, %lld skipped steps, final checkpoint %s\n",
+                  bottleneck, scaler.scale(), (long long)scaler.skipped(),
+                  res.last_checkpoint.c_str());
+    }
+  }
+  return res;
+}
+
+}  // namespace bertrain::train

@@ -1,0 +1,53 @@
+// The pretraining loop: input pipeline -> forward -> backward (gradient accumulation) ->
+// gradient averaging across ranks -> loss-scale check -> optimizer -> checkpoint.
+// Prints the resolved configuration, a progress line, and at the end a step-time breakdown
+// with model FLOP utilisation against a GEMM rate measured in the same run.
+#pragma once
+
+#include <atomic>
+#include <string>
+
+#include "data/pipeline.h"
+#include "dist/communicator.h"
+#include "train/optimizer.h"
+
+namespace bertrain::train {
+
+enum class Precision { FP32, BF16, FP16 };
+Precision parse_precision(const std::string& s);
+const char* precision_name(Precision p);
+
+struct TrainConfig {
+  std::string model_config, init_checkpoint, data, output;
+  int64_t batch_size = 32;  // per rank, per micro-batch
+  int64_t seq_len = 128, max_predictions = 20;
+  int64_t steps = 1000, accumulation = 1;
+  Precision precision = Precision::FP32;
+  OptimizerConfig optimizer;
+  double lr = 1e-3, warmup = 0.1, end_lr = 0.0, power = 1.0;  // warmup < 1: fraction of steps
+  uint64_t seed = 42;
+  int64_t save_every = 0, keep_last = 3, log_every = 10;
+  bool resume = false;
+  int64_t stop_after = 0;  // > 0: run at most this many steps in this invocation, then checkpoint
+                           // and return (time-sliced or preemptible jobs; resume continues)
+  data::PipelineOptions input;  // files, shuffle, interleave, corrupt policy
+  int64_t max_skipped_steps = 20;
+  bool quiet = false;
+};
+
+struct TrainResult {
+  int64_t steps_done = 0;
+  double first_loss = 0, last_loss = 0;  // averaged over the first / last log window
+  std::vector<double> losses;            // loss of every step (rank-averaged)
+  std::string last_checkpoint;
+  bool interrupted = false;
+};
+
+// Set by SIGTERM/SIGINT handlers (install_signal_handlers); the loop finishes the current step,
+// checkpoints and returns with interrupted = true.
+extern std::atomic<int> g_stop_signal;
+void install_signal_handlers();
+
+TrainResult train(const TrainConfig& cfg, dist::Communicator& comm);
+
+}  // namespace bertrain::train

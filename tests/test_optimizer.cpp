@@ -1,0 +1,86 @@
+// Optimizers against PyTorch (tools/make_optimizer_golden.py): torch.optim.AdamW and a reference
+// LAMB, six steps with clip_grad_norm_ (two of them clipping), parameters compared after every
+// step. Both sides run in fp32; only the order of operations differs, so rtol 2e-6 with an
+// absolute floor of 1e-7 (one fp32 ulp at the parameters' scale ~0.5 is 6e-8).
+#include <gtest/gtest.h>
+
+#include "model/safetensors.h"
+#include "test_util.h"
+#include "train/optimizer.h"
+
+namespace bertrain::train {
+namespace {
+
+const std::vector<std::pair<std::string, bool>> kTensors = {
+    {"w", true}, {"emb", true}, {"b", false}, {"ln_w", false}, {"ln_b", false}};
+
+void run_golden(OptimizerKind kind, const char* name) {
+  SafetensorsReader g(test::data_path("golden/optimizer.safetensors"));
+  std::vector<ParamSlice> slices;
+  int64_t total = 0;
+  for (const auto& [n, decay] : kTensors) {
+    const int64_t numel = shape_numel(g.find("init." + n)->shape);
+    slices.push_back({n, total, numel, decay});
+    total += numel;
+  }
+  std::vector<float> params(total), grads(total);
+  for (const auto& s : slices) {
+    auto v = g.read_f32("init." + s.name);
+    std::copy(v.begin(), v.end(), params.begin() + s.offset);
+  }
+  OptimizerConfig cfg;
+  cfg.kind = kind;
+  Optimizer opt(slices, total, cfg);
+  const auto lrs = g.read_f64("lrs");
+  for (size_t t = 0; t < lrs.size(); ++t) {
+    // Scale the gradients by 8 and unscale inside, as with gradient accumulation / loss scale.
+    for (const auto& s : slices) {
+      auto v = g.read_f32("grad" + std::to_string(t) + "." + s.name);
+      for (int64_t i = 0; i < s.numel; ++i) grads[s.offset + i] = v[i] * 8.0f;
+    }
+    StepResult r = opt.step(params.data(), grads.data(), static_cast<float>(lrs[t]), 1.0f / 8);
+    ASSERT_TRUE(r.finite);
+    EXPECT_NEAR(r.grad_norm, g.read_f64(std::string(name) + ".norm" + std::to_string(t))[0],
+                1e-5 * r.grad_norm);
+    for (const auto& s : slices) {
+      auto want = g.read_f32(std::string(name) + ".step" + std::to_string(t) + "." + s.name);
+      EXPECT_TRUE(test::all_close(str(name, " step ", t, " ", s.name), params.data() + s.offset,
+                                  want.data(), want.size(), 2e-6, 0.0, 1e-7));
+    }
+  }
+  EXPECT_EQ(opt.steps(), 6);
+}
+
+TEST(Optimizer, AdamWMatchesPyTorch) {
+  run_golden(OptimizerKind::AdamW, "adamw");
+}
+TEST(Optimizer, LambMatchesReference) {
+  run_golden(OptimizerKind::Lamb, "lamb");
+}
+
+TEST(Optimizer, NonFiniteGradientChangesNothing) {
+  std::vector<ParamSlice> slices = {{"a", 0, 4, true}};
+  Optimizer opt(slices, 4, {});
+  std::vector<float> p = {1, 2, 3, 4}, g = {0.1f, NAN, 0.2f, 0.3f};
+  StepResult r = opt.step(p.data(), g.data(), 0.1f, 1.0f);
+  EXPECT_FALSE(r.finite);
+  EXPECT_EQ(p, (std::vector<float>{1, 2, 3, 4}));
+  EXPECT_EQ(opt.steps(), 0);
+  EXPECT_EQ(opt.m(), std::vector<float>(4, 0.0f));
+  g[1] = INFINITY;
+  EXPECT_FALSE(opt.step(p.data(), g.data(), 0.1f, 1.0f).finite);
+}
+
+TEST(LrSchedule, WarmupThenLinearDecay) {
+  LrSchedule s{1e-3, 0.0, 1.0, 10, 110};
+  EXPECT_DOUBLE_EQ(s.at(0), 1e-4);
+  EXPECT_DOUBLE_EQ(s.at(9), 1e-3);
+  EXPECT_DOUBLE_EQ(s.at(10), 1e-3);
+  EXPECT_NEAR(s.at(60), 5e-4, 1e-12);
+  EXPECT_NEAR(s.at(110), 0.0, 1e-12);
+  LrSchedule poly{1e-3, 1e-5, 2.0, 0, 100};
+  EXPECT_NEAR(poly.at(50), (1e-3 - 1e-5) * 0.25 + 1e-5, 1e-12);
+}
+
+}  // namespace
+}  // namespace bertrain::train

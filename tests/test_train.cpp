@@ -1,0 +1,255 @@
+// Training: the loss scaler, learning on real text, exact resume (in process and after SIGTERM
+// of the CLI), and the documented errors with the previous checkpoint left intact.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <fstream>
+
+#include "data/prepare.h"
+#include "model/safetensors.h"
+#include "test_util.h"
+#include "train/loss_scaler.h"
+#include "train/run_state.h"
+#include "train/trainer.h"
+
+namespace bertrain::train {
+namespace {
+
+std::string root(const std::string& rel) {
+  return test::data_path("../" + rel);
+}
+
+TEST(LossScaler, SkipsHalvesGrowsAndGivesUp) {
+  LossScaler::Config c;
+  c.enabled = true;
+  c.growth_interval = 3;
+  c.max_consecutive_skips = 2;
+  LossScaler s(c);
+  EXPECT_EQ(s.scale(), 65536.0f);
+  EXPECT_FALSE(s.update(false, 0));  // overflow injected: skip, halve
+  EXPECT_EQ(s.scale(), 32768.0f);
+  EXPECT_TRUE(s.update(true, 1));
+  EXPECT_TRUE(s.update(true, 2));
+  EXPECT_EQ(s.scale(), 32768.0f);
+  EXPECT_TRUE(s.update(true, 3));  // 3 good steps: double
+  EXPECT_EQ(s.scale(), 65536.0f);
+  EXPECT_FALSE(s.update(false, 4));
+  EXPECT_FALSE(s.update(false, 5));
+  try {
+    s.update(false, 6);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 6: gradients are not finite in 3 consecutive steps"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(s.skipped(), 4);
+  LossScaler::Config floor = c;
+  floor.min_scale = 16384.0f;
+  floor.max_consecutive_skips = 100;
+  LossScaler f(floor);
+  for (int i = 0; i < 5; ++i) f.update(false, i);
+  EXPECT_EQ(f.scale(), 16384.0f);
+  LossScaler off;  // fp32: scale 1, a non-finite gradient is an error at once
+  EXPECT_EQ(off.scale(), 1.0f);
+  EXPECT_THROW(off.update(false, 9), Error);
+}
+
+struct TrainEnv {
+  test::TempDir dir;
+  std::string data, config;
+  TrainEnv() {
+    data::PrepareConfig p;
+    p.input = root("data/corpus/bert_sample_text.txt") + "," +
+              root("data/corpus/gutenberg/shakespeare-caesar.txt");
+    p.vocab = root("data/vocab/bert-base-uncased-vocab.txt");
+    p.output = dir / "data";
+    p.instance.seq_len = 64;
+    p.instance.max_predictions = 10;
+    p.dupe_factor = 2;
+    p.output_shards = 2;
+    data::prepare(p);
+    data = dir / "data/*.tfrecord";
+    config = dir / "tiny.json";
+    std::ofstream(config) << R"({"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64})";
+  }
+  TrainConfig cfg(const std::string& out, int64_t steps) const {
+    TrainConfig c;
+    c.model_config = config;
+    c.input.files = data;
+    c.output = dir / out;
+    c.batch_size = 8;
+    c.seq_len = 64;
+    c.max_predictions = 10;
+    c.steps = steps;
+    c.lr = 2e-3;
+    c.warmup = 0.05;
+    c.log_every = 0;
+    c.quiet = true;
+    c.optimizer.kind = OptimizerKind::AdamW;
+    return c;
+  }
+};
+
+std::string file_bytes(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(Train, LowersTheMaskedLmLossOnRealText) {
+  TrainEnv env;
+  dist::SingleProcess comm;
+  TrainResult r = train(env.cfg("run", 150), comm);
+  ASSERT_EQ(r.losses.size(), 150u);
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) {
+    first += r.losses[i] / 10;
+    last += r.losses[140 + i] / 10;
+  }
+  // Starts near ln(30522) + ln(2) = 11.0; the unigram distribution alone is worth ~4 nats.
+  EXPECT_GT(first, 10.0);
+  EXPECT_LT(last, first - 2.5) << "first " << first << ", last " << last;
+}
+
+TEST(Train, InterruptedAndResumedRunEqualsUninterrupted) {
+  TrainEnv env;
+  dist::SingleProcess comm;
+  for (Precision p : {Precision::FP32, Precision::FP16}) {
+    TrainConfig full = env.cfg(std::string("full") + precision_name(p), 24);
+    full.precision = p;
+    full.accumulation = 2;
+    TrainResult a = train(full, comm);
+    TrainConfig part = full;
+    part.output = env.dir / (std::string("part") + precision_name(p));
+    part.stop_after = 10;
+    TrainResult b1 = train(part, comm);
+    EXPECT_TRUE(b1.interrupted);
+    EXPECT_EQ(b1.steps_done, 10);
+    part.stop_after = 0;
+    part.resume = true;
+    TrainResult b2 = train(part, comm);
+    std::vector<double> losses = b1.losses;
+    losses.insert(losses.end(), b2.losses.begin(), b2.losses.end());
+    ASSERT_EQ(losses, a.losses) << precision_name(p);  // bitwise, every step
+    EXPECT_EQ(file_bytes(a.last_checkpoint + "/model.safetensors"),
+              file_bytes(b2.last_checkpoint + "/model.safetensors"));
+    EXPECT_EQ(file_bytes(a.last_checkpoint + "/optimizer.safetensors"),
+              file_bytes(b2.last_checkpoint + "/optimizer.safetensors"));
+  }
+}
+
+TEST(Train, SigtermFinishesTheStepCheckpointsAndExitsZero) {
+  TrainEnv env;
+  const std::string out = env.dir / "sig";
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    dup2(fds[1], 2);
+    close(fds[0]);
+    execl(BERTRAIN_BINARY, "bertrain", "train", "--model-config", env.config.c_str(), "--data",
+          env.data.c_str(), "--output", out.c_str(), "--batch-size", "8", "--seq-len", "64",
+          "--max-predictions", "10", "--steps", "100000", "--log-every", "1", "--threads", "1",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(fds[1]);
+  FILE* f = fdopen(fds[0], "r");
+  std::string output;
+  char line[4096];
+  int steps = 0;
+  while (fgets(line, sizeof line, f)) {
+    output += line;
+    if (std::string(line).rfind("step ", 0) == 0 && ++steps == 3) kill(pid, SIGTERM);
+  }
+  fclose(f);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
+  EXPECT_NE(output.find("stopped by signal 15"), std::string::npos) << output;
+  const std::string ck = resolve_checkpoint(out);
+  ASSERT_FALSE(ck.empty());
+  EXPECT_TRUE(std::filesystem::exists(ck + "/model.safetensors"));
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Train, DocumentedErrors) {
+  TrainEnv env;
+  dist::SingleProcess comm;
+  TrainConfig c = env.cfg("errs", 4);
+  train(c, comm);
+  const std::string good = resolve_checkpoint(c.output);
+  ASSERT_FALSE(good.empty());
+  const std::string before = file_bytes(good + "/model.safetensors");
+
+  // Missing data.
+  TrainConfig bad = c;
+  bad.input.files = env.dir / "nothing*.tfrecord";
+  EXPECT_NE(error_of([&] { train(bad, comm); }).find("no files match"), std::string::npos);
+  // Data of another sequence length.
+  bad = c;
+  bad.seq_len = 32;
+  EXPECT_NE(
+      error_of([&] { train(bad, comm); }).find("the data's sequence length differs from --seq-len"),
+      std::string::npos);
+  // Resuming with another model.
+  bad = c;
+  bad.resume = true;
+  std::ofstream(env.dir / "other.json")
+      << R"({"vocab_size": 30522, "hidden_size": 48, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64})";
+  bad.model_config = env.dir / "other.json";
+  EXPECT_NE(error_of([&] { train(bad, comm); }).find("is of another model"), std::string::npos);
+  // Resuming with another batch size.
+  bad = c;
+  bad.resume = true;
+  bad.steps = 8;
+  bad.batch_size = 4;
+  EXPECT_NE(error_of([&] { train(bad, comm); }).find("batch_size = 8"), std::string::npos);
+  // A diverging model (absurd initial weights): the loss is not finite -> error naming the step.
+  std::ofstream(env.dir / "wild.json")
+      << R"({"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64, "initializer_range": 1e30})";
+  bad = env.cfg("wild", 4);
+  bad.model_config = env.dir / "wild.json";
+  std::string e = error_of([&] { train(bad, comm); });
+  EXPECT_NE(e.find("step 0:"), std::string::npos) << e;
+  // A full disk on save (simulated with a file size limit): a clear error, the previous
+  // checkpoint untouched and still `latest`.
+  bad = c;
+  bad.resume = true;
+  bad.steps = 6;
+  struct rlimit old {
+  }, lim{};
+  getrlimit(RLIMIT_FSIZE, &old);
+  lim = old;
+  lim.rlim_cur = 64 * 1024;
+  auto handler = std::signal(SIGXFSZ, SIG_IGN);
+  setrlimit(RLIMIT_FSIZE, &lim);
+  e = error_of([&] { train(bad, comm); });
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, handler);
+  EXPECT_NE(e.find("could not save checkpoint"), std::string::npos) << e;
+  EXPECT_NE(e.find("the previous checkpoint is intact"), std::string::npos) << e;
+  EXPECT_EQ(resolve_checkpoint(c.output), good);
+  EXPECT_EQ(file_bytes(good + "/model.safetensors"), before);
+}
+
+}  // namespace
+}  // namespace bertrain::train
