@@ -19,6 +19,8 @@ void add_prepare(CLI::App& app);
 void add_tokenize(CLI::App& app);
 void add_train(CLI::App& app, dist::Communicator& (*comm)());
 void add_eval(CLI::App& app, dist::Communicator& (*comm)());
+void add_finetune(CLI::App& app);
+void add_predict(CLI::App& app);
 void add_pipeline_options(CLI::App* c, data::PipelineOptions& p, std::string& on_corrupt);
 data::OnCorrupt parse_on_corrupt(const std::string& s);
 

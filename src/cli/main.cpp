@@ -46,6 +46,8 @@ int main(int argc, char** argv) {
   bertrain::cli::add_tokenize(app);
   bertrain::cli::add_train(app, bertrain::cli::communicator);
   bertrain::cli::add_eval(app, bertrain::cli::communicator);
+  bertrain::cli::add_finetune(app);
+  bertrain::cli::add_predict(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

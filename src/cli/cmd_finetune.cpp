@@ -1,0 +1,94 @@
+// bertrain finetune: sequence classification from a pretrained checkpoint; bertrain predict:
+// labels for new text with a fine-tuned model.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "model/checkpoint.h"
+#include "train/finetune.h"
+
+namespace bertrain::cli {
+
+void add_finetune(CLI::App& app) {
+  struct Opts {
+    train::FinetuneConfig cfg;
+    std::string lower = "auto";
+    int threads = 0;
+  };
+  auto o = std::make_shared<Opts>();
+  auto& f = o->cfg;
+  auto* c =
+      app.add_subcommand("finetune", "Fine-tune a pretrained BERT for sequence classification");
+  c->add_option("--init-checkpoint", f.init_checkpoint,
+                "Pretrained model: run directory, checkpoint or HuggingFace directory")
+      ->required();
+  c->add_option("--train", f.train,
+                "Training data: TSV (label<TAB>text_a[<TAB>text_b]) or classification TFRecords")
+      ->required();
+  c->add_option("--dev", f.dev, "Dev data (same format): accuracy after every epoch");
+  c->add_option("--output", f.output, "Where to save the fine-tuned model (HuggingFace directory)");
+  c->add_option("--vocab", f.vocab, "WordPiece vocabulary (default: vocab.txt of the checkpoint)");
+  c->add_option("--lower-case", o->lower, "auto, true or false")->capture_default_str();
+  c->add_option("--seq-len", f.seq_len, "Tokens per example")->capture_default_str();
+  c->add_option("--batch-size", f.batch_size, "Examples per step")->capture_default_str();
+  c->add_option("--epochs", f.epochs, "Passes over the training data")->capture_default_str();
+  c->add_option("--lr", f.lr, "Peak learning rate (AdamW, linear warmup and decay)")
+      ->capture_default_str();
+  c->add_option("--warmup", f.warmup, "Warmup fraction of all steps")->capture_default_str();
+  c->add_option("--weight-decay", f.weight_decay, "Decoupled weight decay")->capture_default_str();
+  c->add_option("--seed", f.seed, "Seed for the head's init, dropout and data order")
+      ->capture_default_str();
+  c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
+      ->capture_default_str();
+  c->callback([o] {
+    set_threads(o->threads);
+    train::FinetuneConfig cfg = o->cfg;
+    cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
+    train::finetune(cfg);
+  });
+}
+
+void add_predict(CLI::App& app) {
+  struct Opts {
+    std::string checkpoint, input;
+    int64_t batch = 32;
+    int threads = 0;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("predict", "Labels for new text with a fine-tuned classifier");
+  c->add_option("--checkpoint", o->checkpoint, "A directory written by bertrain finetune")
+      ->required();
+  c->add_option("--input", o->input, "TSV with a text_a column (and label, to report accuracy)")
+      ->required();
+  c->add_option("--batch-size", o->batch, "Examples per batch")->capture_default_str();
+  c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
+      ->capture_default_str();
+  c->callback([o] {
+    set_threads(o->threads);
+    const std::string cfg_path = model::checkpoint_config_path(o->checkpoint);
+    std::ifstream in(cfg_path);
+    const nlohmann::json j = nlohmann::json::parse(in);
+    const model::BertConfig mc = model::BertConfig::from_json(j, cfg_path);
+    std::vector<std::string> names(mc.num_labels);
+    for (int64_t i = 0; i < mc.num_labels; ++i)
+      names[i] = j["id2label"].value(std::to_string(i), std::to_string(i));
+    const auto bt = j.value("bertrain", nlohmann::json::object());
+    const int64_t seq = bt.value("seq_len", int64_t{128});
+    const data::Vocab vocab =
+        data::Vocab::load((std::filesystem::path(o->checkpoint) / "vocab.txt").string());
+    const data::Tokenizer tok(vocab, bt.value("lower_case", vocab.looks_uncased()));
+    train::LabeledSet s = train::read_tsv(o->input, tok, seq, names);
+    model::BertModel m(mc, model::Head::SequenceClassification, {o->batch, seq, 0});
+    model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
+    std::vector<train::Prediction> preds;
+    const double acc = train::classify(m, s, o->batch, &preds);
+    for (const auto& p : preds) std::printf("%s\t%.4f\n", names[p.label].c_str(), p.probs[p.label]);
+    if (!s.labels.empty() && s.labels[0] >= 0)
+      std::fprintf(stderr, "predict: accuracy %.4f on %zu labelled examples\n", acc, preds.size());
+  });
+}
+
+}  // namespace bertrain::cli

@@ -1,0 +1,299 @@
+#include "train/finetune.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "core/error.h"
+#include "data/pipeline.h"
+#include "data/pretraining.h"
+#include "data/schema.h"
+#include "data/tfrecord.h"
+#include "model/checkpoint.h"
+#include "model/safetensors.h"
+#include "train/optimizer.h"
+#include "train/run_state.h"
+
+namespace bertrain::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<std::string> split_tabs(const std::string& line) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (;;) {
+    size_t t = line.find('\t', start);
+    out.push_back(line.substr(start, t == std::string::npos ? std::string::npos : t - start));
+    if (t == std::string::npos) break;
+    start = t + 1;
+  }
+  return out;
+}
+
+bool is_int(const std::string& s) {
+  if (s.empty()) return false;
+  for (size_t i = s[0] == '-' ? 1 : 0; i < s.size(); ++i)
+    if (s[i] < '0' || s[i] > '9') return false;
+  return s != "-";
+}
+
+}  // namespace
+
+LabeledSet read_tsv(const std::string& path, const data::Tokenizer& tok, int64_t seq_len,
+                    std::vector<std::string> label_names) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open ", path);
+  std::string line;
+  if (!std::getline(in, line))
+    fail(path, " is empty (expected a header: label<TAB>text_a[<TAB>text_b])");
+  if (!line.empty() && line.back() == '\r') line.pop_back();
+  const auto header = split_tabs(line);
+  int col_label = -1, col_a = -1, col_b = -1;
+  for (size_t i = 0; i < header.size(); ++i) {
+    if (header[i] == "label") col_label = static_cast<int>(i);
+    if (header[i] == "text_a" || header[i] == "text" || header[i] == "sentence")
+      col_a = static_cast<int>(i);
+    if (header[i] == "text_b") col_b = static_cast<int>(i);
+  }
+  if (col_a < 0)
+    fail(path, ": the header has no text_a column (expected label<TAB>text_a[<TAB>text_b])");
+  std::vector<std::string> raw_labels;
+  LabeledSet s;
+  int64_t lineno = 1;
+  std::vector<int32_t> a, b;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.empty()) continue;
+    const auto cols = split_tabs(line);
+    const int need = std::max({col_label, col_a, col_b});
+    if (static_cast<int>(cols.size()) <= need)
+      fail(path, ":", lineno, ": ", cols.size(), " columns, the header has ", header.size());
+    a.clear();
+    b.clear();
+    tok.encode(cols[col_a], a);
+    if (col_b >= 0) tok.encode(cols[col_b], b);
+    const size_t budget = static_cast<size_t>(seq_len) - (col_b >= 0 ? 3 : 2);
+    while (a.size() + b.size() > budget)
+      (a.size() >= b.size() ? a : b).pop_back();  // longest first
+    std::vector<int32_t> ids = {tok.vocab().cls()}, seg = {0};
+    ids.insert(ids.end(), a.begin(), a.end());
+    ids.push_back(tok.vocab().sep());
+    seg.resize(ids.size(), 0);
+    if (col_b >= 0) {
+      ids.insert(ids.end(), b.begin(), b.end());
+      ids.push_back(tok.vocab().sep());
+      seg.resize(ids.size(), 1);
+    }
+    s.ids.push_back(std::move(ids));
+    s.segments.push_back(std::move(seg));
+    raw_labels.push_back(col_label >= 0 ? cols[col_label] : "");
+  }
+  if (s.ids.empty()) fail(path, " has no examples");
+  if (col_label >= 0) {
+    if (label_names.empty()) {
+      std::set<std::string> uniq(raw_labels.begin(), raw_labels.end());
+      label_names.assign(uniq.begin(), uniq.end());
+      if (std::all_of(label_names.begin(), label_names.end(), is_int))
+        std::sort(label_names.begin(), label_names.end(),
+                  [](const std::string& x, const std::string& y) {
+                    return std::stoll(x) < std::stoll(y);
+                  });
+    }
+    std::map<std::string, int32_t> index;
+    for (size_t i = 0; i < label_names.size(); ++i) index[label_names[i]] = static_cast<int32_t>(i);
+    for (size_t i = 0; i < raw_labels.size(); ++i) {
+      auto it = index.find(raw_labels[i]);
+      if (it == index.end())
+        fail(path, ": label '", raw_labels[i], "' does not occur in the training labels (",
+             label_names.size(), " known)");
+      s.labels.push_back(it->second);
+    }
+  } else {
+    s.labels.assign(s.ids.size(), -1);
+  }
+  s.label_names = label_names;
+  return s;
+}
+
+LabeledSet read_classification_tfrecords(const std::string& files, int64_t seq_len,
+                                         int64_t num_labels, int64_t vocab_size) {
+  data::Schema schema = data::Schema::classification(seq_len, num_labels, vocab_size);
+  LabeledSet s;
+  data::ParsedExample ex;
+  std::string err, rec;
+  for (const auto& f : data::list_files(files)) {
+    data::TFRecordReader r(f, data::resolve_compression("auto", f));
+    while (r.next(rec)) {
+      if (!schema.parse(rec, ex, err)) fail(f, ": record ", r.records() - 1, ": ", err);
+      int64_t len = 0;
+      while (len < seq_len && ex.ints[seq_len + len]) ++len;  // input_mask
+      s.ids.emplace_back(ex.ints.begin(), ex.ints.begin() + len);
+      s.segments.emplace_back(ex.ints.begin() + 2 * seq_len, ex.ints.begin() + 2 * seq_len + len);
+      s.labels.push_back(ex.ints[3 * seq_len]);
+    }
+  }
+  for (int64_t i = 0; i < num_labels; ++i) s.label_names.push_back(std::to_string(i));
+  if (s.ids.empty()) fail(files, " has no examples");
+  return s;
+}
+
+void make_batch(const LabeledSet& s, const std::vector<size_t>& order, size_t begin, size_t end,
+                int64_t seq_len, model::Batch& b) {
+  b.resize(static_cast<int64_t>(end - begin), seq_len, 0);
+  for (size_t r = begin; r < end; ++r) {
+    const size_t i = order[r];
+    const int64_t row = static_cast<int64_t>(r - begin);
+    for (size_t t = 0; t < s.ids[i].size(); ++t) {
+      b.input_ids[row * seq_len + t] = s.ids[i][t];
+      b.input_mask[row * seq_len + t] = 1;
+      b.segment_ids[row * seq_len + t] = s.segments[i][t];
+    }
+    b.label_ids[row] = std::max(0, s.labels[i]);
+  }
+}
+
+double classify(model::BertModel& m, const LabeledSet& s, int64_t batch_size,
+                std::vector<Prediction>* out) {
+  std::vector<size_t> order(s.ids.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const int64_t NL = m.config().num_labels;
+  model::Batch b;
+  int64_t correct = 0, labeled = 0;
+  for (size_t i = 0; i < order.size(); i += batch_size) {
+    const size_t end = std::min(order.size(), i + batch_size);
+    make_batch(s, order, i, end, m.dims().seq_len, b);
+    m.forward(b, {});
+    const float* logits = m.cls_logits();
+    for (size_t r = i; r < end; ++r) {
+      const float* l = logits + (r - i) * NL;
+      const int32_t arg = static_cast<int32_t>(std::max_element(l, l + NL) - l);
+      if (s.labels[r] >= 0) {
+        ++labeled;
+        correct += arg == s.labels[r];
+      }
+      if (out) {
+        Prediction p{arg, std::vector<float>(NL)};
+        const float mx = l[arg];
+        double sum = 0;
+        for (int64_t k = 0; k < NL; ++k) sum += std::exp(l[k] - mx);
+        for (int64_t k = 0; k < NL; ++k) p.probs[k] = static_cast<float>(std::exp(l[k] - mx) / sum);
+        out->push_back(std::move(p));
+      }
+    }
+  }
+  return labeled ? static_cast<double>(correct) / labeled : 0.0;
+}
+
+FinetuneResult finetune(const FinetuneConfig& cfg) {
+  using Clock = std::chrono::steady_clock;
+  // The pretrained model: a run directory, a bertrain checkpoint or a HuggingFace directory.
+  std::string src = resolve_checkpoint(cfg.init_checkpoint);
+  if (src.empty()) src = cfg.init_checkpoint;
+  model::BertConfig mc = model::BertConfig::load(
+      cfg.model_config.empty() ? model::checkpoint_config_path(src) : cfg.model_config);
+  std::string vocab_path = cfg.vocab;
+  if (vocab_path.empty() && fs::exists(fs::path(src) / "vocab.txt"))
+    vocab_path = (fs::path(src) / "vocab.txt").string();
+  if (vocab_path.empty()) fail("--vocab is required (the checkpoint has no vocab.txt)");
+  const data::Vocab vocab = data::Vocab::load(vocab_path);
+  if (vocab.size() != mc.vocab_size)
+    fail("vocabulary ", vocab_path, " has ", vocab.size(), " tokens, the model ", mc.vocab_size);
+  const bool lower = cfg.lower_case < 0 ? vocab.looks_uncased() : cfg.lower_case != 0;
+  const data::Tokenizer tok(vocab, lower);
+  const bool tsv = cfg.train.size() > 4 && cfg.train.substr(cfg.train.size() - 4) == ".tsv";
+  LabeledSet train_set =
+      tsv ? read_tsv(cfg.train, tok, cfg.seq_len, {})
+          : read_classification_tfrecords(cfg.train, cfg.seq_len, mc.num_labels, mc.vocab_size);
+  mc.num_labels = static_cast<int64_t>(train_set.label_names.size());
+  if (mc.num_labels < 2)
+    fail(cfg.train, " has ", mc.num_labels, " label(s); classification needs at least 2");
+  LabeledSet dev;
+  if (!cfg.dev.empty())
+    dev = tsv ? read_tsv(cfg.dev, tok, cfg.seq_len, train_set.label_names)
+              : read_classification_tfrecords(cfg.dev, cfg.seq_len, mc.num_labels, mc.vocab_size);
+
+  model::BertModel m(mc, model::Head::SequenceClassification, {cfg.batch_size, cfg.seq_len, 0});
+  m.init_params(cfg.seed);
+  model::LoadReport rep = model::load_safetensors_into(m, model::checkpoint_weights_path(src),
+                                                       {{"classifier.", "bert.pooler."}, {"cls."}});
+  std::vector<ParamSlice> slices;
+  for (const auto& p : m.table().params()) slices.push_back({p.name, p.offset, p.numel(), p.decay});
+  OptimizerConfig oc;
+  oc.kind = OptimizerKind::AdamW;
+  oc.weight_decay = static_cast<float>(cfg.weight_decay);
+  Optimizer opt(slices, m.table().total(), oc);
+  const int64_t n = static_cast<int64_t>(train_set.ids.size());
+  const int64_t steps_per_epoch = (n + cfg.batch_size - 1) / cfg.batch_size;
+  const int64_t total = steps_per_epoch * cfg.epochs;
+  const LrSchedule sched{cfg.lr, 0.0, 1.0, static_cast<int64_t>(cfg.warmup * total), total};
+  if (!cfg.quiet)
+    std::printf(
+        "finetune: %s from %s (%zu tensors loaded), %lld train / %zu dev examples, %lld labels, "
+        "seq %lld, batch %lld, %lld epochs, adamw lr %.3g\n",
+        cfg.train.c_str(), src.c_str(), rep.loaded.size(), (long long)n, dev.ids.size(),
+        (long long)mc.num_labels, (long long)cfg.seq_len, (long long)cfg.batch_size,
+        (long long)cfg.epochs, cfg.lr);
+  FinetuneResult res;
+  std::vector<size_t> order(n);
+  model::Batch b;
+  int64_t step = 0;
+  for (int64_t epoch = 0; epoch < cfg.epochs; ++epoch) {
+    for (int64_t i = 0; i < n; ++i) order[i] = static_cast<size_t>(i);
+    data::Rng(rng_key(cfg.seed, epoch, 0xf17e)).shuffle(order);
+    double loss = 0;
+    const auto t0 = Clock::now();
+    for (int64_t i = 0; i < n; i += cfg.batch_size, ++step) {
+      const size_t end = static_cast<size_t>(std::min(n, i + cfg.batch_size));
+      make_batch(train_set, order, static_cast<size_t>(i), end, cfg.seq_len, b);
+      m.zero_grads();
+      const model::StepOptions so{true, cfg.seed, static_cast<uint64_t>(step), 0};
+      loss += m.forward(b, so).loss;
+      m.backward(b, so);
+      opt.step(m.params(), m.grads(), static_cast<float>(sched.at(step)), 1.0f);
+    }
+    res.train_loss = loss / steps_per_epoch;
+    const double acc = dev.ids.empty() ? 0.0 : classify(m, dev, cfg.batch_size, nullptr);
+    res.dev_accuracy.push_back(acc);
+    if (!cfg.quiet) {
+      std::printf("epoch %lld/%lld | train loss %.4f | %.1f s", (long long)epoch + 1,
+                  (long long)cfg.epochs, res.train_loss,
+                  std::chrono::duration<double>(Clock::now() - t0).count());
+      if (!dev.ids.empty()) std::printf(" | dev accuracy %.4f (%zu examples)", acc, dev.ids.size());
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+  if (!cfg.output.empty()) {
+    model::save_pretrained(m, cfg.output);
+    // Label names and the tokenizer settings travel with the model.
+    const fs::path cfg_path = fs::path(cfg.output) / "config.json";
+    std::ifstream cin(cfg_path);
+    nlohmann::json j = nlohmann::json::parse(cin);
+    nlohmann::json id2label, label2id;
+    for (size_t i = 0; i < train_set.label_names.size(); ++i) {
+      id2label[std::to_string(i)] = train_set.label_names[i];
+      label2id[train_set.label_names[i]] = i;
+    }
+    j["id2label"] = id2label;
+    j["label2id"] = label2id;
+    j["bertrain"] = {{"lower_case", lower}, {"seq_len", cfg.seq_len}};
+    write_file_atomic(cfg_path.string(), j.dump(2) + "\n");
+    fs::copy_file(vocab_path, fs::path(cfg.output) / "vocab.txt",
+                  fs::copy_options::overwrite_existing);
+    if (!cfg.quiet)
+      std::printf("finetune: saved %s (BertForSequenceClassification + vocab.txt)\n",
+                  cfg.output.c_str());
+  }
+  return res;
+}
+
+}  // namespace bertrain::train

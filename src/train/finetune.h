@@ -1,0 +1,59 @@
+// Fine-tuning for sequence classification: TSV files (header `label<TAB>text_a[<TAB>text_b]`)
+// tokenized as [CLS] a [SEP] b [SEP] (longest-first truncation, as HuggingFace), or
+// classification TFRecords (input_ids, input_mask, segment_ids, label_ids). Starts from a
+// pretrained checkpoint (bertrain or HuggingFace); reports dev accuracy per epoch; saves a
+// HuggingFace BertForSequenceClassification directory with the vocabulary and label names.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "data/wordpiece.h"
+#include "model/batch.h"
+#include "model/bert.h"
+
+namespace bertrain::train {
+
+struct LabeledSet {
+  std::vector<std::vector<int32_t>> ids, segments;  // unpadded token ids / segment ids
+  std::vector<int32_t> labels;                      // -1 when the file has no label column
+  std::vector<std::string> label_names;             // index -> name
+};
+
+// Reads a TSV. `label_names` fixes the label order (from training data or a model); when empty
+// it is built from the file: integers in numeric order, otherwise strings sorted.
+LabeledSet read_tsv(const std::string& path, const data::Tokenizer& tok, int64_t seq_len,
+                    std::vector<std::string> label_names);
+// Classification TFRecords (one pass).
+LabeledSet read_classification_tfrecords(const std::string& files, int64_t seq_len,
+                                         int64_t num_labels, int64_t vocab_size);
+
+// Rows [begin, end) of the set (in `order`) as a padded batch.
+void make_batch(const LabeledSet& s, const std::vector<size_t>& order, size_t begin, size_t end,
+                int64_t seq_len, model::Batch& b);
+
+struct FinetuneConfig {
+  std::string init_checkpoint, train, dev, output, vocab, model_config;
+  int lower_case = -1;
+  int64_t seq_len = 128, batch_size = 32, epochs = 3;
+  double lr = 5e-5, warmup = 0.1, weight_decay = 0.01;
+  uint64_t seed = 42;
+  bool quiet = false;
+};
+
+struct FinetuneResult {
+  std::vector<double> dev_accuracy;  // per epoch
+  double train_loss = 0;
+};
+
+FinetuneResult finetune(const FinetuneConfig& cfg);
+
+struct Prediction {
+  int32_t label;
+  std::vector<float> probs;
+};
+// Accuracy of the model over a set with labels; predictions optional.
+double classify(model::BertModel& m, const LabeledSet& s, int64_t batch_size,
+                std::vector<Prediction>* out);
+
+}  // namespace bertrain::train
