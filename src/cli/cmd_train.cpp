@@ -90,6 +90,7 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
   c->add_option("--threads", o->threads, "Compute threads per rank (0: OpenMP default)")
       ->capture_default_str();
   add_pipeline_options(c, t.input, o->on_corrupt);
+  add_dist_options(c);
   c->callback([o, comm] {
     set_threads(o->threads);
     train::TrainConfig cfg = o->cfg;
@@ -123,6 +124,7 @@ void add_eval(CLI::App& app, dist::Communicator& (*comm)()) {
       ->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
+  add_dist_options(c);
   c->callback([o, comm] {
     set_threads(o->threads);
     std::string dir = train::resolve_checkpoint(o->checkpoint);

@@ -24,6 +24,12 @@ void add_predict(CLI::App& app);
 void add_pipeline_options(CLI::App* c, data::PipelineOptions& p, std::string& on_corrupt);
 data::OnCorrupt parse_on_corrupt(const std::string& s);
 
+struct DistOptions {
+  std::string allreduce = "shm", compression = "none";
+  double stall_timeout = 60;
+};
+void add_dist_options(CLI::App* c);  // --allreduce, --compression, --stall-timeout
+
 // Shared option helpers.
 model::Head parse_head(const std::string& s);      // "pretraining" | "classification"
 void set_threads(int threads);                     // 0 = leave OpenMP's default

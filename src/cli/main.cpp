@@ -4,8 +4,12 @@
 
 #include <cstdio>
 
+#include <mpi.h>
 #include "cli/commands.h"
 #include "core/error.h"
+#include "dist/mpi.h"
+
+#include <memory>
 
 namespace bertrain::cli {
 
@@ -24,10 +28,35 @@ std::string describe(const model::BertConfig& c) {
              c.intermediate_size, " V", c.vocab_size);
 }
 
-// The process's communicator, created on first use (MPI only when a subcommand needs it).
+// The process's communicator, created on first use: MPI when an MPI launcher started us.
+std::unique_ptr<dist::Communicator> g_comm;
+DistOptions g_dist;
+
 dist::Communicator& communicator() {
-  static dist::SingleProcess single;
-  return single;
+  if (!g_comm) {
+    if (dist::launched_by_mpi()) {
+      auto mpi = std::make_unique<dist::MpiCommunicator>(nullptr, nullptr);
+      mpi->set_algorithm(dist::parse_algorithm(g_dist.allreduce));
+      mpi->set_wire(dist::parse_wire(g_dist.compression));
+      mpi->set_stall_timeout(g_dist.stall_timeout);
+      g_comm = std::move(mpi);
+    } else {
+      g_comm = std::make_unique<dist::SingleProcess>();
+    }
+  }
+  return *g_comm;
+}
+
+void add_dist_options(CLI::App* c) {
+  c->add_option("--allreduce", g_dist.allreduce,
+                "Gradient allreduce under mpirun: shm, ring, hierarchical or mpi")
+      ->capture_default_str();
+  c->add_option("--compression", g_dist.compression,
+                "Wire compression for ring/hierarchical: none, fp16, bf16")
+      ->capture_default_str();
+  c->add_option("--stall-timeout", g_dist.stall_timeout,
+                "Abort all ranks when a collective waits this long (s)")
+      ->capture_default_str();
 }
 
 }  // namespace bertrain::cli
@@ -53,8 +82,16 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const bertrain::Error& e) {
+    auto& comm = bertrain::cli::g_comm;
+    if (comm && comm->size() > 1) {
+      // One rank failing must not leave the others waiting in a collective: end the job.
+      std::fprintf(stderr, "bertrain: rank %d: error: %s\n", comm->rank(), e.what());
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     std::fprintf(stderr, "bertrain: error: %s\n", e.what());
     return 1;
   }
+  bertrain::cli::g_comm.reset();
   return 0;
 }

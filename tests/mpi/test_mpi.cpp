@@ -1,0 +1,193 @@
+// Multi-rank tests, run under mpirun -np 2, 3, 4 by ctest (tests/CMakeLists.txt).
+// Allreduce algorithms against MPI_Allreduce, and data-parallel equivalence: K optimizer steps
+// on 2 ranks with batch B/2 each equal 1 rank with batch B.
+// `--stall-demo` / `--exit-demo` make rank 1 stall or die before a collective (stall_test.sh).
+#include <gtest/gtest.h>
+#include <mpi.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "dist/mpi.h"
+#include "model/bert.h"
+#include "train/optimizer.h"
+
+namespace bertrain::dist {
+namespace {
+
+MpiCommunicator* g_comm = nullptr;
+
+std::vector<float> pattern(int64_t n, int rank, bool integers) {
+  std::mt19937 rng(1234 + rank);
+  std::vector<float> v(n);
+  if (integers) {  // exactly representable sums: every summation order gives the same bits
+    std::uniform_int_distribution<int> d(-1000, 1000);
+    for (auto& x : v) x = static_cast<float>(d(rng));
+  } else {
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    for (auto& x : v) x = d(rng);
+  }
+  return v;
+}
+
+std::vector<float> reference(int64_t n, bool integers) {
+  std::vector<float> v = pattern(n, g_comm->rank(), integers);
+  if (n)
+    MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  return v;
+}
+
+const int64_t kSizes[] = {0, 1, 7, 1000003, int64_t{25} << 20};  // up to 100 MB
+
+TEST(Allreduce, EveryAlgorithmEqualsMpiAllreduceExactly) {
+  for (int64_t n : kSizes) {
+    const auto want = reference(n, true);
+    for (Algorithm a : {Algorithm::Mpi, Algorithm::Ring, Algorithm::Shm, Algorithm::Hierarchical}) {
+      std::vector<float> v = pattern(n, g_comm->rank(), true);
+      g_comm->set_algorithm(a);
+      g_comm->set_wire(Wire::F32);
+      g_comm->allreduce_sum(v.data(), n);
+      ASSERT_EQ(std::memcmp(v.data(), want.data(), n * sizeof(float)), 0)
+          << algorithm_name(a) << " n=" << n;
+    }
+  }
+}
+
+TEST(Allreduce, RandomValuesAgreeToRoundingAndAcrossRanks) {
+  const int64_t n = 1000003;
+  const auto want = reference(n, false);
+  for (Algorithm a : {Algorithm::Ring, Algorithm::Shm, Algorithm::Hierarchical}) {
+    for (Wire w : {Wire::F32, Wire::F16, Wire::BF16}) {
+      if (a == Algorithm::Shm && w != Wire::F32) continue;
+      std::vector<float> v = pattern(n, g_comm->rank(), false);
+      g_comm->set_algorithm(a);
+      g_comm->set_wire(w);
+      g_comm->allreduce_sum(v.data(), n);
+      // fp32: sums of `size` terms in another order, |err| <= size * eps * sum|x|.
+      // fp16/bf16 wire: every hop rounds to the wire format (2^-11 / 2^-8 relative), at most
+      // `size` roundings of partial sums whose magnitude is bounded by sum|x| ~ size * 4.
+      const double p = g_comm->size();
+      const double rel = w == Wire::F32 ? 1.2e-7 : w == Wire::F16 ? 0x1p-11 : 0x1p-8;
+      const double bound = (p + 1) * rel * p * 4.5;
+      double worst = 0;
+      for (int64_t i = 0; i < n; ++i)
+        worst = std::max(worst, std::fabs(static_cast<double>(v[i]) - want[i]));
+      EXPECT_LE(worst, bound) << algorithm_name(a) << " wire " << wire_name(w);
+      // All ranks hold identical results (a requirement for data parallelism).
+      std::vector<float> r0 = v;
+      MPI_Bcast(r0.data(), static_cast<int>(n), MPI_FLOAT, 0, MPI_COMM_WORLD);
+      EXPECT_EQ(std::memcmp(r0.data(), v.data(), n * sizeof(float)), 0)
+          << algorithm_name(a) << " " << wire_name(w);
+    }
+  }
+  g_comm->set_wire(Wire::F32);
+}
+
+// 2 ranks x batch B/2 == 1 rank x batch B, with dropout on (masks keyed by global example).
+TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
+  if (g_comm->size() != 2) GTEST_SKIP() << "runs with 2 ranks";
+  model::BertConfig c;
+  c.vocab_size = 97;
+  c.hidden_size = 16;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 2;
+  c.intermediate_size = 32;
+  c.max_position_embeddings = 16;
+  const int64_t B = 8, T = 12, P = 3, half = B / 2;
+  model::Batch full;
+  full.resize(B, T, P);
+  std::mt19937 rng(5);
+  for (int64_t i = 0; i < B * T; ++i) {
+    full.input_ids[i] = static_cast<int32_t>(rng() % c.vocab_size);
+    full.input_mask[i] = (i % T) < 10 ? 1 : 0;
+    full.segment_ids[i] = (i % T) >= 6 ? 1 : 0;
+  }
+  for (int64_t i = 0; i < B * P; ++i) {
+    full.masked_lm_positions[i] = static_cast<int32_t>(1 + (i % P) * 3);
+    full.masked_lm_ids[i] = static_cast<int32_t>(rng() % c.vocab_size);
+    full.masked_lm_weights[i] = 1.0f;
+  }
+  for (int64_t i = 0; i < B; ++i) full.next_sentence_labels[i] = static_cast<int32_t>(i % 2);
+  auto slice = [&](int64_t b0, int64_t n) {
+    model::Batch s;
+    s.resize(n, T, P);
+    std::copy_n(full.input_ids.begin() + b0 * T, n * T, s.input_ids.begin());
+    std::copy_n(full.input_mask.begin() + b0 * T, n * T, s.input_mask.begin());
+    std::copy_n(full.segment_ids.begin() + b0 * T, n * T, s.segment_ids.begin());
+    std::copy_n(full.masked_lm_positions.begin() + b0 * P, n * P, s.masked_lm_positions.begin());
+    std::copy_n(full.masked_lm_ids.begin() + b0 * P, n * P, s.masked_lm_ids.begin());
+    std::copy_n(full.masked_lm_weights.begin() + b0 * P, n * P, s.masked_lm_weights.begin());
+    std::copy_n(full.next_sentence_labels.begin() + b0, n, s.next_sentence_labels.begin());
+    return s;
+  };
+  for (Algorithm a : {Algorithm::Ring, Algorithm::Hierarchical, Algorithm::Shm}) {
+    for (Wire w : {Wire::F32, Wire::F16}) {
+      g_comm->set_algorithm(a);
+      g_comm->set_wire(w);
+      model::BertModel one(c, model::Head::Pretraining, {B, T, P}),
+          two(c, model::Head::Pretraining, {half, T, P});
+      one.init_params(11);
+      two.init_params(11);
+      std::vector<train::ParamSlice> sl;
+      for (const auto& p : one.table().params())
+        sl.push_back({p.name, p.offset, p.numel(), p.decay});
+      train::Optimizer o1(sl, one.table().total(), {}), o2(sl, two.table().total(), {});
+      const model::Batch mine = slice(g_comm->rank() * half, half);
+      for (uint64_t step = 0; step < 3; ++step) {
+        one.zero_grads();
+        one.forward(full, {true, 9, step, 0});
+        one.backward(full, {true, 9, step, 0});
+        o1.step(one.params(), one.grads(), 1e-3f, 1.0f);
+        two.zero_grads();
+        const model::StepOptions so{true, 9, step, static_cast<uint64_t>(g_comm->rank() * half)};
+        two.forward(mine, so);
+        two.backward(mine, so);
+        g_comm->allreduce_sum(two.grads(), two.table().total());
+        o2.step(two.params(), two.grads(), 1e-3f, 0.5f);
+      }
+      // The per-rank loss means average to the full-batch mean (equal weights per half), so
+      // only summation order differs: fp32 rounding amplified by 3 Adam steps (updates are
+      // ~lr-sized and sign-like) -> 1e-6 of lr-scaled parameters; fp16 wire: 1e-4.
+      const double tol = w == Wire::F32 ? 2e-6 : 2e-4;
+      double worst = 0;
+      for (int64_t i = 0; i < one.table().total(); ++i)
+        worst = std::max(worst, static_cast<double>(std::fabs(one.params()[i] - two.params()[i])));
+      EXPECT_LE(worst, tol) << algorithm_name(a) << " " << wire_name(w);
+    }
+  }
+  g_comm->set_wire(Wire::F32);
+}
+
+}  // namespace
+}  // namespace bertrain::dist
+
+int main(int argc, char** argv) {
+  auto* comm = new bertrain::dist::MpiCommunicator(&argc, &argv);
+  bertrain::dist::g_comm = comm;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--stall-demo" || a == "--exit-demo") {
+      comm->set_stall_timeout(2.0);
+      if (comm->rank() == 1) {
+        if (a == "--exit-demo") std::exit(4);
+        ::sleep(30);
+      }
+      float x = 1.0f;
+      comm->allreduce_sum(&x, 1);
+      std::printf("rank %d passed the collective\n", comm->rank());
+      delete comm;
+      return 0;
+    }
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  if (comm->rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  int rc = RUN_ALL_TESTS();
+  MPI_Allreduce(MPI_IN_PLACE, &rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  delete comm;
+  return rc;
+}
