@@ -84,6 +84,10 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
   c->add_option("--stop-after-steps", t.stop_after,
                 "Run at most N steps now, checkpoint and exit 0 (time-sliced jobs)")
       ->capture_default_str();
+  c->add_option("--gradient-predivide-factor", t.predivide,
+                "Scale gradients by 1/f before the allreduce and f/ranks after (1: sum then "
+                "divide; ranks: divide then sum)")
+      ->capture_default_str();
   c->add_option("--max-skipped-steps", t.max_skipped_steps,
                 "fp16: consecutive skipped steps before giving up")
       ->capture_default_str();

@@ -49,7 +49,7 @@ dist::Communicator& communicator() {
 
 void add_dist_options(CLI::App* c) {
   c->add_option("--allreduce", g_dist.allreduce,
-                "Gradient allreduce under mpirun: shm, ring, hierarchical or mpi")
+                "Gradient allreduce under mpirun: ring, shm, hierarchical or mpi")
       ->capture_default_str();
   c->add_option("--compression", g_dist.compression,
                 "Wire compression for ring/hierarchical: none, fp16, bf16")

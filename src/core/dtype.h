@@ -46,5 +46,8 @@ void convert_f32_to_bf16(const float* src, uint16_t* dst, size_t n);
 void convert_bf16_to_f32(const uint16_t* src, float* dst, size_t n);
 void convert_f32_to_f16(const float* src, uint16_t* dst, size_t n);
 void convert_f16_to_f32(const uint16_t* src, float* dst, size_t n);
+// dst[i] += value of src[i] (the receive side of a compressed reduction).
+void accumulate_f16(const uint16_t* src, float* dst, size_t n);
+void accumulate_bf16(const uint16_t* src, float* dst, size_t n);
 
 }  // namespace bertrain

@@ -221,9 +221,9 @@ void MpiCommunicator::allreduce_ring(float* data, int64_t n, Wire wire, void* co
   };
   auto decode_add = [&](const uint16_t* src, float* dst, int64_t k) {
     if (wire == Wire::F16)
-      for (int64_t i = 0; i < k; ++i) dst[i] += f16_to_f32(src[i]);
+      accumulate_f16(src, dst, k);
     else
-      for (int64_t i = 0; i < k; ++i) dst[i] += bf16_to_f32(src[i]);
+      accumulate_bf16(src, dst, k);
   };
   // Step s of a phase: send chunk `sc` to the right, receive chunk `rc` from the left, in
   // segments; reduce (add) or gather (copy) the received data.
@@ -282,8 +282,14 @@ void MpiCommunicator::allreduce_ring(float* data, int64_t n, Wire wire, void* co
     const int own = (r + 1) % p;
     float* op = data + chunk_begin(own);
     const int64_t k = chunk_len(own);
-    for (int64_t i = 0; i < k; ++i)
-      op[i] = wire == Wire::F16 ? f16_to_f32(f32_to_f16(op[i])) : bf16_to_f32(f32_to_bf16(op[i]));
+    for (int64_t o = 0; o < k; o += kRingSegment) {
+      const int64_t len = std::min(kRingSegment, k - o);
+      encode(op + o, impl_->wire_send.data(), len);
+      if (wire == Wire::F16)
+        convert_f16_to_f32(impl_->wire_send.data(), op + o, len);
+      else
+        convert_bf16_to_f32(impl_->wire_send.data(), op + o, len);
+    }
   }
   for (int s = 0; s < p - 1; ++s) exchange((r + 1 - s + p) % p, (r - s + p) % p, false);
 }

@@ -66,7 +66,7 @@ class MpiCommunicator : public Communicator {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
-  Algorithm algo_ = Algorithm::Shm;
+  Algorithm algo_ = Algorithm::Ring;
   Wire wire_ = Wire::F32;
   double stall_timeout_ = 60.0;
   // Watchdog state.

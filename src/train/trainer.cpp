@@ -139,6 +139,22 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   } else {
     m.init_params(cfg.seed);
   }
+  // Every rank must run the same job: compare a fingerprint of the settings that change the
+  // math and name the ranks that differ, instead of training something inconsistent.
+  if (world > 1) {
+    const std::string mine = settings.dump() + mcfg.to_json("BertForPreTraining").dump();
+    const double h = static_cast<double>(std::hash<std::string>{}(mine) % (uint64_t{1} << 52));
+    std::vector<double> all(world, 0.0);
+    all[rank] = h;
+    comm.allreduce_sum(all.data(), world);
+    std::string differ;
+    for (int r = 0; r < world; ++r)
+      if (all[r] != all[0]) differ += str(differ.empty() ? "" : ", ", r);
+    if (!differ.empty())
+      fail("rank(s) ", differ,
+           " run with another model config, batch size, sequence length, precision, optimizer "
+           "or seed than rank 0; launch every rank with the same arguments");
+  }
   // Every rank starts from rank 0's parameters and optimizer state.
   comm.broadcast(m.params(), P * static_cast<int64_t>(sizeof(float)), 0);
   comm.broadcast(opt.m().data(), P * static_cast<int64_t>(sizeof(float)), 0);
@@ -258,6 +274,12 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
     }
     // Average gradients across ranks (sum, then 1/world folded into the unscale).
     auto t0 = Clock::now();
+    if (world > 1 && cfg.predivide != 1.0) {
+      const float pre = static_cast<float>(1.0 / cfg.predivide);
+      float* g = m.grads();
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = 0; i < P; ++i) g[i] *= pre;
+    }
     if (world > 1) comm.allreduce_sum(m.grads(), P);
     double stats[5] = {loss_sum / cfg.accumulation, mlm_c, mlm_w, nsp_c,
                        static_cast<double>(batch.B * cfg.accumulation)};
@@ -265,7 +287,8 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
     t_comm += since(t0);
 
     t0 = Clock::now();
-    const float inv = 1.0f / (scale * static_cast<float>(world));
+    const float inv = static_cast<float>((world > 1 ? cfg.predivide : 1.0) /
+                                         (scale * static_cast<double>(world)));
     StepResult r = opt.measure(m.grads(), inv);
     const bool finite = world > 1 ? comm.all(r.finite) : r.finite;  // every rank skips together
     if (scaler.update(finite, step)) {

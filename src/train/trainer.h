@@ -32,6 +32,8 @@ struct TrainConfig {
                            // and return (time-sliced or preemptible jobs; resume continues)
   data::PipelineOptions input;  // files, shuffle, interleave, corrupt policy
   int64_t max_skipped_steps = 20;
+  double predivide =
+      1.0;  // Horovod's gradient_predivide_factor: x 1/f before the sum, f/size after
   bool quiet = false;
 };
 

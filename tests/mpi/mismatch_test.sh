@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Ranks launched with different settings (here: batch size) must fail at start-up, every rank,
+# with a message naming the rank that differs.
+set -u
+BT=$1
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+"$BT" prepare --input "$ROOT/data/corpus/bert_sample_text.txt" --vocab "$ROOT/data/vocab/bert-base-uncased-vocab.txt" \
+  --output "$TMP/data" --seq-len 64 --max-predictions 10 >/dev/null 2>&1 || { echo "FAIL: prepare"; exit 1; }
+cat > "$TMP/run.sh" <<EOS
+#!/usr/bin/env bash
+B=8; [ "\$OMPI_COMM_WORLD_RANK" = 1 ] && B=4
+exec "$BT" train --model-config "$ROOT/configs/bert-tiny.json" --data "$TMP/data/*.tfrecord" --output "$TMP/run" \
+  --batch-size \$B --seq-len 64 --max-predictions 10 --steps 2 --threads 1
+EOS
+chmod +x "$TMP/run.sh"
+out=$(timeout 120 mpiexec -np 2 --oversubscribe --bind-to none "$TMP/run.sh" 2>&1)
+rc=$?
+echo "$out" | grep -v "^\[" | tail -5
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || { echo "FAIL: exit code $rc"; exit 1; }
+echo "$out" | grep -q "rank(s) 1 run with another" || { echo "FAIL: no message naming rank 1"; exit 1; }
+echo ok
