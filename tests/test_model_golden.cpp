@@ -120,3 +120,52 @@ TEST(GoldenHF, BackwardAccumulatesAcrossCalls) {
 
 }  // namespace
 }  // namespace bertrain::model
+
+namespace bertrain::model {
+namespace {
+
+double rel_l2(const float* got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    num += (got[i] - ref[i]) * (got[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// bf16 matmuls against the float64 HuggingFace reference. bf16 keeps 8 significant bits (unit
+// roundoff u = 2^-9 ~ 2e-3); each matmul rounds both operands, so a product's relative error is
+// ~2u and a dot product of K terms keeps that relative size in the L2 sense. Two layers plus the
+// heads chain ~8 matmuls: the bound per tensor is relative L2 error <= 16u = 3.1e-2 (measured
+// 0.008, ~4x lower). The key biases (true gradient 0) are checked against the absolute floor
+// instead.
+TEST(GoldenHF, Bf16MatmulsStayWithinBf16Precision) {
+  const std::string dir = data_path("golden/bert_pretrain");
+  SafetensorsReader g(dir + "/golden.safetensors");
+  Batch b = golden_batch(g, true);
+  BertModel m(BertConfig::load(dir + "/config.json"), Head::Pretraining, {b.B, b.T, b.P, true});
+  load_safetensors_into(m, dir + "/model.safetensors");
+  const double bound = 16.0 * 0x1p-9;
+  Losses l = m.forward(b, {});
+  EXPECT_LT(rel_l2(m.sequence_output(), g.read_f64("output.sequence_output")), bound);
+  EXPECT_LT(rel_l2(m.mlm_logits(), g.read_f64("output.mlm_logits")), bound);
+  EXPECT_NEAR(l.loss, g.read_f64("output.loss")[0], bound * g.read_f64("output.loss")[0]);
+  m.zero_grads();
+  m.backward(b, {});
+  double worst = 0;
+  std::string worst_name;
+  for (const auto& p : m.table().params()) {
+    if (p.name.find("attention.self.key.bias") != std::string::npos) continue;
+    const double e = rel_l2(m.grads() + p.offset, g.read_f64("grad." + p.name));
+    if (e > worst) {
+      worst = e;
+      worst_name = p.name;
+    }
+  }
+  EXPECT_LT(worst, bound) << "worst tensor " << worst_name;
+  std::printf("bf16: worst gradient relative L2 error %.4f (%s), bound %.4f\n", worst,
+              worst_name.c_str(), bound);
+}
+
+}  // namespace
+}  // namespace bertrain::model

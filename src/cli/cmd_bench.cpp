@@ -49,13 +49,21 @@ model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T,
 }
 
 // fp32 GEMM GFLOP/s of oneDNN at [M,K] x [K,N], measured for about 1 s.
-double measure_gemm_gflops(int64_t M, int64_t N, int64_t K) {
+double measure_gemm_gflops(int64_t M, int64_t N, int64_t K, bool bf16) {
   std::vector<float> a(M * K, 0.01f), w(N * K, 0.02f), c(M * N);
-  kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);  // create the primitive
+  std::vector<uint16_t> a16(M * K, 0x3c23), w16(N * K, 0x3ca3);
+  auto run = [&] {
+    if (bf16)
+      kernels::gemm_bf16(false, true, M, N, K, a16.data(), K, w16.data(), K, c.data(), N, nullptr,
+                         false);
+    else
+      kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);
+  };
+  run();  // create the primitive
   int iters = 0;
   auto t0 = Clock::now();
   do {
-    kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);
+    run();
     ++iters;
   } while (seconds_since(t0) < 1.0);
   return 2.0 * M * N * K * iters / seconds_since(t0) / 1e9;
@@ -65,7 +73,7 @@ double measure_gemm_gflops(int64_t M, int64_t N, int64_t K) {
 
 void add_bench(CLI::App& app) {
   struct Opts {
-    std::string config, head = "pretraining";
+    std::string config, head = "pretraining", precision = "fp32";
     int64_t batch = 8, seq = 128, preds = 20;
     int steps = 5, warmup = 2, threads = 0;
     bool json = false;
@@ -85,19 +93,23 @@ void add_bench(CLI::App& app) {
   c->add_option("--warmup", o->warmup, "Untimed steps first")->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
+  c->add_option("--precision", o->precision, "fp32 or bf16 (bf16 matmuls with fp32 accumulation)")
+      ->capture_default_str();
   c->add_flag("--json", o->json, "Print one JSON object with the results");
   c->callback([o] {
     set_threads(o->threads);
     model::BertConfig cfg = model::BertConfig::load(o->config);
     const model::Head head = parse_head(o->head);
     const int64_t P = head == model::Head::Pretraining ? o->preds : 0;
-    model::BertModel m(cfg, head, {o->batch, o->seq, P});
+    if (o->precision != "fp32" && o->precision != "bf16") fail("--precision must be fp32 or bf16");
+    const bool bf16 = o->precision == "bf16";
+    model::BertModel m(cfg, head, {o->batch, o->seq, P, bf16});
     m.init_params(1);
     model::Batch b = synthetic_batch(cfg, o->batch, o->seq, P, 7);
     if (!o->json)
-      std::printf("bench: %s (%s), batch %lld x seq %lld, %d threads, fp32, %d+%d steps\n",
+      std::printf("bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %d+%d steps\n",
                   o->config.c_str(), describe(cfg).c_str(), (long long)o->batch, (long long)o->seq,
-                  omp_get_max_threads(), o->warmup, o->steps);
+                  omp_get_max_threads(), o->precision.c_str(), o->warmup, o->steps);
     std::vector<double> fwd, bwd;
     double loss = 0;
     for (int s = 0; s < o->warmup + o->steps; ++s) {
@@ -122,7 +134,7 @@ void add_bench(CLI::App& app) {
     const double flops = m.flops_per_step(o->batch, o->seq, P);
     const double gflops = flops / step / 1e9;
     const double peak =
-        measure_gemm_gflops(o->batch * o->seq, cfg.intermediate_size, cfg.hidden_size);
+        measure_gemm_gflops(o->batch * o->seq, cfg.intermediate_size, cfg.hidden_size, bf16);
     struct rusage ru {};
     getrusage(RUSAGE_SELF, &ru);
     const double rss = ru.ru_maxrss * 1024.0;
@@ -149,9 +161,9 @@ void add_bench(CLI::App& app) {
                 step * 1e3, tf * 1e3, tb * 1e3, o->steps);
     std::printf("  throughput %8.0f tokens/s, %.1f sequences/s\n", tokens, o->batch / step);
     std::printf(
-        "  compute    %8.1f GFLOP/s model FLOPs; fp32 GEMM ceiling measured now %.1f GFLOP/s; "
+        "  compute    %8.1f GFLOP/s model FLOPs; %s GEMM ceiling measured now %.1f GFLOP/s; "
         "utilisation %.0f%%\n",
-        gflops, peak, 100.0 * gflops / peak);
+        gflops, o->precision.c_str(), peak, 100.0 * gflops / peak);
     std::printf("  memory     peak RSS %s; planned %s\n", human_bytes(rss).c_str(),
                 human_bytes(static_cast<double>(m.plan().total_bytes())).c_str());
     std::printf("  loss       %.4f (synthetic data; sanity only)\n", loss);

@@ -76,6 +76,16 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(s, "grad.dhead1", f32s(std::max(BP, B) * C));
   plan.add(s, "grad.dhead2", f32s(std::max(BP, B) * C));
   plan.add(s, "grad.dsmall", f32s(B * std::max<int64_t>(2, cfg.num_labels)));
+  if (d.bf16) {
+    const std::string g16 = "bf16";
+    const size_t h = sizeof(uint16_t);
+    plan.add(g16, "bf16.weights", static_cast<size_t>(ParamTable(cfg, head).total()) * h);
+    // Largest matmul operand rounded to bf16: a forward input or a backward output gradient,
+    // and a backward input.
+    const int64_t a = std::max({N * std::max(3 * C, I), BP * V, B * std::max<int64_t>(C, V)});
+    plan.add(g16, "bf16.scratch_a", static_cast<size_t>(a) * h);
+    plan.add(g16, "bf16.scratch_b", static_cast<size_t>(std::max(N * std::max(C, I), BP * C)) * h);
+  }
 }
 
 MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDims& dims) {
@@ -100,6 +110,12 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
   grads_ = Arena(plan_, "gradients");
   acts_arena_ = Arena(plan_, "activations");
   scratch_ = Arena(plan_, "scratch");
+  if (dims.bf16) {
+    bf16_arena_ = Arena(plan_, "bf16");
+    wbf16_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.weights"));
+    sa_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.scratch_a"));
+    sb_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.scratch_b"));
+  }
 
   const Arena& a = acts_arena_;
   act_.emb_sum = a.f32("emb.sum");
@@ -138,6 +154,19 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
   act_.dsmall = s.f32("grad.dsmall");
 }
 
+void BertModel::lin_fwd(float* out, const float* inp, const float* w, const float* b, int64_t M,
+                        int64_t N, int64_t K) {
+  if (!wbf16_) return linear_forward(out, inp, w, b, M, N, K);
+  linear_forward_bf16(out, inp, wbf16_ + (w - params()), b, M, N, K, sa_);
+}
+
+void BertModel::lin_bwd(float* dinp, float* dw, float* db, const float* dout, const float* inp,
+                        const float* w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp) {
+  if (!wbf16_) return linear_backward(dinp, dw, db, dout, inp, w, M, N, K, accumulate_dinp);
+  linear_backward_bf16(dinp, dw, db, dout, inp, wbf16_ + (w - params()), M, N, K, accumulate_dinp,
+                       sa_, sb_);
+}
+
 void BertModel::zero_grads() {
   std::memset(grads_.base(), 0, grads_.bytes());
 }
@@ -147,6 +176,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     fail("batch [", b.B, " x ", b.T, ", ", b.P, " predictions] exceeds the planned [", dims_.batch,
          " x ", dims_.seq_len, ", ", dims_.max_predictions, "]");
   validate_batch(b, cfg_, head_);
+  if (wbf16_) convert_f32_to_bf16(params(), wbf16_, static_cast<size_t>(table_.total()));
   const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
                 NH = cfg_.num_attention_heads, V = cfg_.vocab_size;
   const float eps = cfg_.layer_norm_eps;
@@ -171,18 +201,18 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   for (int64_t l = 0; l < L; ++l) {
     const LayerOffsets& o = t.layer(l);
     const LayerActs& a = act_.layers[l];
-    linear_forward(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
+    lin_fwd(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
     attention_forward(a.ctx, a.probs, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
                       rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs);
-    linear_forward(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
+    lin_fwd(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
     dropout_forward(a.attn_res, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut),
                     off_tc);
     add_inplace(a.attn_res, x, N * C);
     layernorm_forward(a.ln1_out, a.ln1_mean, a.ln1_rstd, a.attn_res, W(o.ln1_w), W(o.ln1_b), N, C,
                       eps);
-    linear_forward(a.inter_pre, a.ln1_out, W(o.inter_w), W(o.inter_b), N, I, C);
+    lin_fwd(a.inter_pre, a.ln1_out, W(o.inter_w), W(o.inter_b), N, I, C);
     activation_forward(act, a.inter_act, a.inter_pre, N * I);
-    linear_forward(a.ffn_res, a.inter_act, W(o.out_w), W(o.out_b), N, C, I);
+    lin_fwd(a.ffn_res, a.inter_act, W(o.out_w), W(o.out_b), N, C, I);
     dropout_forward(a.ffn_res, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kFfnOut),
                     off_tc);
     add_inplace(a.ffn_res, a.ln1_out, N * C);
@@ -194,14 +224,14 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
 
   // Pooler: tanh(dense(h[:, 0])).
   for (int64_t i = 0; i < B; ++i) std::memcpy(act_.cls_in + i * C, x + i * T * C, f32s(C));
-  linear_forward(act_.pooled, act_.cls_in, W(t.offset("bert.pooler.dense.weight")),
-                 W(t.offset("bert.pooler.dense.bias")), B, C, C);
+  lin_fwd(act_.pooled, act_.cls_in, W(t.offset("bert.pooler.dense.weight")),
+          W(t.offset("bert.pooler.dense.bias")), B, C, C);
   tanh_forward(act_.pooled, act_.pooled, B * C);
 
   Losses out;
   if (head_ == Head::Pretraining) {
-    linear_forward(act_.nsp_logits, act_.pooled, W(t.offset("cls.seq_relationship.weight")),
-                   W(t.offset("cls.seq_relationship.bias")), B, 2, C);
+    lin_fwd(act_.nsp_logits, act_.pooled, W(t.offset("cls.seq_relationship.weight")),
+            W(t.offset("cls.seq_relationship.bias")), B, 2, C);
     out.nsp_loss =
         cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
                                        b.next_sentence_labels.data(), nullptr, B, 2, 0.0f) /
@@ -214,15 +244,14 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
       const int64_t row = (r / b.P) * T + b.masked_lm_positions[r];
       std::memcpy(act_.mlm_in + r * C, x + row * C, f32s(C));
     }
-    linear_forward(act_.mlm_pre, act_.mlm_in, W(t.offset("cls.predictions.transform.dense.weight")),
-                   W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C);
+    lin_fwd(act_.mlm_pre, act_.mlm_in, W(t.offset("cls.predictions.transform.dense.weight")),
+            W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C);
     activation_forward(act, act_.mlm_act, act_.mlm_pre, BP * C);
     layernorm_forward(act_.mlm_ln, act_.mlm_mean, act_.mlm_rstd, act_.mlm_act,
                       W(t.offset("cls.predictions.transform.LayerNorm.weight")),
                       W(t.offset("cls.predictions.transform.LayerNorm.bias")), BP, C, eps);
-    linear_forward(act_.mlm_logits, act_.mlm_ln,
-                   W(t.offset("bert.embeddings.word_embeddings.weight")),
-                   W(t.offset("cls.predictions.bias")), BP, V, C);
+    lin_fwd(act_.mlm_logits, act_.mlm_ln, W(t.offset("bert.embeddings.word_embeddings.weight")),
+            W(t.offset("cls.predictions.bias")), BP, V, C);
     const double wsum_ce = cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct,
                                                           act_.mlm_logits, b.masked_lm_ids.data(),
                                                           b.masked_lm_weights.data(), BP, V, 0.0f);
@@ -237,8 +266,8 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     dropout_forward(act_.pooled_drop, B * C, p_hidden, rng_key(opt.seed, opt.step, L + 1, kPooler),
                     opt.example_offset * C);
     const int64_t NL = cfg_.num_labels;
-    linear_forward(act_.cls_logits, act_.pooled_drop, W(t.offset("classifier.weight")),
-                   W(t.offset("classifier.bias")), B, NL, C);
+    lin_fwd(act_.cls_logits, act_.pooled_drop, W(t.offset("classifier.weight")),
+            W(t.offset("classifier.bias")), B, NL, C);
     out.loss =
         cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
                                        b.label_ids.data(), nullptr, B, NL, 0.0f) /
@@ -267,9 +296,9 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     float* dnsp = act_.dsmall;
     cross_entropy_forward_backward(dnsp, nullptr, nullptr, act_.nsp_logits,
                                    b.next_sentence_labels.data(), nullptr, B, 2, loss_scale / B);
-    linear_backward(dpooled, G(t.offset("cls.seq_relationship.weight")),
-                    G(t.offset("cls.seq_relationship.bias")), dnsp, act_.pooled,
-                    W(t.offset("cls.seq_relationship.weight")), B, 2, C);
+    lin_bwd(dpooled, G(t.offset("cls.seq_relationship.weight")),
+            G(t.offset("cls.seq_relationship.bias")), dnsp, act_.pooled,
+            W(t.offset("cls.seq_relationship.weight")), B, 2, C);
 
     const int64_t BP = B * b.P;
     double wsum = 0;
@@ -280,17 +309,17 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
                                    b.masked_lm_ids.data(), b.masked_lm_weights.data(), BP, V,
                                    dscale);
     float* d1 = act_.dhead1;  // [BP,C]
-    linear_backward(d1, G(word), G(t.offset("cls.predictions.bias")), dlogits, act_.mlm_ln, W(word),
-                    BP, V, C);
+    lin_bwd(d1, G(word), G(t.offset("cls.predictions.bias")), dlogits, act_.mlm_ln, W(word), BP, V,
+            C);
     float* d2 = act_.dI;  // [BP,C] scratch (dI is free until the encoder backward)
     layernorm_backward(d2, G(t.offset("cls.predictions.transform.LayerNorm.weight")),
                        G(t.offset("cls.predictions.transform.LayerNorm.bias")), d1, act_.mlm_act,
                        W(t.offset("cls.predictions.transform.LayerNorm.weight")), act_.mlm_mean,
                        act_.mlm_rstd, BP, C);
     activation_backward(act, d2, act_.mlm_pre, d2, BP * C);
-    linear_backward(d1, G(t.offset("cls.predictions.transform.dense.weight")),
-                    G(t.offset("cls.predictions.transform.dense.bias")), d2, act_.mlm_in,
-                    W(t.offset("cls.predictions.transform.dense.weight")), BP, C, C);
+    lin_bwd(d1, G(t.offset("cls.predictions.transform.dense.weight")),
+            G(t.offset("cls.predictions.transform.dense.bias")), d2, act_.mlm_in,
+            W(t.offset("cls.predictions.transform.dense.weight")), BP, C, C);
     for (int64_t r = 0; r < BP; ++r) {  // scatter (+=): positions may repeat
       float* dst = dh + ((r / b.P) * T + b.masked_lm_positions[r]) * C;
       const float* src = d1 + r * C;
@@ -301,17 +330,16 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     float* dlog = act_.dsmall;
     cross_entropy_forward_backward(dlog, nullptr, nullptr, act_.cls_logits, b.label_ids.data(),
                                    nullptr, B, NL, loss_scale / B);
-    linear_backward(dpooled, G(t.offset("classifier.weight")), G(t.offset("classifier.bias")), dlog,
-                    act_.pooled_drop, W(t.offset("classifier.weight")), B, NL, C);
+    lin_bwd(dpooled, G(t.offset("classifier.weight")), G(t.offset("classifier.bias")), dlog,
+            act_.pooled_drop, W(t.offset("classifier.weight")), B, NL, C);
     dropout_backward(dpooled, dpooled, B * C, p_hidden, rng_key(opt.seed, opt.step, L + 1, kPooler),
                      opt.example_offset * C);
   }
   // pooler
   tanh_backward(dpooled, act_.pooled, dpooled, B * C);
   float* dcls = act_.dhead1;
-  linear_backward(dcls, G(t.offset("bert.pooler.dense.weight")),
-                  G(t.offset("bert.pooler.dense.bias")), dpooled, act_.cls_in,
-                  W(t.offset("bert.pooler.dense.weight")), B, C, C);
+  lin_bwd(dcls, G(t.offset("bert.pooler.dense.weight")), G(t.offset("bert.pooler.dense.bias")),
+          dpooled, act_.cls_in, W(t.offset("bert.pooler.dense.weight")), B, C, C);
   for (int64_t i = 0; i < B; ++i) add_inplace(dh + i * T * C, dcls + i * C, C);
 
   // ---- encoder, last layer first ----
@@ -324,19 +352,19 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     layernorm_backward(dA, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w), a.ln2_mean,
                        a.ln2_rstd, N, C);
     dropout_backward(dB, dA, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kFfnOut), off_tc);
-    linear_backward(dI, G(o.out_w), G(o.out_b), dB, a.inter_act, W(o.out_w), N, C, I);
+    lin_bwd(dI, G(o.out_w), G(o.out_b), dB, a.inter_act, W(o.out_w), N, C, I);
     activation_backward(act, dI, a.inter_pre, dI, N * I);
-    linear_backward(dA, G(o.inter_w), G(o.inter_b), dI, a.ln1_out, W(o.inter_w), N, I, C,
-                    /*accumulate_dinp=*/true);  // dA = d ln1_out (residual + FFN path)
+    lin_bwd(dA, G(o.inter_w), G(o.inter_b), dI, a.ln1_out, W(o.inter_w), N, I, C,
+            /*accumulate_dinp=*/true);  // dA = d ln1_out (residual + FFN path)
     // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
     layernorm_backward(dh, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w), a.ln1_mean,
                        a.ln1_rstd, N, C);
     dropout_backward(dB, dh, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
-    linear_backward(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
+    lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
     attention_backward(dI, dA, a.qkv, a.probs, {B, T, C, NH}, p_attn,
                        rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs);
-    linear_backward(dh, G(o.qkv_w), G(o.qkv_b), dI, x, W(o.qkv_w), N, 3 * C, C,
-                    /*accumulate_dinp=*/true);  // dh = d x (residual + attention path)
+    lin_bwd(dh, G(o.qkv_w), G(o.qkv_b), dI, x, W(o.qkv_w), N, 3 * C, C,
+            /*accumulate_dinp=*/true);  // dh = d x (residual + attention path)
   }
 
   // ---- embeddings ----

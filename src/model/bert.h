@@ -19,6 +19,10 @@ namespace bertrain::model {
 
 struct ModelDims {
   int64_t batch = 8, seq_len = 128, max_predictions = 20;
+  // Mixed precision: matmuls take bf16 inputs and a bf16 copy of the weights (refreshed from the
+  // fp32 parameters at every forward), accumulate and output fp32; LayerNorm, softmax, losses
+  // and all gradients stay fp32.
+  bool bf16 = false;
 };
 
 struct StepOptions {
@@ -88,6 +92,11 @@ class BertModel {
     float *dh, *dA, *dB, *dI, *dhead1, *dhead2, *dsmall;
   };
   const float* W(int64_t off) const { return params() + off; }
+  // Linear layers in the model's precision (weights given as pointers into params()).
+  void lin_fwd(float* out, const float* inp, const float* w, const float* b, int64_t M, int64_t N,
+               int64_t K);
+  void lin_bwd(float* dinp, float* dw, float* db, const float* dout, const float* inp,
+               const float* w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp = false);
   float* G(int64_t off) const { return grads() + off; }
 
   BertConfig cfg_;
@@ -95,8 +104,9 @@ class BertModel {
   ParamTable table_;
   ModelDims dims_;
   MemoryPlan plan_;
-  Arena params_, grads_, acts_arena_, scratch_;
+  Arena params_, grads_, acts_arena_, scratch_, bf16_arena_;
   Acts act_{};
+  uint16_t *wbf16_ = nullptr, *sa_ = nullptr, *sb_ = nullptr;  // bf16 weights and scratch
   float* seq_out_ = nullptr;
 };
 

@@ -113,8 +113,10 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
                              {"optimizer", optimizer_name(cfg.optimizer.kind)},
                              {"seed", cfg.seed}};
 
-  // Master weights (fp32) live in `master`; the model computes with a working copy, rounded to
-  // bf16/fp16 for those precisions. For fp32 the model's own buffer is the master.
+  // Master weights are fp32. bf16: the model's own fp32 buffer is the master and its matmuls use
+  // a bf16 copy (ModelDims::bf16). fp16: the model computes with a working copy rounded to fp16
+  // (oneDNN has no fp16 matmul on this CPU class; the kernels run in fp32), the master lives in
+  // `master`, and the dynamic loss scaler guards the fp16 range.
   const int64_t P = m.table().total();
   std::vector<float> master;
   int64_t start_step = 0;
@@ -159,8 +161,8 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   comm.broadcast(m.params(), P * static_cast<int64_t>(sizeof(float)), 0);
   comm.broadcast(opt.m().data(), P * static_cast<int64_t>(sizeof(float)), 0);
   comm.broadcast(opt.v().data(), P * static_cast<int64_t>(sizeof(float)), 0);
-  if (cfg.precision != Precision::FP32) master.assign(m.params(), m.params() + P);
-  float* master_p = cfg.precision == Precision::FP32 ? m.params() : master.data();
+  if (cfg.precision == Precision::FP16) master.assign(m.params(), m.params() + P);
+  float* master_p = cfg.precision == Precision::FP16 ? master.data() : m.params();
 
   data::PipelineOptions in = cfg.input;
   in.batch_size = cfg.batch_size;
@@ -231,7 +233,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
                               static_cast<uint64_t>(pos[3 * r + 1]), mine.fingerprint});
     if (rank == 0) {
       // The checkpoint holds master weights.
-      if (cfg.precision != Precision::FP32) std::memcpy(m.params(), master_p, P * sizeof(float));
+      if (cfg.precision == Precision::FP16) std::memcpy(m.params(), master_p, P * sizeof(float));
       last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last));
     }
     comm.barrier();
@@ -247,7 +249,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   int64_t step = start_step;
   for (; step < cfg.steps; ++step) {
     const auto t_step = Clock::now();
-    if (cfg.precision != Precision::FP32) round_to(cfg.precision, master_p, m.params(), P);
+    if (cfg.precision == Precision::FP16) round_to(cfg.precision, master_p, m.params(), P);
     m.zero_grads();
     double loss_sum = 0, mlm_c = 0, mlm_w = 0, nsp_c = 0;
     const float scale = scaler.scale();

@@ -6,6 +6,7 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "core/dtype.h"
 #include "core/error.h"
 
 namespace bertrain::kernels {
@@ -17,7 +18,8 @@ using dt = dnnl::memory::data_type;
 struct GemmKey {
   bool ta, tb, acc, bias;
   int64_t M, N, K, lda, ldb, ldc;
-  auto tie() const { return std::tie(ta, tb, acc, bias, M, N, K, lda, ldb, ldc); }
+  bool bf16 = false;  // A and B in bf16 (fp32 accumulation and output)
+  auto tie() const { return std::tie(ta, tb, acc, bias, M, N, K, lda, ldb, ldc, bf16); }
   bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
 };
 
@@ -39,8 +41,9 @@ const GemmPrim& get_prim(const GemmKey& k) {
   if (it != cache.end()) return it->second;
   GemmPrim p;
   // A logical [M,K]; stored [M,K] with stride lda, or stored [K,M] (transposed) with stride lda.
-  p.a_md = dnnl::memory::desc({k.M, k.K}, dt::f32, k.ta ? dims{1, k.lda} : dims{k.lda, 1});
-  p.b_md = dnnl::memory::desc({k.K, k.N}, dt::f32, k.tb ? dims{1, k.ldb} : dims{k.ldb, 1});
+  const dt in = k.bf16 ? dt::bf16 : dt::f32;
+  p.a_md = dnnl::memory::desc({k.M, k.K}, in, k.ta ? dims{1, k.lda} : dims{k.lda, 1});
+  p.b_md = dnnl::memory::desc({k.K, k.N}, in, k.tb ? dims{1, k.ldb} : dims{k.ldb, 1});
   p.c_md = dnnl::memory::desc({k.M, k.N}, dt::f32, dims{k.ldc, 1});
   if (k.bias) p.bias_md = dnnl::memory::desc({1, k.N}, dt::f32, dims{k.N, 1});
   dnnl::primitive_attr attr;
@@ -57,8 +60,10 @@ const GemmPrim& get_prim(const GemmKey& k) {
 
 }  // namespace
 
-void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-          const float* B, int64_t ldb, float* C, int64_t ldc, const float* bias, bool accumulate) {
+namespace {
+void gemm_any(bool bf16, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A,
+              int64_t lda, const void* B, int64_t ldb, float* C, int64_t ldc, const float* bias,
+              bool accumulate) {
   BT_CHECK(!(accumulate && bias), "gemm: bias with accumulate is not supported");
   if (M == 0 || N == 0) return;
   if (K == 0) {
@@ -68,16 +73,47 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const flo
     return;
   }
   const GemmPrim& p =
-      get_prim({trans_a, trans_b, accumulate, bias != nullptr, M, N, K, lda, ldb, ldc});
+      get_prim({trans_a, trans_b, accumulate, bias != nullptr, M, N, K, lda, ldb, ldc, bf16});
   auto& eng = cpu_engine();
   dnnl::stream s(eng);
   std::unordered_map<int, dnnl::memory> args = {
-      {DNNL_ARG_SRC, dnnl::memory(p.a_md, eng, const_cast<float*>(A))},
-      {DNNL_ARG_WEIGHTS, dnnl::memory(p.b_md, eng, const_cast<float*>(B))},
+      {DNNL_ARG_SRC, dnnl::memory(p.a_md, eng, const_cast<void*>(A))},
+      {DNNL_ARG_WEIGHTS, dnnl::memory(p.b_md, eng, const_cast<void*>(B))},
       {DNNL_ARG_DST, dnnl::memory(p.c_md, eng, C)}};
   if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(p.bias_md, eng, const_cast<float*>(bias)));
   p.prim.execute(s, args);
   s.wait();
+}
+}  // namespace
+
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float* C, int64_t ldc, const float* bias, bool accumulate) {
+  gemm_any(false, trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, bias, accumulate);
+}
+
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+               int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc,
+               const float* bias, bool accumulate) {
+  gemm_any(true, trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, bias, accumulate);
+}
+
+void linear_forward_bf16(float* out, const float* inp, const uint16_t* weight, const float* bias,
+                         int64_t M, int64_t N, int64_t K, uint16_t* scratch) {
+  convert_f32_to_bf16(inp, scratch, static_cast<size_t>(M * K));
+  gemm_bf16(false, true, M, N, K, scratch, K, weight, K, out, N, bias, false);
+}
+
+void linear_backward_bf16(float* dinp, float* dweight, float* dbias, const float* dout,
+                          const float* inp, const uint16_t* weight, int64_t M, int64_t N, int64_t K,
+                          bool accumulate_dinp, uint16_t* scratch_out, uint16_t* scratch_in) {
+  convert_f32_to_bf16(dout, scratch_out, static_cast<size_t>(M * N));
+  if (dinp)
+    gemm_bf16(false, false, M, K, N, scratch_out, N, weight, K, dinp, K, nullptr, accumulate_dinp);
+  if (dweight) {
+    convert_f32_to_bf16(inp, scratch_in, static_cast<size_t>(M * K));
+    gemm_bf16(true, false, N, K, M, scratch_out, N, scratch_in, K, dweight, K, nullptr, true);
+  }
+  if (dbias) linear_backward(nullptr, nullptr, dbias, dout, nullptr, nullptr, M, N, K);
 }
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,

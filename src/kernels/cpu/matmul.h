@@ -22,6 +22,21 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int64_t M, int64_t N, int64_t K,
                      bool accumulate_dinp = false);
 
+// bf16 inputs (A, B as raw bf16 bits), fp32 accumulation and output (oneDNN; AVX-512 BF16
+// instructions where the CPU has them, an emulation elsewhere).
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+               int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc,
+               const float* bias, bool accumulate);
+
+// Mixed-precision linear layers: the fp32 input (or output gradient) is rounded to bf16 into
+// `scratch` ([M,K] / [M,N] elements), the weight is a bf16 copy of the fp32 master; results and
+// gradients stay fp32.
+void linear_forward_bf16(float* out, const float* inp, const uint16_t* weight, const float* bias,
+                         int64_t M, int64_t N, int64_t K, uint16_t* scratch);
+void linear_backward_bf16(float* dinp, float* dweight, float* dbias, const float* dout,
+                          const float* inp, const uint16_t* weight, int64_t M, int64_t N, int64_t K,
+                          bool accumulate_dinp, uint16_t* scratch_out, uint16_t* scratch_in);
+
 // Plain triple loop in double accumulation: the oracle for gemm in tests.
 void gemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
                     int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
