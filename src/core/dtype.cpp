@@ -1,5 +1,6 @@
 #include "core/dtype.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include "core/error.h"
@@ -105,8 +106,14 @@ namespace {
 // to nearest even exactly as f32_to_f16 does (tests compare both).
 bool has_f16c() {
   static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    // CPUID.1:ECX bit 29 = F16C, bit 28 = AVX, bit 27 = OSXSAVE; XCR0 bits 1-2: the OS saves
+    // the YMM state. (cpuid directly: clang's __builtin_cpu_supports has no "f16c".)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+    if (!(c & (1u << 29)) || !(c & (1u << 28)) || !(c & (1u << 27))) return false;
+    unsigned lo, hi;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (lo & 6u) == 6u;
   }();
   return yes;
 }
