@@ -9,6 +9,8 @@
 
 #include <csignal>
 #include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
 
 #include "data/prepare.h"
 #include "model/safetensors.h"
@@ -196,6 +198,25 @@ TEST(Train, SigtermFinishesTheStepCheckpointsAndExitsZero) {
   const std::string ck = resolve_checkpoint(out);
   ASSERT_FALSE(ck.empty());
   EXPECT_TRUE(std::filesystem::exists(ck + "/model.safetensors"));
+}
+
+TEST(Train, TimelineIsAChromeTraceWithLayerSpans) {
+  TrainEnv env;
+  dist::SingleProcess comm;
+  TrainConfig c = env.cfg("tl", 3);
+  c.timeline = env.dir / "trace.json";
+  train(c, comm);
+  std::ifstream in(c.timeline);
+  auto j = nlohmann::json::parse(in);
+  std::set<std::string> names;
+  for (const auto& e : j["traceEvents"])
+    if (e["ph"] == "X") {
+      names.insert(e["name"].get<std::string>());
+      EXPECT_GE(e["dur"].get<int64_t>(), 0);
+    }
+  for (const char* n : {"input wait", "forward", "backward", "optimizer", "forward layer 1",
+                        "backward layer 0", "step 2"})
+    EXPECT_TRUE(names.count(n)) << n;
 }
 
 std::string error_of(const std::function<void()>& f) {

@@ -81,6 +81,8 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
   c->add_option("--keep-last", t.keep_last, "Checkpoints kept (0: all)")->capture_default_str();
   c->add_option("--log-every", t.log_every, "Progress line every N steps")->capture_default_str();
   c->add_flag("--resume", t.resume, "Continue from the latest checkpoint in --output");
+  c->add_option("--timeline", t.timeline,
+                "Write a Chrome trace (Perfetto) of the run, all ranks in one file");
   c->add_option("--stop-after-steps", t.stop_after,
                 "Run at most N steps now, checkpoint and exit 0 (time-sliced jobs)")
       ->capture_default_str();

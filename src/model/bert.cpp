@@ -199,6 +199,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
 
   const float* x = act_.h0;
   for (int64_t l = 0; l < L; ++l) {
+    obs::Timeline::Span span(timeline_, str("forward layer ", l), "compute");
     const LayerOffsets& o = t.layer(l);
     const LayerActs& a = act_.layers[l];
     lin_fwd(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
@@ -345,6 +346,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   // ---- encoder, last layer first ----
   float *dA = act_.dA, *dB = act_.dB, *dI = act_.dI;
   for (int64_t l = L - 1; l >= 0; --l) {
+    obs::Timeline::Span span(timeline_, str("backward layer ", l), "compute");
     const LayerOffsets& o = t.layer(l);
     const LayerActs& a = act_.layers[l];
     const float* x = l == 0 ? act_.h0 : act_.layers[l - 1].ln2_out;

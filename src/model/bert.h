@@ -14,6 +14,7 @@
 #include "model/batch.h"
 #include "model/config.h"
 #include "model/params.h"
+#include "obs/timeline.h"
 
 namespace bertrain::model {
 
@@ -73,6 +74,9 @@ class BertModel {
   const float* nsp_logits() const { return act_.nsp_logits; }  // [B,2]
   const float* cls_logits() const { return act_.cls_logits; }  // [B,num_labels]
 
+  // Spans per layer (forward/backward) go to this timeline when it is enabled.
+  void set_timeline(obs::Timeline* tl) { timeline_ = tl; }
+
   // Model FLOPs of one forward+backward (matmuls and attention), for throughput reports.
   double flops_per_step(int64_t B, int64_t T, int64_t P) const;
 
@@ -107,6 +111,7 @@ class BertModel {
   Arena params_, grads_, acts_arena_, scratch_, bf16_arena_;
   Acts act_{};
   uint16_t *wbf16_ = nullptr, *sa_ = nullptr, *sb_ = nullptr;  // bf16 weights and scratch
+  obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
 };
 

@@ -240,6 +240,17 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
     return last_ck;
   };
 
+  obs::Timeline tl;
+  if (!cfg.timeline.empty()) {
+    tl.enable(rank);
+    m.set_timeline(&tl);
+  }
+  auto span = [&](const char* name, const char* cat, Clock::time_point begin) {
+    if (tl.enabled()) {
+      const int64_t end = tl.now_us();
+      tl.add(name, cat, end - static_cast<int64_t>(since(begin) * 1e6), end);
+    }
+  };
   model::Batch batch;
   double t_input = 0, t_fwd = 0, t_bwd = 0, t_comm = 0, t_opt = 0, t_total = 0;
   double win_loss = 0, win_mlm_correct = 0, win_mlm_w = 0, win_nsp = 0, win_n = 0;
@@ -257,11 +268,13 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       auto t0 = Clock::now();
       if (!pipe.next(batch)) fail("the input pipeline ended (it repeats forever; this is a bug)");
       t_input += since(t0);
+      span("input wait", "input", t0);
       const model::StepOptions so{true, cfg.seed, static_cast<uint64_t>(step),
                                   static_cast<uint64_t>((micro * world + rank) * cfg.batch_size)};
       t0 = Clock::now();
       const model::Losses l = m.forward(batch, so);
       t_fwd += since(t0);
+      span("forward", "compute", t0);
       if (!std::isfinite(l.loss) && cfg.precision != Precision::FP16)
         fail("step ", step, ": the loss is ", l.loss, " on rank ", rank,
              "; lower --lr or raise --warmup and resume from the last good checkpoint",
@@ -273,6 +286,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       t0 = Clock::now();
       m.backward(batch, so, scale / static_cast<float>(cfg.accumulation));
       t_bwd += since(t0);
+      span("backward", "compute", t0);
     }
     // Average gradients across ranks (sum, then 1/world folded into the unscale).
     auto t0 = Clock::now();
@@ -287,6 +301,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
                        static_cast<double>(batch.B * cfg.accumulation)};
     if (world > 1) comm.allreduce_sum(stats, 5);
     t_comm += since(t0);
+    span("allreduce gradients", "communication", t0);
 
     t0 = Clock::now();
     const float inv = static_cast<float>((world > 1 ? cfg.predivide : 1.0) /
@@ -300,7 +315,9 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       opt.apply(master_p, m.grads(), lr, inv, r);
     }
     t_opt += since(t0);
+    span("optimizer", "optimizer", t0);
     t_total += since(t_step);
+    span(("step " + std::to_string(step)).c_str(), "step", t_step);
 
     const double step_loss = stats[0] / world;
     res.losses.push_back(step_loss);
@@ -345,6 +362,14 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   }
   if (win_steps > 0) res.last_loss = win_loss / win_steps;
   res.last_checkpoint = save(step);
+  if (tl.enabled()) {
+    tl.write(cfg.timeline, world);
+    comm.barrier();
+    if (world > 1 && rank == 0) obs::Timeline::merge(cfg.timeline, world);
+    if (lead)
+      std::printf("timeline: %s (open in chrome://tracing or ui.perfetto.dev)\n",
+                  cfg.timeline.c_str());
+  }
   if (lead) {
     if (res.interrupted)
       std::printf("train: stopped %s after step %lld; checkpoint %s (continue with --resume)\n",

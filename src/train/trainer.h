@@ -35,6 +35,7 @@ struct TrainConfig {
   double predivide =
       1.0;  // Horovod's gradient_predivide_factor: x 1/f before the sum, f/size after
   bool quiet = false;
+  std::string timeline;  // Chrome trace of the run (merged over ranks), "" = off
 };
 
 struct TrainResult {
