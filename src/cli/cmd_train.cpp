@@ -81,6 +81,11 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
   c->add_option("--keep-last", t.keep_last, "Checkpoints kept (0: all)")->capture_default_str();
   c->add_option("--log-every", t.log_every, "Progress line every N steps")->capture_default_str();
   c->add_flag("--resume", t.resume, "Continue from the latest checkpoint in --output");
+  c->add_option("--overlap", t.overlap,
+                "With several ranks: allreduce gradient buckets while backward runs")
+      ->capture_default_str();
+  c->add_option("--bucket-mb", t.bucket_mb, "Gradient bucket size for the overlap (MiB)")
+      ->capture_default_str();
   c->add_option("--timeline", t.timeline,
                 "Write a Chrome trace (Perfetto) of the run, all ranks in one file");
   c->add_option("--stop-after-steps", t.stop_after,

@@ -91,7 +91,7 @@ MpiCommunicator::MpiCommunicator(int* argc, char*** argv) : impl_(new Impl) {
   MPI_Initialized(&inited);
   if (!inited) {
     int provided = 0;
-    check(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+    check(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
     impl_->owns_mpi = true;
   }
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);

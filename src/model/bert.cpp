@@ -278,7 +278,15 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   return out;
 }
 
-void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scale) {
+std::pair<int64_t, int64_t> BertModel::layer_range(int64_t l) const {
+  const int64_t begin = table_.layer(l).qkv_w;
+  const int64_t end = l + 1 < cfg_.num_hidden_layers ? table_.layer(l + 1).qkv_w
+                                                     : table_.offset("bert.pooler.dense.weight");
+  return {begin, end};
+}
+
+void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scale,
+                         const std::function<void(int64_t)>& layer_done) {
   const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
                 NH = cfg_.num_attention_heads, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
   const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
@@ -367,6 +375,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
                        rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs);
     lin_bwd(dh, G(o.qkv_w), G(o.qkv_b), dI, x, W(o.qkv_w), N, 3 * C, C,
             /*accumulate_dinp=*/true);  // dh = d x (residual + attention path)
+    if (layer_done) layer_done(l);
   }
 
   // ---- embeddings ----

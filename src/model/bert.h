@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "core/arena.h"
@@ -65,7 +66,11 @@ class BertModel {
 
   Losses forward(const Batch& b, const StepOptions& opt);
   // Gradients of loss_scale * loss, accumulated into grads(). Needs the preceding forward.
-  void backward(const Batch& b, const StepOptions& opt, float loss_scale = 1.0f);
+  void backward(const Batch& b, const StepOptions& opt, float loss_scale = 1.0f,
+                const std::function<void(int64_t)>& layer_done = {});
+  // Gradient offsets [begin, end) of encoder layer l: final once backward reports layer l done
+  // (layers are contiguous in the flat buffer). Everything else is final when backward returns.
+  std::pair<int64_t, int64_t> layer_range(int64_t l) const;
 
   // Outputs of the last forward (valid until the next backward/forward).
   const float* sequence_output() const { return seq_out_; }    // [B,T,C]

@@ -11,6 +11,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "dist/reducer.h"
 #include "kernels/cpu/matmul.h"
 #include "model/checkpoint.h"
 #include "train/loss_scaler.h"
@@ -251,6 +252,14 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       tl.add(name, cat, end - static_cast<int64_t>(since(begin) * 1e6), end);
     }
   };
+  std::unique_ptr<dist::Reducer> reducer;
+  if (world > 1 && cfg.overlap) {
+    std::vector<std::pair<int64_t, int64_t>> layers;
+    for (int64_t l = 0; l < mcfg.num_hidden_layers; ++l) layers.push_back(m.layer_range(l));
+    reducer = std::make_unique<dist::Reducer>(comm, m.grads(), P, layers, cfg.bucket_mb << 20,
+                                              static_cast<float>(cfg.predivide), &tl);
+  }
+  double t_overlapped = 0;
   model::Batch batch;
   double t_input = 0, t_fwd = 0, t_bwd = 0, t_comm = 0, t_opt = 0, t_total = 0;
   double win_loss = 0, win_mlm_correct = 0, win_mlm_w = 0, win_nsp = 0, win_n = 0;
@@ -284,19 +293,27 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       mlm_w += l.mlm_weight;
       nsp_c += static_cast<double>(l.nsp_correct);
       t0 = Clock::now();
-      m.backward(batch, so, scale / static_cast<float>(cfg.accumulation));
+      const bool last = micro + 1 == cfg.accumulation;
+      if (reducer && last)
+        m.backward(batch, so, scale / static_cast<float>(cfg.accumulation),
+                   [&](int64_t l) { reducer->layer_done(l); });
+      else
+        m.backward(batch, so, scale / static_cast<float>(cfg.accumulation));
       t_bwd += since(t0);
       span("backward", "compute", t0);
     }
     // Average gradients across ranks (sum, then 1/world folded into the unscale).
     auto t0 = Clock::now();
-    if (world > 1 && cfg.predivide != 1.0) {
+    if (reducer) {
+      const double exposed = reducer->finish();  // the rest of the buckets, then wait
+      t_overlapped += std::max(0.0, reducer->busy_seconds() - exposed);
+    } else if (world > 1 && cfg.predivide != 1.0) {
       const float pre = static_cast<float>(1.0 / cfg.predivide);
       float* g = m.grads();
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < P; ++i) g[i] *= pre;
     }
-    if (world > 1) comm.allreduce_sum(m.grads(), P);
+    if (world > 1 && !reducer) comm.allreduce_sum(m.grads(), P);
     double stats[5] = {loss_sum / cfg.accumulation, mlm_c, mlm_w, nsp_c,
                        static_cast<double>(batch.B * cfg.accumulation)};
     if (world > 1) comm.allreduce_sum(stats, 5);
@@ -382,9 +399,13 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       auto pct = [&](double t) { return 100.0 * t / std::max(t_total, 1e-9); };
       std::printf(
           "step time %.1f ms: input wait %.1f%% | forward %.1f%% | backward %.1f%% | communication "
-          "%.1f%% | optimizer %.1f%% | other %.1f%%\n",
+          "%.1f%% exposed | optimizer %.1f%% | other %.1f%%\n",
           1e3 * t_total / n, pct(t_input), pct(t_fwd), pct(t_bwd), pct(t_comm), pct(t_opt),
           pct(other));
+      if (reducer)
+        std::printf(
+            "communication hidden behind backward: %.1f ms per step (%zu buckets of <= %lld MiB)\n",
+            1e3 * t_overlapped / n, reducer->buckets(), (long long)cfg.bucket_mb);
       const double achieved = flops_step * n / std::max(t_total, 1e-9) / 1e9;
       std::printf(
           "compute: %.1f GFLOP/s of model FLOPs per rank = %.0f%% of the fp32 GEMM rate measured "

@@ -35,7 +35,9 @@ struct TrainConfig {
   double predivide =
       1.0;  // Horovod's gradient_predivide_factor: x 1/f before the sum, f/size after
   bool quiet = false;
-  std::string timeline;  // Chrome trace of the run (merged over ranks), "" = off
+  std::string timeline;    // Chrome trace of the run (merged over ranks), "" = off
+  bool overlap = true;     // with several ranks: allreduce buckets while backward runs
+  int64_t bucket_mb = 64;  // gradient bucket size for the overlap (Horovod's fusion threshold)
 };
 
 struct TrainResult {

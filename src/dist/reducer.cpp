@@ -1,0 +1,101 @@
+#include "dist/reducer.h"
+
+#include <chrono>
+
+#include "core/error.h"
+
+namespace bertrain::dist {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+}  // namespace
+
+Reducer::Reducer(Communicator& comm, float* grads, int64_t total,
+                 std::vector<std::pair<int64_t, int64_t>> layers, int64_t bucket_bytes,
+                 float predivide, obs::Timeline* timeline)
+    : comm_(comm), grads_(grads), total_(total), predivide_(predivide), tl_(timeline) {
+  const int64_t L = static_cast<int64_t>(layers.size());
+  BT_CHECK(L > 0, "reducer needs layers");
+  const int64_t cap = std::max<int64_t>(1, bucket_bytes / static_cast<int64_t>(sizeof(float)));
+  // Reverse layer order: layers L-1, L-2, ... fused until a bucket reaches the threshold.
+  int64_t hi = L - 1;
+  while (hi >= 0) {
+    int64_t lo = hi;
+    while (lo > 0 && layers[hi].second - layers[lo - 1].first <= cap) --lo;
+    buckets_.push_back({lo, layers[lo].first, layers[hi].second});
+    hi = lo - 1;
+  }
+  if (layers.back().second < total) rest_.push_back({layers.back().second, total});
+  if (layers.front().first > 0) rest_.push_back({0, layers.front().first});
+  thread_ = std::thread([this] { loop(); });
+}
+
+Reducer::~Reducer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void Reducer::enqueue(int64_t begin, int64_t end) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back({begin, end});
+    ++enqueued_;
+  }
+  cv_.notify_all();
+}
+
+void Reducer::layer_done(int64_t layer) {
+  for (const auto& b : buckets_)
+    if (b.lo_layer == layer) enqueue(b.begin, b.end);
+}
+
+void Reducer::loop() {
+  for (;;) {
+    std::pair<int64_t, int64_t> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (stop_ && queue_.empty()) return;
+      job = queue_.front();
+      queue_.pop_front();
+    }
+    const auto t0 = Clock::now();
+    const int64_t b0 = tl_ && tl_->enabled() ? tl_->now_us() : 0;
+    float* p = grads_ + job.first;
+    const int64_t n = job.second - job.first;
+    if (predivide_ != 1.0f) {
+      const float s = 1.0f / predivide_;
+      for (int64_t i = 0; i < n; ++i) p[i] *= s;
+    }
+    comm_.allreduce_sum(p, n);
+    if (tl_ && tl_->enabled())
+      tl_->add(str("allreduce bucket ", bucket_counter_++, " (", n * 4 / 1024, " KiB)"),
+               "communication", b0, tl_->now_us(), 1);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_s_ += since(t0);
+      ++done_;
+    }
+    cv_.notify_all();
+  }
+}
+
+double Reducer::finish() {
+  for (const auto& r : rest_) enqueue(r.first, r.second);
+  const auto t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return done_ == enqueued_; });
+  bucket_counter_ = 0;
+  last_busy_s_ = busy_s_;
+  busy_s_ = 0;
+  return since(t0);
+}
+
+}  // namespace bertrain::dist

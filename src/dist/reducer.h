@@ -1,0 +1,60 @@
+// Reducer: gradient allreduce overlapped with backward (Horovod's tensor fusion, llm.c's
+// overlap). Gradient buckets are contiguous slices of the flat gradient buffer in reverse layer
+// order, each about `bucket_bytes` (no copy: the slice is reduced in place). backward reports
+// each finished encoder layer; when the lowest layer of a bucket is done, the bucket goes to a
+// background communication thread, which reduces it while backward continues below. finish()
+// hands over the rest (embeddings, pooler, heads: final only when backward returns) and waits:
+// that wait is the exposed communication; the rest was hidden behind compute.
+// MPI needs MPI_THREAD_SERIALIZED for this: during backward only the communication thread
+// calls MPI.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "obs/timeline.h"
+
+namespace bertrain::dist {
+
+class Reducer {
+ public:
+  // layers[l] = [begin, end) of layer l's gradients; offsets increase with l.
+  Reducer(Communicator& comm, float* grads, int64_t total,
+          std::vector<std::pair<int64_t, int64_t>> layers, int64_t bucket_bytes, float predivide,
+          obs::Timeline* timeline);
+  ~Reducer();
+  void layer_done(int64_t layer);  // from backward (main thread)
+  double finish();                 // seconds the caller waited (exposed communication)
+  double busy_seconds() const { return last_busy_s_; }  // communication-thread time, last step
+  size_t buckets() const { return buckets_.size(); }
+
+ private:
+  void loop();
+  void enqueue(int64_t begin, int64_t end);
+  Communicator& comm_;
+  float* grads_;
+  int64_t total_;
+  float predivide_;
+  obs::Timeline* tl_;
+  struct Bucket {
+    int64_t lo_layer, begin, end;
+  };
+  std::vector<Bucket> buckets_;  // in reverse layer order
+  std::vector<std::pair<int64_t, int64_t>> rest_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<int64_t, int64_t>> queue_;
+  int64_t enqueued_ = 0, done_ = 0;
+  bool stop_ = false;
+  double busy_s_ = 0, last_busy_s_ = 0;
+  int bucket_counter_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace bertrain::dist
