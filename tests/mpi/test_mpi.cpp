@@ -12,6 +12,7 @@
 
 #include "dist/mpi.h"
 #include "model/bert.h"
+#include "train/loss_scaler.h"
 #include "train/optimizer.h"
 
 namespace bertrain::dist {
@@ -158,6 +159,25 @@ TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
     }
   }
   g_comm->set_wire(Wire::F32);
+}
+
+// fp16 loss scaling: an overflow on one rank makes every rank skip the step and halve the scale.
+TEST(LossScaling, OverflowOnOneRankSkipsOnAll) {
+  std::vector<train::ParamSlice> sl = {{"w", 0, 4, true}};
+  train::Optimizer opt(sl, 4, {});
+  std::vector<float> p = {1, 2, 3, 4}, g = {0.1f, 0.2f, 0.3f, 0.4f};
+  if (g_comm->rank() == g_comm->size() - 1) g[2] = INFINITY;  // overflow injected on the last rank
+  g_comm->allreduce_sum(g.data(), 4);
+  train::StepResult r = opt.measure(g.data(), 1.0f);
+  const bool finite = g_comm->all(r.finite);
+  train::LossScaler::Config c;
+  c.enabled = true;
+  train::LossScaler s(c);
+  EXPECT_FALSE(s.update(finite, 0));
+  EXPECT_EQ(s.scale(), 32768.0f);
+  // Even a flag that only this rank sees (before any reduction) is made global.
+  EXPECT_FALSE(g_comm->all(g_comm->rank() != 0));
+  EXPECT_TRUE(g_comm->all(true));
 }
 
 }  // namespace
