@@ -19,6 +19,7 @@ namespace bertrain::model {
 namespace {
 
 using test::data_path;
+using test::error_of;
 using test::TempDir;
 
 std::string hf_dir() {
@@ -29,15 +30,6 @@ BertModel load_golden() {
   BertModel m(BertConfig::load(hf_dir() + "/config.json"), Head::Pretraining, {2, 8, 2});
   load_safetensors_into(m, hf_dir() + "/model.safetensors");
   return m;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(Checkpoint, HuggingFaceFileRoundTripsByteExactly) {

@@ -22,6 +22,7 @@
 namespace bertrain::train {
 namespace {
 
+using test::error_of;
 std::string root(const std::string& rel) {
   return test::data_path("../" + rel);
 }
@@ -217,15 +218,6 @@ TEST(Train, TimelineIsAChromeTraceWithLayerSpans) {
   for (const char* n : {"input wait", "forward", "backward", "optimizer", "forward layer 1",
                         "backward layer 0", "step 2"})
     EXPECT_TRUE(names.count(n)) << n;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(Train, DocumentedErrors) {

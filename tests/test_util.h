@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
+
 namespace bertrain::test {
 
 inline std::string data_path(const std::string& rel) {
@@ -73,6 +75,16 @@ inline double dot(const std::vector<float>& a, const std::vector<float>& b) {
   double s = 0;
   for (size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
   return s;
+}
+
+// The message of the bertrain::Error that f throws ("" if none).
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 struct TempDir {

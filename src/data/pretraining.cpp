@@ -205,53 +205,43 @@ size_t varint_size(uint64_t v) {
   return n;
 }
 
-// map entry {key = 1, value = Feature{int64_list = 3 / float_list = 2 {packed value = 1}}}:
-// the packed payload is written first into `tmp`, so each length is known before its header.
+// map entry {key = 1, value = Feature{kind = list_tag {packed value = 1}}} up to the packed
+// payload, which the caller writes next (`packed` bytes; none when pad_to == 0).
+void feature_header(Writer& w, const char* key, char list_tag, size_t packed, bool has_values) {
+  const size_t list = has_values ? 1 + varint_size(packed) + packed : 0;
+  const size_t feature = 1 + varint_size(list) + list;
+  const size_t klen = std::strlen(key);
+  w.byte(0x0a);
+  w.varint(1 + varint_size(klen) + klen + 1 + varint_size(feature) + feature);
+  w.byte(0x0a);
+  w.varint(klen);
+  w.bytes(key, klen);
+  w.byte(0x12);
+  w.varint(feature);
+  w.byte(list_tag);
+  w.varint(list);
+  if (has_values) {
+    w.byte(0x0a);
+    w.varint(packed);
+  }
+}
+
+// int64_list (tag 3): the varints are written first into `tmp`, so the lengths are known.
 void int_feature(Writer& w, char* tmp, const char* key, const int32_t* v, size_t n, size_t pad_to) {
   Writer t{tmp};
   for (size_t i = 0; i < pad_to; ++i)
     t.varint(i < n ? static_cast<uint64_t>(static_cast<int64_t>(v[i])) : 0);
   const size_t packed = static_cast<size_t>(t.p - tmp);
-  const size_t list = pad_to ? 1 + varint_size(packed) + packed : 0;
-  const size_t feature = 1 + varint_size(list) + list;
-  const size_t klen = std::strlen(key);
-  w.byte(0x0a);
-  w.varint(1 + varint_size(klen) + klen + 1 + varint_size(feature) + feature);
-  w.byte(0x0a);
-  w.varint(klen);
-  w.bytes(key, klen);
-  w.byte(0x12);
-  w.varint(feature);
-  w.byte(0x1a);
-  w.varint(list);
-  if (pad_to) {
-    w.byte(0x0a);
-    w.varint(packed);
-    w.bytes(tmp, packed);
-  }
+  feature_header(w, key, 0x1a, packed, pad_to > 0);
+  w.bytes(tmp, packed);
 }
 
+// float_list (tag 2): fixed 4 bytes a value.
 void float_feature(Writer& w, const char* key, const float* v, size_t n, size_t pad_to) {
-  const size_t packed = 4 * pad_to;
-  const size_t list = pad_to ? 1 + varint_size(packed) + packed : 0;
-  const size_t feature = 1 + varint_size(list) + list;
-  const size_t klen = std::strlen(key);
-  w.byte(0x0a);
-  w.varint(1 + varint_size(klen) + klen + 1 + varint_size(feature) + feature);
-  w.byte(0x0a);
-  w.varint(klen);
-  w.bytes(key, klen);
-  w.byte(0x12);
-  w.varint(feature);
-  w.byte(0x12);
-  w.varint(list);
-  if (pad_to) {
-    w.byte(0x0a);
-    w.varint(packed);
-    w.bytes(v, 4 * n);
-    const float zero = 0.0f;
-    for (size_t i = n; i < pad_to; ++i) w.bytes(&zero, 4);
-  }
+  feature_header(w, key, 0x12, 4 * pad_to, pad_to > 0);
+  w.bytes(v, 4 * n);
+  const float zero = 0.0f;
+  for (size_t i = n; i < pad_to; ++i) w.bytes(&zero, 4);
 }
 
 }  // namespace
