@@ -39,7 +39,7 @@ $BT eval --checkpoint "$OUT/run" --data "$OUT/eval/*.tfrecord" --batch-size 32 -
 echo; echo "== 4. fine-tune on ChnSentiCorp (500 reviews), predict its test set"
 $BT finetune --init-checkpoint "$OUT/run" --vocab data/vocab/bert-base-chinese-vocab.txt \
   --train data/classification/chnsenticorp_small/train.tsv --dev data/classification/chnsenticorp_small/dev.tsv \
-  --output "$OUT/sentiment" --seq-len 64 --batch-size 16 --epochs 4 --lr 1e-3
+  --output "$OUT/sentiment" --seq-len 128 --batch-size 16 --epochs 8 --lr 2e-4
 $BT predict --checkpoint "$OUT/sentiment" --input data/classification/chnsenticorp_small/test.tsv > "$OUT/predictions.tsv"
 echo "predictions in $OUT/predictions.tsv"
 
