@@ -22,6 +22,8 @@ class Communicator {
   virtual void broadcast(void* data, int64_t bytes, int root) = 0;
   virtual void barrier() = 0;
   virtual std::string name() const = 0;
+  // What the next collectives are for ("gradient bucket 3 (...)"): the stall watchdog names it.
+  virtual void set_label(const std::string&) {}
   // Logical AND of a flag over ranks (e.g. "all gradients finite").
   bool all(bool flag) {
     double v = flag ? 0.0 : 1.0;

@@ -172,17 +172,24 @@ void MpiCommunicator::watchdog_loop() {
     const double since = in_since_.load();
     if (since == 0 || stall_timeout_ <= 0 || now_s() - since < stall_timeout_) continue;
     const int64_t mine = impl_->progress[local_rank_];
+    std::string label;
+    {
+      std::lock_guard<std::mutex> lock(label_mu_);
+      label = label_;
+    }
     std::string missing;
     for (int r = 0; r < local_size_; ++r)
       if (impl_->progress[r] < mine)
         missing += str(missing.empty() ? "" : ", ", rank_ - local_rank_ + r);
     std::fprintf(
         stderr,
-        "bertrain: rank %d: collective '%s' (#%lld) has waited %.0f s (--stall-timeout %.0f s); "
+        "bertrain: rank %d: collective '%s'%s%s (#%lld) has waited %.0f s (--stall-timeout %.0f "
+        "s); "
         "ranks on this node that have not joined: %s%s. A rank died, hangs, or runs another step; "
         "aborting the job.\n",
-        rank_, in_what_.load() ? in_what_.load() : "?", (long long)mine, now_s() - since,
-        stall_timeout_, missing.empty() ? "none" : missing.c_str(),
+        rank_, in_what_.load() ? in_what_.load() : "?", label.empty() ? "" : " of ", label.c_str(),
+        (long long)mine, now_s() - since, stall_timeout_,
+        missing.empty() ? "none" : missing.c_str(),
         size_ > local_size_ ? " (ranks on other nodes are not visible from here)" : "");
     std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 3);

@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -54,6 +55,10 @@ class MpiCommunicator : public Communicator {
   void set_algorithm(Algorithm a) { algo_ = a; }
   void set_wire(Wire w) { wire_ = w; }
   void set_stall_timeout(double seconds) { stall_timeout_ = seconds; }
+  void set_label(const std::string& label) override {
+    std::lock_guard<std::mutex> lock(label_mu_);
+    label_ = label;
+  }
   Algorithm algorithm() const { return algo_; }
 
   // Individual algorithms (tests and benchmarks call them directly).
@@ -77,6 +82,8 @@ class MpiCommunicator : public Communicator {
   std::atomic<const char*> in_what_{nullptr};
   std::atomic<bool> stop_{false};
   std::thread watchdog_;
+  std::mutex label_mu_;
+  std::string label_;
 };
 
 }  // namespace bertrain::dist

@@ -74,7 +74,10 @@ void Reducer::loop() {
       const float s = 1.0f / predivide_;
       for (int64_t i = 0; i < n; ++i) p[i] *= s;
     }
+    comm_.set_label(str("gradient bucket ", bucket_counter_, " (", n * 4 / 1024, " KiB at offset ",
+                        job.first, ")"));
     comm_.allreduce_sum(p, n);
+    comm_.set_label("");
     if (tl_ && tl_->enabled())
       tl_->add(str("allreduce bucket ", bucket_counter_++, " (", n * 4 / 1024, " KiB)"),
                "communication", b0, tl_->now_us(), 1);

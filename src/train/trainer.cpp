@@ -313,7 +313,11 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < P; ++i) g[i] *= pre;
     }
-    if (world > 1 && !reducer) comm.allreduce_sum(m.grads(), P);
+    if (world > 1 && !reducer) {
+      comm.set_label("all gradients (one bucket)");
+      comm.allreduce_sum(m.grads(), P);
+      comm.set_label("");
+    }
     double stats[5] = {loss_sum / cfg.accumulation, mlm_c, mlm_w, nsp_c,
                        static_cast<double>(batch.B * cfg.accumulation)};
     if (world > 1) comm.allreduce_sum(stats, 5);

@@ -195,6 +195,7 @@ int main(int argc, char** argv) {
         ::sleep(30);
       }
       float x = 1.0f;
+      comm->set_label("gradient bucket 3");
       comm->allreduce_sum(&x, 1);
       std::printf("rank %d passed the collective\n", comm->rank());
       delete comm;
