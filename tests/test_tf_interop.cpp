@@ -59,22 +59,6 @@ Example to_example(const json& rec) {
   return ex;
 }
 
-// Feature equality with NaN == NaN (bitwise for floats).
-bool same(const Example& a, const Example& b) {
-  if (a.size() != b.size()) return false;
-  for (const auto& [k, f] : a) {
-    auto it = b.find(k);
-    if (it == b.end() || it->second.kind != f.kind || it->second.ints != f.ints ||
-        it->second.bytes != f.bytes || it->second.floats.size() != f.floats.size())
-      return false;
-    for (size_t i = 0; i < f.floats.size(); ++i)
-      if (std::memcmp(&f.floats[i], &it->second.floats[i], 4) != 0 &&
-          !(std::isnan(f.floats[i]) && std::isnan(it->second.floats[i])))
-        return false;
-  }
-  return true;
-}
-
 std::vector<std::string> read_all(const std::string& path) {
   TFRecordReader r(path, resolve_compression("auto", path));
   std::vector<std::string> out;
@@ -95,10 +79,11 @@ TEST(TfInterop, FilesWrittenByTensorFlowDecodeExactly) {
     ASSERT_EQ(recs.size(), (*it)["records"].size()) << path;
     for (size_t i = 0; i < recs.size(); ++i) {
       Example want = to_example((*it)["records"][i]);
-      EXPECT_TRUE(same(decode_example(recs[i]), want)) << it.key() << " record " << i;
+      EXPECT_TRUE(same_contents(decode_example(recs[i]), want)) << it.key() << " record " << i;
       ExampleView v;
       ASSERT_TRUE(v.parse(recs[i])) << v.error();
-      EXPECT_TRUE(same(bertrain::data::to_example(v), want)) << it.key() << " record " << i;
+      EXPECT_TRUE(same_contents(bertrain::data::to_example(v), want))
+          << it.key() << " record " << i;
     }
   }
 }
@@ -119,7 +104,7 @@ TEST(TfInterop, BertrainWritesTheSameContents) {
     auto recs = read_all(path);
     ASSERT_EQ(recs.size(), (*it)["records"].size());
     for (size_t i = 0; i < recs.size(); ++i)
-      EXPECT_TRUE(same(decode_example(recs[i]), to_example((*it)["records"][i])));
+      EXPECT_TRUE(same_contents(decode_example(recs[i]), to_example((*it)["records"][i])));
   }
 }
 

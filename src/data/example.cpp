@@ -32,6 +32,21 @@ size_t Feature::size() const {
   return 0;
 }
 
+bool same_contents(const Example& a, const Example& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [k, f] : a) {
+    auto it = b.find(k);
+    if (it == b.end() || it->second.kind != f.kind || it->second.ints != f.ints ||
+        it->second.bytes != f.bytes || it->second.floats.size() != f.floats.size())
+      return false;
+    for (size_t i = 0; i < f.floats.size(); ++i) {
+      const float x = f.floats[i], y = it->second.floats[i];
+      if (std::memcmp(&x, &y, 4) != 0 && !(x != x && y != y)) return false;
+    }
+  }
+  return true;
+}
+
 Example decode_example(std::string_view bytes) {
   tensorflow::Example pb;
   if (!pb.ParseFromArray(bytes.data(), static_cast<int>(bytes.size())))

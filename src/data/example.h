@@ -32,6 +32,10 @@ struct Feature {
 
 using Example = std::map<std::string, Feature>;
 
+// Equal names, kinds and values; floats compare by bits, except that any NaN equals any NaN
+// (Feature::operator== would make NaN != NaN). For decoder cross-checks.
+bool same_contents(const Example& a, const Example& b);
+
 // Through protobuf. decode throws Error on malformed bytes.
 Example decode_example(std::string_view bytes);
 std::string encode_example(const Example& ex);

@@ -16,19 +16,6 @@
 using namespace bertrain;
 using namespace bertrain::data;
 
-static bool same(const Example& a, const Example& b) {
-  if (a.size() != b.size()) return false;
-  for (const auto& [k, f] : a) {
-    auto it = b.find(k);
-    if (it == b.end() || it->second.kind != f.kind || it->second.ints != f.ints ||
-        it->second.bytes != f.bytes || it->second.floats.size() != f.floats.size())
-      return false;
-    for (size_t i = 0; i < f.floats.size(); ++i)
-      if (std::memcmp(&f.floats[i], &it->second.floats[i], 4) != 0) return false;
-  }
-  return true;
-}
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view bytes(reinterpret_cast<const char*>(data), size);
   ExampleView view;
@@ -52,7 +39,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } catch (const Error&) {
       std::abort();  // protobuf parsed every list, so must we
     }
-    if (!same(mine, ref)) std::abort();
+    if (!same_contents(mine, ref)) std::abort();
   }
   static const Schema schema = Schema::pretraining(8, 2, 1000);
   ParsedExample ex;

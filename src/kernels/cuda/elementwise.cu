@@ -10,20 +10,6 @@ namespace {
 
 constexpr unsigned kThreads = 256;
 
-__device__ uint64_t d_mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return x;
-}
-
-__device__ float d_uniform(uint64_t key, uint64_t index) {
-  const uint64_t u = d_mix64(key ^ d_mix64(index * 0x9e3779b97f4a7c15ull + 1));
-  return static_cast<float>(u >> 40) * (1.0f / 16777216.0f);
-}
-
 __global__ void activation_forward_kernel(int a, float* out, const float* inp, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -61,7 +47,7 @@ __global__ void dropout_kernel(float* x, int64_t n, float p, float scale, uint64
                                uint64_t offset) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  x[i] = d_uniform(key, offset + i) >= p ? x[i] * scale : 0.0f;
+  x[i] = rng_uniform(key, offset + i) >= p ? x[i] * scale : 0.0f;
 }
 
 }  // namespace
