@@ -1,6 +1,8 @@
 // nccl-tests-style allreduce table under mpirun: size, time, algbw, busbw for MPI_Allreduce and
 // bertrain's ring, shared-memory and hierarchical algorithms (and fp16 ring), beside the
-// single-thread memcpy bandwidth of this machine (the shared-memory limit).
+// single-thread memcpy bandwidth of this machine (the shared-memory limit). "shm" and
+// "hierarchical" reduce a buffer from allocate_shared in place (as the trainer's gradients);
+// "shm-staged" reduces an ordinary buffer, copied through the window.
 //   mpirun -np 2 build/bench/bench_allreduce [max_mb]
 // busbw = algbw * 2 (n-1) / n, as nccl-tests.
 #include <mpi.h>
@@ -9,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <vector>
 
 #include "dist/mpi.h"
@@ -34,12 +37,14 @@ int main(int argc, char** argv) {
     const char* name;
     Algorithm a;
     Wire w;
+    bool shared;  // buffer from allocate_shared (zero copy), as the trainer's gradients
   };
-  const Variant vs[] = {{"mpi", Algorithm::Mpi, Wire::F32},
-                        {"ring", Algorithm::Ring, Wire::F32},
-                        {"ring-fp16", Algorithm::Ring, Wire::F16},
-                        {"shm", Algorithm::Shm, Wire::F32},
-                        {"hierarchical", Algorithm::Hierarchical, Wire::F32}};
+  const Variant vs[] = {{"mpi", Algorithm::Mpi, Wire::F32, false},
+                        {"ring", Algorithm::Ring, Wire::F32, false},
+                        {"ring-fp16", Algorithm::Ring, Wire::F16, false},
+                        {"shm-staged", Algorithm::Shm, Wire::F32, false},
+                        {"shm", Algorithm::Shm, Wire::F32, true},
+                        {"hierarchical", Algorithm::Hierarchical, Wire::F32, true}};
   if (comm.rank() == 0) {
     std::printf("# %d ranks (%d per node); single-thread memcpy %.2f GB/s\n", p, comm.local_size(),
                 memcpy_gbs);
@@ -48,18 +53,21 @@ int main(int argc, char** argv) {
     std::printf("   (busbw GB/s)\n");
   }
   std::vector<float> buf;
-  for (int64_t bytes = 4096; bytes <= max_mb << 20; bytes *= 4) {
+  float* shared = comm.allocate_shared((max_mb << 20) / 4);
+  for (int64_t bytes = 4096; bytes <= max_mb << 20; bytes *= bytes < (16 << 20) ? 4 : 2) {
     const int64_t n = bytes / 4;
     buf.assign(n, 1.0f);
+    std::fill(shared, shared + n, 1.0f);
     if (comm.rank() == 0) std::printf("%12lld", (long long)bytes);
     for (const auto& v : vs) {
       comm.set_algorithm(v.a);
       comm.set_wire(v.w);
-      comm.allreduce_sum(buf.data(), n);  // warm up
+      float* data = v.shared ? shared : buf.data();
+      comm.allreduce_sum(data, n);  // warm up
       const int iters = bytes < (1 << 20) ? 50 : bytes < (64 << 20) ? 10 : 3;
       MPI_Barrier(MPI_COMM_WORLD);
       const auto t0 = now();
-      for (int i = 0; i < iters; ++i) comm.allreduce_sum(buf.data(), n);
+      for (int i = 0; i < iters; ++i) comm.allreduce_sum(data, n);
       double t = secs(t0, now()) / iters;
       MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
       const double busbw = bytes / t / 1e9 * 2.0 * (p - 1) / p;

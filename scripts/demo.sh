@@ -2,7 +2,7 @@
 # The main job, end to end, on bundled real data (a few minutes on 2 cores):
 #   1. set up and build (installs missing Debian packages);
 #   2. prepare: Chinese CLUE corpus -> BERT pretraining TFRecords (a held-out split for eval);
-#   3. train a tiny Chinese BERT with 2 MPI ranks (shared-memory allreduce), with the progress
+#   3. train a tiny Chinese BERT with 2 MPI ranks (zero-copy shared-memory allreduce), with the progress
 #      line and the step-time breakdown;
 #   4. eval: masked-LM and next-sentence metrics on the held-out records;
 #   5. fine-tune on ChnSentiCorp reviews (dev accuracy per epoch) and predict the test set;

@@ -25,7 +25,7 @@ void add_pipeline_options(CLI::App* c, data::PipelineOptions& p, std::string& on
 data::OnCorrupt parse_on_corrupt(const std::string& s);
 
 struct DistOptions {
-  std::string allreduce = "ring", compression = "none";
+  std::string allreduce = "auto", compression = "none";
   double stall_timeout = 60;
 };
 void add_dist_options(CLI::App* c);  // --allreduce, --compression, --stall-timeout

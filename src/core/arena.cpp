@@ -48,7 +48,13 @@ std::vector<std::string> MemoryPlan::groups() const {
 }
 
 void Arena::Free::operator()(std::byte* p) const {
-  std::free(p);
+  if (!external) std::free(p);
+}
+
+Arena::Arena(const MemoryPlan& plan, const std::string& group, std::byte* external)
+    : plan_(&plan), data_(external, Free{true}), bytes_(plan.group_bytes(group)) {
+  BT_CHECK(reinterpret_cast<uintptr_t>(external) % kAlign == 0, "external memory for ", group,
+           " is not ", kAlign, "-byte aligned");
 }
 
 Arena::Arena(const MemoryPlan& plan, const std::string& group)

@@ -44,6 +44,9 @@ class Arena {
  public:
   Arena() = default;
   Arena(const MemoryPlan& plan, const std::string& group);
+  // The group placed in memory owned elsewhere (at least group_bytes, 64-byte aligned), e.g.
+  // a communicator's shared-memory window; the Arena does not free it.
+  Arena(const MemoryPlan& plan, const std::string& group, std::byte* external);
   Arena(Arena&&) = default;
   Arena& operator=(Arena&&) = default;
 
@@ -55,6 +58,7 @@ class Arena {
 
  private:
   struct Free {
+    bool external;  // value-initialised: false
     void operator()(std::byte* p) const;
   };
   const MemoryPlan* plan_ = nullptr;

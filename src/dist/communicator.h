@@ -24,6 +24,11 @@ class Communicator {
   virtual std::string name() const = 0;
   // What the next collectives are for ("gradient bucket 3 (...)"): the stall watchdog names it.
   virtual void set_label(const std::string&) {}
+  // Collective: n floats of zeroed memory that the communicator can reduce without copying
+  // (an MPI-3 shared-memory window for the shm algorithm), owned by the communicator and valid
+  // until it is destroyed; nullptr when the transport has no such memory. allreduce_sum on any
+  // sub-range of it (the same range on every rank) takes the zero-copy path.
+  virtual float* allocate_shared(int64_t n) { return nullptr; }
   // Logical AND of a flag over ranks (e.g. "all gradients finite").
   bool all(bool flag) {
     double v = flag ? 0.0 : 1.0;

@@ -10,17 +10,20 @@
 #include <cstring>
 #include <vector>
 
+#include "core/arena.h"
 #include "core/dtype.h"
 #include "core/error.h"
 
 namespace bertrain::dist {
 
 Algorithm parse_algorithm(const std::string& s) {
+  // auto: zero-copy shared memory within a node, hierarchical once ranks span nodes.
+  if (s == "auto") return Algorithm::Shm;
   if (s == "mpi") return Algorithm::Mpi;
   if (s == "ring") return Algorithm::Ring;
   if (s == "shm") return Algorithm::Shm;
   if (s == "hierarchical") return Algorithm::Hierarchical;
-  fail("--allreduce must be mpi, ring, shm or hierarchical, got '", s, "'");
+  fail("--allreduce must be auto, shm, ring, hierarchical or mpi, got '", s, "'");
 }
 
 Wire parse_wire(const std::string& s) {
@@ -57,7 +60,7 @@ bool launched_by_mpi() {
 namespace {
 
 constexpr int64_t kShmSlotFloats = int64_t{8} << 20;  // 32 MiB per rank and pass
-constexpr int64_t kRingSegment = int64_t{1} << 20;    // floats per message
+constexpr int64_t kRingSegment = int64_t{1} << 18;    // floats per message (1 MiB: in L2)
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -84,7 +87,44 @@ struct MpiCommunicator::Impl {
   std::vector<uint16_t> wire_send, wire_recv;
   std::vector<float> recv;
   bool owns_mpi = false;
+  struct SharedBuffer {
+    MPI_Win win = MPI_WIN_NULL;
+    std::vector<float*> base;  // per local rank
+    int64_t n = 0;
+  };
+  std::vector<SharedBuffer> shared;
+  // The shared buffer that holds [data, data + n) of local rank lr, if any.
+  const SharedBuffer* shared_buffer_of(const float* data, int64_t n, int lr) const {
+    for (const auto& b : shared)
+      if (data >= b.base[lr] && data + n <= b.base[lr] + b.n) return &b;
+    return nullptr;
+  }
 };
+
+namespace {
+
+// ptrs[q]: local rank q's copy of the same k floats. This rank sums its share over all copies
+// (in rank order, so every rank would compute the same bits) and writes the sum into every
+// copy; the shares of all ranks together cover [0, k). The caller fences with barriers.
+void reduce_share_into_all(const std::vector<float*>& ptrs, int64_t k, int lr) {
+  const int p = static_cast<int>(ptrs.size());
+  const int64_t b = k * lr / p, e = k * (lr + 1) / p;
+  constexpr int64_t kBlock = 4096;  // floats: the partial sum stays in L1
+#pragma omp parallel for schedule(static) if (e - b > (int64_t{1} << 18))
+  for (int64_t blk = b; blk < e; blk += kBlock) {
+    const int64_t len = std::min(kBlock, e - blk);
+    alignas(64) float sum[kBlock];
+    const float* p0 = ptrs[0] + blk;
+    for (int64_t i = 0; i < len; ++i) sum[i] = p0[i];
+    for (int q = 1; q < p; ++q) {
+      const float* pq = ptrs[q] + blk;
+      for (int64_t i = 0; i < len; ++i) sum[i] += pq[i];
+    }
+    for (int q = 0; q < p; ++q) std::memcpy(ptrs[q] + blk, sum, len * sizeof(float));
+  }
+}
+
+}  // namespace
 
 MpiCommunicator::MpiCommunicator(int* argc, char*** argv) : impl_(new Impl) {
   int inited = 0;
@@ -141,6 +181,7 @@ MpiCommunicator::~MpiCommunicator() {
   stop_ = true;
   if (watchdog_.joinable()) watchdog_.join();
   MPI_Barrier(MPI_COMM_WORLD);
+  for (auto& b : impl_->shared) MPI_Win_free(&b.win);
   if (impl_->win != MPI_WIN_NULL) MPI_Win_free(&impl_->win);
   if (impl_->progress_win != MPI_WIN_NULL) MPI_Win_free(&impl_->progress_win);
   if (impl_->leaders != MPI_COMM_NULL) MPI_Comm_free(&impl_->leaders);
@@ -150,8 +191,11 @@ MpiCommunicator::~MpiCommunicator() {
 
 std::string MpiCommunicator::name() const {
   return str("MPI, ", size_, " ranks (", size_ / std::max(1, local_size_), " node(s) x ",
-             local_size_, "), allreduce ", algorithm_name(algo_),
-             algo_ == Algorithm::Ring || algo_ == Algorithm::Hierarchical
+             local_size_, "), allreduce ",
+             algo_ == Algorithm::Shm && local_size_ != size_ ? "hierarchical"
+                                                              : algorithm_name(algo_),
+             algo_ == Algorithm::Ring || algo_ == Algorithm::Hierarchical ||
+                     (algo_ == Algorithm::Shm && local_size_ != size_)
                  ? str(", wire ", wire_name(wire_))
                  : "");
 }
@@ -215,10 +259,10 @@ void MpiCommunicator::allreduce_ring(float* data, int64_t n, Wire wire, void* co
   auto chunk_begin = [&](int c) { return n * c / p; };
   auto chunk_len = [&](int c) { return chunk_begin(c + 1) - chunk_begin(c); };
   const bool compress = wire != Wire::F32;
-  impl_->recv.resize(std::min<int64_t>(kRingSegment, n / p + 1));
+  impl_->recv.resize(2 * kRingSegment);  // two segments in flight
   if (compress) {
-    impl_->wire_send.resize(impl_->recv.size());
-    impl_->wire_recv.resize(impl_->recv.size());
+    impl_->wire_send.resize(2 * kRingSegment);
+    impl_->wire_recv.resize(2 * kRingSegment);
   }
   auto encode = [&](const float* src, uint16_t* dst, int64_t k) {
     if (wire == Wire::F16)
@@ -233,54 +277,72 @@ void MpiCommunicator::allreduce_ring(float* data, int64_t n, Wire wire, void* co
       accumulate_bf16(src, dst, k);
   };
   // Step s of a phase: send chunk `sc` to the right, receive chunk `rc` from the left, in
-  // segments; reduce (add) or gather (copy) the received data.
+  // segments; reduce (add) or gather (copy) the received data. Two segments are in flight in
+  // each direction (double buffering), so encoding and reducing overlap the transfers. Each
+  // direction has its own segment count (that of the chunk it carries): a zero-length side
+  // posts nothing.
   auto exchange = [&](int sc, int rc, bool add) {
     const int64_t slen = chunk_len(sc), rlen = chunk_len(rc);
-    const int64_t segs = std::max((slen + kRingSegment - 1) / kRingSegment,
-                                  (rlen + kRingSegment - 1) / kRingSegment);
-    for (int64_t s = 0; s < segs; ++s) {
-      const int64_t so = s * kRingSegment, ro = s * kRingSegment;
-      const int64_t sk = std::max<int64_t>(0, std::min(kRingSegment, slen - so));
-      const int64_t rk = std::max<int64_t>(0, std::min(kRingSegment, rlen - ro));
-      float* sp = data + chunk_begin(sc) + so;
-      float* rp = data + chunk_begin(rc) + ro;
-      // Each direction has its own segment count (that of the chunk it carries), so a send
-      // and a receive are posted independently: a zero-length side posts nothing.
-      MPI_Request req[2];
-      int nreq = 0;
+    const int64_t ssegs = (slen + kRingSegment - 1) / kRingSegment;
+    const int64_t rsegs = (rlen + kRingSegment - 1) / kRingSegment;
+    float* sbase = data + chunk_begin(sc);
+    float* rbase = data + chunk_begin(rc);
+    auto seg_len = [](int64_t len, int64_t s) { return std::min(kRingSegment, len - s * kRingSegment); };
+    MPI_Request sreq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    MPI_Request rreq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    auto post_recv = [&](int64_t s) {
+      const int slot = static_cast<int>(s & 1);
+      const int k = static_cast<int>(seg_len(rlen, s));
+      if (compress)
+        check(MPI_Irecv(impl_->wire_recv.data() + slot * kRingSegment, k, MPI_UINT16_T, left, 7,
+                        comm, &rreq[slot]),
+              "MPI_Irecv");
+      else
+        check(MPI_Irecv(add ? impl_->recv.data() + slot * kRingSegment : rbase + s * kRingSegment,
+                        k, MPI_FLOAT, left, 7, comm, &rreq[slot]),
+              "MPI_Irecv");
+    };
+    auto post_send = [&](int64_t s) {
+      const int slot = static_cast<int>(s & 1);
+      const int64_t k = seg_len(slen, s);
+      float* sp = sbase + s * kRingSegment;
       if (compress) {
-        if (rk > 0)
-          check(MPI_Irecv(impl_->wire_recv.data(), static_cast<int>(rk), MPI_UINT16_T, left, 7,
-                          comm, &req[nreq++]),
-                "MPI_Irecv");
-        if (sk > 0) {
-          encode(sp, impl_->wire_send.data(), sk);
-          check(MPI_Isend(impl_->wire_send.data(), static_cast<int>(sk), MPI_UINT16_T, right, 7,
-                          comm, &req[nreq++]),
-                "MPI_Isend");
-        }
-        check(MPI_Waitall(nreq, req, MPI_STATUSES_IGNORE), "MPI_Waitall");
-        if (rk == 0) continue;
-        if (add) {
-          decode_add(impl_->wire_recv.data(), rp, rk);
-        } else if (wire == Wire::F16) {
-          convert_f16_to_f32(impl_->wire_recv.data(), rp, rk);
-        } else {
-          convert_bf16_to_f32(impl_->wire_recv.data(), rp, rk);
-        }
+        check(MPI_Wait(&sreq[slot], MPI_STATUS_IGNORE), "MPI_Wait");  // the slot is free again
+        uint16_t* w = impl_->wire_send.data() + slot * kRingSegment;
+        encode(sp, w, k);
+        check(MPI_Isend(w, static_cast<int>(k), MPI_UINT16_T, right, 7, comm, &sreq[slot]),
+              "MPI_Isend");
       } else {
-        if (rk > 0)
-          check(MPI_Irecv(add ? impl_->recv.data() : rp, static_cast<int>(rk), MPI_FLOAT, left, 7,
-                          comm, &req[nreq++]),
-                "MPI_Irecv");
-        if (sk > 0)
-          check(MPI_Isend(sp, static_cast<int>(sk), MPI_FLOAT, right, 7, comm, &req[nreq++]),
-                "MPI_Isend");
-        check(MPI_Waitall(nreq, req, MPI_STATUSES_IGNORE), "MPI_Waitall");
-        if (add)
-          for (int64_t i = 0; i < rk; ++i) rp[i] += impl_->recv[i];
+        check(MPI_Wait(&sreq[slot], MPI_STATUS_IGNORE), "MPI_Wait");
+        check(MPI_Isend(sp, static_cast<int>(k), MPI_FLOAT, right, 7, comm, &sreq[slot]),
+              "MPI_Isend");
       }
+    };
+    for (int64_t s = 0; s < std::min<int64_t>(2, rsegs); ++s) post_recv(s);
+    for (int64_t s = 0; s < std::min<int64_t>(2, ssegs); ++s) post_send(s);
+    for (int64_t s = 0; s < std::max(ssegs, rsegs); ++s) {
+      const int slot = static_cast<int>(s & 1);
+      if (s < rsegs) {
+        check(MPI_Wait(&rreq[slot], MPI_STATUS_IGNORE), "MPI_Wait");
+        const int64_t k = seg_len(rlen, s);
+        float* rp = rbase + s * kRingSegment;
+        if (compress) {
+          const uint16_t* w = impl_->wire_recv.data() + slot * kRingSegment;
+          if (add)
+            decode_add(w, rp, k);
+          else if (wire == Wire::F16)
+            convert_f16_to_f32(w, rp, k);
+          else
+            convert_bf16_to_f32(w, rp, k);
+        } else if (add) {
+          const float* q = impl_->recv.data() + slot * kRingSegment;
+          for (int64_t i = 0; i < k; ++i) rp[i] += q[i];
+        }
+        if (s + 2 < rsegs) post_recv(s + 2);
+      }
+      if (s + 2 < ssegs) post_send(s + 2);
     }
+    check(MPI_Waitall(2, sreq, MPI_STATUSES_IGNORE), "MPI_Waitall");
   };
   for (int s = 0; s < p - 1; ++s) exchange((r - s + p) % p, (r - s - 1 + p) % p, true);
   // This rank now owns the reduced chunk (r + 1) % p. With compression every rank must end
@@ -301,38 +363,79 @@ void MpiCommunicator::allreduce_ring(float* data, int64_t n, Wire wire, void* co
   for (int s = 0; s < p - 1; ++s) exchange((r + 1 - s + p) % p, (r - s + p) % p, false);
 }
 
+float* MpiCommunicator::allocate_shared(int64_t n) {
+  int64_t range[2] = {-n, n};
+  check(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_INT64_T, MPI_MAX, impl_->node),
+        "MPI_Allreduce(allocate_shared)");
+  if (-range[0] != range[1])
+    fail("allocate_shared: ranks of one node asked for different sizes (", -range[0], " to ",
+         range[1], " floats); every rank must allocate the same gradient buffer");
+  Impl::SharedBuffer b;
+  b.n = n;
+  float* mine = nullptr;
+  // 64 bytes spare per rank: every rank's buffer starts at a 64-byte boundary of its part
+  // (segments are page-mapped, so the alignment offset is the same in every process).
+  const int64_t bytes = std::max<int64_t>(n, 1) * 4 + 64;
+  check(MPI_Win_allocate_shared(bytes, sizeof(float),
+                                MPI_INFO_NULL, impl_->node, &mine, &b.win),
+        "MPI_Win_allocate_shared (gradient buffer)");
+  b.base.resize(local_size_);
+  for (int r = 0; r < local_size_; ++r) {
+    MPI_Aint sz;
+    int disp;
+    float* raw = nullptr;
+    MPI_Win_shared_query(b.win, r, &sz, &disp, &raw);
+    b.base[r] = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw) + 63) / 64 * 64);
+  }
+  mine = b.base[local_rank_];
+  std::memset(mine, 0, n * sizeof(float));
+  impl_->shared.push_back(std::move(b));
+  MPI_Barrier(impl_->node);
+  return mine;
+}
+
 void MpiCommunicator::allreduce_shm(float* data, int64_t n) {
   const int p = local_size_, lr = local_rank_;
-  if (p == 1) return;
+  if (p == 1 || n == 0) return;
+  auto fence = [&](MPI_Win win) {
+    MPI_Win_sync(win);
+    check(MPI_Barrier(impl_->node), "MPI_Barrier(node)");
+    MPI_Win_sync(win);
+  };
+  if (const auto* b = impl_->shared_buffer_of(data, n, lr)) {
+    // Zero copy: every rank reduces the same range of its shared buffer.
+    std::vector<float*> ptrs(p);
+    for (int q = 0; q < p; ++q) ptrs[q] = b->base[q] + (data - b->base[lr]);
+    fence(b->win);  // every rank's range is written
+    reduce_share_into_all(ptrs, n, lr);
+    fence(b->win);  // every share is summed into every copy
+    return;
+  }
+  // Staged through the window slots, a slot-sized chunk at a time. Peers touch this rank's slot
+  // only between the two fences, so the copy out and the next copy in need no third barrier.
   for (int64_t off = 0; off < n; off += kShmSlotFloats) {
     const int64_t k = std::min(kShmSlotFloats, n - off);
     std::memcpy(impl_->slots[lr], data + off, k * sizeof(float));
-    MPI_Win_sync(impl_->win);
-    MPI_Barrier(impl_->node);
-    MPI_Win_sync(impl_->win);
-    // Reduce my share [b, e) across all slots into my slot.
-    const int64_t b = k * lr / p, e = k * (lr + 1) / p;
-    float* mine = impl_->slots[lr];
-#pragma omp parallel for schedule(static)
-    for (int64_t i = b; i < e; ++i) {
-      float s = 0.0f;
-      for (int q = 0; q < p; ++q) s += impl_->slots[q][i];  // same order on every rank
-      mine[i] = s;
-    }
-    MPI_Win_sync(impl_->win);
-    MPI_Barrier(impl_->node);
-    MPI_Win_sync(impl_->win);
-    for (int q = 0; q < p; ++q) {
-      const int64_t qb = k * q / p, qe = k * (q + 1) / p;
-      std::memcpy(data + off + qb, impl_->slots[q] + qb, (qe - qb) * sizeof(float));
-    }
-    MPI_Barrier(impl_->node);  // the slots may be overwritten only after everyone has copied
+    fence(impl_->win);
+    reduce_share_into_all(impl_->slots, k, lr);
+    fence(impl_->win);
+    std::memcpy(data + off, impl_->slots[lr], k * sizeof(float));
   }
 }
 
 void MpiCommunicator::allreduce_hierarchical(float* data, int64_t n) {
   allreduce_shm(data, n);
   if (impl_->leaders != MPI_COMM_NULL) allreduce_ring(data, n, wire_, &impl_->leaders);
+  if (const auto* b = impl_->shared_buffer_of(data, n, local_rank_)) {
+    // The node's other ranks copy the result straight from the leader's buffer.
+    MPI_Win_sync(b->win);
+    check(MPI_Barrier(impl_->node), "MPI_Barrier(node)");
+    MPI_Win_sync(b->win);
+    if (local_rank_ != 0)
+      std::memcpy(data, b->base[0] + (data - b->base[local_rank_]), n * sizeof(float));
+    check(MPI_Barrier(impl_->node), "MPI_Barrier(node)");
+    return;
+  }
   for (int64_t off = 0; off < n; off += int64_t{1} << 30) {
     const int c = static_cast<int>(std::min<int64_t>(n - off, int64_t{1} << 30));
     check(MPI_Bcast(data + off, c, MPI_FLOAT, 0, impl_->node), "MPI_Bcast");

@@ -5,9 +5,11 @@
 //   ring         reduce-scatter + allgather between neighbours over point-to-point messages,
 //                chunked; optional fp16/bf16 wire compression (accumulation stays fp32, and
 //                every rank ends with identical values).
-//   shm          within one node: every rank copies its buffer into an MPI-3 shared-memory
-//                window, reduces its 1/size share straight from the peers' memory, and copies
-//                the reduced shares back: memory bandwidth instead of message passing.
+//   shm          within one node, through MPI-3 shared memory: each rank sums its 1/size share
+//                straight from every peer's buffer and writes the sum into every peer's buffer
+//                (one read and one write of the data per rank, two barriers). Zero-copy when
+//                the buffer was allocated by allocate_shared() (the trainer puts its gradients
+//                there); other buffers are staged through a window slot.
 //   hierarchical shm within each node, ring among the node leaders, shm broadcast in the node.
 // Nodes come from MPI_Comm_split_type(SHARED); BERTRAIN_LOCAL_SIZE=k pretends every k
 // consecutive ranks share a node (to exercise hierarchical on one host).
@@ -51,6 +53,7 @@ class MpiCommunicator : public Communicator {
   void broadcast(void* data, int64_t bytes, int root) override;
   void barrier() override;
   std::string name() const override;
+  float* allocate_shared(int64_t n) override;
 
   void set_algorithm(Algorithm a) { algo_ = a; }
   void set_wire(Wire w) { wire_ = w; }

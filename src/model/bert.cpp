@@ -167,6 +167,12 @@ void BertModel::lin_bwd(float* dinp, float* dw, float* db, const float* dout, co
                        sa_, sb_);
 }
 
+void BertModel::place_gradients(std::byte* memory) {
+  Arena moved(plan_, "gradients", memory);
+  std::memcpy(moved.base(), grads_.base(), grads_.bytes());
+  grads_ = std::move(moved);
+}
+
 void BertModel::zero_grads() {
   std::memset(grads_.base(), 0, grads_.bytes());
 }

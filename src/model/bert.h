@@ -62,6 +62,9 @@ class BertModel {
   float* param(const std::string& name) const { return params() + table_.offset(name); }
   float* grad(const std::string& name) const { return grads() + table_.offset(name); }
   void zero_grads();
+  // Moves the gradients into `memory` (group_bytes("gradients"), 64-byte aligned, owned by the
+  // caller and outliving the model), e.g. a communicator's shared window for zero-copy allreduce.
+  void place_gradients(std::byte* memory);
   void init_params(uint64_t seed) { table_.initialize(params(), cfg_, seed); }
 
   Losses forward(const Batch& b, const StepOptions& opt);

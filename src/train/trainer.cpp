@@ -162,6 +162,13 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   comm.broadcast(m.params(), P * static_cast<int64_t>(sizeof(float)), 0);
   comm.broadcast(opt.m().data(), P * static_cast<int64_t>(sizeof(float)), 0);
   comm.broadcast(opt.v().data(), P * static_cast<int64_t>(sizeof(float)), 0);
+  // Gradients in the communicator's shared memory, when it has such: the shm and hierarchical
+  // allreduce then read and write them in place, with no copy in or out.
+  if (world > 1) {
+    const int64_t gbytes = static_cast<int64_t>(m.plan().group_bytes("gradients"));
+    if (float* shared = comm.allocate_shared((gbytes + 3) / 4))
+      m.place_gradients(reinterpret_cast<std::byte*>(shared));
+  }
   if (cfg.precision == Precision::FP16) master.assign(m.params(), m.params() + P);
   float* master_p = cfg.precision == Precision::FP16 ? master.data() : m.params();
 
