@@ -7,11 +7,11 @@
 // busbw = algbw * 2 (n-1) / n, as nccl-tests.
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
 #include <vector>
 
 #include "dist/mpi.h"

@@ -45,10 +45,12 @@ BENCHMARK(BM_LayerNormForward)->Args({4096, 768})->Unit(benchmark::kMicrosecond)
 
 static void BM_AttentionForward(benchmark::State& st) {
   const int64_t B = st.range(0), T = st.range(1), C = st.range(2), NH = st.range(3);
-  std::vector<float> qkv(B * T * 3 * C, 0.01f), ctx(B * T * C), probs(B * NH * T * T);
+  std::vector<float> qkv(B * T * 3 * C, 0.01f), ctx(B * T * C), probs(B * NH * T * T),
+      work(probs.size());
   std::vector<int32_t> mask(B * T, 1);
   for (auto _ : st)
-    attention_forward(ctx.data(), probs.data(), qkv.data(), mask.data(), {B, T, C, NH}, 0.1f, 7, 0);
+    attention_forward(ctx.data(), probs.data(), work.data(), qkv.data(), mask.data(), {B, T, C, NH},
+                      0.1f, 7, 0);
   st.counters["GFLOP/s"] =
       benchmark::Counter(4.0 * B * T * T * C * st.iterations(), benchmark::Counter::kIsRate,
                          benchmark::Counter::kIs1000);

@@ -48,9 +48,10 @@ dist::Communicator& communicator() {
 }
 
 void add_dist_options(CLI::App* c) {
-  c->add_option("--allreduce", g_dist.allreduce,
-                "Gradient allreduce under mpirun: auto (shm within a node, hierarchical across nodes), "
-                "shm, ring, hierarchical or mpi")
+  c->add_option(
+       "--allreduce", g_dist.allreduce,
+       "Gradient allreduce under mpirun: auto (shm within a node, hierarchical across nodes), "
+       "shm, ring, hierarchical or mpi")
       ->capture_default_str();
   c->add_option("--compression", g_dist.compression,
                 "Wire compression for ring/hierarchical: none, fp16, bf16")

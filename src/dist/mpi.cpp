@@ -190,14 +190,14 @@ MpiCommunicator::~MpiCommunicator() {
 }
 
 std::string MpiCommunicator::name() const {
-  return str("MPI, ", size_, " ranks (", size_ / std::max(1, local_size_), " node(s) x ",
-             local_size_, "), allreduce ",
-             algo_ == Algorithm::Shm && local_size_ != size_ ? "hierarchical"
-                                                              : algorithm_name(algo_),
-             algo_ == Algorithm::Ring || algo_ == Algorithm::Hierarchical ||
-                     (algo_ == Algorithm::Shm && local_size_ != size_)
-                 ? str(", wire ", wire_name(wire_))
-                 : "");
+  return str(
+      "MPI, ", size_, " ranks (", size_ / std::max(1, local_size_), " node(s) x ", local_size_,
+      "), allreduce ",
+      algo_ == Algorithm::Shm && local_size_ != size_ ? "hierarchical" : algorithm_name(algo_),
+      algo_ == Algorithm::Ring || algo_ == Algorithm::Hierarchical ||
+              (algo_ == Algorithm::Shm && local_size_ != size_)
+          ? str(", wire ", wire_name(wire_))
+          : "");
 }
 
 void MpiCommunicator::enter(const char* what) {
@@ -287,7 +287,9 @@ void MpiCommunicator::allreduce_ring(float* data, int64_t n, Wire wire, void* co
     const int64_t rsegs = (rlen + kRingSegment - 1) / kRingSegment;
     float* sbase = data + chunk_begin(sc);
     float* rbase = data + chunk_begin(rc);
-    auto seg_len = [](int64_t len, int64_t s) { return std::min(kRingSegment, len - s * kRingSegment); };
+    auto seg_len = [](int64_t len, int64_t s) {
+      return std::min(kRingSegment, len - s * kRingSegment);
+    };
     MPI_Request sreq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
     MPI_Request rreq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
     auto post_recv = [&](int64_t s) {
@@ -376,8 +378,7 @@ float* MpiCommunicator::allocate_shared(int64_t n) {
   // 64 bytes spare per rank: every rank's buffer starts at a 64-byte boundary of its part
   // (segments are page-mapped, so the alignment offset is the same in every process).
   const int64_t bytes = std::max<int64_t>(n, 1) * 4 + 64;
-  check(MPI_Win_allocate_shared(bytes, sizeof(float),
-                                MPI_INFO_NULL, impl_->node, &mine, &b.win),
+  check(MPI_Win_allocate_shared(bytes, sizeof(float), MPI_INFO_NULL, impl_->node, &mine, &b.win),
         "MPI_Win_allocate_shared (gradient buffer)");
   b.base.resize(local_size_);
   for (int r = 0; r < local_size_; ++r) {

@@ -75,6 +75,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(s, "grad.dI", f32s(N * std::max(I, 3 * C)));
   plan.add(s, "grad.dhead1", f32s(std::max(BP, B) * C));
   plan.add(s, "grad.dhead2", f32s(std::max(BP, B) * C));
+  plan.add(s, "attn.work", f32s(B * NH * T * T));
   plan.add(s, "grad.dsmall", f32s(B * std::max<int64_t>(2, cfg.num_labels)));
   if (d.bf16) {
     const std::string g16 = "bf16";
@@ -110,6 +111,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
   grads_ = Arena(plan_, "gradients");
   acts_arena_ = Arena(plan_, "activations");
   scratch_ = Arena(plan_, "scratch");
+  attn_work_ = scratch_.f32("attn.work");
   if (dims.bf16) {
     bf16_arena_ = Arena(plan_, "bf16");
     wbf16_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.weights"));
@@ -209,7 +211,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     const LayerOffsets& o = t.layer(l);
     const LayerActs& a = act_.layers[l];
     lin_fwd(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
-    attention_forward(a.ctx, a.probs, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
+    attention_forward(a.ctx, a.probs, attn_work_, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
                       rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs);
     lin_fwd(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
     dropout_forward(a.attn_res, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut),
@@ -377,7 +379,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
                        a.ln1_rstd, N, C);
     dropout_backward(dB, dh, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
     lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
-    attention_backward(dI, dA, a.qkv, a.probs, {B, T, C, NH}, p_attn,
+    attention_backward(dI, attn_work_, dA, a.qkv, a.probs, {B, T, C, NH}, p_attn,
                        rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs);
     lin_bwd(dh, G(o.qkv_w), G(o.qkv_b), dI, x, W(o.qkv_w), N, 3 * C, C,
             /*accumulate_dinp=*/true);  // dh = d x (residual + attention path)

@@ -119,6 +119,7 @@ class BertModel {
   Arena params_, grads_, acts_arena_, scratch_, bf16_arena_;
   Acts act_{};
   uint16_t *wbf16_ = nullptr, *sa_ = nullptr, *sb_ = nullptr;  // bf16 weights and scratch
+  float* attn_work_ = nullptr;                                 // attention scratch
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
 };

@@ -8,6 +8,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "kernels/cpu/isa.h"
 
 namespace bertrain::kernels {
 namespace {
@@ -18,8 +19,12 @@ using dt = dnnl::memory::data_type;
 struct GemmKey {
   bool ta, tb, acc, bias;
   int64_t M, N, K, lda, ldb, ldc;
-  bool bf16 = false;  // A and B in bf16 (fp32 accumulation and output)
-  auto tie() const { return std::tie(ta, tb, acc, bias, M, N, K, lda, ldb, ldc, bf16); }
+  bool bf16 = false;                          // A and B in bf16 (fp32 accumulation and output)
+  int64_t batch = 1, sa = 0, sb = 0, sc = 0;  // batched: matrix i at A + i*sa, ...
+  float alpha = 1.0f;
+  auto tie() const {
+    return std::tie(ta, tb, acc, bias, M, N, K, lda, ldb, ldc, bf16, batch, sa, sb, sc, alpha);
+  }
   bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
 };
 
@@ -42,11 +47,20 @@ const GemmPrim& get_prim(const GemmKey& k) {
   GemmPrim p;
   // A logical [M,K]; stored [M,K] with stride lda, or stored [K,M] (transposed) with stride lda.
   const dt in = k.bf16 ? dt::bf16 : dt::f32;
-  p.a_md = dnnl::memory::desc({k.M, k.K}, in, k.ta ? dims{1, k.lda} : dims{k.lda, 1});
-  p.b_md = dnnl::memory::desc({k.K, k.N}, in, k.tb ? dims{1, k.ldb} : dims{k.ldb, 1});
-  p.c_md = dnnl::memory::desc({k.M, k.N}, dt::f32, dims{k.ldc, 1});
-  if (k.bias) p.bias_md = dnnl::memory::desc({1, k.N}, dt::f32, dims{k.N, 1});
+  if (k.batch == 1) {
+    p.a_md = dnnl::memory::desc({k.M, k.K}, in, k.ta ? dims{1, k.lda} : dims{k.lda, 1});
+    p.b_md = dnnl::memory::desc({k.K, k.N}, in, k.tb ? dims{1, k.ldb} : dims{k.ldb, 1});
+    p.c_md = dnnl::memory::desc({k.M, k.N}, dt::f32, dims{k.ldc, 1});
+    if (k.bias) p.bias_md = dnnl::memory::desc({1, k.N}, dt::f32, dims{k.N, 1});
+  } else {
+    p.a_md = dnnl::memory::desc({k.batch, k.M, k.K}, in,
+                                k.ta ? dims{k.sa, 1, k.lda} : dims{k.sa, k.lda, 1});
+    p.b_md = dnnl::memory::desc({k.batch, k.K, k.N}, in,
+                                k.tb ? dims{k.sb, 1, k.ldb} : dims{k.sb, k.ldb, 1});
+    p.c_md = dnnl::memory::desc({k.batch, k.M, k.N}, dt::f32, dims{k.sc, k.ldc, 1});
+  }
   dnnl::primitive_attr attr;
+  if (k.alpha != 1.0f) attr.set_output_scales(0, {k.alpha});
   if (k.acc) {
     dnnl::post_ops po;
     po.append_sum(1.0f);
@@ -54,7 +68,15 @@ const GemmPrim& get_prim(const GemmKey& k) {
   }
   auto desc = k.bias ? dnnl::matmul::desc(p.a_md, p.b_md, p.bias_md, p.c_md)
                      : dnnl::matmul::desc(p.a_md, p.b_md, p.c_md);
-  p.prim = dnnl::matmul(dnnl::matmul::primitive_desc(desc, attr, cpu_engine()));
+  try {
+    p.prim = dnnl::matmul(dnnl::matmul::primitive_desc(desc, attr, cpu_engine()));
+  } catch (const dnnl::error& e) {
+    if (k.bf16)
+      fail("this CPU has no bf16 matrix multiply in oneDNN (it needs AVX-512; ISA in use: ",
+           isa_name(cpu_isa()), "); run with --precision fp32");
+    fail("oneDNN could not create a matmul for [", k.M, "x", k.K, "]x[", k.K, "x", k.N, "] (batch ",
+         k.batch, "): ", e.what());
+  }
   return cache.emplace(k, std::move(p)).first->second;
 }
 
@@ -63,17 +85,19 @@ const GemmPrim& get_prim(const GemmKey& k) {
 namespace {
 void gemm_any(bool bf16, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A,
               int64_t lda, const void* B, int64_t ldb, float* C, int64_t ldc, const float* bias,
-              bool accumulate) {
+              bool accumulate, int64_t batch = 1, int64_t sa = 0, int64_t sb = 0, int64_t sc = 0,
+              float alpha = 1.0f) {
   BT_CHECK(!(accumulate && bias), "gemm: bias with accumulate is not supported");
-  if (M == 0 || N == 0) return;
+  if (M == 0 || N == 0 || batch == 0) return;
   if (K == 0) {
     if (!accumulate)
-      for (int64_t i = 0; i < M; ++i)
-        for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = bias ? bias[j] : 0.0f;
+      for (int64_t q = 0; q < batch; ++q)
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t j = 0; j < N; ++j) C[q * sc + i * ldc + j] = bias ? bias[j] : 0.0f;
     return;
   }
-  const GemmPrim& p =
-      get_prim({trans_a, trans_b, accumulate, bias != nullptr, M, N, K, lda, ldb, ldc, bf16});
+  const GemmPrim& p = get_prim({trans_a, trans_b, accumulate, bias != nullptr, M, N, K, lda, ldb,
+                                ldc, bf16, batch, sa, sb, sc, alpha});
   auto& eng = cpu_engine();
   dnnl::stream s(eng);
   std::unordered_map<int, dnnl::memory> args = {
@@ -89,6 +113,13 @@ void gemm_any(bool bf16, bool trans_a, bool trans_b, int64_t M, int64_t N, int64
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
           const float* B, int64_t ldb, float* C, int64_t ldc, const float* bias, bool accumulate) {
   gemm_any(false, trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, bias, accumulate);
+}
+
+void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                  float alpha, const float* A, int64_t lda, int64_t sa, const float* B, int64_t ldb,
+                  int64_t sb, float* C, int64_t ldc, int64_t sc) {
+  gemm_any(false, trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, nullptr, false, batch, sa, sb,
+           sc, alpha);
 }
 
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A,

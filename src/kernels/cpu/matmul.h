@@ -22,6 +22,12 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int64_t M, int64_t N, int64_t K,
                      bool accumulate_dinp = false);
 
+// `batch` independent products C_i = alpha * op(A_i)·op(B_i), matrix i at A + i*sa, B + i*sb,
+// C + i*sc (one oneDNN call; strides let attention read heads straight out of the QKV rows).
+void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                  float alpha, const float* A, int64_t lda, int64_t sa, const float* B, int64_t ldb,
+                  int64_t sb, float* C, int64_t ldc, int64_t sc);
+
 // bf16 inputs (A, B as raw bf16 bits), fp32 accumulation and output (oneDNN; AVX-512 BF16
 // instructions where the CPU has them, an emulation elsewhere).
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A,

@@ -1,0 +1,100 @@
+#include "kernels/cpu/isa.h"
+
+#include <cpuid.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <dnnl.hpp>
+
+#include "core/error.h"
+
+namespace bertrain::kernels {
+namespace {
+
+struct Detected {
+  Isa isa = Isa::Portable;
+  bool bf16 = false;
+};
+
+uint64_t xcr0() {
+  unsigned lo, hi;
+  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+Detected detect() {
+  Detected d;
+  unsigned a, b, c, dx;
+  if (!__get_cpuid(1, &a, &b, &c, &dx)) return d;
+  const bool osxsave = c & (1u << 27), fma = c & (1u << 12);
+  if (!osxsave) return d;
+  const uint64_t x = xcr0();
+  const bool ymm_state = (x & 6) == 6, zmm_state = (x & 0xe6) == 0xe6;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &dx)) return d;
+  const bool avx2 = b & (1u << 5);
+  const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+  if (avx2 && fma && ymm_state) d.isa = Isa::Avx2;
+  if (f && dq && bw && vl && zmm_state) d.isa = Isa::Avx512;
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  if (d.isa == Isa::Avx512 && __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) d.bf16 = a1 & (1u << 5);
+  return d;
+}
+
+Detected capped() {
+  Detected d = detect();
+  const char* env = std::getenv("BERTRAIN_ISA");
+  if (!env || !*env) return d;
+  Isa cap;
+  dnnl::cpu_isa dnnl_cap;
+  if (!std::strcmp(env, "portable")) {
+    cap = Isa::Portable;
+    dnnl_cap = dnnl::cpu_isa::sse41;
+  } else if (!std::strcmp(env, "avx2")) {
+    cap = Isa::Avx2;
+    dnnl_cap = dnnl::cpu_isa::avx2;
+  } else if (!std::strcmp(env, "avx512")) {
+    cap = Isa::Avx512;
+    dnnl_cap = dnnl::cpu_isa::all;
+  } else {
+    fail("BERTRAIN_ISA must be portable, avx2 or avx512, got '", env, "'");
+  }
+  if (cap < d.isa) {
+    d.isa = cap;
+    d.bf16 = false;
+    // Before oneDNN creates its first primitive; later calls have no effect.
+    try {
+      dnnl::set_max_cpu_isa(dnnl_cap);
+    } catch (const dnnl::error&) {
+    }
+  }
+  return d;
+}
+
+const Detected& detected() {
+  static const Detected d = capped();
+  return d;
+}
+
+}  // namespace
+
+Isa cpu_isa() {
+  return detected().isa;
+}
+
+bool cpu_has_avx512_bf16() {
+  return detected().bf16;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Portable:
+      return "portable";
+    case Isa::Avx2:
+      return "avx2";
+    case Isa::Avx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+}  // namespace bertrain::kernels
