@@ -7,6 +7,7 @@
 #include <cmath>
 #include <set>
 
+#include "core/isa.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/elementwise.h"
@@ -286,6 +287,114 @@ TEST_P(AttentionTest, FastEqualsReference) {
 
 INSTANTIATE_TEST_SUITE_P(Dropout, AttentionTest, ::testing::Values(0.0f, 0.3f),
                          [](const auto& info) { return info.param > 0 ? "p03" : "p0"; });
+
+}  // namespace
+}  // namespace bertrain::kernels
+
+namespace bertrain::kernels {
+namespace {
+
+using test::all_close;
+using test::random_vector;
+
+// Runs f twice, with the best ISA this CPU has and with the portable bodies; both results are
+// returned (the same when the CPU has no AVX-512: the test then checks the portable path only).
+template <typename F>
+std::pair<std::vector<float>, std::vector<float>> fast_and_portable(F&& f) {
+  std::vector<float> fast = f();
+  set_isa_override(Isa::Portable);
+  std::vector<float> portable = f();
+  reset_isa_override();
+  return {fast, portable};
+}
+
+// Values spanning GELU's interesting range (tails to +-12) and an odd length (tails of 16).
+std::vector<float> wide_values(int64_t n, uint64_t seed) {
+  auto v = random_vector(n, seed);
+  for (int64_t i = 0; i < n; ++i) v[i] *= 6.0f * static_cast<float>(i % 3);
+  return v;
+}
+
+// erf and exp are approximations in the AVX-512 bodies: GELU within 1e-6 absolute + 2e-6
+// relative of the libm version (erf's 3e-7 absolute error, scaled by x/2 <= 6).
+TEST(IsaDispatch, GeluAvx512MatchesPortable) {
+  const int64_t n = 10007;
+  const auto x = wide_values(n, 3), dy = random_vector(n, 4);
+  auto [f, p] = fast_and_portable([&] {
+    std::vector<float> y(n), dx(n);
+    activation_forward(Activation::GeluErf, y.data(), x.data(), n);
+    activation_backward(Activation::GeluErf, dx.data(), x.data(), dy.data(), n);
+    y.insert(y.end(), dx.begin(), dx.end());
+    return y;
+  });
+  EXPECT_TRUE(all_close("gelu", f.data(), p.data(), f.size(), 2e-6, 2e-6));
+}
+
+TEST(IsaDispatch, DropoutAvx512IsBitIdentical) {
+  const int64_t n = 10007;
+  const auto x = random_vector(n, 5);
+  auto [f, p] = fast_and_portable([&] {
+    std::vector<float> y = x, dx(n);
+    dropout_forward(y.data(), n, 0.1f, 77, 12345);
+    dropout_backward(dx.data(), x.data(), n, 0.1f, 77, 12345);
+    y.insert(y.end(), dx.begin(), dx.end());
+    return y;
+  });
+  ASSERT_EQ(f, p);
+}
+
+// Cross-entropy over a BERT-sized vocabulary (V = 30522, not a multiple of 16), with ties for
+// the argmax: loss and gradient within 2e-6 relative (fp32 lane sums vs a double sum).
+TEST(IsaDispatch, CrossEntropyAvx512MatchesPortable) {
+  const int64_t N = 5, V = 30522;
+  auto logits = random_vector(N * V, 6);
+  for (auto& v : logits) v *= 8.0f;
+  logits[2 * V + 100] = logits[2 * V + 30000] = 50.0f;  // tie: the first index wins
+  std::vector<int32_t> targets = {0, 30521, 100, 17, 29999};
+  std::vector<float> weights = {1.0f, 0.5f, 1.0f, 0.0f, 2.0f};
+  std::vector<int32_t> correct_f(N), correct_p(N);
+  double total_f = 0, total_p = 0;
+  auto [f, p] = fast_and_portable([&] {
+    std::vector<float> d(N * V), loss(N);
+    const bool first = total_f == 0;
+    double& total = first ? total_f : total_p;
+    total = cross_entropy_forward_backward(
+        d.data(), loss.data(), first ? correct_f.data() : correct_p.data(), logits.data(),
+        targets.data(), weights.data(), N, V, 0.25f);
+    d.insert(d.end(), loss.begin(), loss.end());
+    return d;
+  });
+  EXPECT_TRUE(all_close("cross entropy", f.data(), p.data(), f.size(), 2e-6, 1e-9));
+  EXPECT_NEAR(total_f, total_p, 2e-6 * std::fabs(total_p));
+  EXPECT_EQ(correct_f, correct_p);
+  EXPECT_EQ(correct_f[2], 1);
+}
+
+TEST(IsaDispatch, AttentionPortableEqualsAvx512) {
+  const AttentionShape s{2, 21, 32, 2};
+  const auto qkv = random_vector(s.B * s.T * 3 * s.C, 8), dctx = random_vector(s.B * s.T * s.C, 9);
+  std::vector<int32_t> mask(s.B * s.T, 1);
+  mask[s.T + 20] = 0;
+  auto [f, p] = fast_and_portable([&] {
+    const size_t np = s.B * s.NH * s.T * s.T;
+    std::vector<float> ctx(s.B * s.T * s.C), probs(np), work(np), dqkv(qkv.size());
+    attention_forward(ctx.data(), probs.data(), work.data(), qkv.data(), mask.data(), s, 0.2f, 3,
+                      0);
+    attention_backward(dqkv.data(), work.data(), dctx.data(), qkv.data(), probs.data(), s, 0.2f, 3,
+                       0);
+    ctx.insert(ctx.end(), dqkv.begin(), dqkv.end());
+    return ctx;
+  });
+  EXPECT_TRUE(all_close("attention", f.data(), p.data(), f.size(), 1e-5, 1e-7));
+}
+
+TEST(IsaDispatch, ReportsWhatItUses) {
+  std::printf("kernels use: %s%s\n", isa_name(cpu_isa()),
+              cpu_has_avx512_bf16() ? " (+ AVX-512 BF16)" : "");
+  set_isa_override(Isa::Portable);
+  EXPECT_EQ(cpu_isa(), Isa::Portable);
+  reset_isa_override();
+}
 
 }  // namespace
 }  // namespace bertrain::kernels

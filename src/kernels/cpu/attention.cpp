@@ -3,8 +3,8 @@
 #include <cmath>
 #include <vector>
 
+#include "core/isa.h"
 #include "kernels/cpu/elementwise.h"
-#include "kernels/cpu/isa.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/simd_avx512.h"
 

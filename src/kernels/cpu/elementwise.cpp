@@ -1,17 +1,82 @@
 #include "kernels/cpu/elementwise.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
+
+#include "core/isa.h"
+#include "kernels/cpu/simd_avx512.h"
 
 namespace bertrain::kernels {
 namespace {
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+
+// AVX-512 bodies; each thread takes a contiguous, 16-aligned range.
+template <typename F>
+void parallel_chunks(int64_t n, F&& body) {
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = (n / nt + 15) / 16 * 16;
+    const int64_t b = std::min(n, t * per), e = std::min(n, b + per);
+    if (b < e) body(b, e);
+  }
+}
+
+BT_AVX512 void gelu_forward_avx512(float* out, const float* inp, int64_t b, int64_t e) {
+  using namespace simd;
+  for (int64_t i = b; i < e; i += 16) {
+    const __mmask16 m = tail_mask(e - i);
+    const __m512 x = _mm512_maskz_loadu_ps(m, inp + i);
+    const __m512 cdf =
+        _mm512_fmadd_ps(_mm512_set1_ps(0.5f), erf_ps(_mm512_mul_ps(x, _mm512_set1_ps(kInvSqrt2))),
+                        _mm512_set1_ps(0.5f));
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(x, cdf));
+  }
+}
+
+BT_AVX512 void gelu_backward_avx512(float* dinp, const float* inp, const float* dout, int64_t b,
+                                    int64_t e) {
+  using namespace simd;
+  for (int64_t i = b; i < e; i += 16) {
+    const __mmask16 m = tail_mask(e - i);
+    const __m512 x = _mm512_maskz_loadu_ps(m, inp + i);
+    const __m512 cdf =
+        _mm512_fmadd_ps(_mm512_set1_ps(0.5f), erf_ps(_mm512_mul_ps(x, _mm512_set1_ps(kInvSqrt2))),
+                        _mm512_set1_ps(0.5f));
+    const __m512 pdf =
+        _mm512_mul_ps(_mm512_set1_ps(kInvSqrt2Pi),
+                      exp_ps(_mm512_mul_ps(_mm512_set1_ps(-0.5f), _mm512_mul_ps(x, x))));
+    _mm512_mask_storeu_ps(
+        dinp + i, m,
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(m, dout + i), _mm512_fmadd_ps(x, pdf, cdf)));
+  }
+}
+
+BT_AVX512 void dropout_avx512(float* dx, const float* dy, int64_t b, int64_t e, float p,
+                              uint64_t key, uint64_t offset) {
+  using namespace simd;
+  const float scale = 1.0f / (1.0f - p);
+  for (int64_t i = b; i < e; i += 16) {
+    const __mmask16 m = tail_mask(e - i);
+    _mm512_mask_storeu_ps(dx + i, m,
+                          _mm512_mul_ps(_mm512_maskz_loadu_ps(m, dy + i),
+                                        dropout_scale16(p, scale, key, offset + i)));
+  }
+}
+
 }  // namespace
 
 void activation_forward(Activation a, float* out, const float* inp, int64_t n) {
   switch (a) {
     case Activation::GeluErf:
+      if (use_avx512()) {
+        parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_avx512(out, inp, b, e); });
+        break;
+      }
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < n; ++i) {
         float x = inp[i];
@@ -37,6 +102,11 @@ void activation_backward(Activation a, float* dinp, const float* inp, const floa
   switch (a) {
     case Activation::GeluErf:
       // d/dx [x Phi(x)] = Phi(x) + x phi(x)
+      if (use_avx512()) {
+        parallel_chunks(n,
+                        [&](int64_t b, int64_t e) { gelu_backward_avx512(dinp, inp, dout, b, e); });
+        break;
+      }
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < n; ++i) {
         float x = inp[i];
@@ -84,6 +154,9 @@ void add_inplace(float* out, const float* a, int64_t n) {
 
 void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset) {
   if (p <= 0.0f) return;
+  if (use_avx512())
+    return parallel_chunks(
+        n, [&](int64_t b, int64_t e) { dropout_avx512(x, x, b, e, p, key, offset); });
   const float scale = 1.0f / (1.0f - p);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) x[i] = dropout_keep(p, key, offset + i) ? x[i] * scale : 0.0f;
@@ -96,6 +169,9 @@ void dropout_backward(float* dx, const float* dy, int64_t n, float p, uint64_t k
       for (int64_t i = 0; i < n; ++i) dx[i] = dy[i];
     return;
   }
+  if (use_avx512())
+    return parallel_chunks(
+        n, [&](int64_t b, int64_t e) { dropout_avx512(dx, dy, b, e, p, key, offset); });
   const float scale = 1.0f / (1.0f - p);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) dx[i] = dropout_keep(p, key, offset + i) ? dy[i] * scale : 0.0f;

@@ -8,7 +8,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
-#include "kernels/cpu/isa.h"
+#include "core/isa.h"
 
 namespace bertrain::kernels {
 namespace {

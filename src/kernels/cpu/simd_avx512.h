@@ -10,6 +10,7 @@
 // "may be used uninitialized" once they are inlined; the warning is about the header, not us.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 #include <immintrin.h>

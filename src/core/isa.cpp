@@ -1,14 +1,15 @@
-#include "kernels/cpu/isa.h"
+#include "core/isa.h"
 
 #include <cpuid.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <dnnl.hpp>
 
 #include "core/error.h"
 
-namespace bertrain::kernels {
+namespace bertrain {
 namespace {
 
 struct Detected {
@@ -75,10 +76,22 @@ const Detected& detected() {
   return d;
 }
 
+std::atomic<int> g_override{-1};
+
 }  // namespace
 
 Isa cpu_isa() {
-  return detected().isa;
+  const int o = g_override.load(std::memory_order_relaxed);
+  const Isa d = detected().isa;
+  return o >= 0 && static_cast<Isa>(o) < d ? static_cast<Isa>(o) : d;
+}
+
+void set_isa_override(Isa isa) {
+  g_override = static_cast<int>(isa);
+}
+
+void reset_isa_override() {
+  g_override = -1;
 }
 
 bool cpu_has_avx512_bf16() {
@@ -97,4 +110,4 @@ const char* isa_name(Isa isa) {
   return "?";
 }
 
-}  // namespace bertrain::kernels
+}  // namespace bertrain

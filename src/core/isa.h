@@ -5,7 +5,7 @@
 // machines that have AVX-512.
 #pragma once
 
-namespace bertrain::kernels {
+namespace bertrain {
 
 enum class Isa { Portable = 0, Avx2 = 1, Avx512 = 2 };
 
@@ -17,4 +17,9 @@ inline bool use_avx512() {
   return cpu_isa() == Isa::Avx512;
 }
 
-}  // namespace bertrain::kernels
+// Tests: lowers (never raises) the ISA our own kernels use in this process, to compare the
+// bodies side by side; reset_isa_override() undoes it. oneDNN is not affected.
+void set_isa_override(Isa isa);
+void reset_isa_override();
+
+}  // namespace bertrain
