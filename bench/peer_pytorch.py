@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The PyTorch peer of `bertrain bench`: HuggingFace BertForPreTraining, same config, batch,
 sequence length and thread count, MLM head on the masked positions only (gather first, as
-NVIDIA's and DeepSpeed's BERT do), forward + backward timed (no optimizer step, as bertrain
-bench), fp32 or bf16 autocast. Prints one JSON line."""
+NVIDIA's and DeepSpeed's BERT do), forward + backward + AdamW step timed (as bertrain bench; fp32 master
+weights and optimizer state, gradient clipping at 1.0), fp32 or bf16 autocast. Prints one JSON line."""
 import argparse
 import json
 import resource
@@ -33,6 +33,7 @@ pos = (1 + torch.arange(P) * (T - 1) // P).expand(B, P)
 lm_ids = torch.randint(0, cfg.vocab_size, (B, P))
 nsp = torch.randint(0, 2, (B,))
 rows = torch.arange(B).unsqueeze(1).expand(B, P)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-5, eps=1e-6, weight_decay=0.01)
 
 
 def step():
@@ -46,6 +47,8 @@ def step():
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), lm_ids.reshape(-1)) + \
         torch.nn.functional.cross_entropy(nsp_logits, nsp)
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
     return loss.item()
 
 

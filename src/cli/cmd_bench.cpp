@@ -1,7 +1,7 @@
-// bertrain bench: times full fp32 forward+backward steps of a model on synthetic batches and
-// reports tokens/s, ms per phase, achieved GFLOP/s and model FLOP utilisation against the
-// fp32 GEMM rate it measures itself in the same run (oneDNN at the model's largest matmul
-// shape). The optimizer step is not part of the timing yet (it arrives with `train`).
+// bertrain bench: times full training steps (forward, backward, AdamW update) of a model on
+// synthetic batches and reports tokens/s, ms per phase, achieved GFLOP/s and model FLOP
+// utilisation against the GEMM rate (fp32 or bf16) it measures itself in the same run (oneDNN
+// at the model's largest matmul shape), and peak memory.
 #include <sys/resource.h>
 
 #include <omp.h>
@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cpu/matmul.h"
+#include "train/optimizer.h"
 
 namespace bertrain::cli {
 
@@ -80,7 +81,7 @@ void add_bench(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c =
-      app.add_subcommand("bench", "Time fp32 forward+backward training steps on synthetic batches");
+      app.add_subcommand("bench", "Time full training steps (forward, backward, AdamW) on synthetic batches");
   c->add_option("--model-config", o->config, "HuggingFace config.json of the model")->required();
   c->add_option("--batch-size", o->batch, "Sequences per step")->capture_default_str();
   c->add_option("--seq-len", o->seq, "Tokens per sequence")->capture_default_str();
@@ -105,12 +106,16 @@ void add_bench(CLI::App& app) {
     const bool bf16 = o->precision == "bf16";
     model::BertModel m(cfg, head, {o->batch, o->seq, P, bf16});
     m.init_params(1);
+    std::vector<train::ParamSlice> slices;
+    for (const auto& p : m.table().params())
+      slices.push_back({p.name, p.offset, p.numel(), p.decay});
+    train::Optimizer optimizer(slices, m.table().total(), {});  // AdamW, clipping at 1.0
     model::Batch b = synthetic_batch(cfg, o->batch, o->seq, P, 7);
     if (!o->json)
       std::printf("bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %d+%d steps\n",
                   o->config.c_str(), describe(cfg).c_str(), (long long)o->batch, (long long)o->seq,
                   omp_get_max_threads(), o->precision.c_str(), o->warmup, o->steps);
-    std::vector<double> fwd, bwd;
+    std::vector<double> fwd, bwd, upd;
     double loss = 0;
     for (int s = 0; s < o->warmup + o->steps; ++s) {
       model::StepOptions opt{true, 1, static_cast<uint64_t>(s), 0};
@@ -121,16 +126,20 @@ void add_bench(CLI::App& app) {
       t0 = Clock::now();
       m.backward(b, opt);
       const double tb = seconds_since(t0);
+      t0 = Clock::now();
+      optimizer.step(m.params(), m.grads(), 1e-5f, 1.0f);
+      const double tu = seconds_since(t0);
       if (s >= o->warmup) {
         fwd.push_back(tf);
         bwd.push_back(tb);
+        upd.push_back(tu);
       }
     }
     auto median = [](std::vector<double> v) {
       std::sort(v.begin(), v.end());
       return v[v.size() / 2];
     };
-    const double tf = median(fwd), tb = median(bwd), step = tf + tb;
+    const double tf = median(fwd), tb = median(bwd), tu = median(upd), step = tf + tb + tu;
     const double flops = m.flops_per_step(o->batch, o->seq, P);
     const double gflops = flops / step / 1e9;
     const double peak =
@@ -144,10 +153,11 @@ void add_bench(CLI::App& app) {
                           {"batch", o->batch},
                           {"seq_len", o->seq},
                           {"threads", omp_get_max_threads()},
-                          {"precision", "fp32"},
+                          {"precision", o->precision},
                           {"tokens_per_s", tokens},
                           {"forward_ms", tf * 1e3},
                           {"backward_ms", tb * 1e3},
+                          {"optimizer_ms", tu * 1e3},
                           {"gflops", gflops},
                           {"gemm_peak_gflops", peak},
                           {"mfu", gflops / peak},
@@ -157,8 +167,10 @@ void add_bench(CLI::App& app) {
       std::printf("%s\n", j.dump().c_str());
       return;
     }
-    std::printf("  step       %8.1f ms (forward %.1f ms, backward %.1f ms; median of %d)\n",
-                step * 1e3, tf * 1e3, tb * 1e3, o->steps);
+    std::printf(
+        "  step       %8.1f ms (forward %.1f ms, backward %.1f ms, AdamW %.1f ms; median of "
+        "%d)\n",
+        step * 1e3, tf * 1e3, tb * 1e3, tu * 1e3, o->steps);
     std::printf("  throughput %8.0f tokens/s, %.1f sequences/s\n", tokens, o->batch / step);
     std::printf(
         "  compute    %8.1f GFLOP/s model FLOPs; %s GEMM ceiling measured now %.1f GFLOP/s; "

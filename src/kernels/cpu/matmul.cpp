@@ -34,6 +34,9 @@ struct GemmPrim {
 };
 
 dnnl::engine& cpu_engine() {
+  // ISA detection first: a BERTRAIN_ISA cap must reach oneDNN before its first primitive.
+  static const Isa isa = cpu_isa();
+  (void)isa;
   static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
   return eng;
 }
