@@ -80,8 +80,8 @@ void add_bench(CLI::App& app) {
     bool json = false;
   };
   auto o = std::make_shared<Opts>();
-  auto* c =
-      app.add_subcommand("bench", "Time full training steps (forward, backward, AdamW) on synthetic batches");
+  auto* c = app.add_subcommand(
+      "bench", "Time full training steps (forward, backward, AdamW) on synthetic batches");
   c->add_option("--model-config", o->config, "HuggingFace config.json of the model")->required();
   c->add_option("--batch-size", o->batch, "Sequences per step")->capture_default_str();
   c->add_option("--seq-len", o->seq, "Tokens per sequence")->capture_default_str();
