@@ -285,6 +285,43 @@ TEST_P(AttentionTest, FastEqualsReference) {
   EXPECT_TRUE(all_close("dqkv", dqkv.data(), dqkv_ref.data(), dqkv.size(), 2e-5, 1e-6));
 }
 
+// bf16 operands in the four matmuls (fp32 accumulation, fp32 softmax): relative L2 error of
+// ctx and dqkv against the fp32 reference within 4 bf16 roundings (4 * 2^-8): each product
+// rounds both operands once, and backward chains two products.
+TEST_P(AttentionTest, Bf16StaysWithinBf16Precision) {
+  if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
+  const float p = GetParam();
+  const AttentionShape s{2, 45, 64, 4};
+  auto qkv = random_vector(s.B * s.T * 3 * s.C, 74);
+  std::vector<int32_t> mask(s.B * s.T, 1);
+  for (int64_t t = 40; t < s.T; ++t) mask[t] = 0;
+  auto dctx = random_vector(s.B * s.T * s.C, 75);
+  const size_t np = s.B * s.NH * s.T * s.T;
+  std::vector<float> ctx(s.B * s.T * s.C), ctx_ref(ctx.size()), probs(np), probs_ref(np), work(np),
+      dqkv(qkv.size()), dqkv_ref(qkv.size());
+  std::vector<uint16_t> q16(qkv.size()), p16(np), d16(ctx.size());
+  const AttentionBf16 w{q16.data(), p16.data(), d16.data()};
+  attention_forward(ctx.data(), probs.data(), work.data(), qkv.data(), mask.data(), s, p, 5, 11,
+                    &w);
+  attention_forward_reference(ctx_ref.data(), probs_ref.data(), qkv.data(), mask.data(), s, p, 5,
+                              11);
+  attention_backward(dqkv.data(), work.data(), dctx.data(), qkv.data(), probs.data(), s, p, 5, 11,
+                     &w);
+  attention_backward_reference(dqkv_ref.data(), dctx.data(), qkv.data(), probs_ref.data(), s, p, 5,
+                               11);
+  auto rel_l2 = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+      den += double(b[i]) * b[i];
+    }
+    return std::sqrt(num / den);
+  };
+  EXPECT_LE(rel_l2(ctx, ctx_ref), 4 * 0x1p-8);
+  EXPECT_LE(rel_l2(dqkv, dqkv_ref), 4 * 0x1p-8);
+  EXPECT_GT(rel_l2(dqkv, dqkv_ref), 0.0);  // really bf16
+}
+
 INSTANTIATE_TEST_SUITE_P(Dropout, AttentionTest, ::testing::Values(0.0f, 0.3f),
                          [](const auto& info) { return info.param > 0 ? "p03" : "p0"; });
 

@@ -86,6 +86,10 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
     const int64_t a = std::max({N * std::max(3 * C, I), BP * V, B * std::max<int64_t>(C, V)});
     plan.add(g16, "bf16.scratch_a", static_cast<size_t>(a) * h);
     plan.add(g16, "bf16.scratch_b", static_cast<size_t>(std::max(N * std::max(C, I), BP * C)) * h);
+    // Attention's matmul operands: QKV, the dropped probabilities (then dS), dctx.
+    plan.add(g16, "bf16.attn_qkv", static_cast<size_t>(N * 3 * C) * h);
+    plan.add(g16, "bf16.attn_probs", static_cast<size_t>(B * NH * T * T) * h);
+    plan.add(g16, "bf16.attn_dctx", static_cast<size_t>(N * C) * h);
   }
 }
 
@@ -117,6 +121,8 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
     wbf16_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.weights"));
     sa_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.scratch_a"));
     sb_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.scratch_b"));
+    auto b16 = [&](const char* name) { return reinterpret_cast<uint16_t*>(bf16_arena_.f32(name)); };
+    attn16_ = {b16("bf16.attn_qkv"), b16("bf16.attn_probs"), b16("bf16.attn_dctx")};
   }
 
   const Arena& a = acts_arena_;
@@ -212,7 +218,8 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     const LayerActs& a = act_.layers[l];
     lin_fwd(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
     attention_forward(a.ctx, a.probs, attn_work_, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
-                      rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs);
+                      rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
+                      wbf16_ ? &attn16_ : nullptr);
     lin_fwd(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
     dropout_forward(a.attn_res, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut),
                     off_tc);
@@ -380,7 +387,8 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     dropout_backward(dB, dh, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
     lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
     attention_backward(dI, attn_work_, dA, a.qkv, a.probs, {B, T, C, NH}, p_attn,
-                       rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs);
+                       rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
+                       wbf16_ ? &attn16_ : nullptr);
     lin_bwd(dh, G(o.qkv_w), G(o.qkv_b), dI, x, W(o.qkv_w), N, 3 * C, C,
             /*accumulate_dinp=*/true);  // dh = d x (residual + attention path)
     if (layer_done) layer_done(l);

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "core/arena.h"
+#include "kernels/cpu/attention.h"
 #include "model/batch.h"
 #include "model/config.h"
 #include "model/params.h"
@@ -120,6 +121,7 @@ class BertModel {
   Acts act_{};
   uint16_t *wbf16_ = nullptr, *sa_ = nullptr, *sb_ = nullptr;  // bf16 weights and scratch
   float* attn_work_ = nullptr;                                 // attention scratch
+  kernels::AttentionBf16 attn16_{};                            // attention's bf16 matmul operands
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
 };

@@ -1,8 +1,11 @@
 #include "kernels/cpu/attention.h"
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/isa.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/matmul.h"
@@ -122,13 +125,30 @@ void attention_backward_reference(float* dqkv, const float* dctx, const float* q
 // ---- The fast path: oneDNN batched matmuls over the heads of one sequence (strides read the
 // heads straight out of the QKV rows and write ctx in place, no transposes), and one fused
 // pass per score row for mask + softmax + dropout (forward) or dropout + softmax backward.
+// With bf16 the matmul operands are bf16 (fp32 accumulation): the row passes write the dropped
+// probabilities and dS straight in bf16; scores, saved probabilities and sums stay fp32.
 
 namespace {
 
+inline void put(float* p, float v) {
+  *p = v;
+}
+inline void put(uint16_t* p, float v) {
+  *p = f32_to_bf16(v);
+}
+
+BT_AVX512 inline void put16(float* p, __mmask16 m, __m512 v) {
+  _mm512_mask_storeu_ps(p, m, v);
+}
+BT_AVX512 inline void put16(uint16_t* p, __mmask16 m, __m512 v) {
+  _mm256_mask_storeu_epi16(p, m, simd::f32_to_bf16_16(v));
+}
+
 // Forward row: s[j] (scaled scores) + bias[j] -> softmax, saved in s; the dropped row
-// (keep / (1 - p) or 0 per element) goes to out (null when p == 0).
-void softmax_row_portable(float* s, const float* bias, float* out, int64_t T, float p,
-                          float keep_scale, uint64_t key, uint64_t idx0) {
+// (keep / (1 - p) or 0 per element; the row itself when p == 0) goes to out if non-null.
+template <typename O>
+void softmax_row_portable(float* s, const float* bias, O* out, int64_t T, float p, float keep_scale,
+                          uint64_t key, uint64_t idx0) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < T; ++j) {
     s[j] += bias[j];
@@ -143,10 +163,11 @@ void softmax_row_portable(float* s, const float* bias, float* out, int64_t T, fl
   for (int64_t j = 0; j < T; ++j) s[j] *= inv;
   if (out)
     for (int64_t j = 0; j < T; ++j)
-      out[j] = dropout_keep(p, key, idx0 + j) ? s[j] * keep_scale : 0.0f;
+      put(out + j, p <= 0.0f ? s[j] : dropout_keep(p, key, idx0 + j) ? s[j] * keep_scale : 0.0f);
 }
 
-BT_AVX512 void softmax_row_avx512(float* s, const float* bias, float* out, int64_t T, float p,
+template <typename O>
+BT_AVX512 void softmax_row_avx512(float* s, const float* bias, O* out, int64_t T, float p,
                                   float keep_scale, uint64_t key, uint64_t idx0) {
   using namespace simd;
   __m512 vmx = _mm512_set1_ps(-INFINITY);
@@ -170,23 +191,26 @@ BT_AVX512 void softmax_row_avx512(float* s, const float* bias, float* out, int64
     const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv);
     _mm512_mask_storeu_ps(s + j, m, y);
     if (out)
-      _mm512_mask_storeu_ps(out + j, m,
-                            _mm512_mul_ps(y, dropout_scale16(p, keep_scale, key, idx0 + j)));
+      put16(out + j, m,
+            p <= 0.0f ? y : _mm512_mul_ps(y, dropout_scale16(p, keep_scale, key, idx0 + j)));
   }
 }
 
-// Backward row: g[j] = dL/d(dropped prob) in, dL/d(scaled score) * scale out.
-void softmax_backward_row_portable(float* g, const float* prob, int64_t T, float p,
+// Backward row: g[j] = dL/d(dropped prob) in; ds[j] = dL/d(scaled score) * scale out (ds may
+// be g itself).
+template <typename O>
+void softmax_backward_row_portable(float* g, O* ds, const float* prob, int64_t T, float p,
                                    float keep_scale, uint64_t key, uint64_t idx0, float scale) {
   float dot = 0.0f;
   for (int64_t j = 0; j < T; ++j) {
     if (p > 0.0f) g[j] = dropout_keep(p, key, idx0 + j) ? g[j] * keep_scale : 0.0f;
     dot += g[j] * prob[j];
   }
-  for (int64_t j = 0; j < T; ++j) g[j] = prob[j] * (g[j] - dot) * scale;
+  for (int64_t j = 0; j < T; ++j) put(ds + j, prob[j] * (g[j] - dot) * scale);
 }
 
-BT_AVX512 void softmax_backward_row_avx512(float* g, const float* prob, int64_t T, float p,
+template <typename O>
+BT_AVX512 void softmax_backward_row_avx512(float* g, O* ds, const float* prob, int64_t T, float p,
                                            float keep_scale, uint64_t key, uint64_t idx0,
                                            float scale) {
   using namespace simd;
@@ -207,43 +231,59 @@ BT_AVX512 void softmax_backward_row_avx512(float* g, const float* prob, int64_t 
         _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, prob + j),
                                     _mm512_sub_ps(_mm512_maskz_loadu_ps(m, g + j), dot)),
                       vs);
-    _mm512_mask_storeu_ps(g + j, m, y);
+    put16(ds + j, m, y);
   }
 }
 
-// Regenerates the dropped row from the saved probabilities.
-void dropout_row(float* out, const float* prob, int64_t T, float p, float keep_scale, uint64_t key,
-                 uint64_t idx0) {
+// Regenerates the dropped row (the row itself when p == 0) from the saved probabilities.
+template <typename O>
+void dropout_row_portable(O* out, const float* prob, int64_t T, float p, float keep_scale,
+                          uint64_t key, uint64_t idx0) {
   for (int64_t j = 0; j < T; ++j)
-    out[j] = dropout_keep(p, key, idx0 + j) ? prob[j] * keep_scale : 0.0f;
+    put(out + j, p <= 0.0f                        ? prob[j]
+                 : dropout_keep(p, key, idx0 + j) ? prob[j] * keep_scale
+                                                  : 0.0f);
 }
 
-BT_AVX512 void dropout_row_avx512(float* out, const float* prob, int64_t T, float p,
-                                  float keep_scale, uint64_t key, uint64_t idx0) {
+template <typename O>
+BT_AVX512 void dropout_row_avx512(O* out, const float* prob, int64_t T, float p, float keep_scale,
+                                  uint64_t key, uint64_t idx0) {
   using namespace simd;
   for (int64_t j = 0; j < T; j += 16) {
     const __mmask16 m = tail_mask(T - j);
-    _mm512_mask_storeu_ps(out + j, m,
-                          _mm512_mul_ps(_mm512_maskz_loadu_ps(m, prob + j),
-                                        dropout_scale16(p, keep_scale, key, idx0 + j)));
+    const __m512 x = _mm512_maskz_loadu_ps(m, prob + j);
+    put16(out + j, m,
+          p <= 0.0f ? x : _mm512_mul_ps(x, dropout_scale16(p, keep_scale, key, idx0 + j)));
   }
 }
 
-}  // namespace
+// Batched product over the NH heads of sequence b in fp32 or bf16 operands.
+struct HeadGemm {
+  int64_t NH;
+  template <typename X>
+  void operator()(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const X* A,
+                  int64_t lda, int64_t sa, const X* B, int64_t ldb, int64_t sb, float* C,
+                  int64_t ldc, int64_t sc) const {
+    if constexpr (std::is_same_v<X, float>)
+      gemm_batched(NH, ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc);
+    else
+      gemm_batched_bf16(NH, ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc);
+  }
+};
 
-void attention_forward(float* ctx, float* probs, float* work, const float* qkv, const int32_t* mask,
-                       const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset) {
+template <typename X>
+void forward_impl(float* ctx, float* probs, X* dropped, const X* qkv, const int32_t* mask,
+                  const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset) {
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   const bool fast = use_avx512();
+  const HeadGemm gemm{NH};
   // probs = scale * Q K^T, per sequence, batched over heads (head h: columns h*HD of Q and K).
   for (int64_t b = 0; b < B; ++b) {
-    const float* base = qkv + b * T * C3;
-    gemm_batched(NH, false, true, T, T, HD, scale, base, C3, HD, base + C, C3, HD,
-                 probs + b * NH * TT, T, TT);
+    const X* base = qkv + b * T * C3;
+    gemm(false, true, T, T, HD, scale, base, C3, HD, base + C, C3, HD, probs + b * NH * TT, T, TT);
   }
-  const float* dropped = dropout_p > 0.0f ? work : probs;
 #pragma omp parallel
   {
     std::vector<float> bias(T);
@@ -253,7 +293,7 @@ void attention_forward(float* ctx, float* probs, float* work, const float* qkv, 
       for (int64_t j = 0; j < T; ++j) bias[j] = mask[b * T + j] ? 0.0f : -10000.0f;
       for (int64_t i = 0; i < T; ++i) {
         const int64_t r = (bh * T + i) * T;
-        float* out = dropout_p > 0.0f ? work + r : nullptr;
+        X* out = dropped ? dropped + r : nullptr;
         const uint64_t idx0 = offset + static_cast<uint64_t>(r);
         if (fast)
           softmax_row_avx512(probs + r, bias.data(), out, T, dropout_p, keep_scale, key, idx0);
@@ -263,56 +303,87 @@ void attention_forward(float* ctx, float* probs, float* work, const float* qkv, 
     }
   }
   // ctx[b, :, h*HD:(h+1)*HD] = dropped probs · V_h
+  const X* pd = dropped;
+  if constexpr (std::is_same_v<X, float>)
+    if (!pd) pd = probs;
   for (int64_t b = 0; b < B; ++b)
-    gemm_batched(NH, false, false, T, HD, T, 1.0f, dropped + b * NH * TT, T, TT,
-                 qkv + b * T * C3 + 2 * C, C3, HD, ctx + b * T * C, C, HD);
+    gemm(false, false, T, HD, T, 1.0f, pd + b * NH * TT, T, TT, qkv + b * T * C3 + 2 * C, C3, HD,
+         ctx + b * T * C, C, HD);
 }
 
-void attention_backward(float* dqkv, float* work, const float* dctx, const float* qkv,
-                        const float* probs, const AttentionShape& s, float dropout_p, uint64_t key,
-                        uint64_t offset) {
+// work: fp32 [B,NH,T,T]; pd: the dropped probabilities and then dS, in X (may be work).
+template <typename X>
+void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv, const float* probs,
+                   const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset) {
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   const bool fast = use_avx512();
-  // dV = dropped^T · dctx (the dropped probabilities regenerated into work).
-  if (dropout_p > 0.0f) {
+  const HeadGemm gemm{NH};
+  // dV = dropped^T · dctx (the dropped probabilities regenerated into pd).
+  const X* dropped = pd;
+  if constexpr (std::is_same_v<X, float>)
+    if (dropout_p <= 0.0f) dropped = probs;
+  if (dropped == pd) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < B * NH * T; ++r) {
       const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
       if (fast)
-        dropout_row_avx512(work + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0);
+        dropout_row_avx512(pd + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0);
       else
-        dropout_row(work + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0);
+        dropout_row_portable(pd + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0);
     }
   }
-  const float* dropped = dropout_p > 0.0f ? work : probs;
   for (int64_t b = 0; b < B; ++b)
-    gemm_batched(NH, true, false, T, HD, T, 1.0f, dropped + b * NH * TT, T, TT, dctx + b * T * C, C,
-                 HD, dqkv + b * T * C3 + 2 * C, C3, HD);
-  // d(dropped) = dctx · V^T into work, then through dropout and softmax, scaled: dS.
+    gemm(true, false, T, HD, T, 1.0f, dropped + b * NH * TT, T, TT, dctx + b * T * C, C, HD,
+         dqkv + b * T * C3 + 2 * C, C3, HD);
+  // d(dropped) = dctx · V^T into work, then through dropout and softmax, scaled: dS into pd.
   for (int64_t b = 0; b < B; ++b)
-    gemm_batched(NH, false, true, T, T, HD, 1.0f, dctx + b * T * C, C, HD, qkv + b * T * C3 + 2 * C,
-                 C3, HD, work + b * NH * TT, T, TT);
+    gemm(false, true, T, T, HD, 1.0f, dctx + b * T * C, C, HD, qkv + b * T * C3 + 2 * C, C3, HD,
+         work + b * NH * TT, T, TT);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < B * NH * T; ++r) {
     const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
     if (fast)
-      softmax_backward_row_avx512(work + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0,
-                                  scale);
+      softmax_backward_row_avx512(work + r * T, pd + r * T, probs + r * T, T, dropout_p, keep_scale,
+                                  key, idx0, scale);
     else
-      softmax_backward_row_portable(work + r * T, probs + r * T, T, dropout_p, keep_scale, key,
-                                    idx0, scale);
+      softmax_backward_row_portable(work + r * T, pd + r * T, probs + r * T, T, dropout_p,
+                                    keep_scale, key, idx0, scale);
   }
   // dQ = dS · K, dK = dS^T · Q.
   for (int64_t b = 0; b < B; ++b) {
-    const float* base = qkv + b * T * C3;
+    const X* base = qkv + b * T * C3;
     float* dbase = dqkv + b * T * C3;
-    gemm_batched(NH, false, false, T, HD, T, 1.0f, work + b * NH * TT, T, TT, base + C, C3, HD,
-                 dbase, C3, HD);
-    gemm_batched(NH, true, false, T, HD, T, 1.0f, work + b * NH * TT, T, TT, base, C3, HD,
-                 dbase + C, C3, HD);
+    gemm(false, false, T, HD, T, 1.0f, pd + b * NH * TT, T, TT, base + C, C3, HD, dbase, C3, HD);
+    gemm(true, false, T, HD, T, 1.0f, pd + b * NH * TT, T, TT, base, C3, HD, dbase + C, C3, HD);
   }
+}
+
+}  // namespace
+
+void attention_forward(float* ctx, float* probs, float* work, const float* qkv, const int32_t* mask,
+                       const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset,
+                       const AttentionBf16* bf16) {
+  if (bf16) {
+    convert_f32_to_bf16(qkv, bf16->qkv, static_cast<size_t>(s.B * s.T * 3 * s.C));
+    return forward_impl<uint16_t>(ctx, probs, bf16->probs, bf16->qkv, mask, s, dropout_p, key,
+                                  offset);
+  }
+  forward_impl<float>(ctx, probs, dropout_p > 0.0f ? work : nullptr, qkv, mask, s, dropout_p, key,
+                      offset);
+}
+
+void attention_backward(float* dqkv, float* work, const float* dctx, const float* qkv,
+                        const float* probs, const AttentionShape& s, float dropout_p, uint64_t key,
+                        uint64_t offset, const AttentionBf16* bf16) {
+  if (bf16) {
+    convert_f32_to_bf16(qkv, bf16->qkv, static_cast<size_t>(s.B * s.T * 3 * s.C));
+    convert_f32_to_bf16(dctx, bf16->dctx, static_cast<size_t>(s.B * s.T * s.C));
+    return backward_impl<uint16_t>(dqkv, work, bf16->probs, bf16->dctx, bf16->qkv, probs, s,
+                                   dropout_p, key, offset);
+  }
+  backward_impl<float>(dqkv, work, work, dctx, qkv, probs, s, dropout_p, key, offset);
 }
 
 }  // namespace bertrain::kernels

@@ -13,15 +13,23 @@ struct AttentionShape {
   int64_t B, T, C, NH;
 };
 
-// work: scratch of B*NH*T*T floats (the dropped probabilities; unused when dropout_p == 0).
-// Batched oneDNN matmuls over the heads + one fused mask/softmax/dropout pass per row.
-void attention_forward(float* ctx, float* probs, float* work, const float* qkv, const int32_t* mask,
-                       const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset);
+// bf16 operands for the four matmuls (fp32 accumulation): scratch for QKV [B,T,3C], the
+// dropped probabilities / dS [B,NH,T,T] and dctx [B,T,C], as raw bf16 bits.
+struct AttentionBf16 {
+  uint16_t *qkv, *probs, *dctx;
+};
 
-// dqkv[B,T,3C] is overwritten; work as in forward.
+// work: scratch of B*NH*T*T floats (fp32: the dropped probabilities; unused when dropout_p == 0
+// and in bf16). Batched oneDNN matmuls over the heads + one fused mask/softmax/dropout pass per
+// row. bf16 (optional): matmuls on bf16 operands; probs, scores and row sums stay fp32.
+void attention_forward(float* ctx, float* probs, float* work, const float* qkv, const int32_t* mask,
+                       const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset,
+                       const AttentionBf16* bf16 = nullptr);
+
+// dqkv[B,T,3C] is overwritten; work and bf16 as in forward.
 void attention_backward(float* dqkv, float* work, const float* dctx, const float* qkv,
                         const float* probs, const AttentionShape& s, float dropout_p, uint64_t key,
-                        uint64_t offset);
+                        uint64_t offset, const AttentionBf16* bf16 = nullptr);
 
 // Plain loops, one (sequence, head) per thread: the oracle the fast kernels are tested against.
 void attention_forward_reference(float* ctx, float* probs, const float* qkv, const int32_t* mask,

@@ -125,6 +125,13 @@ void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t 
            sc, alpha);
 }
 
+void gemm_batched_bf16(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                       float alpha, const uint16_t* A, int64_t lda, int64_t sa, const uint16_t* B,
+                       int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc) {
+  gemm_any(true, trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, nullptr, false, batch, sa, sb,
+           sc, alpha);
+}
+
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A,
                int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc,
                const float* bias, bool accumulate) {

@@ -28,6 +28,11 @@ void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t 
                   float alpha, const float* A, int64_t lda, int64_t sa, const float* B, int64_t ldb,
                   int64_t sb, float* C, int64_t ldc, int64_t sc);
 
+// The same with bf16 operands (raw bits), fp32 accumulation and output.
+void gemm_batched_bf16(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                       float alpha, const uint16_t* A, int64_t lda, int64_t sa, const uint16_t* B,
+                       int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc);
+
 // bf16 inputs (A, B as raw bf16 bits), fp32 accumulation and output (oneDNN; AVX-512 BF16
 // instructions where the CPU has them, an emulation elsewhere).
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A,

@@ -88,6 +88,20 @@ BT_AVX512 inline __m512 dropout_scale16(float p, float keep_scale, uint64_t key,
   return _mm512_maskz_mov_ps(keep, _mm512_set1_ps(keep_scale));
 }
 
+// Round to bf16 (nearest even, NaN kept quiet): the same bits as core/dtype.h f32_to_bf16.
+BT_AVX512 inline __m256i f32_to_bf16_16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  __m512i r = _mm512_add_epi32(
+      u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  r = _mm512_srli_epi32(r, 16);
+  r = _mm512_mask_mov_epi32(r, nan,
+                            _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 // Mask of the first n (< 16) lanes, or all 16.
 BT_AVX512 inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
