@@ -7,6 +7,7 @@
 #include <cmath>
 #include <set>
 
+#include "core/dtype.h"
 #include "core/isa.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/cross_entropy.h"
@@ -365,6 +366,25 @@ TEST(IsaDispatch, GeluAvx512MatchesPortable) {
     return y;
   });
   EXPECT_TRUE(all_close("gelu", f.data(), p.data(), f.size(), 2e-6, 2e-6));
+}
+
+// GELU written straight to bf16 (the FFN-output matmul's operand) equals the fp32 activation
+// rounded, bit for bit, on both bodies and for every activation.
+TEST(IsaDispatch, ActivationToBf16EqualsRoundedFp32) {
+  const int64_t n = 10007;
+  const auto x = wide_values(n, 10);
+  for (bool portable : {false, true}) {
+    if (portable) set_isa_override(Isa::Portable);
+    for (Activation a : {Activation::GeluErf, Activation::GeluTanh, Activation::Relu}) {
+      std::vector<float> y(n);
+      std::vector<uint16_t> y16(n);
+      activation_forward(a, y.data(), x.data(), n);
+      activation_forward_bf16(a, y16.data(), x.data(), n);
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(y16[i], f32_to_bf16(y[i])) << "activation " << int(a) << " at " << i;
+    }
+    reset_isa_override();
+  }
 }
 
 TEST(IsaDispatch, DropoutAvx512IsBitIdentical) {

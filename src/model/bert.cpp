@@ -42,13 +42,21 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
     const std::string p = "layer" + std::to_string(l) + ".";
     plan.add(g, p + "qkv", f32s(N * 3 * C));
     plan.add(g, p + "probs", f32s(B * NH * T * T));
-    plan.add(g, p + "ctx", f32s(N * C));
+    // bf16: the inputs of the attention-output and FFN-output matmuls are kept only as their
+    // bf16 operands (GELU writes bf16 directly): half the memory, no conversion in backward.
+    if (d.bf16)
+      plan.add(g, p + "ctx16", f32s(N * C) / 2);
+    else
+      plan.add(g, p + "ctx", f32s(N * C));
     plan.add(g, p + "attn_res", f32s(N * C));
     plan.add(g, p + "ln1_out", f32s(N * C));
     plan.add(g, p + "ln1_mean", f32s(N));
     plan.add(g, p + "ln1_rstd", f32s(N));
     plan.add(g, p + "inter_pre", f32s(N * I));
-    plan.add(g, p + "inter_act", f32s(N * I));
+    if (d.bf16)
+      plan.add(g, p + "inter_act16", f32s(N * I) / 2);
+    else
+      plan.add(g, p + "inter_act", f32s(N * I));
     plan.add(g, p + "ffn_res", f32s(N * C));
     plan.add(g, p + "ln2_out", f32s(N * C));
     plan.add(g, p + "ln2_mean", f32s(N));
@@ -76,6 +84,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(s, "grad.dhead1", f32s(std::max(BP, B) * C));
   plan.add(s, "grad.dhead2", f32s(std::max(BP, B) * C));
   plan.add(s, "attn.work", f32s(B * NH * T * T));
+  if (d.bf16) plan.add(s, "attn.ctx", f32s(N * C));  // fp32 ctx until it is rounded to bf16
   plan.add(s, "grad.dsmall", f32s(B * std::max<int64_t>(2, cfg.num_labels)));
   if (d.bf16) {
     const std::string g16 = "bf16";
@@ -132,11 +141,14 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
   act_.h0 = a.f32("emb.out");
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     const std::string p = "layer" + std::to_string(l) + ".";
-    act_.layers.push_back({a.f32(p + "qkv"), a.f32(p + "probs"), a.f32(p + "ctx"),
-                           a.f32(p + "attn_res"), a.f32(p + "ln1_out"), a.f32(p + "ln1_mean"),
-                           a.f32(p + "ln1_rstd"), a.f32(p + "inter_pre"), a.f32(p + "inter_act"),
-                           a.f32(p + "ffn_res"), a.f32(p + "ln2_out"), a.f32(p + "ln2_mean"),
-                           a.f32(p + "ln2_rstd")});
+    const bool h = dims.bf16;
+    auto b16 = [&](const std::string& name) { return reinterpret_cast<uint16_t*>(a.f32(name)); };
+    act_.layers.push_back(
+        {a.f32(p + "qkv"), a.f32(p + "probs"), h ? scratch_.f32("attn.ctx") : a.f32(p + "ctx"),
+         a.f32(p + "attn_res"), a.f32(p + "ln1_out"), a.f32(p + "ln1_mean"), a.f32(p + "ln1_rstd"),
+         a.f32(p + "inter_pre"), h ? nullptr : a.f32(p + "inter_act"), a.f32(p + "ffn_res"),
+         a.f32(p + "ln2_out"), a.f32(p + "ln2_mean"), a.f32(p + "ln2_rstd"),
+         h ? b16(p + "ctx16") : nullptr, h ? b16(p + "inter_act16") : nullptr});
   }
   act_.cls_in = a.f32("head.cls_in");
   act_.pooled = a.f32("head.pooled");
@@ -166,6 +178,16 @@ void BertModel::lin_fwd(float* out, const float* inp, const float* w, const floa
                         int64_t N, int64_t K) {
   if (!wbf16_) return linear_forward(out, inp, w, b, M, N, K);
   linear_forward_bf16(out, inp, wbf16_ + (w - params()), b, M, N, K, sa_);
+}
+
+void BertModel::lin_fwd16(float* out, const uint16_t* inp16, const float* w, const float* b,
+                          int64_t M, int64_t N, int64_t K) {
+  gemm_bf16(false, true, M, N, K, inp16, K, wbf16_ + (w - params()), K, out, N, b, false);
+}
+
+void BertModel::lin_bwd16(float* dinp, float* dw, float* db, const float* dout,
+                          const uint16_t* inp16, const float* w, int64_t M, int64_t N, int64_t K) {
+  linear_backward_bf16_in16(dinp, dw, db, dout, inp16, wbf16_ + (w - params()), M, N, K, sa_);
 }
 
 void BertModel::lin_bwd(float* dinp, float* dw, float* db, const float* dout, const float* inp,
@@ -220,15 +242,25 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     attention_forward(a.ctx, a.probs, attn_work_, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
                       rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
                       wbf16_ ? &attn16_ : nullptr);
-    lin_fwd(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
+    if (a.ctx16) {
+      convert_f32_to_bf16(a.ctx, a.ctx16, static_cast<size_t>(N * C));
+      lin_fwd16(a.attn_res, a.ctx16, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
+    } else {
+      lin_fwd(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
+    }
     dropout_forward(a.attn_res, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut),
                     off_tc);
     add_inplace(a.attn_res, x, N * C);
     layernorm_forward(a.ln1_out, a.ln1_mean, a.ln1_rstd, a.attn_res, W(o.ln1_w), W(o.ln1_b), N, C,
                       eps);
     lin_fwd(a.inter_pre, a.ln1_out, W(o.inter_w), W(o.inter_b), N, I, C);
-    activation_forward(act, a.inter_act, a.inter_pre, N * I);
-    lin_fwd(a.ffn_res, a.inter_act, W(o.out_w), W(o.out_b), N, C, I);
+    if (a.inter_act16) {
+      activation_forward_bf16(act, a.inter_act16, a.inter_pre, N * I);
+      lin_fwd16(a.ffn_res, a.inter_act16, W(o.out_w), W(o.out_b), N, C, I);
+    } else {
+      activation_forward(act, a.inter_act, a.inter_pre, N * I);
+      lin_fwd(a.ffn_res, a.inter_act, W(o.out_w), W(o.out_b), N, C, I);
+    }
     dropout_forward(a.ffn_res, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kFfnOut),
                     off_tc);
     add_inplace(a.ffn_res, a.ln1_out, N * C);
@@ -377,7 +409,10 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     layernorm_backward(dA, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w), a.ln2_mean,
                        a.ln2_rstd, N, C);
     dropout_backward(dB, dA, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kFfnOut), off_tc);
-    lin_bwd(dI, G(o.out_w), G(o.out_b), dB, a.inter_act, W(o.out_w), N, C, I);
+    if (a.inter_act16)
+      lin_bwd16(dI, G(o.out_w), G(o.out_b), dB, a.inter_act16, W(o.out_w), N, C, I);
+    else
+      lin_bwd(dI, G(o.out_w), G(o.out_b), dB, a.inter_act, W(o.out_w), N, C, I);
     activation_backward(act, dI, a.inter_pre, dI, N * I);
     lin_bwd(dA, G(o.inter_w), G(o.inter_b), dI, a.ln1_out, W(o.inter_w), N, I, C,
             /*accumulate_dinp=*/true);  // dA = d ln1_out (residual + FFN path)
@@ -385,7 +420,10 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     layernorm_backward(dh, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w), a.ln1_mean,
                        a.ln1_rstd, N, C);
     dropout_backward(dB, dh, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
-    lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
+    if (a.ctx16)
+      lin_bwd16(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx16, W(o.attn_out_w), N, C, C);
+    else
+      lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
     attention_backward(dI, attn_work_, dA, a.qkv, a.probs, {B, T, C, NH}, p_attn,
                        rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
                        wbf16_ ? &attn16_ : nullptr);

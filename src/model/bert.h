@@ -93,6 +93,7 @@ class BertModel {
   struct LayerActs {
     float *qkv, *probs, *ctx, *attn_res, *ln1_out, *ln1_mean, *ln1_rstd;
     float *inter_pre, *inter_act, *ffn_res, *ln2_out, *ln2_mean, *ln2_rstd;
+    uint16_t *ctx16, *inter_act16;  // bf16 only: these replace ctx (then scratch) and inter_act
   };
   struct Acts {
     float *emb_sum, *emb_mean, *emb_rstd, *h0;
@@ -108,6 +109,11 @@ class BertModel {
   // Linear layers in the model's precision (weights given as pointers into params()).
   void lin_fwd(float* out, const float* inp, const float* w, const float* b, int64_t M, int64_t N,
                int64_t K);
+  // bf16 only: the input already rounded to bf16.
+  void lin_fwd16(float* out, const uint16_t* inp16, const float* w, const float* b, int64_t M,
+                 int64_t N, int64_t K);
+  void lin_bwd16(float* dinp, float* dw, float* db, const float* dout, const uint16_t* inp16,
+                 const float* w, int64_t M, int64_t N, int64_t K);
   void lin_bwd(float* dinp, float* dw, float* db, const float* dout, const float* inp,
                const float* w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp = false);
   float* G(int64_t off) const { return grads() + off; }

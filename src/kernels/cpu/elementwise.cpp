@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/dtype.h"
 #include "core/isa.h"
 #include "kernels/cpu/simd_avx512.h"
 
@@ -35,6 +36,18 @@ BT_AVX512 void gelu_forward_avx512(float* out, const float* inp, int64_t b, int6
         _mm512_fmadd_ps(_mm512_set1_ps(0.5f), erf_ps(_mm512_mul_ps(x, _mm512_set1_ps(kInvSqrt2))),
                         _mm512_set1_ps(0.5f));
     _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(x, cdf));
+  }
+}
+
+BT_AVX512 void gelu_forward_bf16_avx512(uint16_t* out, const float* inp, int64_t b, int64_t e) {
+  using namespace simd;
+  for (int64_t i = b; i < e; i += 16) {
+    const __mmask16 m = tail_mask(e - i);
+    const __m512 x = _mm512_maskz_loadu_ps(m, inp + i);
+    const __m512 cdf =
+        _mm512_fmadd_ps(_mm512_set1_ps(0.5f), erf_ps(_mm512_mul_ps(x, _mm512_set1_ps(kInvSqrt2))),
+                        _mm512_set1_ps(0.5f));
+    _mm256_mask_storeu_epi16(out + i, m, f32_to_bf16_16(_mm512_mul_ps(x, cdf)));
   }
 }
 
@@ -70,6 +83,26 @@ BT_AVX512 void dropout_avx512(float* dx, const float* dy, int64_t b, int64_t e, 
 
 }  // namespace
 
+namespace {
+// One thread's share (no OpenMP), the portable formulas.
+void activation_forward_serial(Activation a, float* out, const float* inp, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    switch (a) {
+      case Activation::GeluErf:
+        out[i] = 0.5f * x * (1.0f + std::erf(x * kInvSqrt2));
+        break;
+      case Activation::GeluTanh:
+        out[i] = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)));
+        break;
+      case Activation::Relu:
+        out[i] = x > 0.0f ? x : 0.0f;
+        break;
+    }
+  }
+}
+}  // namespace
+
 void activation_forward(Activation a, float* out, const float* inp, int64_t n) {
   switch (a) {
     case Activation::GeluErf:
@@ -94,6 +127,21 @@ void activation_forward(Activation a, float* out, const float* inp, int64_t n) {
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < n; ++i) out[i] = inp[i] > 0.0f ? inp[i] : 0.0f;
       break;
+  }
+}
+
+void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n) {
+  if (a == Activation::GeluErf && use_avx512()) {
+    parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_bf16_avx512(out16, inp, b, e); });
+    return;
+  }
+  // Other activations and CPUs: the fp32 activation in blocks, then rounded.
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < n; b += 4096) {
+    float tmp[4096];
+    const int64_t k = std::min<int64_t>(4096, n - b);
+    activation_forward_serial(a, tmp, inp + b, k);
+    for (int64_t i = 0; i < k; ++i) out16[b + i] = f32_to_bf16(tmp[i]);
   }
 }
 

@@ -11,6 +11,8 @@ namespace bertrain::kernels {
 enum class Activation { GeluErf, GeluTanh, Relu };
 
 void activation_forward(Activation a, float* out, const float* inp, int64_t n);
+// The activation rounded to bf16 (out16: raw bits) in the same pass: the next matmul's operand.
+void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n);
 // dinp = dout * act'(inp)
 void activation_backward(Activation a, float* dinp, const float* inp, const float* dout, int64_t n);
 

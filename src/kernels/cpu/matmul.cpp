@@ -157,6 +157,15 @@ void linear_backward_bf16(float* dinp, float* dweight, float* dbias, const float
   if (dbias) linear_backward(nullptr, nullptr, dbias, dout, nullptr, nullptr, M, N, K);
 }
 
+void linear_backward_bf16_in16(float* dinp, float* dweight, float* dbias, const float* dout,
+                               const uint16_t* inp16, const uint16_t* weight, int64_t M, int64_t N,
+                               int64_t K, uint16_t* scratch_out) {
+  convert_f32_to_bf16(dout, scratch_out, static_cast<size_t>(M * N));
+  if (dinp) gemm_bf16(false, false, M, K, N, scratch_out, N, weight, K, dinp, K, nullptr, false);
+  if (dweight) gemm_bf16(true, false, N, K, M, scratch_out, N, inp16, K, dweight, K, nullptr, true);
+  if (dbias) linear_backward(nullptr, nullptr, dbias, dout, nullptr, nullptr, M, N, K);
+}
+
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,
                     int64_t N, int64_t K) {
   gemm(false, true, M, N, K, inp, K, weight, K, out, N, bias, false);

@@ -48,6 +48,12 @@ void linear_backward_bf16(float* dinp, float* dweight, float* dbias, const float
                           const float* inp, const uint16_t* weight, int64_t M, int64_t N, int64_t K,
                           bool accumulate_dinp, uint16_t* scratch_out, uint16_t* scratch_in);
 
+// The same backward when the forward input is kept only in bf16 (inp16 [M,K]); dinp is
+// overwritten.
+void linear_backward_bf16_in16(float* dinp, float* dweight, float* dbias, const float* dout,
+                               const uint16_t* inp16, const uint16_t* weight, int64_t M, int64_t N,
+                               int64_t K, uint16_t* scratch_out);
+
 // Plain triple loop in double accumulation: the oracle for gemm in tests.
 void gemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
                     int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
