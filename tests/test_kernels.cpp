@@ -387,6 +387,50 @@ TEST(IsaDispatch, ActivationToBf16EqualsRoundedFp32) {
   }
 }
 
+// The fused residual block (dropout + residual add + LayerNorm forward; LayerNorm backward +
+// dropout backward) equals the separate kernels bit for bit on each body; the AVX-512 LayerNorm
+// (double sums in lanes, float sums of the backward in lanes) is within 2e-6 of the portable.
+TEST(IsaDispatch, FusedResidualLayerNormEqualsSeparateKernels) {
+  const int64_t N = 37, C = 200;  // C leaves an 8-element tail in the 16-wide body
+  const auto y = random_vector(N * C, 20), res = random_vector(N * C, 21),
+             gamma = random_vector(C, 22), beta = random_vector(C, 23),
+             dout = random_vector(N * C, 24);
+  const float p = 0.1f;
+  auto run = [&](bool fused) {
+    std::vector<float> x = y, out(N * C), mean(N), rstd(N), dx(N * C), dy(N * C), dg(C, 0.0f),
+                       db(C, 0.0f);
+    if (fused) {
+      residual_layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), res.data(),
+                                 gamma.data(), beta.data(), N, C, 1e-12f, p, 9, 100);
+      layernorm_dropout_backward(dx.data(), dy.data(), dg.data(), db.data(), dout.data(), x.data(),
+                                 gamma.data(), mean.data(), rstd.data(), N, C, false, p, 9, 100);
+    } else {
+      dropout_forward(x.data(), N * C, p, 9, 100);
+      add_inplace(x.data(), res.data(), N * C);
+      layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), gamma.data(), beta.data(),
+                        N, C, 1e-12f);
+      layernorm_backward(dx.data(), dg.data(), db.data(), dout.data(), x.data(), gamma.data(),
+                         mean.data(), rstd.data(), N, C);
+      dropout_backward(dy.data(), dx.data(), N * C, p, 9, 100);
+    }
+    for (auto* v : {&out, &mean, &rstd, &dx, &dy, &dg, &db})
+      x.insert(x.end(), v->begin(), v->end());
+    return x;
+  };
+  std::vector<float> by_isa[2];
+  for (bool portable : {false, true}) {
+    if (portable) set_isa_override(Isa::Portable);
+    const auto fused = run(true), separate = run(false);
+    reset_isa_override();
+    ASSERT_EQ(fused.size(), separate.size());
+    for (size_t i = 0; i < fused.size(); ++i)
+      ASSERT_EQ(fused[i], separate[i]) << (portable ? "portable" : "best") << " at " << i;
+    by_isa[portable] = fused;
+  }
+  EXPECT_TRUE(all_close("layernorm avx512 vs portable", by_isa[0].data(), by_isa[1].data(),
+                        by_isa[0].size(), 2e-6, 2e-6));
+}
+
 TEST(IsaDispatch, DropoutAvx512IsBitIdentical) {
   const int64_t n = 10007;
   const auto x = random_vector(n, 5);

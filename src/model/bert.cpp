@@ -248,11 +248,9 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     } else {
       lin_fwd(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
     }
-    dropout_forward(a.attn_res, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut),
-                    off_tc);
-    add_inplace(a.attn_res, x, N * C);
-    layernorm_forward(a.ln1_out, a.ln1_mean, a.ln1_rstd, a.attn_res, W(o.ln1_w), W(o.ln1_b), N, C,
-                      eps);
+    residual_layernorm_forward(a.ln1_out, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
+                               W(o.ln1_b), N, C, eps, p_hidden,
+                               rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
     lin_fwd(a.inter_pre, a.ln1_out, W(o.inter_w), W(o.inter_b), N, I, C);
     if (a.inter_act16) {
       activation_forward_bf16(act, a.inter_act16, a.inter_pre, N * I);
@@ -261,11 +259,9 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
       activation_forward(act, a.inter_act, a.inter_pre, N * I);
       lin_fwd(a.ffn_res, a.inter_act, W(o.out_w), W(o.out_b), N, C, I);
     }
-    dropout_forward(a.ffn_res, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kFfnOut),
-                    off_tc);
-    add_inplace(a.ffn_res, a.ln1_out, N * C);
-    layernorm_forward(a.ln2_out, a.ln2_mean, a.ln2_rstd, a.ffn_res, W(o.ln2_w), W(o.ln2_b), N, C,
-                      eps);
+    residual_layernorm_forward(a.ln2_out, a.ln2_mean, a.ln2_rstd, a.ffn_res, a.ln1_out, W(o.ln2_w),
+                               W(o.ln2_b), N, C, eps, p_hidden,
+                               rng_key(opt.seed, opt.step, l + 1, kFfnOut), off_tc);
     x = a.ln2_out;
   }
   seq_out_ = const_cast<float*>(x);
@@ -406,9 +402,9 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     const LayerActs& a = act_.layers[l];
     const float* x = l == 0 ? act_.h0 : act_.layers[l - 1].ln2_out;
     // h_out = LN2(ffn_res), ffn_res = drop(inter_act W_out + b) + ln1_out
-    layernorm_backward(dA, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w), a.ln2_mean,
-                       a.ln2_rstd, N, C);
-    dropout_backward(dB, dA, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kFfnOut), off_tc);
+    layernorm_dropout_backward(dA, dB, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w),
+                               a.ln2_mean, a.ln2_rstd, N, C, false, p_hidden,
+                               rng_key(opt.seed, opt.step, l + 1, kFfnOut), off_tc);
     if (a.inter_act16)
       lin_bwd16(dI, G(o.out_w), G(o.out_b), dB, a.inter_act16, W(o.out_w), N, C, I);
     else
@@ -417,9 +413,9 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     lin_bwd(dA, G(o.inter_w), G(o.inter_b), dI, a.ln1_out, W(o.inter_w), N, I, C,
             /*accumulate_dinp=*/true);  // dA = d ln1_out (residual + FFN path)
     // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
-    layernorm_backward(dh, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w), a.ln1_mean,
-                       a.ln1_rstd, N, C);
-    dropout_backward(dB, dh, N * C, p_hidden, rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
+    layernorm_dropout_backward(dh, dB, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w),
+                               a.ln1_mean, a.ln1_rstd, N, C, false, p_hidden,
+                               rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
     if (a.ctx16)
       lin_bwd16(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx16, W(o.attn_out_w), N, C, C);
     else

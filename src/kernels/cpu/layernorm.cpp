@@ -6,35 +6,162 @@
 
 #include <omp.h>
 
+#include "core/isa.h"
+#include "kernels/cpu/elementwise.h"
+#include "kernels/cpu/simd_avx512.h"
+
 namespace bertrain::kernels {
+namespace {
+
+// One row: statistics in double (two passes: stable for the magnitudes BERT sees), output
+// (x - m) * r * gamma + beta in float.
+void ln_row_portable(float* o, float* m_out, float* r_out, const float* x, const float* gamma,
+                     const float* beta, int64_t C, float eps) {
+  double s = 0.0;
+  for (int64_t c = 0; c < C; ++c) s += x[c];
+  const float m = static_cast<float>(s / C);
+  double v = 0.0;
+  for (int64_t c = 0; c < C; ++c) {
+    const float d = x[c] - m;
+    v += static_cast<double>(d) * d;
+  }
+  const float r = static_cast<float>(1.0 / std::sqrt(v / C + eps));
+  for (int64_t c = 0; c < C; ++c) o[c] = (x[c] - m) * r * gamma[c] + beta[c];
+  *m_out = m;
+  *r_out = r;
+}
+
+// The same row with 16 lanes (double sums in 2 x 8 lanes), optionally first forming
+// x = dropout(x) + residual in place (residual non-null).
+BT_AVX512 void ln_row_avx512(float* o, float* m_out, float* r_out, float* x, const float* residual,
+                             const float* gamma, const float* beta, int64_t C, float eps, float p,
+                             float keep_scale, uint64_t key, uint64_t idx0) {
+  using namespace simd;
+  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 k = tail_mask(C - c);
+    __m512 xv = _mm512_maskz_loadu_ps(k, x + c);
+    if (residual) {
+      if (p > 0.0f) xv = _mm512_mul_ps(xv, dropout_scale16(p, keep_scale, key, idx0 + c));
+      xv = _mm512_add_ps(xv, _mm512_maskz_loadu_ps(k, residual + c));
+      _mm512_mask_storeu_ps(x + c, k, xv);
+    }
+    s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(xv)));
+    s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm512_extractf32x8_ps(xv, 1)));
+  }
+  const float m = static_cast<float>(_mm512_reduce_add_pd(_mm512_add_pd(s0, s1)) / C);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512d v0 = _mm512_setzero_pd(), v1 = _mm512_setzero_pd();
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 k = tail_mask(C - c);
+    const __m512 d = _mm512_maskz_sub_ps(k, _mm512_maskz_loadu_ps(k, x + c), vm);
+    const __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(d));
+    const __m512d d1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(d, 1));
+    v0 = _mm512_add_pd(v0, _mm512_mul_pd(d0, d0));
+    v1 = _mm512_add_pd(v1, _mm512_mul_pd(d1, d1));
+  }
+  const double var = _mm512_reduce_add_pd(_mm512_add_pd(v0, v1)) / C;
+  const float r = static_cast<float>(1.0 / std::sqrt(var + eps));
+  const __m512 vr = _mm512_set1_ps(r);
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 k = tail_mask(C - c);
+    const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c), vm), vr);
+    _mm512_mask_storeu_ps(o + c, k,
+                          _mm512_add_ps(_mm512_mul_ps(xhat, _mm512_maskz_loadu_ps(k, gamma + c)),
+                                        _mm512_maskz_loadu_ps(k, beta + c)));
+  }
+  *m_out = m;
+  *r_out = r;
+}
+
+}  // namespace
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* gamma,
                        const float* beta, int64_t N, int64_t C, float eps) {
+  const bool fast = use_avx512();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
-    const float* x = inp + i * C;
-    // Two passes in float with a double sum: stable for the magnitudes BERT sees.
-    double s = 0.0;
-    for (int64_t c = 0; c < C; ++c) s += x[c];
-    float m = static_cast<float>(s / C);
-    double v = 0.0;
-    for (int64_t c = 0; c < C; ++c) {
-      float d = x[c] - m;
-      v += static_cast<double>(d) * d;
-    }
-    float r = static_cast<float>(1.0 / std::sqrt(v / C + eps));
-    float* o = out + i * C;
-#pragma omp simd
-    for (int64_t c = 0; c < C; ++c) o[c] = (x[c] - m) * r * gamma[c] + beta[c];
-    mean[i] = m;
-    rstd[i] = r;
+    if (fast)
+      ln_row_avx512(out + i * C, mean + i, rstd + i, const_cast<float*>(inp + i * C), nullptr,
+                    gamma, beta, C, eps, 0.0f, 1.0f, 0, 0);
+    else
+      ln_row_portable(out + i * C, mean + i, rstd + i, inp + i * C, gamma, beta, C, eps);
   }
 }
 
-void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
-                        const float* inp, const float* gamma, const float* mean, const float* rstd,
-                        int64_t N, int64_t C, bool accumulate_dinp) {
+void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
+                                const float* residual, const float* gamma, const float* beta,
+                                int64_t N, int64_t C, float eps, float dropout_p, uint64_t key,
+                                uint64_t offset) {
+  const bool fast = use_avx512();
+  const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    float* xi = x + i * C;
+    const float* ri = residual + i * C;
+    const uint64_t idx0 = offset + static_cast<uint64_t>(i * C);
+    if (fast) {
+      ln_row_avx512(out + i * C, mean + i, rstd + i, xi, ri, gamma, beta, C, eps, dropout_p,
+                    keep_scale, key, idx0);
+      continue;
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      const float y = dropout_p > 0.0f && !dropout_keep(dropout_p, key, idx0 + c) ? 0.0f
+                      : dropout_p > 0.0f ? xi[c] * keep_scale
+                                         : xi[c];
+      xi[c] = y + ri[c];
+    }
+    ln_row_portable(out + i * C, mean + i, rstd + i, xi, gamma, beta, C, eps);
+  }
+}
+
+namespace {
+
+BT_AVX512 void ln_backward_row_avx512(float* dx, float* ddrop, float* pg, float* pb,
+                                      const float* dy, const float* x, const float* gamma, float m,
+                                      float r, int64_t C, bool accumulate, float p,
+                                      float keep_scale, uint64_t key, uint64_t idx0) {
+  using namespace simd;
+  const __m512 vm = _mm512_set1_ps(m), vr = _mm512_set1_ps(r);
+  __m512 sg = _mm512_setzero_ps(), sgx = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 k = tail_mask(C - c);
+    const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c), vm), vr);
+    const __m512 d = _mm512_maskz_loadu_ps(k, dy + c);
+    const __m512 gdy = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, gamma + c), d);
+    sg = _mm512_add_ps(sg, gdy);
+    sgx = _mm512_add_ps(sgx, _mm512_mul_ps(gdy, xhat));
+    _mm512_mask_storeu_ps(pg + c, k,
+                          _mm512_add_ps(_mm512_maskz_loadu_ps(k, pg + c), _mm512_mul_ps(d, xhat)));
+    _mm512_mask_storeu_ps(pb + c, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, pb + c), d));
+  }
+  const __m512 a = _mm512_set1_ps(_mm512_reduce_add_ps(sg) / C);
+  const __m512 b = _mm512_set1_ps(_mm512_reduce_add_ps(sgx) / C);
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 k = tail_mask(C - c);
+    const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c), vm), vr);
+    const __m512 gdy =
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(k, gamma + c), _mm512_maskz_loadu_ps(k, dy + c));
+    __m512 g = _mm512_mul_ps(vr, _mm512_sub_ps(_mm512_sub_ps(gdy, a), _mm512_mul_ps(xhat, b)));
+    if (accumulate) g = _mm512_add_ps(_mm512_maskz_loadu_ps(k, dx + c), g);
+    _mm512_mask_storeu_ps(dx + c, k, g);
+    if (ddrop)
+      _mm512_mask_storeu_ps(
+          ddrop + c, k,
+          p > 0.0f ? _mm512_mul_ps(g, dropout_scale16(p, keep_scale, key, idx0 + c)) : g);
+  }
+}
+
+}  // namespace
+
+void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
+                                const float* dout, const float* inp, const float* gamma,
+                                const float* mean, const float* rstd, int64_t N, int64_t C,
+                                bool accumulate_dinp, float dropout_p, uint64_t key,
+                                uint64_t offset) {
   // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat)), xhat = (x - mean) * rstd
+  const bool fast = use_avx512();
+  const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   int nthreads = omp_get_max_threads();
   std::vector<float> partial(static_cast<size_t>(nthreads) * 2 * C, 0.0f);
 #pragma omp parallel
@@ -45,6 +172,14 @@ void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* d
     for (int64_t i = 0; i < N; ++i) {
       const float* x = inp + i * C;
       const float* dy = dout + i * C;
+      const uint64_t idx0 = offset + static_cast<uint64_t>(i * C);
+      float* dx = dinp + i * C;
+      float* dd = ddropped ? ddropped + i * C : nullptr;
+      if (fast) {
+        ln_backward_row_avx512(dx, dd, pg, pb, dy, x, gamma, mean[i], rstd[i], C, accumulate_dinp,
+                               dropout_p, keep_scale, key, idx0);
+        continue;
+      }
       float m = mean[i], r = rstd[i];
       float sum_gdy = 0.0f, sum_gdy_xhat = 0.0f;
       for (int64_t c = 0; c < C; ++c) {
@@ -56,11 +191,14 @@ void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* d
         pb[c] += dy[c];
       }
       float a = sum_gdy / C, b = sum_gdy_xhat / C;
-      float* dx = dinp + i * C;
       for (int64_t c = 0; c < C; ++c) {
         float xhat = (x[c] - m) * r;
         float g = r * (gamma[c] * dy[c] - a - xhat * b);
         dx[c] = accumulate_dinp ? dx[c] + g : g;
+        if (dd)
+          dd[c] = dropout_p > 0.0f && !dropout_keep(dropout_p, key, idx0 + c) ? 0.0f
+                  : dropout_p > 0.0f                                          ? dx[c] * keep_scale
+                                                                              : dx[c];
       }
     }
   }
@@ -71,6 +209,13 @@ void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* d
       dbeta[c] += pg[C + c];
     }
   }
+}
+
+void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
+                        const float* inp, const float* gamma, const float* mean, const float* rstd,
+                        int64_t N, int64_t C, bool accumulate_dinp) {
+  layernorm_dropout_backward(dinp, nullptr, dgamma, dbeta, dout, inp, gamma, mean, rstd, N, C,
+                             accumulate_dinp, 0.0f, 0, 0);
 }
 
 }  // namespace bertrain::kernels

@@ -10,8 +10,25 @@ namespace bertrain::kernels {
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* gamma,
                        const float* beta, int64_t N, int64_t C, float eps);
 
+// Fused residual block: x = dropout(x) + residual in place (x: the projection's output; dropout
+// element i*C + c keyed at offset + i*C + c, as dropout_forward), then out = LayerNorm(x), in
+// one pass per row.
+void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
+                                const float* residual, const float* gamma, const float* beta,
+                                int64_t N, int64_t C, float eps, float dropout_p, uint64_t key,
+                                uint64_t offset);
+
 void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
                         const float* inp, const float* gamma, const float* mean, const float* rstd,
                         int64_t N, int64_t C, bool accumulate_dinp = false);
+
+// The residual block's backward in one pass: LayerNorm backward into dinp (= or +=, the
+// gradient of x = dropout(y) + residual, hence also the residual's), and ddropped =
+// dropout_backward(dinp) (the gradient of y) with the forward's key and offset.
+void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
+                                const float* dout, const float* inp, const float* gamma,
+                                const float* mean, const float* rstd, int64_t N, int64_t C,
+                                bool accumulate_dinp, float dropout_p, uint64_t key,
+                                uint64_t offset);
 
 }  // namespace bertrain::kernels
