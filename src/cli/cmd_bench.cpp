@@ -50,27 +50,6 @@ model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T,
 }
 
 // fp32 GEMM GFLOP/s of oneDNN at [M,K] x [K,N], measured for about 1 s.
-double measure_gemm_gflops(int64_t M, int64_t N, int64_t K, bool bf16) {
-  std::vector<float> a(M * K, 0.01f), w(N * K, 0.02f), c(M * N);
-  std::vector<uint16_t> a16(M * K, 0x3c23), w16(N * K, 0x3ca3);
-  auto run = [&] {
-    if (bf16)
-      kernels::gemm_bf16(false, true, M, N, K, a16.data(), K, w16.data(), K, c.data(), N, nullptr,
-                         false);
-    else
-      kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);
-  };
-  run();  // create the primitive
-  // The ceiling: the fastest of the runs within a second (a ceiling, so noise must not lower it).
-  double best = 1e30;
-  const auto start = Clock::now();
-  do {
-    const auto t0 = Clock::now();
-    run();
-    best = std::min(best, seconds_since(t0));
-  } while (seconds_since(start) < 1.0);
-  return 2.0 * M * N * K / best / 1e9;
-}
 
 }  // namespace
 
@@ -144,8 +123,8 @@ void add_bench(CLI::App& app) {
     const double tf = median(fwd), tb = median(bwd), tu = median(upd), step = tf + tb + tu;
     const double flops = m.flops_per_step(o->batch, o->seq, P);
     const double gflops = flops / step / 1e9;
-    const double peak =
-        measure_gemm_gflops(o->batch * o->seq, cfg.intermediate_size, cfg.hidden_size, bf16);
+    const double peak = kernels::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
+                                                          cfg.hidden_size, bf16, 1.0);
     struct rusage ru {};
     getrusage(RUSAGE_SELF, &ru);
     const double rss = ru.ru_maxrss * 1024.0;

@@ -71,6 +71,61 @@ BT_AVX512 void adamw_avx512(float* p, const float* g, float* m, float* v, int64_
   }
 }
 
+// LAMB's first pass on 16 lanes: moments updated, and the squared norms of p and of the update
+// u = m_hat / (sqrt(v_hat) + eps) + wd * p accumulated in double (in lanes: another summation
+// order than the portable loop, so the trust ratio may differ in its last bits).
+BT_AVX512 void lamb_moments_avx512(const float* p, const float* g, float* m, float* v, int64_t b,
+                                   int64_t e, float gscale, float b1, float b2, float ibc1,
+                                   float ibc2, float eps, float wd, double* pn, double* un) {
+  using namespace kernels::simd;
+  const __m512 vgs = _mm512_set1_ps(gscale), vb1 = _mm512_set1_ps(b1),
+               vb1c = _mm512_set1_ps(1.0f - b1), vb2 = _mm512_set1_ps(b2),
+               vb2c = _mm512_set1_ps(1.0f - b2), vi1 = _mm512_set1_ps(ibc1),
+               vi2 = _mm512_set1_ps(ibc2), veps = _mm512_set1_ps(eps), vwd = _mm512_set1_ps(wd);
+  __m512d ap = _mm512_setzero_pd(), au = _mm512_setzero_pd();
+  for (int64_t i = b; i < e; i += 16) {
+    const __mmask16 k = tail_mask(e - i);
+    const __m512 gi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), vgs);
+    const __m512 mi =
+        _mm512_add_ps(_mm512_mul_ps(vb1, _mm512_maskz_loadu_ps(k, m + i)), _mm512_mul_ps(vb1c, gi));
+    const __m512 vi = _mm512_add_ps(_mm512_mul_ps(vb2, _mm512_maskz_loadu_ps(k, v + i)),
+                                    _mm512_mul_ps(_mm512_mul_ps(vb2c, gi), gi));
+    _mm512_mask_storeu_ps(m + i, k, mi);
+    _mm512_mask_storeu_ps(v + i, k, vi);
+    const __m512 pi = _mm512_maskz_loadu_ps(k, p + i);
+    const __m512 u =
+        _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(mi, vi1),
+                                    _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, vi2)), veps)),
+                      _mm512_mul_ps(vwd, pi));
+    const __m512d plo = _mm512_cvtps_pd(_mm512_castps512_ps256(pi));
+    const __m512d phi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(pi, 1));
+    const __m512d ulo = _mm512_cvtps_pd(_mm512_castps512_ps256(u));
+    const __m512d uhi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(u, 1));
+    ap = _mm512_add_pd(ap, _mm512_add_pd(_mm512_mul_pd(plo, plo), _mm512_mul_pd(phi, phi)));
+    au = _mm512_add_pd(au, _mm512_add_pd(_mm512_mul_pd(ulo, ulo), _mm512_mul_pd(uhi, uhi)));
+  }
+  *pn += _mm512_reduce_add_pd(ap);
+  *un += _mm512_reduce_add_pd(au);
+}
+
+BT_AVX512 void lamb_update_avx512(float* p, const float* m, const float* v, int64_t b, int64_t e,
+                                  float ibc1, float ibc2, float eps, float wd, float step) {
+  using namespace kernels::simd;
+  const __m512 vi1 = _mm512_set1_ps(ibc1), vi2 = _mm512_set1_ps(ibc2), veps = _mm512_set1_ps(eps),
+               vwd = _mm512_set1_ps(wd), vstep = _mm512_set1_ps(step);
+  for (int64_t i = b; i < e; i += 16) {
+    const __mmask16 k = tail_mask(e - i);
+    const __m512 pi = _mm512_maskz_loadu_ps(k, p + i);
+    const __m512 u = _mm512_add_ps(
+        _mm512_div_ps(
+            _mm512_mul_ps(_mm512_maskz_loadu_ps(k, m + i), vi1),
+            _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, v + i), vi2)),
+                          veps)),
+        _mm512_mul_ps(vwd, pi));
+    _mm512_mask_storeu_ps(p + i, k, _mm512_sub_ps(pi, _mm512_mul_ps(vstep, u)));
+  }
+}
+
 }  // namespace
 
 OptimizerKind parse_optimizer(const std::string& s) {
@@ -153,6 +208,26 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
       // LAMB: u = m_hat / (sqrt(v_hat) + eps) + wd * p; p -= lr * trust * u
       const float ibc1 = static_cast<float>(1.0 / bc1), ibc2 = static_cast<float>(1.0 / bc2);
       double pn = 0, un = 0;
+      if (use_avx512()) {
+        std::vector<double> parts(2 * omp_get_max_threads(), 0.0);
+        parallel_chunks(n, [&](int64_t b, int64_t e) {
+          const int t = omp_get_thread_num();
+          lamb_moments_avx512(p, g, m, v, b, e, gscale, b1, b2, ibc1, ibc2, eps, wd, &parts[2 * t],
+                              &parts[2 * t + 1]);
+        });
+        for (size_t t = 0; t < parts.size(); t += 2) {
+          pn += parts[t];
+          un += parts[t + 1];
+        }
+        float trust = 1.0f;
+        if (wd != 0.0f && pn > 0 && un > 0)
+          trust = static_cast<float>(std::sqrt(pn) / std::sqrt(un));
+        const float step = lr * trust;
+        parallel_chunks(n, [&](int64_t b, int64_t e) {
+          lamb_update_avx512(p, m, v, b, e, ibc1, ibc2, eps, wd, step);
+        });
+        continue;
+      }
 #pragma omp parallel for reduction(+ : pn, un) schedule(static) if (n > 65536)
       for (int64_t i = 0; i < n; ++i) {
         const float gi = g[i] * gscale;

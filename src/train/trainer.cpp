@@ -37,19 +37,6 @@ std::string hms(double s) {
   return buf;
 }
 
-// fp32 GEMM rate at the model's FFN shape, measured now (about 0.5 s).
-double gemm_peak_gflops(int64_t M, int64_t N, int64_t K) {
-  std::vector<float> a(M * K, 0.01f), w(N * K, 0.02f), c(M * N);
-  kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);
-  int it = 0;
-  const auto t0 = Clock::now();
-  do {
-    kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);
-    ++it;
-  } while (since(t0) < 0.5);
-  return 2.0 * M * N * K * it / since(t0) / 1e9;
-}
-
 // Rounds values to bf16/fp16 precision (the working copy of mixed-precision training).
 void round_to(Precision p, const float* src, float* dst, int64_t n) {
   if (p == Precision::BF16) {
@@ -92,8 +79,9 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   if (cfg.output.empty()) fail("--output is required (the run directory for checkpoints)");
 
   const model::BertConfig mcfg = model::BertConfig::load(cfg.model_config);
+  const bool bf16 = cfg.precision == Precision::BF16;
   model::BertModel m(mcfg, model::Head::Pretraining,
-                     {cfg.batch_size, cfg.seq_len, cfg.max_predictions});
+                     {cfg.batch_size, cfg.seq_len, cfg.max_predictions, bf16});
   std::vector<ParamSlice> slices;
   for (const auto& p : m.table().params()) slices.push_back({p.name, p.offset, p.numel(), p.decay});
   Optimizer opt(slices, m.table().total(), cfg.optimizer);
@@ -182,8 +170,8 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
                                                 mcfg.type_vocab_size),
                       position);
 
-  const double peak =
-      gemm_peak_gflops(cfg.batch_size * cfg.seq_len, mcfg.intermediate_size, mcfg.hidden_size);
+  const double peak = kernels::measure_gemm_peak_gflops(
+      cfg.batch_size * cfg.seq_len, mcfg.intermediate_size, mcfg.hidden_size, bf16, 0.5);
   const double flops_step =
       m.flops_per_step(cfg.batch_size, cfg.seq_len, cfg.max_predictions) * cfg.accumulation;
   if (lead) {
@@ -206,9 +194,11 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
         "%llu\n",
         optimizer_name(cfg.optimizer.kind), cfg.lr, (long long)warmup, cfg.power, cfg.end_lr,
         cfg.optimizer.weight_decay, cfg.optimizer.max_grad_norm, precision_name(cfg.precision),
-        cfg.precision == Precision::FP32
-            ? ""
-            : " (fp32 master weights; working weights rounded; kernels compute in fp32)",
+        cfg.precision == Precision::FP32 ? ""
+        : bf16 ? " (fp32 master weights and optimizer; matmuls and attention on bf16 operands, "
+                 "fp32 accumulation)"
+               : " (fp32 master weights; working weights rounded to fp16, kernels compute in "
+                 "fp32; dynamic loss scaling)",
         (unsigned long long)cfg.seed);
     std::printf(
         "  steps %lld..%lld, save every %lld to %s, %s, %d threads, memory plan %s, input bound "
@@ -419,9 +409,9 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
             1e3 * t_overlapped / n, reducer->buckets(), (long long)cfg.bucket_mb);
       const double achieved = flops_step * n / std::max(t_total, 1e-9) / 1e9;
       std::printf(
-          "compute: %.1f GFLOP/s of model FLOPs per rank = %.0f%% of the fp32 GEMM rate measured "
+          "compute: %.1f GFLOP/s of model FLOPs per rank = %.0f%% of the %s GEMM rate measured "
           "now (%.1f GFLOP/s)\n",
-          achieved, 100.0 * achieved / peak, peak);
+          achieved, 100.0 * achieved / peak, bf16 ? "bf16" : "fp32", peak);
       const char* bottleneck =
           pct(t_input) > 10  ? "input pipeline (raise --readers/--prefetch or add shards)"
           : pct(t_comm) > 20 ? "communication (larger batch per rank or fewer ranks per link)"
