@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "core/isa.h"
+#include "core/parallel.h"
 
 namespace bertrain {
 
@@ -127,12 +128,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void f32_to_bf16_avx512(con
 
 void convert_f32_to_bf16(const float* src, uint16_t* dst, size_t n) {
   if (use_avx512()) {
-#pragma omp parallel if (n > (1u << 16))
-    {
-      const size_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-      const size_t per = (n / nt + 15) / 16 * 16, b = std::min(n, t * per);
-      f32_to_bf16_avx512(src + b, dst + b, std::min(n, b + per) - b);
-    }
+    parallel_chunks(static_cast<int64_t>(n), [&](int64_t b, int64_t e) {
+      f32_to_bf16_avx512(src + b, dst + b, static_cast<size_t>(e - b));
+    });
     return;
   }
 #pragma omp parallel for simd schedule(static) if (n > (1u << 16))

@@ -8,22 +8,11 @@
 
 #include "core/error.h"
 #include "core/isa.h"
+#include "core/parallel.h"
 #include "kernels/cpu/simd_avx512.h"
 
 namespace bertrain::train {
 namespace {
-
-// Splits [0, n) into one 16-aligned range per OpenMP thread (when n is large enough).
-template <typename F>
-void parallel_chunks(int64_t n, F&& body) {
-#pragma omp parallel if (n > 65536)
-  {
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t per = (n / nt + 15) / 16 * 16;
-    const int64_t b = std::min(n, t * per), e = std::min(n, b + per);
-    if (b < e) body(b, e);
-  }
-}
 
 // sum of (g * s)^2 in double, 8 lanes.
 BT_AVX512 double sum_squares_avx512(const float* g, int64_t n, double s) {
