@@ -137,9 +137,12 @@ StepResult Optimizer::measure(const float* grads, float inv_scale) const {
     const float* g = grads + s.offset;
     double part = 0;
     if (use_avx512()) {
-      std::vector<double> parts(omp_get_max_threads(), 0.0);
+      // The calling thread's buffer; workers reach it through `part`, not by name.
+      thread_local std::vector<double> parts;
+      parts.assign(omp_get_max_threads(), 0.0);
+      double* const part = parts.data();
       parallel_chunks(s.numel, [&](int64_t b, int64_t e) {
-        parts[omp_get_thread_num()] = sum_squares_avx512(g + b, e - b, inv_scale);
+        part[omp_get_thread_num()] = sum_squares_avx512(g + b, e - b, inv_scale);
       });
       for (double x : parts) sum += x;
       continue;
@@ -198,11 +201,13 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
       const float ibc1 = static_cast<float>(1.0 / bc1), ibc2 = static_cast<float>(1.0 / bc2);
       double pn = 0, un = 0;
       if (use_avx512()) {
-        std::vector<double> parts(2 * omp_get_max_threads(), 0.0);
+        thread_local std::vector<double> parts;  // workers use `part`, as in measure()
+        parts.assign(2 * omp_get_max_threads(), 0.0);
+        double* const part = parts.data();
         parallel_chunks(n, [&](int64_t b, int64_t e) {
           const int t = omp_get_thread_num();
-          lamb_moments_avx512(p, g, m, v, b, e, gscale, b1, b2, ibc1, ibc2, eps, wd, &parts[2 * t],
-                              &parts[2 * t + 1]);
+          lamb_moments_avx512(p, g, m, v, b, e, gscale, b1, b2, ibc1, ibc2, eps, wd, &part[2 * t],
+                              &part[2 * t + 1]);
         });
         for (size_t t = 0; t < parts.size(); t += 2) {
           pn += parts[t];

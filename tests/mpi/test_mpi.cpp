@@ -86,6 +86,18 @@ TEST(Allreduce, SharedBufferZeroCopyEqualsMpiAllreduce) {
   }
 }
 
+// Ranks of a node asking for different shared buffers get a clear error on every rank (not a
+// hang or a buffer overrun).
+TEST(Allreduce, SharedBufferSizeMismatchIsAnErrorOnEveryRank) {
+  if (g_comm->local_size() < 2) GTEST_SKIP() << "needs 2 ranks on a node";
+  try {
+    g_comm->allocate_shared(1000 + g_comm->local_rank());
+    FAIL() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("different sizes"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Allreduce, RandomValuesAgreeToRoundingAndAcrossRanks) {
   const int64_t n = 1000003;
   const auto want = reference(n, false);

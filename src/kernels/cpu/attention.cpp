@@ -286,7 +286,9 @@ void forward_impl(float* ctx, float* probs, X* dropped, const X* qkv, const int3
   }
 #pragma omp parallel
   {
-    std::vector<float> bias(T);
+    // The additive mask row; a per-thread buffer kept between calls (no allocation per step).
+    thread_local std::vector<float> bias;
+    bias.resize(T);
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * NH; ++bh) {
       const int64_t b = bh / NH;

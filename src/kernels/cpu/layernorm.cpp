@@ -163,10 +163,14 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
   const bool fast = use_avx512();
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   int nthreads = omp_get_max_threads();
-  std::vector<float> partial(static_cast<size_t>(nthreads) * 2 * C, 0.0f);
+  // Per-thread dgamma/dbeta partials, kept between calls (no allocation per step).
+  // (The calling thread's buffer: worker threads reach it through `base`, not by name.)
+  thread_local std::vector<float> partial;
+  partial.assign(static_cast<size_t>(nthreads) * 2 * C, 0.0f);
+  float* const base = partial.data();
 #pragma omp parallel
   {
-    float* pg = partial.data() + static_cast<size_t>(omp_get_thread_num()) * 2 * C;
+    float* pg = base + static_cast<size_t>(omp_get_thread_num()) * 2 * C;
     float* pb = pg + C;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
@@ -203,7 +207,7 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
     }
   }
   for (int t = 0; t < nthreads; ++t) {
-    const float* pg = partial.data() + static_cast<size_t>(t) * 2 * C;
+    const float* pg = base + static_cast<size_t>(t) * 2 * C;
     for (int64_t c = 0; c < C; ++c) {
       dgamma[c] += pg[c];
       dbeta[c] += pg[C + c];
