@@ -26,7 +26,8 @@ class Communicator {
   virtual void set_label(const std::string&) {}
   // Collective: n floats of zeroed memory that the communicator can reduce without copying
   // (an MPI-3 shared-memory window for the shm algorithm), owned by the communicator and valid
-  // until it is destroyed; nullptr when the transport has no such memory. allreduce_sum on any
+  // until it is destroyed; nullptr when the transport has no such memory (or not enough of it:
+  // callers keep private memory then). allreduce_sum on any
   // sub-range of it (the same range on every rank) takes the zero-copy path.
   virtual float* allocate_shared(int64_t n) { return nullptr; }
   // Logical AND of a flag over ranks (e.g. "all gradients finite").

@@ -1,6 +1,7 @@
 #include "dist/mpi.h"
 
 #include <mpi.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -372,6 +373,30 @@ float* MpiCommunicator::allocate_shared(int64_t n) {
   if (-range[0] != range[1])
     fail("allocate_shared: ranks of one node asked for different sizes (", -range[0], " to ",
          range[1], " floats); every rank must allocate the same gradient buffer");
+  // The window lives in a shared-memory file (Open MPI: the session directory or /dev/shm). A
+  // container's small /dev/shm (Docker's default is 64 MB) would turn the first touch into a
+  // SIGBUS: without room for every rank's buffer, keep the gradients in private memory (the
+  // shm algorithm then stages them through the window slots). BERTRAIN_SHM_GRADIENTS=0 opts out.
+  auto room = [](const char* dir) {
+    struct statvfs st {};
+    return dir && ::statvfs(dir, &st) == 0 ? static_cast<double>(st.f_bavail) * st.f_frsize : 0.0;
+  };
+  const double need = 1.1 * local_size_ * (n * 4.0 + 64);
+  const char* tmp = std::getenv("TMPDIR");
+  int ok = room("/dev/shm") >= need || room(tmp ? tmp : "/tmp") >= need;
+  if (const char* e = std::getenv("BERTRAIN_SHM_GRADIENTS"); e && std::string(e) == "0") ok = 0;
+  check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, impl_->node),
+        "MPI_Allreduce(allocate_shared)");
+  if (!ok) {
+    if (rank_ == 0 && !std::getenv("BERTRAIN_SHM_GRADIENTS"))
+      std::fprintf(stderr,
+                   "bertrain: not enough shared memory for zero-copy gradients (%s for %d ranks "
+                   "on a node; /dev/shm and the temp dir are too small): gradients stay in "
+                   "private memory and the shm allreduce copies them. Enlarge /dev/shm (e.g. "
+                   "docker --shm-size, an emptyDir with medium: Memory) to avoid the copies.\n",
+                   human_bytes(need).c_str(), local_size_);
+    return nullptr;
+  }
   Impl::SharedBuffer b;
   b.n = n;
   float* mine = nullptr;

@@ -174,8 +174,8 @@ TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
       one.init_params(11);
       two.init_params(11);
       if (a != Algorithm::Ring)  // gradients in shared memory, as the trainer places them
-        two.place_gradients(reinterpret_cast<std::byte*>(
-            g_comm->allocate_shared((two.plan().group_bytes("gradients") + 3) / 4)));
+        if (float* shared = g_comm->allocate_shared((two.plan().group_bytes("gradients") + 3) / 4))
+          two.place_gradients(reinterpret_cast<std::byte*>(shared));
       std::vector<train::ParamSlice> sl;
       for (const auto& p : one.table().params())
         sl.push_back({p.name, p.offset, p.numel(), p.decay});
