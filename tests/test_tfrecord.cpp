@@ -117,7 +117,9 @@ TEST(RealFiles, GoogleBertPretrainingRecords) {
     for (int p = 0; p < 20; ++p) {
       const float w = b.masked_lm_weights[i * 20 + p];
       EXPECT_TRUE(w == 0.0f || w == 1.0f);
-      if (w == 0.0f) EXPECT_EQ(b.masked_lm_positions[i * 20 + p], 0);
+      if (w == 0.0f) {
+        EXPECT_EQ(b.masked_lm_positions[i * 20 + p], 0);
+      }
     }
     EXPECT_LE(b.next_sentence_labels[i], 1);
   }
@@ -136,7 +138,7 @@ TEST_P(WriterTest, RoundTripsRecordsOfAnySize) {
   TempDir tmp;
   const std::string path = tmp / "w.tfrecord";
   std::vector<std::string> recs = {"", "a", std::string(3 << 20, 'x'), "tail"};
-  for (int i = 0; i < 1000; ++i) recs.push_back("r" + std::to_string(i));
+  for (int i = 0; i < 1000; ++i) recs.push_back(std::string(1, 'r').append(std::to_string(i)));
   {
     TFRecordWriter w(path, GetParam());
     for (const auto& r : recs) w.write(r);
@@ -234,7 +236,9 @@ TEST_P(CorruptTest, IsReportedWithFileOffsetAndRecord) {
   // After a data-CRC error the reader goes on with record 2; otherwise the file ends.
   const bool more = r.next(rec);
   EXPECT_EQ(more, GetParam().kind == CorruptRecord::Kind::DataCrc);
-  if (more) EXPECT_EQ(rec, std::string(10, 'c'));
+  if (more) {
+    EXPECT_EQ(rec, std::string(10, 'c'));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
