@@ -431,6 +431,37 @@ TEST(IsaDispatch, FusedResidualLayerNormEqualsSeparateKernels) {
                         by_isa[0].size(), 2e-6, 2e-6));
 }
 
+// The fused embedding block equals embedding + LayerNorm + dropout bit for bit on each body.
+TEST(IsaDispatch, FusedEmbeddingLayerNormEqualsSeparateKernels) {
+  const int64_t B = 3, T = 7, C = 40, V = 11;
+  const auto word = random_vector(V * C, 30), pos = random_vector(T * C, 31),
+             type = random_vector(2 * C, 32), gamma = random_vector(C, 33),
+             beta = random_vector(C, 34);
+  std::vector<int32_t> ids(B * T), seg(B * T);
+  for (int64_t i = 0; i < B * T; ++i) {
+    ids[i] = static_cast<int32_t>((i * 5) % V);
+    seg[i] = static_cast<int32_t>(i % T >= 4);
+  }
+  for (bool portable : {false, true}) {
+    if (portable) set_isa_override(Isa::Portable);
+    std::vector<float> out(B * T * C), sum(out.size()), mean(B * T), rstd(B * T);
+    std::vector<float> out2(out.size()), sum2(out.size()), mean2(B * T), rstd2(B * T);
+    embedding_layernorm_forward(out.data(), sum.data(), mean.data(), rstd.data(), ids.data(),
+                                seg.data(), word.data(), pos.data(), type.data(), gamma.data(),
+                                beta.data(), B, T, C, 1e-12f, 0.2f, 4, 64);
+    embedding_forward(sum2.data(), ids.data(), seg.data(), word.data(), pos.data(), type.data(), B,
+                      T, C);
+    layernorm_forward(out2.data(), mean2.data(), rstd2.data(), sum2.data(), gamma.data(),
+                      beta.data(), B * T, C, 1e-12f);
+    dropout_forward(out2.data(), B * T * C, 0.2f, 4, 64);
+    reset_isa_override();
+    EXPECT_EQ(sum, sum2);
+    EXPECT_EQ(out, out2) << (portable ? "portable" : "best");
+    EXPECT_EQ(mean, mean2);
+    EXPECT_EQ(rstd, rstd2);
+  }
+}
+
 TEST(IsaDispatch, DropoutAvx512IsBitIdentical) {
   const int64_t n = 10007;
   const auto x = random_vector(n, 5);

@@ -224,14 +224,14 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   const int64_t L = cfg_.num_hidden_layers;
 
   const ParamTable& t = table_;
-  embedding_forward(act_.emb_sum, b.input_ids.data(), b.segment_ids.data(),
-                    W(t.offset("bert.embeddings.word_embeddings.weight")),
-                    W(t.offset("bert.embeddings.position_embeddings.weight")),
-                    W(t.offset("bert.embeddings.token_type_embeddings.weight")), B, T, C);
-  layernorm_forward(act_.h0, act_.emb_mean, act_.emb_rstd, act_.emb_sum,
-                    W(t.offset("bert.embeddings.LayerNorm.weight")),
-                    W(t.offset("bert.embeddings.LayerNorm.bias")), N, C, eps);
-  dropout_forward(act_.h0, N * C, p_hidden, rng_key(opt.seed, opt.step, 0, kEmbedding), off_tc);
+  embedding_layernorm_forward(act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd,
+                              b.input_ids.data(), b.segment_ids.data(),
+                              W(t.offset("bert.embeddings.word_embeddings.weight")),
+                              W(t.offset("bert.embeddings.position_embeddings.weight")),
+                              W(t.offset("bert.embeddings.token_type_embeddings.weight")),
+                              W(t.offset("bert.embeddings.LayerNorm.weight")),
+                              W(t.offset("bert.embeddings.LayerNorm.bias")), B, T, C, eps, p_hidden,
+                              rng_key(opt.seed, opt.step, 0, kEmbedding), off_tc);
 
   const float* x = act_.h0;
   for (int64_t l = 0; l < L; ++l) {

@@ -117,6 +117,50 @@ void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
 
 namespace {
 
+// out[0, C) *= keep / (1 - p) or 0, elements keyed idx0 + c (as dropout_forward).
+BT_AVX512 void dropout_row_avx512(float* out, int64_t C, float p, float keep_scale, uint64_t key,
+                                  uint64_t idx0) {
+  using namespace simd;
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 k = tail_mask(C - c);
+    _mm512_mask_storeu_ps(out + c, k,
+                          _mm512_mul_ps(_mm512_maskz_loadu_ps(k, out + c),
+                                        dropout_scale16(p, keep_scale, key, idx0 + c)));
+  }
+}
+
+}  // namespace
+
+void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
+                                 const int32_t* ids, const int32_t* segment, const float* word,
+                                 const float* position, const float* token_type, const float* gamma,
+                                 const float* beta, int64_t B, int64_t T, int64_t C, float eps,
+                                 float dropout_p, uint64_t key, uint64_t offset) {
+  const bool fast = use_avx512();
+  const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const float* w = word + static_cast<int64_t>(ids[bt]) * C;
+    const float* p = position + (bt % T) * C;
+    const float* s = token_type + static_cast<int64_t>(segment[bt]) * C;
+    float* x = sum + bt * C;
+    float* o = out + bt * C;
+    for (int64_t c = 0; c < C; ++c) x[c] = w[c] + p[c] + s[c];
+    const uint64_t idx0 = offset + static_cast<uint64_t>(bt * C);
+    if (fast) {
+      ln_row_avx512(o, mean + bt, rstd + bt, x, nullptr, gamma, beta, C, eps, 0.0f, 1.0f, 0, 0);
+      if (dropout_p > 0.0f) dropout_row_avx512(o, C, dropout_p, keep_scale, key, idx0);
+      continue;
+    }
+    ln_row_portable(o, mean + bt, rstd + bt, x, gamma, beta, C, eps);
+    if (dropout_p > 0.0f)
+      for (int64_t c = 0; c < C; ++c)
+        o[c] = dropout_keep(dropout_p, key, idx0 + c) ? o[c] * keep_scale : 0.0f;
+  }
+}
+
+namespace {
+
 BT_AVX512 void ln_backward_row_avx512(float* dx, float* ddrop, float* pg, float* pb,
                                       const float* dy, const float* x, const float* gamma, float m,
                                       float r, int64_t C, bool accumulate, float p,

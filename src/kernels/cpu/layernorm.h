@@ -18,6 +18,15 @@ void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                 int64_t N, int64_t C, float eps, float dropout_p, uint64_t key,
                                 uint64_t offset);
 
+// BERT's embedding block in one pass per token: sum = word[id] + position[t] +
+// token_type[segment] (saved for backward), out = dropout(LayerNorm(sum)), dropout keyed as
+// dropout_forward on out. Ids are validated by the caller.
+void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
+                                 const int32_t* ids, const int32_t* segment, const float* word,
+                                 const float* position, const float* token_type, const float* gamma,
+                                 const float* beta, int64_t B, int64_t T, int64_t C, float eps,
+                                 float dropout_p, uint64_t key, uint64_t offset);
+
 void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
                         const float* inp, const float* gamma, const float* mean, const float* rstd,
                         int64_t N, int64_t C, bool accumulate_dinp = false);
