@@ -5,7 +5,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <dnnl.hpp>
 
 #include "core/error.h"
 
@@ -15,6 +14,7 @@ namespace {
 struct Detected {
   Isa isa = Isa::Portable;
   bool bf16 = false;
+  bool capped = false;  // BERTRAIN_ISA lowered it
 };
 
 uint64_t xcr0() {
@@ -46,27 +46,18 @@ Detected capped() {
   const char* env = std::getenv("BERTRAIN_ISA");
   if (!env || !*env) return d;
   Isa cap;
-  dnnl::cpu_isa dnnl_cap;
-  if (!std::strcmp(env, "portable")) {
+  if (!std::strcmp(env, "portable"))
     cap = Isa::Portable;
-    dnnl_cap = dnnl::cpu_isa::sse41;
-  } else if (!std::strcmp(env, "avx2")) {
+  else if (!std::strcmp(env, "avx2"))
     cap = Isa::Avx2;
-    dnnl_cap = dnnl::cpu_isa::avx2;
-  } else if (!std::strcmp(env, "avx512")) {
+  else if (!std::strcmp(env, "avx512"))
     cap = Isa::Avx512;
-    dnnl_cap = dnnl::cpu_isa::all;
-  } else {
+  else
     fail("BERTRAIN_ISA must be portable, avx2 or avx512, got '", env, "'");
-  }
   if (cap < d.isa) {
     d.isa = cap;
     d.bf16 = false;
-    // Before oneDNN creates its first primitive; later calls have no effect.
-    try {
-      dnnl::set_max_cpu_isa(dnnl_cap);
-    } catch (const dnnl::error&) {
-    }
+    d.capped = true;
   }
   return d;
 }
@@ -92,6 +83,10 @@ void set_isa_override(Isa isa) {
 
 void reset_isa_override() {
   g_override = -1;
+}
+
+bool isa_capped_by_env() {
+  return detected().capped;
 }
 
 bool cpu_has_avx512_bf16() {

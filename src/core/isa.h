@@ -1,7 +1,7 @@
 // Run-time instruction-set dispatch. One binary runs on every node of a cluster: kernels that
 // have an AVX-512 body (function-level target attributes) take it only when the CPU and OS
 // support it, and a portable body otherwise. BERTRAIN_ISA=portable|avx2|avx512 caps what is
-// used (also oneDNN's JIT, through dnnl::set_max_cpu_isa), so the fallbacks are tested on
+// used (oneDNN's JIT too: kernels/cpu/matmul.cpp passes the cap on), so the fallbacks are tested on
 // machines that have AVX-512.
 #pragma once
 
@@ -12,6 +12,7 @@ enum class Isa { Portable = 0, Avx2 = 1, Avx512 = 2 };
 // Detected once (cpuid + xgetbv), capped by BERTRAIN_ISA. Avx512 means F, BW, DQ and VL.
 Isa cpu_isa();
 bool cpu_has_avx512_bf16();  // AVX-512 BF16 (vdpbf16ps), within the cap
+bool isa_capped_by_env();    // BERTRAIN_ISA lowered the detected ISA (matmul.cpp caps oneDNN)
 const char* isa_name(Isa isa);
 inline bool use_avx512() {
   return cpu_isa() == Isa::Avx512;

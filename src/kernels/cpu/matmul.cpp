@@ -36,9 +36,17 @@ struct GemmPrim {
 };
 
 dnnl::engine& cpu_engine() {
-  // ISA detection first: a BERTRAIN_ISA cap must reach oneDNN before its first primitive.
-  static const Isa isa = cpu_isa();
-  (void)isa;
+  // A BERTRAIN_ISA cap must reach oneDNN before its first primitive (later calls are ignored).
+  static const bool capped = [] {
+    if (!isa_capped_by_env()) return false;
+    try {
+      dnnl::set_max_cpu_isa(cpu_isa() == Isa::Avx2 ? dnnl::cpu_isa::avx2 : dnnl::cpu_isa::sse41);
+    } catch (const dnnl::error&) {
+      return false;
+    }
+    return true;
+  }();
+  (void)capped;
   static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
   return eng;
 }
