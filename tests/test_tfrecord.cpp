@@ -177,6 +177,29 @@ TEST(Example, EncodeDecodeRoundTrip) {
   EXPECT_EQ(to_example(v), ex);
 }
 
+// Unknown fields in the deprecated group encoding (found by the fuzzer: protobuf skipped such a
+// field, the fast decoder rejected the record): both skip a group, nested groups too, and both
+// reject an end-group without its start or a group that never ends.
+TEST(Example, UnknownGroupFieldsAreSkippedAsProtobufDoes) {
+  const std::string feature = encode_example({{"x", {FeatureKind::Int64, {7}, {}, {}}}});
+  // field 9 start-group { field 2 varint 5; field 3 start-group { field 1 fixed32 } end } end
+  const std::string group = std::string("\x4b\x10\x05\x1b\x0d\x01\x02\x03\x04\x1c\x4c", 11);
+  for (const std::string& ex : {group + feature, feature + group}) {
+    Example ref = decode_example(ex);
+    ExampleView v;
+    ASSERT_TRUE(v.parse(ex)) << v.error();
+    EXPECT_EQ(to_example(v), ref);
+    EXPECT_EQ(ref.at("x").ints, std::vector<int64_t>{7});
+  }
+  for (const std::string& bad : {std::string("\x4c", 1) + feature,          // end without start
+                                 feature + std::string("\x4b\x10\x05", 3),  // never ends
+                                 std::string("\x4b\x54", 2) + feature}) {   // ends another field
+    ExampleView v;
+    EXPECT_FALSE(v.parse(bad));
+    EXPECT_THROW(decode_example(bad), Error);
+  }
+}
+
 TEST(Example, UnpackedListsAndDuplicateKeysDecodeAsProtobufDoes) {
   // Hand-made wire bytes: feature "a" as an unpacked int64 list [3, 4], then "a" again as
   // float [1.5] (a repeated map key: the last wins), and "f" as unpacked floats.

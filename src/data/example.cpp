@@ -106,9 +106,9 @@ std::string encode_example(const Example& ex) {
 }
 
 namespace wire {
-bool skip_field(const char*& p, const char* end, uint32_t wt) {
+bool skip_field(const char*& p, const char* end, uint64_t tag, int depth) {
   uint64_t v;
-  switch (wt) {
+  switch (tag & 7) {
     case 0:
       return varint(p, end, v);
     case 1:
@@ -119,12 +119,22 @@ bool skip_field(const char*& p, const char* end, uint32_t wt) {
       std::string_view s;
       return length_delimited(p, end, s);
     }
+    case 3: {  // start group: fields until the end-group tag of the same field number
+      if (depth >= 100) return false;
+      while (p < end) {
+        uint64_t inner;
+        if (!varint(p, end, inner)) return false;
+        if ((inner & 7) == 4) return (inner >> 3) == (tag >> 3);
+        if (!skip_field(p, end, inner, depth + 1)) return false;
+      }
+      return false;  // no end-group
+    }
     case 5:
       if (end - p < 4) return false;
       p += 4;
       return true;
     default:
-      return false;  // groups (3, 4) are not used by tf.Example
+      return false;  // an end-group without its start, or wire types 6 and 7
   }
 }
 }  // namespace wire
@@ -141,7 +151,7 @@ bool ExampleView::parse(std::string_view bytes) {
     uint64_t tag;
     if (!wire::varint(p, end, tag)) return bad("truncated Example tag");
     if (tag != ((1 << 3) | 2)) {
-      if (!wire::skip_field(p, end, tag & 7)) return bad("malformed Example field");
+      if (!wire::skip_field(p, end, tag)) return bad("malformed Example field");
       continue;
     }
     std::string_view features;
@@ -150,7 +160,7 @@ bool ExampleView::parse(std::string_view bytes) {
     while (q < qe) {  // Features: repeated map entry, field 1
       if (!wire::varint(q, qe, tag)) return bad("truncated Features tag");
       if (tag != ((1 << 3) | 2)) {
-        if (!wire::skip_field(q, qe, tag & 7)) return bad("malformed Features field");
+        if (!wire::skip_field(q, qe, tag)) return bad("malformed Features field");
         continue;
       }
       std::string_view entry;
@@ -175,11 +185,11 @@ bool ExampleView::parse(std::string_view bytes) {
               e.kind = field == 1   ? FeatureKind::Bytes
                        : field == 2 ? FeatureKind::Float
                                     : FeatureKind::Int64;
-            } else if (!wire::skip_field(s, se, tag & 7)) {
+            } else if (!wire::skip_field(s, se, tag)) {
               return bad("malformed Feature field");
             }
           }
-        } else if (!wire::skip_field(r, re, tag & 7)) {
+        } else if (!wire::skip_field(r, re, tag)) {
           return bad("malformed feature entry");
         }
       }

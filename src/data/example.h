@@ -81,7 +81,10 @@ inline bool varint(const char*& p, const char* end, uint64_t& v) {
   }
   return false;
 }
-bool skip_field(const char*& p, const char* end, uint32_t wire_type);
+// Skips the value of a field whose tag was just read, as protobuf skips unknown fields:
+// varint, fixed64, length-delimited, fixed32, and (deprecated) groups up to their matching
+// end-group tag, nested at most 100 deep. False on truncation or an unmatched end-group.
+bool skip_field(const char*& p, const char* end, uint64_t tag, int depth = 0);
 inline bool length_delimited(const char*& p, const char* end, std::string_view& out) {
   uint64_t n;
   if (!varint(p, end, n) || n > static_cast<uint64_t>(end - p)) return false;
@@ -110,7 +113,7 @@ bool ExampleView::for_each_int64(std::string_view list, F&& out) {
       uint64_t v;
       if (!wire::varint(p, end, v)) return false;
       out(static_cast<int64_t>(v));
-    } else if (!wire::skip_field(p, end, tag & 7)) {
+    } else if (!wire::skip_field(p, end, tag)) {
       return false;
     }
   }
@@ -137,7 +140,7 @@ bool ExampleView::for_each_float(std::string_view list, F&& out) {
       std::memcpy(&f, p, 4);
       p += 4;
       out(f);
-    } else if (!wire::skip_field(p, end, tag & 7)) {
+    } else if (!wire::skip_field(p, end, tag)) {
       return false;
     }
   }
@@ -154,7 +157,7 @@ bool ExampleView::for_each_bytes(std::string_view list, F&& out) {
       std::string_view v;
       if (!wire::length_delimited(p, end, v)) return false;
       out(v);
-    } else if (!wire::skip_field(p, end, tag & 7)) {
+    } else if (!wire::skip_field(p, end, tag)) {
       return false;
     }
   }

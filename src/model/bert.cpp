@@ -296,9 +296,15 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
                       W(t.offset("cls.predictions.transform.LayerNorm.bias")), BP, C, eps);
     lin_fwd(act_.mlm_logits, act_.mlm_ln, W(t.offset("bert.embeddings.word_embeddings.weight")),
             W(t.offset("cls.predictions.bias")), BP, V, C);
-    const double wsum_ce = cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct,
-                                                          act_.mlm_logits, b.masked_lm_ids.data(),
-                                                          b.masked_lm_weights.data(), BP, V, 0.0f);
+    // Training: the gradient (for loss scale 1) is written over the logits in the same passes
+    // that compute the loss, so backward does not recompute the softmax over the vocabulary.
+    double wsum = 0;
+    for (int64_t r = 0; r < BP; ++r) wsum += b.masked_lm_weights[r];
+    const float dscale1 = static_cast<float>(1.0 / (wsum + kMlmDenominatorEps));
+    const double wsum_ce = cross_entropy_forward_backward(
+        opt.training ? act_.mlm_logits : nullptr, act_.row_loss, act_.row_correct, act_.mlm_logits,
+        b.masked_lm_ids.data(), b.masked_lm_weights.data(), BP, V, dscale1);
+    mlm_grad_ready_ = opt.training;
     for (int64_t r = 0; r < BP; ++r) {
       out.mlm_weight += b.masked_lm_weights[r];
       out.mlm_correct += b.masked_lm_weights[r] * act_.row_correct[r];
@@ -353,13 +359,24 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
             W(t.offset("cls.seq_relationship.weight")), B, 2, C);
 
     const int64_t BP = B * b.P;
-    double wsum = 0;
-    for (int64_t r = 0; r < BP; ++r) wsum += b.masked_lm_weights[r];
-    const float dscale = static_cast<float>(loss_scale / (wsum + kMlmDenominatorEps));
     float* dlogits = act_.mlm_logits;  // gradient overwrites the logits
-    cross_entropy_forward_backward(dlogits, nullptr, nullptr, act_.mlm_logits,
-                                   b.masked_lm_ids.data(), b.masked_lm_weights.data(), BP, V,
-                                   dscale);
+    if (mlm_grad_ready_) {
+      // Forward left the gradient for loss scale 1; scales are powers of two, so scaling here
+      // gives the same bits as computing with the scale.
+      if (loss_scale != 1.0f) {
+        const int64_t n = BP * V;
+#pragma omp parallel for simd schedule(static)
+        for (int64_t i = 0; i < n; ++i) dlogits[i] *= loss_scale;
+      }
+    } else {
+      double wsum = 0;
+      for (int64_t r = 0; r < BP; ++r) wsum += b.masked_lm_weights[r];
+      const float dscale = static_cast<float>(loss_scale / (wsum + kMlmDenominatorEps));
+      cross_entropy_forward_backward(dlogits, nullptr, nullptr, act_.mlm_logits,
+                                     b.masked_lm_ids.data(), b.masked_lm_weights.data(), BP, V,
+                                     dscale);
+    }
+    mlm_grad_ready_ = false;
     float* d1 = act_.dhead1;  // [BP,C]
     lin_bwd(d1, G(word), G(t.offset("cls.predictions.bias")), dlogits, act_.mlm_ln, W(word), BP, V,
             C);

@@ -127,7 +127,8 @@ class BertModel {
   Acts act_{};
   uint16_t *wbf16_ = nullptr, *sa_ = nullptr, *sb_ = nullptr;  // bf16 weights and scratch
   float* attn_work_ = nullptr;                                 // attention scratch
-  kernels::AttentionBf16 attn16_{};                            // attention's bf16 matmul operands
+  bool mlm_grad_ready_ = false;      // training forward left the MLM logits' gradient in place
+  kernels::AttentionBf16 attn16_{};  // attention's bf16 matmul operands
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
 };
