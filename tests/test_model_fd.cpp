@@ -120,6 +120,14 @@ TEST(Plan, EstimateIsTheAllocation) {
   EXPECT_EQ(plan::max_batch_for_budget(cfg, Head::Pretraining, d, 2, budget), 4);
   EXPECT_EQ(plan::max_batch_for_budget(cfg, Head::Pretraining, d, 2, budget - 1), 3);
   EXPECT_EQ(plan::max_batch_for_budget(cfg, Head::Pretraining, d, 2, 100), 0);
+  // bf16: the same identity with the bf16 group (weight copy, matmul operands) and the
+  // activations kept in bf16.
+  ModelDims d16{4, 6, 2, true};
+  BertModel m16(cfg, Head::Pretraining, d16);
+  MemoryPlan p16 = plan::training_plan(cfg, Head::Pretraining, d16, 2);
+  EXPECT_EQ(p16.total_bytes(), m16.plan().total_bytes() + p16.group_bytes("optimizer"));
+  EXPECT_GT(p16.group_bytes("bf16"), 0u);
+  EXPECT_LT(p16.group_bytes("activations"), p.group_bytes("activations"));
 }
 
 }  // namespace
