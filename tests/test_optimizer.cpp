@@ -4,6 +4,7 @@
 // absolute floor of 1e-7 (one fp32 ulp at the parameters' scale ~0.5 is 6e-8).
 #include <gtest/gtest.h>
 
+#include "core/dtype.h"
 #include "core/isa.h"
 #include "model/safetensors.h"
 #include "test_util.h"
@@ -138,6 +139,27 @@ TEST(Optimizer, LambAvx512MatchesPortable) {
   EXPECT_EQ(vf, vp);
   EXPECT_TRUE(test::all_close("lamb", pf.data(), pp.data(), pf.size(), 1e-6, 1e-9));
   EXPECT_NE(pf, test::random_vector(total, 1));  // it moved
+}
+
+// The bf16 weight copy written in the update pass equals the updated parameters rounded, for
+// both optimizers and both bodies.
+TEST(Optimizer, Bf16CopyInTheUpdatePassEqualsRoundedParameters) {
+  const std::vector<ParamSlice> slices = {{"a", 0, 70001, true}, {"b", 70001, 37, false}};
+  const int64_t total = 70038;
+  for (OptimizerKind kind : {OptimizerKind::AdamW, OptimizerKind::Lamb}) {
+    for (bool portable : {false, true}) {
+      if (portable) set_isa_override(Isa::Portable);
+      OptimizerConfig cfg;
+      cfg.kind = kind;
+      std::vector<float> p = test::random_vector(total, 1), g = test::random_vector(total, 2);
+      std::vector<uint16_t> p16(total, 0xffff), want(total);
+      Optimizer opt(slices, total, cfg);
+      for (int step = 0; step < 2; ++step) opt.step(p.data(), g.data(), 1e-3f, 1.0f, p16.data());
+      reset_isa_override();
+      convert_f32_to_bf16(p.data(), want.data(), total);
+      EXPECT_EQ(p16, want) << optimizer_name(kind) << (portable ? " portable" : "");
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Clip, AdamWIsa, ::testing::Values(0.0f, 1.0f),

@@ -108,7 +108,8 @@ void add_bench(CLI::App& app) {
       m.backward(b, opt);
       const double tb = seconds_since(t0);
       t0 = Clock::now();
-      optimizer.step(m.params(), m.grads(), 1e-5f, 1.0f);
+      if (optimizer.step(m.params(), m.grads(), 1e-5f, 1.0f, m.bf16_weights()).finite)
+        m.bf16_weights_updated();
       const double tu = seconds_since(t0);
       if (s >= o->warmup) {
         fwd.push_back(tf);

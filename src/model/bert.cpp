@@ -212,7 +212,9 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     fail("batch [", b.B, " x ", b.T, ", ", b.P, " predictions] exceeds the planned [", dims_.batch,
          " x ", dims_.seq_len, ", ", dims_.max_predictions, "]");
   validate_batch(b, cfg_, head_);
-  if (wbf16_) convert_f32_to_bf16(params(), wbf16_, static_cast<size_t>(table_.total()));
+  if (wbf16_ && !bf16_fresh_)
+    convert_f32_to_bf16(params(), wbf16_, static_cast<size_t>(table_.total()));
+  bf16_fresh_ = false;
   const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
                 NH = cfg_.num_attention_heads, V = cfg_.vocab_size;
   const float eps = cfg_.layer_norm_eps;

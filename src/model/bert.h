@@ -63,6 +63,11 @@ class BertModel {
   float* param(const std::string& name) const { return params() + table_.offset(name); }
   float* grad(const std::string& name) const { return grads() + table_.offset(name); }
   void zero_grads();
+  // bf16 models: the bf16 copy of the weights the matmuls read (null in fp32). Forward refreshes
+  // it from params() unless told, once, that the caller already did (the optimizer writes it
+  // in its update pass).
+  uint16_t* bf16_weights() const { return wbf16_; }
+  void bf16_weights_updated() { bf16_fresh_ = wbf16_ != nullptr; }
   // Moves the gradients into `memory` (group_bytes("gradients"), 64-byte aligned, owned by the
   // caller and outliving the model), e.g. a communicator's shared window for zero-copy allreduce.
   void place_gradients(std::byte* memory);
@@ -127,7 +132,9 @@ class BertModel {
   Acts act_{};
   uint16_t *wbf16_ = nullptr, *sa_ = nullptr, *sb_ = nullptr;  // bf16 weights and scratch
   float* attn_work_ = nullptr;                                 // attention scratch
-  bool mlm_grad_ready_ = false;      // training forward left the MLM logits' gradient in place
+  bool mlm_grad_ready_ = false;
+  bool bf16_fresh_ = false;  // bf16_weights() already equals params() rounded      // training
+                             // forward left the MLM logits' gradient in place
   kernels::AttentionBf16 attn16_{};  // attention's bf16 matmul operands
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;

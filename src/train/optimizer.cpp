@@ -6,6 +6,7 @@
 
 #include <omp.h>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/isa.h"
 #include "core/parallel.h"
@@ -35,9 +36,9 @@ BT_AVX512 double sum_squares_avx512(const float* g, int64_t n, double s) {
 
 // The AdamW update on 16 lanes with the portable loop's operations in its order (no FMA), so
 // both bodies give the same bits.
-BT_AVX512 void adamw_avx512(float* p, const float* g, float* m, float* v, int64_t b, int64_t e,
-                            float gscale, float b1, float b2, float step_size, float sqrt_bc2,
-                            float eps, float decay) {
+BT_AVX512 void adamw_avx512(float* p, uint16_t* p16, const float* g, float* m, float* v, int64_t b,
+                            int64_t e, float gscale, float b1, float b2, float step_size,
+                            float sqrt_bc2, float eps, float decay) {
   using namespace kernels::simd;
   const __m512 vgs = _mm512_set1_ps(gscale), vb1 = _mm512_set1_ps(b1),
                vb1c = _mm512_set1_ps(1.0f - b1), vb2 = _mm512_set1_ps(b2),
@@ -57,6 +58,7 @@ BT_AVX512 void adamw_avx512(float* p, const float* g, float* m, float* v, int64_
     _mm512_mask_storeu_ps(m + i, k, mi);
     _mm512_mask_storeu_ps(v + i, k, vi);
     _mm512_mask_storeu_ps(p + i, k, pi);
+    if (p16) _mm256_mask_storeu_epi16(p16 + i, k, f32_to_bf16_16(pi));
   }
 }
 
@@ -97,8 +99,9 @@ BT_AVX512 void lamb_moments_avx512(const float* p, const float* g, float* m, flo
   *un += _mm512_reduce_add_pd(au);
 }
 
-BT_AVX512 void lamb_update_avx512(float* p, const float* m, const float* v, int64_t b, int64_t e,
-                                  float ibc1, float ibc2, float eps, float wd, float step) {
+BT_AVX512 void lamb_update_avx512(float* p, uint16_t* p16, const float* m, const float* v,
+                                  int64_t b, int64_t e, float ibc1, float ibc2, float eps, float wd,
+                                  float step) {
   using namespace kernels::simd;
   const __m512 vi1 = _mm512_set1_ps(ibc1), vi2 = _mm512_set1_ps(ibc2), veps = _mm512_set1_ps(eps),
                vwd = _mm512_set1_ps(wd), vstep = _mm512_set1_ps(step);
@@ -111,7 +114,9 @@ BT_AVX512 void lamb_update_avx512(float* p, const float* m, const float* v, int6
             _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, v + i), vi2)),
                           veps)),
         _mm512_mul_ps(vwd, pi));
-    _mm512_mask_storeu_ps(p + i, k, _mm512_sub_ps(pi, _mm512_mul_ps(vstep, u)));
+    const __m512 pn = _mm512_sub_ps(pi, _mm512_mul_ps(vstep, u));
+    _mm512_mask_storeu_ps(p + i, k, pn);
+    if (p16) _mm256_mask_storeu_epi16(p16 + i, k, f32_to_bf16_16(pn));
   }
 }
 
@@ -165,7 +170,7 @@ StepResult Optimizer::measure(const float* grads, float inv_scale) const {
 }
 
 void Optimizer::apply(float* params, const float* grads, float lr, float inv_scale,
-                      const StepResult& r) {
+                      const StepResult& r, uint16_t* params_bf16) {
   ++steps_;
   const float b1 = cfg_.beta1, b2 = cfg_.beta2, eps = cfg_.eps;
   const double bc1 = 1.0 - std::pow(static_cast<double>(b1), static_cast<double>(steps_));
@@ -173,6 +178,7 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
   const float gscale = static_cast<float>(inv_scale * r.clip_coef);
   for (const auto& s : slices_) {
     float* p = params + s.offset;
+    uint16_t* p16 = params_bf16 ? params_bf16 + s.offset : nullptr;
     const float* g = grads + s.offset;
     float* m = m_.data() + s.offset;
     float* v = v_.data() + s.offset;
@@ -185,7 +191,7 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
       const float decay = 1.0f - lr * wd;
       if (use_avx512()) {
         parallel_chunks(n, [&](int64_t b, int64_t e) {
-          adamw_avx512(p, g, m, v, b, e, gscale, b1, b2, step_size, sqrt_bc2, eps, decay);
+          adamw_avx512(p, p16, g, m, v, b, e, gscale, b1, b2, step_size, sqrt_bc2, eps, decay);
         });
         continue;
       }
@@ -195,6 +201,7 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
         m[i] = b1 * m[i] + (1.0f - b1) * gi;
         v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
         p[i] = p[i] * decay - step_size * m[i] / (std::sqrt(v[i]) / sqrt_bc2 + eps);
+        if (p16) p16[i] = f32_to_bf16(p[i]);
       }
     } else {
       // LAMB: u = m_hat / (sqrt(v_hat) + eps) + wd * p; p -= lr * trust * u
@@ -218,7 +225,7 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
           trust = static_cast<float>(std::sqrt(pn) / std::sqrt(un));
         const float step = lr * trust;
         parallel_chunks(n, [&](int64_t b, int64_t e) {
-          lamb_update_avx512(p, m, v, b, e, ibc1, ibc2, eps, wd, step);
+          lamb_update_avx512(p, p16, m, v, b, e, ibc1, ibc2, eps, wd, step);
         });
         continue;
       }
@@ -238,14 +245,16 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
       for (int64_t i = 0; i < n; ++i) {
         const float u = (m[i] * ibc1) / (std::sqrt(v[i] * ibc2) + eps) + wd * p[i];
         p[i] -= step * u;
+        if (p16) p16[i] = f32_to_bf16(p[i]);
       }
     }
   }
 }
 
-StepResult Optimizer::step(float* params, const float* grads, float lr, float inv_scale) {
+StepResult Optimizer::step(float* params, const float* grads, float lr, float inv_scale,
+                           uint16_t* params_bf16) {
   StepResult r = measure(grads, inv_scale);
-  if (r.finite) apply(params, grads, lr, inv_scale, r);
+  if (r.finite) apply(params, grads, lr, inv_scale, r, params_bf16);
   return r;
 }
 

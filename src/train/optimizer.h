@@ -43,9 +43,13 @@ class Optimizer {
   StepResult measure(const float* grads, float inv_scale) const;
   // Updates params from grads * inv_scale with the clipping of `r` (from measure). Increments
   // the step count (bias correction uses it).
-  void apply(float* params, const float* grads, float lr, float inv_scale, const StepResult& r);
+  // params_bf16 (optional): also receives the updated parameters rounded to bf16, in the same
+  // pass (the bf16 model's weight copy, so its forward need not convert them again).
+  void apply(float* params, const float* grads, float lr, float inv_scale, const StepResult& r,
+             uint16_t* params_bf16 = nullptr);
   // measure + apply unless a gradient is non-finite (then nothing changes).
-  StepResult step(float* params, const float* grads, float lr, float inv_scale);
+  StepResult step(float* params, const float* grads, float lr, float inv_scale,
+                  uint16_t* params_bf16 = nullptr);
 
   int64_t steps() const { return steps_; }
   void set_steps(int64_t s) { steps_ = s; }

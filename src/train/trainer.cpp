@@ -330,7 +330,8 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       const float lr = static_cast<float>(sched.at(step));
       // Clipping must use the same global norm on every rank: it is, since gradients are
       // identical after the allreduce.
-      opt.apply(master_p, m.grads(), lr, inv, r);
+      opt.apply(master_p, m.grads(), lr, inv, r, m.bf16_weights());
+      m.bf16_weights_updated();
     }
     t_opt += since(t0);
     span("optimizer", "optimizer", t0);
