@@ -87,10 +87,8 @@ void add_bench(CLI::App& app) {
     const bool bf16 = o->precision == "bf16";
     model::BertModel m(cfg, head, {o->batch, o->seq, P, bf16});
     m.init_params(1);
-    std::vector<train::ParamSlice> slices;
-    for (const auto& p : m.table().params())
-      slices.push_back({p.name, p.offset, p.numel(), p.decay});
-    train::Optimizer optimizer(slices, m.table().total(), {});  // AdamW, clipping at 1.0
+    train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(),
+                               {});  // AdamW, clipping at 1.0
     model::Batch b = synthetic_batch(cfg, o->batch, o->seq, P, 7);
     if (!o->json)
       std::printf("bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %d+%d steps\n",

@@ -1,11 +1,5 @@
 #include "core/dtype.h"
 
-// GCC 12 flags its own AVX-512 intrinsics' placeholder operands once inlined (not our code).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-
 #include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -15,6 +9,7 @@
 #include "core/error.h"
 #include "core/isa.h"
 #include "core/parallel.h"
+#include "core/simd_avx512.h"
 
 namespace bertrain {
 
@@ -105,23 +100,10 @@ float f16_to_f32(uint16_t h) {
 }
 
 namespace {
-// f32_to_bf16 on 16 lanes, bit for bit (round to nearest even, NaN kept quiet).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void f32_to_bf16_avx512(const float* src,
-                                                                             uint16_t* dst,
-                                                                             size_t n) {
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-  const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+BT_AVX512 void f32_to_bf16_avx512(const float* src, uint16_t* dst, size_t n) {
   for (size_t i = 0; i < n; i += 16) {
-    const __mmask16 m =
-        n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512i u = _mm512_maskz_loadu_epi32(m, src + i);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
-    __m512i r = _mm512_add_epi32(
-        u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-    r = _mm512_srli_epi32(r, 16);
-    r = _mm512_mask_mov_epi32(r, nan,
-                              _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(r));
+    const __mmask16 m = simd::tail_mask(static_cast<int64_t>(n - i));
+    _mm256_mask_storeu_epi16(dst + i, m, simd::f32_to_bf16_16(_mm512_maskz_loadu_ps(m, src + i)));
   }
 }
 }  // namespace

@@ -94,6 +94,7 @@ struct MpiCommunicator::Impl {
     int64_t n = 0;
   };
   std::vector<SharedBuffer> shared;
+  std::vector<float*> peer_ptrs;  // allreduce_shm's view of one range in every rank's buffer
   // The shared buffer that holds [data, data + n) of local rank lr, if any.
   const SharedBuffer* shared_buffer_of(const float* data, int64_t n, int lr) const {
     for (const auto& b : shared)
@@ -430,7 +431,8 @@ void MpiCommunicator::allreduce_shm(float* data, int64_t n) {
   };
   if (const auto* b = impl_->shared_buffer_of(data, n, lr)) {
     // Zero copy: every rank reduces the same range of its shared buffer.
-    std::vector<float*> ptrs(p);
+    std::vector<float*>& ptrs = impl_->peer_ptrs;  // kept: no allocation per bucket
+    ptrs.resize(p);
     for (int q = 0; q < p; ++q) ptrs[q] = b->base[q] + (data - b->base[lr]);
     fence(b->win);  // every rank's range is written
     reduce_share_into_all(ptrs, n, lr);

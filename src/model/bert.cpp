@@ -187,7 +187,8 @@ void BertModel::lin_fwd16(float* out, const uint16_t* inp16, const float* w, con
 
 void BertModel::lin_bwd16(float* dinp, float* dw, float* db, const float* dout,
                           const uint16_t* inp16, const float* w, int64_t M, int64_t N, int64_t K) {
-  linear_backward_bf16_in16(dinp, dw, db, dout, inp16, wbf16_ + (w - params()), M, N, K, sa_);
+  linear_backward_bf16_in16(dinp, dw, db, dout, inp16, wbf16_ + (w - params()), M, N, K, false,
+                            sa_);
 }
 
 void BertModel::lin_bwd(float* dinp, float* dw, float* db, const float* dout, const float* inp,
@@ -300,17 +301,14 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
             W(t.offset("cls.predictions.bias")), BP, V, C);
     // Training: the gradient (for loss scale 1) is written over the logits in the same passes
     // that compute the loss, so backward does not recompute the softmax over the vocabulary.
-    double wsum = 0;
-    for (int64_t r = 0; r < BP; ++r) wsum += b.masked_lm_weights[r];
-    const float dscale1 = static_cast<float>(1.0 / (wsum + kMlmDenominatorEps));
+    for (int64_t r = 0; r < BP; ++r) out.mlm_weight += b.masked_lm_weights[r];
+    const float dscale1 = static_cast<float>(1.0 / (out.mlm_weight + kMlmDenominatorEps));
     const double wsum_ce = cross_entropy_forward_backward(
         opt.training ? act_.mlm_logits : nullptr, act_.row_loss, act_.row_correct, act_.mlm_logits,
         b.masked_lm_ids.data(), b.masked_lm_weights.data(), BP, V, dscale1);
     mlm_grad_ready_ = opt.training;
-    for (int64_t r = 0; r < BP; ++r) {
-      out.mlm_weight += b.masked_lm_weights[r];
+    for (int64_t r = 0; r < BP; ++r)
       out.mlm_correct += b.masked_lm_weights[r] * act_.row_correct[r];
-    }
     out.mlm_loss = wsum_ce / (out.mlm_weight + kMlmDenominatorEps);
     out.loss = out.mlm_loss + out.nsp_loss;
   } else {

@@ -225,12 +225,10 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   m.init_params(cfg.seed);
   model::LoadReport rep = model::load_safetensors_into(m, model::checkpoint_weights_path(src),
                                                        {{"classifier.", "bert.pooler."}, {"cls."}});
-  std::vector<ParamSlice> slices;
-  for (const auto& p : m.table().params()) slices.push_back({p.name, p.offset, p.numel(), p.decay});
   OptimizerConfig oc;
   oc.kind = OptimizerKind::AdamW;
   oc.weight_decay = static_cast<float>(cfg.weight_decay);
-  Optimizer opt(slices, m.table().total(), oc);
+  Optimizer opt(param_slices(m.table()), m.table().total(), oc);
   const int64_t n = static_cast<int64_t>(train_set.ids.size());
   const int64_t steps_per_epoch = (n + cfg.batch_size - 1) / cfg.batch_size;
   const int64_t total = steps_per_epoch * cfg.epochs;

@@ -10,7 +10,7 @@
 #include "core/error.h"
 #include "core/isa.h"
 #include "core/parallel.h"
-#include "kernels/cpu/simd_avx512.h"
+#include "core/simd_avx512.h"
 
 namespace bertrain::train {
 namespace {
@@ -34,66 +34,75 @@ BT_AVX512 double sum_squares_avx512(const float* g, int64_t n, double s) {
   return sum;
 }
 
-// The AdamW update on 16 lanes with the portable loop's operations in its order (no FMA), so
-// both bodies give the same bits.
+// Adam's moments on 16 lanes, the portable loops' operations in their order (no FMA), so both
+// bodies give the same bits: m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g g, stored back.
+BT_AVX512 inline void adam_moments16(__m512 gi, float* m, float* v, __mmask16 k, float b1, float b2,
+                                     __m512& mi, __m512& vi) {
+  mi = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(b1), _mm512_maskz_loadu_ps(k, m)),
+                     _mm512_mul_ps(_mm512_set1_ps(1.0f - b1), gi));
+  vi = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(b2), _mm512_maskz_loadu_ps(k, v)),
+                     _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(1.0f - b2), gi), gi));
+  _mm512_mask_storeu_ps(m, k, mi);
+  _mm512_mask_storeu_ps(v, k, vi);
+}
+
+// LAMB's update direction u = m / bc1 / (sqrt(v / bc2) + eps) + wd p on 16 lanes.
+BT_AVX512 inline __m512 lamb_direction16(__m512 mi, __m512 vi, __m512 pi, float ibc1, float ibc2,
+                                         float eps, float wd) {
+  return _mm512_add_ps(
+      _mm512_div_ps(_mm512_mul_ps(mi, _mm512_set1_ps(ibc1)),
+                    _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, _mm512_set1_ps(ibc2))),
+                                  _mm512_set1_ps(eps))),
+      _mm512_mul_ps(_mm512_set1_ps(wd), pi));
+}
+
+// acc += x^2 over 16 floats, in double (two 8-lane halves).
+BT_AVX512 inline __m512d add_squares16(__m512d acc, __m512 x) {
+  const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+  const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
+  return _mm512_add_pd(acc, _mm512_add_pd(_mm512_mul_pd(lo, lo), _mm512_mul_pd(hi, hi)));
+}
+
+// The new parameters, and their bf16 copy when asked for.
+BT_AVX512 inline void store_params16(float* p, uint16_t* p16, __mmask16 k, __m512 x) {
+  _mm512_mask_storeu_ps(p, k, x);
+  if (p16) _mm256_mask_storeu_epi16(p16, k, simd::f32_to_bf16_16(x));
+}
+
 BT_AVX512 void adamw_avx512(float* p, uint16_t* p16, const float* g, float* m, float* v, int64_t b,
                             int64_t e, float gscale, float b1, float b2, float step_size,
                             float sqrt_bc2, float eps, float decay) {
-  using namespace kernels::simd;
-  const __m512 vgs = _mm512_set1_ps(gscale), vb1 = _mm512_set1_ps(b1),
-               vb1c = _mm512_set1_ps(1.0f - b1), vb2 = _mm512_set1_ps(b2),
-               vb2c = _mm512_set1_ps(1.0f - b2), vstep = _mm512_set1_ps(step_size),
-               vbc2 = _mm512_set1_ps(sqrt_bc2), veps = _mm512_set1_ps(eps),
-               vdecay = _mm512_set1_ps(decay);
+  using namespace simd;
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 k = tail_mask(e - i);
-    const __m512 gi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), vgs);
-    const __m512 mi =
-        _mm512_add_ps(_mm512_mul_ps(vb1, _mm512_maskz_loadu_ps(k, m + i)), _mm512_mul_ps(vb1c, gi));
-    const __m512 vi = _mm512_add_ps(_mm512_mul_ps(vb2, _mm512_maskz_loadu_ps(k, v + i)),
-                                    _mm512_mul_ps(_mm512_mul_ps(vb2c, gi), gi));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), vbc2), veps);
-    const __m512 pi = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i), vdecay),
-                                    _mm512_div_ps(_mm512_mul_ps(vstep, mi), denom));
-    _mm512_mask_storeu_ps(m + i, k, mi);
-    _mm512_mask_storeu_ps(v + i, k, vi);
-    _mm512_mask_storeu_ps(p + i, k, pi);
-    if (p16) _mm256_mask_storeu_epi16(p16 + i, k, f32_to_bf16_16(pi));
+    const __m512 gi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), _mm512_set1_ps(gscale));
+    __m512 mi, vi;
+    adam_moments16(gi, m + i, v + i, k, b1, b2, mi, vi);
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), _mm512_set1_ps(sqrt_bc2)),
+                                       _mm512_set1_ps(eps));
+    const __m512 pi =
+        _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i), _mm512_set1_ps(decay)),
+                      _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(step_size), mi), denom));
+    store_params16(p + i, p16 ? p16 + i : nullptr, k, pi);
   }
 }
 
 // LAMB's first pass on 16 lanes: moments updated, and the squared norms of p and of the update
-// u = m_hat / (sqrt(v_hat) + eps) + wd * p accumulated in double (in lanes: another summation
-// order than the portable loop, so the trust ratio may differ in its last bits).
+// direction accumulated in double (in lanes: another summation order than the portable loop,
+// so the trust ratio may differ in its last bits).
 BT_AVX512 void lamb_moments_avx512(const float* p, const float* g, float* m, float* v, int64_t b,
                                    int64_t e, float gscale, float b1, float b2, float ibc1,
                                    float ibc2, float eps, float wd, double* pn, double* un) {
-  using namespace kernels::simd;
-  const __m512 vgs = _mm512_set1_ps(gscale), vb1 = _mm512_set1_ps(b1),
-               vb1c = _mm512_set1_ps(1.0f - b1), vb2 = _mm512_set1_ps(b2),
-               vb2c = _mm512_set1_ps(1.0f - b2), vi1 = _mm512_set1_ps(ibc1),
-               vi2 = _mm512_set1_ps(ibc2), veps = _mm512_set1_ps(eps), vwd = _mm512_set1_ps(wd);
+  using namespace simd;
   __m512d ap = _mm512_setzero_pd(), au = _mm512_setzero_pd();
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 k = tail_mask(e - i);
-    const __m512 gi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), vgs);
-    const __m512 mi =
-        _mm512_add_ps(_mm512_mul_ps(vb1, _mm512_maskz_loadu_ps(k, m + i)), _mm512_mul_ps(vb1c, gi));
-    const __m512 vi = _mm512_add_ps(_mm512_mul_ps(vb2, _mm512_maskz_loadu_ps(k, v + i)),
-                                    _mm512_mul_ps(_mm512_mul_ps(vb2c, gi), gi));
-    _mm512_mask_storeu_ps(m + i, k, mi);
-    _mm512_mask_storeu_ps(v + i, k, vi);
+    const __m512 gi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), _mm512_set1_ps(gscale));
+    __m512 mi, vi;
+    adam_moments16(gi, m + i, v + i, k, b1, b2, mi, vi);
     const __m512 pi = _mm512_maskz_loadu_ps(k, p + i);
-    const __m512 u =
-        _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(mi, vi1),
-                                    _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, vi2)), veps)),
-                      _mm512_mul_ps(vwd, pi));
-    const __m512d plo = _mm512_cvtps_pd(_mm512_castps512_ps256(pi));
-    const __m512d phi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(pi, 1));
-    const __m512d ulo = _mm512_cvtps_pd(_mm512_castps512_ps256(u));
-    const __m512d uhi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(u, 1));
-    ap = _mm512_add_pd(ap, _mm512_add_pd(_mm512_mul_pd(plo, plo), _mm512_mul_pd(phi, phi)));
-    au = _mm512_add_pd(au, _mm512_add_pd(_mm512_mul_pd(ulo, ulo), _mm512_mul_pd(uhi, uhi)));
+    ap = add_squares16(ap, pi);
+    au = add_squares16(au, lamb_direction16(mi, vi, pi, ibc1, ibc2, eps, wd));
   }
   *pn += _mm512_reduce_add_pd(ap);
   *un += _mm512_reduce_add_pd(au);
@@ -102,25 +111,24 @@ BT_AVX512 void lamb_moments_avx512(const float* p, const float* g, float* m, flo
 BT_AVX512 void lamb_update_avx512(float* p, uint16_t* p16, const float* m, const float* v,
                                   int64_t b, int64_t e, float ibc1, float ibc2, float eps, float wd,
                                   float step) {
-  using namespace kernels::simd;
-  const __m512 vi1 = _mm512_set1_ps(ibc1), vi2 = _mm512_set1_ps(ibc2), veps = _mm512_set1_ps(eps),
-               vwd = _mm512_set1_ps(wd), vstep = _mm512_set1_ps(step);
+  using namespace simd;
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 k = tail_mask(e - i);
     const __m512 pi = _mm512_maskz_loadu_ps(k, p + i);
-    const __m512 u = _mm512_add_ps(
-        _mm512_div_ps(
-            _mm512_mul_ps(_mm512_maskz_loadu_ps(k, m + i), vi1),
-            _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, v + i), vi2)),
-                          veps)),
-        _mm512_mul_ps(vwd, pi));
-    const __m512 pn = _mm512_sub_ps(pi, _mm512_mul_ps(vstep, u));
-    _mm512_mask_storeu_ps(p + i, k, pn);
-    if (p16) _mm256_mask_storeu_epi16(p16 + i, k, f32_to_bf16_16(pn));
+    const __m512 u = lamb_direction16(_mm512_maskz_loadu_ps(k, m + i),
+                                      _mm512_maskz_loadu_ps(k, v + i), pi, ibc1, ibc2, eps, wd);
+    store_params16(p + i, p16 ? p16 + i : nullptr, k,
+                   _mm512_sub_ps(pi, _mm512_mul_ps(_mm512_set1_ps(step), u)));
   }
 }
 
 }  // namespace
+
+std::vector<ParamSlice> param_slices(const model::ParamTable& table) {
+  std::vector<ParamSlice> slices;
+  for (const auto& p : table.params()) slices.push_back({p.name, p.offset, p.numel(), p.decay});
+  return slices;
+}
 
 OptimizerKind parse_optimizer(const std::string& s) {
   if (s == "adamw") return OptimizerKind::AdamW;

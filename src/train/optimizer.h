@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "model/params.h"
+
 namespace bertrain::train {
 
 struct ParamSlice {
@@ -17,6 +19,9 @@ struct ParamSlice {
   int64_t offset = 0, numel = 0;
   bool decay = true;  // false: LayerNorm weights and biases (BERT's exclusion)
 };
+
+// One slice per parameter of a model's table, with its weight-decay flag.
+std::vector<ParamSlice> param_slices(const model::ParamTable& table);
 
 enum class OptimizerKind { AdamW, Lamb };
 OptimizerKind parse_optimizer(const std::string& s);  // "adamw" | "lamb"

@@ -82,9 +82,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   const bool bf16 = cfg.precision == Precision::BF16;
   model::BertModel m(mcfg, model::Head::Pretraining,
                      {cfg.batch_size, cfg.seq_len, cfg.max_predictions, bf16});
-  std::vector<ParamSlice> slices;
-  for (const auto& p : m.table().params()) slices.push_back({p.name, p.offset, p.numel(), p.decay});
-  Optimizer opt(slices, m.table().total(), cfg.optimizer);
+  Optimizer opt(param_slices(m.table()), m.table().total(), cfg.optimizer);
   LossScaler::Config sc;
   sc.enabled = cfg.precision == Precision::FP16;
   sc.max_consecutive_skips = cfg.max_skipped_steps;

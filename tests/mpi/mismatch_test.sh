@@ -1,14 +1,7 @@
 #!/usr/bin/env bash
 # Ranks launched with different settings (here: batch size) must fail at start-up, every rank,
 # with a message naming the rank that differs.
-set -u
-BT=$1
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-"$BT" prepare --input "$ROOT/data/corpus/bert_sample_text.txt" --vocab "$ROOT/data/vocab/bert-base-uncased-vocab.txt" \
-  --output "$TMP/data" --seq-len 64 --max-predictions 10 >/dev/null 2>&1 || { echo "FAIL: prepare"; exit 1; }
+source "$(dirname "$0")/prepared_run.sh"
 cat > "$TMP/run.sh" <<EOS
 #!/usr/bin/env bash
 B=8; [ "\$OMPI_COMM_WORLD_RANK" = 1 ] && B=4

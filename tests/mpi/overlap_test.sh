@@ -1,14 +1,7 @@
 #!/usr/bin/env bash
 # Overlapped bucket allreduce (the Reducer) gives bit-identical parameters to the plain
 # allreduce after backward (2 ranks: a + b is the same either way), and reports hidden time.
-set -u
-BT=$1
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-"$BT" prepare --input "$ROOT/data/corpus/bert_sample_text.txt" --vocab "$ROOT/data/vocab/bert-base-uncased-vocab.txt" \
-  --output "$TMP/data" --seq-len 64 --max-predictions 10 >/dev/null 2>&1 || { echo "FAIL: prepare"; exit 1; }
+source "$(dirname "$0")/prepared_run.sh"
 for ov in true false; do
   timeout 300 mpiexec -np 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$BT" train \
     --model-config "$ROOT/configs/bert-tiny.json" --data "$TMP/data/*.tfrecord" --output "$TMP/run_$ov" \

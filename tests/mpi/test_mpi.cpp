@@ -176,9 +176,7 @@ TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
       if (a != Algorithm::Ring)  // gradients in shared memory, as the trainer places them
         if (float* shared = g_comm->allocate_shared((two.plan().group_bytes("gradients") + 3) / 4))
           two.place_gradients(reinterpret_cast<std::byte*>(shared));
-      std::vector<train::ParamSlice> sl;
-      for (const auto& p : one.table().params())
-        sl.push_back({p.name, p.offset, p.numel(), p.decay});
+      const auto sl = train::param_slices(one.table());
       train::Optimizer o1(sl, one.table().total(), {}), o2(sl, two.table().total(), {});
       const model::Batch mine = slice(g_comm->rank() * half, half);
       for (uint64_t step = 0; step < 3; ++step) {

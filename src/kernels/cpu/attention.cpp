@@ -7,9 +7,9 @@
 
 #include "core/dtype.h"
 #include "core/isa.h"
+#include "core/simd_avx512.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/matmul.h"
-#include "kernels/cpu/simd_avx512.h"
 
 namespace bertrain::kernels {
 

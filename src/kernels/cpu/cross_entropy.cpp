@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "core/isa.h"
-#include "kernels/cpu/simd_avx512.h"
+#include "core/simd_avx512.h"
 
 namespace bertrain::kernels {
 namespace {

@@ -8,7 +8,7 @@
 #include "core/dtype.h"
 #include "core/isa.h"
 #include "core/parallel.h"
-#include "kernels/cpu/simd_avx512.h"
+#include "core/simd_avx512.h"
 
 namespace bertrain::kernels {
 namespace {

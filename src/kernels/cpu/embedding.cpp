@@ -8,14 +8,8 @@ void embedding_forward(float* out, const int32_t* ids, const int32_t* segment, c
                        const float* position, const float* token_type, int64_t B, int64_t T,
                        int64_t C) {
 #pragma omp parallel for schedule(static)
-  for (int64_t bt = 0; bt < B * T; ++bt) {
-    const float* w = word + static_cast<int64_t>(ids[bt]) * C;
-    const float* p = position + (bt % T) * C;
-    const float* s = token_type + static_cast<int64_t>(segment[bt]) * C;
-    float* o = out + bt * C;
-#pragma omp simd
-    for (int64_t c = 0; c < C; ++c) o[c] = w[c] + p[c] + s[c];
-  }
+  for (int64_t bt = 0; bt < B * T; ++bt)
+    embedding_sum_row(out + bt * C, ids[bt], segment[bt], bt % T, word, position, token_type, C);
 }
 
 void embedding_backward(float* dword, float* dposition, float* dtoken_type, const float* dout,

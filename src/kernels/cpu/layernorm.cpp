@@ -7,8 +7,9 @@
 #include <omp.h>
 
 #include "core/isa.h"
+#include "core/simd_avx512.h"
 #include "kernels/cpu/elementwise.h"
-#include "kernels/cpu/simd_avx512.h"
+#include "kernels/cpu/embedding.h"
 
 namespace bertrain::kernels {
 namespace {
@@ -140,12 +141,9 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
 #pragma omp parallel for schedule(static)
   for (int64_t bt = 0; bt < B * T; ++bt) {
-    const float* w = word + static_cast<int64_t>(ids[bt]) * C;
-    const float* p = position + (bt % T) * C;
-    const float* s = token_type + static_cast<int64_t>(segment[bt]) * C;
     float* x = sum + bt * C;
     float* o = out + bt * C;
-    for (int64_t c = 0; c < C; ++c) x[c] = w[c] + p[c] + s[c];
+    embedding_sum_row(x, ids[bt], segment[bt], bt % T, word, position, token_type, C);
     const uint64_t idx0 = offset + static_cast<uint64_t>(bt * C);
     if (fast) {
       ln_row_avx512(o, mean + bt, rstd + bt, x, nullptr, gamma, beta, C, eps, 0.0f, 1.0f, 0, 0);

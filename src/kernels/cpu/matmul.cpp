@@ -157,21 +157,17 @@ void linear_forward_bf16(float* out, const float* inp, const uint16_t* weight, c
 void linear_backward_bf16(float* dinp, float* dweight, float* dbias, const float* dout,
                           const float* inp, const uint16_t* weight, int64_t M, int64_t N, int64_t K,
                           bool accumulate_dinp, uint16_t* scratch_out, uint16_t* scratch_in) {
-  convert_f32_to_bf16(dout, scratch_out, static_cast<size_t>(M * N));
-  if (dinp)
-    gemm_bf16(false, false, M, K, N, scratch_out, N, weight, K, dinp, K, nullptr, accumulate_dinp);
-  if (dweight) {
-    convert_f32_to_bf16(inp, scratch_in, static_cast<size_t>(M * K));
-    gemm_bf16(true, false, N, K, M, scratch_out, N, scratch_in, K, dweight, K, nullptr, true);
-  }
-  if (dbias) linear_backward(nullptr, nullptr, dbias, dout, nullptr, nullptr, M, N, K);
+  if (dweight) convert_f32_to_bf16(inp, scratch_in, static_cast<size_t>(M * K));
+  linear_backward_bf16_in16(dinp, dweight, dbias, dout, scratch_in, weight, M, N, K,
+                            accumulate_dinp, scratch_out);
 }
 
 void linear_backward_bf16_in16(float* dinp, float* dweight, float* dbias, const float* dout,
                                const uint16_t* inp16, const uint16_t* weight, int64_t M, int64_t N,
-                               int64_t K, uint16_t* scratch_out) {
+                               int64_t K, bool accumulate_dinp, uint16_t* scratch_out) {
   convert_f32_to_bf16(dout, scratch_out, static_cast<size_t>(M * N));
-  if (dinp) gemm_bf16(false, false, M, K, N, scratch_out, N, weight, K, dinp, K, nullptr, false);
+  if (dinp)
+    gemm_bf16(false, false, M, K, N, scratch_out, N, weight, K, dinp, K, nullptr, accumulate_dinp);
   if (dweight) gemm_bf16(true, false, N, K, M, scratch_out, N, inp16, K, dweight, K, nullptr, true);
   if (dbias) linear_backward(nullptr, nullptr, dbias, dout, nullptr, nullptr, M, N, K);
 }

@@ -48,11 +48,10 @@ void linear_backward_bf16(float* dinp, float* dweight, float* dbias, const float
                           const float* inp, const uint16_t* weight, int64_t M, int64_t N, int64_t K,
                           bool accumulate_dinp, uint16_t* scratch_out, uint16_t* scratch_in);
 
-// The same backward when the forward input is kept only in bf16 (inp16 [M,K]); dinp is
-// overwritten.
+// The same backward when the forward input is already in bf16 (inp16 [M,K]).
 void linear_backward_bf16_in16(float* dinp, float* dweight, float* dbias, const float* dout,
                                const uint16_t* inp16, const uint16_t* weight, int64_t M, int64_t N,
-                               int64_t K, uint16_t* scratch_out);
+                               int64_t K, bool accumulate_dinp, uint16_t* scratch_out);
 
 // The GEMM ceiling at one shape, measured now: the fastest of the [M,K]x[K,N] products (bf16
 // operands or fp32) run for `seconds`. Benchmarks and the trainer report utilisation against it.

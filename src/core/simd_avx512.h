@@ -19,7 +19,7 @@
 
 #define BT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 
-namespace bertrain::kernels::simd {
+namespace bertrain::simd {
 
 BT_AVX512 inline __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.72f)), _mm512_set1_ps(-110.0f));
@@ -107,4 +107,4 @@ BT_AVX512 inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
 }
 
-}  // namespace bertrain::kernels::simd
+}  // namespace bertrain::simd
