@@ -84,18 +84,17 @@ TEST(LrSchedule, WarmupThenLinearDecay) {
   EXPECT_NEAR(poly.at(50), (1e-3 - 1e-5) * 0.25 + 1e-5, 1e-12);
 }
 
-// The AVX-512 AdamW body performs the portable loop's operations in the same order: without
-// clipping the same parameters bit for bit (with tails, decay on and off); the gradient norm
-// (double sums in another order) within 1e-12 relative, so with clipping the coefficient may
-// differ in its last bit: parameters within 1e-6 relative.
+// The vector AdamW bodies (AVX-512, AVX2) perform the portable loop's operations in the same
+// order: without clipping the same parameters bit for bit (with tails, decay on and off); the
+// gradient norm (double sums in another order) within 1e-12 relative, so with clipping the
+// coefficient may differ in its last bit: parameters within 1e-6 relative.
 class AdamWIsa : public ::testing::TestWithParam<float> {};
 
-TEST_P(AdamWIsa, Avx512EqualsPortable) {
+TEST_P(AdamWIsa, VectorBodiesEqualPortable) {
   const float clip = GetParam();
   const std::vector<ParamSlice> slices = {{"a", 0, 70001, true}, {"b", 70001, 37, false}};
   const int64_t total = 70038;
-  auto run = [&](bool portable) {
-    if (portable) set_isa_override(Isa::Portable);
+  auto run = [&] {
     std::vector<float> p = test::random_vector(total, 1), g = test::random_vector(total, 2, 30.0f);
     OptimizerConfig cfg;
     cfg.max_grad_norm = clip;
@@ -103,61 +102,64 @@ TEST_P(AdamWIsa, Avx512EqualsPortable) {
     std::vector<double> norms;
     for (int step = 0; step < 3; ++step)
       norms.push_back(opt.step(p.data(), g.data(), 1e-3f, 0.5f).grad_norm);
-    reset_isa_override();
     p.insert(p.end(), opt.m().begin(), opt.m().end());
     return std::make_pair(p, norms);
   };
-  const auto [pf, nf] = run(false);
-  const auto [pp, np] = run(true);
-  if (clip == 0.0f)
-    ASSERT_EQ(pf, pp);
-  else
-    EXPECT_TRUE(test::all_close("adamw", pf.data(), pp.data(), pf.size(), 1e-6, 1e-9));
-  for (size_t i = 0; i < nf.size(); ++i) EXPECT_NEAR(nf[i], np[i], 1e-12 * np[i]);
-  EXPECT_GT(nf[0], 1.0);  // the norm is large: clipping at 1.0 is active
+  const auto [pp, np] = test::with_isa(Isa::Portable, run);
+  for (Isa isa : test::isa_levels()) {
+    const auto [pf, nf] = test::with_isa(isa, run);
+    if (clip == 0.0f)
+      ASSERT_EQ(pf, pp) << isa_name(isa);
+    else
+      EXPECT_TRUE(test::all_close(std::string("adamw ") + isa_name(isa), pf.data(), pp.data(),
+                                  pf.size(), 1e-6, 1e-9));
+    for (size_t i = 0; i < nf.size(); ++i) EXPECT_NEAR(nf[i], np[i], 1e-12 * np[i]);
+    EXPECT_GT(nf[0], 1.0);  // the norm is large: clipping at 1.0 is active
+  }
 }
 
-// LAMB's AVX-512 body: the moments bit for bit (same operations, same order); the norms for
+// LAMB's vector bodies: the moments bit for bit (same operations, same order); the norms for
 // the trust ratio are double sums in another order, so parameters agree within 1e-6 relative.
-TEST(Optimizer, LambAvx512MatchesPortable) {
+TEST(Optimizer, LambVectorBodiesMatchPortable) {
   const std::vector<ParamSlice> slices = {{"a", 0, 70001, true}, {"b", 70001, 37, false}};
   const int64_t total = 70038;
   OptimizerConfig cfg;
   cfg.kind = OptimizerKind::Lamb;
   cfg.max_grad_norm = 0;
-  auto run = [&](bool portable) {
-    if (portable) set_isa_override(Isa::Portable);
+  auto run = [&] {
     std::vector<float> p = test::random_vector(total, 1), g = test::random_vector(total, 2);
     Optimizer opt(slices, total, cfg);
     for (int step = 0; step < 3; ++step) opt.step(p.data(), g.data(), 1e-3f, 1.0f);
-    reset_isa_override();
     return std::make_tuple(p, opt.m(), opt.v());
   };
-  const auto [pf, mf, vf] = run(false);
-  const auto [pp, mp, vp] = run(true);
-  EXPECT_EQ(mf, mp);
-  EXPECT_EQ(vf, vp);
-  EXPECT_TRUE(test::all_close("lamb", pf.data(), pp.data(), pf.size(), 1e-6, 1e-9));
-  EXPECT_NE(pf, test::random_vector(total, 1));  // it moved
+  const auto [pp, mp, vp] = test::with_isa(Isa::Portable, run);
+  for (Isa isa : test::isa_levels()) {
+    const auto [pf, mf, vf] = test::with_isa(isa, run);
+    EXPECT_EQ(mf, mp) << isa_name(isa);
+    EXPECT_EQ(vf, vp) << isa_name(isa);
+    EXPECT_TRUE(test::all_close(std::string("lamb ") + isa_name(isa), pf.data(), pp.data(),
+                                pf.size(), 1e-6, 1e-9));
+    EXPECT_NE(pf, test::random_vector(total, 1));  // it moved
+  }
 }
 
 // The bf16 weight copy written in the update pass equals the updated parameters rounded, for
-// both optimizers and both bodies.
+// both optimizers and every body.
 TEST(Optimizer, Bf16CopyInTheUpdatePassEqualsRoundedParameters) {
   const std::vector<ParamSlice> slices = {{"a", 0, 70001, true}, {"b", 70001, 37, false}};
   const int64_t total = 70038;
   for (OptimizerKind kind : {OptimizerKind::AdamW, OptimizerKind::Lamb}) {
-    for (bool portable : {false, true}) {
-      if (portable) set_isa_override(Isa::Portable);
+    for (Isa isa : test::isa_levels()) {
       OptimizerConfig cfg;
       cfg.kind = kind;
       std::vector<float> p = test::random_vector(total, 1), g = test::random_vector(total, 2);
       std::vector<uint16_t> p16(total, 0xffff), want(total);
       Optimizer opt(slices, total, cfg);
+      set_isa_override(isa);
       for (int step = 0; step < 2; ++step) opt.step(p.data(), g.data(), 1e-3f, 1.0f, p16.data());
       reset_isa_override();
       convert_f32_to_bf16(p.data(), want.data(), total);
-      EXPECT_EQ(p16, want) << optimizer_name(kind) << (portable ? " portable" : "");
+      EXPECT_EQ(p16, want) << optimizer_name(kind) << " " << isa_name(isa);
     }
   }
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/isa.h"
 
 namespace bertrain::test {
 
@@ -45,6 +46,22 @@ template <typename G, typename R>
          << name << ": worst element " << wi << " of " << n << ": got " << got[wi] << ", ref "
          << ref[wi] << " (|diff| " << std::fabs(got[wi] - ref[wi]) << " is " << worst
          << "x the bound; rtol " << rtol << ", atol " << atol << ")";
+}
+
+// The kernel bodies this CPU can run, best first: AVX-512, AVX2, portable (as far as it goes).
+inline std::vector<Isa> isa_levels() {
+  std::vector<Isa> levels;
+  for (int i = static_cast<int>(cpu_isa()); i >= 0; --i) levels.push_back(static_cast<Isa>(i));
+  return levels;
+}
+
+// Runs f() with our kernels capped at `isa` (oneDNN is not affected).
+template <typename F>
+auto with_isa(Isa isa, F&& f) {
+  set_isa_override(isa);
+  auto r = f();
+  reset_isa_override();
+  return r;
 }
 
 inline std::vector<float> random_vector(size_t n, uint32_t seed, float scale = 1.0f) {

@@ -1,8 +1,8 @@
-// Run-time instruction-set dispatch. One binary runs on every node of a cluster: kernels that
-// have an AVX-512 body (function-level target attributes) take it only when the CPU and OS
-// support it, and a portable body otherwise. BERTRAIN_ISA=portable|avx2|avx512 caps what is
-// used (oneDNN's JIT too: kernels/cpu/matmul.cpp passes the cap on), so the fallbacks are tested on
-// machines that have AVX-512.
+// Run-time instruction-set dispatch. One binary runs on every node of a cluster: kernels have
+// an AVX-512 body and an AVX2 + FMA body (function-level target attributes), taken only when the
+// CPU and OS support them, and a portable body otherwise. BERTRAIN_ISA=portable|avx2|avx512 caps
+// what is used (oneDNN's JIT too: kernels/cpu/matmul.cpp passes the cap on), so the fallbacks are
+// tested on machines that have AVX-512.
 #pragma once
 
 namespace bertrain {
@@ -16,6 +16,10 @@ bool isa_capped_by_env();    // BERTRAIN_ISA lowered the detected ISA (matmul.cp
 const char* isa_name(Isa isa);
 inline bool use_avx512() {
   return cpu_isa() == Isa::Avx512;
+}
+// The AVX2 + FMA bodies: on CPUs that have AVX2 but not AVX-512 (or with BERTRAIN_ISA=avx2).
+inline bool use_avx2() {
+  return cpu_isa() == Isa::Avx2;
 }
 
 // Tests: lowers (never raises) the ISA our own kernels use in this process, to compare the

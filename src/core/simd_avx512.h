@@ -17,51 +17,42 @@
 
 #include <cstdint>
 
+#include "core/simd_consts.h"
+
 #define BT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 
 namespace bertrain::simd {
 
 BT_AVX512 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.72f)), _mm512_set1_ps(-110.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(kExpHi)), _mm512_set1_ps(kExpLo));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);  // p * 2^n, underflows to 0 and handles the full range
 }
 
 BT_AVX512 inline __m512 erf_ps(__m512 a) {
-  const __m512 x = _mm512_max_ps(_mm512_min_ps(a, _mm512_set1_ps(4.0f)), _mm512_set1_ps(-4.0f));
+  const __m512 x =
+      _mm512_max_ps(_mm512_min_ps(a, _mm512_set1_ps(kErfClamp)), _mm512_set1_ps(-kErfClamp));
   const __m512 x2 = _mm512_mul_ps(x, x);
-  __m512 p = _mm512_set1_ps(-2.72614225801306e-10f);
-  p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(2.77068142495902e-08f));
-  p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(-2.10102402082508e-06f));
-  p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(-5.69250639462346e-05f));
-  p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(-7.34990630326855e-04f));
-  p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(-2.95459980854025e-03f));
-  p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(-1.60960333262415e-02f));
+  __m512 p = _mm512_set1_ps(kErfP[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(x2, p, _mm512_set1_ps(kErfP[i]));
   p = _mm512_mul_ps(x, p);
-  __m512 q = _mm512_set1_ps(-1.45660718464996e-05f);
-  q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(-2.13374055278905e-04f));
-  q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(-1.68282697438203e-03f));
-  q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(-7.37332916720468e-03f));
-  q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(-1.42647390514189e-02f));
+  __m512 q = _mm512_set1_ps(kErfQ[0]);
+  for (int i = 1; i < 5; ++i) q = _mm512_fmadd_ps(x2, q, _mm512_set1_ps(kErfQ[i]));
   return _mm512_div_ps(p, q);
 }
 
 // mix64 (core/rng.h) on 8 lanes.
 BT_AVX512 inline __m512i mix64_epi64(__m512i x) {
   x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 30));
-  x = _mm512_mullo_epi64(x, _mm512_set1_epi64(static_cast<long long>(0xbf58476d1ce4e5b9ull)));
+  x = _mm512_mullo_epi64(x, _mm512_set1_epi64(static_cast<long long>(kMixMul1)));
   x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 27));
-  x = _mm512_mullo_epi64(x, _mm512_set1_epi64(static_cast<long long>(0x94d049bb133111ebull)));
+  x = _mm512_mullo_epi64(x, _mm512_set1_epi64(static_cast<long long>(kMixMul2)));
   return _mm512_xor_si512(x, _mm512_srli_epi64(x, 31));
 }
 
@@ -69,7 +60,7 @@ BT_AVX512 inline __m512i mix64_epi64(__m512i x) {
 BT_AVX512 inline __m512 rng_uniform16(uint64_t key, uint64_t index0) {
   const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i k = _mm512_set1_epi64(static_cast<long long>(key));
-  const __m512i g = _mm512_set1_epi64(static_cast<long long>(0x9e3779b97f4a7c15ull));
+  const __m512i g = _mm512_set1_epi64(static_cast<long long>(kGolden));
   __m256 half[2];
   for (int h = 0; h < 2; ++h) {
     __m512i idx = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(index0 + 8 * h)), lane);

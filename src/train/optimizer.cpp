@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/isa.h"
 #include "core/parallel.h"
+#include "core/simd_avx2.h"
 #include "core/simd_avx512.h"
 
 namespace bertrain::train {
@@ -122,6 +123,119 @@ BT_AVX512 void lamb_update_avx512(float* p, uint16_t* p16, const float* m, const
   }
 }
 
+// The AVX2 twins (8 lanes, the same operations in the same order as the AVX-512 bodies). The
+// bf16 copy is rounded per element: bf16 training needs AVX-512, so it is never asked for here
+// in practice.
+BT_AVX2 double sum_squares_avx2(const float* g, int64_t n, double s) {
+  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+  const __m256d vs = _mm256_set1_pd(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256d a = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(g + i)), vs);
+    const __m256d b = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(g + i + 4)), vs);
+    acc0 = _mm256_fmadd_pd(a, a, acc0);
+    acc1 = _mm256_fmadd_pd(b, b, acc1);
+  }
+  double sum = simd::hsum4d(_mm256_add_pd(acc0, acc1));
+  for (; i < n; ++i) {
+    const double x = static_cast<double>(g[i]) * s;
+    sum += x * x;
+  }
+  return sum;
+}
+
+BT_AVX2 inline void adam_moments8(__m256 gi, float* m, float* v, int64_t n, float b1, float b2,
+                                  __m256& mi, __m256& vi) {
+  using namespace simd;
+  mi = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(b1), load8(m, n)),
+                     _mm256_mul_ps(_mm256_set1_ps(1.0f - b1), gi));
+  vi = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(b2), load8(v, n)),
+                     _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(1.0f - b2), gi), gi));
+  store8(m, n, mi);
+  store8(v, n, vi);
+}
+
+BT_AVX2 inline __m256 lamb_direction8(__m256 mi, __m256 vi, __m256 pi, float ibc1, float ibc2,
+                                      float eps, float wd) {
+  return _mm256_add_ps(
+      _mm256_div_ps(_mm256_mul_ps(mi, _mm256_set1_ps(ibc1)),
+                    _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, _mm256_set1_ps(ibc2))),
+                                  _mm256_set1_ps(eps))),
+      _mm256_mul_ps(_mm256_set1_ps(wd), pi));
+}
+
+BT_AVX2 inline void store_params8(float* p, uint16_t* p16, int64_t n, __m256 x) {
+  simd::store8(p, n, x);
+  if (p16)
+    for (int64_t l = 0; l < std::min<int64_t>(n, 8); ++l) p16[l] = f32_to_bf16(p[l]);
+}
+
+BT_AVX2 void adamw_avx2(float* p, uint16_t* p16, const float* g, float* m, float* v, int64_t b,
+                        int64_t e, float gscale, float b1, float b2, float step_size,
+                        float sqrt_bc2, float eps, float decay) {
+  using namespace simd;
+  for (int64_t i = b; i < e; i += 8) {
+    const int64_t n = e - i;
+    const __m256 gi = _mm256_mul_ps(load8(g + i, n), _mm256_set1_ps(gscale));
+    __m256 mi, vi;
+    adam_moments8(gi, m + i, v + i, n, b1, b2, mi, vi);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), _mm256_set1_ps(sqrt_bc2)),
+                                       _mm256_set1_ps(eps));
+    const __m256 pi =
+        _mm256_sub_ps(_mm256_mul_ps(load8(p + i, n), _mm256_set1_ps(decay)),
+                      _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(step_size), mi), denom));
+    store_params8(p + i, p16 ? p16 + i : nullptr, n, pi);
+  }
+}
+
+BT_AVX2 void lamb_moments_avx2(const float* p, const float* g, float* m, float* v, int64_t b,
+                               int64_t e, float gscale, float b1, float b2, float ibc1, float ibc2,
+                               float eps, float wd, double* pn, double* un) {
+  using namespace simd;
+  __m256d ap = _mm256_setzero_pd(), au = _mm256_setzero_pd();
+  for (int64_t i = b; i < e; i += 8) {
+    const int64_t n = e - i;
+    const __m256 gi = _mm256_mul_ps(load8(g + i, n), _mm256_set1_ps(gscale));
+    __m256 mi, vi;
+    adam_moments8(gi, m + i, v + i, n, b1, b2, mi, vi);
+    const __m256 pi = load8(p + i, n);  // 0 past e, so the direction is 0 there too
+    ap = add_squares8(ap, pi);
+    au = add_squares8(au, lamb_direction8(mi, vi, pi, ibc1, ibc2, eps, wd));
+  }
+  *pn += hsum4d(ap);
+  *un += hsum4d(au);
+}
+
+BT_AVX2 void lamb_update_avx2(float* p, uint16_t* p16, const float* m, const float* v, int64_t b,
+                              int64_t e, float ibc1, float ibc2, float eps, float wd, float step) {
+  using namespace simd;
+  for (int64_t i = b; i < e; i += 8) {
+    const int64_t n = e - i;
+    const __m256 pi = load8(p + i, n);
+    const __m256 u = lamb_direction8(load8(m + i, n), load8(v + i, n), pi, ibc1, ibc2, eps, wd);
+    store_params8(p + i, p16 ? p16 + i : nullptr, n,
+                  _mm256_sub_ps(pi, _mm256_mul_ps(_mm256_set1_ps(step), u)));
+  }
+}
+
+// The vector bodies this CPU takes (null members: the portable loops).
+struct Bodies {
+  double (*sum_squares)(const float*, int64_t, double);
+  void (*adamw)(float*, uint16_t*, const float*, float*, float*, int64_t, int64_t, float, float,
+                float, float, float, float, float);
+  void (*lamb_moments)(const float*, const float*, float*, float*, int64_t, int64_t, float, float,
+                       float, float, float, float, float, double*, double*);
+  void (*lamb_update)(float*, uint16_t*, const float*, const float*, int64_t, int64_t, float, float,
+                      float, float, float);
+};
+
+Bodies vector_bodies() {
+  if (use_avx512())
+    return {sum_squares_avx512, adamw_avx512, lamb_moments_avx512, lamb_update_avx512};
+  if (use_avx2()) return {sum_squares_avx2, adamw_avx2, lamb_moments_avx2, lamb_update_avx2};
+  return {nullptr, nullptr, nullptr, nullptr};
+}
+
 }  // namespace
 
 std::vector<ParamSlice> param_slices(const model::ParamTable& table) {
@@ -146,16 +260,17 @@ Optimizer::Optimizer(std::vector<ParamSlice> slices, int64_t total, const Optimi
 StepResult Optimizer::measure(const float* grads, float inv_scale) const {
   double sum = 0;
   bool finite = true;
+  const Bodies vec = vector_bodies();
   for (const auto& s : slices_) {
     const float* g = grads + s.offset;
     double part = 0;
-    if (use_avx512()) {
+    if (vec.sum_squares) {
       // The calling thread's buffer; workers reach it through `part`, not by name.
       thread_local std::vector<double> parts;
       parts.assign(omp_get_max_threads(), 0.0);
       double* const part = parts.data();
       parallel_chunks(s.numel, [&](int64_t b, int64_t e) {
-        part[omp_get_thread_num()] = sum_squares_avx512(g + b, e - b, inv_scale);
+        part[omp_get_thread_num()] = vec.sum_squares(g + b, e - b, inv_scale);
       });
       for (double x : parts) sum += x;
       continue;
@@ -184,6 +299,7 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
   const double bc1 = 1.0 - std::pow(static_cast<double>(b1), static_cast<double>(steps_));
   const double bc2 = 1.0 - std::pow(static_cast<double>(b2), static_cast<double>(steps_));
   const float gscale = static_cast<float>(inv_scale * r.clip_coef);
+  const Bodies vec = vector_bodies();
   for (const auto& s : slices_) {
     float* p = params + s.offset;
     uint16_t* p16 = params_bf16 ? params_bf16 + s.offset : nullptr;
@@ -197,9 +313,9 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
       const float step_size = static_cast<float>(lr / bc1);
       const float sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
       const float decay = 1.0f - lr * wd;
-      if (use_avx512()) {
+      if (vec.adamw) {
         parallel_chunks(n, [&](int64_t b, int64_t e) {
-          adamw_avx512(p, p16, g, m, v, b, e, gscale, b1, b2, step_size, sqrt_bc2, eps, decay);
+          vec.adamw(p, p16, g, m, v, b, e, gscale, b1, b2, step_size, sqrt_bc2, eps, decay);
         });
         continue;
       }
@@ -215,14 +331,14 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
       // LAMB: u = m_hat / (sqrt(v_hat) + eps) + wd * p; p -= lr * trust * u
       const float ibc1 = static_cast<float>(1.0 / bc1), ibc2 = static_cast<float>(1.0 / bc2);
       double pn = 0, un = 0;
-      if (use_avx512()) {
+      if (vec.lamb_moments) {
         thread_local std::vector<double> parts;  // workers use `part`, as in measure()
         parts.assign(2 * omp_get_max_threads(), 0.0);
         double* const part = parts.data();
         parallel_chunks(n, [&](int64_t b, int64_t e) {
           const int t = omp_get_thread_num();
-          lamb_moments_avx512(p, g, m, v, b, e, gscale, b1, b2, ibc1, ibc2, eps, wd, &part[2 * t],
-                              &part[2 * t + 1]);
+          vec.lamb_moments(p, g, m, v, b, e, gscale, b1, b2, ibc1, ibc2, eps, wd, &part[2 * t],
+                           &part[2 * t + 1]);
         });
         for (size_t t = 0; t < parts.size(); t += 2) {
           pn += parts[t];
@@ -233,7 +349,7 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
           trust = static_cast<float>(std::sqrt(pn) / std::sqrt(un));
         const float step = lr * trust;
         parallel_chunks(n, [&](int64_t b, int64_t e) {
-          lamb_update_avx512(p, p16, m, v, b, e, ibc1, ibc2, eps, wd, step);
+          vec.lamb_update(p, p16, m, v, b, e, ibc1, ibc2, eps, wd, step);
         });
         continue;
       }

@@ -7,6 +7,7 @@
 
 #include "core/dtype.h"
 #include "core/isa.h"
+#include "core/simd_avx2.h"
 #include "core/simd_avx512.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/matmul.h"
@@ -257,6 +258,103 @@ BT_AVX512 void dropout_row_avx512(O* out, const float* prob, int64_t T, float p,
   }
 }
 
+// The AVX2 twins, fp32 operands only (bf16 operands need AVX-512: matmul.h).
+BT_AVX2 void softmax_row_avx2(float* s, const float* bias, float* out, int64_t T, float p,
+                              float keep_scale, uint64_t key, uint64_t idx0) {
+  using namespace simd;
+  __m256 vmx = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < T; j += 8) {
+    const __m256 x = _mm256_add_ps(load8(s + j, T - j), load8(bias + j, T - j));
+    store8(s + j, T - j, x);
+    vmx = _mm256_max_ps(
+        vmx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, _mm256_castsi256_ps(tail8(T - j))));
+  }
+  const __m256 mx = _mm256_set1_ps(hmax8(vmx));
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < T; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(load8_or(s + j, T - j, -INFINITY), mx));  // 0 past T
+    store8(s + j, T - j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / hsum8(vsum));
+  for (int64_t j = 0; j < T; j += 8) {
+    const __m256 y = _mm256_mul_ps(load8(s + j, T - j), inv);
+    store8(s + j, T - j, y);
+    if (out)
+      store8(out + j, T - j,
+             p <= 0.0f ? y : _mm256_mul_ps(y, dropout_scale8(p, keep_scale, key, idx0 + j)));
+  }
+}
+
+BT_AVX2 void softmax_backward_row_avx2(float* g, float* ds, const float* prob, int64_t T, float p,
+                                       float keep_scale, uint64_t key, uint64_t idx0, float scale) {
+  using namespace simd;
+  __m256 vdot = _mm256_setzero_ps();
+  for (int64_t j = 0; j < T; j += 8) {
+    __m256 x = load8(g + j, T - j);
+    if (p > 0.0f) {
+      x = _mm256_mul_ps(x, dropout_scale8(p, keep_scale, key, idx0 + j));
+      store8(g + j, T - j, x);
+    }
+    vdot = _mm256_fmadd_ps(x, load8(prob + j, T - j), vdot);
+  }
+  const __m256 dot = _mm256_set1_ps(hsum8(vdot)), vs = _mm256_set1_ps(scale);
+  for (int64_t j = 0; j < T; j += 8) {
+    const __m256 y = _mm256_mul_ps(
+        _mm256_mul_ps(load8(prob + j, T - j), _mm256_sub_ps(load8(g + j, T - j), dot)), vs);
+    store8(ds + j, T - j, y);
+  }
+}
+
+BT_AVX2 void dropout_row_avx2(float* out, const float* prob, int64_t T, float p, float keep_scale,
+                              uint64_t key, uint64_t idx0) {
+  using namespace simd;
+  for (int64_t j = 0; j < T; j += 8) {
+    const __m256 x = load8(prob + j, T - j);
+    store8(out + j, T - j,
+           p <= 0.0f ? x : _mm256_mul_ps(x, dropout_scale8(p, keep_scale, key, idx0 + j)));
+  }
+}
+
+// Which row bodies a call takes: AVX-512 (fp32 or bf16 operands), AVX2 (fp32 operands), or the
+// portable loops.
+enum class RowBody { Portable, Avx2, Avx512 };
+template <typename X>
+RowBody row_body() {
+  if (use_avx512()) return RowBody::Avx512;
+  if (std::is_same_v<X, float> && use_avx2()) return RowBody::Avx2;
+  return RowBody::Portable;
+}
+
+template <typename O>
+void softmax_row(RowBody body, float* s, const float* bias, O* out, int64_t T, float p,
+                 float keep_scale, uint64_t key, uint64_t idx0) {
+  if (body == RowBody::Avx512) return softmax_row_avx512(s, bias, out, T, p, keep_scale, key, idx0);
+  if constexpr (std::is_same_v<O, float>)
+    if (body == RowBody::Avx2) return softmax_row_avx2(s, bias, out, T, p, keep_scale, key, idx0);
+  softmax_row_portable(s, bias, out, T, p, keep_scale, key, idx0);
+}
+
+template <typename O>
+void softmax_backward_row(RowBody body, float* g, O* ds, const float* prob, int64_t T, float p,
+                          float keep_scale, uint64_t key, uint64_t idx0, float scale) {
+  if (body == RowBody::Avx512)
+    return softmax_backward_row_avx512(g, ds, prob, T, p, keep_scale, key, idx0, scale);
+  if constexpr (std::is_same_v<O, float>)
+    if (body == RowBody::Avx2)
+      return softmax_backward_row_avx2(g, ds, prob, T, p, keep_scale, key, idx0, scale);
+  softmax_backward_row_portable(g, ds, prob, T, p, keep_scale, key, idx0, scale);
+}
+
+template <typename O>
+void dropout_row(RowBody body, O* out, const float* prob, int64_t T, float p, float keep_scale,
+                 uint64_t key, uint64_t idx0) {
+  if (body == RowBody::Avx512) return dropout_row_avx512(out, prob, T, p, keep_scale, key, idx0);
+  if constexpr (std::is_same_v<O, float>)
+    if (body == RowBody::Avx2) return dropout_row_avx2(out, prob, T, p, keep_scale, key, idx0);
+  dropout_row_portable(out, prob, T, p, keep_scale, key, idx0);
+}
+
 // Batched product over the NH heads of sequence b in fp32 or bf16 operands.
 struct HeadGemm {
   int64_t NH;
@@ -277,7 +375,7 @@ void forward_impl(float* ctx, float* probs, X* dropped, const X* qkv, const int3
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
-  const bool fast = use_avx512();
+  const RowBody body = row_body<X>();
   const HeadGemm gemm{NH};
   // probs = scale * Q K^T, per sequence, batched over heads (head h: columns h*HD of Q and K).
   for (int64_t b = 0; b < B; ++b) {
@@ -297,10 +395,7 @@ void forward_impl(float* ctx, float* probs, X* dropped, const X* qkv, const int3
         const int64_t r = (bh * T + i) * T;
         X* out = dropped ? dropped + r : nullptr;
         const uint64_t idx0 = offset + static_cast<uint64_t>(r);
-        if (fast)
-          softmax_row_avx512(probs + r, bias.data(), out, T, dropout_p, keep_scale, key, idx0);
-        else
-          softmax_row_portable(probs + r, bias.data(), out, T, dropout_p, keep_scale, key, idx0);
+        softmax_row(body, probs + r, bias.data(), out, T, dropout_p, keep_scale, key, idx0);
       }
     }
   }
@@ -320,7 +415,7 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
-  const bool fast = use_avx512();
+  const RowBody body = row_body<X>();
   const HeadGemm gemm{NH};
   // dV = dropped^T · dctx (the dropped probabilities regenerated into pd).
   const X* dropped = pd;
@@ -330,10 +425,7 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < B * NH * T; ++r) {
       const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
-      if (fast)
-        dropout_row_avx512(pd + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0);
-      else
-        dropout_row_portable(pd + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0);
+      dropout_row(body, pd + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0);
     }
   }
   for (int64_t b = 0; b < B; ++b)
@@ -346,12 +438,8 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < B * NH * T; ++r) {
     const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
-    if (fast)
-      softmax_backward_row_avx512(work + r * T, pd + r * T, probs + r * T, T, dropout_p, keep_scale,
-                                  key, idx0, scale);
-    else
-      softmax_backward_row_portable(work + r * T, pd + r * T, probs + r * T, T, dropout_p,
-                                    keep_scale, key, idx0, scale);
+    softmax_backward_row(body, work + r * T, pd + r * T, probs + r * T, T, dropout_p, keep_scale,
+                         key, idx0, scale);
   }
   // dQ = dS · K, dK = dS^T · Q.
   for (int64_t b = 0; b < B; ++b) {

@@ -8,6 +8,7 @@
 #include "core/dtype.h"
 #include "core/isa.h"
 #include "core/parallel.h"
+#include "core/simd_avx2.h"
 #include "core/simd_avx512.h"
 
 namespace bertrain::kernels {
@@ -71,6 +72,43 @@ BT_AVX512 void dropout_avx512(float* dx, const float* dy, int64_t b, int64_t e, 
   }
 }
 
+// The AVX2 twins: 8 lanes, the same formulas (exp8/erf8 give exp_ps/erf_ps's bits).
+BT_AVX2 inline __m256 gelu_cdf_avx2(__m256 x) {
+  return _mm256_fmadd_ps(_mm256_set1_ps(0.5f),
+                         simd::erf8(_mm256_mul_ps(x, _mm256_set1_ps(kInvSqrt2))),
+                         _mm256_set1_ps(0.5f));
+}
+
+BT_AVX2 void gelu_forward_avx2(float* out, const float* inp, int64_t b, int64_t e) {
+  using namespace simd;
+  for (int64_t i = b; i < e; i += 8) {
+    const __m256 x = load8(inp + i, e - i);
+    store8(out + i, e - i, _mm256_mul_ps(x, gelu_cdf_avx2(x)));
+  }
+}
+
+BT_AVX2 void gelu_backward_avx2(float* dinp, const float* inp, const float* dout, int64_t b,
+                                int64_t e) {
+  using namespace simd;
+  for (int64_t i = b; i < e; i += 8) {
+    const __m256 x = load8(inp + i, e - i);
+    const __m256 pdf =
+        _mm256_mul_ps(_mm256_set1_ps(kInvSqrt2Pi),
+                      exp8(_mm256_mul_ps(_mm256_set1_ps(-0.5f), _mm256_mul_ps(x, x))));
+    store8(dinp + i, e - i,
+           _mm256_mul_ps(load8(dout + i, e - i), _mm256_fmadd_ps(x, pdf, gelu_cdf_avx2(x))));
+  }
+}
+
+BT_AVX2 void dropout_avx2(float* dx, const float* dy, int64_t b, int64_t e, float p, uint64_t key,
+                          uint64_t offset) {
+  using namespace simd;
+  const float scale = 1.0f / (1.0f - p);
+  for (int64_t i = b; i < e; i += 8)
+    store8(dx + i, e - i,
+           _mm256_mul_ps(load8(dy + i, e - i), dropout_scale8(p, scale, key, offset + i)));
+}
+
 }  // namespace
 
 namespace {
@@ -100,6 +138,10 @@ void activation_forward(Activation a, float* out, const float* inp, int64_t n) {
         parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_avx512(out, inp, b, e); });
         break;
       }
+      if (use_avx2()) {
+        parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_avx2(out, inp, b, e); });
+        break;
+      }
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < n; ++i) {
         float x = inp[i];
@@ -125,12 +167,17 @@ void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, in
     parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_bf16_avx512(out16, inp, b, e); });
     return;
   }
-  // Other activations and CPUs: the fp32 activation in blocks, then rounded.
+  // Other activations and CPUs: the fp32 activation (activation_forward's body) in blocks,
+  // then rounded.
+  const bool avx2 = a == Activation::GeluErf && use_avx2();
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < n; b += 4096) {
     float tmp[4096];
     const int64_t k = std::min<int64_t>(4096, n - b);
-    activation_forward_serial(a, tmp, inp + b, k);
+    if (avx2)
+      gelu_forward_avx2(tmp, inp + b, 0, k);
+    else
+      activation_forward_serial(a, tmp, inp + b, k);
     for (int64_t i = 0; i < k; ++i) out16[b + i] = f32_to_bf16(tmp[i]);
   }
 }
@@ -143,6 +190,11 @@ void activation_backward(Activation a, float* dinp, const float* inp, const floa
       if (use_avx512()) {
         parallel_chunks(n,
                         [&](int64_t b, int64_t e) { gelu_backward_avx512(dinp, inp, dout, b, e); });
+        break;
+      }
+      if (use_avx2()) {
+        parallel_chunks(n,
+                        [&](int64_t b, int64_t e) { gelu_backward_avx2(dinp, inp, dout, b, e); });
         break;
       }
 #pragma omp parallel for simd schedule(static)
@@ -195,6 +247,9 @@ void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset
   if (use_avx512())
     return parallel_chunks(
         n, [&](int64_t b, int64_t e) { dropout_avx512(x, x, b, e, p, key, offset); });
+  if (use_avx2())
+    return parallel_chunks(n,
+                           [&](int64_t b, int64_t e) { dropout_avx2(x, x, b, e, p, key, offset); });
   const float scale = 1.0f / (1.0f - p);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) x[i] = dropout_keep(p, key, offset + i) ? x[i] * scale : 0.0f;
@@ -210,6 +265,9 @@ void dropout_backward(float* dx, const float* dy, int64_t n, float p, uint64_t k
   if (use_avx512())
     return parallel_chunks(
         n, [&](int64_t b, int64_t e) { dropout_avx512(dx, dy, b, e, p, key, offset); });
+  if (use_avx2())
+    return parallel_chunks(
+        n, [&](int64_t b, int64_t e) { dropout_avx2(dx, dy, b, e, p, key, offset); });
   const float scale = 1.0f / (1.0f - p);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) dx[i] = dropout_keep(p, key, offset + i) ? dy[i] * scale : 0.0f;

@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include "core/isa.h"
+#include "core/simd_avx2.h"
 #include "core/simd_avx512.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/embedding.h"
@@ -75,16 +76,57 @@ BT_AVX512 void ln_row_avx512(float* o, float* m_out, float* r_out, float* x, con
   *r_out = r;
 }
 
+// The AVX2 twin: 8 lanes, double sums in 2 x 4 lanes.
+BT_AVX2 void ln_row_avx2(float* o, float* m_out, float* r_out, float* x, const float* residual,
+                         const float* gamma, const float* beta, int64_t C, float eps, float p,
+                         float keep_scale, uint64_t key, uint64_t idx0) {
+  using namespace simd;
+  __m256d s = _mm256_setzero_pd();
+  for (int64_t c = 0; c < C; c += 8) {
+    __m256 xv = load8(x + c, C - c);
+    if (residual) {
+      if (p > 0.0f) xv = _mm256_mul_ps(xv, dropout_scale8(p, keep_scale, key, idx0 + c));
+      xv = _mm256_add_ps(xv, load8(residual + c, C - c));
+      store8(x + c, C - c, xv);
+    }
+    s = add_wide8(s, xv);
+  }
+  const float m = static_cast<float>(hsum4d(s) / C);
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256d v = _mm256_setzero_pd();
+  for (int64_t c = 0; c < C; c += 8) {
+    const __m256 d =
+        _mm256_and_ps(_mm256_sub_ps(load8(x + c, C - c), vm), _mm256_castsi256_ps(tail8(C - c)));
+    v = add_squares8(v, d);
+  }
+  const float r = static_cast<float>(1.0 / std::sqrt(hsum4d(v) / C + eps));
+  const __m256 vr = _mm256_set1_ps(r);
+  for (int64_t c = 0; c < C; c += 8) {
+    const __m256 xhat = _mm256_mul_ps(_mm256_sub_ps(load8(x + c, C - c), vm), vr);
+    store8(o + c, C - c,
+           _mm256_add_ps(_mm256_mul_ps(xhat, load8(gamma + c, C - c)), load8(beta + c, C - c)));
+  }
+  *m_out = m;
+  *r_out = r;
+}
+
+// The row function for the vector body this CPU takes, or null for the portable one.
+using LnRow = void (*)(float*, float*, float*, float*, const float*, const float*, const float*,
+                       int64_t, float, float, float, uint64_t, uint64_t);
+LnRow vector_ln_row() {
+  return use_avx512() ? ln_row_avx512 : use_avx2() ? ln_row_avx2 : nullptr;
+}
+
 }  // namespace
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* gamma,
                        const float* beta, int64_t N, int64_t C, float eps) {
-  const bool fast = use_avx512();
+  const LnRow fast = vector_ln_row();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     if (fast)
-      ln_row_avx512(out + i * C, mean + i, rstd + i, const_cast<float*>(inp + i * C), nullptr,
-                    gamma, beta, C, eps, 0.0f, 1.0f, 0, 0);
+      fast(out + i * C, mean + i, rstd + i, const_cast<float*>(inp + i * C), nullptr, gamma, beta,
+           C, eps, 0.0f, 1.0f, 0, 0);
     else
       ln_row_portable(out + i * C, mean + i, rstd + i, inp + i * C, gamma, beta, C, eps);
   }
@@ -94,7 +136,7 @@ void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                 const float* residual, const float* gamma, const float* beta,
                                 int64_t N, int64_t C, float eps, float dropout_p, uint64_t key,
                                 uint64_t offset) {
-  const bool fast = use_avx512();
+  const LnRow fast = vector_ln_row();
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
@@ -102,8 +144,8 @@ void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
     const float* ri = residual + i * C;
     const uint64_t idx0 = offset + static_cast<uint64_t>(i * C);
     if (fast) {
-      ln_row_avx512(out + i * C, mean + i, rstd + i, xi, ri, gamma, beta, C, eps, dropout_p,
-                    keep_scale, key, idx0);
+      fast(out + i * C, mean + i, rstd + i, xi, ri, gamma, beta, C, eps, dropout_p, keep_scale, key,
+           idx0);
       continue;
     }
     for (int64_t c = 0; c < C; ++c) {
@@ -130,6 +172,14 @@ BT_AVX512 void dropout_row_avx512(float* out, int64_t C, float p, float keep_sca
   }
 }
 
+BT_AVX2 void dropout_row_avx2(float* out, int64_t C, float p, float keep_scale, uint64_t key,
+                              uint64_t idx0) {
+  using namespace simd;
+  for (int64_t c = 0; c < C; c += 8)
+    store8(out + c, C - c,
+           _mm256_mul_ps(load8(out + c, C - c), dropout_scale8(p, keep_scale, key, idx0 + c)));
+}
+
 }  // namespace
 
 void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
@@ -137,7 +187,8 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
                                  const float* position, const float* token_type, const float* gamma,
                                  const float* beta, int64_t B, int64_t T, int64_t C, float eps,
                                  float dropout_p, uint64_t key, uint64_t offset) {
-  const bool fast = use_avx512();
+  const LnRow fast = vector_ln_row();
+  const auto dropout_row = use_avx512() ? dropout_row_avx512 : dropout_row_avx2;
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
 #pragma omp parallel for schedule(static)
   for (int64_t bt = 0; bt < B * T; ++bt) {
@@ -146,8 +197,8 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
     embedding_sum_row(x, ids[bt], segment[bt], bt % T, word, position, token_type, C);
     const uint64_t idx0 = offset + static_cast<uint64_t>(bt * C);
     if (fast) {
-      ln_row_avx512(o, mean + bt, rstd + bt, x, nullptr, gamma, beta, C, eps, 0.0f, 1.0f, 0, 0);
-      if (dropout_p > 0.0f) dropout_row_avx512(o, C, dropout_p, keep_scale, key, idx0);
+      fast(o, mean + bt, rstd + bt, x, nullptr, gamma, beta, C, eps, 0.0f, 1.0f, 0, 0);
+      if (dropout_p > 0.0f) dropout_row(o, C, dropout_p, keep_scale, key, idx0);
       continue;
     }
     ln_row_portable(o, mean + bt, rstd + bt, x, gamma, beta, C, eps);
@@ -194,6 +245,42 @@ BT_AVX512 void ln_backward_row_avx512(float* dx, float* ddrop, float* pg, float*
   }
 }
 
+BT_AVX2 void ln_backward_row_avx2(float* dx, float* ddrop, float* pg, float* pb, const float* dy,
+                                  const float* x, const float* gamma, float m, float r, int64_t C,
+                                  bool accumulate, float p, float keep_scale, uint64_t key,
+                                  uint64_t idx0) {
+  using namespace simd;
+  const __m256 vm = _mm256_set1_ps(m), vr = _mm256_set1_ps(r);
+  __m256 sg = _mm256_setzero_ps(), sgx = _mm256_setzero_ps();
+  for (int64_t c = 0; c < C; c += 8) {
+    const int64_t n = C - c;
+    const __m256 xhat = _mm256_mul_ps(_mm256_sub_ps(load8(x + c, n), vm), vr);
+    const __m256 d = load8(dy + c, n);  // 0 past the row: the sums see nothing there
+    const __m256 gdy = _mm256_mul_ps(load8(gamma + c, n), d);
+    sg = _mm256_add_ps(sg, gdy);
+    sgx = _mm256_add_ps(sgx, _mm256_mul_ps(gdy, xhat));
+    store8(pg + c, n, _mm256_add_ps(load8(pg + c, n), _mm256_mul_ps(d, xhat)));
+    store8(pb + c, n, _mm256_add_ps(load8(pb + c, n), d));
+  }
+  const __m256 a = _mm256_set1_ps(hsum8(sg) / C);
+  const __m256 b = _mm256_set1_ps(hsum8(sgx) / C);
+  for (int64_t c = 0; c < C; c += 8) {
+    const int64_t n = C - c;
+    const __m256 xhat = _mm256_mul_ps(_mm256_sub_ps(load8(x + c, n), vm), vr);
+    const __m256 gdy = _mm256_mul_ps(load8(gamma + c, n), load8(dy + c, n));
+    __m256 g = _mm256_mul_ps(vr, _mm256_sub_ps(_mm256_sub_ps(gdy, a), _mm256_mul_ps(xhat, b)));
+    if (accumulate) g = _mm256_add_ps(load8(dx + c, n), g);
+    store8(dx + c, n, g);
+    if (ddrop)
+      store8(ddrop + c, n,
+             p > 0.0f ? _mm256_mul_ps(g, dropout_scale8(p, keep_scale, key, idx0 + c)) : g);
+  }
+}
+
+using LnBackwardRow = void (*)(float*, float*, float*, float*, const float*, const float*,
+                               const float*, float, float, int64_t, bool, float, float, uint64_t,
+                               uint64_t);
+
 }  // namespace
 
 void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
@@ -202,7 +289,9 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
                                 bool accumulate_dinp, float dropout_p, uint64_t key,
                                 uint64_t offset) {
   // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat)), xhat = (x - mean) * rstd
-  const bool fast = use_avx512();
+  const LnBackwardRow fast = use_avx512() ? ln_backward_row_avx512
+                             : use_avx2() ? ln_backward_row_avx2
+                                          : nullptr;
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   int nthreads = omp_get_max_threads();
   // Per-thread dgamma/dbeta partials, kept between calls (no allocation per step).
@@ -222,8 +311,8 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
       float* dx = dinp + i * C;
       float* dd = ddropped ? ddropped + i * C : nullptr;
       if (fast) {
-        ln_backward_row_avx512(dx, dd, pg, pb, dy, x, gamma, mean[i], rstd[i], C, accumulate_dinp,
-                               dropout_p, keep_scale, key, idx0);
+        fast(dx, dd, pg, pb, dy, x, gamma, mean[i], rstd[i], C, accumulate_dinp, dropout_p,
+             keep_scale, key, idx0);
         continue;
       }
       float m = mean[i], r = rstd[i];
