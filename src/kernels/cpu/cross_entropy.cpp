@@ -14,6 +14,15 @@ struct RowMax {
   int64_t arg;  // first index of the maximum
 };
 
+// The row's maximum from per-lane maxima and their first indices (the lowest index on ties).
+RowMax first_max_of_lanes(const float* mx, const int32_t* ag, int lanes) {
+  RowMax r{-INFINITY, 0};
+  for (int l = 0; l < lanes; ++l)
+    if (mx[l] > r.max || (mx[l] == r.max && ag[l] < r.arg)) r = {mx[l], ag[l]};
+  if (r.max == -INFINITY) r.arg = 0;
+  return r;
+}
+
 BT_AVX512 RowMax row_max_avx512(const float* x, int64_t V) {
   using namespace simd;
   __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -32,11 +41,7 @@ BT_AVX512 RowMax row_max_avx512(const float* x, int64_t V) {
   alignas(64) int32_t ag[16];
   _mm512_store_ps(mx, vmax);
   _mm512_store_si512(ag, varg);
-  RowMax r{-INFINITY, 0};
-  for (int l = 0; l < 16; ++l)
-    if (mx[l] > r.max || (mx[l] == r.max && ag[l] < r.arg)) r = {mx[l], ag[l]};
-  if (r.max == -INFINITY) r.arg = 0;
-  return r;
+  return first_max_of_lanes(mx, ag, 16);
 }
 
 // sum_v exp(x[v] - mx); also writes the exponentials to e when non-null (e may alias x).
@@ -78,11 +83,7 @@ BT_AVX2 RowMax row_max_avx2(const float* x, int64_t V) {
   alignas(32) int32_t ag[8];
   _mm256_store_ps(mx, vmax);
   _mm256_store_si256(reinterpret_cast<__m256i*>(ag), varg);
-  RowMax r{-INFINITY, 0};
-  for (int l = 0; l < 8; ++l)
-    if (mx[l] > r.max || (mx[l] == r.max && ag[l] < r.arg)) r = {mx[l], ag[l]};
-  if (r.max == -INFINITY) r.arg = 0;
-  return r;
+  return first_max_of_lanes(mx, ag, 8);
 }
 
 BT_AVX2 double sum_exp_avx2(float* e, const float* x, int64_t V, float mx) {
