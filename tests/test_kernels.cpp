@@ -404,6 +404,30 @@ TEST(IsaDispatch, ActivationToBf16EqualsRoundedFp32) {
   }
 }
 
+// bf16 training saves the pre-activation rounded: the forward's bf16 copy of its input equals
+// rounding, and the backward from it equals the fp32 backward at the widened values, bit for
+// bit, on every body and for every activation.
+TEST(IsaDispatch, ActivationBackwardFromBf16EqualsFp32AtTheRoundedInput) {
+  const int64_t n = 10007;
+  const auto x = wide_values(n, 11), dy = random_vector(n, 12);
+  for (Isa isa : test::isa_levels()) {
+    set_isa_override(isa);
+    for (Activation a : {Activation::GeluErf, Activation::GeluTanh, Activation::Relu}) {
+      std::vector<uint16_t> y16(n), x16(n);
+      activation_forward_bf16(a, y16.data(), x.data(), n, x16.data());
+      std::vector<float> xr(n), want(n), got(n);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(x16[i], f32_to_bf16(x[i])) << isa_name(isa) << " at " << i;
+        xr[i] = bf16_to_f32(x16[i]);
+      }
+      activation_backward(a, want.data(), xr.data(), dy.data(), n);
+      activation_backward_bf16(a, got.data(), x16.data(), dy.data(), n);
+      ASSERT_EQ(got, want) << "activation " << int(a) << " with " << isa_name(isa);
+    }
+    reset_isa_override();
+  }
+}
+
 // The fused residual block (dropout + residual add + LayerNorm forward; LayerNorm backward +
 // dropout backward) equals the separate kernels bit for bit on each body; the vector LayerNorms
 // (double sums in lanes, float sums of the backward in lanes) are within 2e-6 of the portable.

@@ -40,7 +40,12 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(g, "emb.out", f32s(N * C));
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     const std::string p = "layer" + std::to_string(l) + ".";
-    plan.add(g, p + "qkv", f32s(N * 3 * C));
+    // bf16 keeps QKV and the FFN pre-activation only rounded (what backward reads: the
+    // attention's bf16 operands, GELU's input); their fp32 GEMM outputs pass through grad.dI.
+    if (d.bf16)
+      plan.add(g, p + "qkv16", f32s(N * 3 * C) / 2);
+    else
+      plan.add(g, p + "qkv", f32s(N * 3 * C));
     plan.add(g, p + "probs", f32s(B * NH * T * T));
     // bf16: the inputs of the attention-output and FFN-output matmuls are kept only as their
     // bf16 operands (GELU writes bf16 directly): half the memory, no conversion in backward.
@@ -52,7 +57,10 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
     plan.add(g, p + "ln1_out", f32s(N * C));
     plan.add(g, p + "ln1_mean", f32s(N));
     plan.add(g, p + "ln1_rstd", f32s(N));
-    plan.add(g, p + "inter_pre", f32s(N * I));
+    if (d.bf16)
+      plan.add(g, p + "inter_pre16", f32s(N * I) / 2);
+    else
+      plan.add(g, p + "inter_pre", f32s(N * I));
     if (d.bf16)
       plan.add(g, p + "inter_act16", f32s(N * I) / 2);
     else
@@ -95,8 +103,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
     const int64_t a = std::max({N * std::max(3 * C, I), BP * V, B * std::max<int64_t>(C, V)});
     plan.add(g16, "bf16.scratch_a", static_cast<size_t>(a) * h);
     plan.add(g16, "bf16.scratch_b", static_cast<size_t>(std::max(N * std::max(C, I), BP * C)) * h);
-    // Attention's matmul operands: QKV, the dropped probabilities (then dS), dctx.
-    plan.add(g16, "bf16.attn_qkv", static_cast<size_t>(N * 3 * C) * h);
+    // Attention's matmul operands: the dropped probabilities (then dS), dctx (QKV: per layer).
     plan.add(g16, "bf16.attn_probs", static_cast<size_t>(B * NH * T * T) * h);
     plan.add(g16, "bf16.attn_dctx", static_cast<size_t>(N * C) * h);
   }
@@ -131,7 +138,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
     sa_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.scratch_a"));
     sb_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.scratch_b"));
     auto b16 = [&](const char* name) { return reinterpret_cast<uint16_t*>(bf16_arena_.f32(name)); };
-    attn16_ = {b16("bf16.attn_qkv"), b16("bf16.attn_probs"), b16("bf16.attn_dctx")};
+    attn16_ = {nullptr, b16("bf16.attn_probs"), b16("bf16.attn_dctx")};  // qkv: per layer
   }
 
   const Arena& a = acts_arena_;
@@ -143,12 +150,15 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
     const std::string p = "layer" + std::to_string(l) + ".";
     const bool h = dims.bf16;
     auto b16 = [&](const std::string& name) { return reinterpret_cast<uint16_t*>(a.f32(name)); };
-    act_.layers.push_back(
-        {a.f32(p + "qkv"), a.f32(p + "probs"), h ? scratch_.f32("attn.ctx") : a.f32(p + "ctx"),
-         a.f32(p + "attn_res"), a.f32(p + "ln1_out"), a.f32(p + "ln1_mean"), a.f32(p + "ln1_rstd"),
-         a.f32(p + "inter_pre"), h ? nullptr : a.f32(p + "inter_act"), a.f32(p + "ffn_res"),
-         a.f32(p + "ln2_out"), a.f32(p + "ln2_mean"), a.f32(p + "ln2_rstd"),
-         h ? b16(p + "ctx16") : nullptr, h ? b16(p + "inter_act16") : nullptr});
+    float* gemm_out = scratch_.f32("grad.dI");  // bf16: fp32 QKV / pre-activation, briefly
+    act_.layers.push_back({h ? gemm_out : a.f32(p + "qkv"), a.f32(p + "probs"),
+                           h ? scratch_.f32("attn.ctx") : a.f32(p + "ctx"), a.f32(p + "attn_res"),
+                           a.f32(p + "ln1_out"), a.f32(p + "ln1_mean"), a.f32(p + "ln1_rstd"),
+                           h ? gemm_out : a.f32(p + "inter_pre"),
+                           h ? nullptr : a.f32(p + "inter_act"), a.f32(p + "ffn_res"),
+                           a.f32(p + "ln2_out"), a.f32(p + "ln2_mean"), a.f32(p + "ln2_rstd"),
+                           h ? b16(p + "ctx16") : nullptr, h ? b16(p + "inter_act16") : nullptr,
+                           h ? b16(p + "qkv16") : nullptr, h ? b16(p + "inter_pre16") : nullptr});
   }
   act_.cls_in = a.f32("head.cls_in");
   act_.pooled = a.f32("head.pooled");
@@ -242,9 +252,10 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     const LayerOffsets& o = t.layer(l);
     const LayerActs& a = act_.layers[l];
     lin_fwd(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
+    const AttentionBf16 a16{a.qkv16, attn16_.probs, attn16_.dctx};
     attention_forward(a.ctx, a.probs, attn_work_, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
                       rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
-                      wbf16_ ? &attn16_ : nullptr);
+                      wbf16_ ? &a16 : nullptr);
     if (a.ctx16) {
       convert_f32_to_bf16(a.ctx, a.ctx16, static_cast<size_t>(N * C));
       lin_fwd16(a.attn_res, a.ctx16, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
@@ -256,7 +267,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
                                rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
     lin_fwd(a.inter_pre, a.ln1_out, W(o.inter_w), W(o.inter_b), N, I, C);
     if (a.inter_act16) {
-      activation_forward_bf16(act, a.inter_act16, a.inter_pre, N * I);
+      activation_forward_bf16(act, a.inter_act16, a.inter_pre, N * I, a.inter_pre16);
       lin_fwd16(a.ffn_res, a.inter_act16, W(o.out_w), W(o.out_b), N, C, I);
     } else {
       activation_forward(act, a.inter_act, a.inter_pre, N * I);
@@ -426,7 +437,10 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
       lin_bwd16(dI, G(o.out_w), G(o.out_b), dB, a.inter_act16, W(o.out_w), N, C, I);
     else
       lin_bwd(dI, G(o.out_w), G(o.out_b), dB, a.inter_act, W(o.out_w), N, C, I);
-    activation_backward(act, dI, a.inter_pre, dI, N * I);
+    if (a.inter_pre16)
+      activation_backward_bf16(act, dI, a.inter_pre16, dI, N * I);
+    else
+      activation_backward(act, dI, a.inter_pre, dI, N * I);
     lin_bwd(dA, G(o.inter_w), G(o.inter_b), dI, a.ln1_out, W(o.inter_w), N, I, C,
             /*accumulate_dinp=*/true);  // dA = d ln1_out (residual + FFN path)
     // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
@@ -437,9 +451,10 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
       lin_bwd16(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx16, W(o.attn_out_w), N, C, C);
     else
       lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
-    attention_backward(dI, attn_work_, dA, a.qkv, a.probs, {B, T, C, NH}, p_attn,
-                       rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
-                       wbf16_ ? &attn16_ : nullptr);
+    const AttentionBf16 a16{a.qkv16, attn16_.probs, attn16_.dctx};
+    attention_backward(dI, attn_work_, dA, a.qkv16 ? nullptr : a.qkv, a.probs, {B, T, C, NH},
+                       p_attn, rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
+                       wbf16_ ? &a16 : nullptr);
     lin_bwd(dh, G(o.qkv_w), G(o.qkv_b), dI, x, W(o.qkv_w), N, 3 * C, C,
             /*accumulate_dinp=*/true);  // dh = d x (residual + attention path)
     if (layer_done) layer_done(l);

@@ -98,7 +98,9 @@ class BertModel {
   struct LayerActs {
     float *qkv, *probs, *ctx, *attn_res, *ln1_out, *ln1_mean, *ln1_rstd;
     float *inter_pre, *inter_act, *ffn_res, *ln2_out, *ln2_mean, *ln2_rstd;
-    uint16_t *ctx16, *inter_act16;  // bf16 only: these replace ctx (then scratch) and inter_act
+    // bf16 only: these replace ctx (then scratch) and inter_act, and are what backward reads
+    // of QKV and the pre-activation (qkv and inter_pre then point at scratch).
+    uint16_t *ctx16, *inter_act16, *qkv16, *inter_pre16;
   };
   struct Acts {
     float *emb_sum, *emb_mean, *emb_rstd, *h0;

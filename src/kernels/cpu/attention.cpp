@@ -468,7 +468,7 @@ void attention_backward(float* dqkv, float* work, const float* dctx, const float
                         const float* probs, const AttentionShape& s, float dropout_p, uint64_t key,
                         uint64_t offset, const AttentionBf16* bf16) {
   if (bf16) {
-    convert_f32_to_bf16(qkv, bf16->qkv, static_cast<size_t>(s.B * s.T * 3 * s.C));
+    if (qkv) convert_f32_to_bf16(qkv, bf16->qkv, static_cast<size_t>(s.B * s.T * 3 * s.C));
     convert_f32_to_bf16(dctx, bf16->dctx, static_cast<size_t>(s.B * s.T * s.C));
     return backward_impl<uint16_t>(dqkv, work, bf16->probs, bf16->dctx, bf16->qkv, probs, s,
                                    dropout_p, key, offset);

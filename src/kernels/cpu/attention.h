@@ -13,8 +13,9 @@ struct AttentionShape {
   int64_t B, T, C, NH;
 };
 
-// bf16 operands for the four matmuls (fp32 accumulation): scratch for QKV [B,T,3C], the
-// dropped probabilities / dS [B,NH,T,T] and dctx [B,T,C], as raw bf16 bits.
+// bf16 operands for the four matmuls (fp32 accumulation): QKV [B,T,3C] (written by the
+// forward), scratch for the dropped probabilities / dS [B,NH,T,T] and dctx [B,T,C], as raw
+// bf16 bits.
 struct AttentionBf16 {
   uint16_t *qkv, *probs, *dctx;
 };
@@ -26,7 +27,9 @@ void attention_forward(float* ctx, float* probs, float* work, const float* qkv, 
                        const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset,
                        const AttentionBf16* bf16 = nullptr);
 
-// dqkv[B,T,3C] is overwritten; work and bf16 as in forward.
+// dqkv[B,T,3C] is overwritten; work and bf16 as in forward. With bf16, qkv may be null: then
+// bf16->qkv still holds what the forward rounded (the model keeps it per layer instead of the
+// fp32 QKV).
 void attention_backward(float* dqkv, float* work, const float* dctx, const float* qkv,
                         const float* probs, const AttentionShape& s, float dropout_p, uint64_t key,
                         uint64_t offset, const AttentionBf16* bf16 = nullptr);

@@ -34,13 +34,15 @@ BT_AVX512 void gelu_forward_avx512(float* out, const float* inp, int64_t b, int6
   }
 }
 
-BT_AVX512 void gelu_forward_bf16_avx512(uint16_t* out, const float* inp, int64_t b, int64_t e) {
+BT_AVX512 void gelu_forward_bf16_avx512(uint16_t* out, uint16_t* inp16, const float* inp, int64_t b,
+                                        int64_t e) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 m = tail_mask(e - i);
     const __m512 x = _mm512_maskz_loadu_ps(m, inp + i);
     const __m512 cdf = gelu_cdf_avx512(x);
     _mm256_mask_storeu_epi16(out + i, m, f32_to_bf16_16(_mm512_mul_ps(x, cdf)));
+    if (inp16) _mm256_mask_storeu_epi16(inp16 + i, m, f32_to_bf16_16(x));
   }
 }
 
@@ -112,6 +114,8 @@ BT_AVX2 void dropout_avx2(float* dx, const float* dy, int64_t b, int64_t e, floa
 }  // namespace
 
 namespace {
+constexpr int64_t kBlock = 4096;  // elements per stack block in the bf16 activation passes
+
 // One thread's share (no OpenMP), the portable formulas.
 void activation_forward_serial(Activation a, float* out, const float* inp, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
@@ -125,6 +129,27 @@ void activation_forward_serial(Activation a, float* out, const float* inp, int64
         break;
       case Activation::Relu:
         out[i] = x > 0.0f ? x : 0.0f;
+        break;
+    }
+  }
+}
+void activation_backward_serial(Activation a, float* dinp, const float* inp, const float* dout,
+                                int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    switch (a) {
+      case Activation::GeluErf:
+        dinp[i] = dout[i] * (0.5f * (1.0f + std::erf(x * kInvSqrt2)) +
+                             x * (kInvSqrt2Pi * std::exp(-0.5f * x * x)));
+        break;
+      case Activation::GeluTanh: {
+        const float t = std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x));
+        const float du = kSqrt2OverPi * (1.0f + 3.0f * 0.044715f * x * x);
+        dinp[i] = dout[i] * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du);
+        break;
+      }
+      case Activation::Relu:
+        dinp[i] = x > 0.0f ? dout[i] : 0.0f;
         break;
     }
   }
@@ -162,64 +187,61 @@ void activation_forward(Activation a, float* out, const float* inp, int64_t n) {
   }
 }
 
-void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n) {
+void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n,
+                             uint16_t* inp16) {
   if (a == Activation::GeluErf && use_avx512()) {
-    parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_bf16_avx512(out16, inp, b, e); });
+    parallel_chunks(
+        n, [&](int64_t b, int64_t e) { gelu_forward_bf16_avx512(out16, inp16, inp, b, e); });
     return;
   }
   // Other activations and CPUs: the fp32 activation (activation_forward's body) in blocks,
   // then rounded.
   const bool avx2 = a == Activation::GeluErf && use_avx2();
 #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < n; b += 4096) {
-    float tmp[4096];
-    const int64_t k = std::min<int64_t>(4096, n - b);
+  for (int64_t b = 0; b < n; b += kBlock) {
+    float tmp[kBlock];
+    const int64_t k = std::min<int64_t>(kBlock, n - b);
     if (avx2)
       gelu_forward_avx2(tmp, inp + b, 0, k);
     else
       activation_forward_serial(a, tmp, inp + b, k);
     for (int64_t i = 0; i < k; ++i) out16[b + i] = f32_to_bf16(tmp[i]);
+    if (inp16)
+      for (int64_t i = 0; i < k; ++i) inp16[b + i] = f32_to_bf16(inp[b + i]);
+  }
+}
+
+void activation_backward_bf16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
+                              int64_t n) {
+  // Blocks widened to fp32 on the stack, each through activation_backward's body for this CPU.
+  const bool gelu = a == Activation::GeluErf, avx512 = gelu && use_avx512(),
+             avx2 = gelu && use_avx2();
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < n; b += kBlock) {
+    float x[kBlock];
+    const int64_t k = std::min<int64_t>(kBlock, n - b);
+    for (int64_t i = 0; i < k; ++i) x[i] = bf16_to_f32(inp16[b + i]);
+    if (avx512)
+      gelu_backward_avx512(dinp + b, x, dout + b, 0, k);
+    else if (avx2)
+      gelu_backward_avx2(dinp + b, x, dout + b, 0, k);
+    else
+      activation_backward_serial(a, dinp + b, x, dout + b, k);
   }
 }
 
 void activation_backward(Activation a, float* dinp, const float* inp, const float* dout,
                          int64_t n) {
-  switch (a) {
-    case Activation::GeluErf:
-      // d/dx [x Phi(x)] = Phi(x) + x phi(x)
-      if (use_avx512()) {
-        parallel_chunks(n,
-                        [&](int64_t b, int64_t e) { gelu_backward_avx512(dinp, inp, dout, b, e); });
-        break;
-      }
-      if (use_avx2()) {
-        parallel_chunks(n,
-                        [&](int64_t b, int64_t e) { gelu_backward_avx2(dinp, inp, dout, b, e); });
-        break;
-      }
-#pragma omp parallel for simd schedule(static)
-      for (int64_t i = 0; i < n; ++i) {
-        float x = inp[i];
-        float cdf = 0.5f * (1.0f + std::erf(x * kInvSqrt2));
-        float pdf = kInvSqrt2Pi * std::exp(-0.5f * x * x);
-        dinp[i] = dout[i] * (cdf + x * pdf);
-      }
-      break;
-    case Activation::GeluTanh:
-#pragma omp parallel for simd schedule(static)
-      for (int64_t i = 0; i < n; ++i) {
-        float x = inp[i];
-        float u = kSqrt2OverPi * (x + 0.044715f * x * x * x);
-        float t = std::tanh(u);
-        float du = kSqrt2OverPi * (1.0f + 3.0f * 0.044715f * x * x);
-        dinp[i] = dout[i] * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du);
-      }
-      break;
-    case Activation::Relu:
-#pragma omp parallel for simd schedule(static)
-      for (int64_t i = 0; i < n; ++i) dinp[i] = inp[i] > 0.0f ? dout[i] : 0.0f;
-      break;
-  }
+  // GELU: d/dx [x Phi(x)] = Phi(x) + x phi(x)
+  if (a == Activation::GeluErf && use_avx512())
+    return parallel_chunks(
+        n, [&](int64_t b, int64_t e) { gelu_backward_avx512(dinp, inp, dout, b, e); });
+  if (a == Activation::GeluErf && use_avx2())
+    return parallel_chunks(
+        n, [&](int64_t b, int64_t e) { gelu_backward_avx2(dinp, inp, dout, b, e); });
+  parallel_chunks(n, [&](int64_t b, int64_t e) {
+    activation_backward_serial(a, dinp + b, inp + b, dout + b, e - b);
+  });
 }
 
 void tanh_forward(float* out, const float* inp, int64_t n) {

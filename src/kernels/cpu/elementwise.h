@@ -12,9 +12,15 @@ enum class Activation { GeluErf, GeluTanh, Relu };
 
 void activation_forward(Activation a, float* out, const float* inp, int64_t n);
 // The activation rounded to bf16 (out16: raw bits) in the same pass: the next matmul's operand.
-void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n);
+// inp16 (optional): the input rounded to bf16 as well, what activation_backward_bf16 reads.
+void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n,
+                             uint16_t* inp16 = nullptr);
 // dinp = dout * act'(inp)
 void activation_backward(Activation a, float* dinp, const float* inp, const float* dout, int64_t n);
+// The same at the input's bf16 rounding (bf16 training saves the pre-activation in bf16, as
+// PyTorch's autocast does: half the memory; the derivative moves by about one bf16 rounding).
+void activation_backward_bf16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
+                              int64_t n);
 
 void tanh_forward(float* out, const float* inp, int64_t n);
 // dinp = dout * (1 - out^2), from the forward output.
