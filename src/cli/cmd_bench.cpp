@@ -85,6 +85,10 @@ void add_bench(CLI::App& app) {
     const int64_t P = head == model::Head::Pretraining ? o->preds : 0;
     if (o->precision != "fp32" && o->precision != "bf16") fail("--precision must be fp32 or bf16");
     const bool bf16 = o->precision == "bf16";
+    // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
+    // below is the training run's, not this probe's.
+    const double peak = kernels::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
+                                                          cfg.hidden_size, bf16, 1.0);
     model::BertModel m(cfg, head, {o->batch, o->seq, P, bf16});
     m.init_params(1);
     train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(),
@@ -122,8 +126,6 @@ void add_bench(CLI::App& app) {
     const double tf = median(fwd), tb = median(bwd), tu = median(upd), step = tf + tb + tu;
     const double flops = m.flops_per_step(o->batch, o->seq, P);
     const double gflops = flops / step / 1e9;
-    const double peak = kernels::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
-                                                          cfg.hidden_size, bf16, 1.0);
     struct rusage ru {};
     getrusage(RUSAGE_SELF, &ru);
     const double rss = ru.ru_maxrss * 1024.0;
