@@ -310,17 +310,43 @@ TEST_P(AttentionTest, Bf16StaysWithinBf16Precision) {
                      &w);
   attention_backward_reference(dqkv_ref.data(), dctx.data(), qkv.data(), probs_ref.data(), s, p, 5,
                                11);
-  auto rel_l2 = [](const std::vector<float>& a, const std::vector<float>& b) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size(); ++i) {
-      num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-      den += double(b[i]) * b[i];
-    }
-    return std::sqrt(num / den);
-  };
-  EXPECT_LE(rel_l2(ctx, ctx_ref), 4 * 0x1p-8);
-  EXPECT_LE(rel_l2(dqkv, dqkv_ref), 4 * 0x1p-8);
-  EXPECT_GT(rel_l2(dqkv, dqkv_ref), 0.0);  // really bf16
+  EXPECT_LE(test::rel_l2(ctx, ctx_ref), 4 * 0x1p-8);
+  EXPECT_LE(test::rel_l2(dqkv, dqkv_ref), 4 * 0x1p-8);
+  EXPECT_GT(test::rel_l2(dqkv, dqkv_ref), 0.0);  // really bf16
+}
+
+// The softmax output saved in bf16 (bf16 training): the saved row is the fp32 probabilities
+// rounded, bit for bit; ctx and dqkv stay within the same 4 bf16 roundings of the fp32
+// reference, and close to the run that saves fp32 (one more rounding, of the probabilities).
+TEST_P(AttentionTest, Bf16SavedProbabilitiesStayWithinBf16Precision) {
+  if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
+  const float p = GetParam();
+  const AttentionShape s{2, 45, 64, 4};
+  auto qkv = random_vector(s.B * s.T * 3 * s.C, 76);
+  std::vector<int32_t> mask(s.B * s.T, 1);
+  for (int64_t t = 40; t < s.T; ++t) mask[t] = 0;
+  auto dctx = random_vector(s.B * s.T * s.C, 77);
+  const size_t np = s.B * s.NH * s.T * s.T;
+  std::vector<float> ctx_ref(s.B * s.T * s.C), probs_ref(np), dqkv_ref(qkv.size());
+  attention_forward_reference(ctx_ref.data(), probs_ref.data(), qkv.data(), mask.data(), s, p, 5,
+                              11);
+  attention_backward_reference(dqkv_ref.data(), dctx.data(), qkv.data(), probs_ref.data(), s, p, 5,
+                               11);
+  std::vector<float> probs32(np);
+  std::vector<uint16_t> saved(np);
+  for (bool bf16_saved : {false, true}) {
+    std::vector<float> ctx(ctx_ref.size()), work(np), dqkv(qkv.size());
+    std::vector<uint16_t> q16(qkv.size()), p16(np), d16(ctx.size());
+    const AttentionBf16 w{q16.data(), p16.data(), d16.data(), bf16_saved ? saved.data() : nullptr};
+    float* probs = bf16_saved ? nullptr : probs32.data();
+    attention_forward(ctx.data(), probs, work.data(), qkv.data(), mask.data(), s, p, 5, 11, &w);
+    // The model keeps only the bf16 QKV: backward reads it back (qkv null).
+    attention_backward(dqkv.data(), work.data(), dctx.data(), bf16_saved ? nullptr : qkv.data(),
+                       probs, s, p, 5, 11, &w);
+    EXPECT_LE(test::rel_l2(ctx, ctx_ref), 4 * 0x1p-8) << (bf16_saved ? "bf16 saved" : "fp32");
+    EXPECT_LE(test::rel_l2(dqkv, dqkv_ref), 4 * 0x1p-8) << (bf16_saved ? "bf16 saved" : "fp32");
+  }
+  for (size_t i = 0; i < np; ++i) ASSERT_EQ(saved[i], f32_to_bf16(probs32[i])) << i;
 }
 
 INSTANTIATE_TEST_SUITE_P(Dropout, AttentionTest, ::testing::Values(0.0f, 0.3f),

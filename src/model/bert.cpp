@@ -46,7 +46,10 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
       plan.add(g, p + "qkv16", f32s(N * 3 * C) / 2);
     else
       plan.add(g, p + "qkv", f32s(N * 3 * C));
-    plan.add(g, p + "probs", f32s(B * NH * T * T));
+    if (d.bf16)  // the softmax output saved in bf16 (kernels/cpu/attention.h)
+      plan.add(g, p + "probs16", f32s(B * NH * T * T) / 2);
+    else
+      plan.add(g, p + "probs", f32s(B * NH * T * T));
     // bf16: the inputs of the attention-output and FFN-output matmuls are kept only as their
     // bf16 operands (GELU writes bf16 directly): half the memory, no conversion in backward.
     if (d.bf16)
@@ -151,14 +154,15 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
     const bool h = dims.bf16;
     auto b16 = [&](const std::string& name) { return reinterpret_cast<uint16_t*>(a.f32(name)); };
     float* gemm_out = scratch_.f32("grad.dI");  // bf16: fp32 QKV / pre-activation, briefly
-    act_.layers.push_back({h ? gemm_out : a.f32(p + "qkv"), a.f32(p + "probs"),
+    act_.layers.push_back({h ? gemm_out : a.f32(p + "qkv"), h ? nullptr : a.f32(p + "probs"),
                            h ? scratch_.f32("attn.ctx") : a.f32(p + "ctx"), a.f32(p + "attn_res"),
                            a.f32(p + "ln1_out"), a.f32(p + "ln1_mean"), a.f32(p + "ln1_rstd"),
                            h ? gemm_out : a.f32(p + "inter_pre"),
                            h ? nullptr : a.f32(p + "inter_act"), a.f32(p + "ffn_res"),
                            a.f32(p + "ln2_out"), a.f32(p + "ln2_mean"), a.f32(p + "ln2_rstd"),
                            h ? b16(p + "ctx16") : nullptr, h ? b16(p + "inter_act16") : nullptr,
-                           h ? b16(p + "qkv16") : nullptr, h ? b16(p + "inter_pre16") : nullptr});
+                           h ? b16(p + "qkv16") : nullptr, h ? b16(p + "inter_pre16") : nullptr,
+                           h ? b16(p + "probs16") : nullptr});
   }
   act_.cls_in = a.f32("head.cls_in");
   act_.pooled = a.f32("head.pooled");
@@ -252,7 +256,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     const LayerOffsets& o = t.layer(l);
     const LayerActs& a = act_.layers[l];
     lin_fwd(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
-    const AttentionBf16 a16{a.qkv16, attn16_.probs, attn16_.dctx};
+    const AttentionBf16 a16{a.qkv16, attn16_.probs, attn16_.dctx, a.probs16};
     attention_forward(a.ctx, a.probs, attn_work_, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
                       rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
                       wbf16_ ? &a16 : nullptr);
@@ -451,7 +455,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
       lin_bwd16(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx16, W(o.attn_out_w), N, C, C);
     else
       lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
-    const AttentionBf16 a16{a.qkv16, attn16_.probs, attn16_.dctx};
+    const AttentionBf16 a16{a.qkv16, attn16_.probs, attn16_.dctx, a.probs16};
     attention_backward(dI, attn_work_, dA, a.qkv16 ? nullptr : a.qkv, a.probs, {B, T, C, NH},
                        p_attn, rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
                        wbf16_ ? &a16 : nullptr);

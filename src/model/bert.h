@@ -100,7 +100,7 @@ class BertModel {
     float *inter_pre, *inter_act, *ffn_res, *ln2_out, *ln2_mean, *ln2_rstd;
     // bf16 only: these replace ctx (then scratch) and inter_act, and are what backward reads
     // of QKV and the pre-activation (qkv and inter_pre then point at scratch).
-    uint16_t *ctx16, *inter_act16, *qkv16, *inter_pre16;
+    uint16_t *ctx16, *inter_act16, *qkv16, *inter_pre16, *probs16;  // probs16 replaces probs
   };
   struct Acts {
     float *emb_sum, *emb_mean, *emb_rstd, *h0;

@@ -127,7 +127,8 @@ void attention_backward_reference(float* dqkv, const float* dctx, const float* q
 // heads straight out of the QKV rows and write ctx in place, no transposes), and one fused
 // pass per score row for mask + softmax + dropout (forward) or dropout + softmax backward.
 // With bf16 the matmul operands are bf16 (fp32 accumulation): the row passes write the dropped
-// probabilities and dS straight in bf16; scores, saved probabilities and sums stay fp32.
+// probabilities and dS straight in bf16; scores and sums stay fp32, and the saved probabilities
+// too unless the caller asks for them in bf16 (AttentionBf16::saved).
 
 namespace {
 
@@ -145,11 +146,28 @@ BT_AVX512 inline void put16(uint16_t* p, __mmask16 m, __m512 v) {
   _mm256_mask_storeu_epi16(p, m, simd::f32_to_bf16_16(v));
 }
 
-// Forward row: s[j] (scaled scores) + bias[j] -> softmax, saved in s; the dropped row
-// (keep / (1 - p) or 0 per element; the row itself when p == 0) goes to out if non-null.
+// Saved probabilities are fp32, or bf16 (bf16 training: half the memory).
+inline float get(const float* p) {
+  return *p;
+}
+inline float get(const uint16_t* p) {
+  return bf16_to_f32(*p);
+}
+BT_AVX512 inline __m512 get16(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+BT_AVX512 inline __m512 get16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// Forward row: s[j] (scaled scores) + bias[j] -> softmax, saved in s, or rounded to bf16 in
+// saved16 when non-null (the dropped row is then made from the rounded values, as backward
+// regenerates it); the dropped row (keep / (1 - p) or 0 per element; the row itself when
+// p == 0) goes to out if non-null.
 template <typename O>
-void softmax_row_portable(float* s, const float* bias, O* out, int64_t T, float p, float keep_scale,
-                          uint64_t key, uint64_t idx0) {
+void softmax_row_portable(float* s, uint16_t* saved16, const float* bias, O* out, int64_t T,
+                          float p, float keep_scale, uint64_t key, uint64_t idx0) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < T; ++j) {
     s[j] += bias[j];
@@ -162,14 +180,19 @@ void softmax_row_portable(float* s, const float* bias, O* out, int64_t T, float 
   }
   const float inv = 1.0f / sum;
   for (int64_t j = 0; j < T; ++j) s[j] *= inv;
+  if (saved16)
+    for (int64_t j = 0; j < T; ++j) {
+      saved16[j] = f32_to_bf16(s[j]);
+      s[j] = bf16_to_f32(saved16[j]);
+    }
   if (out)
     for (int64_t j = 0; j < T; ++j)
       put(out + j, p <= 0.0f ? s[j] : dropout_keep(p, key, idx0 + j) ? s[j] * keep_scale : 0.0f);
 }
 
 template <typename O>
-BT_AVX512 void softmax_row_avx512(float* s, const float* bias, O* out, int64_t T, float p,
-                                  float keep_scale, uint64_t key, uint64_t idx0) {
+BT_AVX512 void softmax_row_avx512(float* s, uint16_t* saved16, const float* bias, O* out, int64_t T,
+                                  float p, float keep_scale, uint64_t key, uint64_t idx0) {
   using namespace simd;
   __m512 vmx = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < T; j += 16) {
@@ -189,8 +212,13 @@ BT_AVX512 void softmax_row_avx512(float* s, const float* bias, O* out, int64_t T
   const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
   for (int64_t j = 0; j < T; j += 16) {
     const __mmask16 m = tail_mask(T - j);
-    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv);
-    _mm512_mask_storeu_ps(s + j, m, y);
+    __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv);
+    if (saved16) {
+      put16(saved16 + j, m, y);
+      y = get16(saved16 + j, m);
+    } else {
+      _mm512_mask_storeu_ps(s + j, m, y);
+    }
     if (out)
       put16(out + j, m,
             p <= 0.0f ? y : _mm512_mul_ps(y, dropout_scale16(p, keep_scale, key, idx0 + j)));
@@ -199,19 +227,19 @@ BT_AVX512 void softmax_row_avx512(float* s, const float* bias, O* out, int64_t T
 
 // Backward row: g[j] = dL/d(dropped prob) in; ds[j] = dL/d(scaled score) * scale out (ds may
 // be g itself).
-template <typename O>
-void softmax_backward_row_portable(float* g, O* ds, const float* prob, int64_t T, float p,
+template <typename O, typename P>
+void softmax_backward_row_portable(float* g, O* ds, const P* prob, int64_t T, float p,
                                    float keep_scale, uint64_t key, uint64_t idx0, float scale) {
   float dot = 0.0f;
   for (int64_t j = 0; j < T; ++j) {
     if (p > 0.0f) g[j] = dropout_keep(p, key, idx0 + j) ? g[j] * keep_scale : 0.0f;
-    dot += g[j] * prob[j];
+    dot += g[j] * get(prob + j);
   }
-  for (int64_t j = 0; j < T; ++j) put(ds + j, prob[j] * (g[j] - dot) * scale);
+  for (int64_t j = 0; j < T; ++j) put(ds + j, get(prob + j) * (g[j] - dot) * scale);
 }
 
-template <typename O>
-BT_AVX512 void softmax_backward_row_avx512(float* g, O* ds, const float* prob, int64_t T, float p,
+template <typename O, typename P>
+BT_AVX512 void softmax_backward_row_avx512(float* g, O* ds, const P* prob, int64_t T, float p,
                                            float keep_scale, uint64_t key, uint64_t idx0,
                                            float scale) {
   using namespace simd;
@@ -223,36 +251,34 @@ BT_AVX512 void softmax_backward_row_avx512(float* g, O* ds, const float* prob, i
       x = _mm512_mul_ps(x, dropout_scale16(p, keep_scale, key, idx0 + j));
       _mm512_mask_storeu_ps(g + j, m, x);
     }
-    vdot = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, prob + j), vdot);
+    vdot = _mm512_fmadd_ps(x, get16(prob + j, m), vdot);
   }
   const __m512 dot = _mm512_set1_ps(_mm512_reduce_add_ps(vdot)), vs = _mm512_set1_ps(scale);
   for (int64_t j = 0; j < T; j += 16) {
     const __mmask16 m = tail_mask(T - j);
-    const __m512 y =
-        _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, prob + j),
-                                    _mm512_sub_ps(_mm512_maskz_loadu_ps(m, g + j), dot)),
-                      vs);
+    const __m512 y = _mm512_mul_ps(
+        _mm512_mul_ps(get16(prob + j, m), _mm512_sub_ps(_mm512_maskz_loadu_ps(m, g + j), dot)), vs);
     put16(ds + j, m, y);
   }
 }
 
 // Regenerates the dropped row (the row itself when p == 0) from the saved probabilities.
-template <typename O>
-void dropout_row_portable(O* out, const float* prob, int64_t T, float p, float keep_scale,
-                          uint64_t key, uint64_t idx0) {
+template <typename O, typename P>
+void dropout_row_portable(O* out, const P* prob, int64_t T, float p, float keep_scale, uint64_t key,
+                          uint64_t idx0) {
   for (int64_t j = 0; j < T; ++j)
-    put(out + j, p <= 0.0f                        ? prob[j]
-                 : dropout_keep(p, key, idx0 + j) ? prob[j] * keep_scale
+    put(out + j, p <= 0.0f                        ? get(prob + j)
+                 : dropout_keep(p, key, idx0 + j) ? get(prob + j) * keep_scale
                                                   : 0.0f);
 }
 
-template <typename O>
-BT_AVX512 void dropout_row_avx512(O* out, const float* prob, int64_t T, float p, float keep_scale,
+template <typename O, typename P>
+BT_AVX512 void dropout_row_avx512(O* out, const P* prob, int64_t T, float p, float keep_scale,
                                   uint64_t key, uint64_t idx0) {
   using namespace simd;
   for (int64_t j = 0; j < T; j += 16) {
     const __mmask16 m = tail_mask(T - j);
-    const __m512 x = _mm512_maskz_loadu_ps(m, prob + j);
+    const __m512 x = get16(prob + j, m);
     put16(out + j, m,
           p <= 0.0f ? x : _mm512_mul_ps(x, dropout_scale16(p, keep_scale, key, idx0 + j)));
   }
@@ -326,31 +352,35 @@ RowBody row_body() {
   return RowBody::Portable;
 }
 
+// The AVX2 bodies take fp32 throughout (bf16 operands and bf16 saved probabilities only occur
+// with AVX-512).
 template <typename O>
-void softmax_row(RowBody body, float* s, const float* bias, O* out, int64_t T, float p,
-                 float keep_scale, uint64_t key, uint64_t idx0) {
-  if (body == RowBody::Avx512) return softmax_row_avx512(s, bias, out, T, p, keep_scale, key, idx0);
+void softmax_row(RowBody body, float* s, uint16_t* saved16, const float* bias, O* out, int64_t T,
+                 float p, float keep_scale, uint64_t key, uint64_t idx0) {
+  if (body == RowBody::Avx512)
+    return softmax_row_avx512(s, saved16, bias, out, T, p, keep_scale, key, idx0);
   if constexpr (std::is_same_v<O, float>)
-    if (body == RowBody::Avx2) return softmax_row_avx2(s, bias, out, T, p, keep_scale, key, idx0);
-  softmax_row_portable(s, bias, out, T, p, keep_scale, key, idx0);
+    if (body == RowBody::Avx2 && !saved16)
+      return softmax_row_avx2(s, bias, out, T, p, keep_scale, key, idx0);
+  softmax_row_portable(s, saved16, bias, out, T, p, keep_scale, key, idx0);
 }
 
-template <typename O>
-void softmax_backward_row(RowBody body, float* g, O* ds, const float* prob, int64_t T, float p,
+template <typename O, typename P>
+void softmax_backward_row(RowBody body, float* g, O* ds, const P* prob, int64_t T, float p,
                           float keep_scale, uint64_t key, uint64_t idx0, float scale) {
   if (body == RowBody::Avx512)
     return softmax_backward_row_avx512(g, ds, prob, T, p, keep_scale, key, idx0, scale);
-  if constexpr (std::is_same_v<O, float>)
+  if constexpr (std::is_same_v<O, float> && std::is_same_v<P, float>)
     if (body == RowBody::Avx2)
       return softmax_backward_row_avx2(g, ds, prob, T, p, keep_scale, key, idx0, scale);
   softmax_backward_row_portable(g, ds, prob, T, p, keep_scale, key, idx0, scale);
 }
 
-template <typename O>
-void dropout_row(RowBody body, O* out, const float* prob, int64_t T, float p, float keep_scale,
+template <typename O, typename P>
+void dropout_row(RowBody body, O* out, const P* prob, int64_t T, float p, float keep_scale,
                  uint64_t key, uint64_t idx0) {
   if (body == RowBody::Avx512) return dropout_row_avx512(out, prob, T, p, keep_scale, key, idx0);
-  if constexpr (std::is_same_v<O, float>)
+  if constexpr (std::is_same_v<O, float> && std::is_same_v<P, float>)
     if (body == RowBody::Avx2) return dropout_row_avx2(out, prob, T, p, keep_scale, key, idx0);
   dropout_row_portable(out, prob, T, p, keep_scale, key, idx0);
 }
@@ -369,9 +399,11 @@ struct HeadGemm {
   }
 };
 
+// scores: fp32 [B,NH,T,T], the saved probabilities too unless saved16 (bf16) is given.
 template <typename X>
-void forward_impl(float* ctx, float* probs, X* dropped, const X* qkv, const int32_t* mask,
-                  const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset) {
+void forward_impl(float* ctx, float* scores, uint16_t* saved16, X* dropped, const X* qkv,
+                  const int32_t* mask, const AttentionShape& s, float dropout_p, uint64_t key,
+                  uint64_t offset) {
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
@@ -380,7 +412,7 @@ void forward_impl(float* ctx, float* probs, X* dropped, const X* qkv, const int3
   // probs = scale * Q K^T, per sequence, batched over heads (head h: columns h*HD of Q and K).
   for (int64_t b = 0; b < B; ++b) {
     const X* base = qkv + b * T * C3;
-    gemm(false, true, T, T, HD, scale, base, C3, HD, base + C, C3, HD, probs + b * NH * TT, T, TT);
+    gemm(false, true, T, T, HD, scale, base, C3, HD, base + C, C3, HD, scores + b * NH * TT, T, TT);
   }
 #pragma omp parallel
   {
@@ -395,22 +427,24 @@ void forward_impl(float* ctx, float* probs, X* dropped, const X* qkv, const int3
         const int64_t r = (bh * T + i) * T;
         X* out = dropped ? dropped + r : nullptr;
         const uint64_t idx0 = offset + static_cast<uint64_t>(r);
-        softmax_row(body, probs + r, bias.data(), out, T, dropout_p, keep_scale, key, idx0);
+        softmax_row(body, scores + r, saved16 ? saved16 + r : nullptr, bias.data(), out, T,
+                    dropout_p, keep_scale, key, idx0);
       }
     }
   }
   // ctx[b, :, h*HD:(h+1)*HD] = dropped probs · V_h
   const X* pd = dropped;
   if constexpr (std::is_same_v<X, float>)
-    if (!pd) pd = probs;
+    if (!pd) pd = scores;
   for (int64_t b = 0; b < B; ++b)
     gemm(false, false, T, HD, T, 1.0f, pd + b * NH * TT, T, TT, qkv + b * T * C3 + 2 * C, C3, HD,
          ctx + b * T * C, C, HD);
 }
 
 // work: fp32 [B,NH,T,T]; pd: the dropped probabilities and then dS, in X (may be work).
-template <typename X>
-void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv, const float* probs,
+// probs: the saved probabilities, fp32 or bf16 (P).
+template <typename X, typename P>
+void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv, const P* probs,
                    const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset) {
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
@@ -419,8 +453,8 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
   const HeadGemm gemm{NH};
   // dV = dropped^T · dctx (the dropped probabilities regenerated into pd).
   const X* dropped = pd;
-  if constexpr (std::is_same_v<X, float>)
-    if (dropout_p <= 0.0f) dropped = probs;
+  if constexpr (std::is_same_v<X, P>)
+    if (dropout_p <= 0.0f) dropped = probs;  // without dropout the saved row is the operand
   if (dropped == pd) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < B * NH * T; ++r) {
@@ -457,11 +491,11 @@ void attention_forward(float* ctx, float* probs, float* work, const float* qkv, 
                        const AttentionBf16* bf16) {
   if (bf16) {
     convert_f32_to_bf16(qkv, bf16->qkv, static_cast<size_t>(s.B * s.T * 3 * s.C));
-    return forward_impl<uint16_t>(ctx, probs, bf16->probs, bf16->qkv, mask, s, dropout_p, key,
-                                  offset);
+    return forward_impl<uint16_t>(ctx, bf16->saved ? work : probs, bf16->saved, bf16->probs,
+                                  bf16->qkv, mask, s, dropout_p, key, offset);
   }
-  forward_impl<float>(ctx, probs, dropout_p > 0.0f ? work : nullptr, qkv, mask, s, dropout_p, key,
-                      offset);
+  forward_impl<float>(ctx, probs, nullptr, dropout_p > 0.0f ? work : nullptr, qkv, mask, s,
+                      dropout_p, key, offset);
 }
 
 void attention_backward(float* dqkv, float* work, const float* dctx, const float* qkv,
@@ -470,10 +504,13 @@ void attention_backward(float* dqkv, float* work, const float* dctx, const float
   if (bf16) {
     if (qkv) convert_f32_to_bf16(qkv, bf16->qkv, static_cast<size_t>(s.B * s.T * 3 * s.C));
     convert_f32_to_bf16(dctx, bf16->dctx, static_cast<size_t>(s.B * s.T * s.C));
-    return backward_impl<uint16_t>(dqkv, work, bf16->probs, bf16->dctx, bf16->qkv, probs, s,
-                                   dropout_p, key, offset);
+    if (bf16->saved)
+      return backward_impl<uint16_t, uint16_t>(dqkv, work, bf16->probs, bf16->dctx, bf16->qkv,
+                                               bf16->saved, s, dropout_p, key, offset);
+    return backward_impl<uint16_t, float>(dqkv, work, bf16->probs, bf16->dctx, bf16->qkv, probs, s,
+                                          dropout_p, key, offset);
   }
-  backward_impl<float>(dqkv, work, work, dctx, qkv, probs, s, dropout_p, key, offset);
+  backward_impl<float, float>(dqkv, work, work, dctx, qkv, probs, s, dropout_p, key, offset);
 }
 
 }  // namespace bertrain::kernels

@@ -16,13 +16,18 @@ struct AttentionShape {
 // bf16 operands for the four matmuls (fp32 accumulation): QKV [B,T,3C] (written by the
 // forward), scratch for the dropped probabilities / dS [B,NH,T,T] and dctx [B,T,C], as raw
 // bf16 bits.
+// saved (optional): the softmax output kept for backward in bf16 [B,NH,T,T] instead of the fp32
+// probs (which may then be null; the scores pass through work): half that memory, and the
+// dropped probabilities are made from the rounded values in forward and backward alike.
 struct AttentionBf16 {
   uint16_t *qkv, *probs, *dctx;
+  uint16_t* saved = nullptr;
 };
 
 // work: scratch of B*NH*T*T floats (fp32: the dropped probabilities; unused when dropout_p == 0
 // and in bf16). Batched oneDNN matmuls over the heads + one fused mask/softmax/dropout pass per
-// row. bf16 (optional): matmuls on bf16 operands; probs, scores and row sums stay fp32.
+// row. bf16 (optional): matmuls on bf16 operands; scores and row sums stay fp32, probs too
+// unless bf16->saved is given.
 void attention_forward(float* ctx, float* probs, float* work, const float* qkv, const int32_t* mask,
                        const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset,
                        const AttentionBf16* bf16 = nullptr);
