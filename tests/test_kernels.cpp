@@ -262,6 +262,16 @@ TEST_P(AttentionTest, BackwardMatchesFiniteDifferences) {
                         kRtol, kAtol));
 }
 
+// The plain loops' ctx, probabilities and dqkv (dropout key 5, offset 11).
+std::tuple<std::vector<float>, std::vector<float>, std::vector<float>> reference_attention(
+    const AttentionShape& s, const std::vector<float>& qkv, const std::vector<int32_t>& mask,
+    const std::vector<float>& dctx, float p) {
+  std::vector<float> ctx(s.B * s.T * s.C), probs(s.B * s.NH * s.T * s.T), dqkv(qkv.size());
+  attention_forward_reference(ctx.data(), probs.data(), qkv.data(), mask.data(), s, p, 5, 11);
+  attention_backward_reference(dqkv.data(), dctx.data(), qkv.data(), probs.data(), s, p, 5, 11);
+  return {ctx, probs, dqkv};
+}
+
 // The fast kernel (batched matmuls, fused row passes, AVX-512 where present) against the plain
 // loops, at a length that leaves a 5-element tail in every 16-wide row pass, with dropout:
 // the same mask bits, and fp32 results within a few ulp of the row sums (rtol 2e-5).
@@ -327,11 +337,7 @@ TEST_P(AttentionTest, Bf16SavedProbabilitiesStayWithinBf16Precision) {
   for (int64_t t = 40; t < s.T; ++t) mask[t] = 0;
   auto dctx = random_vector(s.B * s.T * s.C, 77);
   const size_t np = s.B * s.NH * s.T * s.T;
-  std::vector<float> ctx_ref(s.B * s.T * s.C), probs_ref(np), dqkv_ref(qkv.size());
-  attention_forward_reference(ctx_ref.data(), probs_ref.data(), qkv.data(), mask.data(), s, p, 5,
-                              11);
-  attention_backward_reference(dqkv_ref.data(), dctx.data(), qkv.data(), probs_ref.data(), s, p, 5,
-                               11);
+  const auto [ctx_ref, probs_ref, dqkv_ref] = reference_attention(s, qkv, mask, dctx, p);
   std::vector<float> probs32(np);
   std::vector<uint16_t> saved(np);
   for (bool bf16_saved : {false, true}) {
@@ -347,6 +353,66 @@ TEST_P(AttentionTest, Bf16SavedProbabilitiesStayWithinBf16Precision) {
     EXPECT_LE(test::rel_l2(dqkv, dqkv_ref), 4 * 0x1p-8) << (bf16_saved ? "bf16 saved" : "fp32");
   }
   for (size_t i = 0; i < np; ++i) ASSERT_EQ(saved[i], f32_to_bf16(probs32[i])) << i;
+}
+
+// The blocked (flash-style) kernel against the plain loops on every body this CPU has, at a
+// length of one full 128-row block plus a 22-row one, padding and dropout: the same mask bits;
+// the log-sum-exp it keeps reproduces the reference probabilities; fp32 results within the
+// full kernel's tolerances.
+TEST_P(AttentionTest, BlockedEqualsReference) {
+  const float p = GetParam();
+  const AttentionShape s{2, 150, 64, 4};
+  auto qkv = random_vector(s.B * s.T * 3 * s.C, 78);
+  std::vector<int32_t> mask(s.B * s.T, 1);
+  for (int64_t t = 131; t < s.T; ++t) mask[s.T + t] = 0;
+  auto dctx = random_vector(s.B * s.T * s.C, 79);
+  const auto [ctx_ref, probs_ref, dqkv_ref] = reference_attention(s, qkv, mask, dctx, p);
+  const float scale = 1.0f / std::sqrt(16.0f);
+  for (Isa isa : test::isa_levels()) {
+    set_isa_override(isa);
+    std::vector<float> ctx(ctx_ref.size()), lse(s.B * s.NH * s.T), dqkv(qkv.size());
+    attention_blocked_forward(ctx.data(), lse.data(), qkv.data(), mask.data(), s, p, 5, 11);
+    attention_blocked_backward(dqkv.data(), dctx.data(), qkv.data(), lse.data(), mask.data(), s, p,
+                               5, 11);
+    reset_isa_override();
+    const std::string at = std::string(" with ") + isa_name(isa);
+    EXPECT_TRUE(all_close("ctx" + at, ctx.data(), ctx_ref.data(), ctx.size(), 2e-5, 1e-6));
+    EXPECT_TRUE(all_close("dqkv" + at, dqkv.data(), dqkv_ref.data(), dqkv.size(), 2e-5, 1e-6));
+    // probs[b,h,i,j] = exp(q_i . k_j * scale + mask_j - lse[b,h,i]) at a few places.
+    for (int64_t b : {0, 1})
+      for (int64_t i : {0, 127, 128, 149}) {
+        const int64_t h = 3, j = 140, C3 = 3 * s.C;
+        const float* q = qkv.data() + (b * s.T + i) * C3 + h * 16;
+        const float* k = qkv.data() + (b * s.T + j) * C3 + s.C + h * 16;
+        double d = 0;
+        for (int e = 0; e < 16; ++e) d += double(q[e]) * k[e];
+        const double x = d * scale + (mask[b * s.T + j] ? 0.0 : -10000.0);
+        const double want = probs_ref[((b * s.NH + h) * s.T + i) * s.T + j];
+        EXPECT_NEAR(std::exp(x - lse[(b * s.NH + h) * s.T + i]), want, 1e-6 + 1e-5 * want) << at;
+      }
+  }
+}
+
+// The blocked kernel with bf16 operands: within the same 4 bf16 roundings of the fp32
+// reference as the full kernel's bf16 path.
+TEST_P(AttentionTest, BlockedBf16StaysWithinBf16Precision) {
+  if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
+  const float p = GetParam();
+  const AttentionShape s{2, 150, 64, 4};
+  auto qkv = random_vector(s.B * s.T * 3 * s.C, 80);
+  std::vector<int32_t> mask(s.B * s.T, 1);
+  for (int64_t t = 140; t < s.T; ++t) mask[t] = 0;
+  auto dctx = random_vector(s.B * s.T * s.C, 81);
+  const auto [ctx_ref, probs_ref, dqkv_ref] = reference_attention(s, qkv, mask, dctx, p);
+  std::vector<float> ctx(ctx_ref.size()), lse(s.B * s.NH * s.T), dqkv(qkv.size());
+  std::vector<uint16_t> q16(qkv.size()), d16(ctx.size());
+  const AttentionBf16 w{q16.data(), nullptr, d16.data()};
+  attention_blocked_forward(ctx.data(), lse.data(), qkv.data(), mask.data(), s, p, 5, 11, &w);
+  attention_blocked_backward(dqkv.data(), dctx.data(), nullptr, lse.data(), mask.data(), s, p, 5,
+                             11, &w);  // qkv null: q16 still holds the forward's rounding
+  EXPECT_LE(test::rel_l2(ctx, ctx_ref), 4 * 0x1p-8);
+  EXPECT_LE(test::rel_l2(dqkv, dqkv_ref), 4 * 0x1p-8);
+  EXPECT_GT(test::rel_l2(dqkv, dqkv_ref), 0.0);  // really bf16
 }
 
 INSTANTIATE_TEST_SUITE_P(Dropout, AttentionTest, ::testing::Values(0.0f, 0.3f),

@@ -7,6 +7,7 @@
 // gradient make small elements relatively noisy. Measured worst errors are ~10x below these.
 #include <gtest/gtest.h>
 
+#include "core/isa.h"
 #include "model/bert.h"
 #include "model/checkpoint.h"
 #include "model/safetensors.h"
@@ -58,12 +59,15 @@ void check_grads(const BertModel& m, const SafetensorsReader& g) {
   EXPECT_EQ(checked, static_cast<int>(m.table().params().size()));
 }
 
-TEST(GoldenHF, BertForPreTrainingForwardBackward) {
+// Both attention kernels (the full one and the blocked one) against the same golden.
+class GoldenAttention : public ::testing::TestWithParam<ModelDims::Attention> {};
+
+TEST_P(GoldenAttention, BertForPreTrainingForwardBackward) {
   const std::string dir = data_path("golden/bert_pretrain");
   SafetensorsReader g(dir + "/golden.safetensors");
   Batch b = golden_batch(g, true);
   BertConfig cfg = BertConfig::load(dir + "/config.json");
-  BertModel m(cfg, Head::Pretraining, {b.B, b.T, b.P});
+  BertModel m(cfg, Head::Pretraining, {b.B, b.T, b.P, false, GetParam()});
   load_safetensors_into(m, dir + "/model.safetensors");
 
   Losses l = m.forward(b, {});
@@ -139,11 +143,13 @@ double rel_l2(const float* got, const std::vector<double>& ref) {
 // heads chain ~8 matmuls: the bound per tensor is relative L2 error <= 16u = 3.1e-2 (measured
 // 0.008, ~4x lower). The key biases (true gradient 0) are checked against the absolute floor
 // instead.
-TEST(GoldenHF, Bf16MatmulsStayWithinBf16Precision) {
+TEST_P(GoldenAttention, Bf16MatmulsStayWithinBf16Precision) {
+  if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
   const std::string dir = data_path("golden/bert_pretrain");
   SafetensorsReader g(dir + "/golden.safetensors");
   Batch b = golden_batch(g, true);
-  BertModel m(BertConfig::load(dir + "/config.json"), Head::Pretraining, {b.B, b.T, b.P, true});
+  BertModel m(BertConfig::load(dir + "/config.json"), Head::Pretraining,
+              {b.B, b.T, b.P, true, GetParam()});
   load_safetensors_into(m, dir + "/model.safetensors");
   const double bound = 16.0 * 0x1p-9;
   Losses l = m.forward(b, {});
@@ -163,9 +169,14 @@ TEST(GoldenHF, Bf16MatmulsStayWithinBf16Precision) {
     }
   }
   EXPECT_LT(worst, bound) << "worst tensor " << worst_name;
-  std::printf("bf16: worst gradient relative L2 error %.4f (%s), bound %.4f\n", worst,
-              worst_name.c_str(), bound);
+  std::printf("bf16 (%s attention): worst gradient relative L2 error %.4f (%s), bound %.4f\n",
+              attention_name(GetParam()), worst, worst_name.c_str(), bound);
 }
+
+INSTANTIATE_TEST_SUITE_P(Kernel, GoldenAttention,
+                         ::testing::Values(ModelDims::Attention::Full,
+                                           ModelDims::Attention::Blocked),
+                         [](const auto& info) { return attention_name(info.param); });
 
 }  // namespace
 }  // namespace bertrain::model

@@ -55,7 +55,7 @@ model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T,
 
 void add_bench(CLI::App& app) {
   struct Opts {
-    std::string config, head = "pretraining", precision = "fp32";
+    std::string config, head = "pretraining", precision = "fp32", attention = "auto";
     int64_t batch = 8, seq = 128, preds = 20;
     int steps = 5, warmup = 2, threads = 0;
     bool json = false;
@@ -77,6 +77,10 @@ void add_bench(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--precision", o->precision, "fp32 or bf16 (bf16 matmuls with fp32 accumulation)")
       ->capture_default_str();
+  c->add_option("--attention", o->attention,
+                "auto, full or blocked attention kernel (auto: blocked from 512 tokens; blocked "
+                "keeps only the row log-sum-exp, no [B,heads,T,T] probabilities)")
+      ->capture_default_str();
   c->add_flag("--json", o->json, "Print one JSON object with the results");
   c->callback([o] {
     set_threads(o->threads);
@@ -89,7 +93,8 @@ void add_bench(CLI::App& app) {
     // below is the training run's, not this probe's.
     const double peak = kernels::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
                                                           cfg.hidden_size, bf16, 1.0);
-    model::BertModel m(cfg, head, {o->batch, o->seq, P, bf16});
+    model::BertModel m(cfg, head,
+                       {o->batch, o->seq, P, bf16, model::parse_attention(o->attention)});
     m.init_params(1);
     train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(),
                                {});  // AdamW, clipping at 1.0

@@ -30,7 +30,7 @@ double parse_bytes(const std::string& s) {
 
 void add_estimate(CLI::App& app) {
   struct Opts {
-    std::string config, head = "pretraining", budget, precision = "fp32";
+    std::string config, head = "pretraining", budget, precision = "fp32", attention = "auto";
     int64_t batch = 32, seq = 128, preds = 20;
     int slots = 2;
   };
@@ -46,6 +46,10 @@ void add_estimate(CLI::App& app) {
   c->add_option("--optimizer-slots", o->slots,
                 "fp32 optimizer states per parameter (AdamW/LAMB: 2)")
       ->capture_default_str();
+  c->add_option("--attention", o->attention,
+                "auto, full or blocked attention kernel (auto: blocked from 512 tokens; blocked "
+                "keeps only the row log-sum-exp, no [B,heads,T,T] probabilities)")
+      ->capture_default_str();
   c->add_option("--precision", o->precision,
                 "fp32, bf16 or fp16 (bf16 adds the bf16 weight copy and keeps some activations "
                 "in bf16, as train allocates)")
@@ -58,7 +62,7 @@ void add_estimate(CLI::App& app) {
     if (o->precision != "fp32" && o->precision != "bf16" && o->precision != "fp16")
       fail("--precision must be fp32, bf16 or fp16, got '", o->precision, "'");
     model::ModelDims d{o->batch, o->seq, head == model::Head::Pretraining ? o->preds : 0,
-                       o->precision == "bf16"};
+                       o->precision == "bf16", model::parse_attention(o->attention)};
     // fp16 trains the model on an fp16-rounded copy and keeps an fp32 master: one more
     // parameter-sized fp32 buffer, planned here as an optimizer slot.
     const int slots = o->slots + (o->precision == "fp16" ? 1 : 0);

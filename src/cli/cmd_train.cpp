@@ -36,7 +36,7 @@ data::OnCorrupt parse_on_corrupt(const std::string& s) {
 void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
   struct Opts {
     train::TrainConfig cfg;
-    std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail";
+    std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail", attention = "auto";
     int threads = 0;
   };
   auto o = std::make_shared<Opts>();
@@ -59,6 +59,10 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
       ->capture_default_str();
   c->add_option("--steps", t.steps, "Optimizer steps in total")->capture_default_str();
   c->add_option("--accumulation-steps", t.accumulation, "Micro-batches per optimizer step")
+      ->capture_default_str();
+  c->add_option("--attention", o->attention,
+                "auto, full or blocked attention kernel (auto: blocked from 512 tokens; blocked "
+                "keeps only the row log-sum-exp, no [B,heads,T,T] probabilities)")
       ->capture_default_str();
   c->add_option("--precision", o->precision, "fp32, bf16 or fp16 (fp16: dynamic loss scaling)")
       ->capture_default_str();
@@ -106,6 +110,7 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
     set_threads(o->threads);
     train::TrainConfig cfg = o->cfg;
     cfg.precision = train::parse_precision(o->precision);
+    cfg.attention = model::parse_attention(o->attention);
     cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
     cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
     train::install_signal_handlers();

@@ -29,6 +29,19 @@ size_t f32s(int64_t n) {
 
 }  // namespace
 
+ModelDims::Attention parse_attention(const std::string& s) {
+  if (s == "auto") return ModelDims::Attention::Auto;
+  if (s == "full") return ModelDims::Attention::Full;
+  if (s == "blocked") return ModelDims::Attention::Blocked;
+  fail("--attention must be auto, full or blocked, got '", s, "'");
+}
+
+const char* attention_name(ModelDims::Attention a) {
+  return a == ModelDims::Attention::Auto   ? "auto"
+         : a == ModelDims::Attention::Full ? "full"
+                                           : "blocked";
+}
+
 void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const ModelDims& d) {
   const int64_t B = d.batch, T = d.seq_len, N = B * T, C = cfg.hidden_size,
                 I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = cfg.vocab_size;
@@ -46,7 +59,9 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
       plan.add(g, p + "qkv16", f32s(N * 3 * C) / 2);
     else
       plan.add(g, p + "qkv", f32s(N * 3 * C));
-    if (d.bf16)  // the softmax output saved in bf16 (kernels/cpu/attention.h)
+    if (d.blocked_attention())  // the row log-sum-exp only (kernels/cpu/attention.h)
+      plan.add(g, p + "lse", f32s(B * NH * T));
+    else if (d.bf16)  // the softmax output saved in bf16
       plan.add(g, p + "probs16", f32s(B * NH * T * T) / 2);
     else
       plan.add(g, p + "probs", f32s(B * NH * T * T));
@@ -94,7 +109,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(s, "grad.dI", f32s(N * std::max(I, 3 * C)));
   plan.add(s, "grad.dhead1", f32s(std::max(BP, B) * C));
   plan.add(s, "grad.dhead2", f32s(std::max(BP, B) * C));
-  plan.add(s, "attn.work", f32s(B * NH * T * T));
+  if (!d.blocked_attention()) plan.add(s, "attn.work", f32s(B * NH * T * T));
   if (d.bf16) plan.add(s, "attn.ctx", f32s(N * C));  // fp32 ctx until it is rounded to bf16
   plan.add(s, "grad.dsmall", f32s(B * std::max<int64_t>(2, cfg.num_labels)));
   if (d.bf16) {
@@ -107,7 +122,8 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
     plan.add(g16, "bf16.scratch_a", static_cast<size_t>(a) * h);
     plan.add(g16, "bf16.scratch_b", static_cast<size_t>(std::max(N * std::max(C, I), BP * C)) * h);
     // Attention's matmul operands: the dropped probabilities (then dS), dctx (QKV: per layer).
-    plan.add(g16, "bf16.attn_probs", static_cast<size_t>(B * NH * T * T) * h);
+    if (!d.blocked_attention())
+      plan.add(g16, "bf16.attn_probs", static_cast<size_t>(B * NH * T * T) * h);
     plan.add(g16, "bf16.attn_dctx", static_cast<size_t>(N * C) * h);
   }
 }
@@ -134,14 +150,16 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
   grads_ = Arena(plan_, "gradients");
   acts_arena_ = Arena(plan_, "activations");
   scratch_ = Arena(plan_, "scratch");
-  attn_work_ = scratch_.f32("attn.work");
+  const bool blocked = dims.blocked_attention();
+  if (!blocked) attn_work_ = scratch_.f32("attn.work");
   if (dims.bf16) {
     bf16_arena_ = Arena(plan_, "bf16");
     wbf16_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.weights"));
     sa_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.scratch_a"));
     sb_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.scratch_b"));
     auto b16 = [&](const char* name) { return reinterpret_cast<uint16_t*>(bf16_arena_.f32(name)); };
-    attn16_ = {nullptr, b16("bf16.attn_probs"), b16("bf16.attn_dctx")};  // qkv: per layer
+    attn16_ = {nullptr, blocked ? nullptr : b16("bf16.attn_probs"),
+               b16("bf16.attn_dctx")};  // qkv: per layer
   }
 
   const Arena& a = acts_arena_;
@@ -154,15 +172,15 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
     const bool h = dims.bf16;
     auto b16 = [&](const std::string& name) { return reinterpret_cast<uint16_t*>(a.f32(name)); };
     float* gemm_out = scratch_.f32("grad.dI");  // bf16: fp32 QKV / pre-activation, briefly
-    act_.layers.push_back({h ? gemm_out : a.f32(p + "qkv"), h ? nullptr : a.f32(p + "probs"),
-                           h ? scratch_.f32("attn.ctx") : a.f32(p + "ctx"), a.f32(p + "attn_res"),
-                           a.f32(p + "ln1_out"), a.f32(p + "ln1_mean"), a.f32(p + "ln1_rstd"),
-                           h ? gemm_out : a.f32(p + "inter_pre"),
-                           h ? nullptr : a.f32(p + "inter_act"), a.f32(p + "ffn_res"),
-                           a.f32(p + "ln2_out"), a.f32(p + "ln2_mean"), a.f32(p + "ln2_rstd"),
-                           h ? b16(p + "ctx16") : nullptr, h ? b16(p + "inter_act16") : nullptr,
-                           h ? b16(p + "qkv16") : nullptr, h ? b16(p + "inter_pre16") : nullptr,
-                           h ? b16(p + "probs16") : nullptr});
+    act_.layers.push_back(
+        {h ? gemm_out : a.f32(p + "qkv"), h || blocked ? nullptr : a.f32(p + "probs"),
+         h ? scratch_.f32("attn.ctx") : a.f32(p + "ctx"), a.f32(p + "attn_res"),
+         a.f32(p + "ln1_out"), a.f32(p + "ln1_mean"), a.f32(p + "ln1_rstd"),
+         h ? gemm_out : a.f32(p + "inter_pre"), h ? nullptr : a.f32(p + "inter_act"),
+         a.f32(p + "ffn_res"), a.f32(p + "ln2_out"), a.f32(p + "ln2_mean"), a.f32(p + "ln2_rstd"),
+         h ? b16(p + "ctx16") : nullptr, h ? b16(p + "inter_act16") : nullptr,
+         h ? b16(p + "qkv16") : nullptr, h ? b16(p + "inter_pre16") : nullptr,
+         h && !blocked ? b16(p + "probs16") : nullptr, blocked ? a.f32(p + "lse") : nullptr});
   }
   act_.cls_in = a.f32("head.cls_in");
   act_.pooled = a.f32("head.pooled");
@@ -257,9 +275,14 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     const LayerActs& a = act_.layers[l];
     lin_fwd(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
     const AttentionBf16 a16{a.qkv16, attn16_.probs, attn16_.dctx, a.probs16};
-    attention_forward(a.ctx, a.probs, attn_work_, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
-                      rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
-                      wbf16_ ? &a16 : nullptr);
+    if (a.lse)
+      attention_blocked_forward(a.ctx, a.lse, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
+                                rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
+                                wbf16_ ? &a16 : nullptr);
+    else
+      attention_forward(a.ctx, a.probs, attn_work_, a.qkv, b.input_mask.data(), {B, T, C, NH},
+                        p_attn, rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
+                        wbf16_ ? &a16 : nullptr);
     if (a.ctx16) {
       convert_f32_to_bf16(a.ctx, a.ctx16, static_cast<size_t>(N * C));
       lin_fwd16(a.attn_res, a.ctx16, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
@@ -456,9 +479,15 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     else
       lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
     const AttentionBf16 a16{a.qkv16, attn16_.probs, attn16_.dctx, a.probs16};
-    attention_backward(dI, attn_work_, dA, a.qkv16 ? nullptr : a.qkv, a.probs, {B, T, C, NH},
-                       p_attn, rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
-                       wbf16_ ? &a16 : nullptr);
+    const float* qkv = a.qkv16 ? nullptr : a.qkv;  // bf16: a16.qkv holds the forward's rounding
+    if (a.lse)
+      attention_blocked_backward(dI, dA, qkv, a.lse, b.input_mask.data(), {B, T, C, NH}, p_attn,
+                                 rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
+                                 wbf16_ ? &a16 : nullptr);
+    else
+      attention_backward(dI, attn_work_, dA, qkv, a.probs, {B, T, C, NH}, p_attn,
+                         rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
+                         wbf16_ ? &a16 : nullptr);
     lin_bwd(dh, G(o.qkv_w), G(o.qkv_b), dI, x, W(o.qkv_w), N, 3 * C, C,
             /*accumulate_dinp=*/true);  // dh = d x (residual + attention path)
     if (layer_done) layer_done(l);

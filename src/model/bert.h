@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "core/arena.h"
 #include "kernels/cpu/attention.h"
@@ -26,7 +27,18 @@ struct ModelDims {
   // fp32 parameters at every forward), accumulate and output fp32; LayerNorm, softmax, losses
   // and all gradients stay fp32.
   bool bf16 = false;
+  // The attention core: the full kernel (batched products, [B,NH,T,T] probabilities kept for
+  // backward) or the blocked one (row blocks, only the row log-sum-exp kept; kernels/cpu/
+  // attention.h). Auto: blocked from 512 tokens, where it runs as fast and the probabilities
+  // would be the largest activation.
+  enum class Attention { Auto, Full, Blocked } attention = Attention::Auto;
+  bool blocked_attention() const {
+    return attention == Attention::Blocked || (attention == Attention::Auto && seq_len >= 512);
+  }
 };
+
+ModelDims::Attention parse_attention(const std::string& s);
+const char* attention_name(ModelDims::Attention a);
 
 struct StepOptions {
   bool training = false;  // dropout on
@@ -101,6 +113,7 @@ class BertModel {
     // bf16 only: these replace ctx (then scratch) and inter_act, and are what backward reads
     // of QKV and the pre-activation (qkv and inter_pre then point at scratch).
     uint16_t *ctx16, *inter_act16, *qkv16, *inter_pre16, *probs16;  // probs16 replaces probs
+    float* lse;  // blocked attention: the row log-sum-exp [B,NH,T], instead of probs(16)
   };
   struct Acts {
     float *emb_sum, *emb_mean, *emb_rstd, *h0;

@@ -9,6 +9,7 @@
 
 #include "data/pipeline.h"
 #include "dist/communicator.h"
+#include "model/bert.h"
 #include "train/optimizer.h"
 
 namespace bertrain::train {
@@ -23,6 +24,7 @@ struct TrainConfig {
   int64_t seq_len = 128, max_predictions = 20;
   int64_t steps = 1000, accumulation = 1;
   Precision precision = Precision::FP32;
+  model::ModelDims::Attention attention = model::ModelDims::Attention::Auto;
   OptimizerConfig optimizer;
   double lr = 1e-3, warmup = 0.1, end_lr = 0.0, power = 1.0;  // warmup < 1: fraction of steps
   uint64_t seed = 42;

@@ -9,6 +9,7 @@
 #include "core/isa.h"
 #include "core/simd_avx2.h"
 #include "core/simd_avx512.h"
+#include "kernels/cpu/attention_rows.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/matmul.h"
 
@@ -132,34 +133,10 @@ void attention_backward_reference(float* dqkv, const float* dctx, const float* q
 
 namespace {
 
-inline void put(float* p, float v) {
-  *p = v;
-}
-inline void put(uint16_t* p, float v) {
-  *p = f32_to_bf16(v);
-}
-
-BT_AVX512 inline void put16(float* p, __mmask16 m, __m512 v) {
-  _mm512_mask_storeu_ps(p, m, v);
-}
-BT_AVX512 inline void put16(uint16_t* p, __mmask16 m, __m512 v) {
-  _mm256_mask_storeu_epi16(p, m, simd::f32_to_bf16_16(v));
-}
-
-// Saved probabilities are fp32, or bf16 (bf16 training: half the memory).
-inline float get(const float* p) {
-  return *p;
-}
-inline float get(const uint16_t* p) {
-  return bf16_to_f32(*p);
-}
-BT_AVX512 inline __m512 get16(const float* p, __mmask16 m) {
-  return _mm512_maskz_loadu_ps(m, p);
-}
-BT_AVX512 inline __m512 get16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+using rows::get;
+using rows::get16;
+using rows::put;
+using rows::put16;
 
 // Forward row: s[j] (scaled scores) + bias[j] -> softmax, saved in s, or rounded to bf16 in
 // saved16 when non-null (the dropped row is then made from the rounded values, as backward

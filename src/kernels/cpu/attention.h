@@ -39,6 +39,21 @@ void attention_backward(float* dqkv, float* work, const float* dctx, const float
                         const float* probs, const AttentionShape& s, float dropout_p, uint64_t key,
                         uint64_t offset, const AttentionBf16* bf16 = nullptr);
 
+// Blocked (flash-style) variant (attention_blocked.cpp): one (sequence, head) per thread, query
+// rows in blocks of 128; nothing of size [B,NH,T,T] exists: only the row log-sum-exp lse
+// [B,NH,T] is kept, and backward recomputes Q K^T from it (one more product). The same dropout
+// mask as the kernels above; bf16 as above (no work buffer, no bf16->probs; qkv may be null in
+// backward when bf16->qkv holds the forward's rounding). Same speed as the full kernel at T = 512
+// on our machines (bench/bench_attention_blocked.cpp), a fraction of its memory: the model takes
+// it for long sequences.
+void attention_blocked_forward(float* ctx, float* lse, const float* qkv, const int32_t* mask,
+                               const AttentionShape& s, float dropout_p, uint64_t key,
+                               uint64_t offset, const AttentionBf16* bf16 = nullptr);
+// dqkv[B,T,3C] is overwritten; mask as in forward.
+void attention_blocked_backward(float* dqkv, const float* dctx, const float* qkv, const float* lse,
+                                const int32_t* mask, const AttentionShape& s, float dropout_p,
+                                uint64_t key, uint64_t offset, const AttentionBf16* bf16 = nullptr);
+
 // Plain loops, one (sequence, head) per thread: the oracle the fast kernels are tested against.
 void attention_forward_reference(float* ctx, float* probs, const float* qkv, const int32_t* mask,
                                  const AttentionShape& s, float dropout_p, uint64_t key,
