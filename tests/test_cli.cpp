@@ -58,6 +58,11 @@ TEST(Cli, ErrorsAreOneLineWithTheCause) {
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.out.find("exceeds the model's max_position_embeddings 512"), std::string::npos)
       << r.out;
+  r = run("estimate --model-config " + data_path("../configs/bert-base.json") +
+          " --attention flash");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("--attention must be auto, full or blocked, got 'flash'"), std::string::npos)
+      << r.out;
 }
 
 TEST(Cli, InitThenInspectRoundTrip) {

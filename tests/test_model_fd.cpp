@@ -130,5 +130,32 @@ TEST(Plan, EstimateIsTheAllocation) {
   EXPECT_LT(p16.group_bytes("activations"), p.group_bytes("activations"));
 }
 
+// The blocked attention keeps the row log-sum-exp instead of the [B,NH,T,T] probabilities and
+// needs no [B,NH,T,T] scratch: the plan shrinks by exactly those buffers, in fp32 and bf16, and
+// auto picks it from 512 tokens.
+TEST(Plan, BlockedAttentionDropsTheProbabilityBuffers) {
+  BertConfig cfg = tiny_config();
+  const int64_t B = 4, T = 6, NH = cfg.num_attention_heads, L = cfg.num_hidden_layers;
+  const size_t probs = B * NH * T * T * sizeof(float), lse = B * NH * T * sizeof(float);
+  for (bool bf16 : {false, true}) {
+    const MemoryPlan full =
+        BertModel::make_plan(cfg, Head::Pretraining, {B, T, 2, bf16, ModelDims::Attention::Full});
+    const MemoryPlan blocked = BertModel::make_plan(cfg, Head::Pretraining,
+                                                    {B, T, 2, bf16, ModelDims::Attention::Blocked});
+    const size_t saved = bf16 ? probs / 2 : probs;  // bf16 saves the probabilities in bf16
+    EXPECT_EQ(full.group_bytes("activations") - blocked.group_bytes("activations"),
+              L * (saved - lse))
+        << (bf16 ? "bf16" : "fp32");
+    EXPECT_EQ(full.group_bytes("scratch") - blocked.group_bytes("scratch"), probs);
+    if (bf16) {
+      EXPECT_EQ(full.group_bytes("bf16") - blocked.group_bytes("bf16"), probs / 2);
+    }
+  }
+  EXPECT_FALSE((ModelDims{8, 384, 20}.blocked_attention()));
+  EXPECT_TRUE((ModelDims{8, 512, 20}.blocked_attention()));
+  EXPECT_FALSE((ModelDims{8, 512, 20, false, ModelDims::Attention::Full}.blocked_attention()));
+  EXPECT_TRUE((ModelDims{8, 128, 20, false, ModelDims::Attention::Blocked}.blocked_attention()));
+}
+
 }  // namespace
 }  // namespace bertrain::model
