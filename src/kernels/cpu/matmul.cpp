@@ -1,6 +1,7 @@
 #include "kernels/cpu/matmul.h"
 
 #include <chrono>
+#include <cstddef>
 #include <dnnl.hpp>
 #include <map>
 #include <mutex>
@@ -32,7 +33,7 @@ struct GemmKey {
 
 struct GemmPrim {
   dnnl::matmul prim;
-  dnnl::memory::desc a_md, b_md, c_md, bias_md;
+  dnnl::memory::desc a_md, b_md, c_md, bias_md, scratch_md;
 };
 
 dnnl::engine& cpu_engine() {
@@ -73,6 +74,10 @@ const GemmPrim& get_prim(const GemmKey& k) {
     p.c_md = dnnl::memory::desc({k.batch, k.M, k.N}, dt::f32, dims{k.sc, k.ldc, 1});
   }
   dnnl::primitive_attr attr;
+  // The caller's scratchpad (gemm_any: one per thread), so the same primitive may run on several
+  // threads at once (the blocked attention runs one head per thread); oneDNN's own library
+  // scratchpad is shared and ties a primitive to the thread that created it.
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (k.alpha != 1.0f) attr.set_output_scales(0, {k.alpha});
   if (k.acc) {
     dnnl::post_ops po;
@@ -82,7 +87,9 @@ const GemmPrim& get_prim(const GemmKey& k) {
   auto desc = k.bias ? dnnl::matmul::desc(p.a_md, p.b_md, p.bias_md, p.c_md)
                      : dnnl::matmul::desc(p.a_md, p.b_md, p.c_md);
   try {
-    p.prim = dnnl::matmul(dnnl::matmul::primitive_desc(desc, attr, cpu_engine()));
+    const dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
+    p.prim = dnnl::matmul(pd);
+    p.scratch_md = pd.scratchpad_desc();
   } catch (const dnnl::error& e) {
     if (k.bf16)
       fail("this CPU has no bf16 matrix multiply in oneDNN (it needs AVX-512; ISA in use: ",
@@ -118,6 +125,12 @@ void gemm_any(bool bf16, bool trans_a, bool trans_b, int64_t M, int64_t N, int64
       {DNNL_ARG_WEIGHTS, dnnl::memory(p.b_md, eng, const_cast<void*>(B))},
       {DNNL_ARG_DST, dnnl::memory(p.c_md, eng, C)}};
   if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(p.bias_md, eng, const_cast<float*>(bias)));
+  if (const size_t need = p.scratch_md.get_size()) {
+    // This thread's scratchpad, grown to the largest need and kept (no allocation per step).
+    thread_local std::vector<std::byte> scratch;
+    if (scratch.size() < need) scratch.resize(need);
+    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(p.scratch_md, eng, scratch.data()));
+  }
   p.prim.execute(s, args);
   s.wait();
 }
