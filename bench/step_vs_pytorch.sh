@@ -5,26 +5,29 @@
 # (this machine's timings are noisy; the best is the least disturbed). Prints tokens/s, ratio,
 # peak RSS of both and bertrain's model FLOP utilisation against the GEMM ceiling it measured.
 #   PY=/path/to/python-with-torch-and-transformers bench/step_vs_pytorch.sh [configs...]
+#   (SEQ=512 PREDS=80 for BERT's long-sequence phase; BATCH, THREADS, ROUNDS as below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 THREADS=${THREADS:-2}
 ROUNDS=${ROUNDS:-3}
 B=${BATCH:-8}
+SEQ=${SEQ:-128}
+PREDS=${PREDS:-20}
 CONFIGS=${*:-configs/bert-mini.json configs/bert-small.json configs/bert-base.json}
 best() { python3 -c "
 import json,sys
 runs=[json.loads(l.strip().splitlines()[-1]) for l in sys.stdin.read().split('\x1e') if l.strip()]
 print(json.dumps(max(runs, key=lambda r: r['tokens_per_s'])))"; }
 field() { python3 -c "import json,sys; print(json.loads(sys.stdin.read())['$1'])"; }
-"$PY" -c "import torch; print('# PyTorch', torch.__version__, '| bertrain', '$(git rev-parse --short HEAD 2>/dev/null || echo ?)', '| threads $THREADS, batch $B x 128, best of $ROUNDS')"
+"$PY" -c "import torch; print('# PyTorch', torch.__version__, '| bertrain', '$(git rev-parse --short HEAD 2>/dev/null || echo ?)', '| threads $THREADS, batch $B x $SEQ ($PREDS predictions), best of $ROUNDS')"
 printf "%-24s %-5s %12s %12s %7s %10s %10s %6s\n" config prec "bertrain t/s" "pytorch t/s" ratio "bt RSS" "pt RSS" "MFU"
 for cfg in $CONFIGS; do
   for prec in fp32 bf16; do
     bts=""; pts=""
     for r in $(seq "$ROUNDS"); do
-      bts+=$(build/bertrain bench --model-config "$cfg" --batch-size "$B" --seq-len 128 --threads "$THREADS" --precision $prec --steps 4 --warmup 1 --json)$'\x1e'
-      pts+=$("$PY" bench/peer_pytorch.py --model-config "$cfg" --batch-size "$B" --seq-len 128 --threads "$THREADS" --precision $prec --steps 4 --warmup 1 2>/dev/null)$'\x1e'
+      bts+=$(build/bertrain bench --model-config "$cfg" --batch-size "$B" --seq-len "$SEQ" --max-predictions "$PREDS" --threads "$THREADS" --precision $prec --steps 4 --warmup 1 --json)$'\x1e'
+      pts+=$("$PY" bench/peer_pytorch.py --model-config "$cfg" --batch-size "$B" --seq-len "$SEQ" --max-predictions "$PREDS" --threads "$THREADS" --precision $prec --steps 4 --warmup 1 2>/dev/null)$'\x1e'
     done
     bt=$(printf "%s" "$bts" | best); pt=$(printf "%s" "$pts" | best)
     b=$(echo "$bt" | field tokens_per_s); p=$(echo "$pt" | field tokens_per_s)
