@@ -100,9 +100,11 @@ void add_bench(CLI::App& app) {
                                {});  // AdamW, clipping at 1.0
     model::Batch b = synthetic_batch(cfg, o->batch, o->seq, P, 7);
     if (!o->json)
-      std::printf("bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %d+%d steps\n",
-                  o->config.c_str(), describe(cfg).c_str(), (long long)o->batch, (long long)o->seq,
-                  omp_get_max_threads(), o->precision.c_str(), o->warmup, o->steps);
+      std::printf(
+          "bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %s attention, %d+%d steps\n",
+          o->config.c_str(), describe(cfg).c_str(), (long long)o->batch, (long long)o->seq,
+          omp_get_max_threads(), o->precision.c_str(),
+          m.dims().blocked_attention() ? "blocked" : "full", o->warmup, o->steps);
     std::vector<double> fwd, bwd, upd;
     double loss = 0;
     for (int s = 0; s < o->warmup + o->steps; ++s) {

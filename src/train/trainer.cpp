@@ -188,8 +188,8 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
         (long long)cfg.accumulation, (long long)(cfg.batch_size * world * cfg.accumulation),
         (long long)cfg.seq_len);
     std::printf(
-        "  %s lr %.3g (warmup %lld, decay power %.1f to %.3g), wd %.3g, clip %.3g, %s%s, seed "
-        "%llu\n",
+        "  %s lr %.3g (warmup %lld, decay power %.1f to %.3g), wd %.3g, clip %.3g, %s%s, %s "
+        "attention, seed %llu\n",
         optimizer_name(cfg.optimizer.kind), cfg.lr, (long long)warmup, cfg.power, cfg.end_lr,
         cfg.optimizer.weight_decay, cfg.optimizer.max_grad_norm, precision_name(cfg.precision),
         cfg.precision == Precision::FP32 ? ""
@@ -197,7 +197,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
                  "fp32 accumulation)"
                : " (fp32 master weights; working weights rounded to fp16, kernels compute in "
                  "fp32; dynamic loss scaling)",
-        (unsigned long long)cfg.seed);
+        m.dims().blocked_attention() ? "blocked" : "full", (unsigned long long)cfg.seed);
     std::printf(
         "  steps %lld..%lld, save every %lld to %s, %s, %d threads, memory plan %s, input bound "
         "%s\n",
