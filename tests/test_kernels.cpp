@@ -262,6 +262,20 @@ TEST_P(AttentionTest, BackwardMatchesFiniteDifferences) {
                         kRtol, kAtol));
 }
 
+// Random QKV (seed) and dctx (seed + 1), and an input mask with sequence `padded`'s positions
+// from `pad_from` on masked out.
+struct AttentionInputs {
+  std::vector<float> qkv, dctx;
+  std::vector<int32_t> mask;
+};
+AttentionInputs attention_inputs(const AttentionShape& s, uint32_t seed, int64_t padded,
+                                 int64_t pad_from) {
+  AttentionInputs in{random_vector(s.B * s.T * 3 * s.C, seed),
+                     random_vector(s.B * s.T * s.C, seed + 1), std::vector<int32_t>(s.B * s.T, 1)};
+  for (int64_t t = pad_from; t < s.T; ++t) in.mask[padded * s.T + t] = 0;
+  return in;
+}
+
 // The plain loops' ctx, probabilities and dqkv (dropout key 5, offset 11).
 std::tuple<std::vector<float>, std::vector<float>, std::vector<float>> reference_attention(
     const AttentionShape& s, const std::vector<float>& qkv, const std::vector<int32_t>& mask,
@@ -278,10 +292,7 @@ std::tuple<std::vector<float>, std::vector<float>, std::vector<float>> reference
 TEST_P(AttentionTest, FastEqualsReference) {
   const float p = GetParam();
   const AttentionShape s{3, 37, 64, 4};
-  auto qkv = random_vector(s.B * s.T * 3 * s.C, 72);
-  std::vector<int32_t> mask(s.B * s.T, 1);
-  for (int64_t t = 30; t < s.T; ++t) mask[2 * s.T + t] = 0;
-  auto dctx = random_vector(s.B * s.T * s.C, 73);
+  const auto [qkv, dctx, mask] = attention_inputs(s, 72, 2, 30);
   const size_t np = s.B * s.NH * s.T * s.T;
   std::vector<float> ctx(s.B * s.T * s.C), ctx_ref(ctx.size()), probs(np), probs_ref(np), work(np),
       dqkv(qkv.size()), dqkv_ref(qkv.size());
@@ -303,10 +314,7 @@ TEST_P(AttentionTest, Bf16StaysWithinBf16Precision) {
   if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
   const float p = GetParam();
   const AttentionShape s{2, 45, 64, 4};
-  auto qkv = random_vector(s.B * s.T * 3 * s.C, 74);
-  std::vector<int32_t> mask(s.B * s.T, 1);
-  for (int64_t t = 40; t < s.T; ++t) mask[t] = 0;
-  auto dctx = random_vector(s.B * s.T * s.C, 75);
+  const auto [qkv, dctx, mask] = attention_inputs(s, 74, 0, 40);
   const size_t np = s.B * s.NH * s.T * s.T;
   std::vector<float> ctx(s.B * s.T * s.C), ctx_ref(ctx.size()), probs(np), probs_ref(np), work(np),
       dqkv(qkv.size()), dqkv_ref(qkv.size());
@@ -332,10 +340,7 @@ TEST_P(AttentionTest, Bf16SavedProbabilitiesStayWithinBf16Precision) {
   if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
   const float p = GetParam();
   const AttentionShape s{2, 45, 64, 4};
-  auto qkv = random_vector(s.B * s.T * 3 * s.C, 76);
-  std::vector<int32_t> mask(s.B * s.T, 1);
-  for (int64_t t = 40; t < s.T; ++t) mask[t] = 0;
-  auto dctx = random_vector(s.B * s.T * s.C, 77);
+  const auto [qkv, dctx, mask] = attention_inputs(s, 76, 0, 40);
   const size_t np = s.B * s.NH * s.T * s.T;
   const auto [ctx_ref, probs_ref, dqkv_ref] = reference_attention(s, qkv, mask, dctx, p);
   std::vector<float> probs32(np);
@@ -362,10 +367,7 @@ TEST_P(AttentionTest, Bf16SavedProbabilitiesStayWithinBf16Precision) {
 TEST_P(AttentionTest, BlockedEqualsReference) {
   const float p = GetParam();
   const AttentionShape s{2, 150, 64, 4};
-  auto qkv = random_vector(s.B * s.T * 3 * s.C, 78);
-  std::vector<int32_t> mask(s.B * s.T, 1);
-  for (int64_t t = 131; t < s.T; ++t) mask[s.T + t] = 0;
-  auto dctx = random_vector(s.B * s.T * s.C, 79);
+  const auto [qkv, dctx, mask] = attention_inputs(s, 78, 1, 131);
   const auto [ctx_ref, probs_ref, dqkv_ref] = reference_attention(s, qkv, mask, dctx, p);
   const float scale = 1.0f / std::sqrt(16.0f);
   for (Isa isa : test::isa_levels()) {
@@ -399,10 +401,7 @@ TEST_P(AttentionTest, BlockedBf16StaysWithinBf16Precision) {
   if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
   const float p = GetParam();
   const AttentionShape s{2, 150, 64, 4};
-  auto qkv = random_vector(s.B * s.T * 3 * s.C, 80);
-  std::vector<int32_t> mask(s.B * s.T, 1);
-  for (int64_t t = 140; t < s.T; ++t) mask[t] = 0;
-  auto dctx = random_vector(s.B * s.T * s.C, 81);
+  const auto [qkv, dctx, mask] = attention_inputs(s, 80, 0, 140);
   const auto [ctx_ref, probs_ref, dqkv_ref] = reference_attention(s, qkv, mask, dctx, p);
   std::vector<float> ctx(ctx_ref.size()), lse(s.B * s.NH * s.T), dqkv(qkv.size());
   std::vector<uint16_t> q16(qkv.size()), d16(ctx.size());

@@ -230,6 +230,10 @@ void BertModel::lin_bwd(float* dinp, float* dw, float* db, const float* dout, co
                        sa_, sb_);
 }
 
+AttentionBf16 BertModel::attention_bf16(const LayerActs& a) const {
+  return {a.qkv16, attn16_.probs, attn16_.dctx, a.probs16};
+}
+
 void BertModel::place_gradients(std::byte* memory) {
   Arena moved(plan_, "gradients", memory);
   std::memcpy(moved.base(), grads_.base(), grads_.bytes());
@@ -274,7 +278,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     const LayerOffsets& o = t.layer(l);
     const LayerActs& a = act_.layers[l];
     lin_fwd(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
-    const AttentionBf16 a16{a.qkv16, attn16_.probs, attn16_.dctx, a.probs16};
+    const AttentionBf16 a16 = attention_bf16(a);
     if (a.lse)
       attention_blocked_forward(a.ctx, a.lse, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
                                 rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
@@ -478,7 +482,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
       lin_bwd16(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx16, W(o.attn_out_w), N, C, C);
     else
       lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
-    const AttentionBf16 a16{a.qkv16, attn16_.probs, attn16_.dctx, a.probs16};
+    const AttentionBf16 a16 = attention_bf16(a);
     const float* qkv = a.qkv16 ? nullptr : a.qkv;  // bf16: a16.qkv holds the forward's rounding
     if (a.lse)
       attention_blocked_backward(dI, dA, qkv, a.lse, b.input_mask.data(), {B, T, C, NH}, p_attn,

@@ -126,6 +126,8 @@ class BertModel {
     float *dh, *dA, *dB, *dI, *dhead1, *dhead2, *dsmall;
   };
   const float* W(int64_t off) const { return params() + off; }
+  // bf16: layer a's attention operands (its QKV and saved probabilities, the shared scratch).
+  kernels::AttentionBf16 attention_bf16(const LayerActs& a) const;
   // Linear layers in the model's precision (weights given as pointers into params()).
   void lin_fwd(float* out, const float* inp, const float* w, const float* b, int64_t M, int64_t N,
                int64_t K);

@@ -322,15 +322,12 @@ BT_AVX2 void dropout_row_avx2(float* out, const float* prob, int64_t T, float p,
 // Which row bodies a call takes: AVX-512 (fp32 or bf16 operands), AVX2 (fp32 operands), or the
 // portable loops.
 enum class RowBody { Portable, Avx2, Avx512 };
-template <typename X>
 RowBody row_body() {
-  if (use_avx512()) return RowBody::Avx512;
-  if (std::is_same_v<X, float> && use_avx2()) return RowBody::Avx2;
-  return RowBody::Portable;
+  return use_avx512() ? RowBody::Avx512 : use_avx2() ? RowBody::Avx2 : RowBody::Portable;
 }
 
 // The AVX2 bodies take fp32 throughout (bf16 operands and bf16 saved probabilities only occur
-// with AVX-512).
+// with AVX-512); anything else falls to the portable rows.
 template <typename O>
 void softmax_row(RowBody body, float* s, uint16_t* saved16, const float* bias, O* out, int64_t T,
                  float p, float keep_scale, uint64_t key, uint64_t idx0) {
@@ -384,7 +381,7 @@ void forward_impl(float* ctx, float* scores, uint16_t* saved16, X* dropped, cons
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
-  const RowBody body = row_body<X>();
+  const RowBody body = row_body();
   const HeadGemm gemm{NH};
   // probs = scale * Q K^T, per sequence, batched over heads (head h: columns h*HD of Q and K).
   for (int64_t b = 0; b < B; ++b) {
@@ -426,7 +423,7 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
-  const RowBody body = row_body<X>();
+  const RowBody body = row_body();
   const HeadGemm gemm{NH};
   // dV = dropped^T · dctx (the dropped probabilities regenerated into pd).
   const X* dropped = pd;

@@ -157,34 +157,12 @@ void activation_backward_serial(Activation a, float* dinp, const float* inp, con
 }  // namespace
 
 void activation_forward(Activation a, float* out, const float* inp, int64_t n) {
-  switch (a) {
-    case Activation::GeluErf:
-      if (use_avx512()) {
-        parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_avx512(out, inp, b, e); });
-        break;
-      }
-      if (use_avx2()) {
-        parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_avx2(out, inp, b, e); });
-        break;
-      }
-#pragma omp parallel for simd schedule(static)
-      for (int64_t i = 0; i < n; ++i) {
-        float x = inp[i];
-        out[i] = 0.5f * x * (1.0f + std::erf(x * kInvSqrt2));
-      }
-      break;
-    case Activation::GeluTanh:
-#pragma omp parallel for simd schedule(static)
-      for (int64_t i = 0; i < n; ++i) {
-        float x = inp[i];
-        out[i] = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)));
-      }
-      break;
-    case Activation::Relu:
-#pragma omp parallel for simd schedule(static)
-      for (int64_t i = 0; i < n; ++i) out[i] = inp[i] > 0.0f ? inp[i] : 0.0f;
-      break;
-  }
+  if (a == Activation::GeluErf && use_avx512())
+    return parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_avx512(out, inp, b, e); });
+  if (a == Activation::GeluErf && use_avx2())
+    return parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_avx2(out, inp, b, e); });
+  parallel_chunks(
+      n, [&](int64_t b, int64_t e) { activation_forward_serial(a, out + b, inp + b, e - b); });
 }
 
 void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n,
