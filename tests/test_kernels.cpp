@@ -495,6 +495,34 @@ TEST(IsaDispatch, ActivationToBf16EqualsRoundedFp32) {
   }
 }
 
+// fp16 storage: the in-place rounding gives the scalar conversion's bits and values (ties to
+// even, subnormals, overflow to infinity, NaN), with and without the bits kept, over several
+// threads' chunks and a ragged tail; widening gives the values back exactly.
+TEST(Fp16Storage, RoundAndWidenMatchTheScalarConversion) {
+  const int64_t n = 200003;
+  auto x = random_vector(n, 11);
+  // Scales 2^-30 .. 2^17: values that underflow to zero, fp16 subnormals, normals, overflow.
+  for (int64_t i = 0; i < n; ++i) x[i] *= std::ldexp(1.0f, static_cast<int>(i % 48) - 30);
+  const float specials[] = {65504.0f,   65520.0f, 65519.99f, -1e9f, 0x1p-24f, 0x1p-25f,
+                            0x1.8p-25f, 3e-8f,    -0.0f,     NAN,   INFINITY, 1.0f + 0x1p-11f};
+  for (size_t i = 0; i < std::size(specials); ++i) x[i * 1001 + 5] = specials[i];
+  std::vector<float> y(n), w(n);
+  std::vector<uint16_t> h(n);
+  round_to_f16(y.data(), x.data(), n, h.data());
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(h[i], f32_to_f16(x[i])) << i << ": " << x[i];
+    const float r = f16_to_f32(f32_to_f16(x[i]));
+    ASSERT_TRUE(f32_bits(y[i]) == f32_bits(r) || (std::isnan(y[i]) && std::isnan(r))) << i;
+  }
+  widen_f16(w.data(), h.data(), n);
+  for (int64_t i = 0; i < n; ++i)
+    ASSERT_TRUE(f32_bits(w[i]) == f32_bits(y[i]) || std::isnan(y[i])) << i;
+  std::vector<float> z = x;  // in place, no bits kept
+  round_to_f16(z.data(), z.data(), n);
+  for (int64_t i = 0; i < n; ++i)
+    ASSERT_TRUE(f32_bits(z[i]) == f32_bits(y[i]) || std::isnan(y[i])) << i;
+}
+
 // bf16 training saves the pre-activation rounded: the forward's bf16 copy of its input equals
 // rounding, and the backward from it equals the fp32 backward at the widened values, bit for
 // bit, on every body and for every activation.

@@ -137,21 +137,18 @@ double rel_l2(const float* got, const std::vector<double>& ref) {
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
-// bf16 matmuls against the float64 HuggingFace reference. bf16 keeps 8 significant bits (unit
-// roundoff u = 2^-9 ~ 2e-3); each matmul rounds both operands, so a product's relative error is
-// ~2u and a dot product of K terms keeps that relative size in the L2 sense. Two layers plus the
-// heads chain ~8 matmuls: the bound per tensor is relative L2 error <= 16u = 3.1e-2 (measured
-// 0.008, ~4x lower). The key biases (true gradient 0) are checked against the absolute floor
-// instead.
-TEST_P(GoldenAttention, Bf16MatmulsStayWithinBf16Precision) {
-  if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
+// A 16-bit model against the float64 HuggingFace reference: outputs and the loss, then every
+// parameter's gradient as a relative L2 error, the worst tensor reported. The key biases (true
+// gradient 0) are checked against the absolute floor instead.
+void check_within(ModelDims dims, double bound, const char* what) {
   const std::string dir = data_path("golden/bert_pretrain");
   SafetensorsReader g(dir + "/golden.safetensors");
   Batch b = golden_batch(g, true);
-  BertModel m(BertConfig::load(dir + "/config.json"), Head::Pretraining,
-              {b.B, b.T, b.P, true, GetParam()});
+  dims.batch = b.B;
+  dims.seq_len = b.T;
+  dims.max_predictions = b.P;
+  BertModel m(BertConfig::load(dir + "/config.json"), Head::Pretraining, dims);
   load_safetensors_into(m, dir + "/model.safetensors");
-  const double bound = 16.0 * 0x1p-9;
   Losses l = m.forward(b, {});
   EXPECT_LT(rel_l2(m.sequence_output(), g.read_f64("output.sequence_output")), bound);
   EXPECT_LT(rel_l2(m.mlm_logits(), g.read_f64("output.mlm_logits")), bound);
@@ -169,8 +166,31 @@ TEST_P(GoldenAttention, Bf16MatmulsStayWithinBf16Precision) {
     }
   }
   EXPECT_LT(worst, bound) << "worst tensor " << worst_name;
-  std::printf("bf16 (%s attention): worst gradient relative L2 error %.4f (%s), bound %.4f\n",
-              attention_name(GetParam()), worst, worst_name.c_str(), bound);
+  std::printf("%s (%s attention): worst gradient relative L2 error %.5f (%s), bound %.5f\n", what,
+              attention_name(dims.attention), worst, worst_name.c_str(), bound);
+}
+
+// bf16 matmuls. bf16 keeps 8 significant bits (unit roundoff u = 2^-9 ~ 2e-3); each matmul
+// rounds both operands, so a product's relative error is ~2u and a dot product of K terms keeps
+// that relative size in the L2 sense. Two layers plus the heads chain ~8 matmuls: the bound per
+// tensor is relative L2 error <= 16u = 3.1e-2 (measured 0.009, ~3x lower).
+TEST_P(GoldenAttention, Bf16MatmulsStayWithinBf16Precision) {
+  if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
+  ModelDims d;
+  d.bf16 = true;
+  d.attention = GetParam();
+  check_within(d, 16.0 * 0x1p-9, "bf16");
+}
+
+// fp16 storage: every kept activation (QKV, context, FFN pre-/post-activation) rounded once to
+// fp16, whose unit roundoff is u = 2^-11 ~ 4.9e-4; fp32 weights and arithmetic. Each rounding
+// moves its tensor by <= u relative; four per layer over two layers add up, in the L2 sense, to
+// at most 8u = 3.9e-3 (measured 5.2e-4, about u). Runs on every CPU (the kernels are fp32).
+TEST_P(GoldenAttention, Fp16StorageStaysWithinFp16Precision) {
+  ModelDims d;
+  d.fp16 = true;
+  d.attention = GetParam();
+  check_within(d, 8.0 * 0x1p-11, "fp16");
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernel, GoldenAttention,

@@ -75,7 +75,9 @@ void add_bench(CLI::App& app) {
   c->add_option("--warmup", o->warmup, "Untimed steps first")->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
-  c->add_option("--precision", o->precision, "fp32 or bf16 (bf16 matmuls with fp32 accumulation)")
+  c->add_option("--precision", o->precision,
+                "fp32, bf16 (bf16 matmuls with fp32 accumulation) or fp16 (activations kept "
+                "in fp16, fp32 compute, loss scale 2^16)")
       ->capture_default_str();
   c->add_option("--attention", o->attention,
                 "auto, full or blocked attention kernel (auto: blocked from 512 tokens; blocked "
@@ -87,14 +89,18 @@ void add_bench(CLI::App& app) {
     model::BertConfig cfg = model::BertConfig::load(o->config);
     const model::Head head = parse_head(o->head);
     const int64_t P = head == model::Head::Pretraining ? o->preds : 0;
-    if (o->precision != "fp32" && o->precision != "bf16") fail("--precision must be fp32 or bf16");
-    const bool bf16 = o->precision == "bf16";
+    if (o->precision != "fp32" && o->precision != "bf16" && o->precision != "fp16")
+      fail("--precision must be fp32, bf16 or fp16, got '", o->precision, "'");
+    const bool bf16 = o->precision == "bf16", fp16 = o->precision == "fp16";
+    // fp16 runs as train runs it: the loss scaled (the scaler's initial scale), the gradients
+    // unscaled in the optimizer pass.
+    const float loss_scale = fp16 ? 65536.0f : 1.0f;
     // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
     // below is the training run's, not this probe's.
     const double peak = kernels::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
                                                           cfg.hidden_size, bf16, 1.0);
     model::BertModel m(cfg, head,
-                       {o->batch, o->seq, P, bf16, model::parse_attention(o->attention)});
+                       {o->batch, o->seq, P, bf16, model::parse_attention(o->attention), fp16});
     m.init_params(1);
     train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(),
                                {});  // AdamW, clipping at 1.0
@@ -114,10 +120,10 @@ void add_bench(CLI::App& app) {
       loss = m.forward(b, opt).loss;
       const double tf = seconds_since(t0);
       t0 = Clock::now();
-      m.backward(b, opt);
+      m.backward(b, opt, loss_scale);
       const double tb = seconds_since(t0);
       t0 = Clock::now();
-      if (optimizer.step(m.params(), m.grads(), 1e-5f, 1.0f, m.bf16_weights()).finite)
+      if (optimizer.step(m.params(), m.grads(), 1e-5f, 1.0f / loss_scale, m.bf16_weights()).finite)
         m.bf16_weights_updated();
       const double tu = seconds_since(t0);
       if (s >= o->warmup) {

@@ -51,8 +51,8 @@ void add_estimate(CLI::App& app) {
                 "keeps only the row log-sum-exp, no [B,heads,T,T] probabilities)")
       ->capture_default_str();
   c->add_option("--precision", o->precision,
-                "fp32, bf16 or fp16 (bf16 adds the bf16 weight copy and keeps some activations "
-                "in bf16, as train allocates)")
+                "fp32, bf16 or fp16 (bf16 adds the bf16 weight copy; both keep some activations "
+                "in 16 bits, as train allocates)")
       ->capture_default_str();
   c->add_option("--memory-budget", o->budget,
                 "Memory available per rank, e.g. 16GiB: prints the largest batch that fits");
@@ -61,12 +61,13 @@ void add_estimate(CLI::App& app) {
     model::Head head = parse_head(o->head);
     if (o->precision != "fp32" && o->precision != "bf16" && o->precision != "fp16")
       fail("--precision must be fp32, bf16 or fp16, got '", o->precision, "'");
-    model::ModelDims d{o->batch, o->seq, head == model::Head::Pretraining ? o->preds : 0,
-                       o->precision == "bf16", model::parse_attention(o->attention)};
-    // fp16 trains the model on an fp16-rounded copy and keeps an fp32 master: one more
-    // parameter-sized fp32 buffer, planned here as an optimizer slot.
-    const int slots = o->slots + (o->precision == "fp16" ? 1 : 0);
-    MemoryPlan plan = plan::training_plan(cfg, head, d, slots);
+    model::ModelDims d{o->batch,
+                       o->seq,
+                       head == model::Head::Pretraining ? o->preds : 0,
+                       o->precision == "bf16",
+                       model::parse_attention(o->attention),
+                       o->precision == "fp16"};
+    MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots);
     model::ParamTable table(cfg, head);
     int64_t nparams = 0;
     for (const auto& p : table.params()) nparams += p.numel();
@@ -75,11 +76,10 @@ void add_estimate(CLI::App& app) {
     std::printf("run       batch %lld x seq %lld, %lld predictions, %s, %d optimizer slots\n",
                 (long long)d.batch, (long long)d.seq_len, (long long)d.max_predictions,
                 o->precision.c_str(), o->slots);
-    if (slots != o->slots) std::printf("          + the fp32 master copy of the weights (fp16)\n");
     std::printf("memory plan per rank:\n%s", plan::format_plan(plan).c_str());
     if (!o->budget.empty()) {
       const double budget = parse_bytes(o->budget);
-      const int64_t b = plan::max_batch_for_budget(cfg, head, d, slots, budget);
+      const int64_t b = plan::max_batch_for_budget(cfg, head, d, o->slots, budget);
       if (b == 0)
         std::printf(
             "budget    %s: even batch 1 does not fit; use a shorter --seq-len or a smaller model\n",

@@ -47,15 +47,17 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
                 I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = cfg.vocab_size;
   const int64_t BP = head == Head::Pretraining ? B * d.max_predictions : 0;
   const std::string g = "activations";
+  // bf16 and fp16 keep the same tensors in 16 bits (of their own format).
+  const bool half = d.bf16 || d.fp16;
   plan.add(g, "emb.sum", f32s(N * C));
   plan.add(g, "emb.mean", f32s(N));
   plan.add(g, "emb.rstd", f32s(N));
   plan.add(g, "emb.out", f32s(N * C));
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     const std::string p = "layer" + std::to_string(l) + ".";
-    // bf16 keeps QKV and the FFN pre-activation only rounded (what backward reads: the
-    // attention's bf16 operands, GELU's input); their fp32 GEMM outputs pass through grad.dI.
-    if (d.bf16)
+    // bf16/fp16 keep QKV and the FFN pre-activation only rounded (what backward reads: the
+    // attention's operands, GELU's input); their fp32 GEMM outputs pass through grad.dI.
+    if (half)
       plan.add(g, p + "qkv16", f32s(N * 3 * C) / 2);
     else
       plan.add(g, p + "qkv", f32s(N * 3 * C));
@@ -65,9 +67,9 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
       plan.add(g, p + "probs16", f32s(B * NH * T * T) / 2);
     else
       plan.add(g, p + "probs", f32s(B * NH * T * T));
-    // bf16: the inputs of the attention-output and FFN-output matmuls are kept only as their
-    // bf16 operands (GELU writes bf16 directly): half the memory, no conversion in backward.
-    if (d.bf16)
+    // bf16/fp16: the inputs of the attention-output and FFN-output matmuls are kept only in
+    // 16 bits (bf16: they are the matmuls' operands, GELU writes them directly).
+    if (half)
       plan.add(g, p + "ctx16", f32s(N * C) / 2);
     else
       plan.add(g, p + "ctx", f32s(N * C));
@@ -75,11 +77,11 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
     plan.add(g, p + "ln1_out", f32s(N * C));
     plan.add(g, p + "ln1_mean", f32s(N));
     plan.add(g, p + "ln1_rstd", f32s(N));
-    if (d.bf16)
+    if (half)
       plan.add(g, p + "inter_pre16", f32s(N * I) / 2);
     else
       plan.add(g, p + "inter_pre", f32s(N * I));
-    if (d.bf16)
+    if (half)
       plan.add(g, p + "inter_act16", f32s(N * I) / 2);
     else
       plan.add(g, p + "inter_act", f32s(N * I));
@@ -111,6 +113,9 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(s, "grad.dhead2", f32s(std::max(BP, B) * C));
   if (!d.blocked_attention()) plan.add(s, "attn.work", f32s(B * NH * T * T));
   if (d.bf16) plan.add(s, "attn.ctx", f32s(N * C));  // fp32 ctx until it is rounded to bf16
+  // fp16: forward's fp32 ctx until it is rounded; in backward each saved fp16 tensor widened
+  // back to fp32 for the fp32 kernels, one at a time.
+  if (d.fp16) plan.add(s, "fp16.wide", f32s(N * std::max(I, 3 * C)));
   plan.add(s, "grad.dsmall", f32s(B * std::max<int64_t>(2, cfg.num_labels)));
   if (d.bf16) {
     const std::string g16 = "bf16";
@@ -136,6 +141,7 @@ MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDim
     fail("batch size and sequence length must be positive and max predictions >= 0");
   if (dims.max_predictions > dims.seq_len)
     fail("--max-predictions ", dims.max_predictions, " exceeds --seq-len ", dims.seq_len);
+  if (dims.bf16 && dims.fp16) fail("a model computes in bf16 or in fp16, not both");
   const ParamTable table(cfg, head);
   MemoryPlan plan;
   plan.add("parameters", "params", f32s(table.total()));
@@ -161,6 +167,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
     attn16_ = {nullptr, blocked ? nullptr : b16("bf16.attn_probs"),
                b16("bf16.attn_dctx")};  // qkv: per layer
   }
+  if (dims.fp16) f16_wide_ = scratch_.f32("fp16.wide");
 
   const Arena& a = acts_arena_;
   act_.emb_sum = a.f32("emb.sum");
@@ -169,18 +176,24 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
   act_.h0 = a.f32("emb.out");
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     const std::string p = "layer" + std::to_string(l) + ".";
-    const bool h = dims.bf16;
+    const bool h = dims.bf16 || dims.fp16, bf = dims.bf16, fp = dims.fp16;
     auto b16 = [&](const std::string& name) { return reinterpret_cast<uint16_t*>(a.f32(name)); };
-    float* gemm_out = scratch_.f32("grad.dI");  // bf16: fp32 QKV / pre-activation, briefly
+    // bf16/fp16: fp32 QKV / pre-activation (fp16: and GELU's output, in place), briefly.
+    float* gemm_out = scratch_.f32("grad.dI");
     act_.layers.push_back(
-        {h ? gemm_out : a.f32(p + "qkv"), h || blocked ? nullptr : a.f32(p + "probs"),
-         h ? scratch_.f32("attn.ctx") : a.f32(p + "ctx"), a.f32(p + "attn_res"),
-         a.f32(p + "ln1_out"), a.f32(p + "ln1_mean"), a.f32(p + "ln1_rstd"),
-         h ? gemm_out : a.f32(p + "inter_pre"), h ? nullptr : a.f32(p + "inter_act"),
+        {h ? gemm_out : a.f32(p + "qkv"), bf || blocked ? nullptr : a.f32(p + "probs"),
+         bf   ? scratch_.f32("attn.ctx")
+         : fp ? f16_wide_
+              : a.f32(p + "ctx"),
+         a.f32(p + "attn_res"), a.f32(p + "ln1_out"), a.f32(p + "ln1_mean"), a.f32(p + "ln1_rstd"),
+         h ? gemm_out : a.f32(p + "inter_pre"),
+         bf   ? nullptr
+         : fp ? gemm_out
+              : a.f32(p + "inter_act"),
          a.f32(p + "ffn_res"), a.f32(p + "ln2_out"), a.f32(p + "ln2_mean"), a.f32(p + "ln2_rstd"),
          h ? b16(p + "ctx16") : nullptr, h ? b16(p + "inter_act16") : nullptr,
          h ? b16(p + "qkv16") : nullptr, h ? b16(p + "inter_pre16") : nullptr,
-         h && !blocked ? b16(p + "probs16") : nullptr, blocked ? a.f32(p + "lse") : nullptr});
+         bf && !blocked ? b16(p + "probs16") : nullptr, blocked ? a.f32(p + "lse") : nullptr});
   }
   act_.cls_in = a.f32("head.cls_in");
   act_.pooled = a.f32("head.pooled");
@@ -278,6 +291,8 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     const LayerOffsets& o = t.layer(l);
     const LayerActs& a = act_.layers[l];
     lin_fwd(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
+    const bool fp16 = dims_.fp16;  // each kept tensor rounded before forward reads it
+    if (fp16) round_to_f16(a.qkv, a.qkv, N * 3 * C, a.qkv16);
     const AttentionBf16 a16 = attention_bf16(a);
     if (a.lse)
       attention_blocked_forward(a.ctx, a.lse, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
@@ -287,7 +302,10 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
       attention_forward(a.ctx, a.probs, attn_work_, a.qkv, b.input_mask.data(), {B, T, C, NH},
                         p_attn, rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
                         wbf16_ ? &a16 : nullptr);
-    if (a.ctx16) {
+    if (fp16) {
+      round_to_f16(a.ctx, a.ctx, N * C, a.ctx16);
+      lin_fwd(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
+    } else if (a.ctx16) {
       convert_f32_to_bf16(a.ctx, a.ctx16, static_cast<size_t>(N * C));
       lin_fwd16(a.attn_res, a.ctx16, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
     } else {
@@ -297,7 +315,12 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
                                W(o.ln1_b), N, C, eps, p_hidden,
                                rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
     lin_fwd(a.inter_pre, a.ln1_out, W(o.inter_w), W(o.inter_b), N, I, C);
-    if (a.inter_act16) {
+    if (fp16) {  // inter_act is inter_pre's buffer: GELU in place
+      round_to_f16(a.inter_pre, a.inter_pre, N * I, a.inter_pre16);
+      activation_forward(act, a.inter_act, a.inter_pre, N * I);
+      round_to_f16(a.inter_act, a.inter_act, N * I, a.inter_act16);
+      lin_fwd(a.ffn_res, a.inter_act, W(o.out_w), W(o.out_b), N, C, I);
+    } else if (a.inter_act16) {
       activation_forward_bf16(act, a.inter_act16, a.inter_pre, N * I, a.inter_pre16);
       lin_fwd16(a.ffn_res, a.inter_act16, W(o.out_w), W(o.out_b), N, C, I);
     } else {
@@ -464,26 +487,41 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     layernorm_dropout_backward(dA, dB, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w),
                                a.ln2_mean, a.ln2_rstd, N, C, false, p_hidden,
                                rng_key(opt.seed, opt.step, l + 1, kFfnOut), off_tc);
-    if (a.inter_act16)
+    const bool fp16 = dims_.fp16;  // saved fp16 tensors widened into f16_wide_
+    if (fp16) {
+      widen_f16(f16_wide_, a.inter_act16, N * I);
+      lin_bwd(dI, G(o.out_w), G(o.out_b), dB, f16_wide_, W(o.out_w), N, C, I);
+      widen_f16(f16_wide_, a.inter_pre16, N * I);
+      activation_backward(act, dI, f16_wide_, dI, N * I);
+    } else if (a.inter_act16) {
       lin_bwd16(dI, G(o.out_w), G(o.out_b), dB, a.inter_act16, W(o.out_w), N, C, I);
-    else
-      lin_bwd(dI, G(o.out_w), G(o.out_b), dB, a.inter_act, W(o.out_w), N, C, I);
-    if (a.inter_pre16)
       activation_backward_bf16(act, dI, a.inter_pre16, dI, N * I);
-    else
+    } else {
+      lin_bwd(dI, G(o.out_w), G(o.out_b), dB, a.inter_act, W(o.out_w), N, C, I);
       activation_backward(act, dI, a.inter_pre, dI, N * I);
+    }
     lin_bwd(dA, G(o.inter_w), G(o.inter_b), dI, a.ln1_out, W(o.inter_w), N, I, C,
             /*accumulate_dinp=*/true);  // dA = d ln1_out (residual + FFN path)
     // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
     layernorm_dropout_backward(dh, dB, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w),
                                a.ln1_mean, a.ln1_rstd, N, C, false, p_hidden,
                                rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
-    if (a.ctx16)
+    if (fp16) {
+      widen_f16(f16_wide_, a.ctx16, N * C);
+      lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, f16_wide_, W(o.attn_out_w), N, C, C);
+    } else if (a.ctx16) {
       lin_bwd16(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx16, W(o.attn_out_w), N, C, C);
-    else
+    } else {
       lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
+    }
     const AttentionBf16 a16 = attention_bf16(a);
-    const float* qkv = a.qkv16 ? nullptr : a.qkv;  // bf16: a16.qkv holds the forward's rounding
+    const float* qkv = a.qkv;  // bf16: null, a16.qkv holds the forward's rounding
+    if (fp16) {
+      widen_f16(f16_wide_, a.qkv16, N * 3 * C);
+      qkv = f16_wide_;
+    } else if (a.qkv16) {
+      qkv = nullptr;
+    }
     if (a.lse)
       attention_blocked_backward(dI, dA, qkv, a.lse, b.input_mask.data(), {B, T, C, NH}, p_attn,
                                  rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,

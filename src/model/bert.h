@@ -32,8 +32,17 @@ struct ModelDims {
   // attention.h). Auto: blocked from 512 tokens, where it runs as fast and the probabilities
   // would be the largest activation.
   enum class Attention { Auto, Full, Blocked } attention = Attention::Auto;
+  // fp16 storage: what backward keeps of QKV, the attention context and the FFN pre- and
+  // post-activation is stored in fp16 (the tensors bf16 keeps in bf16, with fp16's 11-bit
+  // significand), each rounded before forward uses it, so backward differentiates exactly what
+  // forward computed. The kernels compute in fp32 on the fp32 weights: oneDNN has no fp16
+  // matmul for CPUs without AVX512-FP16, and an fp16 copy of the weights would only add memory
+  // and error to fp32 matmuls. Gradients stay fp32. Auto attention is the blocked kernel at
+  // every length: no probabilities to keep.
+  bool fp16 = false;
   bool blocked_attention() const {
-    return attention == Attention::Blocked || (attention == Attention::Auto && seq_len >= 512);
+    return attention == Attention::Blocked ||
+           (attention == Attention::Auto && (seq_len >= 512 || fp16));
   }
 };
 
@@ -110,9 +119,10 @@ class BertModel {
   struct LayerActs {
     float *qkv, *probs, *ctx, *attn_res, *ln1_out, *ln1_mean, *ln1_rstd;
     float *inter_pre, *inter_act, *ffn_res, *ln2_out, *ln2_mean, *ln2_rstd;
-    // bf16 only: these replace ctx (then scratch) and inter_act, and are what backward reads
-    // of QKV and the pre-activation (qkv and inter_pre then point at scratch).
-    uint16_t *ctx16, *inter_act16, *qkv16, *inter_pre16, *probs16;  // probs16 replaces probs
+    // bf16 and fp16 (raw bits of either): these replace ctx (then scratch) and inter_act, and
+    // are what backward reads of QKV and the pre-activation (qkv and inter_pre then point at
+    // scratch). bf16 only: probs16 replaces probs.
+    uint16_t *ctx16, *inter_act16, *qkv16, *inter_pre16, *probs16;
     float* lse;  // blocked attention: the row log-sum-exp [B,NH,T], instead of probs(16)
   };
   struct Acts {
@@ -148,10 +158,10 @@ class BertModel {
   Arena params_, grads_, acts_arena_, scratch_, bf16_arena_;
   Acts act_{};
   uint16_t *wbf16_ = nullptr, *sa_ = nullptr, *sb_ = nullptr;  // bf16 weights and scratch
-  float* attn_work_ = nullptr;                                 // attention scratch
-  bool mlm_grad_ready_ = false;
-  bool bf16_fresh_ = false;  // bf16_weights() already equals params() rounded      // training
-                             // forward left the MLM logits' gradient in place
+  float* f16_wide_ = nullptr;    // fp16: a saved tensor widened back to fp32 (and forward's ctx)
+  float* attn_work_ = nullptr;   // attention scratch
+  bool mlm_grad_ready_ = false;  // the training forward left the MLM logits' gradient in place
+  bool bf16_fresh_ = false;      // bf16_weights() already equals params() rounded
   kernels::AttentionBf16 attn16_{};  // attention's bf16 matmul operands
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;

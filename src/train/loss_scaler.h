@@ -38,7 +38,9 @@ class LossScaler {
     if (!cfg_.enabled || consecutive_skips_ > cfg_.max_consecutive_skips)
       fail("step ", step, ": gradients are not finite",
            cfg_.enabled
-               ? str(" in ", consecutive_skips_, " consecutive steps (loss scale ", scale_, ")")
+               ? str(" in ", consecutive_skips_, " consecutive steps (loss scale ", scale_,
+                     "; an fp16 activation beyond +-65504 overflows at any scale: if the loss is "
+                     "not finite either, train with --precision bf16)")
                : std::string(" (fp32/bf16 training has diverged)"),
            "; lower --lr, raise --warmup, or resume from the last good checkpoint");
     scale_ = std::max(cfg_.min_scale, scale_ * cfg_.backoff);

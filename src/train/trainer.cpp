@@ -37,19 +37,6 @@ std::string hms(double s) {
   return buf;
 }
 
-// Rounds values to bf16/fp16 precision (the working copy of mixed-precision training).
-void round_to(Precision p, const float* src, float* dst, int64_t n) {
-  if (p == Precision::BF16) {
-#pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(f32_to_bf16(src[i]));
-  } else if (p == Precision::FP16) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(f32_to_f16(src[i]));
-  } else {
-    std::memcpy(dst, src, n * sizeof(float));
-  }
-}
-
 }  // namespace
 
 void install_signal_handlers() {
@@ -79,9 +66,9 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   if (cfg.output.empty()) fail("--output is required (the run directory for checkpoints)");
 
   const model::BertConfig mcfg = model::BertConfig::load(cfg.model_config);
-  const bool bf16 = cfg.precision == Precision::BF16;
+  const bool bf16 = cfg.precision == Precision::BF16, fp16 = cfg.precision == Precision::FP16;
   model::BertModel m(mcfg, model::Head::Pretraining,
-                     {cfg.batch_size, cfg.seq_len, cfg.max_predictions, bf16, cfg.attention});
+                     {cfg.batch_size, cfg.seq_len, cfg.max_predictions, bf16, cfg.attention, fp16});
   Optimizer opt(param_slices(m.table()), m.table().total(), cfg.optimizer);
   LossScaler::Config sc;
   sc.enabled = cfg.precision == Precision::FP16;
@@ -100,12 +87,10 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
                              {"optimizer", optimizer_name(cfg.optimizer.kind)},
                              {"seed", cfg.seed}};
 
-  // Master weights are fp32. bf16: the model's own fp32 buffer is the master and its matmuls use
-  // a bf16 copy (ModelDims::bf16). fp16: the model computes with a working copy rounded to fp16
-  // (oneDNN has no fp16 matmul on this CPU class; the kernels run in fp32), the master lives in
-  // `master`, and the dynamic loss scaler guards the fp16 range.
+  // Master weights are fp32: the model's own buffer, params(). bf16: its matmuls use a bf16
+  // copy (ModelDims::bf16). fp16: it keeps activations in fp16 (ModelDims::fp16), and the
+  // dynamic loss scaler skips steps whose loss or gradients left the fp16 range.
   const int64_t P = m.table().total();
-  std::vector<float> master;
   int64_t start_step = 0;
   data::PipelinePosition position;
   std::string resumed_from;
@@ -155,8 +140,6 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
     if (float* shared = comm.allocate_shared((gbytes + 3) / 4))
       m.place_gradients(reinterpret_cast<std::byte*>(shared));
   }
-  if (cfg.precision == Precision::FP16) master.assign(m.params(), m.params() + P);
-  float* master_p = cfg.precision == Precision::FP16 ? master.data() : m.params();
 
   data::PipelineOptions in = cfg.input;
   in.batch_size = cfg.batch_size;
@@ -195,8 +178,8 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
         cfg.precision == Precision::FP32 ? ""
         : bf16 ? " (fp32 master weights and optimizer; matmuls and attention on bf16 operands, "
                  "fp32 accumulation)"
-               : " (fp32 master weights; working weights rounded to fp16, kernels compute in "
-                 "fp32; dynamic loss scaling)",
+               : " (fp32 weights and optimizer; activations kept for backward in fp16, "
+                 "kernels compute in fp32; dynamic loss scaling)",
         m.dims().blocked_attention() ? "blocked" : "full", (unsigned long long)cfg.seed);
     std::printf(
         "  steps %lld..%lld, save every %lld to %s, %s, %d threads, memory plan %s, input bound "
@@ -228,8 +211,6 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       st.positions.push_back({static_cast<uint64_t>(pos[3 * r]),
                               static_cast<uint64_t>(pos[3 * r + 1]), mine.fingerprint});
     if (rank == 0) {
-      // The checkpoint holds master weights.
-      if (cfg.precision == Precision::FP16) std::memcpy(m.params(), master_p, P * sizeof(float));
       last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last));
     }
     comm.barrier();
@@ -264,7 +245,6 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   int64_t step = start_step;
   for (; step < cfg.steps; ++step) {
     const auto t_step = Clock::now();
-    if (cfg.precision == Precision::FP16) round_to(cfg.precision, master_p, m.params(), P);
     m.zero_grads();
     double loss_sum = 0, mlm_c = 0, mlm_w = 0, nsp_c = 0;
     const float scale = scaler.scale();
@@ -279,7 +259,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       const model::Losses l = m.forward(batch, so);
       t_fwd += since(t0);
       span("forward", "compute", t0);
-      if (!std::isfinite(l.loss) && cfg.precision != Precision::FP16)
+      if (!std::isfinite(l.loss) && !fp16)
         fail("step ", step, ": the loss is ", l.loss, " on rank ", rank,
              "; lower --lr or raise --warmup and resume from the last good checkpoint",
              last_ck.empty() ? std::string(" (none saved yet)") : " (" + last_ck + ")");
@@ -328,7 +308,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       const float lr = static_cast<float>(sched.at(step));
       // Clipping must use the same global norm on every rank: it is, since gradients are
       // identical after the allreduce.
-      opt.apply(master_p, m.grads(), lr, inv, r, m.bf16_weights());
+      opt.apply(m.params(), m.grads(), lr, inv, r, m.bf16_weights());
       m.bf16_weights_updated();
     }
     t_opt += since(t0);

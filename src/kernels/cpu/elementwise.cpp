@@ -222,6 +222,25 @@ void activation_backward(Activation a, float* dinp, const float* inp, const floa
   });
 }
 
+void round_to_f16(float* out, const float* x, int64_t n, uint16_t* bits16) {
+  // Blocks small enough that the round trip stays in L1 (F16C where the CPU has it).
+  parallel_chunks(n, [&](int64_t b, int64_t e) {
+    uint16_t tmp[kBlock];
+    for (int64_t i = b; i < e; i += kBlock) {
+      const size_t k = static_cast<size_t>(std::min<int64_t>(kBlock, e - i));
+      uint16_t* h = bits16 ? bits16 + i : tmp;
+      convert_f32_to_f16(x + i, h, k);
+      convert_f16_to_f32(h, out + i, k);
+    }
+  });
+}
+
+void widen_f16(float* out, const uint16_t* bits16, int64_t n) {
+  parallel_chunks(n, [&](int64_t b, int64_t e) {
+    convert_f16_to_f32(bits16 + b, out + b, static_cast<size_t>(e - b));
+  });
+}
+
 void tanh_forward(float* out, const float* inp, int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) out[i] = std::tanh(inp[i]);

@@ -22,6 +22,12 @@ void activation_backward(Activation a, float* dinp, const float* inp, const floa
 void activation_backward_bf16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
                               int64_t n);
 
+// fp16 storage (the fp16 model): out = x rounded to fp16, widened back (out may alias x);
+// bits16 (optional) receives the fp16 bits, what the model keeps for backward.
+void round_to_f16(float* out, const float* x, int64_t n, uint16_t* bits16 = nullptr);
+// out = the fp16 values bits16 holds, widened to fp32.
+void widen_f16(float* out, const uint16_t* bits16, int64_t n);
+
 void tanh_forward(float* out, const float* inp, int64_t n);
 // dinp = dout * (1 - out^2), from the forward output.
 void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n);
