@@ -360,6 +360,40 @@ TEST_P(AttentionTest, Bf16SavedProbabilitiesStayWithinBf16Precision) {
   for (size_t i = 0; i < np; ++i) ASSERT_EQ(saved[i], f32_to_bf16(probs32[i])) << i;
 }
 
+// The softmax output saved in fp16 (fp16 training; fp32 operands), on every body this CPU has:
+// the saved row is the fp32 probabilities rounded, bit for bit; ctx and dqkv move from the
+// fp32-saving run by the probabilities' one rounding (<= 2 * 2^-11 relative L2) and stay within
+// the fp32 tolerance plus that of the plain loops.
+TEST_P(AttentionTest, Fp16SavedProbabilitiesAreTheRoundedFp32Ones) {
+  const float p = GetParam();
+  const AttentionShape s{2, 45, 64, 4};
+  const auto [qkv, dctx, mask] = attention_inputs(s, 77, 1, 40);
+  const size_t np = s.B * s.NH * s.T * s.T;
+  const auto [ctx_ref, probs_ref, dqkv_ref] = reference_attention(s, qkv, mask, dctx, p);
+  for (Isa isa : test::isa_levels()) {
+    set_isa_override(isa);
+    std::vector<float> probs32(np), ctx32(ctx_ref.size()), dqkv32(qkv.size()), work(np);
+    attention_forward(ctx32.data(), probs32.data(), work.data(), qkv.data(), mask.data(), s, p, 5,
+                      11);
+    attention_backward(dqkv32.data(), work.data(), dctx.data(), qkv.data(), probs32.data(), s, p, 5,
+                       11);
+    std::vector<uint16_t> saved(np);
+    std::vector<float> ctx(ctx_ref.size()), dqkv(qkv.size());
+    attention_forward(ctx.data(), nullptr, work.data(), qkv.data(), mask.data(), s, p, 5, 11,
+                      nullptr, saved.data());
+    attention_backward(dqkv.data(), work.data(), dctx.data(), qkv.data(), nullptr, s, p, 5, 11,
+                       nullptr, saved.data());
+    reset_isa_override();
+    const std::string at = std::string(" with ") + isa_name(isa);
+    for (size_t i = 0; i < np; ++i) ASSERT_EQ(saved[i], f32_to_f16(probs32[i])) << i << at;
+    EXPECT_LE(test::rel_l2(ctx, ctx32), 2 * 0x1p-11) << at;
+    EXPECT_LE(test::rel_l2(dqkv, dqkv32), 2 * 0x1p-11) << at;
+    EXPECT_GT(test::rel_l2(dqkv, dqkv32), 0.0) << at;  // really rounded
+    EXPECT_LE(test::rel_l2(ctx, ctx_ref), 2 * 0x1p-11 + 2e-5) << at;
+    EXPECT_LE(test::rel_l2(dqkv, dqkv_ref), 2 * 0x1p-11 + 2e-5) << at;
+  }
+}
+
 // The blocked (flash-style) kernel against the plain loops on every body this CPU has, at a
 // length of one full 128-row block plus a 22-row one, padding and dropout: the same mask bits;
 // the log-sum-exp it keeps reproduces the reference probabilities; fp32 results within the

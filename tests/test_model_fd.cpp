@@ -152,39 +152,40 @@ TEST(Plan, BlockedAttentionDropsTheProbabilityBuffers) {
     }
   }
   EXPECT_FALSE((ModelDims{8, 384, 20}.blocked_attention()));
-  // fp16 keeps no probabilities under auto, at any length.
-  EXPECT_TRUE((ModelDims{8, 128, 20, false, ModelDims::Attention::Auto, true}.blocked_attention()));
-  EXPECT_FALSE(
-      (ModelDims{8, 128, 20, false, ModelDims::Attention::Full, true}.blocked_attention()));
   EXPECT_TRUE((ModelDims{8, 512, 20}.blocked_attention()));
   EXPECT_FALSE((ModelDims{8, 512, 20, false, ModelDims::Attention::Full}.blocked_attention()));
   EXPECT_TRUE((ModelDims{8, 128, 20, false, ModelDims::Attention::Blocked}.blocked_attention()));
 }
 
-// fp16 storage keeps the tensors bf16 keeps in 16 bits (QKV, context, FFN pre-/post-
-// activation), so its activations are bf16's to the byte and smaller than fp32's by exactly
-// half of those; it adds one widening buffer and no copy of the weights (its matmuls are fp32),
-// and estimate plans what the model allocates.
+// fp16 storage keeps the tensors bf16 keeps in 16 bits (QKV, probabilities or nothing, context,
+// FFN pre-/post-activation), so its activations are bf16's to the byte and smaller than fp32's
+// by exactly half of those; it adds one widening buffer and no copy of the weights (its
+// matmuls are fp32), and estimate plans what the model allocates. Both attention kernels.
 TEST(Plan, Fp16KeepsTheBf16TensorsInFp16) {
   BertConfig cfg = tiny_config();
   const int64_t B = 4, T = 6, N = B * T, C = cfg.hidden_size, I = cfg.intermediate_size,
-                L = cfg.num_hidden_layers;
-  const auto blocked = ModelDims::Attention::Blocked;
-  const MemoryPlan fp32 = BertModel::make_plan(cfg, Head::Pretraining, {B, T, 2, false, blocked});
-  const MemoryPlan bf16 = BertModel::make_plan(cfg, Head::Pretraining, {B, T, 2, true, blocked});
-  const ModelDims d16{B, T, 2, false, blocked, true};
-  const MemoryPlan fp16 = BertModel::make_plan(cfg, Head::Pretraining, d16);
-  EXPECT_EQ(fp16.group_bytes("activations"), bf16.group_bytes("activations"));
-  const size_t halved = L * (N * 3 * C + N * C + 2 * N * I) * sizeof(float) / 2;
-  EXPECT_EQ(fp32.group_bytes("activations") - fp16.group_bytes("activations"), halved);
-  EXPECT_EQ(fp16.group_bytes("scratch") - fp32.group_bytes("scratch"),
-            N * std::max(I, 3 * C) * sizeof(float));
-  EXPECT_EQ(fp16.total_bytes() - fp16.group_bytes("activations") - fp16.group_bytes("scratch"),
-            fp32.total_bytes() - fp32.group_bytes("activations") - fp32.group_bytes("scratch"));
-  BertModel m(cfg, Head::Pretraining, d16);
-  const MemoryPlan p = plan::training_plan(cfg, Head::Pretraining, d16, 2);
-  EXPECT_EQ(p.total_bytes(), m.plan().total_bytes() + p.group_bytes("optimizer"));
-  EXPECT_THROW(BertModel::make_plan(cfg, Head::Pretraining, {B, T, 2, true, blocked, true}), Error);
+                L = cfg.num_hidden_layers, NH = cfg.num_attention_heads;
+  for (auto kernel : {ModelDims::Attention::Full, ModelDims::Attention::Blocked}) {
+    const bool full = kernel == ModelDims::Attention::Full;
+    const MemoryPlan fp32 = BertModel::make_plan(cfg, Head::Pretraining, {B, T, 2, false, kernel});
+    const MemoryPlan bf16 = BertModel::make_plan(cfg, Head::Pretraining, {B, T, 2, true, kernel});
+    const ModelDims d16{B, T, 2, false, kernel, true};
+    const MemoryPlan fp16 = BertModel::make_plan(cfg, Head::Pretraining, d16);
+    EXPECT_EQ(fp16.group_bytes("activations"), bf16.group_bytes("activations"));
+    const size_t halved =
+        L * (N * 3 * C + (full ? B * NH * T * T : 0) + N * C + 2 * N * I) * sizeof(float) / 2;
+    EXPECT_EQ(fp32.group_bytes("activations") - fp16.group_bytes("activations"), halved);
+    EXPECT_EQ(fp16.group_bytes("scratch") - fp32.group_bytes("scratch"),
+              N * std::max(I, 3 * C) * sizeof(float));
+    EXPECT_EQ(fp16.total_bytes() - fp16.group_bytes("activations") - fp16.group_bytes("scratch"),
+              fp32.total_bytes() - fp32.group_bytes("activations") - fp32.group_bytes("scratch"));
+    BertModel m(cfg, Head::Pretraining, d16);
+    const MemoryPlan p = plan::training_plan(cfg, Head::Pretraining, d16, 2);
+    EXPECT_EQ(p.total_bytes(), m.plan().total_bytes() + p.group_bytes("optimizer"));
+  }
+  EXPECT_THROW(BertModel::make_plan(cfg, Head::Pretraining,
+                                    {B, T, 2, true, ModelDims::Attention::Auto, true}),
+               Error);
 }
 
 }  // namespace

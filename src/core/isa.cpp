@@ -27,14 +27,14 @@ Detected detect() {
   Detected d;
   unsigned a, b, c, dx;
   if (!__get_cpuid(1, &a, &b, &c, &dx)) return d;
-  const bool osxsave = c & (1u << 27), fma = c & (1u << 12);
+  const bool osxsave = c & (1u << 27), fma = c & (1u << 12), f16c = c & (1u << 29);
   if (!osxsave) return d;
   const uint64_t x = xcr0();
   const bool ymm_state = (x & 6) == 6, zmm_state = (x & 0xe6) == 0xe6;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &dx)) return d;
   const bool avx2 = b & (1u << 5);
   const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
-  if (avx2 && fma && ymm_state) d.isa = Isa::Avx2;
+  if (avx2 && fma && f16c && ymm_state) d.isa = Isa::Avx2;  // every AVX2 CPU has F16C
   if (f && dq && bw && vl && zmm_state) d.isa = Isa::Avx512;
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   if (d.isa == Isa::Avx512 && __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) d.bf16 = a1 & (1u << 5);

@@ -1,4 +1,4 @@
-// AVX2 + FMA building blocks: the 8-lane twins of simd_avx512.h for CPUs without AVX-512
+// AVX2 + FMA (+ F16C) building blocks: the 8-lane twins of simd_avx512.h for CPUs without AVX-512
 // (AMD Zen 2/3, older Intel). Compiled only inside functions marked BT_AVX2; isa.h decides at
 // run time. exp and erf evaluate the same polynomials in the same order as the 16-lane versions
 // (simd_consts.h), so both widths give the same bits lane for lane; the dropout RNG is
@@ -17,7 +17,7 @@
 
 #include "core/simd_consts.h"
 
-#define BT_AVX2 __attribute__((target("avx2,fma")))
+#define BT_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace bertrain::simd {
 

@@ -63,7 +63,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
       plan.add(g, p + "qkv", f32s(N * 3 * C));
     if (d.blocked_attention())  // the row log-sum-exp only (kernels/cpu/attention.h)
       plan.add(g, p + "lse", f32s(B * NH * T));
-    else if (d.bf16)  // the softmax output saved in bf16
+    else if (half)  // the softmax output saved in bf16 / fp16
       plan.add(g, p + "probs16", f32s(B * NH * T * T) / 2);
     else
       plan.add(g, p + "probs", f32s(B * NH * T * T));
@@ -181,7 +181,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
     // bf16/fp16: fp32 QKV / pre-activation (fp16: and GELU's output, in place), briefly.
     float* gemm_out = scratch_.f32("grad.dI");
     act_.layers.push_back(
-        {h ? gemm_out : a.f32(p + "qkv"), bf || blocked ? nullptr : a.f32(p + "probs"),
+        {h ? gemm_out : a.f32(p + "qkv"), h || blocked ? nullptr : a.f32(p + "probs"),
          bf   ? scratch_.f32("attn.ctx")
          : fp ? f16_wide_
               : a.f32(p + "ctx"),
@@ -193,7 +193,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
          a.f32(p + "ffn_res"), a.f32(p + "ln2_out"), a.f32(p + "ln2_mean"), a.f32(p + "ln2_rstd"),
          h ? b16(p + "ctx16") : nullptr, h ? b16(p + "inter_act16") : nullptr,
          h ? b16(p + "qkv16") : nullptr, h ? b16(p + "inter_pre16") : nullptr,
-         bf && !blocked ? b16(p + "probs16") : nullptr, blocked ? a.f32(p + "lse") : nullptr});
+         h && !blocked ? b16(p + "probs16") : nullptr, blocked ? a.f32(p + "lse") : nullptr});
   }
   act_.cls_in = a.f32("head.cls_in");
   act_.pooled = a.f32("head.pooled");
@@ -301,7 +301,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     else
       attention_forward(a.ctx, a.probs, attn_work_, a.qkv, b.input_mask.data(), {B, T, C, NH},
                         p_attn, rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
-                        wbf16_ ? &a16 : nullptr);
+                        wbf16_ ? &a16 : nullptr, fp16 ? a.probs16 : nullptr);
     if (fp16) {
       round_to_f16(a.ctx, a.ctx, N * C, a.ctx16);
       lin_fwd(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
@@ -529,7 +529,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     else
       attention_backward(dI, attn_work_, dA, qkv, a.probs, {B, T, C, NH}, p_attn,
                          rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
-                         wbf16_ ? &a16 : nullptr);
+                         wbf16_ ? &a16 : nullptr, fp16 ? a.probs16 : nullptr);
     lin_bwd(dh, G(o.qkv_w), G(o.qkv_b), dI, x, W(o.qkv_w), N, 3 * C, C,
             /*accumulate_dinp=*/true);  // dh = d x (residual + attention path)
     if (layer_done) layer_done(l);

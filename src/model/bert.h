@@ -32,17 +32,15 @@ struct ModelDims {
   // attention.h). Auto: blocked from 512 tokens, where it runs as fast and the probabilities
   // would be the largest activation.
   enum class Attention { Auto, Full, Blocked } attention = Attention::Auto;
-  // fp16 storage: what backward keeps of QKV, the attention context and the FFN pre- and
-  // post-activation is stored in fp16 (the tensors bf16 keeps in bf16, with fp16's 11-bit
-  // significand), each rounded before forward uses it, so backward differentiates exactly what
-  // forward computed. The kernels compute in fp32 on the fp32 weights: oneDNN has no fp16
+  // fp16 storage: what backward keeps of QKV, the attention probabilities and context and the
+  // FFN pre- and post-activation is stored in fp16 (the tensors bf16 keeps in bf16, with fp16's
+  // 11-bit significand), each rounded before forward uses it, so backward differentiates exactly
+  // what forward computed. The kernels compute in fp32 on the fp32 weights: oneDNN has no fp16
   // matmul for CPUs without AVX512-FP16, and an fp16 copy of the weights would only add memory
-  // and error to fp32 matmuls. Gradients stay fp32. Auto attention is the blocked kernel at
-  // every length: no probabilities to keep.
+  // and error to fp32 matmuls. Gradients stay fp32.
   bool fp16 = false;
   bool blocked_attention() const {
-    return attention == Attention::Blocked ||
-           (attention == Attention::Auto && (seq_len >= 512 || fp16));
+    return attention == Attention::Blocked || (attention == Attention::Auto && seq_len >= 512);
   }
 };
 
@@ -121,7 +119,7 @@ class BertModel {
     float *inter_pre, *inter_act, *ffn_res, *ln2_out, *ln2_mean, *ln2_rstd;
     // bf16 and fp16 (raw bits of either): these replace ctx (then scratch) and inter_act, and
     // are what backward reads of QKV and the pre-activation (qkv and inter_pre then point at
-    // scratch). bf16 only: probs16 replaces probs.
+    // scratch), and probs16 replaces probs.
     uint16_t *ctx16, *inter_act16, *qkv16, *inter_pre16, *probs16;
     float* lse;  // blocked attention: the row log-sum-exp [B,NH,T], instead of probs(16)
   };

@@ -129,7 +129,8 @@ void attention_backward_reference(float* dqkv, const float* dctx, const float* q
 // pass per score row for mask + softmax + dropout (forward) or dropout + softmax backward.
 // With bf16 the matmul operands are bf16 (fp32 accumulation): the row passes write the dropped
 // probabilities and dS straight in bf16; scores and sums stay fp32, and the saved probabilities
-// too unless the caller asks for them in bf16 (AttentionBf16::saved).
+// too unless the caller asks for them in bf16 (AttentionBf16::saved). fp32 operands may keep
+// the saved probabilities in fp16 (saved_f16).
 
 namespace {
 
@@ -138,13 +139,13 @@ using rows::get16;
 using rows::put;
 using rows::put16;
 
-// Forward row: s[j] (scaled scores) + bias[j] -> softmax, saved in s, or rounded to bf16 in
-// saved16 when non-null (the dropped row is then made from the rounded values, as backward
+// Forward row: s[j] (scaled scores) + bias[j] -> softmax, saved in s, or rounded to bf16 / fp16
+// (S) in saved when non-null (the dropped row is then made from the rounded values, as backward
 // regenerates it); the dropped row (keep / (1 - p) or 0 per element; the row itself when
-// p == 0) goes to out if non-null.
-template <typename O>
-void softmax_row_portable(float* s, uint16_t* saved16, const float* bias, O* out, int64_t T,
-                          float p, float keep_scale, uint64_t key, uint64_t idx0) {
+// p == 0) goes to out if non-null. out may be s.
+template <typename O, typename S>
+void softmax_row_portable(float* s, S* saved, const float* bias, O* out, int64_t T, float p,
+                          float keep_scale, uint64_t key, uint64_t idx0) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < T; ++j) {
     s[j] += bias[j];
@@ -157,19 +158,19 @@ void softmax_row_portable(float* s, uint16_t* saved16, const float* bias, O* out
   }
   const float inv = 1.0f / sum;
   for (int64_t j = 0; j < T; ++j) s[j] *= inv;
-  if (saved16)
+  if (saved)
     for (int64_t j = 0; j < T; ++j) {
-      saved16[j] = f32_to_bf16(s[j]);
-      s[j] = bf16_to_f32(saved16[j]);
+      put(saved + j, s[j]);
+      s[j] = get(saved + j);
     }
   if (out)
     for (int64_t j = 0; j < T; ++j)
       put(out + j, p <= 0.0f ? s[j] : dropout_keep(p, key, idx0 + j) ? s[j] * keep_scale : 0.0f);
 }
 
-template <typename O>
-BT_AVX512 void softmax_row_avx512(float* s, uint16_t* saved16, const float* bias, O* out, int64_t T,
-                                  float p, float keep_scale, uint64_t key, uint64_t idx0) {
+template <typename O, typename S>
+BT_AVX512 void softmax_row_avx512(float* s, S* saved, const float* bias, O* out, int64_t T, float p,
+                                  float keep_scale, uint64_t key, uint64_t idx0) {
   using namespace simd;
   __m512 vmx = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < T; j += 16) {
@@ -190,9 +191,9 @@ BT_AVX512 void softmax_row_avx512(float* s, uint16_t* saved16, const float* bias
   for (int64_t j = 0; j < T; j += 16) {
     const __mmask16 m = tail_mask(T - j);
     __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv);
-    if (saved16) {
-      put16(saved16 + j, m, y);
-      y = get16(saved16 + j, m);
+    if (saved) {
+      put16(saved + j, m, y);
+      y = get16(saved + j, m);
     } else {
       _mm512_mask_storeu_ps(s + j, m, y);
     }
@@ -261,9 +262,10 @@ BT_AVX512 void dropout_row_avx512(O* out, const P* prob, int64_t T, float p, flo
   }
 }
 
-// The AVX2 twins, fp32 operands only (bf16 operands need AVX-512: matmul.h).
-BT_AVX2 void softmax_row_avx2(float* s, const float* bias, float* out, int64_t T, float p,
-                              float keep_scale, uint64_t key, uint64_t idx0) {
+// The AVX2 twins, fp32 operands only (bf16 operands need AVX-512: matmul.h); saved
+// probabilities in fp32 or fp16.
+BT_AVX2 void softmax_row_avx2(float* s, rows::F16* saved, const float* bias, float* out, int64_t T,
+                              float p, float keep_scale, uint64_t key, uint64_t idx0) {
   using namespace simd;
   __m256 vmx = _mm256_set1_ps(-INFINITY);
   for (int64_t j = 0; j < T; j += 8) {
@@ -281,7 +283,8 @@ BT_AVX2 void softmax_row_avx2(float* s, const float* bias, float* out, int64_t T
   }
   const __m256 inv = _mm256_set1_ps(1.0f / hsum8(vsum));
   for (int64_t j = 0; j < T; j += 8) {
-    const __m256 y = _mm256_mul_ps(load8(s + j, T - j), inv);
+    __m256 y = _mm256_mul_ps(load8(s + j, T - j), inv);
+    if (saved) y = rows::round8(saved + j, T - j, y);
     store8(s + j, T - j, y);
     if (out)
       store8(out + j, T - j,
@@ -289,7 +292,8 @@ BT_AVX2 void softmax_row_avx2(float* s, const float* bias, float* out, int64_t T
   }
 }
 
-BT_AVX2 void softmax_backward_row_avx2(float* g, float* ds, const float* prob, int64_t T, float p,
+template <typename P>
+BT_AVX2 void softmax_backward_row_avx2(float* g, float* ds, const P* prob, int64_t T, float p,
                                        float keep_scale, uint64_t key, uint64_t idx0, float scale) {
   using namespace simd;
   __m256 vdot = _mm256_setzero_ps();
@@ -299,21 +303,22 @@ BT_AVX2 void softmax_backward_row_avx2(float* g, float* ds, const float* prob, i
       x = _mm256_mul_ps(x, dropout_scale8(p, keep_scale, key, idx0 + j));
       store8(g + j, T - j, x);
     }
-    vdot = _mm256_fmadd_ps(x, load8(prob + j, T - j), vdot);
+    vdot = _mm256_fmadd_ps(x, rows::get8(prob + j, T - j), vdot);
   }
   const __m256 dot = _mm256_set1_ps(hsum8(vdot)), vs = _mm256_set1_ps(scale);
   for (int64_t j = 0; j < T; j += 8) {
     const __m256 y = _mm256_mul_ps(
-        _mm256_mul_ps(load8(prob + j, T - j), _mm256_sub_ps(load8(g + j, T - j), dot)), vs);
+        _mm256_mul_ps(rows::get8(prob + j, T - j), _mm256_sub_ps(load8(g + j, T - j), dot)), vs);
     store8(ds + j, T - j, y);
   }
 }
 
-BT_AVX2 void dropout_row_avx2(float* out, const float* prob, int64_t T, float p, float keep_scale,
+template <typename P>
+BT_AVX2 void dropout_row_avx2(float* out, const P* prob, int64_t T, float p, float keep_scale,
                               uint64_t key, uint64_t idx0) {
   using namespace simd;
   for (int64_t j = 0; j < T; j += 8) {
-    const __m256 x = load8(prob + j, T - j);
+    const __m256 x = rows::get8(prob + j, T - j);
     store8(out + j, T - j,
            p <= 0.0f ? x : _mm256_mul_ps(x, dropout_scale8(p, keep_scale, key, idx0 + j)));
   }
@@ -326,17 +331,21 @@ RowBody row_body() {
   return use_avx512() ? RowBody::Avx512 : use_avx2() ? RowBody::Avx2 : RowBody::Portable;
 }
 
-// The AVX2 bodies take fp32 throughout (bf16 operands and bf16 saved probabilities only occur
-// with AVX-512); anything else falls to the portable rows.
-template <typename O>
-void softmax_row(RowBody body, float* s, uint16_t* saved16, const float* bias, O* out, int64_t T,
-                 float p, float keep_scale, uint64_t key, uint64_t idx0) {
+// The AVX2 bodies take fp32 operands and fp32 or fp16 saved probabilities (bf16 operands and
+// bf16 saved probabilities only occur with AVX-512); anything else falls to the portable rows.
+template <typename O, typename S>
+void softmax_row(RowBody body, float* s, S* saved, const float* bias, O* out, int64_t T, float p,
+                 float keep_scale, uint64_t key, uint64_t idx0) {
   if (body == RowBody::Avx512)
-    return softmax_row_avx512(s, saved16, bias, out, T, p, keep_scale, key, idx0);
-  if constexpr (std::is_same_v<O, float>)
-    if (body == RowBody::Avx2 && !saved16)
-      return softmax_row_avx2(s, bias, out, T, p, keep_scale, key, idx0);
-  softmax_row_portable(s, saved16, bias, out, T, p, keep_scale, key, idx0);
+    return softmax_row_avx512(s, saved, bias, out, T, p, keep_scale, key, idx0);
+  if constexpr (std::is_same_v<O, float> && std::is_same_v<S, rows::F16>) {
+    if (body == RowBody::Avx2)
+      return softmax_row_avx2(s, saved, bias, out, T, p, keep_scale, key, idx0);
+  } else if constexpr (std::is_same_v<O, float>) {
+    if (body == RowBody::Avx2 && !saved)
+      return softmax_row_avx2(s, nullptr, bias, out, T, p, keep_scale, key, idx0);
+  }
+  softmax_row_portable(s, saved, bias, out, T, p, keep_scale, key, idx0);
 }
 
 template <typename O, typename P>
@@ -344,7 +353,7 @@ void softmax_backward_row(RowBody body, float* g, O* ds, const P* prob, int64_t 
                           float keep_scale, uint64_t key, uint64_t idx0, float scale) {
   if (body == RowBody::Avx512)
     return softmax_backward_row_avx512(g, ds, prob, T, p, keep_scale, key, idx0, scale);
-  if constexpr (std::is_same_v<O, float> && std::is_same_v<P, float>)
+  if constexpr (std::is_same_v<O, float> && !std::is_same_v<P, uint16_t>)
     if (body == RowBody::Avx2)
       return softmax_backward_row_avx2(g, ds, prob, T, p, keep_scale, key, idx0, scale);
   softmax_backward_row_portable(g, ds, prob, T, p, keep_scale, key, idx0, scale);
@@ -354,7 +363,7 @@ template <typename O, typename P>
 void dropout_row(RowBody body, O* out, const P* prob, int64_t T, float p, float keep_scale,
                  uint64_t key, uint64_t idx0) {
   if (body == RowBody::Avx512) return dropout_row_avx512(out, prob, T, p, keep_scale, key, idx0);
-  if constexpr (std::is_same_v<O, float> && std::is_same_v<P, float>)
+  if constexpr (std::is_same_v<O, float> && !std::is_same_v<P, uint16_t>)
     if (body == RowBody::Avx2) return dropout_row_avx2(out, prob, T, p, keep_scale, key, idx0);
   dropout_row_portable(out, prob, T, p, keep_scale, key, idx0);
 }
@@ -373,9 +382,10 @@ struct HeadGemm {
   }
 };
 
-// scores: fp32 [B,NH,T,T], the saved probabilities too unless saved16 (bf16) is given.
-template <typename X>
-void forward_impl(float* ctx, float* scores, uint16_t* saved16, X* dropped, const X* qkv,
+// scores: fp32 [B,NH,T,T], the saved probabilities too unless saved (bf16 or fp16, S) is given.
+// dropped may be scores (in place).
+template <typename X, typename S>
+void forward_impl(float* ctx, float* scores, S* saved, X* dropped, const X* qkv,
                   const int32_t* mask, const AttentionShape& s, float dropout_p, uint64_t key,
                   uint64_t offset) {
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
@@ -401,8 +411,8 @@ void forward_impl(float* ctx, float* scores, uint16_t* saved16, X* dropped, cons
         const int64_t r = (bh * T + i) * T;
         X* out = dropped ? dropped + r : nullptr;
         const uint64_t idx0 = offset + static_cast<uint64_t>(r);
-        softmax_row(body, scores + r, saved16 ? saved16 + r : nullptr, bias.data(), out, T,
-                    dropout_p, keep_scale, key, idx0);
+        softmax_row(body, scores + r, saved ? saved + r : nullptr, bias.data(), out, T, dropout_p,
+                    keep_scale, key, idx0);
       }
     }
   }
@@ -416,7 +426,7 @@ void forward_impl(float* ctx, float* scores, uint16_t* saved16, X* dropped, cons
 }
 
 // work: fp32 [B,NH,T,T]; pd: the dropped probabilities and then dS, in X (may be work).
-// probs: the saved probabilities, fp32 or bf16 (P).
+// probs: the saved probabilities, fp32, bf16 or fp16 (P).
 template <typename X, typename P>
 void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv, const P* probs,
                    const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset) {
@@ -462,19 +472,22 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
 
 void attention_forward(float* ctx, float* probs, float* work, const float* qkv, const int32_t* mask,
                        const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset,
-                       const AttentionBf16* bf16) {
+                       const AttentionBf16* bf16, uint16_t* saved_f16) {
   if (bf16) {
     convert_f32_to_bf16(qkv, bf16->qkv, static_cast<size_t>(s.B * s.T * 3 * s.C));
     return forward_impl<uint16_t>(ctx, bf16->saved ? work : probs, bf16->saved, bf16->probs,
                                   bf16->qkv, mask, s, dropout_p, key, offset);
   }
-  forward_impl<float>(ctx, probs, nullptr, dropout_p > 0.0f ? work : nullptr, qkv, mask, s,
-                      dropout_p, key, offset);
+  if (saved_f16)  // scores, then the (dropped) rounded probabilities, in place in work
+    return forward_impl<float>(ctx, work, reinterpret_cast<rows::F16*>(saved_f16), work, qkv, mask,
+                               s, dropout_p, key, offset);
+  forward_impl<float>(ctx, probs, static_cast<uint16_t*>(nullptr),
+                      dropout_p > 0.0f ? work : nullptr, qkv, mask, s, dropout_p, key, offset);
 }
 
 void attention_backward(float* dqkv, float* work, const float* dctx, const float* qkv,
                         const float* probs, const AttentionShape& s, float dropout_p, uint64_t key,
-                        uint64_t offset, const AttentionBf16* bf16) {
+                        uint64_t offset, const AttentionBf16* bf16, const uint16_t* probs_f16) {
   if (bf16) {
     if (qkv) convert_f32_to_bf16(qkv, bf16->qkv, static_cast<size_t>(s.B * s.T * 3 * s.C));
     convert_f32_to_bf16(dctx, bf16->dctx, static_cast<size_t>(s.B * s.T * s.C));
@@ -484,6 +497,10 @@ void attention_backward(float* dqkv, float* work, const float* dctx, const float
     return backward_impl<uint16_t, float>(dqkv, work, bf16->probs, bf16->dctx, bf16->qkv, probs, s,
                                           dropout_p, key, offset);
   }
+  if (probs_f16)
+    return backward_impl<float, rows::F16>(dqkv, work, work, dctx, qkv,
+                                           reinterpret_cast<const rows::F16*>(probs_f16), s,
+                                           dropout_p, key, offset);
   backward_impl<float, float>(dqkv, work, work, dctx, qkv, probs, s, dropout_p, key, offset);
 }
 

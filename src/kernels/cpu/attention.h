@@ -27,17 +27,20 @@ struct AttentionBf16 {
 // work: scratch of B*NH*T*T floats (fp32: the dropped probabilities; unused when dropout_p == 0
 // and in bf16). Batched oneDNN matmuls over the heads + one fused mask/softmax/dropout pass per
 // row. bf16 (optional): matmuls on bf16 operands; scores and row sums stay fp32, probs too
-// unless bf16->saved is given.
+// unless bf16->saved is given. saved_f16 (optional, fp32 operands): the softmax output kept for
+// backward in fp16 [B,NH,T,T] (raw bits) instead of probs (which may then be null), the dropped
+// probabilities made from the rounded values as with bf16->saved (fp16 training).
 void attention_forward(float* ctx, float* probs, float* work, const float* qkv, const int32_t* mask,
                        const AttentionShape& s, float dropout_p, uint64_t key, uint64_t offset,
-                       const AttentionBf16* bf16 = nullptr);
+                       const AttentionBf16* bf16 = nullptr, uint16_t* saved_f16 = nullptr);
 
 // dqkv[B,T,3C] is overwritten; work and bf16 as in forward. With bf16, qkv may be null: then
 // bf16->qkv still holds what the forward rounded (the model keeps it per layer instead of the
-// fp32 QKV).
+// fp32 QKV). probs_f16: forward's saved_f16 (then probs is not read).
 void attention_backward(float* dqkv, float* work, const float* dctx, const float* qkv,
                         const float* probs, const AttentionShape& s, float dropout_p, uint64_t key,
-                        uint64_t offset, const AttentionBf16* bf16 = nullptr);
+                        uint64_t offset, const AttentionBf16* bf16 = nullptr,
+                        const uint16_t* probs_f16 = nullptr);
 
 // Blocked (flash-style) variant (attention_blocked.cpp): one (sequence, head) per thread, query
 // rows in blocks of 128; nothing of size [B,NH,T,T] exists: only the row log-sum-exp lse
