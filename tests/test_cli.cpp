@@ -93,6 +93,16 @@ TEST(Cli, BenchRunsAStep) {
                     " --batch-size 2 --seq-len 16 --max-predictions 3 --steps 1 --warmup 0 --json");
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("\"tokens_per_s\""), std::string::npos) << r.out;
+  // fp16 runs everywhere (fp32 kernels); the loss stays finite under the loss scale.
+  r = run("bench --model-config " + data_path("../configs/bert-tiny.json") +
+          " --batch-size 2 --seq-len 16 --max-predictions 3 --steps 1 --warmup 0 --precision fp16");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("fp16, full attention"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("loss       nan"), std::string::npos) << r.out;
+  r = run("bench --model-config " + data_path("../configs/bert-tiny.json") + " --precision fp8");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("--precision must be fp32, bf16 or fp16, got 'fp8'"), std::string::npos)
+      << r.out;
 }
 
 }  // namespace
