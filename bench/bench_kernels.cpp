@@ -8,6 +8,7 @@
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/matmul.h"
+#include "train/optimizer.h"
 
 using namespace bertrain::kernels;
 
@@ -56,5 +57,30 @@ static void BM_AttentionForward(benchmark::State& st) {
                          benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_AttentionForward)->Args({8, 128, 768, 12})->Unit(benchmark::kMillisecond);
+
+// The optimizer's two passes over BERT-base's 110M parameters: the norm + finite check
+// (reads the gradients) and the AdamW update with unscale and clipping (reads gradients,
+// parameters and both moments, writes all three). The first pass is what fusing them would
+// save; global-norm clipping needs the norm before the first update.
+static bertrain::train::Optimizer base_sized_adamw(int64_t n) {
+  return bertrain::train::Optimizer({{"all", 0, n, true}}, n, {});
+}
+static void BM_OptimizerNormPass(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  auto opt = base_sized_adamw(n);
+  std::vector<float> g(n, 1e-3f);
+  for (auto _ : st) benchmark::DoNotOptimize(opt.measure(g.data(), 0.5f));
+  st.SetBytesProcessed(st.iterations() * n * 4);
+}
+BENCHMARK(BM_OptimizerNormPass)->Arg(110000000)->Unit(benchmark::kMillisecond);
+static void BM_OptimizerUpdatePass(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  auto opt = base_sized_adamw(n);
+  std::vector<float> g(n, 1e-3f), p(n, 0.02f);
+  const auto r = opt.measure(g.data(), 0.5f);
+  for (auto _ : st) opt.apply(p.data(), g.data(), 1e-5f, 0.5f, r);
+  st.SetBytesProcessed(st.iterations() * n * 28);
+}
+BENCHMARK(BM_OptimizerUpdatePass)->Arg(110000000)->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();
