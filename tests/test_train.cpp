@@ -121,35 +121,36 @@ TEST(Train, LowersTheMaskedLmLossOnRealText) {
   EXPECT_LT(last, first - 2.5) << "first " << first << ", last " << last;
 }
 
-// 120 steps in a 16-bit precision against the same run in fp32: windows of 20 steps agree
+// 300 steps in a 16-bit precision against the same run in fp32: windows of 50 steps agree
 // within `band` nats (the rounding perturbs every step; the curves drift apart only as two seeds
 // of the same run would), and the run really used that precision (the losses differ from the
 // first step on).
 void expect_tracks_fp32(Precision p, double band) {
   TrainEnv env;
   dist::SingleProcess comm;
-  TrainConfig a = env.cfg("fp32", 120), b = env.cfg(precision_name(p), 120);
+  const int steps = 300, window = 50;
+  TrainConfig a = env.cfg("fp32", steps), b = env.cfg(precision_name(p), steps);
   b.precision = p;
   TrainResult ra = train(a, comm), rb = train(b, comm);
   double worst = 0;
-  for (int w = 0; w < 6; ++w) {
+  for (int w = 0; w < steps / window; ++w) {
     double la = 0, lb = 0;
-    for (int i = 0; i < 20; ++i) {
-      la += ra.losses[20 * w + i] / 20;
-      lb += rb.losses[20 * w + i] / 20;
+    for (int i = 0; i < window; ++i) {
+      la += ra.losses[window * w + i] / window;
+      lb += rb.losses[window * w + i] / window;
     }
-    EXPECT_NEAR(la, lb, band) << "steps " << 20 * w << ".." << 20 * w + 19;
+    EXPECT_NEAR(la, lb, band) << "steps " << window * w << ".." << window * (w + 1) - 1;
     worst = std::max(worst, std::fabs(la - lb));
   }
   EXPECT_NE(ra.losses[0], rb.losses[0]);
-  std::printf("%s vs fp32: largest difference of 20-step mean losses %.4f nats (band %.2f)\n",
-              precision_name(p), worst, band);
+  std::printf("%s vs fp32: largest difference of %d-step mean losses %.1e nats (band %.2f)\n",
+              precision_name(p), window, worst, band);
 }
 
 // bf16 rounds every matmul operand (~1e-2 relative per step).
 TEST(Train, Bf16TracksTheFp32LossCurve) {
   if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
-  expect_tracks_fp32(Precision::BF16, 0.15);
+  expect_tracks_fp32(Precision::BF16, 0.15);  // measured 2e-3
 }
 
 // fp16 storage rounds only the kept activations (~5e-4 relative, fp32 weights and arithmetic).
