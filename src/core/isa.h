@@ -1,8 +1,8 @@
 // Run-time instruction-set dispatch. One binary runs on every node of a cluster: kernels have
-// an AVX-512 body and an AVX2 + FMA (+ F16C) body (function-level target attributes), taken only when the
-// CPU and OS support them, and a portable body otherwise. BERTRAIN_ISA=portable|avx2|avx512 caps
-// what is used (oneDNN's JIT too: kernels/cpu/matmul.cpp passes the cap on), so the fallbacks are
-// tested on machines that have AVX-512.
+// an AVX-512 body and an AVX2 + FMA (+ F16C) body (function-level target attributes), taken only
+// when the CPU and OS support them, and a portable body otherwise.
+// BERTRAIN_ISA=portable|avx2|avx512 caps what is used (oneDNN's JIT too: kernels/cpu/matmul.cpp
+// passes the cap on), so the fallbacks are tested on machines that have AVX-512.
 #pragma once
 
 namespace bertrain {
