@@ -557,6 +557,36 @@ TEST(Fp16Storage, RoundAndWidenMatchTheScalarConversion) {
     ASSERT_TRUE(f32_bits(z[i]) == f32_bits(y[i]) || std::isnan(y[i])) << i;
 }
 
+// fp16 storage's one-pass activation equals rounding the input, the fp32 activation and rounding
+// its output, and its backward equals the fp32 backward at the widened input, bit for bit, on
+// every body and for every activation (in place too, as the model calls it).
+TEST(IsaDispatch, Fp16ActivationEqualsTheSeparatePasses) {
+  const int64_t n = 10007;
+  const auto x = wide_values(n, 12), dy = random_vector(n, 13);
+  for (Isa isa : test::isa_levels()) {
+    set_isa_override(isa);
+    for (Activation a : {Activation::GeluErf, Activation::GeluTanh, Activation::Relu}) {
+      const std::string at =
+          std::string("activation ") + std::to_string(int(a)) + " with " + isa_name(isa);
+      std::vector<float> r(n), y(n), dx(n), dx_ref(n);
+      std::vector<uint16_t> r16(n), y16(n), in16(n), out16(n);
+      round_to_f16(r.data(), x.data(), n, r16.data());
+      activation_forward(a, y.data(), r.data(), n);
+      round_to_f16(y.data(), y.data(), n, y16.data());
+      std::vector<float> z = x;
+      activation_forward_f16(a, z.data(), out16.data(), z.data(), in16.data(), n);
+      ASSERT_EQ(in16, r16) << at;
+      ASSERT_EQ(out16, y16) << at;
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(f32_bits(z[i]), f32_bits(y[i])) << i << " " << at;
+      activation_backward(a, dx_ref.data(), r.data(), dy.data(), n);
+      activation_backward_f16(a, dx.data(), in16.data(), dy.data(), n);
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(f32_bits(dx[i]), f32_bits(dx_ref[i])) << i << " " << at;
+    }
+    reset_isa_override();
+  }
+}
+
 // bf16 training saves the pre-activation rounded: the forward's bf16 copy of its input equals
 // rounding, and the backward from it equals the fp32 backward at the widened values, bit for
 // bit, on every body and for every activation.

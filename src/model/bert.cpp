@@ -316,9 +316,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
                                rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
     lin_fwd(a.inter_pre, a.ln1_out, W(o.inter_w), W(o.inter_b), N, I, C);
     if (fp16) {  // inter_act is inter_pre's buffer: GELU in place
-      round_to_f16(a.inter_pre, a.inter_pre, N * I, a.inter_pre16);
-      activation_forward(act, a.inter_act, a.inter_pre, N * I);
-      round_to_f16(a.inter_act, a.inter_act, N * I, a.inter_act16);
+      activation_forward_f16(act, a.inter_act, a.inter_act16, a.inter_pre, a.inter_pre16, N * I);
       lin_fwd(a.ffn_res, a.inter_act, W(o.out_w), W(o.out_b), N, C, I);
     } else if (a.inter_act16) {
       activation_forward_bf16(act, a.inter_act16, a.inter_pre, N * I, a.inter_pre16);
@@ -491,8 +489,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     if (fp16) {
       widen_f16(f16_wide_, a.inter_act16, N * I);
       lin_bwd(dI, G(o.out_w), G(o.out_b), dB, f16_wide_, W(o.out_w), N, C, I);
-      widen_f16(f16_wide_, a.inter_pre16, N * I);
-      activation_backward(act, dI, f16_wide_, dI, N * I);
+      activation_backward_f16(act, dI, a.inter_pre16, dI, N * I);
     } else if (a.inter_act16) {
       lin_bwd16(dI, G(o.out_w), G(o.out_b), dB, a.inter_act16, W(o.out_w), N, C, I);
       activation_backward_bf16(act, dI, a.inter_pre16, dI, N * I);

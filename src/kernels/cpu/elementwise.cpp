@@ -189,23 +189,61 @@ void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, in
   }
 }
 
-void activation_backward_bf16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
-                              int64_t n) {
-  // Blocks widened to fp32 on the stack, each through activation_backward's body for this CPU.
-  const bool gelu = a == Activation::GeluErf, avx512 = gelu && use_avx512(),
-             avx2 = gelu && use_avx2();
+namespace {
+// activation_forward's / activation_backward's body for this CPU on one block (no OpenMP).
+void forward_block(Activation a, float* out, const float* inp, int64_t k) {
+  if (a == Activation::GeluErf && use_avx512()) return gelu_forward_avx512(out, inp, 0, k);
+  if (a == Activation::GeluErf && use_avx2()) return gelu_forward_avx2(out, inp, 0, k);
+  activation_forward_serial(a, out, inp, k);
+}
+void backward_block(Activation a, float* dinp, const float* inp, const float* dout, int64_t k) {
+  if (a == Activation::GeluErf && use_avx512()) return gelu_backward_avx512(dinp, inp, dout, 0, k);
+  if (a == Activation::GeluErf && use_avx2()) return gelu_backward_avx2(dinp, inp, dout, 0, k);
+  activation_backward_serial(a, dinp, inp, dout, k);
+}
+
+// The backward at 16-bit inputs: blocks widened to fp32 on the stack (widen(src, dst, k)).
+template <typename Widen>
+void activation_backward_widened(Activation a, float* dinp, const uint16_t* inp16,
+                                 const float* dout, int64_t n, Widen widen) {
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < n; b += kBlock) {
     float x[kBlock];
     const int64_t k = std::min<int64_t>(kBlock, n - b);
-    for (int64_t i = 0; i < k; ++i) x[i] = bf16_to_f32(inp16[b + i]);
-    if (avx512)
-      gelu_backward_avx512(dinp + b, x, dout + b, 0, k);
-    else if (avx2)
-      gelu_backward_avx2(dinp + b, x, dout + b, 0, k);
-    else
-      activation_backward_serial(a, dinp + b, x, dout + b, k);
+    widen(inp16 + b, x, k);
+    backward_block(a, dinp + b, x, dout + b, k);
   }
+}
+}  // namespace
+
+void activation_backward_bf16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
+                              int64_t n) {
+  activation_backward_widened(a, dinp, inp16, dout, n, [](const uint16_t* h, float* x, int64_t k) {
+    for (int64_t i = 0; i < k; ++i) x[i] = bf16_to_f32(h[i]);
+  });
+}
+
+void activation_forward_f16(Activation a, float* out, uint16_t* out16, const float* inp,
+                            uint16_t* inp16, int64_t n) {
+  // Per stack block: the input rounded (bits kept), the activation of the rounded values, the
+  // result rounded (bits kept) and widened into out. F16C conversions where the CPU has them.
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < n; b += kBlock) {
+    float x[kBlock], y[kBlock];
+    const size_t k = static_cast<size_t>(std::min<int64_t>(kBlock, n - b));
+    convert_f32_to_f16(inp + b, inp16 + b, k);
+    convert_f16_to_f32(inp16 + b, x, k);
+    forward_block(a, y, x, static_cast<int64_t>(k));
+    convert_f32_to_f16(y, out16 + b, k);
+    convert_f16_to_f32(out16 + b, out + b, k);
+  }
+}
+
+void activation_backward_f16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
+                             int64_t n) {
+  activation_backward_widened(a, dinp, inp16, dout, n, [](const uint16_t* h, float* x, int64_t k) {
+    convert_f16_to_f32(h, x, static_cast<size_t>(k));
+  });
 }
 
 void activation_backward(Activation a, float* dinp, const float* inp, const float* dout,

@@ -21,6 +21,14 @@ void activation_backward(Activation a, float* dinp, const float* inp, const floa
 // PyTorch's autocast does: half the memory; the derivative moves by about one bf16 rounding).
 void activation_backward_bf16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
                               int64_t n);
+// fp16 storage, one pass: inp rounded to fp16 (bits in inp16), the activation of the rounded
+// values rounded to fp16 (bits in out16, the value in out; out may alias inp). Equals
+// round_to_f16, activation_forward, round_to_f16 bit for bit.
+void activation_forward_f16(Activation a, float* out, uint16_t* out16, const float* inp,
+                            uint16_t* inp16, int64_t n);
+// The backward at the fp16 input inp16 (activation_backward at the widened values).
+void activation_backward_f16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
+                             int64_t n);
 
 // fp16 storage (the fp16 model): out = x rounded to fp16, widened back (out may alias x);
 // bits16 (optional) receives the fp16 bits, what the model keeps for backward.
