@@ -15,7 +15,7 @@ namespace bertrain::cli {
 void add_finetune(CLI::App& app) {
   struct Opts {
     train::FinetuneConfig cfg;
-    std::string lower = "auto";
+    std::string lower = "auto", precision = "fp32";
     int threads = 0;
   };
   auto o = std::make_shared<Opts>();
@@ -41,12 +41,17 @@ void add_finetune(CLI::App& app) {
   c->add_option("--weight-decay", f.weight_decay, "Decoupled weight decay")->capture_default_str();
   c->add_option("--seed", f.seed, "Seed for the head's init, dropout and data order")
       ->capture_default_str();
+  c->add_option("--precision", o->precision,
+                "fp32, bf16 (bf16 matmuls, fp32 master weights) or fp16 (activations kept in "
+                "fp16, dynamic loss scaling)")
+      ->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
   c->callback([o] {
     set_threads(o->threads);
     train::FinetuneConfig cfg = o->cfg;
     cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
+    cfg.precision = train::parse_precision(o->precision);
     train::finetune(cfg);
   });
 }

@@ -17,6 +17,7 @@
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
 #include "model/safetensors.h"
+#include "train/loss_scaler.h"
 #include "train/optimizer.h"
 #include "train/run_state.h"
 
@@ -221,7 +222,8 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     dev = tsv ? read_tsv(cfg.dev, tok, cfg.seq_len, train_set.label_names)
               : read_classification_tfrecords(cfg.dev, cfg.seq_len, mc.num_labels, mc.vocab_size);
 
-  model::BertModel m(mc, model::Head::SequenceClassification, {cfg.batch_size, cfg.seq_len, 0});
+  model::BertModel m(mc, model::Head::SequenceClassification,
+                     with_precision({cfg.batch_size, cfg.seq_len, 0}, cfg.precision));
   m.init_params(cfg.seed);
   model::LoadReport rep = model::load_safetensors_into(m, model::checkpoint_weights_path(src),
                                                        {{"classifier.", "bert.pooler."}, {"cls."}});
@@ -229,6 +231,9 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   oc.kind = OptimizerKind::AdamW;
   oc.weight_decay = static_cast<float>(cfg.weight_decay);
   Optimizer opt(param_slices(m.table()), m.table().total(), oc);
+  LossScaler::Config sc;
+  sc.enabled = cfg.precision == Precision::FP16;
+  LossScaler scaler(sc);
   const int64_t n = static_cast<int64_t>(train_set.ids.size());
   const int64_t steps_per_epoch = (n + cfg.batch_size - 1) / cfg.batch_size;
   const int64_t total = steps_per_epoch * cfg.epochs;
@@ -236,10 +241,10 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   if (!cfg.quiet)
     std::printf(
         "finetune: %s from %s (%zu tensors loaded), %lld train / %zu dev examples, %lld labels, "
-        "seq %lld, batch %lld, %lld epochs, adamw lr %.3g\n",
+        "seq %lld, batch %lld, %lld epochs, adamw lr %.3g, %s\n",
         cfg.train.c_str(), src.c_str(), rep.loaded.size(), (long long)n, dev.ids.size(),
         (long long)mc.num_labels, (long long)cfg.seq_len, (long long)cfg.batch_size,
-        (long long)cfg.epochs, cfg.lr);
+        (long long)cfg.epochs, cfg.lr, precision_name(cfg.precision));
   FinetuneResult res;
   std::vector<size_t> order(n);
   model::Batch b;
@@ -255,8 +260,16 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
       m.zero_grads();
       const model::StepOptions so{true, cfg.seed, static_cast<uint64_t>(step), 0};
       loss += m.forward(b, so).loss;
-      m.backward(b, so);
-      opt.step(m.params(), m.grads(), static_cast<float>(sched.at(step)), 1.0f);
+      const float scale = scaler.scale();
+      m.backward(b, so, scale);
+      // A non-finite gradient skips the step in fp16 (the scale halves) and stops fp32/bf16
+      // fine-tuning with a message (LossScaler::update).
+      const StepResult r = opt.measure(m.grads(), 1.0f / scale);
+      if (scaler.update(r.finite, step)) {
+        opt.apply(m.params(), m.grads(), static_cast<float>(sched.at(step)), 1.0f / scale, r,
+                  m.bf16_weights());
+        m.bf16_weights_updated();
+      }
     }
     res.train_loss = loss / steps_per_epoch;
     const double acc = dev.ids.empty() ? 0.0 : classify(m, dev, cfg.batch_size, nullptr);

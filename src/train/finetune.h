@@ -11,6 +11,7 @@
 #include "data/wordpiece.h"
 #include "model/batch.h"
 #include "model/bert.h"
+#include "train/precision.h"
 
 namespace bertrain::train {
 
@@ -38,6 +39,7 @@ struct FinetuneConfig {
   int64_t seq_len = 128, batch_size = 32, epochs = 3;
   double lr = 5e-5, warmup = 0.1, weight_decay = 0.01;
   uint64_t seed = 42;
+  Precision precision = Precision::FP32;  // fp16: with the dynamic loss scaler, as train
   bool quiet = false;
 };
 

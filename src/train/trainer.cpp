@@ -67,8 +67,10 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
 
   const model::BertConfig mcfg = model::BertConfig::load(cfg.model_config);
   const bool bf16 = cfg.precision == Precision::BF16, fp16 = cfg.precision == Precision::FP16;
-  model::BertModel m(mcfg, model::Head::Pretraining,
-                     {cfg.batch_size, cfg.seq_len, cfg.max_predictions, bf16, cfg.attention, fp16});
+  model::BertModel m(
+      mcfg, model::Head::Pretraining,
+      with_precision({cfg.batch_size, cfg.seq_len, cfg.max_predictions, false, cfg.attention},
+                     cfg.precision));
   Optimizer opt(param_slices(m.table()), m.table().total(), cfg.optimizer);
   LossScaler::Config sc;
   sc.enabled = cfg.precision == Precision::FP16;

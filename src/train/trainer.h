@@ -11,12 +11,9 @@
 #include "dist/communicator.h"
 #include "model/bert.h"
 #include "train/optimizer.h"
+#include "train/precision.h"
 
 namespace bertrain::train {
-
-enum class Precision { FP32, BF16, FP16 };
-Precision parse_precision(const std::string& s);
-const char* precision_name(Precision p);
 
 struct TrainConfig {
   std::string model_config, init_checkpoint, data, output;
