@@ -38,9 +38,9 @@ TEST(Finetune, TsvReadingTokenizesAndTruncatesPairs) {
   EXPECT_THROW(read_tsv(tmp / "nohdr.tsv", tok, 8, {}), Error);
 }
 
-TEST(Finetune, LearnsTheTrainingSetAndPredicts) {
-  test::TempDir tmp;
-  // A fresh tiny Chinese BERT as the "pretrained" model.
+// A fresh tiny Chinese BERT (1 layer, H32) saved in tmp/init as the "pretrained" model, and a
+// fine-tuning run of it on ChnSentiCorp's 500 training reviews (seq 32, batch 16, 6 epochs).
+FinetuneConfig tiny_run(const test::TempDir& tmp) {
   model::BertConfig c;
   c.vocab_size = 21128;
   c.hidden_size = 32;
@@ -55,13 +55,19 @@ TEST(Finetune, LearnsTheTrainingSetAndPredicts) {
   f.init_checkpoint = tmp / "init";
   f.vocab = root("data/vocab/bert-base-chinese-vocab.txt");
   f.train = root("data/classification/chnsenticorp_small/train.tsv");
-  f.dev = root("data/classification/chnsenticorp_small/dev.tsv");
-  f.output = tmp / "ft";
   f.seq_len = 32;
   f.batch_size = 16;
   f.epochs = 6;
   f.lr = 3e-3;
   f.quiet = true;
+  return f;
+}
+
+TEST(Finetune, LearnsTheTrainingSetAndPredicts) {
+  test::TempDir tmp;
+  FinetuneConfig f = tiny_run(tmp);
+  f.dev = root("data/classification/chnsenticorp_small/dev.tsv");
+  f.output = tmp / "ft";
   FinetuneResult r = finetune(f);
   ASSERT_EQ(r.dev_accuracy.size(), 6u);
   EXPECT_LT(r.train_loss, 0.35);  // from ln 2 = 0.69: the classifier fits the reviews
@@ -88,26 +94,9 @@ TEST(Finetune, LearnsTheTrainingSetAndPredicts) {
 // weights are fp32 masters.
 TEST(Finetune, SixteenBitPrecisionsTrackFp32) {
   test::TempDir tmp;
-  model::BertConfig c;
-  c.vocab_size = 21128;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 1;
-  c.num_attention_heads = 2;
-  c.intermediate_size = 64;
-  c.max_position_embeddings = 64;
-  model::BertModel init(c, model::Head::Pretraining, {1, 1, 0});
-  init.init_params(3);
-  model::save_pretrained(init, tmp / "init");
+  const FinetuneConfig base = tiny_run(tmp);
   auto run = [&](Precision p) {
-    FinetuneConfig f;
-    f.init_checkpoint = tmp / "init";
-    f.vocab = root("data/vocab/bert-base-chinese-vocab.txt");
-    f.train = root("data/classification/chnsenticorp_small/train.tsv");
-    f.seq_len = 32;
-    f.batch_size = 16;
-    f.epochs = 6;
-    f.lr = 3e-3;
-    f.quiet = true;
+    FinetuneConfig f = base;
     f.precision = p;
     f.output = tmp / precision_name(p);
     return finetune(f).train_loss;
@@ -123,6 +112,22 @@ TEST(Finetune, SixteenBitPrecisionsTrackFp32) {
     std::printf("fine-tuning train loss: %s %.4f, fp32 %.4f\n", precision_name(p), l, fp32);
     SafetensorsReader saved(tmp / (std::string(precision_name(p)) + "/model.safetensors"));
     EXPECT_EQ(saved.find("classifier.weight")->dtype, DType::F32) << precision_name(p);
+  }
+}
+
+// A diverging run stops at the first non-finite gradient with the fix in the message, instead
+// of training on (fp16 would skip steps and lower the loss scale first).
+TEST(Finetune, DivergenceStopsWithAMessage) {
+  test::TempDir tmp;
+  FinetuneConfig f = tiny_run(tmp);
+  f.lr = 1e30;
+  try {
+    finetune(f);
+    FAIL() << "a run with lr 1e30 finished";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gradients are not finite"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("lower --lr"), std::string::npos) << e.what();
   }
 }
 
