@@ -281,6 +281,22 @@ TEST(Train, DocumentedErrors) {
   bad.model_config = env.dir / "wild.json";
   std::string e = error_of([&] { train(bad, comm); });
   EXPECT_NE(e.find("step 0:"), std::string::npos) << e;
+  // fp16: activations beyond the fp16 range (weights of scale 1e5 make QKV ~1e6) overflow at
+  // any loss scale: the scaler skips and halves, then gives up naming bf16. fp32 trains it.
+  std::ofstream(env.dir / "hot.json")
+      << R"({"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64, "initializer_range": 1e5})";
+  bad = env.cfg("hot32", 2);
+  bad.model_config = env.dir / "hot.json";
+  EXPECT_EQ(error_of([&] { train(bad, comm); }), "");
+  bad = env.cfg("hot16", 8);
+  bad.model_config = env.dir / "hot.json";
+  bad.precision = Precision::FP16;
+  bad.max_skipped_steps = 3;
+  e = error_of([&] { train(bad, comm); });
+  EXPECT_NE(e.find("step 3: gradients are not finite in 4 consecutive steps"), std::string::npos)
+      << e;
+  EXPECT_NE(e.find("--precision bf16"), std::string::npos) << e;
   // A full disk on save (simulated with a file size limit): a clear error, the previous
   // checkpoint untouched and still `latest`.
   bad = c;
