@@ -41,14 +41,8 @@ TEST(Finetune, TsvReadingTokenizesAndTruncatesPairs) {
 // A fresh tiny Chinese BERT (1 layer, H32) saved in tmp/init as the "pretrained" model, and a
 // fine-tuning run of it on ChnSentiCorp's 500 training reviews (seq 32, batch 16, 6 epochs).
 FinetuneConfig tiny_run(const test::TempDir& tmp) {
-  model::BertConfig c;
-  c.vocab_size = 21128;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 1;
-  c.num_attention_heads = 2;
-  c.intermediate_size = 64;
-  c.max_position_embeddings = 64;
-  model::BertModel init(c, model::Head::Pretraining, {1, 1, 0});
+  model::BertModel init(test::small_bert(21128, 32, 1, 2, 64, 64), model::Head::Pretraining,
+                        {1, 1, 0});
   init.init_params(3);
   model::save_pretrained(init, tmp / "init");
   FinetuneConfig f;

@@ -12,13 +12,7 @@ namespace bertrain::model {
 namespace {
 
 BertConfig tiny_config() {
-  BertConfig c;
-  c.vocab_size = 23;
-  c.hidden_size = 8;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 2;
-  c.intermediate_size = 12;
-  c.max_position_embeddings = 8;
+  BertConfig c = test::small_bert(23, 8, 2, 2, 12, 8);
   c.hidden_dropout_prob = 0.2f;
   c.attention_probs_dropout_prob = 0.2f;
   c.num_labels = 3;

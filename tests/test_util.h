@@ -14,8 +14,22 @@
 
 #include "core/error.h"
 #include "core/isa.h"
+#include "model/config.h"
 
 namespace bertrain::test {
+
+// A small BERT of the given sizes (everything else BERT's defaults).
+inline model::BertConfig small_bert(int64_t vocab, int64_t hidden, int64_t layers, int64_t heads,
+                                    int64_t intermediate, int64_t max_positions) {
+  model::BertConfig c;
+  c.vocab_size = vocab;
+  c.hidden_size = hidden;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = heads;
+  c.intermediate_size = intermediate;
+  c.max_position_embeddings = max_positions;
+  return c;
+}
 
 inline std::string data_path(const std::string& rel) {
   return std::string(BERTRAIN_TEST_DATA) + "/" + rel;

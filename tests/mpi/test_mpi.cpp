@@ -12,6 +12,7 @@
 
 #include "dist/mpi.h"
 #include "model/bert.h"
+#include "test_util.h"
 #include "train/loss_scaler.h"
 #include "train/optimizer.h"
 
@@ -131,13 +132,7 @@ TEST(Allreduce, RandomValuesAgreeToRoundingAndAcrossRanks) {
 // 2 ranks x batch B/2 == 1 rank x batch B, with dropout on (masks keyed by global example).
 TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
   if (g_comm->size() != 2) GTEST_SKIP() << "runs with 2 ranks";
-  model::BertConfig c;
-  c.vocab_size = 97;
-  c.hidden_size = 16;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 2;
-  c.intermediate_size = 32;
-  c.max_position_embeddings = 16;
+  const model::BertConfig c = test::small_bert(97, 16, 2, 2, 32, 16);
   const int64_t B = 8, T = 12, P = 3, half = B / 2;
   model::Batch full;
   full.resize(B, T, P);
