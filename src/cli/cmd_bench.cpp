@@ -170,7 +170,7 @@ void add_bench(CLI::App& app) {
     std::printf(
         "  compute    %8.1f GFLOP/s model FLOPs; %s GEMM ceiling measured now %.1f GFLOP/s; "
         "utilisation %.0f%%\n",
-        gflops, o->precision.c_str(), peak, 100.0 * gflops / peak);
+        gflops, bf16 ? "bf16" : "fp32", peak, 100.0 * gflops / peak);  // fp16 computes in fp32
     std::printf("  memory     peak RSS %s; planned %s\n", human_bytes(rss).c_str(),
                 human_bytes(static_cast<double>(m.plan().total_bytes())).c_str());
     std::printf("  loss       %.4f (synthetic data; sanity only)\n", loss);
