@@ -14,8 +14,11 @@
 
 #include "core/isa.h"
 #include "data/prepare.h"
+#include "data/tfrecord.h"
+#include "model/checkpoint.h"
 #include "model/safetensors.h"
 #include "test_util.h"
+#include "train/evaluate.h"
 #include "train/loss_scaler.h"
 #include "train/run_state.h"
 #include "train/trainer.h"
@@ -156,6 +159,47 @@ TEST(Train, Bf16TracksTheFp32LossCurve) {
 // fp16 storage rounds only the kept activations (~5e-4 relative, fp32 weights and arithmetic).
 TEST(Train, Fp16TracksTheFp32LossCurve) {
   expect_tracks_fp32(Precision::FP16, 0.02);  // measured < 1e-4
+}
+
+// Evaluation counts every example once, whatever the batch size (the last batch partial), and
+// its metrics do not depend on the batching (sums of per-example terms, to float rounding);
+// in fp16 and bf16 they move by about their precision (same loss within 1e-2 nats).
+TEST(Evaluate, EveryExampleOnceAndBatchingDoesNotMatter) {
+  TrainEnv env;
+  dist::SingleProcess comm;
+  TrainConfig c = env.cfg("ev", 30);
+  const TrainResult tr = train(c, comm);
+  int64_t records = 0;
+  for (const auto& f : data::list_files(env.data)) {
+    data::TFRecordReader rd(f, data::Compression::None);
+    while (rd.skip()) ++records;
+  }
+  ASSERT_GT(records, 20);
+  const model::BertConfig cfg = model::BertConfig::load(env.config);
+  auto eval = [&](int64_t batch, Precision p) {
+    model::BertModel m(cfg, model::Head::Pretraining, with_precision({batch, 64, 10}, p));
+    model::load_safetensors_into(m, model::checkpoint_weights_path(tr.last_checkpoint));
+    return evaluate(m, env.data, batch, 0, comm);
+  };
+  const EvalResult a = eval(7, Precision::FP32), b = eval(16, Precision::FP32);
+  EXPECT_EQ(a.examples, records);
+  EXPECT_EQ(b.examples, records);
+  EXPECT_EQ(a.predictions, b.predictions);
+  EXPECT_GT(a.predictions, records);  // several masked positions per example
+  EXPECT_NEAR(a.mlm_loss, b.mlm_loss, 1e-5 * a.mlm_loss);
+  EXPECT_NEAR(a.mlm_accuracy, b.mlm_accuracy, 1e-9);
+  EXPECT_NEAR(a.nsp_loss, b.nsp_loss, 1e-5);
+  EXPECT_NEAR(a.nsp_accuracy, b.nsp_accuracy, 1e-9);
+  EXPECT_LT(a.mlm_loss, std::log(30522.0));  // trained 30 steps: below the uniform guess
+  std::vector<Precision> half = {Precision::FP16};
+  if (cpu_isa() == Isa::Avx512) half.push_back(Precision::BF16);
+  for (Precision p : half) {
+    const EvalResult h = eval(16, p);
+    EXPECT_EQ(h.examples, records) << precision_name(p);
+    EXPECT_NEAR(h.mlm_loss, a.mlm_loss, 1e-2) << precision_name(p);
+    EXPECT_NE(h.mlm_loss, b.mlm_loss) << precision_name(p);  // really ran in that precision
+    EXPECT_NEAR(h.nsp_loss, a.nsp_loss, 1e-2) << precision_name(p);
+  }
 }
 
 TEST(Train, InterruptedAndResumedRunEqualsUninterrupted) {

@@ -120,7 +120,7 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
 
 void add_eval(CLI::App& app, dist::Communicator& (*comm)()) {
   struct Opts {
-    std::string checkpoint, data, model_config;
+    std::string checkpoint, data, model_config, precision = "fp32";
     int64_t batch = 32, seq = 128, preds = 20, max_batches = 0;
     int threads = 0;
   };
@@ -138,6 +138,8 @@ void add_eval(CLI::App& app, dist::Communicator& (*comm)()) {
       ->capture_default_str();
   c->add_option("--max-batches", o->max_batches, "Stop after N batches (0: all data)")
       ->capture_default_str();
+  c->add_option("--precision", o->precision, "fp32, bf16 or fp16, as in train")
+      ->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
   add_dist_options(c);
@@ -146,7 +148,9 @@ void add_eval(CLI::App& app, dist::Communicator& (*comm)()) {
     std::string dir = train::resolve_checkpoint(o->checkpoint);
     if (dir.empty()) fail("no checkpoint in ", o->checkpoint);
     const model::BertConfig cfg = model::BertConfig::load(model::checkpoint_config_path(dir));
-    model::BertModel m(cfg, model::Head::Pretraining, {o->batch, o->seq, o->preds});
+    model::BertModel m(
+        cfg, model::Head::Pretraining,
+        train::with_precision({o->batch, o->seq, o->preds}, train::parse_precision(o->precision)));
     model::load_safetensors_into(m, model::checkpoint_weights_path(dir));
     const train::EvalResult r = train::evaluate(m, o->data, o->batch, o->max_batches, comm());
     if (comm().rank() == 0)
