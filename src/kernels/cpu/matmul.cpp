@@ -118,20 +118,42 @@ void gemm_any(bool bf16, bool trans_a, bool trans_b, int64_t M, int64_t N, int64
   }
   const GemmPrim& p = get_prim({trans_a, trans_b, accumulate, bias != nullptr, M, N, K, lda, ldb,
                                 ldc, bf16, batch, sa, sb, sc, alpha});
+  // Per thread: one stream, and per primitive the memory objects and argument map, made once and
+  // pointed at this call's buffers (no allocation per call on our side).
+  struct Args {
+    dnnl::memory a, b, c, bias, scratch;
+    std::unordered_map<int, dnnl::memory> map;
+  };
   auto& eng = cpu_engine();
-  dnnl::stream s(eng);
-  std::unordered_map<int, dnnl::memory> args = {
-      {DNNL_ARG_SRC, dnnl::memory(p.a_md, eng, const_cast<void*>(A))},
-      {DNNL_ARG_WEIGHTS, dnnl::memory(p.b_md, eng, const_cast<void*>(B))},
-      {DNNL_ARG_DST, dnnl::memory(p.c_md, eng, C)}};
-  if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(p.bias_md, eng, const_cast<float*>(bias)));
-  if (const size_t need = p.scratch_md.get_size()) {
-    // This thread's scratchpad, grown to the largest need and kept (no allocation per step).
-    thread_local std::vector<std::byte> scratch;
-    if (scratch.size() < need) scratch.resize(need);
-    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(p.scratch_md, eng, scratch.data()));
+  thread_local dnnl::stream s(eng);
+  thread_local std::map<const GemmPrim*, Args> args_of;
+  thread_local std::vector<std::byte> scratch;  // grown to the largest need and kept
+  auto [it, fresh] = args_of.try_emplace(&p);
+  Args& x = it->second;
+  const size_t need = p.scratch_md.get_size();
+  if (fresh) {
+    x.a = dnnl::memory(p.a_md, eng, nullptr);
+    x.b = dnnl::memory(p.b_md, eng, nullptr);
+    x.c = dnnl::memory(p.c_md, eng, nullptr);
+    x.map = {{DNNL_ARG_SRC, x.a}, {DNNL_ARG_WEIGHTS, x.b}, {DNNL_ARG_DST, x.c}};
+    if (bias) {
+      x.bias = dnnl::memory(p.bias_md, eng, nullptr);
+      x.map.emplace(DNNL_ARG_BIAS, x.bias);
+    }
+    if (need) {
+      x.scratch = dnnl::memory(p.scratch_md, eng, nullptr);
+      x.map.emplace(DNNL_ARG_SCRATCHPAD, x.scratch);
+    }
   }
-  p.prim.execute(s, args);
+  x.a.set_data_handle(const_cast<void*>(A));
+  x.b.set_data_handle(const_cast<void*>(B));
+  x.c.set_data_handle(C);
+  if (bias) x.bias.set_data_handle(const_cast<float*>(bias));
+  if (need) {
+    if (scratch.size() < need) scratch.resize(need);
+    x.scratch.set_data_handle(scratch.data());
+  }
+  p.prim.execute(s, x.map);
   s.wait();
 }
 }  // namespace
