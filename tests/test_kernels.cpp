@@ -59,6 +59,32 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmTest,
                                            GemmCase{false, true, false, true, 1, 1, 1},
                                            GemmCase{false, false, true, false, 64, 96, 0}));
 
+// Products over heads (inner batch) of several sequences (outer batch) in one call, with the
+// strides the attention uses (heads interleaved in rows, gaps between sequences): each product
+// equals the plain reference, transposed operands and alpha included.
+TEST(GemmBatched, OuterBatchEqualsEveryProductAlone) {
+  const int64_t G = 3, H = 4, M = 9, N = 7, K = 5, lda = H * K + 2, ldb = H * N + 1,
+                ldc = H * N + 3, oa = M * lda + 5, ob = K * ldb + 2, oc = M * ldc + 4;
+  for (bool tb : {false, true}) {
+    // tb: B_i stored [N,K] (row stride ldb2) instead of [K,N].
+    const int64_t ldb2 = tb ? H * K + 1 : ldb, ob2 = tb ? N * ldb2 + 2 : ob, sb = tb ? K : N;
+    auto A = random_vector(G * oa, 31), B = random_vector(G * ob2, 32);
+    std::vector<float> C(G * oc, 0.0f), R(G * oc, 0.0f);
+    gemm_batched(H, false, tb, M, N, K, 0.5f, A.data(), lda, K, B.data(), ldb2, sb, C.data(), ldc,
+                 N, {G, oa, ob2, oc});
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t h = 0; h < H; ++h) {
+        float* r = R.data() + g * oc + h * N;
+        gemm_reference(false, tb, M, N, K, A.data() + g * oa + h * K, lda,
+                       B.data() + g * ob2 + h * sb, ldb2, r, ldc, nullptr, false);
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t j = 0; j < N; ++j) r[i * ldc + j] *= 0.5f;
+      }
+    EXPECT_TRUE(all_close("outer-batched gemm", C.data(), R.data(), C.size(), 1e-5, 1e-5))
+        << (tb ? "B transposed" : "B plain");
+  }
+}
+
 TEST(Linear, BackwardMatchesFiniteDifferences) {
   const int64_t M = 5, N = 4, K = 6;
   auto x = random_vector(M * K, 10), w = random_vector(N * K, 11), b = random_vector(N, 12);

@@ -368,17 +368,19 @@ void dropout_row(RowBody body, O* out, const P* prob, int64_t T, float p, float 
   dropout_row_portable(out, prob, T, p, keep_scale, key, idx0);
 }
 
-// Batched product over the NH heads of sequence b in fp32 or bf16 operands.
+// Products over the NH heads (strides sa, sb, sc) of all B sequences (strides oa, ob, oc) in one
+// oneDNN call, fp32 or bf16 operands.
 struct HeadGemm {
-  int64_t NH;
+  int64_t B, NH;
   template <typename X>
   void operator()(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const X* A,
-                  int64_t lda, int64_t sa, const X* B, int64_t ldb, int64_t sb, float* C,
-                  int64_t ldc, int64_t sc) const {
+                  int64_t lda, int64_t sa, int64_t oa, const X* Bm, int64_t ldb, int64_t sb,
+                  int64_t ob, float* C, int64_t ldc, int64_t sc, int64_t oc) const {
+    const OuterBatch outer{B, oa, ob, oc};
     if constexpr (std::is_same_v<X, float>)
-      gemm_batched(NH, ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc);
+      gemm_batched(NH, ta, tb, M, N, K, alpha, A, lda, sa, Bm, ldb, sb, C, ldc, sc, outer);
     else
-      gemm_batched_bf16(NH, ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc);
+      gemm_batched_bf16(NH, ta, tb, M, N, K, alpha, A, lda, sa, Bm, ldb, sb, C, ldc, sc, outer);
   }
 };
 
@@ -392,12 +394,10 @@ void forward_impl(float* ctx, float* scores, S* saved, X* dropped, const X* qkv,
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   const RowBody body = row_body();
-  const HeadGemm gemm{NH};
-  // probs = scale * Q K^T, per sequence, batched over heads (head h: columns h*HD of Q and K).
-  for (int64_t b = 0; b < B; ++b) {
-    const X* base = qkv + b * T * C3;
-    gemm(false, true, T, T, HD, scale, base, C3, HD, base + C, C3, HD, scores + b * NH * TT, T, TT);
-  }
+  const HeadGemm gemm{B, NH};
+  const int64_t sq = T * C3, sp = NH * TT, sctx = T * C;  // per-sequence strides
+  // probs = scale * Q K^T over every sequence and head (head h: columns h*HD of Q and K).
+  gemm(false, true, T, T, HD, scale, qkv, C3, HD, sq, qkv + C, C3, HD, sq, scores, T, TT, sp);
 #pragma omp parallel
   {
     // The additive mask row; a per-thread buffer kept between calls (no allocation per step).
@@ -420,9 +420,7 @@ void forward_impl(float* ctx, float* scores, S* saved, X* dropped, const X* qkv,
   const X* pd = dropped;
   if constexpr (std::is_same_v<X, float>)
     if (!pd) pd = scores;
-  for (int64_t b = 0; b < B; ++b)
-    gemm(false, false, T, HD, T, 1.0f, pd + b * NH * TT, T, TT, qkv + b * T * C3 + 2 * C, C3, HD,
-         ctx + b * T * C, C, HD);
+  gemm(false, false, T, HD, T, 1.0f, pd, T, TT, sp, qkv + 2 * C, C3, HD, sq, ctx, C, HD, sctx);
 }
 
 // work: fp32 [B,NH,T,T]; pd: the dropped probabilities and then dS, in X (may be work).
@@ -434,7 +432,8 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   const RowBody body = row_body();
-  const HeadGemm gemm{NH};
+  const HeadGemm gemm{B, NH};
+  const int64_t sq = T * C3, sp = NH * TT, sctx = T * C;  // per-sequence strides
   // dV = dropped^T · dctx (the dropped probabilities regenerated into pd).
   const X* dropped = pd;
   if constexpr (std::is_same_v<X, P>)
@@ -446,13 +445,10 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
       dropout_row(body, pd + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0);
     }
   }
-  for (int64_t b = 0; b < B; ++b)
-    gemm(true, false, T, HD, T, 1.0f, dropped + b * NH * TT, T, TT, dctx + b * T * C, C, HD,
-         dqkv + b * T * C3 + 2 * C, C3, HD);
+  gemm(true, false, T, HD, T, 1.0f, dropped, T, TT, sp, dctx, C, HD, sctx, dqkv + 2 * C, C3, HD,
+       sq);
   // d(dropped) = dctx · V^T into work, then through dropout and softmax, scaled: dS into pd.
-  for (int64_t b = 0; b < B; ++b)
-    gemm(false, true, T, T, HD, 1.0f, dctx + b * T * C, C, HD, qkv + b * T * C3 + 2 * C, C3, HD,
-         work + b * NH * TT, T, TT);
+  gemm(false, true, T, T, HD, 1.0f, dctx, C, HD, sctx, qkv + 2 * C, C3, HD, sq, work, T, TT, sp);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < B * NH * T; ++r) {
     const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
@@ -460,12 +456,8 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
                          key, idx0, scale);
   }
   // dQ = dS · K, dK = dS^T · Q.
-  for (int64_t b = 0; b < B; ++b) {
-    const X* base = qkv + b * T * C3;
-    float* dbase = dqkv + b * T * C3;
-    gemm(false, false, T, HD, T, 1.0f, pd + b * NH * TT, T, TT, base + C, C3, HD, dbase, C3, HD);
-    gemm(true, false, T, HD, T, 1.0f, pd + b * NH * TT, T, TT, base, C3, HD, dbase + C, C3, HD);
-  }
+  gemm(false, false, T, HD, T, 1.0f, pd, T, TT, sp, qkv + C, C3, HD, sq, dqkv, C3, HD, sq);
+  gemm(true, false, T, HD, T, 1.0f, pd, T, TT, sp, qkv, C3, HD, sq, dqkv + C, C3, HD, sq);
 }
 
 }  // namespace

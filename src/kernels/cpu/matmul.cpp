@@ -25,8 +25,10 @@ struct GemmKey {
   bool bf16 = false;                          // A and B in bf16 (fp32 accumulation and output)
   int64_t batch = 1, sa = 0, sb = 0, sc = 0;  // batched: matrix i at A + i*sa, ...
   float alpha = 1.0f;
+  int64_t outer = 1, oa = 0, ob = 0, oc = 0;  // outer batch: group g at A + g*oa, ...
   auto tie() const {
-    return std::tie(ta, tb, acc, bias, M, N, K, lda, ldb, ldc, bf16, batch, sa, sb, sc, alpha);
+    return std::tie(ta, tb, acc, bias, M, N, K, lda, ldb, ldc, bf16, batch, sa, sb, sc, alpha,
+                    outer, oa, ob, oc);
   }
   bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
 };
@@ -66,6 +68,12 @@ const GemmPrim& get_prim(const GemmKey& k) {
     p.b_md = dnnl::memory::desc({k.K, k.N}, in, k.tb ? dims{1, k.ldb} : dims{k.ldb, 1});
     p.c_md = dnnl::memory::desc({k.M, k.N}, dt::f32, dims{k.ldc, 1});
     if (k.bias) p.bias_md = dnnl::memory::desc({1, k.N}, dt::f32, dims{k.N, 1});
+  } else if (k.outer > 1) {
+    p.a_md = dnnl::memory::desc({k.outer, k.batch, k.M, k.K}, in,
+                                k.ta ? dims{k.oa, k.sa, 1, k.lda} : dims{k.oa, k.sa, k.lda, 1});
+    p.b_md = dnnl::memory::desc({k.outer, k.batch, k.K, k.N}, in,
+                                k.tb ? dims{k.ob, k.sb, 1, k.ldb} : dims{k.ob, k.sb, k.ldb, 1});
+    p.c_md = dnnl::memory::desc({k.outer, k.batch, k.M, k.N}, dt::f32, dims{k.oc, k.sc, k.ldc, 1});
   } else {
     p.a_md = dnnl::memory::desc({k.batch, k.M, k.K}, in,
                                 k.ta ? dims{k.sa, 1, k.lda} : dims{k.sa, k.lda, 1});
@@ -106,9 +114,10 @@ namespace {
 void gemm_any(bool bf16, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A,
               int64_t lda, const void* B, int64_t ldb, float* C, int64_t ldc, const float* bias,
               bool accumulate, int64_t batch = 1, int64_t sa = 0, int64_t sb = 0, int64_t sc = 0,
-              float alpha = 1.0f) {
+              float alpha = 1.0f, const OuterBatch& outer = {}) {
   BT_CHECK(!(accumulate && bias), "gemm: bias with accumulate is not supported");
-  if (M == 0 || N == 0 || batch == 0) return;
+  if (M == 0 || N == 0 || batch == 0 || outer.count == 0) return;
+  BT_CHECK(K > 0 || outer.count == 1, "gemm: an outer batch needs K > 0");
   if (K == 0) {
     if (!accumulate)
       for (int64_t q = 0; q < batch; ++q)
@@ -116,8 +125,10 @@ void gemm_any(bool bf16, bool trans_a, bool trans_b, int64_t M, int64_t N, int64
           for (int64_t j = 0; j < N; ++j) C[q * sc + i * ldc + j] = bias ? bias[j] : 0.0f;
     return;
   }
-  const GemmPrim& p = get_prim({trans_a, trans_b, accumulate, bias != nullptr, M, N, K, lda, ldb,
-                                ldc, bf16, batch, sa, sb, sc, alpha});
+  const GemmPrim& p =
+      get_prim({trans_a,     trans_b, accumulate, bias != nullptr, M,  N,  K,  lda,
+                ldb,         ldc,     bf16,       batch,           sa, sb, sc, alpha,
+                outer.count, outer.a, outer.b,    outer.c});
   // Per thread: one stream, and per primitive the memory objects and argument map, made once and
   // pointed at this call's buffers (no allocation per call on our side).
   struct Args {
@@ -165,16 +176,17 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const flo
 
 void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                   float alpha, const float* A, int64_t lda, int64_t sa, const float* B, int64_t ldb,
-                  int64_t sb, float* C, int64_t ldc, int64_t sc) {
+                  int64_t sb, float* C, int64_t ldc, int64_t sc, const OuterBatch& outer) {
   gemm_any(false, trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, nullptr, false, batch, sa, sb,
-           sc, alpha);
+           sc, alpha, outer);
 }
 
 void gemm_batched_bf16(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                        float alpha, const uint16_t* A, int64_t lda, int64_t sa, const uint16_t* B,
-                       int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc) {
+                       int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc,
+                       const OuterBatch& outer) {
   gemm_any(true, trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, nullptr, false, batch, sa, sb,
-           sc, alpha);
+           sc, alpha, outer);
 }
 
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A,

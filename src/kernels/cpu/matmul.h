@@ -22,16 +22,24 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int64_t M, int64_t N, int64_t K,
                      bool accumulate_dinp = false);
 
+// An outer batch around gemm_batched's: `count` groups of products, group g at A + g*a,
+// B + g*b, C + g*c (attention: the sequences around the heads of one sequence).
+struct OuterBatch {
+  int64_t count = 1, a = 0, b = 0, c = 0;
+};
+
 // `batch` independent products C_i = alpha * op(A_i)·op(B_i), matrix i at A + i*sa, B + i*sb,
-// C + i*sc (one oneDNN call; strides let attention read heads straight out of the QKV rows).
+// C + i*sc (one oneDNN call; strides let attention read heads straight out of the QKV rows),
+// times the outer batch.
 void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                   float alpha, const float* A, int64_t lda, int64_t sa, const float* B, int64_t ldb,
-                  int64_t sb, float* C, int64_t ldc, int64_t sc);
+                  int64_t sb, float* C, int64_t ldc, int64_t sc, const OuterBatch& outer = {});
 
 // The same with bf16 operands (raw bits), fp32 accumulation and output.
 void gemm_batched_bf16(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                        float alpha, const uint16_t* A, int64_t lda, int64_t sa, const uint16_t* B,
-                       int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc);
+                       int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc,
+                       const OuterBatch& outer = {});
 
 // bf16 inputs (A, B as raw bf16 bits), fp32 accumulation and output (oneDNN; AVX-512 BF16
 // instructions where the CPU has them, an emulation elsewhere).
