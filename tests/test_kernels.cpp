@@ -342,18 +342,14 @@ TEST_P(AttentionTest, Bf16StaysWithinBf16Precision) {
   const AttentionShape s{2, 45, 64, 4};
   const auto [qkv, dctx, mask] = attention_inputs(s, 74, 0, 40);
   const size_t np = s.B * s.NH * s.T * s.T;
-  std::vector<float> ctx(s.B * s.T * s.C), ctx_ref(ctx.size()), probs(np), probs_ref(np), work(np),
-      dqkv(qkv.size()), dqkv_ref(qkv.size());
+  const auto [ctx_ref, probs_ref, dqkv_ref] = reference_attention(s, qkv, mask, dctx, p);
+  std::vector<float> ctx(ctx_ref.size()), probs(np), work(np), dqkv(qkv.size());
   std::vector<uint16_t> q16(qkv.size()), p16(np), d16(ctx.size());
   const AttentionBf16 w{q16.data(), p16.data(), d16.data()};
   attention_forward(ctx.data(), probs.data(), work.data(), qkv.data(), mask.data(), s, p, 5, 11,
                     &w);
-  attention_forward_reference(ctx_ref.data(), probs_ref.data(), qkv.data(), mask.data(), s, p, 5,
-                              11);
   attention_backward(dqkv.data(), work.data(), dctx.data(), qkv.data(), probs.data(), s, p, 5, 11,
                      &w);
-  attention_backward_reference(dqkv_ref.data(), dctx.data(), qkv.data(), probs_ref.data(), s, p, 5,
-                               11);
   EXPECT_LE(test::rel_l2(ctx, ctx_ref), 4 * 0x1p-8);
   EXPECT_LE(test::rel_l2(dqkv, dqkv_ref), 4 * 0x1p-8);
   EXPECT_GT(test::rel_l2(dqkv, dqkv_ref), 0.0);  // really bf16

@@ -15,6 +15,7 @@
 #include "core/rng.h"
 #include "kernels/cpu/matmul.h"
 #include "train/optimizer.h"
+#include "train/precision.h"
 
 namespace bertrain::cli {
 
@@ -79,19 +80,15 @@ void add_bench(CLI::App& app) {
                 "fp32, bf16 (bf16 matmuls with fp32 accumulation) or fp16 (activations kept "
                 "in fp16, fp32 compute, loss scale 2^16)")
       ->capture_default_str();
-  c->add_option("--attention", o->attention,
-                "auto, full or blocked attention kernel (auto: blocked from 512 tokens; blocked "
-                "keeps only the row log-sum-exp, no [B,heads,T,T] probabilities)")
-      ->capture_default_str();
+  add_attention_option(c, o->attention);
   c->add_flag("--json", o->json, "Print one JSON object with the results");
   c->callback([o] {
     set_threads(o->threads);
     model::BertConfig cfg = model::BertConfig::load(o->config);
     const model::Head head = parse_head(o->head);
     const int64_t P = head == model::Head::Pretraining ? o->preds : 0;
-    if (o->precision != "fp32" && o->precision != "bf16" && o->precision != "fp16")
-      fail("--precision must be fp32, bf16 or fp16, got '", o->precision, "'");
-    const bool bf16 = o->precision == "bf16", fp16 = o->precision == "fp16";
+    const train::Precision prec = train::parse_precision(o->precision);
+    const bool bf16 = prec == train::Precision::BF16, fp16 = prec == train::Precision::FP16;
     // fp16 runs as train runs it: the loss scaled (the scaler's initial scale), the gradients
     // unscaled in the optimizer pass.
     const float loss_scale = fp16 ? 65536.0f : 1.0f;
@@ -99,8 +96,10 @@ void add_bench(CLI::App& app) {
     // below is the training run's, not this probe's.
     const double peak = kernels::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
                                                           cfg.hidden_size, bf16, 1.0);
-    model::BertModel m(cfg, head,
-                       {o->batch, o->seq, P, bf16, model::parse_attention(o->attention), fp16});
+    model::BertModel m(
+        cfg, head,
+        train::with_precision({o->batch, o->seq, P, false, model::parse_attention(o->attention)},
+                              prec));
     m.init_params(1);
     train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(),
                                {});  // AdamW, clipping at 1.0

@@ -5,6 +5,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "plan/memory.h"
+#include "train/precision.h"
 
 namespace bertrain::cli {
 
@@ -46,10 +47,7 @@ void add_estimate(CLI::App& app) {
   c->add_option("--optimizer-slots", o->slots,
                 "fp32 optimizer states per parameter (AdamW/LAMB: 2)")
       ->capture_default_str();
-  c->add_option("--attention", o->attention,
-                "auto, full or blocked attention kernel (auto: blocked from 512 tokens; blocked "
-                "keeps only the row log-sum-exp, no [B,heads,T,T] probabilities)")
-      ->capture_default_str();
+  add_attention_option(c, o->attention);
   c->add_option("--precision", o->precision,
                 "fp32, bf16 or fp16 (bf16 adds the bf16 weight copy; both keep some activations "
                 "in 16 bits, as train allocates)")
@@ -59,14 +57,10 @@ void add_estimate(CLI::App& app) {
   c->callback([o] {
     model::BertConfig cfg = model::BertConfig::load(o->config);
     model::Head head = parse_head(o->head);
-    if (o->precision != "fp32" && o->precision != "bf16" && o->precision != "fp16")
-      fail("--precision must be fp32, bf16 or fp16, got '", o->precision, "'");
-    model::ModelDims d{o->batch,
-                       o->seq,
-                       head == model::Head::Pretraining ? o->preds : 0,
-                       o->precision == "bf16",
-                       model::parse_attention(o->attention),
-                       o->precision == "fp16"};
+    const model::ModelDims d =
+        train::with_precision({o->batch, o->seq, head == model::Head::Pretraining ? o->preds : 0,
+                               false, model::parse_attention(o->attention)},
+                              train::parse_precision(o->precision));
     MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots);
     model::ParamTable table(cfg, head);
     int64_t nparams = 0;

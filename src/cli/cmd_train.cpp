@@ -60,10 +60,7 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
   c->add_option("--steps", t.steps, "Optimizer steps in total")->capture_default_str();
   c->add_option("--accumulation-steps", t.accumulation, "Micro-batches per optimizer step")
       ->capture_default_str();
-  c->add_option("--attention", o->attention,
-                "auto, full or blocked attention kernel (auto: blocked from 512 tokens; blocked "
-                "keeps only the row log-sum-exp, no [B,heads,T,T] probabilities)")
-      ->capture_default_str();
+  add_attention_option(c, o->attention);
   c->add_option("--precision", o->precision, "fp32, bf16 or fp16 (fp16: dynamic loss scaling)")
       ->capture_default_str();
   c->add_option("--optimizer", o->optimizer, "lamb or adamw")->capture_default_str();

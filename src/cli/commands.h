@@ -31,8 +31,9 @@ struct DistOptions {
 void add_dist_options(CLI::App* c);  // --allreduce, --compression, --stall-timeout
 
 // Shared option helpers.
-model::Head parse_head(const std::string& s);      // "pretraining" | "classification"
-void set_threads(int threads);                     // 0 = leave OpenMP's default
-std::string describe(const model::BertConfig& c);  // "L4 H256 A4 I1024 V30522"
+model::Head parse_head(const std::string& s);                    // "pretraining" | "classification"
+void add_attention_option(CLI::App* c, std::string& attention);  // --attention auto|full|blocked
+void set_threads(int threads);                                   // 0 = leave OpenMP's default
+std::string describe(const model::BertConfig& c);                // "L4 H256 A4 I1024 V30522"
 
 }  // namespace bertrain::cli

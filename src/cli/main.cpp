@@ -19,6 +19,13 @@ model::Head parse_head(const std::string& s) {
   fail("--head must be pretraining or classification, got '", s, "'");
 }
 
+void add_attention_option(CLI::App* c, std::string& attention) {
+  c->add_option("--attention", attention,
+                "auto, full or blocked attention kernel (auto: blocked from 512 tokens; blocked "
+                "keeps only the row log-sum-exp, no [B,heads,T,T] probabilities)")
+      ->capture_default_str();
+}
+
 void set_threads(int threads) {
   if (threads > 0) omp_set_num_threads(threads);
 }

@@ -73,7 +73,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
                      cfg.precision));
   Optimizer opt(param_slices(m.table()), m.table().total(), cfg.optimizer);
   LossScaler::Config sc;
-  sc.enabled = cfg.precision == Precision::FP16;
+  sc.enabled = fp16;
   sc.max_consecutive_skips = cfg.max_skipped_steps;
   LossScaler scaler(sc);
   const int64_t warmup = cfg.warmup < 1.0 ? static_cast<int64_t>(cfg.warmup * cfg.steps)
