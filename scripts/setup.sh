@@ -3,18 +3,26 @@
 # missing), then configures and builds bertrain in ./build (Release, tests on).
 #   scripts/setup.sh            install + build
 #   BUILD_DIR=out scripts/setup.sh
+# PACKAGES must name every package whose files configure, build, tests, demo and fuzz read, or a
+# package that depends on it: scripts/check-packages.sh (run by scripts/test.sh) traces a
+# configure and reads the build's dependency files and link lines, and fails naming any package
+# outside this list's dependency closure. That is how a package installed by hand on one machine
+# cannot hide a missing line here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(
   build-essential cmake pkg-config clang-format
   libdnnl-dev                       # oneDNN: GEMM (fp32/bf16), post-op fusion
+  ocl-icd-opencl-dev opencl-c-headers # read by oneDNN's CMake config (Debian builds it with OpenCL)
   libopenmpi-dev openmpi-bin        # processes and transport for data parallelism
   libprotobuf-dev protobuf-compiler # tf.Example, TensorBoard events
   libutf8proc-dev zlib1g-dev        # WordPiece Unicode; gzip TFRecords
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev          # the fuzz target (libFuzzer + sanitizers) in scripts/test.sh
+  libomp-14-dev                     # OpenMP for clang (the fuzz target's find_package(OpenMP))
+  strace                            # scripts/check-packages.sh traces what configure reads
 )
 
 missing=()

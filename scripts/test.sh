@@ -30,3 +30,12 @@ if [ -n "$NVCC" ] && [ "${BERTRAIN_SKIP_CUDA:-0}" != 1 ]; then
 else
   echo "test: nvcc not found; CUDA backend not built"
 fi
+
+# Every Debian package that configure and the builds above read must be installed by setup.sh
+# (a package installed by hand would otherwise hide a missing line until a fresh machine fails).
+# The self-test: the same trace without oneDNN's OpenCL headers in the list must fail.
+scripts/check-packages.sh
+if scripts/check-packages.sh --reuse --without opencl-c-headers >/dev/null 2>&1; then
+  echo "test: check-packages passed with opencl-c-headers removed from the list; it checks nothing" >&2
+  exit 1
+fi
