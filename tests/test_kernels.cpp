@@ -337,7 +337,7 @@ TEST_P(AttentionTest, FastEqualsReference) {
 // ctx and dqkv against the fp32 reference within 4 bf16 roundings (4 * 2^-8): each product
 // rounds both operands once, and backward chains two products.
 TEST_P(AttentionTest, Bf16StaysWithinBf16Precision) {
-  if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
+  BT_SKIP_WITHOUT_BF16();
   const float p = GetParam();
   const AttentionShape s{2, 45, 64, 4};
   const auto [qkv, dctx, mask] = attention_inputs(s, 74, 0, 40);
@@ -359,7 +359,7 @@ TEST_P(AttentionTest, Bf16StaysWithinBf16Precision) {
 // rounded, bit for bit; ctx and dqkv stay within the same 4 bf16 roundings of the fp32
 // reference, and close to the run that saves fp32 (one more rounding, of the probabilities).
 TEST_P(AttentionTest, Bf16SavedProbabilitiesStayWithinBf16Precision) {
-  if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
+  BT_SKIP_WITHOUT_BF16();
   const float p = GetParam();
   const AttentionShape s{2, 45, 64, 4};
   const auto [qkv, dctx, mask] = attention_inputs(s, 76, 0, 40);
@@ -454,7 +454,7 @@ TEST_P(AttentionTest, BlockedEqualsReference) {
 // The blocked kernel with bf16 operands: within the same 4 bf16 roundings of the fp32
 // reference as the full kernel's bf16 path.
 TEST_P(AttentionTest, BlockedBf16StaysWithinBf16Precision) {
-  if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
+  BT_SKIP_WITHOUT_BF16();
   const float p = GetParam();
   const AttentionShape s{2, 150, 64, 4};
   const auto [qkv, dctx, mask] = attention_inputs(s, 80, 0, 140);

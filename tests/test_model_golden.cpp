@@ -192,7 +192,7 @@ void check_within(ModelDims dims, double bound, const char* what) {
 // that relative size in the L2 sense. Two layers plus the heads chain ~8 matmuls: the bound per
 // tensor is relative L2 error <= 16u = 3.1e-2 (measured 0.009, ~3x lower).
 TEST_P(GoldenAttention, Bf16MatmulsStayWithinBf16Precision) {
-  if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
+  BT_SKIP_WITHOUT_BF16();
   ModelDims d;
   d.bf16 = true;
   d.attention = GetParam();

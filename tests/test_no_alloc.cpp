@@ -89,7 +89,7 @@ TEST(Step, MakesNoHeapAllocation) {
   const model::BertConfig cfg = test::small_bert(211, 64, 2, 4, 128, 64);
   const model::Batch b = random_batch(cfg, 4, 48, 6);
   std::vector<Precision> precisions = {Precision::FP32, Precision::FP16};
-  if (cpu_isa() == Isa::Avx512) precisions.push_back(Precision::BF16);
+  if (test::bf16_unavailable().empty()) precisions.push_back(Precision::BF16);
   for (Precision p : precisions)
     for (auto kernel : {model::ModelDims::Attention::Full, model::ModelDims::Attention::Blocked})
       for (OptimizerKind kind : {OptimizerKind::AdamW, OptimizerKind::Lamb}) {

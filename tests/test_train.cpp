@@ -152,7 +152,7 @@ void expect_tracks_fp32(Precision p, double band) {
 
 // bf16 rounds every matmul operand (~1e-2 relative per step).
 TEST(Train, Bf16TracksTheFp32LossCurve) {
-  if (cpu_isa() != Isa::Avx512) GTEST_SKIP() << "oneDNN's bf16 matmul needs AVX-512";
+  BT_SKIP_WITHOUT_BF16();
   expect_tracks_fp32(Precision::BF16, 0.15);  // measured 2e-3
 }
 
@@ -192,7 +192,7 @@ TEST(Evaluate, EveryExampleOnceAndBatchingDoesNotMatter) {
   EXPECT_NEAR(a.nsp_accuracy, b.nsp_accuracy, 1e-9);
   EXPECT_LT(a.mlm_loss, std::log(30522.0));  // trained 30 steps: below the uniform guess
   std::vector<Precision> half = {Precision::FP16};
-  if (cpu_isa() == Isa::Avx512) half.push_back(Precision::BF16);
+  if (test::bf16_unavailable().empty()) half.push_back(Precision::BF16);
   for (Precision p : half) {
     const EvalResult h = eval(16, p);
     EXPECT_EQ(h.examples, records) << precision_name(p);
@@ -202,32 +202,39 @@ TEST(Evaluate, EveryExampleOnceAndBatchingDoesNotMatter) {
   }
 }
 
-TEST(Train, InterruptedAndResumedRunEqualsUninterrupted) {
+// Every precision this CPU runs: fp32 and fp16 everywhere, bf16 where oneDNN has bf16 matmuls.
+class ResumeTest : public ::testing::TestWithParam<Precision> {};
+
+TEST_P(ResumeTest, InterruptedAndResumedRunEqualsUninterrupted) {
+  const Precision p = GetParam();
+  if (p == Precision::BF16) BT_SKIP_WITHOUT_BF16();
   TrainEnv env;
   dist::SingleProcess comm;
-  for (Precision p : {Precision::FP32, Precision::FP16, Precision::BF16}) {
-    TrainConfig full = env.cfg(std::string("full") + precision_name(p), 24);
-    full.precision = p;
-    full.accumulation = 2;
-    TrainResult a = train(full, comm);
-    TrainConfig part = full;
-    part.output = env.dir / (std::string("part") + precision_name(p));
-    part.stop_after = 10;
-    TrainResult b1 = train(part, comm);
-    EXPECT_TRUE(b1.interrupted);
-    EXPECT_EQ(b1.steps_done, 10);
-    part.stop_after = 0;
-    part.resume = true;
-    TrainResult b2 = train(part, comm);
-    std::vector<double> losses = b1.losses;
-    losses.insert(losses.end(), b2.losses.begin(), b2.losses.end());
-    ASSERT_EQ(losses, a.losses) << precision_name(p);  // bitwise, every step
-    EXPECT_EQ(file_bytes(a.last_checkpoint + "/model.safetensors"),
-              file_bytes(b2.last_checkpoint + "/model.safetensors"));
-    EXPECT_EQ(file_bytes(a.last_checkpoint + "/optimizer.safetensors"),
-              file_bytes(b2.last_checkpoint + "/optimizer.safetensors"));
-  }
+  TrainConfig full = env.cfg(std::string("full") + precision_name(p), 24);
+  full.precision = p;
+  full.accumulation = 2;
+  TrainResult a = train(full, comm);
+  TrainConfig part = full;
+  part.output = env.dir / (std::string("part") + precision_name(p));
+  part.stop_after = 10;
+  TrainResult b1 = train(part, comm);
+  EXPECT_TRUE(b1.interrupted);
+  EXPECT_EQ(b1.steps_done, 10);
+  part.stop_after = 0;
+  part.resume = true;
+  TrainResult b2 = train(part, comm);
+  std::vector<double> losses = b1.losses;
+  losses.insert(losses.end(), b2.losses.begin(), b2.losses.end());
+  ASSERT_EQ(losses, a.losses) << precision_name(p);  // bitwise, every step
+  EXPECT_EQ(file_bytes(a.last_checkpoint + "/model.safetensors"),
+            file_bytes(b2.last_checkpoint + "/model.safetensors"));
+  EXPECT_EQ(file_bytes(a.last_checkpoint + "/optimizer.safetensors"),
+            file_bytes(b2.last_checkpoint + "/optimizer.safetensors"));
 }
+
+INSTANTIATE_TEST_SUITE_P(Train, ResumeTest,
+                         ::testing::Values(Precision::FP32, Precision::FP16, Precision::BF16),
+                         [](const auto& info) { return std::string(precision_name(info.param)); });
 
 TEST(Train, SigtermFinishesTheStepCheckpointsAndExitsZero) {
   TrainEnv env;

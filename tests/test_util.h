@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "core/isa.h"
+#include "kernels/cpu/matmul.h"
 #include "model/config.h"
 
 namespace bertrain::test {
@@ -61,6 +62,22 @@ template <typename G, typename R>
          << ref[wi] << " (|diff| " << std::fabs(got[wi] - ref[wi]) << " is " << worst
          << "x the bound; rtol " << rtol << ", atol " << atol << ")";
 }
+
+// Empty where oneDNN runs bf16 matmuls on this CPU; otherwise the reason, naming the missing ISA,
+// for GTEST_SKIP (AVX2-only CPUs such as AMD Zen 2/3, or BERTRAIN_ISA=avx2|portable).
+inline std::string bf16_unavailable() {
+  if (kernels::gemm_bf16_available()) return "";
+  return std::string(
+             "needs oneDNN's bf16 matmul, which needs AVX-512 (F, BW, DQ, VL); this "
+             "CPU runs our kernels at ") +
+         isa_name(cpu_isa()) + " and oneDNN at " + kernels::gemm_isa_name() +
+         (isa_capped_by_env() ? " (capped by BERTRAIN_ISA)" : "");
+}
+#define BT_SKIP_WITHOUT_BF16()                                                      \
+  do {                                                                              \
+    if (const std::string why = ::bertrain::test::bf16_unavailable(); !why.empty()) \
+      GTEST_SKIP() << why;                                                          \
+  } while (0)
 
 // The kernel bodies this CPU can run, best first: AVX-512, AVX2, portable (as far as it goes).
 inline std::vector<Isa> isa_levels() {

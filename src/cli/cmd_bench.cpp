@@ -12,6 +12,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/isa.h"
 #include "core/rng.h"
 #include "kernels/cpu/matmul.h"
 #include "train/optimizer.h"
@@ -110,6 +111,7 @@ void add_bench(CLI::App& app) {
           o->config.c_str(), describe(cfg).c_str(), (long long)o->batch, (long long)o->seq,
           omp_get_max_threads(), o->precision.c_str(),
           m.dims().blocked_attention() ? "blocked" : "full", o->warmup, o->steps);
+    if (!o->json) std::printf("  cpu        %s\n", kernels::cpu_description().c_str());
     std::vector<double> fwd, bwd, upd;
     double loss = 0;
     for (int s = 0; s < o->warmup + o->steps; ++s) {
@@ -148,6 +150,9 @@ void add_bench(CLI::App& app) {
                           {"seq_len", o->seq},
                           {"threads", omp_get_max_threads()},
                           {"precision", o->precision},
+                          {"cpu", cpu_model_name()},
+                          {"isa", isa_name(cpu_isa())},
+                          {"gemm_isa", kernels::gemm_isa_name()},
                           {"tokens_per_s", tokens},
                           {"forward_ms", tf * 1e3},
                           {"backward_ms", tb * 1e3},

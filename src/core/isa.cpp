@@ -93,6 +93,18 @@ bool cpu_has_avx512_bf16() {
   return detected().bf16;
 }
 
+std::string cpu_model_name() {
+  unsigned r[12] = {};
+  unsigned top = __get_cpuid_max(0x80000000, nullptr);
+  if (top < 0x80000004) return "unknown CPU";
+  for (unsigned i = 0; i < 3; ++i)
+    __get_cpuid(0x80000002 + i, &r[4 * i], &r[4 * i + 1], &r[4 * i + 2], &r[4 * i + 3]);
+  std::string s(reinterpret_cast<const char*>(r), sizeof r);
+  s = s.c_str();  // up to the first NUL
+  const size_t b = s.find_first_not_of(' '), e = s.find_last_not_of(' ');
+  return b == std::string::npos ? "unknown CPU" : s.substr(b, e - b + 1);
+}
+
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::Portable:

@@ -5,6 +5,8 @@
 // passes the cap on), so the fallbacks are tested on machines that have AVX-512.
 #pragma once
 
+#include <string>
+
 namespace bertrain {
 
 enum class Isa { Portable = 0, Avx2 = 1, Avx512 = 2 };
@@ -14,6 +16,8 @@ Isa cpu_isa();
 bool cpu_has_avx512_bf16();  // AVX-512 BF16 (vdpbf16ps), within the cap
 bool isa_capped_by_env();    // BERTRAIN_ISA lowered the detected ISA (matmul.cpp caps oneDNN)
 const char* isa_name(Isa isa);
+// The processor's brand string (cpuid), e.g. "AMD EPYC 7B13 64-Core Processor".
+std::string cpu_model_name();
 inline bool use_avx512() {
   return cpu_isa() == Isa::Avx512;
 }

@@ -190,6 +190,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
         comm.name().c_str(), omp_get_max_threads(),
         human_bytes(static_cast<double>(m.plan().total_bytes() + 2 * P * 4)).c_str(),
         human_bytes(static_cast<double>(pipe.memory_bound_bytes())).c_str());
+    std::printf("  cpu %s\n", kernels::cpu_description().c_str());
     std::fflush(stdout);
   }
 

@@ -54,6 +54,61 @@ dnnl::engine& cpu_engine() {
   return eng;
 }
 
+const GemmPrim& get_prim(const GemmKey& k);
+
+}  // namespace
+
+const char* gemm_isa_name() {
+  cpu_engine();  // applies the BERTRAIN_ISA cap first
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::sse41:
+      return "sse41";
+    case dnnl::cpu_isa::avx:
+      return "avx";
+    case dnnl::cpu_isa::avx2:
+      return "avx2";
+    case dnnl::cpu_isa::avx2_vnni:
+      return "avx2_vnni";
+    case dnnl::cpu_isa::avx512_core:
+      return "avx512_core";
+    case dnnl::cpu_isa::avx512_core_vnni:
+      return "avx512_core_vnni";
+    case dnnl::cpu_isa::avx512_core_bf16:
+      return "avx512_core_bf16";
+    case dnnl::cpu_isa::avx512_core_amx:
+      return "avx512_core_amx";
+    default:
+      return "other";
+  }
+}
+
+bool gemm_bf16_available() {
+  static const bool ok = [] {
+    try {
+      const dnnl::memory::desc md({2, 2}, dt::bf16, dims{2, 1}), out({2, 2}, dt::f32, dims{2, 1});
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(md, md, out), cpu_engine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return ok;
+}
+
+std::string cpu_description() {
+  std::string s = cpu_model_name() + "; kernels " + isa_name(cpu_isa());
+  if (isa_capped_by_env()) s += " (capped by BERTRAIN_ISA)";
+  s += ", oneDNN ";
+  s += gemm_isa_name();
+  s += ", bf16 matmul ";
+  s += !gemm_bf16_available()  ? "unavailable (needs AVX-512)"
+       : cpu_has_avx512_bf16() ? "native (AVX-512 BF16)"
+                               : "emulated (no AVX-512 BF16)";
+  return s;
+}
+
+namespace {
+
 const GemmPrim& get_prim(const GemmKey& k) {
   static std::mutex mu;
   static std::map<GemmKey, GemmPrim> cache;

@@ -4,8 +4,19 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace bertrain::kernels {
+
+// The instruction set oneDNN's JIT uses for the matmuls here (after any BERTRAIN_ISA cap), e.g.
+// "avx512_core_bf16".
+const char* gemm_isa_name();
+// Whether oneDNN can run bf16 matmuls on this CPU (AVX-512: natively with AVX-512 BF16, emulated
+// on plain AVX-512; not on AVX2). Probed once with a tiny primitive.
+bool gemm_bf16_available();
+// One line for run headers and reports: the CPU model, the kernel bodies in use and oneDNN's ISA,
+// and how bf16 matmuls run, so that every number says where it came from.
+std::string cpu_description();
 
 // C[M,N] (=|+=) op(A)·op(B) (+ bias[N]); op(X) = X or X^T as stored row-major with leading
 // dimension ld*. With accumulate, C += result (bias must then be null).
