@@ -1,6 +1,12 @@
 // data::Pipeline: determinism, independence from thread counts, sharding (every record once per
 // epoch across ranks), exact resume, corrupt-data policies, bounded memory.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
 
 #include <fstream>
 #include <map>
@@ -211,6 +217,75 @@ TEST(Pipeline, CorruptRecordSkippedAndCounted) {
   EXPECT_EQ(uids.size(), 3u * 10u - 1u + 1u);
   EXPECT_EQ(std::count(uids.begin(), uids.end(), 1000 * 1 + 3 + 1), 0);
   EXPECT_EQ(p.stats().skipped, 2u);
+}
+
+// Every record of another shape (data prepared with another --seq-len) under --on-corrupt skip
+// once looped over every epoch without end; now it is an error naming the first reason, which
+// names the setting to change. The same without skip names the setting and not --on-corrupt.
+TEST(Pipeline, AnEpochWithoutAUsableRecordIsAnErrorNotAnEndlessLoop) {
+  TempDir dir;
+  write_shards(dir, 2, 10);
+  for (OnCorrupt mode : {OnCorrupt::Skip, OnCorrupt::Fail}) {
+    PipelineOptions o = options(dir, 4);  // epochs = 0: repeat forever
+    o.on_corrupt = mode;
+    o.verbose_skips = false;
+    Pipeline p(o, Schema::pretraining(kT / 2, kP, kVocab));
+    try {
+      model::Batch b;
+      p.next(b);
+      FAIL() << "no error";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("differs from --seq-len"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("--on-corrupt"), std::string::npos) << msg;
+      if (mode == OnCorrupt::Skip) {
+        EXPECT_NE(msg.find("no usable record in a whole epoch"), std::string::npos) << msg;
+        EXPECT_EQ(p.stats().skipped, 20u);
+      }
+    }
+  }
+  // Files without any record: an error too, not a wait.
+  TempDir empty;
+  write_shards(empty, 2, 0);
+  PipelineOptions o = options(empty, 4);
+  Pipeline p(o, schema());
+  model::Batch b;
+  EXPECT_THROW(p.next(b), Error);
+}
+
+// A raised stop flag (SIGTERM's) ends a wait for input within the wait's slice.
+TEST(Pipeline, NextStopsWaitingWhenInterrupted) {
+  TempDir dir;
+  write_shards(dir, 1, 2);
+  // A FIFO as the data file: the reader blocks on it, so the consumer waits for input.
+  const std::string fifo = dir / "shard-9.tfrecord";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  PipelineOptions o = options(dir, 64);
+  std::atomic<int> flag{0};
+  o.interrupt = &flag;
+  o.shuffle = false;
+  Pipeline p(o, schema());
+  std::thread raise([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    flag = 15;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  model::Batch b;
+  EXPECT_THROW(p.next(b), Interrupted);
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(waited, 5.0);
+  raise.join();
+  // Unblock the reader (waiting in open) so that the pipeline can shut down: a writer that opens
+  // and closes the FIFO makes it an empty file.
+  for (int i = 0; i < 500; ++i) {
+    const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) {
+      close(fd);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 TEST(Pipeline, MissingFilesAndBadOptionsAreClearErrors) {

@@ -31,6 +31,15 @@ std::string root(const std::string& rel) {
   return test::data_path("../" + rel);
 }
 
+TEST(Train, WarmupFractionIsRoundedUp) {
+  EXPECT_EQ(warmup_steps(0.1, 5), 1);  // was 0: no warmup at all in a short run
+  EXPECT_EQ(warmup_steps(0.1, 9), 1);
+  EXPECT_EQ(warmup_steps(0.1, 30), 3);
+  EXPECT_EQ(warmup_steps(0.1, 300), 30);
+  EXPECT_EQ(warmup_steps(0.0, 300), 0);
+  EXPECT_EQ(warmup_steps(25, 300), 25);
+}
+
 TEST(LossScaler, SkipsHalvesGrowsAndGivesUp) {
   LossScaler::Config c;
   c.enabled = true;

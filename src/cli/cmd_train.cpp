@@ -104,13 +104,13 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
   add_pipeline_options(c, t.input, o->on_corrupt);
   add_dist_options(c);
   c->callback([o, comm] {
+    train::install_signal_handlers();  // first: before any thread exists
     set_threads(o->threads);
     train::TrainConfig cfg = o->cfg;
     cfg.precision = train::parse_precision(o->precision);
     cfg.attention = model::parse_attention(o->attention);
     cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
     cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
-    train::install_signal_handlers();
     train::train(cfg, comm());
   });
 }

@@ -2,6 +2,7 @@
 // subcommand lives in its own cmd_*.cpp.
 #include <omp.h>
 
+#include <csignal>
 #include <cstdio>
 
 #include <mpi.h>
@@ -46,6 +47,12 @@ dist::Communicator& communicator() {
       mpi->set_algorithm(dist::parse_algorithm(g_dist.allreduce));
       mpi->set_wire(dist::parse_wire(g_dist.compression));
       mpi->set_stall_timeout(g_dist.stall_timeout);
+      if (mpi->size() > 1 && dist::parse_wire(g_dist.compression) != dist::Wire::F32 &&
+          !mpi->wire_in_use())
+        bertrain::fail("--compression ", g_dist.compression,
+                       " would do nothing: all ranks are on one node, where the ", g_dist.allreduce,
+                       " allreduce reads the other ranks' memory and sends nothing over a wire; "
+                       "drop --compression, or pass --allreduce ring to compress between ranks");
       g_comm = std::move(mpi);
     } else {
       g_comm = std::make_unique<dist::SingleProcess>();
@@ -57,7 +64,7 @@ dist::Communicator& communicator() {
 void add_dist_options(CLI::App* c) {
   c->add_option(
        "--allreduce", g_dist.allreduce,
-       "Gradient allreduce under mpirun: auto (shm within a node, hierarchical across nodes), "
+       "Allreduce algorithm under mpirun: auto (shm within a node, hierarchical across nodes), "
        "shm, ring, hierarchical or mpi")
       ->capture_default_str();
   c->add_option("--compression", g_dist.compression,
@@ -71,8 +78,10 @@ void add_dist_options(CLI::App* c) {
 }  // namespace bertrain::cli
 
 int main(int argc, char** argv) {
-  CLI::App app{
-      "bertrain: pre-train and fine-tune BERT fast on CPUs and GPUs, on one machine or many."};
+  // A file-size limit (ulimit -f, a quota) must end a write with EFBIG, which the checkpoint
+  // writer reports with the file's name and keeps the previous checkpoint, not kill the process.
+  std::signal(SIGXFSZ, SIG_IGN);
+  CLI::App app{"bertrain: pre-train and fine-tune BERT fast on CPUs, on one machine or many."};
   app.require_subcommand(1);
   app.set_version_flag("--version", "bertrain 0.1.0");
   bertrain::cli::add_estimate(app);
@@ -86,6 +95,23 @@ int main(int argc, char** argv) {
   bertrain::cli::add_eval(app, bertrain::cli::communicator);
   bertrain::cli::add_finetune(app);
   bertrain::cli::add_predict(app);
+  // CLI11 reads an unknown first word as a stray argument ("A subcommand is required", and
+  // `bertrain nosuch --help` prints the main help and succeeds): name it instead.
+  if (argc > 1 && argv[1][0] != '-') {
+    std::string names;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+      known |= sub->get_name() == argv[1];
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      std::fprintf(
+          stderr,
+          "bertrain: error: unknown command '%s'; the commands are: %s (see bertrain --help)\n",
+          argv[1], names.c_str());
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

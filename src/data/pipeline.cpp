@@ -128,6 +128,8 @@ struct Pipeline::Impl {
   int window_batches = 0, calm_windows = 0;
 
   std::atomic<uint64_t> bytes{0}, skipped{0};
+  std::mutex skip_mu;
+  std::string first_skip;  // the first skipped record's reason (under skip_mu)
   std::thread assembler;
   std::vector<std::thread> readers;
 
@@ -157,10 +159,32 @@ struct Pipeline::Impl {
     return -1;
   }
 
+  // Skips are counted; the first few are logged in full, then one line at each power of ten,
+  // so that a data set with millions of bad records cannot flood stderr.
   void log_skip(const std::string& what) {
-    skipped.fetch_add(1);
-    if (opt.verbose_skips)
-      std::fprintf(stderr, "bertrain: skipping corrupt record: %s\n", what.c_str());
+    const uint64_t n = skipped.fetch_add(1) + 1;
+    {
+      std::lock_guard<std::mutex> lock(skip_mu);
+      if (first_skip.empty()) first_skip = what;
+    }
+    if (!opt.verbose_skips) return;
+    if (n <= kSkipsLoggedInFull) {
+      std::fprintf(stderr, "bertrain: skipping unusable record: %s\n", what.c_str());
+      if (n == kSkipsLoggedInFull)
+        std::fprintf(stderr, "bertrain: (further skips are counted, not listed)\n");
+    } else {
+      uint64_t p = 10;
+      while (p < n) p *= 10;
+      if (p == n)
+        std::fprintf(stderr, "bertrain: %llu records skipped so far; the latest: %s\n",
+                     static_cast<unsigned long long>(n), what.c_str());
+    }
+  }
+  static constexpr uint64_t kSkipsLoggedInFull = 5;
+
+  std::string first_skip_reason() {
+    std::lock_guard<std::mutex> lock(skip_mu);
+    return first_skip;
   }
 
   void reader_loop(int id) {
@@ -202,20 +226,26 @@ struct Pipeline::Impl {
               break;
             }
           } catch (const CorruptRecord& e) {
-            failure(e.what(), !e.resumable());
+            failure(opt.on_corrupt == OnCorrupt::Fail
+                        ? str(e.what(), ", or pass --on-corrupt=skip to skip bad records")
+                        : std::string(e.what()),
+                    !e.resumable());
             continue;
           }
           bytes.fetch_add(rec.size() + 16, std::memory_order_relaxed);
+          bool mismatch = false;
           if (schema.parse(rec, chunk.ints.data() + chunk.n * IC,
-                           chunk.floats.data() + chunk.n * FC, err)) {
+                           chunk.floats.data() + chunk.n * FC, err, &mismatch)) {
             ++chunk.n;
           } else {
-            failure(
-                str(path, ": record ", slot.reader->records() - 1, " at byte ",
-                    slot.reader->offset() - rec.size() - 16, ": ", err,
-                    opt.on_corrupt == OnCorrupt::Fail ? "; fix the data or pass --on-corrupt=skip"
-                                                      : ""),
-                false);
+            // A shape that differs from the settings is a configuration mismatch (fix the
+            // settings); anything else is damaged data (fix it, or skip it).
+            failure(str(path, ": record ", slot.reader->records() - 1, " at byte ",
+                        slot.reader->offset() - rec.size() - 16, ": ", err,
+                        opt.on_corrupt == OnCorrupt::Fail && !mismatch
+                            ? "; fix the data or pass --on-corrupt=skip"
+                            : ""),
+                    false);
           }
         }
       } catch (const Error& e) {  // cannot open or read the file
@@ -335,6 +365,7 @@ struct Pipeline::Impl {
       // replaced in its slot by the next file of the epoch. The assembler owns `held[i]`, the
       // chunk it is taking examples from for slot i, so it locks once per chunk.
       std::vector<Chunk> held(slots.size());
+      uint64_t usable = 0;  // records parsed this epoch (before the per-rank split)
       for (;;) {
         bool any_open = false;
         for (const auto& s : slots) any_open |= s.file >= 0;
@@ -344,6 +375,7 @@ struct Pipeline::Impl {
         for (int taken = 0; taken < opt.block_length;) {
           if (h.pos < h.n) {
             const size_t k = std::min<size_t>(h.n - h.pos, opt.block_length - taken);
+            usable += k;
             for (size_t i = 0; i < k; ++i, ++h.pos)
               if (!accept(h.ints.data() + h.pos * IC, h.floats.data() + h.pos * FC)) return;
             taken += static_cast<int>(k);
@@ -374,6 +406,22 @@ struct Pipeline::Impl {
         }
         std::lock_guard<std::mutex> lock(mu);
         cur = (cur + 1) % slots.size();
+      }
+      // An epoch without a single usable record would repeat forever: with every record
+      // skipped, or files without records, that is an error, not a wait.
+      if (usable == 0) {
+        const uint64_t n = skipped.load();
+        const std::string first = first_skip_reason();
+        push_out(
+            {{},
+             epoch,
+             batch_index,
+             n > 0 ? str("no usable record in a whole epoch of ", epoch_files.size(), " file(s) (",
+                         opt.files, "): all ", n, " records read were skipped; the first: ", first)
+                   : str("the input files hold no records (", opt.files, ", ", epoch_files.size(),
+                         " file(s) for this rank)"),
+             false});
+        return;
       }
       // End of the epoch: drain the shuffle buffer in random order, then the remainder.
       while (buffered > 0) {
@@ -474,7 +522,10 @@ bool Pipeline::next(model::Batch& batch) {
   Impl& m = *impl_;
   const auto t0 = Clock::now();
   std::unique_lock<std::mutex> lock(m.out_mu);
-  m.cv_out.wait(lock, [&] { return !m.out.empty(); });
+  // Wait in slices, so that a stop request (SIGTERM/SIGINT) is honoured while input is slow.
+  while (!m.cv_out.wait_for(lock, std::chrono::milliseconds(100), [&] { return !m.out.empty(); }))
+    if (m.opt.interrupt && m.opt.interrupt->load() != 0)
+      throw Interrupted("interrupted while waiting for input");
   const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
   if (m.out.front().end) return false;  // stays queued: later calls also end
   Out o = std::move(m.out.front());

@@ -13,11 +13,13 @@
 // the assembler replays the epoch's interleave and shuffle up to it without emitting batches.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "data/schema.h"
 #include "model/batch.h"
 
@@ -41,7 +43,16 @@ struct PipelineOptions {
   bool drop_remainder = true;
   OnCorrupt on_corrupt = OnCorrupt::Fail;
   std::string compression = "auto";
-  bool verbose_skips = true;  // log each skipped record to stderr
+  bool verbose_skips = true;  // log skipped records to stderr (the first few, then counts)
+  // When set and non-zero (a signal handler's flag), next() stops waiting for input within
+  // 100 ms and throws Interrupted.
+  const std::atomic<int>* interrupt = nullptr;
+};
+
+// Thrown by Pipeline::next when `interrupt` was raised while it waited.
+class Interrupted : public Error {
+ public:
+  using Error::Error;
 };
 
 struct PipelinePosition {
@@ -69,7 +80,8 @@ class Pipeline {
   Pipeline& operator=(const Pipeline&) = delete;
 
   // The next batch (swapped into `out`; out's old buffers are recycled). False at the end of
-  // the last epoch. Throws Error (file, offset, record) on corrupt data with OnCorrupt::Fail.
+  // the last epoch. Throws Error (file, offset, record) on corrupt data with OnCorrupt::Fail,
+  // and when a whole epoch yields no usable record (every record skipped, or none at all).
   bool next(model::Batch& out);
   PipelinePosition position() const;  // after the last batch returned
   PipelineStats stats() const;

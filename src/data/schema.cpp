@@ -43,8 +43,9 @@ bool Schema::parse(std::string_view record, ParsedExample& out, std::string& err
   return parse(record, out.ints.data(), out.floats.data(), error);
 }
 
-bool Schema::parse(std::string_view record, int32_t* ints, float* floats,
-                   std::string& error) const {
+bool Schema::parse(std::string_view record, int32_t* ints, float* floats, std::string& error,
+                   bool* mismatch) const {
+  if (mismatch) *mismatch = false;
   thread_local ExampleView view;
   if (!view.parse(record)) {
     error = "not a valid tf.train.Example: " + view.error();
@@ -95,6 +96,7 @@ bool Schema::parse(std::string_view record, int32_t* ints, float* floats,
       return false;
     }
     if (n != f.length) {
+      if (mismatch) *mismatch = true;
       const bool seq = f.length == seq_len_ && f.name != "masked_lm_positions";
       error = str("feature '", f.name, "' has ", n, " values, expected ", f.length,
                   seq ? " (the data's sequence length differs from --seq-len)"

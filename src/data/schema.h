@@ -50,7 +50,10 @@ class Schema {
   // expected vs found). Never throws.
   bool parse(std::string_view record, ParsedExample& out, std::string& error) const;
   // The same into caller storage: ints[int_count()], floats[float_count()].
-  bool parse(std::string_view record, int32_t* ints, float* floats, std::string& error) const;
+  // `mismatch` (optional) is set when the record is well-formed but its shape differs from
+  // this schema's (another --seq-len or --max-predictions): a configuration error, not damage.
+  bool parse(std::string_view record, int32_t* ints, float* floats, std::string& error,
+             bool* mismatch = nullptr) const;
   // Copies a parsed example into row `row` of a batch shaped for this schema.
   void fill_row(const ParsedExample& ex, model::Batch& b, int64_t row) const {
     fill_row(ex.ints.data(), ex.floats.data(), b, row);

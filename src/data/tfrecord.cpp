@@ -182,8 +182,7 @@ Compression resolve_compression(const std::string& option, const std::string& pa
 
 CorruptRecord::CorruptRecord(Kind k, const std::string& p, uint64_t off, uint64_t rec,
                              const std::string& what)
-    : Error(str(p, ": corrupt record ", rec, " at byte ", off, ": ", what,
-                "; re-create the file, or pass --on-corrupt=skip to skip bad records")),
+    : Error(str(p, ": corrupt record ", rec, " at byte ", off, ": ", what, "; re-create the file")),
       kind(k),
       path(p),
       offset(off),

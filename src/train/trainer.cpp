@@ -3,12 +3,16 @@
 #include <sys/resource.h>
 
 #include <omp.h>
+#include <pthread.h>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
+#include <thread>
 
 #include "core/error.h"
 #include "dist/reducer.h"
@@ -22,9 +26,6 @@ namespace bertrain::train {
 std::atomic<int> g_stop_signal{0};
 
 namespace {
-void on_signal(int sig) {
-  g_stop_signal.store(sig);
-}
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -39,12 +40,44 @@ std::string hms(double s) {
 
 }  // namespace
 
+// SIGTERM and SIGINT are blocked in every thread and taken by one thread of their own that
+// waits for them (sigwait), so no signal is ever delivered asynchronously to a thread that
+// computes. That is not only tidiness: oneDNN's JIT f32 GEMM kernels (the AVX2 and AVX-512
+// "gemm:jit" paths, taken on AVX2 CPUs and for some shapes elsewhere) point RSP into a heap
+// workspace while they run, and a signal delivered then writes its frame into the heap
+// (oneDNN issue #4845, fixed upstream after the 2.6 that Debian ships): "free(): invalid
+// pointer" a few calls later. The first signal asks the loop to stop after the step (and
+// checkpoint); a second one ends the process at once (checkpoints are written atomically).
 void install_signal_handlers() {
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
+  static std::once_flag once;
+  std::call_once(once, [] {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    // Threads created from here on inherit the mask: call before any other thread exists.
+    pthread_sigmask(SIG_BLOCK, &set, nullptr);
+    std::thread([set] {
+      for (;;) {
+        int sig = 0;
+        if (sigwait(&set, &sig) != 0) continue;
+        if (g_stop_signal.exchange(sig) != 0) {
+          std::fprintf(stderr,
+                       "bertrain: second signal %d: exiting now (the last complete "
+                       "checkpoint stands)\n",
+                       sig);
+          std::_Exit(128 + sig);
+        }
+      }
+    }).detach();
+  });
+}
+
+int64_t warmup_steps(double warmup, int64_t steps) {
+  // A fraction of the run, rounded up: --warmup 0.1 warms up for at least one step however
+  // short the run (1e-9: 0.1 * 30 is 3.0000000000000004, still 3 steps).
+  if (warmup < 1.0) return static_cast<int64_t>(std::ceil(warmup * steps - 1e-9));
+  return static_cast<int64_t>(warmup);
 }
 
 Precision parse_precision(const std::string& s) {
@@ -76,8 +109,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   sc.enabled = fp16;
   sc.max_consecutive_skips = cfg.max_skipped_steps;
   LossScaler scaler(sc);
-  const int64_t warmup = cfg.warmup < 1.0 ? static_cast<int64_t>(cfg.warmup * cfg.steps)
-                                          : static_cast<int64_t>(cfg.warmup);
+  const int64_t warmup = warmup_steps(cfg.warmup, cfg.steps);
   const LrSchedule sched{cfg.lr, cfg.end_lr, cfg.power, warmup, cfg.steps};
 
   nlohmann::json settings = {{"batch_size", cfg.batch_size},
@@ -148,6 +180,10 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   in.rank = rank;
   in.world = world;
   in.seed = cfg.seed;
+  // One rank stops waiting for input on SIGTERM/SIGINT. With several ranks a rank that left its
+  // input wait alone would meet its peers in different collectives; there the stop is agreed at
+  // the end of a step, and a rank that waits too long is caught by the stall watchdog.
+  if (world == 1) in.interrupt = &g_stop_signal;
   data::Pipeline pipe(in,
                       data::Schema::pretraining(cfg.seq_len, cfg.max_predictions, mcfg.vocab_size,
                                                 mcfg.type_vocab_size),
@@ -196,6 +232,9 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
 
   TrainResult res;
   std::string last_ck = resumed_from;
+  // The input position after the last completed step: a step interrupted while it waited for
+  // input is not in the checkpoint, and neither are the micro-batches it had read.
+  data::PipelinePosition done_pos = pipe.position();
   auto save = [&](int64_t step_done) {
     TrainerState st;
     st.step = step_done;
@@ -206,7 +245,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
     st.settings = settings;
     // Every rank's pipeline position goes into rank 0's checkpoint.
     std::vector<double> pos(3 * world, 0.0);
-    const data::PipelinePosition mine = pipe.position();
+    const data::PipelinePosition mine = done_pos;
     pos[3 * rank] = static_cast<double>(mine.epoch);
     pos[3 * rank + 1] = static_cast<double>(mine.batches);
     comm.allreduce_sum(pos.data(), static_cast<int64_t>(pos.size()));
@@ -246,6 +285,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   const auto run_start = Clock::now();
   auto win_start = Clock::now();
   int64_t step = start_step;
+  bool interrupted_in_input = false;
   for (; step < cfg.steps; ++step) {
     const auto t_step = Clock::now();
     m.zero_grads();
@@ -253,7 +293,12 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
     const float scale = scaler.scale();
     for (int64_t micro = 0; micro < cfg.accumulation; ++micro) {
       auto t0 = Clock::now();
-      if (!pipe.next(batch)) fail("the input pipeline ended (it repeats forever; this is a bug)");
+      try {
+        if (!pipe.next(batch)) fail("the input pipeline ended (it repeats forever; this is a bug)");
+      } catch (const data::Interrupted&) {
+        interrupted_in_input = true;
+        break;
+      }
       t_input += since(t0);
       span("input wait", "input", t0);
       const model::StepOptions so{true, cfg.seed, static_cast<uint64_t>(step),
@@ -279,6 +324,10 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
         m.backward(batch, so, scale / static_cast<float>(cfg.accumulation));
       t_bwd += since(t0);
       span("backward", "compute", t0);
+    }
+    if (interrupted_in_input) {
+      res.interrupted = true;
+      break;
     }
     // Average gradients across ranks (sum, then 1/world folded into the unscale).
     auto t0 = Clock::now();
@@ -349,6 +398,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       win_start = Clock::now();
     }
     res.steps_done = done;
+    done_pos = pipe.position();
     const bool slice_done =
         cfg.stop_after > 0 && done - start_step >= cfg.stop_after && done != cfg.steps;
     const bool stop = slice_done || (world > 1 ? !comm.all(g_stop_signal.load() == 0)
@@ -371,6 +421,9 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
                   cfg.timeline.c_str());
   }
   if (lead) {
+    if (const uint64_t skipped = pipe.stats().skipped; skipped > 0)
+      std::printf("input: %llu unusable records skipped on this rank (--on-corrupt skip)\n",
+                  static_cast<unsigned long long>(skipped));
     if (res.interrupted)
       std::printf("train: stopped %s after step %lld; checkpoint %s (continue with --resume)\n",
                   g_stop_signal.load() ? str("by signal ", g_stop_signal.load()).c_str()

@@ -47,11 +47,17 @@ struct TrainResult {
   bool interrupted = false;
 };
 
-// Set by SIGTERM/SIGINT handlers (install_signal_handlers); the loop finishes the current step,
-// checkpoints and returns with interrupted = true.
+// Set on SIGTERM/SIGINT once install_signal_handlers ran; the loop finishes the current step
+// (or stops waiting for input), checkpoints and returns with interrupted = true.
 extern std::atomic<int> g_stop_signal;
+// Blocks SIGTERM/SIGINT in every thread and receives them on a thread of its own (trainer.cpp
+// says why): call before any other thread is started.
 void install_signal_handlers();
 
 TrainResult train(const TrainConfig& cfg, dist::Communicator& comm);
+
+// --warmup as steps: below 1 a fraction of `steps`, rounded up (so never 0 for a fraction > 0);
+// from 1 a step count.
+int64_t warmup_steps(double warmup, int64_t steps);
 
 }  // namespace bertrain::train
