@@ -213,6 +213,27 @@ TEST(Config, MissingAndInvalidFieldsAreNamed) {
             std::string::npos);
 }
 
+// config.json is written with the values as read (HuggingFace writes 0.1), not with float noise
+// (0.10000000149011612), and reads back to the same floats.
+TEST(Config, WritesTheDecimalsItRead) {
+  using nlohmann::json;
+  const json in = {
+      {"vocab_size", 100},          {"hidden_size", 64},        {"num_hidden_layers", 2},
+      {"num_attention_heads", 4},   {"intermediate_size", 128}, {"hidden_act", "gelu"},
+      {"hidden_dropout_prob", 0.1}, {"layer_norm_eps", 1e-12},  {"initializer_range", 0.02}};
+  const BertConfig c = BertConfig::from_json(in, "c.json");
+  const json out = c.to_json("BertForPreTraining");
+  EXPECT_EQ(out["hidden_dropout_prob"].get<double>(), 0.1);
+  EXPECT_EQ(out["attention_probs_dropout_prob"].get<double>(), 0.1);
+  EXPECT_EQ(out["layer_norm_eps"].get<double>(), 1e-12);
+  EXPECT_EQ(out["initializer_range"].get<double>(), 0.02);
+  const std::string text = out.dump();
+  EXPECT_EQ(text.find("0.10000000149"), std::string::npos) << text;
+  const BertConfig back = BertConfig::from_json(out, "c.json");
+  EXPECT_EQ(back.hidden_dropout_prob, c.hidden_dropout_prob);
+  EXPECT_EQ(back.layer_norm_eps, c.layer_norm_eps);
+}
+
 TEST(Batch, OutOfRangeIdsAreNamed) {
   BertModel m = load_golden();
   Batch b;

@@ -132,6 +132,23 @@ TEST(Cli, InspectTfRecordsAsJsonLinesAndVerifiesCrcs) {
   EXPECT_NE(r.out.find("bad.tfrecord: corrupt record 2 at byte 255: data CRC mismatch"),
             std::string::npos)
       << r.out;
+  // inspect has no --on-corrupt: its advice must not name it.
+  EXPECT_EQ(r.out.find("--on-corrupt"), std::string::npos) << r.out;
+}
+
+// A user-facing string never names something that does not exist.
+TEST(Cli, UnknownCommandsAndHelpSayWhatExists) {
+  for (const char* args : {"launch", "launch --help", "trian --steps 3"}) {
+    RunResult r = run(args);
+    EXPECT_EQ(r.rc, 2) << args;
+    EXPECT_NE(r.out.find("bertrain: error: unknown command '"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("the commands are: estimate"), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("A subcommand is required"), std::string::npos) << r.out;
+  }
+  RunResult r = run("--help");
+  EXPECT_EQ(r.out.find("GPU"), std::string::npos) << r.out;  // no step runs on a GPU yet
+  r = run("eval --help");
+  EXPECT_EQ(r.out.find("Gradient allreduce"), std::string::npos) << r.out;
 }
 
 TEST(Cli, BenchInputReadsShards) {

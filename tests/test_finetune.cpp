@@ -5,6 +5,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/isa.h"
+#include "data/example.h"
+#include "data/tfrecord.h"
 #include "model/checkpoint.h"
 #include "model/safetensors.h"
 #include "test_util.h"
@@ -55,6 +57,46 @@ FinetuneConfig tiny_run(const test::TempDir& tmp) {
   f.lr = 3e-3;
   f.quiet = true;
   return f;
+}
+
+// Train and dev formats are independent: a TSV training set with the same dev set as TSV and
+// as classification TFRecords (run_classifier.py's schema) gives the same dev accuracy.
+TEST(Finetune, DevFormatIsItsOwnNotTheTrainingSets) {
+  test::TempDir tmp;
+  FinetuneConfig f = tiny_run(tmp);
+  f.epochs = 1;
+  f.dev = root("data/classification/chnsenticorp_small/dev.tsv");
+  f.output = tmp / "ft-tsv";
+  const FinetuneResult a = finetune(f);
+  // The dev TSV as TFRecords.
+  const data::Vocab v = data::Vocab::load(f.vocab);
+  const data::Tokenizer tok(v, true);
+  const LabeledSet dev = read_tsv(f.dev, tok, f.seq_len, {"0", "1"});
+  {
+    data::TFRecordWriter w(tmp / "dev.tf_record", data::Compression::None);
+    for (size_t i = 0; i < dev.ids.size(); ++i) {
+      std::vector<int64_t> ids(f.seq_len, 0), mask(f.seq_len, 0), seg(f.seq_len, 0);
+      for (size_t t = 0; t < dev.ids[i].size(); ++t) {
+        ids[t] = dev.ids[i][t];
+        mask[t] = 1;
+        seg[t] = dev.segments[i][t];
+      }
+      data::Example ex;
+      ex["input_ids"] = {data::FeatureKind::Int64, ids, {}, {}};
+      ex["input_mask"] = {data::FeatureKind::Int64, mask, {}, {}};
+      ex["segment_ids"] = {data::FeatureKind::Int64, seg, {}, {}};
+      ex["label_ids"] = {data::FeatureKind::Int64, {dev.labels[i]}, {}, {}};
+      w.write(data::encode_example(ex));
+    }
+    w.close();
+  }
+  f.dev = tmp / "dev.tf_record";
+  f.output = tmp / "ft-tf";
+  const FinetuneResult b = finetune(f);
+  ASSERT_EQ(a.dev_accuracy.size(), 1u);
+  ASSERT_EQ(b.dev_accuracy.size(), 1u);
+  EXPECT_EQ(a.dev_accuracy[0], b.dev_accuracy[0]);
+  EXPECT_EQ(a.train_loss, b.train_loss);
 }
 
 TEST(Finetune, LearnsTheTrainingSetAndPredicts) {

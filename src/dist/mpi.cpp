@@ -196,10 +196,7 @@ std::string MpiCommunicator::name() const {
       "MPI, ", size_, " ranks (", size_ / std::max(1, local_size_), " node(s) x ", local_size_,
       "), allreduce ",
       algo_ == Algorithm::Shm && local_size_ != size_ ? "hierarchical" : algorithm_name(algo_),
-      algo_ == Algorithm::Ring || algo_ == Algorithm::Hierarchical ||
-              (algo_ == Algorithm::Shm && local_size_ != size_)
-          ? str(", wire ", wire_name(wire_))
-          : "");
+      wire_in_use() ? str(", wire ", wire_name(wire_)) : "");
 }
 
 void MpiCommunicator::enter(const char* what) {

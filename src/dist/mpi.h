@@ -57,6 +57,13 @@ class MpiCommunicator : public Communicator {
 
   void set_algorithm(Algorithm a) { algo_ = a; }
   void set_wire(Wire w) { wire_ = w; }
+  // Whether the allreduce sends gradients over a wire that --compression narrows: the ring, and
+  // the ring between node leaders of shm/hierarchical once ranks span nodes. Within one node
+  // shm reads peers' memory directly and nothing is compressed.
+  bool wire_in_use() const {
+    return algo_ == Algorithm::Ring ||
+           ((algo_ == Algorithm::Shm || algo_ == Algorithm::Hierarchical) && local_size_ != size_);
+  }
   void set_stall_timeout(double seconds) { stall_timeout_ = seconds; }
   void set_label(const std::string& label) override {
     std::lock_guard<std::mutex> lock(label_mu_);

@@ -1,5 +1,7 @@
 #include "model/config.h"
 
+#include <charconv>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -100,6 +102,16 @@ void BertConfig::validate(const std::string& source) const {
   }
 }
 
+namespace {
+// The shortest decimal that reads back as the same float, as a double: 0.1f is written as 0.1
+// (what HuggingFace wrote and read), not as 0.10000000149011612.
+double decimal(float v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::strtod(std::string(buf, r.ptr).c_str(), nullptr);
+}
+}  // namespace
+
 nlohmann::json BertConfig::to_json(const std::string& architecture) const {
   nlohmann::json j = {{"architectures", {architecture}},
                       {"model_type", "bert"},
@@ -109,12 +121,12 @@ nlohmann::json BertConfig::to_json(const std::string& architecture) const {
                       {"num_attention_heads", num_attention_heads},
                       {"intermediate_size", intermediate_size},
                       {"hidden_act", hidden_act},
-                      {"hidden_dropout_prob", hidden_dropout_prob},
-                      {"attention_probs_dropout_prob", attention_probs_dropout_prob},
+                      {"hidden_dropout_prob", decimal(hidden_dropout_prob)},
+                      {"attention_probs_dropout_prob", decimal(attention_probs_dropout_prob)},
                       {"max_position_embeddings", max_position_embeddings},
                       {"type_vocab_size", type_vocab_size},
-                      {"layer_norm_eps", layer_norm_eps},
-                      {"initializer_range", initializer_range},
+                      {"layer_norm_eps", decimal(layer_norm_eps)},
+                      {"initializer_range", decimal(initializer_range)},
                       {"position_embedding_type", "absolute"},
                       {"pad_token_id", 0},
                       {"torch_dtype", "float32"}};

@@ -210,16 +210,21 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     fail("vocabulary ", vocab_path, " has ", vocab.size(), " tokens, the model ", mc.vocab_size);
   const bool lower = cfg.lower_case < 0 ? vocab.looks_uncased() : cfg.lower_case != 0;
   const data::Tokenizer tok(vocab, lower);
-  const bool tsv = cfg.train.size() > 4 && cfg.train.substr(cfg.train.size() - 4) == ".tsv";
+  // Train and dev each in their own format: a .tsv file, or classification TFRecords.
+  auto is_tsv = [](const std::string& f) {
+    return f.size() > 4 && f.substr(f.size() - 4) == ".tsv";
+  };
   LabeledSet train_set =
-      tsv ? read_tsv(cfg.train, tok, cfg.seq_len, {})
+      is_tsv(cfg.train)
+          ? read_tsv(cfg.train, tok, cfg.seq_len, {})
           : read_classification_tfrecords(cfg.train, cfg.seq_len, mc.num_labels, mc.vocab_size);
   mc.num_labels = static_cast<int64_t>(train_set.label_names.size());
   if (mc.num_labels < 2)
     fail(cfg.train, " has ", mc.num_labels, " label(s); classification needs at least 2");
   LabeledSet dev;
   if (!cfg.dev.empty())
-    dev = tsv ? read_tsv(cfg.dev, tok, cfg.seq_len, train_set.label_names)
+    dev = is_tsv(cfg.dev)
+              ? read_tsv(cfg.dev, tok, cfg.seq_len, train_set.label_names)
               : read_classification_tfrecords(cfg.dev, cfg.seq_len, mc.num_labels, mc.vocab_size);
 
   model::BertModel m(mc, model::Head::SequenceClassification,
