@@ -10,14 +10,20 @@ scripts/format.sh --check
 BUILD_DIR=${BUILD_DIR:-build}
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j"$(nproc)" --timeout 600
 
-# A short coverage-guided fuzz of the record parsers under ASan/UBSan (clang's libFuzzer).
+# A short coverage-guided fuzz of the parsers (records, checkpoints, configs, vocabularies)
+# under ASan/UBSan (clang's libFuzzer).
 if command -v clang++ >/dev/null && [ "${BERTRAIN_SKIP_FUZZ:-0}" != 1 ]; then
   cmake -S tests/fuzz -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build build-fuzz -j"$(nproc)" >/dev/null
   mkdir -p build-fuzz/corpus
   build-fuzz/fuzz_example -max_total_time="${BERTRAIN_FUZZ_SECONDS:-30}" -max_len=4096 \
     -artifact_prefix=build-fuzz/ build-fuzz/corpus tests/fuzz/corpus 2>&1 | tail -1
-  echo "fuzz: no crash in ${BERTRAIN_FUZZ_SECONDS:-30} s"
+  echo "fuzz: record parsers, no crash in ${BERTRAIN_FUZZ_SECONDS:-30} s"
+  # safetensors headers, config.json and vocab files
+  mkdir -p build-fuzz/corpus_files
+  build-fuzz/fuzz_files -max_total_time="${BERTRAIN_FUZZ_SECONDS:-30}" -max_len=8192 \
+    -artifact_prefix=build-fuzz/ build-fuzz/corpus_files tests/fuzz/corpus_files 2>&1 | tail -1
+  echo "fuzz: checkpoint, config and vocab parsers, no crash in ${BERTRAIN_FUZZ_SECONDS:-30} s"
 fi
 
 NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)

@@ -125,15 +125,22 @@ TrainerState load_checkpoint(const std::string& dir, model::BertModel& m, Optimi
          "sizes); resume with the same model config or start a new --output");
   model::load_safetensors_into(m, (fs::path(dir) / "model.safetensors").string());
   TrainerState st;
-  st.step = j.at("step");
-  st.loss_scale = j.at("loss_scale");
-  st.scaler_good = j.at("scaler_good_steps");
-  st.scaler_skipped = j.at("scaler_skipped_steps");
-  st.optimizer_steps = j.at("optimizer_steps");
-  st.settings = j.at("settings");
-  for (const auto& p : j.at("pipeline"))
-    st.positions.push_back({p.at("epoch").get<uint64_t>(), p.at("batches").get<uint64_t>(),
-                            std::stoull(p.at("fingerprint").get<std::string>())});
+  // A field missing or of the wrong type is an error naming the file and the field.
+  const char* field = "";
+  try {
+    st.step = j.at(field = "step");
+    st.loss_scale = j.at(field = "loss_scale");
+    st.scaler_good = j.at(field = "scaler_good_steps");
+    st.scaler_skipped = j.at(field = "scaler_skipped_steps");
+    st.optimizer_steps = j.at(field = "optimizer_steps");
+    st.settings = j.at(field = "settings");
+    for (const auto& p : j.at(field = "pipeline"))
+      st.positions.push_back({p.at("epoch").get<uint64_t>(), p.at("batches").get<uint64_t>(),
+                              std::stoull(p.at("fingerprint").get<std::string>())});
+  } catch (const std::exception& e) {
+    fail(state_path, ": field \"", field, "\" is missing or malformed (", e.what(),
+         "); resume from an earlier checkpoint of the run");
+  }
   if (opt) {
     SafetensorsReader r((fs::path(dir) / "optimizer.safetensors").string());
     auto mm = r.read_f32("m"), vv = r.read_f32("v");
