@@ -42,8 +42,7 @@ for cfg in $CONFIGS; do
     done
     bt=$(printf "%s" "$bts" | best); pt=$(printf "%s" "$pts" | best)
     b=$(echo "$bt" | field tokens_per_s); p=$(echo "$pt" | field tokens_per_s)
-    echo "# CPU: $(build/bertrain bench --model-config configs/bert-tiny.json --batch-size 1 --seq-len 8 --max-predictions 1 --steps 1 --warmup 0 | sed -n 's/^  cpu *//p')"
-printf "%-24s %-5s %12.0f %12.0f %6.2fx %9.0fM %9.0fM %5.0f%%\n" "$cfg" $prec "$b" "$p" "$(python3 -c "print($b/$p)")" \
+    printf "%-24s %-5s %12.0f %12.0f %6.2fx %9.0fM %9.0fM %5.0f%%\n" "$cfg" $prec "$b" "$p" "$(python3 -c "print($b/$p)")" \
       "$(echo "$bt" | field peak_rss_bytes | python3 -c "import sys; print(float(sys.stdin.read())/2**20)")" \
       "$(echo "$pt" | field peak_rss_bytes | python3 -c "import sys; print(float(sys.stdin.read())/2**20)")" \
       "$(echo "$bt" | field mfu | python3 -c "import sys; print(100*float(sys.stdin.read()))")"

@@ -26,6 +26,16 @@ if command -v clang++ >/dev/null && [ "${BERTRAIN_SKIP_FUZZ:-0}" != 1 ]; then
   echo "fuzz: checkpoint, config and vocab parsers, no crash in ${BERTRAIN_FUZZ_SECONDS:-30} s"
 fi
 
+# The fault-injection suite once more on an AddressSanitizer + UBSan build of bertrain (our code
+# instrumented; oneDNN, Open MPI and the C++ runtime as Debian ships them), without the
+# two-rank kill cases the plain run covers. BERTRAIN_SKIP_ASAN=1 skips it.
+if [ "${BERTRAIN_SKIP_ASAN:-0}" != 1 ]; then
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O1" \
+    -DBERTRAIN_SANITIZE=ON -DBERTRAIN_TESTS=OFF -DBERTRAIN_BENCH=OFF >/dev/null
+  cmake --build build-asan -j"$(nproc)" --target bertrain >/dev/null
+  FAULT_KINDS="sigterm diskfull ckpt input" tests/faults/run.sh build-asan/bertrain
+fi
+
 NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
 if [ -n "$NVCC" ] && [ "${BERTRAIN_SKIP_CUDA:-0}" != 1 ]; then
   echo "test: building the CUDA backend with $NVCC"

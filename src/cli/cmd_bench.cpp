@@ -111,7 +111,11 @@ void add_bench(CLI::App& app) {
           o->config.c_str(), describe(cfg).c_str(), (long long)o->batch, (long long)o->seq,
           omp_get_max_threads(), o->precision.c_str(),
           m.dims().blocked_attention() ? "blocked" : "full", o->warmup, o->steps);
-    if (!o->json) std::printf("  cpu        %s\n", kernels::cpu_description().c_str());
+    if (!o->json) {
+      std::printf("  cpu        %s\n", kernels::cpu_description().c_str());
+      if (bf16 && !kernels::bf16_speed_note().empty())
+        std::printf("  %s\n", kernels::bf16_speed_note().c_str());
+    }
     std::vector<double> fwd, bwd, upd;
     double loss = 0;
     for (int s = 0; s < o->warmup + o->steps; ++s) {

@@ -227,6 +227,8 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
         human_bytes(static_cast<double>(m.plan().total_bytes() + 2 * P * 4)).c_str(),
         human_bytes(static_cast<double>(pipe.memory_bound_bytes())).c_str());
     std::printf("  cpu %s\n", kernels::cpu_description().c_str());
+    if (bf16 && !kernels::bf16_speed_note().empty())
+      std::printf("  %s\n", kernels::bf16_speed_note().c_str());
     std::fflush(stdout);
   }
 

@@ -95,6 +95,12 @@ bool gemm_bf16_available() {
   return ok;
 }
 
+std::string bf16_speed_note() {
+  if (!gemm_bf16_available() || cpu_has_avx512_bf16()) return "";
+  return "note: this CPU has no AVX-512 BF16, so oneDNN emulates the bf16 matmuls, several times "
+         "slower than fp32; --precision fp16 keeps the same activation memory at fp32's speed";
+}
+
 std::string cpu_description() {
   std::string s = cpu_model_name() + "; kernels " + isa_name(cpu_isa());
   if (isa_capped_by_env()) s += " (capped by BERTRAIN_ISA)";

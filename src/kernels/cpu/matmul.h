@@ -14,6 +14,9 @@ const char* gemm_isa_name();
 // Whether oneDNN can run bf16 matmuls on this CPU (AVX-512: natively with AVX-512 BF16, emulated
 // on plain AVX-512; not on AVX2). Probed once with a tiny primitive.
 bool gemm_bf16_available();
+// Empty where bf16 matmuls run natively; otherwise a note for run headers: on AVX-512 without
+// AVX-512 BF16 oneDNN emulates them, several times slower than fp32 (measured 0.25-0.4x).
+std::string bf16_speed_note();
 // One line for run headers and reports: the CPU model, the kernel bodies in use and oneDNN's ISA,
 // and how bf16 matmuls run, so that every number says where it came from.
 std::string cpu_description();
