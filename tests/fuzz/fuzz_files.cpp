@@ -27,7 +27,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   close(fd);
   try {
-    model::SafetensorsReader r(path);
+    SafetensorsReader r(path);
     std::vector<float> buf;
     for (const auto& t : r.tensors()) {
       if (t.end - t.begin > (size_t{1} << 20)) continue;
