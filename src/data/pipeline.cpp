@@ -523,9 +523,13 @@ bool Pipeline::next(model::Batch& batch) {
   const auto t0 = Clock::now();
   std::unique_lock<std::mutex> lock(m.out_mu);
   // Wait in slices, so that a stop request (SIGTERM/SIGINT) is honoured while input is slow.
+  Clock::time_point raised{};
   while (!m.cv_out.wait_for(lock, std::chrono::milliseconds(100), [&] { return !m.out.empty(); }))
-    if (m.opt.interrupt && m.opt.interrupt->load() != 0)
-      throw Interrupted("interrupted while waiting for input");
+    if (m.opt.interrupt && m.opt.interrupt->load() != 0) {
+      if (raised == Clock::time_point{}) raised = Clock::now();
+      if (std::chrono::duration<double>(Clock::now() - raised).count() >= m.opt.interrupt_grace_s)
+        throw Interrupted("interrupted while waiting for input");
+    }
   const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
   if (m.out.front().end) return false;  // stays queued: later calls also end
   Out o = std::move(m.out.front());

@@ -44,9 +44,10 @@ struct PipelineOptions {
   OnCorrupt on_corrupt = OnCorrupt::Fail;
   std::string compression = "auto";
   bool verbose_skips = true;  // log skipped records to stderr (the first few, then counts)
-  // When set and non-zero (a signal handler's flag), next() stops waiting for input within
-  // 100 ms and throws Interrupted.
+  // When set and raised (SIGTERM's flag), next() stops waiting for input once the flag has been
+  // up for interrupt_grace_s (checked every 100 ms) and throws Interrupted.
   const std::atomic<int>* interrupt = nullptr;
+  double interrupt_grace_s = 0;
 };
 
 // Thrown by Pipeline::next when `interrupt` was raised while it waited.

@@ -3,6 +3,7 @@
 // under mpirun/srun/MPIJob. Collectives operate in place on fp32/fp64 buffers.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -24,6 +25,10 @@ class Communicator {
   virtual std::string name() const = 0;
   // What the next collectives are for ("gradient bucket 3 (...)"): the stall watchdog names it.
   virtual void set_label(const std::string&) {}
+  // A stop request (SIGTERM's flag) and how long a collective may still wait once it is raised:
+  // peers that received the same signal finish the step within that time; past it (a peer hangs
+  // or never got the signal) the job ends at once, the last complete checkpoint standing.
+  virtual void set_interrupt(const std::atomic<int>* flag, double grace_s) {}
   // Collective: n floats of zeroed memory that the communicator can reduce without copying
   // (an MPI-3 shared-memory window for the shm algorithm), owned by the communicator and valid
   // until it is destroyed; nullptr when the transport has no such memory (or not enough of it:

@@ -210,9 +210,23 @@ void MpiCommunicator::leave() {
 }
 
 void MpiCommunicator::watchdog_loop() {
+  double signalled_at = 0;  // when this thread first saw the stop request
   while (!stop_) {
     ::usleep(100 * 1000);
     const double since = in_since_.load();
+    const std::atomic<int>* flag = interrupt_.load();
+    const int sig = flag ? flag->load() : 0;
+    if (sig != 0 && signalled_at == 0) signalled_at = now_s();
+    if (sig != 0 && since != 0 && now_s() - std::max(since, signalled_at) >= interrupt_grace_) {
+      std::fprintf(stderr,
+                   "bertrain: rank %d: stopped by signal %d while collective '%s' waited %.0f s "
+                   "for the other ranks: the step cannot finish, so the job ends now; the last "
+                   "complete checkpoint stands (continue with --resume)\n",
+                   rank_, sig, in_what_.load() ? in_what_.load() : "?", now_s() - since);
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 128 + sig);
+      std::_Exit(128 + sig);
+    }
     if (since == 0 || stall_timeout_ <= 0 || now_s() - since < stall_timeout_) continue;
     const int64_t mine = impl_->progress[local_rank_];
     std::string label;

@@ -65,6 +65,10 @@ class MpiCommunicator : public Communicator {
            ((algo_ == Algorithm::Shm || algo_ == Algorithm::Hierarchical) && local_size_ != size_);
   }
   void set_stall_timeout(double seconds) { stall_timeout_ = seconds; }
+  void set_interrupt(const std::atomic<int>* flag, double grace_s) override {
+    interrupt_grace_ = grace_s;
+    interrupt_ = flag;
+  }
   void set_label(const std::string& label) override {
     std::lock_guard<std::mutex> lock(label_mu_);
     label_ = label;
@@ -91,6 +95,8 @@ class MpiCommunicator : public Communicator {
   std::atomic<double> in_since_{0};
   std::atomic<const char*> in_what_{nullptr};
   std::atomic<bool> stop_{false};
+  std::atomic<const std::atomic<int>*> interrupt_{nullptr};
+  std::atomic<double> interrupt_grace_{5.0};
   std::thread watchdog_;
   std::mutex label_mu_;
   std::string label_;

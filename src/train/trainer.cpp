@@ -80,6 +80,12 @@ int64_t warmup_steps(double warmup, int64_t steps) {
   return static_cast<int64_t>(warmup);
 }
 
+// How long a rank of a multi-rank job may still wait (for input or in a collective) once a stop
+// was requested, before it ends the job: long enough for its peers to finish the step they are
+// in, short enough to answer a preemption in seconds (at least; collectives get twice the
+// slowest step when that is longer).
+constexpr double kStopGraceSeconds = 5.0;
+
 Precision parse_precision(const std::string& s) {
   if (s == "fp32") return Precision::FP32;
   if (s == "bf16") return Precision::BF16;
@@ -180,10 +186,13 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   in.rank = rank;
   in.world = world;
   in.seed = cfg.seed;
-  // One rank stops waiting for input on SIGTERM/SIGINT. With several ranks a rank that left its
-  // input wait alone would meet its peers in different collectives; there the stop is agreed at
-  // the end of a step, and a rank that waits too long is caught by the stall watchdog.
-  if (world == 1) in.interrupt = &g_stop_signal;
+  // SIGTERM/SIGINT: one rank stops waiting for input at once. With several ranks every rank
+  // normally gets the signal and they agree to stop at the end of the step; a rank still waiting
+  // (for input, or in a collective for a peer that hangs) after a grace of a few steps ends the
+  // job, its last complete checkpoint standing.
+  in.interrupt = &g_stop_signal;
+  in.interrupt_grace_s = world == 1 ? 0.0 : kStopGraceSeconds;
+  comm.set_interrupt(&g_stop_signal, kStopGraceSeconds);
   data::Pipeline pipe(in,
                       data::Schema::pretraining(cfg.seq_len, cfg.max_predictions, mcfg.vocab_size,
                                                 mcfg.type_vocab_size),
@@ -288,6 +297,7 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   auto win_start = Clock::now();
   int64_t step = start_step;
   bool interrupted_in_input = false;
+  double slowest_step = 0;
   for (; step < cfg.steps; ++step) {
     const auto t_step = Clock::now();
     m.zero_grads();
@@ -298,6 +308,9 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
       try {
         if (!pipe.next(batch)) fail("the input pipeline ended (it repeats forever; this is a bug)");
       } catch (const data::Interrupted&) {
+        if (world > 1)  // the peers are in this step's collectives: the job cannot stop cleanly
+          fail("stopped by signal ", g_stop_signal.load(), " while rank ", rank,
+               " waited for input; the last complete checkpoint stands (continue with --resume)");
         interrupted_in_input = true;
         break;
       }
@@ -368,6 +381,11 @@ TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
     t_opt += since(t0);
     span("optimizer", "optimizer", t0);
     t_total += since(t_step);
+    // Peers finish a step within about a step's time of each other: the stop grace follows the
+    // slowest step so far (BERT-large steps on CPUs take longer than the 5 s floor).
+    slowest_step = std::max(slowest_step, since(t_step));
+    if (world > 1)
+      comm.set_interrupt(&g_stop_signal, std::max(kStopGraceSeconds, 2 * slowest_step));
     span(("step " + std::to_string(step)).c_str(), "step", t_step);
 
     const double step_loss = stats[0] / world;

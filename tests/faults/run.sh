@@ -10,7 +10,8 @@
 #             exit 0 with a checkpoint; resumed to the end, the model equals an uninterrupted
 #             run's bit for bit.
 #   sigkill   SIGKILL of one rank of 2: the other exits within --stall-timeout naming it; the
-#             run resumes from the last complete checkpoint.
+#             run resumes from the last complete checkpoint. Also SIGTERM to one rank while its
+#             peer hangs (SIGSTOP): the job ends within the 5 s stop grace, not the stall timeout.
 #   diskfull  RLIMIT_FSIZE at a random byte offset of a checkpoint write: a clear error, the
 #             previous checkpoint intact, `latest` unchanged.
 #   ckpt      corrupt checkpoints (truncated, flipped header bytes, offsets past the end,
@@ -157,6 +158,36 @@ want sigkill && for i in $(seq "$N_SIGKILL"); do
     run_np 2 $(train_args "$out" fp32 --save-every 4 --resume) >>"$out.log" 2>&1 || lost_=1
   fi
   record sigkill $ok $lost_ "rank pid ${victim:-none} killed at ${delay}s: exit $rc after ${took}s"
+done
+
+# --- SIGTERM while a peer hangs (SIGSTOP): the signalled rank waits a grace of 5 s in its
+# collective, then ends the job instead of waiting for --stall-timeout (60 s here) ---------------
+want sigkill && for i in $(seq $((FULL ? 3 : 1))); do
+  out="$W/stalled-$i"
+  # shellcheck disable=SC2046
+  mpirun -np 2 --oversubscribe --bind-to none "$BT" train $(train_args "$out" fp32 --save-every 4 \
+    --stall-timeout 60) >"$out.log" 2>&1 &
+  pid=$!
+  sleep 2
+  ranks=$(pgrep -P $pid -f "bertrain train")
+  hung=$(tail -1 <<<"$ranks")
+  other=$(head -1 <<<"$ranks")
+  t0=$(date +%s)
+  [ -n "$hung" ] && kill -STOP "$hung" && sleep 0.5 && kill -TERM "$other"
+  wait $pid
+  rc=$?
+  took=$(($(date +%s) - t0))
+  ok=1
+  [ -n "$hung" ] && [ "$hung" != "$other" ] || ok=0
+  [ $rc != 0 ] || ok=0
+  [ $took -le 30 ] || ok=0
+  grep -q 'stopped by signal 15 while' "$out.log" || ok=0
+  lost_=0
+  if [ -f "$out/latest" ]; then
+    # shellcheck disable=SC2046
+    run_np 2 $(train_args "$out" fp32 --save-every 4 --resume) >>"$out.log" 2>&1 || lost_=1
+  fi
+  record sigkill $ok $lost_ "SIGTERM with a stopped peer: exit $rc after ${took}s: $(grep -m1 'stopped by' "$out.log")"
 done
 
 # --- disk full during a checkpoint write --------------------------------------------------------------
