@@ -16,8 +16,9 @@
 # (on every Debian system). Anything else fails the check, named with a file that needed it.
 #
 #   scripts/check-packages.sh [BUILD_DIR...]
-#   scripts/check-packages.sh --reuse --without PKG   # the last trace, as if PKG were not listed:
-#                                                      # must fail naming PKG (the self-test)
+#   scripts/check-packages.sh --reuse --without PKG [--without PKG2]   # the last trace, as if
+#     these were not listed: must fail naming them (the self-test; a package another listed one
+#     depends on stays in the closure, so remove both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,7 +29,7 @@ while (($#)); do
   case "$1" in
     --reuse) REUSE=1 ;;
     --without) WITHOUT+=("$2"); shift ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) DIRS+=("$1") ;;
   esac
   shift
