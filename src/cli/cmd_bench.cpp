@@ -14,18 +14,16 @@
 #include "core/error.h"
 #include "core/isa.h"
 #include "core/rng.h"
+#include "dist/communicator.h"
 #include "kernels/cpu/matmul.h"
+#include "obs/gemm_peak.h"
 #include "train/optimizer.h"
 #include "train/precision.h"
+#include "train/step.h"
 
 namespace bertrain::cli {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
 
 model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T, int64_t P,
                              uint64_t seed) {
@@ -50,8 +48,6 @@ model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T,
   }
   return b;
 }
-
-// fp32 GEMM GFLOP/s of oneDNN at [M,K] x [K,N], measured for about 1 s.
 
 }  // namespace
 
@@ -90,13 +86,10 @@ void add_bench(CLI::App& app) {
     const int64_t P = head == model::Head::Pretraining ? o->preds : 0;
     const train::Precision prec = train::parse_precision(o->precision);
     const bool bf16 = prec == train::Precision::BF16, fp16 = prec == train::Precision::FP16;
-    // fp16 runs as train runs it: the loss scaled (the scaler's initial scale), the gradients
-    // unscaled in the optimizer pass.
-    const float loss_scale = fp16 ? 65536.0f : 1.0f;
     // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
     // below is the training run's, not this probe's.
-    const double peak = kernels::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
-                                                          cfg.hidden_size, bf16, 1.0);
+    const double peak = obs::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
+                                                      cfg.hidden_size, bf16, 1.0);
     model::BertModel m(
         cfg, head,
         train::with_precision({o->batch, o->seq, P, false, model::parse_attention(o->attention)},
@@ -116,25 +109,25 @@ void add_bench(CLI::App& app) {
       if (bf16 && !kernels::bf16_speed_note().empty())
         std::printf("  %s\n", kernels::bf16_speed_note().c_str());
     }
+    // The training step itself (train/step.h), as train and finetune run it: fp16 with the
+    // scaler's initial loss scale, the gradients unscaled in the optimizer pass.
+    train::LossScaler::Config sc;
+    sc.enabled = fp16;
+    train::LossScaler scaler(sc);
+    dist::SingleProcess single;
+    train::Step train_step(m, optimizer, scaler, single, train::StepSettings{1, 1.0, false, 0, 1});
     std::vector<double> fwd, bwd, upd;
     double loss = 0;
     for (int s = 0; s < o->warmup + o->steps; ++s) {
-      model::StepOptions opt{true, 1, static_cast<uint64_t>(s), 0};
-      m.zero_grads();
-      auto t0 = Clock::now();
-      loss = m.forward(b, opt).loss;
-      const double tf = seconds_since(t0);
-      t0 = Clock::now();
-      m.backward(b, opt, loss_scale);
-      const double tb = seconds_since(t0);
-      t0 = Clock::now();
-      if (optimizer.step(m.params(), m.grads(), 1e-5f, 1.0f / loss_scale, m.bf16_weights()).finite)
-        m.bf16_weights_updated();
-      const double tu = seconds_since(t0);
+      const train::StepReport r = train_step.run(s, 1e-5, [&](model::Batch& batch) {
+        batch = b;
+        return true;
+      });
+      loss = r.loss;
       if (s >= o->warmup) {
-        fwd.push_back(tf);
-        bwd.push_back(tb);
-        upd.push_back(tu);
+        fwd.push_back(r.t_forward);
+        bwd.push_back(r.t_backward);
+        upd.push_back(r.t_optimizer);
       }
     }
     auto median = [](std::vector<double> v) {

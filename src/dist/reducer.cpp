@@ -15,8 +15,8 @@ double since(Clock::time_point t) {
 
 Reducer::Reducer(Communicator& comm, float* grads, int64_t total,
                  std::vector<std::pair<int64_t, int64_t>> layers, int64_t bucket_bytes,
-                 float predivide, obs::Timeline* timeline)
-    : comm_(comm), grads_(grads), total_(total), predivide_(predivide), tl_(timeline) {
+                 obs::Timeline* timeline)
+    : comm_(comm), grads_(grads), total_(total), tl_(timeline) {
   const int64_t L = static_cast<int64_t>(layers.size());
   BT_CHECK(L > 0, "reducer needs layers");
   const int64_t cap = std::max<int64_t>(1, bucket_bytes / static_cast<int64_t>(sizeof(float)));
@@ -70,8 +70,8 @@ void Reducer::loop() {
     const int64_t b0 = tl_ && tl_->enabled() ? tl_->now_us() : 0;
     float* p = grads_ + job.first;
     const int64_t n = job.second - job.first;
-    if (predivide_ != 1.0f) {
-      const float s = 1.0f / predivide_;
+    if (prescale_ != 1.0f) {
+      const float s = prescale_;
       for (int64_t i = 0; i < n; ++i) p[i] *= s;
     }
     comm_.set_label(str("gradient bucket ", bucket_counter_, " (", n * 4 / 1024, " KiB at offset ",

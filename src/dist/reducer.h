@@ -26,8 +26,11 @@ class Reducer {
  public:
   // layers[l] = [begin, end) of layer l's gradients; offsets increase with l.
   Reducer(Communicator& comm, float* grads, int64_t total,
-          std::vector<std::pair<int64_t, int64_t>> layers, int64_t bucket_bytes, float predivide,
+          std::vector<std::pair<int64_t, int64_t>> layers, int64_t bucket_bytes,
           obs::Timeline* timeline);
+  // Factor applied to each bucket before its sum (1 / the predivide factor; train::Step sets
+  // it, as it owns the gradient scale). Call between steps.
+  void set_prescale(float s) { prescale_ = s; }
   ~Reducer();
   void layer_done(int64_t layer);  // from backward (main thread)
   double finish();                 // seconds the caller waited (exposed communication)
@@ -40,7 +43,7 @@ class Reducer {
   Communicator& comm_;
   float* grads_;
   int64_t total_;
-  float predivide_;
+  float prescale_ = 1.0f;
   obs::Timeline* tl_;
   struct Bucket {
     int64_t lo_layer, begin, end;

@@ -20,6 +20,7 @@
 #include "train/loss_scaler.h"
 #include "train/optimizer.h"
 #include "train/run_state.h"
+#include "train/step.h"
 
 namespace bertrain::train {
 
@@ -252,7 +253,10 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
         (long long)cfg.epochs, cfg.lr, precision_name(cfg.precision));
   FinetuneResult res;
   std::vector<size_t> order(n);
-  model::Batch b;
+  // A non-finite gradient skips the step in fp16 (the scale halves) and stops fp32/bf16
+  // fine-tuning with a message (LossScaler::update).
+  dist::SingleProcess single;
+  Step one_step(m, opt, scaler, single, StepSettings{1, 1.0, false, 0, cfg.seed});
   int64_t step = 0;
   for (int64_t epoch = 0; epoch < cfg.epochs; ++epoch) {
     for (int64_t i = 0; i < n; ++i) order[i] = static_cast<size_t>(i);
@@ -261,20 +265,11 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     const auto t0 = Clock::now();
     for (int64_t i = 0; i < n; i += cfg.batch_size, ++step) {
       const size_t end = static_cast<size_t>(std::min(n, i + cfg.batch_size));
-      make_batch(train_set, order, static_cast<size_t>(i), end, cfg.seq_len, b);
-      m.zero_grads();
-      const model::StepOptions so{true, cfg.seed, static_cast<uint64_t>(step), 0};
-      loss += m.forward(b, so).loss;
-      const float scale = scaler.scale();
-      m.backward(b, so, scale);
-      // A non-finite gradient skips the step in fp16 (the scale halves) and stops fp32/bf16
-      // fine-tuning with a message (LossScaler::update).
-      const StepResult r = opt.measure(m.grads(), 1.0f / scale);
-      if (scaler.update(r.finite, step)) {
-        opt.apply(m.params(), m.grads(), static_cast<float>(sched.at(step)), 1.0f / scale, r,
-                  m.bf16_weights());
-        m.bf16_weights_updated();
-      }
+      const StepReport r = one_step.run(step, sched.at(step), [&](model::Batch& batch) {
+        make_batch(train_set, order, static_cast<size_t>(i), end, cfg.seq_len, batch);
+        return true;
+      });
+      loss += r.loss;
     }
     res.train_loss = loss / steps_per_epoch;
     const double acc = dev.ids.empty() ? 0.0 : classify(m, dev, cfg.batch_size, nullptr);

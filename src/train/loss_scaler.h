@@ -22,6 +22,7 @@ class LossScaler {
   explicit LossScaler(const Config& c) : cfg_(c), scale_(c.enabled ? c.init : 1.0f) {}
 
   float scale() const { return scale_; }
+  bool enabled() const { return cfg_.enabled; }
   // Given whether every rank's gradients were finite: true when the step may be applied.
   bool update(bool finite, int64_t step) {
     if (finite) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <memory>
 #include <string>
 
 #include "data/pipeline.h"
@@ -54,6 +55,25 @@ extern std::atomic<int> g_stop_signal;
 // says why): call before any other thread is started.
 void install_signal_handlers();
 
+// A pretraining run: the constructor sets it up (model, optimizer, resume or init, the ranks'
+// agreement, input), run() is the loop (step, progress, checkpoint), and the CLI prints
+// banner() before and summary() after it.
+class Trainer {
+ public:
+  Trainer(const TrainConfig& cfg, dist::Communicator& comm);
+  ~Trainer();
+  // The resolved configuration (model, data, batch, optimizer, precision, memory, CPU).
+  std::string banner() const;
+  TrainResult run();
+  // After run(): how it stopped, the step-time breakdown, utilisation and the bottleneck.
+  std::string summary() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+// Trainer with the banner and summary printed on rank 0 unless cfg.quiet.
 TrainResult train(const TrainConfig& cfg, dist::Communicator& comm);
 
 // --warmup as steps: below 1 a fraction of `steps`, rounded up (so never 0 for a fraction > 0);

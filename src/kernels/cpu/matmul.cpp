@@ -301,31 +301,6 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
   }
 }
 
-double measure_gemm_peak_gflops(int64_t M, int64_t N, int64_t K, bool bf16, double seconds) {
-  std::vector<float> a(M * K, 0.01f), w(N * K, 0.02f), c(M * N);
-  std::vector<uint16_t> a16(bf16 ? M * K : 0, 0x3c23), w16(bf16 ? N * K : 0, 0x3ca3);
-  auto run = [&] {
-    if (bf16)
-      gemm_bf16(false, true, M, N, K, a16.data(), K, w16.data(), K, c.data(), N, nullptr, false);
-    else
-      linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);
-  };
-  using Clock = std::chrono::steady_clock;
-  auto since = [](Clock::time_point t) {
-    return std::chrono::duration<double>(Clock::now() - t).count();
-  };
-  run();  // create the primitive
-  // The fastest run: a ceiling, so noise from the rest of the machine must not lower it.
-  double best = 1e30;
-  const auto start = Clock::now();
-  do {
-    const auto t0 = Clock::now();
-    run();
-    best = std::min(best, since(t0));
-  } while (since(start) < seconds);
-  return 2.0 * M * N * K / best / 1e9;
-}
-
 void gemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
                     int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
                     const float* bias, bool accumulate) {

@@ -75,10 +75,6 @@ void linear_backward_bf16_in16(float* dinp, float* dweight, float* dbias, const 
                                const uint16_t* inp16, const uint16_t* weight, int64_t M, int64_t N,
                                int64_t K, bool accumulate_dinp, uint16_t* scratch_out);
 
-// The GEMM ceiling at one shape, measured now: the fastest of the [M,K]x[K,N] products (bf16
-// operands or fp32) run for `seconds`. Benchmarks and the trainer report utilisation against it.
-double measure_gemm_peak_gflops(int64_t M, int64_t N, int64_t K, bool bf16, double seconds);
-
 // Plain triple loop in double accumulation: the oracle for gemm in tests.
 void gemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
                     int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,

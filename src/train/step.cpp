@@ -1,0 +1,149 @@
+#include "train/step.h"
+
+#include <chrono>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace bertrain::train {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+}  // namespace
+
+Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, dist::Communicator& comm,
+           const StepSettings& s, obs::Timeline* timeline)
+    : m_(m), opt_(opt), scaler_(scaler), comm_(comm), s_(s), tl_(timeline) {
+  if (s_.accumulation <= 0) fail("accumulation must be positive, got ", s_.accumulation);
+  if (!(s_.predivide > 0)) fail("the gradient predivide factor must be positive");
+  if (comm_.size() > 1 && s_.overlap) {
+    std::vector<std::pair<int64_t, int64_t>> layers;
+    for (int64_t l = 0; l < m_.config().num_hidden_layers; ++l) layers.push_back(m_.layer_range(l));
+    reducer_ = std::make_unique<dist::Reducer>(comm_, m_.grads(), m_.table().total(), layers,
+                                               s_.bucket_bytes, tl_);
+  }
+}
+
+Step::~Step() = default;
+
+GradientScale Step::scale() const {
+  const double world = comm_.size(), loss_scale = scaler_.scale();
+  const double pre = world > 1 ? s_.predivide : 1.0;
+  GradientScale g;
+  g.backward = static_cast<float>(loss_scale / static_cast<double>(s_.accumulation));
+  g.prescale = static_cast<float>(1.0 / pre);
+  g.unscale = static_cast<float>(pre / (loss_scale * world));
+  return g;
+}
+
+void Step::reduce(const GradientScale& g, StepReport& r) {
+  if (comm_.size() == 1) return;
+  if (reducer_) {
+    const double exposed = reducer_->finish();  // the rest of the buckets, then wait
+    r.t_hidden = std::max(0.0, reducer_->busy_seconds() - exposed);
+    return;
+  }
+  const int64_t P = m_.table().total();
+  float* grad = m_.grads();
+  if (g.prescale != 1.0f) {
+    const float pre = g.prescale;
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < P; ++i) grad[i] *= pre;
+  }
+  comm_.set_label("all gradients (one bucket)");
+  comm_.allreduce_sum(grad, P);
+  comm_.set_label("");
+}
+
+StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
+                     const std::string& hint) {
+  const int rank = comm_.rank(), world = comm_.size();
+  const auto t_step = Clock::now();
+  auto span = [&](const char* name, const char* cat, Clock::time_point begin) {
+    if (tl_ && tl_->enabled()) {
+      const int64_t end = tl_->now_us();
+      tl_->add(name, cat, end - static_cast<int64_t>(since(begin) * 1e6), end);
+    }
+  };
+  StepReport r;
+  const GradientScale g = scale();
+  r.loss_scale = scaler_.scale();
+  if (reducer_) reducer_->set_prescale(g.prescale);
+  m_.zero_grads();
+  // Per rank: loss sum, MLM hits and weight, NSP and classification hits, examples, and
+  // whether some micro-batch's loss was not finite.
+  double stats[7] = {};
+  for (int64_t micro = 0; micro < s_.accumulation; ++micro) {
+    auto t0 = Clock::now();
+    if (!next_batch(batch_)) {
+      r.interrupted = true;
+      return r;
+    }
+    r.t_input += since(t0);
+    span("input wait", "input", t0);
+    const model::StepOptions so{true, s_.seed, static_cast<uint64_t>(step),
+                                static_cast<uint64_t>((micro * world + rank) * batch_.B)};
+    t0 = Clock::now();
+    const model::Losses l = m_.forward(batch_, so);
+    r.t_forward += since(t0);
+    span("forward", "compute", t0);
+    stats[0] += l.loss;
+    stats[1] += l.mlm_correct;
+    stats[2] += l.mlm_weight;
+    stats[3] += static_cast<double>(l.nsp_correct);
+    stats[4] += static_cast<double>(l.cls_correct);
+    stats[5] += static_cast<double>(batch_.B);
+    if (!std::isfinite(l.loss)) stats[6] += 1;
+    t0 = Clock::now();
+    const bool last = micro + 1 == s_.accumulation;
+    if (reducer_ && last)
+      m_.backward(batch_, so, g.backward, [&](int64_t layer) { reducer_->layer_done(layer); });
+    else
+      m_.backward(batch_, so, g.backward);
+    r.t_backward += since(t0);
+    span("backward", "compute", t0);
+  }
+
+  // Sum over ranks; the step's statistics travel in the same phase.
+  auto t0 = Clock::now();
+  reduce(g, r);
+  stats[0] /= static_cast<double>(s_.accumulation);
+  if (world > 1) comm_.allreduce_sum(stats, 7);
+  r.t_comm = since(t0);
+  span("allreduce gradients", "communication", t0);
+  r.loss = stats[0] / world;
+  r.mlm_correct = stats[1];
+  r.mlm_weight = stats[2];
+  r.nsp_correct = stats[3];
+  r.cls_correct = stats[4];
+  r.examples = stats[5];
+
+  // Finite check on every rank (all skip together), then the update.
+  t0 = Clock::now();
+  const StepResult measured = opt_.measure(m_.grads(), g.unscale);
+  const bool finite = world > 1 ? comm_.all(measured.finite) : measured.finite;
+  r.grad_norm = measured.grad_norm;
+  // A non-finite loss with finite gradients (an overflowing cross-entropy whose softmax
+  // gradient stays bounded) would train on silently in fp32/bf16; fp16's scaler handles both.
+  if (finite && stats[6] > 0 && !scaler_.enabled())
+    fail("step ", step, ": the loss is not finite",
+         world > 1 ? str(" on ", stats[6], " micro-batch(es) of ", world, " ranks") : std::string(),
+         "; lower --lr or raise --warmup and resume from the last good checkpoint", hint);
+  r.applied = scaler_.update(finite, step);  // fails after too many skips, or at once in fp32
+  if (r.applied) {
+    // Clipping uses the same global norm on every rank: gradients are identical after the sum.
+    opt_.apply(m_.params(), m_.grads(), static_cast<float>(lr), g.unscale, measured,
+               m_.bf16_weights());
+    m_.bf16_weights_updated();
+  }
+  r.t_optimizer = since(t0);
+  span("optimizer", "optimizer", t0);
+  r.t_total = since(t_step);
+  span(("step " + std::to_string(step)).c_str(), "step", t_step);
+  return r;
+}
+
+}  // namespace bertrain::train

@@ -1,0 +1,90 @@
+// The training step: what pretraining, fine-tuning and `bertrain bench` all run, once.
+//   zero gradients -> per micro-batch: input, forward, backward (the reducer hears of each
+//   finished layer on the last one) -> reduce across ranks -> finite check (all ranks) and loss
+//   scaler -> optimizer (unscale, clip, update, 16-bit weight copy) .
+// It alone owns the gradient scale. Backward computes the gradient of
+//   loss * loss_scale / accumulation                      (GradientScale::backward)
+// on each rank; before the sum over ranks every gradient is multiplied by 1 / predivide
+// (Horovod's gradient_predivide_factor; in the reducer's thread while backward runs, or in one
+// pass), and the optimizer unscales by predivide / (loss_scale * world), so the update sees the
+// mean over ranks and micro-batches of the unscaled gradient.
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "dist/communicator.h"
+#include "dist/reducer.h"
+#include "model/bert.h"
+#include "obs/timeline.h"
+#include "train/loss_scaler.h"
+#include "train/optimizer.h"
+
+namespace bertrain::train {
+
+struct StepSettings {
+  int64_t accumulation = 1;  // micro-batches per step
+  double predivide = 1.0;    // gradients x 1/predivide before the sum over ranks
+  bool overlap = true;       // several ranks: reduce buckets while backward runs
+  int64_t bucket_bytes = int64_t{64} << 20;
+  uint64_t seed = 0;  // dropout streams (with the step, layer and example)
+};
+
+// The factors of one step (see the header comment).
+struct GradientScale {
+  float backward = 1.0f;  // loss scale / accumulation: what backward multiplies the loss by
+  float prescale = 1.0f;  // 1 / predivide, applied before the sum over ranks (1: not applied)
+  float unscale = 1.0f;   // predivide / (loss scale * world): the optimizer's factor
+};
+
+// What one step did, summed over micro-batches and ranks (identical on every rank).
+struct StepReport {
+  bool interrupted = false;  // the input was interrupted (stop signal): nothing was applied
+  bool applied = false;      // false: skipped by the loss scaler (non-finite gradients)
+  double loss = 0;           // mean over micro-batches and ranks
+  double mlm_correct = 0, mlm_weight = 0, nsp_correct = 0, cls_correct = 0;
+  double examples = 0;      // sequences in the step, all ranks
+  double grad_norm = 0;     // of the unscaled, averaged gradients, before clipping
+  float loss_scale = 1.0f;  // the scale this step ran with
+  // Seconds of this rank: waiting for input, forward, backward, exposed communication (gradient
+  // sum and the step's statistics), optimizer; hidden = communication that ran behind backward.
+  double t_input = 0, t_forward = 0, t_backward = 0, t_comm = 0, t_optimizer = 0, t_hidden = 0;
+  double t_total = 0;
+};
+
+class Step {
+ public:
+  // next_batch fills the next micro-batch; it returns false when the input was interrupted (the
+  // step then returns at once with interrupted = true).
+  using NextBatch = std::function<bool(model::Batch&)>;
+
+  // comm may be a SingleProcess. timeline may be null. The model's gradients must already be
+  // where they stay (BertModel::place_gradients), since the reducer holds their address.
+  Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, dist::Communicator& comm,
+       const StepSettings& s, obs::Timeline* timeline = nullptr);
+  ~Step();
+
+  // Runs step `step` (0-based, the dropout and scaler counter) with learning rate lr.
+  // Non-finite loss in fp32/bf16 is an error naming the step and rank; `hint` (e.g. the last
+  // checkpoint to resume from) is appended to it.
+  StepReport run(int64_t step, double lr, const NextBatch& next_batch,
+                 const std::string& hint = "");
+
+  GradientScale scale() const;  // for the scaler's current loss scale
+  const dist::Reducer* reducer() const { return reducer_.get(); }
+  const StepSettings& settings() const { return s_; }
+
+ private:
+  void reduce(const GradientScale& g, StepReport& r);
+
+  model::BertModel& m_;
+  Optimizer& opt_;
+  LossScaler& scaler_;
+  dist::Communicator& comm_;
+  StepSettings s_;
+  obs::Timeline* tl_;
+  std::unique_ptr<dist::Reducer> reducer_;
+  model::Batch batch_;
+};
+
+}  // namespace bertrain::train
