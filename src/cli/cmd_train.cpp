@@ -111,7 +111,16 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
     cfg.attention = model::parse_attention(o->attention);
     cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
     cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
-    train::train(cfg, comm());
+    dist::Communicator& c = comm();
+    train::Trainer trainer(cfg, c);
+    auto print = [&](const std::string& text) {
+      if (c.rank() != 0) return;
+      std::fputs(text.c_str(), stdout);
+      std::fflush(stdout);
+    };
+    print(trainer.banner());
+    trainer.run();
+    print(trainer.summary());
   });
 }
 

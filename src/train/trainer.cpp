@@ -484,17 +484,7 @@ std::string Trainer::summary() const {
 
 TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
   Trainer t(cfg, comm);
-  const bool lead = comm.rank() == 0 && !cfg.quiet;
-  if (lead) {
-    std::fputs(t.banner().c_str(), stdout);
-    std::fflush(stdout);
-  }
-  TrainResult r = t.run();
-  if (lead) {
-    std::fputs(t.summary().c_str(), stdout);
-    std::fflush(stdout);
-  }
-  return r;
+  return t.run();
 }
 
 }  // namespace bertrain::train

@@ -73,7 +73,7 @@ class Trainer {
   std::unique_ptr<State> s_;
 };
 
-// Trainer with the banner and summary printed on rank 0 unless cfg.quiet.
+// A Trainer's run, without banner and summary (progress lines unless cfg.quiet).
 TrainResult train(const TrainConfig& cfg, dist::Communicator& comm);
 
 // --warmup as steps: below 1 a fraction of `steps`, rounded up (so never 0 for a fraction > 0);
