@@ -14,9 +14,9 @@
 #include <cstring>
 #include <vector>
 
-#include "dist/mpi.h"
+#include "comm/mpi.h"
 
-using namespace bertrain::dist;
+using namespace bertrain::comm;
 
 int main(int argc, char** argv) {
   MpiCommunicator comm(&argc, &argv);

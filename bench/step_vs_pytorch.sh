@@ -11,6 +11,8 @@
 #   mode anyone runs there). BERTRAIN_ISA=avx2 caps both sides at AVX2 (PyTorch through
 #   ATEN_CPU_CAPABILITY, DNNL_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS), to measure an AVX2 CPU's
 #   code paths on an AVX-512 machine.
+#   BEFORE=/path/to/an/older/bertrain also runs that binary in the same rounds and prints its
+#   tokens/s and the ratio this build / it (a change's speed, measured in one run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -31,20 +33,31 @@ print(json.dumps(max(runs, key=lambda r: r['tokens_per_s'])))"; }
 field() { python3 -c "import json,sys; print(json.loads(sys.stdin.read())['$1'])"; }
 "$PY" -c "import torch; print('# PyTorch', torch.__version__, '| bertrain', '$(git rev-parse --short HEAD 2>/dev/null || echo ?)', '| threads $THREADS, batch $B x $SEQ ($PREDS predictions), best of $ROUNDS')"
 echo "# CPU: $(build/bertrain bench --model-config configs/bert-tiny.json --batch-size 1 --seq-len 8 --max-predictions 1 --steps 1 --warmup 0 | sed -n 's/^  cpu *//p')"
-printf "%-24s %-5s %12s %12s %7s %10s %10s %6s\n" config prec "bertrain t/s" "pytorch t/s" ratio "bt RSS" "pt RSS" "MFU"
+BEFORE=${BEFORE:-}
+printf "%-24s %-5s %12s %12s %7s %10s %10s %6s" config prec "bertrain t/s" "pytorch t/s" ratio "bt RSS" "pt RSS" "MFU"
+[ -n "$BEFORE" ] && printf " %12s %8s" "before t/s" "/before"
+echo
 for cfg in $CONFIGS; do
   for prec in $PRECISIONS; do
     peer_prec=$([ "$prec" = bf16 ] && echo bf16 || echo fp32)  # fp16 storage vs PyTorch fp32
-    bts=""; pts=""
+    bts=""; pts=""; ots=""
     for r in $(seq "$ROUNDS"); do
       bts+=$(build/bertrain bench --model-config "$cfg" --batch-size "$B" --seq-len "$SEQ" --max-predictions "$PREDS" --threads "$THREADS" --precision $prec --steps 4 --warmup 1 --json)$'\x1e'
+      if [ -n "$BEFORE" ]; then
+        ots+=$("$BEFORE" bench --model-config "$cfg" --batch-size "$B" --seq-len "$SEQ" --max-predictions "$PREDS" --threads "$THREADS" --precision $prec --steps 4 --warmup 1 --json)$'\x1e'
+      fi
       pts+=$("$PY" bench/peer_pytorch.py --model-config "$cfg" --batch-size "$B" --seq-len "$SEQ" --max-predictions "$PREDS" --threads "$THREADS" --precision $peer_prec --steps 4 --warmup 1 2>/dev/null)$'\x1e'
     done
     bt=$(printf "%s" "$bts" | best); pt=$(printf "%s" "$pts" | best)
     b=$(echo "$bt" | field tokens_per_s); p=$(echo "$pt" | field tokens_per_s)
-    printf "%-24s %-5s %12.0f %12.0f %6.2fx %9.0fM %9.0fM %5.0f%%\n" "$cfg" $prec "$b" "$p" "$(python3 -c "print($b/$p)")" \
+    printf "%-24s %-5s %12.0f %12.0f %6.2fx %9.0fM %9.0fM %5.0f%%" "$cfg" $prec "$b" "$p" "$(python3 -c "print($b/$p)")" \
       "$(echo "$bt" | field peak_rss_bytes | python3 -c "import sys; print(float(sys.stdin.read())/2**20)")" \
       "$(echo "$pt" | field peak_rss_bytes | python3 -c "import sys; print(float(sys.stdin.read())/2**20)")" \
       "$(echo "$bt" | field mfu | python3 -c "import sys; print(100*float(sys.stdin.read()))")"
+    if [ -n "$BEFORE" ]; then
+      o=$(printf "%s" "$ots" | best | field tokens_per_s)
+      printf " %12.0f %7.3fx" "$o" "$(python3 -c "print($b/$o)")"
+    fi
+    echo
   done
 done

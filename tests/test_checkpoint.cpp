@@ -11,8 +11,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "core/safetensors.h"
 #include "model/checkpoint.h"
-#include "model/safetensors.h"
 #include "test_util.h"
 
 namespace bertrain::model {

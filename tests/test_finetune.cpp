@@ -5,10 +5,10 @@
 #include <nlohmann/json.hpp>
 
 #include "core/isa.h"
+#include "core/safetensors.h"
 #include "data/example.h"
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
-#include "model/safetensors.h"
 #include "test_util.h"
 #include "train/finetune.h"
 

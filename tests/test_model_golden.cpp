@@ -8,9 +8,9 @@
 #include <gtest/gtest.h>
 
 #include "core/isa.h"
+#include "core/safetensors.h"
 #include "model/bert.h"
 #include "model/checkpoint.h"
-#include "model/safetensors.h"
 #include "test_util.h"
 
 namespace bertrain::model {

@@ -6,7 +6,7 @@
 
 #include "core/dtype.h"
 #include "core/isa.h"
-#include "model/safetensors.h"
+#include "core/safetensors.h"
 #include "test_util.h"
 #include "train/optimizer.h"
 
@@ -68,7 +68,7 @@ TEST(Optimizer, NonFiniteGradientChangesNothing) {
   EXPECT_FALSE(r.finite);
   EXPECT_EQ(p, (std::vector<float>{1, 2, 3, 4}));
   EXPECT_EQ(opt.steps(), 0);
-  EXPECT_EQ(opt.m(), std::vector<float>(4, 0.0f));
+  EXPECT_EQ(std::vector<float>(opt.m().begin(), opt.m().end()), std::vector<float>(4, 0.0f));
   g[1] = INFINITY;
   EXPECT_FALSE(opt.step(p.data(), g.data(), 0.1f, 1.0f).finite);
 }
@@ -130,7 +130,8 @@ TEST(Optimizer, LambVectorBodiesMatchPortable) {
     std::vector<float> p = test::random_vector(total, 1), g = test::random_vector(total, 2);
     Optimizer opt(slices, total, cfg);
     for (int step = 0; step < 3; ++step) opt.step(p.data(), g.data(), 1e-3f, 1.0f);
-    return std::make_tuple(p, opt.m(), opt.v());
+    return std::make_tuple(p, std::vector<float>(opt.m().begin(), opt.m().end()),
+                           std::vector<float>(opt.v().begin(), opt.v().end()));
   };
   const auto [pp, mp, vp] = test::with_isa(Isa::Portable, run);
   for (Isa isa : test::isa_levels()) {

@@ -65,7 +65,7 @@ PipelineOptions options(const TempDir& dir, int64_t batch) {
 // uids of the next n batches
 std::vector<int32_t> take(Pipeline& p, int n) {
   std::vector<int32_t> out;
-  model::Batch b;
+  data::Batch b;
   for (int i = 0; i < n && p.next(b); ++i)
     for (int64_t r = 0; r < b.B; ++r) out.push_back(b.input_ids[r * kT]);
   return out;
@@ -83,7 +83,7 @@ TEST(Pipeline, OneEpochHoldsEveryRecordOnceAndIsShuffled) {
   std::set<int32_t> uniq(uids.begin(), uids.end());
   EXPECT_EQ(uniq.size(), uids.size());
   EXPECT_FALSE(std::is_sorted(uids.begin(), uids.end()));
-  model::Batch b;
+  data::Batch b;
   EXPECT_FALSE(p.next(b));  // end, and it stays ended
   EXPECT_FALSE(p.next(b));
   EXPECT_LE(p.stats().examples, 185u);
@@ -231,7 +231,7 @@ TEST(Pipeline, AnEpochWithoutAUsableRecordIsAnErrorNotAnEndlessLoop) {
     o.verbose_skips = false;
     Pipeline p(o, Schema::pretraining(kT / 2, kP, kVocab));
     try {
-      model::Batch b;
+      data::Batch b;
       p.next(b);
       FAIL() << "no error";
     } catch (const Error& e) {
@@ -249,7 +249,7 @@ TEST(Pipeline, AnEpochWithoutAUsableRecordIsAnErrorNotAnEndlessLoop) {
   write_shards(empty, 2, 0);
   PipelineOptions o = options(empty, 4);
   Pipeline p(o, schema());
-  model::Batch b;
+  data::Batch b;
   EXPECT_THROW(p.next(b), Error);
 }
 
@@ -270,7 +270,7 @@ TEST(Pipeline, NextStopsWaitingWhenInterrupted) {
     flag = 15;
   });
   const auto t0 = std::chrono::steady_clock::now();
-  model::Batch b;
+  data::Batch b;
   EXPECT_THROW(p.next(b), Interrupted);
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

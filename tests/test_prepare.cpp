@@ -51,7 +51,7 @@ TEST(Prepare, InstancesHaveGooglesStatistics) {
   Schema schema = Schema::pretraining(128, 20, vocab.size());
   ParsedExample ex;
   std::string err;
-  model::Batch b;
+  data::Batch b;
   schema.shape_batch(b, 1);
   uint64_t masked = 0, tokens = 0, random_next = 0, short_len = 0, as_mask = 0;
   for (const auto& r : recs) {
@@ -139,7 +139,7 @@ TEST(Prepare, WholeWordMaskingMasksAllPiecesOfAWord) {
   Schema schema = Schema::pretraining(128, 20, vocab.size());
   ParsedExample ex;
   std::string err;
-  model::Batch b;
+  data::Batch b;
   schema.shape_batch(b, 1);
   size_t continuation_checked = 0;
   for (const auto& r : records_of(rep.outputs)) {

@@ -95,7 +95,7 @@ TEST(RealFiles, GoogleBertPretrainingRecords) {
   Schema s = Schema::pretraining(128, 20, 30522);
   ParsedExample ex;
   std::string err;
-  model::Batch b;
+  data::Batch b;
   s.shape_batch(b, 60);
   for (size_t i = 0; i < recs.size(); ++i) {
     ASSERT_TRUE(s.parse(recs[i], ex, err)) << err;

@@ -13,10 +13,10 @@
 #include <set>
 
 #include "core/isa.h"
+#include "core/safetensors.h"
 #include "data/prepare.h"
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
-#include "model/safetensors.h"
 #include "test_util.h"
 #include "train/evaluate.h"
 #include "train/loss_scaler.h"
@@ -120,7 +120,7 @@ std::string file_bytes(const std::string& p) {
 
 TEST(Train, LowersTheMaskedLmLossOnRealText) {
   TrainEnv env;
-  dist::SingleProcess comm;
+  comm::SingleProcess comm;
   TrainResult r = train(env.cfg("run", 150), comm);
   ASSERT_EQ(r.losses.size(), 150u);
   double first = 0, last = 0;
@@ -139,7 +139,7 @@ TEST(Train, LowersTheMaskedLmLossOnRealText) {
 // first step on).
 void expect_tracks_fp32(Precision p, double band) {
   TrainEnv env;
-  dist::SingleProcess comm;
+  comm::SingleProcess comm;
   const int steps = 300, window = 50;
   TrainConfig a = env.cfg("fp32", steps), b = env.cfg(precision_name(p), steps);
   b.precision = p;
@@ -175,7 +175,7 @@ TEST(Train, Fp16TracksTheFp32LossCurve) {
 // in fp16 and bf16 they move by about their precision (same loss within 1e-2 nats).
 TEST(Evaluate, EveryExampleOnceAndBatchingDoesNotMatter) {
   TrainEnv env;
-  dist::SingleProcess comm;
+  comm::SingleProcess comm;
   TrainConfig c = env.cfg("ev", 30);
   const TrainResult tr = train(c, comm);
   int64_t records = 0;
@@ -218,7 +218,7 @@ TEST_P(ResumeTest, InterruptedAndResumedRunEqualsUninterrupted) {
   const Precision p = GetParam();
   if (p == Precision::BF16) BT_SKIP_WITHOUT_BF16();
   TrainEnv env;
-  dist::SingleProcess comm;
+  comm::SingleProcess comm;
   TrainConfig full = env.cfg(std::string("full") + precision_name(p), 24);
   full.precision = p;
   full.accumulation = 2;
@@ -283,7 +283,7 @@ TEST(Train, SigtermFinishesTheStepCheckpointsAndExitsZero) {
 
 TEST(Train, TimelineIsAChromeTraceWithLayerSpans) {
   TrainEnv env;
-  dist::SingleProcess comm;
+  comm::SingleProcess comm;
   TrainConfig c = env.cfg("tl", 3);
   c.timeline = env.dir / "trace.json";
   train(c, comm);
@@ -302,7 +302,7 @@ TEST(Train, TimelineIsAChromeTraceWithLayerSpans) {
 
 TEST(Train, DocumentedErrors) {
   TrainEnv env;
-  dist::SingleProcess comm;
+  comm::SingleProcess comm;
   TrainConfig c = env.cfg("errs", 4);
   train(c, comm);
   const std::string good = resolve_checkpoint(c.output);

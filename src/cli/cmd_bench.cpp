@@ -3,6 +3,7 @@
 // utilisation against the GEMM rate (fp32 or bf16) it measures itself in the same run (oneDNN
 // at the model's largest matmul shape), and peak memory.
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <omp.h>
 #include <algorithm>
@@ -11,12 +12,13 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "comm/communicator.h"
 #include "core/error.h"
 #include "core/isa.h"
 #include "core/rng.h"
-#include "dist/communicator.h"
 #include "kernels/cpu/matmul.h"
 #include "obs/gemm_peak.h"
+#include "plan/memory.h"
 #include "train/optimizer.h"
 #include "train/precision.h"
 #include "train/step.h"
@@ -24,6 +26,16 @@
 namespace bertrain::cli {
 
 namespace {
+
+// Resident memory of this process now (/proc/self/statm), 0 where unknown.
+double resident_bytes() {
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE));
+}
 
 model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T, int64_t P,
                              uint64_t seed) {
@@ -90,6 +102,9 @@ void add_bench(CLI::App& app) {
     // below is the training run's, not this probe's.
     const double peak = obs::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
                                                       cfg.hidden_size, bf16, 1.0);
+    // What the process holds before the training run exists: the libraries (oneDNN, OpenMP,
+    // MPI, protobuf, the C++ runtime) and their own state.
+    const double baseline = resident_bytes();
     model::BertModel m(
         cfg, head,
         train::with_precision({o->batch, o->seq, P, false, model::parse_attention(o->attention)},
@@ -114,7 +129,7 @@ void add_bench(CLI::App& app) {
     train::LossScaler::Config sc;
     sc.enabled = fp16;
     train::LossScaler scaler(sc);
-    dist::SingleProcess single;
+    comm::SingleProcess single;
     train::Step train_step(m, optimizer, scaler, single, train::StepSettings{1, 1.0, false, 0, 1});
     std::vector<double> fwd, bwd, upd;
     double loss = 0;
@@ -140,6 +155,10 @@ void add_bench(CLI::App& app) {
     struct rusage ru {};
     getrusage(RUSAGE_SELF, &ru);
     const double rss = ru.ru_maxrss * 1024.0;
+    // The plan `bertrain estimate` prints for this run, and what the arenas hold.
+    const double planned =
+        static_cast<double>(plan::training_plan(cfg, head, m.dims(), 2).total_bytes());
+    const double allocated = static_cast<double>(m.allocated_bytes() + optimizer.allocated_bytes());
     const double tokens = static_cast<double>(o->batch * o->seq) / step;
     if (o->json) {
       nlohmann::json j = {{"config", o->config},
@@ -158,7 +177,9 @@ void add_bench(CLI::App& app) {
                           {"gemm_peak_gflops", peak},
                           {"mfu", gflops / peak},
                           {"peak_rss_bytes", rss},
-                          {"plan_bytes", m.plan().total_bytes()},
+                          {"baseline_rss_bytes", baseline},
+                          {"plan_bytes", planned},
+                          {"allocated_bytes", allocated},
                           {"loss", loss}};
       std::printf("%s\n", j.dump().c_str());
       return;
@@ -172,8 +193,14 @@ void add_bench(CLI::App& app) {
         "  compute    %8.1f GFLOP/s model FLOPs; %s GEMM ceiling measured now %.1f GFLOP/s; "
         "utilisation %.0f%%\n",
         gflops, bf16 ? "bf16" : "fp32", peak, 100.0 * gflops / peak);  // fp16 computes in fp32
-    std::printf("  memory     peak RSS %s; planned %s\n", human_bytes(rss).c_str(),
-                human_bytes(static_cast<double>(m.plan().total_bytes())).c_str());
+    std::printf(
+        "  memory     peak RSS %s = %s before the model (libraries) + %s; planned %s (model %s + "
+        "optimizer %s), allocated from the arenas %s\n",
+        human_bytes(rss).c_str(), human_bytes(baseline).c_str(),
+        human_bytes(rss - baseline).c_str(), human_bytes(planned).c_str(),
+        human_bytes(static_cast<double>(m.plan().total_bytes())).c_str(),
+        human_bytes(static_cast<double>(optimizer.plan().total_bytes())).c_str(),
+        human_bytes(allocated).c_str());
     std::printf("  loss       %.4f (synthetic data; sanity only)\n", loss);
   });
 }

@@ -11,11 +11,11 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "data/example.h"
 #include "data/pipeline.h"
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
-#include "model/safetensors.h"
 
 namespace bertrain::cli {
 

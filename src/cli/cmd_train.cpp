@@ -33,7 +33,7 @@ data::OnCorrupt parse_on_corrupt(const std::string& s) {
   fail("--on-corrupt must be fail or skip, got '", s, "'");
 }
 
-void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
+void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     train::TrainConfig cfg;
     std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail", attention = "auto";
@@ -111,7 +111,7 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
     cfg.attention = model::parse_attention(o->attention);
     cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
     cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
-    dist::Communicator& c = comm();
+    comm::Communicator& c = comm();
     train::Trainer trainer(cfg, c);
     auto print = [&](const std::string& text) {
       if (c.rank() != 0) return;
@@ -124,7 +124,7 @@ void add_train(CLI::App& app, dist::Communicator& (*comm)()) {
   });
 }
 
-void add_eval(CLI::App& app, dist::Communicator& (*comm)()) {
+void add_eval(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     std::string checkpoint, data, model_config, precision = "fp32";
     int64_t batch = 32, seq = 128, preds = 20, max_batches = 0;

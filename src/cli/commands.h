@@ -4,8 +4,8 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
+#include "comm/communicator.h"
 #include "data/pipeline.h"
-#include "dist/communicator.h"
 #include "model/bert.h"
 
 namespace bertrain::cli {
@@ -17,8 +17,8 @@ void add_bench(CLI::App& app);
 void add_bench_input(CLI::App& app);
 void add_prepare(CLI::App& app);
 void add_tokenize(CLI::App& app);
-void add_train(CLI::App& app, dist::Communicator& (*comm)());
-void add_eval(CLI::App& app, dist::Communicator& (*comm)());
+void add_train(CLI::App& app, comm::Communicator& (*comm)());
+void add_eval(CLI::App& app, comm::Communicator& (*comm)());
 void add_finetune(CLI::App& app);
 void add_predict(CLI::App& app);
 void add_pipeline_options(CLI::App* c, data::PipelineOptions& p, std::string& on_corrupt);

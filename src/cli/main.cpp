@@ -7,8 +7,8 @@
 
 #include <mpi.h>
 #include "cli/commands.h"
+#include "comm/mpi.h"
 #include "core/error.h"
-#include "dist/mpi.h"
 
 #include <memory>
 
@@ -37,17 +37,17 @@ std::string describe(const model::BertConfig& c) {
 }
 
 // The process's communicator, created on first use: MPI when an MPI launcher started us.
-std::unique_ptr<dist::Communicator> g_comm;
+std::unique_ptr<comm::Communicator> g_comm;
 DistOptions g_dist;
 
-dist::Communicator& communicator() {
+comm::Communicator& communicator() {
   if (!g_comm) {
-    if (dist::launched_by_mpi()) {
-      auto mpi = std::make_unique<dist::MpiCommunicator>(nullptr, nullptr);
-      mpi->set_algorithm(dist::parse_algorithm(g_dist.allreduce));
-      mpi->set_wire(dist::parse_wire(g_dist.compression));
+    if (comm::launched_by_mpi()) {
+      auto mpi = std::make_unique<comm::MpiCommunicator>(nullptr, nullptr);
+      mpi->set_algorithm(comm::parse_algorithm(g_dist.allreduce));
+      mpi->set_wire(comm::parse_wire(g_dist.compression));
       mpi->set_stall_timeout(g_dist.stall_timeout);
-      if (mpi->size() > 1 && dist::parse_wire(g_dist.compression) != dist::Wire::F32 &&
+      if (mpi->size() > 1 && comm::parse_wire(g_dist.compression) != comm::Wire::F32 &&
           !mpi->wire_in_use())
         bertrain::fail("--compression ", g_dist.compression,
                        " would do nothing: all ranks are on one node, where the ", g_dist.allreduce,
@@ -55,7 +55,7 @@ dist::Communicator& communicator() {
                        "drop --compression, or pass --allreduce ring to compress between ranks");
       g_comm = std::move(mpi);
     } else {
-      g_comm = std::make_unique<dist::SingleProcess>();
+      g_comm = std::make_unique<comm::SingleProcess>();
     }
   }
   return *g_comm;

@@ -63,13 +63,13 @@ struct Slot {
 };
 
 struct Out {
-  model::Batch batch;
+  Batch batch;
   uint64_t epoch = 0, index = 0;
   std::string error;
   bool end = false;
 };
 
-void truncate_batch(model::Batch& b, int64_t rows) {
+void truncate_batch(Batch& b, int64_t rows) {
   b.B = rows;
   b.input_ids.resize(rows * b.T);
   b.input_mask.resize(rows * b.T);
@@ -116,7 +116,7 @@ struct Pipeline::Impl {
   std::mutex out_mu;
   std::condition_variable cv_out, cv_space;
   std::deque<Out> out;
-  std::vector<model::Batch> free_batches;
+  std::vector<Batch> free_batches;
   int prefetch = 1;
 
   // Consumer-side state.
@@ -292,9 +292,9 @@ struct Pipeline::Impl {
     return true;
   }
 
-  model::Batch take_free_batch() {
+  Batch take_free_batch() {
     std::lock_guard<std::mutex> lock(out_mu);
-    model::Batch b;
+    Batch b;
     if (!free_batches.empty()) {
       b = std::move(free_batches.back());
       free_batches.pop_back();
@@ -329,7 +329,7 @@ struct Pipeline::Impl {
       std::vector<int32_t> buf_ints(S * IC);
       std::vector<float> buf_floats(S * FC);
       size_t buffered = 0;
-      model::Batch batch = take_free_batch();
+      Batch batch = take_free_batch();
       schema.shape_batch(batch, B);
 
       auto emit = [&](const int32_t* ints, const float* floats) -> bool {
@@ -518,7 +518,7 @@ Pipeline::~Pipeline() {
   for (auto& t : m.readers) t.join();
 }
 
-bool Pipeline::next(model::Batch& batch) {
+bool Pipeline::next(Batch& batch) {
   Impl& m = *impl_;
   const auto t0 = Clock::now();
   std::unique_lock<std::mutex> lock(m.out_mu);

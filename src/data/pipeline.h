@@ -1,4 +1,4 @@
-// data::Pipeline: TFRecord shards -> model::Batch, in parallel, deterministic, memory-bounded.
+// data::Pipeline: TFRecord shards -> Batch, in parallel, deterministic, memory-bounded.
 //
 //   glob -> shard by rank (by file when files >= ranks, else by record) -> seeded file order
 //   per epoch -> interleave (cycle_length open files, block_length records from each in turn)
@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "core/error.h"
+#include "data/batch.h"
 #include "data/schema.h"
-#include "model/batch.h"
 
 namespace bertrain::data {
 
@@ -83,7 +83,7 @@ class Pipeline {
   // The next batch (swapped into `out`; out's old buffers are recycled). False at the end of
   // the last epoch. Throws Error (file, offset, record) on corrupt data with OnCorrupt::Fail,
   // and when a whole epoch yields no usable record (every record skipped, or none at all).
-  bool next(model::Batch& out);
+  bool next(Batch& out);
   PipelinePosition position() const;  // after the last batch returned
   PipelineStats stats() const;
   size_t memory_bound_bytes() const;

@@ -119,14 +119,13 @@ bool Schema::parse(std::string_view record, int32_t* ints, float* floats, std::s
   return true;
 }
 
-void Schema::shape_batch(model::Batch& b, int64_t batch_size) const {
+void Schema::shape_batch(Batch& b, int64_t batch_size) const {
   if (b.B != batch_size || b.T != seq_len_ || b.P != max_predictions_ ||
       b.input_ids.size() != static_cast<size_t>(batch_size * seq_len_))
     b.resize(batch_size, seq_len_, max_predictions_);
 }
 
-void Schema::fill_row(const int32_t* ints, const float* floats, model::Batch& b,
-                      int64_t row) const {
+void Schema::fill_row(const int32_t* ints, const float* floats, Batch& b, int64_t row) const {
   const int64_t T = seq_len_, P = max_predictions_;
   const int32_t* p = ints;
   auto copy = [&](std::vector<int32_t>& dst, int64_t n) {

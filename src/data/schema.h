@@ -1,5 +1,5 @@
 // The record schemas bertrain trains on, and parsing one serialized tf.Example into a row of a
-// model::Batch with every length and id checked:
+// Batch with every length and id checked:
 //   pretraining (Google's create_pretraining_data.py): input_ids, input_mask, segment_ids
 //     [seq_len] int64; masked_lm_positions, masked_lm_ids [max_predictions] int64;
 //     masked_lm_weights [max_predictions] float; next_sentence_labels [1] int64.
@@ -11,8 +11,8 @@
 #include <string_view>
 #include <vector>
 
+#include "data/batch.h"
 #include "data/example.h"
-#include "model/batch.h"
 
 namespace bertrain::data {
 
@@ -55,11 +55,11 @@ class Schema {
   bool parse(std::string_view record, int32_t* ints, float* floats, std::string& error,
              bool* mismatch = nullptr) const;
   // Copies a parsed example into row `row` of a batch shaped for this schema.
-  void fill_row(const ParsedExample& ex, model::Batch& b, int64_t row) const {
+  void fill_row(const ParsedExample& ex, Batch& b, int64_t row) const {
     fill_row(ex.ints.data(), ex.floats.data(), b, row);
   }
-  void fill_row(const int32_t* ints, const float* floats, model::Batch& b, int64_t row) const;
-  void shape_batch(model::Batch& b, int64_t batch_size) const;
+  void fill_row(const int32_t* ints, const float* floats, Batch& b, int64_t row) const;
+  void shape_batch(Batch& b, int64_t batch_size) const;
 
  private:
   void add(const std::string& name, FeatureKind kind, int64_t len, int64_t lo, int64_t hi);

@@ -7,20 +7,6 @@
 
 namespace bertrain::model {
 
-void Batch::resize(int64_t b, int64_t t, int64_t p) {
-  B = b;
-  T = t;
-  P = p;
-  input_ids.assign(B * T, 0);
-  input_mask.assign(B * T, 0);
-  segment_ids.assign(B * T, 0);
-  masked_lm_positions.assign(B * P, 0);
-  masked_lm_ids.assign(B * P, 0);
-  masked_lm_weights.assign(B * P, 0.0f);
-  next_sentence_labels.assign(B, 0);
-  label_ids.assign(B, 0);
-}
-
 namespace {
 
 void check_size(const char* name, size_t have, int64_t want) {

@@ -4,14 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
-#include "core/parallel.h"
 #include "core/rng.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/cpu/cross_entropy.h"
-#include "kernels/cpu/elementwise.h"
-#include "kernels/cpu/embedding.h"
-#include "kernels/cpu/layernorm.h"
-#include "kernels/cpu/matmul.h"
 
 namespace bertrain::model {
 
@@ -151,24 +144,31 @@ MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDim
   return plan;
 }
 
-BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
-    : cfg_(cfg), head_(head), table_(cfg, head), dims_(dims), plan_(make_plan(cfg, head, dims)) {
+BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
+                     const kernels::Backend& backend)
+    : cfg_(cfg),
+      head_(head),
+      table_(cfg, head),
+      dims_(dims),
+      plan_(make_plan(cfg, head, dims)),
+      be_(backend),
+      prec_(dims.precision()) {
   params_ = Arena(plan_, "parameters");
   grads_ = Arena(plan_, "gradients");
   acts_arena_ = Arena(plan_, "activations");
   scratch_ = Arena(plan_, "scratch");
   const bool blocked = dims.blocked_attention();
-  if (!blocked) attn_work_ = scratch_.f32("attn.work");
+  if (!blocked) ws_.attn_work = scratch_.f32("attn.work");
   if (dims.bf16) {
     bf16_arena_ = Arena(plan_, "bf16");
-    wbf16_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.weights"));
-    sa_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.scratch_a"));
-    sb_ = reinterpret_cast<uint16_t*>(bf16_arena_.f32("bf16.scratch_b"));
     auto b16 = [&](const char* name) { return reinterpret_cast<uint16_t*>(bf16_arena_.f32(name)); };
-    attn16_ = {nullptr, blocked ? nullptr : b16("bf16.attn_probs"),
-               b16("bf16.attn_dctx")};  // qkv: per layer
+    wbf16_ = b16("bf16.weights");
+    ws_.bf16_a = b16("bf16.scratch_a");
+    ws_.bf16_b = b16("bf16.scratch_b");
+    if (!blocked) ws_.attn_probs16 = b16("bf16.attn_probs");
+    ws_.attn_dctx16 = b16("bf16.attn_dctx");
   }
-  if (dims.fp16) f16_wide_ = scratch_.f32("fp16.wide");
+  if (dims.fp16) ws_.wide = scratch_.f32("fp16.wide");
 
   const Arena& a = acts_arena_;
   act_.emb_sum = a.f32("emb.sum");
@@ -178,23 +178,31 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     const std::string p = "layer" + std::to_string(l) + ".";
     const bool h = dims.bf16 || dims.fp16, bf = dims.bf16, fp = dims.fp16;
-    auto b16 = [&](const std::string& name) { return reinterpret_cast<uint16_t*>(a.f32(name)); };
+    auto b16 = [&](const std::string& name) {
+      return h ? reinterpret_cast<uint16_t*>(a.f32(name)) : nullptr;
+    };
     // bf16/fp16: fp32 QKV / pre-activation (fp16: and GELU's output, in place), briefly.
     float* gemm_out = scratch_.f32("grad.dI");
-    act_.layers.push_back(
-        {h ? gemm_out : a.f32(p + "qkv"), h || blocked ? nullptr : a.f32(p + "probs"),
-         bf   ? scratch_.f32("attn.ctx")
-         : fp ? f16_wide_
-              : a.f32(p + "ctx"),
-         a.f32(p + "attn_res"), a.f32(p + "ln1_out"), a.f32(p + "ln1_mean"), a.f32(p + "ln1_rstd"),
-         h ? gemm_out : a.f32(p + "inter_pre"),
-         bf   ? nullptr
-         : fp ? gemm_out
-              : a.f32(p + "inter_act"),
-         a.f32(p + "ffn_res"), a.f32(p + "ln2_out"), a.f32(p + "ln2_mean"), a.f32(p + "ln2_rstd"),
-         h ? b16(p + "ctx16") : nullptr, h ? b16(p + "inter_act16") : nullptr,
-         h ? b16(p + "qkv16") : nullptr, h ? b16(p + "inter_pre16") : nullptr,
-         h && !blocked ? b16(p + "probs16") : nullptr, blocked ? a.f32(p + "lse") : nullptr});
+    LayerActs la;
+    la.qkv = {h ? gemm_out : a.f32(p + "qkv"), b16(p + "qkv16")};
+    la.ctx = {bf ? scratch_.f32("attn.ctx") : fp ? ws_.wide : a.f32(p + "ctx"), b16(p + "ctx16")};
+    la.inter_pre = {h ? gemm_out : a.f32(p + "inter_pre"), b16(p + "inter_pre16")};
+    la.inter_act = {bf ? nullptr : fp ? gemm_out : a.f32(p + "inter_act"), b16(p + "inter_act16")};
+    if (blocked)
+      la.saved.lse = a.f32(p + "lse");
+    else if (h)
+      la.saved.probs16 = b16(p + "probs16");
+    else
+      la.saved.probs = a.f32(p + "probs");
+    la.attn_res = a.f32(p + "attn_res");
+    la.ln1_out = a.f32(p + "ln1_out");
+    la.ln1_mean = a.f32(p + "ln1_mean");
+    la.ln1_rstd = a.f32(p + "ln1_rstd");
+    la.ffn_res = a.f32(p + "ffn_res");
+    la.ln2_out = a.f32(p + "ln2_out");
+    la.ln2_mean = a.f32(p + "ln2_mean");
+    la.ln2_rstd = a.f32(p + "ln2_rstd");
+    act_.layers.push_back(la);
   }
   act_.cls_in = a.f32("head.cls_in");
   act_.pooled = a.f32("head.pooled");
@@ -220,34 +228,6 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims)
   act_.dsmall = s.f32("grad.dsmall");
 }
 
-void BertModel::lin_fwd(float* out, const float* inp, const float* w, const float* b, int64_t M,
-                        int64_t N, int64_t K) {
-  if (!wbf16_) return linear_forward(out, inp, w, b, M, N, K);
-  linear_forward_bf16(out, inp, wbf16_ + (w - params()), b, M, N, K, sa_);
-}
-
-void BertModel::lin_fwd16(float* out, const uint16_t* inp16, const float* w, const float* b,
-                          int64_t M, int64_t N, int64_t K) {
-  gemm_bf16(false, true, M, N, K, inp16, K, wbf16_ + (w - params()), K, out, N, b, false);
-}
-
-void BertModel::lin_bwd16(float* dinp, float* dw, float* db, const float* dout,
-                          const uint16_t* inp16, const float* w, int64_t M, int64_t N, int64_t K) {
-  linear_backward_bf16_in16(dinp, dw, db, dout, inp16, wbf16_ + (w - params()), M, N, K, false,
-                            sa_);
-}
-
-void BertModel::lin_bwd(float* dinp, float* dw, float* db, const float* dout, const float* inp,
-                        const float* w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp) {
-  if (!wbf16_) return linear_backward(dinp, dw, db, dout, inp, w, M, N, K, accumulate_dinp);
-  linear_backward_bf16(dinp, dw, db, dout, inp, wbf16_ + (w - params()), M, N, K, accumulate_dinp,
-                       sa_, sb_);
-}
-
-AttentionBf16 BertModel::attention_bf16(const LayerActs& a) const {
-  return {a.qkv16, attn16_.probs, attn16_.dctx, a.probs16};
-}
-
 void BertModel::place_gradients(std::byte* memory) {
   Arena moved(plan_, "gradients", memory);
   std::memcpy(moved.base(), grads_.base(), grads_.bytes());
@@ -255,11 +235,7 @@ void BertModel::place_gradients(std::byte* memory) {
 }
 
 void BertModel::zero_grads() {
-  // Every thread clears its share (BERT-base: 420 MiB every step, 9 ms on one thread of our
-  // 2-core machines, 5.5 ms on two).
-  std::byte* g = grads_.base();
-  parallel_chunks(static_cast<int64_t>(grads_.bytes()),
-                  [&](int64_t b, int64_t e) { std::memset(g + b, 0, static_cast<size_t>(e - b)); });
+  be_.zero(grads_.base(), static_cast<int64_t>(grads_.bytes()));
 }
 
 Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
@@ -267,8 +243,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     fail("batch [", b.B, " x ", b.T, ", ", b.P, " predictions] exceeds the planned [", dims_.batch,
          " x ", dims_.seq_len, ", ", dims_.max_predictions, "]");
   validate_batch(b, cfg_, head_);
-  if (wbf16_ && !bf16_fresh_)
-    convert_f32_to_bf16(params(), wbf16_, static_cast<size_t>(table_.total()));
+  if (!bf16_fresh_) be_.copy_weights(prec_, params(), wbf16_, table_.total());
   bf16_fresh_ = false;
   const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
                 NH = cfg_.num_attention_heads, V = cfg_.vocab_size;
@@ -279,78 +254,58 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   const uint64_t off_tc = opt.example_offset * T * C;
   const uint64_t off_probs = opt.example_offset * NH * T * T;
   const int64_t L = cfg_.num_hidden_layers;
+  auto site = [&](int64_t layer, Site s, float p, uint64_t offset) {
+    return Dropout{p, rng_key(opt.seed, opt.step, layer, s), offset};
+  };
 
   const ParamTable& t = table_;
-  embedding_layernorm_forward(act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd,
-                              b.input_ids.data(), b.segment_ids.data(),
-                              W(t.offset("bert.embeddings.word_embeddings.weight")),
-                              W(t.offset("bert.embeddings.position_embeddings.weight")),
-                              W(t.offset("bert.embeddings.token_type_embeddings.weight")),
-                              W(t.offset("bert.embeddings.LayerNorm.weight")),
-                              W(t.offset("bert.embeddings.LayerNorm.bias")), B, T, C, eps, p_hidden,
-                              rng_key(opt.seed, opt.step, 0, kEmbedding), off_tc);
+  be_.embedding_layernorm_forward(act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd,
+                                  b.input_ids.data(), b.segment_ids.data(),
+                                  W(t.offset("bert.embeddings.word_embeddings.weight")),
+                                  W(t.offset("bert.embeddings.position_embeddings.weight")),
+                                  W(t.offset("bert.embeddings.token_type_embeddings.weight")),
+                                  W(t.offset("bert.embeddings.LayerNorm.weight")),
+                                  W(t.offset("bert.embeddings.LayerNorm.bias")), B, T, C, eps,
+                                  site(0, kEmbedding, p_hidden, off_tc));
 
   const float* x = act_.h0;
   for (int64_t l = 0; l < L; ++l) {
     obs::Timeline::Span span(timeline_, str("forward layer ", l), "compute");
     const LayerOffsets& o = t.layer(l);
     const LayerActs& a = act_.layers[l];
-    lin_fwd(a.qkv, x, W(o.qkv_w), W(o.qkv_b), N, 3 * C, C);
-    const bool fp16 = dims_.fp16;  // each kept tensor rounded before forward reads it
-    if (fp16) round_to_f16(a.qkv, a.qkv, N * 3 * C, a.qkv16);
-    const AttentionBf16 a16 = attention_bf16(a);
-    if (a.lse)
-      attention_blocked_forward(a.ctx, a.lse, a.qkv, b.input_mask.data(), {B, T, C, NH}, p_attn,
-                                rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
-                                wbf16_ ? &a16 : nullptr);
-    else
-      attention_forward(a.ctx, a.probs, attn_work_, a.qkv, b.input_mask.data(), {B, T, C, NH},
-                        p_attn, rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
-                        wbf16_ ? &a16 : nullptr, fp16 ? a.probs16 : nullptr);
-    if (fp16) {
-      round_to_f16(a.ctx, a.ctx, N * C, a.ctx16);
-      lin_fwd(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
-    } else if (a.ctx16) {
-      convert_f32_to_bf16(a.ctx, a.ctx16, static_cast<size_t>(N * C));
-      lin_fwd16(a.attn_res, a.ctx16, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
-    } else {
-      lin_fwd(a.attn_res, a.ctx, W(o.attn_out_w), W(o.attn_out_b), N, C, C);
-    }
-    residual_layernorm_forward(a.ln1_out, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
-                               W(o.ln1_b), N, C, eps, p_hidden,
-                               rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
-    lin_fwd(a.inter_pre, a.ln1_out, W(o.inter_w), W(o.inter_b), N, I, C);
-    if (fp16) {  // inter_act is inter_pre's buffer: GELU in place
-      activation_forward_f16(act, a.inter_act, a.inter_act16, a.inter_pre, a.inter_pre16, N * I);
-      lin_fwd(a.ffn_res, a.inter_act, W(o.out_w), W(o.out_b), N, C, I);
-    } else if (a.inter_act16) {
-      activation_forward_bf16(act, a.inter_act16, a.inter_pre, N * I, a.inter_pre16);
-      lin_fwd16(a.ffn_res, a.inter_act16, W(o.out_w), W(o.out_b), N, C, I);
-    } else {
-      activation_forward(act, a.inter_act, a.inter_pre, N * I);
-      lin_fwd(a.ffn_res, a.inter_act, W(o.out_w), W(o.out_b), N, C, I);
-    }
-    residual_layernorm_forward(a.ln2_out, a.ln2_mean, a.ln2_rstd, a.ffn_res, a.ln1_out, W(o.ln2_w),
-                               W(o.ln2_b), N, C, eps, p_hidden,
-                               rng_key(opt.seed, opt.step, l + 1, kFfnOut), off_tc);
+    be_.linear_forward(prec_, a.qkv.f32, {const_cast<float*>(x)}, Wt(o.qkv_w), W(o.qkv_b), N, 3 * C,
+                       C, ws_);
+    be_.attention_forward(prec_, a.ctx.f32, a.saved, a.qkv, b.input_mask.data(), {B, T, C, NH},
+                          site(l + 1, kAttnProbs, p_attn, off_probs), ws_);
+    be_.keep(prec_, a.ctx, N * C);
+    be_.linear_forward(prec_, a.attn_res, a.ctx, Wt(o.attn_out_w), W(o.attn_out_b), N, C, C, ws_);
+    be_.residual_layernorm_forward(a.ln1_out, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
+                                   W(o.ln1_b), N, C, eps, site(l + 1, kAttnOut, p_hidden, off_tc));
+    be_.linear_forward(prec_, a.inter_pre.f32, {a.ln1_out}, Wt(o.inter_w), W(o.inter_b), N, I, C,
+                       ws_);
+    be_.activation_forward(prec_, act, a.inter_act, a.inter_pre, N * I);
+    be_.linear_forward(prec_, a.ffn_res, a.inter_act, Wt(o.out_w), W(o.out_b), N, C, I, ws_);
+    be_.residual_layernorm_forward(a.ln2_out, a.ln2_mean, a.ln2_rstd, a.ffn_res, a.ln1_out,
+                                   W(o.ln2_w), W(o.ln2_b), N, C, eps,
+                                   site(l + 1, kFfnOut, p_hidden, off_tc));
     x = a.ln2_out;
   }
   seq_out_ = const_cast<float*>(x);
 
   // Pooler: tanh(dense(h[:, 0])).
   for (int64_t i = 0; i < B; ++i) std::memcpy(act_.cls_in + i * C, x + i * T * C, f32s(C));
-  lin_fwd(act_.pooled, act_.cls_in, W(t.offset("bert.pooler.dense.weight")),
-          W(t.offset("bert.pooler.dense.bias")), B, C, C);
-  tanh_forward(act_.pooled, act_.pooled, B * C);
+  be_.linear_forward(prec_, act_.pooled, {act_.cls_in}, Wt(t.offset("bert.pooler.dense.weight")),
+                     W(t.offset("bert.pooler.dense.bias")), B, C, C, ws_);
+  be_.tanh_forward(act_.pooled, act_.pooled, B * C);
 
   Losses out;
   if (head_ == Head::Pretraining) {
-    lin_fwd(act_.nsp_logits, act_.pooled, W(t.offset("cls.seq_relationship.weight")),
-            W(t.offset("cls.seq_relationship.bias")), B, 2, C);
-    out.nsp_loss =
-        cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
-                                       b.next_sentence_labels.data(), nullptr, B, 2, 0.0f) /
-        B;
+    be_.linear_forward(prec_, act_.nsp_logits, {act_.pooled},
+                       Wt(t.offset("cls.seq_relationship.weight")),
+                       W(t.offset("cls.seq_relationship.bias")), B, 2, C, ws_);
+    out.nsp_loss = be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
+                                     b.next_sentence_labels.data(), nullptr, B, 2, 0.0f) /
+                   B;
     for (int64_t i = 0; i < B; ++i) out.nsp_correct += act_.row_correct[i];
 
     // MLM head on the masked positions only (gather first): BP rows instead of B*T.
@@ -359,19 +314,22 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
       const int64_t row = (r / b.P) * T + b.masked_lm_positions[r];
       std::memcpy(act_.mlm_in + r * C, x + row * C, f32s(C));
     }
-    lin_fwd(act_.mlm_pre, act_.mlm_in, W(t.offset("cls.predictions.transform.dense.weight")),
-            W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C);
-    activation_forward(act, act_.mlm_act, act_.mlm_pre, BP * C);
-    layernorm_forward(act_.mlm_ln, act_.mlm_mean, act_.mlm_rstd, act_.mlm_act,
-                      W(t.offset("cls.predictions.transform.LayerNorm.weight")),
-                      W(t.offset("cls.predictions.transform.LayerNorm.bias")), BP, C, eps);
-    lin_fwd(act_.mlm_logits, act_.mlm_ln, W(t.offset("bert.embeddings.word_embeddings.weight")),
-            W(t.offset("cls.predictions.bias")), BP, V, C);
+    be_.linear_forward(prec_, act_.mlm_pre, {act_.mlm_in},
+                       Wt(t.offset("cls.predictions.transform.dense.weight")),
+                       W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C, ws_);
+    // The head's activation stays fp32 in every precision (nothing of it is kept in 16 bits).
+    be_.activation_forward(Precision::FP32, act, {act_.mlm_act}, {act_.mlm_pre}, BP * C);
+    be_.layernorm_forward(act_.mlm_ln, act_.mlm_mean, act_.mlm_rstd, act_.mlm_act,
+                          W(t.offset("cls.predictions.transform.LayerNorm.weight")),
+                          W(t.offset("cls.predictions.transform.LayerNorm.bias")), BP, C, eps);
+    be_.linear_forward(prec_, act_.mlm_logits, {act_.mlm_ln},
+                       Wt(t.offset("bert.embeddings.word_embeddings.weight")),
+                       W(t.offset("cls.predictions.bias")), BP, V, C, ws_);
     // Training: the gradient (for loss scale 1) is written over the logits in the same passes
     // that compute the loss, so backward does not recompute the softmax over the vocabulary.
     for (int64_t r = 0; r < BP; ++r) out.mlm_weight += b.masked_lm_weights[r];
     const float dscale1 = static_cast<float>(1.0 / (out.mlm_weight + kMlmDenominatorEps));
-    const double wsum_ce = cross_entropy_forward_backward(
+    const double wsum_ce = be_.cross_entropy(
         opt.training ? act_.mlm_logits : nullptr, act_.row_loss, act_.row_correct, act_.mlm_logits,
         b.masked_lm_ids.data(), b.masked_lm_weights.data(), BP, V, dscale1);
     mlm_grad_ready_ = opt.training;
@@ -381,15 +339,15 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     out.loss = out.mlm_loss + out.nsp_loss;
   } else {
     std::memcpy(act_.pooled_drop, act_.pooled, f32s(B * C));
-    dropout_forward(act_.pooled_drop, B * C, p_hidden, rng_key(opt.seed, opt.step, L + 1, kPooler),
-                    opt.example_offset * C);
+    be_.dropout_forward(act_.pooled_drop, B * C,
+                        site(L + 1, kPooler, p_hidden, opt.example_offset * C));
     const int64_t NL = cfg_.num_labels;
-    lin_fwd(act_.cls_logits, act_.pooled_drop, W(t.offset("classifier.weight")),
-            W(t.offset("classifier.bias")), B, NL, C);
-    out.loss =
-        cross_entropy_forward_backward(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
-                                       b.label_ids.data(), nullptr, B, NL, 0.0f) /
-        B;
+    be_.linear_forward(prec_, act_.cls_logits, {act_.pooled_drop},
+                       Wt(t.offset("classifier.weight")), W(t.offset("classifier.bias")), B, NL, C,
+                       ws_);
+    out.loss = be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
+                                 b.label_ids.data(), nullptr, B, NL, 0.0f) /
+               B;
     for (int64_t i = 0; i < B; ++i) out.cls_correct += act_.row_correct[i];
   }
   return out;
@@ -411,52 +369,53 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   const Activation act = cfg_.activation();
   const uint64_t off_tc = opt.example_offset * T * C;
   const uint64_t off_probs = opt.example_offset * NH * T * T;
+  auto site = [&](int64_t layer, Site s, float p, uint64_t offset) {
+    return Dropout{p, rng_key(opt.seed, opt.step, layer, s), offset};
+  };
   const ParamTable& t = table_;
   const int64_t word = t.offset("bert.embeddings.word_embeddings.weight");
   float* dh = act_.dh;  // gradient of the residual stream [N,C]
-  std::memset(dh, 0, f32s(N * C));
+  be_.zero(dh, static_cast<int64_t>(f32s(N * C)));
+  // Linear backward in the model's precision, weights by offset.
+  auto lin_bwd = [&](float* dinp, int64_t w_off, int64_t b_off, const float* dout, Kept in,
+                     int64_t M, int64_t Nout, int64_t K, bool accumulate = false) {
+    be_.linear_backward(prec_, dinp, G(w_off), G(b_off), dout, in, Wt(w_off), M, Nout, K,
+                        accumulate, ws_);
+  };
 
   // ---- heads: produce dpooled (and the MLM rows of dh) ----
   float* dpooled = act_.dhead2;  // [B,C]
   if (head_ == Head::Pretraining) {
     float* dnsp = act_.dsmall;
-    cross_entropy_forward_backward(dnsp, nullptr, nullptr, act_.nsp_logits,
-                                   b.next_sentence_labels.data(), nullptr, B, 2, loss_scale / B);
-    lin_bwd(dpooled, G(t.offset("cls.seq_relationship.weight")),
-            G(t.offset("cls.seq_relationship.bias")), dnsp, act_.pooled,
-            W(t.offset("cls.seq_relationship.weight")), B, 2, C);
+    be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, b.next_sentence_labels.data(),
+                      nullptr, B, 2, loss_scale / B);
+    lin_bwd(dpooled, t.offset("cls.seq_relationship.weight"), t.offset("cls.seq_relationship.bias"),
+            dnsp, {act_.pooled}, B, 2, C);
 
     const int64_t BP = B * b.P;
     float* dlogits = act_.mlm_logits;  // gradient overwrites the logits
     if (mlm_grad_ready_) {
       // Forward left the gradient for loss scale 1; scales are powers of two, so scaling here
       // gives the same bits as computing with the scale.
-      if (loss_scale != 1.0f) {
-        const int64_t n = BP * V;
-#pragma omp parallel for simd schedule(static)
-        for (int64_t i = 0; i < n; ++i) dlogits[i] *= loss_scale;
-      }
+      if (loss_scale != 1.0f) be_.scale_inplace(dlogits, BP * V, loss_scale);
     } else {
       double wsum = 0;
       for (int64_t r = 0; r < BP; ++r) wsum += b.masked_lm_weights[r];
       const float dscale = static_cast<float>(loss_scale / (wsum + kMlmDenominatorEps));
-      cross_entropy_forward_backward(dlogits, nullptr, nullptr, act_.mlm_logits,
-                                     b.masked_lm_ids.data(), b.masked_lm_weights.data(), BP, V,
-                                     dscale);
+      be_.cross_entropy(dlogits, nullptr, nullptr, act_.mlm_logits, b.masked_lm_ids.data(),
+                        b.masked_lm_weights.data(), BP, V, dscale);
     }
     mlm_grad_ready_ = false;
     float* d1 = act_.dhead1;  // [BP,C]
-    lin_bwd(d1, G(word), G(t.offset("cls.predictions.bias")), dlogits, act_.mlm_ln, W(word), BP, V,
-            C);
+    lin_bwd(d1, word, t.offset("cls.predictions.bias"), dlogits, {act_.mlm_ln}, BP, V, C);
     float* d2 = act_.dI;  // [BP,C] scratch (dI is free until the encoder backward)
-    layernorm_backward(d2, G(t.offset("cls.predictions.transform.LayerNorm.weight")),
-                       G(t.offset("cls.predictions.transform.LayerNorm.bias")), d1, act_.mlm_act,
-                       W(t.offset("cls.predictions.transform.LayerNorm.weight")), act_.mlm_mean,
-                       act_.mlm_rstd, BP, C);
-    activation_backward(act, d2, act_.mlm_pre, d2, BP * C);
-    lin_bwd(d1, G(t.offset("cls.predictions.transform.dense.weight")),
-            G(t.offset("cls.predictions.transform.dense.bias")), d2, act_.mlm_in,
-            W(t.offset("cls.predictions.transform.dense.weight")), BP, C, C);
+    be_.layernorm_backward(d2, G(t.offset("cls.predictions.transform.LayerNorm.weight")),
+                           G(t.offset("cls.predictions.transform.LayerNorm.bias")), d1,
+                           act_.mlm_act, W(t.offset("cls.predictions.transform.LayerNorm.weight")),
+                           act_.mlm_mean, act_.mlm_rstd, BP, C);
+    be_.activation_backward(Precision::FP32, act, d2, {act_.mlm_pre}, d2, BP * C);
+    lin_bwd(d1, t.offset("cls.predictions.transform.dense.weight"),
+            t.offset("cls.predictions.transform.dense.bias"), d2, {act_.mlm_in}, BP, C, C);
     for (int64_t r = 0; r < BP; ++r) {  // scatter (+=): positions may repeat
       float* dst = dh + ((r / b.P) * T + b.masked_lm_positions[r]) * C;
       const float* src = d1 + r * C;
@@ -465,19 +424,19 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   } else {
     const int64_t NL = cfg_.num_labels;
     float* dlog = act_.dsmall;
-    cross_entropy_forward_backward(dlog, nullptr, nullptr, act_.cls_logits, b.label_ids.data(),
-                                   nullptr, B, NL, loss_scale / B);
-    lin_bwd(dpooled, G(t.offset("classifier.weight")), G(t.offset("classifier.bias")), dlog,
-            act_.pooled_drop, W(t.offset("classifier.weight")), B, NL, C);
-    dropout_backward(dpooled, dpooled, B * C, p_hidden, rng_key(opt.seed, opt.step, L + 1, kPooler),
-                     opt.example_offset * C);
+    be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, b.label_ids.data(), nullptr, B, NL,
+                      loss_scale / B);
+    lin_bwd(dpooled, t.offset("classifier.weight"), t.offset("classifier.bias"), dlog,
+            {act_.pooled_drop}, B, NL, C);
+    be_.dropout_backward(dpooled, dpooled, B * C,
+                         site(L + 1, kPooler, p_hidden, opt.example_offset * C));
   }
   // pooler
-  tanh_backward(dpooled, act_.pooled, dpooled, B * C);
+  be_.tanh_backward(dpooled, act_.pooled, dpooled, B * C);
   float* dcls = act_.dhead1;
-  lin_bwd(dcls, G(t.offset("bert.pooler.dense.weight")), G(t.offset("bert.pooler.dense.bias")),
-          dpooled, act_.cls_in, W(t.offset("bert.pooler.dense.weight")), B, C, C);
-  for (int64_t i = 0; i < B; ++i) add_inplace(dh + i * T * C, dcls + i * C, C);
+  lin_bwd(dcls, t.offset("bert.pooler.dense.weight"), t.offset("bert.pooler.dense.bias"), dpooled,
+          {act_.cls_in}, B, C, C);
+  for (int64_t i = 0; i < B; ++i) be_.add_inplace(dh + i * T * C, dcls + i * C, C);
 
   // ---- encoder, last layer first ----
   float *dA = act_.dA, *dB = act_.dB, *dI = act_.dI;
@@ -485,67 +444,36 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     obs::Timeline::Span span(timeline_, str("backward layer ", l), "compute");
     const LayerOffsets& o = t.layer(l);
     const LayerActs& a = act_.layers[l];
-    const float* x = l == 0 ? act_.h0 : act_.layers[l - 1].ln2_out;
+    float* x = l == 0 ? act_.h0 : act_.layers[l - 1].ln2_out;
     // h_out = LN2(ffn_res), ffn_res = drop(inter_act W_out + b) + ln1_out
-    layernorm_dropout_backward(dA, dB, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w),
-                               a.ln2_mean, a.ln2_rstd, N, C, false, p_hidden,
-                               rng_key(opt.seed, opt.step, l + 1, kFfnOut), off_tc);
-    const bool fp16 = dims_.fp16;  // saved fp16 tensors widened into f16_wide_
-    if (fp16) {
-      widen_f16(f16_wide_, a.inter_act16, N * I);
-      lin_bwd(dI, G(o.out_w), G(o.out_b), dB, f16_wide_, W(o.out_w), N, C, I);
-      activation_backward_f16(act, dI, a.inter_pre16, dI, N * I);
-    } else if (a.inter_act16) {
-      lin_bwd16(dI, G(o.out_w), G(o.out_b), dB, a.inter_act16, W(o.out_w), N, C, I);
-      activation_backward_bf16(act, dI, a.inter_pre16, dI, N * I);
-    } else {
-      lin_bwd(dI, G(o.out_w), G(o.out_b), dB, a.inter_act, W(o.out_w), N, C, I);
-      activation_backward(act, dI, a.inter_pre, dI, N * I);
-    }
-    lin_bwd(dA, G(o.inter_w), G(o.inter_b), dI, a.ln1_out, W(o.inter_w), N, I, C,
-            /*accumulate_dinp=*/true);  // dA = d ln1_out (residual + FFN path)
+    be_.layernorm_dropout_backward(dA, dB, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w),
+                                   a.ln2_mean, a.ln2_rstd, N, C, false,
+                                   site(l + 1, kFfnOut, p_hidden, off_tc));
+    lin_bwd(dI, o.out_w, o.out_b, dB, a.inter_act, N, C, I);
+    be_.activation_backward(prec_, act, dI, a.inter_pre, dI, N * I);
+    lin_bwd(dA, o.inter_w, o.inter_b, dI, {a.ln1_out}, N, I, C,
+            /*accumulate=*/true);  // dA = d ln1_out (residual + FFN path)
     // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
-    layernorm_dropout_backward(dh, dB, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w),
-                               a.ln1_mean, a.ln1_rstd, N, C, false, p_hidden,
-                               rng_key(opt.seed, opt.step, l + 1, kAttnOut), off_tc);
-    if (fp16) {
-      widen_f16(f16_wide_, a.ctx16, N * C);
-      lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, f16_wide_, W(o.attn_out_w), N, C, C);
-    } else if (a.ctx16) {
-      lin_bwd16(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx16, W(o.attn_out_w), N, C, C);
-    } else {
-      lin_bwd(dA, G(o.attn_out_w), G(o.attn_out_b), dB, a.ctx, W(o.attn_out_w), N, C, C);
-    }
-    const AttentionBf16 a16 = attention_bf16(a);
-    const float* qkv = a.qkv;  // bf16: null, a16.qkv holds the forward's rounding
-    if (fp16) {
-      widen_f16(f16_wide_, a.qkv16, N * 3 * C);
-      qkv = f16_wide_;
-    } else if (a.qkv16) {
-      qkv = nullptr;
-    }
-    if (a.lse)
-      attention_blocked_backward(dI, dA, qkv, a.lse, b.input_mask.data(), {B, T, C, NH}, p_attn,
-                                 rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
-                                 wbf16_ ? &a16 : nullptr);
-    else
-      attention_backward(dI, attn_work_, dA, qkv, a.probs, {B, T, C, NH}, p_attn,
-                         rng_key(opt.seed, opt.step, l + 1, kAttnProbs), off_probs,
-                         wbf16_ ? &a16 : nullptr, fp16 ? a.probs16 : nullptr);
-    lin_bwd(dh, G(o.qkv_w), G(o.qkv_b), dI, x, W(o.qkv_w), N, 3 * C, C,
-            /*accumulate_dinp=*/true);  // dh = d x (residual + attention path)
+    be_.layernorm_dropout_backward(dh, dB, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w),
+                                   a.ln1_mean, a.ln1_rstd, N, C, false,
+                                   site(l + 1, kAttnOut, p_hidden, off_tc));
+    lin_bwd(dA, o.attn_out_w, o.attn_out_b, dB, a.ctx, N, C, C);
+    be_.attention_backward(prec_, dI, dA, a.qkv, a.saved, b.input_mask.data(), {B, T, C, NH},
+                           site(l + 1, kAttnProbs, p_attn, off_probs), ws_);
+    lin_bwd(dh, o.qkv_w, o.qkv_b, dI, {x}, N, 3 * C, C,
+            /*accumulate=*/true);  // dh = d x (residual + attention path)
     if (layer_done) layer_done(l);
   }
 
   // ---- embeddings ----
-  dropout_backward(dh, dh, N * C, p_hidden, rng_key(opt.seed, opt.step, 0, kEmbedding), off_tc);
-  layernorm_backward(dA, G(t.offset("bert.embeddings.LayerNorm.weight")),
-                     G(t.offset("bert.embeddings.LayerNorm.bias")), dh, act_.emb_sum,
-                     W(t.offset("bert.embeddings.LayerNorm.weight")), act_.emb_mean, act_.emb_rstd,
-                     N, C);
-  embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
-                     G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA,
-                     b.input_ids.data(), b.segment_ids.data(), B, T, C);
+  be_.dropout_backward(dh, dh, N * C, site(0, kEmbedding, p_hidden, off_tc));
+  be_.layernorm_backward(dA, G(t.offset("bert.embeddings.LayerNorm.weight")),
+                         G(t.offset("bert.embeddings.LayerNorm.bias")), dh, act_.emb_sum,
+                         W(t.offset("bert.embeddings.LayerNorm.weight")), act_.emb_mean,
+                         act_.emb_rstd, N, C);
+  be_.embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
+                         G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA,
+                         b.input_ids.data(), b.segment_ids.data(), B, T, C);
 }
 
 double BertModel::flops_per_step(int64_t B, int64_t T, int64_t P) const {

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "core/arena.h"
-#include "kernels/cpu/attention.h"
+#include "kernels/backend.h"
 #include "model/batch.h"
 #include "model/config.h"
 #include "model/params.h"
@@ -39,6 +39,11 @@ struct ModelDims {
   // matmul for CPUs without AVX512-FP16, and an fp16 copy of the weights would only add memory
   // and error to fp32 matmuls. Gradients stay fp32.
   bool fp16 = false;
+  kernels::Precision precision() const {
+    return bf16   ? kernels::Precision::BF16
+           : fp16 ? kernels::Precision::FP16
+                  : kernels::Precision::FP32;
+  }
   bool blocked_attention() const {
     return attention == Attention::Blocked || (attention == Attention::Auto && seq_len >= 512);
   }
@@ -69,7 +74,9 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
 
 class BertModel {
  public:
-  BertModel(const BertConfig& cfg, Head head, const ModelDims& dims);
+  // Kernels run on `backend` (the CPU's unless told).
+  BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
+            const kernels::Backend& backend = kernels::cpu_backend());
   // The plan this model allocates from: parameters, gradients, activations, scratch.
   static MemoryPlan make_plan(const BertConfig& cfg, Head head, const ModelDims& dims);
 
@@ -77,6 +84,11 @@ class BertModel {
   const ParamTable& table() const { return table_; }
   const ModelDims& dims() const { return dims_; }
   const MemoryPlan& plan() const { return plan_; }
+  // Bytes this model holds in its arenas: plan().total_bytes(), allocated (tests prove it).
+  size_t allocated_bytes() const {
+    return params_.bytes() + grads_.bytes() + acts_arena_.bytes() + scratch_.bytes() +
+           bf16_arena_.bytes();
+  }
   float* params() const { return reinterpret_cast<float*>(params_.base()); }
   float* grads() const { return reinterpret_cast<float*>(grads_.base()); }
   float* param(const std::string& name) const { return params() + table_.offset(name); }
@@ -115,13 +127,13 @@ class BertModel {
 
  private:
   struct LayerActs {
-    float *qkv, *probs, *ctx, *attn_res, *ln1_out, *ln1_mean, *ln1_rstd;
-    float *inter_pre, *inter_act, *ffn_res, *ln2_out, *ln2_mean, *ln2_rstd;
-    // bf16 and fp16 (raw bits of either): these replace ctx (then scratch) and inter_act, and
-    // are what backward reads of QKV and the pre-activation (qkv and inter_pre then point at
-    // scratch), and probs16 replaces probs.
-    uint16_t *ctx16, *inter_act16, *qkv16, *inter_pre16, *probs16;
-    float* lse;  // blocked attention: the row log-sum-exp [B,NH,T], instead of probs(16)
+    // Kept in the model's precision (kernels/backend.h, Kept): QKV, the attention context, the
+    // FFN pre- and post-activation; in 16-bit precisions their fp32 values live in scratch
+    // shared by the layers and backward reads the 16-bit copies.
+    kernels::Kept qkv, ctx, inter_pre, inter_act;
+    kernels::AttentionSaved saved;  // probabilities (fp32 / 16-bit) or the row log-sum-exp
+    float *attn_res, *ln1_out, *ln1_mean, *ln1_rstd;
+    float *ffn_res, *ln2_out, *ln2_mean, *ln2_rstd;
   };
   struct Acts {
     float *emb_sum, *emb_mean, *emb_rstd, *h0;
@@ -134,18 +146,10 @@ class BertModel {
     float *dh, *dA, *dB, *dI, *dhead1, *dhead2, *dsmall;
   };
   const float* W(int64_t off) const { return params() + off; }
-  // bf16: layer a's attention operands (its QKV and saved probabilities, the shared scratch).
-  kernels::AttentionBf16 attention_bf16(const LayerActs& a) const;
-  // Linear layers in the model's precision (weights given as pointers into params()).
-  void lin_fwd(float* out, const float* inp, const float* w, const float* b, int64_t M, int64_t N,
-               int64_t K);
-  // bf16 only: the input already rounded to bf16.
-  void lin_fwd16(float* out, const uint16_t* inp16, const float* w, const float* b, int64_t M,
-                 int64_t N, int64_t K);
-  void lin_bwd16(float* dinp, float* dw, float* db, const float* dout, const uint16_t* inp16,
-                 const float* w, int64_t M, int64_t N, int64_t K);
-  void lin_bwd(float* dinp, float* dw, float* db, const float* dout, const float* inp,
-               const float* w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp = false);
+  // A weight for the matmuls: the fp32 master and, in bf16, its copy.
+  kernels::Weight Wt(int64_t off) const {
+    return {params() + off, wbf16_ ? wbf16_ + off : nullptr};
+  }
   float* G(int64_t off) const { return grads() + off; }
 
   BertConfig cfg_;
@@ -155,12 +159,12 @@ class BertModel {
   MemoryPlan plan_;
   Arena params_, grads_, acts_arena_, scratch_, bf16_arena_;
   Acts act_{};
-  uint16_t *wbf16_ = nullptr, *sa_ = nullptr, *sb_ = nullptr;  // bf16 weights and scratch
-  float* f16_wide_ = nullptr;    // fp16: a saved tensor widened back to fp32 (and forward's ctx)
-  float* attn_work_ = nullptr;   // attention scratch
+  const kernels::Backend& be_;
+  kernels::Precision prec_;
+  kernels::Workspace ws_;        // the precision paths' scratch, regions of the plan
+  uint16_t* wbf16_ = nullptr;    // bf16: the weights' copy the matmuls read
   bool mlm_grad_ready_ = false;  // the training forward left the MLM logits' gradient in place
   bool bf16_fresh_ = false;      // bf16_weights() already equals params() rounded
-  kernels::AttentionBf16 attn16_{};  // attention's bf16 matmul operands
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
 };

@@ -5,7 +5,7 @@
 #include <set>
 
 #include "core/error.h"
-#include "model/safetensors.h"
+#include "core/safetensors.h"
 
 namespace bertrain::model {
 

@@ -4,7 +4,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 
-#include "kernels/cpu/elementwise.h"
+#include "kernels/types.h"
 
 namespace bertrain::model {
 

@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "model/safetensors.h"
+#include "core/safetensors.h"
 
 namespace bertrain::obs {
 

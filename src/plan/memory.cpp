@@ -5,12 +5,20 @@
 
 namespace bertrain::plan {
 
+void plan_optimizer_state(MemoryPlan& plan, int64_t parameters, int slots) {
+  const size_t bytes = static_cast<size_t>(parameters) * sizeof(float);
+  for (int s = 0; s < slots; ++s)
+    plan.add("optimizer",
+             s == 0   ? "optimizer.m"
+             : s == 1 ? "optimizer.v"
+                      : "optimizer.slot" + std::to_string(s),
+             bytes);
+}
+
 MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,
                          const model::ModelDims& dims, int optimizer_slots) {
   MemoryPlan plan = model::BertModel::make_plan(cfg, head, dims);
-  const size_t param_bytes = plan.region("params").bytes;
-  for (int s = 0; s < optimizer_slots; ++s)
-    plan.add("optimizer", "optimizer.slot" + std::to_string(s), param_bytes);
+  plan_optimizer_state(plan, model::ParamTable(cfg, head).total(), optimizer_slots);
   return plan;
 }
 

@@ -9,6 +9,11 @@
 
 namespace bertrain::plan {
 
+// The optimizer's state: `slots` fp32 values per parameter (AdamW and LAMB: 2, the moments
+// m and v), group "optimizer", regions optimizer.m, optimizer.v (then optimizer.slotN).
+// train::Optimizer allocates from exactly this.
+void plan_optimizer_state(MemoryPlan& plan, int64_t parameters, int slots);
+
 // optimizer_slots: fp32 copies per parameter held by the optimizer (AdamW/LAMB: 2).
 MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,
                          const model::ModelDims& dims, int optimizer_slots);

@@ -5,7 +5,7 @@
 namespace bertrain::train {
 
 EvalResult evaluate(model::BertModel& m, const std::string& data, int64_t batch_size,
-                    int64_t max_batches, dist::Communicator& comm) {
+                    int64_t max_batches, comm::Communicator& comm) {
   data::PipelineOptions o;
   o.files = data;
   o.batch_size = batch_size;

@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 #include "model/bert.h"
 
 namespace bertrain::train {
@@ -17,6 +17,6 @@ struct EvalResult {
 
 // data: glob(s). max_batches 0: everything.
 EvalResult evaluate(model::BertModel& m, const std::string& data, int64_t batch_size,
-                    int64_t max_batches, dist::Communicator& comm);
+                    int64_t max_batches, comm::Communicator& comm);
 
 }  // namespace bertrain::train

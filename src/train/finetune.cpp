@@ -11,12 +11,12 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "data/pipeline.h"
 #include "data/pretraining.h"
 #include "data/schema.h"
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
-#include "model/safetensors.h"
 #include "train/loss_scaler.h"
 #include "train/optimizer.h"
 #include "train/run_state.h"
@@ -255,7 +255,7 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   std::vector<size_t> order(n);
   // A non-finite gradient skips the step in fp16 (the scale halves) and stops fp32/bf16
   // fine-tuning with a message (LossScaler::update).
-  dist::SingleProcess single;
+  comm::SingleProcess single;
   Step one_step(m, opt, scaler, single, StepSettings{1, 1.0, false, 0, cfg.seed});
   int64_t step = 0;
   for (int64_t epoch = 0; epoch < cfg.epochs; ++epoch) {

@@ -4,239 +4,10 @@
 #include <cmath>
 #include <vector>
 
-#include <omp.h>
-
-#include "core/dtype.h"
 #include "core/error.h"
-#include "core/isa.h"
-#include "core/parallel.h"
-#include "core/simd_avx2.h"
-#include "core/simd_avx512.h"
+#include "plan/memory.h"
 
 namespace bertrain::train {
-namespace {
-
-// sum of (g * s)^2 in double, 8 lanes.
-BT_AVX512 double sum_squares_avx512(const float* g, int64_t n, double s) {
-  __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
-  const __m512d vs = _mm512_set1_pd(s);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512d a = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(g + i)), vs);
-    const __m512d b = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(g + i + 8)), vs);
-    acc0 = _mm512_fmadd_pd(a, a, acc0);
-    acc1 = _mm512_fmadd_pd(b, b, acc1);
-  }
-  double sum = _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
-  for (; i < n; ++i) {
-    const double x = static_cast<double>(g[i]) * s;
-    sum += x * x;
-  }
-  return sum;
-}
-
-// Adam's moments on 16 lanes, the portable loops' operations in their order (no FMA), so both
-// bodies give the same bits: m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g g, stored back.
-BT_AVX512 inline void adam_moments16(__m512 gi, float* m, float* v, __mmask16 k, float b1, float b2,
-                                     __m512& mi, __m512& vi) {
-  mi = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(b1), _mm512_maskz_loadu_ps(k, m)),
-                     _mm512_mul_ps(_mm512_set1_ps(1.0f - b1), gi));
-  vi = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(b2), _mm512_maskz_loadu_ps(k, v)),
-                     _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(1.0f - b2), gi), gi));
-  _mm512_mask_storeu_ps(m, k, mi);
-  _mm512_mask_storeu_ps(v, k, vi);
-}
-
-// LAMB's update direction u = m / bc1 / (sqrt(v / bc2) + eps) + wd p on 16 lanes.
-BT_AVX512 inline __m512 lamb_direction16(__m512 mi, __m512 vi, __m512 pi, float ibc1, float ibc2,
-                                         float eps, float wd) {
-  return _mm512_add_ps(
-      _mm512_div_ps(_mm512_mul_ps(mi, _mm512_set1_ps(ibc1)),
-                    _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, _mm512_set1_ps(ibc2))),
-                                  _mm512_set1_ps(eps))),
-      _mm512_mul_ps(_mm512_set1_ps(wd), pi));
-}
-
-// acc += x^2 over 16 floats, in double (two 8-lane halves).
-BT_AVX512 inline __m512d add_squares16(__m512d acc, __m512 x) {
-  const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-  const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
-  return _mm512_add_pd(acc, _mm512_add_pd(_mm512_mul_pd(lo, lo), _mm512_mul_pd(hi, hi)));
-}
-
-// The new parameters, and their bf16 copy when asked for.
-BT_AVX512 inline void store_params16(float* p, uint16_t* p16, __mmask16 k, __m512 x) {
-  _mm512_mask_storeu_ps(p, k, x);
-  if (p16) _mm256_mask_storeu_epi16(p16, k, simd::f32_to_bf16_16(x));
-}
-
-BT_AVX512 void adamw_avx512(float* p, uint16_t* p16, const float* g, float* m, float* v, int64_t b,
-                            int64_t e, float gscale, float b1, float b2, float step_size,
-                            float sqrt_bc2, float eps, float decay) {
-  using namespace simd;
-  for (int64_t i = b; i < e; i += 16) {
-    const __mmask16 k = tail_mask(e - i);
-    const __m512 gi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), _mm512_set1_ps(gscale));
-    __m512 mi, vi;
-    adam_moments16(gi, m + i, v + i, k, b1, b2, mi, vi);
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), _mm512_set1_ps(sqrt_bc2)),
-                                       _mm512_set1_ps(eps));
-    const __m512 pi =
-        _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i), _mm512_set1_ps(decay)),
-                      _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(step_size), mi), denom));
-    store_params16(p + i, p16 ? p16 + i : nullptr, k, pi);
-  }
-}
-
-// LAMB's first pass on 16 lanes: moments updated, and the squared norms of p and of the update
-// direction accumulated in double (in lanes: another summation order than the portable loop,
-// so the trust ratio may differ in its last bits).
-BT_AVX512 void lamb_moments_avx512(const float* p, const float* g, float* m, float* v, int64_t b,
-                                   int64_t e, float gscale, float b1, float b2, float ibc1,
-                                   float ibc2, float eps, float wd, double* pn, double* un) {
-  using namespace simd;
-  __m512d ap = _mm512_setzero_pd(), au = _mm512_setzero_pd();
-  for (int64_t i = b; i < e; i += 16) {
-    const __mmask16 k = tail_mask(e - i);
-    const __m512 gi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, g + i), _mm512_set1_ps(gscale));
-    __m512 mi, vi;
-    adam_moments16(gi, m + i, v + i, k, b1, b2, mi, vi);
-    const __m512 pi = _mm512_maskz_loadu_ps(k, p + i);
-    ap = add_squares16(ap, pi);
-    au = add_squares16(au, lamb_direction16(mi, vi, pi, ibc1, ibc2, eps, wd));
-  }
-  *pn += _mm512_reduce_add_pd(ap);
-  *un += _mm512_reduce_add_pd(au);
-}
-
-BT_AVX512 void lamb_update_avx512(float* p, uint16_t* p16, const float* m, const float* v,
-                                  int64_t b, int64_t e, float ibc1, float ibc2, float eps, float wd,
-                                  float step) {
-  using namespace simd;
-  for (int64_t i = b; i < e; i += 16) {
-    const __mmask16 k = tail_mask(e - i);
-    const __m512 pi = _mm512_maskz_loadu_ps(k, p + i);
-    const __m512 u = lamb_direction16(_mm512_maskz_loadu_ps(k, m + i),
-                                      _mm512_maskz_loadu_ps(k, v + i), pi, ibc1, ibc2, eps, wd);
-    store_params16(p + i, p16 ? p16 + i : nullptr, k,
-                   _mm512_sub_ps(pi, _mm512_mul_ps(_mm512_set1_ps(step), u)));
-  }
-}
-
-// The AVX2 twins (8 lanes, the same operations in the same order as the AVX-512 bodies). The
-// bf16 copy is rounded per element: bf16 training needs AVX-512, so it is never asked for here
-// in practice.
-BT_AVX2 double sum_squares_avx2(const float* g, int64_t n, double s) {
-  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
-  const __m256d vs = _mm256_set1_pd(s);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256d a = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(g + i)), vs);
-    const __m256d b = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(g + i + 4)), vs);
-    acc0 = _mm256_fmadd_pd(a, a, acc0);
-    acc1 = _mm256_fmadd_pd(b, b, acc1);
-  }
-  double sum = simd::hsum4d(_mm256_add_pd(acc0, acc1));
-  for (; i < n; ++i) {
-    const double x = static_cast<double>(g[i]) * s;
-    sum += x * x;
-  }
-  return sum;
-}
-
-BT_AVX2 inline void adam_moments8(__m256 gi, float* m, float* v, int64_t n, float b1, float b2,
-                                  __m256& mi, __m256& vi) {
-  using namespace simd;
-  mi = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(b1), load8(m, n)),
-                     _mm256_mul_ps(_mm256_set1_ps(1.0f - b1), gi));
-  vi = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(b2), load8(v, n)),
-                     _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(1.0f - b2), gi), gi));
-  store8(m, n, mi);
-  store8(v, n, vi);
-}
-
-BT_AVX2 inline __m256 lamb_direction8(__m256 mi, __m256 vi, __m256 pi, float ibc1, float ibc2,
-                                      float eps, float wd) {
-  return _mm256_add_ps(
-      _mm256_div_ps(_mm256_mul_ps(mi, _mm256_set1_ps(ibc1)),
-                    _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, _mm256_set1_ps(ibc2))),
-                                  _mm256_set1_ps(eps))),
-      _mm256_mul_ps(_mm256_set1_ps(wd), pi));
-}
-
-BT_AVX2 inline void store_params8(float* p, uint16_t* p16, int64_t n, __m256 x) {
-  simd::store8(p, n, x);
-  if (p16)
-    for (int64_t l = 0; l < std::min<int64_t>(n, 8); ++l) p16[l] = f32_to_bf16(p[l]);
-}
-
-BT_AVX2 void adamw_avx2(float* p, uint16_t* p16, const float* g, float* m, float* v, int64_t b,
-                        int64_t e, float gscale, float b1, float b2, float step_size,
-                        float sqrt_bc2, float eps, float decay) {
-  using namespace simd;
-  for (int64_t i = b; i < e; i += 8) {
-    const int64_t n = e - i;
-    const __m256 gi = _mm256_mul_ps(load8(g + i, n), _mm256_set1_ps(gscale));
-    __m256 mi, vi;
-    adam_moments8(gi, m + i, v + i, n, b1, b2, mi, vi);
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), _mm256_set1_ps(sqrt_bc2)),
-                                       _mm256_set1_ps(eps));
-    const __m256 pi =
-        _mm256_sub_ps(_mm256_mul_ps(load8(p + i, n), _mm256_set1_ps(decay)),
-                      _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(step_size), mi), denom));
-    store_params8(p + i, p16 ? p16 + i : nullptr, n, pi);
-  }
-}
-
-BT_AVX2 void lamb_moments_avx2(const float* p, const float* g, float* m, float* v, int64_t b,
-                               int64_t e, float gscale, float b1, float b2, float ibc1, float ibc2,
-                               float eps, float wd, double* pn, double* un) {
-  using namespace simd;
-  __m256d ap = _mm256_setzero_pd(), au = _mm256_setzero_pd();
-  for (int64_t i = b; i < e; i += 8) {
-    const int64_t n = e - i;
-    const __m256 gi = _mm256_mul_ps(load8(g + i, n), _mm256_set1_ps(gscale));
-    __m256 mi, vi;
-    adam_moments8(gi, m + i, v + i, n, b1, b2, mi, vi);
-    const __m256 pi = load8(p + i, n);  // 0 past e, so the direction is 0 there too
-    ap = add_squares8(ap, pi);
-    au = add_squares8(au, lamb_direction8(mi, vi, pi, ibc1, ibc2, eps, wd));
-  }
-  *pn += hsum4d(ap);
-  *un += hsum4d(au);
-}
-
-BT_AVX2 void lamb_update_avx2(float* p, uint16_t* p16, const float* m, const float* v, int64_t b,
-                              int64_t e, float ibc1, float ibc2, float eps, float wd, float step) {
-  using namespace simd;
-  for (int64_t i = b; i < e; i += 8) {
-    const int64_t n = e - i;
-    const __m256 pi = load8(p + i, n);
-    const __m256 u = lamb_direction8(load8(m + i, n), load8(v + i, n), pi, ibc1, ibc2, eps, wd);
-    store_params8(p + i, p16 ? p16 + i : nullptr, n,
-                  _mm256_sub_ps(pi, _mm256_mul_ps(_mm256_set1_ps(step), u)));
-  }
-}
-
-// The vector bodies this CPU takes (null members: the portable loops).
-struct Bodies {
-  double (*sum_squares)(const float*, int64_t, double);
-  void (*adamw)(float*, uint16_t*, const float*, float*, float*, int64_t, int64_t, float, float,
-                float, float, float, float, float);
-  void (*lamb_moments)(const float*, const float*, float*, float*, int64_t, int64_t, float, float,
-                       float, float, float, float, float, double*, double*);
-  void (*lamb_update)(float*, uint16_t*, const float*, const float*, int64_t, int64_t, float, float,
-                      float, float, float);
-};
-
-Bodies vector_bodies() {
-  if (use_avx512())
-    return {sum_squares_avx512, adamw_avx512, lamb_moments_avx512, lamb_update_avx512};
-  if (use_avx2()) return {sum_squares_avx2, adamw_avx2, lamb_moments_avx2, lamb_update_avx2};
-  return {nullptr, nullptr, nullptr, nullptr};
-}
-
-}  // namespace
 
 std::vector<ParamSlice> param_slices(const model::ParamTable& table) {
   std::vector<ParamSlice> slices;
@@ -254,40 +25,23 @@ const char* optimizer_name(OptimizerKind k) {
   return k == OptimizerKind::AdamW ? "adamw" : "lamb";
 }
 
-Optimizer::Optimizer(std::vector<ParamSlice> slices, int64_t total, const OptimizerConfig& cfg)
-    : slices_(std::move(slices)), cfg_(cfg), m_(total, 0.0f), v_(total, 0.0f) {}
+Optimizer::Optimizer(std::vector<ParamSlice> slices, int64_t total, const OptimizerConfig& cfg,
+                     const kernels::Backend& backend)
+    : slices_(std::move(slices)), cfg_(cfg), be_(&backend), total_(total) {
+  plan::plan_optimizer_state(plan_, total, 2);
+  state_ = Arena(plan_, "optimizer");  // zeroed
+  m_ = state_.f32("optimizer.m");
+  v_ = state_.f32("optimizer.v");
+}
 
 StepResult Optimizer::measure(const float* grads, float inv_scale) const {
   double sum = 0;
-  bool finite = true;
-  const Bodies vec = vector_bodies();
-  for (const auto& s : slices_) {
-    const float* g = grads + s.offset;
-    double part = 0;
-    if (vec.sum_squares) {
-      // The calling thread's buffer; workers reach it through `part`, not by name.
-      thread_local std::vector<double> parts;
-      parts.assign(omp_get_max_threads(), 0.0);
-      double* const part = parts.data();
-      parallel_chunks(s.numel, [&](int64_t b, int64_t e) {
-        part[omp_get_thread_num()] = vec.sum_squares(g + b, e - b, inv_scale);
-      });
-      for (double x : parts) sum += x;
-      continue;
-    }
-#pragma omp parallel for reduction(+ : part) schedule(static) if (s.numel > 65536)
-    for (int64_t i = 0; i < s.numel; ++i) {
-      const double x = static_cast<double>(g[i]) * inv_scale;
-      part += x * x;
-    }
-    sum += part;
-  }
+  for (const auto& s : slices_) be_->add_sum_squares(sum, grads + s.offset, s.numel, inv_scale);
   // Any inf/NaN gradient makes the sum non-finite; one test covers every element.
-  finite = std::isfinite(sum);
   StepResult r;
-  r.finite = finite;
+  r.finite = std::isfinite(sum);
   r.grad_norm = std::sqrt(sum);
-  if (finite && cfg_.max_grad_norm > 0 && r.grad_norm > cfg_.max_grad_norm)
+  if (r.finite && cfg_.max_grad_norm > 0 && r.grad_norm > cfg_.max_grad_norm)
     r.clip_coef = cfg_.max_grad_norm / (r.grad_norm + 1e-6);
   return r;
 }
@@ -299,78 +53,29 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
   const double bc1 = 1.0 - std::pow(static_cast<double>(b1), static_cast<double>(steps_));
   const double bc2 = 1.0 - std::pow(static_cast<double>(b2), static_cast<double>(steps_));
   const float gscale = static_cast<float>(inv_scale * r.clip_coef);
-  const Bodies vec = vector_bodies();
   for (const auto& s : slices_) {
     float* p = params + s.offset;
     uint16_t* p16 = params_bf16 ? params_bf16 + s.offset : nullptr;
     const float* g = grads + s.offset;
-    float* m = m_.data() + s.offset;
-    float* v = v_.data() + s.offset;
+    float* m = m_ + s.offset;
+    float* v = v_ + s.offset;
     const float wd = s.decay ? cfg_.weight_decay : 0.0f;
-    const int64_t n = s.numel;
     if (cfg_.kind == OptimizerKind::AdamW) {
       // torch.optim.AdamW: p *= 1 - lr*wd; p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
-      const float step_size = static_cast<float>(lr / bc1);
-      const float sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
-      const float decay = 1.0f - lr * wd;
-      if (vec.adamw) {
-        parallel_chunks(n, [&](int64_t b, int64_t e) {
-          vec.adamw(p, p16, g, m, v, b, e, gscale, b1, b2, step_size, sqrt_bc2, eps, decay);
-        });
-        continue;
-      }
-#pragma omp parallel for simd schedule(static) if (n > 65536)
-      for (int64_t i = 0; i < n; ++i) {
-        const float gi = g[i] * gscale;
-        m[i] = b1 * m[i] + (1.0f - b1) * gi;
-        v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
-        p[i] = p[i] * decay - step_size * m[i] / (std::sqrt(v[i]) / sqrt_bc2 + eps);
-        if (p16) p16[i] = f32_to_bf16(p[i]);
-      }
+      const kernels::AdamwStep a{gscale,
+                                 b1,
+                                 b2,
+                                 static_cast<float>(lr / bc1),
+                                 static_cast<float>(std::sqrt(bc2)),
+                                 eps,
+                                 1.0f - lr * wd};
+      be_->adamw_update(a, p, p16, g, m, v, s.numel);
     } else {
       // LAMB: u = m_hat / (sqrt(v_hat) + eps) + wd * p; p -= lr * trust * u
-      const float ibc1 = static_cast<float>(1.0 / bc1), ibc2 = static_cast<float>(1.0 / bc2);
-      double pn = 0, un = 0;
-      if (vec.lamb_moments) {
-        thread_local std::vector<double> parts;  // workers use `part`, as in measure()
-        parts.assign(2 * omp_get_max_threads(), 0.0);
-        double* const part = parts.data();
-        parallel_chunks(n, [&](int64_t b, int64_t e) {
-          const int t = omp_get_thread_num();
-          vec.lamb_moments(p, g, m, v, b, e, gscale, b1, b2, ibc1, ibc2, eps, wd, &part[2 * t],
-                           &part[2 * t + 1]);
-        });
-        for (size_t t = 0; t < parts.size(); t += 2) {
-          pn += parts[t];
-          un += parts[t + 1];
-        }
-        float trust = 1.0f;
-        if (wd != 0.0f && pn > 0 && un > 0)
-          trust = static_cast<float>(std::sqrt(pn) / std::sqrt(un));
-        const float step = lr * trust;
-        parallel_chunks(n, [&](int64_t b, int64_t e) {
-          vec.lamb_update(p, p16, m, v, b, e, ibc1, ibc2, eps, wd, step);
-        });
-        continue;
-      }
-#pragma omp parallel for reduction(+ : pn, un) schedule(static) if (n > 65536)
-      for (int64_t i = 0; i < n; ++i) {
-        const float gi = g[i] * gscale;
-        m[i] = b1 * m[i] + (1.0f - b1) * gi;
-        v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
-        const float u = (m[i] * ibc1) / (std::sqrt(v[i] * ibc2) + eps) + wd * p[i];
-        pn += static_cast<double>(p[i]) * p[i];
-        un += static_cast<double>(u) * u;
-      }
-      float trust = 1.0f;
-      if (wd != 0.0f && pn > 0 && un > 0) trust = static_cast<float>(std::sqrt(pn) / std::sqrt(un));
-      const float step = lr * trust;
-#pragma omp parallel for simd schedule(static) if (n > 65536)
-      for (int64_t i = 0; i < n; ++i) {
-        const float u = (m[i] * ibc1) / (std::sqrt(v[i] * ibc2) + eps) + wd * p[i];
-        p[i] -= step * u;
-        if (p16) p16[i] = f32_to_bf16(p[i]);
-      }
+      const kernels::LambStep a{
+          gscale, b1, b2, static_cast<float>(1.0 / bc1), static_cast<float>(1.0 / bc2),
+          eps,    wd, lr};
+      be_->lamb_update(a, p, p16, g, m, v, s.numel);
     }
   }
 }

@@ -7,9 +7,12 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "core/arena.h"
+#include "kernels/backend.h"
 #include "model/params.h"
 
 namespace bertrain::train {
@@ -42,7 +45,9 @@ struct StepResult {
 
 class Optimizer {
  public:
-  Optimizer(std::vector<ParamSlice> slices, int64_t total, const OptimizerConfig& cfg);
+  // The update kernels run on `backend` (the CPU's unless told), over its memory.
+  Optimizer(std::vector<ParamSlice> slices, int64_t total, const OptimizerConfig& cfg,
+            const kernels::Backend& backend = kernels::cpu_backend());
 
   // Reduction pass only: global norm of grads * inv_scale, and whether all are finite.
   StepResult measure(const float* grads, float inv_scale) const;
@@ -58,17 +63,22 @@ class Optimizer {
 
   int64_t steps() const { return steps_; }
   void set_steps(int64_t s) { steps_ = s; }
-  std::vector<float>& m() { return m_; }
-  std::vector<float>& v() { return v_; }
-  const std::vector<float>& m() const { return m_; }
-  const std::vector<float>& v() const { return v_; }
+  // The moments, in the optimizer group of the memory plan (plan::plan_optimizer_state).
+  std::span<float> m() const { return {m_, static_cast<size_t>(total_)}; }
+  std::span<float> v() const { return {v_, static_cast<size_t>(total_)}; }
+  const MemoryPlan& plan() const { return plan_; }
+  size_t allocated_bytes() const { return state_.bytes(); }
   const OptimizerConfig& config() const { return cfg_; }
   const std::vector<ParamSlice>& slices() const { return slices_; }
 
  private:
   std::vector<ParamSlice> slices_;
   OptimizerConfig cfg_;
-  std::vector<float> m_, v_;
+  const kernels::Backend* be_;
+  int64_t total_;
+  MemoryPlan plan_;
+  Arena state_;
+  float *m_, *v_;
   int64_t steps_ = 0;
 };
 

@@ -8,8 +8,8 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "model/checkpoint.h"
-#include "model/safetensors.h"
 
 namespace bertrain::train {
 
@@ -151,8 +151,8 @@ TrainerState load_checkpoint(const std::string& dir, model::BertModel& m, Optimi
     if (kind != optimizer_name(opt->config().kind))
       fail("checkpoint ", dir, " was trained with --optimizer ", kind,
            "; resume with the same optimizer");
-    opt->m() = std::move(mm);
-    opt->v() = std::move(vv);
+    std::copy(mm.begin(), mm.end(), opt->m().begin());
+    std::copy(vv.begin(), vv.end(), opt->v().begin());
     opt->set_steps(st.optimizer_steps);
   }
   return st;

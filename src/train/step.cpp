@@ -14,7 +14,7 @@ double since(Clock::time_point t) {
 }
 }  // namespace
 
-Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, dist::Communicator& comm,
+Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, comm::Communicator& comm,
            const StepSettings& s, obs::Timeline* timeline)
     : m_(m), opt_(opt), scaler_(scaler), comm_(comm), s_(s), tl_(timeline) {
   if (s_.accumulation <= 0) fail("accumulation must be positive, got ", s_.accumulation);
@@ -22,7 +22,7 @@ Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, dist::Commun
   if (comm_.size() > 1 && s_.overlap) {
     std::vector<std::pair<int64_t, int64_t>> layers;
     for (int64_t l = 0; l < m_.config().num_hidden_layers; ++l) layers.push_back(m_.layer_range(l));
-    reducer_ = std::make_unique<dist::Reducer>(comm_, m_.grads(), m_.table().total(), layers,
+    reducer_ = std::make_unique<comm::Reducer>(comm_, m_.grads(), m_.table().total(), layers,
                                                s_.bucket_bytes, tl_);
   }
 }

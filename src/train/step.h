@@ -13,8 +13,8 @@
 #include <functional>
 #include <memory>
 
-#include "dist/communicator.h"
-#include "dist/reducer.h"
+#include "comm/communicator.h"
+#include "comm/reducer.h"
 #include "model/bert.h"
 #include "obs/timeline.h"
 #include "train/loss_scaler.h"
@@ -60,7 +60,7 @@ class Step {
 
   // comm may be a SingleProcess. timeline may be null. The model's gradients must already be
   // where they stay (BertModel::place_gradients), since the reducer holds their address.
-  Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, dist::Communicator& comm,
+  Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, comm::Communicator& comm,
        const StepSettings& s, obs::Timeline* timeline = nullptr);
   ~Step();
 
@@ -71,7 +71,7 @@ class Step {
                  const std::string& hint = "");
 
   GradientScale scale() const;  // for the scaler's current loss scale
-  const dist::Reducer* reducer() const { return reducer_.get(); }
+  const comm::Reducer* reducer() const { return reducer_.get(); }
   const StepSettings& settings() const { return s_; }
 
  private:
@@ -80,10 +80,10 @@ class Step {
   model::BertModel& m_;
   Optimizer& opt_;
   LossScaler& scaler_;
-  dist::Communicator& comm_;
+  comm::Communicator& comm_;
   StepSettings s_;
   obs::Timeline* tl_;
-  std::unique_ptr<dist::Reducer> reducer_;
+  std::unique_ptr<comm::Reducer> reducer_;
   model::Batch batch_;
 };
 

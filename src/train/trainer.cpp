@@ -126,7 +126,7 @@ struct Totals {
 
 struct Trainer::State {
   TrainConfig cfg;
-  dist::Communicator& comm;
+  comm::Communicator& comm;
   int rank, world;
   model::BertConfig mcfg;
   model::BertModel m;
@@ -147,13 +147,13 @@ struct Trainer::State {
   int64_t end_step = 0;
   TrainResult res;
 
-  State(const TrainConfig& c, dist::Communicator& cm);
+  State(const TrainConfig& c, comm::Communicator& cm);
   void resume_or_init();
   void check_ranks_agree();
   std::string save(int64_t step_done, const data::PipelinePosition& done_pos);
 };
 
-Trainer::State::State(const TrainConfig& c, dist::Communicator& cm)
+Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
     : cfg(c),
       comm(cm),
       rank(cm.rank()),
@@ -246,7 +246,7 @@ std::string Trainer::State::save(int64_t step_done, const data::PipelinePosition
   return last_ck;
 }
 
-Trainer::Trainer(const TrainConfig& cfg, dist::Communicator& comm) {
+Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   if (cfg.steps <= 0) fail("--steps must be positive");
   if (cfg.accumulation <= 0) fail("--accumulation-steps must be positive");
   if (cfg.output.empty()) fail("--output is required (the run directory for checkpoints)");
@@ -335,7 +335,7 @@ std::string Trainer::banner() const {
   out +=
       str("  steps ", s.start_step, "..", cfg.steps, ", save every ", cfg.save_every, " to ",
           cfg.output, ", ", s.comm.name(), ", ", omp_get_max_threads(), " threads, memory plan ",
-          human_bytes(static_cast<double>(s.m.plan().total_bytes() + 2 * s.m.table().total() * 4)),
+          human_bytes(static_cast<double>(s.m.plan().total_bytes() + s.opt.plan().total_bytes())),
           ", input bound ", human_bytes(static_cast<double>(s.pipe->memory_bound_bytes())), "\n");
   out += str("  cpu ", kernels::cpu_description(), "\n");
   if (bf16 && !kernels::bf16_speed_note().empty())
@@ -458,7 +458,7 @@ std::string Trainer::summary() const {
                 1e3 * t.total / n, pct(t.input), pct(t.forward), pct(t.backward), pct(t.comm),
                 pct(t.optimizer), pct(other));
   out += line;
-  if (const dist::Reducer* red = s.step->reducer()) {
+  if (const comm::Reducer* red = s.step->reducer()) {
     std::snprintf(
         line, sizeof line,
         "communication hidden behind backward: %.1f ms per step (%zu buckets of <= %lld MiB)\n",
@@ -482,7 +482,7 @@ std::string Trainer::summary() const {
   return out;
 }
 
-TrainResult train(const TrainConfig& cfg, dist::Communicator& comm) {
+TrainResult train(const TrainConfig& cfg, comm::Communicator& comm) {
   Trainer t(cfg, comm);
   return t.run();
 }

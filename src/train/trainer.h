@@ -8,8 +8,8 @@
 #include <memory>
 #include <string>
 
+#include "comm/communicator.h"
 #include "data/pipeline.h"
-#include "dist/communicator.h"
 #include "model/bert.h"
 #include "train/optimizer.h"
 #include "train/precision.h"
@@ -60,7 +60,7 @@ void install_signal_handlers();
 // banner() before and summary() after it.
 class Trainer {
  public:
-  Trainer(const TrainConfig& cfg, dist::Communicator& comm);
+  Trainer(const TrainConfig& cfg, comm::Communicator& comm);
   ~Trainer();
   // The resolved configuration (model, data, batch, optimizer, precision, memory, CPU).
   std::string banner() const;
@@ -74,7 +74,7 @@ class Trainer {
 };
 
 // A Trainer's run, without banner and summary (progress lines unless cfg.quiet).
-TrainResult train(const TrainConfig& cfg, dist::Communicator& comm);
+TrainResult train(const TrainConfig& cfg, comm::Communicator& comm);
 
 // --warmup as steps: below 1 a fraction of `steps`, rounded up (so never 0 for a fraction > 0);
 // from 1 a step count.

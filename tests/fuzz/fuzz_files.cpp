@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "data/wordpiece.h"
 #include "model/config.h"
-#include "model/safetensors.h"
 
 using namespace bertrain;
 

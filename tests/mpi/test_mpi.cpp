@@ -10,13 +10,13 @@
 #include <cstring>
 #include <random>
 
-#include "dist/mpi.h"
+#include "comm/mpi.h"
 #include "model/bert.h"
 #include "test_util.h"
 #include "train/loss_scaler.h"
 #include "train/optimizer.h"
 
-namespace bertrain::dist {
+namespace bertrain::comm {
 namespace {
 
 MpiCommunicator* g_comm = nullptr;
@@ -219,11 +219,11 @@ TEST(LossScaling, OverflowOnOneRankSkipsOnAll) {
 }
 
 }  // namespace
-}  // namespace bertrain::dist
+}  // namespace bertrain::comm
 
 int main(int argc, char** argv) {
-  auto* comm = new bertrain::dist::MpiCommunicator(&argc, &argv);
-  bertrain::dist::g_comm = comm;
+  auto* comm = new bertrain::comm::MpiCommunicator(&argc, &argv);
+  bertrain::comm::g_comm = comm;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--stall-demo" || a == "--exit-demo") {

@@ -7,11 +7,9 @@
 
 #include <cstdint>
 
-namespace bertrain::kernels {
+#include "kernels/types.h"
 
-struct AttentionShape {
-  int64_t B, T, C, NH;
-};
+namespace bertrain::kernels {
 
 // bf16 operands for the four matmuls (fp32 accumulation): QKV [B,T,3C] (written by the
 // forward), scratch for the dropped probabilities / dS [B,NH,T,T] and dctx [B,T,C], as raw

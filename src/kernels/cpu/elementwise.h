@@ -6,9 +6,9 @@
 
 #include <cstdint>
 
-namespace bertrain::kernels {
+#include "kernels/types.h"
 
-enum class Activation { GeluErf, GeluTanh, Relu };
+namespace bertrain::kernels {
 
 void activation_forward(Activation a, float* out, const float* inp, int64_t n);
 // The activation rounded to bf16 (out16: raw bits) in the same pass: the next matmul's operand.

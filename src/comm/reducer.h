@@ -17,10 +17,10 @@
 #include <utility>
 #include <vector>
 
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 #include "obs/timeline.h"
 
-namespace bertrain::dist {
+namespace bertrain::comm {
 
 class Reducer {
  public:
@@ -60,4 +60,4 @@ class Reducer {
   std::thread thread_;
 };
 
-}  // namespace bertrain::dist
+}  // namespace bertrain::comm

@@ -25,9 +25,9 @@
 #include <string>
 #include <thread>
 
-#include "dist/communicator.h"
+#include "comm/communicator.h"
 
-namespace bertrain::dist {
+namespace bertrain::comm {
 
 enum class Algorithm { Mpi, Ring, Shm, Hierarchical };
 enum class Wire { F32, F16, BF16 };
@@ -102,4 +102,4 @@ class MpiCommunicator : public Communicator {
   std::string label_;
 };
 
-}  // namespace bertrain::dist
+}  // namespace bertrain::comm

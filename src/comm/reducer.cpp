@@ -1,10 +1,10 @@
-#include "dist/reducer.h"
+#include "comm/reducer.h"
 
 #include <chrono>
 
 #include "core/error.h"
 
-namespace bertrain::dist {
+namespace bertrain::comm {
 
 namespace {
 using Clock = std::chrono::steady_clock;
@@ -101,4 +101,4 @@ double Reducer::finish() {
   return since(t0);
 }
 
-}  // namespace bertrain::dist
+}  // namespace bertrain::comm

@@ -1,4 +1,4 @@
-#include "dist/mpi.h"
+#include "comm/mpi.h"
 
 #include <mpi.h>
 #include <sys/statvfs.h>
@@ -15,7 +15,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 
-namespace bertrain::dist {
+namespace bertrain::comm {
 
 Algorithm parse_algorithm(const std::string& s) {
   // auto: zero-copy shared memory within a node, hierarchical once ranks span nodes.
@@ -528,4 +528,4 @@ void MpiCommunicator::barrier() {
   leave();
 }
 
-}  // namespace bertrain::dist
+}  // namespace bertrain::comm

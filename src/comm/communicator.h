@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-namespace bertrain::dist {
+namespace bertrain::comm {
 
 class Communicator {
  public:
@@ -54,4 +54,4 @@ class SingleProcess : public Communicator {
   std::string name() const override { return "single process"; }
 };
 
-}  // namespace bertrain::dist
+}  // namespace bertrain::comm

@@ -1,0 +1,22 @@
+// A batch as the model consumes it: int32 token data, row-major [B,T] / [B,P].
+// Field names follow Google BERT's TFRecord schema (create_pretraining_data.py). The input
+// pipeline produces it; the model (model/batch.h) validates it against its config.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace bertrain::data {
+
+struct Batch {
+  int64_t B = 0, T = 0, P = 0;  // batch, tokens per sequence, masked predictions per sequence
+  std::vector<int32_t> input_ids, input_mask, segment_ids;  // [B,T]
+  std::vector<int32_t> masked_lm_positions, masked_lm_ids;  // [B,P]
+  std::vector<float> masked_lm_weights;                     // [B,P]
+  std::vector<int32_t> next_sentence_labels;                // [B] (pretraining)
+  std::vector<int32_t> label_ids;                           // [B] (classification)
+
+  void resize(int64_t b, int64_t t, int64_t p);
+};
+
+}  // namespace bertrain::data

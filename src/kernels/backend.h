@@ -1,0 +1,164 @@
+// The kernel interface the model calls: every operation of BERT's forward and backward and the
+// optimizer's, on raw buffers in the backend's memory, the precision a parameter. The CPU
+// backend (kernels/cpu/backend.cpp) fills it with the oneDNN matmuls and our fused kernels; the
+// CUDA backend will fill the same table (cuBLASLt, CUDA kernels), so the model has no precision
+// or device branches of its own.
+//
+// Precision is what the model keeps and what its matmuls read (train/precision.h says it for
+// users): FP32 everything fp32; BF16 matmuls on bf16 operands (a bf16 copy of the weights and of
+// the kept activations) with fp32 accumulation; FP16 the kept activations stored in fp16, each
+// rounded before forward uses it, the kernels computing in fp32. Gradients, LayerNorm, softmax
+// and losses are fp32 in every precision.
+//
+// Conventions (as the CPU kernels): row-major; weights in HF layout [out, in]; backward writes
+// input gradients (=, or += where `accumulate` says) and accumulates (+=) weight gradients.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/types.h"
+
+namespace bertrain::kernels {
+
+// A tensor forward keeps for backward, in the model's precision: `f32` the values forward
+// computes with (in 16-bit precisions possibly a scratch buffer, gone by backward), `bits` its
+// 16-bit copy (bf16 or fp16 raw bits by precision; null in fp32). Forward's matmuls read `bits`
+// in BF16 when present (else they round `f32`), `f32` otherwise; backward reads `bits` whenever
+// present (the 16-bit value is what forward used), `f32` otherwise.
+struct Kept {
+  float* f32 = nullptr;
+  uint16_t* bits = nullptr;
+};
+
+// A linear layer's weight: the fp32 master and, in BF16, its bf16 copy (what the matmuls read).
+struct Weight {
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+};
+
+// Scratch the precision paths need, regions of the model's memory plan (BertModel::make_plan):
+// BF16 operands rounded on the fly (a: a forward input or an output gradient, b: a backward
+// input), the FP16 tensor widened back to fp32 for backward, attention's bf16 operands, and the
+// full attention kernel's [B,NH,T,T] work buffer.
+struct Workspace {
+  uint16_t *bf16_a = nullptr, *bf16_b = nullptr;
+  float* wide = nullptr;
+  uint16_t *attn_probs16 = nullptr, *attn_dctx16 = nullptr;
+  float* attn_work = nullptr;
+};
+
+// What attention keeps for backward: the softmax output (probs in fp32, or probs16 in BF16 /
+// FP16), or, for the blocked (flash-style) kernel, only the row log-sum-exp `lse` [B,NH,T].
+struct AttentionSaved {
+  float* probs = nullptr;
+  uint16_t* probs16 = nullptr;
+  float* lse = nullptr;
+  bool blocked() const { return lse != nullptr; }
+};
+
+// Dropout of one site: element i kept iff rng_uniform(key, offset + i) >= p (core/rng.h, the
+// same on host and device).
+struct Dropout {
+  float p = 0;
+  uint64_t key = 0, offset = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // -- matmuls --
+  // out[M,N] = in[M,K] . w[N,K]^T + bias[N] (bias may be null).
+  virtual void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias,
+                              int64_t M, int64_t N, int64_t K, const Workspace& ws) const = 0;
+  // dinp[M,K] (= or += with accumulate_dinp), dw[N,K] += dout^T . in, db[N] += column sums.
+  virtual void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout,
+                               Kept in, Weight w, int64_t M, int64_t N, int64_t K,
+                               bool accumulate_dinp, const Workspace& ws) const = 0;
+
+  // -- precision --
+  // x (n values) to the kept precision: BF16 writes its bf16 copy to bits; FP16 rounds x in
+  // place and writes the fp16 bits; FP32 does nothing.
+  virtual void keep(Precision p, Kept x, int64_t n) const = 0;
+  // The weights' copy the matmuls read: BF16 rounds master[n] into copy; others do nothing.
+  virtual void copy_weights(Precision p, const float* master, uint16_t* copy, int64_t n) const = 0;
+
+  // -- attention core (between the QKV and the output projection) --
+  // ctx[B,T,C] from qkv[B,T,3C] (Q, K, V column blocks; FP16: qkv rounded in place first, its
+  // bits kept) with BERT's additive mask from mask[B,T]; dropout on the probabilities.
+  virtual void attention_forward(Precision p, float* ctx, AttentionSaved saved, Kept qkv,
+                                 const int32_t* mask, const AttentionShape& s, const Dropout& d,
+                                 const Workspace& ws) const = 0;
+  // dqkv[B,T,3C] (=) from dctx; qkv and saved as forward left them.
+  virtual void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
+                                  AttentionSaved saved, const int32_t* mask,
+                                  const AttentionShape& s, const Dropout& d,
+                                  const Workspace& ws) const = 0;
+
+  // -- activations (out / in kept in the precision: BF16 writes out.bits and in.bits, FP16
+  //    rounds both and writes their bits; FP32 reads in.f32 and writes out.f32) --
+  virtual void activation_forward(Precision p, Activation a, Kept out, Kept in,
+                                  int64_t n) const = 0;
+  // dinp = dout * act'(in) at the kept input (dinp may alias dout).
+  virtual void activation_backward(Precision p, Activation a, float* dinp, Kept in,
+                                   const float* dout, int64_t n) const = 0;
+  virtual void tanh_forward(float* out, const float* in, int64_t n) const = 0;
+  virtual void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n) const = 0;
+
+  // -- embeddings, LayerNorm and the fused residual blocks (fp32) --
+  // out = dropout(LayerNorm(word[id] + position[t] + token_type[segment])); sum kept.
+  virtual void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
+                                           const int32_t* ids, const int32_t* segment,
+                                           const float* word, const float* position,
+                                           const float* token_type, const float* gamma,
+                                           const float* beta, int64_t B, int64_t T, int64_t C,
+                                           float eps, const Dropout& d) const = 0;
+  virtual void embedding_backward(float* dword, float* dposition, float* dtoken_type,
+                                  const float* dout, const int32_t* ids, const int32_t* segment,
+                                  int64_t B, int64_t T, int64_t C) const = 0;
+  virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* in,
+                                 const float* gamma, const float* beta, int64_t N, int64_t C,
+                                 float eps) const = 0;
+  virtual void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
+                                  const float* in, const float* gamma, const float* mean,
+                                  const float* rstd, int64_t N, int64_t C) const = 0;
+  // x = dropout(x) + residual (in place), out = LayerNorm(x).
+  virtual void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
+                                          const float* residual, const float* gamma,
+                                          const float* beta, int64_t N, int64_t C, float eps,
+                                          const Dropout& d) const = 0;
+  // Its backward: dinp (= or +=) the gradient of x (and of the residual), ddropped that of the
+  // projection's output (through the dropout).
+  virtual void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
+                                          const float* dout, const float* in, const float* gamma,
+                                          const float* mean, const float* rstd, int64_t N,
+                                          int64_t C, bool accumulate_dinp,
+                                          const Dropout& d) const = 0;
+
+  // -- elementwise --
+  virtual void dropout_forward(float* x, int64_t n, const Dropout& d) const = 0;
+  virtual void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const = 0;
+  virtual void add_inplace(float* out, const float* a, int64_t n) const = 0;
+  virtual void scale_inplace(float* x, int64_t n, float s) const = 0;
+  virtual void zero(void* p, int64_t bytes) const = 0;
+
+  // -- loss --
+  // Softmax cross-entropy of N rows over V classes, fused with its gradient (dlogits may be
+  // null or alias logits): kernels/cpu/cross_entropy.h. Returns sum_i weight[i] * loss[i].
+  virtual double cross_entropy(float* dlogits, float* losses, int32_t* correct, const float* logits,
+                               const int32_t* targets, const float* weights, int64_t N, int64_t V,
+                               float dscale) const = 0;
+
+  // -- optimizer (one parameter tensor; kernels/cpu/optimizer.h) --
+  virtual void add_sum_squares(double& sum, const float* g, int64_t n, double scale) const = 0;
+  virtual void adamw_update(const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
+                            float* v, int64_t n) const = 0;
+  virtual void lamb_update(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
+                           float* v, int64_t n) const = 0;
+};
+
+// The CPU backend (ISA-dispatched kernels, oneDNN matmuls).
+const Backend& cpu_backend();
+
+}  // namespace bertrain::kernels

@@ -1,0 +1,31 @@
+// Optimizer kernels over one parameter tensor (a slice of the flat buffers): the gradient's
+// squared norm for the global norm and the finite check, AdamW (torch.optim.AdamW) and LAMB
+// (NVIDIA's BERT LAMB, as apex FusedLAMB) updates with the gradient scale (unscale x clip)
+// folded in and the parameters' bf16 copy written in the same pass when asked for. Each has an
+// AVX-512 and an AVX2 body (the same operations in the same order, so the same bits) and the
+// plain loops below, `_reference`, taken on other CPUs and used as the tests' oracle.
+// All run on the OpenMP threads.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/types.h"
+
+namespace bertrain::kernels {
+
+// sum += sum over i of (g[i] * scale)^2, in double (any inf/NaN makes it non-finite).
+void add_sum_squares(double& sum, const float* g, int64_t n, double scale);
+void add_sum_squares_reference(double& sum, const float* g, int64_t n, double scale);
+
+// AdamW and LAMB steps as kernels/types.h defines them (AdamwStep, LambStep).
+void adamw_update(const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m, float* v,
+                  int64_t n);
+void adamw_update_reference(const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
+                            float* v, int64_t n);
+
+void lamb_update(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m, float* v,
+                 int64_t n);
+void lamb_update_reference(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
+                           float* v, int64_t n);
+
+}  // namespace bertrain::kernels

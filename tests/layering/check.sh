@@ -1,0 +1,48 @@
+#!/bin/bash
+# The build enforces the layers: a part compiles with its own include directory plus those of the
+# parts it links (CMakeLists.txt, bertrain_part), so an include against the arrows fails.
+# For each part: a header it may use compiles; a header of a part above or beside it does not.
+# usage: check.sh <c++ compiler> <part>=<its include directories, ':'-separated>...
+#   (tests/CMakeLists.txt passes each part's INCLUDE_DIRECTORIES as the build computes them)
+set -u
+CXX=$1
+shift
+declare -A SEES=()
+for arg in "$@"; do SEES[${arg%%=*}]=${arg#*=}; done
+# part | a header it must reach | a header it must not reach
+CASES=(
+  "core core/error.h kernels/cpu/matmul.h"
+  "kernels kernels/cpu/matmul.h model/bert.h"
+  "data data/pipeline.h model/bert.h"
+  "data data/schema.h comm/communicator.h"
+  "obs obs/gemm_peak.h model/bert.h"
+  "comm comm/reducer.h model/bert.h"
+  "model model/bert.h train/optimizer.h"
+  "model model/params.h comm/communicator.h"
+  "plan plan/memory.h train/step.h"
+  "train train/step.h cli/commands.h"
+)
+failed=0
+compile() {  # part header
+  local flags=(-std=c++20 -fsyntax-only -x c++) dirs
+  IFS=: read -ra dirs <<<"${SEES[$1]}"
+  for d in "${dirs[@]}"; do flags+=(-I"$d"); done
+  echo "#include \"$2\"" | "$CXX" "${flags[@]}" - 2>&1
+}
+for c in "${CASES[@]}"; do
+  read -r part ok bad <<<"$c"
+  if ! out=$(compile "$part" "$ok"); then
+    echo "FAIL: $part cannot include $ok, which its layer allows:"; echo "$out" | head -5
+    failed=1
+  fi
+  if out=$(compile "$part" "$bad"); then
+    echo "FAIL: $part can include $bad, against the layers"
+    failed=1
+  elif ! grep -q "$bad: No such file" <<<"$out"; then
+    echo "FAIL: $part including $bad failed for another reason:"; echo "$out" | head -5
+    failed=1
+  else
+    echo "ok: $part reaches $ok, not $bad"
+  fi
+done
+exit $failed
