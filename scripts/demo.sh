@@ -3,7 +3,7 @@
 #   1. set up and build (installs missing Debian packages);
 #   2. prepare: Chinese CLUE corpus -> BERT pretraining TFRecords (a held-out split for eval);
 #   3. train a tiny Chinese BERT with 2 MPI ranks (zero-copy shared-memory allreduce), with the progress
-#      line and the step-time breakdown;
+#      line and the step-time breakdown; TensorBoard event files and metrics.jsonl in the run directory;
 #   4. eval: masked-LM and next-sentence metrics on the held-out records;
 #   5. fine-tune on ChnSentiCorp reviews (dev accuracy per epoch) and predict the test set;
 #   6. the memory plan of BERT-base and the largest batch that fits this machine.
@@ -32,6 +32,10 @@ mpirun -np 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 \
   $BT train --model-config configs/bert-tiny-zh.json --data "$OUT/data/*.tfrecord" --output "$OUT/run" \
   --batch-size 16 --seq-len 128 --max-predictions 20 --steps "$STEPS" --lr 5e-3 --warmup 0.1 \
   --optimizer lamb --log-every 25 --save-every 100
+
+echo; echo "-- what TensorBoard shows (tensorboard --logdir $OUT/run): $(ls "$OUT"/run/events.out.tfevents.* | head -1)"
+echo "   metrics.jsonl, the last logged step (one JSON object per logged step; rank_step_ms: each rank's mean step time):"
+tail -1 "$OUT/run/metrics.jsonl" | fold -w 110 | sed 's/^/     /'
 
 echo; echo "== 3. eval on the held-out documents"
 $BT eval --checkpoint "$OUT/run" --data "$OUT/eval/*.tfrecord" --batch-size 32 --seq-len 128 --max-predictions 20

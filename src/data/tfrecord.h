@@ -63,6 +63,11 @@ class TFRecordReader {
   bool dead_ = false;
 };
 
+// One record in TFRecord framing: length (u64 LE), masked CRC32C of the length, the bytes, masked
+// CRC32C of the bytes. TFRecordWriter writes these; so do appenders such as TensorBoard event
+// files, which must be readable while they grow.
+std::string tfrecord_frame(std::string_view record);
+
 class TFRecordWriter {
  public:
   TFRecordWriter(const std::string& path, Compression c);

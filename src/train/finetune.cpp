@@ -17,6 +17,7 @@
 #include "data/schema.h"
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
+#include "obs/events.h"
 #include "train/loss_scaler.h"
 #include "train/optimizer.h"
 #include "train/run_state.h"
@@ -255,6 +256,13 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   std::vector<size_t> order(n);
   // A non-finite gradient skips the step in fp16 (the scale halves) and stops fp32/bf16
   // fine-tuning with a message (LossScaler::update).
+  // TensorBoard events and metrics.jsonl per epoch, beside the saved model.
+  std::unique_ptr<obs::EventWriter> events;
+  std::unique_ptr<obs::MetricsLog> metrics;
+  if (!cfg.output.empty()) {
+    events = std::make_unique<obs::EventWriter>(cfg.output, 0);
+    metrics = std::make_unique<obs::MetricsLog>(cfg.output, 0);
+  }
   comm::SingleProcess single;
   Step one_step(m, opt, scaler, single, StepSettings{1, 1.0, false, 0, cfg.seed});
   int64_t step = 0;
@@ -274,6 +282,16 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     res.train_loss = loss / steps_per_epoch;
     const double acc = dev.ids.empty() ? 0.0 : classify(m, dev, cfg.batch_size, nullptr);
     res.dev_accuracy.push_back(acc);
+    if (events) {
+      obs::Scalars values = {
+          {"finetune/train_loss", res.train_loss},
+          {"finetune/epoch_seconds", std::chrono::duration<double>(Clock::now() - t0).count()}};
+      if (!dev.ids.empty()) values.push_back({"finetune/dev_accuracy", acc});
+      events->scalars(step, values);
+      nlohmann::json row = {{"step", step}, {"epoch", epoch + 1}};
+      for (const auto& [tag, v] : values) row[tag] = v;
+      metrics->write(row);
+    }
     if (!cfg.quiet) {
       std::printf("epoch %lld/%lld | train loss %.4f | %.1f s", (long long)epoch + 1,
                   (long long)cfg.epochs, res.train_loss,
@@ -301,8 +319,10 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     fs::copy_file(vocab_path, fs::path(cfg.output) / "vocab.txt",
                   fs::copy_options::overwrite_existing);
     if (!cfg.quiet)
-      std::printf("finetune: saved %s (BertForSequenceClassification + vocab.txt)\n",
-                  cfg.output.c_str());
+      std::printf(
+          "finetune: saved %s (BertForSequenceClassification + vocab.txt; TensorBoard events and "
+          "metrics.jsonl per epoch)\n",
+          cfg.output.c_str());
   }
   return res;
 }

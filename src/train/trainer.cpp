@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "kernels/cpu/matmul.h"
 #include "model/checkpoint.h"
+#include "obs/events.h"
 #include "obs/gemm_peak.h"
 #include "train/loss_scaler.h"
 #include "train/run_state.h"
@@ -142,6 +143,9 @@ struct Trainer::State {
   obs::Timeline tl;
   std::unique_ptr<Step> step;
   double peak_gflops = 0, flops_step = 0;
+  // Rank 0: TensorBoard events and metrics.jsonl in the run directory.
+  std::unique_ptr<obs::EventWriter> events;
+  std::unique_ptr<obs::MetricsLog> metrics;
   // Filled by run(), read by summary().
   Totals totals;
   int64_t end_step = 0;
@@ -151,7 +155,46 @@ struct Trainer::State {
   void resume_or_init();
   void check_ranks_agree();
   std::string save(int64_t step_done, const data::PipelinePosition& done_pos);
+  void record(int64_t done, int64_t step, const Totals& window, double seconds);
 };
+
+// The logged step's values, to TensorBoard and metrics.jsonl (rank 0). Collective: every rank
+// contributes its mean step time over the window, so a slow rank shows.
+void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double seconds) {
+  const double n = static_cast<double>(std::max<int64_t>(w.steps, 1));
+  std::vector<double> rank_ms(world, 0.0);
+  rank_ms[rank] = 1e3 * w.total / n;
+  if (world > 1) comm.allreduce_sum(rank_ms.data(), world);
+  if (!events) return;
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  const obs::Scalars values = {
+      {"train/loss", w.loss / n},
+      {"train/mlm_accuracy", w.mlm_correct / std::max(w.mlm_weight, 1e-9)},
+      {"train/nsp_accuracy", w.nsp_correct / std::max(w.examples, 1.0)},
+      {"train/learning_rate", sched.at(step)},
+      {"train/loss_scale", scaler.scale()},
+      {"train/skipped_steps", static_cast<double>(scaler.skipped())},
+      {"throughput/tokens_per_s",
+       w.examples * static_cast<double>(cfg.seq_len) / std::max(seconds, 1e-9)},
+      {"time/step_ms", 1e3 * w.total / n},
+      {"time/input_wait_ms", 1e3 * w.input / n},
+      {"time/forward_ms", 1e3 * w.forward / n},
+      {"time/backward_ms", 1e3 * w.backward / n},
+      {"time/communication_exposed_ms", 1e3 * w.comm / n},
+      {"time/communication_hidden_ms", 1e3 * w.hidden / n},
+      {"time/optimizer_ms", 1e3 * w.optimizer / n},
+      {"time/slowest_rank_ms", *std::max_element(rank_ms.begin(), rank_ms.end())},
+      {"memory/plan_mib",
+       static_cast<double>(m.plan().total_bytes() + opt.plan().total_bytes()) / 1048576.0},
+      {"memory/peak_rss_mib", static_cast<double>(ru.ru_maxrss) / 1024.0},
+  };
+  events->scalars(done, values);
+  nlohmann::json row = {{"step", done}};
+  for (const auto& [tag, v] : values) row[tag] = v;
+  row["rank_step_ms"] = rank_ms;
+  metrics->write(row);
+}
 
 Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
     : cfg(c),
@@ -285,6 +328,10 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
                                 s.mcfg.type_vocab_size),
       s.position);
 
+  if (s.rank == 0) {
+    s.events = std::make_unique<obs::EventWriter>(cfg.output, s.start_step);
+    s.metrics = std::make_unique<obs::MetricsLog>(cfg.output, s.start_step);
+  }
   if (!cfg.timeline.empty()) {
     s.tl.enable(s.rank);
     s.m.set_timeline(&s.tl);
@@ -401,6 +448,7 @@ TrainResult Trainer::run() {
             window.examples * cfg.seq_len / std::max(dt, 1e-9), hms(eta).c_str());
         std::fflush(stdout);
       }
+      s.record(done, step, window, dt);
       res.last_loss = window.loss / window.steps;
       window = Totals{};
       window_start = Clock::now();
@@ -437,6 +485,9 @@ std::string Trainer::summary() const {
   std::string out;
   if (s.tl.enabled())
     out += str("timeline: ", cfg.timeline, " (open in chrome://tracing or ui.perfetto.dev)\n");
+  if (s.events)
+    out += str("metrics: ", s.events->path(), " (tensorboard --logdir ", cfg.output, ") and ",
+               s.metrics->path(), "\n");
   if (const uint64_t skipped = s.pipe->stats().skipped; skipped > 0)
     out += str("input: ", skipped, " unusable records skipped on this rank (--on-corrupt skip)\n");
   if (res.interrupted)

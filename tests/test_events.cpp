@@ -1,0 +1,151 @@
+// TensorBoard event files and metrics.jsonl (obs/events.h). The golden
+// tests/golden/tensorboard/tiny_run.json is what TensorBoard's own reader (EventAccumulator) saw
+// in the event file of a small training run (tools/check_tensorboard_events.py, which also
+// checked it against that run's metrics.jsonl); here the same run's files, read with
+// TensorFlow's Event proto, must hold the same tags, steps and values.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "data/tfrecord.h"
+#include "obs/events.h"
+#include "tensorflow/core/util/event.pb.h"
+#include "test_util.h"
+
+namespace bertrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<tensorflow::Event> read_events(const std::string& path) {
+  std::vector<tensorflow::Event> out;
+  data::TFRecordReader r(path, data::Compression::None);  // CRCs checked as for any TFRecord
+  std::string rec;
+  while (r.next(rec)) {
+    tensorflow::Event e;
+    EXPECT_TRUE(e.ParseFromString(rec)) << path << " record " << out.size();
+    out.push_back(e);
+  }
+  return out;
+}
+
+std::vector<std::string> event_files(const std::string& dir) {
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0)
+      files.push_back(e.path().string());
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::vector<nlohmann::json> rows;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) rows.push_back(nlohmann::json::parse(line));
+  return rows;
+}
+
+// Values that depend only on the model's arithmetic (not on timing): compared with the golden
+// within 2e-3 relative (the golden run and this one may take other ISA paths, AVX-512 or AVX2,
+// whose fp32 sums differ in the last bits; six steps keep the drift far below this).
+bool deterministic(const std::string& tag) {
+  return tag.rfind("train/", 0) == 0 || tag == "memory/plan_mib";
+}
+
+TEST(Events, TensorBoardReadsWhatBertrainWrites) {
+  test::TempDir tmp;
+  const std::string run = (tmp.path / "run").string();
+  const std::string cmd =
+      std::string(BERTRAIN_BINARY) + " train --model-config " +
+      test::data_path("../configs/bert-tiny.json") + " --data " +
+      test::data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord") + " --output " + run +
+      " --steps 6 --log-every 2 --batch-size 4 --seq-len 128 --max-predictions 20 --threads 1"
+      " --seed 7 --optimizer adamw --lr 1e-4 > " +
+      (tmp.path / "log.txt").string() + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+
+  const auto files = event_files(run);
+  ASSERT_EQ(files.size(), 1u);
+  const auto events = read_events(files[0]);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events[0].file_version(), "brain.Event:2");
+  EXPECT_EQ(events[1].session_log().status(), tensorflow::SessionLog::START);  // fresh: step 0
+  EXPECT_EQ(events[1].step(), 0);
+  std::map<std::string, std::vector<std::pair<int64_t, float>>> seen;
+  for (const auto& e : events)
+    for (const auto& v : e.summary().value()) seen[v.tag()].push_back({e.step(), v.simple_value()});
+
+  std::ifstream gin(test::data_path("golden/tensorboard/tiny_run.json"));
+  const nlohmann::json golden = nlohmann::json::parse(gin);
+  std::vector<std::string> tags;
+  for (const auto& [tag, _] : seen) tags.push_back(tag);
+  EXPECT_EQ(tags, golden["tags"].get<std::vector<std::string>>());
+  const auto rows = read_jsonl(run + "/metrics.jsonl");
+  ASSERT_EQ(rows.size(), 3u);
+  for (const auto& [tag, points] : seen) {
+    if (!golden["steps"].contains(tag)) continue;
+    const auto steps = golden["steps"][tag].get<std::vector<int64_t>>();
+    const auto values = golden["values"][tag].get<std::vector<double>>();
+    ASSERT_EQ(points.size(), steps.size()) << tag;
+    for (size_t i = 0; i < points.size(); ++i) {
+      EXPECT_EQ(points[i].first, steps[i]) << tag;
+      // metrics.jsonl holds the same value (in double; the event in float32).
+      EXPECT_EQ(rows[i]["step"].get<int64_t>(), points[i].first);
+      EXPECT_EQ(static_cast<float>(rows[i][tag].get<double>()), points[i].second) << tag;
+      if (deterministic(tag))
+        EXPECT_NEAR(points[i].second, values[i], 2e-3 * std::abs(values[i]) + 1e-7)
+            << tag << " at step " << steps[i];
+      else
+        EXPECT_TRUE(std::isfinite(points[i].second)) << tag;
+    }
+  }
+  EXPECT_EQ(rows[0]["rank_step_ms"].size(), 1u);
+}
+
+// A resumed run drops what it will repeat: metrics.jsonl loses the rows past the resumed step,
+// and the new event file starts with a SessionLog START there (TensorBoard then ignores the
+// older files' events from that step on).
+TEST(Events, ResumeDropsTheStepsItRepeats) {
+  test::TempDir tmp;
+  const std::string dir = tmp.path.string();
+  {
+    obs::EventWriter ev(dir, 0);
+    obs::MetricsLog ml(dir, 0);
+    for (int64_t s : {2, 4, 6}) {
+      ev.scalars(s, {{"train/loss", 10.0 + s}});
+      ml.write({{"step", s}, {"train/loss", 10.0 + s}});
+    }
+  }
+  {
+    std::ofstream(dir + "/metrics.jsonl", std::ios::app) << "{\"step\": 8, \"train/lo";  // torn
+  }
+  obs::EventWriter ev(dir, 3);  // the checkpoint was at step 3: steps 4 and 6 run again
+  obs::MetricsLog ml(dir, 3);
+  for (int64_t s : {4, 6}) {
+    ev.scalars(s, {{"train/loss", 20.0 + s}});
+    ml.write({{"step", s}, {"train/loss", 20.0 + s}});
+  }
+  const auto rows = read_jsonl(dir + "/metrics.jsonl");
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[0]["train/loss"], 12.0);
+  EXPECT_EQ(rows[1]["train/loss"], 24.0);
+  EXPECT_EQ(rows[2]["train/loss"], 26.0);
+  const auto files = event_files(dir);
+  ASSERT_EQ(files.size(), 2u);
+  const auto second = read_events(ev.path());
+  ASSERT_EQ(second.size(), 4u);
+  EXPECT_EQ(second[1].session_log().status(), tensorflow::SessionLog::START);
+  EXPECT_EQ(second[1].step(), 3);
+  EXPECT_EQ(second[2].summary().value(0).simple_value(), 24.0f);
+}
+
+}  // namespace
+}  // namespace bertrain
