@@ -23,6 +23,7 @@ PACKAGES=(
   clang libclang-rt-14-dev          # the fuzz target (libFuzzer + sanitizers) in scripts/test.sh
   libomp-14-dev                     # OpenMP for clang (the fuzz target's find_package(OpenMP))
   strace                            # scripts/check-packages.sh traces what configure reads
+  chromium-headless-shell python3   # tests/report/render.sh renders `bertrain report` offline, checks the PNG
 )
 
 missing=()

@@ -31,7 +31,7 @@ TEST(Cli, HelpForEverySubcommand) {
   RunResult r = run("--help");
   EXPECT_EQ(r.rc, 0);
   for (const char* sub :
-       {"estimate", "init", "inspect", "bench", "bench-input", "prepare", "tokenize"}) {
+       {"estimate", "init", "inspect", "bench", "bench-input", "prepare", "tokenize", "report"}) {
     EXPECT_NE(r.out.find(sub), std::string::npos) << sub;
     RunResult s = run(std::string(sub) + " --help");
     EXPECT_EQ(s.rc, 0) << sub;

@@ -149,3 +149,65 @@ TEST(Events, ResumeDropsTheStepsItRepeats) {
 
 }  // namespace
 }  // namespace bertrain
+
+namespace bertrain {
+namespace {
+
+// The report: one HTML file, plots as inline SVG, nothing fetched (no scripts, no links, no
+// external images), both runs overlaid, every rank's step times, the settings.
+TEST(Report, SelfContainedPageOfTwoRuns) {
+  test::TempDir tmp;
+  for (int run = 0; run < 2; ++run) {
+    const std::string dir = (tmp.path / ("run" + std::to_string(run))).string();
+    obs::MetricsLog ml(dir, 0);
+    for (int64_t s = 10; s <= 50; s += 10)
+      ml.write({{"step", s},
+                {"train/loss", 10.0 - s * 0.1 * (run + 1)},
+                {"throughput/tokens_per_s", 1000.0 + run},
+                {"time/input_wait_ms", 1.0},
+                {"time/forward_ms", 10.0},
+                {"time/backward_ms", 20.0},
+                {"time/communication_exposed_ms", 2.0},
+                {"time/optimizer_ms", 3.0},
+                {"rank_step_ms", {36.0, 40.0 + s}}});
+    std::filesystem::create_directories(dir + "/checkpoint-000050");
+    std::ofstream(dir + "/latest") << "checkpoint-000050\n";
+    std::ofstream(dir + "/checkpoint-000050/trainer_state.json")
+        << R"({"step": 50, "settings": {"batch_size": )" << 8 * (run + 1) << "}}";
+  }
+  const std::string out = (tmp.path / "r.html").string();
+  const std::string cmd = std::string(BERTRAIN_BINARY) + " report " + (tmp.path / "run0").string() +
+                          " " + (tmp.path / "run1").string() + " --output " + out + " > /dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream in(out);
+  const std::string html((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(html.rfind("<!DOCTYPE html>", 0), 0u);
+  for (const char* external : {"<script", "src=", "href=", "@import", "url("})
+    EXPECT_EQ(html.find(external), std::string::npos) << external;
+  // The only URL is the SVG namespace (a name, never fetched).
+  size_t urls = 0;
+  for (size_t p = html.find("http"); p != std::string::npos; p = html.find("http", p + 1)) {
+    EXPECT_EQ(html.compare(p, 26, "http://www.w3.org/2000/svg"), 0) << html.substr(p, 40);
+    ++urls;
+  }
+  EXPECT_GT(urls, 0u);
+  for (const char* title : {"loss", "throughput", "step time, run0", "step time per rank, run1",
+                            "rank 1", "batch_size", "communication (exposed)"})
+    EXPECT_NE(html.find(title), std::string::npos) << title;
+  // The loss chart overlays both runs: two polylines before the next chart.
+  const size_t loss = html.find(">loss<"), next = html.find("</svg>", loss);
+  size_t lines = 0;
+  for (size_t p = html.find("<polyline", loss); p < next; p = html.find("<polyline", p + 1))
+    ++lines;
+  EXPECT_EQ(lines, 2u);
+  // A directory without metrics is an error naming it.
+  const std::string bad = std::string(BERTRAIN_BINARY) + " report " + tmp.path.string() + " > " +
+                          (tmp.path / "err.txt").string() + " 2>&1";
+  EXPECT_NE(std::system(bad.c_str()), 0);
+  std::ifstream err(tmp.path / "err.txt");
+  const std::string msg((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
+  EXPECT_NE(msg.find("no metrics.jsonl in"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace bertrain

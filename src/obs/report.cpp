@@ -1,0 +1,288 @@
+#include "obs/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "core/error.h"
+
+namespace bertrain::obs {
+
+namespace fs = std::filesystem;
+
+RunMetrics load_run(const std::string& dir) {
+  RunMetrics r;
+  r.dir = dir;
+  r.name = fs::path(dir).filename().string();
+  if (r.name.empty()) r.name = fs::path(dir).parent_path().filename().string();
+  const std::string path = (fs::path(dir) / "metrics.jsonl").string();
+  std::ifstream in(path);
+  if (!in)
+    fail("no metrics.jsonl in ", dir, " (train and finetune write it to their run directory)");
+  std::string line;
+  while (std::getline(in, line)) {
+    const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
+    if (!row.is_discarded() && row.contains("step")) r.rows.push_back(row);  // a torn line: skip
+  }
+  if (r.rows.empty()) fail(path, " has no logged steps yet");
+  std::stable_sort(r.rows.begin(), r.rows.end(), [](const auto& a, const auto& b) {
+    return a["step"].template get<int64_t>() < b["step"].template get<int64_t>();
+  });
+  std::ifstream latest(fs::path(dir) / "latest");
+  std::string ck;
+  if (latest && std::getline(latest, ck)) {
+    std::ifstream st(fs::path(dir) / ck / "trainer_state.json");
+    if (st) {
+      const nlohmann::json j = nlohmann::json::parse(st, nullptr, false);
+      if (!j.is_discarded() && j.contains("settings")) r.settings = j["settings"];
+    }
+  }
+  return r;
+}
+
+namespace {
+
+const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
+                         "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
+
+struct Series {
+  std::string name, color;
+  std::vector<double> x, y;
+};
+
+std::string esc(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '<')
+      o += "&lt;";
+    else if (c == '>')
+      o += "&gt;";
+    else if (c == '&')
+      o += "&amp;";
+    else if (c == '"')
+      o += "&quot;";
+    else
+      o += c;
+  }
+  return o;
+}
+
+std::string num(double v) {
+  char b[32];
+  const double a = std::abs(v);
+  std::snprintf(b, sizeof b, a != 0 && (a < 1e-3 || a >= 1e6) ? "%.2g" : "%.4g", v);
+  return b;
+}
+
+// Round tick spacing: 1, 2 or 5 times a power of ten, about `n` ticks over [lo, hi].
+double tick_step(double lo, double hi, int n) {
+  const double raw = (hi - lo) / n;
+  const double p = std::pow(10.0, std::floor(std::log10(raw)));
+  for (double m : {1.0, 2.0, 5.0, 10.0})
+    if (raw <= m * p) return m * p;
+  return 10 * p;
+}
+
+// A chart frame: axes with ticks over [x0,x1] x [y0,y1]; returns the SVG and the mapping.
+struct Frame {
+  double x0, x1, y0, y1;
+  static constexpr double W = 560, H = 260, L = 62, R = 12, T = 44, B = 36;
+  double px(double x) const { return L + (x - x0) / (x1 - x0) * (W - L - R); }
+  double py(double y) const { return H - B - (y - y0) / (y1 - y0) * (H - T - B); }
+};
+
+std::string frame_svg(const Frame& f, const std::string& title, const std::string& ylabel) {
+  std::string s =
+      "<svg xmlns='http://www.w3.org/2000/svg' width='560' height='260' "
+      "viewBox='0 0 560 260' font-family='sans-serif' font-size='11'>";
+  s += "<text x='280' y='16' text-anchor='middle' font-size='13' font-weight='bold'>" + esc(title) +
+       "</text>";
+  s += "<rect x='62' y='44' width='486' height='180' fill='none' stroke='#999'/>";
+  const double ys = tick_step(f.y0, f.y1, 5);
+  for (double y = std::ceil(f.y0 / ys) * ys; y <= f.y1 + 1e-9 * ys; y += ys) {
+    const double p = f.py(y);
+    s += "<line x1='62' x2='548' y1='" + num(p) + "' y2='" + num(p) + "' stroke='#eee'/>";
+    s += "<text x='58' y='" + num(p + 4) + "' text-anchor='end'>" + num(y) + "</text>";
+  }
+  const double xs = tick_step(f.x0, f.x1, 6);
+  for (double x = std::ceil(f.x0 / xs) * xs; x <= f.x1 + 1e-9 * xs; x += xs) {
+    const double p = f.px(x);
+    s += "<text x='" + num(p) + "' y='238' text-anchor='middle'>" + num(x) + "</text>";
+  }
+  s += "<text x='305' y='256' text-anchor='middle'>step</text>";
+  s += "<text x='12' y='134' text-anchor='middle' transform='rotate(-90 12 134)'>" + esc(ylabel) +
+       "</text>";
+  return s;
+}
+
+Frame fit(const std::vector<Series>& all, bool from_zero) {
+  Frame f{1e300, -1e300, 1e300, -1e300};
+  for (const auto& s : all)
+    for (size_t i = 0; i < s.x.size(); ++i) {
+      if (!std::isfinite(s.y[i])) continue;
+      f.x0 = std::min(f.x0, s.x[i]);
+      f.x1 = std::max(f.x1, s.x[i]);
+      f.y0 = std::min(f.y0, s.y[i]);
+      f.y1 = std::max(f.y1, s.y[i]);
+    }
+  if (f.x0 > f.x1) f = {0, 1, 0, 1};
+  if (from_zero) f.y0 = std::min(f.y0, 0.0);
+  if (f.x1 == f.x0) f.x1 = f.x0 + 1;
+  if (f.y1 == f.y0) f.y1 = f.y0 + (f.y0 == 0 ? 1 : std::abs(f.y0) * 0.1);
+  const double pad = 0.05 * (f.y1 - f.y0);
+  f.y1 += pad;
+  if (!from_zero || f.y0 < 0) f.y0 -= pad;
+  return f;
+}
+
+std::string legend(const std::vector<Series>& all) {
+  std::string s;
+  double x = 70;
+  for (const auto& e : all) {
+    s += "<rect x='" + num(x) + "' y='25' width='10' height='10' fill='" + e.color + "'/>";
+    s += "<text x='" + num(x + 14) + "' y='34'>" + esc(e.name) + "</text>";
+    x += 24 + 6.5 * static_cast<double>(e.name.size());
+  }
+  return s;
+}
+
+std::string line_chart(const std::string& title, const std::string& ylabel,
+                       const std::vector<Series>& all, bool from_zero = false) {
+  if (all.empty()) return "";
+  const Frame f = fit(all, from_zero);
+  std::string s = frame_svg(f, title, ylabel);
+  for (const auto& e : all) {
+    std::string pts;
+    for (size_t i = 0; i < e.x.size(); ++i)
+      if (std::isfinite(e.y[i])) pts += num(f.px(e.x[i])) + "," + num(f.py(e.y[i])) + " ";
+    s += "<polyline fill='none' stroke-width='1.8' stroke='" + e.color + "' points='" + pts + "'/>";
+    if (e.x.size() <= 40)
+      for (size_t i = 0; i < e.x.size(); ++i)
+        if (std::isfinite(e.y[i]))
+          s += "<circle r='2.5' fill='" + e.color + "' cx='" + num(f.px(e.x[i])) + "' cy='" +
+               num(f.py(e.y[i])) + "'/>";
+  }
+  return s + legend(all) + "</svg>";
+}
+
+// Layers stacked from the bottom: each band is the sum of the layers below plus its own.
+std::string stacked_chart(const std::string& title, const std::string& ylabel,
+                          const std::vector<Series>& layers) {
+  if (layers.empty() || layers[0].x.empty()) return "";
+  std::vector<Series> tops = layers;
+  for (size_t l = 1; l < tops.size(); ++l)
+    for (size_t i = 0; i < tops[l].y.size(); ++i) tops[l].y[i] += tops[l - 1].y[i];
+  const Frame f = fit({tops.back()}, true);
+  std::string s = frame_svg(f, title, ylabel);
+  for (size_t l = tops.size(); l-- > 0;) {
+    std::string pts = num(f.px(tops[l].x.front())) + "," + num(f.py(0)) + " ";
+    for (size_t i = 0; i < tops[l].x.size(); ++i)
+      pts += num(f.px(tops[l].x[i])) + "," + num(f.py(tops[l].y[i])) + " ";
+    pts += num(f.px(tops[l].x.back())) + "," + num(f.py(0));
+    s += "<polygon fill-opacity='0.85' fill='" + tops[l].color + "' points='" + pts + "'/>";
+  }
+  return s + legend(layers) + "</svg>";
+}
+
+Series series(const RunMetrics& r, const std::string& key, const std::string& name,
+              const std::string& color, double scale = 1.0) {
+  Series s{name, color, {}, {}};
+  for (const auto& row : r.rows) {
+    if (!row.contains(key) || !row[key].is_number()) continue;
+    s.x.push_back(row["step"].get<double>());
+    s.y.push_back(row[key].get<double>() * scale);
+  }
+  return s;
+}
+
+// One series per run for `key` (runs without it are left out).
+std::vector<Series> per_run(const std::vector<RunMetrics>& runs, const std::string& key) {
+  std::vector<Series> out;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    Series s = series(runs[i], key, runs[i].name, kColors[i % 10]);
+    if (!s.x.empty()) out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string render_report(const std::vector<RunMetrics>& runs) {
+  std::string h =
+      "<!DOCTYPE html><html><head><meta charset='utf-8'><title>bertrain report</title><style>"
+      "body{font-family:sans-serif;margin:24px;color:#222}h1{font-size:20px}h2{font-size:16px;"
+      "margin-top:28px}.grid{display:flex;flex-wrap:wrap;gap:12px}table{border-collapse:collapse;"
+      "font-size:12px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}"
+      "</style></head><body><h1>bertrain report</h1><p>";
+  for (const auto& r : runs)
+    h += "<b>" + esc(r.name) + "</b>: " + esc(r.dir) + ", " + std::to_string(r.rows.size()) +
+         " logged steps (" + std::to_string(r.rows.front()["step"].get<int64_t>()) + ".." +
+         std::to_string(r.rows.back()["step"].get<int64_t>()) + ")<br>";
+  h += "</p><h2>Training</h2><div class='grid'>";
+  h += line_chart("loss", "nats", per_run(runs, "train/loss"));
+  h += line_chart("masked LM accuracy", "accuracy", per_run(runs, "train/mlm_accuracy"), true);
+  h += line_chart("next sentence accuracy", "accuracy", per_run(runs, "train/nsp_accuracy"), true);
+  h += line_chart("fine-tuning dev accuracy", "accuracy", per_run(runs, "finetune/dev_accuracy"),
+                  true);
+  h += line_chart("fine-tuning train loss", "nats", per_run(runs, "finetune/train_loss"));
+  h += line_chart("learning rate", "lr", per_run(runs, "train/learning_rate"), true);
+  h += line_chart("loss scale (fp16)", "scale", per_run(runs, "train/loss_scale"), true);
+  h += "</div><h2>Speed</h2><div class='grid'>";
+  h += line_chart("throughput", "tokens/s", per_run(runs, "throughput/tokens_per_s"), true);
+  for (const auto& r : runs) {
+    const std::vector<Series> layers = {
+        series(r, "time/input_wait_ms", "input wait", "#ff7f0e"),
+        series(r, "time/forward_ms", "forward", "#1f77b4"),
+        series(r, "time/backward_ms", "backward", "#2ca02c"),
+        series(r, "time/communication_exposed_ms", "communication (exposed)", "#d62728"),
+        series(r, "time/optimizer_ms", "optimizer", "#9467bd")};
+    bool complete = true;
+    for (const auto& l : layers) complete = complete && l.x.size() == layers[0].x.size();
+    if (complete) h += stacked_chart("step time, " + r.name, "ms per step", layers);
+    // Every rank's mean step time per logged window: a straggler stands out.
+    std::vector<Series> ranks;
+    for (const auto& row : r.rows) {
+      if (!row.contains("rank_step_ms")) continue;
+      const auto& v = row["rank_step_ms"];
+      for (size_t k = 0; k < v.size(); ++k) {
+        if (ranks.size() <= k)
+          ranks.push_back({"rank " + std::to_string(k), kColors[k % 10], {}, {}});
+        ranks[k].x.push_back(row["step"].get<double>());
+        ranks[k].y.push_back(v[k].get<double>());
+      }
+    }
+    if (!ranks.empty()) h += line_chart("step time per rank, " + r.name, "ms", ranks, true);
+  }
+  h += "</div><h2>Memory</h2><div class='grid'>";
+  std::vector<Series> mem;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    Series p = series(runs[i], "memory/peak_rss_mib", runs[i].name + " peak RSS", kColors[i % 10]);
+    Series q = series(runs[i], "memory/plan_mib", runs[i].name + " plan", kColors[(i + 5) % 10]);
+    if (!p.x.empty()) mem.push_back(std::move(p));
+    if (!q.x.empty()) mem.push_back(std::move(q));
+  }
+  h += line_chart("memory per rank", "MiB", mem, true);
+  h += "</div><h2>Settings</h2><table><tr><th>setting</th>";
+  for (const auto& r : runs) h += "<th>" + esc(r.name) + "</th>";
+  h += "</tr>";
+  std::vector<std::string> keys;
+  for (const auto& r : runs)
+    if (r.settings.is_object())
+      for (const auto& [k, _] : r.settings.items())
+        if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+  for (const auto& k : keys) {
+    h += "<tr><td>" + esc(k) + "</td>";
+    for (const auto& r : runs)
+      h += "<td>" +
+           (r.settings.is_object() && r.settings.contains(k) ? esc(r.settings[k].dump())
+                                                             : std::string()) +
+           "</td>";
+    h += "</tr>";
+  }
+  h += "</table></body></html>\n";
+  return h;
+}
+
+}  // namespace bertrain::obs
