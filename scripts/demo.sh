@@ -4,7 +4,7 @@
 #   2. prepare: Chinese CLUE corpus -> BERT pretraining TFRecords (a held-out split for eval);
 #   3. train a tiny Chinese BERT with 2 MPI ranks (zero-copy shared-memory allreduce), with the progress
 #      line and the step-time breakdown; TensorBoard event files, metrics.jsonl and an HTML report
-#      (plots, offline) in the run directory;
+#      (plots, offline) in the run directory; `bertrain doctor` checks the machine and the run;
 #   4. eval: masked-LM and next-sentence metrics on the held-out records;
 #   5. fine-tune on ChnSentiCorp reviews (dev accuracy per epoch) and predict the test set;
 #   6. the memory plan of BERT-base and the largest batch that fits this machine.
@@ -38,6 +38,7 @@ echo; echo "-- what TensorBoard shows (tensorboard --logdir $OUT/run): $(ls "$OU
 echo "   metrics.jsonl, the last logged step (one JSON object per logged step; rank_step_ms: each rank's mean step time):"
 tail -1 "$OUT/run/metrics.jsonl" | fold -w 110 | sed 's/^/     /'
 $BT report "$OUT/run"
+$BT doctor "$OUT/run"
 
 echo; echo "== 3. eval on the held-out documents"
 $BT eval --checkpoint "$OUT/run" --data "$OUT/eval/*.tfrecord" --batch-size 32 --seq-len 128 --max-predictions 20

@@ -30,8 +30,8 @@ RunResult run(const std::string& args) {
 TEST(Cli, HelpForEverySubcommand) {
   RunResult r = run("--help");
   EXPECT_EQ(r.rc, 0);
-  for (const char* sub :
-       {"estimate", "init", "inspect", "bench", "bench-input", "prepare", "tokenize", "report"}) {
+  for (const char* sub : {"estimate", "init", "inspect", "bench", "bench-input", "prepare",
+                          "tokenize", "report", "doctor"}) {
     EXPECT_NE(r.out.find(sub), std::string::npos) << sub;
     RunResult s = run(std::string(sub) + " --help");
     EXPECT_EQ(s.rc, 0) << sub;

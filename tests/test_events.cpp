@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data/tfrecord.h"
+#include "obs/doctor.h"
 #include "obs/events.h"
 #include "tensorflow/core/util/event.pb.h"
 #include "test_util.h"
@@ -108,6 +109,41 @@ TEST(Events, TensorBoardReadsWhatBertrainWrites) {
     }
   }
   EXPECT_EQ(rows[0]["rank_step_ms"].size(), 1u);
+}
+
+// `bertrain eval` of a run directory adds its metrics to the run's TensorBoard events at the
+// checkpoint's step (a file of its own, without a SessionLog START that would hide the training
+// curves) and to eval.jsonl, which the report reads.
+TEST(Events, EvalOfARunJoinsItsEvents) {
+  test::TempDir tmp;
+  const std::string run = (tmp.path / "run").string();
+  const std::string data = test::data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord");
+  const std::string quiet = " > " + (tmp.path / "log.txt").string() + " 2>&1";
+  ASSERT_EQ(std::system(
+                (std::string(BERTRAIN_BINARY) + " train --model-config " +
+                 test::data_path("../configs/bert-tiny.json") + " --data " + data + " --output " +
+                 run + " --steps 2 --log-every 1 --batch-size 4 --seq-len 128 --threads 1" + quiet)
+                    .c_str()),
+            0);
+  ASSERT_EQ(std::system((std::string(BERTRAIN_BINARY) + " eval --checkpoint " + run + " --data " +
+                         data + " --batch-size 8 --seq-len 128 --threads 1" + quiet)
+                            .c_str()),
+            0);
+  const auto rows = read_jsonl(run + "/eval.jsonl");
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0]["step"], 2);
+  EXPECT_EQ(rows[0]["examples"], 60);
+  EXPECT_GT(rows[0]["eval/mlm_loss"].get<double>(), 0.0);
+  const auto files = event_files(run);
+  ASSERT_EQ(files.size(), 2u);
+  bool found = false;
+  for (const auto& f : files)
+    for (const auto& e : read_events(f)) {
+      EXPECT_FALSE(e.has_session_log() && f == files.back()) << "eval must not restart the run";
+      for (const auto& v : e.summary().value())
+        if (v.tag() == "eval/mlm_accuracy") found = e.step() == 2;
+    }
+  EXPECT_TRUE(found);
 }
 
 // A resumed run drops what it will repeat: metrics.jsonl loses the rows past the resumed step,
@@ -207,6 +243,74 @@ TEST(Report, SelfContainedPageOfTwoRuns) {
   std::ifstream err(tmp.path / "err.txt");
   const std::string msg((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
   EXPECT_NE(msg.find("no metrics.jsonl in"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace bertrain
+
+namespace bertrain {
+namespace {
+
+std::vector<nlohmann::json> healthy_rows(int n = 8) {
+  std::vector<nlohmann::json> rows;
+  for (int i = 1; i <= n; ++i)
+    rows.push_back({{"step", 10 * i},
+                    {"train/loss", 8.0 - 0.1 * i},
+                    {"train/skipped_steps", 0},
+                    {"train/loss_scale", 1},
+                    {"time/step_ms", 100.0},
+                    {"time/input_wait_ms", 2.0},
+                    {"time/communication_exposed_ms", 5.0},
+                    {"memory/peak_rss_mib", 1024.0},
+                    {"rank_step_ms", {95.0, 96.0, 94.0, 95.5}}});
+  return rows;
+}
+
+std::vector<std::string> rules(const std::vector<obs::Finding>& f) {
+  std::vector<std::string> r;
+  for (const auto& x : f) r.push_back(x.rule);
+  return r;
+}
+
+// Each rule fires on the symptom it names, with the numbers and a fix, and not on a healthy run.
+TEST(Doctor, EachRuleFiresOnItsSymptomOnly) {
+  const double memory = 64.0 * 1073741824.0;
+  EXPECT_TRUE(obs::diagnose(healthy_rows(), memory).empty());
+  auto rows = healthy_rows();
+  for (auto& r : rows) r["time/input_wait_ms"] = 30.0;
+  auto f = obs::diagnose(rows, memory);
+  ASSERT_EQ(rules(f), std::vector<std::string>{"input-bound"});
+  EXPECT_NE(f[0].what.find("30%"), std::string::npos) << f[0].what;
+  EXPECT_NE(f[0].fix.find("--readers"), std::string::npos);
+  rows = healthy_rows();
+  for (auto& r : rows) r["time/communication_exposed_ms"] = 35.0;
+  f = obs::diagnose(rows, memory);
+  ASSERT_EQ(rules(f), std::vector<std::string>{"communication-bound"});
+  EXPECT_NE(f[0].fix.find("--accumulation-steps"), std::string::npos);
+  rows = healthy_rows();
+  for (auto& r : rows) r["rank_step_ms"][2] = 150.0;  // rank 2 is 1.57x the median
+  f = obs::diagnose(rows, memory);
+  ASSERT_EQ(rules(f), std::vector<std::string>{"straggler"});
+  EXPECT_NE(f[0].what.find("rank 2 takes 1.57x"), std::string::npos) << f[0].what;
+  rows = healthy_rows();
+  rows[6]["train/loss"] = 20.0;
+  f = obs::diagnose(rows, memory);
+  ASSERT_EQ(rules(f), std::vector<std::string>{"loss-spike"});
+  EXPECT_NE(f[0].what.find("at step 70"), std::string::npos) << f[0].what;
+  rows = healthy_rows();
+  rows.back()["train/skipped_steps"] = 9;
+  f = obs::diagnose(rows, memory);
+  ASSERT_EQ(rules(f), std::vector<std::string>{"fp16-skips"});
+  EXPECT_NE(f[0].fix.find("--precision bf16"), std::string::npos) << f[0].fix;
+  rows = healthy_rows();
+  rows.back()["memory/peak_rss_mib"] = 62.0 * 1024;
+  f = obs::diagnose(rows, memory);
+  ASSERT_EQ(rules(f), std::vector<std::string>{"memory"});
+  EXPECT_NE(f[0].fix.find("--batch-size"), std::string::npos);
+  // The first logged window (warm-up) does not count when there are later ones.
+  rows = healthy_rows();
+  rows[0]["time/input_wait_ms"] = 90.0;
+  EXPECT_TRUE(obs::diagnose(rows, memory).empty());
 }
 
 }  // namespace

@@ -253,6 +253,25 @@ TEST(Pipeline, AnEpochWithoutAUsableRecordIsAnErrorNotAnEndlessLoop) {
   EXPECT_THROW(p.next(b), Error);
 }
 
+// A batch larger than an epoch (batches do not span epochs; the remainder is dropped) would
+// never come: an error naming the numbers and the fix, not a wait (it spun forever before).
+TEST(Pipeline, BatchLargerThanAnEpochIsAnError) {
+  TempDir dir;
+  write_shards(dir, 2, 5);
+  PipelineOptions o = options(dir, 16);  // 10 records per epoch
+  Pipeline p(o, schema());
+  data::Batch b;
+  try {
+    p.next(b);
+    FAIL() << "a batch of 16 came from 10 records";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gives this rank 10 records, fewer than one batch of 16: "
+                                         "lower --batch-size to at most 10"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // A raised stop flag (SIGTERM's) ends a wait for input within the wait's slice.
 TEST(Pipeline, NextStopsWaitingWhenInterrupted) {
   TempDir dir;

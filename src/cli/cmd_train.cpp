@@ -2,10 +2,13 @@
 // checkpoint on TFRecords.
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 #include "core/error.h"
 #include "model/checkpoint.h"
+#include "obs/events.h"
 #include "train/evaluate.h"
 #include "train/run_state.h"
 #include "train/trainer.h"
@@ -165,6 +168,25 @@ void add_eval(CLI::App& app, comm::Communicator& (*comm)()) {
           "  next sentence loss %.4f, accuracy %.4f\n",
           dir.c_str(), o->data.c_str(), (long long)r.examples, (long long)r.predictions, r.mlm_loss,
           r.mlm_accuracy, r.nsp_loss, r.nsp_accuracy);
+    // Evaluating a run directory: the metrics join its TensorBoard events (at the checkpoint's
+    // step, beside the training curves) and its eval.jsonl.
+    const std::filesystem::path run(o->checkpoint);
+    if (comm().rank() == 0 && std::filesystem::exists(run / "latest")) {
+      std::ifstream st(std::filesystem::path(dir) / "trainer_state.json");
+      const nlohmann::json j = nlohmann::json::parse(st, nullptr, false);
+      const int64_t step = j.is_object() && j.contains("step") ? j["step"].get<int64_t>() : 0;
+      const obs::Scalars values = {{"eval/mlm_loss", r.mlm_loss},
+                                   {"eval/mlm_accuracy", r.mlm_accuracy},
+                                   {"eval/nsp_loss", r.nsp_loss},
+                                   {"eval/nsp_accuracy", r.nsp_accuracy}};
+      obs::EventWriter events(run.string());
+      events.scalars(step, values);
+      nlohmann::json row = {{"step", step}, {"data", o->data}, {"examples", r.examples}};
+      for (const auto& [tag, v] : values) row[tag] = v;
+      std::ofstream(run / "eval.jsonl", std::ios::app) << row.dump() << "\n";
+      std::printf("  at step %lld: TensorBoard events and eval.jsonl in %s\n", (long long)step,
+                  run.c_str());
+    }
   });
 }
 

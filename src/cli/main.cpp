@@ -96,6 +96,7 @@ int main(int argc, char** argv) {
   bertrain::cli::add_finetune(app);
   bertrain::cli::add_predict(app);
   bertrain::cli::add_report(app);
+  bertrain::cli::add_doctor(app, bertrain::cli::communicator);
   // CLI11 reads an unknown first word as a stray argument ("A subcommand is required", and
   // `bertrain nosuch --help` prints the main help and succeeds): name it instead.
   if (argc > 1 && argv[1][0] != '-') {

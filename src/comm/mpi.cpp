@@ -52,6 +52,15 @@ const char* wire_name(Wire w) {
   return w == Wire::F32 ? "none" : w == Wire::F16 ? "fp16" : "bf16";
 }
 
+std::string mpi_library_version() {
+  char v[MPI_MAX_LIBRARY_VERSION_STRING];
+  int n = 0;
+  if (MPI_Get_library_version(v, &n) != MPI_SUCCESS) return "unknown";
+  std::string s(v, static_cast<size_t>(n));
+  if (const size_t nl = s.find_first_of("\r\n,"); nl != std::string::npos) s.resize(nl);
+  return s;
+}
+
 bool launched_by_mpi() {
   for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"})
     if (std::getenv(v)) return true;

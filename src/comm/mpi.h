@@ -38,6 +38,8 @@ const char* wire_name(Wire w);
 
 // True when this process was started by an MPI launcher (mpirun, srun with PMI, MPIJob).
 bool launched_by_mpi();
+// The MPI library's version line (MPI_Get_library_version; callable before MPI_Init).
+std::string mpi_library_version();
 
 class MpiCommunicator : public Communicator {
  public:

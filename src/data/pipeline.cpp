@@ -1,5 +1,8 @@
 #include "data/pipeline.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <glob.h>
 #include <sys/stat.h>
 
@@ -31,7 +34,10 @@ std::vector<std::string> list_files(const std::string& patterns) {
     if (rc == 0)
       for (size_t i = 0; i < g.gl_pathc; ++i) {
         struct stat st {};
-        if (::stat(g.gl_pathv[i], &st) == 0 && S_ISREG(st.st_mode)) out.push_back(g.gl_pathv[i]);
+        // Regular files, and named pipes (data streamed in by another program, e.g. from
+        // object storage; each epoch opens it again, so its writer must feed it again).
+        if (::stat(g.gl_pathv[i], &st) == 0 && (S_ISREG(st.st_mode) || S_ISFIFO(st.st_mode)))
+          out.push_back(g.gl_pathv[i]);
       }
     globfree(&g);
   }
@@ -132,6 +138,7 @@ struct Pipeline::Impl {
   std::string first_skip;  // the first skipped record's reason (under skip_mu)
   std::thread assembler;
   std::vector<std::thread> readers;
+  std::atomic<int> readers_live{0};
 
   Impl(const PipelineOptions& o, const Schema& s) : opt(o), schema(s) {}
 
@@ -435,6 +442,18 @@ struct Pipeline::Impl {
         truncate_batch(batch, rows);
         if (!push_out({std::move(batch), epoch, batch_index, "", false})) return;
       }
+      // Batches do not span epochs: with fewer records per epoch than one batch (and the
+      // remainder dropped) no batch would ever come, and the run would wait forever.
+      if (batch_index == 0 && opt.drop_remainder) {
+        push_out({{},
+                  epoch,
+                  0,
+                  str("one epoch of ", opt.files, " gives this rank ", rows,
+                      " records, fewer than one batch of ", B, ": lower --batch-size to at most ",
+                      rows, opt.world > 1 ? " (or use fewer ranks)" : "", ", or add data"),
+                  false});
+        return;
+      }
     }
     push_out({{}, 0, 0, "", true});
   }
@@ -499,7 +518,12 @@ Pipeline::Pipeline(const PipelineOptions& opt, const Schema& schema, PipelinePos
   m.active_readers = opt.readers > 0 ? max_readers : 1;
   m.prefetch = opt.prefetch > 0 ? opt.prefetch : 2;
   if (opt.prefetch == 0 && opt.max_prefetch < 2) fail("--max-prefetch must be at least 2");
-  for (int i = 0; i < max_readers; ++i) m.readers.emplace_back([&m, i] { m.reader_loop(i); });
+  m.readers_live = max_readers;
+  for (int i = 0; i < max_readers; ++i)
+    m.readers.emplace_back([&m, i] {
+      m.reader_loop(i);
+      --m.readers_live;
+    });
   m.assembler = std::thread([&m] { m.assembler_loop(); });
 }
 
@@ -515,6 +539,18 @@ Pipeline::~Pipeline() {
   m.cv_space.notify_all();
   m.cv_out.notify_all();
   if (m.assembler.joinable()) m.assembler.join();
+  // A reader may be blocked opening a named pipe that no program writes to (any more): opening
+  // each pipe of the data for writing, without blocking, and closing it again releases it (it
+  // then reads an end of file and sees the stop), until every reader has returned.
+  while (m.readers_live.load() > 0) {
+    for (const auto& f : m.all_files) {
+      struct stat st {};
+      if (::stat(f.c_str(), &st) != 0 || !S_ISFIFO(st.st_mode)) continue;
+      const int fd = ::open(f.c_str(), O_WRONLY | O_NONBLOCK);
+      if (fd >= 0) ::close(fd);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   for (auto& t : m.readers) t.join();
 }
 

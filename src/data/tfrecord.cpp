@@ -1,6 +1,7 @@
 #include "data/tfrecord.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -168,6 +169,9 @@ Compression resolve_compression(const std::string& option, const std::string& pa
   if (option != "auto") fail("unknown compression '", option, "' (use none, gzip, zlib or auto)");
   if (ends_with(path, ".gz") || ends_with(path, ".gzip")) return Compression::Gzip;
   if (ends_with(path, ".zlib") || ends_with(path, ".zz")) return Compression::Zlib;
+  // A named pipe cannot be peeked at (what is read is gone): its name says, or it is plain.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && S_ISFIFO(st.st_mode)) return Compression::None;
   unsigned char head[2] = {0, 0};
   FileSource f(path);
   if (f.read(head, 2) == 2) {

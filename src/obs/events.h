@@ -5,8 +5,9 @@
 //   shows a running job. A resumed run opens a new file that starts with a SessionLog START at
 //   the resumed step: TensorBoard then drops the older files' events from that step on (those
 //   of the steps the run repeats after its last checkpoint).
-// - metrics.jsonl (MetricsLog): one JSON object per logged step with the same values and the
-//   per-rank step times; a resume drops the rows past the resumed step first.
+// - metrics.jsonl (MetricsLog): one JSON object per logged step with the same values and
+//   rank_step_ms, each rank's mean step time less its exposed wait for the others in the
+//   gradient sum (a straggler's is the largest); a resume drops the rows past the resumed step.
 #pragma once
 
 #include <cstdint>

@@ -189,7 +189,7 @@ std::string stacked_chart(const std::string& title, const std::string& ylabel,
 Series series(const RunMetrics& r, const std::string& key, const std::string& name,
               const std::string& color, double scale = 1.0) {
   Series s{name, color, {}, {}};
-  for (const auto& row : r.rows) {
+  for (const auto& row : key.rfind("eval/", 0) == 0 ? r.evals : r.rows) {
     if (!row.contains(key) || !row[key].is_number()) continue;
     s.x.push_back(row["step"].get<double>());
     s.y.push_back(row[key].get<double>() * scale);
@@ -227,6 +227,7 @@ std::string render_report(const std::vector<RunMetrics>& runs) {
   h += line_chart("fine-tuning dev accuracy", "accuracy", per_run(runs, "finetune/dev_accuracy"),
                   true);
   h += line_chart("fine-tuning train loss", "nats", per_run(runs, "finetune/train_loss"));
+  h += line_chart("eval masked LM accuracy", "accuracy", per_run(runs, "eval/mlm_accuracy"), true);
   h += line_chart("learning rate", "lr", per_run(runs, "train/learning_rate"), true);
   h += line_chart("loss scale (fp16)", "scale", per_run(runs, "train/loss_scale"), true);
   h += "</div><h2>Speed</h2><div class='grid'>";
@@ -254,6 +255,13 @@ std::string render_report(const std::vector<RunMetrics>& runs) {
       }
     }
     if (!ranks.empty()) h += line_chart("step time per rank, " + r.name, "ms", ranks, true);
+    // The allreduce behind backward (hidden) and what the step still waited for (exposed).
+    const Series hidden =
+        series(r, "time/communication_hidden_ms", "hidden behind backward", "#2ca02c");
+    const Series exposed = series(r, "time/communication_exposed_ms", "exposed", "#d62728");
+    bool any = false;
+    for (double v : hidden.y) any = any || v > 0;
+    if (any) h += stacked_chart("communication, " + r.name, "ms per step", {hidden, exposed});
   }
   h += "</div><h2>Memory</h2><div class='grid'>";
   std::vector<Series> mem;

@@ -13,8 +13,9 @@ namespace bertrain::obs {
 
 struct RunMetrics {
   std::string dir, name;
-  std::vector<nlohmann::json> rows;  // metrics.jsonl, in step order
-  nlohmann::json settings;           // the latest checkpoint's trainer settings (may be null)
+  std::vector<nlohmann::json> rows;   // metrics.jsonl, in step order
+  std::vector<nlohmann::json> evals;  // eval.jsonl (bertrain eval of the run), in step order
+  nlohmann::json settings;            // the latest checkpoint's trainer settings (may be null)
 };
 
 // Reads dir/metrics.jsonl (an error naming the file when absent or empty) and, when present,

@@ -159,11 +159,14 @@ struct Trainer::State {
 };
 
 // The logged step's values, to TensorBoard and metrics.jsonl (rank 0). Collective: every rank
-// contributes its mean step time over the window, so a slow rank shows.
+// contributes its mean step time over the window (less its wait for the others), so a slow rank
+// shows.
 void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double seconds) {
   const double n = static_cast<double>(std::max<int64_t>(w.steps, 1));
+  // Each rank's own share of the step: without the exposed wait in the gradient sum, which is
+  // where fast ranks wait for a slow one (with it, every rank's step would look the same).
   std::vector<double> rank_ms(world, 0.0);
-  rank_ms[rank] = 1e3 * w.total / n;
+  rank_ms[rank] = 1e3 * (w.total - w.comm) / n;
   if (world > 1) comm.allreduce_sum(rank_ms.data(), world);
   if (!events) return;
   struct rusage ru {};

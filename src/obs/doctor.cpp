@@ -1,0 +1,132 @@
+#include "obs/doctor.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "core/error.h"
+
+namespace bertrain::obs {
+
+namespace {
+
+double get(const nlohmann::json& row, const char* key) {
+  return row.contains(key) && row[key].is_number() ? row[key].get<double>() : 0.0;
+}
+
+// The lower median (of two values, the smaller).
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[(v.size() - 1) / 2];
+}
+
+std::string pct(double x) {
+  char b[16];
+  std::snprintf(b, sizeof b, "%.0f%%", 100 * x);
+  return b;
+}
+
+std::string fmt(double x) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.3g", x);
+  return b;
+}
+
+}  // namespace
+
+std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double memory_bytes,
+                              const DiagnoseLimits& lim) {
+  std::vector<Finding> out;
+  if (rows.empty()) return out;
+  // The first logged window holds the warm-up steps (primitive creation, first touches): the
+  // shares are judged on the rest when there is a rest.
+  const size_t from = rows.size() > 2 ? 1 : 0;
+  double step = 0, input = 0, comm = 0;
+  for (size_t i = from; i < rows.size(); ++i) {
+    step += get(rows[i], "time/step_ms");
+    input += get(rows[i], "time/input_wait_ms");
+    comm += get(rows[i], "time/communication_exposed_ms");
+  }
+  if (step > 0 && input / step > lim.input_share)
+    out.push_back({"input-bound", "the step waits for input " + pct(input / step) + " of its time",
+                   "raise --readers (parallel parse) and --prefetch, write more and smaller shards "
+                   "(prepare --output-shards), keep the data on local disk; bertrain bench-input "
+                   "measures the pipeline alone"});
+  // Stragglers: per row, each rank's time over the median rank's; a rank that is slow in most
+  // rows (the median of its ratios) is named.
+  bool straggler = false;
+  size_t ranks = 0;
+  for (const auto& r : rows)
+    if (r.contains("rank_step_ms")) ranks = std::max(ranks, r["rank_step_ms"].size());
+  if (ranks > 1) {
+    std::vector<std::vector<double>> ratio(ranks);
+    for (size_t i = from; i < rows.size(); ++i) {
+      if (!rows[i].contains("rank_step_ms") || rows[i]["rank_step_ms"].size() != ranks) continue;
+      const std::vector<double> t = rows[i]["rank_step_ms"].get<std::vector<double>>();
+      for (size_t k = 0; k < ranks; ++k) {  // against the other ranks' median
+        std::vector<double> others = t;
+        others.erase(others.begin() + static_cast<std::ptrdiff_t>(k));
+        const double mid = median(others);
+        if (mid > 0) ratio[k].push_back(t[k] / mid);
+      }
+    }
+    for (size_t k = 0; k < ranks; ++k) {
+      const double m = median(ratio[k]);
+      if (m > lim.straggler_ratio) straggler = true;
+      if (m > lim.straggler_ratio)
+        out.push_back({"straggler",
+                       "rank " + std::to_string(k) + " takes " + fmt(m) +
+                           "x the other ranks' step time (they wait for it in the gradient sum)",
+                       "check rank " + std::to_string(k) +
+                           "'s host: other load, CPU throttling, --threads x ranks per host "
+                           "against its cores (mpirun --bind-to core), a slower CPU or disk"});
+    }
+  }
+  if (step > 0 && comm / step > lim.comm_share)
+    out.push_back({"communication-bound",
+                   "exposed communication takes " + pct(comm / step) + " of the step" +
+                       (straggler ? " (on rank 0: much of it waits for the straggler above)" : ""),
+                   "more work per allreduce: a larger --batch-size per rank or "
+                   "--accumulation-steps; keep --overlap on (tune --bucket-mb); between hosts "
+                   "--compression fp16/bf16 and --allreduce hierarchical"});
+  // Loss spikes: a logged loss above spike_ratio x the median of the 5 rows before it.
+  for (size_t i = 5; i < rows.size(); ++i) {
+    std::vector<double> prev;
+    for (size_t j = i - 5; j < i; ++j) prev.push_back(get(rows[j], "train/loss"));
+    const double base = median(prev), l = get(rows[i], "train/loss");
+    if (base > 0 && l > lim.spike_ratio * base) {
+      out.push_back({"loss-spike",
+                     "the loss jumps to " + fmt(l) + " at step " +
+                         std::to_string(rows[i]["step"].get<int64_t>()) + " from about " +
+                         fmt(base),
+                     "lower --lr or raise --warmup; resume from the checkpoint before the spike; "
+                     "check the data around it (bertrain inspect)"});
+      break;  // the first one; later ones follow from it
+    }
+  }
+  const double skipped = get(rows.back(), "train/skipped_steps");
+  if (skipped > 0) {
+    const double steps = rows.back()["step"].get<double>();
+    out.push_back({"fp16-skips",
+                   fmt(skipped) + " of " + fmt(steps) +
+                       " steps were skipped for non-finite gradients (loss scale now " +
+                       fmt(get(rows.back(), "train/loss_scale")) + ")",
+                   skipped > 0.01 * steps
+                       ? "more than 1% of the steps: train with --precision bf16 (fp16's range "
+                         "overflows) or lower --lr"
+                       : "a few skips while the loss scale settles are normal for fp16"});
+  }
+  if (memory_bytes > 0) {
+    const double peak = get(rows.back(), "memory/peak_rss_mib") * 1048576.0;
+    if (peak > lim.memory_share * memory_bytes)
+      out.push_back({"memory",
+                     "peak memory " + fmt(peak / 1073741824.0) + " GiB is " +
+                         pct(peak / memory_bytes) + " of this machine's",
+                     "lower --batch-size (with --accumulation-steps to keep the global batch) or "
+                     "--seq-len; bertrain estimate --memory-budget picks the largest batch that "
+                     "fits"});
+  }
+  return out;
+}
+
+}  // namespace bertrain::obs
