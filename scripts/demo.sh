@@ -3,11 +3,12 @@
 #   1. set up and build (installs missing Debian packages);
 #   2. prepare: Chinese CLUE corpus -> BERT pretraining TFRecords (a held-out split for eval);
 #   3. train a tiny Chinese BERT with 2 MPI ranks (zero-copy shared-memory allreduce), with the progress
-#      line and the step-time breakdown; TensorBoard event files, metrics.jsonl and an HTML report
-#      (plots, offline) in the run directory; `bertrain doctor` checks the machine and the run;
+#      line and the step-time breakdown; TensorBoard event files and metrics.jsonl in the run
+#      directory;
 #   4. eval: masked-LM and next-sentence metrics on the held-out records;
 #   5. fine-tune on ChnSentiCorp reviews (dev accuracy per epoch) and predict the test set;
-#   6. the memory plan of BERT-base and the largest batch that fits this machine.
+#   6. an HTML report of both runs (plots, offline) and `bertrain doctor` on the machine and the run;
+#   7. the memory plan of BERT-base and the largest batch that fits this machine.
 # Outputs go to demo-out/. DEMO_STEPS (default 300) sets the pretraining length.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,8 +38,6 @@ mpirun -np 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 \
 echo; echo "-- what TensorBoard shows (tensorboard --logdir $OUT/run): $(ls "$OUT"/run/events.out.tfevents.* | head -1)"
 echo "   metrics.jsonl, the last logged step (one JSON object per logged step; rank_step_ms: each rank's mean step time):"
 tail -1 "$OUT/run/metrics.jsonl" | fold -w 110 | sed 's/^/     /'
-$BT report "$OUT/run"
-$BT doctor "$OUT/run"
 
 echo; echo "== 3. eval on the held-out documents"
 $BT eval --checkpoint "$OUT/run" --data "$OUT/eval/*.tfrecord" --batch-size 32 --seq-len 128 --max-predictions 20
@@ -50,7 +49,11 @@ $BT finetune --init-checkpoint "$OUT/run" --vocab data/vocab/bert-base-chinese-v
 $BT predict --checkpoint "$OUT/sentiment" --input data/classification/chnsenticorp_small/test.tsv > "$OUT/predictions.tsv"
 echo "predictions in $OUT/predictions.tsv"
 
-echo; echo "== 5. memory plan: BERT-base pretraining per rank, and the batch that fits half this machine's memory"
+echo; echo "== 5. see the runs: one HTML report (pretraining with its eval, fine-tuning), and the doctor"
+$BT report "$OUT/run" "$OUT/sentiment" --output "$OUT/report.html"
+$BT doctor "$OUT/run"
+
+echo; echo "== 6. memory plan: BERT-base pretraining per rank, and the batch that fits half this machine's memory"
 mem_kib=$(awk '/MemAvailable/ {print $2}' /proc/meminfo)
 $BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128 --memory-budget "$((mem_kib / 1024 / 2))MiB"
 echo; echo "demo: done (outputs in $OUT/)"
