@@ -144,6 +144,11 @@ TEST(Events, EvalOfARunJoinsItsEvents) {
         if (v.tag() == "eval/mlm_accuracy") found = e.step() == 2;
     }
   EXPECT_TRUE(found);
+  // The report shows it.
+  ASSERT_EQ(std::system((std::string(BERTRAIN_BINARY) + " report " + run + quiet).c_str()), 0);
+  std::ifstream in(run + "/report.html");
+  const std::string html((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(html.find("eval masked LM accuracy"), std::string::npos);
 }
 
 // A resumed run drops what it will repeat: metrics.jsonl loses the rows past the resumed step,

@@ -18,18 +18,24 @@ RunMetrics load_run(const std::string& dir) {
   r.name = fs::path(dir).filename().string();
   if (r.name.empty()) r.name = fs::path(dir).parent_path().filename().string();
   const std::string path = (fs::path(dir) / "metrics.jsonl").string();
-  std::ifstream in(path);
-  if (!in)
+  if (!fs::exists(path))
     fail("no metrics.jsonl in ", dir, " (train and finetune write it to their run directory)");
-  std::string line;
-  while (std::getline(in, line)) {
-    const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
-    if (!row.is_discarded() && row.contains("step")) r.rows.push_back(row);  // a torn line: skip
-  }
+  auto read_rows = [](const fs::path& p) {
+    std::vector<nlohmann::json> rows;
+    std::ifstream in(p);
+    std::string line;
+    while (std::getline(in, line)) {
+      const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
+      if (!row.is_discarded() && row.contains("step")) rows.push_back(row);  // torn: skipped
+    }
+    std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
+      return a["step"].template get<int64_t>() < b["step"].template get<int64_t>();
+    });
+    return rows;
+  };
+  r.rows = read_rows(path);
   if (r.rows.empty()) fail(path, " has no logged steps yet");
-  std::stable_sort(r.rows.begin(), r.rows.end(), [](const auto& a, const auto& b) {
-    return a["step"].template get<int64_t>() < b["step"].template get<int64_t>();
-  });
+  r.evals = read_rows(fs::path(dir) / "eval.jsonl");
   std::ifstream latest(fs::path(dir) / "latest");
   std::string ck;
   if (latest && std::getline(latest, ck)) {
