@@ -37,6 +37,9 @@ N_SIGTERM_MPI=$((FULL ? 10 : 1))
 N_SIGKILL=$((FULL ? 10 : 2))
 N_DISK=$((FULL ? 20 : 4))
 STEPS=24
+# The kill cases strike 1-3 s into a 2-rank run: it must still be running then (24 steps of the
+# tiny model took under 3 s in a CI run, and the kill found no process).
+KILL_STEPS=80
 RANDOM=${FAULT_SEED:-4242}
 
 declare -A injected survived lost
@@ -137,8 +140,8 @@ want sigkill && for i in $(seq "$N_SIGKILL"); do
   out="$W/kill-$i"
   delay=$(awk -v r=$RANDOM 'BEGIN {printf "%.2f", 1.0 + 2.0 * r / 32767}')
   # shellcheck disable=SC2046
-  mpirun -np 2 --oversubscribe --bind-to none "$BT" train $(train_args "$out" fp32 --save-every 4 \
-    --stall-timeout 10) >"$out.log" 2>&1 &
+  mpirun -np 2 --oversubscribe --bind-to none "$BT" train $(TSTEPS=$KILL_STEPS train_args "$out" \
+    fp32 --save-every 4 --stall-timeout 10) >"$out.log" 2>&1 &
   pid=$!
   sleep "$delay"
   victim=$(pgrep -P $pid -f "bertrain train" | tail -1)
@@ -155,7 +158,8 @@ want sigkill && for i in $(seq "$N_SIGKILL"); do
   lost_=0
   if [ -f "$out/latest" ]; then
     # shellcheck disable=SC2046
-    run_np 2 $(train_args "$out" fp32 --save-every 4 --resume) >>"$out.log" 2>&1 || lost_=1
+    run_np 2 $(TSTEPS=$KILL_STEPS train_args "$out" fp32 --save-every 4 --resume) \
+      >>"$out.log" 2>&1 || lost_=1
   fi
   record sigkill $ok $lost_ "rank pid ${victim:-none} killed at ${delay}s: exit $rc after ${took}s"
 done
@@ -165,8 +169,8 @@ done
 want sigkill && for i in $(seq $((FULL ? 3 : 1))); do
   out="$W/stalled-$i"
   # shellcheck disable=SC2046
-  mpirun -np 2 --oversubscribe --bind-to none "$BT" train $(train_args "$out" fp32 --save-every 4 \
-    --stall-timeout 60) >"$out.log" 2>&1 &
+  mpirun -np 2 --oversubscribe --bind-to none "$BT" train $(TSTEPS=$KILL_STEPS train_args "$out" \
+    fp32 --save-every 4 --stall-timeout 60) >"$out.log" 2>&1 &
   pid=$!
   sleep 2
   ranks=$(pgrep -P $pid -f "bertrain train")
@@ -185,7 +189,8 @@ want sigkill && for i in $(seq $((FULL ? 3 : 1))); do
   lost_=0
   if [ -f "$out/latest" ]; then
     # shellcheck disable=SC2046
-    run_np 2 $(train_args "$out" fp32 --save-every 4 --resume) >>"$out.log" 2>&1 || lost_=1
+    run_np 2 $(TSTEPS=$KILL_STEPS train_args "$out" fp32 --save-every 4 --resume) \
+      >>"$out.log" 2>&1 || lost_=1
   fi
   record sigkill $ok $lost_ "SIGTERM with a stopped peer: exit $rc after ${took}s: $(grep -m1 'stopped by' "$out.log")"
 done
