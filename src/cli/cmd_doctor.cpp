@@ -52,6 +52,7 @@ double memory_bytes() {
   return 0;
 }
 
+#ifndef BERTRAIN_CUDA
 bool on_path(const std::string& exe) {
   const char* path = std::getenv("PATH");
   if (!path) return false;
@@ -64,6 +65,7 @@ bool on_path(const std::string& exe) {
   }
   return false;
 }
+#endif
 
 // Bytes of one checkpoint (its files) in a run directory, 0 when none.
 double checkpoint_bytes(const std::string& run) {

@@ -179,11 +179,9 @@ void add_eval(CLI::App& app, comm::Communicator& (*comm)()) {
                                    {"eval/mlm_accuracy", r.mlm_accuracy},
                                    {"eval/nsp_loss", r.nsp_loss},
                                    {"eval/nsp_accuracy", r.nsp_accuracy}};
-      obs::EventWriter events(run.string());
-      events.scalars(step, values);
-      nlohmann::json row = {{"step", step}, {"data", o->data}, {"examples", r.examples}};
-      for (const auto& [tag, v] : values) row[tag] = v;
-      std::ofstream(run / "eval.jsonl", std::ios::app) << row.dump() << "\n";
+      obs::EventWriter(run.string()).scalars(step, values);
+      obs::MetricsLog(run.string(), -1, "eval.jsonl")
+          .write(step, values, {{"data", o->data}, {"examples", r.examples}});
       std::printf("  at step %lld: TensorBoard events and eval.jsonl in %s\n", (long long)step,
                   run.c_str());
     }

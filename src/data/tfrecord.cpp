@@ -329,21 +329,18 @@ TFRecordWriter::~TFRecordWriter() {
   if (impl_->comp != Compression::None) deflateEnd(&impl_->zs);
 }
 
-std::string tfrecord_frame(std::string_view rec) {
+void append_tfrecord_frame(std::string& out, std::string_view rec) {
   char h[12];
   put_u64(h, rec.size());
   put_u32(h + 8, masked_crc32c(h, 8));
   char t[4];
   put_u32(t, masked_crc32c(rec.data(), rec.size()));
-  std::string out;
-  out.reserve(rec.size() + 16);
   out.append(h, 12).append(rec).append(t, 4);
-  return out;
 }
 
 void TFRecordWriter::write(std::string_view rec) {
   BT_CHECK(!impl_->closed, "write after close");
-  impl_->pending.append(tfrecord_frame(rec));
+  append_tfrecord_frame(impl_->pending, rec);
   if (impl_->pending.size() >= kBufSize) impl_->flush_pending(false);
   ++records_;
 }

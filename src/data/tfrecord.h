@@ -63,10 +63,10 @@ class TFRecordReader {
   bool dead_ = false;
 };
 
-// One record in TFRecord framing: length (u64 LE), masked CRC32C of the length, the bytes, masked
-// CRC32C of the bytes. TFRecordWriter writes these; so do appenders such as TensorBoard event
-// files, which must be readable while they grow.
-std::string tfrecord_frame(std::string_view record);
+// Appends one record in TFRecord framing to out: length (u64 LE), masked CRC32C of the length,
+// the bytes, masked CRC32C of the bytes. TFRecordWriter writes these; so do appenders such as
+// TensorBoard event files, which must be readable while they grow.
+void append_tfrecord_frame(std::string& out, std::string_view record);
 
 class TFRecordWriter {
  public:

@@ -70,7 +70,9 @@ EventWriter::~EventWriter() {
 }
 
 void EventWriter::write_event(const std::string& serialized) {
-  write_all(f_, data::tfrecord_frame(serialized), path_);
+  std::string framed;
+  data::append_tfrecord_frame(framed, serialized);
+  write_all(f_, framed, path_);
 }
 
 void EventWriter::scalars(int64_t step, const Scalars& values) {
@@ -85,9 +87,9 @@ void EventWriter::scalars(int64_t step, const Scalars& values) {
   write_event(e.SerializeAsString());
 }
 
-MetricsLog::MetricsLog(const std::string& dir, int64_t resumed_step) {
+MetricsLog::MetricsLog(const std::string& dir, int64_t resumed_step, const std::string& name) {
   fs::create_directories(dir);
-  path_ = (fs::path(dir) / "metrics.jsonl").string();
+  path_ = (fs::path(dir) / name).string();
   if (resumed_step >= 0 && fs::exists(path_)) {
     std::ifstream in(path_);
     std::string line, kept;
@@ -109,6 +111,12 @@ MetricsLog::~MetricsLog() {
 
 void MetricsLog::write(const nlohmann::json& row) {
   write_all(f_, row.dump() + "\n", path_);
+}
+
+void MetricsLog::write(int64_t step, const Scalars& values, nlohmann::json extra) {
+  extra["step"] = step;
+  for (const auto& [tag, v] : values) extra[tag] = v;
+  write(extra);
 }
 
 }  // namespace bertrain::obs

@@ -43,13 +43,16 @@ class EventWriter {
 
 class MetricsLog {
  public:
-  // Opens dir/metrics.jsonl for appending; resumed_step >= 0 first drops rows whose "step" is
-  // beyond it (rewritten atomically).
-  explicit MetricsLog(const std::string& dir, int64_t resumed_step = -1);
+  // Opens dir/<name> for appending; resumed_step >= 0 first drops rows whose "step" is beyond it
+  // (rewritten atomically).
+  explicit MetricsLog(const std::string& dir, int64_t resumed_step = -1,
+                      const std::string& name = "metrics.jsonl");
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
   void write(const nlohmann::json& row);  // one line, flushed
+  // The row {"step": step, tag: value..., extra's fields...}: what EventWriter::scalars logs.
+  void write(int64_t step, const Scalars& values, nlohmann::json extra = nlohmann::json::object());
   const std::string& path() const { return path_; }
 
  private:

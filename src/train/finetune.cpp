@@ -288,9 +288,7 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
           {"finetune/epoch_seconds", std::chrono::duration<double>(Clock::now() - t0).count()}};
       if (!dev.ids.empty()) values.push_back({"finetune/dev_accuracy", acc});
       events->scalars(step, values);
-      nlohmann::json row = {{"step", step}, {"epoch", epoch + 1}};
-      for (const auto& [tag, v] : values) row[tag] = v;
-      metrics->write(row);
+      metrics->write(step, values, {{"epoch", epoch + 1}});
     }
     if (!cfg.quiet) {
       std::printf("epoch %lld/%lld | train loss %.4f | %.1f s", (long long)epoch + 1,

@@ -193,10 +193,7 @@ void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double 
       {"memory/peak_rss_mib", static_cast<double>(ru.ru_maxrss) / 1024.0},
   };
   events->scalars(done, values);
-  nlohmann::json row = {{"step", done}};
-  for (const auto& [tag, v] : values) row[tag] = v;
-  row["rank_step_ms"] = rank_ms;
-  metrics->write(row);
+  metrics->write(done, values, {{"rank_step_ms", rank_ms}});
 }
 
 Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
