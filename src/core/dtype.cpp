@@ -1,6 +1,5 @@
 #include "core/dtype.h"
 
-#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -100,61 +99,54 @@ float f16_to_f32(uint16_t h) {
 }
 
 namespace {
-BT_AVX512 void f32_to_bf16_avx512(const float* src, uint16_t* dst, size_t n) {
+BT_AVX512 void f32_to_bf16_rows(isa::Avx512, const float* src, uint16_t* dst, size_t n) {
   for (size_t i = 0; i < n; i += 16) {
     const __mmask16 m = simd::tail_mask(static_cast<int64_t>(n - i));
     _mm256_mask_storeu_epi16(dst + i, m, simd::f32_to_bf16_16(_mm512_maskz_loadu_ps(m, src + i)));
   }
 }
+void f32_to_bf16_rows(isa::Portable, const float* src, uint16_t* dst, size_t n) {
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
 }  // namespace
 
 void convert_f32_to_bf16(const float* src, uint16_t* dst, size_t n) {
-  if (use_avx512()) {
+  with_isa([&](auto tag) {
     parallel_chunks(static_cast<int64_t>(n), [&](int64_t b, int64_t e) {
-      f32_to_bf16_avx512(src + b, dst + b, static_cast<size_t>(e - b));
+      f32_to_bf16_rows(tag, src + b, dst + b, static_cast<size_t>(e - b));
     });
-    return;
-  }
-#pragma omp parallel for simd schedule(static) if (n > (1u << 16))
-  for (size_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+  });
 }
 void convert_bf16_to_f32(const uint16_t* src, float* dst, size_t n) {
 #pragma omp parallel for simd schedule(static) if (n > (1u << 16))
   for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
 }
 namespace {
-// F16C (vcvtps2ph / vcvtph2ps) where the CPU has it, chosen at run time; the instruction rounds
-// to nearest even exactly as f32_to_f16 does (tests compare both).
-bool has_f16c() {
-  static const bool yes = [] {
-    // CPUID.1:ECX bit 29 = F16C, bit 28 = AVX, bit 27 = OSXSAVE; XCR0 bits 1-2: the OS saves
-    // the YMM state. (cpuid directly: clang's __builtin_cpu_supports has no "f16c".)
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
-    if (!(c & (1u << 29)) || !(c & (1u << 28)) || !(c & (1u << 27))) return false;
-    unsigned lo, hi;
-    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return (lo & 6u) == 6u;
-  }();
-  return yes;
-}
-__attribute__((target("f16c,avx"))) void f32_to_f16_f16c(const float* src, uint16_t* dst,
-                                                         size_t n) {
+// F16C (vcvtps2ph / vcvtph2ps) with the AVX2 bodies (every AVX2 CPU has it; isa.cpp checks); the
+// instruction rounds to nearest even exactly as f32_to_f16 does (tests compare both).
+#define BT_F16C __attribute__((target("f16c,avx")))
+BT_F16C void f32_to_f16_rows(isa::Avx2, const float* src, uint16_t* dst, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
   for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
 }
-__attribute__((target("f16c,avx"))) void f16_to_f32_f16c(const uint16_t* src, float* dst,
-                                                         size_t n) {
+void f32_to_f16_rows(isa::Portable, const float* src, uint16_t* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = f32_to_f16(src[i]);
+}
+BT_F16C void f16_to_f32_rows(isa::Avx2, const uint16_t* src, float* dst, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i,
                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
   for (; i < n; ++i) dst[i] = f16_to_f32(src[i]);
 }
-__attribute__((target("f16c,avx"))) void f16_add_f16c(const uint16_t* src, float* dst, size_t n) {
+void f16_to_f32_rows(isa::Portable, const uint16_t* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(src[i]);
+}
+BT_F16C void f16_add_rows(isa::Avx2, const uint16_t* src, float* dst, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(
@@ -163,19 +155,20 @@ __attribute__((target("f16c,avx"))) void f16_add_f16c(const uint16_t* src, float
                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)))));
   for (; i < n; ++i) dst[i] += f16_to_f32(src[i]);
 }
+void f16_add_rows(isa::Portable, const uint16_t* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] += f16_to_f32(src[i]);
+}
+#undef BT_F16C
 }  // namespace
 
 void convert_f32_to_f16(const float* src, uint16_t* dst, size_t n) {
-  if (has_f16c()) return f32_to_f16_f16c(src, dst, n);
-  for (size_t i = 0; i < n; ++i) dst[i] = f32_to_f16(src[i]);
+  with_isa([&](auto tag) { f32_to_f16_rows(tag, src, dst, n); });
 }
 void convert_f16_to_f32(const uint16_t* src, float* dst, size_t n) {
-  if (has_f16c()) return f16_to_f32_f16c(src, dst, n);
-  for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(src[i]);
+  with_isa([&](auto tag) { f16_to_f32_rows(tag, src, dst, n); });
 }
 void accumulate_f16(const uint16_t* src, float* dst, size_t n) {
-  if (has_f16c()) return f16_add_f16c(src, dst, n);
-  for (size_t i = 0; i < n; ++i) dst[i] += f16_to_f32(src[i]);
+  with_isa([&](auto tag) { f16_add_rows(tag, src, dst, n); });
 }
 void accumulate_bf16(const uint16_t* src, float* dst, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] += bf16_to_f32(src[i]);

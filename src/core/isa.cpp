@@ -35,7 +35,8 @@ Detected detect() {
   const bool avx2 = b & (1u << 5);
   const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
   if (avx2 && fma && f16c && ymm_state) d.isa = Isa::Avx2;  // every AVX2 CPU has F16C
-  if (f && dq && bw && vl && zmm_state) d.isa = Isa::Avx512;
+  // AVX-512 bodies may fall back to AVX2 ones (isa.h), so Avx512 includes Avx2.
+  if (d.isa == Isa::Avx2 && f && dq && bw && vl && zmm_state) d.isa = Isa::Avx512;
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   if (d.isa == Isa::Avx512 && __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) d.bf16 = a1 & (1u << 5);
   return d;

@@ -18,12 +18,33 @@ bool isa_capped_by_env();    // BERTRAIN_ISA lowered the detected ISA (matmul.cp
 const char* isa_name(Isa isa);
 // The processor's brand string (cpuid), e.g. "AMD EPYC 7B13 64-Core Processor".
 std::string cpu_model_name();
-inline bool use_avx512() {
-  return cpu_isa() == Isa::Avx512;
-}
-// The AVX2 + FMA bodies: on CPUs that have AVX2 but not AVX-512 (or with BERTRAIN_ISA=avx2).
-inline bool use_avx2() {
-  return cpu_isa() == Isa::Avx2;
+
+// The one point where a kernel's instruction set is chosen. Kernels overload each vector body
+// on these tags: `body(isa::Avx512, ...)` (AVX-512 F/BW/DQ/VL), `body(isa::Avx2, ...)` (AVX2 + FMA
+// + F16C), `body(isa::Portable, ...)` (plain loops, every x86-64 CPU). Avx512 derives from Avx2
+// and Avx2 from Portable, so where an instruction set has no body for some operands (the AVX2
+// rows take fp32 operands only), overload resolution takes the next one down, at compile time.
+// A generic fallback must be a template on the tag (`template <class Tag> body(Tag, ...)`), so
+// that what it calls still sees the caller's instruction set.
+namespace isa {
+struct Portable {};
+struct Avx2 : Portable {};
+struct Avx512 : Avx2 {};
+}  // namespace isa
+
+// Calls f with the tag of cpu_isa() (detected, capped by BERTRAIN_ISA, lowered by the tests'
+// override): once per kernel call, outside its loops. Nothing else asks which ISA runs.
+template <typename F>
+decltype(auto) with_isa(F&& f) {
+  switch (cpu_isa()) {
+    case Isa::Avx512:
+      return f(isa::Avx512{});
+    case Isa::Avx2:
+      return f(isa::Avx2{});
+    case Isa::Portable:
+      break;
+  }
+  return f(isa::Portable{});
 }
 
 // Tests: lowers (never raises) the ISA our own kernels use in this process, to compare the

@@ -144,8 +144,8 @@ using rows::put16;
 // regenerates it); the dropped row (keep / (1 - p) or 0 per element; the row itself when
 // p == 0) goes to out if non-null. out may be s.
 template <typename O, typename S>
-void softmax_row_portable(float* s, S* saved, const float* bias, O* out, int64_t T, float p,
-                          float keep_scale, uint64_t key, uint64_t idx0) {
+void softmax_row(isa::Portable, float* s, S* saved, const float* bias, O* out, int64_t T, float p,
+                 float keep_scale, uint64_t key, uint64_t idx0) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < T; ++j) {
     s[j] += bias[j];
@@ -169,8 +169,8 @@ void softmax_row_portable(float* s, S* saved, const float* bias, O* out, int64_t
 }
 
 template <typename O, typename S>
-BT_AVX512 void softmax_row_avx512(float* s, S* saved, const float* bias, O* out, int64_t T, float p,
-                                  float keep_scale, uint64_t key, uint64_t idx0) {
+BT_AVX512 void softmax_row(isa::Avx512, float* s, S* saved, const float* bias, O* out, int64_t T,
+                           float p, float keep_scale, uint64_t key, uint64_t idx0) {
   using namespace simd;
   __m512 vmx = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < T; j += 16) {
@@ -206,8 +206,8 @@ BT_AVX512 void softmax_row_avx512(float* s, S* saved, const float* bias, O* out,
 // Backward row: g[j] = dL/d(dropped prob) in; ds[j] = dL/d(scaled score) * scale out (ds may
 // be g itself).
 template <typename O, typename P>
-void softmax_backward_row_portable(float* g, O* ds, const P* prob, int64_t T, float p,
-                                   float keep_scale, uint64_t key, uint64_t idx0, float scale) {
+void softmax_backward_row(isa::Portable, float* g, O* ds, const P* prob, int64_t T, float p,
+                          float keep_scale, uint64_t key, uint64_t idx0, float scale) {
   float dot = 0.0f;
   for (int64_t j = 0; j < T; ++j) {
     if (p > 0.0f) g[j] = dropout_keep(p, key, idx0 + j) ? g[j] * keep_scale : 0.0f;
@@ -217,9 +217,8 @@ void softmax_backward_row_portable(float* g, O* ds, const P* prob, int64_t T, fl
 }
 
 template <typename O, typename P>
-BT_AVX512 void softmax_backward_row_avx512(float* g, O* ds, const P* prob, int64_t T, float p,
-                                           float keep_scale, uint64_t key, uint64_t idx0,
-                                           float scale) {
+BT_AVX512 void softmax_backward_row(isa::Avx512, float* g, O* ds, const P* prob, int64_t T, float p,
+                                    float keep_scale, uint64_t key, uint64_t idx0, float scale) {
   using namespace simd;
   __m512 vdot = _mm512_setzero_ps();
   for (int64_t j = 0; j < T; j += 16) {
@@ -242,8 +241,8 @@ BT_AVX512 void softmax_backward_row_avx512(float* g, O* ds, const P* prob, int64
 
 // Regenerates the dropped row (the row itself when p == 0) from the saved probabilities.
 template <typename O, typename P>
-void dropout_row_portable(O* out, const P* prob, int64_t T, float p, float keep_scale, uint64_t key,
-                          uint64_t idx0) {
+void dropout_row(isa::Portable, O* out, const P* prob, int64_t T, float p, float keep_scale,
+                 uint64_t key, uint64_t idx0) {
   for (int64_t j = 0; j < T; ++j)
     put(out + j, p <= 0.0f                        ? get(prob + j)
                  : dropout_keep(p, key, idx0 + j) ? get(prob + j) * keep_scale
@@ -251,8 +250,8 @@ void dropout_row_portable(O* out, const P* prob, int64_t T, float p, float keep_
 }
 
 template <typename O, typename P>
-BT_AVX512 void dropout_row_avx512(O* out, const P* prob, int64_t T, float p, float keep_scale,
-                                  uint64_t key, uint64_t idx0) {
+BT_AVX512 void dropout_row(isa::Avx512, O* out, const P* prob, int64_t T, float p, float keep_scale,
+                           uint64_t key, uint64_t idx0) {
   using namespace simd;
   for (int64_t j = 0; j < T; j += 16) {
     const __mmask16 m = tail_mask(T - j);
@@ -324,48 +323,34 @@ BT_AVX2 void dropout_row_avx2(float* out, const P* prob, int64_t T, float p, flo
   }
 }
 
-// Which row bodies a call takes: AVX-512 (fp32 or bf16 operands), AVX2 (fp32 operands), or the
-// portable loops.
-enum class RowBody { Portable, Avx2, Avx512 };
-RowBody row_body() {
-  return use_avx512() ? RowBody::Avx512 : use_avx2() ? RowBody::Avx2 : RowBody::Portable;
-}
-
-// The AVX2 bodies take fp32 operands and fp32 or fp16 saved probabilities (bf16 operands and
-// bf16 saved probabilities only occur with AVX-512); anything else falls to the portable rows.
-template <typename O, typename S>
-void softmax_row(RowBody body, float* s, S* saved, const float* bias, O* out, int64_t T, float p,
+// The AVX2 rows for what they cover (fp32 operands; fp16 or no saved probabilities; saved
+// probabilities in fp32 or fp16 for backward); other operands take the portable rows.
+template <typename S>
+void softmax_row(isa::Avx2, float* s, S* saved, const float* bias, float* out, int64_t T, float p,
                  float keep_scale, uint64_t key, uint64_t idx0) {
-  if (body == RowBody::Avx512)
-    return softmax_row_avx512(s, saved, bias, out, T, p, keep_scale, key, idx0);
-  if constexpr (std::is_same_v<O, float> && std::is_same_v<S, rows::F16>) {
-    if (body == RowBody::Avx2)
-      return softmax_row_avx2(s, saved, bias, out, T, p, keep_scale, key, idx0);
-  } else if constexpr (std::is_same_v<O, float>) {
-    if (body == RowBody::Avx2 && !saved)
-      return softmax_row_avx2(s, nullptr, bias, out, T, p, keep_scale, key, idx0);
-  }
-  softmax_row_portable(s, saved, bias, out, T, p, keep_scale, key, idx0);
+  if constexpr (std::is_same_v<S, rows::F16>)
+    return softmax_row_avx2(s, saved, bias, out, T, p, keep_scale, key, idx0);
+  else if (!saved)
+    return softmax_row_avx2(s, nullptr, bias, out, T, p, keep_scale, key, idx0);
+  softmax_row(isa::Portable{}, s, saved, bias, out, T, p, keep_scale, key, idx0);
 }
 
-template <typename O, typename P>
-void softmax_backward_row(RowBody body, float* g, O* ds, const P* prob, int64_t T, float p,
+template <typename P>
+void softmax_backward_row(isa::Avx2, float* g, float* ds, const P* prob, int64_t T, float p,
                           float keep_scale, uint64_t key, uint64_t idx0, float scale) {
-  if (body == RowBody::Avx512)
-    return softmax_backward_row_avx512(g, ds, prob, T, p, keep_scale, key, idx0, scale);
-  if constexpr (std::is_same_v<O, float> && !std::is_same_v<P, uint16_t>)
-    if (body == RowBody::Avx2)
-      return softmax_backward_row_avx2(g, ds, prob, T, p, keep_scale, key, idx0, scale);
-  softmax_backward_row_portable(g, ds, prob, T, p, keep_scale, key, idx0, scale);
+  if constexpr (std::is_same_v<P, uint16_t>)
+    softmax_backward_row(isa::Portable{}, g, ds, prob, T, p, keep_scale, key, idx0, scale);
+  else
+    softmax_backward_row_avx2(g, ds, prob, T, p, keep_scale, key, idx0, scale);
 }
 
-template <typename O, typename P>
-void dropout_row(RowBody body, O* out, const P* prob, int64_t T, float p, float keep_scale,
+template <typename P>
+void dropout_row(isa::Avx2, float* out, const P* prob, int64_t T, float p, float keep_scale,
                  uint64_t key, uint64_t idx0) {
-  if (body == RowBody::Avx512) return dropout_row_avx512(out, prob, T, p, keep_scale, key, idx0);
-  if constexpr (std::is_same_v<O, float> && !std::is_same_v<P, uint16_t>)
-    if (body == RowBody::Avx2) return dropout_row_avx2(out, prob, T, p, keep_scale, key, idx0);
-  dropout_row_portable(out, prob, T, p, keep_scale, key, idx0);
+  if constexpr (std::is_same_v<P, uint16_t>)
+    dropout_row(isa::Portable{}, out, prob, T, p, keep_scale, key, idx0);
+  else
+    dropout_row_avx2(out, prob, T, p, keep_scale, key, idx0);
 }
 
 // Products over the NH heads (strides sa, sb, sc) of all B sequences (strides oa, ob, oc) in one
@@ -393,29 +378,30 @@ void forward_impl(float* ctx, float* scores, S* saved, X* dropped, const X* qkv,
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
-  const RowBody body = row_body();
   const HeadGemm gemm{B, NH};
   const int64_t sq = T * C3, sp = NH * TT, sctx = T * C;  // per-sequence strides
   // probs = scale * Q K^T over every sequence and head (head h: columns h*HD of Q and K).
   gemm(false, true, T, T, HD, scale, qkv, C3, HD, sq, qkv + C, C3, HD, sq, scores, T, TT, sp);
+  with_isa([&](auto tag) {
 #pragma omp parallel
-  {
-    // The additive mask row; a per-thread buffer kept between calls (no allocation per step).
-    thread_local std::vector<float> bias;
-    bias.resize(T);
+    {
+      // The additive mask row; a per-thread buffer kept between calls (no allocation per step).
+      thread_local std::vector<float> bias;
+      bias.resize(T);
 #pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < B * NH; ++bh) {
-      const int64_t b = bh / NH;
-      for (int64_t j = 0; j < T; ++j) bias[j] = mask[b * T + j] ? 0.0f : -10000.0f;
-      for (int64_t i = 0; i < T; ++i) {
-        const int64_t r = (bh * T + i) * T;
-        X* out = dropped ? dropped + r : nullptr;
-        const uint64_t idx0 = offset + static_cast<uint64_t>(r);
-        softmax_row(body, scores + r, saved ? saved + r : nullptr, bias.data(), out, T, dropout_p,
-                    keep_scale, key, idx0);
+      for (int64_t bh = 0; bh < B * NH; ++bh) {
+        const int64_t b = bh / NH;
+        for (int64_t j = 0; j < T; ++j) bias[j] = mask[b * T + j] ? 0.0f : -10000.0f;
+        for (int64_t i = 0; i < T; ++i) {
+          const int64_t r = (bh * T + i) * T;
+          X* out = dropped ? dropped + r : nullptr;
+          const uint64_t idx0 = offset + static_cast<uint64_t>(r);
+          softmax_row(tag, scores + r, saved ? saved + r : nullptr, bias.data(), out, T, dropout_p,
+                      keep_scale, key, idx0);
+        }
       }
     }
-  }
+  });
   // ctx[b, :, h*HD:(h+1)*HD] = dropped probs · V_h
   const X* pd = dropped;
   if constexpr (std::is_same_v<X, float>)
@@ -431,30 +417,32 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
-  const RowBody body = row_body();
   const HeadGemm gemm{B, NH};
   const int64_t sq = T * C3, sp = NH * TT, sctx = T * C;  // per-sequence strides
   // dV = dropped^T · dctx (the dropped probabilities regenerated into pd).
   const X* dropped = pd;
   if constexpr (std::is_same_v<X, P>)
     if (dropout_p <= 0.0f) dropped = probs;  // without dropout the saved row is the operand
-  if (dropped == pd) {
+  if (dropped == pd)
+    with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < B * NH * T; ++r) {
-      const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
-      dropout_row(body, pd + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0);
-    }
-  }
+      for (int64_t r = 0; r < B * NH * T; ++r) {
+        const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
+        dropout_row(tag, pd + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0);
+      }
+    });
   gemm(true, false, T, HD, T, 1.0f, dropped, T, TT, sp, dctx, C, HD, sctx, dqkv + 2 * C, C3, HD,
        sq);
   // d(dropped) = dctx · V^T into work, then through dropout and softmax, scaled: dS into pd.
   gemm(false, true, T, T, HD, 1.0f, dctx, C, HD, sctx, qkv + 2 * C, C3, HD, sq, work, T, TT, sp);
+  with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < B * NH * T; ++r) {
-    const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
-    softmax_backward_row(body, work + r * T, pd + r * T, probs + r * T, T, dropout_p, keep_scale,
-                         key, idx0, scale);
-  }
+    for (int64_t r = 0; r < B * NH * T; ++r) {
+      const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
+      softmax_backward_row(tag, work + r * T, pd + r * T, probs + r * T, T, dropout_p, keep_scale,
+                           key, idx0, scale);
+    }
+  });
   // dQ = dS · K, dK = dS^T · Q.
   gemm(false, false, T, HD, T, 1.0f, pd, T, TT, sp, qkv + C, C3, HD, sq, dqkv, C3, HD, sq);
   gemm(true, false, T, HD, T, 1.0f, pd, T, TT, sp, qkv, C3, HD, sq, dqkv + C, C3, HD, sq);

@@ -31,8 +31,8 @@ using rows::put16;
 // itself when X is float); returns the row's log-sum-exp of the scaled, masked scores.
 
 template <typename X>
-float forward_row_portable(float* s, X* out, const float* bias, int64_t T, float scale, float p,
-                           float keep_scale, uint64_t key, uint64_t idx0) {
+float forward_row(isa::Portable, float* s, X* out, const float* bias, int64_t T, float scale,
+                  float p, float keep_scale, uint64_t key, uint64_t idx0) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < T; ++j) {
     s[j] = s[j] * scale + bias[j];
@@ -50,8 +50,8 @@ float forward_row_portable(float* s, X* out, const float* bias, int64_t T, float
 }
 
 template <typename X>
-BT_AVX512 float forward_row_avx512(float* s, X* out, const float* bias, int64_t T, float scale,
-                                   float p, float keep_scale, uint64_t key, uint64_t idx0) {
+BT_AVX512 float forward_row(isa::Avx512, float* s, X* out, const float* bias, int64_t T,
+                            float scale, float p, float keep_scale, uint64_t key, uint64_t idx0) {
   using namespace simd;
   __m512 vmx = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < T; j += 16) {
@@ -80,8 +80,8 @@ BT_AVX512 float forward_row_avx512(float* s, X* out, const float* bias, int64_t 
   return mx + std::log(sum);
 }
 
-BT_AVX2 float forward_row_avx2(float* s, float* out, const float* bias, int64_t T, float scale,
-                               float p, float keep_scale, uint64_t key, uint64_t idx0) {
+BT_AVX2 float forward_row(isa::Avx2, float* s, float* out, const float* bias, int64_t T,
+                          float scale, float p, float keep_scale, uint64_t key, uint64_t idx0) {
   using namespace simd;
   __m256 vmx = _mm256_set1_ps(-INFINITY);
   for (int64_t j = 0; j < T; j += 8) {
@@ -112,9 +112,8 @@ BT_AVX2 float forward_row_avx2(float* s, float* out, const float* bias, int64_t 
 // Two passes: P, the dropped gradient and their dot, then ds = P (g - dot) scale.
 
 template <typename X>
-void backward_row_portable(float* s, float* g, X* pd, X* ds, const float* bias, int64_t T,
-                           float scale, float lse, float p, float keep_scale, uint64_t key,
-                           uint64_t idx0) {
+void backward_row(isa::Portable, float* s, float* g, X* pd, X* ds, const float* bias, int64_t T,
+                  float scale, float lse, float p, float keep_scale, uint64_t key, uint64_t idx0) {
   float dot = 0.0f;
   for (int64_t j = 0; j < T; ++j) {
     s[j] = std::exp(s[j] * scale + bias[j] - lse);
@@ -127,9 +126,9 @@ void backward_row_portable(float* s, float* g, X* pd, X* ds, const float* bias, 
 }
 
 template <typename X>
-BT_AVX512 void backward_row_avx512(float* s, float* g, X* pd, X* ds, const float* bias, int64_t T,
-                                   float scale, float lse, float p, float keep_scale, uint64_t key,
-                                   uint64_t idx0) {
+BT_AVX512 void backward_row(isa::Avx512, float* s, float* g, X* pd, X* ds, const float* bias,
+                            int64_t T, float scale, float lse, float p, float keep_scale,
+                            uint64_t key, uint64_t idx0) {
   using namespace simd;
   __m512 vdot = _mm512_setzero_ps();
   for (int64_t j = 0; j < T; j += 16) {
@@ -155,9 +154,9 @@ BT_AVX512 void backward_row_avx512(float* s, float* g, X* pd, X* ds, const float
   }
 }
 
-BT_AVX2 void backward_row_avx2(float* s, float* g, float* pd, float* ds, const float* bias,
-                               int64_t T, float scale, float lse, float p, float keep_scale,
-                               uint64_t key, uint64_t idx0) {
+BT_AVX2 void backward_row(isa::Avx2, float* s, float* g, float* pd, float* ds, const float* bias,
+                          int64_t T, float scale, float lse, float p, float keep_scale,
+                          uint64_t key, uint64_t idx0) {
   using namespace simd;
   __m256 vdot = _mm256_setzero_ps();
   for (int64_t j = 0; j < T; j += 8) {
@@ -179,26 +178,6 @@ BT_AVX2 void backward_row_avx2(float* s, float* g, float* pd, float* ds, const f
     store8(ds + j, n,
            _mm256_mul_ps(_mm256_mul_ps(load8(s + j, n), _mm256_sub_ps(load8(g + j, n), dot)), vs));
   }
-}
-
-template <typename X>
-float forward_row(float* s, X* out, const float* bias, int64_t T, float scale, float p,
-                  float keep_scale, uint64_t key, uint64_t idx0) {
-  if (use_avx512()) return forward_row_avx512(s, out, bias, T, scale, p, keep_scale, key, idx0);
-  if constexpr (std::is_same_v<X, float>)
-    if (use_avx2()) return forward_row_avx2(s, out, bias, T, scale, p, keep_scale, key, idx0);
-  return forward_row_portable(s, out, bias, T, scale, p, keep_scale, key, idx0);
-}
-
-template <typename X>
-void backward_row(float* s, float* g, X* pd, X* ds, const float* bias, int64_t T, float scale,
-                  float lse, float p, float keep_scale, uint64_t key, uint64_t idx0) {
-  if (use_avx512())
-    return backward_row_avx512(s, g, pd, ds, bias, T, scale, lse, p, keep_scale, key, idx0);
-  if constexpr (std::is_same_v<X, float>)
-    if (use_avx2())
-      return backward_row_avx2(s, g, pd, ds, bias, T, scale, lse, p, keep_scale, key, idx0);
-  backward_row_portable(s, g, pd, ds, bias, T, scale, lse, p, keep_scale, key, idx0);
 }
 
 // One product of a block: fp32 or bf16 operands, fp32 accumulation and output.
@@ -230,22 +209,25 @@ void fill_bias(float* bias, const int32_t* mask, int64_t b, int64_t T) {
 }
 
 // The loop both directions share: one (sequence, head) per thread, with that thread's
-// buffers (mask row filled in) and the head's Q, K, V columns; body(buf, bh, b, h, q, k, v).
+// buffers (mask row filled in) and the head's Q, K, V columns; body(isa tag, buf, bh, b, h, q, k,
+// v).
 template <typename X, typename F>
 void for_each_head(const AttentionShape& s, const X* qkv, const int32_t* mask, F&& body) {
   const int64_t T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C;
+  with_isa([&](auto tag) {
 #pragma omp parallel
-  {
-    thread_local Buffers<X> buf;
-    buf.size(T);
+    {
+      thread_local Buffers<X> buf;
+      buf.size(T);
 #pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < s.B * NH; ++bh) {
-      const int64_t b = bh / NH, h = bh % NH;
-      const X* q = qkv + b * T * C3 + h * HD;
-      fill_bias(buf.bias.data(), mask, b, T);
-      body(buf, bh, b, h, q, q + C, q + 2 * C);
+      for (int64_t bh = 0; bh < s.B * NH; ++bh) {
+        const int64_t b = bh / NH, h = bh % NH;
+        const X* q = qkv + b * T * C3 + h * HD;
+        fill_bias(buf.bias.data(), mask, b, T);
+        body(tag, buf, bh, b, h, q, q + C, q + 2 * C);
+      }
     }
-  }
+  });
 }
 
 template <typename X>
@@ -256,7 +238,8 @@ void forward_impl(float* ctx, float* lse, const X* qkv, const int32_t* mask,
   const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
   for_each_head(
       s, qkv, mask,
-      [&](Buffers<X>& buf, int64_t bh, int64_t b, int64_t h, const X* q, const X* k, const X* v) {
+      [&](auto tag, Buffers<X>& buf, int64_t bh, int64_t b, int64_t h, const X* q, const X* k,
+          const X* v) {
         for (int64_t i0 = 0; i0 < T; i0 += kRows) {
           const int64_t rows = std::min(kRows, T - i0);
           block_gemm(false, true, rows, T, HD, q + i0 * C3, C3, k, C3, buf.s.data(), T, false);
@@ -267,8 +250,8 @@ void forward_impl(float* ctx, float* lse, const X* qkv, const int32_t* mask,
             dropped = buf.a.data();
           for (int64_t i = 0; i < rows; ++i) {
             const int64_t r = bh * T + i0 + i;
-            lse[r] = forward_row(buf.s.data() + i * T, dropped + i * T, buf.bias.data(), T, scale,
-                                 p, keep_scale, key, offset + static_cast<uint64_t>(r * T));
+            lse[r] = forward_row(tag, buf.s.data() + i * T, dropped + i * T, buf.bias.data(), T,
+                                 scale, p, keep_scale, key, offset + static_cast<uint64_t>(r * T));
           }
           block_gemm(false, false, rows, HD, T, dropped, T, v, C3, ctx + (b * T + i0) * C + h * HD,
                      C, false);
@@ -284,7 +267,8 @@ void backward_impl(float* dqkv, const X* dctx, const X* qkv, const float* lse, c
   const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
   for_each_head(
       s, qkv, mask,
-      [&](Buffers<X>& buf, int64_t bh, int64_t b, int64_t h, const X* q, const X* k, const X* v) {
+      [&](auto tag, Buffers<X>& buf, int64_t bh, int64_t b, int64_t h, const X* q, const X* k,
+          const X* v) {
         float* dq = dqkv + b * T * C3 + h * HD;
         float *dk = dq + C, *dv = dq + 2 * C;
         for (int64_t t = 0; t < T; ++t)
@@ -296,7 +280,7 @@ void backward_impl(float* dqkv, const X* dctx, const X* qkv, const float* lse, c
           block_gemm(false, true, rows, T, HD, dout, C, v, C3, buf.g.data(), T, false);
           for (int64_t i = 0; i < rows; ++i) {
             const int64_t r = bh * T + i0 + i;
-            backward_row(buf.s.data() + i * T, buf.g.data() + i * T, buf.a.data() + i * T,
+            backward_row(tag, buf.s.data() + i * T, buf.g.data() + i * T, buf.a.data() + i * T,
                          buf.b.data() + i * T, buf.bias.data(), T, scale, lse[r], p, keep_scale,
                          key, offset + static_cast<uint64_t>(r * T));
           }

@@ -23,7 +23,7 @@ RowMax first_max_of_lanes(const float* mx, const int32_t* ag, int lanes) {
   return r;
 }
 
-BT_AVX512 RowMax row_max_avx512(const float* x, int64_t V) {
+BT_AVX512 RowMax row_max(isa::Avx512, const float* x, int64_t V) {
   using namespace simd;
   __m512 vmax = _mm512_set1_ps(-INFINITY);
   __m512i varg = _mm512_setzero_si512(),
@@ -45,7 +45,7 @@ BT_AVX512 RowMax row_max_avx512(const float* x, int64_t V) {
 }
 
 // sum_v exp(x[v] - mx); also writes the exponentials to e when non-null (e may alias x).
-BT_AVX512 double sum_exp_avx512(float* e, const float* x, int64_t V, float mx) {
+BT_AVX512 double sum_exp(isa::Avx512, float* e, const float* x, int64_t V, float mx) {
   using namespace simd;
   const __m512 vm = _mm512_set1_ps(mx);
   __m512 acc = _mm512_setzero_ps();
@@ -58,7 +58,7 @@ BT_AVX512 double sum_exp_avx512(float* e, const float* x, int64_t V, float mx) {
   return _mm512_reduce_add_ps(acc);
 }
 
-BT_AVX512 void scale_avx512(float* d, int64_t V, float s) {
+BT_AVX512 void scale(isa::Avx512, float* d, int64_t V, float s) {
   using namespace simd;
   const __m512 vs = _mm512_set1_ps(s);
   for (int64_t v = 0; v < V; v += 16) {
@@ -67,7 +67,7 @@ BT_AVX512 void scale_avx512(float* d, int64_t V, float s) {
   }
 }
 
-BT_AVX2 RowMax row_max_avx2(const float* x, int64_t V) {
+BT_AVX2 RowMax row_max(isa::Avx2, const float* x, int64_t V) {
   using namespace simd;
   __m256 vmax = _mm256_set1_ps(-INFINITY);
   __m256i varg = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -86,7 +86,7 @@ BT_AVX2 RowMax row_max_avx2(const float* x, int64_t V) {
   return first_max_of_lanes(mx, ag, 8);
 }
 
-BT_AVX2 double sum_exp_avx2(float* e, const float* x, int64_t V, float mx) {
+BT_AVX2 double sum_exp(isa::Avx2, float* e, const float* x, int64_t V, float mx) {
   using namespace simd;
   const __m256 vm = _mm256_set1_ps(mx);
   __m256 acc = _mm256_setzero_ps();
@@ -99,18 +99,55 @@ BT_AVX2 double sum_exp_avx2(float* e, const float* x, int64_t V, float mx) {
   return hsum8(acc);
 }
 
-BT_AVX2 void scale_avx2(float* d, int64_t V, float s) {
+BT_AVX2 void scale(isa::Avx2, float* d, int64_t V, float s) {
   using namespace simd;
   const __m256 vs = _mm256_set1_ps(s);
   for (int64_t v = 0; v < V; v += 8) store8(d + v, V - v, _mm256_mul_ps(load8(d + v, V - v), vs));
 }
 
-// One row's pass for either vector body.
-struct VectorRows {
-  RowMax (*row_max)(const float*, int64_t);
-  double (*sum_exp)(float*, const float*, int64_t, float);
-  void (*scale)(float*, int64_t, float);
-};
+// One row's loss (the return value), its prediction and, if d is non-null, its gradient. The
+// vector rows take three passes: max (and argmax), exp-sum writing the exponentials into d,
+// scale; fp32 lane sums of terms <= 1 (relative error ~1e-6 at V = 30522).
+template <typename Tag>
+double loss_row(Tag tag, float* d, float* loss_out, int32_t* correct, const float* x, int32_t y,
+                float w, int64_t V, float dscale) {
+  const RowMax rm = row_max(tag, x, V);
+  const float xy = x[y];
+  const double sum = sum_exp(tag, d, x, V, rm.max);
+  const double loss = std::log(sum) + rm.max - xy;
+  if (loss_out) *loss_out = static_cast<float>(loss);
+  if (correct) *correct = rm.arg == y;
+  if (d) {
+    const float g = w * dscale;
+    scale(tag, d, V, static_cast<float>(g / sum));
+    d[y] -= g;
+  }
+  return loss;
+}
+
+// The portable row: the sum in double.
+double loss_row(isa::Portable, float* d, float* loss_out, int32_t* correct, const float* x,
+                int32_t y, float w, int64_t V, float dscale) {
+  float mx = -INFINITY;
+  int64_t arg = 0;
+  for (int64_t v = 0; v < V; ++v)
+    if (x[v] > mx) {
+      mx = x[v];
+      arg = v;
+    }
+  double sum = 0.0;
+  for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(x[v] - mx));
+  const double loss = std::log(sum) + mx - x[y];
+  if (loss_out) *loss_out = static_cast<float>(loss);
+  if (correct) *correct = arg == y;
+  if (d) {
+    const float inv = static_cast<float>(1.0 / sum);
+    const float g = w * dscale;
+    for (int64_t v = 0; v < V; ++v) d[v] = std::exp(x[v] - mx) * inv * g;
+    d[y] -= g;
+  }
+  return loss;
+}
 
 }  // namespace
 
@@ -118,58 +155,15 @@ double cross_entropy_forward_backward(float* dlogits, float* losses, int32_t* co
                                       const float* logits, const int32_t* targets,
                                       const float* weights, int64_t N, int64_t V, float dscale) {
   double total = 0.0;
-  if (use_avx512() || use_avx2()) {
-    const VectorRows k = use_avx512() ? VectorRows{row_max_avx512, sum_exp_avx512, scale_avx512}
-                                      : VectorRows{row_max_avx2, sum_exp_avx2, scale_avx2};
-    // Three passes over each row: max (and argmax), exp-sum writing the exponentials into
-    // dlogits, scale; fp32 lane sums of terms <= 1 (relative error ~1e-6 at V = 30522).
+  with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static) reduction(+ : total)
     for (int64_t i = 0; i < N; ++i) {
-      const float* x = logits + i * V;
       const float w = weights ? weights[i] : 1.0f;
-      const RowMax rm = k.row_max(x, V);
-      const int32_t y = targets[i];
-      const float xy = x[y];
-      float* d = dlogits ? dlogits + i * V : nullptr;
-      const double sum = k.sum_exp(d, x, V, rm.max);
-      const double loss = std::log(sum) + rm.max - xy;
-      if (losses) losses[i] = static_cast<float>(loss);
-      if (correct) correct[i] = rm.arg == y;
-      total += w * loss;
-      if (d) {
-        const float g = w * dscale;
-        k.scale(d, V, static_cast<float>(g / sum));
-        d[y] -= g;
-      }
+      total +=
+          w * loss_row(tag, dlogits ? dlogits + i * V : nullptr, losses ? losses + i : nullptr,
+                       correct ? correct + i : nullptr, logits + i * V, targets[i], w, V, dscale);
     }
-    return total;
-  }
-#pragma omp parallel for schedule(static) reduction(+ : total)
-  for (int64_t i = 0; i < N; ++i) {
-    const float* x = logits + i * V;
-    const float w = weights ? weights[i] : 1.0f;
-    float mx = -INFINITY;
-    int64_t arg = 0;
-    for (int64_t v = 0; v < V; ++v)
-      if (x[v] > mx) {
-        mx = x[v];
-        arg = v;
-      }
-    double sum = 0.0;
-    for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(x[v] - mx));
-    const int32_t y = targets[i];
-    const double loss = std::log(sum) + mx - x[y];
-    if (losses) losses[i] = static_cast<float>(loss);
-    if (correct) correct[i] = arg == y;
-    total += w * loss;
-    if (dlogits) {
-      float* d = dlogits + i * V;
-      const float inv = static_cast<float>(1.0 / sum);
-      const float g = w * dscale;
-      for (int64_t v = 0; v < V; ++v) d[v] = std::exp(x[v] - mx) * inv * g;
-      d[y] -= g;
-    }
-  }
+  });
   return total;
 }
 

@@ -24,7 +24,7 @@ BT_AVX512 inline __m512 gelu_cdf_avx512(__m512 x) {
                          _mm512_set1_ps(0.5f));
 }
 
-BT_AVX512 void gelu_forward_avx512(float* out, const float* inp, int64_t b, int64_t e) {
+BT_AVX512 void gelu_forward(isa::Avx512, float* out, const float* inp, int64_t b, int64_t e) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 m = tail_mask(e - i);
@@ -34,8 +34,8 @@ BT_AVX512 void gelu_forward_avx512(float* out, const float* inp, int64_t b, int6
   }
 }
 
-BT_AVX512 void gelu_forward_bf16_avx512(uint16_t* out, uint16_t* inp16, const float* inp, int64_t b,
-                                        int64_t e) {
+BT_AVX512 void gelu_forward_bf16(isa::Avx512, uint16_t* out, uint16_t* inp16, const float* inp,
+                                 int64_t b, int64_t e) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 m = tail_mask(e - i);
@@ -46,8 +46,8 @@ BT_AVX512 void gelu_forward_bf16_avx512(uint16_t* out, uint16_t* inp16, const fl
   }
 }
 
-BT_AVX512 void gelu_backward_avx512(float* dinp, const float* inp, const float* dout, int64_t b,
-                                    int64_t e) {
+BT_AVX512 void gelu_backward(isa::Avx512, float* dinp, const float* inp, const float* dout,
+                             int64_t b, int64_t e) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 m = tail_mask(e - i);
@@ -62,8 +62,8 @@ BT_AVX512 void gelu_backward_avx512(float* dinp, const float* inp, const float* 
   }
 }
 
-BT_AVX512 void dropout_avx512(float* dx, const float* dy, int64_t b, int64_t e, float p,
-                              uint64_t key, uint64_t offset) {
+BT_AVX512 void dropout_rows(isa::Avx512, float* dx, const float* dy, int64_t b, int64_t e, float p,
+                            uint64_t key, uint64_t offset) {
   using namespace simd;
   const float scale = 1.0f / (1.0f - p);
   for (int64_t i = b; i < e; i += 16) {
@@ -81,7 +81,7 @@ BT_AVX2 inline __m256 gelu_cdf_avx2(__m256 x) {
                          _mm256_set1_ps(0.5f));
 }
 
-BT_AVX2 void gelu_forward_avx2(float* out, const float* inp, int64_t b, int64_t e) {
+BT_AVX2 void gelu_forward(isa::Avx2, float* out, const float* inp, int64_t b, int64_t e) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 8) {
     const __m256 x = load8(inp + i, e - i);
@@ -89,8 +89,8 @@ BT_AVX2 void gelu_forward_avx2(float* out, const float* inp, int64_t b, int64_t 
   }
 }
 
-BT_AVX2 void gelu_backward_avx2(float* dinp, const float* inp, const float* dout, int64_t b,
-                                int64_t e) {
+BT_AVX2 void gelu_backward(isa::Avx2, float* dinp, const float* inp, const float* dout, int64_t b,
+                           int64_t e) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 8) {
     const __m256 x = load8(inp + i, e - i);
@@ -102,8 +102,8 @@ BT_AVX2 void gelu_backward_avx2(float* dinp, const float* inp, const float* dout
   }
 }
 
-BT_AVX2 void dropout_avx2(float* dx, const float* dy, int64_t b, int64_t e, float p, uint64_t key,
-                          uint64_t offset) {
+BT_AVX2 void dropout_rows(isa::Avx2, float* dx, const float* dy, int64_t b, int64_t e, float p,
+                          uint64_t key, uint64_t offset) {
   using namespace simd;
   const float scale = 1.0f / (1.0f - p);
   for (int64_t i = b; i < e; i += 8)
@@ -114,7 +114,7 @@ BT_AVX2 void dropout_avx2(float* dx, const float* dy, int64_t b, int64_t e, floa
 }  // namespace
 
 namespace {
-constexpr int64_t kBlock = 4096;  // elements per stack block in the bf16 activation passes
+constexpr int64_t kBlock = 4096;  // elements per stack block in the 16-bit activation passes
 
 // One thread's share (no OpenMP), the portable formulas.
 void activation_forward_serial(Activation a, float* out, const float* inp, int64_t n) {
@@ -154,67 +154,82 @@ void activation_backward_serial(Activation a, float* dinp, const float* inp, con
     }
   }
 }
-}  // namespace
-
-void activation_forward(Activation a, float* out, const float* inp, int64_t n) {
-  if (a == Activation::GeluErf && use_avx512())
-    return parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_avx512(out, inp, b, e); });
-  if (a == Activation::GeluErf && use_avx2())
-    return parallel_chunks(n, [&](int64_t b, int64_t e) { gelu_forward_avx2(out, inp, b, e); });
-  parallel_chunks(
-      n, [&](int64_t b, int64_t e) { activation_forward_serial(a, out + b, inp + b, e - b); });
+// GELU's portable bodies: activation_*_serial's formulas (the vector bodies are above).
+void gelu_forward(isa::Portable, float* out, const float* inp, int64_t b, int64_t e) {
+  activation_forward_serial(Activation::GeluErf, out + b, inp + b, e - b);
+}
+void gelu_backward(isa::Portable, float* dinp, const float* inp, const float* dout, int64_t b,
+                   int64_t e) {
+  activation_backward_serial(Activation::GeluErf, dinp + b, inp + b, dout + b, e - b);
+}
+void dropout_rows(isa::Portable, float* dx, const float* dy, int64_t b, int64_t e, float p,
+                  uint64_t key, uint64_t offset) {
+  const float scale = 1.0f / (1.0f - p);
+  for (int64_t i = b; i < e; ++i) dx[i] = dropout_keep(p, key, offset + i) ? dy[i] * scale : 0.0f;
 }
 
-void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n,
-                             uint16_t* inp16) {
-  if (a == Activation::GeluErf && use_avx512()) {
-    parallel_chunks(
-        n, [&](int64_t b, int64_t e) { gelu_forward_bf16_avx512(out16, inp16, inp, b, e); });
-    return;
-  }
-  // Other activations and CPUs: the fp32 activation (activation_forward's body) in blocks,
-  // then rounded.
-  const bool avx2 = a == Activation::GeluErf && use_avx2();
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < n; b += kBlock) {
-    float tmp[kBlock];
-    const int64_t k = std::min<int64_t>(kBlock, n - b);
-    if (avx2)
-      gelu_forward_avx2(tmp, inp + b, 0, k);
-    else
-      activation_forward_serial(a, tmp, inp + b, k);
-    for (int64_t i = 0; i < k; ++i) out16[b + i] = f32_to_bf16(tmp[i]);
-    if (inp16)
-      for (int64_t i = 0; i < k; ++i) inp16[b + i] = f32_to_bf16(inp[b + i]);
-  }
+// The activation on [b, e) on one thread, the ISA's GELU body or the portable formulas.
+template <typename Tag>
+void forward_rows(Tag tag, Activation a, float* out, const float* inp, int64_t b, int64_t e) {
+  if (a == Activation::GeluErf) return gelu_forward(tag, out, inp, b, e);
+  activation_forward_serial(a, out + b, inp + b, e - b);
+}
+template <typename Tag>
+void backward_rows(Tag tag, Activation a, float* dinp, const float* inp, const float* dout,
+                   int64_t b, int64_t e) {
+  // GELU: d/dx [x Phi(x)] = Phi(x) + x phi(x)
+  if (a == Activation::GeluErf) return gelu_backward(tag, dinp, inp, dout, b, e);
+  activation_backward_serial(a, dinp + b, inp + b, dout + b, e - b);
 }
 
-namespace {
-// activation_forward's / activation_backward's body for this CPU on one block (no OpenMP).
-void forward_block(Activation a, float* out, const float* inp, int64_t k) {
-  if (a == Activation::GeluErf && use_avx512()) return gelu_forward_avx512(out, inp, 0, k);
-  if (a == Activation::GeluErf && use_avx2()) return gelu_forward_avx2(out, inp, 0, k);
-  activation_forward_serial(a, out, inp, k);
+// One block of the bf16 forward: the fp32 activation on the stack, rounded; inp16 (if non-null)
+// gets the input's bf16 bits. AVX-512 computes GELU straight into bf16 (below).
+template <typename Tag>
+void forward_bf16_block(Tag tag, Activation a, uint16_t* out16, uint16_t* inp16, const float* inp,
+                        int64_t k) {
+  float tmp[kBlock];
+  forward_rows(tag, a, tmp, inp, 0, k);
+  for (int64_t i = 0; i < k; ++i) out16[i] = f32_to_bf16(tmp[i]);
+  if (inp16)
+    for (int64_t i = 0; i < k; ++i) inp16[i] = f32_to_bf16(inp[i]);
 }
-void backward_block(Activation a, float* dinp, const float* inp, const float* dout, int64_t k) {
-  if (a == Activation::GeluErf && use_avx512()) return gelu_backward_avx512(dinp, inp, dout, 0, k);
-  if (a == Activation::GeluErf && use_avx2()) return gelu_backward_avx2(dinp, inp, dout, 0, k);
-  activation_backward_serial(a, dinp, inp, dout, k);
+void forward_bf16_block(isa::Avx512 tag, Activation a, uint16_t* out16, uint16_t* inp16,
+                        const float* inp, int64_t k) {
+  if (a == Activation::GeluErf) return gelu_forward_bf16(tag, out16, inp16, inp, 0, k);
+  forward_bf16_block<isa::Avx512>(tag, a, out16, inp16, inp, k);
 }
 
 // The backward at 16-bit inputs: blocks widened to fp32 on the stack (widen(src, dst, k)).
 template <typename Widen>
 void activation_backward_widened(Activation a, float* dinp, const uint16_t* inp16,
                                  const float* dout, int64_t n, Widen widen) {
+  with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < n; b += kBlock) {
-    float x[kBlock];
-    const int64_t k = std::min<int64_t>(kBlock, n - b);
-    widen(inp16 + b, x, k);
-    backward_block(a, dinp + b, x, dout + b, k);
-  }
+    for (int64_t b = 0; b < n; b += kBlock) {
+      float x[kBlock];
+      const int64_t k = std::min<int64_t>(kBlock, n - b);
+      widen(inp16 + b, x, k);
+      backward_rows(tag, a, dinp + b, x, dout + b, 0, k);
+    }
+  });
 }
 }  // namespace
+
+void activation_forward(Activation a, float* out, const float* inp, int64_t n) {
+  with_isa([&](auto tag) {
+    parallel_chunks(n, [&](int64_t b, int64_t e) { forward_rows(tag, a, out, inp, b, e); });
+  });
+}
+
+void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n,
+                             uint16_t* inp16) {
+  with_isa([&](auto tag) {
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < n; b += kBlock)
+      forward_bf16_block(tag, a, out16 + b, inp16 ? inp16 + b : nullptr, inp + b,
+                         std::min<int64_t>(kBlock, n - b));
+  });
+}
 
 void activation_backward_bf16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
                               int64_t n) {
@@ -226,17 +241,19 @@ void activation_backward_bf16(Activation a, float* dinp, const uint16_t* inp16, 
 void activation_forward_f16(Activation a, float* out, uint16_t* out16, const float* inp,
                             uint16_t* inp16, int64_t n) {
   // Per stack block: the input rounded (bits kept), the activation of the rounded values, the
-  // result rounded (bits kept) and widened into out. F16C conversions where the CPU has them.
+  // result rounded (bits kept) and widened into out. F16C conversions where the CPU has it.
+  with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < n; b += kBlock) {
-    float x[kBlock], y[kBlock];
-    const size_t k = static_cast<size_t>(std::min<int64_t>(kBlock, n - b));
-    convert_f32_to_f16(inp + b, inp16 + b, k);
-    convert_f16_to_f32(inp16 + b, x, k);
-    forward_block(a, y, x, static_cast<int64_t>(k));
-    convert_f32_to_f16(y, out16 + b, k);
-    convert_f16_to_f32(out16 + b, out + b, k);
-  }
+    for (int64_t b = 0; b < n; b += kBlock) {
+      float x[kBlock], y[kBlock];
+      const size_t k = static_cast<size_t>(std::min<int64_t>(kBlock, n - b));
+      convert_f32_to_f16(inp + b, inp16 + b, k);
+      convert_f16_to_f32(inp16 + b, x, k);
+      forward_rows(tag, a, y, x, 0, static_cast<int64_t>(k));
+      convert_f32_to_f16(y, out16 + b, k);
+      convert_f16_to_f32(out16 + b, out + b, k);
+    }
+  });
 }
 
 void activation_backward_f16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
@@ -248,15 +265,8 @@ void activation_backward_f16(Activation a, float* dinp, const uint16_t* inp16, c
 
 void activation_backward(Activation a, float* dinp, const float* inp, const float* dout,
                          int64_t n) {
-  // GELU: d/dx [x Phi(x)] = Phi(x) + x phi(x)
-  if (a == Activation::GeluErf && use_avx512())
-    return parallel_chunks(
-        n, [&](int64_t b, int64_t e) { gelu_backward_avx512(dinp, inp, dout, b, e); });
-  if (a == Activation::GeluErf && use_avx2())
-    return parallel_chunks(
-        n, [&](int64_t b, int64_t e) { gelu_backward_avx2(dinp, inp, dout, b, e); });
-  parallel_chunks(n, [&](int64_t b, int64_t e) {
-    activation_backward_serial(a, dinp + b, inp + b, dout + b, e - b);
+  with_isa([&](auto tag) {
+    parallel_chunks(n, [&](int64_t b, int64_t e) { backward_rows(tag, a, dinp, inp, dout, b, e); });
   });
 }
 
@@ -301,15 +311,10 @@ void add_inplace(float* out, const float* a, int64_t n) {
 
 void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset) {
   if (p <= 0.0f) return;
-  if (use_avx512())
-    return parallel_chunks(
-        n, [&](int64_t b, int64_t e) { dropout_avx512(x, x, b, e, p, key, offset); });
-  if (use_avx2())
-    return parallel_chunks(n,
-                           [&](int64_t b, int64_t e) { dropout_avx2(x, x, b, e, p, key, offset); });
-  const float scale = 1.0f / (1.0f - p);
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) x[i] = dropout_keep(p, key, offset + i) ? x[i] * scale : 0.0f;
+  with_isa([&](auto tag) {
+    parallel_chunks(n,
+                    [&](int64_t b, int64_t e) { dropout_rows(tag, x, x, b, e, p, key, offset); });
+  });
 }
 
 void dropout_backward(float* dx, const float* dy, int64_t n, float p, uint64_t key,
@@ -319,15 +324,10 @@ void dropout_backward(float* dx, const float* dy, int64_t n, float p, uint64_t k
       for (int64_t i = 0; i < n; ++i) dx[i] = dy[i];
     return;
   }
-  if (use_avx512())
-    return parallel_chunks(
-        n, [&](int64_t b, int64_t e) { dropout_avx512(dx, dy, b, e, p, key, offset); });
-  if (use_avx2())
-    return parallel_chunks(
-        n, [&](int64_t b, int64_t e) { dropout_avx2(dx, dy, b, e, p, key, offset); });
-  const float scale = 1.0f / (1.0f - p);
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) dx[i] = dropout_keep(p, key, offset + i) ? dy[i] * scale : 0.0f;
+  with_isa([&](auto tag) {
+    parallel_chunks(n,
+                    [&](int64_t b, int64_t e) { dropout_rows(tag, dx, dy, b, e, p, key, offset); });
+  });
 }
 
 }  // namespace bertrain::kernels

@@ -35,9 +35,9 @@ void ln_row_portable(float* o, float* m_out, float* r_out, const float* x, const
 
 // The same row with 16 lanes (double sums in 2 x 8 lanes), optionally first forming
 // x = dropout(x) + residual in place (residual non-null).
-BT_AVX512 void ln_row_avx512(float* o, float* m_out, float* r_out, float* x, const float* residual,
-                             const float* gamma, const float* beta, int64_t C, float eps, float p,
-                             float keep_scale, uint64_t key, uint64_t idx0) {
+BT_AVX512 void ln_row(isa::Avx512, float* o, float* m_out, float* r_out, float* x,
+                      const float* residual, const float* gamma, const float* beta, int64_t C,
+                      float eps, float p, float keep_scale, uint64_t key, uint64_t idx0) {
   using namespace simd;
   __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
   for (int64_t c = 0; c < C; c += 16) {
@@ -77,9 +77,9 @@ BT_AVX512 void ln_row_avx512(float* o, float* m_out, float* r_out, float* x, con
 }
 
 // The AVX2 twin: 8 lanes, double sums in 2 x 4 lanes.
-BT_AVX2 void ln_row_avx2(float* o, float* m_out, float* r_out, float* x, const float* residual,
-                         const float* gamma, const float* beta, int64_t C, float eps, float p,
-                         float keep_scale, uint64_t key, uint64_t idx0) {
+BT_AVX2 void ln_row(isa::Avx2, float* o, float* m_out, float* r_out, float* x,
+                    const float* residual, const float* gamma, const float* beta, int64_t C,
+                    float eps, float p, float keep_scale, uint64_t key, uint64_t idx0) {
   using namespace simd;
   __m256d s = _mm256_setzero_pd();
   for (int64_t c = 0; c < C; c += 8) {
@@ -110,59 +110,50 @@ BT_AVX2 void ln_row_avx2(float* o, float* m_out, float* r_out, float* x, const f
   *r_out = r;
 }
 
-// The row function for the vector body this CPU takes, or null for the portable one.
-using LnRow = void (*)(float*, float*, float*, float*, const float*, const float*, const float*,
-                       int64_t, float, float, float, uint64_t, uint64_t);
-LnRow vector_ln_row() {
-  return use_avx512() ? ln_row_avx512 : use_avx2() ? ln_row_avx2 : nullptr;
+// The portable twin of the vector rows: dropout + residual in place first (residual non-null).
+void ln_row(isa::Portable, float* o, float* m_out, float* r_out, float* x, const float* residual,
+            const float* gamma, const float* beta, int64_t C, float eps, float p, float keep_scale,
+            uint64_t key, uint64_t idx0) {
+  if (residual)
+    for (int64_t c = 0; c < C; ++c) {
+      const float y = p > 0.0f && !dropout_keep(p, key, idx0 + c) ? 0.0f
+                      : p > 0.0f                                  ? x[c] * keep_scale
+                                                                  : x[c];
+      x[c] = y + residual[c];
+    }
+  ln_row_portable(o, m_out, r_out, x, gamma, beta, C, eps);
 }
 
 }  // namespace
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* gamma,
                        const float* beta, int64_t N, int64_t C, float eps) {
-  const LnRow fast = vector_ln_row();
+  with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < N; ++i) {
-    if (fast)
-      fast(out + i * C, mean + i, rstd + i, const_cast<float*>(inp + i * C), nullptr, gamma, beta,
-           C, eps, 0.0f, 1.0f, 0, 0);
-    else
-      ln_row_portable(out + i * C, mean + i, rstd + i, inp + i * C, gamma, beta, C, eps);
-  }
+    for (int64_t i = 0; i < N; ++i)
+      ln_row(tag, out + i * C, mean + i, rstd + i, const_cast<float*>(inp + i * C), nullptr, gamma,
+             beta, C, eps, 0.0f, 1.0f, 0, 0);
+  });
 }
 
 void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                 const float* residual, const float* gamma, const float* beta,
                                 int64_t N, int64_t C, float eps, float dropout_p, uint64_t key,
                                 uint64_t offset) {
-  const LnRow fast = vector_ln_row();
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
+  with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < N; ++i) {
-    float* xi = x + i * C;
-    const float* ri = residual + i * C;
-    const uint64_t idx0 = offset + static_cast<uint64_t>(i * C);
-    if (fast) {
-      fast(out + i * C, mean + i, rstd + i, xi, ri, gamma, beta, C, eps, dropout_p, keep_scale, key,
-           idx0);
-      continue;
-    }
-    for (int64_t c = 0; c < C; ++c) {
-      const float y = dropout_p > 0.0f && !dropout_keep(dropout_p, key, idx0 + c) ? 0.0f
-                      : dropout_p > 0.0f ? xi[c] * keep_scale
-                                         : xi[c];
-      xi[c] = y + ri[c];
-    }
-    ln_row_portable(out + i * C, mean + i, rstd + i, xi, gamma, beta, C, eps);
-  }
+    for (int64_t i = 0; i < N; ++i)
+      ln_row(tag, out + i * C, mean + i, rstd + i, x + i * C, residual + i * C, gamma, beta, C, eps,
+             dropout_p, keep_scale, key, offset + static_cast<uint64_t>(i * C));
+  });
 }
 
 namespace {
 
 // out[0, C) *= keep / (1 - p) or 0, elements keyed idx0 + c (as dropout_forward).
-BT_AVX512 void dropout_row_avx512(float* out, int64_t C, float p, float keep_scale, uint64_t key,
-                                  uint64_t idx0) {
+BT_AVX512 void dropout_row(isa::Avx512, float* out, int64_t C, float p, float keep_scale,
+                           uint64_t key, uint64_t idx0) {
   using namespace simd;
   for (int64_t c = 0; c < C; c += 16) {
     const __mmask16 k = tail_mask(C - c);
@@ -172,12 +163,18 @@ BT_AVX512 void dropout_row_avx512(float* out, int64_t C, float p, float keep_sca
   }
 }
 
-BT_AVX2 void dropout_row_avx2(float* out, int64_t C, float p, float keep_scale, uint64_t key,
-                              uint64_t idx0) {
+BT_AVX2 void dropout_row(isa::Avx2, float* out, int64_t C, float p, float keep_scale, uint64_t key,
+                         uint64_t idx0) {
   using namespace simd;
   for (int64_t c = 0; c < C; c += 8)
     store8(out + c, C - c,
            _mm256_mul_ps(load8(out + c, C - c), dropout_scale8(p, keep_scale, key, idx0 + c)));
+}
+
+void dropout_row(isa::Portable, float* out, int64_t C, float p, float keep_scale, uint64_t key,
+                 uint64_t idx0) {
+  for (int64_t c = 0; c < C; ++c)
+    out[c] = dropout_keep(p, key, idx0 + c) ? out[c] * keep_scale : 0.0f;
 }
 
 }  // namespace
@@ -187,33 +184,26 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
                                  const float* position, const float* token_type, const float* gamma,
                                  const float* beta, int64_t B, int64_t T, int64_t C, float eps,
                                  float dropout_p, uint64_t key, uint64_t offset) {
-  const LnRow fast = vector_ln_row();
-  const auto dropout_row = use_avx512() ? dropout_row_avx512 : dropout_row_avx2;
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
+  with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
-  for (int64_t bt = 0; bt < B * T; ++bt) {
-    float* x = sum + bt * C;
-    float* o = out + bt * C;
-    embedding_sum_row(x, ids[bt], segment[bt], bt % T, word, position, token_type, C);
-    const uint64_t idx0 = offset + static_cast<uint64_t>(bt * C);
-    if (fast) {
-      fast(o, mean + bt, rstd + bt, x, nullptr, gamma, beta, C, eps, 0.0f, 1.0f, 0, 0);
-      if (dropout_p > 0.0f) dropout_row(o, C, dropout_p, keep_scale, key, idx0);
-      continue;
+    for (int64_t bt = 0; bt < B * T; ++bt) {
+      float* x = sum + bt * C;
+      float* o = out + bt * C;
+      embedding_sum_row(x, ids[bt], segment[bt], bt % T, word, position, token_type, C);
+      ln_row(tag, o, mean + bt, rstd + bt, x, nullptr, gamma, beta, C, eps, 0.0f, 1.0f, 0, 0);
+      if (dropout_p > 0.0f)
+        dropout_row(tag, o, C, dropout_p, keep_scale, key, offset + static_cast<uint64_t>(bt * C));
     }
-    ln_row_portable(o, mean + bt, rstd + bt, x, gamma, beta, C, eps);
-    if (dropout_p > 0.0f)
-      for (int64_t c = 0; c < C; ++c)
-        o[c] = dropout_keep(dropout_p, key, idx0 + c) ? o[c] * keep_scale : 0.0f;
-  }
+  });
 }
 
 namespace {
 
-BT_AVX512 void ln_backward_row_avx512(float* dx, float* ddrop, float* pg, float* pb,
-                                      const float* dy, const float* x, const float* gamma, float m,
-                                      float r, int64_t C, bool accumulate, float p,
-                                      float keep_scale, uint64_t key, uint64_t idx0) {
+BT_AVX512 void ln_backward_row(isa::Avx512, float* dx, float* ddrop, float* pg, float* pb,
+                               const float* dy, const float* x, const float* gamma, float m,
+                               float r, int64_t C, bool accumulate, float p, float keep_scale,
+                               uint64_t key, uint64_t idx0) {
   using namespace simd;
   const __m512 vm = _mm512_set1_ps(m), vr = _mm512_set1_ps(r);
   __m512 sg = _mm512_setzero_ps(), sgx = _mm512_setzero_ps();
@@ -245,10 +235,10 @@ BT_AVX512 void ln_backward_row_avx512(float* dx, float* ddrop, float* pg, float*
   }
 }
 
-BT_AVX2 void ln_backward_row_avx2(float* dx, float* ddrop, float* pg, float* pb, const float* dy,
-                                  const float* x, const float* gamma, float m, float r, int64_t C,
-                                  bool accumulate, float p, float keep_scale, uint64_t key,
-                                  uint64_t idx0) {
+BT_AVX2 void ln_backward_row(isa::Avx2, float* dx, float* ddrop, float* pg, float* pb,
+                             const float* dy, const float* x, const float* gamma, float m, float r,
+                             int64_t C, bool accumulate, float p, float keep_scale, uint64_t key,
+                             uint64_t idx0) {
   using namespace simd;
   const __m256 vm = _mm256_set1_ps(m), vr = _mm256_set1_ps(r);
   __m256 sg = _mm256_setzero_ps(), sgx = _mm256_setzero_ps();
@@ -277,9 +267,29 @@ BT_AVX2 void ln_backward_row_avx2(float* dx, float* ddrop, float* pg, float* pb,
   }
 }
 
-using LnBackwardRow = void (*)(float*, float*, float*, float*, const float*, const float*,
-                               const float*, float, float, int64_t, bool, float, float, uint64_t,
-                               uint64_t);
+void ln_backward_row(isa::Portable, float* dx, float* dd, float* pg, float* pb, const float* dy,
+                     const float* x, const float* gamma, float m, float r, int64_t C,
+                     bool accumulate, float p, float keep_scale, uint64_t key, uint64_t idx0) {
+  float sum_gdy = 0.0f, sum_gdy_xhat = 0.0f;
+  for (int64_t c = 0; c < C; ++c) {
+    float xhat = (x[c] - m) * r;
+    float gdy = gamma[c] * dy[c];
+    sum_gdy += gdy;
+    sum_gdy_xhat += gdy * xhat;
+    pg[c] += dy[c] * xhat;
+    pb[c] += dy[c];
+  }
+  float a = sum_gdy / C, b = sum_gdy_xhat / C;
+  for (int64_t c = 0; c < C; ++c) {
+    float xhat = (x[c] - m) * r;
+    float g = r * (gamma[c] * dy[c] - a - xhat * b);
+    dx[c] = accumulate ? dx[c] + g : g;
+    if (dd)
+      dd[c] = p > 0.0f && !dropout_keep(p, key, idx0 + c) ? 0.0f
+              : p > 0.0f                                  ? dx[c] * keep_scale
+                                                          : dx[c];
+  }
+}
 
 }  // namespace
 
@@ -289,9 +299,6 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
                                 bool accumulate_dinp, float dropout_p, uint64_t key,
                                 uint64_t offset) {
   // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat)), xhat = (x - mean) * rstd
-  const LnBackwardRow fast = use_avx512() ? ln_backward_row_avx512
-                             : use_avx2() ? ln_backward_row_avx2
-                                          : nullptr;
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   int nthreads = omp_get_max_threads();
   // Per-thread dgamma/dbeta partials, kept between calls (no allocation per step).
@@ -299,44 +306,18 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
   thread_local std::vector<float> partial;
   partial.assign(static_cast<size_t>(nthreads) * 2 * C, 0.0f);
   float* const base = partial.data();
+  with_isa([&](auto tag) {
 #pragma omp parallel
-  {
-    float* pg = base + static_cast<size_t>(omp_get_thread_num()) * 2 * C;
-    float* pb = pg + C;
+    {
+      float* pg = base + static_cast<size_t>(omp_get_thread_num()) * 2 * C;
+      float* pb = pg + C;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < N; ++i) {
-      const float* x = inp + i * C;
-      const float* dy = dout + i * C;
-      const uint64_t idx0 = offset + static_cast<uint64_t>(i * C);
-      float* dx = dinp + i * C;
-      float* dd = ddropped ? ddropped + i * C : nullptr;
-      if (fast) {
-        fast(dx, dd, pg, pb, dy, x, gamma, mean[i], rstd[i], C, accumulate_dinp, dropout_p,
-             keep_scale, key, idx0);
-        continue;
-      }
-      float m = mean[i], r = rstd[i];
-      float sum_gdy = 0.0f, sum_gdy_xhat = 0.0f;
-      for (int64_t c = 0; c < C; ++c) {
-        float xhat = (x[c] - m) * r;
-        float gdy = gamma[c] * dy[c];
-        sum_gdy += gdy;
-        sum_gdy_xhat += gdy * xhat;
-        pg[c] += dy[c] * xhat;
-        pb[c] += dy[c];
-      }
-      float a = sum_gdy / C, b = sum_gdy_xhat / C;
-      for (int64_t c = 0; c < C; ++c) {
-        float xhat = (x[c] - m) * r;
-        float g = r * (gamma[c] * dy[c] - a - xhat * b);
-        dx[c] = accumulate_dinp ? dx[c] + g : g;
-        if (dd)
-          dd[c] = dropout_p > 0.0f && !dropout_keep(dropout_p, key, idx0 + c) ? 0.0f
-                  : dropout_p > 0.0f                                          ? dx[c] * keep_scale
-                                                                              : dx[c];
-      }
+      for (int64_t i = 0; i < N; ++i)
+        ln_backward_row(tag, dinp + i * C, ddropped ? ddropped + i * C : nullptr, pg, pb,
+                        dout + i * C, inp + i * C, gamma, mean[i], rstd[i], C, accumulate_dinp,
+                        dropout_p, keep_scale, key, offset + static_cast<uint64_t>(i * C));
     }
-  }
+  });
   for (int t = 0; t < nthreads; ++t) {
     const float* pg = base + static_cast<size_t>(t) * 2 * C;
     for (int64_t c = 0; c < C; ++c) {

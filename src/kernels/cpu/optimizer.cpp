@@ -15,7 +15,7 @@ namespace bertrain::kernels {
 namespace {
 
 // sum of (g * s)^2 in double, 8 lanes.
-BT_AVX512 double sum_squares_avx512(const float* g, int64_t n, double s) {
+BT_AVX512 double sum_squares_rows(isa::Avx512, const float* g, int64_t n, double s) {
   __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
   const __m512d vs = _mm512_set1_pd(s);
   int64_t i = 0;
@@ -68,9 +68,9 @@ BT_AVX512 inline void store_params16(float* p, uint16_t* p16, __mmask16 k, __m51
   if (p16) _mm256_mask_storeu_epi16(p16, k, simd::f32_to_bf16_16(x));
 }
 
-BT_AVX512 void adamw_avx512(float* p, uint16_t* p16, const float* g, float* m, float* v, int64_t b,
-                            int64_t e, float gscale, float b1, float b2, float step_size,
-                            float sqrt_bc2, float eps, float decay) {
+BT_AVX512 void adamw_rows(isa::Avx512, float* p, uint16_t* p16, const float* g, float* m, float* v,
+                          int64_t b, int64_t e, float gscale, float b1, float b2, float step_size,
+                          float sqrt_bc2, float eps, float decay) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 k = tail_mask(e - i);
@@ -89,9 +89,9 @@ BT_AVX512 void adamw_avx512(float* p, uint16_t* p16, const float* g, float* m, f
 // LAMB's first pass on 16 lanes: moments updated, and the squared norms of p and of the update
 // direction accumulated in double (in lanes: another summation order than the portable loop,
 // so the trust ratio may differ in its last bits).
-BT_AVX512 void lamb_moments_avx512(const float* p, const float* g, float* m, float* v, int64_t b,
-                                   int64_t e, float gscale, float b1, float b2, float ibc1,
-                                   float ibc2, float eps, float wd, double* pn, double* un) {
+BT_AVX512 void lamb_moments_rows(isa::Avx512, const float* p, const float* g, float* m, float* v,
+                                 int64_t b, int64_t e, float gscale, float b1, float b2, float ibc1,
+                                 float ibc2, float eps, float wd, double* pn, double* un) {
   using namespace simd;
   __m512d ap = _mm512_setzero_pd(), au = _mm512_setzero_pd();
   for (int64_t i = b; i < e; i += 16) {
@@ -107,9 +107,9 @@ BT_AVX512 void lamb_moments_avx512(const float* p, const float* g, float* m, flo
   *un += _mm512_reduce_add_pd(au);
 }
 
-BT_AVX512 void lamb_update_avx512(float* p, uint16_t* p16, const float* m, const float* v,
-                                  int64_t b, int64_t e, float ibc1, float ibc2, float eps, float wd,
-                                  float step) {
+BT_AVX512 void lamb_update_rows(isa::Avx512, float* p, uint16_t* p16, const float* m,
+                                const float* v, int64_t b, int64_t e, float ibc1, float ibc2,
+                                float eps, float wd, float step) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 k = tail_mask(e - i);
@@ -124,7 +124,7 @@ BT_AVX512 void lamb_update_avx512(float* p, uint16_t* p16, const float* m, const
 // The AVX2 twins (8 lanes, the same operations in the same order as the AVX-512 bodies). The
 // bf16 copy is rounded per element: bf16 training needs AVX-512, so it is never asked for here
 // in practice.
-BT_AVX2 double sum_squares_avx2(const float* g, int64_t n, double s) {
+BT_AVX2 double sum_squares_rows(isa::Avx2, const float* g, int64_t n, double s) {
   __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
   const __m256d vs = _mm256_set1_pd(s);
   int64_t i = 0;
@@ -168,8 +168,8 @@ BT_AVX2 inline void store_params8(float* p, uint16_t* p16, int64_t n, __m256 x) 
     for (int64_t l = 0; l < std::min<int64_t>(n, 8); ++l) p16[l] = f32_to_bf16(p[l]);
 }
 
-BT_AVX2 void adamw_avx2(float* p, uint16_t* p16, const float* g, float* m, float* v, int64_t b,
-                        int64_t e, float gscale, float b1, float b2, float step_size,
+BT_AVX2 void adamw_rows(isa::Avx2, float* p, uint16_t* p16, const float* g, float* m, float* v,
+                        int64_t b, int64_t e, float gscale, float b1, float b2, float step_size,
                         float sqrt_bc2, float eps, float decay) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 8) {
@@ -186,9 +186,9 @@ BT_AVX2 void adamw_avx2(float* p, uint16_t* p16, const float* g, float* m, float
   }
 }
 
-BT_AVX2 void lamb_moments_avx2(const float* p, const float* g, float* m, float* v, int64_t b,
-                               int64_t e, float gscale, float b1, float b2, float ibc1, float ibc2,
-                               float eps, float wd, double* pn, double* un) {
+BT_AVX2 void lamb_moments_rows(isa::Avx2, const float* p, const float* g, float* m, float* v,
+                               int64_t b, int64_t e, float gscale, float b1, float b2, float ibc1,
+                               float ibc2, float eps, float wd, double* pn, double* un) {
   using namespace simd;
   __m256d ap = _mm256_setzero_pd(), au = _mm256_setzero_pd();
   for (int64_t i = b; i < e; i += 8) {
@@ -204,8 +204,9 @@ BT_AVX2 void lamb_moments_avx2(const float* p, const float* g, float* m, float* 
   *un += hsum4d(au);
 }
 
-BT_AVX2 void lamb_update_avx2(float* p, uint16_t* p16, const float* m, const float* v, int64_t b,
-                              int64_t e, float ibc1, float ibc2, float eps, float wd, float step) {
+BT_AVX2 void lamb_update_rows(isa::Avx2, float* p, uint16_t* p16, const float* m, const float* v,
+                              int64_t b, int64_t e, float ibc1, float ibc2, float eps, float wd,
+                              float step) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 8) {
     const int64_t n = e - i;
@@ -214,24 +215,6 @@ BT_AVX2 void lamb_update_avx2(float* p, uint16_t* p16, const float* m, const flo
     store_params8(p + i, p16 ? p16 + i : nullptr, n,
                   _mm256_sub_ps(pi, _mm256_mul_ps(_mm256_set1_ps(step), u)));
   }
-}
-
-// The vector bodies this CPU takes (null members: the portable loops).
-struct Bodies {
-  double (*sum_squares)(const float*, int64_t, double);
-  void (*adamw)(float*, uint16_t*, const float*, float*, float*, int64_t, int64_t, float, float,
-                float, float, float, float, float);
-  void (*lamb_moments)(const float*, const float*, float*, float*, int64_t, int64_t, float, float,
-                       float, float, float, float, float, double*, double*);
-  void (*lamb_update)(float*, uint16_t*, const float*, const float*, int64_t, int64_t, float, float,
-                      float, float, float);
-};
-
-Bodies vector_bodies() {
-  if (use_avx512())
-    return {sum_squares_avx512, adamw_avx512, lamb_moments_avx512, lamb_update_avx512};
-  if (use_avx2()) return {sum_squares_avx2, adamw_avx2, lamb_moments_avx2, lamb_update_avx2};
-  return {nullptr, nullptr, nullptr, nullptr};
 }
 
 // Per-thread partial sums of the calling thread's reductions (a few doubles per thread; workers
@@ -243,15 +226,65 @@ double* thread_partials(int per_thread) {
 }
 }  // namespace
 
-void add_sum_squares(double& sum, const float* g, int64_t n, double scale) {
-  const Bodies vec = vector_bodies();
-  if (!vec.sum_squares) return add_sum_squares_reference(sum, g, n, scale);
+namespace {
+// Each entry point on the ISA's vector rows (split over the threads); the portable tag takes the
+// _reference loops.
+template <typename Tag>
+void add_sum_squares_on(Tag tag, double& sum, const float* g, int64_t n, double scale) {
   double* part = thread_partials(1);
   const int threads = omp_get_max_threads();
   parallel_chunks(n, [&](int64_t b, int64_t e) {
-    part[omp_get_thread_num()] = vec.sum_squares(g + b, e - b, scale);
+    part[omp_get_thread_num()] = sum_squares_rows(tag, g + b, e - b, scale);
   });
   for (int t = 0; t < threads; ++t) sum += part[t];
+}
+void add_sum_squares_on(isa::Portable, double& sum, const float* g, int64_t n, double scale) {
+  add_sum_squares_reference(sum, g, n, scale);
+}
+
+template <typename Tag>
+void adamw_on(Tag tag, const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
+              float* v, int64_t n) {
+  parallel_chunks(n, [&](int64_t b, int64_t e) {
+    adamw_rows(tag, p, p16, g, m, v, b, e, a.gscale, a.beta1, a.beta2, a.step_size, a.sqrt_bc2,
+               a.eps, a.decay);
+  });
+}
+void adamw_on(isa::Portable, const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
+              float* v, int64_t n) {
+  adamw_update_reference(a, p, p16, g, m, v, n);
+}
+
+template <typename Tag>
+void lamb_on(Tag tag, const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
+             float* v, int64_t n) {
+  double* part = thread_partials(2);
+  const int threads = omp_get_max_threads();
+  parallel_chunks(n, [&](int64_t b, int64_t e) {
+    const int t = omp_get_thread_num();
+    lamb_moments_rows(tag, p, g, m, v, b, e, a.gscale, a.beta1, a.beta2, a.ibc1, a.ibc2, a.eps,
+                      a.wd, &part[2 * t], &part[2 * t + 1]);
+  });
+  double pn = 0, un = 0;
+  for (int t = 0; t < threads; ++t) {
+    pn += part[2 * t];
+    un += part[2 * t + 1];
+  }
+  float trust = 1.0f;
+  if (a.wd != 0.0f && pn > 0 && un > 0) trust = static_cast<float>(std::sqrt(pn) / std::sqrt(un));
+  const float step = a.lr * trust;
+  parallel_chunks(n, [&](int64_t b, int64_t e) {
+    lamb_update_rows(tag, p, p16, m, v, b, e, a.ibc1, a.ibc2, a.eps, a.wd, step);
+  });
+}
+void lamb_on(isa::Portable, const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
+             float* v, int64_t n) {
+  lamb_update_reference(a, p, p16, g, m, v, n);
+}
+}  // namespace
+
+void add_sum_squares(double& sum, const float* g, int64_t n, double scale) {
+  with_isa([&](auto tag) { add_sum_squares_on(tag, sum, g, n, scale); });
 }
 
 void add_sum_squares_reference(double& sum, const float* g, int64_t n, double scale) {
@@ -266,15 +299,7 @@ void add_sum_squares_reference(double& sum, const float* g, int64_t n, double sc
 
 void adamw_update(const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m, float* v,
                   int64_t n) {
-  const Bodies vec = vector_bodies();
-  if (vec.adamw) {
-    parallel_chunks(n, [&](int64_t b, int64_t e) {
-      vec.adamw(p, p16, g, m, v, b, e, a.gscale, a.beta1, a.beta2, a.step_size, a.sqrt_bc2, a.eps,
-                a.decay);
-    });
-    return;
-  }
-  adamw_update_reference(a, p, p16, g, m, v, n);
+  with_isa([&](auto tag) { adamw_on(tag, a, p, p16, g, m, v, n); });
 }
 
 void adamw_update_reference(const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
@@ -293,26 +318,7 @@ void adamw_update_reference(const AdamwStep& a, float* p, uint16_t* p16, const f
 
 void lamb_update(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m, float* v,
                  int64_t n) {
-  const Bodies vec = vector_bodies();
-  if (!vec.lamb_moments) return lamb_update_reference(a, p, p16, g, m, v, n);
-  double* part = thread_partials(2);
-  const int threads = omp_get_max_threads();
-  parallel_chunks(n, [&](int64_t b, int64_t e) {
-    const int t = omp_get_thread_num();
-    vec.lamb_moments(p, g, m, v, b, e, a.gscale, a.beta1, a.beta2, a.ibc1, a.ibc2, a.eps, a.wd,
-                     &part[2 * t], &part[2 * t + 1]);
-  });
-  double pn = 0, un = 0;
-  for (int t = 0; t < threads; ++t) {
-    pn += part[2 * t];
-    un += part[2 * t + 1];
-  }
-  float trust = 1.0f;
-  if (a.wd != 0.0f && pn > 0 && un > 0) trust = static_cast<float>(std::sqrt(pn) / std::sqrt(un));
-  const float step = a.lr * trust;
-  parallel_chunks(n, [&](int64_t b, int64_t e) {
-    vec.lamb_update(p, p16, m, v, b, e, a.ibc1, a.ibc2, a.eps, a.wd, step);
-  });
+  with_isa([&](auto tag) { lamb_on(tag, a, p, p16, g, m, v, n); });
 }
 
 void lamb_update_reference(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
