@@ -58,7 +58,7 @@ std::vector<nlohmann::json> read_jsonl(const std::string& path) {
 // within 2e-3 relative (the golden run and this one may take other ISA paths, AVX-512 or AVX2,
 // whose fp32 sums differ in the last bits; six steps keep the drift far below this).
 bool deterministic(const std::string& tag) {
-  return tag.rfind("train/", 0) == 0 || tag == "memory/plan_mib";
+  return tag.rfind("train/", 0) == 0;
 }
 
 TEST(Events, TensorBoardReadsWhatBertrainWrites) {
@@ -101,7 +101,10 @@ TEST(Events, TensorBoardReadsWhatBertrainWrites) {
       // metrics.jsonl holds the same value (in double; the event in float32).
       EXPECT_EQ(rows[i]["step"].get<int64_t>(), points[i].first);
       EXPECT_EQ(static_cast<float>(rows[i][tag].get<double>()), points[i].second) << tag;
-      if (deterministic(tag))
+      if (tag == "memory/plan_mib")  // the kernel scratch in it depends on the CPU's ISA (oneDNN's
+                                     // GEMM scratchpad): under 4 MiB at one thread
+        EXPECT_NEAR(points[i].second, values[i], 4.0) << tag << " at step " << steps[i];
+      else if (deterministic(tag))
         EXPECT_NEAR(points[i].second, values[i], 2e-3 * std::abs(values[i]) + 1e-7)
             << tag << " at step " << steps[i];
       else

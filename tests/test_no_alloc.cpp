@@ -5,6 +5,8 @@
 // bookkeeping inside each primitive execution (its argument maps: a few dozen bytes each, about
 // 600 per step of this model with the full attention, 1600 with the blocked one, which runs a
 // matmul per head and block), held to a byte budget of 4 KiB per allocation and 256 KiB a step.
+// And every kernel's scratch comes from the model's plan (group "kernels") from the first step
+// on: no kernel takes a buffer of its own (kernels/cpu/scratch.h counts them).
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -12,6 +14,7 @@
 #include <new>
 
 #include "core/isa.h"
+#include "kernels/cpu/scratch.h"
 #include "model/bert.h"
 #include "test_util.h"
 #include "train/optimizer.h"
@@ -100,6 +103,7 @@ TEST(Step, MakesNoHeapAllocation) {
         oc.kind = kind;
         Optimizer opt(param_slices(m.table()), m.table().total(), oc);
         int64_t during = 0, large = 0, bytes = 0;
+        const int64_t unplanned = kernels::unplanned_scratch_bytes();
         for (int step = 0; step < 3; ++step) {  // steps 0 and 1 warm up (threads, primitives)
           const int64_t before = g_allocations.load(), lb = g_large.load(), bb = g_bytes.load();
           const model::StepOptions so{true, 1, static_cast<uint64_t>(step), 0};
@@ -117,6 +121,7 @@ TEST(Step, MakesNoHeapAllocation) {
                 kernel == model::ModelDims::Attention::Full ? "full" : "blocked", " attention, ",
                 optimizer_name(kind), ": ", during, " allocations, ", bytes, " bytes");
         EXPECT_EQ(large, 0) << what;
+        EXPECT_EQ(kernels::unplanned_scratch_bytes() - unplanned, 0) << what;
         EXPECT_LT(bytes, 256 << 10) << what;
         std::printf("%s\n", what.c_str());
       }

@@ -9,8 +9,11 @@
 #include "cli/commands.h"
 #include "comm/mpi.h"
 #include "core/error.h"
+#include "core/setting.h"
 
+#include <algorithm>
 #include <memory>
+#include <set>
 
 namespace bertrain::cli {
 
@@ -97,6 +100,17 @@ int main(int argc, char** argv) {
   bertrain::cli::add_predict(app);
   bertrain::cli::add_report(app);
   bertrain::cli::add_doctor(app, bertrain::cli::communicator);
+  // Library messages name settings by field ("seq_len"); here they read as this CLI's flags
+  // ("--seq-len") where a command has that flag (tests/cli/settings_are_flags.sh checks them all).
+  std::set<std::string> flags;
+  for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+    for (const CLI::Option* o : sub->get_options())
+      for (const std::string& n : o->get_lnames()) flags.insert(n);
+  bertrain::set_setting_names([flags](std::string_view field) {
+    std::string flag(field);
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    return flags.count(flag) ? "--" + flag : std::string(field);
+  });
   // CLI11 reads an unknown first word as a stray argument ("A subcommand is required", and
   // `bertrain nosuch --help` prints the main help and succeeds): name it instead.
   if (argc > 1 && argv[1][0] != '-') {

@@ -14,6 +14,7 @@
 #include "core/arena.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/setting.h"
 
 namespace bertrain::comm {
 
@@ -24,14 +25,14 @@ Algorithm parse_algorithm(const std::string& s) {
   if (s == "ring") return Algorithm::Ring;
   if (s == "shm") return Algorithm::Shm;
   if (s == "hierarchical") return Algorithm::Hierarchical;
-  fail("--allreduce must be auto, shm, ring, hierarchical or mpi, got '", s, "'");
+  fail(setting("allreduce"), " must be auto, shm, ring, hierarchical or mpi, got '", s, "'");
 }
 
 Wire parse_wire(const std::string& s) {
   if (s == "none" || s == "fp32") return Wire::F32;
   if (s == "fp16") return Wire::F16;
   if (s == "bf16") return Wire::BF16;
-  fail("--compression must be none, fp16 or bf16, got '", s, "'");
+  fail(setting("compression"), " must be none, fp16 or bf16, got '", s, "'");
 }
 
 const char* algorithm_name(Algorithm a) {
@@ -230,8 +231,9 @@ void MpiCommunicator::watchdog_loop() {
       std::fprintf(stderr,
                    "bertrain: rank %d: stopped by signal %d while collective '%s' waited %.0f s "
                    "for the other ranks: the step cannot finish, so the job ends now; the last "
-                   "complete checkpoint stands (continue with --resume)\n",
-                   rank_, sig, in_what_.load() ? in_what_.load() : "?", now_s() - since);
+                   "complete checkpoint stands (continue with %s)\n",
+                   rank_, sig, in_what_.load() ? in_what_.load() : "?", now_s() - since,
+                   setting("resume").c_str());
       std::fflush(stderr);
       MPI_Abort(MPI_COMM_WORLD, 128 + sig);
       std::_Exit(128 + sig);
@@ -249,12 +251,12 @@ void MpiCommunicator::watchdog_loop() {
         missing += str(missing.empty() ? "" : ", ", rank_ - local_rank_ + r);
     std::fprintf(
         stderr,
-        "bertrain: rank %d: collective '%s'%s%s (#%lld) has waited %.0f s (--stall-timeout %.0f "
+        "bertrain: rank %d: collective '%s'%s%s (#%lld) has waited %.0f s (%s %.0f "
         "s); "
         "ranks on this node that have not joined: %s%s. A rank died, hangs, or runs another step; "
         "aborting the job.\n",
         rank_, in_what_.load() ? in_what_.load() : "?", label.empty() ? "" : " of ", label.c_str(),
-        (long long)mine, now_s() - since, stall_timeout_,
+        (long long)mine, now_s() - since, setting("stall_timeout").c_str(), stall_timeout_,
         missing.empty() ? "none" : missing.c_str(),
         size_ > local_size_ ? " (ranks on other nodes are not visible from here)" : "");
     std::fflush(stderr);

@@ -1,4 +1,5 @@
 #include "core/arena.h"
+#include "core/setting.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -63,7 +64,8 @@ Arena::Arena(const MemoryPlan& plan, const std::string& group)
   void* p = std::aligned_alloc(kAlign, align_up(n));
   if (!p)
     fail("out of memory: could not reserve ", human_bytes(static_cast<double>(n)), " for ", group,
-         "; lower --batch-size or --seq-len (bertrain estimate shows the plan)");
+         "; lower ", setting("batch_size"), " or ", setting("seq_len"),
+         " (bertrain estimate shows the plan)");
   std::memset(p, 0, align_up(n));
   data_.reset(static_cast<std::byte*>(p));
 }

@@ -1,4 +1,5 @@
 #include "core/safetensors.h"
+#include "core/setting.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -184,7 +185,9 @@ void write_all(int fd, const void* buf, size_t n, const std::string& path) {
       if (errno == EINTR) continue;
       const int e = errno;
       fail("cannot write ", path, ": ", std::strerror(e),
-           e == ENOSPC ? " (the disk is full; free space or choose another --output)" : "");
+           e == ENOSPC
+               ? str(" (the disk is full; free space or choose another ", setting("output"), ")")
+               : std::string());
     }
     p += w;
     n -= static_cast<size_t>(w);

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "core/setting.h"
 #include "data/unicode.h"
 
 namespace bertrain::data {
@@ -14,7 +15,7 @@ CorpusFormat parse_corpus_format(const std::string& s) {
   if (s == "auto") return CorpusFormat::Auto;
   if (s == "bert") return CorpusFormat::Bert;
   if (s == "prose") return CorpusFormat::Prose;
-  fail("--format must be auto, bert or prose, got '", s, "'");
+  fail(setting("format"), " must be auto, bert or prose, got '", s, "'");
 }
 
 const char* corpus_format_name(CorpusFormat f) {

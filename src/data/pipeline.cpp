@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "core/rng.h"
+#include "core/setting.h"
 #include "data/tfrecord.h"
 
 namespace bertrain::data {
@@ -234,7 +235,8 @@ struct Pipeline::Impl {
             }
           } catch (const CorruptRecord& e) {
             failure(opt.on_corrupt == OnCorrupt::Fail
-                        ? str(e.what(), ", or pass --on-corrupt=skip to skip bad records")
+                        ? str(e.what(), ", or pass ", setting("on_corrupt"),
+                              "=skip to skip bad records")
                         : std::string(e.what()),
                     !e.resumable());
             continue;
@@ -250,8 +252,8 @@ struct Pipeline::Impl {
             failure(str(path, ": record ", slot.reader->records() - 1, " at byte ",
                         slot.reader->offset() - rec.size() - 16, ": ", err,
                         opt.on_corrupt == OnCorrupt::Fail && !mismatch
-                            ? "; fix the data or pass --on-corrupt=skip"
-                            : ""),
+                            ? str("; fix the data or pass ", setting("on_corrupt"), "=skip")
+                            : std::string()),
                     false);
           }
         }
@@ -449,8 +451,9 @@ struct Pipeline::Impl {
                   epoch,
                   0,
                   str("one epoch of ", opt.files, " gives this rank ", rows,
-                      " records, fewer than one batch of ", B, ": lower --batch-size to at most ",
-                      rows, opt.world > 1 ? " (or use fewer ranks)" : "", ", or add data"),
+                      " records, fewer than one batch of ", B, ": lower ", setting("batch_size"),
+                      " to at most ", rows, opt.world > 1 ? " (or use fewer ranks)" : "",
+                      ", or add data"),
                   false});
         return;
       }
@@ -517,7 +520,8 @@ Pipeline::Pipeline(const PipelineOptions& opt, const Schema& schema, PipelinePos
                                                 opt.readers > 0 ? opt.readers : opt.cycle_length}));
   m.active_readers = opt.readers > 0 ? max_readers : 1;
   m.prefetch = opt.prefetch > 0 ? opt.prefetch : 2;
-  if (opt.prefetch == 0 && opt.max_prefetch < 2) fail("--max-prefetch must be at least 2");
+  if (opt.prefetch == 0 && opt.max_prefetch < 2)
+    fail("PipelineOptions::max_prefetch (AUTOTUNE's upper bound) must be at least 2");
   m.readers_live = max_readers;
   for (int i = 0; i < max_readers; ++i)
     m.readers.emplace_back([&m, i] {

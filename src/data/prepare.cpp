@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "core/error.h"
+#include "core/setting.h"
 #include "data/pipeline.h"
 
 namespace bertrain::data {
@@ -17,14 +18,15 @@ PrepareReport prepare(const PrepareConfig& cfg,
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   const InstanceOptions& io = cfg.instance;
-  if (io.seq_len < 8) fail("--seq-len must be at least 8");
+  if (io.seq_len < 8) fail(setting("seq_len"), " must be at least 8");
   if (io.max_predictions < 1 || io.max_predictions > io.seq_len)
-    fail("--max-predictions must be in [1, seq-len]");
-  if (!(io.masked_lm_prob > 0 && io.masked_lm_prob < 1)) fail("--masked-lm-prob must be in (0, 1)");
+    fail(setting("max_predictions"), " must be in [1, ", setting("seq_len"), "]");
+  if (!(io.masked_lm_prob > 0 && io.masked_lm_prob < 1))
+    fail(setting("masked_lm_prob"), " must be in (0, 1)");
   if (!(io.short_seq_prob >= 0 && io.short_seq_prob <= 1))
-    fail("--short-seq-prob must be in [0, 1]");
-  if (cfg.dupe_factor < 1) fail("--dupe-factor must be at least 1");
-  if (cfg.output_shards < 1) fail("--output-shards must be at least 1");
+    fail(setting("short_seq_prob"), " must be in [0, 1]");
+  if (cfg.dupe_factor < 1) fail(setting("dupe_factor"), " must be at least 1");
+  if (cfg.output_shards < 1) fail(setting("output_shards"), " must be at least 1");
 
   const std::vector<std::string> files = list_files(cfg.input);
   const Vocab vocab = Vocab::load(cfg.vocab);
@@ -117,7 +119,7 @@ PrepareReport prepare(const PrepareConfig& cfg,
   rep.totals.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   if (written == 0)
     fail("no training examples could be made from ", cfg.input,
-         " (every document needs at least two non-empty segments; check --format)");
+         " (every document needs at least two non-empty segments; check ", setting("format"), ")");
   return rep;
 }
 

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include "core/setting.h"
 
 namespace bertrain::data {
 
@@ -99,10 +100,10 @@ bool Schema::parse(std::string_view record, int32_t* ints, float* floats, std::s
       if (mismatch) *mismatch = true;
       const bool seq = f.length == seq_len_ && f.name != "masked_lm_positions";
       error = str("feature '", f.name, "' has ", n, " values, expected ", f.length,
-                  seq ? " (the data's sequence length differs from --seq-len)"
-                  : f.length == max_predictions_
-                      ? " (the data's max predictions differ from --max-predictions)"
-                      : "");
+                  seq ? str(" (the data's sequence length differs from ", setting("seq_len"), ")")
+                  : f.length == max_predictions_ ? str(" (the data's max predictions differ from ",
+                                                       setting("max_predictions"), ")")
+                                                 : std::string());
       return false;
     }
     if (!range_ok) {

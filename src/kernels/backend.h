@@ -68,6 +68,13 @@ class Backend {
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
 
+  // -- kernel scratch (kernels/types.h) --
+  // What this backend's kernels need besides their operands for the shapes a model runs; the
+  // model plans layout.total() bytes and binds them before it runs kernels (forward, backward,
+  // optimizer). Kernels run with nothing bound still work, on buffers of their own.
+  virtual ScratchLayout scratch_layout(const KernelShapes& shapes) const = 0;
+  virtual void bind_scratch(void* region, const ScratchLayout& layout) const = 0;
+
   // -- matmuls --
   // out[M,N] = in[M,K] . w[N,K]^T + bias[N] (bias may be null).
   virtual void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias,
@@ -140,15 +147,28 @@ class Backend {
   virtual void dropout_forward(float* x, int64_t n, const Dropout& d) const = 0;
   virtual void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const = 0;
   virtual void add_inplace(float* out, const float* a, int64_t n) const = 0;
+  virtual void copy(float* dst, const float* src, int64_t n) const = 0;
+
+  // -- token rows (the heads read a few rows of the sequence output) --
+  // out[r] = seq row (r / P) * T + (positions ? positions[r] : 0), r < B * P, rows of C values:
+  // the [CLS] rows (positions null, P = 1) for the pooler, the masked positions for the MLM head.
+  virtual void gather_rows(float* out, const float* seq, const int32_t* positions, int64_t B,
+                           int64_t P, int64_t T, int64_t C) const = 0;
+  // Its backward: that row of dseq += d[r] (positions may repeat within a sequence).
+  virtual void scatter_add_rows(float* dseq, const float* d, const int32_t* positions, int64_t B,
+                                int64_t P, int64_t T, int64_t C) const = 0;
   virtual void scale_inplace(float* x, int64_t n, float s) const = 0;
   virtual void zero(void* p, int64_t bytes) const = 0;
 
   // -- loss --
   // Softmax cross-entropy of N rows over V classes, fused with its gradient (dlogits may be
-  // null or alias logits): kernels/cpu/cross_entropy.h. Returns sum_i weight[i] * loss[i].
-  virtual double cross_entropy(float* dlogits, float* losses, int32_t* correct, const float* logits,
-                               const int32_t* targets, const float* weights, int64_t N, int64_t V,
-                               float dscale) const = 0;
+  // null or alias logits): kernels/cpu/cross_entropy.h. Returns sum_i weight[i] * loss[i] and
+  // sum_i weight[i] * [argmax of row i == target] (weight 1 where weights is null); `correct`
+  // (N values) is the backend's buffer for the per-row hits, null when the sums are not wanted.
+  virtual CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
+                                         const float* logits, const int32_t* targets,
+                                         const float* weights, int64_t N, int64_t V,
+                                         float dscale) const = 0;
 
   // -- optimizer (one parameter tensor; kernels/cpu/optimizer.h) --
   virtual void add_sum_squares(double& sum, const float* g, int64_t n, double scale) const = 0;

@@ -16,6 +16,46 @@ struct AttentionShape {
   int64_t B, T, C, NH;
 };
 
+// The shapes a model runs, for its backend's kernel scratch (Backend::scratch_layout): every
+// linear layer's [M,K] x [N,K]^T, the attention core and which kernel runs it, the widest
+// LayerNorm row.
+struct LinearShape {
+  int64_t M, N, K;
+};
+struct KernelShapes {
+  Precision precision = Precision::FP32;
+  const LinearShape* linears = nullptr;
+  int64_t num_linears = 0;
+  AttentionShape attention{0, 0, 0, 0};
+  bool blocked_attention = false;
+  int64_t layernorm_width = 0;
+};
+
+// Kernel scratch: what the kernels use besides their operands (the CPU's: oneDNN's GEMM
+// scratchpad, attention row buffers and mask rows, LayerNorm's and the optimizer's per-thread
+// partial sums). `caller` bytes for the thread that calls the kernels (the products it makes
+// itself, outside parallel regions), then one slice per thread of the parts' bytes in order,
+// each rounded up to 64 bytes. The model plans total() bytes (group "kernels").
+struct ScratchLayout {
+  static constexpr int kParts = 5;
+  int threads = 1;
+  int64_t caller = 0;
+  int64_t part[kParts] = {};
+  static int64_t rounded(int64_t b) { return (b + 63) / 64 * 64; }
+  int64_t offset(int i) const {  // of part i in a thread's slice
+    int64_t o = 0;
+    for (int j = 0; j < i; ++j) o += rounded(part[j]);
+    return o;
+  }
+  int64_t stride() const { return offset(kParts); }
+  int64_t total() const { return rounded(caller) + threads * stride(); }
+};
+
+// What Backend::cross_entropy returns: the weighted loss and the weighted count of hits.
+struct CrossEntropySums {
+  double loss = 0, correct = 0;
+};
+
 // torch.optim.AdamW with g * gscale: p = p * decay - step_size * m / (sqrt(v) / sqrt_bc2 + eps)
 // where decay = 1 - lr * wd, step_size = lr / bc1.
 struct AdamwStep {

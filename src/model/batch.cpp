@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/setting.h"
 #include "model/params.h"
 
 namespace bertrain::model {
@@ -29,7 +30,7 @@ void check_range(const char* name, const std::vector<int32_t>& v, int64_t cols, 
 void validate_batch(const Batch& b, const BertConfig& cfg, Head head) {
   if (b.T > cfg.max_position_embeddings)
     fail("sequence length ", b.T, " exceeds max_position_embeddings ", cfg.max_position_embeddings,
-         " of the model; use --seq-len <= ", cfg.max_position_embeddings);
+         " of the model; use ", setting("seq_len"), " <= ", cfg.max_position_embeddings);
   check_size("input_ids", b.input_ids.size(), b.B * b.T);
   check_size("input_mask", b.input_mask.size(), b.B * b.T);
   check_size("segment_ids", b.segment_ids.size(), b.B * b.T);

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "core/setting.h"
 
 namespace bertrain::model {
 
@@ -27,7 +28,7 @@ ModelDims::Attention parse_attention(const std::string& s) {
   if (s == "auto") return ModelDims::Attention::Auto;
   if (s == "full") return ModelDims::Attention::Full;
   if (s == "blocked") return ModelDims::Attention::Blocked;
-  fail("--attention must be auto, full or blocked, got '", s, "'");
+  fail(setting("attention"), " must be auto, full or blocked, got '", s, "'");
 }
 
 const char* attention_name(ModelDims::Attention a) {
@@ -127,20 +128,47 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   }
 }
 
-MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDims& dims) {
+kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, const ModelDims& d,
+                                           const kernels::Backend& backend) {
+  const int64_t B = d.batch, T = d.seq_len, N = B * T, C = cfg.hidden_size,
+                I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = cfg.vocab_size;
+  // The products forward and backward make (bert.cpp's linear_forward calls), once per shape.
+  std::vector<kernels::LinearShape> linears = {
+      {N, 3 * C, C}, {N, C, C}, {N, I, C}, {N, C, I}, {B, C, C}};
+  if (head == Head::Pretraining) {
+    const int64_t BP = B * d.max_predictions;
+    linears.insert(linears.end(), {{B, 2, C}, {BP, C, C}, {BP, V, C}});
+  } else {
+    linears.push_back({B, cfg.num_labels, C});
+  }
+  kernels::KernelShapes k;
+  k.precision = d.precision();
+  k.linears = linears.data();
+  k.num_linears = static_cast<int64_t>(linears.size());
+  k.attention = {B, T, C, NH};
+  k.blocked_attention = d.blocked_attention();
+  k.layernorm_width = C;
+  return backend.scratch_layout(k);
+}
+
+MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDims& dims,
+                                const kernels::Backend& backend) {
   if (dims.seq_len > cfg.max_position_embeddings)
-    fail("--seq-len ", dims.seq_len, " exceeds the model's max_position_embeddings ",
+    fail(setting("seq_len"), " ", dims.seq_len, " exceeds the model's max_position_embeddings ",
          cfg.max_position_embeddings);
   if (dims.batch <= 0 || dims.seq_len <= 0 || dims.max_predictions < 0)
     fail("batch size and sequence length must be positive and max predictions >= 0");
   if (dims.max_predictions > dims.seq_len)
-    fail("--max-predictions ", dims.max_predictions, " exceeds --seq-len ", dims.seq_len);
+    fail(setting("max_predictions"), " ", dims.max_predictions, " exceeds ", setting("seq_len"),
+         " ", dims.seq_len);
   if (dims.bf16 && dims.fp16) fail("a model computes in bf16 or in fp16, not both");
   const ParamTable table(cfg, head);
   MemoryPlan plan;
   plan.add("parameters", "params", f32s(table.total()));
   plan.add("gradients", "grads", f32s(table.total()));
   plan_activations(plan, cfg, head, dims);
+  plan.add("kernels", "kernels.scratch",
+           static_cast<size_t>(plan_kernel_scratch(cfg, head, dims, backend).total()));
   return plan;
 }
 
@@ -150,13 +178,15 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
       head_(head),
       table_(cfg, head),
       dims_(dims),
-      plan_(make_plan(cfg, head, dims)),
+      plan_(make_plan(cfg, head, dims, backend)),
       be_(backend),
       prec_(dims.precision()) {
   params_ = Arena(plan_, "parameters");
   grads_ = Arena(plan_, "gradients");
   acts_arena_ = Arena(plan_, "activations");
   scratch_ = Arena(plan_, "scratch");
+  kernels_arena_ = Arena(plan_, "kernels");
+  kernel_scratch_ = plan_kernel_scratch(cfg, head, dims, backend);
   const bool blocked = dims.blocked_attention();
   if (!blocked) ws_.attn_work = scratch_.f32("attn.work");
   if (dims.bf16) {
@@ -243,6 +273,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     fail("batch [", b.B, " x ", b.T, ", ", b.P, " predictions] exceeds the planned [", dims_.batch,
          " x ", dims_.seq_len, ", ", dims_.max_predictions, "]");
   validate_batch(b, cfg_, head_);
+  bind_kernel_scratch();
   if (!bf16_fresh_) be_.copy_weights(prec_, params(), wbf16_, table_.total());
   bf16_fresh_ = false;
   const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
@@ -293,7 +324,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   seq_out_ = const_cast<float*>(x);
 
   // Pooler: tanh(dense(h[:, 0])).
-  for (int64_t i = 0; i < B; ++i) std::memcpy(act_.cls_in + i * C, x + i * T * C, f32s(C));
+  be_.gather_rows(act_.cls_in, x, nullptr, B, 1, T, C);
   be_.linear_forward(prec_, act_.pooled, {act_.cls_in}, Wt(t.offset("bert.pooler.dense.weight")),
                      W(t.offset("bert.pooler.dense.bias")), B, C, C, ws_);
   be_.tanh_forward(act_.pooled, act_.pooled, B * C);
@@ -303,17 +334,15 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     be_.linear_forward(prec_, act_.nsp_logits, {act_.pooled},
                        Wt(t.offset("cls.seq_relationship.weight")),
                        W(t.offset("cls.seq_relationship.bias")), B, 2, C, ws_);
-    out.nsp_loss = be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
-                                     b.next_sentence_labels.data(), nullptr, B, 2, 0.0f) /
-                   B;
-    for (int64_t i = 0; i < B; ++i) out.nsp_correct += act_.row_correct[i];
+    const CrossEntropySums nsp =
+        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
+                          b.next_sentence_labels.data(), nullptr, B, 2, 0.0f);
+    out.nsp_loss = nsp.loss / B;
+    out.nsp_correct = static_cast<int64_t>(nsp.correct);
 
     // MLM head on the masked positions only (gather first): BP rows instead of B*T.
     const int64_t BP = B * b.P;
-    for (int64_t r = 0; r < BP; ++r) {
-      const int64_t row = (r / b.P) * T + b.masked_lm_positions[r];
-      std::memcpy(act_.mlm_in + r * C, x + row * C, f32s(C));
-    }
+    be_.gather_rows(act_.mlm_in, x, b.masked_lm_positions.data(), B, b.P, T, C);
     be_.linear_forward(prec_, act_.mlm_pre, {act_.mlm_in},
                        Wt(t.offset("cls.predictions.transform.dense.weight")),
                        W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C, ws_);
@@ -329,26 +358,26 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     // that compute the loss, so backward does not recompute the softmax over the vocabulary.
     for (int64_t r = 0; r < BP; ++r) out.mlm_weight += b.masked_lm_weights[r];
     const float dscale1 = static_cast<float>(1.0 / (out.mlm_weight + kMlmDenominatorEps));
-    const double wsum_ce = be_.cross_entropy(
+    const CrossEntropySums mlm = be_.cross_entropy(
         opt.training ? act_.mlm_logits : nullptr, act_.row_loss, act_.row_correct, act_.mlm_logits,
         b.masked_lm_ids.data(), b.masked_lm_weights.data(), BP, V, dscale1);
     mlm_grad_ready_ = opt.training;
-    for (int64_t r = 0; r < BP; ++r)
-      out.mlm_correct += b.masked_lm_weights[r] * act_.row_correct[r];
-    out.mlm_loss = wsum_ce / (out.mlm_weight + kMlmDenominatorEps);
+    out.mlm_correct = mlm.correct;
+    out.mlm_loss = mlm.loss / (out.mlm_weight + kMlmDenominatorEps);
     out.loss = out.mlm_loss + out.nsp_loss;
   } else {
-    std::memcpy(act_.pooled_drop, act_.pooled, f32s(B * C));
+    be_.copy(act_.pooled_drop, act_.pooled, B * C);
     be_.dropout_forward(act_.pooled_drop, B * C,
                         site(L + 1, kPooler, p_hidden, opt.example_offset * C));
     const int64_t NL = cfg_.num_labels;
     be_.linear_forward(prec_, act_.cls_logits, {act_.pooled_drop},
                        Wt(t.offset("classifier.weight")), W(t.offset("classifier.bias")), B, NL, C,
                        ws_);
-    out.loss = be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
-                                 b.label_ids.data(), nullptr, B, NL, 0.0f) /
-               B;
-    for (int64_t i = 0; i < B; ++i) out.cls_correct += act_.row_correct[i];
+    const CrossEntropySums cls =
+        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
+                          b.label_ids.data(), nullptr, B, NL, 0.0f);
+    out.loss = cls.loss / B;
+    out.cls_correct = static_cast<int64_t>(cls.correct);
   }
   return out;
 }
@@ -367,6 +396,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
   const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
   const Activation act = cfg_.activation();
+  bind_kernel_scratch();
   const uint64_t off_tc = opt.example_offset * T * C;
   const uint64_t off_probs = opt.example_offset * NH * T * T;
   auto site = [&](int64_t layer, Site s, float p, uint64_t offset) {
@@ -416,11 +446,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     be_.activation_backward(Precision::FP32, act, d2, {act_.mlm_pre}, d2, BP * C);
     lin_bwd(d1, t.offset("cls.predictions.transform.dense.weight"),
             t.offset("cls.predictions.transform.dense.bias"), d2, {act_.mlm_in}, BP, C, C);
-    for (int64_t r = 0; r < BP; ++r) {  // scatter (+=): positions may repeat
-      float* dst = dh + ((r / b.P) * T + b.masked_lm_positions[r]) * C;
-      const float* src = d1 + r * C;
-      for (int64_t c = 0; c < C; ++c) dst[c] += src[c];
-    }
+    be_.scatter_add_rows(dh, d1, b.masked_lm_positions.data(), B, b.P, T, C);
   } else {
     const int64_t NL = cfg_.num_labels;
     float* dlog = act_.dsmall;
@@ -436,7 +462,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   float* dcls = act_.dhead1;
   lin_bwd(dcls, t.offset("bert.pooler.dense.weight"), t.offset("bert.pooler.dense.bias"), dpooled,
           {act_.cls_in}, B, C, C);
-  for (int64_t i = 0; i < B; ++i) be_.add_inplace(dh + i * T * C, dcls + i * C, C);
+  be_.scatter_add_rows(dh, dcls, nullptr, B, 1, T, C);
 
   // ---- encoder, last layer first ----
   float *dA = act_.dA, *dB = act_.dB, *dI = act_.dI;

@@ -72,13 +72,23 @@ struct Losses {
 // "activations"); shared by the model and `bertrain estimate`.
 void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const ModelDims& d);
 
+// The kernel scratch one model's kernels need on `backend` (group "kernels", region
+// "kernels.scratch": kernels/types.h ScratchLayout), from every linear layer's shape, the
+// attention core's and the LayerNorm width.
+kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, const ModelDims& d,
+                                           const kernels::Backend& backend);
+
 class BertModel {
  public:
   // Kernels run on `backend` (the CPU's unless told).
   BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
             const kernels::Backend& backend = kernels::cpu_backend());
+  // Unbinds the kernel scratch (its region goes with the model; kernels then use their own).
+  ~BertModel() { be_.bind_scratch(nullptr, {}); }
+  BertModel(BertModel&&) = default;
   // The plan this model allocates from: parameters, gradients, activations, scratch.
-  static MemoryPlan make_plan(const BertConfig& cfg, Head head, const ModelDims& dims);
+  static MemoryPlan make_plan(const BertConfig& cfg, Head head, const ModelDims& dims,
+                              const kernels::Backend& backend = kernels::cpu_backend());
 
   const BertConfig& config() const { return cfg_; }
   const ParamTable& table() const { return table_; }
@@ -87,13 +97,16 @@ class BertModel {
   // Bytes this model holds in its arenas: plan().total_bytes(), allocated (tests prove it).
   size_t allocated_bytes() const {
     return params_.bytes() + grads_.bytes() + acts_arena_.bytes() + scratch_.bytes() +
-           bf16_arena_.bytes();
+           bf16_arena_.bytes() + kernels_arena_.bytes();
   }
   float* params() const { return reinterpret_cast<float*>(params_.base()); }
   float* grads() const { return reinterpret_cast<float*>(grads_.base()); }
   float* param(const std::string& name) const { return params() + table_.offset(name); }
   float* grad(const std::string& name) const { return grads() + table_.offset(name); }
   void zero_grads();
+  // Points the backend's kernels at this model's kernel scratch (forward and backward do it
+  // themselves; the training step does it before the optimizer's kernels).
+  void bind_kernel_scratch() const { be_.bind_scratch(kernels_arena_.base(), kernel_scratch_); }
   // bf16 models: the bf16 copy of the weights the matmuls read (null in fp32). Forward refreshes
   // it from params() unless told, once, that the caller already did (the optimizer writes it
   // in its update pass).
@@ -157,7 +170,8 @@ class BertModel {
   ParamTable table_;
   ModelDims dims_;
   MemoryPlan plan_;
-  Arena params_, grads_, acts_arena_, scratch_, bf16_arena_;
+  Arena params_, grads_, acts_arena_, scratch_, bf16_arena_, kernels_arena_;
+  kernels::ScratchLayout kernel_scratch_;  // kernels_arena_'s layout, bound before kernels run
   Acts act_{};
   const kernels::Backend& be_;
   kernels::Precision prec_;

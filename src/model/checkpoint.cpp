@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/safetensors.h"
+#include "core/setting.h"
 
 namespace bertrain::model {
 
@@ -112,7 +113,7 @@ LoadReport load_safetensors_into(BertModel& m, const std::string& path, const Lo
     list("shape mismatches", mismatched);
     list("missing tensors", missing);
     list("unexpected tensors", unexpected);
-    msg += "\n  check that --model-config matches the checkpoint's config.json";
+    msg += str("\n  check that ", setting("model_config"), " matches the checkpoint's config.json");
     throw Error(msg);
   }
   return rep;

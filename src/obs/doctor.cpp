@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "core/error.h"
+#include "core/setting.h"
 
 namespace bertrain::obs {
 
@@ -49,9 +50,12 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
   }
   if (step > 0 && input / step > lim.input_share)
     out.push_back({"input-bound", "the step waits for input " + pct(input / step) + " of its time",
-                   "raise --readers (parallel parse) and --prefetch, write more and smaller shards "
-                   "(prepare --output-shards), keep the data on local disk; bertrain bench-input "
-                   "measures the pipeline alone"});
+                   "raise " + setting("readers") + " (parallel parse) and " + setting("prefetch") +
+                       ", write more and smaller shards "
+                       "(prepare " +
+                       setting("output_shards") +
+                       "), keep the data on local disk; bertrain bench-input "
+                       "measures the pipeline alone"});
   // Stragglers: per row, each rank's time over the median rank's; a rank that is slow in most
   // rows (the median of its ratios) is named.
   bool straggler = false;
@@ -77,8 +81,9 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
         out.push_back({"straggler",
                        "rank " + std::to_string(k) + " takes " + fmt(m) +
                            "x the other ranks' step time (they wait for it in the gradient sum)",
-                       "check rank " + std::to_string(k) +
-                           "'s host: other load, CPU throttling, --threads x ranks per host "
+                       "check rank " + std::to_string(k) + "'s host: other load, CPU throttling, " +
+                           setting("threads") +
+                           " x ranks per host "
                            "against its cores (mpirun --bind-to core), a slower CPU or disk"});
     }
   }
@@ -86,9 +91,11 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
     out.push_back({"communication-bound",
                    "exposed communication takes " + pct(comm / step) + " of the step" +
                        (straggler ? " (on rank 0: much of it waits for the straggler above)" : ""),
-                   "more work per allreduce: a larger --batch-size per rank or "
-                   "--accumulation-steps; keep --overlap on (tune --bucket-mb); between hosts "
-                   "--compression fp16/bf16 and --allreduce hierarchical"});
+                   "more work per allreduce: a larger " + setting("batch_size") + " per rank or " +
+                       setting("accumulation_steps") + "; keep " + setting("overlap") +
+                       " on (tune " + setting("bucket_mb") + "); between hosts " +
+                       setting("compression") + " fp16/bf16 and " + setting("allreduce") +
+                       " hierarchical"});
   // Loss spikes: a logged loss above spike_ratio x the median of the 5 rows before it.
   for (size_t i = 5; i < rows.size(); ++i) {
     std::vector<double> prev;
@@ -99,8 +106,9 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
                      "the loss jumps to " + fmt(l) + " at step " +
                          std::to_string(rows[i]["step"].get<int64_t>()) + " from about " +
                          fmt(base),
-                     "lower --lr or raise --warmup; resume from the checkpoint before the spike; "
-                     "check the data around it (bertrain inspect)"});
+                     "lower " + setting("lr") + " or raise " + setting("warmup") +
+                         "; resume from the checkpoint before the spike; "
+                         "check the data around it (bertrain inspect)"});
       break;  // the first one; later ones follow from it
     }
   }
@@ -112,8 +120,10 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
                        " steps were skipped for non-finite gradients (loss scale now " +
                        fmt(get(rows.back(), "train/loss_scale")) + ")",
                    skipped > 0.01 * steps
-                       ? "more than 1% of the steps: train with --precision bf16 (fp16's range "
-                         "overflows) or lower --lr"
+                       ? "more than 1% of the steps: train with " + setting("precision") +
+                             " bf16 (fp16's range "
+                             "overflows) or lower " +
+                             setting("lr")
                        : "a few skips while the loss scale settles are normal for fp16"});
   }
   if (memory_bytes > 0) {
@@ -122,9 +132,11 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
       out.push_back({"memory",
                      "peak memory " + fmt(peak / 1073741824.0) + " GiB is " +
                          pct(peak / memory_bytes) + " of this machine's",
-                     "lower --batch-size (with --accumulation-steps to keep the global batch) or "
-                     "--seq-len; bertrain estimate --memory-budget picks the largest batch that "
-                     "fits"});
+                     "lower " + setting("batch_size") + " (with " + setting("accumulation_steps") +
+                         " to keep the global batch) or " + setting("seq_len") +
+                         "; bertrain estimate " + setting("memory_budget") +
+                         " picks the largest batch that "
+                         "fits"});
   }
   return out;
 }

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/safetensors.h"
+#include "core/setting.h"
 #include "data/pipeline.h"
 #include "data/pretraining.h"
 #include "data/schema.h"
@@ -206,7 +207,7 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   std::string vocab_path = cfg.vocab;
   if (vocab_path.empty() && fs::exists(fs::path(src) / "vocab.txt"))
     vocab_path = (fs::path(src) / "vocab.txt").string();
-  if (vocab_path.empty()) fail("--vocab is required (the checkpoint has no vocab.txt)");
+  if (vocab_path.empty()) fail(setting("vocab"), " is required (the checkpoint has no vocab.txt)");
   const data::Vocab vocab = data::Vocab::load(vocab_path);
   if (vocab.size() != mc.vocab_size)
     fail("vocabulary ", vocab_path, " has ", vocab.size(), " tokens, the model ", mc.vocab_size);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "core/error.h"
+#include "core/setting.h"
 
 namespace bertrain::train {
 
@@ -41,9 +42,11 @@ class LossScaler {
            cfg_.enabled
                ? str(" in ", consecutive_skips_, " consecutive steps (loss scale ", scale_,
                      "; an fp16 activation beyond +-65504 overflows at any scale: if the loss is "
-                     "not finite either, train with --precision bf16)")
+                     "not finite either, train with ",
+                     setting("precision"), " bf16)")
                : std::string(" (fp32/bf16 training has diverged)"),
-           "; lower --lr, raise --warmup, or resume from the last good checkpoint");
+           "; lower ", setting("lr"), ", raise ", setting("warmup"),
+           ", or resume from the last good checkpoint");
     scale_ = std::max(cfg_.min_scale, scale_ * cfg_.backoff);
     return false;
   }

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/setting.h"
 #include "plan/memory.h"
 
 namespace bertrain::train {
@@ -18,7 +19,7 @@ std::vector<ParamSlice> param_slices(const model::ParamTable& table) {
 OptimizerKind parse_optimizer(const std::string& s) {
   if (s == "adamw") return OptimizerKind::AdamW;
   if (s == "lamb") return OptimizerKind::Lamb;
-  fail("--optimizer must be adamw or lamb, got '", s, "'");
+  fail(setting("optimizer"), " must be adamw or lamb, got '", s, "'");
 }
 
 const char* optimizer_name(OptimizerKind k) {

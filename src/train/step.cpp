@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/setting.h"
 
 namespace bertrain::train {
 
@@ -123,6 +124,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
 
   // Finite check on every rank (all skip together), then the update.
   t0 = Clock::now();
+  m_.bind_kernel_scratch();  // the optimizer's reductions take their partial sums from it
   const StepResult measured = opt_.measure(m_.grads(), g.unscale);
   const bool finite = world > 1 ? comm_.all(measured.finite) : measured.finite;
   r.grad_norm = measured.grad_norm;
@@ -131,7 +133,8 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   if (finite && stats[6] > 0 && !scaler_.enabled())
     fail("step ", step, ": the loss is not finite",
          world > 1 ? str(" on ", stats[6], " micro-batch(es) of ", world, " ranks") : std::string(),
-         "; lower --lr or raise --warmup and resume from the last good checkpoint", hint);
+         "; lower ", setting("lr"), " or raise ", setting("warmup"),
+         " and resume from the last good checkpoint", hint);
   r.applied = scaler_.update(finite, step);  // fails after too many skips, or at once in fp32
   if (r.applied) {
     // Clipping uses the same global norm on every rank: gradients are identical after the sum.

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/setting.h"
 #include "kernels/cpu/matmul.h"
 #include "model/checkpoint.h"
 #include "obs/events.h"
@@ -92,7 +93,7 @@ Precision parse_precision(const std::string& s) {
   if (s == "fp32") return Precision::FP32;
   if (s == "bf16") return Precision::BF16;
   if (s == "fp16") return Precision::FP16;
-  fail("--precision must be fp32, bf16 or fp16, got '", s, "'");
+  fail(setting("precision"), " must be fp32, bf16 or fp16, got '", s, "'");
 }
 
 const char* precision_name(Precision p) {
@@ -290,9 +291,10 @@ std::string Trainer::State::save(int64_t step_done, const data::PipelinePosition
 }
 
 Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
-  if (cfg.steps <= 0) fail("--steps must be positive");
-  if (cfg.accumulation <= 0) fail("--accumulation-steps must be positive");
-  if (cfg.output.empty()) fail("--output is required (the run directory for checkpoints)");
+  if (cfg.steps <= 0) fail(setting("steps"), " must be positive");
+  if (cfg.accumulation <= 0) fail(setting("accumulation_steps"), " must be positive");
+  if (cfg.output.empty())
+    fail(setting("output"), " is required (the run directory for checkpoints)");
   s_ = std::make_unique<State>(cfg, comm);
   State& s = *s_;
   s.resume_or_init();
@@ -406,7 +408,8 @@ TrainResult Trainer::run() {
     } catch (const data::Interrupted&) {
       if (world > 1)  // the peers are in this step's collectives: the job cannot stop cleanly
         fail("stopped by signal ", g_stop_signal.load(), " while rank ", rank,
-             " waited for input; the last complete checkpoint stands (continue with --resume)");
+             " waited for input; the last complete checkpoint stands (continue with ",
+             setting("resume"), ")");
       return false;
     }
   };
@@ -489,13 +492,14 @@ std::string Trainer::summary() const {
     out += str("metrics: ", s.events->path(), " (tensorboard --logdir ", cfg.output, ") and ",
                s.metrics->path(), "\n");
   if (const uint64_t skipped = s.pipe->stats().skipped; skipped > 0)
-    out += str("input: ", skipped, " unusable records skipped on this rank (--on-corrupt skip)\n");
+    out += str("input: ", skipped, " unusable records skipped on this rank (",
+               setting("on_corrupt"), " skip)\n");
   if (res.interrupted)
     out += str("train: stopped ",
                g_stop_signal.load() ? str("by signal ", g_stop_signal.load())
-                                    : std::string("as --stop-after-steps asked"),
-               " after step ", s.end_step, "; checkpoint ", res.last_checkpoint,
-               " (continue with --resume)\n");
+                                    : str("as ", setting("stop_after_steps"), " asked"),
+               " after step ", s.end_step, "; checkpoint ", res.last_checkpoint, " (continue with ",
+               setting("resume"), ")\n");
   const Totals& t = s.totals;
   if (t.steps == 0) return out;
   const double n = static_cast<double>(t.steps);
@@ -523,12 +527,13 @@ std::string Trainer::summary() const {
                 achieved, 100.0 * achieved / s.peak_gflops,
                 cfg.precision == Precision::BF16 ? "bf16" : "fp32", s.peak_gflops);
   out += line;
-  const char* bottleneck =
-      pct(t.input) > 10  ? "input pipeline (raise --readers/--prefetch or add shards)"
+  const std::string bottleneck =
+      pct(t.input) > 10  ? str("input pipeline (raise ", setting("readers"), "/",
+                               setting("prefetch"), " or add shards)")
       : pct(t.comm) > 20 ? "communication (larger batch per rank or fewer ranks per link)"
                          : "compute (forward/backward kernels)";
   std::snprintf(line, sizeof line, "bottleneck: %s; loss scale %g, %lld skipped steps, ",
-                bottleneck, s.scaler.scale(), (long long)s.scaler.skipped());
+                bottleneck.c_str(), s.scaler.scale(), (long long)s.scaler.skipped());
   out += line + str("final checkpoint ", res.last_checkpoint, "\n");
   return out;
 }

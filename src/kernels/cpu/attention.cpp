@@ -1,6 +1,8 @@
 #include "kernels/cpu/attention.h"
 
+#include <omp.h>
 #include <algorithm>
+
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -12,6 +14,7 @@
 #include "kernels/cpu/attention_rows.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/scratch.h"
 
 namespace bertrain::kernels {
 
@@ -382,26 +385,29 @@ void forward_impl(float* ctx, float* scores, S* saved, X* dropped, const X* qkv,
   const int64_t sq = T * C3, sp = NH * TT, sctx = T * C;  // per-sequence strides
   // probs = scale * Q K^T over every sequence and head (head h: columns h*HD of Q and K).
   gemm(false, true, T, T, HD, scale, qkv, C3, HD, sq, qkv + C, C3, HD, sq, scores, T, TT, sp);
-  with_isa([&](auto tag) {
+  const bool query = GemmScratchQuery::active();  // attention_scratch: the products only
+  // The additive mask row: each thread's part of the kernel scratch.
+  const ScratchBlock rows =
+      query ? ScratchBlock{} : scratch_block(ScratchPart::MaskRow, T * 4, omp_get_max_threads());
+  if (!query)
+    with_isa([&](auto tag) {
 #pragma omp parallel
-    {
-      // The additive mask row; a per-thread buffer kept between calls (no allocation per step).
-      thread_local std::vector<float> bias;
-      bias.resize(T);
+      {
+        float* bias = rows.as<float>(omp_get_thread_num());
 #pragma omp for schedule(static)
-      for (int64_t bh = 0; bh < B * NH; ++bh) {
-        const int64_t b = bh / NH;
-        for (int64_t j = 0; j < T; ++j) bias[j] = mask[b * T + j] ? 0.0f : -10000.0f;
-        for (int64_t i = 0; i < T; ++i) {
-          const int64_t r = (bh * T + i) * T;
-          X* out = dropped ? dropped + r : nullptr;
-          const uint64_t idx0 = offset + static_cast<uint64_t>(r);
-          softmax_row(tag, scores + r, saved ? saved + r : nullptr, bias.data(), out, T, dropout_p,
-                      keep_scale, key, idx0);
+        for (int64_t bh = 0; bh < B * NH; ++bh) {
+          const int64_t b = bh / NH;
+          for (int64_t j = 0; j < T; ++j) bias[j] = mask[b * T + j] ? 0.0f : -10000.0f;
+          for (int64_t i = 0; i < T; ++i) {
+            const int64_t r = (bh * T + i) * T;
+            X* out = dropped ? dropped + r : nullptr;
+            const uint64_t idx0 = offset + static_cast<uint64_t>(r);
+            softmax_row(tag, scores + r, saved ? saved + r : nullptr, bias, out, T, dropout_p,
+                        keep_scale, key, idx0);
+          }
         }
       }
-    }
-  });
+    });
   // ctx[b, :, h*HD:(h+1)*HD] = dropped probs · V_h
   const X* pd = dropped;
   if constexpr (std::is_same_v<X, float>)
@@ -422,8 +428,9 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
   // dV = dropped^T · dctx (the dropped probabilities regenerated into pd).
   const X* dropped = pd;
   if constexpr (std::is_same_v<X, P>)
-    if (dropout_p <= 0.0f) dropped = probs;  // without dropout the saved row is the operand
-  if (dropped == pd)
+    if (dropout_p <= 0.0f) dropped = probs;       // without dropout the saved row is the operand
+  const bool query = GemmScratchQuery::active();  // attention_scratch: the products only
+  if (dropped == pd && !query)
     with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < B * NH * T; ++r) {
@@ -435,14 +442,15 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
        sq);
   // d(dropped) = dctx · V^T into work, then through dropout and softmax, scaled: dS into pd.
   gemm(false, true, T, T, HD, 1.0f, dctx, C, HD, sctx, qkv + 2 * C, C3, HD, sq, work, T, TT, sp);
-  with_isa([&](auto tag) {
+  if (!query)
+    with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < B * NH * T; ++r) {
-      const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
-      softmax_backward_row(tag, work + r * T, pd + r * T, probs + r * T, T, dropout_p, keep_scale,
-                           key, idx0, scale);
-    }
-  });
+      for (int64_t r = 0; r < B * NH * T; ++r) {
+        const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
+        softmax_backward_row(tag, work + r * T, pd + r * T, probs + r * T, T, dropout_p, keep_scale,
+                             key, idx0, scale);
+      }
+    });
   // dQ = dS · K, dK = dS^T · Q.
   gemm(false, false, T, HD, T, 1.0f, pd, T, TT, sp, qkv + C, C3, HD, sq, dqkv, C3, HD, sq);
   gemm(true, false, T, HD, T, 1.0f, pd, T, TT, sp, qkv, C3, HD, sq, dqkv + C, C3, HD, sq);
@@ -482,6 +490,25 @@ void attention_backward(float* dqkv, float* work, const float* dctx, const float
                                            reinterpret_cast<const rows::F16*>(probs_f16), s,
                                            dropout_p, key, offset);
   backward_impl<float, float>(dqkv, work, work, dctx, qkv, probs, s, dropout_p, key, offset);
+}
+
+AttentionScratch attention_scratch(const AttentionShape& s, bool bf16, bool blocked) {
+  if (blocked) return attention_blocked_scratch(s, bf16);
+  AttentionScratch a;
+  a.mask_row = s.T * 4;
+  GemmScratchQuery q;  // the kernels' own calls: products only, on placeholder operands
+  float* f = q.placeholder<float>();
+  uint16_t* h = q.placeholder<uint16_t>();
+  const int32_t* m = q.placeholder<int32_t>();
+  if (bf16) {
+    forward_impl<uint16_t>(f, f, h, h, h, m, s, 0.1f, 0, 0);
+    backward_impl<uint16_t, uint16_t>(f, f, h, h, h, h, s, 0.1f, 0, 0);
+  } else {
+    forward_impl<float>(f, f, h, f, f, m, s, 0.1f, 0, 0);
+    backward_impl<float, float>(f, f, f, f, f, f, s, 0.1f, 0, 0);
+  }
+  a.caller_gemm = q.bytes();
+  return a;
 }
 
 }  // namespace bertrain::kernels

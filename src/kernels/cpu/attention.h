@@ -55,6 +55,18 @@ void attention_blocked_backward(float* dqkv, const float* dctx, const float* qkv
                                 const int32_t* mask, const AttentionShape& s, float dropout_p,
                                 uint64_t key, uint64_t offset, const AttentionBf16* bf16 = nullptr);
 
+// The attention kernels' kernel scratch (scratch.h) for this shape: oneDNN's scratchpad for
+// their products (from the products themselves, matmul.h's GemmScratchQuery) — made by the
+// caller (full kernel) or on every thread (blocked) — and per thread the blocked kernel's
+// row-block buffers and the mask row.
+struct AttentionScratch {
+  int64_t caller_gemm = 0, thread_gemm = 0, rows = 0, mask_row = 0;
+};
+AttentionScratch attention_scratch(const AttentionShape& s, bool bf16, bool blocked);
+
+// attention_scratch's part for the blocked kernel.
+AttentionScratch attention_blocked_scratch(const AttentionShape& s, bool bf16);
+
 // Plain loops, one (sequence, head) per thread: the oracle the fast kernels are tested against.
 void attention_forward_reference(float* ctx, float* probs, const float* qkv, const int32_t* mask,
                                  const AttentionShape& s, float dropout_p, uint64_t key,

@@ -5,6 +5,8 @@
 // one pass per row for dropout + softmax backward, then dV += P_drop^T dctx, dQ_blk = dS K,
 // dK += dS^T Q_blk. Each block's rows stay in cache; no [B,NH,T,T] buffer exists at all.
 // Promoted from bench/bench_attention_blocked.cpp (see there for the measurements).
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -18,6 +20,7 @@
 #include "kernels/cpu/attention_rows.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/scratch.h"
 
 namespace bertrain::kernels {
 namespace {
@@ -190,18 +193,19 @@ void block_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const uint16_
   gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, nullptr, accumulate);
 }
 
-// Per-thread row-block buffers, kept between calls (no allocation per step once sized).
+// One thread's row-block buffers (scores s and gradients g in fp32, a and b in the operand type)
+// and its mask row: its parts of the kernel scratch (scratch.h).
 template <typename X>
 struct Buffers {
-  std::vector<float> s, g, bias;
-  std::vector<X> a, b;
-  void size(int64_t T) {
-    s.resize(kRows * T);
-    g.resize(kRows * T);
-    bias.resize(T);
-    a.resize(kRows * T);
-    b.resize(kRows * T);
-  }
+  float *s, *g, *bias;
+  X *a, *b;
+  static int64_t row_bytes(int64_t T) { return kRows * T * (2 * 4 + 2 * int64_t{sizeof(X)}); }
+  Buffers(std::byte* rows, float* mask_row, int64_t T)
+      : s(reinterpret_cast<float*>(rows)),
+        g(s + kRows * T),
+        bias(mask_row),
+        a(reinterpret_cast<X*>(g + kRows * T)),
+        b(a + kRows * T) {}
 };
 
 void fill_bias(float* bias, const int32_t* mask, int64_t b, int64_t T) {
@@ -211,20 +215,30 @@ void fill_bias(float* bias, const int32_t* mask, int64_t b, int64_t T) {
 // The loop both directions share: one (sequence, head) per thread, with that thread's
 // buffers (mask row filled in) and the head's Q, K, V columns; body(isa tag, buf, bh, b, h, q, k,
 // v).
+// Under a GemmScratchQuery (attention_blocked_scratch) body runs once, on this thread, with
+// query true: it then makes its products only.
 template <typename X, typename F>
 void for_each_head(const AttentionShape& s, const X* qkv, const int32_t* mask, F&& body) {
   const int64_t T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C;
+  if (GemmScratchQuery::active()) {
+    Buffers<X> none(reinterpret_cast<std::byte*>(const_cast<X*>(qkv)), nullptr, 0);
+    return with_isa([&](auto tag) { body(tag, true, none, 0, 0, 0, qkv, qkv, qkv); });
+  }
+  const int threads = omp_get_max_threads();
+  const ScratchBlock rows =
+      scratch_block(ScratchPart::AttentionRows, Buffers<X>::row_bytes(T), threads);
+  const ScratchBlock mask_rows = scratch_block(ScratchPart::MaskRow, T * 4, threads);
   with_isa([&](auto tag) {
 #pragma omp parallel
     {
-      thread_local Buffers<X> buf;
-      buf.size(T);
+      const int t = omp_get_thread_num();
+      Buffers<X> buf(rows.at(t), mask_rows.as<float>(t), T);
 #pragma omp for schedule(static)
       for (int64_t bh = 0; bh < s.B * NH; ++bh) {
         const int64_t b = bh / NH, h = bh % NH;
         const X* q = qkv + b * T * C3 + h * HD;
-        fill_bias(buf.bias.data(), mask, b, T);
-        body(tag, buf, bh, b, h, q, q + C, q + 2 * C);
+        fill_bias(buf.bias, mask, b, T);
+        body(tag, false, buf, bh, b, h, q, q + C, q + 2 * C);
       }
     }
   });
@@ -236,27 +250,27 @@ void forward_impl(float* ctx, float* lse, const X* qkv, const int32_t* mask,
   const int64_t T = s.T, C = s.C, HD = C / s.NH, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
-  for_each_head(
-      s, qkv, mask,
-      [&](auto tag, Buffers<X>& buf, int64_t bh, int64_t b, int64_t h, const X* q, const X* k,
-          const X* v) {
-        for (int64_t i0 = 0; i0 < T; i0 += kRows) {
-          const int64_t rows = std::min(kRows, T - i0);
-          block_gemm(false, true, rows, T, HD, q + i0 * C3, C3, k, C3, buf.s.data(), T, false);
-          X* dropped;
-          if constexpr (std::is_same_v<X, float>)
-            dropped = buf.s.data();  // in place
-          else
-            dropped = buf.a.data();
-          for (int64_t i = 0; i < rows; ++i) {
-            const int64_t r = bh * T + i0 + i;
-            lse[r] = forward_row(tag, buf.s.data() + i * T, dropped + i * T, buf.bias.data(), T,
-                                 scale, p, keep_scale, key, offset + static_cast<uint64_t>(r * T));
-          }
-          block_gemm(false, false, rows, HD, T, dropped, T, v, C3, ctx + (b * T + i0) * C + h * HD,
-                     C, false);
-        }
-      });
+  for_each_head(s, qkv, mask,
+                [&](auto tag, bool query, Buffers<X>& buf, int64_t bh, int64_t b, int64_t h,
+                    const X* q, const X* k, const X* v) {
+                  for (int64_t i0 = 0; i0 < T; i0 += kRows) {
+                    const int64_t rows = std::min(kRows, T - i0);
+                    block_gemm(false, true, rows, T, HD, q + i0 * C3, C3, k, C3, buf.s, T, false);
+                    X* dropped;
+                    if constexpr (std::is_same_v<X, float>)
+                      dropped = buf.s;  // in place
+                    else
+                      dropped = buf.a;
+                    for (int64_t i = 0; i < rows && !query; ++i) {
+                      const int64_t r = bh * T + i0 + i;
+                      lse[r] =
+                          forward_row(tag, buf.s + i * T, dropped + i * T, buf.bias, T, scale, p,
+                                      keep_scale, key, offset + static_cast<uint64_t>(r * T));
+                    }
+                    block_gemm(false, false, rows, HD, T, dropped, T, v, C3,
+                               ctx + (b * T + i0) * C + h * HD, C, false);
+                  }
+                });
 }
 
 template <typename X>
@@ -265,31 +279,30 @@ void backward_impl(float* dqkv, const X* dctx, const X* qkv, const float* lse, c
   const int64_t T = s.T, C = s.C, HD = C / s.NH, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const float keep_scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
-  for_each_head(
-      s, qkv, mask,
-      [&](auto tag, Buffers<X>& buf, int64_t bh, int64_t b, int64_t h, const X* q, const X* k,
-          const X* v) {
-        float* dq = dqkv + b * T * C3 + h * HD;
-        float *dk = dq + C, *dv = dq + 2 * C;
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t e = 0; e < HD; ++e) dk[t * C3 + e] = dv[t * C3 + e] = 0.0f;
-        for (int64_t i0 = 0; i0 < T; i0 += kRows) {
-          const int64_t rows = std::min(kRows, T - i0);
-          const X* dout = dctx + (b * T + i0) * C + h * HD;
-          block_gemm(false, true, rows, T, HD, q + i0 * C3, C3, k, C3, buf.s.data(), T, false);
-          block_gemm(false, true, rows, T, HD, dout, C, v, C3, buf.g.data(), T, false);
-          for (int64_t i = 0; i < rows; ++i) {
-            const int64_t r = bh * T + i0 + i;
-            backward_row(tag, buf.s.data() + i * T, buf.g.data() + i * T, buf.a.data() + i * T,
-                         buf.b.data() + i * T, buf.bias.data(), T, scale, lse[r], p, keep_scale,
-                         key, offset + static_cast<uint64_t>(r * T));
-          }
-          // dV += P_drop^T dctx_blk; dQ_blk = dS K; dK += dS^T Q_blk
-          block_gemm(true, false, T, HD, rows, buf.a.data(), T, dout, C, dv, C3, true);
-          block_gemm(false, false, rows, HD, T, buf.b.data(), T, k, C3, dq + i0 * C3, C3, false);
-          block_gemm(true, false, T, HD, rows, buf.b.data(), T, q + i0 * C3, C3, dk, C3, true);
-        }
-      });
+  for_each_head(s, qkv, mask,
+                [&](auto tag, bool query, Buffers<X>& buf, int64_t bh, int64_t b, int64_t h,
+                    const X* q, const X* k, const X* v) {
+                  float* dq = dqkv + b * T * C3 + h * HD;
+                  float *dk = dq + C, *dv = dq + 2 * C;
+                  for (int64_t t = 0; t < T && !query; ++t)
+                    for (int64_t e = 0; e < HD; ++e) dk[t * C3 + e] = dv[t * C3 + e] = 0.0f;
+                  for (int64_t i0 = 0; i0 < T; i0 += kRows) {
+                    const int64_t rows = std::min(kRows, T - i0);
+                    const X* dout = dctx + (b * T + i0) * C + h * HD;
+                    block_gemm(false, true, rows, T, HD, q + i0 * C3, C3, k, C3, buf.s, T, false);
+                    block_gemm(false, true, rows, T, HD, dout, C, v, C3, buf.g, T, false);
+                    for (int64_t i = 0; i < rows && !query; ++i) {
+                      const int64_t r = bh * T + i0 + i;
+                      backward_row(tag, buf.s + i * T, buf.g + i * T, buf.a + i * T, buf.b + i * T,
+                                   buf.bias, T, scale, lse[r], p, keep_scale, key,
+                                   offset + static_cast<uint64_t>(r * T));
+                    }
+                    // dV += P_drop^T dctx_blk; dQ_blk = dS K; dK += dS^T Q_blk
+                    block_gemm(true, false, T, HD, rows, buf.a, T, dout, C, dv, C3, true);
+                    block_gemm(false, false, rows, HD, T, buf.b, T, k, C3, dq + i0 * C3, C3, false);
+                    block_gemm(true, false, T, HD, rows, buf.b, T, q + i0 * C3, C3, dk, C3, true);
+                  }
+                });
 }
 
 }  // namespace
@@ -314,6 +327,25 @@ void attention_blocked_backward(float* dqkv, const float* dctx, const float* qkv
                                    offset);
   }
   backward_impl<float>(dqkv, dctx, qkv, lse, mask, s, dropout_p, key, offset);
+}
+
+AttentionScratch attention_blocked_scratch(const AttentionShape& s, bool bf16) {
+  AttentionScratch a;
+  a.mask_row = s.T * 4;
+  a.rows = bf16 ? Buffers<uint16_t>::row_bytes(s.T) : Buffers<float>::row_bytes(s.T);
+  GemmScratchQuery q;  // the kernels' own calls: products only, on placeholder operands
+  float* f = q.placeholder<float>();
+  uint16_t* h = q.placeholder<uint16_t>();
+  const int32_t* m = q.placeholder<int32_t>();
+  if (bf16) {
+    forward_impl<uint16_t>(f, f, h, m, s, 0.1f, 0, 0);
+    backward_impl<uint16_t>(f, h, h, f, m, s, 0.1f, 0, 0);
+  } else {
+    forward_impl<float>(f, f, f, m, s, 0.1f, 0, 0);
+    backward_impl<float>(f, f, f, f, m, s, 0.1f, 0, 0);
+  }
+  a.thread_gemm = q.bytes();
+  return a;
 }
 
 }  // namespace bertrain::kernels

@@ -2,6 +2,9 @@
 // dispatching on the CPU's ISA) and oneDNN's matmuls. The precision branches live here, once.
 #include "kernels/backend.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstring>
 
 #include "core/dtype.h"
@@ -13,6 +16,7 @@
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/optimizer.h"
+#include "kernels/cpu/scratch.h"
 
 namespace bertrain::kernels {
 
@@ -21,6 +25,36 @@ namespace {
 class CpuBackend final : public Backend {
  public:
   const char* name() const override { return "cpu"; }
+
+  ScratchLayout scratch_layout(const KernelShapes& k) const override {
+    ScratchLayout l;
+    l.threads = omp_get_max_threads();
+    const bool bf16 = k.precision == Precision::BF16;
+    // oneDNN's scratchpad for each product the model makes, from the kernels' own calls (their
+    // primitives made now and cached for the run). Without a bf16 matmul on this CPU no bf16
+    // product can run (an error of its own, kernels/cpu/matmul.cpp): nothing to plan for them.
+    const bool products = !bf16 || gemm_bf16_available();
+    for (int64_t i = 0; products && i < k.num_linears; ++i) {
+      const LinearShape& x = k.linears[i];
+      l.caller = std::max(l.caller, linear_scratch_bytes(bf16, x.M, x.N, x.K));
+    }
+    AttentionScratch a;
+    if (k.attention.B > 0) {  // (fp32 rows without a bf16 matmul: larger, and never run)
+      a = attention_scratch(k.attention, bf16 && products, k.blocked_attention);
+      l.caller = std::max(l.caller, a.caller_gemm);
+    }
+    auto part = [&](ScratchPart p) -> int64_t& { return l.part[static_cast<int>(p)]; };
+    part(ScratchPart::Gemm) = a.thread_gemm;
+    part(ScratchPart::AttentionRows) = a.rows;
+    part(ScratchPart::MaskRow) = a.mask_row;
+    part(ScratchPart::LayerNorm) = 2 * k.layernorm_width * int64_t{sizeof(float)};
+    part(ScratchPart::Optimizer) = 2 * int64_t{sizeof(double)};  // LAMB's two norms
+    return l;
+  }
+
+  void bind_scratch(void* region, const ScratchLayout& layout) const override {
+    kernels::bind_scratch(static_cast<std::byte*>(region), layout);
+  }
 
   void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias, int64_t M,
                       int64_t N, int64_t K, const Workspace& ws) const override {
@@ -185,11 +219,39 @@ class CpuBackend final : public Backend {
     });
   }
 
-  double cross_entropy(float* dlogits, float* losses, int32_t* correct, const float* logits,
-                       const int32_t* targets, const float* weights, int64_t N, int64_t V,
-                       float dscale) const override {
-    return cross_entropy_forward_backward(dlogits, losses, correct, logits, targets, weights, N, V,
-                                          dscale);
+  CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
+                                 const float* logits, const int32_t* targets, const float* weights,
+                                 int64_t N, int64_t V, float dscale) const override {
+    CrossEntropySums s;
+    s.loss = cross_entropy_forward_backward(dlogits, losses, correct, logits, targets, weights, N,
+                                            V, dscale);
+    if (correct)
+      for (int64_t i = 0; i < N; ++i) s.correct += (weights ? weights[i] : 1.0) * correct[i];
+    return s;
+  }
+
+  void copy(float* dst, const float* src, int64_t n) const override {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  }
+
+  void gather_rows(float* out, const float* seq, const int32_t* positions, int64_t B, int64_t P,
+                   int64_t T, int64_t C) const override {
+    for (int64_t r = 0; r < B * P; ++r)
+      std::memcpy(out + r * C, seq + ((r / P) * T + (positions ? positions[r] : 0)) * C,
+                  static_cast<size_t>(C) * sizeof(float));
+  }
+
+  void scatter_add_rows(float* dseq, const float* d, const int32_t* positions, int64_t B, int64_t P,
+                        int64_t T, int64_t C) const override {
+    // One sequence per thread: its rows are its own, so repeated positions add in order.
+#pragma omp parallel for schedule(static) if (B * P * C > 65536)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < P; ++j) {
+        const int64_t r = b * P + j;
+        float* dst = dseq + (b * T + (positions ? positions[r] : 0)) * C;
+        const float* src = d + r * C;
+        for (int64_t c = 0; c < C; ++c) dst[c] += src[c];
+      }
   }
 
   void add_sum_squares(double& sum, const float* g, int64_t n, double scale) const override {

@@ -11,6 +11,7 @@
 #include "core/simd_avx512.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/embedding.h"
+#include "kernels/cpu/scratch.h"
 
 namespace bertrain::kernels {
 namespace {
@@ -300,16 +301,15 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
                                 uint64_t offset) {
   // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat)), xhat = (x - mean) * rstd
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
-  int nthreads = omp_get_max_threads();
-  // Per-thread dgamma/dbeta partials, kept between calls (no allocation per step).
-  // (The calling thread's buffer: worker threads reach it through `base`, not by name.)
-  thread_local std::vector<float> partial;
-  partial.assign(static_cast<size_t>(nthreads) * 2 * C, 0.0f);
-  float* const base = partial.data();
+  const int nthreads = omp_get_max_threads();
+  // Per-thread dgamma/dbeta partials: each thread's part of the kernel scratch (scratch.h).
+  const ScratchBlock partial =
+      scratch_block(ScratchPart::LayerNorm, 2 * C * int64_t{sizeof(float)}, nthreads);
+  for (int t = 0; t < nthreads; ++t) std::fill_n(partial.as<float>(t), 2 * C, 0.0f);
   with_isa([&](auto tag) {
 #pragma omp parallel
     {
-      float* pg = base + static_cast<size_t>(omp_get_thread_num()) * 2 * C;
+      float* pg = partial.as<float>(omp_get_thread_num());
       float* pb = pg + C;
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < N; ++i)
@@ -319,7 +319,7 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
     }
   });
   for (int t = 0; t < nthreads; ++t) {
-    const float* pg = base + static_cast<size_t>(t) * 2 * C;
+    const float* pg = partial.as<float>(t);
     for (int64_t c = 0; c < C; ++c) {
       dgamma[c] += pg[c];
       dbeta[c] += pg[C + c];

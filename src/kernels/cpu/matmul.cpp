@@ -1,5 +1,7 @@
 #include "kernels/cpu/matmul.h"
 
+#include <omp.h>
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <dnnl.hpp>
@@ -12,6 +14,8 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/isa.h"
+#include "core/setting.h"
+#include "kernels/cpu/scratch.h"
 
 namespace bertrain::kernels {
 namespace {
@@ -97,8 +101,10 @@ bool gemm_bf16_available() {
 
 std::string bf16_speed_note() {
   if (!gemm_bf16_available() || cpu_has_avx512_bf16()) return "";
-  return "note: this CPU has no AVX-512 BF16, so oneDNN emulates the bf16 matmuls, several times "
-         "slower than fp32; --precision fp16 keeps the same activation memory at fp32's speed";
+  return str(
+      "note: this CPU has no AVX-512 BF16, so oneDNN emulates the bf16 matmuls, several "
+      "times slower than fp32; ",
+      setting("precision"), " fp16 keeps the same activation memory at fp32's speed");
 }
 
 std::string cpu_description() {
@@ -162,7 +168,7 @@ const GemmPrim& get_prim(const GemmKey& k) {
   } catch (const dnnl::error& e) {
     if (k.bf16)
       fail("this CPU has no bf16 matrix multiply in oneDNN (it needs AVX-512; ISA in use: ",
-           isa_name(cpu_isa()), "); run with --precision fp32");
+           isa_name(cpu_isa()), "); run with ", setting("precision"), " fp32");
     fail("oneDNN could not create a matmul for [", k.M, "x", k.K, "]x[", k.K, "x", k.N, "] (batch ",
          k.batch, "): ", e.what());
   }
@@ -172,12 +178,16 @@ const GemmPrim& get_prim(const GemmKey& k) {
 }  // namespace
 
 namespace {
+// The calling thread's open GemmScratchQuery (matmul.h), if any.
+thread_local int64_t* t_query = nullptr;
+
 void gemm_any(bool bf16, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A,
               int64_t lda, const void* B, int64_t ldb, float* C, int64_t ldc, const float* bias,
               bool accumulate, int64_t batch = 1, int64_t sa = 0, int64_t sb = 0, int64_t sc = 0,
               float alpha = 1.0f, const OuterBatch& outer = {}) {
   BT_CHECK(!(accumulate && bias), "gemm: bias with accumulate is not supported");
   if (M == 0 || N == 0 || batch == 0 || outer.count == 0) return;
+  if (t_query && K == 0) return;
   BT_CHECK(K > 0 || outer.count == 1, "gemm: an outer batch needs K > 0");
   if (K == 0) {
     if (!accumulate)
@@ -190,6 +200,11 @@ void gemm_any(bool bf16, bool trans_a, bool trans_b, int64_t M, int64_t N, int64
       get_prim({trans_a,     trans_b, accumulate, bias != nullptr, M,  N,  K,  lda,
                 ldb,         ldc,     bf16,       batch,           sa, sb, sc, alpha,
                 outer.count, outer.a, outer.b,    outer.c});
+  const size_t need = p.scratch_md.get_size();
+  if (t_query) {
+    *t_query = std::max(*t_query, static_cast<int64_t>(need));
+    return;
+  }
   // Per thread: one stream, and per primitive the memory objects and argument map, made once and
   // pointed at this call's buffers (no allocation per call on our side).
   struct Args {
@@ -199,10 +214,8 @@ void gemm_any(bool bf16, bool trans_a, bool trans_b, int64_t M, int64_t N, int64
   auto& eng = cpu_engine();
   thread_local dnnl::stream s(eng);
   thread_local std::map<const GemmPrim*, Args> args_of;
-  thread_local std::vector<std::byte> scratch;  // grown to the largest need and kept
   auto [it, fresh] = args_of.try_emplace(&p);
   Args& x = it->second;
-  const size_t need = p.scratch_md.get_size();
   if (fresh) {
     x.a = dnnl::memory(p.a_md, eng, nullptr);
     x.b = dnnl::memory(p.b_md, eng, nullptr);
@@ -221,14 +234,52 @@ void gemm_any(bool bf16, bool trans_a, bool trans_b, int64_t M, int64_t N, int64
   x.b.set_data_handle(const_cast<void*>(B));
   x.c.set_data_handle(C);
   if (bias) x.bias.set_data_handle(const_cast<float*>(bias));
-  if (need) {
-    if (scratch.size() < need) scratch.resize(need);
-    x.scratch.set_data_handle(scratch.data());
+  if (need) {  // the model's kernel scratch (scratch.h): the caller's part, or this thread's
+    const int64_t n = static_cast<int64_t>(need);
+    const int t = omp_get_thread_num();
+    x.scratch.set_data_handle(omp_in_parallel() ? scratch_block(ScratchPart::Gemm, n, t + 1).at(t)
+                                                : caller_scratch(n));
   }
   p.prim.execute(s, x.map);
   s.wait();
 }
 }  // namespace
+
+GemmScratchQuery::GemmScratchQuery() : outer_(t_query) {
+  t_query = &bytes_;
+}
+GemmScratchQuery::~GemmScratchQuery() {
+  t_query = outer_;
+  if (outer_) *outer_ = std::max(*outer_, bytes_);
+}
+bool GemmScratchQuery::active() {
+  return t_query != nullptr;
+}
+
+int64_t linear_scratch_bytes(bool bf16, int64_t M, int64_t N, int64_t K) {
+  // The products of linear_forward* (with and without bias) and linear_backward* (dinp = or +=,
+  // dweight +=), on placeholders never touched.
+  GemmScratchQuery q;
+  float* f = q.placeholder<float>();
+  uint16_t* h = q.placeholder<uint16_t>();
+  for (const float* bias : {static_cast<const float*>(nullptr), static_cast<const float*>(f)}) {
+    if (bf16)
+      gemm_bf16(false, true, M, N, K, h, K, h, K, f, N, bias, false);
+    else
+      gemm(false, true, M, N, K, f, K, f, K, f, N, bias, false);
+  }
+  for (const bool acc : {false, true}) {
+    if (bf16)
+      gemm_bf16(false, false, M, K, N, h, N, h, K, f, K, nullptr, acc);
+    else
+      gemm(false, false, M, K, N, f, N, f, K, f, K, nullptr, acc);
+  }
+  if (bf16)
+    gemm_bf16(true, false, N, K, M, h, N, h, K, f, K, nullptr, true);
+  else
+    gemm(true, false, N, K, M, f, N, f, K, f, K, nullptr, true);
+  return q.bytes();
+}
 
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
           const float* B, int64_t ldb, float* C, int64_t ldc, const float* bias, bool accumulate) {

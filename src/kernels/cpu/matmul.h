@@ -3,6 +3,7 @@
 // Dimension letters: M rows (tokens), K input features, N output features.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -74,6 +75,35 @@ void linear_backward_bf16(float* dinp, float* dweight, float* dbias, const float
 void linear_backward_bf16_in16(float* dinp, float* dweight, float* dbias, const float* dout,
                                const uint16_t* inp16, const uint16_t* weight, int64_t M, int64_t N,
                                int64_t K, bool accumulate_dinp, uint16_t* scratch_out);
+
+// While one is open on a thread, the gemm*() calls there only make (and cache) their oneDNN
+// primitive and record the largest scratchpad it needs (bytes()); nothing is read or written.
+// Kernels size their part of the kernel scratch (scratch.h) by running their own products
+// under one, so the sizes come from the very calls they make. Queries nest (an inner one's
+// bytes reach the outer).
+class GemmScratchQuery {
+ public:
+  GemmScratchQuery();
+  ~GemmScratchQuery();
+  GemmScratchQuery(const GemmScratchQuery&) = delete;
+  GemmScratchQuery& operator=(const GemmScratchQuery&) = delete;
+  int64_t bytes() const { return bytes_; }
+  static bool active();  // one is open on this thread
+  // An operand address for the calls made under the query (never read or written).
+  template <typename T>
+  T* placeholder() const {
+    return reinterpret_cast<T*>(placeholder_);
+  }
+
+ private:
+  int64_t bytes_ = 0;
+  int64_t* outer_;
+  alignas(64) mutable std::byte placeholder_[64] = {};
+};
+
+// oneDNN's scratchpad bytes for the products of linear_forward*/linear_backward* on
+// [M,K] x [N,K]^T, fp32 or bf16 operands.
+int64_t linear_scratch_bytes(bool bf16, int64_t M, int64_t N, int64_t K);
 
 // Plain triple loop in double accumulation: the oracle for gemm in tests.
 void gemm_reference(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,

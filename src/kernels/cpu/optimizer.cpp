@@ -10,6 +10,7 @@
 #include "core/parallel.h"
 #include "core/simd_avx2.h"
 #include "core/simd_avx512.h"
+#include "kernels/cpu/scratch.h"
 
 namespace bertrain::kernels {
 namespace {
@@ -217,12 +218,14 @@ BT_AVX2 void lamb_update_rows(isa::Avx2, float* p, uint16_t* p16, const float* m
   }
 }
 
-// Per-thread partial sums of the calling thread's reductions (a few doubles per thread; workers
-// reach them through the pointer, not by name).
-double* thread_partials(int per_thread) {
-  thread_local std::vector<double> parts;
-  parts.assign(static_cast<size_t>(per_thread) * omp_get_max_threads(), 0.0);
-  return parts.data();
+// Per-thread partial sums of the reductions (per_thread doubles a thread, zeroed): each thread's
+// part of the kernel scratch (scratch.h); thread t's at block.as<double>(t).
+ScratchBlock thread_partials(int per_thread) {
+  const int threads = omp_get_max_threads();
+  const ScratchBlock block =
+      scratch_block(ScratchPart::Optimizer, per_thread * int64_t{sizeof(double)}, threads);
+  for (int t = 0; t < threads; ++t) std::fill_n(block.as<double>(t), per_thread, 0.0);
+  return block;
 }
 }  // namespace
 
@@ -231,12 +234,12 @@ namespace {
 // _reference loops.
 template <typename Tag>
 void add_sum_squares_on(Tag tag, double& sum, const float* g, int64_t n, double scale) {
-  double* part = thread_partials(1);
+  const ScratchBlock part = thread_partials(1);
   const int threads = omp_get_max_threads();
   parallel_chunks(n, [&](int64_t b, int64_t e) {
-    part[omp_get_thread_num()] = sum_squares_rows(tag, g + b, e - b, scale);
+    *part.as<double>(omp_get_thread_num()) = sum_squares_rows(tag, g + b, e - b, scale);
   });
-  for (int t = 0; t < threads; ++t) sum += part[t];
+  for (int t = 0; t < threads; ++t) sum += *part.as<double>(t);
 }
 void add_sum_squares_on(isa::Portable, double& sum, const float* g, int64_t n, double scale) {
   add_sum_squares_reference(sum, g, n, scale);
@@ -258,17 +261,17 @@ void adamw_on(isa::Portable, const AdamwStep& a, float* p, uint16_t* p16, const 
 template <typename Tag>
 void lamb_on(Tag tag, const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
              float* v, int64_t n) {
-  double* part = thread_partials(2);
+  const ScratchBlock part = thread_partials(2);
   const int threads = omp_get_max_threads();
   parallel_chunks(n, [&](int64_t b, int64_t e) {
-    const int t = omp_get_thread_num();
+    double* mine = part.as<double>(omp_get_thread_num());
     lamb_moments_rows(tag, p, g, m, v, b, e, a.gscale, a.beta1, a.beta2, a.ibc1, a.ibc2, a.eps,
-                      a.wd, &part[2 * t], &part[2 * t + 1]);
+                      a.wd, &mine[0], &mine[1]);
   });
   double pn = 0, un = 0;
   for (int t = 0; t < threads; ++t) {
-    pn += part[2 * t];
-    un += part[2 * t + 1];
+    pn += part.as<double>(t)[0];
+    un += part.as<double>(t)[1];
   }
   float trust = 1.0f;
   if (a.wd != 0.0f && pn > 0 && un > 0) trust = static_cast<float>(std::sqrt(pn) / std::sqrt(un));
