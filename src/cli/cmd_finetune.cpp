@@ -12,9 +12,33 @@
 
 namespace bertrain::cli {
 
+namespace {
+// --task and the column flags: a preset's columns, each overridden by its flag.
+struct TaskOpts {
+  std::string task, text_a, text_b, label;
+  train::TaskColumns columns() const {
+    train::TaskColumns c = task.empty() ? train::TaskColumns{} : train::task_columns(task);
+    if (!text_a.empty()) c.text_a = text_a;
+    if (!text_b.empty()) c.text_b = text_b;
+    if (!label.empty()) c.label = label;
+    return c;
+  }
+};
+
+void add_task_options(CLI::App* c, TaskOpts& t) {
+  c->add_option("--task", t.task,
+                "Read text files as this task distributes them: " + train::known_tasks());
+  c->add_option("--text-a-column", t.text_a,
+                "Column (TSV header) or key (JSON lines) of the first text");
+  c->add_option("--text-b-column", t.text_b, "Column or key of the second text (sentence pairs)");
+  c->add_option("--label-column", t.label, "Column or key of the label");
+}
+}  // namespace
+
 void add_finetune(CLI::App& app) {
   struct Opts {
     train::FinetuneConfig cfg;
+    TaskOpts task;
     std::string lower = "auto", precision = "fp32";
     int threads = 0;
   };
@@ -26,9 +50,12 @@ void add_finetune(CLI::App& app) {
                 "Pretrained model: run directory, checkpoint or HuggingFace directory")
       ->required();
   c->add_option("--train", f.train,
-                "Training data: TSV (label<TAB>text_a[<TAB>text_b]) or classification TFRecords")
+                "Training data: a TSV (header row; by default label, text_a[, text_b]) or JSON "
+                "lines (.json/.jsonl) file, or classification TFRecords")
       ->required();
-  c->add_option("--dev", f.dev, "Dev data (same format): accuracy after every epoch");
+  c->add_option("--dev", f.dev,
+                "Dev data (its own format, the same columns): accuracy after every epoch");
+  add_task_options(c, o->task);
   c->add_option("--output", f.output, "Where to save the fine-tuned model (HuggingFace directory)");
   c->add_option("--vocab", f.vocab, "WordPiece vocabulary (default: vocab.txt of the checkpoint)");
   c->add_option("--lower-case", o->lower, "auto, true or false")->capture_default_str();
@@ -52,6 +79,7 @@ void add_finetune(CLI::App& app) {
     train::FinetuneConfig cfg = o->cfg;
     cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
     cfg.precision = train::parse_precision(o->precision);
+    cfg.columns = o->task.columns();
     train::finetune(cfg);
   });
 }
@@ -59,6 +87,7 @@ void add_finetune(CLI::App& app) {
 void add_predict(CLI::App& app) {
   struct Opts {
     std::string checkpoint, input;
+    TaskOpts task;
     int64_t batch = 32;
     int threads = 0;
   };
@@ -66,8 +95,11 @@ void add_predict(CLI::App& app) {
   auto* c = app.add_subcommand("predict", "Labels for new text with a fine-tuned classifier");
   c->add_option("--checkpoint", o->checkpoint, "A directory written by bertrain finetune")
       ->required();
-  c->add_option("--input", o->input, "TSV with a text_a column (and label, to report accuracy)")
+  c->add_option("--input", o->input,
+                "TSV or JSON lines with the texts (and labels, to report accuracy); the columns "
+                "the model was fine-tuned with unless told")
       ->required();
+  add_task_options(c, o->task);
   c->add_option("--batch-size", o->batch, "Examples per batch")->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
@@ -85,7 +117,11 @@ void add_predict(CLI::App& app) {
     const data::Vocab vocab =
         data::Vocab::load((std::filesystem::path(o->checkpoint) / "vocab.txt").string());
     const data::Tokenizer tok(vocab, bt.value("lower_case", vocab.looks_uncased()));
-    train::LabeledSet s = train::read_tsv(o->input, tok, seq, names);
+    train::TaskColumns cols = o->task.columns();
+    if (cols.empty() && bt.contains("columns"))
+      cols = {bt["columns"].value("text_a", ""), bt["columns"].value("text_b", ""),
+              bt["columns"].value("label", "")};
+    train::LabeledSet s = train::read_task_file(o->input, cols, tok, seq, names);
     model::BertModel m(mc, model::Head::SequenceClassification, {o->batch, seq, 0});
     model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
     std::vector<train::Prediction> preds;

@@ -1,6 +1,7 @@
 #include "train/finetune.h"
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -42,6 +43,12 @@ std::vector<std::string> split_tabs(const std::string& line) {
   return out;
 }
 
+std::string str_join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& x : v) out += (out.empty() ? "'" : ", '") + x + "'";
+  return out;
+}
+
 bool is_int(const std::string& s) {
   if (s.empty()) return false;
   for (size_t i = s[0] == '-' ? 1 : 0; i < s.size(); ++i)
@@ -51,58 +58,176 @@ bool is_int(const std::string& s) {
 
 }  // namespace
 
-LabeledSet read_tsv(const std::string& path, const data::Tokenizer& tok, int64_t seq_len,
-                    std::vector<std::string> label_names) {
+TaskColumns task_columns(const std::string& task) {
+  static const std::map<std::string, TaskColumns> tasks = {
+      // GLUE (TSV, header row)
+      {"sst2", {"sentence", "", "label"}},
+      {"mrpc", {"#1 String", "#2 String", "Quality"}},
+      {"qqp", {"question1", "question2", "is_duplicate"}},
+      {"qnli", {"question", "sentence", "label"}},
+      {"rte", {"sentence1", "sentence2", "label"}},
+      {"wnli", {"sentence1", "sentence2", "label"}},
+      {"mnli", {"sentence1", "sentence2", "gold_label"}},
+      // CLUE (JSON lines)
+      {"afqmc", {"sentence1", "sentence2", "label"}},
+      {"tnews", {"sentence", "", "label"}},
+      {"iflytek", {"sentence", "", "label"}},
+      {"cmnli", {"sentence1", "sentence2", "label"}},
+      {"ocnli", {"sentence1", "sentence2", "label"}},
+  };
+  std::string key;
+  for (char ch : task)
+    if (ch != '-' && ch != '_')
+      key += static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  auto it = tasks.find(key);
+  if (it == tasks.end())
+    fail("unknown ", setting("task"), " '", task, "'; known: ", known_tasks(),
+         " (or name the columns with ", setting("text_a_column"), ", ", setting("text_b_column"),
+         ", ", setting("label_column"), ")");
+  return it->second;
+}
+
+std::string known_tasks() {
+  return "sst2, mrpc, qqp, qnli, rte, wnli, mnli (GLUE TSV); afqmc, tnews, iflytek, cmnli, ocnli "
+         "(CLUE JSON lines)";
+}
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// [CLS] a [SEP] (b [SEP]) with longest-first truncation to seq_len, as HuggingFace.
+void add_example(LabeledSet& s, const data::Tokenizer& tok, int64_t seq_len,
+                 const std::string& a_text, const std::string* b_text) {
+  std::vector<int32_t> a, b;
+  tok.encode(a_text, a);
+  if (b_text) tok.encode(*b_text, b);
+  const size_t budget = static_cast<size_t>(seq_len) - (b_text ? 3 : 2);
+  while (a.size() + b.size() > budget) (a.size() >= b.size() ? a : b).pop_back();
+  std::vector<int32_t> ids = {tok.vocab().cls()}, seg = {0};
+  ids.insert(ids.end(), a.begin(), a.end());
+  ids.push_back(tok.vocab().sep());
+  seg.resize(ids.size(), 0);
+  if (b_text) {
+    ids.insert(ids.end(), b.begin(), b.end());
+    ids.push_back(tok.vocab().sep());
+    seg.resize(ids.size(), 1);
+  }
+  s.ids.push_back(std::move(ids));
+  s.segments.push_back(std::move(seg));
+}
+
+// The columns to read: given, or found by name among `names` (a header, or a first JSON line's
+// keys). A file that looks like sentence pairs but has no text_b column found is an error, not a
+// silent single-sentence read.
+TaskColumns resolve_columns(const std::string& path, const TaskColumns& given,
+                            const std::vector<std::string>& names) {
+  auto has = [&](const std::string& n) {
+    return std::find(names.begin(), names.end(), n) != names.end();
+  };
+  if (!given.empty()) {
+    for (const std::string* c : {&given.text_a, &given.text_b})
+      if (!c->empty() && !has(*c))
+        fail(path, " has no column '", *c, "' (it has: ", str_join(names), ")");
+    if (given.text_a.empty())
+      fail(path, ": the text column is not named (", setting("text_a_column"), ")");
+    return given;
+  }
+  TaskColumns c;
+  for (const char* n : {"text_a", "text", "sentence"})
+    if (c.text_a.empty() && has(n)) c.text_a = n;
+  if (has("text_b")) c.text_b = "text_b";
+  if (has("label")) c.label = "label";
+  if (c.text_a.empty())
+    fail(path, ": no text_a column (its columns: ", str_join(names), "); pass ", setting("task"),
+         " for a GLUE/CLUE file, or ", setting("text_a_column"), " (and ", setting("text_b_column"),
+         ", ", setting("label_column"), ")");
+  for (const char* pair : {"question", "sentence1", "sentence2", "question1", "#1 String"})
+    if (c.text_b.empty() && has(pair))
+      fail(path, ": looks like sentence pairs (it has a '", pair,
+           "' column) but no text_b column; pass ", setting("task"), " or ",
+           setting("text_a_column"), " and ", setting("text_b_column"));
+  return c;
+}
+
+}  // namespace
+
+LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
+                          const data::Tokenizer& tok, int64_t seq_len,
+                          std::vector<std::string> label_names) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("cannot open ", path);
+  const bool jsonl = ends_with(path, ".json") || ends_with(path, ".jsonl");
   std::string line;
-  if (!std::getline(in, line))
-    fail(path, " is empty (expected a header: label<TAB>text_a[<TAB>text_b])");
-  if (!line.empty() && line.back() == '\r') line.pop_back();
-  const auto header = split_tabs(line);
-  int col_label = -1, col_a = -1, col_b = -1;
-  for (size_t i = 0; i < header.size(); ++i) {
-    if (header[i] == "label") col_label = static_cast<int>(i);
-    if (header[i] == "text_a" || header[i] == "text" || header[i] == "sentence")
-      col_a = static_cast<int>(i);
-    if (header[i] == "text_b") col_b = static_cast<int>(i);
-  }
-  if (col_a < 0)
-    fail(path, ": the header has no text_a column (expected label<TAB>text_a[<TAB>text_b])");
   std::vector<std::string> raw_labels;
   LabeledSet s;
-  int64_t lineno = 1;
-  std::vector<int32_t> a, b;
-  while (std::getline(in, line)) {
-    ++lineno;
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    if (line.empty()) continue;
-    const auto cols = split_tabs(line);
-    const int need = std::max({col_label, col_a, col_b});
-    if (static_cast<int>(cols.size()) <= need)
-      fail(path, ":", lineno, ": ", cols.size(), " columns, the header has ", header.size());
-    a.clear();
-    b.clear();
-    tok.encode(cols[col_a], a);
-    if (col_b >= 0) tok.encode(cols[col_b], b);
-    const size_t budget = static_cast<size_t>(seq_len) - (col_b >= 0 ? 3 : 2);
-    while (a.size() + b.size() > budget)
-      (a.size() >= b.size() ? a : b).pop_back();  // longest first
-    std::vector<int32_t> ids = {tok.vocab().cls()}, seg = {0};
-    ids.insert(ids.end(), a.begin(), a.end());
-    ids.push_back(tok.vocab().sep());
-    seg.resize(ids.size(), 0);
-    if (col_b >= 0) {
-      ids.insert(ids.end(), b.begin(), b.end());
-      ids.push_back(tok.vocab().sep());
-      seg.resize(ids.size(), 1);
+  int64_t lineno = 0;
+  auto strip = [](std::string& l) {
+    if (!l.empty() && l.back() == '\r') l.pop_back();
+    if (l.compare(0, 3, "\xEF\xBB\xBF") == 0) l.erase(0, 3);  // a BOM (MRPC has one)
+  };
+  TaskColumns c;
+  bool has_label = false;
+  if (jsonl) {
+    while (std::getline(in, line)) {
+      ++lineno;
+      strip(line);
+      if (line.find_first_not_of(" \t") == std::string::npos) continue;
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(line);
+      } catch (const nlohmann::json::exception& e) {
+        fail(path, ":", lineno, ": not a JSON object (", e.what(), ")");
+      }
+      if (!j.is_object()) fail(path, ":", lineno, ": not a JSON object");
+      if (c.text_a.empty()) {
+        std::vector<std::string> keys;
+        for (const auto& [k, _] : j.items()) keys.push_back(k);
+        c = resolve_columns(path, columns, keys);
+        has_label = !c.label.empty() && j.contains(c.label);
+      }
+      auto field = [&](const std::string& key) {
+        if (!j.contains(key)) fail(path, ":", lineno, ": no '", key, "' key");
+        const auto& v = j[key];
+        return v.is_string() ? v.get<std::string>() : v.dump();
+      };
+      const std::string a = field(c.text_a);
+      const std::string b = c.text_b.empty() ? "" : field(c.text_b);
+      add_example(s, tok, seq_len, a, c.text_b.empty() ? nullptr : &b);
+      raw_labels.push_back(has_label ? field(c.label) : "");
     }
-    s.ids.push_back(std::move(ids));
-    s.segments.push_back(std::move(seg));
-    raw_labels.push_back(col_label >= 0 ? cols[col_label] : "");
+  } else {
+    if (!std::getline(in, line))
+      fail(path, " is empty (expected a header row naming the columns, e.g. label<TAB>text_a)");
+    ++lineno;
+    strip(line);
+    const auto header = split_tabs(line);
+    c = resolve_columns(path, columns, header);
+    auto index = [&](const std::string& n) {
+      return n.empty()
+                 ? -1
+                 : static_cast<int>(std::find(header.begin(), header.end(), n) - header.begin());
+    };
+    const int col_a = index(c.text_a), col_b = index(c.text_b);
+    int col_label = index(c.label);
+    if (col_label >= static_cast<int>(header.size())) col_label = -1;  // unlabelled (test) file
+    has_label = col_label >= 0;
+    const int need = std::max({col_label, col_a, col_b});
+    while (std::getline(in, line)) {
+      ++lineno;
+      strip(line);
+      if (line.empty()) continue;
+      const auto cols = split_tabs(line);
+      if (static_cast<int>(cols.size()) <= need)
+        fail(path, ":", lineno, ": ", cols.size(), " columns, the header has ", header.size());
+      add_example(s, tok, seq_len, cols[col_a], col_b >= 0 ? &cols[col_b] : nullptr);
+      raw_labels.push_back(has_label ? cols[col_label] : "");
+    }
   }
   if (s.ids.empty()) fail(path, " has no examples");
-  if (col_label >= 0) {
+  if (has_label) {
     if (label_names.empty()) {
       std::set<std::string> uniq(raw_labels.begin(), raw_labels.end());
       label_names.assign(uniq.begin(), uniq.end());
@@ -126,6 +251,11 @@ LabeledSet read_tsv(const std::string& path, const data::Tokenizer& tok, int64_t
   }
   s.label_names = label_names;
   return s;
+}
+
+LabeledSet read_tsv(const std::string& path, const data::Tokenizer& tok, int64_t seq_len,
+                    std::vector<std::string> label_names) {
+  return read_task_file(path, {}, tok, seq_len, std::move(label_names));
 }
 
 LabeledSet read_classification_tfrecords(const std::string& files, int64_t seq_len,
@@ -213,21 +343,23 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     fail("vocabulary ", vocab_path, " has ", vocab.size(), " tokens, the model ", mc.vocab_size);
   const bool lower = cfg.lower_case < 0 ? vocab.looks_uncased() : cfg.lower_case != 0;
   const data::Tokenizer tok(vocab, lower);
-  // Train and dev each in their own format: a .tsv file, or classification TFRecords.
-  auto is_tsv = [](const std::string& f) {
-    return f.size() > 4 && f.substr(f.size() - 4) == ".tsv";
+  // Train and dev each in their own format: a task file (TSV, JSON lines), or classification
+  // TFRecords.
+  auto is_text = [](const std::string& f) {
+    return ends_with(f, ".tsv") || ends_with(f, ".txt") || ends_with(f, ".json") ||
+           ends_with(f, ".jsonl");
   };
   LabeledSet train_set =
-      is_tsv(cfg.train)
-          ? read_tsv(cfg.train, tok, cfg.seq_len, {})
+      is_text(cfg.train)
+          ? read_task_file(cfg.train, cfg.columns, tok, cfg.seq_len, {})
           : read_classification_tfrecords(cfg.train, cfg.seq_len, mc.num_labels, mc.vocab_size);
   mc.num_labels = static_cast<int64_t>(train_set.label_names.size());
   if (mc.num_labels < 2)
     fail(cfg.train, " has ", mc.num_labels, " label(s); classification needs at least 2");
   LabeledSet dev;
   if (!cfg.dev.empty())
-    dev = is_tsv(cfg.dev)
-              ? read_tsv(cfg.dev, tok, cfg.seq_len, train_set.label_names)
+    dev = is_text(cfg.dev)
+              ? read_task_file(cfg.dev, cfg.columns, tok, cfg.seq_len, train_set.label_names)
               : read_classification_tfrecords(cfg.dev, cfg.seq_len, mc.num_labels, mc.vocab_size);
 
   model::BertModel m(mc, model::Head::SequenceClassification,
@@ -314,6 +446,10 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     j["id2label"] = id2label;
     j["label2id"] = label2id;
     j["bertrain"] = {{"lower_case", lower}, {"seq_len", cfg.seq_len}};
+    if (!cfg.columns.empty())  // predict reads new files with the same columns
+      j["bertrain"]["columns"] = {{"text_a", cfg.columns.text_a},
+                                  {"text_b", cfg.columns.text_b},
+                                  {"label", cfg.columns.label}};
     write_file_atomic(cfg_path.string(), j.dump(2) + "\n");
     fs::copy_file(vocab_path, fs::path(cfg.output) / "vocab.txt",
                   fs::copy_options::overwrite_existing);

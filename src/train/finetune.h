@@ -21,8 +21,26 @@ struct LabeledSet {
   std::vector<std::string> label_names;             // index -> name
 };
 
-// Reads a TSV. `label_names` fixes the label order (from training data or a model); when empty
-// it is built from the file: integers in numeric order, otherwise strings sorted.
+// Where a task file keeps its texts and label: TSV column names (the header row; no CSV quoting:
+// GLUE's files have unbalanced quotes) or JSON-lines keys. Empty text_b: single sentences; empty
+// label: the file has none (prediction). All empty: found by name (label; text_a, text or
+// sentence; text_b).
+struct TaskColumns {
+  std::string text_a, text_b, label;
+  bool empty() const { return text_a.empty() && text_b.empty() && label.empty(); }
+};
+// The columns of a task as distributed: GLUE's sst2, mrpc, qqp, qnli, rte, wnli, mnli (TSV) and
+// CLUE's afqmc, tnews, iflytek, cmnli, ocnli (JSON lines). Unknown names list the known ones.
+TaskColumns task_columns(const std::string& task);
+std::string known_tasks();
+
+// Reads a task file: JSON lines when it ends in .json or .jsonl, TSV otherwise. `label_names`
+// fixes the label order (from training data or a model); when empty it is built from the file:
+// integers in numeric order, otherwise strings sorted.
+LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
+                          const data::Tokenizer& tok, int64_t seq_len,
+                          std::vector<std::string> label_names);
+// read_task_file with the columns found by name.
 LabeledSet read_tsv(const std::string& path, const data::Tokenizer& tok, int64_t seq_len,
                     std::vector<std::string> label_names);
 // Classification TFRecords (one pass).
@@ -35,6 +53,7 @@ void make_batch(const LabeledSet& s, const std::vector<size_t>& order, size_t be
 
 struct FinetuneConfig {
   std::string init_checkpoint, train, dev, output, vocab, model_config;
+  TaskColumns columns;  // of the train and dev text files (TFRecords carry their own)
   int lower_case = -1;
   int64_t seq_len = 128, batch_size = 32, epochs = 3;
   double lr = 5e-5, warmup = 0.1, weight_decay = 0.01;
