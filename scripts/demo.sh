@@ -7,7 +7,8 @@
 #      directory;
 #   4. eval: masked-LM and next-sentence metrics on the held-out records;
 #   5. fine-tune on ChnSentiCorp reviews (dev accuracy per epoch) and predict the test set;
-#   6. an HTML report of both runs (plots, offline) and `bertrain doctor` on the machine and the run;
+#   6. an HTML report of both runs (plots, offline; the last step's compute/communication overlap
+#      from the timeline) and `bertrain doctor` on the machine (CPU, MPI, CUDA/NCCL) and the run;
 #   7. the memory plan of BERT-base and the largest batch that fits this machine.
 # Outputs go to demo-out/. DEMO_STEPS (default 300) sets the pretraining length.
 set -euo pipefail
@@ -33,7 +34,7 @@ echo; echo "== 2. train: tiny Chinese BERT, 2 MPI ranks x batch 16, LAMB, $STEPS
 mpirun -np 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 \
   $BT train --model-config configs/bert-tiny-zh.json --data "$OUT/data/*.tfrecord" --output "$OUT/run" \
   --batch-size 16 --seq-len 128 --max-predictions 20 --steps "$STEPS" --lr 5e-3 --warmup 0.1 \
-  --optimizer lamb --log-every 25 --save-every 100
+  --optimizer lamb --log-every 25 --save-every 100 --timeline "$OUT/run/timeline.json"
 
 echo; echo "-- what TensorBoard shows (tensorboard --logdir $OUT/run): $(ls "$OUT"/run/events.out.tfevents.* | head -1)"
 echo "   metrics.jsonl, the last logged step (one JSON object per logged step; rank_step_ms: each rank's mean step time):"

@@ -4,6 +4,9 @@
 // checked it against that run's metrics.jsonl); here the same run's files, read with
 // TensorFlow's Event proto, must hold the same tags, steps and values.
 #include <gtest/gtest.h>
+#if __has_include(<nccl.h>)
+#include <nccl.h>
+#endif
 
 #include <array>
 #include <cmath>
@@ -16,6 +19,8 @@
 #include "data/tfrecord.h"
 #include "obs/doctor.h"
 #include "obs/events.h"
+#include "obs/report.h"
+#include "obs/timeline.h"
 #include "tensorflow/core/util/event.pb.h"
 #include "test_util.h"
 
@@ -199,6 +204,42 @@ namespace {
 
 // The report: one HTML file, plots as inline SVG, nothing fetched (no scripts, no links, no
 // external images), both runs overlaid, every rank's step times, the settings.
+// A run's timeline (train --timeline RUN/timeline.json, written by obs::Timeline) becomes a
+// chart of its last step on rank 0: the training thread's spans and the reducer's allreduce
+// buckets, with the allreduce time inside backward (hidden) and the step's wait (exposed).
+TEST(Report, LastStepOfTheTimeline) {
+  test::TempDir tmp;
+  const std::string dir = (tmp.path / "run").string();
+  obs::MetricsLog ml(dir, 0);
+  ml.write({{"step", 2}, {"train/loss", 9.0}});
+  obs::Timeline tl;
+  tl.enable(0);
+  for (int64_t step = 0; step < 2; ++step) {  // microseconds; step 1 is the one drawn
+    const int64_t t = 1000 * step * 100;
+    tl.add("step " + std::to_string(step), "step", t, t + 90000);
+    tl.add("forward", "compute", t + 1000, t + 31000);
+    tl.add("backward", "compute", t + 31000, t + 71000);
+    tl.add("allreduce bucket 0 (64 KiB)", "communication", t + 50000, t + 65000, 1);
+    tl.add("allreduce bucket 1 (64 KiB)", "communication", t + 70000, t + 80000, 1);
+    tl.add("allreduce gradients", "communication", t + 71000, t + 80000);
+    tl.add("optimizer", "optimizer", t + 80000, t + 90000);
+  }
+  tl.write(dir + "/timeline.json", 1);
+  const obs::RunMetrics r = obs::load_run(dir);
+  EXPECT_EQ(r.trace_step, "step 1");
+  EXPECT_DOUBLE_EQ(r.trace_step_ms, 90.0);
+  ASSERT_EQ(r.trace.size(), 6u);
+  const std::string html = obs::render_report({r});
+  EXPECT_NE(html.find("one step on rank 0 (step 1, 90 ms)"), std::string::npos);
+  EXPECT_NE(html.find("<title>allreduce bucket 0 (64 KiB): 15 ms at 50 ms</title>"),
+            std::string::npos);
+  // Bucket 0 lies inside backward (15 ms), bucket 1 overlaps its last 1 ms; the step waited 9.
+  EXPECT_NE(html.find("Allreduce buckets 25 ms, 16 ms of it during backward (hidden); the step "
+                      "waited 9 ms for the sum (exposed)"),
+            std::string::npos)
+      << html.substr(html.find("Allreduce buckets"), 160);
+}
+
 TEST(Report, SelfContainedPageOfTwoRuns) {
   test::TempDir tmp;
   for (int run = 0; run < 2; ++run) {
@@ -281,6 +322,25 @@ std::vector<std::string> rules(const std::vector<obs::Finding>& f) {
 }
 
 // Each rule fires on the symptom it names, with the numbers and a fix, and not on a healthy run.
+// The GPU stack doctor reports comes from the libraries the loader finds, and agrees with NCCL's
+// own header where one is installed (the header and the library of one NCCL release).
+TEST(Doctor, GpuStackVersionsAreTheLibraries) {
+  EXPECT_EQ(obs::cuda_version_name(13000), "13.0");
+  EXPECT_EQ(obs::cuda_version_name(12040), "12.4");
+  EXPECT_EQ(obs::nccl_version_name(22809), "2.28.9");
+  EXPECT_EQ(obs::nccl_version_name(2804), "2.8.4");  // the code before NCCL 2.9
+  const obs::GpuStack g = obs::gpu_stack();
+  std::printf("cuda runtime %d (%s), driver %d (%s), nccl %d (%s)\n", g.cuda_runtime,
+              g.runtime_lib.c_str(), g.cuda_driver, g.driver_lib.c_str(), g.nccl,
+              g.nccl_lib.c_str());
+#if __has_include(<nccl.h>)
+  if (g.nccl == 0) GTEST_SKIP() << "nccl.h is installed but no libnccl.so.2 loads";
+  EXPECT_EQ(g.nccl, NCCL_VERSION_CODE) << g.nccl_lib;
+#else
+  GTEST_SKIP() << "no nccl.h to compare with (versions read: nccl " << g.nccl << ")";
+#endif
+}
+
 TEST(Doctor, EachRuleFiresOnItsSymptomOnly) {
   const double memory = 64.0 * 1073741824.0;
   EXPECT_TRUE(obs::diagnose(healthy_rows(), memory).empty());

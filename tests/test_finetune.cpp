@@ -69,8 +69,8 @@ TEST(Finetune, GlueAndClueFilesReadAsDistributed) {
   const data::Vocab en = data::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
   const data::Tokenizer tok(en, true);
   const std::string dir = test::data_path("data/tasks/");
-  const LabeledSet sst = read_task_file(dir + "sst2_dev_head40.tsv", task_columns("SST-2"), tok,
-                                        64, {});
+  const LabeledSet sst =
+      read_task_file(dir + "sst2_dev_head40.tsv", task_columns("SST-2"), tok, 64, {});
   ASSERT_EQ(sst.ids.size(), 40u);
   EXPECT_EQ(sst.label_names, (std::vector<std::string>{"0", "1"}));
   std::vector<int32_t> first;  // "it 's a charming and often affecting journey . " (label 1)
@@ -80,8 +80,8 @@ TEST(Finetune, GlueAndClueFilesReadAsDistributed) {
   EXPECT_EQ(sst.ids[0], first);
   EXPECT_EQ(sst.labels[0], 1);
 
-  const LabeledSet qnli = read_task_file(dir + "qnli_dev_head40.tsv", task_columns("qnli"), tok,
-                                         128, {});
+  const LabeledSet qnli =
+      read_task_file(dir + "qnli_dev_head40.tsv", task_columns("qnli"), tok, 128, {});
   ASSERT_EQ(qnli.ids.size(), 40u);
   EXPECT_EQ(qnli.label_names, (std::vector<std::string>{"entailment", "not_entailment"}));
   EXPECT_EQ(std::count(qnli.labels.begin(), qnli.labels.end(), 0), 22);
@@ -89,27 +89,26 @@ TEST(Finetune, GlueAndClueFilesReadAsDistributed) {
   tok.encode("What came into force after the new constitution was herald?", q);
   EXPECT_TRUE(std::equal(q.begin(), q.end(), qnli.ids[0].begin() + 1));
   EXPECT_EQ(qnli.segments[0].back(), 1);
-  const std::string pairs = test::error_of([&] {
-    read_task_file(dir + "qnli_dev_head40.tsv", {}, tok, 128, {});
-  });
+  const std::string pairs =
+      test::error_of([&] { read_task_file(dir + "qnli_dev_head40.tsv", {}, tok, 128, {}); });
   EXPECT_NE(pairs.find("looks like sentence pairs"), std::string::npos) << pairs;
   EXPECT_NE(pairs.find("--task"), std::string::npos) << pairs;
-  const LabeledSet by_flags = read_task_file(dir + "qnli_dev_head40.tsv",
-                                             {"question", "sentence", "label"}, tok, 128, {});
+  const LabeledSet by_flags =
+      read_task_file(dir + "qnli_dev_head40.tsv", {"question", "sentence", "label"}, tok, 128, {});
   EXPECT_EQ(by_flags.ids, qnli.ids);
   EXPECT_EQ(by_flags.labels, qnli.labels);
 
   const data::Vocab zh = data::Vocab::load(root("data/vocab/bert-base-chinese-vocab.txt"));
   const data::Tokenizer tzh(zh, true);
-  const LabeledSet afqmc = read_task_file(dir + "afqmc_dev_head40.json", task_columns("afqmc"),
-                                          tzh, 64, {});
+  const LabeledSet afqmc =
+      read_task_file(dir + "afqmc_dev_head40.json", task_columns("afqmc"), tzh, 64, {});
   ASSERT_EQ(afqmc.ids.size(), 40u);
   EXPECT_EQ(afqmc.label_names, (std::vector<std::string>{"0", "1"}));  // JSON strings "0", "1"
   EXPECT_EQ(std::count(afqmc.labels.begin(), afqmc.labels.end(), 1), 13);
   EXPECT_EQ(afqmc.segments[0].back(), 1);
 
-  const LabeledSet test_set = read_task_file(dir + "sst2_test_head10.tsv", task_columns("sst2"),
-                                             tok, 64, sst.label_names);
+  const LabeledSet test_set =
+      read_task_file(dir + "sst2_test_head10.tsv", task_columns("sst2"), tok, 64, sst.label_names);
   ASSERT_EQ(test_set.ids.size(), 10u);
   EXPECT_EQ(test_set.labels, std::vector<int32_t>(10, -1));  // `index, sentence`: no labels
   EXPECT_NE(test::error_of([] { task_columns("nosuch"); }).find("afqmc"), std::string::npos);

@@ -164,7 +164,23 @@ void environment(comm::Communicator& comm, const std::string& run) {
            ? "nvidia-smi is here, but this build has no CUDA backend (-DBERTRAIN_CUDA=ON)"
            : "no GPU driver (nvidia-smi) found: training runs on CPUs");
 #endif
-  std::string nccl;
+  // The CUDA runtime and driver, NCCL: what a GPU run would load (found through the loader in
+  // every build). A driver older than the runtime is the classic "driver version is
+  // insufficient" failure.
+  const obs::GpuStack g = obs::gpu_stack();
+  if (g.cuda_runtime > 0 || g.cuda_driver > 0) {
+    const bool old_driver = g.cuda_driver > 0 && g.cuda_driver < g.cuda_runtime;
+    line(old_driver ? "warn" : "info", "cuda",
+         str(g.cuda_runtime > 0
+                 ? str("runtime ", obs::cuda_version_name(g.cuda_runtime), " (", g.runtime_lib, ")")
+                 : std::string("no CUDA runtime library"),
+             "; driver ",
+             g.cuda_driver > 0 ? str("supports CUDA ", obs::cuda_version_name(g.cuda_driver))
+                               : std::string("none (no libcuda.so.1: no NVIDIA driver)"),
+             old_driver ? ": the driver is older than the runtime; update the NVIDIA driver" : ""));
+  }
+  std::string nccl =
+      g.nccl > 0 ? str("NCCL ", obs::nccl_version_name(g.nccl), " (", g.nccl_lib, ")") : "";
   for (char** e = environ; *e; ++e)
     if (std::string(*e).rfind("NCCL_", 0) == 0) nccl += std::string(nccl.empty() ? "" : " ") + *e;
   if (!nccl.empty()) line("info", "nccl", nccl);

@@ -1,5 +1,7 @@
 #include "obs/doctor.h"
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cstdio>
 
@@ -139,6 +141,46 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
                          "fits"});
   }
   return out;
+}
+
+namespace {
+// Calls `int symbol(int*)` of the first of `libs` that loads and has it; the library stays
+// loaded (the loader counts references; doctor runs once).
+int query_version(std::initializer_list<const char*> libs, const char* symbol, std::string& lib) {
+  for (const char* name : libs) {
+    void* h = dlopen(name, RTLD_LAZY | RTLD_LOCAL);
+    if (!h) continue;
+    using Fn = int (*)(int*);
+    if (auto fn = reinterpret_cast<Fn>(dlsym(h, symbol))) {
+      int v = 0;
+      if (fn(&v) == 0 && v > 0) {
+        lib = name;
+        return v;
+      }
+    }
+    dlclose(h);
+  }
+  return 0;
+}
+}  // namespace
+
+GpuStack gpu_stack() {
+  GpuStack g;
+  g.cuda_runtime =
+      query_version({"libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"},
+                    "cudaRuntimeGetVersion", g.runtime_lib);
+  g.cuda_driver = query_version({"libcuda.so.1", "libcuda.so"}, "cuDriverGetVersion", g.driver_lib);
+  g.nccl = query_version({"libnccl.so.2", "libnccl.so"}, "ncclGetVersion", g.nccl_lib);
+  return g;
+}
+
+std::string cuda_version_name(int v) {
+  return str(v / 1000, ".", (v % 1000) / 10);
+}
+
+std::string nccl_version_name(int v) {
+  return v >= 10000 ? str(v / 10000, ".", (v % 10000) / 100, ".", v % 100)
+                    : str(v / 1000, ".", (v % 1000) / 100, ".", v % 100);
 }
 
 }  // namespace bertrain::obs

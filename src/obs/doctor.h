@@ -29,4 +29,17 @@ struct DiagnoseLimits {
 std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double memory_bytes,
                               const DiagnoseLimits& limits = {});
 
+// The GPU software stack as the dynamic loader finds it (dlopen, nothing linked, so every build
+// reports it): the CUDA runtime, the CUDA version the driver supports, NCCL. 0 and an empty name
+// where a library is not found or does not answer.
+struct GpuStack {
+  int cuda_runtime = 0;  // CUDART_VERSION form: 1000 x major + 10 x minor
+  int cuda_driver = 0;   // cuDriverGetVersion: the newest CUDA the driver runs
+  int nccl = 0;          // NCCL_VERSION_CODE form (10000 x major + 100 x minor + patch from 2.9)
+  std::string runtime_lib, driver_lib, nccl_lib;  // the files loaded
+};
+GpuStack gpu_stack();
+std::string cuda_version_name(int v);  // 13000 -> "13.0"
+std::string nccl_version_name(int v);  // 22809 -> "2.28.9"
+
 }  // namespace bertrain::obs

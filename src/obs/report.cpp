@@ -12,6 +12,38 @@ namespace bertrain::obs {
 
 namespace fs = std::filesystem;
 
+namespace {
+// The last "step N" span of rank 0 (pid 0) in a Chrome trace and rank 0's spans inside it.
+void load_trace(RunMetrics& r, const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) return;
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded())
+    fail(path.string(), " is not a Chrome trace (JSON); write it with train --timeline");
+  const nlohmann::json& ev = j.is_object() ? j.value("traceEvents", nlohmann::json::array()) : j;
+  auto span_of = [](const nlohmann::json& e) {
+    return e.is_object() && e.value("ph", "") == "X" && e.value("pid", -1) == 0 &&
+           e.contains("ts") && e.contains("dur");
+  };
+  const nlohmann::json* step = nullptr;
+  for (const auto& e : ev)
+    if (span_of(e) && e.value("cat", "") == "step" &&
+        (!step || e["ts"].get<double>() > (*step)["ts"].get<double>()))
+      step = &e;
+  if (!step) return;
+  const double t0 = (*step)["ts"].get<double>(), t1 = t0 + (*step)["dur"].get<double>();
+  r.trace_step = step->value("name", "step");
+  r.trace_step_ms = (t1 - t0) / 1e3;
+  for (const auto& e : ev) {
+    if (!span_of(e) || &e == step) continue;
+    const double ts = e["ts"].get<double>();
+    if (ts < t0 || ts > t1) continue;
+    r.trace.push_back({e.value("name", ""), e.value("cat", ""), (ts - t0) / 1e3,
+                       e["dur"].get<double>() / 1e3, e.value("tid", int64_t{0})});
+  }
+}
+}  // namespace
+
 RunMetrics load_run(const std::string& dir) {
   RunMetrics r;
   r.dir = dir;
@@ -45,6 +77,7 @@ RunMetrics load_run(const std::string& dir) {
       if (!j.is_discarded() && j.contains("settings")) r.settings = j["settings"];
     }
   }
+  load_trace(r, fs::path(dir) / "timeline.json");
   return r;
 }
 
@@ -213,6 +246,73 @@ std::vector<Series> per_run(const std::vector<RunMetrics>& runs, const std::stri
   return out;
 }
 
+// One step of rank 0 from the timeline: a lane per thread (the training thread; the reducer's
+// allreduce buckets), spans drawn longest first so a layer sits on its forward/backward, each
+// with its name and duration as a tooltip; below, how much of the allreduce ran during
+// backward and how long the step waited for it.
+std::string trace_chart(const RunMetrics& r) {
+  if (r.trace.empty()) return "";
+  const double W = 1140, L = 150, R = 16, T = 44, lane_h = 30, B = 58;
+  int64_t lanes = 1;
+  for (const auto& sp : r.trace) lanes = std::max(lanes, sp.thread + 1);
+  const double H = T + lanes * (lane_h + 8) + B, span = std::max(r.trace_step_ms, 1e-3);
+  auto px = [&](double ms) { return L + ms / span * (W - L - R); };
+  std::string s = "<svg xmlns='http://www.w3.org/2000/svg' width='" + num(W) + "' height='" +
+                  num(H) + "' style='background:#fff;border:1px solid #ddd'>";
+  s += "<text x='" + num(L) + "' y='20' font-size='14' font-weight='bold'>" +
+       esc("one step on rank 0 (" + r.trace_step + ", " + num(r.trace_step_ms) + " ms), " + r.name +
+           ": compute and communication from the timeline") +
+       "</text>";
+  for (int64_t l = 0; l < lanes; ++l)
+    s += "<text x='8' y='" + num(T + l * (lane_h + 8) + lane_h * 0.65) + "' font-size='12'>" +
+         (l == 0 ? std::string("training thread") : std::string("reducer thread")) + "</text>";
+  auto color = [](const TraceSpan& sp) -> std::string {
+    if (sp.cat == "input") return "#ff7f0e";
+    if (sp.cat == "communication") return "#d62728";
+    if (sp.cat == "optimizer") return "#9467bd";
+    if (sp.name.rfind("backward", 0) == 0) return "#2ca02c";
+    if (sp.name.rfind("forward", 0) == 0) return "#1f77b4";
+    return "#7f7f7f";
+  };
+  std::vector<TraceSpan> order = r.trace;
+  std::stable_sort(order.begin(), order.end(),
+                   [](const TraceSpan& a, const TraceSpan& b) { return a.dur_ms > b.dur_ms; });
+  for (const auto& sp : order) {
+    const bool parent = sp.name == "forward" || sp.name == "backward";
+    const double y = T + sp.thread * (lane_h + 8) + (parent ? 0 : 3);
+    s += "<rect x='" + num(px(sp.start_ms)) + "' y='" + num(y) + "' width='" +
+         num(std::max(px(sp.start_ms + sp.dur_ms) - px(sp.start_ms), 0.8)) + "' height='" +
+         num(parent ? lane_h : lane_h - 6) + "' fill='" + color(sp) + "' fill-opacity='" +
+         (parent ? "0.35" : "0.9") + "' stroke='#fff' stroke-width='0.5'><title>" +
+         esc(sp.name + ": " + num(sp.dur_ms) + " ms at " + num(sp.start_ms) + " ms") +
+         "</title></rect>";
+  }
+  const double axis = T + lanes * (lane_h + 8) + 4, tick = tick_step(0, span, 8);
+  for (double t = 0; t <= span + 1e-9; t += tick)
+    s += "<line x1='" + num(px(t)) + "' x2='" + num(px(t)) + "' y1='" + num(axis) + "' y2='" +
+         num(axis + 4) + "' stroke='#333'/><text x='" + num(px(t)) + "' y='" + num(axis + 16) +
+         "' font-size='10' text-anchor='middle'>" + num(t) + "</text>";
+  // Overlap: reducer time inside backward, and the training thread's wait for the sum.
+  double comm = 0, hidden = 0, exposed = 0;
+  for (const auto& sp : r.trace) {
+    if (sp.thread == 0 && sp.cat == "communication") exposed += sp.dur_ms;
+    if (sp.thread == 0 || sp.cat != "communication") continue;
+    comm += sp.dur_ms;
+    for (const auto& b : r.trace)
+      if (b.thread == 0 && b.name == "backward")
+        hidden += std::max(0.0, std::min(sp.start_ms + sp.dur_ms, b.start_ms + b.dur_ms) -
+                                    std::max(sp.start_ms, b.start_ms));
+  }
+  s += "<text x='" + num(L) + "' y='" + num(axis + 34) + "' font-size='12'>" +
+       esc("ms from the step's start. Allreduce buckets " + num(comm) + " ms, " + num(hidden) +
+           " ms of it during backward (hidden); the step waited " + num(exposed) +
+           " ms for the sum (exposed).") +
+       "</text><text x='" + num(L) + "' y='" + num(axis + 50) + "' font-size='11' fill='#555'>" +
+       "blue forward, green backward (pale: outside the layers), red communication, purple "
+       "optimizer, orange input wait</text>";
+  return s + "</svg>";
+}
+
 }  // namespace
 
 std::string render_report(const std::vector<RunMetrics>& runs) {
@@ -269,6 +369,7 @@ std::string render_report(const std::vector<RunMetrics>& runs) {
     for (double v : hidden.y) any = any || v > 0;
     if (any) h += stacked_chart("communication, " + r.name, "ms per step", {hidden, exposed});
   }
+  for (const auto& r : runs) h += trace_chart(r);
   h += "</div><h2>Memory</h2><div class='grid'>";
   std::vector<Series> mem;
   for (size_t i = 0; i < runs.size(); ++i) {
