@@ -341,6 +341,28 @@ TEST(Doctor, GpuStackVersionsAreTheLibraries) {
 #endif
 }
 
+// The timeline rule: the step waits for the sum while the reducer's buckets ran after backward
+// (late-allreduce); the same buckets inside backward are fine.
+TEST(Doctor, LateAllreduceFromTheTimeline) {
+  auto run_with_buckets_at = [](double at_ms) {
+    obs::RunMetrics r;
+    r.trace_step = "step 9";
+    r.trace_step_ms = 100;
+    r.trace = {{"forward", "compute", 0, 30, 0},
+               {"backward", "compute", 30, 40, 0},
+               {"allreduce bucket 0 (64 KiB)", "communication", at_ms, 20, 1},
+               {"allreduce gradients", "communication", 70, at_ms > 50 ? 25.0 : 5.0, 0},
+               {"optimizer", "optimizer", 90, 10, 0}};
+    return r;
+  };
+  const auto late = obs::diagnose_timeline(run_with_buckets_at(70));
+  ASSERT_EQ(rules(late), std::vector<std::string>{"late-allreduce"});
+  EXPECT_NE(late[0].what.find("waits 25 ms"), std::string::npos) << late[0].what;
+  EXPECT_NE(late[0].fix.find("--bucket-mb"), std::string::npos) << late[0].fix;
+  EXPECT_TRUE(obs::diagnose_timeline(run_with_buckets_at(45)).empty());
+  EXPECT_TRUE(obs::diagnose_timeline(obs::RunMetrics{}).empty());
+}
+
 TEST(Doctor, EachRuleFiresOnItsSymptomOnly) {
   const double memory = 64.0 * 1073741824.0;
   EXPECT_TRUE(obs::diagnose(healthy_rows(), memory).empty());
@@ -360,6 +382,12 @@ TEST(Doctor, EachRuleFiresOnItsSymptomOnly) {
   f = obs::diagnose(rows, memory);
   ASSERT_EQ(rules(f), std::vector<std::string>{"straggler"});
   EXPECT_NE(f[0].what.find("rank 2 takes 1.57x"), std::string::npos) << f[0].what;
+  rows = healthy_rows();  // a different rank slow in each window: no straggler, an imbalance
+  for (size_t i = 0; i < rows.size(); ++i) rows[i]["rank_step_ms"][i % 4] = 150.0;
+  f = obs::diagnose(rows, memory);
+  ASSERT_EQ(rules(f), std::vector<std::string>{"load-imbalance"});
+  EXPECT_NE(f[0].what.find("takes 1.5"), std::string::npos) << f[0].what;
+  EXPECT_NE(f[0].fix.find("--bind-to core"), std::string::npos) << f[0].fix;
   rows = healthy_rows();
   rows[6]["train/loss"] = 20.0;
   f = obs::diagnose(rows, memory);

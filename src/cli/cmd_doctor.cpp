@@ -194,8 +194,9 @@ void add_doctor(CLI::App& app, comm::Communicator& (*comm)()) {
       "doctor",
       "Check this machine (precisions, cores, MPI on every rank, /dev/shm, disk, CUDA devices) "
       "and "
-      "diagnose a run from its metrics: input- or communication-bound, stragglers, loss spikes, "
-      "fp16 skips, memory; each finding with the fix");
+      "diagnose a run from its metrics and timeline: input- or communication-bound, stragglers, "
+      "load imbalance, loss spikes, fp16 skips, memory, a late allreduce; each finding with the "
+      "fix");
   c->add_option("run", *run, "A run directory (train --output) to diagnose");
   c->callback([run, comm] {
     comm::Communicator& cm = comm();
@@ -204,8 +205,18 @@ void add_doctor(CLI::App& app, comm::Communicator& (*comm)()) {
     const obs::RunMetrics m = obs::load_run(*run);
     std::printf("doctor: run %s (%zu logged steps, to step %lld)\n", run->c_str(), m.rows.size(),
                 (long long)m.rows.back()["step"].get<int64_t>());
-    const auto findings = obs::diagnose(m.rows, memory_bytes());
-    if (findings.empty()) std::printf("  ok    no problems found in the run's metrics\n");
+    auto findings = obs::diagnose(m.rows, memory_bytes());
+    if (!m.trace.empty()) {  // train --timeline RUN/timeline.json
+      const obs::TraceOverlap o = obs::trace_overlap(m);
+      std::printf(
+          "  info  timeline   %s: %.1f ms, allreduce %.1f ms (%.1f hidden behind backward), "
+          "waited %.1f ms for the sum\n",
+          m.trace_step.c_str(), m.trace_step_ms, o.comm, o.hidden, o.exposed);
+      for (auto& f : obs::diagnose_timeline(m)) findings.push_back(std::move(f));
+    }
+    if (findings.empty())
+      std::printf("  ok    no problems found in the run's metrics%s\n",
+                  m.trace.empty() ? "" : " and timeline");
     for (const auto& f : findings) {
       std::printf("  find  %-10s %s\n", f.rule.c_str(), f.what.c_str());
       std::printf("        %-10s fix: %s\n", "", f.fix.c_str());

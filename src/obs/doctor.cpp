@@ -76,6 +76,19 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
         if (mid > 0) ratio[k].push_back(t[k] / mid);
       }
     }
+    // Load imbalance: the step waits for its slowest rank every time, but no rank is slow in
+    // most windows (noise, other jobs, unequal cores): the mean over the windows of the
+    // slowest rank over the median rank.
+    double worst = 0;
+    int windows = 0;
+    for (size_t i = from; i < rows.size(); ++i) {
+      if (!rows[i].contains("rank_step_ms") || rows[i]["rank_step_ms"].size() != ranks) continue;
+      const std::vector<double> t = rows[i]["rank_step_ms"].get<std::vector<double>>();
+      const double mid = median(t);
+      if (mid <= 0) continue;
+      worst += *std::max_element(t.begin(), t.end()) / mid;
+      ++windows;
+    }
     for (size_t k = 0; k < ranks; ++k) {
       const double m = median(ratio[k]);
       if (m > lim.straggler_ratio) straggler = true;
@@ -88,6 +101,16 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
                            " x ranks per host "
                            "against its cores (mpirun --bind-to core), a slower CPU or disk"});
     }
+    if (!straggler && windows > 0 && worst / windows > lim.straggler_ratio)
+      out.push_back(
+          {"load-imbalance",
+           "the slowest rank takes " + fmt(worst / windows) +
+               "x the median rank's step time on average, a different rank from window to "
+               "window (every step waits for the slowest)",
+           "equal work and equal cores for every rank: the same " + setting("batch_size") +
+               " and " + setting("seq_len") + ", ranks bound to cores (mpirun --bind-to core), " +
+               setting("threads") +
+               " x ranks per host within its cores, no other jobs on the hosts"});
   }
   if (step > 0 && comm / step > lim.comm_share)
     out.push_back({"communication-bound",
@@ -140,6 +163,22 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
                          " picks the largest batch that "
                          "fits"});
   }
+  return out;
+}
+
+std::vector<Finding> diagnose_timeline(const RunMetrics& run, const DiagnoseLimits& lim) {
+  std::vector<Finding> out;
+  const TraceOverlap o = trace_overlap(run);
+  const double step = run.trace_step_ms;
+  if (o.comm <= 0 || step <= 0) return out;  // no reducer thread: one rank, or overlap off
+  if (o.exposed > lim.comm_share * step && o.hidden < 0.25 * o.comm)
+    out.push_back({"late-allreduce",
+                   "in " + run.trace_step + " of the timeline the step waits " + fmt(o.exposed) +
+                       " ms for the gradient sum, and only " + fmt(o.hidden) + " of " +
+                       fmt(o.comm) + " ms of allreduce ran during backward",
+                   "start the buckets earlier: a smaller " + setting("bucket_mb") +
+                       " (a bucket goes as soon as its layers' gradients are done), " +
+                       setting("overlap") + " on"});
   return out;
 }
 

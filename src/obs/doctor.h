@@ -8,11 +8,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include "obs/report.h"
+
 namespace bertrain::obs {
 
 struct Finding {
-  std::string rule;  // "input-bound", "communication-bound", "straggler", "loss-spike",
-                     // "fp16-skips", "memory"
+  std::string rule;  // "input-bound", "communication-bound", "straggler", "load-imbalance",
+                     // "loss-spike", "fp16-skips", "memory", "late-allreduce" (timeline)
   std::string what;  // the evidence, with numbers
   std::string fix;   // what to change
 };
@@ -28,6 +30,11 @@ struct DiagnoseLimits {
 // memory_bytes: the machine's memory (0: unknown, no memory rule).
 std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double memory_bytes,
                               const DiagnoseLimits& limits = {});
+
+// The run's timeline (RunMetrics::trace, train --timeline RUN/timeline.json): "late-allreduce"
+// when the step waits for the gradient sum while little of the reducer's allreduce ran during
+// backward (the buckets start too late to hide).
+std::vector<Finding> diagnose_timeline(const RunMetrics& run, const DiagnoseLimits& limits = {});
 
 // The GPU software stack as the dynamic loader finds it (dlopen, nothing linked, so every build
 // reports it): the CUDA runtime, the CUDA version the driver supports, NCCL. 0 and an empty name

@@ -292,17 +292,8 @@ std::string trace_chart(const RunMetrics& r) {
     s += "<line x1='" + num(px(t)) + "' x2='" + num(px(t)) + "' y1='" + num(axis) + "' y2='" +
          num(axis + 4) + "' stroke='#333'/><text x='" + num(px(t)) + "' y='" + num(axis + 16) +
          "' font-size='10' text-anchor='middle'>" + num(t) + "</text>";
-  // Overlap: reducer time inside backward, and the training thread's wait for the sum.
-  double comm = 0, hidden = 0, exposed = 0;
-  for (const auto& sp : r.trace) {
-    if (sp.thread == 0 && sp.cat == "communication") exposed += sp.dur_ms;
-    if (sp.thread == 0 || sp.cat != "communication") continue;
-    comm += sp.dur_ms;
-    for (const auto& b : r.trace)
-      if (b.thread == 0 && b.name == "backward")
-        hidden += std::max(0.0, std::min(sp.start_ms + sp.dur_ms, b.start_ms + b.dur_ms) -
-                                    std::max(sp.start_ms, b.start_ms));
-  }
+  const TraceOverlap o = trace_overlap(r);
+  const double comm = o.comm, hidden = o.hidden, exposed = o.exposed;
   s += "<text x='" + num(L) + "' y='" + num(axis + 34) + "' font-size='12'>" +
        esc("ms from the step's start. Allreduce buckets " + num(comm) + " ms, " + num(hidden) +
            " ms of it during backward (hidden); the step waited " + num(exposed) +
@@ -314,6 +305,20 @@ std::string trace_chart(const RunMetrics& r) {
 }
 
 }  // namespace
+
+TraceOverlap trace_overlap(const RunMetrics& r) {
+  TraceOverlap o;
+  for (const auto& sp : r.trace) {
+    if (sp.thread == 0 && sp.cat == "communication") o.exposed += sp.dur_ms;
+    if (sp.thread == 0 || sp.cat != "communication") continue;
+    o.comm += sp.dur_ms;
+    for (const auto& b : r.trace)
+      if (b.thread == 0 && b.name == "backward")
+        o.hidden += std::max(0.0, std::min(sp.start_ms + sp.dur_ms, b.start_ms + b.dur_ms) -
+                                      std::max(sp.start_ms, b.start_ms));
+  }
+  return o;
+}
 
 std::string render_report(const std::vector<RunMetrics>& runs) {
   std::string h =

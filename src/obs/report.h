@@ -36,4 +36,11 @@ RunMetrics load_run(const std::string& dir);
 
 std::string render_report(const std::vector<RunMetrics>& runs);
 
+// The timeline step's communication: allreduce time on the reducer thread, the part of it that
+// ran during backward (hidden), and the training thread's wait for the sum (exposed), in ms.
+struct TraceOverlap {
+  double comm = 0, hidden = 0, exposed = 0;
+};
+TraceOverlap trace_overlap(const RunMetrics& r);
+
 }  // namespace bertrain::obs
