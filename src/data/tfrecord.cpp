@@ -17,11 +17,6 @@ namespace {
 
 constexpr size_t kBufSize = 1 << 20;
 
-bool ends_with(const std::string& s, const char* suf) {
-  size_t n = std::strlen(suf);
-  return s.size() >= n && s.compare(s.size() - n, n, suf) == 0;
-}
-
 class FileSource : public ByteSource {
  public:
   explicit FileSource(const std::string& path) : path_(path) {
@@ -167,8 +162,8 @@ Compression resolve_compression(const std::string& option, const std::string& pa
   if (option == "gzip" || option == "GZIP") return Compression::Gzip;
   if (option == "zlib" || option == "ZLIB") return Compression::Zlib;
   if (option != "auto") fail("unknown compression '", option, "' (use none, gzip, zlib or auto)");
-  if (ends_with(path, ".gz") || ends_with(path, ".gzip")) return Compression::Gzip;
-  if (ends_with(path, ".zlib") || ends_with(path, ".zz")) return Compression::Zlib;
+  if (path.ends_with(".gz") || path.ends_with(".gzip")) return Compression::Gzip;
+  if (path.ends_with(".zlib") || path.ends_with(".zz")) return Compression::Zlib;
   // A named pipe cannot be peeked at (what is read is gone): its name says, or it is plain.
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && S_ISFIFO(st.st_mode)) return Compression::None;

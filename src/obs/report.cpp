@@ -293,10 +293,9 @@ std::string trace_chart(const RunMetrics& r) {
          num(axis + 4) + "' stroke='#333'/><text x='" + num(px(t)) + "' y='" + num(axis + 16) +
          "' font-size='10' text-anchor='middle'>" + num(t) + "</text>";
   const TraceOverlap o = trace_overlap(r);
-  const double comm = o.comm, hidden = o.hidden, exposed = o.exposed;
   s += "<text x='" + num(L) + "' y='" + num(axis + 34) + "' font-size='12'>" +
-       esc("ms from the step's start. Allreduce buckets " + num(comm) + " ms, " + num(hidden) +
-           " ms of it during backward (hidden); the step waited " + num(exposed) +
+       esc("ms from the step's start. Allreduce buckets " + num(o.comm) + " ms, " + num(o.hidden) +
+           " ms of it during backward (hidden); the step waited " + num(o.exposed) +
            " ms for the sum (exposed).") +
        "</text><text x='" + num(L) + "' y='" + num(axis + 50) + "' font-size='11' fill='#555'>" +
        "blue forward, green backward (pale: outside the layers), red communication, purple "

@@ -94,10 +94,6 @@ std::string known_tasks() {
 
 namespace {
 
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
 // [CLS] a [SEP] (b [SEP]) with longest-first truncation to seq_len, as HuggingFace.
 void add_example(LabeledSet& s, const data::Tokenizer& tok, int64_t seq_len,
                  const std::string& a_text, const std::string* b_text) {
@@ -159,7 +155,7 @@ LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
                           std::vector<std::string> label_names) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("cannot open ", path);
-  const bool jsonl = ends_with(path, ".json") || ends_with(path, ".jsonl");
+  const bool jsonl = path.ends_with(".json") || path.ends_with(".jsonl");
   std::string line;
   std::vector<std::string> raw_labels;
   LabeledSet s;
@@ -346,8 +342,8 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   // Train and dev each in their own format: a task file (TSV, JSON lines), or classification
   // TFRecords.
   auto is_text = [](const std::string& f) {
-    return ends_with(f, ".tsv") || ends_with(f, ".txt") || ends_with(f, ".json") ||
-           ends_with(f, ".jsonl");
+    return f.ends_with(".tsv") || f.ends_with(".txt") || f.ends_with(".json") ||
+           f.ends_with(".jsonl");
   };
   LabeledSet train_set =
       is_text(cfg.train)
