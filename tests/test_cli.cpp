@@ -31,7 +31,7 @@ TEST(Cli, HelpForEverySubcommand) {
   RunResult r = run("--help");
   EXPECT_EQ(r.rc, 0);
   for (const char* sub : {"estimate", "init", "inspect", "bench", "bench-input", "prepare",
-                          "tokenize", "report", "doctor"}) {
+                          "tokenize", "report", "doctor", "convert"}) {
     EXPECT_NE(r.out.find(sub), std::string::npos) << sub;
     RunResult s = run(std::string(sub) + " --help");
     EXPECT_EQ(s.rc, 0) << sub;
@@ -86,6 +86,26 @@ TEST(Cli, InspectHuggingFaceCheckpointAndCorruptFile) {
   r = run("inspect " + tmp / "bad.safetensors");
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.out.find("bertrain: error:"), std::string::npos) << r.out;
+}
+
+TEST(Cli, InspectAndConvertATensorFlowCheckpoint) {
+  const std::string tf = data_path("data/tf_checkpoint/keras_bert_tiny");
+  RunResult r = run("inspect " + tf);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("TensorFlow checkpoint, 139 variables"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cls/predictions/output_bias"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cls.predictions.bias"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(optimizer slot)"), std::string::npos) << r.out;
+  TempDir tmp;
+  r = run("convert " + tf + "/bert_model.ckpt.index " + tmp / "hf");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("46 weights as BertForPreTraining"), std::string::npos) << r.out;
+  r = run("inspect " + tmp / "hf");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("loads as BertForPreTraining"), std::string::npos) << r.out;
+  r = run("convert " + data_path("golden/bert_cls") + " " + tmp / "x");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("is not a TensorFlow checkpoint"), std::string::npos) << r.out;
 }
 
 TEST(Cli, BenchRunsAStep) {

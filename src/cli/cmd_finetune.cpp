@@ -47,7 +47,8 @@ void add_finetune(CLI::App& app) {
   auto* c =
       app.add_subcommand("finetune", "Fine-tune a pretrained BERT for sequence classification");
   c->add_option("--init-checkpoint", f.init_checkpoint,
-                "Pretrained model: run directory, checkpoint or HuggingFace directory")
+                "Pretrained model: run directory, checkpoint, HuggingFace directory or TensorFlow "
+                "checkpoint (Google BERT: prefix, .index or directory)")
       ->required();
   c->add_option("--train", f.train,
                 "Training data: a TSV (header row; by default label, text_a[, text_b]) or JSON "

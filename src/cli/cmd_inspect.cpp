@@ -3,6 +3,8 @@
 // with type and values), every CRC checked; the first corrupt record stops with its file, byte
 // offset and record number, exit 1. safetensors: every tensor with dtype, shape, statistics, a
 // finiteness check and (with a config.json beside it or --model-config) whether it loads.
+// TensorFlow checkpoints (prefix, .index or directory): every variable, CRC checked, with the
+// HuggingFace name it converts to.
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -14,8 +16,10 @@
 #include "core/safetensors.h"
 #include "data/example.h"
 #include "data/pipeline.h"
+#include "data/tensor_bundle.h"
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
+#include "model/tf_checkpoint.h"
 
 namespace bertrain::cli {
 
@@ -86,6 +90,60 @@ int inspect_safetensors(const std::string& path, const std::string& config, bool
                   model::head_architecture(head), cfg_path.c_str(), describe(cfg).c_str(),
                   rep.loaded.size(), rep.missing_allowed.size());
   }
+  return bad ? 1 : 0;
+}
+
+// A TensorFlow checkpoint: every variable with its dtype, shape, HuggingFace name (or what it
+// is instead) and statistics; every tensor's CRC checked. A damaged tensor is reported and the
+// rest still listed; exit 1.
+int inspect_tf_checkpoint(const std::string& path, bool json) {
+  const data::TensorBundle b(path);
+  int bad = 0;
+  if (!json)
+    std::printf(
+        "%s: TensorFlow checkpoint, %zu variables, %d data file(s)\n  %-56s %-8s %-12s "
+        "%-52s %10s %10s\n",
+        b.prefix().c_str(), b.variables().size(), b.num_shards(), "variable", "dtype", "shape",
+        "HuggingFace name", "mean", "absmax");
+  for (const auto& v : b.variables()) {
+    const auto w = model::tf_weight(v);
+    const std::string as = w                                          ? w->hf_name
+                           : v.name.find("adam") != std::string::npos ? "(optimizer slot)"
+                                                                      : "(not a weight)";
+    double mean = 0, absmax = 0;
+    std::string error;
+    try {
+      if (v.dtype == 1 || v.dtype == 2 || v.dtype == 14 || v.dtype == 19) {
+        const std::vector<float> x = b.read_f32(v);
+        for (float f : x) {
+          mean += f;
+          absmax = std::max(absmax, std::fabs(static_cast<double>(f)));
+        }
+        mean = x.empty() ? 0 : mean / static_cast<double>(x.size());
+      } else if (v.dtype == 3 || v.dtype == 9) {
+        const std::vector<int64_t> x = b.read_i64(v);
+        if (x.size() == 1) mean = absmax = static_cast<double>(x[0]);
+      }
+    } catch (const Error& e) {
+      error = e.what();
+      ++bad;
+    }
+    if (json) {
+      nlohmann::json j = {{"name", v.name},   {"dtype", data::tf_dtype_name(v.dtype)},
+                          {"shape", v.shape}, {"hf_name", w ? w->hf_name : ""},
+                          {"mean", mean},     {"absmax", absmax}};
+      if (!error.empty()) j["error"] = error;
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      std::printf("  %-56s %-8s %-12s %-52s %10.4g %10.4g\n", v.name.c_str(),
+                  data::tf_dtype_name(v.dtype).c_str(), shape_str(v.shape).c_str(), as.c_str(),
+                  mean, absmax);
+      if (!error.empty()) std::printf("    ERROR: %s\n", error.c_str());
+    }
+  }
+  if (!json)
+    std::printf("  %zu weights; %d unreadable; convert with: bertrain convert %s OUTPUT_DIR\n",
+                model::tf_weights(b).size(), bad, b.prefix().c_str());
   return bad ? 1 : 0;
 }
 
@@ -166,9 +224,12 @@ void add_inspect(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand(
-      "inspect", "Show and verify TFRecord files, .safetensors files and checkpoint directories");
+      "inspect",
+      "Show and verify TFRecord files, .safetensors files, checkpoint directories and "
+      "TensorFlow checkpoints");
   c->add_option("files", o->files,
-                "TFRecord files (globs allowed), .safetensors files or checkpoint directories")
+                "TFRecord files (globs allowed), .safetensors files, checkpoint directories or "
+                "TensorFlow checkpoints (prefix or .index)")
       ->required();
   c->add_option("--model-config", o->config,
                 "config.json to check loading against (default: the one beside the file)");
@@ -185,6 +246,11 @@ void add_inspect(CLI::App& app) {
   c->callback([o] {
     int rc = 0;
     for (const auto& f : o->files) {
+      if (model::is_tf_checkpoint(f) &&
+          !std::filesystem::exists(std::filesystem::path(f) / "model.safetensors")) {
+        rc |= inspect_tf_checkpoint(f, o->json);
+        continue;
+      }
       if (std::filesystem::is_directory(f)) {
         rc |= inspect_safetensors(model::checkpoint_weights_path(f), o->config, o->json);
         continue;

@@ -52,7 +52,8 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
       ->required();
   c->add_option("--output", t.output, "Run directory (checkpoints, latest)")->required();
   c->add_option("--init-checkpoint", t.init_checkpoint,
-                "Start from these weights (HuggingFace or bertrain checkpoint)");
+                "Start from these weights (HuggingFace or bertrain checkpoint, or a Google BERT "
+                "TensorFlow checkpoint)");
   c->add_option("--batch-size", t.batch_size, "Sequences per rank per micro-batch")
       ->capture_default_str();
   c->add_option("--seq-len", t.seq_len, "Tokens per sequence (must match the data)")

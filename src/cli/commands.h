@@ -13,6 +13,7 @@ namespace bertrain::cli {
 void add_estimate(CLI::App& app);
 void add_init(CLI::App& app);
 void add_inspect(CLI::App& app);
+void add_convert(CLI::App& app);
 void add_bench(CLI::App& app);
 void add_bench_input(CLI::App& app);
 void add_prepare(CLI::App& app);

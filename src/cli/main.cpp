@@ -90,6 +90,7 @@ int main(int argc, char** argv) {
   bertrain::cli::add_estimate(app);
   bertrain::cli::add_init(app);
   bertrain::cli::add_inspect(app);
+  bertrain::cli::add_convert(app);
   bertrain::cli::add_bench(app);
   bertrain::cli::add_bench_input(app);
   bertrain::cli::add_prepare(app);

@@ -1,12 +1,14 @@
 #include "model/checkpoint.h"
 
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "core/setting.h"
+#include "model/tf_checkpoint.h"
 
 namespace bertrain::model {
 
@@ -48,50 +50,71 @@ std::string checkpoint_weights_path(const std::string& p) {
     fs::path f = fs::path(p) / "model.safetensors";
     if (!fs::exists(f))
       fail("no model.safetensors in ", p,
-           " (a checkpoint directory needs model.safetensors and "
-           "config.json; PyTorch .bin files can be converted with HF save_pretrained)");
+           " (a checkpoint directory needs model.safetensors and config.json, or a TensorFlow "
+           "checkpoint's .index and .data files; PyTorch .bin files can be converted with HF "
+           "save_pretrained)");
     return f.string();
   }
   if (!fs::exists(p)) fail("checkpoint ", p, " does not exist");
   return p;
 }
 
+std::string checkpoint_vocab_path(const std::string& p) {
+  const std::string prefix = data::TensorBundle::find_prefix(p);
+  const fs::path dir = fs::is_directory(p) ? fs::path(p)
+                       : prefix.empty()    ? fs::path(p).parent_path()
+                                           : fs::path(prefix).parent_path();
+  return fs::exists(dir / "vocab.txt") ? (dir / "vocab.txt").string() : "";
+}
+
 std::string checkpoint_config_path(const std::string& p) {
+  if (!fs::exists(fs::path(p) / "config.json") && is_tf_checkpoint(p)) {
+    const std::string c = tf_checkpoint_config(p);
+    if (c.empty())
+      fail("no bert_config.json beside TensorFlow checkpoint ", p, " (pass ",
+           setting("model_config"), ")");
+    return c;
+  }
   fs::path f =
       fs::is_directory(p) ? fs::path(p) / "config.json" : fs::path(p).parent_path() / "config.json";
   if (!fs::exists(f)) fail("no config.json next to checkpoint ", p);
   return f.string();
 }
 
-LoadReport load_safetensors_into(BertModel& m, const std::string& path, const LoadOptions& opt) {
-  SafetensorsReader r(path);
+namespace {
+
+// One tensor of a checkpoint file: its name as the file spells it, the model's name, its shape
+// and how to read it as fp32.
+struct SourceTensor {
+  std::string file_name, name;
+  Shape shape;
+  std::function<void(float*)> read;
+};
+
+LoadReport load_tensors(BertModel& m, const std::string& path,
+                        const std::vector<SourceTensor>& tensors, const LoadOptions& opt,
+                        LoadReport rep) {
   const ParamTable& table = m.table();
-  LoadReport rep;
   std::set<std::string> seen;
   std::vector<std::string> mismatched, unexpected;
-  for (const auto& t : r.tensors()) {
-    const std::string name = canonical_name(t.name, table);
-    const ParamInfo* p = table.find(name);
+  for (const auto& t : tensors) {
+    const ParamInfo* p = table.find(t.name);
     if (!p) {
-      if (is_tied_or_buffer(name) || is_tied_or_buffer(t.name) ||
-          has_prefix(name, opt.ignore_unexpected_prefixes))
-        rep.ignored.push_back(t.name);
+      if (is_tied_or_buffer(t.name) || is_tied_or_buffer(t.file_name) ||
+          has_prefix(t.name, opt.ignore_unexpected_prefixes))
+        rep.ignored.push_back(t.file_name);
       else
-        unexpected.push_back(t.name + " " + shape_str(t.shape));
+        unexpected.push_back(t.file_name + " " + shape_str(t.shape));
       continue;
     }
     if (t.shape != p->shape) {
-      mismatched.push_back(t.name + ": file " + shape_str(t.shape) + ", model " +
+      mismatched.push_back(t.file_name + ": file " + shape_str(t.shape) + ", model " +
                            shape_str(p->shape));
       continue;
     }
-    if (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16 &&
-        t.dtype != DType::F64)
-      fail(path, ": tensor ", t.name, " has dtype ", dtype_name(t.dtype),
-           "; expected a float type");
-    r.read_f32(t, m.params() + p->offset);
-    seen.insert(name);
-    rep.loaded.push_back(name);
+    t.read(m.params() + p->offset);
+    seen.insert(t.name);
+    rep.loaded.push_back(t.name);
   }
   std::vector<std::string> missing;
   for (const auto& p : table.params()) {
@@ -117,6 +140,39 @@ LoadReport load_safetensors_into(BertModel& m, const std::string& path, const Lo
     throw Error(msg);
   }
   return rep;
+}
+
+}  // namespace
+
+LoadReport load_safetensors_into(BertModel& m, const std::string& path, const LoadOptions& opt) {
+  SafetensorsReader r(path);
+  std::vector<SourceTensor> tensors;
+  for (const auto& t : r.tensors()) {
+    if (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16 &&
+        t.dtype != DType::F64 && m.table().find(canonical_name(t.name, m.table())))
+      fail(path, ": tensor ", t.name, " has dtype ", dtype_name(t.dtype),
+           "; expected a float type");
+    tensors.push_back({t.name, canonical_name(t.name, m.table()), t.shape,
+                       [&r, &t](float* out) { r.read_f32(t, out); }});
+  }
+  return load_tensors(m, path, tensors, opt, {});
+}
+
+LoadReport load_checkpoint_into(BertModel& m, const std::string& path, const LoadOptions& opt) {
+  if (!is_tf_checkpoint(path)) return load_safetensors_into(m, checkpoint_weights_path(path), opt);
+  const data::TensorBundle bundle(path);
+  std::vector<SourceTensor> tensors;
+  LoadReport rep;
+  const std::vector<TfWeight> weights = tf_weights(bundle);
+  for (const auto& w : weights)
+    tensors.push_back({w.tf_name, w.hf_name, w.shape, [&bundle, &w](float* out) {
+                         const std::vector<float> v = read_tf_weight(bundle, w);
+                         std::copy(v.begin(), v.end(), out);
+                       }});
+  rep.ignored.reserve(bundle.variables().size() - weights.size());
+  for (const auto& v : bundle.variables())
+    if (!tf_weight(v)) rep.ignored.push_back(v.name);  // optimizer slots, global_step
+  return load_tensors(m, bundle.prefix(), tensors, opt, std::move(rep));
 }
 
 void save_pretrained(const BertModel& m, const std::string& dir, DType dtype) {

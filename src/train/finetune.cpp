@@ -331,8 +331,7 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   model::BertConfig mc = model::BertConfig::load(
       cfg.model_config.empty() ? model::checkpoint_config_path(src) : cfg.model_config);
   std::string vocab_path = cfg.vocab;
-  if (vocab_path.empty() && fs::exists(fs::path(src) / "vocab.txt"))
-    vocab_path = (fs::path(src) / "vocab.txt").string();
+  if (vocab_path.empty()) vocab_path = model::checkpoint_vocab_path(src);
   if (vocab_path.empty()) fail(setting("vocab"), " is required (the checkpoint has no vocab.txt)");
   const data::Vocab vocab = data::Vocab::load(vocab_path);
   if (vocab.size() != mc.vocab_size)
@@ -361,8 +360,8 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   model::BertModel m(mc, model::Head::SequenceClassification,
                      with_precision({cfg.batch_size, cfg.seq_len, 0}, cfg.precision));
   m.init_params(cfg.seed);
-  model::LoadReport rep = model::load_safetensors_into(m, model::checkpoint_weights_path(src),
-                                                       {{"classifier.", "bert.pooler."}, {"cls."}});
+  model::LoadReport rep =
+      model::load_checkpoint_into(m, src, {{"classifier.", "bert.pooler."}, {"cls."}});
   OptimizerConfig oc;
   oc.kind = OptimizerKind::AdamW;
   oc.weight_decay = static_cast<float>(cfg.weight_decay);

@@ -243,8 +243,7 @@ void Trainer::State::resume_or_init() {
     resumed_from = ck;
   } else if (!cfg.init_checkpoint.empty()) {
     m.init_params(cfg.seed);  // heads absent from a BertModel checkpoint keep BERT's init
-    model::load_safetensors_into(m, model::checkpoint_weights_path(cfg.init_checkpoint),
-                                 {{"cls.", "bert.pooler."}, {}});
+    model::load_checkpoint_into(m, cfg.init_checkpoint, {{"cls.", "bert.pooler."}, {}});
   } else {
     m.init_params(cfg.seed);
   }
