@@ -6,7 +6,10 @@
 #      line and the step-time breakdown; TensorBoard event files and metrics.jsonl in the run
 #      directory;
 #   4. eval: masked-LM and next-sentence metrics on the held-out records;
-#   5. fine-tune on ChnSentiCorp reviews (dev accuracy per epoch) and predict the test set;
+#   5. fine-tune on ChnSentiCorp reviews (dev accuracy per epoch) and predict the test set; a
+#      regression task (GLUE STS-B as distributed: dev Pearson/Spearman per epoch); entity tagging
+#      (CLUENER: dev entity F1 per epoch, entities with their character spans); read a Google BERT
+#      TensorFlow checkpoint and convert it for transformers;
 #   6. an HTML report of both runs (plots, offline; the last step's compute/communication overlap
 #      from the timeline) and `bertrain doctor` on the machine (CPU, MPI, CUDA/NCCL) and the run;
 #   7. the memory plan of BERT-base and the largest batch that fits this machine.
@@ -49,9 +52,23 @@ $BT finetune --init-checkpoint "$OUT/run" --vocab data/vocab/bert-base-chinese-v
   --output "$OUT/sentiment" --seq-len 128 --batch-size 16 --epochs 8 --lr 2e-4
 $BT predict --checkpoint "$OUT/sentiment" --input data/classification/chnsenticorp_small/test.tsv > "$OUT/predictions.tsv"
 echo "predictions in $OUT/predictions.tsv"
+echo "-- regression: GLUE STS-B's files as distributed (--task stsb; the first 1000 training pairs)"
+$BT finetune --init-checkpoint "$OUT/run" --vocab data/vocab/bert-base-chinese-vocab.txt --task stsb \
+  --train tests/data/tasks/stsb_train_head1000.tsv --dev tests/data/tasks/stsb_dev_head300.tsv \
+  --output "$OUT/stsb" --seq-len 64 --batch-size 16 --epochs 3 --lr 5e-4
+echo "-- entity tagging: CLUENER (the first 2000 training sentences), then the entities of two dev sentences"
+$BT finetune --init-checkpoint "$OUT/run" --vocab data/vocab/bert-base-chinese-vocab.txt --task cluener \
+  --train tests/data/tasks/cluener_train_head2000.json --dev tests/data/tasks/cluener_dev_head200.json \
+  --output "$OUT/ner" --seq-len 64 --batch-size 16 --epochs 6 --lr 4e-3
+$BT predict --checkpoint "$OUT/ner" --input tests/data/tasks/cluener_dev_head200.json > "$OUT/entities.jsonl"
+head -2 "$OUT/entities.jsonl" | cut -c1-200; echo "  ... (all in $OUT/entities.jsonl)"
+echo "-- a Google BERT TensorFlow checkpoint (keras-bert's tiny one): its variables, then as a HuggingFace directory"
+$BT inspect tests/data/tf_checkpoint/keras_bert_tiny > "$OUT/tf-variables.txt"
+head -4 "$OUT/tf-variables.txt"; echo "  ... (all of them in $OUT/tf-variables.txt)"
+$BT convert tests/data/tf_checkpoint/keras_bert_tiny "$OUT/from-tf"
 
 echo; echo "== 5. see the runs: one HTML report (pretraining with its eval, fine-tuning), and the doctor"
-$BT report "$OUT/run" "$OUT/sentiment" --output "$OUT/report.html"
+$BT report "$OUT/run" "$OUT/sentiment" "$OUT/stsb" "$OUT/ner" --output "$OUT/report.html"
 $BT doctor "$OUT/run"
 
 echo; echo "== 6. memory plan: BERT-base pretraining per rank, and the batch that fits half this machine's memory"

@@ -12,6 +12,8 @@
 #include "model/checkpoint.h"
 #include "test_util.h"
 #include "train/finetune.h"
+#include "train/metrics.h"
+#include "train/ner.h"
 
 namespace bertrain::train {
 namespace {
@@ -263,6 +265,219 @@ TEST(Finetune, PretrainedModelBeatsTheMajorityClassAndAFreshInit) {
   EXPECT_GE(pre.back(), 0.76) << "pretrained: " << a;
   EXPECT_GT(best_pre, best_fresh) << "pretrained: " << a << " fresh: " << b;
   std::printf("dev accuracy per epoch: pretrained %s| fresh init %s\n", a.c_str(), b.c_str());
+}
+
+// Pearson and Spearman against scipy.stats (tools/make_metrics_golden.py): real STS-B gold
+// scores against a noisy copy, ties on both sides, a negative correlation, and a constant
+// prediction (NaN, as scipy). Both are a few hundred double operations: 1e-12.
+TEST(Metrics, PearsonAndSpearmanEqualScipy) {
+  std::ifstream in(test::data_path("golden/metrics/regression.json"));
+  const nlohmann::json g = nlohmann::json::parse(in);
+  ASSERT_EQ(g["cases"].size(), 4u);
+  for (const auto& c : g["cases"]) {
+    const auto x = c["x"].get<std::vector<double>>(), y = c["y"].get<std::vector<double>>();
+    const std::string name = c["name"];
+    if (c["pearson"].is_null()) {
+      EXPECT_TRUE(std::isnan(pearson(x, y))) << name;
+      EXPECT_TRUE(std::isnan(spearman(x, y))) << name;
+      continue;
+    }
+    EXPECT_NEAR(pearson(x, y), c["pearson"].get<double>(), 1e-12) << name;
+    EXPECT_NEAR(spearman(x, y), c["spearman"].get<double>(), 1e-12) << name;
+  }
+  EXPECT_EQ(average_ranks({3, 1, 3, 2}), (std::vector<double>{3.5, 1, 3.5, 2}));
+}
+
+// STS-B as GLUE distributes it (--task stsb: sentence1, sentence2, score; an unbalanced quote
+// in the dev rows read as text): scores become regression targets; a label that is not a
+// number is an error naming the line.
+TEST(Finetune, StsbReadsScoresAsRegressionTargets) {
+  data::Vocab v = data::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
+  data::Tokenizer tok(v, true);
+  const LabeledSet s = read_task_file(test::data_path("data/tasks/stsb_dev_head300.tsv"),
+                                      task_columns("stsb"), tok, 64, {});
+  ASSERT_EQ(s.ids.size(), 300u);
+  EXPECT_TRUE(s.regression);
+  ASSERT_EQ(s.targets.size(), 300u);
+  EXPECT_FLOAT_EQ(s.targets[0], 5.0f);
+  EXPECT_FLOAT_EQ(s.targets[1], 4.75f);
+  EXPECT_TRUE(s.label_names.empty());
+  EXPECT_EQ(s.segments[0].back(), 1);  // sentence pairs
+  test::TempDir tmp;
+  std::ofstream(tmp / "bad.tsv") << "sentence1\tsentence2\tscore\na\tb\t3.2\nc\td\thigh\n";
+  const LabeledSet bad = read_task_file(tmp / "bad.tsv", task_columns("stsb"), tok, 16, {});
+  EXPECT_EQ(bad.targets, std::vector<float>{3.2f});
+  EXPECT_EQ(bad.skipped, 1);
+  EXPECT_NE(bad.skipped_summary("bad.tsv").find("bad.tsv:3: label 'high' is not a number"),
+            std::string::npos)
+      << bad.skipped_summary("bad.tsv");
+}
+
+// Rows that cannot be used are counted and reported with file:line, and the rest still line up
+// (labels with their texts); a file with no usable row at all is an error naming the first.
+TEST(Finetune, UnusableRowsAreCountedNotFatalOrMisaligned) {
+  data::Vocab v = data::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
+  data::Tokenizer tok(v, true);
+  test::TempDir tmp;
+  std::ofstream(tmp / "rows.tsv") << "label\ttext_a\ttext_b\n"
+                                  << "pos\tgood one\tyes\n"
+                                  << "neg\tonly two columns\n"
+                                  << "neg\tbad one\tno\n";
+  LabeledSet s = read_task_file(tmp / "rows.tsv", {}, tok, 16, {});
+  ASSERT_EQ(s.ids.size(), 2u);
+  EXPECT_EQ(s.labels, (std::vector<int32_t>{1, 0}));
+  EXPECT_EQ(s.skipped_rows, std::vector<int64_t>{1});
+  EXPECT_NE(s.skipped_summary("rows.tsv").find("rows.tsv:3: 2 columns, the header has 3"),
+            std::string::npos)
+      << s.skipped_summary("rows.tsv");
+  // Dev labels the training set never had.
+  s = read_task_file(tmp / "rows.tsv", {}, tok, 16, {"pos"});
+  EXPECT_EQ(s.ids.size(), 1u);
+  EXPECT_EQ(s.skipped, 2);
+  std::ofstream(tmp / "rows.jsonl") << "{\"text\": \"fine\", \"label\": \"a\"}\n"
+                                    << "{\"text\": \"broken\"\n"
+                                    << "{\"label\": \"b\"}\n"
+                                    << "{\"text\": \"also fine\", \"label\": \"b\"}\n";
+  s = read_task_file(tmp / "rows.jsonl", {}, tok, 16, {});
+  EXPECT_EQ(s.ids.size(), 2u);
+  EXPECT_EQ(s.labels, (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(s.skipped_rows, (std::vector<int64_t>{1, 2}));
+  EXPECT_NE(s.skipped_summary("j").find("rows.jsonl:3: no 'text' key"), std::string::npos)
+      << s.skipped_summary("j");
+  std::ofstream(tmp / "none.tsv") << "label\ttext_a\ttext_b\nx\ty\n";
+  try {
+    read_task_file(tmp / "none.tsv", {}, tok, 16, {});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("has no usable examples (1 rows skipped; first: "),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// prepare --task: a task file as classification TFRecords (run_classifier.py's schema) and
+// labels.txt; reading them back gives the text path's examples and label names exactly.
+TEST(Finetune, TaskFileAsClassificationTfRecordsReadsBackTheSame) {
+  data::Vocab v = data::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
+  data::Tokenizer tok(v, true);
+  const LabeledSet text = read_task_file(test::data_path("data/tasks/qnli_dev_head40.tsv"),
+                                         task_columns("qnli"), tok, 64, {});
+  test::TempDir tmp;
+  const auto files =
+      write_classification_tfrecords(text, 64, tmp / "one", 1, data::Compression::None);
+  ASSERT_EQ(files.size(), 1u);
+  const LabeledSet back = read_classification_tfrecords(tmp / "one/*.tfrecord", 64, 2, v.size());
+  EXPECT_EQ(back.label_names, text.label_names);  // from labels.txt: entailment, not_entailment
+  EXPECT_EQ(back.ids, text.ids);
+  EXPECT_EQ(back.segments, text.segments);
+  EXPECT_EQ(back.labels, text.labels);
+  // Sharded and gzipped: every example once.
+  const auto shards =
+      write_classification_tfrecords(text, 64, tmp / "three", 3, data::Compression::Gzip);
+  ASSERT_EQ(shards.size(), 3u);
+  const LabeledSet sharded =
+      read_classification_tfrecords(tmp / "three/*.tfrecord.gz", 64, 2, v.size());
+  EXPECT_EQ(sharded.ids.size(), text.ids.size());
+  // A regression task's scores are not classification labels: said, not truncated.
+  const LabeledSet sts = read_task_file(test::data_path("data/tasks/stsb_dev_head300.tsv"),
+                                        task_columns("stsb"), tok, 64, {});
+  EXPECT_THROW(write_classification_tfrecords(sts, 64, tmp / "sts", 1, data::Compression::None),
+               Error);
+}
+
+// Entity tagging: CLUENER (its first 2000 training sentences) from the small pretrained fixture,
+// a token classifier on every character. Tagging everything "O" (the majority tag) finds no
+// entity: F1 0. Measured here: dev entity F1 0.20 (precision 0.16, recall 0.28) after 8 epochs.
+// The saved directory predicts the same tags.
+TEST(Finetune, CluenerTaggingFindsEntities) {
+  test::TempDir tmp;
+  FinetuneConfig f;
+  f.init_checkpoint = test::data_path("data/pretrained/zh-h64");
+  f.vocab = root("data/vocab/bert-base-chinese-vocab.txt");
+  f.train = test::data_path("data/tasks/cluener_train_head2000.json");
+  f.dev = test::data_path("data/tasks/cluener_dev_head200.json");
+  f.columns = task_columns("cluener");
+  f.seq_len = 64;
+  f.batch_size = 16;
+  f.epochs = 8;
+  f.lr = 4e-3;
+  f.output = tmp / "out";
+  f.quiet = true;
+  const FinetuneResult r = finetune(f);
+  ASSERT_EQ(r.dev_f1.size(), 8u);
+  std::printf("dev entity F1 per epoch:");
+  for (double x : r.dev_f1) std::printf(" %.3f", x);
+  std::printf("\n");
+  EXPECT_GE(r.dev_f1.back(), 0.12);
+  std::ifstream in(tmp / "out/config.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["architectures"][0], "BertForTokenClassification");
+  EXPECT_EQ(j["id2label"]["0"], "O");
+  std::vector<std::string> names;
+  for (size_t i = 0; i < j["id2label"].size(); ++i)
+    names.push_back(j["id2label"][std::to_string(i)]);
+  model::BertModel m(model::BertConfig::load(tmp / "out/config.json"),
+                     model::Head::TokenClassification, {16, 64, 0});
+  model::load_safetensors_into(m, tmp / "out/model.safetensors");
+  data::Vocab v = data::Vocab::load(f.vocab);
+  data::Tokenizer tok(v, true);
+  const TaggedSet dev = read_tagged_file(f.dev);
+  const TokenSet t = encode_tagged(dev, tok, 64, names);
+  std::vector<std::vector<std::string>> gold;
+  for (const auto& s : dev.sentences) gold.push_back(s.tags);
+  EXPECT_NEAR(entity_scores(gold, predict_tags(m, dev, t, 16)).f1, r.dev_f1.back(), 1e-12);
+}
+
+// Fine-tuning STS-B (its first 1000 training pairs) from the small pretrained fixture beats the
+// trivial predictor: a constant (the training mean) has no correlation and the dev set's
+// variance as its error. Measured here: Pearson 0.36, Spearman 0.30, MSE 2.42 vs the
+// constant's 2.75.
+TEST(Finetune, StsbRegressionBeatsTheConstantPredictor) {
+  test::TempDir tmp;
+  FinetuneConfig f;
+  f.init_checkpoint = test::data_path("data/pretrained/zh-h64");
+  f.vocab = root("data/vocab/bert-base-chinese-vocab.txt");
+  f.train = test::data_path("data/tasks/stsb_train_head1000.tsv");
+  f.dev = test::data_path("data/tasks/stsb_dev_head300.tsv");
+  f.columns = task_columns("stsb");
+  f.seq_len = 64;
+  f.batch_size = 16;
+  f.epochs = 6;
+  f.lr = 5e-4;
+  f.output = tmp / "out";
+  f.quiet = true;
+  const FinetuneResult r = finetune(f);
+  ASSERT_EQ(r.dev_pearson.size(), 6u);
+  data::Vocab v = data::Vocab::load(f.vocab);
+  data::Tokenizer tok(v, true);
+  const LabeledSet train = read_task_file(f.train, f.columns, tok, 64, {});
+  const LabeledSet dev = read_task_file(f.dev, f.columns, tok, 64, {});
+  double mean = 0, constant_mse = 0;
+  for (float t : train.targets) mean += t / train.targets.size();
+  for (float t : dev.targets) constant_mse += (t - mean) * (t - mean) / dev.targets.size();
+  std::printf("dev pearson %.4f spearman %.4f mse %.4f; constant predictor mse %.4f\n",
+              r.dev_pearson.back(), r.dev_spearman.back(), r.dev_mse.back(), constant_mse);
+  EXPECT_GE(r.dev_pearson.back(), 0.25);
+  EXPECT_GE(r.dev_spearman.back(), 0.2);
+  EXPECT_LT(r.dev_mse.back(), 0.95 * constant_mse);
+  // The saved directory is HF's regression head, and predict reads it back.
+  std::ifstream in(tmp / "out/config.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["id2label"].size(), 1u);  // HF's num_labels
+  EXPECT_EQ(j["problem_type"], "regression");
+  model::BertModel m(model::BertConfig::load(tmp / "out/config.json"),
+                     model::Head::SequenceClassification, {16, 64, 0});
+  model::load_safetensors_into(m, tmp / "out/model.safetensors");
+  const RegressionMetrics again = regress(m, dev, 16, nullptr);
+  EXPECT_NEAR(again.pearson, r.dev_pearson.back(), 1e-9);
+  // predict --precision bf16: the same model with bf16 matmuls tracks fp32 (measured: Pearson
+  // 0.2986 vs 0.2984 on another run): within 0.02.
+  BT_SKIP_WITHOUT_BF16();
+  model::BertModel m16(model::BertConfig::load(tmp / "out/config.json"),
+                       model::Head::SequenceClassification,
+                       with_precision({16, 64, 0}, Precision::BF16));
+  model::load_safetensors_into(m16, tmp / "out/model.safetensors");
+  EXPECT_NEAR(regress(m16, dev, 16, nullptr).pearson, r.dev_pearson.back(), 0.02);
 }
 
 }  // namespace

@@ -41,6 +41,9 @@ Batch golden_batch(const SafetensorsReader& g, bool pretraining) {
     to32(g.read_i64("input.next_sentence_labels"), b.next_sentence_labels);
     auto w = g.read_f64("input.masked_lm_weights");
     b.masked_lm_weights.assign(w.begin(), w.end());
+  } else if (g.find("input.label_values")) {  // regression
+    auto v = g.read_f64("input.label_values");
+    b.label_values.assign(v.begin(), v.end());
   } else {
     to32(g.read_i64("input.label_ids"), b.label_ids);
   }
@@ -100,6 +103,58 @@ TEST(GoldenHF, BertForSequenceClassificationForwardBackward) {
   load_safetensors_into(m, dir + "/model.safetensors");
   Losses l = m.forward(b, {});
   EXPECT_TRUE(all_close("logits", m.cls_logits(), g.read_f64("output.logits").data(), b.B * 3,
+                        kFwdRtol, kFwdAtol));
+  EXPECT_NEAR(l.loss, g.read_f64("output.loss")[0], 1e-5);
+  m.zero_grads();
+  m.backward(b, {});
+  check_grads(m, g);
+}
+
+// One output: HF's regression head (problem_type regression, MSELoss), as STS-B fine-tunes.
+TEST(GoldenHF, BertForSequenceClassificationRegressionForwardBackward) {
+  const std::string dir = data_path("golden/bert_reg");
+  SafetensorsReader g(dir + "/golden.safetensors");
+  Batch b = golden_batch(g, false);
+  BertConfig cfg = BertConfig::load(dir + "/config.json");
+  ASSERT_EQ(cfg.num_labels, 1);
+  BertModel m(cfg, Head::SequenceClassification, {b.B, b.T, 0});
+  load_safetensors_into(m, dir + "/model.safetensors");
+  Losses l = m.forward(b, {});
+  EXPECT_TRUE(all_close("logits", m.cls_logits(), g.read_f64("output.logits").data(), b.B, kFwdRtol,
+                        kFwdAtol));
+  EXPECT_NEAR(l.loss, g.read_f64("output.loss")[0], 1e-5 * g.read_f64("output.loss")[0]);
+  m.zero_grads();
+  m.backward(b, {});
+  check_grads(m, g);
+}
+
+// HF's BertForTokenClassification: a classifier on every token, no pooler; tokens labelled
+// -100 (HF's ignore_index) are weight 0 here, the loss is the mean over the scored ones.
+TEST(GoldenHF, BertForTokenClassificationForwardBackward) {
+  const std::string dir = data_path("golden/bert_token");
+  SafetensorsReader g(dir + "/golden.safetensors");
+  const auto* info = g.find("input.input_ids");
+  const int64_t B = info->shape[0], T = info->shape[1];
+  Batch b;
+  b.resize(B, T, 0);
+  auto to32 = [](const std::vector<int64_t>& v, std::vector<int32_t>& out) {
+    out.assign(v.begin(), v.end());
+  };
+  to32(g.read_i64("input.input_ids"), b.input_ids);
+  to32(g.read_i64("input.input_mask"), b.input_mask);
+  to32(g.read_i64("input.segment_ids"), b.segment_ids);
+  const auto labels = g.read_i64("input.token_labels");
+  for (int64_t i = 0; i < B * T; ++i) {
+    b.token_label_ids[i] = labels[i] < 0 ? 0 : static_cast<int32_t>(labels[i]);
+    b.token_label_weights[i] = labels[i] < 0 ? 0.0f : 1.0f;
+  }
+  BertConfig cfg = BertConfig::load(dir + "/config.json");
+  ASSERT_EQ(cfg.num_labels, 5);
+  BertModel m(cfg, Head::TokenClassification, {B, T, 0});
+  EXPECT_FALSE(m.table().find("bert.pooler.dense.weight"));
+  load_safetensors_into(m, dir + "/model.safetensors");  // strictly: HF's file has no pooler
+  Losses l = m.forward(b, {});
+  EXPECT_TRUE(all_close("logits", m.token_logits(), g.read_f64("output.logits").data(), B * T * 5,
                         kFwdRtol, kFwdAtol));
   EXPECT_NEAR(l.loss, g.read_f64("output.loss")[0], 1e-5);
   m.zero_grads();

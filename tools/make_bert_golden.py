@@ -8,6 +8,10 @@ every parameter to golden.safetensors:
 
   tests/golden/bert_pretrain/   BertForPreTraining: MLM (Google's weighted loss) + NSP
   tests/golden/bert_cls/        BertForSequenceClassification (3 labels, same encoder weights)
+  tests/golden/bert_reg/        BertForSequenceClassification with one output (problem_type
+                                regression: MSE loss, as STS-B), same encoder weights
+  tests/golden/bert_token/      BertForTokenClassification (5 labels, no pooler; -100 labels on
+                                [CLS], [SEP], padding and some later sub-tokens)
 
 The MLM loss is Google BERT's: sum(w * ce) / (sum(w) + 1e-5) over masked_lm_positions, computed
 here in torch on HF's prediction logits, so gradients flow through HF's own graph.
@@ -130,6 +134,60 @@ def cls_golden(out_dir, gen, encoder_src):
     print(f"{out_dir}: loss {out.loss.item():.6f}")
 
 
+def reg_golden(out_dir, gen, encoder_src):
+    # BertForSequenceClassification with one output: HF's regression head (MSELoss), as STS-B.
+    cfg = make_config(num_labels=1, problem_type="regression")
+    model = BertForSequenceClassification(cfg)
+    randomize(model, gen)
+    model.bert.load_state_dict({k: v.float() for k, v in encoder_src.bert.state_dict().items()})
+    model.eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    inp = make_inputs(gen, cfg.vocab_size)
+    del inp["label_ids"]
+    inp["label_values"] = torch.tensor([3.8, 0.5, 2.25], dtype=torch.float64)
+    model = model.double()
+    out = model(input_ids=inp["input_ids"], attention_mask=inp["input_mask"],
+                token_type_ids=inp["segment_ids"], labels=inp["label_values"])
+    out.loss.backward()
+    tensors = {f"input.{k}": v.contiguous() for k, v in inp.items()}
+    tensors.update({"output.logits": out.logits.detach(), "output.loss": out.loss.detach().reshape(1)})
+    tensors.update(grads_of(model))
+    save_file(tensors, os.path.join(out_dir, "golden.safetensors"))
+    print(f"{out_dir}: loss {out.loss.item():.6f}")
+
+
+def token_golden(out_dir, gen, encoder_src):
+    # BertForTokenClassification (5 labels, no pooler); label -100 (not scored) on padding, the
+    # first token and some "later sub-token" positions, as HF's run_ner aligns labels.
+    from transformers import BertForTokenClassification
+    cfg = make_config(num_labels=5)
+    model = BertForTokenClassification(cfg)
+    randomize(model, gen)
+    model.bert.load_state_dict({k: v.float() for k, v in encoder_src.bert.state_dict().items()
+                                if not k.startswith("pooler.")})
+    model.eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    inp = make_inputs(gen, cfg.vocab_size)
+    labels = torch.randint(0, 5, (B, T), generator=gen)
+    for b, n in enumerate(LENGTHS):
+        labels[b, n - 1:] = -100  # [SEP] and padding
+        labels[b, 0] = -100  # [CLS]
+        labels[b, 1:n - 1][torch.rand(n - 2, generator=gen) < 0.3] = -100  # later sub-tokens
+    inp = {k: inp[k] for k in ("input_ids", "input_mask", "segment_ids")}
+    inp["token_labels"] = labels
+    model = model.double()
+    out = model(input_ids=inp["input_ids"], attention_mask=inp["input_mask"],
+                token_type_ids=inp["segment_ids"], labels=labels)
+    out.loss.backward()
+    tensors = {f"input.{k}": v.contiguous() for k, v in inp.items()}
+    tensors.update({"output.logits": out.logits.detach(), "output.loss": out.loss.detach().reshape(1)})
+    tensors.update(grads_of(model))
+    save_file(tensors, os.path.join(out_dir, "golden.safetensors"))
+    print(f"{out_dir}: loss {out.loss.item():.6f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "golden"))
@@ -138,6 +196,8 @@ def main():
     gen = torch.Generator().manual_seed(1234)
     pre = pretrain_golden(os.path.join(args.out, "bert_pretrain"), gen)
     cls_golden(os.path.join(args.out, "bert_cls"), gen, pre)
+    reg_golden(os.path.join(args.out, "bert_reg"), torch.Generator().manual_seed(4321), pre)
+    token_golden(os.path.join(args.out, "bert_token"), torch.Generator().manual_seed(5678), pre)
 
 
 if __name__ == "__main__":

@@ -3,27 +3,25 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 #include "core/error.h"
 #include "model/checkpoint.h"
 #include "train/finetune.h"
+#include "train/ner.h"
 
 namespace bertrain::cli {
 
-namespace {
-// --task and the column flags: a preset's columns, each overridden by its flag.
-struct TaskOpts {
-  std::string task, text_a, text_b, label;
-  train::TaskColumns columns() const {
-    train::TaskColumns c = task.empty() ? train::TaskColumns{} : train::task_columns(task);
-    if (!text_a.empty()) c.text_a = text_a;
-    if (!text_b.empty()) c.text_b = text_b;
-    if (!label.empty()) c.label = label;
-    return c;
-  }
-};
+train::TaskColumns TaskOpts::columns() const {
+  train::TaskColumns c = task.empty() ? train::TaskColumns{} : train::task_columns(task);
+  if (!text_a.empty()) c.text_a = text_a;
+  if (!text_b.empty()) c.text_b = text_b;
+  if (!label.empty()) c.label = label;
+  c.regression = c.regression || regression;
+  return c;
+}
 
 void add_task_options(CLI::App* c, TaskOpts& t) {
   c->add_option("--task", t.task,
@@ -32,8 +30,10 @@ void add_task_options(CLI::App* c, TaskOpts& t) {
                 "Column (TSV header) or key (JSON lines) of the first text");
   c->add_option("--text-b-column", t.text_b, "Column or key of the second text (sentence pairs)");
   c->add_option("--label-column", t.label, "Column or key of the label");
+  c->add_flag("--regression", t.regression,
+              "The label is a number to predict (one output, mean squared error; dev Pearson and "
+              "Spearman), as --task stsb");
 }
-}  // namespace
 
 void add_finetune(CLI::App& app) {
   struct Opts {
@@ -87,47 +87,117 @@ void add_finetune(CLI::App& app) {
 
 void add_predict(CLI::App& app) {
   struct Opts {
-    std::string checkpoint, input;
+    std::string checkpoint, input, precision = "fp32";
     TaskOpts task;
     int64_t batch = 32;
     int threads = 0;
   };
   auto o = std::make_shared<Opts>();
-  auto* c = app.add_subcommand("predict", "Labels for new text with a fine-tuned classifier");
+  auto* c = app.add_subcommand(
+      "predict", "Labels (or values, for a regression model) for new text with a fine-tuned model");
   c->add_option("--checkpoint", o->checkpoint, "A directory written by bertrain finetune")
       ->required();
   c->add_option("--input", o->input,
                 "TSV or JSON lines with the texts (and labels, to report accuracy); the columns "
-                "the model was fine-tuned with unless told")
+                "the model was fine-tuned with unless told. An entity tagger reads CLUENER JSON "
+                "lines (.json) or CoNLL columns and writes JSON lines with the entities")
       ->required();
   add_task_options(c, o->task);
   c->add_option("--batch-size", o->batch, "Examples per batch")->capture_default_str();
+  c->add_option("--precision", o->precision,
+                "fp32, bf16 or fp16: the matmuls' precision, as in train (bf16 needs AVX-512)")
+      ->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
   c->callback([o] {
     set_threads(o->threads);
+    const train::Precision precision = train::parse_precision(o->precision);
     const std::string cfg_path = model::checkpoint_config_path(o->checkpoint);
     std::ifstream in(cfg_path);
     const nlohmann::json j = nlohmann::json::parse(in);
     const model::BertConfig mc = model::BertConfig::from_json(j, cfg_path);
-    std::vector<std::string> names(mc.num_labels);
-    for (int64_t i = 0; i < mc.num_labels; ++i)
+    const bool regression = mc.num_labels == 1;  // HF's rule: one output is a regression head
+    std::vector<std::string> names(regression ? 0 : mc.num_labels);
+    for (size_t i = 0; i < names.size(); ++i)
       names[i] = j["id2label"].value(std::to_string(i), std::to_string(i));
     const auto bt = j.value("bertrain", nlohmann::json::object());
     const int64_t seq = bt.value("seq_len", int64_t{128});
     const data::Vocab vocab =
         data::Vocab::load((std::filesystem::path(o->checkpoint) / "vocab.txt").string());
     const data::Tokenizer tok(vocab, bt.value("lower_case", vocab.looks_uncased()));
+    const std::string arch =
+        j.value("architectures", nlohmann::json::array({""})).at(0).get<std::string>();
+    if (arch == "BertForTokenClassification") {
+      // Entity tagging: one JSON line per sentence with its entities as character spans of the
+      // sentence's text (end exclusive) and every word's tag.
+      const train::TaggedSet s = train::read_tagged_file(o->input);
+      if (s.skipped) std::fprintf(stderr, "predict: %s\n", s.skipped_summary(o->input).c_str());
+      const train::TokenSet t = train::encode_tagged(s, tok, seq, names);
+      model::BertModel m(mc, model::Head::TokenClassification,
+                         train::with_precision({o->batch, seq, 0}, precision));
+      model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
+      const auto tags = train::predict_tags(m, s, t, o->batch);
+      std::vector<std::vector<std::string>> gold;
+      for (size_t i = 0; i < s.sentences.size(); ++i) {
+        nlohmann::json ents = nlohmann::json::array();
+        for (const auto& e : train::entity_spans(s.sentences[i], tags[i]))
+          ents.push_back({{"type", e.type}, {"text", e.text}, {"start", e.start}, {"end", e.end}});
+        const nlohmann::json line = {
+            {"text", s.sentences[i].text}, {"entities", ents}, {"tags", tags[i]}};
+        std::printf("%s\n",
+                    line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+        if (!s.sentences[i].tags.empty()) gold.push_back(s.sentences[i].tags);
+      }
+      if (gold.size() == tags.size()) {
+        const train::EntityScores e = train::entity_scores(gold, tags);
+        std::fprintf(stderr,
+                     "predict: entity precision %.4f, recall %.4f, F1 %.4f (%lld of %lld entities "
+                     "found, %lld predicted; %zu sentences, %lld truncated)\n",
+                     e.precision, e.recall, e.f1, (long long)e.correct, (long long)e.gold,
+                     (long long)e.predicted, tags.size(), (long long)t.truncated);
+      }
+      return;
+    }
     train::TaskColumns cols = o->task.columns();
     if (cols.empty() && bt.contains("columns"))
       cols = {bt["columns"].value("text_a", ""), bt["columns"].value("text_b", ""),
               bt["columns"].value("label", "")};
+    cols.regression = regression;
     train::LabeledSet s = train::read_task_file(o->input, cols, tok, seq, names);
-    model::BertModel m(mc, model::Head::SequenceClassification, {o->batch, seq, 0});
+    model::BertModel m(mc, model::Head::SequenceClassification,
+                       train::with_precision({o->batch, seq, 0}, precision));
     model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
+    // One output line per data row of the input: a row that could not be used gets "-" (and is
+    // reported on stderr), so that line i is still row i.
+    const std::string skipped = s.skipped_summary(o->input);
+    if (!skipped.empty()) std::fprintf(stderr, "predict: %s\n", skipped.c_str());
+    auto print_rows = [&](size_t n, const std::function<void(size_t)>& print) {
+      size_t next = 0, k = 0;
+      for (size_t row = 0; next < n; ++row) {
+        if (k < s.skipped_rows.size() && s.skipped_rows[k] == static_cast<int64_t>(row)) {
+          std::printf("-\n");
+          ++k;
+          continue;
+        }
+        print(next++);
+      }
+      for (; k < s.skipped_rows.size(); ++k) std::printf("-\n");  // trailing unusable rows
+    };
+    if (regression) {
+      std::vector<float> values;
+      const train::RegressionMetrics r = train::regress(m, s, o->batch, &values);
+      print_rows(values.size(), [&](size_t i) { std::printf("%.6g\n", values[i]); });
+      if (!s.targets.empty())
+        std::fprintf(stderr,
+                     "predict: pearson %.4f, spearman %.4f, mse %.4f on %zu labelled examples\n",
+                     r.pearson, r.spearman, r.mse, values.size());
+      return;
+    }
     std::vector<train::Prediction> preds;
     const double acc = train::classify(m, s, o->batch, &preds);
-    for (const auto& p : preds) std::printf("%s\t%.4f\n", names[p.label].c_str(), p.probs[p.label]);
+    print_rows(preds.size(), [&](size_t i) {
+      std::printf("%s\t%.4f\n", names[preds[i].label].c_str(), preds[i].probs[preds[i].label]);
+    });
     if (!s.labels.empty() && s.labels[0] >= 0)
       std::fprintf(stderr, "predict: accuracy %.4f on %zu labelled examples\n", acc, preds.size());
   });

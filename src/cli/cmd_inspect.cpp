@@ -79,8 +79,11 @@ int inspect_safetensors(const std::string& path, const std::string& config, bool
   }
   if (!cfg_path.empty()) {
     model::BertConfig cfg = model::BertConfig::load(cfg_path);
-    model::Head head = r.find("classifier.weight") ? model::Head::SequenceClassification
-                                                   : model::Head::Pretraining;
+    // HF's structure tells the head: a classifier without a pooler tags tokens.
+    const model::Head head = !r.find("classifier.weight") ? model::Head::Pretraining
+                             : r.find("bert.pooler.dense.weight")
+                                 ? model::Head::SequenceClassification
+                                 : model::Head::TokenClassification;
     model::BertModel m(cfg, head, {1, 1, 0});
     // A BertModel-only file (no heads) is fine for fine-tuning: allow the heads to be missing.
     model::LoadReport rep =

@@ -1,4 +1,5 @@
-// bertrain prepare: text corpus -> BERT pretraining TFRecords (Google's format and algorithm);
+// bertrain prepare: text corpus -> BERT pretraining TFRecords (Google's format and algorithm),
+// or with --task a fine-tuning file -> classification TFRecords (run_classifier.py's schema);
 // bertrain tokenize: a line of text as WordPiece tokens and ids, to check a vocabulary.
 #include <unistd.h>
 
@@ -8,6 +9,8 @@
 #include "cli/commands.h"
 #include "core/arena.h"
 #include "core/error.h"
+#include "core/setting.h"
+#include "data/pipeline.h"
 #include "data/prepare.h"
 #include "data/wordpiece.h"
 
@@ -29,6 +32,34 @@ int parse_lower(const std::string& s) {
   fail("--lower-case must be auto, true or false");
 }
 
+// --task: a fine-tuning file (any format finetune reads) as classification TFRecords, so that
+// large sets go through the input pipeline.
+template <class Opts>
+void prepare_task(const Opts& o) {
+  const std::vector<std::string> files = data::list_files(o.cfg.input);
+  if (files.size() != 1)
+    fail("prepare ", setting("task"), " reads one task file; ", o.cfg.input, " names ",
+         files.size());
+  const data::Vocab vocab = data::Vocab::load(o.cfg.vocab);
+  const int l = parse_lower(o.lower);
+  const bool lower = l < 0 ? vocab.looks_uncased() : l != 0;
+  const data::Tokenizer tok(vocab, lower);
+  const train::LabeledSet s =
+      train::read_task_file(files[0], o.task.columns(), tok, o.cfg.instance.seq_len, {});
+  if (s.skipped) std::fprintf(stderr, "prepare: %s\n", s.skipped_summary(files[0]).c_str());
+  const auto paths = train::write_classification_tfrecords(
+      s, o.cfg.instance.seq_len, o.cfg.output, o.cfg.output_shards,
+      data::resolve_compression(o.compression, ""));
+  std::string names;
+  for (const auto& n : s.label_names) names += (names.empty() ? "" : ", ") + n;
+  std::printf(
+      "prepare: %zu examples of %s -> %zu file(s) in %s (classification TFRecords, "
+      "run_classifier.py's schema; seq %lld, lower-case %s)\n  %zu labels: %s (in %s/labels.txt)\n",
+      s.ids.size(), files[0].c_str(), paths.size(), o.cfg.output.c_str(),
+      (long long)o.cfg.instance.seq_len, lower ? "yes" : "no", s.label_names.size(), names.c_str(),
+      o.cfg.output.c_str());
+}
+
 }  // namespace
 
 void add_prepare(CLI::App& app) {
@@ -37,11 +68,13 @@ void add_prepare(CLI::App& app) {
     std::string format = "auto", compression = "none", lower = "auto";
     int threads = 0;
     double block_mb = 32;
+    TaskOpts task;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand(
       "prepare",
-      "Make BERT pretraining TFRecords from text (Google's create_pretraining_data.py format)");
+      "Make BERT pretraining TFRecords from text (Google's create_pretraining_data.py format), "
+      "or with --task classification TFRecords from a fine-tuning file");
   c->add_option("--input", o->cfg.input, "Text files: glob(s), comma-separated")->required();
   c->add_option("--vocab", o->cfg.vocab, "WordPiece vocabulary (one token per line)")->required();
   c->add_option("--output", o->cfg.output, "Output directory for part-NNNNN-of-NNNNN.tfrecord")
@@ -74,8 +107,10 @@ void add_prepare(CLI::App& app) {
                 "Text per block (memory bound; NSP samples within a block)")
       ->capture_default_str();
   c->add_option("--threads", o->threads, "Threads (0: all cores)")->capture_default_str();
+  add_task_options(c, o->task);
   c->callback([o] {
     set_threads(o->threads);
+    if (!o->task.columns().empty() || !o->task.task.empty()) return prepare_task(*o);
     data::PrepareConfig cfg = o->cfg;
     cfg.format = data::parse_corpus_format(o->format);
     cfg.compression = data::resolve_compression(o->compression, "");

@@ -7,6 +7,7 @@
 #include "comm/communicator.h"
 #include "data/pipeline.h"
 #include "model/bert.h"
+#include "train/finetune.h"
 
 namespace bertrain::cli {
 
@@ -33,8 +34,17 @@ struct DistOptions {
 };
 void add_dist_options(CLI::App* c);  // --allreduce, --compression, --stall-timeout
 
+// --task and the column flags (finetune, predict, prepare): a preset's columns, each overridden
+// by its flag.
+struct TaskOpts {
+  std::string task, text_a, text_b, label;
+  bool regression = false;
+  train::TaskColumns columns() const;
+};
+void add_task_options(CLI::App* c, TaskOpts& t);
+
 // Shared option helpers.
-model::Head parse_head(const std::string& s);                    // "pretraining" | "classification"
+model::Head parse_head(const std::string& s);  // pretraining|classification|token-classification
 void add_attention_option(CLI::App* c, std::string& attention);  // --attention auto|full|blocked
 void set_threads(int threads);                                   // 0 = leave OpenMP's default
 std::string describe(const model::BertConfig& c);                // "L4 H256 A4 I1024 V30522"

@@ -20,7 +20,8 @@ namespace bertrain::cli {
 model::Head parse_head(const std::string& s) {
   if (s == "pretraining") return model::Head::Pretraining;
   if (s == "classification") return model::Head::SequenceClassification;
-  fail("--head must be pretraining or classification, got '", s, "'");
+  if (s == "token-classification") return model::Head::TokenClassification;
+  fail("--head must be pretraining, classification or token-classification, got '", s, "'");
 }
 
 void add_attention_option(CLI::App* c, std::string& attention) {

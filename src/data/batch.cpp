@@ -14,6 +14,9 @@ void Batch::resize(int64_t b, int64_t t, int64_t p) {
   masked_lm_weights.assign(B * P, 0.0f);
   next_sentence_labels.assign(B, 0);
   label_ids.assign(B, 0);
+  label_values.assign(B, 0.0f);
+  token_label_ids.assign(B * T, 0);
+  token_label_weights.assign(B * T, 0.0f);
 }
 
 }  // namespace bertrain::data

@@ -15,6 +15,11 @@ struct Batch {
   std::vector<float> masked_lm_weights;                     // [B,P]
   std::vector<int32_t> next_sentence_labels;                // [B] (pretraining)
   std::vector<int32_t> label_ids;                           // [B] (classification)
+  std::vector<float> label_values;                          // [B] (regression: 1 label)
+  // Token classification: each token's label and loss weight (1 scored, 0 not: sub-tokens after
+  // a word's first, [CLS]/[SEP], padding).
+  std::vector<int32_t> token_label_ids;    // [B,T]
+  std::vector<float> token_label_weights;  // [B,T]
 
   void resize(int64_t b, int64_t t, int64_t p);
 };

@@ -170,6 +170,12 @@ class Backend {
                                          const float* weights, int64_t N, int64_t V,
                                          float dscale) const = 0;
 
+  // Squared error of N predictions (a regression head, HF's MSELoss summed): returns
+  // sum_i (pred[i] - target[i])^2 and, when dpred is not null, writes
+  // dpred[i] = dscale * 2 * (pred[i] - target[i]).
+  virtual double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
+                               float dscale) const = 0;
+
   // -- optimizer (one parameter tensor; kernels/cpu/optimizer.h) --
   virtual void add_sum_squares(double& sum, const float* g, int64_t n, double scale) const = 0;
   virtual void adamw_update(const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,

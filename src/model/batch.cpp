@@ -50,8 +50,23 @@ void validate_batch(const Batch& b, const BertConfig& cfg, Head head) {
         fail("batch field masked_lm_weights[", i / b.P, ",", i % b.P,
              "] = ", b.masked_lm_weights[i], " must be finite and >= 0");
   } else {
-    check_size("label_ids", b.label_ids.size(), b.B);
-    check_range("label_ids", b.label_ids, 1, 0, cfg.num_labels, "num_labels");
+    if (head == Head::TokenClassification) {
+      check_size("token_label_ids", b.token_label_ids.size(), b.B * b.T);
+      check_size("token_label_weights", b.token_label_weights.size(), b.B * b.T);
+      check_range("token_label_ids", b.token_label_ids, b.T, 0, cfg.num_labels, "num_labels");
+      for (size_t i = 0; i < b.token_label_weights.size(); ++i)
+        if (!std::isfinite(b.token_label_weights[i]) || b.token_label_weights[i] < 0)
+          fail("batch field token_label_weights[", i / b.T, ",", i % b.T,
+               "] = ", b.token_label_weights[i], " must be finite and >= 0");
+    } else if (cfg.num_labels == 1) {  // regression
+      check_size("label_values", b.label_values.size(), b.B);
+      for (size_t i = 0; i < b.label_values.size(); ++i)
+        if (!std::isfinite(b.label_values[i]))
+          fail("batch field label_values[", i, "] = ", b.label_values[i], " must be finite");
+    } else {
+      check_size("label_ids", b.label_ids.size(), b.B);
+      check_range("label_ids", b.label_ids, 1, 0, cfg.num_labels, "num_labels");
+    }
   }
 }
 

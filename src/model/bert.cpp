@@ -14,7 +14,7 @@ using namespace bertrain::kernels;
 namespace {
 
 // Dropout sites: one RNG stream per (seed, step, layer, site).
-enum Site : uint64_t { kEmbedding = 1, kAttnProbs, kAttnOut, kFfnOut, kPooler };
+enum Site : uint64_t { kEmbedding = 1, kAttnProbs, kAttnOut, kFfnOut, kPooler, kTokens };
 
 constexpr float kMlmDenominatorEps = 1e-5f;  // Google BERT: sum(w*ce) / (sum(w) + 1e-5)
 
@@ -97,8 +97,12 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(g, "head.mlm_mean", f32s(BP));
   plan.add(g, "head.mlm_rstd", f32s(BP));
   plan.add(g, "head.mlm_logits", f32s(BP * V));
-  plan.add(g, "head.row_loss", f32s(std::max(BP, B)));
-  plan.add(g, "head.row_correct", f32s(std::max(BP, B)));
+  // Token classification: the dropped sequence output, the logits and each token's loss weight.
+  const int64_t NT = head == Head::TokenClassification ? N : 0;
+  plan.add(g, "head.tok_drop", f32s(NT * C));
+  plan.add(g, "head.tok_logits", f32s(NT * cfg.num_labels));
+  plan.add(g, "head.row_loss", f32s(std::max({BP, B, NT})));
+  plan.add(g, "head.row_correct", f32s(std::max({BP, B, NT})));
   const std::string s = "scratch";
   plan.add(s, "grad.dh", f32s(N * C));
   plan.add(s, "grad.dA", f32s(N * C));
@@ -111,7 +115,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   // fp16: forward's fp32 ctx until it is rounded; in backward each saved fp16 tensor widened
   // back to fp32 for the fp32 kernels, one at a time.
   if (d.fp16) plan.add(s, "fp16.wide", f32s(N * std::max(I, 3 * C)));
-  plan.add(s, "grad.dsmall", f32s(B * std::max<int64_t>(2, cfg.num_labels)));
+  plan.add(s, "grad.dsmall", f32s(std::max(B, NT) * std::max<int64_t>(2, cfg.num_labels)));
   if (d.bf16) {
     const std::string g16 = "bf16";
     const size_t h = sizeof(uint16_t);
@@ -138,8 +142,10 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, con
   if (head == Head::Pretraining) {
     const int64_t BP = B * d.max_predictions;
     linears.insert(linears.end(), {{B, 2, C}, {BP, C, C}, {BP, V, C}});
-  } else {
+  } else if (head == Head::SequenceClassification) {
     linears.push_back({B, cfg.num_labels, C});
+  } else {
+    linears.back() = {N, cfg.num_labels, C};  // no pooler
   }
   kernels::KernelShapes k;
   k.precision = d.precision();
@@ -246,6 +252,8 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   act_.mlm_mean = a.f32("head.mlm_mean");
   act_.mlm_rstd = a.f32("head.mlm_rstd");
   act_.mlm_logits = a.f32("head.mlm_logits");
+  act_.tok_drop = a.f32("head.tok_drop");
+  act_.tok_logits = a.f32("head.tok_logits");
   act_.row_loss = a.f32("head.row_loss");
   act_.row_correct = reinterpret_cast<int32_t*>(a.f32("head.row_correct"));
   const Arena& s = scratch_;
@@ -323,6 +331,26 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   }
   seq_out_ = const_cast<float*>(x);
 
+  if (head_ == Head::TokenClassification) {
+    // HF's BertForTokenClassification: classifier(dropout(h)) on every token; the loss is the
+    // mean cross-entropy over the scored tokens (weight 1; HF's ignore_index -100 is weight 0).
+    const int64_t NL = cfg_.num_labels;
+    be_.copy(act_.tok_drop, x, N * C);
+    be_.dropout_forward(act_.tok_drop, N * C, site(L + 1, kTokens, p_hidden, off_tc));
+    be_.linear_forward(prec_, act_.tok_logits, {act_.tok_drop}, Wt(t.offset("classifier.weight")),
+                       W(t.offset("classifier.bias")), N, NL, C, ws_);
+    double scored = 0;
+    for (int64_t i = 0; i < N; ++i) scored += b.token_label_weights[i];
+    const CrossEntropySums ce =
+        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.tok_logits,
+                          b.token_label_ids.data(), b.token_label_weights.data(), N, NL, 0.0f);
+    Losses out;
+    out.loss = scored > 0 ? ce.loss / scored : 0.0;
+    out.tokens_scored = static_cast<int64_t>(scored);
+    out.tokens_correct = static_cast<int64_t>(ce.correct);
+    return out;
+  }
+
   // Pooler: tanh(dense(h[:, 0])).
   be_.gather_rows(act_.cls_in, x, nullptr, B, 1, T, C);
   be_.linear_forward(prec_, act_.pooled, {act_.cls_in}, Wt(t.offset("bert.pooler.dense.weight")),
@@ -373,11 +401,15 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     be_.linear_forward(prec_, act_.cls_logits, {act_.pooled_drop},
                        Wt(t.offset("classifier.weight")), W(t.offset("classifier.bias")), B, NL, C,
                        ws_);
-    const CrossEntropySums cls =
-        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
-                          b.label_ids.data(), nullptr, B, NL, 0.0f);
-    out.loss = cls.loss / B;
-    out.cls_correct = static_cast<int64_t>(cls.correct);
+    if (NL == 1) {  // regression (HF's rule for one label): mean squared error
+      out.loss = be_.squared_error(nullptr, act_.cls_logits, b.label_values.data(), B, 0.0f) / B;
+    } else {
+      const CrossEntropySums cls =
+          be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
+                            b.label_ids.data(), nullptr, B, NL, 0.0f);
+      out.loss = cls.loss / B;
+      out.cls_correct = static_cast<int64_t>(cls.correct);
+    }
   }
   return out;
 }
@@ -413,9 +445,20 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
                         accumulate, ws_);
   };
 
-  // ---- heads: produce dpooled (and the MLM rows of dh) ----
+  // ---- heads: produce dpooled (and the MLM rows of dh), or all of dh (token classification) ----
   float* dpooled = act_.dhead2;  // [B,C]
-  if (head_ == Head::Pretraining) {
+  if (head_ == Head::TokenClassification) {
+    const int64_t NL = cfg_.num_labels;
+    double scored = 0;
+    for (int64_t i = 0; i < N; ++i) scored += b.token_label_weights[i];
+    float* dlog = act_.dsmall;  // [N,NL]
+    be_.cross_entropy(dlog, nullptr, nullptr, act_.tok_logits, b.token_label_ids.data(),
+                      b.token_label_weights.data(), N, NL,
+                      scored > 0 ? static_cast<float>(loss_scale / scored) : 0.0f);
+    lin_bwd(dh, t.offset("classifier.weight"), t.offset("classifier.bias"), dlog, {act_.tok_drop},
+            N, NL, C);
+    be_.dropout_backward(dh, dh, N * C, site(L + 1, kTokens, p_hidden, opt.example_offset * T * C));
+  } else if (head_ == Head::Pretraining) {
     float* dnsp = act_.dsmall;
     be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, b.next_sentence_labels.data(),
                       nullptr, B, 2, loss_scale / B);
@@ -450,19 +493,23 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   } else {
     const int64_t NL = cfg_.num_labels;
     float* dlog = act_.dsmall;
-    be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, b.label_ids.data(), nullptr, B, NL,
-                      loss_scale / B);
+    if (NL == 1)
+      be_.squared_error(dlog, act_.cls_logits, b.label_values.data(), B, loss_scale / B);
+    else
+      be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, b.label_ids.data(), nullptr, B, NL,
+                        loss_scale / B);
     lin_bwd(dpooled, t.offset("classifier.weight"), t.offset("classifier.bias"), dlog,
             {act_.pooled_drop}, B, NL, C);
     be_.dropout_backward(dpooled, dpooled, B * C,
                          site(L + 1, kPooler, p_hidden, opt.example_offset * C));
   }
-  // pooler
-  be_.tanh_backward(dpooled, act_.pooled, dpooled, B * C);
-  float* dcls = act_.dhead1;
-  lin_bwd(dcls, t.offset("bert.pooler.dense.weight"), t.offset("bert.pooler.dense.bias"), dpooled,
-          {act_.cls_in}, B, C, C);
-  be_.scatter_add_rows(dh, dcls, nullptr, B, 1, T, C);
+  if (head_ != Head::TokenClassification) {  // pooler
+    be_.tanh_backward(dpooled, act_.pooled, dpooled, B * C);
+    float* dcls = act_.dhead1;
+    lin_bwd(dcls, t.offset("bert.pooler.dense.weight"), t.offset("bert.pooler.dense.bias"), dpooled,
+            {act_.cls_in}, B, C, C);
+    be_.scatter_add_rows(dh, dcls, nullptr, B, 1, T, C);
+  }
 
   // ---- encoder, last layer first ----
   float *dA = act_.dA, *dB = act_.dB, *dI = act_.dI;
@@ -508,6 +555,7 @@ double BertModel::flops_per_step(int64_t B, int64_t T, int64_t P) const {
   const double per_layer = 2 * N * (3 * C * C + C * C + 2 * C * I) + 2 * 2 * B * T * T * C;
   double head = 2.0 * B * C * C;
   if (head_ == Head::Pretraining) head += 2.0 * B * P * (C * C + C * V);
+  if (head_ == Head::TokenClassification) head = 2.0 * N * C * cfg_.num_labels;
   return 3.0 * (L * per_layer + head);  // backward = 2x forward
 }
 

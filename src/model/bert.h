@@ -66,6 +66,7 @@ struct Losses {
   double mlm_weight = 0;   // sum of masked_lm_weights
   double mlm_correct = 0;  // weighted count of argmax hits
   int64_t nsp_correct = 0, cls_correct = 0;
+  int64_t tokens_scored = 0, tokens_correct = 0;  // token classification
 };
 
 // Adds the activation and backward-scratch regions of one model to a plan (group
@@ -126,11 +127,12 @@ class BertModel {
   std::pair<int64_t, int64_t> layer_range(int64_t l) const;
 
   // Outputs of the last forward (valid until the next backward/forward).
-  const float* sequence_output() const { return seq_out_; }    // [B,T,C]
-  const float* pooled_output() const { return act_.pooled; }   // [B,C]
-  const float* mlm_logits() const { return act_.mlm_logits; }  // [B*P,V]
-  const float* nsp_logits() const { return act_.nsp_logits; }  // [B,2]
-  const float* cls_logits() const { return act_.cls_logits; }  // [B,num_labels]
+  const float* sequence_output() const { return seq_out_; }      // [B,T,C]
+  const float* pooled_output() const { return act_.pooled; }     // [B,C]
+  const float* mlm_logits() const { return act_.mlm_logits; }    // [B*P,V]
+  const float* nsp_logits() const { return act_.nsp_logits; }    // [B,2]
+  const float* cls_logits() const { return act_.cls_logits; }    // [B,num_labels]
+  const float* token_logits() const { return act_.tok_logits; }  // [B*T,num_labels]
 
   // Spans per layer (forward/backward) go to this timeline when it is enabled.
   void set_timeline(obs::Timeline* tl) { timeline_ = tl; }
@@ -152,6 +154,7 @@ class BertModel {
     float *emb_sum, *emb_mean, *emb_rstd, *h0;
     std::vector<LayerActs> layers;
     float *cls_in, *pooled, *pooled_drop, *nsp_logits, *cls_logits;
+    float *tok_drop, *tok_logits;
     float *mlm_in, *mlm_pre, *mlm_act, *mlm_ln, *mlm_mean, *mlm_rstd, *mlm_logits;
     float* row_loss;
     int32_t* row_correct;

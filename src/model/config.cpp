@@ -138,6 +138,7 @@ nlohmann::json BertConfig::to_json(const std::string& architecture) const {
     }
     j["id2label"] = id2label;
     j["label2id"] = label2id;
+    if (num_labels == 1) j["problem_type"] = "regression";  // HF's MSELoss head
   }
   return j;
 }

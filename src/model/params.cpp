@@ -8,7 +8,9 @@
 namespace bertrain::model {
 
 const char* head_architecture(Head h) {
-  return h == Head::Pretraining ? "BertForPreTraining" : "BertForSequenceClassification";
+  return h == Head::Pretraining              ? "BertForPreTraining"
+         : h == Head::SequenceClassification ? "BertForSequenceClassification"
+                                             : "BertForTokenClassification";
 }
 
 void ParamTable::add(const std::string& name, Shape shape, Init init, bool decay) {
@@ -72,8 +74,10 @@ ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head) {
     add(p + "output.LayerNorm.bias", {C}, Init::Zeros, false);
     layers_.push_back(lo);
   }
-  add("bert.pooler.dense.weight", {C, C}, Init::Normal, true);
-  add("bert.pooler.dense.bias", {C}, Init::Zeros, false);
+  if (head != Head::TokenClassification) {  // HF builds BertForTokenClassification without one
+    add("bert.pooler.dense.weight", {C, C}, Init::Normal, true);
+    add("bert.pooler.dense.bias", {C}, Init::Zeros, false);
+  }
   if (head == Head::Pretraining) {
     add("cls.predictions.transform.dense.weight", {C, C}, Init::Normal, true);
     add("cls.predictions.transform.dense.bias", {C}, Init::Zeros, false);

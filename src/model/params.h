@@ -15,7 +15,9 @@
 
 namespace bertrain::model {
 
-enum class Head { Pretraining, SequenceClassification };
+// TokenClassification: HF's BertForTokenClassification (a classifier on every token's final
+// hidden state, no pooler).
+enum class Head { Pretraining, SequenceClassification, TokenClassification };
 const char* head_architecture(Head h);  // "BertForPreTraining", ...
 
 enum class Init { Normal, Zeros, Ones };

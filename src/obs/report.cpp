@@ -336,7 +336,11 @@ std::string render_report(const std::vector<RunMetrics>& runs) {
   h += line_chart("next sentence accuracy", "accuracy", per_run(runs, "train/nsp_accuracy"), true);
   h += line_chart("fine-tuning dev accuracy", "accuracy", per_run(runs, "finetune/dev_accuracy"),
                   true);
-  h += line_chart("fine-tuning train loss", "nats", per_run(runs, "finetune/train_loss"));
+  h += line_chart("fine-tuning dev Pearson (regression)", "Pearson r",
+                  per_run(runs, "finetune/dev_pearson"), true);
+  h += line_chart("fine-tuning dev entity F1 (tagging)", "F1", per_run(runs, "finetune/dev_f1"),
+                  true);
+  h += line_chart("fine-tuning train loss", "loss", per_run(runs, "finetune/train_loss"));
   h += line_chart("eval masked LM accuracy", "accuracy", per_run(runs, "eval/mlm_accuracy"), true);
   h += line_chart("learning rate", "lr", per_run(runs, "train/learning_rate"), true);
   h += line_chart("loss scale (fp16)", "scale", per_run(runs, "train/loss_scale"), true);

@@ -21,6 +21,8 @@
 #include "model/checkpoint.h"
 #include "obs/events.h"
 #include "train/loss_scaler.h"
+#include "train/metrics.h"
+#include "train/ner.h"
 #include "train/optimizer.h"
 #include "train/run_state.h"
 #include "train/step.h"
@@ -49,6 +51,12 @@ std::string str_join(const std::vector<std::string>& v) {
   return out;
 }
 
+std::string f4(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4f", x);
+  return buf;
+}
+
 bool is_int(const std::string& s) {
   if (s.empty()) return false;
   for (size_t i = s[0] == '-' ? 1 : 0; i < s.size(); ++i)
@@ -57,6 +65,16 @@ bool is_int(const std::string& s) {
 }
 
 }  // namespace
+
+std::string LabeledSet::skipped_summary(const std::string& file) const {
+  if (!skipped) return "";
+  std::string out =
+      str(skipped, " unusable row", skipped == 1 ? "" : "s", " of ", file, " skipped, not used:");
+  for (const auto& r : skipped_reasons) out += "\n  " + r;
+  if (skipped > static_cast<int64_t>(skipped_reasons.size()))
+    out += str("\n  ... and ", skipped - static_cast<int64_t>(skipped_reasons.size()), " more");
+  return out;
+}
 
 TaskColumns task_columns(const std::string& task) {
   static const std::map<std::string, TaskColumns> tasks = {
@@ -68,6 +86,10 @@ TaskColumns task_columns(const std::string& task) {
       {"rte", {"sentence1", "sentence2", "label"}},
       {"wnli", {"sentence1", "sentence2", "label"}},
       {"mnli", {"sentence1", "sentence2", "gold_label"}},
+      {"stsb", {"sentence1", "sentence2", "score", true}},
+      {"ner", {"", "", "", false, true}},
+      {"cluener", {"", "", "", false, true}},
+      {"conll", {"", "", "", false, true}},
       // CLUE (JSON lines)
       {"afqmc", {"sentence1", "sentence2", "label"}},
       {"tnews", {"sentence", "", "label"}},
@@ -88,8 +110,9 @@ TaskColumns task_columns(const std::string& task) {
 }
 
 std::string known_tasks() {
-  return "sst2, mrpc, qqp, qnli, rte, wnli, mnli (GLUE TSV); afqmc, tnews, iflytek, cmnli, ocnli "
-         "(CLUE JSON lines)";
+  return "sst2, mrpc, qqp, qnli, rte, wnli, mnli, stsb (regression) (GLUE TSV); afqmc, tnews, "
+         "iflytek, cmnli, ocnli (CLUE JSON lines); ner, cluener, conll (entity tagging: CLUENER "
+         "JSON lines or CoNLL columns)";
 }
 
 namespace {
@@ -136,6 +159,7 @@ TaskColumns resolve_columns(const std::string& path, const TaskColumns& given,
     if (c.text_a.empty() && has(n)) c.text_a = n;
   if (has("text_b")) c.text_b = "text_b";
   if (has("label")) c.label = "label";
+  c.regression = given.regression;
   if (c.text_a.empty())
     fail(path, ": no text_a column (its columns: ", str_join(names), "); pass ", setting("task"),
          " for a GLUE/CLUE file, or ", setting("text_a_column"), " (and ", setting("text_b_column"),
@@ -156,10 +180,21 @@ LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("cannot open ", path);
   const bool jsonl = path.ends_with(".json") || path.ends_with(".jsonl");
-  std::string line;
-  std::vector<std::string> raw_labels;
+  // First every data row's fields (a row that cannot be read is skipped and counted), then
+  // the labels, then the examples.
+  struct Row {
+    std::string a, b, label;
+    int64_t line = 0, index = 0;  // line in the file; index among its data rows
+  };
+  std::vector<Row> rows;
   LabeledSet s;
-  int64_t lineno = 0;
+  auto skip = [&](int64_t line, int64_t index, const std::string& why) {
+    ++s.skipped;
+    s.skipped_rows.push_back(index);
+    if (s.skipped_reasons.size() < 5) s.skipped_reasons.push_back(str(path, ":", line, ": ", why));
+  };
+  std::string line;
+  int64_t lineno = 0, index = 0;
   auto strip = [](std::string& l) {
     if (!l.empty() && l.back() == '\r') l.pop_back();
     if (l.compare(0, 3, "\xEF\xBB\xBF") == 0) l.erase(0, 3);  // a BOM (MRPC has one)
@@ -171,28 +206,38 @@ LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
       ++lineno;
       strip(line);
       if (line.find_first_not_of(" \t") == std::string::npos) continue;
+      const int64_t row = index++;
       nlohmann::json j;
       try {
         j = nlohmann::json::parse(line);
       } catch (const nlohmann::json::exception& e) {
-        fail(path, ":", lineno, ": not a JSON object (", e.what(), ")");
+        skip(lineno, row, str("not a JSON object (", e.what(), ")"));
+        continue;
       }
-      if (!j.is_object()) fail(path, ":", lineno, ": not a JSON object");
+      if (!j.is_object()) {
+        skip(lineno, row, "not a JSON object");
+        continue;
+      }
       if (c.text_a.empty()) {
         std::vector<std::string> keys;
         for (const auto& [k, _] : j.items()) keys.push_back(k);
         c = resolve_columns(path, columns, keys);
         has_label = !c.label.empty() && j.contains(c.label);
       }
+      std::string missing;
+      for (const std::string* k : {&c.text_a, &c.text_b, has_label ? &c.label : nullptr})
+        if (k && !k->empty() && !j.contains(*k) && missing.empty()) missing = *k;
+      if (!missing.empty()) {
+        skip(lineno, row, str("no '", missing, "' key"));
+        continue;
+      }
       auto field = [&](const std::string& key) {
-        if (!j.contains(key)) fail(path, ":", lineno, ": no '", key, "' key");
+        if (key.empty()) return std::string();
         const auto& v = j[key];
         return v.is_string() ? v.get<std::string>() : v.dump();
       };
-      const std::string a = field(c.text_a);
-      const std::string b = c.text_b.empty() ? "" : field(c.text_b);
-      add_example(s, tok, seq_len, a, c.text_b.empty() ? nullptr : &b);
-      raw_labels.push_back(has_label ? field(c.label) : "");
+      rows.push_back(
+          {field(c.text_a), field(c.text_b), has_label ? field(c.label) : "", lineno, row});
     }
   } else {
     if (!std::getline(in, line))
@@ -201,13 +246,13 @@ LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
     strip(line);
     const auto header = split_tabs(line);
     c = resolve_columns(path, columns, header);
-    auto index = [&](const std::string& n) {
+    auto col = [&](const std::string& n) {
       return n.empty()
                  ? -1
                  : static_cast<int>(std::find(header.begin(), header.end(), n) - header.begin());
     };
-    const int col_a = index(c.text_a), col_b = index(c.text_b);
-    int col_label = index(c.label);
+    const int col_a = col(c.text_a), col_b = col(c.text_b);
+    int col_label = col(c.label);
     if (col_label >= static_cast<int>(header.size())) col_label = -1;  // unlabelled (test) file
     has_label = col_label >= 0;
     const int need = std::max({col_label, col_a, col_b});
@@ -215,37 +260,67 @@ LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
       ++lineno;
       strip(line);
       if (line.empty()) continue;
+      const int64_t row = index++;
       const auto cols = split_tabs(line);
-      if (static_cast<int>(cols.size()) <= need)
-        fail(path, ":", lineno, ": ", cols.size(), " columns, the header has ", header.size());
-      add_example(s, tok, seq_len, cols[col_a], col_b >= 0 ? &cols[col_b] : nullptr);
-      raw_labels.push_back(has_label ? cols[col_label] : "");
+      if (static_cast<int>(cols.size()) <= need) {
+        skip(lineno, row, str(cols.size(), " columns, the header has ", header.size()));
+        continue;
+      }
+      rows.push_back({cols[col_a], col_b >= 0 ? cols[col_b] : "", has_label ? cols[col_label] : "",
+                      lineno, row});
     }
   }
-  if (s.ids.empty()) fail(path, " has no examples");
-  if (has_label) {
-    if (label_names.empty()) {
-      std::set<std::string> uniq(raw_labels.begin(), raw_labels.end());
-      label_names.assign(uniq.begin(), uniq.end());
-      if (std::all_of(label_names.begin(), label_names.end(), is_int))
-        std::sort(label_names.begin(), label_names.end(),
-                  [](const std::string& x, const std::string& y) {
-                    return std::stoll(x) < std::stoll(y);
-                  });
-    }
-    std::map<std::string, int32_t> index;
-    for (size_t i = 0; i < label_names.size(); ++i) index[label_names[i]] = static_cast<int32_t>(i);
-    for (size_t i = 0; i < raw_labels.size(); ++i) {
-      auto it = index.find(raw_labels[i]);
-      if (it == index.end())
-        fail(path, ": label '", raw_labels[i], "' does not occur in the training labels (",
-             label_names.size(), " known)");
-      s.labels.push_back(it->second);
-    }
-  } else {
-    s.labels.assign(s.ids.size(), -1);
+  auto no_examples = [&] {
+    fail(path, " has no usable examples",
+         s.skipped ? str(" (", s.skipped, " rows skipped; first: ", s.skipped_reasons[0], ")")
+                   : std::string());
+  };
+  if (rows.empty()) no_examples();
+  s.regression = c.regression;
+  const bool label_classes = has_label && !c.regression;
+  if (label_classes && label_names.empty()) {
+    std::set<std::string> uniq;
+    for (const auto& r : rows) uniq.insert(r.label);
+    label_names.assign(uniq.begin(), uniq.end());
+    if (std::all_of(label_names.begin(), label_names.end(), is_int))
+      std::sort(
+          label_names.begin(), label_names.end(),
+          [](const std::string& x, const std::string& y) { return std::stoll(x) < std::stoll(y); });
   }
-  s.label_names = label_names;
+  std::map<std::string, int32_t> label_index;
+  for (size_t i = 0; i < label_names.size(); ++i)
+    label_index[label_names[i]] = static_cast<int32_t>(i);
+  for (const auto& r : rows) {
+    int32_t label = -1;
+    float target = 0;
+    if (has_label && c.regression) {
+      char* end = nullptr;
+      const double x = std::strtod(r.label.c_str(), &end);
+      if (r.label.empty() || end != r.label.c_str() + r.label.size() || !std::isfinite(x)) {
+        skip(r.line, r.index,
+             str("label '", r.label,
+                 "' is not a number (a regression task's label column holds the values to "
+                 "predict)"));
+        continue;
+      }
+      target = static_cast<float>(x);
+    } else if (label_classes) {
+      auto it = label_index.find(r.label);
+      if (it == label_index.end()) {
+        skip(r.line, r.index,
+             str("label '", r.label, "' does not occur in the training labels (",
+                 label_names.size(), " known)"));
+        continue;
+      }
+      label = it->second;
+    }
+    add_example(s, tok, seq_len, r.a, c.text_b.empty() ? nullptr : &r.b);
+    s.labels.push_back(label);
+    if (has_label && c.regression) s.targets.push_back(target);
+  }
+  if (s.ids.empty()) no_examples();
+  std::sort(s.skipped_rows.begin(), s.skipped_rows.end());
+  if (!c.regression) s.label_names = label_names;
   return s;
 }
 
@@ -256,11 +331,18 @@ LabeledSet read_tsv(const std::string& path, const data::Tokenizer& tok, int64_t
 
 LabeledSet read_classification_tfrecords(const std::string& files, int64_t seq_len,
                                          int64_t num_labels, int64_t vocab_size) {
-  data::Schema schema = data::Schema::classification(seq_len, num_labels, vocab_size);
+  const std::vector<std::string> paths = data::list_files(files);
   LabeledSet s;
+  if (!paths.empty()) {
+    std::ifstream names(fs::path(paths[0]).parent_path() / "labels.txt");
+    for (std::string line; std::getline(names, line);)
+      if (!line.empty()) s.label_names.push_back(line);
+    if (!s.label_names.empty()) num_labels = static_cast<int64_t>(s.label_names.size());
+  }
+  data::Schema schema = data::Schema::classification(seq_len, num_labels, vocab_size);
   data::ParsedExample ex;
   std::string err, rec;
-  for (const auto& f : data::list_files(files)) {
+  for (const auto& f : paths) {
     data::TFRecordReader r(f, data::resolve_compression("auto", f));
     while (r.next(rec)) {
       if (!schema.parse(rec, ex, err)) fail(f, ": record ", r.records() - 1, ": ", err);
@@ -271,9 +353,57 @@ LabeledSet read_classification_tfrecords(const std::string& files, int64_t seq_l
       s.labels.push_back(ex.ints[3 * seq_len]);
     }
   }
-  for (int64_t i = 0; i < num_labels; ++i) s.label_names.push_back(std::to_string(i));
+  if (s.label_names.empty())
+    for (int64_t i = 0; i < num_labels; ++i) s.label_names.push_back(std::to_string(i));
   if (s.ids.empty()) fail(files, " has no examples");
   return s;
+}
+
+std::vector<std::string> write_classification_tfrecords(const LabeledSet& s, int64_t seq_len,
+                                                        const std::string& dir, int shards,
+                                                        data::Compression compression) {
+  if (s.regression)
+    fail(
+        "classification TFRecords (run_classifier.py's schema) hold integer labels; a "
+        "regression task's scores do not fit them: fine-tune it from its text file");
+  if (s.ids.empty() || s.labels[0] < 0)
+    fail("the input has no label column: classification TFRecords need labels");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) fail("cannot create ", dir, ": ", ec.message());
+  shards = std::max(1, std::min<int>(shards, static_cast<int>(s.ids.size())));
+  std::vector<std::string> paths;
+  std::vector<std::unique_ptr<data::TFRecordWriter>> out;
+  for (int i = 0; i < shards; ++i) {
+    char name[64];
+    std::snprintf(name, sizeof name, "part-%05d-of-%05d.tfrecord%s", i, shards,
+                  compression == data::Compression::Gzip ? ".gz" : "");
+    paths.push_back((fs::path(dir) / name).string());
+    out.push_back(std::make_unique<data::TFRecordWriter>(paths.back(), compression));
+  }
+  for (size_t i = 0; i < s.ids.size(); ++i) {
+    data::Example ex;
+    auto ints = [&](const char* key, std::vector<int64_t> v) {
+      ex[key] = data::Feature{data::FeatureKind::Int64, std::move(v), {}, {}};
+    };
+    std::vector<int64_t> ids(seq_len, 0), mask(seq_len, 0), seg(seq_len, 0);
+    for (size_t t = 0; t < s.ids[i].size(); ++t) {
+      ids[t] = s.ids[i][t];
+      mask[t] = 1;
+      seg[t] = s.segments[i][t];
+    }
+    ints("input_ids", std::move(ids));
+    ints("input_mask", std::move(mask));
+    ints("segment_ids", std::move(seg));
+    ints("label_ids", {s.labels[i]});
+    ints("is_real_example", {1});
+    out[i % shards]->write(data::encode_example(ex));
+  }
+  for (auto& w : out) w->close();
+  std::string names;
+  for (const auto& n : s.label_names) names += n + "\n";
+  write_file_atomic((fs::path(dir) / "labels.txt").string(), names);
+  return paths;
 }
 
 void make_batch(const LabeledSet& s, const std::vector<size_t>& order, size_t begin, size_t end,
@@ -288,6 +418,7 @@ void make_batch(const LabeledSet& s, const std::vector<size_t>& order, size_t be
       b.segment_ids[row * seq_len + t] = s.segments[i][t];
     }
     b.label_ids[row] = std::max(0, s.labels[i]);
+    b.label_values[row] = s.targets.empty() ? 0.0f : s.targets[i];
   }
 }
 
@@ -323,6 +454,32 @@ double classify(model::BertModel& m, const LabeledSet& s, int64_t batch_size,
   return labeled ? static_cast<double>(correct) / labeled : 0.0;
 }
 
+RegressionMetrics regress(model::BertModel& m, const LabeledSet& s, int64_t batch_size,
+                          std::vector<float>* out) {
+  BT_CHECK(m.config().num_labels == 1, "regress needs a model with one output");
+  std::vector<size_t> order(s.ids.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::vector<double> pred, target;
+  model::Batch b;
+  for (size_t i = 0; i < order.size(); i += batch_size) {
+    const size_t end = std::min(order.size(), i + batch_size);
+    make_batch(s, order, i, end, m.dims().seq_len, b);
+    m.forward(b, {});
+    for (size_t r = i; r < end; ++r) {
+      pred.push_back(m.cls_logits()[r - i]);
+      if (out) out->push_back(m.cls_logits()[r - i]);
+    }
+  }
+  RegressionMetrics r;
+  if (s.targets.empty()) return r;
+  target.assign(s.targets.begin(), s.targets.end());
+  r.pearson = pearson(pred, target);
+  r.spearman = spearman(pred, target);
+  for (size_t i = 0; i < pred.size(); ++i) r.mse += (pred[i] - target[i]) * (pred[i] - target[i]);
+  r.mse /= static_cast<double>(pred.size());
+  return r;
+}
+
 FinetuneResult finetune(const FinetuneConfig& cfg) {
   using Clock = std::chrono::steady_clock;
   // The pretrained model: a run directory, a bertrain checkpoint or a HuggingFace directory.
@@ -344,24 +501,56 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     return f.ends_with(".tsv") || f.ends_with(".txt") || f.ends_with(".json") ||
            f.ends_with(".jsonl");
   };
+  // Token classification (NER): tagged sentences, aligned to word pieces.
+  const bool tokens = cfg.columns.tokens;
+  TaggedSet train_tagged, dev_tagged;
+  TokenSet train_tok, dev_tok;
+  if (tokens) {
+    train_tagged = read_tagged_file(cfg.train);
+    train_tok = encode_tagged(train_tagged, tok, cfg.seq_len, {});
+    if (train_tok.label_names.size() < 2)
+      fail(cfg.train, " has ", train_tok.label_names.size(), " tag(s); tagging needs at least 2");
+    if (!cfg.quiet && train_tagged.skipped)
+      std::printf("finetune: %s\n", train_tagged.skipped_summary(cfg.train).c_str());
+    if (!cfg.dev.empty()) {
+      dev_tagged = read_tagged_file(cfg.dev);
+      dev_tok = encode_tagged(dev_tagged, tok, cfg.seq_len, train_tok.label_names);
+      if (!cfg.quiet && dev_tagged.skipped)
+        std::printf("finetune: %s\n", dev_tagged.skipped_summary(cfg.dev).c_str());
+    }
+  }
   LabeledSet train_set =
-      is_text(cfg.train)
+      tokens ? LabeledSet{}
+      : is_text(cfg.train)
           ? read_task_file(cfg.train, cfg.columns, tok, cfg.seq_len, {})
           : read_classification_tfrecords(cfg.train, cfg.seq_len, mc.num_labels, mc.vocab_size);
-  mc.num_labels = static_cast<int64_t>(train_set.label_names.size());
-  if (mc.num_labels < 2)
+  const bool regression = train_set.regression;
+  mc.num_labels = regression ? 1
+                  : tokens   ? static_cast<int64_t>(train_tok.label_names.size())
+                             : static_cast<int64_t>(train_set.label_names.size());
+  if (!regression && !tokens && mc.num_labels < 2)
     fail(cfg.train, " has ", mc.num_labels, " label(s); classification needs at least 2");
+  if (regression && train_set.targets.empty())
+    fail(cfg.train, " has no label column to learn from");
+  if (!cfg.quiet && train_set.skipped)
+    std::printf("finetune: %s\n", train_set.skipped_summary(cfg.train).c_str());
   LabeledSet dev;
-  if (!cfg.dev.empty())
+  if (!cfg.dev.empty() && !tokens)
     dev = is_text(cfg.dev)
               ? read_task_file(cfg.dev, cfg.columns, tok, cfg.seq_len, train_set.label_names)
               : read_classification_tfrecords(cfg.dev, cfg.seq_len, mc.num_labels, mc.vocab_size);
+  if (!cfg.quiet && dev.skipped)
+    std::printf("finetune: %s\n", dev.skipped_summary(cfg.dev).c_str());
 
-  model::BertModel m(mc, model::Head::SequenceClassification,
-                     with_precision({cfg.batch_size, cfg.seq_len, 0}, cfg.precision));
+  const model::Head head =
+      tokens ? model::Head::TokenClassification : model::Head::SequenceClassification;
+  model::BertModel m(mc, head, with_precision({cfg.batch_size, cfg.seq_len, 0}, cfg.precision));
   m.init_params(cfg.seed);
+  // A token classifier has no pooler: the pretrained one is left out.
+  std::vector<std::string> ignored = {"cls."};
+  if (tokens) ignored.push_back("bert.pooler.");
   model::LoadReport rep =
-      model::load_checkpoint_into(m, src, {{"classifier.", "bert.pooler."}, {"cls."}});
+      model::load_checkpoint_into(m, src, {{"classifier.", "bert.pooler."}, ignored});
   OptimizerConfig oc;
   oc.kind = OptimizerKind::AdamW;
   oc.weight_decay = static_cast<float>(cfg.weight_decay);
@@ -369,17 +558,21 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   LossScaler::Config sc;
   sc.enabled = cfg.precision == Precision::FP16;
   LossScaler scaler(sc);
-  const int64_t n = static_cast<int64_t>(train_set.ids.size());
+  const int64_t n = static_cast<int64_t>(tokens ? train_tok.ids.size() : train_set.ids.size());
+  const size_t dev_n = tokens ? dev_tok.ids.size() : dev.ids.size();
   const int64_t steps_per_epoch = (n + cfg.batch_size - 1) / cfg.batch_size;
   const int64_t total = steps_per_epoch * cfg.epochs;
   const LrSchedule sched{cfg.lr, 0.0, 1.0, static_cast<int64_t>(cfg.warmup * total), total};
   if (!cfg.quiet)
     std::printf(
-        "finetune: %s from %s (%zu tensors loaded), %lld train / %zu dev examples, %lld labels, "
+        "finetune: %s from %s (%zu tensors loaded), %lld train / %zu dev examples, %s, "
         "seq %lld, batch %lld, %lld epochs, adamw lr %.3g, %s\n",
-        cfg.train.c_str(), src.c_str(), rep.loaded.size(), (long long)n, dev.ids.size(),
-        (long long)mc.num_labels, (long long)cfg.seq_len, (long long)cfg.batch_size,
-        (long long)cfg.epochs, cfg.lr, precision_name(cfg.precision));
+        cfg.train.c_str(), src.c_str(), rep.loaded.size(), (long long)n, dev_n,
+        regression ? "regression (1 output, MSE)"
+        : tokens   ? str(mc.num_labels, " tags (entity tagging)").c_str()
+                   : str(mc.num_labels, " labels").c_str(),
+        (long long)cfg.seq_len, (long long)cfg.batch_size, (long long)cfg.epochs, cfg.lr,
+        precision_name(cfg.precision));
   FinetuneResult res;
   std::vector<size_t> order(n);
   // A non-finite gradient skips the step in fp16 (the scale halves) and stops fp32/bf16
@@ -402,27 +595,57 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     for (int64_t i = 0; i < n; i += cfg.batch_size, ++step) {
       const size_t end = static_cast<size_t>(std::min(n, i + cfg.batch_size));
       const StepReport r = one_step.run(step, sched.at(step), [&](model::Batch& batch) {
-        make_batch(train_set, order, static_cast<size_t>(i), end, cfg.seq_len, batch);
+        if (tokens)
+          make_token_batch(train_tok, order, static_cast<size_t>(i), end, cfg.seq_len, batch);
+        else
+          make_batch(train_set, order, static_cast<size_t>(i), end, cfg.seq_len, batch);
         return true;
       });
       loss += r.loss;
     }
     res.train_loss = loss / steps_per_epoch;
-    const double acc = dev.ids.empty() ? 0.0 : classify(m, dev, cfg.batch_size, nullptr);
-    res.dev_accuracy.push_back(acc);
+    // Dev metrics: accuracy, or for regression Pearson, Spearman and the mean squared error.
+    obs::Scalars dev_values;
+    std::string dev_line;
+    if (dev_n && tokens) {
+      std::vector<std::vector<std::string>> gold;
+      for (const auto& t : dev_tagged.sentences) gold.push_back(t.tags);
+      const EntityScores e =
+          entity_scores(gold, predict_tags(m, dev_tagged, dev_tok, cfg.batch_size));
+      res.dev_f1.push_back(e.f1);
+      dev_values = {{"finetune/dev_f1", e.f1},
+                    {"finetune/dev_precision", e.precision},
+                    {"finetune/dev_recall", e.recall}};
+      dev_line = str(" | dev entity F1 ", f4(e.f1), " (precision ", f4(e.precision), ", recall ",
+                     f4(e.recall), "; ", e.gold, " entities in ", dev_n, " sentences)");
+    } else if (!dev.ids.empty() && regression) {
+      const RegressionMetrics r = regress(m, dev, cfg.batch_size, nullptr);
+      res.dev_pearson.push_back(r.pearson);
+      res.dev_spearman.push_back(r.spearman);
+      res.dev_mse.push_back(r.mse);
+      dev_values = {{"finetune/dev_pearson", r.pearson},
+                    {"finetune/dev_spearman", r.spearman},
+                    {"finetune/dev_mse", r.mse}};
+      dev_line = str(" | dev pearson ", f4(r.pearson), ", spearman ", f4(r.spearman), ", mse ",
+                     f4(r.mse), " (", dev.ids.size(), " examples)");
+    } else if (!dev.ids.empty()) {
+      const double acc = classify(m, dev, cfg.batch_size, nullptr);
+      res.dev_accuracy.push_back(acc);
+      dev_values = {{"finetune/dev_accuracy", acc}};
+      dev_line = str(" | dev accuracy ", f4(acc), " (", dev.ids.size(), " examples)");
+    }
     if (events) {
       obs::Scalars values = {
           {"finetune/train_loss", res.train_loss},
           {"finetune/epoch_seconds", std::chrono::duration<double>(Clock::now() - t0).count()}};
-      if (!dev.ids.empty()) values.push_back({"finetune/dev_accuracy", acc});
+      values.insert(values.end(), dev_values.begin(), dev_values.end());
       events->scalars(step, values);
       metrics->write(step, values, {{"epoch", epoch + 1}});
     }
     if (!cfg.quiet) {
-      std::printf("epoch %lld/%lld | train loss %.4f | %.1f s", (long long)epoch + 1,
+      std::printf("epoch %lld/%lld | train loss %.4f | %.1f s%s", (long long)epoch + 1,
                   (long long)cfg.epochs, res.train_loss,
-                  std::chrono::duration<double>(Clock::now() - t0).count());
-      if (!dev.ids.empty()) std::printf(" | dev accuracy %.4f (%zu examples)", acc, dev.ids.size());
+                  std::chrono::duration<double>(Clock::now() - t0).count(), dev_line.c_str());
       std::printf("\n");
       std::fflush(stdout);
     }
@@ -433,26 +656,29 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     const fs::path cfg_path = fs::path(cfg.output) / "config.json";
     std::ifstream cin(cfg_path);
     nlohmann::json j = nlohmann::json::parse(cin);
-    nlohmann::json id2label, label2id;
-    for (size_t i = 0; i < train_set.label_names.size(); ++i) {
-      id2label[std::to_string(i)] = train_set.label_names[i];
-      label2id[train_set.label_names[i]] = i;
+    if (!regression) {  // a regression head keeps HF's LABEL_0 and problem_type
+      const auto& names = tokens ? train_tok.label_names : train_set.label_names;
+      nlohmann::json id2label, label2id;
+      for (size_t i = 0; i < names.size(); ++i) {
+        id2label[std::to_string(i)] = names[i];
+        label2id[names[i]] = i;
+      }
+      j["id2label"] = id2label;
+      j["label2id"] = label2id;
     }
-    j["id2label"] = id2label;
-    j["label2id"] = label2id;
     j["bertrain"] = {{"lower_case", lower}, {"seq_len", cfg.seq_len}};
-    if (!cfg.columns.empty())  // predict reads new files with the same columns
+    if (!cfg.columns.empty() || regression)  // predict reads new files with the same columns
       j["bertrain"]["columns"] = {{"text_a", cfg.columns.text_a},
                                   {"text_b", cfg.columns.text_b},
-                                  {"label", cfg.columns.label}};
+                                  {"label", cfg.columns.label},
+                                  {"regression", regression}};
     write_file_atomic(cfg_path.string(), j.dump(2) + "\n");
     fs::copy_file(vocab_path, fs::path(cfg.output) / "vocab.txt",
                   fs::copy_options::overwrite_existing);
     if (!cfg.quiet)
       std::printf(
-          "finetune: saved %s (BertForSequenceClassification + vocab.txt; TensorBoard events and "
-          "metrics.jsonl per epoch)\n",
-          cfg.output.c_str());
+          "finetune: saved %s (%s + vocab.txt; TensorBoard events and metrics.jsonl per epoch)\n",
+          cfg.output.c_str(), model::head_architecture(head));
   }
   return res;
 }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "data/tfrecord.h"
 #include "data/wordpiece.h"
 #include "model/batch.h"
 #include "model/bert.h"
@@ -19,6 +20,17 @@ struct LabeledSet {
   std::vector<std::vector<int32_t>> ids, segments;  // unpadded token ids / segment ids
   std::vector<int32_t> labels;                      // -1 when the file has no label column
   std::vector<std::string> label_names;             // index -> name
+  bool regression = false;     // the label is a number (STS-B's score): one output, MSE loss
+  std::vector<float> targets;  // regression: the label values (empty when the file has none)
+  // Rows that cannot be used (too few columns, not JSON, a missing key, a label that is not a
+  // number or not among the training labels) are skipped, counted and reported, never a crash
+  // or a silent misalignment: their indices among the file's data rows (predict keeps its
+  // output aligned with them) and the first few reasons with file:line.
+  int64_t skipped = 0;
+  std::vector<int64_t> skipped_rows;
+  std::vector<std::string> skipped_reasons;
+  // "N unusable rows of FILE skipped (first: ...)", or "" when none were.
+  std::string skipped_summary(const std::string& file) const;
 };
 
 // Where a task file keeps its texts and label: TSV column names (the header row; no CSV quoting:
@@ -27,10 +39,14 @@ struct LabeledSet {
 // sentence; text_b).
 struct TaskColumns {
   std::string text_a, text_b, label;
+  bool regression = false;  // the label column holds numbers to predict (not class names)
+  bool tokens = false;      // token classification (NER): tagged words, not text columns (ner.h)
   bool empty() const { return text_a.empty() && text_b.empty() && label.empty(); }
 };
-// The columns of a task as distributed: GLUE's sst2, mrpc, qqp, qnli, rte, wnli, mnli (TSV) and
-// CLUE's afqmc, tnews, iflytek, cmnli, ocnli (JSON lines). Unknown names list the known ones.
+// The columns of a task as distributed: GLUE's sst2, mrpc, qqp, qnli, rte, wnli, mnli, stsb
+// (regression) (TSV) and CLUE's afqmc, tnews, iflytek, cmnli, ocnli (JSON lines); ner (token
+// classification: CLUENER-style .json, CoNLL-style otherwise; ner.h), also as cluener and conll.
+// Unknown names list the known ones.
 TaskColumns task_columns(const std::string& task);
 std::string known_tasks();
 
@@ -43,9 +59,17 @@ LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
 // read_task_file with the columns found by name.
 LabeledSet read_tsv(const std::string& path, const data::Tokenizer& tok, int64_t seq_len,
                     std::vector<std::string> label_names);
-// Classification TFRecords (one pass).
+// Classification TFRecords (one pass). The label names (and their number) come from a
+// labels.txt beside the first file when there is one (prepare --task writes it), else 0..n-1.
 LabeledSet read_classification_tfrecords(const std::string& files, int64_t seq_len,
                                          int64_t num_labels, int64_t vocab_size);
+// Writes a labelled set as classification TFRecords in Google's run_classifier.py schema
+// (input_ids, input_mask, segment_ids [seq_len], label_ids [1], is_real_example [1]; int64),
+// round-robin over `shards` files dir/part-NNNNN-of-NNNNN.tfrecord (atomically), and the label
+// names to dir/labels.txt. Returns the files.
+std::vector<std::string> write_classification_tfrecords(const LabeledSet& s, int64_t seq_len,
+                                                        const std::string& dir, int shards,
+                                                        data::Compression compression);
 
 // Rows [begin, end) of the set (in `order`) as a padded batch.
 void make_batch(const LabeledSet& s, const std::vector<size_t>& order, size_t begin, size_t end,
@@ -63,7 +87,9 @@ struct FinetuneConfig {
 };
 
 struct FinetuneResult {
-  std::vector<double> dev_accuracy;  // per epoch
+  std::vector<double> dev_accuracy;  // per epoch (classification)
+  std::vector<double> dev_f1;        // per epoch (token classification: seqeval's entity F1)
+  std::vector<double> dev_pearson, dev_spearman, dev_mse;  // per epoch (regression)
   double train_loss = 0;
 };
 
@@ -76,5 +102,13 @@ struct Prediction {
 // Accuracy of the model over a set with labels; predictions optional.
 double classify(model::BertModel& m, const LabeledSet& s, int64_t batch_size,
                 std::vector<Prediction>* out);
+
+struct RegressionMetrics {
+  double pearson = 0, spearman = 0, mse = 0;  // NaN / 0 when the set has no targets
+};
+// A regression model (one output) over a set: the metrics against its targets, the predicted
+// values optional.
+RegressionMetrics regress(model::BertModel& m, const LabeledSet& s, int64_t batch_size,
+                          std::vector<float>* out);
 
 }  // namespace bertrain::train

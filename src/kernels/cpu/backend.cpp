@@ -230,6 +230,17 @@ class CpuBackend final : public Backend {
     return s;
   }
 
+  double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
+                       float dscale) const override {
+    double sum = 0;
+    for (int64_t i = 0; i < N; ++i) {
+      const float d = pred[i] - target[i];
+      sum += static_cast<double>(d) * d;
+      if (dpred) dpred[i] = dscale * 2.0f * d;
+    }
+    return sum;
+  }
+
   void copy(float* dst, const float* src, int64_t n) const override {
     std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
   }
