@@ -205,6 +205,14 @@ TEST(Config, MissingAndInvalidFieldsAreNamed) {
               BertConfig::from_json(j, "c.json");
             }).find("\"vocab_size\" has the wrong type"),
             std::string::npos);
+  // Numbers that do not fit the field (found by the fuzzer): an error, not a conversion.
+  for (const char* bad : {"1.25e47", "64.5", "1e300"}) {
+    j = good;
+    j[std::string(bad) == "1e300" ? "layer_norm_eps" : "hidden_size"] = json::parse(bad);
+    EXPECT_NE(error_of([&] { BertConfig::from_json(j, "c.json"); }).find("has the wrong type"),
+              std::string::npos)
+        << bad;
+  }
   j = good;
   j["hidden_dropout_prob"] = 1.5;
   EXPECT_NE(error_of([&] { BertConfig::from_json(j, "c.json"); }).find("hidden_dropout_prob"),

@@ -1,9 +1,12 @@
 #include "model/config.h"
 
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <type_traits>
 
 #include "core/error.h"
 
@@ -27,6 +30,18 @@ void read_field(const nlohmann::json& j, const char* name, T& out, const std::st
   if (it == j.end() || it->is_null()) {
     if (required) fail(source, ": missing field \"", name, "\" (a BERT config.json needs it)");
     return;
+  }
+  // Numbers are checked before they are converted: a float where an integer belongs, or a value
+  // outside the field type's range, is an error, not a truncation (or undefined behaviour).
+  if constexpr (std::is_integral_v<T>) {
+    if (!it->is_number_integer())
+      fail(source, ": field \"", name, "\" has the wrong type (", it->dump(),
+           "; an integer is needed)");
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!it->is_number() ||
+        std::fabs(it->get<double>()) > static_cast<double>(std::numeric_limits<T>::max()))
+      fail(source, ": field \"", name, "\" has the wrong type (", it->dump(),
+           "; a number within float range is needed)");
   }
   try {
     out = it->get<T>();
