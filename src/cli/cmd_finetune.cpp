@@ -35,7 +35,7 @@ void add_task_options(CLI::App* c, TaskOpts& t) {
               "Spearman), as --task stsb");
 }
 
-void add_finetune(CLI::App& app) {
+void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     train::FinetuneConfig cfg;
     TaskOpts task;
@@ -61,7 +61,8 @@ void add_finetune(CLI::App& app) {
   c->add_option("--vocab", f.vocab, "WordPiece vocabulary (default: vocab.txt of the checkpoint)");
   c->add_option("--lower-case", o->lower, "auto, true or false")->capture_default_str();
   c->add_option("--seq-len", f.seq_len, "Tokens per example")->capture_default_str();
-  c->add_option("--batch-size", f.batch_size, "Examples per step")->capture_default_str();
+  c->add_option("--batch-size", f.batch_size, "Examples per step (per rank under mpirun)")
+      ->capture_default_str();
   c->add_option("--epochs", f.epochs, "Passes over the training data")->capture_default_str();
   c->add_option("--lr", f.lr, "Peak learning rate (AdamW, linear warmup and decay)")
       ->capture_default_str();
@@ -75,12 +76,14 @@ void add_finetune(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
-  c->callback([o] {
+  add_dist_options(c);
+  c->callback([o, comm] {
     set_threads(o->threads);
     train::FinetuneConfig cfg = o->cfg;
     cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
     cfg.precision = train::parse_precision(o->precision);
     cfg.columns = o->task.columns();
+    cfg.comm = &comm();  // MPI under mpirun: data parallel (--batch-size per rank)
     train::finetune(cfg);
   });
 }

@@ -21,7 +21,7 @@ void add_prepare(CLI::App& app);
 void add_tokenize(CLI::App& app);
 void add_train(CLI::App& app, comm::Communicator& (*comm)());
 void add_eval(CLI::App& app, comm::Communicator& (*comm)());
-void add_finetune(CLI::App& app);
+void add_finetune(CLI::App& app, comm::Communicator& (*comm)());
 void add_predict(CLI::App& app);
 void add_report(CLI::App& app);
 void add_doctor(CLI::App& app, comm::Communicator& (*comm)());

@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
   bertrain::cli::add_tokenize(app);
   bertrain::cli::add_train(app, bertrain::cli::communicator);
   bertrain::cli::add_eval(app, bertrain::cli::communicator);
-  bertrain::cli::add_finetune(app);
+  bertrain::cli::add_finetune(app, bertrain::cli::communicator);
   bertrain::cli::add_predict(app);
   bertrain::cli::add_report(app);
   bertrain::cli::add_doctor(app, bertrain::cli::communicator);

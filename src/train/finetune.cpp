@@ -482,6 +482,12 @@ RegressionMetrics regress(model::BertModel& m, const LabeledSet& s, int64_t batc
 
 FinetuneResult finetune(const FinetuneConfig& cfg) {
   using Clock = std::chrono::steady_clock;
+  // Data parallel under mpirun: every rank reads the sets, takes its share of each step's
+  // examples and runs the shared training step; rank 0 reports, logs and saves.
+  comm::SingleProcess single;
+  comm::Communicator& comm = cfg.comm ? *cfg.comm : single;
+  const int rank = comm.rank(), world = comm.size();
+  const bool say = !cfg.quiet && rank == 0;
   // The pretrained model: a run directory, a bertrain checkpoint or a HuggingFace directory.
   std::string src = resolve_checkpoint(cfg.init_checkpoint);
   if (src.empty()) src = cfg.init_checkpoint;
@@ -510,12 +516,12 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     train_tok = encode_tagged(train_tagged, tok, cfg.seq_len, {});
     if (train_tok.label_names.size() < 2)
       fail(cfg.train, " has ", train_tok.label_names.size(), " tag(s); tagging needs at least 2");
-    if (!cfg.quiet && train_tagged.skipped)
+    if (say && train_tagged.skipped)
       std::printf("finetune: %s\n", train_tagged.skipped_summary(cfg.train).c_str());
     if (!cfg.dev.empty()) {
       dev_tagged = read_tagged_file(cfg.dev);
       dev_tok = encode_tagged(dev_tagged, tok, cfg.seq_len, train_tok.label_names);
-      if (!cfg.quiet && dev_tagged.skipped)
+      if (say && dev_tagged.skipped)
         std::printf("finetune: %s\n", dev_tagged.skipped_summary(cfg.dev).c_str());
     }
   }
@@ -532,15 +538,14 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     fail(cfg.train, " has ", mc.num_labels, " label(s); classification needs at least 2");
   if (regression && train_set.targets.empty())
     fail(cfg.train, " has no label column to learn from");
-  if (!cfg.quiet && train_set.skipped)
+  if (say && train_set.skipped)
     std::printf("finetune: %s\n", train_set.skipped_summary(cfg.train).c_str());
   LabeledSet dev;
   if (!cfg.dev.empty() && !tokens)
     dev = is_text(cfg.dev)
               ? read_task_file(cfg.dev, cfg.columns, tok, cfg.seq_len, train_set.label_names)
               : read_classification_tfrecords(cfg.dev, cfg.seq_len, mc.num_labels, mc.vocab_size);
-  if (!cfg.quiet && dev.skipped)
-    std::printf("finetune: %s\n", dev.skipped_summary(cfg.dev).c_str());
+  if (say && dev.skipped) std::printf("finetune: %s\n", dev.skipped_summary(cfg.dev).c_str());
 
   const model::Head head =
       tokens ? model::Head::TokenClassification : model::Head::SequenceClassification;
@@ -560,10 +565,14 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   LossScaler scaler(sc);
   const int64_t n = static_cast<int64_t>(tokens ? train_tok.ids.size() : train_set.ids.size());
   const size_t dev_n = tokens ? dev_tok.ids.size() : dev.ids.size();
-  const int64_t steps_per_epoch = (n + cfg.batch_size - 1) / cfg.batch_size;
+  // Each step takes batch_size examples per rank; with several ranks the epoch's last step
+  // wraps around to its first examples (as PyTorch's DistributedSampler pads), so every rank
+  // has a full batch.
+  const int64_t global_batch = cfg.batch_size * world;
+  const int64_t steps_per_epoch = (n + global_batch - 1) / global_batch;
   const int64_t total = steps_per_epoch * cfg.epochs;
   const LrSchedule sched{cfg.lr, 0.0, 1.0, static_cast<int64_t>(cfg.warmup * total), total};
-  if (!cfg.quiet)
+  if (say)
     std::printf(
         "finetune: %s from %s (%zu tensors loaded), %lld train / %zu dev examples, %s, "
         "seq %lld, batch %lld, %lld epochs, adamw lr %.3g, %s\n",
@@ -580,25 +589,35 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   // TensorBoard events and metrics.jsonl per epoch, beside the saved model.
   std::unique_ptr<obs::EventWriter> events;
   std::unique_ptr<obs::MetricsLog> metrics;
-  if (!cfg.output.empty()) {
+  if (!cfg.output.empty() && rank == 0) {
     events = std::make_unique<obs::EventWriter>(cfg.output, 0);
     metrics = std::make_unique<obs::MetricsLog>(cfg.output, 0);
   }
-  comm::SingleProcess single;
-  Step one_step(m, opt, scaler, single, StepSettings{1, 1.0, false, 0, cfg.seed});
+  Step one_step(m, opt, scaler, comm, StepSettings{1, 1.0, false, 0, cfg.seed});
+  std::vector<size_t> mine(cfg.batch_size);  // this rank's rows of a step (several ranks)
   int64_t step = 0;
   for (int64_t epoch = 0; epoch < cfg.epochs; ++epoch) {
     for (int64_t i = 0; i < n; ++i) order[i] = static_cast<size_t>(i);
     data::Rng(rng_key(cfg.seed, epoch, 0xf17e)).shuffle(order);
     double loss = 0;
     const auto t0 = Clock::now();
-    for (int64_t i = 0; i < n; i += cfg.batch_size, ++step) {
-      const size_t end = static_cast<size_t>(std::min(n, i + cfg.batch_size));
+    for (int64_t i = 0; i < n; i += global_batch, ++step) {
+      // One process: rows [i, i + batch) of the order (the last step may be shorter).
+      const std::vector<size_t>* rows = &order;
+      size_t begin = static_cast<size_t>(i),
+             end = static_cast<size_t>(std::min(n, i + global_batch));
+      if (world > 1) {
+        for (int64_t k = 0; k < cfg.batch_size; ++k)
+          mine[k] = order[static_cast<size_t>((i + rank * cfg.batch_size + k) % n)];
+        rows = &mine;
+        begin = 0;
+        end = mine.size();
+      }
       const StepReport r = one_step.run(step, sched.at(step), [&](model::Batch& batch) {
         if (tokens)
-          make_token_batch(train_tok, order, static_cast<size_t>(i), end, cfg.seq_len, batch);
+          make_token_batch(train_tok, *rows, begin, end, cfg.seq_len, batch);
         else
-          make_batch(train_set, order, static_cast<size_t>(i), end, cfg.seq_len, batch);
+          make_batch(train_set, *rows, begin, end, cfg.seq_len, batch);
         return true;
       });
       loss += r.loss;
@@ -642,7 +661,7 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
       events->scalars(step, values);
       metrics->write(step, values, {{"epoch", epoch + 1}});
     }
-    if (!cfg.quiet) {
+    if (say) {
       std::printf("epoch %lld/%lld | train loss %.4f | %.1f s%s", (long long)epoch + 1,
                   (long long)cfg.epochs, res.train_loss,
                   std::chrono::duration<double>(Clock::now() - t0).count(), dev_line.c_str());
@@ -650,7 +669,7 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
       std::fflush(stdout);
     }
   }
-  if (!cfg.output.empty()) {
+  if (!cfg.output.empty() && rank == 0) {
     model::save_pretrained(m, cfg.output);
     // Label names and the tokenizer settings travel with the model.
     const fs::path cfg_path = fs::path(cfg.output) / "config.json";
@@ -675,7 +694,7 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     write_file_atomic(cfg_path.string(), j.dump(2) + "\n");
     fs::copy_file(vocab_path, fs::path(cfg.output) / "vocab.txt",
                   fs::copy_options::overwrite_existing);
-    if (!cfg.quiet)
+    if (say)
       std::printf(
           "finetune: saved %s (%s + vocab.txt; TensorBoard events and metrics.jsonl per epoch)\n",
           cfg.output.c_str(), model::head_architecture(head));

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "data/tfrecord.h"
 #include "data/wordpiece.h"
 #include "model/batch.h"
@@ -84,6 +85,9 @@ struct FinetuneConfig {
   uint64_t seed = 42;
   Precision precision = Precision::FP32;  // fp16: with the dynamic loss scaler, as train
   bool quiet = false;
+  // Data parallel (mpirun): batch_size examples per rank per step, gradients summed by the
+  // shared training step; rank 0 prints, logs and saves. Null: one process.
+  comm::Communicator* comm = nullptr;
 };
 
 struct FinetuneResult {
