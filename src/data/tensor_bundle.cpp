@@ -4,7 +4,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <string_view>
 
 #include "core/dtype.h"
@@ -148,11 +147,12 @@ std::string TensorBundle::find_prefix(const std::string& path) {
   // TensorFlow's `checkpoint` file names the latest checkpoint of a training directory.
   std::ifstream state(fs::path(path) / "checkpoint");
   std::string line;
-  static const std::regex latest(R"re(^model_checkpoint_path:\s*"(.*)"\s*$)re");
-  std::smatch m;
+  const std::string key = "model_checkpoint_path:";
   while (std::getline(state, line))
-    if (std::regex_match(line, m, latest)) {
-      fs::path p = m[1].str();
+    if (line.starts_with(key) && line.find('"') != std::string::npos &&
+        line.rfind('"') > line.find('"')) {  // model_checkpoint_path: "model.ckpt-1000"
+      const size_t open = line.find('"'), close = line.rfind('"');
+      fs::path p = line.substr(open + 1, close - open - 1);
       if (p.is_relative()) p = fs::path(path) / p;
       if (fs::is_regular_file(p.string() + ".index")) return p.string();
     }
@@ -245,18 +245,33 @@ std::string TensorBundle::read_bytes(const BundleVariable& v) const {
          "; only float and integer tensors can be read");
   if (v.shard < 0 || v.shard >= num_shards_)
     fail(prefix_, ".index: variable ", v.name, " names data file ", v.shard, " of ", num_shards_);
-  if (static_cast<uint64_t>(v.size) != static_cast<uint64_t>(shape_numel(v.shape)) * elem)
+  // The shape's element count, checked (a damaged entry may hold any numbers).
+  uint64_t numel = 1;
+  for (int64_t d : v.shape) {
+    if (d < 0 || (d > 0 && numel > (uint64_t{1} << 56) / static_cast<uint64_t>(d)))
+      fail(prefix_, ".index: variable ", v.name, " has an impossible shape ", shape_str(v.shape));
+    numel *= static_cast<uint64_t>(d);
+  }
+  if (v.size < 0 || static_cast<uint64_t>(v.size) != numel * elem)
     fail(prefix_, ".index: variable ", v.name, " has ", v.size, " bytes for shape ",
          shape_str(v.shape), " of ", tf_dtype_name(v.dtype));
   const std::string file = data_file(v.shard);
+  std::error_code ec;
+  const uint64_t file_bytes = fs::file_size(file, ec);
+  if (!ec && (v.offset < 0 || static_cast<uint64_t>(v.offset) > file_bytes ||
+              static_cast<uint64_t>(v.size) > file_bytes - static_cast<uint64_t>(v.offset)))
+    fail(file, " ends before the bytes of ", v.name, " (", v.size, " bytes at offset ", v.offset,
+         "; the file has ", file_bytes,
+         "): the data file is truncated; copy it again from its "
+         "source");
   std::ifstream in(file, std::ios::binary);
   if (!in) fail("cannot open ", file, " (data of ", v.name, "): the checkpoint is incomplete");
   std::string bytes(static_cast<size_t>(v.size), '\0');
   in.seekg(v.offset);
   in.read(bytes.data(), v.size);
   if (in.gcount() != v.size)
-    fail(file, " ends before the bytes of ", v.name, " ([", v.offset, ", ", v.offset + v.size,
-         ")): the data file is truncated; copy it again from its source");
+    fail(file, " ends before the bytes of ", v.name, " (", v.size, " bytes at offset ", v.offset,
+         "): the data file is truncated; copy it again from its source");
   if (masked_crc32c(bytes.data(), bytes.size()) != v.masked_crc)
     fail(file, ": the bytes of ", v.name, " fail their CRC32C check (offset ", v.offset,
          "): the data file is corrupt; copy it again from its source");

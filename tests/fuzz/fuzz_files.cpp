@@ -1,6 +1,8 @@
 // Fuzz target: arbitrary bytes as the files a user hands bertrain besides TFRecords: (1) a
 // .safetensors checkpoint (header JSON, dtypes, shapes, offsets), (2) a config.json, (3) a
-// vocab.txt (then tokenizing a fixed text with it). Invariants: nothing crashes, reads out of
+// vocab.txt (then tokenizing a fixed text with it), (4) a TensorFlow checkpoint's .index (its
+// table blocks and BundleEntryProtos; the same bytes as its data file, every variable read).
+// Invariants: nothing crashes, reads out of
 // bounds or leaks (ASan/UBSan), and every rejection is a bertrain::Error (a clear message),
 // never another exception escaping.
 #include <unistd.h>
@@ -11,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/safetensors.h"
+#include "data/tensor_bundle.h"
 #include "data/wordpiece.h"
 #include "model/config.h"
 
@@ -46,6 +49,30 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::vector<int32_t> ids;
     tok.encode("Hello, world! 你好 naïve [MASK] unaffable", ids);
   } catch (const Error&) {
+  }
+  const std::string index = std::string(path) + ".index";
+  const std::string shard = std::string(path) + ".data-00000-of-00001";
+  if (std::rename(path, index.c_str()) == 0) {
+    if (FILE* f = std::fopen(shard.c_str(), "wb")) {
+      std::fwrite(data, 1, size, f);
+      std::fclose(f);
+    }
+    try {
+      const data::TensorBundle b(path);
+      for (const auto& v : b.variables()) {
+        if (v.size > (int64_t{1} << 20)) continue;
+        try {
+          if (v.dtype == 3 || v.dtype == 9)
+            b.read_i64(v);
+          else
+            b.read_f32(v);
+        } catch (const Error&) {
+        }
+      }
+    } catch (const Error&) {
+    }
+    unlink(index.c_str());
+    unlink(shard.c_str());
   }
   unlink(path);
   return 0;
