@@ -116,7 +116,7 @@ int inspect_tf_checkpoint(const std::string& path, bool json) {
     double mean = 0, absmax = 0;
     std::string error;
     try {
-      if (v.dtype == 1 || v.dtype == 2 || v.dtype == 14 || v.dtype == 19) {
+      if (data::tf_dtype_is_float(v.dtype)) {
         const std::vector<float> x = b.read_f32(v);
         for (float f : x) {
           mean += f;

@@ -114,6 +114,11 @@ size_t dtype_bytes(int dtype) {
 
 }  // namespace
 
+bool tf_dtype_is_float(int dtype) {
+  return dtype == tensorflow::DT_FLOAT || dtype == tensorflow::DT_DOUBLE ||
+         dtype == tensorflow::DT_BFLOAT16 || dtype == tensorflow::DT_HALF;
+}
+
 std::string tf_dtype_name(int dtype) {
   switch (dtype) {
     case tensorflow::DT_FLOAT:

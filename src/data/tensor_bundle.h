@@ -26,6 +26,8 @@ struct BundleVariable {
 
 // TensorFlow's spelling of a DataType ("float32", "int64", ...; "dtype N" for the rest).
 std::string tf_dtype_name(int dtype);
+// float, double, bfloat16 or half: what read_f32 reads.
+bool tf_dtype_is_float(int dtype);
 
 class TensorBundle {
  public:

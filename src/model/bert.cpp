@@ -137,15 +137,14 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, con
   const int64_t B = d.batch, T = d.seq_len, N = B * T, C = cfg.hidden_size,
                 I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = cfg.vocab_size;
   // The products forward and backward make (bert.cpp's linear_forward calls), once per shape.
-  std::vector<kernels::LinearShape> linears = {
-      {N, 3 * C, C}, {N, C, C}, {N, I, C}, {N, C, I}, {B, C, C}};
+  std::vector<kernels::LinearShape> linears = {{N, 3 * C, C}, {N, C, C}, {N, I, C}, {N, C, I}};
   if (head == Head::Pretraining) {
     const int64_t BP = B * d.max_predictions;
-    linears.insert(linears.end(), {{B, 2, C}, {BP, C, C}, {BP, V, C}});
+    linears.insert(linears.end(), {{B, C, C}, {B, 2, C}, {BP, C, C}, {BP, V, C}});
   } else if (head == Head::SequenceClassification) {
-    linears.push_back({B, cfg.num_labels, C});
+    linears.insert(linears.end(), {{B, C, C}, {B, cfg.num_labels, C}});
   } else {
-    linears.back() = {N, cfg.num_labels, C};  // no pooler
+    linears.push_back({N, cfg.num_labels, C});  // token classification: no pooler
   }
   kernels::KernelShapes k;
   k.precision = d.precision();

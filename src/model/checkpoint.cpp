@@ -148,12 +148,13 @@ LoadReport load_safetensors_into(BertModel& m, const std::string& path, const Lo
   SafetensorsReader r(path);
   std::vector<SourceTensor> tensors;
   for (const auto& t : r.tensors()) {
+    std::string name = canonical_name(t.name, m.table());
     if (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16 &&
-        t.dtype != DType::F64 && m.table().find(canonical_name(t.name, m.table())))
+        t.dtype != DType::F64 && m.table().find(name))
       fail(path, ": tensor ", t.name, " has dtype ", dtype_name(t.dtype),
            "; expected a float type");
-    tensors.push_back({t.name, canonical_name(t.name, m.table()), t.shape,
-                       [&r, &t](float* out) { r.read_f32(t, out); }});
+    tensors.push_back(
+        {t.name, std::move(name), t.shape, [&r, &t](float* out) { r.read_f32(t, out); }});
   }
   return load_tensors(m, path, tensors, opt, {});
 }
@@ -163,15 +164,18 @@ LoadReport load_checkpoint_into(BertModel& m, const std::string& path, const Loa
   const data::TensorBundle bundle(path);
   std::vector<SourceTensor> tensors;
   LoadReport rep;
-  const std::vector<TfWeight> weights = tf_weights(bundle);
+  std::vector<TfWeight> weights;
+  for (const auto& v : bundle.variables()) {
+    if (auto w = tf_weight(v))
+      weights.push_back(std::move(*w));
+    else
+      rep.ignored.push_back(v.name);  // optimizer slots, global_step
+  }
   for (const auto& w : weights)
     tensors.push_back({w.tf_name, w.hf_name, w.shape, [&bundle, &w](float* out) {
                          const std::vector<float> v = read_tf_weight(bundle, w);
                          std::copy(v.begin(), v.end(), out);
                        }});
-  rep.ignored.reserve(bundle.variables().size() - weights.size());
-  for (const auto& v : bundle.variables())
-    if (!tf_weight(v)) rep.ignored.push_back(v.name);  // optimizer slots, global_step
   return load_tensors(m, bundle.prefix(), tensors, opt, std::move(rep));
 }
 

@@ -17,10 +17,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool is_float(int dtype) {
-  return dtype == 1 || dtype == 2 || dtype == 14 || dtype == 19;  // float, double, bf16, half
-}
-
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
   size_t start = 0;
@@ -57,7 +53,7 @@ std::optional<TfWeight> tf_weight(const data::BundleVariable& v) {
                                                     "good_steps",
                                                     "bad_steps",
                                                     "current_loss_scale"};
-  if (!is_float(v.dtype) || v.sliced) return std::nullopt;
+  if (!data::tf_dtype_is_float(v.dtype) || v.sliced) return std::nullopt;
   const std::vector<std::string> parts = split(v.name, '/');
   for (const auto& p : parts)
     if (not_weights.count(p)) return std::nullopt;

@@ -66,14 +66,19 @@ bool is_int(const std::string& s) {
 
 }  // namespace
 
-std::string LabeledSet::skipped_summary(const std::string& file) const {
+std::string skipped_summary(int64_t skipped, const std::vector<std::string>& reasons,
+                            const std::string& file, const char* what) {
   if (!skipped) return "";
-  std::string out =
-      str(skipped, " unusable row", skipped == 1 ? "" : "s", " of ", file, " skipped, not used:");
-  for (const auto& r : skipped_reasons) out += "\n  " + r;
-  if (skipped > static_cast<int64_t>(skipped_reasons.size()))
-    out += str("\n  ... and ", skipped - static_cast<int64_t>(skipped_reasons.size()), " more");
+  std::string out = str(skipped, " unusable ", what, skipped == 1 ? "" : "s", " of ", file,
+                        " skipped, not used:");
+  for (const auto& r : reasons) out += "\n  " + r;
+  if (skipped > static_cast<int64_t>(reasons.size()))
+    out += str("\n  ... and ", skipped - static_cast<int64_t>(reasons.size()), " more");
   return out;
+}
+
+std::string LabeledSet::skipped_summary(const std::string& file) const {
+  return train::skipped_summary(skipped, skipped_reasons, file, "row");
 }
 
 TaskColumns task_columns(const std::string& task) {

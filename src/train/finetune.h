@@ -49,6 +49,9 @@ struct TaskColumns {
 // classification: CLUENER-style .json, CoNLL-style otherwise; ner.h), also as cluener and conll.
 // Unknown names list the known ones.
 TaskColumns task_columns(const std::string& task);
+// "N unusable <what>s of FILE skipped, not used:" and the reasons kept (shared by the readers).
+std::string skipped_summary(int64_t skipped, const std::vector<std::string>& reasons,
+                            const std::string& file, const char* what);
 std::string known_tasks();
 
 // Reads a task file: JSON lines when it ends in .json or .jsonl, TSV otherwise. `label_names`

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "data/unicode.h"
+#include "train/finetune.h"
 
 namespace bertrain::train {
 
@@ -50,13 +51,7 @@ bool start_of_chunk(char prev, char tag, const std::string& prev_type, const std
 }  // namespace
 
 std::string TaggedSet::skipped_summary(const std::string& file) const {
-  if (!skipped) return "";
-  std::string out = str(skipped, " unusable sentence", skipped == 1 ? "" : "s", " of ", file,
-                        " skipped, not used:");
-  for (const auto& r : skipped_reasons) out += "\n  " + r;
-  if (skipped > static_cast<int64_t>(skipped_reasons.size()))
-    out += str("\n  ... and ", skipped - static_cast<int64_t>(skipped_reasons.size()), " more");
-  return out;
+  return train::skipped_summary(skipped, skipped_reasons, file, "sentence");
 }
 
 TaggedSet read_tagged_file(const std::string& path) {
