@@ -162,6 +162,46 @@ TEST(GoldenHF, BertForTokenClassificationForwardBackward) {
   check_grads(m, g);
 }
 
+// HF's BertForQuestionAnswering: qa_outputs on every token (no pooler, no dropout), the loss
+// (CE(start) + CE(end)) / 2 over positions; one example's answer at [CLS] (outside its window).
+TEST(GoldenHF, BertForQuestionAnsweringForwardBackward) {
+  const std::string dir = data_path("golden/bert_qa");
+  SafetensorsReader g(dir + "/golden.safetensors");
+  const auto* info = g.find("input.input_ids");
+  const int64_t B = info->shape[0], T = info->shape[1];
+  Batch b;
+  b.resize(B, T, 0);
+  auto to32 = [](const std::vector<int64_t>& v, std::vector<int32_t>& out) {
+    out.assign(v.begin(), v.end());
+  };
+  to32(g.read_i64("input.input_ids"), b.input_ids);
+  to32(g.read_i64("input.input_mask"), b.input_mask);
+  to32(g.read_i64("input.segment_ids"), b.segment_ids);
+  to32(g.read_i64("input.span_positions"), b.span_positions);  // [2,B]: starts, then ends
+  BertConfig cfg = BertConfig::load(dir + "/config.json");
+  BertModel m(cfg, Head::QuestionAnswering, {B, T, 0});
+  EXPECT_FALSE(m.table().find("bert.pooler.dense.weight"));
+  load_safetensors_into(m, dir + "/model.safetensors");  // strictly: HF's file has no pooler
+  Losses l = m.forward(b, {});
+  EXPECT_TRUE(all_close("start_logits", m.span_logits(), g.read_f64("output.start_logits").data(),
+                        B * T, kFwdRtol, kFwdAtol));
+  EXPECT_TRUE(all_close("end_logits", m.span_logits() + B * T,
+                        g.read_f64("output.end_logits").data(), B * T, kFwdRtol, kFwdAtol));
+  EXPECT_NEAR(l.loss, g.read_f64("output.loss")[0], 1e-5);
+  EXPECT_EQ(l.tokens_scored, 2 * B);
+  m.zero_grads();
+  m.backward(b, {});
+  check_grads(m, g);
+  // An answer position outside the sequence is named.
+  b.span_positions[B] = static_cast<int32_t>(T);
+  try {
+    m.forward(b, {});
+    ADD_FAILURE() << "no error for a span position past the sequence";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("span_positions"), std::string::npos) << e.what();
+  }
+}
+
 TEST(GoldenHF, BackwardAccumulatesAcrossCalls) {
   // Gradient accumulation relies on backward adding into the gradient buffer.
   const std::string dir = data_path("golden/bert_cls");

@@ -12,12 +12,17 @@ every parameter to golden.safetensors:
                                 regression: MSE loss, as STS-B), same encoder weights
   tests/golden/bert_token/      BertForTokenClassification (5 labels, no pooler; -100 labels on
                                 [CLS], [SEP], padding and some later sub-tokens)
+  tests/golden/bert_qa/         BertForQuestionAnswering (qa_outputs, no pooler; start/end
+                                positions, one example's answer at [CLS] as run_qa labels an
+                                answer outside the window)
 
 The MLM loss is Google BERT's: sum(w * ce) / (sum(w) + 1e-5) over masked_lm_positions, computed
 here in torch on HF's prediction logits, so gradients flow through HF's own graph.
 
 Usage (needs torch and transformers, e.g. a venv made with --system-site-packages):
-  python tools/make_bert_golden.py [--out tests/golden]
+  python tools/make_bert_golden.py [--out tests/golden] [--only bert_qa ...]
+
+A newer torch changes the last bits of the existing goldens; --only writes just the named ones.
 """
 import argparse
 import os
@@ -188,16 +193,61 @@ def token_golden(out_dir, gen, encoder_src):
     print(f"{out_dir}: loss {out.loss.item():.6f}")
 
 
+def qa_golden(out_dir, gen, encoder_src):
+    # BertForQuestionAnswering: qa_outputs (2 outputs) on every token, no pooler, no dropout;
+    # loss (CE(start) + CE(end)) / 2 over the sequence positions.
+    from transformers import BertForQuestionAnswering
+    cfg = make_config()
+    model = BertForQuestionAnswering(cfg)
+    randomize(model, gen)
+    model.bert.load_state_dict({k: v.float() for k, v in encoder_src.bert.state_dict().items()
+                                if not k.startswith("pooler.")})
+    model.eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    inp = make_inputs(gen, cfg.vocab_size)
+    inp = {k: inp[k] for k in ("input_ids", "input_mask", "segment_ids")}
+    start = torch.zeros(B, dtype=torch.long)
+    end = torch.zeros(B, dtype=torch.long)
+    for b, n in enumerate(LENGTHS):
+        if b == 2:
+            continue  # answer outside the window: both at [CLS] (0)
+        s = int(torch.randint(n // 2, n - 1, (1,), generator=gen))
+        start[b], end[b] = s, min(n - 2, s + int(torch.randint(0, 3, (1,), generator=gen)))
+    inp["span_positions"] = torch.stack([start, end])
+    model = model.double()
+    out = model(input_ids=inp["input_ids"], attention_mask=inp["input_mask"],
+                token_type_ids=inp["segment_ids"], start_positions=start, end_positions=end)
+    out.loss.backward()
+    tensors = {f"input.{k}": v.contiguous() for k, v in inp.items()}
+    tensors.update({"output.start_logits": out.start_logits.detach(),
+                    "output.end_logits": out.end_logits.detach(),
+                    "output.loss": out.loss.detach().reshape(1)})
+    tensors.update(grads_of(model))
+    save_file(tensors, os.path.join(out_dir, "golden.safetensors"))
+    print(f"{out_dir}: loss {out.loss.item():.6f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "golden"))
+    ap.add_argument("--only", nargs="*", help="write only these goldens (bert_qa, ...)")
     args = ap.parse_args()
+    only = set(args.only or ["bert_pretrain", "bert_cls", "bert_reg", "bert_token", "bert_qa"])
     torch.manual_seed(1234)
     gen = torch.Generator().manual_seed(1234)
-    pre = pretrain_golden(os.path.join(args.out, "bert_pretrain"), gen)
-    cls_golden(os.path.join(args.out, "bert_cls"), gen, pre)
-    reg_golden(os.path.join(args.out, "bert_reg"), torch.Generator().manual_seed(4321), pre)
-    token_golden(os.path.join(args.out, "bert_token"), torch.Generator().manual_seed(5678), pre)
+    # The pretraining model is the others' encoder: always built (its files written when asked).
+    import tempfile
+    pre_dir = os.path.join(args.out, "bert_pretrain") if "bert_pretrain" in only else tempfile.mkdtemp()
+    pre = pretrain_golden(pre_dir, gen)
+    if "bert_cls" in only:
+        cls_golden(os.path.join(args.out, "bert_cls"), gen, pre)
+    if "bert_reg" in only:
+        reg_golden(os.path.join(args.out, "bert_reg"), torch.Generator().manual_seed(4321), pre)
+    if "bert_token" in only:
+        token_golden(os.path.join(args.out, "bert_token"), torch.Generator().manual_seed(5678), pre)
+    if "bert_qa" in only:
+        qa_golden(os.path.join(args.out, "bert_qa"), torch.Generator().manual_seed(8765), pre)
 
 
 if __name__ == "__main__":

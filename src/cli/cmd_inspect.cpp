@@ -80,14 +80,15 @@ int inspect_safetensors(const std::string& path, const std::string& config, bool
   if (!cfg_path.empty()) {
     model::BertConfig cfg = model::BertConfig::load(cfg_path);
     // HF's structure tells the head: a classifier without a pooler tags tokens.
-    const model::Head head = !r.find("classifier.weight") ? model::Head::Pretraining
+    const model::Head head = r.find("qa_outputs.weight")    ? model::Head::QuestionAnswering
+                             : !r.find("classifier.weight") ? model::Head::Pretraining
                              : r.find("bert.pooler.dense.weight")
                                  ? model::Head::SequenceClassification
                                  : model::Head::TokenClassification;
     model::BertModel m(cfg, head, {1, 1, 0});
     // A BertModel-only file (no heads) is fine for fine-tuning: allow the heads to be missing.
     model::LoadReport rep =
-        model::load_safetensors_into(m, path, {{"cls.", "classifier.", "bert.pooler."}, {}});
+        model::load_safetensors_into(m, path, {{"cls.", "classifier.", "qa_outputs.", "bert.pooler."}, {}});
     if (!json)
       std::printf("  loads as %s with %s (%s): %zu tensors loaded, %zu head tensors absent\n",
                   model::head_architecture(head), cfg_path.c_str(), describe(cfg).c_str(),

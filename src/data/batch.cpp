@@ -17,6 +17,7 @@ void Batch::resize(int64_t b, int64_t t, int64_t p) {
   label_values.assign(B, 0.0f);
   token_label_ids.assign(B * T, 0);
   token_label_weights.assign(B * T, 0.0f);
+  span_positions.assign(2 * B, 0);
 }
 
 }  // namespace bertrain::data

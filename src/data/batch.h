@@ -20,6 +20,9 @@ struct Batch {
   // a word's first, [CLS]/[SEP], padding).
   std::vector<int32_t> token_label_ids;    // [B,T]
   std::vector<float> token_label_weights;  // [B,T]
+  // Extractive QA: the answer's first token of every example, then its last token ([2,B]; an
+  // answer outside the window points at [CLS], position 0, as HF's run_qa labels it).
+  std::vector<int32_t> span_positions;
 
   void resize(int64_t b, int64_t t, int64_t p);
 };

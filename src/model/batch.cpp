@@ -58,6 +58,9 @@ void validate_batch(const Batch& b, const BertConfig& cfg, Head head) {
         if (!std::isfinite(b.token_label_weights[i]) || b.token_label_weights[i] < 0)
           fail("batch field token_label_weights[", i / b.T, ",", i % b.T,
                "] = ", b.token_label_weights[i], " must be finite and >= 0");
+    } else if (head == Head::QuestionAnswering) {
+      check_size("span_positions", b.span_positions.size(), 2 * b.B);
+      check_range("span_positions", b.span_positions, b.B, 0, b.T, "the sequence");
     } else if (cfg.num_labels == 1) {  // regression
       check_size("label_values", b.label_values.size(), b.B);
       for (size_t i = 0; i < b.label_values.size(); ++i)

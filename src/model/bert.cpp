@@ -101,8 +101,11 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   const int64_t NT = head == Head::TokenClassification ? N : 0;
   plan.add(g, "head.tok_drop", f32s(NT * C));
   plan.add(g, "head.tok_logits", f32s(NT * cfg.num_labels));
-  plan.add(g, "head.row_loss", f32s(std::max({BP, B, NT})));
-  plan.add(g, "head.row_correct", f32s(std::max({BP, B, NT})));
+  // Question answering: the start logits of every token, then the end logits.
+  const int64_t NQ = head == Head::QuestionAnswering ? N : 0;
+  plan.add(g, "head.qa_logits", f32s(2 * NQ));
+  plan.add(g, "head.row_loss", f32s(std::max({BP, 2 * B, NT})));
+  plan.add(g, "head.row_correct", f32s(std::max({BP, 2 * B, NT})));
   const std::string s = "scratch";
   plan.add(s, "grad.dh", f32s(N * C));
   plan.add(s, "grad.dA", f32s(N * C));
@@ -115,7 +118,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   // fp16: forward's fp32 ctx until it is rounded; in backward each saved fp16 tensor widened
   // back to fp32 for the fp32 kernels, one at a time.
   if (d.fp16) plan.add(s, "fp16.wide", f32s(N * std::max(I, 3 * C)));
-  plan.add(s, "grad.dsmall", f32s(std::max(B, NT) * std::max<int64_t>(2, cfg.num_labels)));
+  plan.add(s, "grad.dsmall", f32s(std::max({B, NT, NQ}) * std::max<int64_t>(2, cfg.num_labels)));
   if (d.bf16) {
     const std::string g16 = "bf16";
     const size_t h = sizeof(uint16_t);
@@ -143,8 +146,10 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, con
     linears.insert(linears.end(), {{B, C, C}, {B, 2, C}, {BP, C, C}, {BP, V, C}});
   } else if (head == Head::SequenceClassification) {
     linears.insert(linears.end(), {{B, C, C}, {B, cfg.num_labels, C}});
+  } else if (head == Head::TokenClassification) {
+    linears.push_back({N, cfg.num_labels, C});  // no pooler
   } else {
-    linears.push_back({N, cfg.num_labels, C});  // token classification: no pooler
+    linears.push_back({N, 1, C});  // question answering: the start and the end column, no pooler
   }
   kernels::KernelShapes k;
   k.precision = d.precision();
@@ -253,6 +258,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   act_.mlm_logits = a.f32("head.mlm_logits");
   act_.tok_drop = a.f32("head.tok_drop");
   act_.tok_logits = a.f32("head.tok_logits");
+  act_.qa_logits = a.f32("head.qa_logits");
   act_.row_loss = a.f32("head.row_loss");
   act_.row_correct = reinterpret_cast<int32_t*>(a.f32("head.row_correct"));
   const Arena& s = scratch_;
@@ -349,6 +355,25 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     out.tokens_correct = static_cast<int64_t>(ce.correct);
     return out;
   }
+  if (head_ == Head::QuestionAnswering) {
+    // HF's BertForQuestionAnswering: qa_outputs on every token's final hidden state, no dropout.
+    // Weight row 0 gives the start logits and row 1 the end logits, each one [N] column, so the
+    // batch's start logits are B rows of T and its end logits the next B rows; the loss is
+    // (CE(start) + CE(end)) / 2, each the mean over the batch of a softmax over the T positions.
+    const int64_t w = t.offset("qa_outputs.weight"), bias = t.offset("qa_outputs.bias");
+    be_.linear_forward(prec_, act_.qa_logits, {const_cast<float*>(x)}, Wt(w), W(bias), N, 1, C,
+                       ws_);
+    be_.linear_forward(prec_, act_.qa_logits + N, {const_cast<float*>(x)}, Wt(w + C), W(bias + 1),
+                       N, 1, C, ws_);
+    const CrossEntropySums ce =
+        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.qa_logits,
+                          b.span_positions.data(), nullptr, 2 * B, T, 0.0f);
+    Losses out;
+    out.loss = ce.loss / (2.0 * B);
+    out.tokens_scored = 2 * B;
+    out.tokens_correct = static_cast<int64_t>(ce.correct);
+    return out;
+  }
 
   // Pooler: tanh(dense(h[:, 0])).
   be_.gather_rows(act_.cls_in, x, nullptr, B, 1, T, C);
@@ -415,8 +440,10 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
 
 std::pair<int64_t, int64_t> BertModel::layer_range(int64_t l) const {
   const int64_t begin = table_.layer(l).qkv_w;
-  const int64_t end = l + 1 < cfg_.num_hidden_layers ? table_.layer(l + 1).qkv_w
-                                                     : table_.offset("bert.pooler.dense.weight");
+  // The last layer ends where the tensor after its last one (output.LayerNorm.bias) begins.
+  const int64_t end = l + 1 < cfg_.num_hidden_layers
+                          ? table_.layer(l + 1).qkv_w
+                          : table_.layer(l).ln2_b + (cfg_.hidden_size + 15) / 16 * 16;
   return {begin, end};
 }
 
@@ -457,6 +484,14 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     lin_bwd(dh, t.offset("classifier.weight"), t.offset("classifier.bias"), dlog, {act_.tok_drop},
             N, NL, C);
     be_.dropout_backward(dh, dh, N * C, site(L + 1, kTokens, p_hidden, opt.example_offset * T * C));
+  } else if (head_ == Head::QuestionAnswering) {
+    float* dlog = act_.dsmall;  // [2N]: d start logits, then d end logits
+    be_.cross_entropy(dlog, nullptr, nullptr, act_.qa_logits, b.span_positions.data(), nullptr,
+                      2 * B, T, static_cast<float>(loss_scale / (2.0 * B)));
+    const int64_t w = t.offset("qa_outputs.weight"), bias = t.offset("qa_outputs.bias");
+    const Kept seq{seq_out_};
+    lin_bwd(dh, w, bias, dlog, seq, N, 1, C);
+    lin_bwd(dh, w + C, bias + 1, dlog + N, seq, N, 1, C, /*accumulate=*/true);
   } else if (head_ == Head::Pretraining) {
     float* dnsp = act_.dsmall;
     be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, b.next_sentence_labels.data(),
@@ -502,7 +537,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     be_.dropout_backward(dpooled, dpooled, B * C,
                          site(L + 1, kPooler, p_hidden, opt.example_offset * C));
   }
-  if (head_ != Head::TokenClassification) {  // pooler
+  if (has_pooler(head_)) {
     be_.tanh_backward(dpooled, act_.pooled, dpooled, B * C);
     float* dcls = act_.dhead1;
     lin_bwd(dcls, t.offset("bert.pooler.dense.weight"), t.offset("bert.pooler.dense.bias"), dpooled,
@@ -546,6 +581,9 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   be_.embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
                          G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA,
                          b.input_ids.data(), b.segment_ids.data(), B, T, C);
+  // HF's padding_idx: the [PAD] row of the word embeddings gets no gradient (only the question
+  // answering head's softmax over all positions reaches padding; the other heads never do).
+  be_.zero(G(word + cfg_.pad_token_id * C), static_cast<int64_t>(f32s(C)));
 }
 
 double BertModel::flops_per_step(int64_t B, int64_t T, int64_t P) const {
@@ -555,6 +593,7 @@ double BertModel::flops_per_step(int64_t B, int64_t T, int64_t P) const {
   double head = 2.0 * B * C * C;
   if (head_ == Head::Pretraining) head += 2.0 * B * P * (C * C + C * V);
   if (head_ == Head::TokenClassification) head = 2.0 * N * C * cfg_.num_labels;
+  if (head_ == Head::QuestionAnswering) head = 2.0 * N * C * 2;
   return 3.0 * (L * per_layer + head);  // backward = 2x forward
 }
 

@@ -66,7 +66,9 @@ struct Losses {
   double mlm_weight = 0;   // sum of masked_lm_weights
   double mlm_correct = 0;  // weighted count of argmax hits
   int64_t nsp_correct = 0, cls_correct = 0;
-  int64_t tokens_scored = 0, tokens_correct = 0;  // token classification
+  // Token classification: the scored tokens and the argmax hits among them; question answering:
+  // 2 per example (its start and its end) and how many of them the argmax hit.
+  int64_t tokens_scored = 0, tokens_correct = 0;
 };
 
 // Adds the activation and backward-scratch regions of one model to a plan (group
@@ -133,6 +135,8 @@ class BertModel {
   const float* nsp_logits() const { return act_.nsp_logits; }    // [B,2]
   const float* cls_logits() const { return act_.cls_logits; }    // [B,num_labels]
   const float* token_logits() const { return act_.tok_logits; }  // [B*T,num_labels]
+  // Question answering: the start logits [B,T], then the end logits [B,T].
+  const float* span_logits() const { return act_.qa_logits; }
 
   // Spans per layer (forward/backward) go to this timeline when it is enabled.
   void set_timeline(obs::Timeline* tl) { timeline_ = tl; }
@@ -154,7 +158,7 @@ class BertModel {
     float *emb_sum, *emb_mean, *emb_rstd, *h0;
     std::vector<LayerActs> layers;
     float *cls_in, *pooled, *pooled_drop, *nsp_logits, *cls_logits;
-    float *tok_drop, *tok_logits;
+    float *tok_drop, *tok_logits, *qa_logits;
     float *mlm_in, *mlm_pre, *mlm_act, *mlm_ln, *mlm_mean, *mlm_rstd, *mlm_logits;
     float* row_loss;
     int32_t* row_correct;

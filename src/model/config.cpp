@@ -69,6 +69,7 @@ BertConfig BertConfig::from_json(const nlohmann::json& j, const std::string& sou
   read_field(j, "initializer_range", c.initializer_range, source, false);
   if (j.contains("id2label") && j["id2label"].is_object()) c.num_labels = j["id2label"].size();
   read_field(j, "num_labels", c.num_labels, source, false);
+  read_field(j, "pad_token_id", c.pad_token_id, source, false);
   if (j.contains("position_embedding_type") && j["position_embedding_type"] != "absolute")
     fail(source, ": position_embedding_type ", j["position_embedding_type"].dump(),
          " is not supported (bertrain implements \"absolute\")");
@@ -100,6 +101,9 @@ void BertConfig::validate(const std::string& source) const {
   positive("max_position_embeddings", max_position_embeddings);
   positive("type_vocab_size", type_vocab_size);
   positive("num_labels", num_labels);
+  if (pad_token_id < 0 || pad_token_id >= vocab_size)
+    fail(source, ": pad_token_id ", pad_token_id, " is outside the vocabulary (", vocab_size,
+         " tokens)");
   if (hidden_size % num_attention_heads != 0)
     fail(source, ": hidden_size ", hidden_size, " is not a multiple of num_attention_heads ",
          num_attention_heads);
@@ -143,7 +147,7 @@ nlohmann::json BertConfig::to_json(const std::string& architecture) const {
                       {"layer_norm_eps", decimal(layer_norm_eps)},
                       {"initializer_range", decimal(initializer_range)},
                       {"position_embedding_type", "absolute"},
-                      {"pad_token_id", 0},
+                      {"pad_token_id", pad_token_id},
                       {"torch_dtype", "float32"}};
   if (architecture == "BertForSequenceClassification") {
     nlohmann::json id2label, label2id;

@@ -22,6 +22,8 @@ struct BertConfig {
   float layer_norm_eps = 1e-12f;
   float initializer_range = 0.02f;
   int64_t num_labels = 2;  // sequence classification head (from num_labels or id2label)
+  // HF's padding_idx of the word embeddings: that row never gets a gradient.
+  int64_t pad_token_id = 0;
 
   kernels::Activation activation() const;
   int64_t head_dim() const { return hidden_size / num_attention_heads; }

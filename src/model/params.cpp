@@ -10,7 +10,8 @@ namespace bertrain::model {
 const char* head_architecture(Head h) {
   return h == Head::Pretraining              ? "BertForPreTraining"
          : h == Head::SequenceClassification ? "BertForSequenceClassification"
-                                             : "BertForTokenClassification";
+         : h == Head::TokenClassification    ? "BertForTokenClassification"
+                                             : "BertForQuestionAnswering";
 }
 
 void ParamTable::add(const std::string& name, Shape shape, Init init, bool decay) {
@@ -74,7 +75,7 @@ ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head) {
     add(p + "output.LayerNorm.bias", {C}, Init::Zeros, false);
     layers_.push_back(lo);
   }
-  if (head != Head::TokenClassification) {  // HF builds BertForTokenClassification without one
+  if (has_pooler(head)) {
     add("bert.pooler.dense.weight", {C, C}, Init::Normal, true);
     add("bert.pooler.dense.bias", {C}, Init::Zeros, false);
   }
@@ -86,6 +87,9 @@ ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head) {
     add("cls.predictions.bias", {V}, Init::Zeros, false);
     add("cls.seq_relationship.weight", {2, C}, Init::Normal, true);
     add("cls.seq_relationship.bias", {2}, Init::Zeros, false);
+  } else if (head == Head::QuestionAnswering) {
+    add("qa_outputs.weight", {2, C}, Init::Normal, true);  // row 0: start, row 1: end
+    add("qa_outputs.bias", {2}, Init::Zeros, false);
   } else {
     add("classifier.weight", {cfg.num_labels, C}, Init::Normal, true);
     add("classifier.bias", {cfg.num_labels}, Init::Zeros, false);

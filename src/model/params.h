@@ -16,9 +16,14 @@
 namespace bertrain::model {
 
 // TokenClassification: HF's BertForTokenClassification (a classifier on every token's final
-// hidden state, no pooler).
-enum class Head { Pretraining, SequenceClassification, TokenClassification };
+// hidden state, no pooler). QuestionAnswering: HF's BertForQuestionAnswering (qa_outputs, a
+// start and an end logit per token, no pooler).
+enum class Head { Pretraining, SequenceClassification, TokenClassification, QuestionAnswering };
 const char* head_architecture(Head h);  // "BertForPreTraining", ...
+// HF builds BertForTokenClassification and BertForQuestionAnswering without the pooler.
+inline bool has_pooler(Head h) {
+  return h == Head::Pretraining || h == Head::SequenceClassification;
+}
 
 enum class Init { Normal, Zeros, Ones };
 

@@ -155,7 +155,7 @@ ConvertReport convert_tf_checkpoint(const std::string& checkpoint, const std::st
                                                 : "BertModel";
   // The config must describe these tensors: every weight bertrain's tables name is checked.
   std::vector<std::string> mismatched;
-  for (Head head : {Head::Pretraining, Head::SequenceClassification}) {
+  for (Head head : {Head::Pretraining, Head::SequenceClassification, Head::QuestionAnswering}) {
     const ParamTable table(cfg, head);
     for (const auto& p : table.params()) {
       auto it = by_name.find(p.name);
