@@ -157,6 +157,23 @@ bool is_mark_nonspacing(char32_t c) {
   return cat(c) == UTF8PROC_CATEGORY_MN;
 }
 
+bool is_word_char(char32_t c) {
+  if (c == '_') return true;
+  switch (cat(c)) {
+    case UTF8PROC_CATEGORY_LU:
+    case UTF8PROC_CATEGORY_LL:
+    case UTF8PROC_CATEGORY_LT:
+    case UTF8PROC_CATEGORY_LM:
+    case UTF8PROC_CATEGORY_LO:
+    case UTF8PROC_CATEGORY_ND:
+    case UTF8PROC_CATEGORY_NL:
+    case UTF8PROC_CATEGORY_NO:
+      return true;
+    default:
+      return false;
+  }
+}
+
 namespace {
 std::u32string map(std::u32string_view s, int options) {
   bool ascii = true;

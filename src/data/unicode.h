@@ -24,6 +24,7 @@ bool is_control(char32_t c);          // category C* except \t, \n, \r
 bool is_punctuation(char32_t c);      // ASCII symbol ranges, or category P*
 bool is_cjk(char32_t c);              // CJK Unified Ideographs blocks (BERT's _is_chinese_char)
 bool is_mark_nonspacing(char32_t c);  // category Mn (stripped with accents)
+bool is_word_char(char32_t c);        // Python's regex \w on str: categories L* and N*, and '_'
 
 std::u32string nfc(std::u32string_view s);
 // True when every character is one that NFC leaves alone whatever surrounds it (ASCII and

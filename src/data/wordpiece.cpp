@@ -56,7 +56,8 @@ Tokenizer::Tokenizer(const Vocab& vocab, bool lower_case) : vocab_(vocab), lower
 
 namespace {
 
-// Splits text into runs of ordinary text and special tokens (HF keeps those whole).
+// Splits text into runs of ordinary text and special tokens (HF keeps those whole): visit(run,
+// nullptr, where) or visit({}, token, where), `where` the run's or token's first character.
 template <typename F>
 void split_special(const std::u32string& s, F&& visit) {
   size_t start = 0, i = 0;
@@ -69,8 +70,8 @@ void split_special(const std::u32string& s, F&& visit) {
         bool eq = true;
         for (size_t k = 0; k < n && eq; ++k) eq = s[i + k] == static_cast<char32_t>(sp[k]);
         if (eq) {
-          if (i > start) visit(std::u32string_view(s).substr(start, i - start), nullptr);
-          visit(std::u32string_view(), sp);
+          if (i > start) visit(std::u32string_view(s).substr(start, i - start), nullptr, start);
+          visit(std::u32string_view(), sp, i);
           i += n;
           start = i;
           matched = true;
@@ -81,43 +82,85 @@ void split_special(const std::u32string& s, F&& visit) {
     }
     ++i;
   }
-  if (start < s.size()) visit(std::u32string_view(s).substr(start), nullptr);
+  if (start < s.size()) visit(std::u32string_view(s).substr(start), nullptr, start);
+}
+
+std::u32string lower_strip_accents(std::u32string_view w) {
+  const std::u32string low = unicode::nfd(unicode::lower(w));
+  std::u32string out;
+  for (char32_t c : low)
+    if (!unicode::is_mark_nonspacing(c)) out.push_back(c);
+  return out;
+}
+
+// Applies f (NFC; lower-case and strip accents) to a word and keeps each output character's
+// source: f on each cluster (a character and the non-spacing marks after it) gets the cluster's
+// characters. Where that differs from f on the whole word (a composition across clusters, rare)
+// the whole word's characters are every output character's source. The text is always f(word).
+template <typename F>
+void apply_aligned(std::u32string& word, std::vector<CharSpan>& src, F&& f) {
+  std::u32string whole = f(word), out;
+  std::vector<CharSpan> out_src;
+  for (size_t i = 0; i < word.size();) {
+    size_t j = i + 1;
+    while (j < word.size() && unicode::is_mark_nonspacing(word[j])) ++j;
+    const std::u32string piece = f(std::u32string_view(word).substr(i, j - i));
+    out += piece;
+    out_src.insert(out_src.end(), piece.size(), CharSpan{src[i].begin, src[j - 1].end});
+    i = j;
+  }
+  if (out != whole) out_src.assign(whole.size(), CharSpan{src.front().begin, src.back().end});
+  word = std::move(whole);
+  src = std::move(out_src);
 }
 
 }  // namespace
 
-template <typename W, typename S>
+template <bool Offsets, typename W, typename S>
 void Tokenizer::for_each_word(std::string_view text, W&& visit, S&& visit_special) const {
   // Scratch buffers live per thread: no allocation per word or per line in steady state.
-  thread_local std::u32string u, t, tok, low;
+  thread_local std::u32string u, t, tok;
+  thread_local std::vector<CharSpan> ts, word_src, hf_src;  // Offsets: characters' sources
   unicode::decode(text, u);
-  split_special(u, [&](std::u32string_view part, const char* special) {
+  split_special(u, [&](std::u32string_view part, const char* special, size_t where) {
+    const auto at = static_cast<int32_t>(where);
     if (special) {
-      visit_special(vocab_.id(special));
+      visit_special(
+          vocab_.id(special),
+          CharSpan{at, at + static_cast<int32_t>(std::char_traits<char>::length(special))});
       return;
     }
     // clean text + space around CJK ideographs
     t.clear();
+    if constexpr (Offsets) ts.clear();
+    auto put = [&](char32_t c, size_t k) {
+      t.push_back(c);
+      if constexpr (Offsets)
+        ts.push_back({at + static_cast<int32_t>(k), at + static_cast<int32_t>(k) + 1});
+    };
     bool ascii = true;
-    for (char32_t c : part) {
+    for (size_t k = 0; k < part.size(); ++k) {
+      const char32_t c = part[k];
       if (c < 0x80) {
         if (c == 0 || (c < 0x20 && c != '\t' && c != '\n' && c != '\r') || c == 0x7f) continue;
-        t.push_back(c == '\t' || c == '\n' || c == '\r' ? U' ' : c);
+        put(c == '\t' || c == '\n' || c == '\r' ? U' ' : c, k);
         continue;
       }
       ascii = false;
       if (c == 0xfffd || unicode::is_control(c)) continue;
       if (unicode::is_whitespace(c)) {
-        t.push_back(' ');
+        put(' ', k);
       } else if (unicode::is_cjk(c)) {
-        t.push_back(' ');
-        t.push_back(c);
-        t.push_back(' ');
+        put(' ', k);
+        put(c, k);
+        put(' ', k);
       } else {
-        t.push_back(c);
+        put(c, k);
       }
     }
-    if (!ascii && !unicode::nfc_stable(t)) t = unicode::nfc(t);
+    // NFC never joins across whitespace, so with offsets it is applied word by word (below).
+    const bool nfc = !ascii && !unicode::nfc_stable(t);
+    if (nfc && !Offsets) t = unicode::nfc(t);
     size_t i = 0;
     while (i < t.size()) {
       while (i < t.size() && unicode::is_python_space(t[i])) ++i;
@@ -126,38 +169,69 @@ void Tokenizer::for_each_word(std::string_view text, W&& visit, S&& visit_specia
       while (j < t.size() && !unicode::is_python_space(t[j])) word_ascii &= t[j++] < 0x80;
       if (j == i) break;
       std::u32string_view w(t.data() + i, j - i);
+      const CharSpan* src = nullptr;
+      if constexpr (Offsets) {
+        word_src.assign(ts.begin() + i, ts.begin() + j);
+        if (nfc || (lower_ && !word_ascii)) {
+          // HuggingFace's fast tokenizer transforms each character alone (lower-case, NFD and
+          // strip accents for uncased vocabularies; no NFC): its alignment is used when it gives
+          // the text the words are made of (always, but for NFC compositions in cased text).
+          std::u32string want(w);
+          if (nfc) want = unicode::nfc(want);
+          if (lower_ && !word_ascii) want = lower_strip_accents(want);
+          tok.clear();
+          hf_src.clear();
+          for (size_t k = 0; k < w.size(); ++k) {
+            const std::u32string piece = lower_ && !word_ascii ? lower_strip_accents(w.substr(k, 1))
+                                                               : std::u32string(1, w[k]);
+            tok += piece;
+            hf_src.insert(hf_src.end(), piece.size(), word_src[k]);
+          }
+          if (tok == want) {
+            word_src.swap(hf_src);
+          } else {
+            tok.assign(w);
+            if (nfc)
+              apply_aligned(tok, word_src, [](std::u32string_view s) { return unicode::nfc(s); });
+            if (lower_ && !word_ascii) apply_aligned(tok, word_src, lower_strip_accents);
+          }
+          w = tok;
+        }
+        src = word_src.data();
+      }
       i = j;
       if (lower_) {
         if (word_ascii) {
           tok.assign(w);
           for (auto& c : tok)
             if (c >= 'A' && c <= 'Z') c += 32;
-        } else {
-          low = unicode::nfd(unicode::lower(w));
-          tok.clear();
-          for (char32_t c : low)
-            if (!unicode::is_mark_nonspacing(c)) tok.push_back(c);
+          w = tok;
+        } else if (!Offsets) {
+          tok = lower_strip_accents(w);
+          w = tok;
         }
-        w = tok;
       }
+      auto emit = [&](size_t from, size_t n) {
+        visit(w.substr(from, n), src ? src + from : nullptr);
+      };
       size_t start = 0;
       for (size_t k = 0; k < w.size(); ++k) {
         if (unicode::is_punctuation(w[k])) {
-          if (k > start) visit(w.substr(start, k - start));
-          visit(w.substr(k, 1));
+          if (k > start) emit(start, k - start);
+          emit(k, 1);
           start = k + 1;
         }
       }
-      if (start < w.size()) visit(w.substr(start));
+      if (start < w.size()) emit(start, w.size() - start);
     }
   });
 }
 
 std::vector<std::u32string> Tokenizer::basic(std::string_view text) const {
   std::vector<std::u32string> words;
-  for_each_word(
-      text, [&](std::u32string_view w) { words.emplace_back(w); },
-      [&](int32_t id) {
+  for_each_word<false>(
+      text, [&](std::u32string_view w, const CharSpan*) { words.emplace_back(w); },
+      [&](int32_t id, CharSpan) {
         std::u32string w;
         for (char c : vocab_.token(id)) w.push_back(static_cast<char32_t>(c));
         words.push_back(std::move(w));
@@ -165,9 +239,18 @@ std::vector<std::u32string> Tokenizer::basic(std::string_view text) const {
   return words;
 }
 
-void Tokenizer::wordpiece(std::u32string_view word, std::vector<int32_t>& ids) const {
-  if (word.size() > kMaxWordChars) {
+void Tokenizer::wordpiece(std::u32string_view word, std::vector<int32_t>& ids,
+                          std::vector<std::pair<size_t, size_t>>* pieces) const {
+  const size_t piece_mark = pieces ? pieces->size() : 0;
+  auto unknown = [&] {
     ids.push_back(vocab_.unk());
+    if (pieces) {
+      pieces->resize(piece_mark);
+      pieces->push_back({0, word.size()});
+    }
+  };
+  if (word.size() > kMaxWordChars) {
+    unknown();
     return;
   }
   // UTF-8 of the word and the byte offset of each code point: a first piece is a view of it,
@@ -201,18 +284,35 @@ void Tokenizer::wordpiece(std::u32string_view word, std::vector<int32_t>& ids) c
     }
     if (found < 0) {
       ids.resize(mark);
-      ids.push_back(vocab_.unk());
+      unknown();
       return;
     }
     ids.push_back(found);
+    if (pieces) pieces->push_back({start, end});
     start = end;
   }
 }
 
 void Tokenizer::encode(std::string_view text, std::vector<int32_t>& ids) const {
-  for_each_word(
-      text, [&](std::u32string_view w) { wordpiece(w, ids); },
-      [&](int32_t id) { ids.push_back(id); });
+  for_each_word<false>(
+      text, [&](std::u32string_view w, const CharSpan*) { wordpiece(w, ids); },
+      [&](int32_t id, CharSpan) { ids.push_back(id); });
+}
+
+void Tokenizer::encode_with_offsets(std::string_view text, std::vector<int32_t>& ids,
+                                    std::vector<CharSpan>& offsets) const {
+  std::vector<std::pair<size_t, size_t>> pieces;
+  for_each_word<true>(
+      text,
+      [&](std::u32string_view w, const CharSpan* src) {
+        pieces.clear();
+        wordpiece(w, ids, &pieces);
+        for (const auto& [b, e] : pieces) offsets.push_back({src[b].begin, src[e - 1].end});
+      },
+      [&](int32_t id, CharSpan at) {
+        ids.push_back(id);
+        offsets.push_back(at);
+      });
 }
 
 std::vector<std::string> Tokenizer::tokenize(std::string_view text) const {

@@ -39,11 +39,24 @@ class Vocab {
   bool uncased_ = true;
 };
 
+// Where a token came from: characters [begin, end) of the text (code points of the UTF-8
+// decoded with invalid bytes replaced, as Python's str indexes it), HF's offset_mapping.
+struct CharSpan {
+  int32_t begin = 0, end = 0;
+  bool operator==(const CharSpan&) const = default;
+};
+
 class Tokenizer {
  public:
   Tokenizer(const Vocab& vocab, bool lower_case);
   // Appends word pieces of `text` (UTF-8, invalid bytes replaced) as ids / as strings.
   void encode(std::string_view text, std::vector<int32_t>& ids) const;
+  // encode() and each token's characters in `text`, as HuggingFace's fast tokenizer reports
+  // them: a word piece its own characters (accents stripped and case folded map back to the
+  // character they came from), [UNK] its whole word, a special token written in the text
+  // itself. Extractive QA maps predicted tokens back to answer text with them.
+  void encode_with_offsets(std::string_view text, std::vector<int32_t>& ids,
+                           std::vector<CharSpan>& offsets) const;
   std::vector<std::string> tokenize(std::string_view text) const;
   // Basic tokenization only (the words before WordPiece).
   std::vector<std::u32string> basic(std::string_view text) const;
@@ -51,10 +64,13 @@ class Tokenizer {
   bool lower_case() const { return lower_; }
 
  private:
-  void wordpiece(std::u32string_view word, std::vector<int32_t>& ids) const;
-  // Calls visit(word) for each word of basic tokenization (views into scratch storage), or
-  // visit_special(id) for a special token written in the text.
-  template <typename W, typename S>
+  // Appends the word's pieces; `pieces` (optional) gets each piece's characters in the word.
+  void wordpiece(std::u32string_view word, std::vector<int32_t>& ids,
+                 std::vector<std::pair<size_t, size_t>>* pieces = nullptr) const;
+  // Calls visit(word, spans) for each word of basic tokenization (views into scratch storage),
+  // or visit_special(id, span) for a special token written in the text. With Offsets, spans[i]
+  // is the text's characters word[i] came from; without, spans is null (and nothing is tracked).
+  template <bool Offsets, typename W, typename S>
   void for_each_word(std::string_view text, W&& visit, S&& visit_special) const;
   const Vocab& vocab_;
   bool lower_;
