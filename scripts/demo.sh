@@ -8,8 +8,10 @@
 #   4. eval: masked-LM and next-sentence metrics on the held-out records;
 #   5. fine-tune on ChnSentiCorp reviews (dev accuracy per epoch) and predict the test set; a
 #      regression task (GLUE STS-B as distributed: dev Pearson/Spearman per epoch); entity tagging
-#      (CLUENER: dev entity F1 per epoch, entities with their character spans); read a Google BERT
-#      TensorFlow checkpoint and convert it for transformers;
+#      (CLUENER: dev entity F1 per epoch, entities with their character spans); extractive question
+#      answering (CMRC 2018: windows over long contexts, dev exact match/F1 by its official
+#      evaluation, answers with their character spans); read a Google BERT TensorFlow checkpoint
+#      and convert it for transformers;
 #   6. an HTML report of both runs (plots, offline; the last step's compute/communication overlap
 #      from the timeline) and `bertrain doctor` on the machine (CPU, MPI, CUDA/NCCL) and the run;
 #   7. the memory plan of BERT-base and the largest batch that fits this machine.
@@ -62,13 +64,19 @@ $BT finetune --init-checkpoint "$OUT/run" --vocab data/vocab/bert-base-chinese-v
   --output "$OUT/ner" --seq-len 64 --batch-size 16 --epochs 6 --lr 4e-3
 $BT predict --checkpoint "$OUT/ner" --input tests/data/tasks/cluener_dev_head200.json > "$OUT/entities.jsonl"
 head -2 "$OUT/entities.jsonl" | cut -c1-200; echo "  ... (all in $OUT/entities.jsonl)"
+echo "-- extractive QA: CMRC 2018 (700 questions of its dev set to train on, 120 of its trial set as dev)"
+$BT finetune --init-checkpoint "$OUT/run" --vocab data/vocab/bert-base-chinese-vocab.txt --task cmrc2018 \
+  --train tests/data/tasks/cmrc2018_dev_head.json --dev tests/data/tasks/cmrc2018_trial_head.json \
+  --output "$OUT/qa" --seq-len 128 --max-query-length 32 --batch-size 32 --epochs 2 --lr 3e-3
+$BT predict --checkpoint "$OUT/qa" --input tests/data/tasks/cmrc2018_trial_head.json > "$OUT/answers.jsonl"
+head -2 "$OUT/answers.jsonl" | cut -c1-200; echo "  ... (all in $OUT/answers.jsonl)"
 echo "-- a Google BERT TensorFlow checkpoint (keras-bert's tiny one): its variables, then as a HuggingFace directory"
 $BT inspect tests/data/tf_checkpoint/keras_bert_tiny > "$OUT/tf-variables.txt"
 head -4 "$OUT/tf-variables.txt"; echo "  ... (all of them in $OUT/tf-variables.txt)"
 $BT convert tests/data/tf_checkpoint/keras_bert_tiny "$OUT/from-tf"
 
 echo; echo "== 5. see the runs: one HTML report (pretraining with its eval, fine-tuning), and the doctor"
-$BT report "$OUT/run" "$OUT/sentiment" "$OUT/stsb" "$OUT/ner" --output "$OUT/report.html"
+$BT report "$OUT/run" "$OUT/sentiment" "$OUT/stsb" "$OUT/ner" "$OUT/qa" --output "$OUT/report.html"
 $BT doctor "$OUT/run"
 
 echo; echo "== 6. memory plan: BERT-base pretraining per rank, and the batch that fits half this machine's memory"

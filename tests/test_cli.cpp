@@ -1,6 +1,7 @@
 // The CLI as a user runs it: --help everywhere, exit codes, one-line errors that say what to do.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <fstream>
@@ -75,6 +76,39 @@ TEST(Cli, InitThenInspectRoundTrip) {
   EXPECT_NE(r.out.find("bert.embeddings.word_embeddings.weight"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("loads as BertForPreTraining"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("0 tensors with non-finite values"), std::string::npos) << r.out;
+}
+
+// Extractive QA as a user runs it: fine-tune on SQuAD's JSON, predict answers (one JSON line per
+// question, scored when the file has answers), inspect the saved model.
+TEST(Cli, QuestionAnsweringFinetunePredictInspect) {
+  TempDir tmp;
+  const std::string init = (tmp.path / "init").string(), qa = (tmp.path / "qa").string();
+  const std::string squad = data_path("data/tasks/squad_v1.1_tiny.json");
+  RunResult r =
+      run("init --model-config " + data_path("../configs/bert-tiny.json") + " --output " + init);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  r = run(
+      "finetune --init-checkpoint " + init + " --vocab " +
+      data_path("../data/vocab/bert-base-uncased-vocab.txt") + " --task squad --train " + squad +
+      " --dev " + squad +
+      " --seq-len 64 --max-query-length 16 --doc-stride 16 --epochs 1 --batch-size 8 --output " +
+      qa);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("5 questions -> 19 windows of 64 tokens (doc stride 16"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("dev EM"), std::string::npos) << r.out;
+  r = run("predict --checkpoint " + qa + " --input " + squad);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 6) << r.out;  // 5 answers + scores
+  EXPECT_NE(r.out.find("\"id\":\"5733be284776f41900661182\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("predict: exact match"), std::string::npos) << r.out;
+  r = run("inspect " + qa + "/model.safetensors");
+  EXPECT_NE(r.out.find("loads as BertForQuestionAnswering"), std::string::npos) << r.out;
+  r = run("prepare --task squad --input " + squad + " --vocab " +
+          data_path("../data/vocab/bert-base-uncased-vocab.txt") + " --output " +
+          (tmp.path / "tf").string());
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("fine-tuned from its own files"), std::string::npos) << r.out;
 }
 
 TEST(Cli, InspectHuggingFaceCheckpointAndCorruptFile) {

@@ -8,12 +8,15 @@
 #include "core/isa.h"
 #include "core/safetensors.h"
 #include "data/example.h"
+#include "data/pretraining.h"
 #include "data/tfrecord.h"
+#include "data/unicode.h"
 #include "model/checkpoint.h"
 #include "test_util.h"
 #include "train/finetune.h"
 #include "train/metrics.h"
 #include "train/ner.h"
+#include "train/qa.h"
 
 namespace bertrain::train {
 namespace {
@@ -96,7 +99,8 @@ TEST(Finetune, GlueAndClueFilesReadAsDistributed) {
   EXPECT_NE(pairs.find("looks like sentence pairs"), std::string::npos) << pairs;
   EXPECT_NE(pairs.find("--task"), std::string::npos) << pairs;
   const LabeledSet by_flags =
-      read_task_file(dir + "qnli_dev_head40.tsv", {"question", "sentence", "label"}, tok, 128, {});
+      read_task_file(dir + "qnli_dev_head40.tsv",
+                     TaskColumns{"question", "sentence", "label", false, false, ""}, tok, 128, {});
   EXPECT_EQ(by_flags.ids, qnli.ids);
   EXPECT_EQ(by_flags.labels, qnli.labels);
 
@@ -426,6 +430,84 @@ TEST(Finetune, CluenerTaggingFindsEntities) {
   std::vector<std::vector<std::string>> gold;
   for (const auto& s : dev.sentences) gold.push_back(s.tags);
   EXPECT_NEAR(entity_scores(gold, predict_tags(m, dev, t, 16)).f1, r.dev_f1.back(), 1e-12);
+}
+
+// Extractive QA: CMRC 2018 questions from the small pretrained fixture, in windows of 128 tokens.
+// The fixture (2 layers of 64, 400 pretraining steps) does not generalise to unseen CMRC
+// questions (dev F1 5-8 against 6.4-7.1 for a random 19-character span: see the closing note of
+// #21), so this proves what it can: the head learns the training questions' answers (here the
+// dev set is the training set: measured EM 26, F1 44 after 10 epochs, against F1 7.8 for
+// random spans of the median answer length), the saved directory is HuggingFace's
+// BertForQuestionAnswering with the window settings, and it predicts the same answers.
+TEST(Finetune, CmrcQuestionAnsweringLearnsItsAnswers) {
+  test::TempDir tmp;
+  // The first 150 questions of the CMRC 2018 dev excerpt, in its own layout.
+  nlohmann::json d;
+  std::ifstream(test::data_path("data/tasks/cmrc2018_dev_head.json")) >> d;
+  nlohmann::json few = d;
+  few["data"] = nlohmann::json::array();
+  size_t questions = 0;
+  for (const auto& a : d["data"]) {
+    if (questions >= 150) break;
+    few["data"].push_back(a);
+    for (const auto& p : a["paragraphs"]) questions += p["qas"].size();
+  }
+  std::ofstream(tmp / "train.json") << few.dump();
+  FinetuneConfig f;
+  f.init_checkpoint = test::data_path("data/pretrained/zh-h64");
+  f.vocab = root("data/vocab/bert-base-chinese-vocab.txt");
+  f.train = f.dev = tmp / "train.json";
+  f.columns = task_columns("cmrc2018");
+  f.seq_len = 128;
+  f.qa.max_query_length = 32;
+  f.batch_size = 32;
+  f.epochs = 10;
+  f.lr = 3e-3;
+  f.output = tmp / "out";
+  f.quiet = true;
+  const FinetuneResult r = finetune(f);
+  ASSERT_EQ(r.dev_qa_f1.size(), 10u);
+  std::printf("training questions' EM / F1 per epoch:");
+  for (size_t i = 0; i < r.dev_qa_f1.size(); ++i)
+    std::printf(" %.1f/%.1f", r.dev_exact_match[i], r.dev_qa_f1[i]);
+  std::printf("\n");
+  // A random span of the median answer length, scored the same way.
+  const QaSet s = read_squad(f.dev, false);
+  std::vector<std::string> random_spans;
+  data::Rng rng(7);
+  for (const auto& e : s.examples) {
+    std::u32string ctx;
+    data::unicode::decode(e.context, ctx);
+    const size_t len = 19;
+    const auto at = static_cast<size_t>(
+        rng.randint(0, std::max<int64_t>(0, static_cast<int64_t>(ctx.size()) - 20)));
+    std::string out;
+    data::unicode::encode(std::u32string_view(ctx).substr(at, len), out);
+    random_spans.push_back(out);
+  }
+  const double random_f1 = cmrc_scores(s, random_spans).f1;
+  std::printf("random 19-character spans: F1 %.1f\n", random_f1);
+  EXPECT_GE(r.dev_qa_f1.back(), random_f1 + 20);
+  EXPECT_GE(r.dev_exact_match.back(), 15.0);
+  std::ifstream in(tmp / "out/config.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["architectures"][0], "BertForQuestionAnswering");
+  EXPECT_EQ(j["bertrain"]["qa"]["metric"], "cmrc2018");
+  EXPECT_EQ(j["bertrain"]["qa"]["doc_stride"], 46);  // auto: half of 128 - 32 - 3
+  model::BertModel m(model::BertConfig::load(tmp / "out/config.json"),
+                     model::Head::QuestionAnswering, {32, 128, 0});
+  model::load_safetensors_into(m, tmp / "out/model.safetensors");
+  data::Vocab v = data::Vocab::load(f.vocab);
+  data::Tokenizer tok(v, j["bertrain"]["lower_case"].get<bool>());
+  QaOptions o;
+  o.seq_len = 128;
+  o.max_query_length = 32;
+  o.metric = "cmrc2018";
+  o = resolve_qa_options(o);
+  std::vector<std::string> texts;
+  for (const auto& a : predict_answers(m, s, make_qa_features(s, tok, o), o, 32))
+    texts.push_back(a.text);
+  EXPECT_NEAR(cmrc_scores(s, texts).f1, r.dev_qa_f1.back(), 1e-9);
 }
 
 // Fine-tuning STS-B (its first 1000 training pairs) from the small pretrained fixture beats the

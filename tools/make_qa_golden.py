@@ -23,6 +23,10 @@
            on predictions made from the gold answers (exact, shifted, cut, widened, other spans).
 
   python tools/make_qa_golden.py   (needs transformers, numpy and nltk: /opt/torchvenv)
+
+Scoring bertrain's own predictions with the official evaluations (the JSON lines that
+`bertrain predict` writes for a QA model):
+  python tools/make_qa_golden.py --score PREDICTIONS.jsonl DATA.json --metric squad|cmrc2018
 """
 import collections
 import json
@@ -328,7 +332,40 @@ def metric_predictions(exs, rng):
     return out
 
 
+def score_predictions(pred_path, data_path, metric):
+    preds = {}
+    for line in open(pred_path, encoding="utf-8"):
+        p = json.loads(line)
+        preds[p["id"]] = p["answer"]
+    d = json.load(open(data_path, encoding="utf-8"))
+    em = f1 = total = 0
+    for art in d["data"]:
+        for para in art["paragraphs"]:
+            for qa in para["qas"]:
+                total += 1
+                answers = [a["text"] for a in qa["answers"]]
+                if qa["id"] not in preds:
+                    continue
+                if metric == "squad":
+                    e, f = squad_scores(preds[qa["id"]], answers)
+                else:
+                    e, f = cmrc_scores(preds[qa["id"]], answers)
+                em += e
+                f1 += f
+    print(f"{metric} official evaluation: exact match {100.0 * em / total:.2f}, "
+          f"F1 {100.0 * f1 / total:.2f} ({total} questions)")
+
+
 def main():
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--score", nargs=2, metavar=("PREDICTIONS", "DATA"))
+    ap.add_argument("--metric", default="squad", choices=["squad", "cmrc2018"])
+    args = ap.parse_args()
+    if args.score:
+        score_predictions(args.score[0], args.score[1], args.metric)
+        return
     write_data()
     rng = np.random.default_rng(2026)
     slow, fast = {}, {}

@@ -79,7 +79,8 @@ void add_bench(CLI::App& app) {
   c->add_option("--seq-len", o->seq, "Tokens per sequence")->capture_default_str();
   c->add_option("--max-predictions", o->preds, "Masked LM predictions per sequence")
       ->capture_default_str();
-  c->add_option("--head", o->head, "pretraining, classification, token-classification or question-answering")
+  c->add_option("--head", o->head,
+                "pretraining, classification, token-classification or question-answering")
       ->capture_default_str();
   c->add_option("--steps", o->steps, "Timed steps")
       ->capture_default_str()

@@ -1,5 +1,6 @@
-// bertrain finetune: sequence classification from a pretrained checkpoint; bertrain predict:
-// labels for new text with a fine-tuned model.
+// bertrain finetune: sequence classification/regression, entity tagging or extractive QA from a
+// pretrained checkpoint; bertrain predict: labels, values, entities or answers for new text with
+// a fine-tuned model.
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -8,9 +9,11 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/setting.h"
 #include "model/checkpoint.h"
 #include "train/finetune.h"
 #include "train/ner.h"
+#include "train/qa.h"
 
 namespace bertrain::cli {
 
@@ -44,19 +47,34 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
   };
   auto o = std::make_shared<Opts>();
   auto& f = o->cfg;
-  auto* c =
-      app.add_subcommand("finetune", "Fine-tune a pretrained BERT for sequence classification");
+  auto* c = app.add_subcommand(
+      "finetune",
+      "Fine-tune a pretrained BERT: sequence classification or regression, entity tagging, "
+      "extractive question answering");
   c->add_option("--init-checkpoint", f.init_checkpoint,
                 "Pretrained model: run directory, checkpoint, HuggingFace directory or TensorFlow "
                 "checkpoint (Google BERT: prefix, .index or directory)")
       ->required();
   c->add_option("--train", f.train,
                 "Training data: a TSV (header row; by default label, text_a[, text_b]) or JSON "
-                "lines (.json/.jsonl) file, or classification TFRecords")
+                "lines (.json/.jsonl) file, or classification TFRecords; tagged sentences (--task "
+                "ner); SQuAD v1.1 JSON (--task squad, cmrc2018, drcd)")
       ->required();
   c->add_option("--dev", f.dev,
-                "Dev data (its own format, the same columns): accuracy after every epoch");
+                "Dev data (its own format, the same columns): accuracy (Pearson, entity F1, QA "
+                "exact match and F1) after every epoch");
   add_task_options(c, o->task);
+  c->add_option("--doc-stride", f.qa.doc_stride,
+                "QA: context tokens shared by consecutive windows of a long context (default: "
+                "min(128, half the context room of a window))");
+  c->add_option("--max-query-length", f.qa.max_query_length,
+                "QA: question tokens kept (the rest cut)")
+      ->capture_default_str();
+  c->add_option("--max-answer-length", f.qa.max_answer_length,
+                "QA: longest answer predicted, in tokens")
+      ->capture_default_str();
+  c->add_option("--n-best", f.qa.n_best, "QA: start and end candidates per window")
+      ->capture_default_str();
   c->add_option("--output", f.output, "Where to save the fine-tuned model (HuggingFace directory)");
   c->add_option("--vocab", f.vocab, "WordPiece vocabulary (default: vocab.txt of the checkpoint)");
   c->add_option("--lower-case", o->lower, "auto, true or false")->capture_default_str();
@@ -122,7 +140,9 @@ void add_predict(CLI::App& app) {
     const bool regression = mc.num_labels == 1;  // HF's rule: one output is a regression head
     std::vector<std::string> names(regression ? 0 : mc.num_labels);
     for (size_t i = 0; i < names.size(); ++i)
-      names[i] = j["id2label"].value(std::to_string(i), std::to_string(i));
+      names[i] = j.contains("id2label") && j["id2label"].is_object()
+                     ? j["id2label"].value(std::to_string(i), std::to_string(i))
+                     : std::to_string(i);
     const auto bt = j.value("bertrain", nlohmann::json::object());
     const int64_t seq = bt.value("seq_len", int64_t{128});
     const data::Vocab vocab =
@@ -130,6 +150,52 @@ void add_predict(CLI::App& app) {
     const data::Tokenizer tok(vocab, bt.value("lower_case", vocab.looks_uncased()));
     const std::string arch =
         j.value("architectures", nlohmann::json::array({""})).at(0).get<std::string>();
+    if (arch == "BertForQuestionAnswering") {
+      // Extractive QA: one JSON line per question with its answer and where it is in the context;
+      // exact match and F1 on stderr when the file has answers.
+      const auto q = bt.value("qa", nlohmann::json::object());
+      train::QaOptions qo;
+      qo.seq_len = seq;
+      qo.metric = q.value("metric", std::string("squad"));
+      qo.doc_stride = q.value("doc_stride", int64_t{-1});
+      qo.max_query_length = q.value("max_query_length", qo.max_query_length);
+      qo.max_answer_length = q.value("max_answer_length", qo.max_answer_length);
+      qo.n_best = q.value("n_best", qo.n_best);
+      if (!o->task.task.empty()) {
+        const train::TaskColumns cols = o->task.columns();
+        if (cols.qa.empty()) fail(setting("task"), " ", o->task.task, " is not a QA task");
+        qo.metric = cols.qa;
+      }
+      qo = train::resolve_qa_options(qo);
+      const train::QaSet s = train::read_squad(o->input, false);
+      if (s.skipped) std::fprintf(stderr, "predict: %s\n", s.skipped_summary(o->input).c_str());
+      const train::QaFeatures f = train::make_qa_features(s, tok, qo);
+      model::BertModel m(mc, model::Head::QuestionAnswering,
+                         train::with_precision({o->batch, seq, 0}, precision));
+      model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
+      const std::vector<train::QaAnswer> answers = train::predict_answers(m, s, f, qo, o->batch);
+      std::vector<std::string> texts;
+      bool scored = true;
+      for (size_t i = 0; i < answers.size(); ++i) {
+        const nlohmann::json line = {{"id", s.examples[i].id},
+                                     {"answer", answers[i].text},
+                                     {"start", answers[i].begin},
+                                     {"end", answers[i].end},
+                                     {"score", answers[i].score}};
+        std::printf("%s\n",
+                    line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+        texts.push_back(answers[i].text);
+        scored &= !s.examples[i].answers.empty();
+      }
+      if (scored) {
+        const train::QaScores r = train::qa_scores(s, texts, qo.metric);
+        std::fprintf(stderr,
+                     "predict: exact match %.2f, F1 %.2f (%s evaluation; %lld questions, %zu "
+                     "windows)\n",
+                     r.exact_match, r.f1, qo.metric.c_str(), (long long)r.total, f.features.size());
+      }
+      return;
+    }
     if (arch == "BertForTokenClassification") {
       // Entity tagging: one JSON line per sentence with its entities as character spans of the
       // sentence's text (end exclusive) and every word's tag.
@@ -162,9 +228,11 @@ void add_predict(CLI::App& app) {
       return;
     }
     train::TaskColumns cols = o->task.columns();
-    if (cols.empty() && bt.contains("columns"))
-      cols = {bt["columns"].value("text_a", ""), bt["columns"].value("text_b", ""),
-              bt["columns"].value("label", "")};
+    if (cols.empty() && bt.contains("columns")) {
+      cols.text_a = bt["columns"].value("text_a", "");
+      cols.text_b = bt["columns"].value("text_b", "");
+      cols.label = bt["columns"].value("label", "");
+    }
     cols.regression = regression;
     train::LabeledSet s = train::read_task_file(o->input, cols, tok, seq, names);
     model::BertModel m(mc, model::Head::SequenceClassification,

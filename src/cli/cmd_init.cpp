@@ -20,7 +20,8 @@ void add_init(CLI::App& app) {
   c->add_option("--model-config", o->config, "HuggingFace config.json of the model")->required();
   c->add_option("--output", o->output, "Directory to write model.safetensors and config.json")
       ->required();
-  c->add_option("--head", o->head, "pretraining, classification, token-classification or question-answering")
+  c->add_option("--head", o->head,
+                "pretraining, classification, token-classification or question-answering")
       ->capture_default_str();
   c->add_option("--num-labels", o->num_labels,
                 "Classes of the classification head (default: from the config)");

@@ -87,8 +87,8 @@ int inspect_safetensors(const std::string& path, const std::string& config, bool
                                  : model::Head::TokenClassification;
     model::BertModel m(cfg, head, {1, 1, 0});
     // A BertModel-only file (no heads) is fine for fine-tuning: allow the heads to be missing.
-    model::LoadReport rep =
-        model::load_safetensors_into(m, path, {{"cls.", "classifier.", "qa_outputs.", "bert.pooler."}, {}});
+    model::LoadReport rep = model::load_safetensors_into(
+        m, path, {{"cls.", "classifier.", "qa_outputs.", "bert.pooler."}, {}});
     if (!json)
       std::printf("  loads as %s with %s (%s): %zu tensors loaded, %zu head tensors absent\n",
                   model::head_architecture(head), cfg_path.c_str(), describe(cfg).c_str(),

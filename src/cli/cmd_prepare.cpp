@@ -44,8 +44,12 @@ void prepare_task(const Opts& o) {
   const int l = parse_lower(o.lower);
   const bool lower = l < 0 ? vocab.looks_uncased() : l != 0;
   const data::Tokenizer tok(vocab, lower);
+  const train::TaskColumns columns = o.task.columns();
+  if (columns.tokens || !columns.qa.empty())
+    fail("prepare ", setting("task"), " writes classification TFRecords; ", o.task.task,
+         " is fine-tuned from its own files (finetune --task ", o.task.task, " --train FILE)");
   const train::LabeledSet s =
-      train::read_task_file(files[0], o.task.columns(), tok, o.cfg.instance.seq_len, {});
+      train::read_task_file(files[0], columns, tok, o.cfg.instance.seq_len, {});
   if (s.skipped) std::fprintf(stderr, "prepare: %s\n", s.skipped_summary(files[0]).c_str());
   const auto paths = train::write_classification_tfrecords(
       s, o.cfg.instance.seq_len, o.cfg.output, o.cfg.output_shards,

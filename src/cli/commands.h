@@ -44,7 +44,8 @@ struct TaskOpts {
 void add_task_options(CLI::App* c, TaskOpts& t);
 
 // Shared option helpers.
-model::Head parse_head(const std::string& s);  // pretraining|classification|token-classification|question-answering
+// pretraining, classification, token-classification or question-answering
+model::Head parse_head(const std::string& s);
 void add_attention_option(CLI::App* c, std::string& attention);  // --attention auto|full|blocked
 void set_threads(int threads);                                   // 0 = leave OpenMP's default
 std::string describe(const model::BertConfig& c);                // "L4 H256 A4 I1024 V30522"

@@ -22,7 +22,10 @@ model::Head parse_head(const std::string& s) {
   if (s == "classification") return model::Head::SequenceClassification;
   if (s == "token-classification") return model::Head::TokenClassification;
   if (s == "question-answering") return model::Head::QuestionAnswering;
-  fail("--head must be pretraining, classification, token-classification or question-answering, got '", s, "'");
+  fail(
+      "--head must be pretraining, classification, token-classification or question-answering, got "
+      "'",
+      s, "'");
 }
 
 void add_attention_option(CLI::App* c, std::string& attention) {

@@ -578,12 +578,15 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
                          G(t.offset("bert.embeddings.LayerNorm.bias")), dh, act_.emb_sum,
                          W(t.offset("bert.embeddings.LayerNorm.weight")), act_.emb_mean,
                          act_.emb_rstd, N, C);
+  // HF's padding_idx: the [PAD] row gets no gradient from the embedding lookup (only the question
+  // answering head's softmax over all positions reaches padding; the other heads never do). The
+  // row is kept aside and put back: a tied MLM decoder has already added its own gradient to it.
+  float* pad_row = G(word + cfg_.pad_token_id * C);
+  be_.copy(act_.dhead1, pad_row, C);
   be_.embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
                          G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA,
                          b.input_ids.data(), b.segment_ids.data(), B, T, C);
-  // HF's padding_idx: the [PAD] row of the word embeddings gets no gradient (only the question
-  // answering head's softmax over all positions reaches padding; the other heads never do).
-  be_.zero(G(word + cfg_.pad_token_id * C), static_cast<int64_t>(f32s(C)));
+  be_.copy(pad_row, act_.dhead1, C);
 }
 
 double BertModel::flops_per_step(int64_t B, int64_t T, int64_t P) const {

@@ -340,6 +340,8 @@ std::string render_report(const std::vector<RunMetrics>& runs) {
                   per_run(runs, "finetune/dev_pearson"), true);
   h += line_chart("fine-tuning dev entity F1 (tagging)", "F1", per_run(runs, "finetune/dev_f1"),
                   true);
+  h += line_chart("fine-tuning dev F1 (question answering)", "F1 %",
+                  per_run(runs, "finetune/dev_qa_f1"), true);
   h += line_chart("fine-tuning train loss", "loss", per_run(runs, "finetune/train_loss"));
   h += line_chart("eval masked LM accuracy", "accuracy", per_run(runs, "eval/mlm_accuracy"), true);
   h += line_chart("learning rate", "lr", per_run(runs, "train/learning_rate"), true);

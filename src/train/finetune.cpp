@@ -95,6 +95,11 @@ TaskColumns task_columns(const std::string& task) {
       {"ner", {"", "", "", false, true}},
       {"cluener", {"", "", "", false, true}},
       {"conll", {"", "", "", false, true}},
+      // extractive QA (SQuAD v1.1 JSON layout)
+      {"squad", {"", "", "", false, false, "squad"}},
+      {"cmrc2018", {"", "", "", false, false, "cmrc2018"}},
+      {"cmrc", {"", "", "", false, false, "cmrc2018"}},
+      {"drcd", {"", "", "", false, false, "cmrc2018"}},
       // CLUE (JSON lines)
       {"afqmc", {"sentence1", "sentence2", "label"}},
       {"tnews", {"sentence", "", "label"}},
@@ -117,7 +122,7 @@ TaskColumns task_columns(const std::string& task) {
 std::string known_tasks() {
   return "sst2, mrpc, qqp, qnli, rte, wnli, mnli, stsb (regression) (GLUE TSV); afqmc, tnews, "
          "iflytek, cmnli, ocnli (CLUE JSON lines); ner, cluener, conll (entity tagging: CLUENER "
-         "JSON lines or CoNLL columns)";
+         "JSON lines or CoNLL columns); squad, cmrc2018, drcd (extractive QA: SQuAD v1.1 JSON)";
 }
 
 namespace {
@@ -530,37 +535,66 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
         std::printf("finetune: %s\n", dev_tagged.skipped_summary(cfg.dev).c_str());
     }
   }
+  // Extractive QA: questions on contexts, in windows of seq_len tokens.
+  const bool qa = !cfg.columns.qa.empty();
+  QaOptions qo = cfg.qa;
+  QaSet train_qa, dev_qa;
+  QaFeatures train_qf, dev_qf;
+  if (qa) {
+    qo.seq_len = cfg.seq_len;
+    qo.metric = cfg.columns.qa;
+    qo = resolve_qa_options(qo);
+    train_qa = read_squad(cfg.train, true);
+    train_qf = make_qa_features(train_qa, tok, qo);
+    if (say && train_qa.skipped)
+      std::printf("finetune: %s\n", train_qa.skipped_summary(cfg.train).c_str());
+    if (!cfg.dev.empty()) {
+      dev_qa = read_squad(cfg.dev, false);
+      dev_qf = make_qa_features(dev_qa, tok, qo);
+      if (say && dev_qa.skipped)
+        std::printf("finetune: %s\n", dev_qa.skipped_summary(cfg.dev).c_str());
+    }
+    if (say)
+      std::printf(
+          "finetune: %zu questions -> %zu windows of %lld tokens (doc stride %lld, %lld questions "
+          "cut to %lld tokens, %lld answers found away from their answer_start)\n",
+          train_qa.examples.size(), train_qf.features.size(), (long long)cfg.seq_len,
+          (long long)qo.doc_stride, (long long)train_qf.truncated_questions,
+          (long long)qo.max_query_length, (long long)train_qa.moved);
+  }
   LabeledSet train_set =
-      tokens ? LabeledSet{}
+      tokens || qa ? LabeledSet{}
       : is_text(cfg.train)
           ? read_task_file(cfg.train, cfg.columns, tok, cfg.seq_len, {})
           : read_classification_tfrecords(cfg.train, cfg.seq_len, mc.num_labels, mc.vocab_size);
   const bool regression = train_set.regression;
   mc.num_labels = regression ? 1
+                  : qa       ? 2  // HF's BertForQuestionAnswering: a start and an end output
                   : tokens   ? static_cast<int64_t>(train_tok.label_names.size())
                              : static_cast<int64_t>(train_set.label_names.size());
-  if (!regression && !tokens && mc.num_labels < 2)
+  if (!regression && !tokens && !qa && mc.num_labels < 2)
     fail(cfg.train, " has ", mc.num_labels, " label(s); classification needs at least 2");
   if (regression && train_set.targets.empty())
     fail(cfg.train, " has no label column to learn from");
   if (say && train_set.skipped)
     std::printf("finetune: %s\n", train_set.skipped_summary(cfg.train).c_str());
   LabeledSet dev;
-  if (!cfg.dev.empty() && !tokens)
+  if (!cfg.dev.empty() && !tokens && !qa)
     dev = is_text(cfg.dev)
               ? read_task_file(cfg.dev, cfg.columns, tok, cfg.seq_len, train_set.label_names)
               : read_classification_tfrecords(cfg.dev, cfg.seq_len, mc.num_labels, mc.vocab_size);
   if (say && dev.skipped) std::printf("finetune: %s\n", dev.skipped_summary(cfg.dev).c_str());
 
-  const model::Head head =
-      tokens ? model::Head::TokenClassification : model::Head::SequenceClassification;
+  const model::Head head = qa       ? model::Head::QuestionAnswering
+                           : tokens ? model::Head::TokenClassification
+                                    : model::Head::SequenceClassification;
   model::BertModel m(mc, head, with_precision({cfg.batch_size, cfg.seq_len, 0}, cfg.precision));
   m.init_params(cfg.seed);
-  // A token classifier has no pooler: the pretrained one is left out.
+  // A token classifier or a QA model has no pooler: the pretrained one is left out.
   std::vector<std::string> ignored = {"cls."};
-  if (tokens) ignored.push_back("bert.pooler.");
-  model::LoadReport rep =
-      model::load_checkpoint_into(m, src, {{"classifier.", "bert.pooler."}, ignored});
+  if (!model::has_pooler(head)) ignored.push_back("bert.pooler.");
+  model::LoadReport rep = model::load_checkpoint_into(
+      m, src, {{"classifier.", "qa_outputs.", "bert.pooler."}, ignored});
   OptimizerConfig oc;
   oc.kind = OptimizerKind::AdamW;
   oc.weight_decay = static_cast<float>(cfg.weight_decay);
@@ -568,8 +602,10 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   LossScaler::Config sc;
   sc.enabled = cfg.precision == Precision::FP16;
   LossScaler scaler(sc);
-  const int64_t n = static_cast<int64_t>(tokens ? train_tok.ids.size() : train_set.ids.size());
-  const size_t dev_n = tokens ? dev_tok.ids.size() : dev.ids.size();
+  const int64_t n = static_cast<int64_t>(qa       ? train_qf.features.size()
+                                         : tokens ? train_tok.ids.size()
+                                                  : train_set.ids.size());
+  const size_t dev_n = qa ? dev_qa.examples.size() : tokens ? dev_tok.ids.size() : dev.ids.size();
   // Each step takes batch_size examples per rank; with several ranks the epoch's last step
   // wraps around to its first examples (as PyTorch's DistributedSampler pads), so every rank
   // has a full batch.
@@ -583,6 +619,7 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
         "seq %lld, batch %lld, %lld epochs, adamw lr %.3g, %s\n",
         cfg.train.c_str(), src.c_str(), rep.loaded.size(), (long long)n, dev_n,
         regression ? "regression (1 output, MSE)"
+        : qa       ? str("extractive QA (", qo.metric, " EM/F1)").c_str()
         : tokens   ? str(mc.num_labels, " tags (entity tagging)").c_str()
                    : str(mc.num_labels, " labels").c_str(),
         (long long)cfg.seq_len, (long long)cfg.batch_size, (long long)cfg.epochs, cfg.lr,
@@ -619,7 +656,9 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
         end = mine.size();
       }
       const StepReport r = one_step.run(step, sched.at(step), [&](model::Batch& batch) {
-        if (tokens)
+        if (qa)
+          make_qa_batch(train_qf, *rows, begin, end, cfg.seq_len, batch);
+        else if (tokens)
           make_token_batch(train_tok, *rows, begin, end, cfg.seq_len, batch);
         else
           make_batch(train_set, *rows, begin, end, cfg.seq_len, batch);
@@ -631,7 +670,19 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     // Dev metrics: accuracy, or for regression Pearson, Spearman and the mean squared error.
     obs::Scalars dev_values;
     std::string dev_line;
-    if (dev_n && tokens) {
+    if (dev_n && qa) {
+      const std::vector<QaAnswer> answers = predict_answers(m, dev_qa, dev_qf, qo, cfg.batch_size);
+      std::vector<std::string> texts;
+      for (const auto& a : answers) texts.push_back(a.text);
+      const QaScores q = qa_scores(dev_qa, texts, qo.metric);
+      res.dev_exact_match.push_back(q.exact_match);
+      res.dev_qa_f1.push_back(q.f1);
+      dev_values = {{"finetune/dev_exact_match", q.exact_match}, {"finetune/dev_qa_f1", q.f1}};
+      char scores[64];
+      std::snprintf(scores, sizeof scores, " | dev EM %.2f, F1 %.2f", q.exact_match, q.f1);
+      dev_line = str(scores, " (", qo.metric, "; ", dev_n, " questions, ", dev_qf.features.size(),
+                     " windows)");
+    } else if (dev_n && tokens) {
       std::vector<std::vector<std::string>> gold;
       for (const auto& t : dev_tagged.sentences) gold.push_back(t.tags);
       const EntityScores e =
@@ -680,7 +731,7 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     const fs::path cfg_path = fs::path(cfg.output) / "config.json";
     std::ifstream cin(cfg_path);
     nlohmann::json j = nlohmann::json::parse(cin);
-    if (!regression) {  // a regression head keeps HF's LABEL_0 and problem_type
+    if (!regression && !qa) {  // a regression head keeps HF's LABEL_0 and problem_type
       const auto& names = tokens ? train_tok.label_names : train_set.label_names;
       nlohmann::json id2label, label2id;
       for (size_t i = 0; i < names.size(); ++i) {
@@ -691,6 +742,12 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
       j["label2id"] = label2id;
     }
     j["bertrain"] = {{"lower_case", lower}, {"seq_len", cfg.seq_len}};
+    if (qa)  // predict builds windows and picks answers the same way
+      j["bertrain"]["qa"] = {{"metric", qo.metric},
+                             {"doc_stride", qo.doc_stride},
+                             {"max_query_length", qo.max_query_length},
+                             {"max_answer_length", qo.max_answer_length},
+                             {"n_best", qo.n_best}};
     if (!cfg.columns.empty() || regression)  // predict reads new files with the same columns
       j["bertrain"]["columns"] = {{"text_a", cfg.columns.text_a},
                                   {"text_b", cfg.columns.text_b},

@@ -14,6 +14,7 @@
 #include "model/batch.h"
 #include "model/bert.h"
 #include "train/precision.h"
+#include "train/qa.h"
 
 namespace bertrain::train {
 
@@ -42,12 +43,14 @@ struct TaskColumns {
   std::string text_a, text_b, label;
   bool regression = false;  // the label column holds numbers to predict (not class names)
   bool tokens = false;      // token classification (NER): tagged words, not text columns (ner.h)
+  std::string qa;           // extractive QA (SQuAD JSON, qa.h): its metric, squad or cmrc2018
   bool empty() const { return text_a.empty() && text_b.empty() && label.empty(); }
 };
 // The columns of a task as distributed: GLUE's sst2, mrpc, qqp, qnli, rte, wnli, mnli, stsb
 // (regression) (TSV) and CLUE's afqmc, tnews, iflytek, cmnli, ocnli (JSON lines); ner (token
-// classification: CLUENER-style .json, CoNLL-style otherwise; ner.h), also as cluener and conll.
-// Unknown names list the known ones.
+// classification: CLUENER-style .json, CoNLL-style otherwise; ner.h), also as cluener and conll;
+// squad, cmrc2018 and drcd (extractive QA from SQuAD-layout JSON, scored by the official SQuAD
+// v1.1 or CMRC 2018 evaluation; qa.h). Unknown names list the known ones.
 TaskColumns task_columns(const std::string& task);
 // "N unusable <what>s of FILE skipped, not used:" and the reasons kept (shared by the readers).
 std::string skipped_summary(int64_t skipped, const std::vector<std::string>& reasons,
@@ -82,6 +85,7 @@ void make_batch(const LabeledSet& s, const std::vector<size_t>& order, size_t be
 struct FinetuneConfig {
   std::string init_checkpoint, train, dev, output, vocab, model_config;
   TaskColumns columns;  // of the train and dev text files (TFRecords carry their own)
+  QaOptions qa;         // extractive QA: windows and answers (seq_len and metric set from here)
   int lower_case = -1;
   int64_t seq_len = 128, batch_size = 32, epochs = 3;
   double lr = 5e-5, warmup = 0.1, weight_decay = 0.01;
@@ -97,6 +101,7 @@ struct FinetuneResult {
   std::vector<double> dev_accuracy;  // per epoch (classification)
   std::vector<double> dev_f1;        // per epoch (token classification: seqeval's entity F1)
   std::vector<double> dev_pearson, dev_spearman, dev_mse;  // per epoch (regression)
+  std::vector<double> dev_exact_match, dev_qa_f1;          // per epoch (QA; percent)
   double train_loss = 0;
 };
 

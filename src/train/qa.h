@@ -44,7 +44,8 @@ struct QaSet {
 QaSet read_squad(const std::string& path, bool training);
 
 struct QaOptions {
-  int64_t seq_len = 384, doc_stride = 128, max_query_length = 64;
+  // doc_stride < 0: min(128, half the context room), see resolve_qa_options.
+  int64_t seq_len = 384, doc_stride = -1, max_query_length = 64;
   int64_t max_answer_length = 30, n_best = 20;
   std::string metric = "squad";  // or "cmrc2018"
 };
