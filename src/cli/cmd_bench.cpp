@@ -66,7 +66,8 @@ model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T,
 
 void add_bench(CLI::App& app) {
   struct Opts {
-    std::string config, head = "pretraining", precision = "fp32", attention = "auto";
+    std::string config, head = "pretraining", precision = "fp32", attention = "auto",
+                        recompute = "none";
     int64_t batch = 8, seq = 128, preds = 20;
     int steps = 5, warmup = 2, threads = 0;
     bool json = false;
@@ -93,6 +94,7 @@ void add_bench(CLI::App& app) {
                 "in fp16, fp32 compute, loss scale 2^16)")
       ->capture_default_str();
   add_attention_option(c, o->attention);
+  add_recompute_option(c, o->recompute);
   c->add_flag("--json", o->json, "Print one JSON object with the results");
   c->callback([o] {
     set_threads(o->threads);
@@ -111,20 +113,21 @@ void add_bench(CLI::App& app) {
     // Kernel scratch taken outside a model's plan so far (the probe's GEMM scratchpad): the run
     // below adds nothing to it (tests/test_memory.cpp).
     const int64_t unplanned_before = kernels::unplanned_scratch_bytes();
-    model::BertModel m(
-        cfg, head,
-        train::with_precision({o->batch, o->seq, P, false, model::parse_attention(o->attention)},
-                              prec));
+    model::ModelDims dims = train::with_precision(
+        {o->batch, o->seq, P, false, model::parse_attention(o->attention)}, prec);
+    apply_recompute(o->recompute, dims);
+    model::BertModel m(cfg, head, dims);
     m.init_params(1);
     train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(),
                                {});  // AdamW, clipping at 1.0
     model::Batch b = synthetic_batch(cfg, o->batch, o->seq, P, 7);
     if (!o->json)
       std::printf(
-          "bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %s attention, %d+%d steps\n",
+          "bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %s attention%s, %d+%d steps\n",
           o->config.c_str(), describe(cfg).c_str(), (long long)o->batch, (long long)o->seq,
           omp_get_max_threads(), o->precision.c_str(),
-          m.dims().blocked_attention() ? "blocked" : "full", o->warmup, o->steps);
+          m.dims().blocked_attention() ? "blocked" : "full",
+          m.dims().recompute_layers ? ", layers recomputed" : "", o->warmup, o->steps);
     if (!o->json) {
       std::printf("  cpu        %s\n", kernels::cpu_description().c_str());
       if (bf16 && !kernels::bf16_speed_note().empty())

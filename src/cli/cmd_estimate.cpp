@@ -31,7 +31,8 @@ double parse_bytes(const std::string& s) {
 
 void add_estimate(CLI::App& app) {
   struct Opts {
-    std::string config, head = "pretraining", budget, precision = "fp32", attention = "auto";
+    std::string config, head = "pretraining", budget, precision = "fp32", attention = "auto",
+                        recompute = "none";
     int64_t batch = 32, seq = 128, preds = 20;
     int slots = 2;
   };
@@ -50,6 +51,7 @@ void add_estimate(CLI::App& app) {
                 "fp32 optimizer states per parameter (AdamW/LAMB: 2)")
       ->capture_default_str();
   add_attention_option(c, o->attention);
+  add_recompute_option(c, o->recompute);
   c->add_option("--precision", o->precision,
                 "fp32, bf16 or fp16 (bf16 adds the bf16 weight copy; both keep some activations "
                 "in 16 bits, as train allocates)")
@@ -59,19 +61,23 @@ void add_estimate(CLI::App& app) {
   c->callback([o] {
     model::BertConfig cfg = model::BertConfig::load(o->config);
     model::Head head = parse_head(o->head);
-    const model::ModelDims d =
+    model::ModelDims d =
         train::with_precision({o->batch, o->seq, head == model::Head::Pretraining ? o->preds : 0,
                                false, model::parse_attention(o->attention)},
                               train::parse_precision(o->precision));
+    apply_recompute(o->recompute, d);
     MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots);
     model::ParamTable table(cfg, head);
     int64_t nparams = 0;
     for (const auto& p : table.params()) nparams += p.numel();
     std::printf("model     %s (%s, %s, %.1fM parameters)\n", o->config.c_str(),
                 describe(cfg).c_str(), model::head_architecture(head), nparams / 1e6);
-    std::printf("run       batch %lld x seq %lld, %lld predictions, %s, %d optimizer slots\n",
-                (long long)d.batch, (long long)d.seq_len, (long long)d.max_predictions,
-                o->precision.c_str(), o->slots);
+    std::printf(
+        "run       batch %lld x seq %lld, %lld predictions, %s, %d optimizer slots, %s "
+        "attention%s\n",
+        (long long)d.batch, (long long)d.seq_len, (long long)d.max_predictions,
+        o->precision.c_str(), o->slots, d.blocked_attention() ? "blocked" : "full",
+        d.recompute_layers ? ", layers recomputed in backward" : "");
     std::printf("memory plan per rank:\n%s", plan::format_plan(plan).c_str());
     if (!o->budget.empty()) {
       const double budget = parse_bytes(o->budget);

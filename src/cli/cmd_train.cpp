@@ -39,7 +39,8 @@ data::OnCorrupt parse_on_corrupt(const std::string& s) {
 void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     train::TrainConfig cfg;
-    std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail", attention = "auto";
+    std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail", attention = "auto",
+                recompute = "none";
     int threads = 0;
   };
   auto o = std::make_shared<Opts>();
@@ -65,6 +66,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   c->add_option("--accumulation-steps", t.accumulation, "Micro-batches per optimizer step")
       ->capture_default_str();
   add_attention_option(c, o->attention);
+  add_recompute_option(c, o->recompute);
   c->add_option("--precision", o->precision, "fp32, bf16 or fp16 (fp16: dynamic loss scaling)")
       ->capture_default_str();
   c->add_option("--optimizer", o->optimizer, "lamb or adamw")->capture_default_str();
@@ -112,7 +114,11 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
     set_threads(o->threads);
     train::TrainConfig cfg = o->cfg;
     cfg.precision = train::parse_precision(o->precision);
-    cfg.attention = model::parse_attention(o->attention);
+    model::ModelDims d;
+    d.attention = model::parse_attention(o->attention);
+    apply_recompute(o->recompute, d);
+    cfg.attention = d.attention;
+    cfg.recompute_layers = d.recompute_layers;
     cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
     cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
     comm::Communicator& c = comm();

@@ -47,7 +47,10 @@ void add_task_options(CLI::App* c, TaskOpts& t);
 // pretraining, classification, token-classification or question-answering
 model::Head parse_head(const std::string& s);
 void add_attention_option(CLI::App* c, std::string& attention);  // --attention auto|full|blocked
-void set_threads(int threads);                                   // 0 = leave OpenMP's default
-std::string describe(const model::BertConfig& c);                // "L4 H256 A4 I1024 V30522"
+void add_recompute_option(CLI::App* c, std::string& recompute);  // --recompute none|attention|layer
+// --recompute's value into the dims (after --attention): a layer slot, or the blocked kernel.
+void apply_recompute(const std::string& recompute, model::ModelDims& d);
+void set_threads(int threads);                     // 0 = leave OpenMP's default
+std::string describe(const model::BertConfig& c);  // "L4 H256 A4 I1024 V30522"
 
 }  // namespace bertrain::cli

@@ -35,6 +35,29 @@ void add_attention_option(CLI::App* c, std::string& attention) {
       ->capture_default_str();
 }
 
+void add_recompute_option(CLI::App* c, std::string& recompute) {
+  c->add_option("--recompute", recompute,
+                "none, attention (the blocked attention kernel: backward recomputes the "
+                "probabilities from the row log-sum-exp) or layer (each encoder layer keeps only "
+                "its output; backward recomputes its forward: one more encoder forward per step)")
+      ->capture_default_str();
+}
+
+void apply_recompute(const std::string& recompute, model::ModelDims& d) {
+  if (recompute == "none") return;
+  if (recompute == "layer") {
+    d.recompute_layers = true;
+  } else if (recompute == "attention") {
+    if (d.attention == model::ModelDims::Attention::Full)
+      fail(
+          "--recompute attention is the blocked attention kernel; it cannot go with --attention "
+          "full");
+    d.attention = model::ModelDims::Attention::Blocked;
+  } else {
+    fail("--recompute must be none, attention or layer, got '", recompute, "'");
+  }
+}
+
 void set_threads(int threads) {
   if (threads > 0) omp_set_num_threads(threads);
 }

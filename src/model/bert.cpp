@@ -22,6 +22,12 @@ size_t f32s(int64_t n) {
   return static_cast<size_t>(n) * sizeof(float);
 }
 
+// Where layer l's activations are planned: its own, or the slot all layers share when they are
+// recomputed ("layers.").
+std::string layer_prefix(int64_t l, const ModelDims& d) {
+  return d.recompute_layers ? std::string("layers.") : "layer" + std::to_string(l) + ".";
+}
+
 }  // namespace
 
 ModelDims::Attention parse_attention(const std::string& s) {
@@ -49,41 +55,45 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(g, "emb.rstd", f32s(N));
   plan.add(g, "emb.out", f32s(N * C));
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-    const std::string p = "layer" + std::to_string(l) + ".";
+    const std::string p = layer_prefix(l, d);
+    // Every tensor of a layer but its output; with layer recomputation one slot for all layers.
+    auto add = [&](const char* name, size_t bytes) {
+      if (l == 0 || !d.recompute_layers) plan.add(g, p + name, bytes);
+    };
     // bf16/fp16 keep QKV and the FFN pre-activation only rounded (what backward reads: the
     // attention's operands, GELU's input); their fp32 GEMM outputs pass through grad.dI.
     if (half)
-      plan.add(g, p + "qkv16", f32s(N * 3 * C) / 2);
+      add("qkv16", f32s(N * 3 * C) / 2);
     else
-      plan.add(g, p + "qkv", f32s(N * 3 * C));
+      add("qkv", f32s(N * 3 * C));
     if (d.blocked_attention())  // the row log-sum-exp only (kernels/cpu/attention.h)
-      plan.add(g, p + "lse", f32s(B * NH * T));
+      add("lse", f32s(B * NH * T));
     else if (half)  // the softmax output saved in bf16 / fp16
-      plan.add(g, p + "probs16", f32s(B * NH * T * T) / 2);
+      add("probs16", f32s(B * NH * T * T) / 2);
     else
-      plan.add(g, p + "probs", f32s(B * NH * T * T));
+      add("probs", f32s(B * NH * T * T));
     // bf16/fp16: the inputs of the attention-output and FFN-output matmuls are kept only in
     // 16 bits (bf16: they are the matmuls' operands, GELU writes them directly).
     if (half)
-      plan.add(g, p + "ctx16", f32s(N * C) / 2);
+      add("ctx16", f32s(N * C) / 2);
     else
-      plan.add(g, p + "ctx", f32s(N * C));
-    plan.add(g, p + "attn_res", f32s(N * C));
-    plan.add(g, p + "ln1_out", f32s(N * C));
-    plan.add(g, p + "ln1_mean", f32s(N));
-    plan.add(g, p + "ln1_rstd", f32s(N));
+      add("ctx", f32s(N * C));
+    add("attn_res", f32s(N * C));
+    add("ln1_out", f32s(N * C));
+    add("ln1_mean", f32s(N));
+    add("ln1_rstd", f32s(N));
     if (half)
-      plan.add(g, p + "inter_pre16", f32s(N * I) / 2);
+      add("inter_pre16", f32s(N * I) / 2);
     else
-      plan.add(g, p + "inter_pre", f32s(N * I));
+      add("inter_pre", f32s(N * I));
     if (half)
-      plan.add(g, p + "inter_act16", f32s(N * I) / 2);
+      add("inter_act16", f32s(N * I) / 2);
     else
-      plan.add(g, p + "inter_act", f32s(N * I));
-    plan.add(g, p + "ffn_res", f32s(N * C));
-    plan.add(g, p + "ln2_out", f32s(N * C));
-    plan.add(g, p + "ln2_mean", f32s(N));
-    plan.add(g, p + "ln2_rstd", f32s(N));
+      add("inter_act", f32s(N * I));
+    add("ffn_res", f32s(N * C));
+    add("ln2_mean", f32s(N));
+    add("ln2_rstd", f32s(N));
+    plan.add(g, "layer" + std::to_string(l) + ".ln2_out", f32s(N * C));  // the next one's input
   }
   plan.add(g, "head.cls_in", f32s(B * C));
   plan.add(g, "head.pooled", f32s(B * C));
@@ -216,7 +226,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   act_.emb_rstd = a.f32("emb.rstd");
   act_.h0 = a.f32("emb.out");
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-    const std::string p = "layer" + std::to_string(l) + ".";
+    const std::string p = layer_prefix(l, dims);
     const bool h = dims.bf16 || dims.fp16, bf = dims.bf16, fp = dims.fp16;
     auto b16 = [&](const std::string& name) {
       return h ? reinterpret_cast<uint16_t*>(a.f32(name)) : nullptr;
@@ -239,7 +249,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
     la.ln1_mean = a.f32(p + "ln1_mean");
     la.ln1_rstd = a.f32(p + "ln1_rstd");
     la.ffn_res = a.f32(p + "ffn_res");
-    la.ln2_out = a.f32(p + "ln2_out");
+    la.ln2_out = a.f32("layer" + std::to_string(l) + ".ln2_out");
     la.ln2_mean = a.f32(p + "ln2_mean");
     la.ln2_rstd = a.f32(p + "ln2_rstd");
     act_.layers.push_back(la);
@@ -289,14 +299,11 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   bind_kernel_scratch();
   if (!bf16_fresh_) be_.copy_weights(prec_, params(), wbf16_, table_.total());
   bf16_fresh_ = false;
-  const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
-                NH = cfg_.num_attention_heads, V = cfg_.vocab_size;
+  const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, V = cfg_.vocab_size;
   const float eps = cfg_.layer_norm_eps;
   const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
-  const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
   const Activation act = cfg_.activation();
   const uint64_t off_tc = opt.example_offset * T * C;
-  const uint64_t off_probs = opt.example_offset * NH * T * T;
   const int64_t L = cfg_.num_hidden_layers;
   auto site = [&](int64_t layer, Site s, float p, uint64_t offset) {
     return Dropout{p, rng_key(opt.seed, opt.step, layer, s), offset};
@@ -315,24 +322,8 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   const float* x = act_.h0;
   for (int64_t l = 0; l < L; ++l) {
     obs::Timeline::Span span(timeline_, str("forward layer ", l), "compute");
-    const LayerOffsets& o = t.layer(l);
-    const LayerActs& a = act_.layers[l];
-    be_.linear_forward(prec_, a.qkv.f32, {const_cast<float*>(x)}, Wt(o.qkv_w), W(o.qkv_b), N, 3 * C,
-                       C, ws_);
-    be_.attention_forward(prec_, a.ctx.f32, a.saved, a.qkv, b.input_mask.data(), {B, T, C, NH},
-                          site(l + 1, kAttnProbs, p_attn, off_probs), ws_);
-    be_.keep(prec_, a.ctx, N * C);
-    be_.linear_forward(prec_, a.attn_res, a.ctx, Wt(o.attn_out_w), W(o.attn_out_b), N, C, C, ws_);
-    be_.residual_layernorm_forward(a.ln1_out, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
-                                   W(o.ln1_b), N, C, eps, site(l + 1, kAttnOut, p_hidden, off_tc));
-    be_.linear_forward(prec_, a.inter_pre.f32, {a.ln1_out}, Wt(o.inter_w), W(o.inter_b), N, I, C,
-                       ws_);
-    be_.activation_forward(prec_, act, a.inter_act, a.inter_pre, N * I);
-    be_.linear_forward(prec_, a.ffn_res, a.inter_act, Wt(o.out_w), W(o.out_b), N, C, I, ws_);
-    be_.residual_layernorm_forward(a.ln2_out, a.ln2_mean, a.ln2_rstd, a.ffn_res, a.ln1_out,
-                                   W(o.ln2_w), W(o.ln2_b), N, C, eps,
-                                   site(l + 1, kFfnOut, p_hidden, off_tc));
-    x = a.ln2_out;
+    layer_forward(l, x, b, opt);
+    x = act_.layers[l].ln2_out;
   }
   seq_out_ = const_cast<float*>(x);
 
@@ -436,6 +427,36 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     }
   }
   return out;
+}
+
+void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const StepOptions& opt) {
+  const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
+                NH = cfg_.num_attention_heads;
+  const float eps = cfg_.layer_norm_eps;
+  const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
+  const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
+  const uint64_t off_tc = opt.example_offset * T * C;
+  const uint64_t off_probs = opt.example_offset * NH * T * T;
+  auto site = [&](Site s, float p, uint64_t offset) {
+    return Dropout{p, rng_key(opt.seed, opt.step, l + 1, s), offset};
+  };
+  const LayerOffsets& o = table_.layer(l);
+  const LayerActs& a = act_.layers[l];
+  be_.linear_forward(prec_, a.qkv.f32, {const_cast<float*>(x)}, Wt(o.qkv_w), W(o.qkv_b), N, 3 * C,
+                     C, ws_);
+  be_.attention_forward(prec_, a.ctx.f32, a.saved, a.qkv, b.input_mask.data(), {B, T, C, NH},
+                        site(kAttnProbs, p_attn, off_probs), ws_);
+  be_.keep(prec_, a.ctx, N * C);
+  be_.linear_forward(prec_, a.attn_res, a.ctx, Wt(o.attn_out_w), W(o.attn_out_b), N, C, C, ws_);
+  be_.residual_layernorm_forward(a.ln1_out, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
+                                 W(o.ln1_b), N, C, eps, site(kAttnOut, p_hidden, off_tc));
+  be_.linear_forward(prec_, a.inter_pre.f32, {a.ln1_out}, Wt(o.inter_w), W(o.inter_b), N, I, C,
+                     ws_);
+  be_.activation_forward(prec_, cfg_.activation(), a.inter_act, a.inter_pre, N * I);
+  be_.linear_forward(prec_, a.ffn_res, a.inter_act, Wt(o.out_w), W(o.out_b), N, C, I, ws_);
+  be_.residual_layernorm_forward(a.ln2_out, a.ln2_mean, a.ln2_rstd, a.ffn_res, a.ln1_out,
+                                 W(o.ln2_w), W(o.ln2_b), N, C, eps,
+                                 site(kFfnOut, p_hidden, off_tc));
 }
 
 std::pair<int64_t, int64_t> BertModel::layer_range(int64_t l) const {
@@ -552,6 +573,10 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     const LayerOffsets& o = t.layer(l);
     const LayerActs& a = act_.layers[l];
     float* x = l == 0 ? act_.h0 : act_.layers[l - 1].ln2_out;
+    if (dims_.recompute_layers && l != L - 1) {  // the last layer's forward is still in the slot
+      obs::Timeline::Span recompute(timeline_, str("recompute layer ", l), "compute");
+      layer_forward(l, x, b, opt);
+    }
     // h_out = LN2(ffn_res), ffn_res = drop(inter_act W_out + b) + ln1_out
     be_.layernorm_dropout_backward(dA, dB, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w),
                                    a.ln2_mean, a.ln2_rstd, N, C, false,

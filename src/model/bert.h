@@ -39,6 +39,11 @@ struct ModelDims {
   // matmul for CPUs without AVX512-FP16, and an fp16 copy of the weights would only add memory
   // and error to fp32 matmuls. Gradients stay fp32.
   bool fp16 = false;
+  // Layer recomputation: an encoder layer keeps only its output (the next layer's input); its
+  // activations live in one slot shared by all layers, and backward recomputes each layer's
+  // forward from its input first (dropout masks regenerated from the same counter RNG, so the
+  // gradients are bit for bit those of the stored run). Costs one more forward of the encoder.
+  bool recompute_layers = false;
   kernels::Precision precision() const {
     return bf16   ? kernels::Precision::BF16
            : fp16 ? kernels::Precision::FP16
@@ -110,6 +115,9 @@ class BertModel {
   // Points the backend's kernels at this model's kernel scratch (forward and backward do it
   // themselves; the training step does it before the optimizer's kernels).
   void bind_kernel_scratch() const { be_.bind_scratch(kernels_arena_.base(), kernel_scratch_); }
+  // Encoder layer l on input x, its activations into act_.layers[l] (forward, and backward's
+  // recomputation).
+  void layer_forward(int64_t l, const float* x, const Batch& b, const StepOptions& opt);
   // bf16 models: the bf16 copy of the weights the matmuls read (null in fp32). Forward refreshes
   // it from params() unless told, once, that the caller already did (the optimizer writes it
   // in its update pass).

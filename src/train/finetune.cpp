@@ -84,28 +84,28 @@ std::string LabeledSet::skipped_summary(const std::string& file) const {
 TaskColumns task_columns(const std::string& task) {
   static const std::map<std::string, TaskColumns> tasks = {
       // GLUE (TSV, header row)
-      {"sst2", {"sentence", "", "label"}},
-      {"mrpc", {"#1 String", "#2 String", "Quality"}},
-      {"qqp", {"question1", "question2", "is_duplicate"}},
-      {"qnli", {"question", "sentence", "label"}},
-      {"rte", {"sentence1", "sentence2", "label"}},
-      {"wnli", {"sentence1", "sentence2", "label"}},
-      {"mnli", {"sentence1", "sentence2", "gold_label"}},
-      {"stsb", {"sentence1", "sentence2", "score", true}},
-      {"ner", {"", "", "", false, true}},
-      {"cluener", {"", "", "", false, true}},
-      {"conll", {"", "", "", false, true}},
+      {"sst2", {"sentence", "", "label", false, false, ""}},
+      {"mrpc", {"#1 String", "#2 String", "Quality", false, false, ""}},
+      {"qqp", {"question1", "question2", "is_duplicate", false, false, ""}},
+      {"qnli", {"question", "sentence", "label", false, false, ""}},
+      {"rte", {"sentence1", "sentence2", "label", false, false, ""}},
+      {"wnli", {"sentence1", "sentence2", "label", false, false, ""}},
+      {"mnli", {"sentence1", "sentence2", "gold_label", false, false, ""}},
+      {"stsb", {"sentence1", "sentence2", "score", true, false, ""}},
+      {"ner", {"", "", "", false, true, ""}},
+      {"cluener", {"", "", "", false, true, ""}},
+      {"conll", {"", "", "", false, true, ""}},
       // extractive QA (SQuAD v1.1 JSON layout)
       {"squad", {"", "", "", false, false, "squad"}},
       {"cmrc2018", {"", "", "", false, false, "cmrc2018"}},
       {"cmrc", {"", "", "", false, false, "cmrc2018"}},
       {"drcd", {"", "", "", false, false, "cmrc2018"}},
       // CLUE (JSON lines)
-      {"afqmc", {"sentence1", "sentence2", "label"}},
-      {"tnews", {"sentence", "", "label"}},
-      {"iflytek", {"sentence", "", "label"}},
-      {"cmnli", {"sentence1", "sentence2", "label"}},
-      {"ocnli", {"sentence1", "sentence2", "label"}},
+      {"afqmc", {"sentence1", "sentence2", "label", false, false, ""}},
+      {"tnews", {"sentence", "", "label", false, false, ""}},
+      {"iflytek", {"sentence", "", "label", false, false, ""}},
+      {"cmnli", {"sentence1", "sentence2", "label", false, false, ""}},
+      {"ocnli", {"sentence1", "sentence2", "label", false, false, ""}},
   };
   std::string key;
   for (char ch : task)

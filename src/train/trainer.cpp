@@ -204,7 +204,8 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
       world(cm.size()),
       mcfg(model::BertConfig::load(c.model_config)),
       m(mcfg, model::Head::Pretraining,
-        with_precision({c.batch_size, c.seq_len, c.max_predictions, false, c.attention},
+        with_precision({c.batch_size, c.seq_len, c.max_predictions, false, c.attention, false,
+                        c.recompute_layers},
                        c.precision)),
       opt(param_slices(m.table()), m.table().total(), c.optimizer),
       scaler([&] {
@@ -370,7 +371,7 @@ std::string Trainer::banner() const {
   std::snprintf(
       line, sizeof line,
       "  %s lr %.3g (warmup %lld, decay power %.1f to %.3g), wd %.3g, clip %.3g, %s%s, %s "
-      "attention, seed %llu\n",
+      "attention%s, seed %llu\n",
       optimizer_name(cfg.optimizer.kind), cfg.lr, (long long)s.warmup, cfg.power, cfg.end_lr,
       cfg.optimizer.weight_decay, cfg.optimizer.max_grad_norm, precision_name(cfg.precision),
       cfg.precision == Precision::FP32 ? ""
@@ -378,7 +379,9 @@ std::string Trainer::banner() const {
                "fp32 accumulation)"
              : " (fp32 weights and optimizer; activations kept in fp16 for backward, kernels "
                "compute in fp32; dynamic loss scaling)",
-      s.m.dims().blocked_attention() ? "blocked" : "full", (unsigned long long)cfg.seed);
+      s.m.dims().blocked_attention() ? "blocked" : "full",
+      s.m.dims().recompute_layers ? ", layers recomputed in backward" : "",
+      (unsigned long long)cfg.seed);
   out += line;
   out +=
       str("  steps ", s.start_step, "..", cfg.steps, ", save every ", cfg.save_every, " to ",
