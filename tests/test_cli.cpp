@@ -111,6 +111,35 @@ TEST(Cli, QuestionAnsweringFinetunePredictInspect) {
   EXPECT_NE(r.out.find("fine-tuned from its own files"), std::string::npos) << r.out;
 }
 
+// --batch-size auto picks the largest micro-batch whose memory plan fits the budget (the same
+// number estimate prints), --global-batch keeps a step's sequences with accumulation, and
+// --recompute layer shows in the banner.
+TEST(Cli, TrainPicksTheBatchThatFits) {
+  TempDir tmp;
+  const std::string base =
+      "train --model-config " + data_path("../configs/bert-tiny.json") + " --data " +
+      data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord") + " --steps 1 --output ";
+  RunResult r = run("estimate --model-config " + data_path("../configs/bert-tiny.json") +
+                    " --memory-budget 300MiB --recompute layer");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const size_t at = r.out.find("largest batch size that fits is ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const std::string fit = r.out.substr(at + 32, r.out.find('\n', at) - at - 32);
+  r = run(base + (tmp.path / "a").string() +
+          " --batch-size auto --memory-budget 300MiB --recompute layer --global-batch 96");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("batch auto: " + fit + " sequences of 128 tokens per rank fit 300.0 MiB"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("= 96 sequences per step"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("layers recomputed in backward"), std::string::npos) << r.out;
+  r = run(base + (tmp.path / "b").string() + " --batch-size auto --memory-budget 1MiB");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("not even one sequence of 128 tokens fits"), std::string::npos) << r.out;
+  r = run(base + (tmp.path / "c").string() + " --batch-size lots");
+  EXPECT_NE(r.out.find("--batch-size must be a number or auto"), std::string::npos) << r.out;
+}
+
 TEST(Cli, InspectHuggingFaceCheckpointAndCorruptFile) {
   RunResult r = run("inspect " + data_path("golden/bert_cls"));
   ASSERT_EQ(r.rc, 0) << r.out;

@@ -9,26 +9,6 @@
 
 namespace bertrain::cli {
 
-namespace {
-
-double parse_bytes(const std::string& s) {
-  size_t pos = 0;
-  double v = 0;
-  try {
-    v = std::stod(s, &pos);
-  } catch (...) {
-    fail("--memory-budget '", s, "' is not a size (e.g. 16GiB, 512MiB)");
-  }
-  std::string unit = s.substr(pos);
-  if (unit.empty() || unit == "B") return v;
-  if (unit == "KiB" || unit == "K") return v * 1024;
-  if (unit == "MiB" || unit == "M") return v * 1024 * 1024;
-  if (unit == "GiB" || unit == "G") return v * 1024 * 1024 * 1024;
-  fail("--memory-budget unit '", unit, "' is not one of B, KiB, MiB, GiB");
-}
-
-}  // namespace
-
 void add_estimate(CLI::App& app) {
   struct Opts {
     std::string config, head = "pretraining", budget, precision = "fp32", attention = "auto",

@@ -1,14 +1,17 @@
 // bertrain train: pretraining (MLM + NSP) from TFRecords; bertrain eval: MLM/NSP metrics of a
 // checkpoint on TFRecords.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "core/arena.h"
 #include "core/error.h"
 #include "model/checkpoint.h"
 #include "obs/events.h"
+#include "plan/memory.h"
 #include "train/evaluate.h"
 #include "train/run_state.h"
 #include "train/trainer.h"
@@ -36,11 +39,67 @@ data::OnCorrupt parse_on_corrupt(const std::string& s) {
   fail("--on-corrupt must be fail or skip, got '", s, "'");
 }
 
+namespace {
+
+// --batch-size (a number or auto) and --global-batch into the micro-batch and the accumulation.
+// auto: the largest micro-batch whose memory plan (plan::training_plan: parameters, gradients,
+// optimizer state, activations, kernel scratch) fits the budget per rank.
+template <typename Opts>
+void choose_batch(train::TrainConfig& cfg, const Opts& o, const comm::Communicator& c) {
+  const int64_t world = c.size();
+  int64_t fit = 0;
+  double budget = 0;
+  if (o.batch == "auto") {
+    budget = o.budget.empty() ? 0.9 * available_memory() / std::max(1, c.local_size())
+                              : parse_bytes(o.budget);
+    model::ModelDims d = train::with_precision(
+        {1, cfg.seq_len, cfg.max_predictions, false, cfg.attention, false, cfg.recompute_layers},
+        cfg.precision);
+    const model::BertConfig mc = model::BertConfig::load(cfg.model_config);
+    fit = plan::max_batch_for_budget(mc, model::Head::Pretraining, d, 2, budget);
+    if (fit == 0)
+      fail("--batch-size auto: not even one sequence of ", cfg.seq_len, " tokens fits ",
+           human_bytes(budget),
+           " per rank; use --recompute layer, --precision bf16, a shorter --seq-len or a larger "
+           "--memory-budget");
+    cfg.batch_size = fit;
+  } else {
+    try {
+      size_t used = 0;
+      cfg.batch_size = std::stoll(o.batch, &used);
+      if (used != o.batch.size()) throw std::invalid_argument(o.batch);
+    } catch (const std::exception&) {
+      fail("--batch-size must be a number or auto, got '", o.batch, "'");
+    }
+    if (!o.budget.empty()) fail("--memory-budget goes with --batch-size auto");
+  }
+  if (o.global_batch > 0) {
+    if (o.global_batch % world)
+      fail("--global-batch ", o.global_batch, " is not a multiple of the ", world, " ranks");
+    const int64_t per_rank = o.global_batch / world, most = cfg.batch_size;
+    // The fewest micro-batches of at most `most` sequences that split per_rank evenly.
+    int64_t accumulation = (per_rank + most - 1) / most;
+    while (per_rank % accumulation) ++accumulation;
+    cfg.accumulation = accumulation;
+    cfg.batch_size = per_rank / accumulation;
+  }
+  if (fit && c.rank() == 0)
+    std::printf(
+        "batch auto: %lld sequences of %lld tokens per rank fit %s; micro-batch %lld x %lld "
+        "accumulation x %lld ranks = %lld sequences per step\n",
+        (long long)fit, (long long)cfg.seq_len, human_bytes(budget).c_str(),
+        (long long)cfg.batch_size, (long long)cfg.accumulation, (long long)world,
+        (long long)(cfg.batch_size * cfg.accumulation * world));
+}
+
+}  // namespace
+
 void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     train::TrainConfig cfg;
     std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail", attention = "auto",
-                recompute = "none";
+                recompute = "none", batch = "32", budget;
+    int64_t global_batch = 0;
     int threads = 0;
   };
   auto o = std::make_shared<Opts>();
@@ -55,8 +114,16 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   c->add_option("--init-checkpoint", t.init_checkpoint,
                 "Start from these weights (HuggingFace or bertrain checkpoint, or a Google BERT "
                 "TensorFlow checkpoint)");
-  c->add_option("--batch-size", t.batch_size, "Sequences per rank per micro-batch")
+  c->add_option("--batch-size", o->batch,
+                "Sequences per rank per micro-batch, or auto: the largest the memory plan fits in "
+                "--memory-budget")
       ->capture_default_str();
+  c->add_option("--memory-budget", o->budget,
+                "With --batch-size auto: memory per rank, e.g. 16GiB (default: 90% of this "
+                "host's available memory, shared by its ranks)");
+  c->add_option("--global-batch", o->global_batch,
+                "Sequences per optimizer step over all ranks, kept with gradient accumulation "
+                "(sets --accumulation-steps)");
   c->add_option("--seq-len", t.seq_len, "Tokens per sequence (must match the data)")
       ->capture_default_str();
   c->add_option("--max-predictions", t.max_predictions,
@@ -122,6 +189,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
     cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
     cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
     comm::Communicator& c = comm();
+    choose_batch(cfg, *o, c);
     train::Trainer trainer(cfg, c);
     auto print = [&](const std::string& text) {
       if (c.rank() != 0) return;

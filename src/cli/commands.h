@@ -50,6 +50,8 @@ void add_attention_option(CLI::App* c, std::string& attention);  // --attention 
 void add_recompute_option(CLI::App* c, std::string& recompute);  // --recompute none|attention|layer
 // --recompute's value into the dims (after --attention): a layer slot, or the blocked kernel.
 void apply_recompute(const std::string& recompute, model::ModelDims& d);
+double parse_bytes(const std::string& s);          // "16GiB", "512MiB", "1e9" (--memory-budget)
+double available_memory();                         // this host's MemAvailable, bytes
 void set_threads(int threads);                     // 0 = leave OpenMP's default
 std::string describe(const model::BertConfig& c);  // "L4 H256 A4 I1024 V30522"
 

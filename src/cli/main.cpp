@@ -12,6 +12,7 @@
 #include "core/setting.h"
 
 #include <algorithm>
+#include <fstream>
 #include <memory>
 #include <set>
 
@@ -56,6 +57,33 @@ void apply_recompute(const std::string& recompute, model::ModelDims& d) {
   } else {
     fail("--recompute must be none, attention or layer, got '", recompute, "'");
   }
+}
+
+double parse_bytes(const std::string& s) {
+  size_t pos = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &pos);
+  } catch (...) {
+    fail("--memory-budget '", s, "' is not a size (e.g. 16GiB, 512MiB)");
+  }
+  std::string unit = s.substr(pos);
+  if (unit.empty() || unit == "B") return v;
+  if (unit == "KiB" || unit == "K") return v * 1024;
+  if (unit == "MiB" || unit == "M") return v * 1024 * 1024;
+  if (unit == "GiB" || unit == "G") return v * 1024 * 1024 * 1024;
+  fail("--memory-budget unit '", unit, "' is not one of B, KiB, MiB, GiB");
+}
+
+double available_memory() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  while (in >> key >> kib) {
+    if (key == "MemAvailable:") return kib * 1024;
+    in.ignore(256, '\n');
+  }
+  fail("cannot read MemAvailable from /proc/meminfo: pass --memory-budget");
 }
 
 void set_threads(int threads) {
