@@ -140,6 +140,32 @@ TEST(Cli, TrainPicksTheBatchThatFits) {
   EXPECT_NE(r.out.find("--batch-size must be a number or auto"), std::string::npos) << r.out;
 }
 
+// launch: the job's flags are checked against the command's own, and --run trains on 2 ranks.
+TEST(Cli, LaunchChecksFlagsAndRuns) {
+  TempDir tmp;
+  const std::string job = (tmp.path / "job.yaml").string();
+  std::ofstream(job) << "name: two\nslots_per_worker: 2\nenv: {OMP_NUM_THREADS: 1}\n"
+                     << "command: train\nflags:\n  model-config: "
+                     << data_path("../configs/bert-tiny.json") << "\n  data: "
+                     << data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord")
+                     << "\n  output: " << (tmp.path / "run").string()
+                     << "\n  batch-size: 2\n  steps: 2\n  log-every: 1\n";
+  RunResult r = run("launch " + job + " --emit slurm");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("#SBATCH --ntasks-per-node=2"), std::string::npos) << r.out;
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);  // mpirun refuses root without them
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  r = run("launch " + job + " --run");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("2 ranks"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step      2/2"), std::string::npos) << r.out;
+  std::ofstream(job, std::ios::app) << "  batch-szie: 3\n";
+  r = run("launch " + job + " --emit mpirun");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("flags.batch-szie: not a flag of `bertrain train`"), std::string::npos)
+      << r.out;
+}
+
 TEST(Cli, InspectHuggingFaceCheckpointAndCorruptFile) {
   RunResult r = run("inspect " + data_path("golden/bert_cls"));
   ASSERT_EQ(r.rc, 0) << r.out;

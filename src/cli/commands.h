@@ -23,6 +23,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)());
 void add_eval(CLI::App& app, comm::Communicator& (*comm)());
 void add_finetune(CLI::App& app, comm::Communicator& (*comm)());
 void add_predict(CLI::App& app);
+void add_launch(CLI::App& app);
 void add_report(CLI::App& app);
 void add_doctor(CLI::App& app, comm::Communicator& (*comm)());
 void add_pipeline_options(CLI::App* c, data::PipelineOptions& p, std::string& on_corrupt);

@@ -155,6 +155,7 @@ int main(int argc, char** argv) {
   bertrain::cli::add_eval(app, bertrain::cli::communicator);
   bertrain::cli::add_finetune(app, bertrain::cli::communicator);
   bertrain::cli::add_predict(app);
+  bertrain::cli::add_launch(app);
   bertrain::cli::add_report(app);
   bertrain::cli::add_doctor(app, bertrain::cli::communicator);
   // Library messages name settings by field ("seq_len"); here they read as this CLI's flags

@@ -21,6 +21,7 @@ CASES=(
   "model model/params.h comm/communicator.h"
   "plan plan/memory.h train/step.h"
   "train train/step.h cli/commands.h"
+  "launch launch/job.h model/bert.h"
 )
 failed=0
 compile() {  # part header

@@ -1,0 +1,2 @@
+#!/bin/bash
+mpirun -np 128 --hostfile hostfile --map-by ppr:4:node --bind-to none -x NCCL_ALGO=Ring -x NCCL_SOCKET_IFNAME=eth0 bertrain train --model-config configs/bert-large.json --data '/data/wiki_books/seq128/*.tfrecord' --output /mnt/output/bert-large-128 --precision fp16 --batch-size 64 --seq-len 128 --max-predictions 20 --steps 7038 --optimizer lamb --lr 0.006 --warmup 0.2843 --save-every 500
