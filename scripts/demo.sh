@@ -14,7 +14,10 @@
 #      and convert it for transformers;
 #   6. an HTML report of both runs (plots, offline; the last step's compute/communication overlap
 #      from the timeline) and `bertrain doctor` on the machine (CPU, MPI, CUDA/NCCL) and the run;
-#   7. the memory plan of BERT-base and the largest batch that fits this machine.
+#   7. the memory plan of BERT-base and the largest batch that fits this machine, with and without
+#      layer recomputation;
+#   8. one job description emitted for mpirun, Slurm, a Kubernetes MPIJob and PAI-DLC, and a
+#      two-rank job started here from its description.
 # Outputs go to demo-out/. DEMO_STEPS (default 300) sets the pretraining length.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -82,4 +85,13 @@ $BT doctor "$OUT/run"
 echo; echo "== 6. memory plan: BERT-base pretraining per rank, and the batch that fits half this machine's memory"
 mem_kib=$(awk '/MemAvailable/ {print $2}' /proc/meminfo)
 $BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128 --memory-budget "$((mem_kib / 1024 / 2))MiB"
+echo "-- the same with layer recomputation (backward recomputes each layer's forward; same gradients):"
+$BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128 --recompute layer \
+  --memory-budget "$((mem_kib / 1024 / 2))MiB" | grep -E "^run|activations|total|budget"
+
+echo; echo "== 7. one job description for every launcher: BERT-Large on 32 hosts x 4 GPUs"
+for emit in mpirun slurm mpijob dlc; do $BT launch configs/jobs/bert-large-128.yaml --emit $emit --output "$OUT/jobs"; done
+head -12 "$OUT/jobs/bert-large-128.sbatch"
+echo "-- and a two-rank job started here (configs/jobs/local-2rank.yaml --run):"
+$BT launch configs/jobs/local-2rank.yaml --run 2>&1 | grep -E "^launch|^step|^bottleneck"
 echo; echo "demo: done (outputs in $OUT/)"
