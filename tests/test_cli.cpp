@@ -247,7 +247,7 @@ TEST(Cli, InspectTfRecordsAsJsonLinesAndVerifiesCrcs) {
 
 // A user-facing string never names something that does not exist.
 TEST(Cli, UnknownCommandsAndHelpSayWhatExists) {
-  for (const char* args : {"launch", "launch --help", "trian --steps 3"}) {
+  for (const char* args : {"deploy", "deploy --help", "trian --steps 3"}) {
     RunResult r = run(args);
     EXPECT_EQ(r.rc, 2) << args;
     EXPECT_NE(r.out.find("bertrain: error: unknown command '"), std::string::npos) << r.out;
