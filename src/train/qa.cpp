@@ -460,17 +460,17 @@ std::vector<QaAnswer> predict_answers(model::BertModel& m, const QaSet& s, const
   return best_answers(s, f, starts, ends, o);
 }
 
-QaScores squad_scores(const QaSet& s, const std::vector<std::string>& predictions) {
+namespace {
+
+// Percent over every question of the set: score(prediction, answers) gives its (EM, F1), the
+// best over its answers.
+template <typename F>
+QaScores percent_over_questions(const QaSet& s, const std::vector<std::string>& predictions,
+                                F&& score) {
   BT_CHECK(predictions.size() == s.examples.size(), "one prediction per question");
   QaScores r;
   for (size_t e = 0; e < s.examples.size(); ++e) {
-    const std::vector<std::u32string> pred = squad_words(predictions[e]);
-    double em = 0, f1 = 0;
-    for (const auto& a : s.examples[e].answers) {
-      const std::vector<std::u32string> gold = squad_words(a);
-      em = std::max(em, pred == gold ? 1.0 : 0.0);
-      f1 = std::max(f1, squad_f1(pred, gold));
-    }
+    const auto [em, f1] = score(predictions[e], s.examples[e].answers);
     r.exact_match += em;
     r.f1 += f1;
     ++r.total;
@@ -482,32 +482,40 @@ QaScores squad_scores(const QaSet& s, const std::vector<std::string>& prediction
   return r;
 }
 
+}  // namespace
+
+QaScores squad_scores(const QaSet& s, const std::vector<std::string>& predictions) {
+  return percent_over_questions(s, predictions,
+                                [](const std::string& p, const std::vector<std::string>& answers) {
+                                  const std::vector<std::u32string> pred = squad_words(p);
+                                  double em = 0, f1 = 0;
+                                  for (const auto& a : answers) {
+                                    const std::vector<std::u32string> gold = squad_words(a);
+                                    em = std::max(em, pred == gold ? 1.0 : 0.0);
+                                    f1 = std::max(f1, squad_f1(pred, gold));
+                                  }
+                                  return std::pair{em, f1};
+                                });
+}
+
 QaScores cmrc_scores(const QaSet& s, const std::vector<std::string>& predictions) {
-  BT_CHECK(predictions.size() == s.examples.size(), "one prediction per question");
-  QaScores r;
-  for (size_t e = 0; e < s.examples.size(); ++e) {
-    const std::vector<std::u32string> pred = cmrc_segments(predictions[e]);
-    const std::u32string pred_text = cmrc_without_punctuation(predictions[e]);
-    double em = 0, f1 = 0;
-    for (const auto& a : s.examples[e].answers) {
-      const std::vector<std::u32string> gold = cmrc_segments(a);
-      const int64_t common = longest_common_run(gold, pred);
-      if (common > 0) {
-        const double precision = static_cast<double>(common) / static_cast<double>(pred.size());
-        const double recall = static_cast<double>(common) / static_cast<double>(gold.size());
-        f1 = std::max(f1, 2 * precision * recall / (precision + recall));
-      }
-      if (cmrc_without_punctuation(a) == pred_text) em = 1;
-    }
-    r.exact_match += em;
-    r.f1 += f1;
-    ++r.total;
-  }
-  if (r.total) {
-    r.exact_match *= 100.0 / static_cast<double>(r.total);
-    r.f1 *= 100.0 / static_cast<double>(r.total);
-  }
-  return r;
+  return percent_over_questions(
+      s, predictions, [](const std::string& p, const std::vector<std::string>& answers) {
+        const std::vector<std::u32string> pred = cmrc_segments(p);
+        const std::u32string pred_text = cmrc_without_punctuation(p);
+        double em = 0, f1 = 0;
+        for (const auto& a : answers) {
+          const std::vector<std::u32string> gold = cmrc_segments(a);
+          const int64_t common = longest_common_run(gold, pred);
+          if (common > 0) {
+            const double precision = static_cast<double>(common) / static_cast<double>(pred.size());
+            const double recall = static_cast<double>(common) / static_cast<double>(gold.size());
+            f1 = std::max(f1, 2 * precision * recall / (precision + recall));
+          }
+          if (cmrc_without_punctuation(a) == pred_text) em = 1;
+        }
+        return std::pair{em, f1};
+      });
 }
 
 QaScores qa_scores(const QaSet& s, const std::vector<std::string>& predictions,
