@@ -40,6 +40,29 @@ TEST(MemoryPlan, EstimateEqualsTheArenas) {
       }
 }
 
+// Sharded over N ranks, the optimizer state a rank allocates is its part; the plan (estimate
+// --shard-optimizer --ranks N) holds the largest part, which is at most 16 floats per slot above
+// 1/N of the unsharded state.
+TEST(MemoryPlan, ShardedOptimizerStateIsTheLargestPart) {
+  const model::BertConfig cfg = small_config();
+  const model::ModelDims dims{4, 64, 10};
+  model::BertModel m(cfg, model::Head::Pretraining, dims);
+  const int64_t total = m.table().total();
+  const size_t whole =
+      plan::training_plan(cfg, model::Head::Pretraining, dims, 2).group_bytes("optimizer");
+  for (int world : {2, 3, 4, 8}) {
+    const MemoryPlan plan = plan::training_plan(cfg, model::Head::Pretraining, dims, 2, world);
+    size_t most = 0;
+    for (int r = 0; r < world; ++r) {
+      train::Optimizer opt(train::param_slices(m.table()), total, {}, kernels::cpu_backend(),
+                           train::shard_of(total, r, world));
+      most = std::max(most, opt.allocated_bytes());
+    }
+    EXPECT_EQ(plan.group_bytes("optimizer"), most) << world << " ranks";
+    EXPECT_LE(most, whole / world + 2 * 16 * sizeof(float)) << world << " ranks";
+  }
+}
+
 struct Bench {
   double peak, baseline, plan, allocated, unplanned_scratch;
 };

@@ -378,5 +378,68 @@ TEST(Train, DocumentedErrors) {
   EXPECT_EQ(file_bytes(good + "/model.safetensors"), before);
 }
 
+// The sharded optimizer's state in a checkpoint loads on any number of ranks: parts saved by 4,
+// 3, 2 ranks or whole, loaded into 1, 2, 3 or 4 parts (every moment lands at its parameter);
+// a missing shard file or another optimizer's state is an error that says which.
+TEST(ShardedCheckpoint, OptimizerStateRepartitionsOntoAnyNumberOfRanks) {
+  // Tensors of odd sizes, so parts cut through them (the 16-float cuts ignore tensor bounds).
+  const std::vector<ParamSlice> slices = {
+      {"a", 0, 1000, true}, {"b", 1000, 37, false}, {"c", 1037, 5003, true}};
+  const int64_t total = 6040;
+  OptimizerConfig oc;
+  test::TempDir tmp;
+  for (int saved : {4, 3, 2, 1}) {
+    const std::string dir = tmp / ("saved" + std::to_string(saved));
+    std::filesystem::create_directories(dir);
+    for (int r = 0; r < saved; ++r) {
+      Optimizer o(slices, total, oc, kernels::cpu_backend(), shard_of(total, r, saved));
+      for (size_t j = 0; j < o.m().size(); ++j) {
+        o.m()[j] = static_cast<float>(o.shard().begin + static_cast<int64_t>(j));
+        o.v()[j] = -o.m()[j];
+      }
+      save_optimizer_state(dir, o);
+    }
+    EXPECT_EQ(optimizer_state_files(dir).size(), static_cast<size_t>(saved));
+    for (int world : {1, 2, 3, 4})
+      for (int r = 0; r < world; ++r) {
+        Optimizer o(slices, total, oc, kernels::cpu_backend(), shard_of(total, r, world));
+        load_optimizer_state(dir, o);
+        for (size_t j = 0; j < o.m().size(); ++j) {
+          const float want = static_cast<float>(o.shard().begin + static_cast<int64_t>(j));
+          ASSERT_EQ(o.m()[j], want) << saved << " -> " << world << ", rank " << r << " at " << j;
+          ASSERT_EQ(o.v()[j], -want);
+        }
+      }
+  }
+  // A shard missing (a rank wrote where rank 0 cannot see): the gap is named.
+  std::filesystem::remove(tmp / "saved4/optimizer.rank-00002-of-00004.safetensors");
+  Optimizer whole(slices, total, oc);
+  std::string e = error_of([&] { load_optimizer_state(tmp / "saved4", whole); });
+  EXPECT_NE(e.find("leave out parameters [3024, 4528)"), std::string::npos) << e;
+  EXPECT_NE(e.find("a shard file is missing"), std::string::npos) << e;
+  // Another optimizer's state.
+  OptimizerConfig lamb = oc;
+  lamb.kind = OptimizerKind::Lamb;
+  Optimizer other(slices, total, lamb);
+  e = error_of([&] { load_optimizer_state(tmp / "saved2", other); });
+  EXPECT_NE(e.find("resume with the same optimizer"), std::string::npos) << e;
+  // Another model's.
+  Optimizer bigger(slices, total + 16, oc);
+  e = error_of([&] { load_optimizer_state(tmp / "saved3", bigger); });
+  EXPECT_NE(e.find("the model needs 6056"), std::string::npos) << e;
+  // The cuts: consecutive, 16-aligned, near-equal, covering everything.
+  for (int world : {1, 2, 3, 4, 7}) {
+    int64_t at = 0;
+    for (int r = 0; r < world; ++r) {
+      const Shard s = shard_of(total, r, world);
+      EXPECT_EQ(s.begin, at);
+      EXPECT_EQ(s.begin % 16, 0);
+      EXPECT_LE(std::abs(s.size() - total / world), 16);
+      at = s.end;
+    }
+    EXPECT_EQ(at, total);
+  }
+}
+
 }  // namespace
 }  // namespace bertrain::train

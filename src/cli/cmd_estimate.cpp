@@ -14,7 +14,8 @@ void add_estimate(CLI::App& app) {
     std::string config, head = "pretraining", budget, precision = "fp32", attention = "auto",
                         recompute = "none";
     int64_t batch = 32, seq = 128, preds = 20;
-    int slots = 2;
+    int slots = 2, ranks = 1;
+    bool shard = false;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand(
@@ -30,6 +31,11 @@ void add_estimate(CLI::App& app) {
   c->add_option("--optimizer-slots", o->slots,
                 "fp32 optimizer states per parameter (AdamW/LAMB: 2)")
       ->capture_default_str();
+  c->add_flag("--shard-optimizer", o->shard,
+              "The optimizer state sharded over --ranks ranks (train --shard-optimizer)");
+  c->add_option("--ranks", o->ranks, "Data-parallel ranks (with --shard-optimizer)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
   c->add_option("--precision", o->precision,
@@ -46,22 +52,25 @@ void add_estimate(CLI::App& app) {
                                false, model::parse_attention(o->attention)},
                               train::parse_precision(o->precision));
     apply_recompute(o->recompute, d);
-    MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots);
+    const int shard_world = o->shard ? o->ranks : 1;
+    MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots, shard_world);
     model::ParamTable table(cfg, head);
     int64_t nparams = 0;
     for (const auto& p : table.params()) nparams += p.numel();
     std::printf("model     %s (%s, %s, %.1fM parameters)\n", o->config.c_str(),
                 describe(cfg).c_str(), model::head_architecture(head), nparams / 1e6);
     std::printf(
-        "run       batch %lld x seq %lld, %lld predictions, %s, %d optimizer slots, %s "
+        "run       batch %lld x seq %lld, %lld predictions, %s, %d optimizer slots%s, %s "
         "attention%s\n",
         (long long)d.batch, (long long)d.seq_len, (long long)d.max_predictions,
-        o->precision.c_str(), o->slots, d.blocked_attention() ? "blocked" : "full",
+        o->precision.c_str(), o->slots,
+        shard_world > 1 ? str(" sharded over ", shard_world, " ranks").c_str() : "",
+        d.blocked_attention() ? "blocked" : "full",
         d.recompute_layers ? ", layers recomputed in backward" : "");
     std::printf("memory plan per rank:\n%s", plan::format_plan(plan).c_str());
     if (!o->budget.empty()) {
       const double budget = parse_bytes(o->budget);
-      const int64_t b = plan::max_batch_for_budget(cfg, head, d, o->slots, budget);
+      const int64_t b = plan::max_batch_for_budget(cfg, head, d, o->slots, budget, shard_world);
       if (b == 0)
         std::printf(
             "budget    %s: even batch 1 does not fit; use a shorter --seq-len or a smaller model\n",

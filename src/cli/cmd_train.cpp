@@ -56,7 +56,8 @@ void choose_batch(train::TrainConfig& cfg, const Opts& o, const comm::Communicat
         {1, cfg.seq_len, cfg.max_predictions, false, cfg.attention, false, cfg.recompute_layers},
         cfg.precision);
     const model::BertConfig mc = model::BertConfig::load(cfg.model_config);
-    fit = plan::max_batch_for_budget(mc, model::Head::Pretraining, d, 2, budget);
+    fit = plan::max_batch_for_budget(mc, model::Head::Pretraining, d, 2, budget,
+                                     cfg.shard_optimizer ? static_cast<int>(world) : 1);
     if (fit == 0)
       fail("--batch-size auto: not even one sequence of ", cfg.seq_len, " tokens fits ",
            human_bytes(budget),
@@ -160,6 +161,10 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
       ->capture_default_str();
   c->add_option("--bucket-mb", t.bucket_mb, "Gradient bucket size for the overlap (MiB)")
       ->capture_default_str();
+  c->add_flag("--shard-optimizer", t.shard_optimizer,
+              "ZeRO stage 1: each of the ranks holds 1/ranks of the optimizer state; gradients "
+              "are reduce-scattered and updated parameters all-gathered (the same bytes as the "
+              "allreduce). Checkpoints hold the shards; --resume works with or without it");
   c->add_option("--timeline", t.timeline,
                 "Write a Chrome trace (Perfetto) of the run, all ranks in one file");
   c->add_option("--stop-after-steps", t.stop_after,

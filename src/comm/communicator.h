@@ -3,9 +3,11 @@
 // under mpirun/srun/MPIJob. Collectives operate in place on fp32/fp64 buffers.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 namespace bertrain::comm {
@@ -35,6 +37,23 @@ class Communicator {
   // callers keep private memory then). allreduce_sum on any
   // sub-range of it (the same range on every rank) takes the zero-copy path.
   virtual float* allocate_shared(int64_t n) { return nullptr; }
+  // ZeRO's halves of the allreduce (the sharded optimizer, train::Step), in place over
+  // [data, data + n), cut into consecutive parts of counts[r] floats for rank r (they sum to n;
+  // a part may be empty). reduce_scatter_sum leaves in this rank's part the sum over ranks and
+  // the rest of the buffer undefined; allgather copies every rank's part into every rank's
+  // buffer. These defaults are right on any transport but move an allreduce's bytes each; the
+  // MPI communicator implements them per algorithm.
+  virtual void reduce_scatter_sum(float* data, int64_t n, std::span<const int64_t> counts) {
+    allreduce_sum(data, n);
+  }
+  virtual void allgather(float* data, int64_t n, std::span<const int64_t> counts) {
+    int64_t begin = 0;
+    for (int r = 0; r < rank(); ++r) begin += counts[r];
+    const int64_t end = begin + counts[rank()];
+    std::fill(data, data + begin, 0.0f);  // x + 0 + ... + 0 == x: the owner's bits arrive
+    std::fill(data + end, data + n, 0.0f);
+    allreduce_sum(data, n);
+  }
   // Logical AND of a flag over ranks (e.g. "all gradients finite").
   bool all(bool flag) {
     double v = flag ? 0.0 : 1.0;
@@ -49,6 +68,8 @@ class SingleProcess : public Communicator {
   int size() const override { return 1; }
   void allreduce_sum(float*, int64_t) override {}
   void allreduce_sum(double*, int64_t) override {}
+  void reduce_scatter_sum(float*, int64_t, std::span<const int64_t>) override {}
+  void allgather(float*, int64_t, std::span<const int64_t>) override {}
   void broadcast(void*, int64_t, int) override {}
   void barrier() override {}
   std::string name() const override { return "single process"; }

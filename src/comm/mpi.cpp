@@ -97,6 +97,7 @@ struct MpiCommunicator::Impl {
   volatile int64_t* progress = nullptr;  // per local rank: collectives entered
   std::vector<uint16_t> wire_send, wire_recv;
   std::vector<float> recv;
+  std::vector<float> part;  // MPI_Reduce_scatter's result before it moves into place
   bool owns_mpi = false;
   struct SharedBuffer {
     MPI_Win win = MPI_WIN_NULL;
@@ -115,12 +116,12 @@ struct MpiCommunicator::Impl {
 
 namespace {
 
-// ptrs[q]: local rank q's copy of the same k floats. This rank sums its share over all copies
-// (in rank order, so every rank would compute the same bits) and writes the sum into every
-// copy; the shares of all ranks together cover [0, k). The caller fences with barriers.
-void reduce_share_into_all(const std::vector<float*>& ptrs, int64_t k, int lr) {
+// ptrs[q]: local rank q's copy of the same floats. This rank sums [b, e) over all copies (in
+// rank order: any split of the range among ranks gives the same bits) and writes the sum into
+// every copy (an allreduce's share), or into its own copy only (a reduce-scatter's part, when
+// `all` is false). The caller fences with barriers.
+void reduce_share(const std::vector<float*>& ptrs, int64_t b, int64_t e, int lr, bool all) {
   const int p = static_cast<int>(ptrs.size());
-  const int64_t b = k * lr / p, e = k * (lr + 1) / p;
   constexpr int64_t kBlock = 4096;  // floats: the partial sum stays in L1
 #pragma omp parallel for schedule(static) if (e - b > (int64_t{1} << 18))
   for (int64_t blk = b; blk < e; blk += kBlock) {
@@ -132,8 +133,17 @@ void reduce_share_into_all(const std::vector<float*>& ptrs, int64_t k, int lr) {
       const float* pq = ptrs[q] + blk;
       for (int64_t i = 0; i < len; ++i) sum[i] += pq[i];
     }
-    for (int q = 0; q < p; ++q) std::memcpy(ptrs[q] + blk, sum, len * sizeof(float));
+    if (all)
+      for (int q = 0; q < p; ++q) std::memcpy(ptrs[q] + blk, sum, len * sizeof(float));
+    else
+      std::memcpy(ptrs[lr] + blk, sum, len * sizeof(float));
   }
+}
+
+// An allreduce's share of k floats for local rank lr of p.
+void reduce_share_into_all(const std::vector<float*>& ptrs, int64_t k, int lr) {
+  const int p = static_cast<int>(ptrs.size());
+  reduce_share(ptrs, k * lr / p, k * (lr + 1) / p, lr, true);
 }
 
 }  // namespace
@@ -274,14 +284,26 @@ void MpiCommunicator::allreduce_mpi(float* data, int64_t n) {
 }
 
 void MpiCommunicator::allreduce_ring(float* data, int64_t n, Wire wire, void* comm_ptr) {
+  int p;
+  MPI_Comm_size(*static_cast<MPI_Comm*>(comm_ptr), &p);
+  std::vector<int64_t> cuts(p + 1);
+  for (int c = 0; c <= p; ++c) cuts[c] = n * c / p;
+  ring(data, cuts, wire, comm_ptr, 1, true, true);
+}
+
+void MpiCommunicator::ring(float* data, const std::vector<int64_t>& cuts, Wire wire, void* comm_ptr,
+                           int own_shift, bool reduce, bool gather) {
   MPI_Comm comm = *static_cast<MPI_Comm*>(comm_ptr);
   int r, p;
   MPI_Comm_rank(comm, &r);
   MPI_Comm_size(comm, &p);
-  if (p == 1 || n == 0) return;
+  if (p == 1 || cuts.back() == 0) return;
   const int right = (r + 1) % p, left = (r - 1 + p) % p;
-  auto chunk_begin = [&](int c) { return n * c / p; };
-  auto chunk_len = [&](int c) { return chunk_begin(c + 1) - chunk_begin(c); };
+  auto chunk_begin = [&](int c) { return cuts[c]; };
+  auto chunk_len = [&](int c) { return cuts[c + 1] - cuts[c]; };
+  // The chunk this rank holds reduced after the first phase (and sends first in the second).
+  const int own = (r + own_shift) % p;
+  auto at = [&](int c) { return ((c % p) + p) % p; };
   const bool compress = wire != Wire::F32;
   impl_->recv.resize(2 * kRingSegment);  // two segments in flight
   if (compress) {
@@ -370,11 +392,12 @@ void MpiCommunicator::allreduce_ring(float* data, int64_t n, Wire wire, void* co
     }
     check(MPI_Waitall(2, sreq, MPI_STATUSES_IGNORE), "MPI_Waitall");
   };
-  for (int s = 0; s < p - 1; ++s) exchange((r - s + p) % p, (r - s - 1 + p) % p, true);
-  // This rank now owns the reduced chunk (r + 1) % p. With compression every rank must end
-  // with the same values: the owner rounds its own chunk to the wire format too.
-  if (compress) {
-    const int own = (r + 1) % p;
+  if (reduce)
+    for (int s = 0; s < p - 1; ++s) exchange(at(own - 1 - s), at(own - 2 - s), true);
+  // This rank now owns the reduced chunk `own`. With compression every rank must end with the
+  // same values: the owner rounds its own chunk to the wire format too (before an allgather of
+  // it; a reduce-scatter's owner keeps its fp32 sum, which nobody else holds).
+  if (compress && reduce && gather) {
     float* op = data + chunk_begin(own);
     const int64_t k = chunk_len(own);
     for (int64_t o = 0; o < k; o += kRingSegment) {
@@ -386,7 +409,8 @@ void MpiCommunicator::allreduce_ring(float* data, int64_t n, Wire wire, void* co
         convert_bf16_to_f32(impl_->wire_send.data(), op + o, len);
     }
   }
-  for (int s = 0; s < p - 1; ++s) exchange((r + 1 - s + p) % p, (r - s + p) % p, false);
+  if (gather)
+    for (int s = 0; s < p - 1; ++s) exchange(at(own - s), at(own - 1 - s), false);
 }
 
 float* MpiCommunicator::allocate_shared(int64_t n) {
@@ -512,6 +536,109 @@ void MpiCommunicator::allreduce_sum(float* data, int64_t n) {
     case Algorithm::Hierarchical:
       allreduce_hierarchical(data, n);
       break;
+  }
+  leave();
+}
+
+namespace {
+// [begin, end) of rank r's part, and the parts as MPI's int counts and displacements.
+std::pair<int64_t, int64_t> part_of(std::span<const int64_t> counts, int r) {
+  int64_t b = 0;
+  for (int q = 0; q < r; ++q) b += counts[q];
+  return {b, b + counts[r]};
+}
+void check_parts(std::span<const int64_t> counts, int64_t n, int size, const char* what) {
+  int64_t sum = 0;
+  for (int64_t c : counts) sum += c;
+  if (static_cast<int>(counts.size()) != size || sum != n)
+    fail(what, ": the parts (", counts.size(), " of them, ", sum,
+         " floats) must be one per rank and cover the buffer (", n, " floats)");
+  if (n > INT32_MAX) fail(what, ": ", n, " floats exceed MPI's int count; use smaller buckets");
+}
+}  // namespace
+
+void MpiCommunicator::reduce_scatter_shm(float* data, int64_t n, std::span<const int64_t> counts) {
+  const int p = local_size_, lr = local_rank_;
+  if (p == 1 || n == 0) return;
+  const auto [b, e] = part_of(counts, lr);
+  auto fence = [&](MPI_Win win) {
+    MPI_Win_sync(win);
+    check(MPI_Barrier(impl_->node), "MPI_Barrier(node)");
+    MPI_Win_sync(win);
+  };
+  if (const auto* sb = impl_->shared_buffer_of(data, n, lr)) {
+    std::vector<float*>& ptrs = impl_->peer_ptrs;
+    ptrs.resize(p);
+    for (int q = 0; q < p; ++q) ptrs[q] = sb->base[q] + (data - sb->base[lr]);
+    fence(sb->win);  // every rank's range is written
+    reduce_share(ptrs, b, e, lr, false);
+    fence(sb->win);  // nobody reads a peer's range any more (it may be overwritten next)
+    return;
+  }
+  // Staged through the window slots, a slot-sized chunk at a time: this rank sums the part of
+  // the chunk that is its own, into its own slot, and copies it out.
+  for (int64_t off = 0; off < n; off += kShmSlotFloats) {
+    const int64_t k = std::min(kShmSlotFloats, n - off);
+    std::memcpy(impl_->slots[lr], data + off, k * sizeof(float));
+    fence(impl_->win);
+    const int64_t cb = std::clamp(b - off, int64_t{0}, k), ce = std::clamp(e - off, int64_t{0}, k);
+    if (ce > cb) reduce_share(impl_->slots, cb, ce, lr, false);
+    fence(impl_->win);
+    if (ce > cb) std::memcpy(data + off + cb, impl_->slots[lr] + cb, (ce - cb) * sizeof(float));
+  }
+}
+
+void MpiCommunicator::reduce_scatter_sum(float* data, int64_t n, std::span<const int64_t> counts) {
+  check_parts(counts, n, size_, "reduce-scatter");
+  if (size_ == 1) return;
+  enter("reduce-scatter");
+  switch (algo_) {
+    case Algorithm::Mpi: {
+      const auto [b, e] = part_of(counts, rank_);
+      std::vector<int> rc(counts.begin(), counts.end());
+      impl_->part.resize(std::max<int64_t>(1, e - b));
+      check(MPI_Reduce_scatter(data, impl_->part.data(), rc.data(), MPI_FLOAT, MPI_SUM,
+                               MPI_COMM_WORLD),
+            "MPI_Reduce_scatter");
+      std::memcpy(data + b, impl_->part.data(), (e - b) * sizeof(float));
+      break;
+    }
+    case Algorithm::Ring: {
+      std::vector<int64_t> cuts(size_ + 1, 0);
+      for (int r = 0; r < size_; ++r) cuts[r + 1] = cuts[r] + counts[r];
+      MPI_Comm w = MPI_COMM_WORLD;
+      ring(data, cuts, wire_, &w, 0, true, false);
+      break;
+    }
+    case Algorithm::Shm:
+    case Algorithm::Hierarchical:
+      // One node: each rank sums its own part straight from its peers' buffers. Across nodes,
+      // the hierarchical allreduce (a superset: the leaders' ring carries every byte).
+      if (local_size_ == size_)
+        reduce_scatter_shm(data, n, counts);
+      else
+        allreduce_hierarchical(data, n);
+      break;
+  }
+  leave();
+}
+
+void MpiCommunicator::allgather(float* data, int64_t n, std::span<const int64_t> counts) {
+  check_parts(counts, n, size_, "allgather");
+  if (size_ == 1) return;
+  enter("allgather");
+  if (algo_ == Algorithm::Ring) {
+    // Always fp32: the parts are what every rank must hold bit for bit (the parameters).
+    std::vector<int64_t> cuts(size_ + 1, 0);
+    for (int r = 0; r < size_; ++r) cuts[r + 1] = cuts[r] + counts[r];
+    MPI_Comm w = MPI_COMM_WORLD;
+    ring(data, cuts, Wire::F32, &w, 0, false, true);
+  } else {
+    std::vector<int> rc(counts.begin(), counts.end()), displ(size_ + 1, 0);
+    for (int r = 0; r < size_; ++r) displ[r + 1] = displ[r] + rc[r];
+    check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, rc.data(), displ.data(),
+                         MPI_FLOAT, MPI_COMM_WORLD),
+          "MPI_Allgatherv");
   }
   leave();
 }

@@ -24,6 +24,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "comm/communicator.h"
 
@@ -56,6 +57,12 @@ class MpiCommunicator : public Communicator {
   void barrier() override;
   std::string name() const override;
   float* allocate_shared(int64_t n) override;
+  // mpi: MPI_Reduce_scatter / MPI_Allgatherv. ring: the allreduce's two phases with the
+  // parts as chunks (compression narrows the reduce-scatter; the allgather stays fp32). shm on
+  // one node: each rank sums its part from its peers' buffers (zero-copy for shared buffers);
+  // across nodes the reduce-scatter is the hierarchical allreduce. Allgather: MPI_Allgatherv.
+  void reduce_scatter_sum(float* data, int64_t n, std::span<const int64_t> counts) override;
+  void allgather(float* data, int64_t n, std::span<const int64_t> counts) override;
 
   void set_algorithm(Algorithm a) { algo_ = a; }
   void set_wire(Wire w) { wire_ = w; }
@@ -82,8 +89,13 @@ class MpiCommunicator : public Communicator {
   void allreduce_ring(float* data, int64_t n, Wire wire, void* comm);  // comm: MPI_Comm*
   void allreduce_shm(float* data, int64_t n);
   void allreduce_hierarchical(float* data, int64_t n);
+  void reduce_scatter_shm(float* data, int64_t n, std::span<const int64_t> counts);
 
  private:
+  // The ring over comm (MPI_Comm*), chunks [cuts[c], cuts[c + 1]): a reduce-scatter leaving
+  // chunk (rank + own_shift) % size summed here, then an allgather of the summed chunks.
+  void ring(float* data, const std::vector<int64_t>& cuts, Wire wire, void* comm, int own_shift,
+            bool reduce, bool gather);
   struct Impl;
   std::unique_ptr<Impl> impl_;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;

@@ -1,5 +1,6 @@
 #include "comm/reducer.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "core/error.h"
@@ -15,8 +16,11 @@ double since(Clock::time_point t) {
 
 Reducer::Reducer(Communicator& comm, float* grads, int64_t total,
                  std::vector<std::pair<int64_t, int64_t>> layers, int64_t bucket_bytes,
-                 obs::Timeline* timeline)
-    : comm_(comm), grads_(grads), total_(total), tl_(timeline) {
+                 obs::Timeline* timeline, std::vector<int64_t> owners)
+    : comm_(comm), grads_(grads), total_(total), tl_(timeline), owners_(std::move(owners)) {
+  BT_CHECK(owners_.empty() || (static_cast<int>(owners_.size()) == comm.size() + 1 &&
+                               owners_.front() == 0 && owners_.back() == total),
+           "reducer: owner cuts must cover the gradients, one part per rank");
   const int64_t L = static_cast<int64_t>(layers.size());
   BT_CHECK(L > 0, "reducer needs layers");
   const int64_t cap = std::max<int64_t>(1, bucket_bytes / static_cast<int64_t>(sizeof(float)));
@@ -76,10 +80,19 @@ void Reducer::loop() {
     }
     comm_.set_label(str("gradient bucket ", bucket_counter_, " (", n * 4 / 1024, " KiB at offset ",
                         job.first, ")"));
-    comm_.allreduce_sum(p, n);
+    if (owners_.empty()) {
+      comm_.allreduce_sum(p, n);
+    } else {
+      counts_.assign(owners_.size() - 1, 0);
+      for (size_t r = 0; r + 1 < owners_.size(); ++r)
+        counts_[r] = std::max<int64_t>(
+            0, std::min(job.second, owners_[r + 1]) - std::max(job.first, owners_[r]));
+      comm_.reduce_scatter_sum(p, n, counts_);
+    }
     comm_.set_label("");
     if (tl_ && tl_->enabled())
-      tl_->add(str("allreduce bucket ", bucket_counter_++, " (", n * 4 / 1024, " KiB)"),
+      tl_->add(str(owners_.empty() ? "allreduce" : "reduce-scatter", " bucket ", bucket_counter_++,
+                   " (", n * 4 / 1024, " KiB)"),
                "communication", b0, tl_->now_us(), 1);
     {
       std::lock_guard<std::mutex> lock(mu_);

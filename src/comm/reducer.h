@@ -4,7 +4,9 @@
 // each finished encoder layer; when the lowest layer of a bucket is done, the bucket goes to a
 // background communication thread, which reduces it while backward continues below. finish()
 // hands over the rest (embeddings, pooler, heads: final only when backward returns) and waits:
-// that wait is the exposed communication; the rest was hidden behind compute.
+// that wait is the exposed communication; the rest was hidden behind compute. With a sharded
+// optimizer each bucket is reduce-scattered instead: each rank receives the sum of the part of
+// the bucket whose optimizer state it holds (the same bytes on the wire as half an allreduce).
 // MPI needs MPI_THREAD_SERIALIZED for this: during backward only the communication thread
 // calls MPI.
 #pragma once
@@ -25,9 +27,12 @@ namespace bertrain::comm {
 class Reducer {
  public:
   // layers[l] = [begin, end) of layer l's gradients; offsets increase with l.
+  // owners (optional, size + 1 cuts of [0, total)): rank r owns the sum of
+  // [owners[r], owners[r + 1]) only (the sharded optimizer): buckets are reduce-scattered to
+  // their owners instead of allreduced.
   Reducer(Communicator& comm, float* grads, int64_t total,
           std::vector<std::pair<int64_t, int64_t>> layers, int64_t bucket_bytes,
-          obs::Timeline* timeline);
+          obs::Timeline* timeline, std::vector<int64_t> owners = {});
   // Factor applied to each bucket before its sum (1 / the predivide factor; train::Step sets
   // it, as it owns the gradient scale). Call between steps.
   void set_prescale(float s) { prescale_ = s; }
@@ -44,6 +49,8 @@ class Reducer {
   float* grads_;
   int64_t total_;
   float prescale_ = 1.0f;
+  std::vector<int64_t> owners_;
+  std::vector<int64_t> counts_;  // the communication thread's per-rank parts of one bucket
   obs::Timeline* tl_;
   struct Bucket {
     int64_t lo_layer, begin, end;

@@ -182,6 +182,13 @@ class Backend {
                             float* v, int64_t n) const = 0;
   virtual void lamb_update(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
                            float* v, int64_t n) const = 0;
+  // LAMB's two passes, for a tensor updated in parts on several ranks: moments (adding the
+  // squared norms of p and of the update direction to pn, un), then the move by `step`
+  // (lr x the whole tensor's trust ratio, kernels::lamb_trust).
+  virtual void lamb_moments(const LambStep& a, const float* p, const float* g, float* m, float* v,
+                            int64_t n, double& pn, double& un) const = 0;
+  virtual void lamb_apply(const LambStep& a, float* p, uint16_t* p16, const float* m,
+                          const float* v, int64_t n, float step) const = 0;
 };
 
 // The CPU backend (ISA-dispatched kernels, oneDNN matmuls).

@@ -1,6 +1,7 @@
 // Types shared by the kernel interface (kernels/backend.h) and every backend's kernels.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace bertrain::kernels {
@@ -67,5 +68,12 @@ struct AdamwStep {
 struct LambStep {
   float gscale, beta1, beta2, ibc1, ibc2, eps, wd, lr;
 };
+
+// LAMB's trust ratio of a tensor from the squared norms of its parameters and of its update
+// direction: ||p|| / ||u|| for tensors with weight decay (when both are non-zero), else 1.
+inline float lamb_trust(const LambStep& a, double pn, double un) {
+  if (a.wd != 0.0f && pn > 0 && un > 0) return static_cast<float>(std::sqrt(pn) / std::sqrt(un));
+  return 1.0f;
+}
 
 }  // namespace bertrain::kernels

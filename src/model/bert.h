@@ -123,6 +123,12 @@ class BertModel {
   // in its update pass).
   uint16_t* bf16_weights() const { return wbf16_; }
   void bf16_weights_updated() { bf16_fresh_ = wbf16_ != nullptr; }
+  // Rounds params()[begin, end) into the bf16 copy (the parts of the weights another rank
+  // updated, for a sharded optimizer); no-op without a copy.
+  void refresh_bf16_weights(int64_t begin, int64_t end) const {
+    if (wbf16_ && end > begin)
+      be_.copy_weights(prec_, params() + begin, wbf16_ + begin, end - begin);
+  }
   // Moves the gradients into `memory` (group_bytes("gradients"), 64-byte aligned, owned by the
   // caller and outliving the model), e.g. a communicator's shared window for zero-copy allreduce.
   void place_gradients(std::byte* memory);

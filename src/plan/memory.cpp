@@ -15,10 +15,27 @@ void plan_optimizer_state(MemoryPlan& plan, int64_t parameters, int slots) {
              bytes);
 }
 
+std::pair<int64_t, int64_t> shard_range(int64_t total, int rank, int world) {
+  const int64_t units = (total + 15) / 16;  // 16-value units: parts start 64-byte aligned
+  auto cut = [&](int r) { return std::min(total, units * r / world * 16); };
+  return {cut(rank), rank + 1 == world ? total : cut(rank + 1)};
+}
+
+int64_t largest_shard(int64_t total, int world) {
+  int64_t most = 0;
+  for (int r = 0; r < world; ++r) {
+    const auto [b, e] = shard_range(total, r, world);
+    most = std::max(most, e - b);
+  }
+  return most;
+}
+
 MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,
-                         const model::ModelDims& dims, int optimizer_slots) {
+                         const model::ModelDims& dims, int optimizer_slots, int shard_world) {
   MemoryPlan plan = model::BertModel::make_plan(cfg, head, dims);
-  plan_optimizer_state(plan, model::ParamTable(cfg, head).total(), optimizer_slots);
+  plan_optimizer_state(
+      plan, largest_shard(model::ParamTable(cfg, head).total(), std::max(1, shard_world)),
+      optimizer_slots);
   return plan;
 }
 
@@ -47,12 +64,13 @@ std::string format_plan(const MemoryPlan& plan, int top_regions) {
 }
 
 int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, model::ModelDims dims,
-                             int optimizer_slots, double budget_bytes) {
+                             int optimizer_slots, double budget_bytes, int shard_world) {
   // The plan grows monotonically with the batch: binary search on it.
   int64_t lo = 0, hi = 1;
   auto fits = [&](int64_t b) {
     dims.batch = b;
-    return static_cast<double>(training_plan(cfg, head, dims, optimizer_slots).total_bytes()) <=
+    return static_cast<double>(
+               training_plan(cfg, head, dims, optimizer_slots, shard_world).total_bytes()) <=
            budget_bytes;
   };
   while (fits(hi) && hi < (int64_t{1} << 20)) {

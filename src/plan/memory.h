@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include "model/bert.h"
 
@@ -14,15 +15,21 @@ namespace bertrain::plan {
 // train::Optimizer allocates from exactly this.
 void plan_optimizer_state(MemoryPlan& plan, int64_t parameters, int slots);
 
+// Rank r's part [begin, end) of `total` flat values sharded over `world` ranks (the sharded
+// optimizer, train::shard_of): consecutive, near-equal, cut at multiples of 16 values.
+std::pair<int64_t, int64_t> shard_range(int64_t total, int rank, int world);
+int64_t largest_shard(int64_t total, int world);
+
 // optimizer_slots: fp32 copies per parameter held by the optimizer (AdamW/LAMB: 2).
+// shard_world > 1: the optimizer state is sharded over that many ranks (the largest part).
 MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,
-                         const model::ModelDims& dims, int optimizer_slots);
+                         const model::ModelDims& dims, int optimizer_slots, int shard_world = 1);
 
 // A human-readable table: bytes per group, the largest regions, the total.
 std::string format_plan(const MemoryPlan& plan, int top_regions = 8);
 
 // Largest batch size whose plan fits in `budget_bytes` (0 if even batch 1 does not fit).
 int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, model::ModelDims dims,
-                             int optimizer_slots, double budget_bytes);
+                             int optimizer_slots, double budget_bytes, int shard_world = 1);
 
 }  // namespace bertrain::plan

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -37,6 +38,18 @@ struct OptimizerConfig {
   float max_grad_norm = 1.0f;  // 0: no clipping
 };
 
+// The part of the flat parameters whose optimizer state a rank holds (ZeRO stage 1, DeepSpeed's
+// partitioning of the flat buffer): rank r of `world` owns [begin, end); the parts are
+// consecutive, near-equal, cut at multiples of 16 floats (64 bytes), and cover [0, total).
+struct Shard {
+  int rank = 0, world = 1;
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+};
+Shard shard_of(int64_t total, int rank, int world);
+// Every rank's part size, in rank order (the counts of Communicator::reduce_scatter_sum).
+std::vector<int64_t> shard_counts(int64_t total, int world);
+
 struct StepResult {
   bool finite = true;
   double grad_norm = 0;  // of the unscaled gradients, before clipping
@@ -46,33 +59,51 @@ struct StepResult {
 class Optimizer {
  public:
   // The update kernels run on `backend` (the CPU's unless told), over its memory.
+  // A sharded optimizer (shard.world > 1) holds the moments of [shard.begin, shard.end) only
+  // and updates only those parameters; params and grads stay the whole flat buffers.
   Optimizer(std::vector<ParamSlice> slices, int64_t total, const OptimizerConfig& cfg,
-            const kernels::Backend& backend = kernels::cpu_backend());
+            const kernels::Backend& backend = kernels::cpu_backend(), Shard shard = {});
 
   // Reduction pass only: global norm of grads * inv_scale, and whether all are finite.
+  // Sharded: sum_squares over this rank's part, summed over ranks by the caller, then result().
   StepResult measure(const float* grads, float inv_scale) const;
+  double sum_squares(const float* grads, float inv_scale) const;
+  StepResult result(double sum_squares) const;
   // Updates params from grads * inv_scale with the clipping of `r` (from measure). Increments
   // the step count (bias correction uses it).
   // params_bf16 (optional): also receives the updated parameters rounded to bf16, in the same
   // pass (the bf16 model's weight copy, so its forward need not convert them again).
+  // Sharded LAMB needs the per-tensor norms of every rank: sum_over_ranks sums 2 doubles per
+  // parameter tensor in place (a Communicator's allreduce_sum).
+  using SumOverRanks = std::function<void(double*, int64_t)>;
   void apply(float* params, const float* grads, float lr, float inv_scale, const StepResult& r,
-             uint16_t* params_bf16 = nullptr);
+             uint16_t* params_bf16 = nullptr, const SumOverRanks& sum_over_ranks = {});
   // measure + apply unless a gradient is non-finite (then nothing changes).
   StepResult step(float* params, const float* grads, float lr, float inv_scale,
                   uint16_t* params_bf16 = nullptr);
 
   int64_t steps() const { return steps_; }
   void set_steps(int64_t s) { steps_ = s; }
-  // The moments, in the optimizer group of the memory plan (plan::plan_optimizer_state).
-  std::span<float> m() const { return {m_, static_cast<size_t>(total_)}; }
-  std::span<float> v() const { return {v_, static_cast<size_t>(total_)}; }
+  const Shard& shard() const { return shard_; }
+  bool sharded() const { return shard_.world > 1; }
+  // The moments of shard().begin .. end, in the optimizer group of the memory plan
+  // (plan::plan_optimizer_state).
+  std::span<float> m() const { return {m_, static_cast<size_t>(shard_.size())}; }
+  std::span<float> v() const { return {v_, static_cast<size_t>(shard_.size())}; }
+  int64_t total() const { return total_; }  // parameters of the model
   const MemoryPlan& plan() const { return plan_; }
   size_t allocated_bytes() const { return state_.bytes(); }
   const OptimizerConfig& config() const { return cfg_; }
   const std::vector<ParamSlice>& slices() const { return slices_; }
 
  private:
+  // A slice's part inside the shard: [offset, offset + numel) clipped to it (numel 0: none).
+  struct Piece {
+    int64_t slice, offset, numel;
+  };
+  std::vector<Piece> pieces() const;
   std::vector<ParamSlice> slices_;
+  Shard shard_;
   OptimizerConfig cfg_;
   const kernels::Backend* be_;
   int64_t total_;

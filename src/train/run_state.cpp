@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "core/error.h"
 #include "core/safetensors.h"
@@ -31,52 +32,182 @@ void fsync_dir(const std::string& dir) {
   }
 }
 
+std::string shard_file(int rank, int world) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "optimizer.rank-%05d-of-%05d.safetensors", rank, world);
+  return buf;
+}
+
 }  // namespace
 
-std::string save_checkpoint(const std::string& run_dir, const model::BertModel& m,
-                            const Optimizer& opt, const TrainerState& st, int keep) {
+std::string save_optimizer_state(const std::string& dir, const Optimizer& opt) {
+  const Shard& sh = opt.shard();
+  const std::string path =
+      (fs::path(dir) / (opt.sharded() ? shard_file(sh.rank, sh.world) : "optimizer.safetensors"))
+          .string();
+  std::map<std::string, std::string> meta = {{"format", "bertrain-optimizer"},
+                                             {"optimizer", optimizer_name(opt.config().kind)}};
+  if (opt.sharded()) {
+    meta["begin"] = std::to_string(sh.begin);
+    meta["end"] = std::to_string(sh.end);
+    meta["total"] = std::to_string(opt.total());
+  }
+  write_safetensors(
+      path,
+      {{"m", DType::F32, {static_cast<int64_t>(opt.m().size())}, opt.m().data(), nullptr},
+       {"v", DType::F32, {static_cast<int64_t>(opt.v().size())}, opt.v().data(), nullptr}},
+      meta);
+  return path;
+}
+
+std::vector<std::string> optimizer_state_files(const std::string& dir) {
+  if (fs::exists(fs::path(dir) / "optimizer.safetensors"))
+    return {(fs::path(dir) / "optimizer.safetensors").string()};
+  std::vector<std::string> files;
   std::error_code ec;
-  fs::create_directories(run_dir, ec);
-  if (ec) fail("cannot create run directory ", run_dir, ": ", ec.message());
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("optimizer.rank-", 0) == 0 && name.size() > 12 &&
+        name.compare(name.size() - 12, 12, ".safetensors") == 0)
+      files.push_back(e.path().string());
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+void load_optimizer_state(const std::string& dir, Optimizer& opt) {
+  const std::vector<std::string> files = optimizer_state_files(dir);
+  if (files.empty())
+    fail("checkpoint ", dir, " has no optimizer state (optimizer.safetensors or its shards)");
+  const Shard& want = opt.shard();
+  // The parts found must tile [0, total) exactly: a missing shard (a rank that wrote into a
+  // directory the others cannot see) is an error naming the gap, not zeros.
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const std::string& path : files) {
+    SafetensorsReader r(path);
+    const auto& meta = r.metadata();
+    auto field = [&](const char* k, int64_t dflt) -> int64_t {
+      const auto it = meta.find(k);
+      if (it == meta.end()) return dflt;
+      try {
+        return std::stoll(it->second);
+      } catch (const std::exception&) {
+        fail(path, ": metadata \"", k, "\" is not a number ('", it->second, "')");
+      }
+    };
+    const std::string kind = meta.count("optimizer") ? meta.at("optimizer") : "";
+    if (kind != optimizer_name(opt.config().kind))
+      fail("checkpoint ", dir, " was trained with --optimizer ", kind,
+           "; resume with the same optimizer");
+    const int64_t total = field("total", opt.total());
+    const int64_t b = field("begin", 0), e = field("end", total);
+    const SafeTensorInfo* m = r.find("m");
+    const SafeTensorInfo* v = r.find("v");
+    if (total != opt.total() || !m || !v || m->dtype != DType::F32 || v->dtype != DType::F32 ||
+        shape_numel(m->shape) != e - b || shape_numel(v->shape) != e - b || b < 0 || e > total ||
+        b > e)
+      fail(path, " holds ", m ? shape_numel(m->shape) : 0, " moments for [", b, ", ", e, ") of ",
+           total, " parameters; the model needs ", opt.total(),
+           " (a checkpoint of another model, or a damaged file)");
+    ranges.push_back({b, e});
+    const int64_t lo = std::max(b, want.begin), hi = std::min(e, want.end);
+    if (hi <= lo) continue;
+    const float* src_m = static_cast<const float*>(r.data(*m)) + (lo - b);
+    const float* src_v = static_cast<const float*>(r.data(*v)) + (lo - b);
+    std::copy(src_m, src_m + (hi - lo), opt.m().begin() + (lo - want.begin));
+    std::copy(src_v, src_v + (hi - lo), opt.v().begin() + (lo - want.begin));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  int64_t covered = 0;
+  for (const auto& [b, e] : ranges) {
+    if (b != covered)
+      fail("checkpoint ", dir, ": the optimizer shards ", b > covered ? "leave out" : "overlap at",
+           " parameters [", std::min(b, covered), ", ", std::max(b, covered),
+           ") (a shard file is missing: were the ranks writing to a directory they all see?)");
+    covered = e;
+  }
+  if (covered != opt.total())
+    fail("checkpoint ", dir, ": the optimizer shards end at parameter ", covered, " of ",
+         opt.total(), " (a shard file is missing)");
+}
+
+std::string save_checkpoint(const std::string& run_dir, const model::BertModel& m,
+                            const Optimizer& opt, const TrainerState& st, int keep,
+                            comm::Communicator* comm) {
+  const bool shards = opt.sharded();
+  BT_CHECK(!shards || comm, "a sharded optimizer's checkpoint is saved by every rank (comm)");
+  const bool lead = !shards || comm->rank() == 0;
+  std::error_code ec;
   const std::string name = checkpoint_name(st.step);
   const std::string final_dir = (fs::path(run_dir) / name).string();
+  // Shards: every rank writes into the same staging directory, so its name is the same on all.
   const std::string tmp_dir =
-      (fs::path(run_dir) / ("." + name + ".tmp-" + std::to_string(::getpid()))).string();
-  fs::remove_all(tmp_dir, ec);
-  try {
-    fs::create_directories(tmp_dir);
-    model::save_pretrained(m, tmp_dir);
-    write_safetensors(
-        (fs::path(tmp_dir) / "optimizer.safetensors").string(),
-        {{"m", DType::F32, {static_cast<int64_t>(opt.m().size())}, opt.m().data(), nullptr},
-         {"v", DType::F32, {static_cast<int64_t>(opt.v().size())}, opt.v().data(), nullptr}},
-        {{"format", "bertrain-optimizer"}, {"optimizer", optimizer_name(opt.config().kind)}});
-    nlohmann::json j = {{"format", "bertrain-trainer-state"},
-                        {"version", kTrainerStateVersion},
-                        {"step", st.step},
-                        {"loss_scale", st.loss_scale},
-                        {"scaler_good_steps", st.scaler_good},
-                        {"scaler_skipped_steps", st.scaler_skipped},
-                        {"optimizer_steps", st.optimizer_steps},
-                        {"settings", st.settings}};
-    nlohmann::json pos = nlohmann::json::array();
-    for (const auto& p : st.positions)
-      pos.push_back({{"epoch", p.epoch},
-                     {"batches", p.batches},
-                     {"fingerprint", std::to_string(p.fingerprint)}});
-    j["pipeline"] = pos;
-    write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), j.dump(2) + "\n");
-    fsync_dir(tmp_dir);
-    if (fs::exists(final_dir)) fs::remove_all(final_dir);  // same step saved again (e.g. at exit)
-    fs::rename(tmp_dir, final_dir);
-    fsync_dir(run_dir);
-    write_file_atomic((fs::path(run_dir) / "latest").string(), name + "\n");
-  } catch (const std::exception& e) {
-    fs::remove_all(tmp_dir, ec);
-    fail("could not save checkpoint ", final_dir, ": ", e.what(),
+      (fs::path(run_dir) /
+       ("." + name + ".tmp-" + (shards ? std::string("shards") : std::to_string(::getpid()))))
+          .string();
+  // Every rank learns whether every rank succeeded; the first error is rethrown on its rank
+  // and named on the others.
+  std::string error;
+  auto agree = [&](const char* what) {
+    if (shards ? comm->all(error.empty()) : error.empty()) return;
+    if (lead) fs::remove_all(tmp_dir, ec);
+    fail("could not save checkpoint ", final_dir, ": ",
+         error.empty() ? str("another rank failed to ", what) : error,
          "; the previous checkpoint is intact (", resolve_checkpoint(run_dir), ")");
+  };
+  if (lead) {
+    fs::create_directories(run_dir, ec);
+    if (ec) error = str("cannot create run directory ", run_dir, ": ", ec.message());
+    fs::remove_all(tmp_dir, ec);
+    if (error.empty() && !fs::create_directories(tmp_dir, ec))
+      error = str("cannot create ", tmp_dir, ": ", ec ? ec.message() : "it exists");
   }
-  if (keep > 0) {
+  agree("create the checkpoint directory");
+  if (shards) {
+    try {
+      save_optimizer_state(tmp_dir, opt);
+    } catch (const std::exception& e) {
+      error = str("rank ", comm->rank(), ": ", e.what());
+    }
+    agree("write its optimizer shard");
+  }
+  if (lead) try {
+      model::save_pretrained(m, tmp_dir);
+      if (shards) {
+        // Rank 0 sees every shard, or the directory is not shared by the ranks.
+        for (int r = 0; r < opt.shard().world; ++r)
+          if (!fs::exists(fs::path(tmp_dir) / shard_file(r, opt.shard().world)))
+            fail("rank ", r, "'s optimizer shard is not in ", tmp_dir,
+                 " as rank 0 sees it: a sharded run needs an --output directory every rank "
+                 "sees (a shared file system)");
+      } else {
+        save_optimizer_state(tmp_dir, opt);
+      }
+      nlohmann::json j = {{"format", "bertrain-trainer-state"},
+                          {"version", kTrainerStateVersion},
+                          {"step", st.step},
+                          {"loss_scale", st.loss_scale},
+                          {"scaler_good_steps", st.scaler_good},
+                          {"scaler_skipped_steps", st.scaler_skipped},
+                          {"optimizer_steps", st.optimizer_steps},
+                          {"settings", st.settings}};
+      nlohmann::json pos = nlohmann::json::array();
+      for (const auto& p : st.positions)
+        pos.push_back({{"epoch", p.epoch},
+                       {"batches", p.batches},
+                       {"fingerprint", std::to_string(p.fingerprint)}});
+      j["pipeline"] = pos;
+      write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), j.dump(2) + "\n");
+      fsync_dir(tmp_dir);
+      if (fs::exists(final_dir)) fs::remove_all(final_dir);  // same step saved again (e.g. at exit)
+      fs::rename(tmp_dir, final_dir);
+      fsync_dir(run_dir);
+      write_file_atomic((fs::path(run_dir) / "latest").string(), name + "\n");
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  agree("commit the checkpoint");
+  if (lead && keep > 0) {
     std::vector<std::string> all;
     for (const auto& e : fs::directory_iterator(run_dir))
       if (e.is_directory() && e.path().filename().string().rfind("checkpoint-", 0) == 0)
@@ -142,17 +273,7 @@ TrainerState load_checkpoint(const std::string& dir, model::BertModel& m, Optimi
          "); resume from an earlier checkpoint of the run");
   }
   if (opt) {
-    SafetensorsReader r((fs::path(dir) / "optimizer.safetensors").string());
-    auto mm = r.read_f32("m"), vv = r.read_f32("v");
-    if (mm.size() != opt->m().size() || vv.size() != opt->v().size())
-      fail(dir, "/optimizer.safetensors holds ", mm.size(), " moments, the model needs ",
-           opt->m().size());
-    const std::string kind = r.metadata().count("optimizer") ? r.metadata().at("optimizer") : "";
-    if (kind != optimizer_name(opt->config().kind))
-      fail("checkpoint ", dir, " was trained with --optimizer ", kind,
-           "; resume with the same optimizer");
-    std::copy(mm.begin(), mm.end(), opt->m().begin());
-    std::copy(vv.begin(), vv.end(), opt->v().begin());
+    load_optimizer_state(dir, *opt);
     opt->set_steps(st.optimizer_steps);
   }
   return st;

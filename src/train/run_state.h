@@ -1,6 +1,8 @@
 // Training checkpoints in a run directory:
 //   run/checkpoint-000100/  model.safetensors + config.json (HuggingFace BertForPreTraining),
-//                           optimizer.safetensors (m, v), trainer_state.json (format version,
+//                           optimizer.safetensors (m, v) or, from a sharded optimizer, one
+//                           optimizer.rank-RRRRR-of-NNNNN.safetensors per rank (m, v of its
+//                           range, the range in its metadata), trainer_state.json (format version,
 //                           step, loss scale, optimizer steps, input-pipeline position per rank,
 //                           the settings a resume must match)
 //   run/latest              name of the newest complete checkpoint
@@ -12,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "data/pipeline.h"
 #include "model/bert.h"
 #include "train/optimizer.h"
@@ -30,9 +33,21 @@ struct TrainerState {
 };
 
 // Writes run_dir/checkpoint-<step>/ and updates run_dir/latest; keeps the newest `keep` (0: all).
-// Returns the checkpoint directory.
+// Returns the checkpoint directory. A sharded optimizer's checkpoint is written by every rank
+// (collective over comm: each rank its own shard, rank 0 the rest), into a directory every rank
+// sees; an unsharded one by rank 0 alone (comm may be null).
 std::string save_checkpoint(const std::string& run_dir, const model::BertModel& m,
-                            const Optimizer& opt, const TrainerState& st, int keep);
+                            const Optimizer& opt, const TrainerState& st, int keep,
+                            comm::Communicator* comm = nullptr);
+
+// The optimizer state of checkpoint `dir` into `opt`, whatever the partition it was saved
+// with and `opt` has (re-partitioning: 4 shards into 2, shards into one, one into shards).
+void load_optimizer_state(const std::string& dir, Optimizer& opt);
+// Its files (optimizer.safetensors, or the shards' files); empty if there are none.
+std::vector<std::string> optimizer_state_files(const std::string& dir);
+// Writes this rank's optimizer state into checkpoint directory `dir` (the whole file, or its
+// shard's) and returns the path.
+std::string save_optimizer_state(const std::string& dir, const Optimizer& opt);
 
 // The checkpoint directory `path` names: a checkpoint itself, or a run directory (its latest).
 // Empty if a run directory has no checkpoint yet.

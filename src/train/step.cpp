@@ -20,11 +20,20 @@ Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, comm::Commun
     : m_(m), opt_(opt), scaler_(scaler), comm_(comm), s_(s), tl_(timeline) {
   if (s_.accumulation <= 0) fail("accumulation must be positive, got ", s_.accumulation);
   if (!(s_.predivide > 0)) fail("the gradient predivide factor must be positive");
+  const int64_t P = m_.table().total();
+  if (opt_.sharded()) {
+    if (opt_.shard().world != comm_.size() || opt_.shard().rank != comm_.rank())
+      fail("the optimizer is sharded for rank ", opt_.shard().rank, " of ", opt_.shard().world,
+           ", this is rank ", comm_.rank(), " of ", comm_.size());
+    counts_ = shard_counts(P, comm_.size());
+    owners_.assign(1, 0);
+    for (int64_t c : counts_) owners_.push_back(owners_.back() + c);
+  }
   if (comm_.size() > 1 && s_.overlap) {
     std::vector<std::pair<int64_t, int64_t>> layers;
     for (int64_t l = 0; l < m_.config().num_hidden_layers; ++l) layers.push_back(m_.layer_range(l));
-    reducer_ = std::make_unique<comm::Reducer>(comm_, m_.grads(), m_.table().total(), layers,
-                                               s_.bucket_bytes, tl_);
+    reducer_ = std::make_unique<comm::Reducer>(comm_, m_.grads(), P, layers, s_.bucket_bytes, tl_,
+                                               owners_);
   }
 }
 
@@ -55,7 +64,10 @@ void Step::reduce(const GradientScale& g, StepReport& r) {
     for (int64_t i = 0; i < P; ++i) grad[i] *= pre;
   }
   comm_.set_label("all gradients (one bucket)");
-  comm_.allreduce_sum(grad, P);
+  if (opt_.sharded())
+    comm_.reduce_scatter_sum(grad, P, counts_);
+  else
+    comm_.allreduce_sum(grad, P);
   comm_.set_label("");
 }
 
@@ -74,9 +86,9 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   r.loss_scale = scaler_.scale();
   if (reducer_) reducer_->set_prescale(g.prescale);
   m_.zero_grads();
-  // Per rank: loss sum, MLM hits and weight, NSP and classification hits, examples, and
-  // whether some micro-batch's loss was not finite.
-  double stats[7] = {};
+  // Per rank: loss sum, MLM hits and weight, NSP and classification hits, examples, whether
+  // some micro-batch's loss was not finite, and (sharded) the squared gradient norm of its part.
+  double stats[8] = {};
   for (int64_t micro = 0; micro < s_.accumulation; ++micro) {
     auto t0 = Clock::now();
     if (!next_batch(batch_)) {
@@ -112,7 +124,12 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   auto t0 = Clock::now();
   reduce(g, r);
   stats[0] /= static_cast<double>(s_.accumulation);
-  if (world > 1) comm_.allreduce_sum(stats, 7);
+  const bool sharded = opt_.sharded();
+  if (sharded) {
+    m_.bind_kernel_scratch();                            // the norm's partial sums come from it
+    stats[7] = opt_.sum_squares(m_.grads(), g.unscale);  // of this rank's part
+  }
+  if (world > 1) comm_.allreduce_sum(stats, sharded ? 8 : 7);
   r.t_comm = since(t0);
   span("allreduce gradients", "communication", t0);
   r.loss = stats[0] / world;
@@ -125,8 +142,10 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   // Finite check on every rank (all skip together), then the update.
   t0 = Clock::now();
   m_.bind_kernel_scratch();  // the optimizer's reductions take their partial sums from it
-  const StepResult measured = opt_.measure(m_.grads(), g.unscale);
-  const bool finite = world > 1 ? comm_.all(measured.finite) : measured.finite;
+  // Sharded: the norm of every part, summed with the statistics (the same value on every rank;
+  // a NaN or inf anywhere makes it non-finite everywhere).
+  const StepResult measured = sharded ? opt_.result(stats[7]) : opt_.measure(m_.grads(), g.unscale);
+  const bool finite = world > 1 && !sharded ? comm_.all(measured.finite) : measured.finite;
   r.grad_norm = measured.grad_norm;
   // A non-finite loss with finite gradients (an overflowing cross-entropy whose softmax
   // gradient stays bounded) would train on silently in fp32/bf16; fp16's scaler handles both.
@@ -139,7 +158,20 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   if (r.applied) {
     // Clipping uses the same global norm on every rank: gradients are identical after the sum.
     opt_.apply(m_.params(), m_.grads(), static_cast<float>(lr), g.unscale, measured,
-               m_.bf16_weights());
+               m_.bf16_weights(), [&](double* v, int64_t n) { comm_.allreduce_sum(v, n); });
+    if (sharded) {
+      // Each rank updated its part: every rank gets every part (fp32, exact), and rounds the
+      // parts it did not update into its bf16 copy.
+      const auto t_gather = Clock::now();
+      comm_.set_label("updated parameters");
+      comm_.allgather(m_.params(), m_.table().total(), counts_);
+      comm_.set_label("");
+      r.t_comm += since(t_gather);
+      span("allgather parameters", "communication", t_gather);
+      const Shard& own = opt_.shard();
+      m_.refresh_bf16_weights(0, own.begin);
+      m_.refresh_bf16_weights(own.end, m_.table().total());
+    }
     m_.bf16_weights_updated();
   }
   r.t_optimizer = since(t0);

@@ -2,6 +2,10 @@
 //   zero gradients -> per micro-batch: input, forward, backward (the reducer hears of each
 //   finished layer on the last one) -> reduce across ranks -> finite check (all ranks) and loss
 //   scaler -> optimizer (unscale, clip, update, 16-bit weight copy) .
+// With a sharded optimizer (ZeRO stage 1: Optimizer's Shard) the sum across ranks is a
+// reduce-scatter (each rank receives the sum of its part), the norm and finite check add the
+// parts' squared norms, each rank updates its part, and an allgather gives every rank all the
+// updated parameters: the bytes of one allreduce, and 1/world of the optimizer state per rank.
 // It alone owns the gradient scale. Backward computes the gradient of
 //   loss * loss_scale / accumulation                      (GradientScale::backward)
 // on each rank; before the sum over ranks every gradient is multiplied by 1 / predivide
@@ -84,6 +88,8 @@ class Step {
   StepSettings s_;
   obs::Timeline* tl_;
   std::unique_ptr<comm::Reducer> reducer_;
+  // Sharded optimizer: every rank's part of the flat buffers, and the cuts between them.
+  std::vector<int64_t> counts_, owners_;
   model::Batch batch_;
 };
 

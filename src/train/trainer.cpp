@@ -207,7 +207,8 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
         with_precision({c.batch_size, c.seq_len, c.max_predictions, false, c.attention, false,
                         c.recompute_layers},
                        c.precision)),
-      opt(param_slices(m.table()), m.table().total(), c.optimizer),
+      opt(param_slices(m.table()), m.table().total(), c.optimizer, kernels::cpu_backend(),
+          c.shard_optimizer ? shard_of(m.table().total(), cm.rank(), cm.size()) : Shard{}),
       scaler([&] {
         LossScaler::Config sc;
         sc.enabled = c.precision == Precision::FP16;
@@ -223,6 +224,7 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
               {"world_size", world},
               {"precision", precision_name(cfg.precision)},
               {"optimizer", optimizer_name(cfg.optimizer.kind)},
+              {"shard_optimizer", opt.sharded()},
               {"seed", cfg.seed}};
 }
 
@@ -285,7 +287,10 @@ std::string Trainer::State::save(int64_t step_done, const data::PipelinePosition
   for (int r = 0; r < world; ++r)
     st.positions.push_back({static_cast<uint64_t>(pos[3 * r]),
                             static_cast<uint64_t>(pos[3 * r + 1]), done_pos.fingerprint});
-  if (rank == 0) last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last));
+  if (opt.sharded())  // every rank writes its shard
+    last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last), &comm);
+  else if (rank == 0)
+    last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last));
   comm.barrier();
   return last_ck;
 }
@@ -299,11 +304,14 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   State& s = *s_;
   s.resume_or_init();
   s.check_ranks_agree();
-  // Every rank starts from rank 0's parameters and optimizer state.
+  // Every rank starts from rank 0's parameters and optimizer state (sharded: each rank loaded
+  // its own part of the state).
   const int64_t bytes = s.m.table().total() * static_cast<int64_t>(sizeof(float));
   comm.broadcast(s.m.params(), bytes, 0);
-  comm.broadcast(s.opt.m().data(), bytes, 0);
-  comm.broadcast(s.opt.v().data(), bytes, 0);
+  if (!s.opt.sharded()) {
+    comm.broadcast(s.opt.m().data(), bytes, 0);
+    comm.broadcast(s.opt.v().data(), bytes, 0);
+  }
   // Gradients in the communicator's shared memory, when it has such: the shm and hierarchical
   // allreduce then read and write them in place, with no copy in or out.
   if (s.world > 1) {
@@ -387,6 +395,10 @@ std::string Trainer::banner() const {
       str("  steps ", s.start_step, "..", cfg.steps, ", save every ", cfg.save_every, " to ",
           cfg.output, ", ", s.comm.name(), ", ", omp_get_max_threads(), " threads, memory plan ",
           human_bytes(static_cast<double>(s.m.plan().total_bytes() + s.opt.plan().total_bytes())),
+          s.opt.sharded() ? str(" (optimizer state sharded: ",
+                                human_bytes(static_cast<double>(s.opt.plan().total_bytes())),
+                                " of ", human_bytes(16.0 * s.opt.total() / 2), " here)")
+                          : std::string(),
           ", input bound ", human_bytes(static_cast<double>(s.pipe->memory_bound_bytes())), "\n");
   out += str("  cpu ", kernels::cpu_description(), "\n");
   if (bf16 && !kernels::bf16_speed_note().empty())

@@ -39,6 +39,7 @@ struct TrainConfig {
   std::string timeline;    // Chrome trace of the run (merged over ranks), "" = off
   bool overlap = true;     // with several ranks: allreduce buckets while backward runs
   int64_t bucket_mb = 64;  // gradient bucket size for the overlap (Horovod's fusion threshold)
+  bool shard_optimizer = false;  // ZeRO stage 1: each rank holds 1/world of the optimizer state
 };
 
 struct TrainResult {

@@ -18,6 +18,7 @@
 #include "train/finetune.h"
 #include "train/loss_scaler.h"
 #include "train/optimizer.h"
+#include "train/step.h"
 
 namespace bertrain::comm {
 namespace {
@@ -130,6 +131,173 @@ TEST(Allreduce, RandomValuesAgreeToRoundingAndAcrossRanks) {
     }
   }
   g_comm->set_wire(Wire::F32);
+}
+
+// ZeRO's halves: a reduce-scatter leaves on each rank its part of the sum, exactly as
+// MPI_Allreduce computes it (integer values: every order gives the same bits), for even, uneven
+// and empty parts, on private and on shared (zero-copy) buffers; an allgather then gives every
+// rank every part, bit for bit.
+TEST(ReduceScatter, EveryAlgorithmGivesEachRankItsPartOfTheSum) {
+  const int p = g_comm->size(), me = g_comm->rank();
+  float* shared = g_comm->allocate_shared(1000003);
+  for (int64_t n : {int64_t{0}, int64_t{7}, int64_t{1000003}}) {
+    std::vector<std::vector<int64_t>> cuts;
+    cuts.push_back(train::shard_counts(n, p));  // the optimizer's even parts
+    std::vector<int64_t> uneven(p, 0);          // rank 0 nothing, the last rank most
+    for (int r = 1; r < p; ++r) uneven[r] = n * r / (p * (p - 1) / 2);
+    int64_t sum = 0;
+    for (int r = 1; r < p; ++r) sum += uneven[r];
+    uneven[p - 1] += n - sum;
+    cuts.push_back(uneven);
+    const auto want = reference(n, true);
+    for (Algorithm a : {Algorithm::Mpi, Algorithm::Ring, Algorithm::Shm, Algorithm::Hierarchical})
+      for (const auto& counts : cuts)
+        for (bool in_shared : {false, true}) {
+          if (in_shared && !shared) continue;
+          g_comm->set_algorithm(a);
+          g_comm->set_wire(Wire::F32);
+          std::vector<float> own = pattern(n, me, true);
+          float* v = in_shared ? shared : own.data();
+          std::copy(own.begin(), own.end(), v);
+          g_comm->reduce_scatter_sum(v, n, counts);
+          int64_t b = 0;
+          for (int r = 0; r < me; ++r) b += counts[r];
+          for (int64_t i = b; i < b + counts[me]; ++i)
+            ASSERT_EQ(v[i], want[i]) << algorithm_name(a) << " n=" << n << " at " << i
+                                     << (in_shared ? " (shared buffer)" : "");
+          // Everything else is this rank's to overwrite: the allgather fills it in.
+          for (int64_t i = 0; i < n; ++i)
+            if (i < b || i >= b + counts[me]) v[i] = -1.0f;
+          g_comm->allgather(v, n, counts);
+          ASSERT_EQ(std::memcmp(v, want.data(), n * sizeof(float)), 0)
+              << "allgather, " << algorithm_name(a) << " n=" << n;
+          MPI_Barrier(MPI_COMM_WORLD);  // nobody refills the shared buffer while a peer reads it
+        }
+  }
+}
+
+// Parts that do not cover the buffer are an error, not a silent partial sum.
+TEST(ReduceScatter, PartsMustCoverTheBuffer) {
+  std::vector<float> v(10, 1.0f);
+  std::vector<int64_t> counts(g_comm->size(), 1);
+  try {
+    g_comm->reduce_scatter_sum(v.data(), 10, counts);
+    FAIL() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("cover the buffer"), std::string::npos) << e.what();
+  }
+}
+
+// ZeRO stage 1 through train::Step: the sharded optimizer (reduce-scatter, each rank's update of
+// its part, allgather) trains the same parameters as the unsharded one, on every algorithm, with
+// and without the overlapped buckets, for AdamW and LAMB (whose tensors straddle the parts),
+// with the global-norm clipping active. Bit-identical where the arithmetic is the same (shm and
+// hierarchical sum in rank order either way; AdamW without clipping is element-wise); elsewhere
+// the sums run in another order (ring chunks, MPI's reduce-scatter; the norm and LAMB's trust
+// ratios add per-rank partial sums): fp32 rounding through 3 steps, the DataParallel tolerance.
+TEST(ShardedOptimizer, EqualsUnshardedOnEveryAlgorithm) {
+  const model::BertConfig c = test::small_bert(97, 16, 2, 2, 32, 16);
+  const int64_t B = 2, T = 12, P = 3;
+  const int me = g_comm->rank(), world = g_comm->size();
+  auto batch_for = [&](model::Batch& b, uint64_t step) {
+    b.resize(B, T, P);
+    std::mt19937 rng(static_cast<uint32_t>(100 * step + me));
+    for (int64_t i = 0; i < B * T; ++i) {
+      b.input_ids[i] = static_cast<int32_t>(rng() % c.vocab_size);
+      b.input_mask[i] = (i % T) < 10 ? 1 : 0;
+      b.segment_ids[i] = (i % T) >= 6 ? 1 : 0;
+    }
+    for (int64_t i = 0; i < B * P; ++i) {
+      b.masked_lm_positions[i] = static_cast<int32_t>(1 + (i % P) * 3);
+      b.masked_lm_ids[i] = static_cast<int32_t>(rng() % c.vocab_size);
+      b.masked_lm_weights[i] = 1.0f;
+    }
+    for (int64_t i = 0; i < B; ++i) b.next_sentence_labels[i] = static_cast<int32_t>(i % 2);
+  };
+  struct Run {
+    std::vector<float> params, m;  // m: the whole first moment (sharded: gathered)
+    double grad_norm = 0;
+  };
+  auto run = [&](Algorithm a, train::OptimizerKind kind, float clip, bool overlap, bool shard) {
+    g_comm->set_algorithm(a);
+    g_comm->set_wire(Wire::F32);
+    model::BertModel m(c, model::Head::Pretraining, {B, T, P});
+    m.init_params(11);
+    const int64_t total = m.table().total();
+    if (float* sh = g_comm->allocate_shared((m.plan().group_bytes("gradients") + 3) / 4))
+      m.place_gradients(reinterpret_cast<std::byte*>(sh));
+    train::OptimizerConfig oc;
+    oc.kind = kind;
+    oc.max_grad_norm = clip;
+    train::Optimizer opt(train::param_slices(m.table()), total, oc, kernels::cpu_backend(),
+                         shard ? train::shard_of(total, me, world) : train::Shard{});
+    train::LossScaler scaler{train::LossScaler::Config{}};
+    train::StepSettings ss;
+    ss.overlap = overlap;
+    ss.bucket_bytes = 4096;  // several buckets, most straddling two ranks' parts
+    ss.seed = 9;
+    train::Step step(m, opt, scaler, *g_comm, ss);
+    Run r;
+    for (int64_t k = 0; k < 3; ++k) {
+      const train::StepReport rep = step.run(k, 1e-3, [&](model::Batch& b) {
+        batch_for(b, static_cast<uint64_t>(k));
+        return true;
+      });
+      EXPECT_TRUE(rep.applied);
+      r.grad_norm = rep.grad_norm;
+    }
+    r.params.assign(m.params(), m.params() + total);
+    r.m.assign(total, 0.0f);
+    std::copy(opt.m().begin(), opt.m().end(), r.m.begin() + opt.shard().begin);
+    if (shard) g_comm->allgather(r.m.data(), total, train::shard_counts(total, world));
+    // Every rank holds the same parameters.
+    std::vector<float> r0 = r.params;
+    MPI_Bcast(r0.data(), static_cast<int>(total), MPI_FLOAT, 0, MPI_COMM_WORLD);
+    EXPECT_EQ(std::memcmp(r0.data(), r.params.data(), total * sizeof(float)), 0)
+        << algorithm_name(a) << (shard ? " sharded" : "") << ": ranks disagree";
+    return r;
+  };
+  auto worst = [](const std::vector<float>& x, const std::vector<float>& y) {
+    double w = 0;
+    for (size_t i = 0; i < x.size(); ++i)
+      w = std::max(w, static_cast<double>(std::fabs(x[i] - y[i])));
+    return w;
+  };
+  double most = 0, moved = 0;
+  std::vector<float> initial;
+  {
+    model::BertModel m(c, model::Head::Pretraining, {B, T, P});
+    m.init_params(11);
+    initial.assign(m.params(), m.params() + m.table().total());
+  }
+  for (Algorithm a : {Algorithm::Mpi, Algorithm::Ring, Algorithm::Shm, Algorithm::Hierarchical})
+    for (train::OptimizerKind kind : {train::OptimizerKind::AdamW, train::OptimizerKind::Lamb})
+      for (float clip : {0.0f, 0.05f})
+        for (bool overlap : {false, true}) {
+          const std::string what = str(algorithm_name(a), " ", train::optimizer_name(kind),
+                                       " clip ", clip, overlap ? " overlapped" : "");
+          const Run plain = run(a, kind, clip, overlap, false);
+          const Run sharded = run(a, kind, clip, overlap, true);
+          const bool same_arithmetic = (a == Algorithm::Shm || a == Algorithm::Hierarchical) &&
+                                       kind == train::OptimizerKind::AdamW && clip == 0.0f;
+          if (same_arithmetic) {
+            EXPECT_EQ(std::memcmp(plain.params.data(), sharded.params.data(),
+                                  plain.params.size() * sizeof(float)),
+                      0)
+                << what << ": not bit-identical";
+            EXPECT_EQ(std::memcmp(plain.m.data(), sharded.m.data(), plain.m.size() * 4), 0) << what;
+          }
+          EXPECT_LE(worst(plain.params, sharded.params), 2e-6) << what;
+          EXPECT_LE(worst(plain.m, sharded.m), 1e-6) << what;
+          EXPECT_NEAR(plain.grad_norm, sharded.grad_norm, 1e-6 * plain.grad_norm) << what;
+          most = std::max(most, worst(plain.params, sharded.params));
+          moved = std::max(moved, worst(plain.params, initial));
+        }
+  if (me == 0)
+    std::printf(
+        "sharded vs unsharded, %d ranks: worst parameter difference %.2e (parameters "
+        "moved up to %.2e)\n",
+        world, most, moved);
 }
 
 // 2 ranks x batch B/2 == 1 rank x batch B, with dropout on (masks keyed by global example).

@@ -276,6 +276,14 @@ class CpuBackend final : public Backend {
                    int64_t n) const override {
     kernels::lamb_update(a, p, p16, g, m, v, n);
   }
+  void lamb_moments(const LambStep& a, const float* p, const float* g, float* m, float* v,
+                    int64_t n, double& pn, double& un) const override {
+    kernels::lamb_moments(a, p, g, m, v, n, pn, un);
+  }
+  void lamb_apply(const LambStep& a, float* p, uint16_t* p16, const float* m, const float* v,
+                  int64_t n, float step) const override {
+    kernels::lamb_apply(a, p, p16, m, v, n, step);
+  }
 };
 
 }  // namespace

@@ -259,8 +259,8 @@ void adamw_on(isa::Portable, const AdamwStep& a, float* p, uint16_t* p16, const 
 }
 
 template <typename Tag>
-void lamb_on(Tag tag, const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
-             float* v, int64_t n) {
+void lamb_moments_on(Tag tag, const LambStep& a, const float* p, const float* g, float* m, float* v,
+                     int64_t n, double& pn, double& un) {
   const ScratchBlock part = thread_partials(2);
   const int threads = omp_get_max_threads();
   parallel_chunks(n, [&](int64_t b, int64_t e) {
@@ -268,21 +268,26 @@ void lamb_on(Tag tag, const LambStep& a, float* p, uint16_t* p16, const float* g
     lamb_moments_rows(tag, p, g, m, v, b, e, a.gscale, a.beta1, a.beta2, a.ibc1, a.ibc2, a.eps,
                       a.wd, &mine[0], &mine[1]);
   });
-  double pn = 0, un = 0;
   for (int t = 0; t < threads; ++t) {
     pn += part.as<double>(t)[0];
     un += part.as<double>(t)[1];
   }
-  float trust = 1.0f;
-  if (a.wd != 0.0f && pn > 0 && un > 0) trust = static_cast<float>(std::sqrt(pn) / std::sqrt(un));
-  const float step = a.lr * trust;
+}
+void lamb_moments_on(isa::Portable, const LambStep& a, const float* p, const float* g, float* m,
+                     float* v, int64_t n, double& pn, double& un) {
+  lamb_moments_reference(a, p, g, m, v, n, pn, un);
+}
+
+template <typename Tag>
+void lamb_apply_on(Tag tag, const LambStep& a, float* p, uint16_t* p16, const float* m,
+                   const float* v, int64_t n, float step) {
   parallel_chunks(n, [&](int64_t b, int64_t e) {
     lamb_update_rows(tag, p, p16, m, v, b, e, a.ibc1, a.ibc2, a.eps, a.wd, step);
   });
 }
-void lamb_on(isa::Portable, const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
-             float* v, int64_t n) {
-  lamb_update_reference(a, p, p16, g, m, v, n);
+void lamb_apply_on(isa::Portable, const LambStep& a, float* p, uint16_t* p16, const float* m,
+                   const float* v, int64_t n, float step) {
+  lamb_apply_reference(a, p, p16, m, v, n, step);
 }
 }  // namespace
 
@@ -319,13 +324,25 @@ void adamw_update_reference(const AdamwStep& a, float* p, uint16_t* p16, const f
   }
 }
 
-void lamb_update(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m, float* v,
-                 int64_t n) {
-  with_isa([&](auto tag) { lamb_on(tag, a, p, p16, g, m, v, n); });
+void lamb_moments(const LambStep& a, const float* p, const float* g, float* m, float* v, int64_t n,
+                  double& pn, double& un) {
+  with_isa([&](auto tag) { lamb_moments_on(tag, a, p, g, m, v, n, pn, un); });
 }
 
-void lamb_update_reference(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
-                           float* v, int64_t n) {
+void lamb_apply(const LambStep& a, float* p, uint16_t* p16, const float* m, const float* v,
+                int64_t n, float step) {
+  with_isa([&](auto tag) { lamb_apply_on(tag, a, p, p16, m, v, n, step); });
+}
+
+void lamb_update(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m, float* v,
+                 int64_t n) {
+  double pn = 0, un = 0;
+  lamb_moments(a, p, g, m, v, n, pn, un);
+  lamb_apply(a, p, p16, m, v, n, a.lr * lamb_trust(a, pn, un));
+}
+
+void lamb_moments_reference(const LambStep& a, const float* p, const float* g, float* m, float* v,
+                            int64_t n, double& pn_out, double& un_out) {
   const float gscale = a.gscale, b1 = a.beta1, b2 = a.beta2, ibc1 = a.ibc1, ibc2 = a.ibc2,
               eps = a.eps, wd = a.wd;
   double pn = 0, un = 0;
@@ -338,15 +355,26 @@ void lamb_update_reference(const LambStep& a, float* p, uint16_t* p16, const flo
     pn += static_cast<double>(p[i]) * p[i];
     un += static_cast<double>(u) * u;
   }
-  float trust = 1.0f;
-  if (wd != 0.0f && pn > 0 && un > 0) trust = static_cast<float>(std::sqrt(pn) / std::sqrt(un));
-  const float step = a.lr * trust;
+  pn_out += pn;
+  un_out += un;
+}
+
+void lamb_apply_reference(const LambStep& a, float* p, uint16_t* p16, const float* m,
+                          const float* v, int64_t n, float step) {
+  const float ibc1 = a.ibc1, ibc2 = a.ibc2, eps = a.eps, wd = a.wd;
 #pragma omp parallel for simd schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) {
     const float u = (m[i] * ibc1) / (std::sqrt(v[i] * ibc2) + eps) + wd * p[i];
     p[i] -= step * u;
     if (p16) p16[i] = f32_to_bf16(p[i]);
   }
+}
+
+void lamb_update_reference(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
+                           float* v, int64_t n) {
+  double pn = 0, un = 0;
+  lamb_moments_reference(a, p, g, m, v, n, pn, un);
+  lamb_apply_reference(a, p, p16, m, v, n, a.lr * lamb_trust(a, pn, un));
 }
 
 }  // namespace bertrain::kernels

@@ -23,6 +23,19 @@ void adamw_update(const AdamwStep& a, float* p, uint16_t* p16, const float* g, f
 void adamw_update_reference(const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
                             float* v, int64_t n);
 
+// LAMB in its two passes (what lamb_update runs), for a tensor whose parts are updated on several
+// ranks (the sharded optimizer): lamb_moments updates m and v and adds the squared norms of p
+// and of the update direction to pn and un; the trust ratio comes from the whole tensor's norms
+// (lamb_trust: ||p|| / ||u|| with weight decay, else 1); lamb_apply moves p by step = lr x trust.
+void lamb_moments(const LambStep& a, const float* p, const float* g, float* m, float* v, int64_t n,
+                  double& pn, double& un);
+void lamb_apply(const LambStep& a, float* p, uint16_t* p16, const float* m, const float* v,
+                int64_t n, float step);
+void lamb_moments_reference(const LambStep& a, const float* p, const float* g, float* m, float* v,
+                            int64_t n, double& pn, double& un);
+void lamb_apply_reference(const LambStep& a, float* p, uint16_t* p16, const float* m,
+                          const float* v, int64_t n, float step);
+
 void lamb_update(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m, float* v,
                  int64_t n);
 void lamb_update_reference(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
