@@ -88,10 +88,13 @@ $BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128
 echo "-- the same with layer recomputation (backward recomputes each layer's forward; same gradients):"
 $BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128 --recompute layer \
   --memory-budget "$((mem_kib / 1024 / 2))MiB" | grep -E "^run|activations|total|budget"
+echo "-- and with the optimizer state sharded over 8 ranks (train --shard-optimizer, ZeRO stage 1):"
+$BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128 --shard-optimizer --ranks 8 \
+  | grep -E "^run|optimizer|total"
 
 echo; echo "== 7. one job description for every launcher: BERT-Large on 32 hosts x 4 GPUs"
 for emit in mpirun slurm mpijob dlc; do $BT launch configs/jobs/bert-large-128.yaml --emit $emit --output "$OUT/jobs"; done
 head -12 "$OUT/jobs/bert-large-128.sbatch"
-echo "-- and a two-rank job started here (configs/jobs/local-2rank.yaml --run):"
-$BT launch configs/jobs/local-2rank.yaml --run 2>&1 | grep -E "^launch|^step|^bottleneck"
+echo "-- and a two-rank job started here, its optimizer state sharded (configs/jobs/local-2rank.yaml --run):"
+$BT launch configs/jobs/local-2rank.yaml --run 2>&1 | grep -E "^launch|sharded|^step|^bottleneck"
 echo; echo "demo: done (outputs in $OUT/)"

@@ -63,6 +63,33 @@ TEST(MemoryPlan, ShardedOptimizerStateIsTheLargestPart) {
   }
 }
 
+// estimate --explain: the rule of thumb's numbers (16 B per parameter; Korthikanti et al.'s
+// L s b h (34 + 5 a s / h) bytes of activations) next to the plan, and the reasons named for
+// this run. BERT-base at 32 x 128: the rule's activations are 12 x 128 x 32 x 768 x 44 B.
+TEST(MemoryPlan, ExplainPutsTheRuleOfThumbNextToThePlan) {
+  model::BertConfig base;  // BERT-base's defaults
+  base.vocab_size = 30522;
+  const model::ModelDims dims{32, 128, 20};
+  const MemoryPlan plan = plan::training_plan(base, model::Head::Pretraining, dims, 2);
+  const std::string e = plan::explain_plan(base, model::Head::Pretraining, dims, 2, 1, plan);
+  const double params = model::ParamTable(base, model::Head::Pretraining).total();
+  EXPECT_NE(e.find(human_bytes(16.0 * params)), std::string::npos) << e;
+  EXPECT_NE(e.find(human_bytes(12.0 * 128 * 32 * 768 * 44)), std::string::npos) << e;
+  EXPECT_NE(e.find(human_bytes(static_cast<double>(plan.total_bytes()))), std::string::npos) << e;
+  EXPECT_NE(e.find("model states: the plan is 100% of the rule"), std::string::npos) << e;
+  EXPECT_NE(e.find("fp32 training keeps fp32 activations"), std::string::npos) << e;
+  EXPECT_NE(e.find("the full attention keeps"), std::string::npos) << e;
+  // bf16, blocked attention, recomputation, sharding: each named.
+  model::ModelDims d2 = train::with_precision({8, 512, 80}, train::Precision::BF16);
+  d2.recompute_layers = true;
+  const MemoryPlan p2 = plan::training_plan(base, model::Head::Pretraining, d2, 2, 4);
+  const std::string e2 = plan::explain_plan(base, model::Head::Pretraining, d2, 2, 4, p2);
+  for (const char* why :
+       {"sharded over 4 ranks (2 B per parameter", "bf16 weight copy",
+        "layers recomputed in backward", "kept in bf16", "blocked attention keeps no"})
+    EXPECT_NE(e2.find(why), std::string::npos) << why << "\n" << e2;
+}
+
 struct Bench {
   double peak, baseline, plan, allocated, unplanned_scratch;
 };

@@ -15,7 +15,7 @@ void add_estimate(CLI::App& app) {
                         recompute = "none";
     int64_t batch = 32, seq = 128, preds = 20;
     int slots = 2, ranks = 1;
-    bool shard = false;
+    bool shard = false, explain = false;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand(
@@ -36,6 +36,9 @@ void add_estimate(CLI::App& app) {
   c->add_option("--ranks", o->ranks, "Data-parallel ranks (with --shard-optimizer)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  c->add_flag("--explain", o->explain,
+              "Also print the rule of thumb (16 B per parameter, Korthikanti et al.'s "
+              "activations) next to the plan, and why they differ");
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
   c->add_option("--precision", o->precision,
@@ -68,6 +71,8 @@ void add_estimate(CLI::App& app) {
         d.blocked_attention() ? "blocked" : "full",
         d.recompute_layers ? ", layers recomputed in backward" : "");
     std::printf("memory plan per rank:\n%s", plan::format_plan(plan).c_str());
+    if (o->explain)
+      std::printf("%s", plan::explain_plan(cfg, head, d, o->slots, shard_world, plan).c_str());
     if (!o->budget.empty()) {
       const double budget = parse_bytes(o->budget);
       const int64_t b = plan::max_batch_for_budget(cfg, head, d, o->slots, budget, shard_world);

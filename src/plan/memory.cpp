@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "core/error.h"
+
 namespace bertrain::plan {
 
 void plan_optimizer_state(MemoryPlan& plan, int64_t parameters, int slots) {
@@ -37,6 +39,92 @@ MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,
       plan, largest_shard(model::ParamTable(cfg, head).total(), std::max(1, shard_world)),
       optimizer_slots);
   return plan;
+}
+
+std::string explain_plan(const model::BertConfig& cfg, model::Head head, const model::ModelDims& d,
+                         int slots, int shard_world, const MemoryPlan& plan) {
+  const double P = static_cast<double>(model::ParamTable(cfg, head).total());
+  const double L = static_cast<double>(cfg.num_hidden_layers),
+               h = static_cast<double>(cfg.hidden_size),
+               a = static_cast<double>(cfg.num_attention_heads), s = static_cast<double>(d.seq_len),
+               b = static_cast<double>(d.batch);
+  const double rule_states = 16.0 * P;
+  const double rule_attention = L * 5.0 * a * s * s * b;  // scores, softmax (2 B), mask (1 B)
+  const double rule_act = L * s * b * h * 34.0 + rule_attention;
+  auto g = [&](const char* group) { return static_cast<double>(plan.group_bytes(group)); };
+  const double states = g("parameters") + g("gradients") + g("optimizer");
+  const double act = g("activations") + g("scratch"), kernels = g("kernels");
+  std::string out;
+  char line[256];
+  auto row = [&](const char* what, const std::string& how, double bytes, const std::string& note) {
+    std::snprintf(line, sizeof line, "  %-13s %-34s %11s  %s\n", what, how.c_str(),
+                  human_bytes(bytes).c_str(), note.c_str());
+    out += line;
+  };
+  out += "rule of thumb (what out-of-memory advice quotes):\n";
+  row("model states",
+      str("16 B x ",
+          P / 1e6 > 10 ? str(static_cast<int64_t>(P / 1e6 + 0.5), "M")
+                       : str(static_cast<int64_t>(P)),
+          " parameters"),
+      rule_states, "fp32 weights 4, gradients 4, Adam m and v 8");
+  row("activations", "L s b h (34 + 5 a s / h) B", rule_act,
+      "Korthikanti et al. 2022: 16-bit activations, 1-byte dropout masks");
+  row("  per token", "L s b h 34 B", rule_act - rule_attention,
+      "what formulas without the attention's s^2 terms count");
+  row("  s^2 terms", "L 5 a s^2 b B", rule_attention, "scores, softmax, dropout mask");
+  row("total", "", rule_states + rule_act, "");
+  out += "the plan (what train allocates, byte for byte):\n";
+  row("model states", "parameters + gradients + optimizer", states,
+      str(human_bytes(g("parameters")), " + ", human_bytes(g("gradients")), " + ",
+          human_bytes(g("optimizer"))));
+  row("activations", "activations + backward scratch", act,
+      str(human_bytes(g("activations")), " + ", human_bytes(g("scratch"))));
+  row("kernels", "library and kernel workspaces", kernels, "oneDNN's GEMM scratchpad, partials");
+  for (const std::string& other : plan.groups())
+    if (other != "parameters" && other != "gradients" && other != "optimizer" &&
+        other != "activations" && other != "scratch" && other != "kernels")
+      row(other.c_str(), other == "bf16" ? "weight copy and matmul operands" : "", g(other.c_str()),
+          "");
+  row("total", "", static_cast<double>(plan.total_bytes()), "");
+  out += "where they differ:\n";
+  auto pct = [](double x, double y) { return str(static_cast<int64_t>(100.0 * x / y + 0.5), "%"); };
+  out += str("  model states: the plan is ", pct(states, rule_states), " of the rule");
+  std::string why;
+  if (d.bf16) why += "; the bf16 weight copy the matmuls read (2 B per parameter) is its own group";
+  if (slots != 2) why += str("; ", slots, " optimizer slots instead of Adam's 2");
+  if (shard_world > 1)
+    why += str("; the optimizer state sharded over ", shard_world, " ranks (",
+               4.0 * slots / shard_world, " B per parameter on this rank)");
+  out += (why.empty() ? std::string(": the same accounting") : why) + "\n";
+  out += str("  activations: the plan is ", pct(act, rule_act), " of the rule");
+  why.clear();
+  if (d.recompute_layers)
+    why +=
+        "; layers recomputed in backward: one layer's activations live at a time, plus each "
+        "layer's output (the rule keeps every layer's)";
+  if (d.bf16 || d.fp16)
+    why += str("; the tensors backward reads from matmuls and attention kept in ",
+               d.bf16 ? "bf16" : "fp16",
+               ", LayerNorm inputs and residual sums in fp32 (the rule: all 16-bit)");
+  else
+    why += "; fp32 training keeps fp32 activations (4 B where the rule counts 2)";
+  if (d.blocked_attention())
+    why +=
+        str("; the blocked attention keeps no [b, a, s, s] probabilities (the rule's 5 a s / h "
+            "term, ",
+            human_bytes(rule_attention), ", is not allocated)");
+  else
+    why +=
+        str("; the full attention keeps the [b, a, s, s] probabilities and the dropout mask "
+            "(the rule's 5 a s / h term: ",
+            human_bytes(rule_attention), ")");
+  why +=
+      "; the rule leaves out the embeddings, the heads (the MLM logits are b x predictions x "
+      "vocab) and backward's scratch";
+  out += why + "\n";
+  out += str("  kernels: ", human_bytes(kernels), " of workspaces the rule does not count\n");
+  return out;
 }
 
 std::string format_plan(const MemoryPlan& plan, int top_regions) {

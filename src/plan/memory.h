@@ -25,6 +25,14 @@ int64_t largest_shard(int64_t total, int world);
 MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,
                          const model::ModelDims& dims, int optimizer_slots, int shard_world = 1);
 
+// `estimate --explain`: the rule of thumb that out-of-memory advice quotes (16 bytes per
+// parameter for fp32 Adam training; Korthikanti et al. 2022's s b h (34 + 5 a s / h) bytes of
+// activations per layer) next to the exact plan, group by group, and why they differ for this
+// run (precision, attention kernel, recomputation, sharding, what the rule leaves out).
+std::string explain_plan(const model::BertConfig& cfg, model::Head head,
+                         const model::ModelDims& dims, int optimizer_slots, int shard_world,
+                         const MemoryPlan& plan);
+
 // A human-readable table: bytes per group, the largest regions, the total.
 std::string format_plan(const MemoryPlan& plan, int top_regions = 8);
 

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <thread>
 
@@ -124,6 +125,24 @@ struct Totals {
   }
 };
 
+// This process's proportional set size in bytes (/proc/self/smaps_rollup; 0 where unknown):
+// resident memory with each shared page divided among the processes that map it. Ranks that
+// share their gradients in an MPI window each count the pages they touch in their peers'
+// buffers in the RSS; the PSS counts every page once over the ranks.
+double proportional_set_size() {
+  std::ifstream in("/proc/self/smaps_rollup");
+  std::string key;
+  double kib = 0;
+  while (in >> key) {
+    if (key == "Pss:") {
+      in >> kib;
+      return kib * 1024.0;
+    }
+    in.ignore(1 << 20, '\n');
+  }
+  return 0;
+}
+
 }  // namespace
 
 struct Trainer::State {
@@ -192,6 +211,7 @@ void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double 
       {"memory/plan_mib",
        static_cast<double>(m.plan().total_bytes() + opt.plan().total_bytes()) / 1048576.0},
       {"memory/peak_rss_mib", static_cast<double>(ru.ru_maxrss) / 1024.0},
+      {"memory/pss_mib", proportional_set_size() / 1048576.0},
   };
   events->scalars(done, values);
   metrics->write(done, values, {{"rank_step_ms", rank_ms}});
