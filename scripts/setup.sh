@@ -24,6 +24,7 @@ PACKAGES=(
   libomp-14-dev                     # OpenMP for clang (the fuzz target's find_package(OpenMP))
   strace                            # scripts/check-packages.sh traces what configure reads
   chromium-headless-shell python3   # tests/report/render.sh renders `bertrain report` offline, checks the PNG
+  python3-jsonschema python3-yaml   # tests/launch: the MPIJob manifests against the CRD schema
 )
 
 missing=()
