@@ -48,6 +48,8 @@ print(f"{'run':<28} {'plan MiB':>9} {'peak RSS MiB':>13} {'PSS MiB':>9} {'step m
 print(f"{'bertrain unsharded (rank 0)':<28} {plan_u:9.0f} {rss_u:13.0f} {pss_u:9.0f} {ms_u:9.0f}")
 print(f"{'bertrain sharded (rank 0)':<28} {plan_s:9.0f} {rss_s:13.0f} {pss_s:9.0f} {ms_s:9.0f}")
 print(f"{'PyTorch (one process)':<28} {'':>9} {rss_pt:13.0f} {'':>9} {pt['step_ms']:9.0f}")
-print(f"sharded / PyTorch peak memory per process: {rss_s / rss_pt:.2f}; sharded / unsharded: {rss_s / rss_u:.2f}")
+print(f"sharded / PyTorch peak memory per process: {rss_s / rss_pt:.2f} by RSS, {pss_s / rss_pt:.2f} by PSS; "
+      f"sharded / unsharded: {rss_s / rss_u:.2f}")
+print(f"PSS / plan: unsharded {pss_u / plan_u:.3f}, sharded {pss_s / plan_s:.3f}")
 print(f"throughput cost of sharding: {100 * (ms_s / ms_u - 1):+.1f}% step time")
 PYEOF

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "comm/launcher.h"
 #include "core/error.h"
 #include "launch/job.h"
 #include "test_util.h"
@@ -50,6 +51,78 @@ TEST(Launch, MpiJobManifestIsWellFormed) {
   const YAML::Node limits = m["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
                              [0]["resources"]["limits"];
   EXPECT_EQ(limits["nvidia.com/gpu"].as<int>(), 4);
+}
+
+// The launcher's environment (comm/launcher.h): what Slurm, Open MPI and PMIx say, checked
+// against MPI's view and against the job spec's shape.
+struct ScopedEnv {
+  std::vector<std::string> names;
+  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
+    for (const auto& [k, v] : vars) {
+      ::setenv(k, v, 1);
+      names.push_back(k);
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& k : names) ::unsetenv(k.c_str());
+  }
+};
+
+TEST(Launch, LauncherEnvironmentIsReadAndChecked) {
+  {
+    const ScopedEnv slurm{{"SLURM_STEP_NUM_TASKS", "7"}, {"SLURM_PROCID", "6"},
+                          {"SLURM_LOCALID", "0"},        {"SLURM_STEP_NUM_NODES", "4"},
+                          {"SLURM_NODEID", "3"},         {"SLURM_STEP_TASKS_PER_NODE", "2(x3),1"}};
+    const comm::LauncherEnv e = comm::launcher_env();
+    EXPECT_EQ(e.launcher, "Slurm");
+    EXPECT_EQ(e.ranks, 7);
+    EXPECT_EQ(e.rank, 6);
+    EXPECT_EQ(e.local_size, 1);  // the fourth node's count
+    EXPECT_EQ(e.hosts, 4);
+    EXPECT_EQ(test::error_of([&] { comm::check_launcher_agrees(e, 6, 7, 0, 1); }), "");
+    // srun without an MPI plugin: MPI sees one process.
+    std::string err = test::error_of([&] { comm::check_launcher_agrees(e, 0, 1, 0, 1); });
+    EXPECT_NE(err.find("Slurm started 7 ranks (SLURM_STEP_NUM_TASKS=7"), std::string::npos) << err;
+    EXPECT_NE(err.find("srun --mpi=pmix"), std::string::npos) << err;
+    err = test::error_of([&] { comm::check_launcher_agrees(e, 5, 7, 0, 1); });
+    EXPECT_NE(err.find("this is rank 6"), std::string::npos) << err;
+    EXPECT_NE(err.find("MPI says 5"), std::string::npos) << err;
+    // The job spec's shape.
+    EXPECT_EQ(test::error_of([&] { comm::check_job_shape("j ranks=7 per_host=1", e, 7, 1); }), "");
+    err = test::error_of([&] { comm::check_job_shape("bert ranks=8 per_host=2", e, 7, 1); });
+    EXPECT_NE(err.find("job 'bert' was described with 8 ranks (4 workers x 2 slots), but Slurm "
+                       "(SLURM_STEP_NUM_TASKS=7"),
+              std::string::npos)
+        << err;
+    err = test::error_of([&] { comm::check_job_shape("bert ranks=7 per_host=2", e, 7, 1); });
+    EXPECT_NE(err.find("2 ranks per host"), std::string::npos) << err;
+    EXPECT_NE(err.find("--ntasks-per-node=2"), std::string::npos) << err;
+    err = test::error_of([&] { comm::check_job_shape("garbage", e, 7, 1); });
+    EXPECT_NE(err.find("is not 'NAME ranks=N per_host=S'"), std::string::npos) << err;
+  }
+  {
+    // mpirun inside a Slurm allocation: Open MPI's numbers count.
+    const ScopedEnv both{{"SLURM_STEP_NUM_TASKS", "1"},       {"SLURM_PROCID", "0"},
+                         {"OMPI_COMM_WORLD_SIZE", "4"},       {"OMPI_COMM_WORLD_RANK", "2"},
+                         {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}};
+    const comm::LauncherEnv e = comm::launcher_env();
+    EXPECT_EQ(e.launcher, "Open MPI");
+    EXPECT_EQ(e.ranks, 4);
+    EXPECT_EQ(e.local_size, 2);
+    EXPECT_EQ(test::error_of([&] { comm::check_launcher_agrees(e, 2, 4, 0, 2); }), "");
+  }
+  EXPECT_EQ(comm::launcher_env().launcher, "");  // nothing set: a plain process
+}
+
+// Every emitted launcher carries the spec's shape to the ranks, and a spec cannot set it.
+TEST(Launch, EveryLauncherCarriesTheJobShape) {
+  const JobSpec j = example();
+  for (const std::string& out :
+       {emit_mpirun(j, "hostfile"), emit_slurm(j), emit_mpijob(j), emit_dlc(j)})
+    EXPECT_NE(out.find("bert-large-128 ranks=128 per_host=4"), std::string::npos) << out;
+  const std::string err = test::error_of(
+      [] { parse_job("name: a\ncommand: train\nenv: {BERTRAIN_JOB: x}\n", "job.yaml"); });
+  EXPECT_NE(err.find("env.BERTRAIN_JOB"), std::string::npos) << err;
 }
 
 TEST(Launch, BadSpecsNameTheKey) {

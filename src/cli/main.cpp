@@ -7,6 +7,7 @@
 
 #include <mpi.h>
 #include "cli/commands.h"
+#include "comm/launcher.h"
 #include "comm/mpi.h"
 #include "core/error.h"
 #include "core/setting.h"
@@ -116,6 +117,12 @@ comm::Communicator& communicator() {
     } else {
       g_comm = std::make_unique<comm::SingleProcess>();
     }
+    // What the launcher started against what MPI sees, and against the job spec's shape.
+    const comm::Communicator& c = *g_comm;
+    const comm::LauncherEnv env = comm::launcher_env();
+    comm::check_launcher_agrees(env, c.rank(), c.size(), c.local_rank(), c.local_size());
+    if (const char* job = std::getenv("BERTRAIN_JOB"))
+      comm::check_job_shape(job, env, c.size(), c.local_size());
   }
   return *g_comm;
 }

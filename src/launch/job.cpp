@@ -149,6 +149,8 @@ JobSpec parse_job(const std::string& yaml, const std::string& source) {
     for (const auto& kv : e) {
       const std::string k = kv.first.as<std::string>();
       if (!valid_env(k)) fail(where(j, "env." + k), ": not an environment variable name");
+      if (k == "BERTRAIN_JOB")
+        fail(where(j, "env." + k), ": set by bertrain launch from workers and slots_per_worker");
       j.env.emplace_back(k, scalar(kv.second, j, "env." + k));
     }
   }
@@ -169,6 +171,10 @@ JobSpec parse_job(const std::string& yaml, const std::string& source) {
       j.flags.emplace_back(k, v == "true" ? "" : v);  // a switch, or a value
     }
   }
+  // Every rank learns the shape it was described with and checks what its launcher started
+  // against it (comm/launcher.h).
+  j.env.emplace_back("BERTRAIN_JOB",
+                     str(j.name, " ranks=", j.ranks(), " per_host=", j.slots_per_worker));
   return j;
 }
 
