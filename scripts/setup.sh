@@ -25,6 +25,7 @@ PACKAGES=(
   strace                            # scripts/check-packages.sh traces what configure reads
   chromium-headless-shell python3   # tests/report/render.sh renders `bertrain report` offline, checks the PNG
   python3-jsonschema python3-yaml   # tests/launch: the MPIJob manifests against the CRD schema
+  slurmctld slurmd slurm-client munge # tests/launch/slurm_test.sh: a real Slurm runs the sbatch script
 )
 
 missing=()

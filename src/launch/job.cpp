@@ -218,8 +218,13 @@ std::string emit_slurm(const JobSpec& j) {
             j.resources.gpu, "\n");
   out += "#SBATCH --output=" + j.name + "-%j.out\n";
   out += "set -euo pipefail\n";
-  for (const auto& [k, v] : j.env) out += "export " + k + "=" + shell_quote(v) + "\n";
-  out += "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}\n";
+  bool threads_set = false;
+  for (const auto& [k, v] : j.env) {
+    out += "export " + k + "=" + shell_quote(v) + "\n";
+    threads_set |= k == "OMP_NUM_THREADS";
+  }
+  // The spec's thread count wins; otherwise one thread per CPU Slurm gives a task.
+  if (!threads_set) out += "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}\n";
   // One task per rank, placed by Slurm; Open MPI's ranks come from PMIx.
   out += "srun --mpi=pmix " + j.bertrain_command() + "\n";
   return out;

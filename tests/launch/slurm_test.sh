@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# A real Slurm runs the sbatch script `bertrain launch --emit slurm` writes: munged, slurmctld and
+# slurmd (Debian's slurm-wlm, munge) are started on this machine with a configuration of their
+# own in a temporary directory, the 2-rank training job is submitted with sbatch, squeue shows
+# it, srun --mpi=pmix starts the ranks (which check their Slurm variables against MPI and the
+# job spec), and the job must complete with exit code 0 and a checkpoint. Skips (exit 77) when
+# not root or Slurm/munge are not installed. The daemons are stopped whatever happens.
+#   tests/launch/slurm_test.sh BERTRAIN
+set -u
+BT=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+for tool in munged slurmctld slurmd sbatch squeue scontrol sinfo; do
+  command -v "$tool" > /dev/null || { echo "SKIP: $tool not installed (scripts/setup.sh installs slurm-wlm and munge)"; exit 77; }
+done
+[ "$(id -u)" = 0 ] || { echo "SKIP: slurmd must run as root"; exit 77; }
+TMP=$(mktemp -d /tmp/bertrain-slurm.XXXXXX)
+chmod 755 "$TMP"
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2> /dev/null; done
+  sleep 1
+  for p in "${PIDS[@]}"; do kill -9 "$p" 2> /dev/null; done
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+fail() {
+  echo "FAIL: $*"
+  for f in "$TMP"/*.log "$TMP"/job/*.out; do [ -f "$f" ] && { echo "== $f"; tail -20 "$f"; }; done
+  exit 1
+}
+HOST=$(hostname -s)
+PORT=$((20000 + RANDOM % 20000))
+mkdir -p "$TMP/state" "$TMP/spool" "$TMP/job"
+# munge: a key of its own, its own socket.
+dd if=/dev/urandom of="$TMP/munge.key" bs=1024 count=1 2> /dev/null
+chmod 400 "$TMP/munge.key"
+munged --force -S "$TMP/munge.sock" --key-file "$TMP/munge.key" --pid-file "$TMP/munged.pid" \
+  --log-file "$TMP/munged.log" --seed-file "$TMP/munge.seed" || fail "munged did not start"
+PIDS+=("$(cat "$TMP/munged.pid")")
+CPUS=$(nproc)
+MEM=$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2))
+cat > "$TMP/slurm.conf" << EOC
+ClusterName=bertrain-test
+SlurmctldHost=$HOST
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$TMP/munge.sock
+StateSaveLocation=$TMP/state
+SlurmdSpoolDir=$TMP/spool
+SlurmctldPidFile=$TMP/slurmctld.pid
+SlurmdPidFile=$TMP/slurmd.pid
+SlurmctldLogFile=$TMP/slurmctld.log
+SlurmdLogFile=$TMP/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$TMP/jobcomp.txt
+MinJobAge=600
+SlurmdParameters=config_overrides
+NodeName=$HOST CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+EOC
+export SLURM_CONF=$TMP/slurm.conf
+slurmctld -D -i -f "$SLURM_CONF" > "$TMP/slurmctld.out.log" 2>&1 &
+PIDS+=($!)
+slurmd -D -f "$SLURM_CONF" > "$TMP/slurmd.out.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 60); do
+  state=$(sinfo -h -o %T 2> /dev/null | head -1)
+  [ "$state" = idle ] && break
+  sleep 1
+done
+[ "$state" = idle ] || fail "the node did not come up (state '$state')"
+echo "slurm: $(sinfo -h -o '%P %D node(s) %T %c CPUs')"
+
+# The job spec: 1 worker x 2 slots, training bert-tiny for 4 steps.
+cat > "$TMP/job/slurm-2rank.yaml" << EOJ
+name: slurm-2rank
+workers: 1
+slots_per_worker: 2
+env:
+  OMP_NUM_THREADS: "1"
+command: train
+flags:
+  model-config: $ROOT/configs/bert-tiny.json
+  data: $ROOT/tests/data/tfrecord/bert_pretrain_sample_text.tfrecord
+  output: $TMP/job/run
+  batch-size: 4
+  seq-len: 128
+  max-predictions: 20
+  steps: 4
+  log-every: 2
+EOJ
+"$BT" launch "$TMP/job/slurm-2rank.yaml" --emit slurm --output "$TMP/job" > /dev/null || fail "launch --emit slurm"
+cd "$TMP/job" || fail "cd"
+id=$(PATH="$(dirname "$BT"):$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 sbatch --parsable slurm-2rank.sbatch) \
+  || fail "sbatch refused the script"
+echo "slurm: submitted job $id"
+squeue -h -j "$id" -o '%i %j %T %D node(s) %C CPUs' || fail "squeue does not know job $id"
+for _ in $(seq 240); do
+  state=$(scontrol show job "$id" 2> /dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
+  case "$state" in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) break ;; esac
+  sleep 1
+done
+echo "slurm: $(scontrol show job "$id" | grep -oE 'JobState=[A-Z_]+|ExitCode=[0-9:]+|NumTasks=[0-9]+' | tr '\n' ' ')"
+[ "$state" = COMPLETED ] || fail "job $id ended $state"
+out="$TMP/job/slurm-2rank-$id.out"
+grep -q "MPI, 2 ranks" "$out" || fail "the job did not train on 2 ranks"
+[ -f "$TMP/job/run/checkpoint-000004/model.safetensors" ] || fail "no checkpoint"
+grep -q "JobId=$id .*JobState=COMPLETED" "$TMP/jobcomp.txt" || fail "not in the completion log"
+grep "^step" "$out" | tail -1
+echo ok
