@@ -88,6 +88,8 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
   c->add_option("--weight-decay", f.weight_decay, "Decoupled weight decay")->capture_default_str();
   c->add_option("--seed", f.seed, "Seed for the head's init, dropout and data order")
       ->capture_default_str();
+  c->add_flag("--shard-optimizer", f.shard_optimizer,
+              "Under mpirun: each rank holds 1/ranks of the AdamW state (ZeRO stage 1)");
   c->add_option("--precision", o->precision,
                 "fp32, bf16 (bf16 matmuls, fp32 master weights) or fp16 (activations kept in "
                 "fp16, dynamic loss scaling)")

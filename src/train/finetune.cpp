@@ -598,7 +598,8 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   OptimizerConfig oc;
   oc.kind = OptimizerKind::AdamW;
   oc.weight_decay = static_cast<float>(cfg.weight_decay);
-  Optimizer opt(param_slices(m.table()), m.table().total(), oc);
+  Optimizer opt(param_slices(m.table()), m.table().total(), oc, kernels::cpu_backend(),
+                cfg.shard_optimizer ? shard_of(m.table().total(), comm.rank(), world) : Shard{});
   LossScaler::Config sc;
   sc.enabled = cfg.precision == Precision::FP16;
   LossScaler scaler(sc);

@@ -95,6 +95,7 @@ struct FinetuneConfig {
   // Data parallel (mpirun): batch_size examples per rank per step, gradients summed by the
   // shared training step; rank 0 prints, logs and saves. Null: one process.
   comm::Communicator* comm = nullptr;
+  bool shard_optimizer = false;  // several ranks: each holds 1/ranks of the AdamW state (ZeRO-1)
 };
 
 struct FinetuneResult {

@@ -396,6 +396,13 @@ TEST(DataParallel, FinetuneTwoRanksEqualOneRankDoubleBatch) {
   f.comm = g_comm;
   f.output = tmp / "two";
   const train::FinetuneResult two = train::finetune(f);
+  // The same with the AdamW state sharded over the 2 ranks: the same model (2-term sums are
+  // order-free; only the clipping norm adds two partial sums), 1e-6.
+  train::FinetuneConfig sh = f;
+  sh.shard_optimizer = true;
+  sh.output = tmp / "two_sharded";
+  const train::FinetuneResult two_sharded = train::finetune(sh);
+  EXPECT_NEAR(two_sharded.train_loss, two.train_loss, 1e-6);
   // Rank 0 saved; every rank has the same metrics.
   if (g_comm->rank() == 0) {
     train::FinetuneConfig s = f;
@@ -413,6 +420,15 @@ TEST(DataParallel, FinetuneTwoRanksEqualOneRankDoubleBatch) {
         worst = std::max(worst, static_cast<double>(std::fabs(x[i] - y[i])));
     }
     EXPECT_LE(worst, 1e-5);
+    SafetensorsReader c(tmp / "two_sharded/model.safetensors");
+    double sharded_worst = 0;
+    for (const auto& t : a.tensors()) {
+      const auto x = a.read_f32(t.name), y = c.read_f32(t.name);
+      for (size_t i = 0; i < x.size(); ++i)
+        sharded_worst = std::max(sharded_worst, static_cast<double>(std::fabs(x[i] - y[i])));
+    }
+    EXPECT_LE(sharded_worst, 1e-6);
+    std::printf("finetune 2 ranks sharded vs unsharded: worst weight diff %.2e\n", sharded_worst);
     std::printf("finetune 2 ranks x 4 vs 1 x 8: train loss %.6f vs %.6f, worst weight diff %.2e\n",
                 two.train_loss, one.train_loss, worst);
   }
