@@ -117,26 +117,31 @@ Bench run_bench(const std::string& args) {
 // plan + 32 MiB. The arenas are zeroed when allocated (memset), so the RSS cannot undercount
 // them.
 TEST(MemoryPlan, PeakRssIsThePlanPlusTheLibraries) {
-  const std::string cfg = test::data_path("../configs/bert-mini.json");
-  for (const char* precision : {"fp32", "bf16", "fp16"}) {
-    if (std::string(precision) == "bf16" && !kernels::gemm_bf16_available()) {
-      std::printf("bf16 skipped: oneDNN has no bf16 matmul on this CPU (%s)\n",
-                  kernels::gemm_isa_name());
-      continue;
+  for (const char* model : {"bert-mini", "bert-small"})
+    for (const char* precision : {"fp32", "bf16", "fp16"}) {
+      const std::string cfg = test::data_path(std::string("../configs/") + model + ".json");
+      const bool small = std::string(model) == "bert-small";
+      if (std::string(precision) == "bf16" && !kernels::gemm_bf16_available()) {
+        std::printf("bf16 skipped: oneDNN has no bf16 matmul on this CPU (%s)\n",
+                    kernels::gemm_isa_name());
+        continue;
+      }
+      const Bench b = run_bench("--model-config " + cfg +
+                                " --batch-size 8 --seq-len 128 --steps 1 --warmup 1 --threads 1 "
+                                "--precision " +
+                                precision);
+      EXPECT_EQ(b.allocated, b.plan) << precision;
+      EXPECT_EQ(b.unplanned_scratch, 0) << precision << ": a kernel took scratch outside the plan";
+      const double above = b.peak - b.baseline;
+      std::printf(
+          "%s %s: plan %.1f MiB, peak RSS %.1f MiB = %.1f MiB before the model + %.1f MiB\n", model,
+          precision, b.plan / 1048576, b.peak / 1048576, b.baseline / 1048576, above / 1048576);
+      EXPECT_GE(above, 0.95 * b.plan) << model << " " << precision << ": less than its plan";
+      // bert-mini's plan is small enough that the fixed part (oneDNN's primitive cache, heap
+      // slack) weighs: 5% + 32 MiB. From bert-small on, within 5% of the plan, as estimate
+      // promises (bench/plan_vs_rss.sh: small 1.6-2.0%, base 0.5-0.8% above the plan).
+      EXPECT_LE(above, 1.05 * b.plan + (small ? 0.0 : 32.0 * 1048576)) << model << " " << precision;
     }
-    const Bench b = run_bench("--model-config " + cfg +
-                              " --batch-size 8 --seq-len 128 --steps 1 --warmup 1 --threads 1 "
-                              "--precision " +
-                              precision);
-    EXPECT_EQ(b.allocated, b.plan) << precision;
-    EXPECT_EQ(b.unplanned_scratch, 0) << precision << ": a kernel took scratch outside the plan";
-    const double above = b.peak - b.baseline;
-    std::printf("%s: plan %.1f MiB, peak RSS %.1f MiB = %.1f MiB before the model + %.1f MiB\n",
-                precision, b.plan / 1048576, b.peak / 1048576, b.baseline / 1048576,
-                above / 1048576);
-    EXPECT_GE(above, 0.95 * b.plan) << precision << ": the run holds less than its plan";
-    EXPECT_LE(above, 1.05 * b.plan + 32.0 * 1048576) << precision;
-  }
 }
 
 }  // namespace
