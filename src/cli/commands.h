@@ -12,6 +12,7 @@
 namespace bertrain::cli {
 
 void add_estimate(CLI::App& app);
+void add_plan(CLI::App& app);
 void add_init(CLI::App& app);
 void add_inspect(CLI::App& app);
 void add_convert(CLI::App& app);

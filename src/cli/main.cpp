@@ -151,6 +151,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "bertrain 0.1.0");
   bertrain::cli::add_estimate(app);
+  bertrain::cli::add_plan(app);
   bertrain::cli::add_init(app);
   bertrain::cli::add_inspect(app);
   bertrain::cli::add_convert(app);

@@ -460,12 +460,7 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
 }
 
 std::pair<int64_t, int64_t> BertModel::layer_range(int64_t l) const {
-  const int64_t begin = table_.layer(l).qkv_w;
-  // The last layer ends where the tensor after its last one (output.LayerNorm.bias) begins.
-  const int64_t end = l + 1 < cfg_.num_hidden_layers
-                          ? table_.layer(l + 1).qkv_w
-                          : table_.layer(l).ln2_b + (cfg_.hidden_size + 15) / 16 * 16;
-  return {begin, end};
+  return table_.layer_range(l);
 }
 
 void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scale,

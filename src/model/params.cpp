@@ -21,7 +21,16 @@ void ParamTable::add(const std::string& name, Shape shape, Init init, bool decay
   params_.push_back(std::move(p));
 }
 
-ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head) {
+std::pair<int64_t, int64_t> ParamTable::layer_range(int64_t l) const {
+  const int64_t begin = layer(l).qkv_w;
+  // The last layer ends where the tensor after its last one (output.LayerNorm.bias) begins.
+  const int64_t end = l + 1 < static_cast<int64_t>(layers_.size())
+                          ? layer(l + 1).qkv_w
+                          : layer(l).ln2_b + (hidden_ + 15) / 16 * 16;
+  return {begin, end};
+}
+
+ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head), hidden_(cfg.hidden_size) {
   const int64_t V = cfg.vocab_size, C = cfg.hidden_size, I = cfg.intermediate_size;
   const std::string e = "bert.embeddings.";
   add(e + "word_embeddings.weight", {V, C}, Init::Normal, true);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -46,6 +47,9 @@ class ParamTable {
  public:
   ParamTable(const BertConfig& cfg, Head head);
 
+  // [begin, end) of encoder layer l's parameters in the flat buffer (the reducer's buckets).
+  std::pair<int64_t, int64_t> layer_range(int64_t l) const;
+
   const std::vector<ParamInfo>& params() const { return params_; }
   int64_t total() const { return total_; }  // floats, each tensor padded to 16 floats
   const ParamInfo* find(const std::string& name) const;
@@ -64,7 +68,7 @@ class ParamTable {
   std::vector<ParamInfo> params_;
   std::map<std::string, size_t> index_;
   std::vector<LayerOffsets> layers_;
-  int64_t total_ = 0;
+  int64_t total_ = 0, hidden_ = 0;
 };
 
 }  // namespace bertrain::model
