@@ -95,6 +95,12 @@ $BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128
 echo; echo "== 7. one job description for every launcher: BERT-Large on 32 hosts x 4 GPUs"
 for emit in mpirun slurm mpijob dlc; do $BT launch configs/jobs/bert-large-128.yaml --emit $emit --output "$OUT/jobs"; done
 head -12 "$OUT/jobs/bert-large-128.sbatch"
+echo "-- and before renting the 32 hosts: the scaling model (assumed V100 compute: 90 + 180 + 8 ms a step; 25 Gbit/s, then fp16 on the wire)"
+for comp in none fp16; do
+  $BT plan --model-config configs/bert-large.json --batch-size 64 --seq-len 128 --precision fp16 --forward-ms 90 \
+    --backward-ms 180 --optimizer-ms 8 --ranks-per-host 4 --link-gbit 25 --host-gbyte-s 150 --compression $comp \
+    --hosts 1,8,32 | sed -n '4,$p'
+done
 echo "-- and a two-rank job started here, its optimizer state sharded (configs/jobs/local-2rank.yaml --run):"
 $BT launch configs/jobs/local-2rank.yaml --run 2>&1 | grep -E "^launch|sharded|^step|^bottleneck"
 echo; echo "demo: done (outputs in $OUT/)"
