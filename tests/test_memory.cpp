@@ -63,6 +63,20 @@ TEST(MemoryPlan, ShardedOptimizerStateIsTheLargestPart) {
   }
 }
 
+// What a run holds besides its arenas (the input pipeline's bound, the MPI window slot) counts
+// against a budget exactly as if the budget were that much smaller.
+TEST(MemoryPlan, BudgetCountsWhatLivesOutsideTheArenas) {
+  const model::BertConfig cfg = small_config();
+  const model::ModelDims dims{1, 128, 20};
+  const double budget = 600.0 * 1048576, outside = 100.0 * 1048576;
+  const int64_t with = plan::max_batch_for_budget(cfg, model::Head::Pretraining, dims, 2, budget, 1,
+                                                  [&](int64_t) { return outside; });
+  const int64_t less =
+      plan::max_batch_for_budget(cfg, model::Head::Pretraining, dims, 2, budget - outside);
+  EXPECT_EQ(with, less);
+  EXPECT_LT(with, plan::max_batch_for_budget(cfg, model::Head::Pretraining, dims, 2, budget));
+}
+
 // estimate --explain: the rule of thumb's numbers (16 B per parameter; Korthikanti et al.'s
 // L s b h (34 + 5 a s / h) bytes of activations) next to the plan, and the reasons named for
 // this run. BERT-base at 32 x 128: the rule's activations are 12 x 128 x 32 x 768 x 44 B.

@@ -3,7 +3,9 @@
 #include <cstdio>
 
 #include "cli/commands.h"
+#include "comm/mpi.h"
 #include "core/error.h"
+#include "data/pipeline.h"
 #include "plan/memory.h"
 #include "train/precision.h"
 
@@ -71,11 +73,38 @@ void add_estimate(CLI::App& app) {
         d.blocked_attention() ? "blocked" : "full",
         d.recompute_layers ? ", layers recomputed in backward" : "");
     std::printf("memory plan per rank:\n%s", plan::format_plan(plan).c_str());
+    // Besides the arenas: the input pipeline's bound (train's default input options) and, under
+    // MPI, the rank's slot of the node's shared window.
+    // (Fine-tuning reads its task file into memory instead: the file's size.)
+    const bool pipeline = head == model::Head::Pretraining;
+    auto input = [&](int64_t batch) {
+      if (!pipeline) return 0.0;
+      data::PipelineOptions in;
+      in.batch_size = batch;
+      return static_cast<double>(data::Pipeline::memory_bound(
+          in, data::Schema::pretraining(d.seq_len, d.max_predictions, cfg.vocab_size,
+                                        cfg.type_vocab_size)));
+    };
+    auto outside = [&](int64_t batch) {
+      return input(batch) + (o->ranks > 1 ? static_cast<double>(comm::kShmSlotBytes) : 0.0);
+    };
+    std::printf("besides the arenas (bounded):\n");
+    if (pipeline)
+      std::printf(
+          "  input pipeline %12s  (train's default input options: interleave, shuffle "
+          "buffer, prefetch)\n",
+          human_bytes(input(d.batch)).c_str());
+    if (o->ranks > 1)
+      std::printf("  MPI window     %12s  (the rank's staging slot in its node's shared window)\n",
+                  human_bytes(static_cast<double>(comm::kShmSlotBytes)).c_str());
+    std::printf("  total          %12s\n",
+                human_bytes(static_cast<double>(plan.total_bytes()) + outside(d.batch)).c_str());
     if (o->explain)
       std::printf("%s", plan::explain_plan(cfg, head, d, o->slots, shard_world, plan).c_str());
     if (!o->budget.empty()) {
       const double budget = parse_bytes(o->budget);
-      const int64_t b = plan::max_batch_for_budget(cfg, head, d, o->slots, budget, shard_world);
+      const int64_t b =
+          plan::max_batch_for_budget(cfg, head, d, o->slots, budget, shard_world, outside);
       if (b == 0)
         std::printf(
             "budget    %s: even batch 1 does not fit; use a shorter --seq-len or a smaller model\n",

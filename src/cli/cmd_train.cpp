@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "comm/mpi.h"
 #include "core/arena.h"
 #include "core/error.h"
 #include "model/checkpoint.h"
@@ -56,8 +57,17 @@ void choose_batch(train::TrainConfig& cfg, const Opts& o, const comm::Communicat
         {1, cfg.seq_len, cfg.max_predictions, false, cfg.attention, false, cfg.recompute_layers},
         cfg.precision);
     const model::BertConfig mc = model::BertConfig::load(cfg.model_config);
+    // Besides the arenas: this run's input pipeline bound and, under MPI, the window slot.
+    auto outside = [&](int64_t batch) {
+      data::PipelineOptions in = cfg.input;
+      in.batch_size = batch;
+      return static_cast<double>(data::Pipeline::memory_bound(
+                 in, data::Schema::pretraining(cfg.seq_len, cfg.max_predictions, mc.vocab_size,
+                                               mc.type_vocab_size))) +
+             (world > 1 ? static_cast<double>(comm::kShmSlotBytes) : 0.0);
+    };
     fit = plan::max_batch_for_budget(mc, model::Head::Pretraining, d, 2, budget,
-                                     cfg.shard_optimizer ? static_cast<int>(world) : 1);
+                                     cfg.shard_optimizer ? static_cast<int>(world) : 1, outside);
     if (fit == 0)
       fail("--batch-size auto: not even one sequence of ", cfg.seq_len, " tokens fits ",
            human_bytes(budget),

@@ -70,8 +70,8 @@ bool launched_by_mpi() {
 
 namespace {
 
-constexpr int64_t kShmSlotFloats = int64_t{8} << 20;  // 32 MiB per rank and pass
-constexpr int64_t kRingSegment = int64_t{1} << 18;    // floats per message (1 MiB: in L2)
+constexpr int64_t kShmSlotFloats = kShmSlotBytes / 4;  // per rank and pass
+constexpr int64_t kRingSegment = int64_t{1} << 18;     // floats per message (1 MiB: in L2)
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

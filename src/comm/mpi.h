@@ -20,6 +20,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -31,6 +32,9 @@
 namespace bertrain::comm {
 
 enum class Algorithm { Mpi, Ring, Shm, Hierarchical };
+// Each rank's slot in the node's shared window (staging for buffers outside shared memory):
+// memory every MPI rank holds besides its plan (estimate counts it).
+inline constexpr int64_t kShmSlotBytes = int64_t{32} << 20;
 enum class Wire { F32, F16, BF16 };
 Algorithm parse_algorithm(const std::string& s);
 Wire parse_wire(const std::string& s);

@@ -21,6 +21,13 @@
 
 namespace bertrain::data {
 
+namespace {
+// Records one interleave slot may queue ahead.
+size_t slot_capacity(const PipelineOptions& opt) {
+  return static_cast<size_t>(std::max(2 * opt.block_length, 16));
+}
+}  // namespace
+
 std::vector<std::string> list_files(const std::string& patterns) {
   std::vector<std::string> out;
   size_t start = 0;
@@ -511,7 +518,7 @@ Pipeline::Pipeline(const PipelineOptions& opt, const Schema& schema, PipelinePos
          "); resume with the same data, or start a new run");
   m.pos = start;
   m.pos.fingerprint = m.fingerprint;
-  m.slot_cap = static_cast<size_t>(std::max(2 * opt.block_length, 16));
+  m.slot_cap = slot_capacity(opt);
   m.slots.resize(opt.cycle_length);
   // A reader works on one open file at a time: more readers than open files would idle.
   const int files_here = static_cast<int>(
@@ -614,15 +621,19 @@ PipelineStats Pipeline::stats() const {
 }
 
 size_t Pipeline::memory_bound_bytes() const {
-  const Impl& m = *impl_;
-  const size_t ex = m.schema.example_bytes();
-  const size_t batch = ex * m.opt.batch_size;
-  const size_t read_buffers = m.opt.cycle_length * size_t{2} << 20;  // buffered file + zlib input
+  return memory_bound(impl_->opt, impl_->schema);
+}
+
+size_t Pipeline::memory_bound(const PipelineOptions& opt, const Schema& schema) {
+  const size_t ex = schema.example_bytes();
+  const size_t batch = ex * opt.batch_size;
+  const size_t read_buffers = opt.cycle_length * size_t{2} << 20;  // buffered file + zlib input
   // Per slot: queued chunks up to slot_cap plus one chunk in flight and one held; the free
   // lists recycle those same chunks and batches.
-  const size_t chunk = std::max<size_t>(m.opt.block_length, 8) * ex;
-  return m.opt.cycle_length * (m.slot_cap * ex + 2 * chunk) + m.opt.shuffle_buffer * ex +
-         (m.opt.max_prefetch + 6) * batch + read_buffers + 64 * 1024;
+  const size_t slot_cap = slot_capacity(opt);
+  const size_t chunk = std::max<size_t>(opt.block_length, 8) * ex;
+  return opt.cycle_length * (slot_cap * ex + 2 * chunk) + opt.shuffle_buffer * ex +
+         (opt.max_prefetch + 6) * batch + read_buffers + 64 * 1024;
 }
 
 const std::vector<std::string>& Pipeline::files() const {

@@ -87,6 +87,9 @@ class Pipeline {
   PipelinePosition position() const;  // after the last batch returned
   PipelineStats stats() const;
   size_t memory_bound_bytes() const;
+  // The same bound from the options and the schema alone, before any file is opened (what
+  // `estimate` adds to the memory plan for the input).
+  static size_t memory_bound(const PipelineOptions& opt, const Schema& schema);
   const std::vector<std::string>& files() const;
 
  private:

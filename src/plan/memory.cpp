@@ -152,13 +152,15 @@ std::string format_plan(const MemoryPlan& plan, int top_regions) {
 }
 
 int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, model::ModelDims dims,
-                             int optimizer_slots, double budget_bytes, int shard_world) {
+                             int optimizer_slots, double budget_bytes, int shard_world,
+                             const std::function<double(int64_t)>& outside) {
   // The plan grows monotonically with the batch: binary search on it.
   int64_t lo = 0, hi = 1;
   auto fits = [&](int64_t b) {
     dims.batch = b;
     return static_cast<double>(
-               training_plan(cfg, head, dims, optimizer_slots, shard_world).total_bytes()) <=
+               training_plan(cfg, head, dims, optimizer_slots, shard_world).total_bytes()) +
+               (outside ? outside(b) : 0.0) <=
            budget_bytes;
   };
   while (fits(hi) && hi < (int64_t{1} << 20)) {

@@ -3,6 +3,7 @@
 // `bertrain estimate`. Because the trainer allocates from this same plan, estimate = allocation.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -37,7 +38,10 @@ std::string explain_plan(const model::BertConfig& cfg, model::Head head,
 std::string format_plan(const MemoryPlan& plan, int top_regions = 8);
 
 // Largest batch size whose plan fits in `budget_bytes` (0 if even batch 1 does not fit).
+// outside(batch): what a run holds besides its arenas at that batch (the input pipeline's
+// bound, the MPI window slot), counted against the budget too.
 int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, model::ModelDims dims,
-                             int optimizer_slots, double budget_bytes, int shard_world = 1);
+                             int optimizer_slots, double budget_bytes, int shard_world = 1,
+                             const std::function<double(int64_t)>& outside = {});
 
 }  // namespace bertrain::plan
