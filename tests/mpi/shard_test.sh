@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # train --shard-optimizer (ZeRO stage 1) as a user runs it, on 3 ranks (parts of unequal tensors):
 # with the shm allreduce, AdamW and no clipping the arithmetic is that of the unsharded run, so
-# every model file must be bit-identical to the unsharded run's:
+# every model file must be bit-identical to the unsharded run's (fp32, and fp16 with its scaler):
 #   sharded 4 steps; sharded 2 + resume 2 (shards -> shards); sharded 2 + resume unsharded
 #   (shards -> one file); unsharded 2 + resume sharded (one file -> shards).
 # A missing shard file is a clear error on resume.
@@ -26,6 +26,10 @@ ls "$TMP/sharded/checkpoint-000004/" | grep -q "optimizer.rank-00002-of-00003.sa
   || { ls "$TMP/sharded/checkpoint-000004/"; echo "FAIL: no shard files"; exit 1; }
 grep -q "reduce-scatter bucket" "$TMP/trace.json" && grep -q "allgather parameters" "$TMP/trace.json" \
   || { echo "FAIL: no reduce-scatter / allgather spans in the timeline"; exit 1; }
+# fp16 (the loss scaler's finite check runs on the parts' summed norms): also bit-identical.
+run plain16 --precision fp16 || { cat "$TMP/log_plain16"; echo "FAIL: unsharded fp16 run"; exit 1; }
+run sharded16 --precision fp16 --shard-optimizer || { cat "$TMP/log_sharded16"; echo "FAIL: sharded fp16 run"; exit 1; }
+cmp "$(final plain16)" "$(final sharded16)" || { echo "FAIL: fp16 sharded differs from unsharded"; exit 1; }
 for pair in "s2s --shard-optimizer:--shard-optimizer" "s2w --shard-optimizer:" "w2s :--shard-optimizer"; do
   name=${pair%% *}
   flags=${pair#* }

@@ -436,6 +436,22 @@ TEST(DataParallel, FinetuneTwoRanksEqualOneRankDoubleBatch) {
   g_comm->allreduce_sum(&done, 1);
 }
 
+// Sharded, the finite check is the sum of the parts' squared norms (train::Step): an overflow
+// on the last rank in a part another rank owns reaches that owner through the reduce-scatter,
+// and every rank sees a non-finite norm.
+TEST(LossScaling, ShardedOverflowInAnotherRanksPartSkipsOnAll) {
+  const int64_t n = 64 * g_comm->size();
+  std::vector<train::ParamSlice> sl = {{"w", 0, n, true}};
+  train::Optimizer opt(sl, n, {}, kernels::cpu_backend(),
+                       train::shard_of(n, g_comm->rank(), g_comm->size()));
+  std::vector<float> g(n, 0.5f);
+  if (g_comm->rank() == g_comm->size() - 1) g[3] = INFINITY;  // in rank 0's part
+  g_comm->reduce_scatter_sum(g.data(), n, train::shard_counts(n, g_comm->size()));
+  double sum = opt.sum_squares(g.data(), 1.0f);
+  g_comm->allreduce_sum(&sum, 1);
+  EXPECT_FALSE(opt.result(sum).finite) << "rank " << g_comm->rank();
+}
+
 // fp16 loss scaling: an overflow on one rank makes every rank skip the step and halve the scale.
 TEST(LossScaling, OverflowOnOneRankSkipsOnAll) {
   std::vector<train::ParamSlice> sl = {{"w", 0, 4, true}};
