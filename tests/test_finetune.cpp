@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/isa.h"
 #include "core/safetensors.h"
@@ -430,6 +431,39 @@ TEST(Finetune, CluenerTaggingFindsEntities) {
   std::vector<std::vector<std::string>> gold;
   for (const auto& s : dev.sentences) gold.push_back(s.tags);
   EXPECT_NEAR(entity_scores(gold, predict_tags(m, dev, t, 16)).f1, r.dev_f1.back(), 1e-12);
+}
+
+// English entity tagging: CoNLL-2003 (284 sentences of its test file to train on, the first 128
+// of its dev file to score) from the small English fixture (en-h64, uncased: the tagger cannot
+// lean on capitals). Tagging everything "O" finds no entity: F1 0. Measured here: dev entity F1
+// 0.24 (precision 0.23, recall 0.26) after 8 epochs.
+TEST(Finetune, ConllEnglishTaggingFindsEntities) {
+  test::TempDir tmp;
+  FinetuneConfig f;
+  f.init_checkpoint = test::data_path("data/pretrained/en-h64");
+  f.vocab = root("data/vocab/bert-base-uncased-vocab.txt");
+  f.train = test::data_path("data/tasks/conll2003_test_head.txt");
+  f.dev = test::data_path("data/tasks/conll2003_valid_head2000.txt");
+  f.columns = task_columns("conll");
+  f.seq_len = 64;
+  f.batch_size = 16;
+  f.epochs = 8;
+  f.lr = 4e-3;
+  f.output = tmp / "out";
+  f.quiet = true;
+  const FinetuneResult r = finetune(f);
+  ASSERT_EQ(r.dev_f1.size(), 8u);
+  std::printf("dev entity F1 per epoch:");
+  for (double x : r.dev_f1) std::printf(" %.3f", x);
+  std::printf("\n");
+  EXPECT_GE(r.dev_f1.back(), 0.15);
+  std::ifstream in(tmp / "out/config.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["architectures"][0], "BertForTokenClassification");
+  std::set<std::string> tags;
+  for (const auto& [id, name] : j["id2label"].items()) tags.insert(name.get<std::string>());
+  for (const char* t : {"O", "B-PER", "I-PER", "B-LOC", "B-ORG", "B-MISC"})
+    EXPECT_TRUE(tags.count(t)) << t;
 }
 
 // Extractive QA: CMRC 2018 questions from the small pretrained fixture, in windows of 128 tokens.
