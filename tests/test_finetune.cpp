@@ -383,11 +383,30 @@ TEST(Finetune, TaskFileAsClassificationTfRecordsReadsBackTheSame) {
   const LabeledSet sharded =
       read_classification_tfrecords(tmp / "three/*.tfrecord.gz", 64, 2, v.size());
   EXPECT_EQ(sharded.ids.size(), text.ids.size());
-  // A regression task's scores are not classification labels: said, not truncated.
+  // A regression task's scores are written as a float label_ids (ALBERT's sts-b records), not
+  // truncated to integers, and read back as the same regression set.
   const LabeledSet sts = read_task_file(test::data_path("data/tasks/stsb_dev_head300.tsv"),
                                         task_columns("stsb"), tok, 64, {});
-  EXPECT_THROW(write_classification_tfrecords(sts, 64, tmp / "sts", 1, data::Compression::None),
-               Error);
+  ASSERT_TRUE(sts.regression);
+  write_classification_tfrecords(sts, 64, tmp / "sts", 2, data::Compression::None);
+  EXPECT_FALSE(std::filesystem::exists(tmp / "sts/labels.txt"));
+  const LabeledSet sts_back =
+      read_classification_tfrecords(tmp / "sts/*.tfrecord", 64, 0, v.size());
+  EXPECT_TRUE(sts_back.regression);
+  ASSERT_EQ(sts_back.targets.size(), sts.targets.size());
+  // Two shards, round-robin: file 0 holds the even examples, then file 1 the odd ones.
+  for (size_t i = 0; i < sts.targets.size(); ++i) {
+    const size_t j = i % 2 == 0 ? i / 2 : (sts.targets.size() + 1) / 2 + i / 2;
+    EXPECT_EQ(sts_back.targets[j], sts.targets[i]) << i;
+    EXPECT_EQ(sts_back.ids[j], sts.ids[i]) << i;
+  }
+  const data::Example first = data::decode_example(std::string([&] {
+    data::TFRecordReader r(tmp / "sts/part-00000-of-00002.tfrecord", data::Compression::None);
+    std::string rec;
+    r.next(rec);
+    return rec;
+  }()));
+  EXPECT_EQ(first.at("label_ids").kind, data::FeatureKind::Float);
 }
 
 // Entity tagging: CLUENER (its first 2000 training sentences) from the small pretrained fixture,

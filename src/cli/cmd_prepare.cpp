@@ -54,6 +54,15 @@ void prepare_task(const Opts& o) {
   const auto paths = train::write_classification_tfrecords(
       s, o.cfg.instance.seq_len, o.cfg.output, o.cfg.output_shards,
       data::resolve_compression(o.compression, ""));
+  if (s.regression) {
+    std::printf(
+        "prepare: %zu examples of %s -> %zu file(s) in %s (regression TFRecords: "
+        "run_classifier.py's schema with a float label_ids, as ALBERT writes sts-b; seq %lld, "
+        "lower-case %s)\n",
+        s.ids.size(), files[0].c_str(), paths.size(), o.cfg.output.c_str(),
+        (long long)o.cfg.instance.seq_len, lower ? "yes" : "no");
+    return;
+  }
   std::string names;
   for (const auto& n : s.label_names) names += (names.empty() ? "" : ", ") + n;
   std::printf(

@@ -38,6 +38,17 @@ Schema Schema::classification(int64_t T, int64_t labels, int64_t V, int64_t type
   return s;
 }
 
+Schema Schema::regression(int64_t T, int64_t V, int64_t types) {
+  Schema s;
+  s.kind_ = Kind::Classification;
+  s.seq_len_ = T;
+  s.add("input_ids", FeatureKind::Int64, T, 0, V);
+  s.add("input_mask", FeatureKind::Int64, T, 0, 2);
+  s.add("segment_ids", FeatureKind::Int64, T, 0, types);
+  s.add("label_ids", FeatureKind::Float, 1, 0, 0);
+  return s;
+}
+
 bool Schema::parse(std::string_view record, ParsedExample& out, std::string& error) const {
   out.ints.resize(ints_);
   out.floats.resize(floats_);

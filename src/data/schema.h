@@ -37,6 +37,9 @@ class Schema {
                             int64_t type_vocab_size = 2);
   static Schema classification(int64_t seq_len, int64_t num_labels, int64_t vocab_size,
                                int64_t type_vocab_size = 2);
+  // A regression task's records (STS-B): label_ids is one float, as ALBERT's classifier_utils
+  // writes it for sts-b.
+  static Schema regression(int64_t seq_len, int64_t vocab_size, int64_t type_vocab_size = 2);
 
   Kind kind() const { return kind_; }
   int64_t seq_len() const { return seq_len_; }

@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "core/setting.h"
+#include "data/example.h"
 #include "data/pipeline.h"
 #include "data/pretraining.h"
 #include "data/schema.h"
@@ -349,9 +350,20 @@ LabeledSet read_classification_tfrecords(const std::string& files, int64_t seq_l
       if (!line.empty()) s.label_names.push_back(line);
     if (!s.label_names.empty()) num_labels = static_cast<int64_t>(s.label_names.size());
   }
-  data::Schema schema = data::Schema::classification(seq_len, num_labels, vocab_size);
-  data::ParsedExample ex;
+  // A float label_ids is a regression task's score (prepare writes it so for stsb).
   std::string err, rec;
+  if (!paths.empty()) {
+    data::TFRecordReader first(paths[0], data::resolve_compression("auto", paths[0]));
+    if (first.next(rec)) {
+      const data::Example e = data::decode_example(rec);
+      const auto it = e.find("label_ids");
+      s.regression = it != e.end() && it->second.kind == data::FeatureKind::Float;
+    }
+  }
+  const data::Schema schema = s.regression
+                                  ? data::Schema::regression(seq_len, vocab_size)
+                                  : data::Schema::classification(seq_len, num_labels, vocab_size);
+  data::ParsedExample ex;
   for (const auto& f : paths) {
     data::TFRecordReader r(f, data::resolve_compression("auto", f));
     while (r.next(rec)) {
@@ -360,8 +372,17 @@ LabeledSet read_classification_tfrecords(const std::string& files, int64_t seq_l
       while (len < seq_len && ex.ints[seq_len + len]) ++len;  // input_mask
       s.ids.emplace_back(ex.ints.begin(), ex.ints.begin() + len);
       s.segments.emplace_back(ex.ints.begin() + 2 * seq_len, ex.ints.begin() + 2 * seq_len + len);
-      s.labels.push_back(ex.ints[3 * seq_len]);
+      if (s.regression) {
+        s.labels.push_back(-1);
+        s.targets.push_back(ex.floats[0]);
+      } else {
+        s.labels.push_back(ex.ints[3 * seq_len]);
+      }
     }
+  }
+  if (s.regression) {
+    if (s.ids.empty()) fail(files, " has no examples");
+    return s;
   }
   if (s.label_names.empty())
     for (int64_t i = 0; i < num_labels; ++i) s.label_names.push_back(std::to_string(i));
@@ -372,11 +393,7 @@ LabeledSet read_classification_tfrecords(const std::string& files, int64_t seq_l
 std::vector<std::string> write_classification_tfrecords(const LabeledSet& s, int64_t seq_len,
                                                         const std::string& dir, int shards,
                                                         data::Compression compression) {
-  if (s.regression)
-    fail(
-        "classification TFRecords (run_classifier.py's schema) hold integer labels; a "
-        "regression task's scores do not fit them: fine-tune it from its text file");
-  if (s.ids.empty() || s.labels[0] < 0)
+  if (s.ids.empty() || (s.regression ? s.targets.size() != s.ids.size() : s.labels[0] < 0))
     fail("the input has no label column: classification TFRecords need labels");
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -405,14 +422,19 @@ std::vector<std::string> write_classification_tfrecords(const LabeledSet& s, int
     ints("input_ids", std::move(ids));
     ints("input_mask", std::move(mask));
     ints("segment_ids", std::move(seg));
-    ints("label_ids", {s.labels[i]});
+    if (s.regression)  // the score as one float (ALBERT's classifier_utils for sts-b)
+      ex["label_ids"] = data::Feature{data::FeatureKind::Float, {}, {s.targets[i]}, {}};
+    else
+      ints("label_ids", {s.labels[i]});
     ints("is_real_example", {1});
     out[i % shards]->write(data::encode_example(ex));
   }
   for (auto& w : out) w->close();
-  std::string names;
-  for (const auto& n : s.label_names) names += n + "\n";
-  write_file_atomic((fs::path(dir) / "labels.txt").string(), names);
+  if (!s.regression) {
+    std::string names;
+    for (const auto& n : s.label_names) names += n + "\n";
+    write_file_atomic((fs::path(dir) / "labels.txt").string(), names);
+  }
   return paths;
 }
 

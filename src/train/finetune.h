@@ -73,7 +73,9 @@ LabeledSet read_classification_tfrecords(const std::string& files, int64_t seq_l
 // Writes a labelled set as classification TFRecords in Google's run_classifier.py schema
 // (input_ids, input_mask, segment_ids [seq_len], label_ids [1], is_real_example [1]; int64),
 // round-robin over `shards` files dir/part-NNNNN-of-NNNNN.tfrecord (atomically), and the label
-// names to dir/labels.txt. Returns the files.
+// names to dir/labels.txt. A regression set (STS-B) writes its score as a float label_ids, as
+// ALBERT's classifier_utils does for sts-b, and no labels.txt; reading detects it. Returns the
+// files.
 std::vector<std::string> write_classification_tfrecords(const LabeledSet& s, int64_t seq_len,
                                                         const std::string& dir, int shards,
                                                         data::Compression compression);
