@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(
   build-essential cmake pkg-config clang-format
+  ccache                            # rebuilds of unchanged sources (ASan, CUDA, fuzz builds) from its cache
   libdnnl-dev                       # oneDNN: GEMM (fp32/bf16), post-op fusion
   ocl-icd-opencl-dev opencl-c-headers # read by oneDNN's CMake config (Debian builds it with OpenCL)
   libopenmpi-dev openmpi-bin        # processes and transport for data parallelism

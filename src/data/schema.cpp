@@ -27,26 +27,24 @@ Schema Schema::pretraining(int64_t T, int64_t P, int64_t V, int64_t types) {
   return s;
 }
 
-Schema Schema::classification(int64_t T, int64_t labels, int64_t V, int64_t types) {
+Schema Schema::sequence_with_label(int64_t T, int64_t V, int64_t types, FeatureKind label,
+                                   int64_t labels) {
   Schema s;
   s.kind_ = Kind::Classification;
   s.seq_len_ = T;
   s.add("input_ids", FeatureKind::Int64, T, 0, V);
   s.add("input_mask", FeatureKind::Int64, T, 0, 2);
   s.add("segment_ids", FeatureKind::Int64, T, 0, types);
-  s.add("label_ids", FeatureKind::Int64, 1, 0, labels);
+  s.add("label_ids", label, 1, 0, labels);
   return s;
 }
 
+Schema Schema::classification(int64_t T, int64_t labels, int64_t V, int64_t types) {
+  return sequence_with_label(T, V, types, FeatureKind::Int64, labels);
+}
+
 Schema Schema::regression(int64_t T, int64_t V, int64_t types) {
-  Schema s;
-  s.kind_ = Kind::Classification;
-  s.seq_len_ = T;
-  s.add("input_ids", FeatureKind::Int64, T, 0, V);
-  s.add("input_mask", FeatureKind::Int64, T, 0, 2);
-  s.add("segment_ids", FeatureKind::Int64, T, 0, types);
-  s.add("label_ids", FeatureKind::Float, 1, 0, 0);
-  return s;
+  return sequence_with_label(T, V, types, FeatureKind::Float, 0);
 }
 
 bool Schema::parse(std::string_view record, ParsedExample& out, std::string& error) const {

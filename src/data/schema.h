@@ -66,6 +66,9 @@ class Schema {
 
  private:
   void add(const std::string& name, FeatureKind kind, int64_t len, int64_t lo, int64_t hi);
+  // input_ids, input_mask, segment_ids [T] and one label_ids of kind `label`.
+  static Schema sequence_with_label(int64_t T, int64_t V, int64_t types, FeatureKind label,
+                                    int64_t labels);
   Kind kind_;
   int64_t seq_len_ = 0, max_predictions_ = 0;
   std::vector<FeatureSpec> features_;

@@ -38,6 +38,24 @@ std::vector<float> pattern(int64_t n, int rank, bool integers) {
   return v;
 }
 
+// A pretraining batch of random tokens: 10 real tokens of T, segments from token 6, P masked
+// positions 1, 4, 7, ...; NSP labels alternate.
+void random_batch(model::Batch& b, int64_t B, int64_t T, int64_t P, int64_t vocab,
+                  std::mt19937& rng) {
+  b.resize(B, T, P);
+  for (int64_t i = 0; i < B * T; ++i) {
+    b.input_ids[i] = static_cast<int32_t>(rng() % vocab);
+    b.input_mask[i] = (i % T) < 10 ? 1 : 0;
+    b.segment_ids[i] = (i % T) >= 6 ? 1 : 0;
+  }
+  for (int64_t i = 0; i < B * P; ++i) {
+    b.masked_lm_positions[i] = static_cast<int32_t>(1 + (i % P) * 3);
+    b.masked_lm_ids[i] = static_cast<int32_t>(rng() % vocab);
+    b.masked_lm_weights[i] = 1.0f;
+  }
+  for (int64_t i = 0; i < B; ++i) b.next_sentence_labels[i] = static_cast<int32_t>(i % 2);
+}
+
 std::vector<float> reference(int64_t n, bool integers) {
   std::vector<float> v = pattern(n, g_comm->rank(), integers);
   if (n)
@@ -200,19 +218,8 @@ TEST(ShardedOptimizer, EqualsUnshardedOnEveryAlgorithm) {
   const int64_t B = 2, T = 12, P = 3;
   const int me = g_comm->rank(), world = g_comm->size();
   auto batch_for = [&](model::Batch& b, uint64_t step) {
-    b.resize(B, T, P);
     std::mt19937 rng(static_cast<uint32_t>(100 * step + me));
-    for (int64_t i = 0; i < B * T; ++i) {
-      b.input_ids[i] = static_cast<int32_t>(rng() % c.vocab_size);
-      b.input_mask[i] = (i % T) < 10 ? 1 : 0;
-      b.segment_ids[i] = (i % T) >= 6 ? 1 : 0;
-    }
-    for (int64_t i = 0; i < B * P; ++i) {
-      b.masked_lm_positions[i] = static_cast<int32_t>(1 + (i % P) * 3);
-      b.masked_lm_ids[i] = static_cast<int32_t>(rng() % c.vocab_size);
-      b.masked_lm_weights[i] = 1.0f;
-    }
-    for (int64_t i = 0; i < B; ++i) b.next_sentence_labels[i] = static_cast<int32_t>(i % 2);
+    random_batch(b, B, T, P, c.vocab_size, rng);
   };
   struct Run {
     std::vector<float> params, m;  // m: the whole first moment (sharded: gathered)
@@ -306,19 +313,8 @@ TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
   const model::BertConfig c = test::small_bert(97, 16, 2, 2, 32, 16);
   const int64_t B = 8, T = 12, P = 3, half = B / 2;
   model::Batch full;
-  full.resize(B, T, P);
   std::mt19937 rng(5);
-  for (int64_t i = 0; i < B * T; ++i) {
-    full.input_ids[i] = static_cast<int32_t>(rng() % c.vocab_size);
-    full.input_mask[i] = (i % T) < 10 ? 1 : 0;
-    full.segment_ids[i] = (i % T) >= 6 ? 1 : 0;
-  }
-  for (int64_t i = 0; i < B * P; ++i) {
-    full.masked_lm_positions[i] = static_cast<int32_t>(1 + (i % P) * 3);
-    full.masked_lm_ids[i] = static_cast<int32_t>(rng() % c.vocab_size);
-    full.masked_lm_weights[i] = 1.0f;
-  }
-  for (int64_t i = 0; i < B; ++i) full.next_sentence_labels[i] = static_cast<int32_t>(i % 2);
+  random_batch(full, B, T, P, c.vocab_size, rng);
   auto slice = [&](int64_t b0, int64_t n) {
     model::Batch s;
     s.resize(n, T, P);
