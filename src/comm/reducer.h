@@ -49,9 +49,9 @@ class Reducer {
   float* grads_;
   int64_t total_;
   float prescale_ = 1.0f;
+  obs::Timeline* tl_;
   std::vector<int64_t> owners_;
   std::vector<int64_t> counts_;  // the communication thread's per-rank parts of one bucket
-  obs::Timeline* tl_;
   struct Bucket {
     int64_t lo_layer, begin, end;
   };
