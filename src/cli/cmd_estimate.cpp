@@ -78,12 +78,7 @@ void add_estimate(CLI::App& app) {
     // (Fine-tuning reads its task file into memory instead: the file's size.)
     const bool pipeline = head == model::Head::Pretraining;
     auto input = [&](int64_t batch) {
-      if (!pipeline) return 0.0;
-      data::PipelineOptions in;
-      in.batch_size = batch;
-      return static_cast<double>(data::Pipeline::memory_bound(
-          in, data::Schema::pretraining(d.seq_len, d.max_predictions, cfg.vocab_size,
-                                        cfg.type_vocab_size)));
+      return pipeline ? input_bound({}, batch, d.seq_len, d.max_predictions, cfg) : 0.0;
     };
     auto outside = [&](int64_t batch) {
       return input(batch) + (o->ranks > 1 ? static_cast<double>(comm::kShmSlotBytes) : 0.0);

@@ -59,11 +59,7 @@ void choose_batch(train::TrainConfig& cfg, const Opts& o, const comm::Communicat
     const model::BertConfig mc = model::BertConfig::load(cfg.model_config);
     // Besides the arenas: this run's input pipeline bound and, under MPI, the window slot.
     auto outside = [&](int64_t batch) {
-      data::PipelineOptions in = cfg.input;
-      in.batch_size = batch;
-      return static_cast<double>(data::Pipeline::memory_bound(
-                 in, data::Schema::pretraining(cfg.seq_len, cfg.max_predictions, mc.vocab_size,
-                                               mc.type_vocab_size))) +
+      return input_bound(cfg.input, batch, cfg.seq_len, cfg.max_predictions, mc) +
              (world > 1 ? static_cast<double>(comm::kShmSlotBytes) : 0.0);
     };
     fit = plan::max_batch_for_budget(mc, model::Head::Pretraining, d, 2, budget,

@@ -56,5 +56,10 @@ double parse_bytes(const std::string& s);          // "16GiB", "512MiB", "1e9" (
 double available_memory();                         // this host's MemAvailable, bytes
 void set_threads(int threads);                     // 0 = leave OpenMP's default
 std::string describe(const model::BertConfig& c);  // "L4 H256 A4 I1024 V30522"
+// The input pipeline's memory bound for pretraining records of this model and shape with `in`
+// at `batch` sequences (what a training rank holds besides its arenas, with the MPI window
+// slot comm::kShmSlotBytes under several ranks).
+double input_bound(data::PipelineOptions in, int64_t batch, int64_t seq_len, int64_t predictions,
+                   const model::BertConfig& c);
 
 }  // namespace bertrain::cli

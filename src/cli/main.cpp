@@ -91,6 +91,13 @@ void set_threads(int threads) {
   if (threads > 0) omp_set_num_threads(threads);
 }
 
+double input_bound(data::PipelineOptions in, int64_t batch, int64_t seq_len, int64_t predictions,
+                   const model::BertConfig& c) {
+  in.batch_size = batch;
+  return static_cast<double>(data::Pipeline::memory_bound(
+      in, data::Schema::pretraining(seq_len, predictions, c.vocab_size, c.type_vocab_size)));
+}
+
 std::string describe(const model::BertConfig& c) {
   return str("L", c.num_hidden_layers, " H", c.hidden_size, " A", c.num_attention_heads, " I",
              c.intermediate_size, " V", c.vocab_size);

@@ -547,6 +547,12 @@ std::pair<int64_t, int64_t> part_of(std::span<const int64_t> counts, int r) {
   for (int q = 0; q < r; ++q) b += counts[q];
   return {b, b + counts[r]};
 }
+// The parts as chunk boundaries: cuts[r] .. cuts[r + 1] is rank r's.
+std::vector<int64_t> cuts_of(std::span<const int64_t> counts) {
+  std::vector<int64_t> cuts(counts.size() + 1, 0);
+  for (size_t r = 0; r < counts.size(); ++r) cuts[r + 1] = cuts[r] + counts[r];
+  return cuts;
+}
 void check_parts(std::span<const int64_t> counts, int64_t n, int size, const char* what) {
   int64_t sum = 0;
   for (int64_t c : counts) sum += c;
@@ -604,10 +610,8 @@ void MpiCommunicator::reduce_scatter_sum(float* data, int64_t n, std::span<const
       break;
     }
     case Algorithm::Ring: {
-      std::vector<int64_t> cuts(size_ + 1, 0);
-      for (int r = 0; r < size_; ++r) cuts[r + 1] = cuts[r] + counts[r];
       MPI_Comm w = MPI_COMM_WORLD;
-      ring(data, cuts, wire_, &w, 0, true, false);
+      ring(data, cuts_of(counts), wire_, &w, 0, true, false);
       break;
     }
     case Algorithm::Shm:
@@ -629,10 +633,8 @@ void MpiCommunicator::allgather(float* data, int64_t n, std::span<const int64_t>
   enter("allgather");
   if (algo_ == Algorithm::Ring) {
     // Always fp32: the parts are what every rank must hold bit for bit (the parameters).
-    std::vector<int64_t> cuts(size_ + 1, 0);
-    for (int r = 0; r < size_; ++r) cuts[r + 1] = cuts[r] + counts[r];
     MPI_Comm w = MPI_COMM_WORLD;
-    ring(data, cuts, Wire::F32, &w, 0, false, true);
+    ring(data, cuts_of(counts), Wire::F32, &w, 0, false, true);
   } else {
     std::vector<int> rc(counts.begin(), counts.end()), displ(size_ + 1, 0);
     for (int r = 0; r < size_; ++r) displ[r + 1] = displ[r] + rc[r];

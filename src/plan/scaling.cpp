@@ -118,10 +118,8 @@ ScalingRow predict_step(const GradientLayout& g, const StepCompute& compute, con
     comm_total += t;
   }
   // The step's statistics (a few doubles): one small allreduce's latencies.
-  const double stats =
-      1e-3 * 2.0 *
-      (c.hosts > 1 ? c.latency_us * std::ceil(std::log2(static_cast<double>(r.ranks)))
-                   : c.local_latency_us * std::ceil(std::log2(static_cast<double>(r.ranks))));
+  const double hop_us = c.hosts > 1 ? c.latency_us : c.local_latency_us;
+  const double stats = 1e-3 * 2.0 * hop_us * std::ceil(std::log2(static_cast<double>(r.ranks)));
   exposed += stats;
   r.comm_ms = comm_total;
   r.exposed_ms = exposed;

@@ -125,10 +125,8 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   reduce(g, r);
   stats[0] /= static_cast<double>(s_.accumulation);
   const bool sharded = opt_.sharded();
-  if (sharded) {
-    m_.bind_kernel_scratch();                            // the norm's partial sums come from it
-    stats[7] = opt_.sum_squares(m_.grads(), g.unscale);  // of this rank's part
-  }
+  m_.bind_kernel_scratch();  // the optimizer's reductions take their partial sums from it
+  if (sharded) stats[7] = opt_.sum_squares(m_.grads(), g.unscale);  // of this rank's part
   if (world > 1) comm_.allreduce_sum(stats, sharded ? 8 : 7);
   r.t_comm = since(t0);
   span("allreduce gradients", "communication", t0);
@@ -141,7 +139,6 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
 
   // Finite check on every rank (all skip together), then the update.
   t0 = Clock::now();
-  m_.bind_kernel_scratch();  // the optimizer's reductions take their partial sums from it
   // Sharded: the norm of every part, summed with the statistics (the same value on every rank;
   // a NaN or inf anywhere makes it non-finite everywhere).
   const StepResult measured = sharded ? opt_.result(stats[7]) : opt_.measure(m_.grads(), g.unscale);

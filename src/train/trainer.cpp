@@ -411,15 +411,15 @@ std::string Trainer::banner() const {
       s.m.dims().recompute_layers ? ", layers recomputed in backward" : "",
       (unsigned long long)cfg.seed);
   out += line;
-  out +=
-      str("  steps ", s.start_step, "..", cfg.steps, ", save every ", cfg.save_every, " to ",
-          cfg.output, ", ", s.comm.name(), ", ", omp_get_max_threads(), " threads, memory plan ",
-          human_bytes(static_cast<double>(s.m.plan().total_bytes() + s.opt.plan().total_bytes())),
-          s.opt.sharded() ? str(" (optimizer state sharded: ",
-                                human_bytes(static_cast<double>(s.opt.plan().total_bytes())),
-                                " of ", human_bytes(16.0 * s.opt.total() / 2), " here)")
-                          : std::string(),
-          ", input bound ", human_bytes(static_cast<double>(s.pipe->memory_bound_bytes())), "\n");
+  out += str(
+      "  steps ", s.start_step, "..", cfg.steps, ", save every ", cfg.save_every, " to ",
+      cfg.output, ", ", s.comm.name(), ", ", omp_get_max_threads(), " threads, memory plan ",
+      human_bytes(static_cast<double>(s.m.plan().total_bytes() + s.opt.plan().total_bytes())),
+      s.opt.sharded() ? str(" (optimizer state sharded: ",
+                            human_bytes(static_cast<double>(s.opt.plan().total_bytes())), " of ",
+                            human_bytes(8.0 * s.opt.total()), " here)")  // m, v: 8 B/param
+                      : std::string(),
+      ", input bound ", human_bytes(static_cast<double>(s.pipe->memory_bound_bytes())), "\n");
   out += str("  cpu ", kernels::cpu_description(), "\n");
   if (bf16 && !kernels::bf16_speed_note().empty())
     out += str("  ", kernels::bf16_speed_note(), "\n");
