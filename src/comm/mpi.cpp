@@ -1,10 +1,18 @@
 #include "comm/mpi.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
 #include <mpi.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -70,6 +78,13 @@ bool launched_by_mpi() {
 
 namespace {
 
+// x with `digits` decimals, for messages.
+std::string fixed(double x, int digits) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, x);
+  return buf;
+}
+
 constexpr int64_t kShmSlotFloats = kShmSlotBytes / 4;  // per rank and pass
 constexpr int64_t kRingSegment = int64_t{1} << 18;     // floats per message (1 MiB: in L2)
 
@@ -99,6 +114,16 @@ struct MpiCommunicator::Impl {
   std::vector<float> recv;
   std::vector<float> part;  // MPI_Reduce_scatter's result before it moves into place
   bool owns_mpi = false;
+  std::vector<std::string> hosts;  // per world rank
+  // Liveness probe, outside MPI: every rank listens on a TCP port (never read; the watchdog
+  // accepts and closes), and knows every rank's IPv4 addresses and port.
+  static constexpr int kProbeAddrs = 4;
+  struct ProbeAddress {
+    uint32_t addr[kProbeAddrs] = {};  // network order; 0 = unused
+    uint16_t port = 0;
+  };
+  int probe_fd = -1;
+  std::vector<ProbeAddress> probe;  // per world rank
   struct SharedBuffer {
     MPI_Win win = MPI_WIN_NULL;
     std::vector<float*> base;  // per local rank
@@ -169,9 +194,21 @@ MpiCommunicator::MpiCommunicator(int* argc, char*** argv) : impl_(new Impl) {
   }
   MPI_Comm_rank(impl_->node, &local_rank_);
   MPI_Comm_size(impl_->node, &local_size_);
+  {  // every rank's hostname, for messages that name a host
+    constexpr int kName = 64;
+    std::vector<char> all(static_cast<size_t>(kName) * size_, '\0');
+    char mine[kName] = {};
+    ::gethostname(mine, kName - 1);
+    check(MPI_Allgather(mine, kName, MPI_CHAR, all.data(), kName, MPI_CHAR, MPI_COMM_WORLD),
+          "MPI_Allgather(hostnames)");
+    for (int r = 0; r < size_; ++r)
+      impl_->hosts.emplace_back(all.data() + static_cast<size_t>(r) * kName,
+                                ::strnlen(all.data() + static_cast<size_t>(r) * kName, kName));
+  }
   check(
       MPI_Comm_split(MPI_COMM_WORLD, local_rank_ == 0 ? 0 : MPI_UNDEFINED, rank_, &impl_->leaders),
       "MPI_Comm_split(leaders)");
+  open_probe();
   // Shared window: one slot per local rank, plus the progress table.
   float* base = nullptr;
   check(MPI_Win_allocate_shared(kShmSlotFloats * sizeof(float), sizeof(float), MPI_INFO_NULL,
@@ -202,6 +239,7 @@ MpiCommunicator::MpiCommunicator(int* argc, char*** argv) : impl_(new Impl) {
 MpiCommunicator::~MpiCommunicator() {
   stop_ = true;
   if (watchdog_.joinable()) watchdog_.join();
+  if (impl_->probe_fd >= 0) ::close(impl_->probe_fd);
   MPI_Barrier(MPI_COMM_WORLD);
   for (auto& b : impl_->shared) MPI_Win_free(&b.win);
   if (impl_->win != MPI_WIN_NULL) MPI_Win_free(&impl_->win);
@@ -211,10 +249,60 @@ MpiCommunicator::~MpiCommunicator() {
   if (impl_->owns_mpi) MPI_Finalize();
 }
 
+const std::string& MpiCommunicator::host_of(int rank) const {
+  return impl_->hosts.at(rank);
+}
+
+int MpiCommunicator::host_count() const {
+  std::vector<std::string> h = impl_->hosts;
+  std::sort(h.begin(), h.end());
+  return static_cast<int>(std::unique(h.begin(), h.end()) - h.begin());
+}
+
+std::string MpiCommunicator::host_and_ranks(int rank) const {
+  const std::string& h = host_of(rank);
+  std::string ranks;
+  for (int r = 0; r < size_;) {
+    if (impl_->hosts[r] != h) {
+      ++r;
+      continue;
+    }
+    int e = r;
+    while (e + 1 < size_ && impl_->hosts[e + 1] == h) ++e;
+    ranks += str(ranks.empty() ? "" : ", ", r, e > r ? str("-", e) : "");
+    r = e + 1;
+  }
+  return str(h, " (rank", ranks.find_first_of("-,") == std::string::npos ? " " : "s ", ranks, ")");
+}
+
+std::string MpiCommunicator::other_hosts() const {
+  std::string out;
+  int shown = 0, more = 0;
+  for (int r = 0; r < size_; ++r)
+    if (host_of(r) != host_of(rank_) && (r == 0 || impl_->hosts[r] != impl_->hosts[r - 1])) {
+      if (shown < 4)
+        out += str(shown++ == 0 ? "" : ", ", host_and_ranks(r));
+      else
+        ++more;
+    }
+  return more > 0 ? str(out, " and ", more, " more host(s)") : out;
+}
+
 std::string MpiCommunicator::name() const {
+  std::string hosts;  // "h0 (ranks 0-1), h1 (ranks 2-3)", the first four hosts
+  const int nh = host_count();
+  if (nh > 1) {
+    int shown = 0;
+    for (int r = 0; r < size_ && shown < 4; ++r)
+      if (r == 0 || impl_->hosts[r] != impl_->hosts[r - 1]) {
+        hosts += str(shown == 0 ? "" : ", ", host_and_ranks(r));
+        ++shown;
+      }
+    hosts = str(" on ", nh, " hosts: ", hosts, nh > shown ? str(", ", nh - shown, " more") : "");
+  }
   return str(
       "MPI, ", size_, " ranks (", size_ / std::max(1, local_size_), " node(s) x ", local_size_,
-      "), allreduce ",
+      hosts, "), allreduce ",
       algo_ == Algorithm::Shm && local_size_ != size_ ? "hierarchical" : algorithm_name(algo_),
       wire_in_use() ? str(", wire ", wire_name(wire_)) : "");
 }
@@ -227,52 +315,236 @@ void MpiCommunicator::enter(const char* what) {
 
 void MpiCommunicator::leave() {
   in_since_ = 0;
+  waiting_on_ = -1;
+}
+
+void MpiCommunicator::open_probe() {
+  Impl::ProbeAddress mine;
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof sa;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
+      ::listen(fd, 64) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0) {
+    impl_->probe_fd = fd;
+    mine.port = ntohs(sa.sin_port);
+    ifaddrs* ifs = nullptr;
+    int k = 0;
+    if (::getifaddrs(&ifs) == 0) {
+      for (ifaddrs* i = ifs; i && k < Impl::kProbeAddrs; i = i->ifa_next)
+        if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET && (i->ifa_flags & IFF_UP) &&
+            !(i->ifa_flags & IFF_LOOPBACK))
+          mine.addr[k++] = reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr;
+      ::freeifaddrs(ifs);
+    }
+    if (k == 0) mine.addr[0] = htonl(INADDR_LOOPBACK);
+  } else if (fd >= 0) {
+    ::close(fd);
+  }
+  impl_->probe.resize(size_);
+  check(MPI_Allgather(&mine, sizeof mine, MPI_BYTE, impl_->probe.data(), sizeof mine, MPI_BYTE,
+                      MPI_COMM_WORLD),
+        "MPI_Allgather(probe addresses)");
+}
+
+// Connects to every other rank's probe port (all its addresses at once) within timeout_s:
+// per rank 1 answered, 0 refused (the host is up, the process gone), -1 no answer (the host
+// is down or cut off), -2 no route from here (this host's link is down), 2 not probed (this
+// rank, or a rank without a probe port).
+std::vector<int> MpiCommunicator::probe_ranks(double timeout_s) const {
+  std::vector<int> state(size_, 2);
+  struct Try {
+    int fd, rank;
+  };
+  std::vector<Try> tries;
+  for (int r = 0; r < size_; ++r) {
+    const Impl::ProbeAddress& p = impl_->probe[r];
+    if (r == rank_ || p.port == 0) continue;
+    state[r] = -1;
+    for (uint32_t a : p.addr) {
+      if (a == 0) continue;
+      const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+      if (fd < 0) continue;
+      sockaddr_in sa{};
+      sa.sin_family = AF_INET;
+      sa.sin_port = htons(p.port);
+      sa.sin_addr.s_addr = a;
+      if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) {
+        state[r] = 1;
+        ::close(fd);
+      } else if (errno == EINPROGRESS) {
+        tries.push_back({fd, r});
+      } else {  // refused: the host answered; no route: this host's own link
+        if (state[r] != 1) state[r] = errno == ECONNREFUSED ? 0 : -2;
+        ::close(fd);
+      }
+    }
+  }
+  const double deadline = now_s() + timeout_s;
+  while (!tries.empty() && now_s() < deadline) {
+    std::vector<pollfd> fds;
+    for (const auto& t : tries) fds.push_back({t.fd, POLLOUT, 0});
+    ::poll(fds.data(), fds.size(), 20);
+    std::vector<Try> still;
+    for (size_t i = 0; i < tries.size(); ++i) {
+      if (fds[i].revents == 0) {
+        still.push_back(tries[i]);
+        continue;
+      }
+      int err = 0;
+      socklen_t len = sizeof err;
+      ::getsockopt(tries[i].fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      int& st = state[tries[i].rank];
+      if (err == 0)
+        st = 1;
+      else if (st != 1 && err == ECONNREFUSED)
+        st = 0;
+      ::close(tries[i].fd);
+    }
+    tries.swap(still);
+  }
+  for (const auto& t : tries) ::close(t.fd);
+  return state;
+}
+
+// "ranks 2-3 on host h1 do not answer (...)" from a probe, for the ranks that did not answer;
+// empty when every rank answered or none could be probed.
+std::string MpiCommunicator::probe_report(double timeout_s) const {
+  const std::vector<int> st = probe_ranks(timeout_s);
+  std::string out;
+  int answered = 0, silent = 0;
+  for (int r = 0; r < size_; ++r) {
+    answered += st[r] == 1;
+    silent += st[r] == -1;
+  }
+  int no_route = 0, elsewhere_answered = 0;
+  for (int r = 0; r < size_; ++r) {
+    no_route += st[r] == -2;
+    elsewhere_answered += st[r] == 1 && host_of(r) != host_of(rank_);
+  }
+  if (no_route > 0 && elsewhere_answered == 0)
+    return str("no route from this host (", host_of(rank_), ") to the others: its link is down");
+  if (answered == 0 && silent > 1)
+    return str("no rank answered a TCP probe (a firewall between the hosts?)");
+  for (int r = 0; r < size_;) {  // runs of ranks with the same host and state
+    if (st[r] == 1 || st[r] == 2 || st[r] == -2) {
+      ++r;
+      continue;
+    }
+    int e = r;
+    while (e + 1 < size_ && st[e + 1] == st[r] && host_of(e + 1) == host_of(r)) ++e;
+    out += str(out.empty() ? "" : "; ", e > r ? str("ranks ", r, "-", e) : str("rank ", r),
+               " on host ", host_of(r),
+               st[r] == 0 ? ": process gone (connection refused)"
+                          : ": no answer (the host is down or its link is cut)");
+    r = e + 1;
+  }
+  return out;
+}
+
+// Whom this rank waits for in the collective it is in: the rank a ring step receives from when
+// it is on another host; else this host's ranks that have not joined (the shared progress
+// table); else, with every local rank there, the ranks of the other hosts.
+std::string MpiCommunicator::waited_for(bool* remote) const {
+  *remote = true;
+  const int peer = waiting_on_.load();
+  if (peer >= 0 && host_of(peer) != host_of(rank_))
+    return str("rank ", peer, " on host ", host_and_ranks(peer));
+  const int64_t mine = impl_->progress[local_rank_];
+  std::string missing;
+  for (int r = 0; r < local_size_; ++r)
+    if (impl_->progress[r] < mine)
+      missing += str(missing.empty() ? "" : ", ", rank_ - local_rank_ + r);
+  if (size_ > local_size_ && missing.empty()) return str("the ranks on ", other_hosts());
+  *remote = false;
+  return missing.empty() ? "" : str("rank(s) ", missing, " on this host");
 }
 
 void MpiCommunicator::watchdog_loop() {
   double signalled_at = 0;  // when this thread first saw the stop request
   while (!stop_) {
     ::usleep(100 * 1000);
+    if (impl_->probe_fd >= 0)  // peers' probes: accept and close
+      for (int c; (c = ::accept4(impl_->probe_fd, nullptr, nullptr, SOCK_CLOEXEC)) >= 0;)
+        ::close(c);
     const double since = in_since_.load();
     const std::atomic<int>* flag = interrupt_.load();
     const int sig = flag ? flag->load() : 0;
-    if (sig != 0 && signalled_at == 0) signalled_at = now_s();
+    const char* what = in_what_.load() ? in_what_.load() : "?";
+    if (sig != 0 && signalled_at == 0) {
+      signalled_at = now_s();
+      // A launcher that lost a host ends the others with SIGTERM and, a second later, SIGKILL:
+      // say at once whom this rank waited for and which ranks are gone (a TCP probe of 0.3 s).
+      // A stop that every rank received (preemption) finds every rank answering: no message.
+      if (size_ > 1) {
+        bool remote = false;
+        const std::string who = since != 0 ? waited_for(&remote) : "";
+        const std::string gone = probe_report(0.3);
+        if (!gone.empty() || remote)
+          report(str("bertrain: rank ", rank_, " on host ", host_of(rank_), ": signal ", sig,
+                     since != 0 ? str(" while collective '", what, "' waited ",
+                                      fixed(signalled_at - since, 1), " s for ", who)
+                                : std::string(" outside a collective"),
+                     gone.empty() ? "" : "; probe: ", gone));
+      }
+    }
     if (sig != 0 && since != 0 && now_s() - std::max(since, signalled_at) >= interrupt_grace_) {
-      std::fprintf(stderr,
-                   "bertrain: rank %d: stopped by signal %d while collective '%s' waited %.0f s "
-                   "for the other ranks: the step cannot finish, so the job ends now; the last "
-                   "complete checkpoint stands (continue with %s)\n",
-                   rank_, sig, in_what_.load() ? in_what_.load() : "?", now_s() - since,
-                   setting("resume").c_str());
-      std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, 128 + sig);
-      std::_Exit(128 + sig);
+      report(str("bertrain: rank ", rank_, ": stopped by signal ", sig, " while collective '", what,
+                 "' waited ", fixed(now_s() - since, 0),
+                 " s for the other ranks: the step cannot finish, so the job ends now; the last "
+                 "complete checkpoint stands (continue with ",
+                 setting("resume"), ")"));
+      abort_job(128 + sig);
     }
     if (since == 0 || stall_timeout_ <= 0 || now_s() - since < stall_timeout_) continue;
-    const int64_t mine = impl_->progress[local_rank_];
     std::string label;
     {
       std::lock_guard<std::mutex> lock(label_mu_);
       label = label_;
     }
-    std::string missing;
-    for (int r = 0; r < local_size_; ++r)
-      if (impl_->progress[r] < mine)
-        missing += str(missing.empty() ? "" : ", ", rank_ - local_rank_ + r);
-    std::fprintf(
-        stderr,
-        "bertrain: rank %d: collective '%s'%s%s (#%lld) has waited %.0f s (%s %.0f "
-        "s); "
-        "ranks on this node that have not joined: %s%s. A rank died, hangs, or runs another step; "
-        "aborting the job.\n",
-        rank_, in_what_.load() ? in_what_.load() : "?", label.empty() ? "" : " of ", label.c_str(),
-        (long long)mine, now_s() - since, setting("stall_timeout").c_str(), stall_timeout_,
-        missing.empty() ? "none" : missing.c_str(),
-        size_ > local_size_ ? " (ranks on other nodes are not visible from here)" : "");
-    std::fflush(stderr);
-    MPI_Abort(MPI_COMM_WORLD, 3);
-    std::_Exit(3);
+    bool remote = false;
+    const std::string who = waited_for(&remote);
+    const std::string gone = probe_report(1.0);
+    report(str("bertrain: rank ", rank_, " on host ", host_of(rank_), ": collective '", what, "'",
+               label.empty() ? "" : " of ", label, " (#", impl_->progress[local_rank_],
+               ") has waited ", fixed(now_s() - since, 0), " s (", setting("stall_timeout"), " ",
+               fixed(stall_timeout_, 0), " s) for ", who.empty() ? "the other ranks" : who, ": ",
+               remote ? "a host died, hangs, or its link is down"
+                      : "a rank died, hangs, or runs another step",
+               gone.empty() ? "" : "; probe: ", gone,
+               "; aborting the job (continue from the last checkpoint with ", setting("resume"),
+               ", on the hosts left if one is lost)."));
+    abort_job(3);
   }
+}
+
+void MpiCommunicator::report(const std::string& line) {
+  std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
+  std::string path;
+  {
+    std::lock_guard<std::mutex> lock(label_mu_);
+    path = incident_log_;
+  }
+  if (path.empty()) return;
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (fd < 0) return;
+  const std::string l = line + "\n";
+  [[maybe_unused]] const ssize_t w = ::write(fd, l.data(), l.size());  // one append: whole lines
+  ::fsync(fd);
+  ::close(fd);
+}
+
+// MPI_Abort asks the launcher to end every rank; when the launcher cannot be reached (this
+// host's link is down) it may never return, so the rank exits by itself after a grace period.
+void MpiCommunicator::abort_job(int code) {
+  std::thread([code] {
+    ::sleep(5);
+    std::_Exit(code);
+  }).detach();
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
 }
 
 void MpiCommunicator::allreduce_mpi(float* data, int64_t n) {
@@ -299,6 +571,20 @@ void MpiCommunicator::ring(float* data, const std::vector<int64_t>& cuts, Wire w
   MPI_Comm_size(comm, &p);
   if (p == 1 || cuts.back() == 0) return;
   const int right = (r + 1) % p, left = (r - 1 + p) % p;
+  {  // the watchdog names the host of the rank this ring receives from
+    MPI_Group g, world;
+    MPI_Comm_group(comm, &g);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    int w = -1;
+    MPI_Group_translate_ranks(g, 1, &left, world, &w);
+    MPI_Group_free(&g);
+    MPI_Group_free(&world);
+    waiting_on_ = w;
+  }
+  struct Done {  // the ring's wait ends with it (hierarchical goes on within the host)
+    std::atomic<int>& w;
+    ~Done() { w = -1; }
+  } done{waiting_on_};
   auto chunk_begin = [&](int c) { return cuts[c]; };
   auto chunk_len = [&](int c) { return cuts[c + 1] - cuts[c]; };
   // The chunk this rank holds reduced after the first phase (and sends first in the second).

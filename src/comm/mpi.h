@@ -11,12 +11,15 @@
 //                the buffer was allocated by allocate_shared() (the trainer puts its gradients
 //                there); other buffers are staged through a window slot.
 //   hierarchical shm within each node, ring among the node leaders, shm broadcast in the node.
-// Nodes come from MPI_Comm_split_type(SHARED); BERTRAIN_LOCAL_SIZE=k pretends every k
+// Nodes come from MPI_Comm_split_type(SHARED): the launcher's placement of ranks on hosts
+// (real hosts, or tests/cluster's network namespaces); BERTRAIN_LOCAL_SIZE=k pretends every k
 // consecutive ranks share a node (to exercise hierarchical on one host).
 //
 // A stall watchdog thread aborts the whole job (MPI_Abort, non-zero exit on every rank) when a
 // collective waits longer than the stall timeout, naming the collective and the ranks of this
-// node that have not reached it (read from a shared-memory progress table).
+// node that have not reached it (read from a shared-memory progress table) and, when a ring
+// step waits on a rank of another host, that host and its ranks (dead, hung or cut off).
+// If the launcher cannot be reached to abort (a host's link is down), the rank exits anyway.
 #pragma once
 
 #include <atomic>
@@ -82,11 +85,20 @@ class MpiCommunicator : public Communicator {
     interrupt_grace_ = grace_s;
     interrupt_ = flag;
   }
+  void set_incident_log(const std::string& path) override {
+    std::lock_guard<std::mutex> lock(label_mu_);
+    incident_log_ = path;
+  }
   void set_label(const std::string& label) override {
     std::lock_guard<std::mutex> lock(label_mu_);
     label_ = label;
   }
   Algorithm algorithm() const { return algo_; }
+  // The host each rank runs on (its hostname, gathered at start) and a host with its ranks:
+  // "h1 (ranks 2-3)". Failure messages name hosts this way.
+  const std::string& host_of(int rank) const;
+  std::string host_and_ranks(int rank) const;
+  int host_count() const;
 
   // Individual algorithms (tests and benchmarks call them directly).
   void allreduce_mpi(float* data, int64_t n);
@@ -110,14 +122,23 @@ class MpiCommunicator : public Communicator {
   void enter(const char* what);
   void leave();
   void watchdog_loop();
+  [[noreturn]] void abort_job(int code);
+  std::string other_hosts() const;  // every host but this rank's, with their ranks
+  std::string waited_for(bool* remote) const;
+  // Liveness probe over plain TCP (works when MPI's transport is stuck): see mpi.cpp.
+  void open_probe();
+  std::vector<int> probe_ranks(double timeout_s) const;
+  std::string probe_report(double timeout_s) const;  // remote: the ranks waited for are elsewhere
   std::atomic<double> in_since_{0};
   std::atomic<const char*> in_what_{nullptr};
+  std::atomic<int> waiting_on_{-1};  // the world rank a ring step receives from, or -1
   std::atomic<bool> stop_{false};
   std::atomic<const std::atomic<int>*> interrupt_{nullptr};
   std::atomic<double> interrupt_grace_{5.0};
   std::thread watchdog_;
   std::mutex label_mu_;
-  std::string label_;
+  std::string label_, incident_log_;     // under label_mu_
+  void report(const std::string& line);  // stderr and the incident log
 };
 
 }  // namespace bertrain::comm

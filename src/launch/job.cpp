@@ -194,9 +194,26 @@ std::string emit_hostfile(const JobSpec& j) {
   return out;
 }
 
+namespace {
+// Open MPI's launcher notices a lost host through TCP keepalive on its daemon connections:
+// by default after 300 s idle + 9 x 20 s, here after 10 + 3 x 5 s. (The ranks end within
+// --stall-timeout anyway; this ends mpirun too instead of leaving it waiting minutes.)
+const std::vector<std::pair<std::string, std::string>> kLostHostMca = {
+    {"oob_tcp_keepalive_time", "10"},
+    {"oob_tcp_keepalive_intvl", "5"},
+    {"oob_tcp_keepalive_probes", "3"}};
+
+std::string lost_host_mca() {
+  std::string out;
+  for (const auto& [k, v] : kLostHostMca) out += " --mca " + k + " " + v;
+  return out;
+}
+}  // namespace
+
 std::string emit_mpirun(const JobSpec& j, const std::string& hostfile, const std::string& binary) {
-  std::string out = str("mpirun -np ", j.ranks(), " --hostfile ", shell_quote(hostfile),
-                        " --map-by ppr:", j.slots_per_worker, ":node --bind-to none");
+  std::string out =
+      str("mpirun -np ", j.ranks(), " --hostfile ", shell_quote(hostfile),
+          " --map-by ppr:", j.slots_per_worker, ":node --bind-to none", lost_host_mca());
   for (const auto& [k, v] : j.env) out += " -x " + shell_quote(k + "=" + v);
   return out + " " + j.bertrain_command(binary) + "\n";
 }
@@ -245,6 +262,7 @@ std::string emit_mpijob(const JobSpec& j) {
                                       "none",
                                       "--map-by",
                                       str("ppr:", j.slots_per_worker, ":node")};
+      for (const auto& [k, v] : kLostHostMca) cmd.insert(cmd.end(), {"--mca", k, v});
       for (const auto& [k, v] : j.env) cmd.insert(cmd.end(), {"-x", k});
       cmd.insert(cmd.end(), {"bertrain", j.command});
       for (const auto& [flag, value] : j.flags) {
@@ -321,9 +339,9 @@ std::string emit_dlc(const JobSpec& j) {
   nlohmann::ordered_json envs = nlohmann::ordered_json::object();
   for (const auto& [k, v] : j.env) envs[k] = v;
   // DLC's MPIJob runs the command on the launcher with the workers' hostfile in place.
-  std::string cmd =
-      str("mpirun -np ", j.ranks(),
-          " --allow-run-as-root --bind-to none --map-by ppr:", j.slots_per_worker, ":node");
+  std::string cmd = str("mpirun -np ", j.ranks(),
+                        " --allow-run-as-root --bind-to none --map-by ppr:", j.slots_per_worker,
+                        ":node", lost_host_mca());
   for (const auto& [k, v] : j.env) cmd.append(" -x ").append(k);
   cmd.append(" ").append(j.bertrain_command());
   const nlohmann::ordered_json body = {{"DisplayName", j.name},

@@ -15,7 +15,7 @@ echo "exit code $rc after $elapsed s"
 [ $rc -ne 124 ] || { echo "FAIL: the job hung until the test timeout"; exit 1; }
 [ $elapsed -le 20 ] || { echo "FAIL: took $elapsed s (stall timeout 2 s)"; exit 1; }
 if [ "$MODE" = --stall-demo ]; then
-  echo "$out" | grep -q "have not joined: 1" || { echo "FAIL: no message naming rank 1"; exit 1; }
+  echo "$out" | grep -q "for rank(s) 1 on this host" || { echo "FAIL: no message naming rank 1"; exit 1; }
   echo "$out" | grep -q "of gradient bucket 3" || { echo "FAIL: no message naming the bucket"; exit 1; }
 else
   echo "$out" | grep -qiE "rank 1|process rank 1|exited" || { echo "FAIL: no message naming the dead rank"; exit 1; }
