@@ -158,12 +158,141 @@ TEST(Pipeline, ResumesExactlyMidEpochAndAcrossEpochs) {
                         << pos.batches << ")";
   }
   // A position from other data is refused.
-  PipelinePosition foreign{0, 3, 12345};
+  PipelinePosition foreign{0, 3, 12345, {}};
   try {
     Pipeline c(o, schema(), foreign);
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("input files differ"), std::string::npos);
+  }
+}
+
+// A job of `world` ranks at `start` positions, every rank taking `steps` batches in lockstep
+// (as training does), each uid recorded with the epoch it was read in. Returns the positions.
+std::vector<PipelinePosition> run_ranks(const PipelineOptions& base, int world,
+                                        std::vector<PipelinePosition> start, int steps,
+                                        std::map<uint64_t, std::vector<int32_t>>& read) {
+  std::vector<PipelinePosition> out;
+  for (int r = 0; r < world; ++r) {
+    PipelineOptions o = base;
+    o.rank = r;
+    o.world = world;
+    Pipeline p(o, schema(), start.empty() ? PipelinePosition{} : start[r]);
+    data::Batch b;
+    for (int i = 0; i < steps; ++i) {
+      EXPECT_TRUE(p.next(b));
+      for (int64_t k = 0; k < b.B; ++k) read[p.position().epoch].push_back(b.input_ids[k * kT]);
+    }
+    out.push_back(p.position());
+  }
+  return out;
+}
+
+// Every example of one epoch that an uninterrupted `world`-rank job reads (full batches).
+std::multiset<int32_t> epoch_of(const PipelineOptions& base, int world, uint64_t epoch) {
+  std::multiset<int32_t> all;
+  for (int r = 0; r < world; ++r) {
+    PipelineOptions o = base;
+    o.rank = r;
+    o.world = world;
+    o.epochs = static_cast<int64_t>(epoch) + 1;
+    Pipeline p(o, schema(), PipelinePosition{epoch, 0, 0, {}});
+    for (int32_t uid : take(p, 1 << 20)) all.insert(uid);
+  }
+  return all;
+}
+
+StreamSizes sizes_of(const PipelineOptions& o) {
+  std::vector<std::string> files = list_files(o.files);
+  std::vector<uint64_t> n;
+  for (const auto& f : files) n.push_back(count_records(f));
+  return StreamSizes(files, n, o.seed, o.shuffle);
+}
+
+// 4 ranks (batch 3) lose a host and go on as 3 ranks (batch 4), then as 2 (batch 6), then grow
+// to 5 (batch 2): within every epoch the remaps touched, no example is read twice, every one
+// the 4-rank job would have read is read except the remaps' leftovers (less than a batch each).
+// Files of unequal sizes put the ranks in different epochs at each cut.
+TEST(Pipeline, ResumeOnOtherRankCountsReadsEveryExampleOnce) {
+  TempDir dir;
+  for (int f = 0; f < 7; ++f) {
+    TFRecordWriter w(dir / ("shard-" + std::to_string(f) + ".tfrecord"), Compression::None);
+    for (int r = 0; r < 5 + 20 * f; ++r) w.write(make_record(1000 * f + r + 1));
+    w.close();
+  }
+  PipelineOptions o = options(dir, 3);
+  const StreamSizes sizes = sizes_of(o);
+  // Cut one batch after the shortest stream's epoch ends: that rank is in epoch 1, others not.
+  uint64_t shortest = ~uint64_t{0}, longest = 0;
+  for (int r = 0; r < 4; ++r) {
+    shortest = std::min(shortest, sizes.examples(0, 4, r) / 3);
+    longest = std::max(longest, sizes.examples(0, 4, r) / 3);
+  }
+  ASSERT_GT(longest, shortest + 2);
+  std::map<uint64_t, std::vector<int32_t>> read;
+  std::vector<PipelinePosition> pos = run_ranks(o, 4, {}, static_cast<int>(shortest) + 1, read);
+  std::set<uint64_t> epochs_at_cut;
+  for (const auto& p : pos) epochs_at_cut.insert(p.epoch);
+  EXPECT_GT(epochs_at_cut.size(), 1u) << "the ranks should be in different epochs at the cut";
+  // Which layout reads each epoch whole: (first epoch, world, batch).
+  std::vector<std::tuple<uint64_t, int, int64_t>> owner{{0, 4, 3}};
+  uint64_t dropped = 0, last_epoch = 0;
+  int64_t batch = 3;
+  for (auto [world, next_batch, steps] : {std::tuple{3, 4, 9}, {2, 6, 5}, {5, 2, 0}}) {
+    const Remap r = remap_positions(pos, batch, world, next_batch, sizes);
+    ASSERT_EQ(r.positions.size(), static_cast<size_t>(world));
+    dropped += r.dropped;
+    last_epoch = std::max(last_epoch, r.last_epoch);
+    owner.emplace_back(r.last_epoch + 1, world, next_batch);
+    EXPECT_LT(r.dropped, static_cast<uint64_t>(next_batch) * (r.last_epoch - r.first_epoch + 1));
+    batch = next_batch;
+    PipelineOptions ob = o;
+    ob.batch_size = batch;
+    if (steps > 0) {
+      pos = run_ranks(ob, world, r.positions, steps, read);
+      continue;
+    }
+    // The last layout reads on until every rank is past the remapped epochs.
+    for (int q = 0; q < world; ++q) {
+      PipelineOptions oq = ob;
+      oq.rank = q;
+      oq.world = world;
+      Pipeline p(oq, schema(), r.positions[q]);
+      data::Batch b;
+      while (p.next(b) && p.position().epoch <= last_epoch)
+        for (int64_t k = 0; k < b.B; ++k) read[p.position().epoch].push_back(b.input_ids[k * kT]);
+    }
+  }
+  uint64_t missing = 0;
+  for (uint64_t e = 0; e <= last_epoch; ++e) {
+    int world = 4;
+    for (auto [from, w, b] : owner)
+      if (from <= e) {
+        world = w;
+        o.batch_size = b;
+      }
+    const std::multiset<int32_t> want = epoch_of(o, world, e);
+    const std::multiset<int32_t> got(read[e].begin(), read[e].end());
+    for (int32_t uid : got) {
+      EXPECT_EQ(got.count(uid), 1u) << "epoch " << e << ": example " << uid << " read twice";
+      EXPECT_EQ(want.count(uid), 1u) << "epoch " << e << ": example " << uid << " not in it";
+    }
+    missing += want.size() - got.size();
+  }
+  EXPECT_EQ(missing, dropped) << "examples not read = the remaps' leftovers";
+  EXPECT_GE(last_epoch, 1u);
+}
+
+TEST(Pipeline, PlanPartsThatCannotExistAreRefused) {
+  TempDir dir;
+  write_shards(dir, 2, 10);
+  PipelinePosition bad{0, 0, 0, {{0, {{2, 5, 0, 4}}}}};
+  try {
+    Pipeline p(options(dir, 2), schema(), bad);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("impossible part (rank 5 of 2"), std::string::npos)
+        << e.what();
   }
 }
 

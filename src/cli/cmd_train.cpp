@@ -173,6 +173,9 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
               "allreduce). Checkpoints hold the shards; --resume works with or without it");
   c->add_option("--timeline", t.timeline,
                 "Write a Chrome trace (Perfetto) of the run, all ranks in one file");
+  c->add_option("--trace-input", t.trace_input,
+                "Append 'step epoch fingerprint' for every example each rank trains on to "
+                "FILE.rank-R (an audit of the data a run, or a resumed run, read)");
   c->add_option("--stop-after-steps", t.stop_after,
                 "Run at most N steps now, checkpoint and exit 0 (time-sliced jobs)")
       ->capture_default_str();

@@ -106,13 +106,136 @@ uint64_t fingerprint_of(const std::vector<std::string>& files) {
   return h;
 }
 
+// The files rank `rank` of `world` reads in `epoch`: a seeded permutation (the same on every
+// rank, so the shards stay disjoint), every world-th file from the rank's own; all files when
+// there are fewer files than ranks (the stream is then split by record).
+std::vector<std::string> shard_files(const std::vector<std::string>& all, uint64_t seed,
+                                     bool shuffle, uint64_t epoch, int world, int rank) {
+  std::vector<std::string> f = all;
+  if (shuffle) {
+    const uint64_t key = rng_key(seed, epoch, 0xf11e5);
+    for (size_t i = f.size(); i > 1; --i) std::swap(f[i - 1], f[rng_u64(key, i) % i]);
+  }
+  if (static_cast<int>(f.size()) < world) return f;
+  std::vector<std::string> mine;
+  for (size_t i = 0; i < f.size(); ++i)
+    if (static_cast<int>(i % world) == rank) mine.push_back(f[i]);
+  return mine;
+}
+
 }  // namespace
+
+uint64_t EpochPlan::examples() const {
+  uint64_t n = 0;
+  for (const auto& p : parts) n += p.size();
+  return n;
+}
+
+const EpochPlan* PipelinePosition::plan_for(uint64_t e) const {
+  for (const auto& p : plans)
+    if (p.epoch == e) return &p;
+  return nullptr;
+}
+
+StreamSizes::StreamSizes(std::vector<std::string> files, std::vector<uint64_t> records,
+                         uint64_t seed, bool shuffle)
+    : files_(std::move(files)), records_(std::move(records)), seed_(seed), shuffle_(shuffle) {
+  if (files_.size() != records_.size()) fail("StreamSizes: one record count per file");
+}
+
+uint64_t StreamSizes::examples(uint64_t epoch, int world, int rank) const {
+  if (static_cast<int>(files_.size()) < world) {  // split by record: every world-th of them
+    uint64_t total = 0;
+    for (uint64_t r : records_) total += r;
+    return total / world + (static_cast<uint64_t>(rank) < total % world ? 1 : 0);
+  }
+  uint64_t n = 0;
+  for (const auto& f : shard_files(files_, seed_, shuffle_, epoch, world, rank))
+    n += records_[std::lower_bound(files_.begin(), files_.end(), f) - files_.begin()];
+  return n;
+}
+
+uint64_t count_records(const std::string& path, const std::string& compression) {
+  TFRecordReader r(path, resolve_compression(compression, path));
+  uint64_t n = 0;
+  for (;;) {
+    try {
+      if (!r.skip()) return n;
+      ++n;
+    } catch (const CorruptRecord& e) {
+      if (!e.resumable()) return n;  // the pipeline reads no further either
+      ++n;
+    }
+  }
+}
+
+Remap remap_positions(const std::vector<PipelinePosition>& old, int64_t old_batch, int world,
+                      int64_t batch, const StreamSizes& sizes) {
+  if (old.empty()) fail("the checkpoint holds no input position to resume from");
+  if (world <= 0 || batch <= 0 || old_batch <= 0) fail("remap: world and batches must be positive");
+  const int N = static_cast<int>(old.size());
+  Remap out;
+  out.first_epoch = old[0].epoch;
+  out.last_epoch = old[0].epoch;
+  for (const auto& p : old) {
+    out.first_epoch = std::min(out.first_epoch, p.epoch);
+    out.last_epoch = std::max(out.last_epoch, p.epoch);
+    for (const auto& plan : p.plans) out.last_epoch = std::max(out.last_epoch, plan.epoch);
+  }
+  out.positions.assign(world, PipelinePosition{out.first_epoch, 0, old[0].fingerprint, {}});
+  for (uint64_t e = out.first_epoch; e <= out.last_epoch; ++e) {
+    // What the old ranks had still to read of epoch e, end to end in old-rank order.
+    std::vector<StreamPart> rest;
+    for (int r = 0; r < N; ++r) {
+      const PipelinePosition& p = old[r];
+      if (e < p.epoch) continue;  // rank r had finished epoch e
+      std::vector<StreamPart> parts;
+      if (const EpochPlan* plan = p.plan_for(e))
+        parts = plan->parts;
+      else {
+        const uint64_t n = sizes.examples(e, N, r);
+        parts.push_back({N, r, 0, n / old_batch * old_batch});  // its full batches
+      }
+      uint64_t skip = e == p.epoch ? p.batches * old_batch : 0;  // already read
+      for (StreamPart part : parts) {
+        const uint64_t k = std::min(skip, part.size());
+        part.begin += k;
+        skip -= k;
+        if (part.size() > 0) rest.push_back(part);
+      }
+    }
+    uint64_t total = 0;
+    for (const auto& part : rest) total += part.size();
+    const uint64_t K = total / batch;
+    out.remaining += total;
+    out.dropped += total - K * batch;
+    // Deal out contiguous runs of whole batches.
+    size_t at = 0;
+    uint64_t used = 0;  // of rest[at]
+    for (int q = 0; q < world; ++q) {
+      EpochPlan plan{e, {}};
+      uint64_t want = (K / world + (static_cast<uint64_t>(q) < K % world ? 1 : 0)) * batch;
+      while (want > 0) {
+        const StreamPart& src = rest[at];
+        const uint64_t k = std::min(want, src.size() - used);
+        plan.parts.push_back({src.world, src.rank, src.begin + used, src.begin + used + k});
+        want -= k;
+        used += k;
+        if (used == src.size()) {
+          ++at;
+          used = 0;
+        }
+      }
+      out.positions[q].plans.push_back(std::move(plan));
+    }
+  }
+  return out;
+}
 
 struct Pipeline::Impl {
   PipelineOptions opt;
   Schema schema;
   std::vector<std::string> all_files;
-  bool shard_by_file = true;
   uint64_t fingerprint = 0;
   size_t slot_cap = 0;
 
@@ -133,6 +256,7 @@ struct Pipeline::Impl {
   std::vector<Batch> free_batches;
   int prefetch = 1;
 
+  PipelinePosition start;  // where the assembler begins (read by it alone)
   // Consumer-side state.
   PipelinePosition pos;
   PipelineStats st;
@@ -149,19 +273,6 @@ struct Pipeline::Impl {
   std::atomic<int> readers_live{0};
 
   Impl(const PipelineOptions& o, const Schema& s) : opt(o), schema(s) {}
-
-  std::vector<std::string> files_for_epoch(uint64_t epoch) const {
-    std::vector<std::string> f = all_files;
-    if (opt.shuffle) {  // same permutation on every rank: shards stay disjoint
-      const uint64_t key = rng_key(opt.seed, epoch, 0xf11e5);
-      for (size_t i = f.size(); i > 1; --i) std::swap(f[i - 1], f[rng_u64(key, i) % i]);
-    }
-    if (!shard_by_file) return f;
-    std::vector<std::string> mine;
-    for (size_t i = 0; i < f.size(); ++i)
-      if (static_cast<int>(i % opt.world) == opt.rank) mine.push_back(f[i]);
-    return mine;
-  }
 
   // ---- readers ----
   int find_work() {
@@ -318,36 +429,133 @@ struct Pipeline::Impl {
     return b;
   }
 
+  // The stream of rank `rank` of `world` in `epoch`: the interleave of its files (or every
+  // world-th record of all files), through the shuffle buffer, each example to sink(ints,
+  // floats) in order. False when stopped or failed (the error queued for the consumer, at
+  // batch `at`). `own`: this rank's own stream, where an epoch without a usable record is an
+  // error (it would repeat forever); a plan's part of another stream may be empty.
+  template <class Sink>
+  bool run_stream(uint64_t epoch, int world, int rank, bool own, const uint64_t& at, Sink&& sink) {
+    const bool by_file = static_cast<int>(all_files.size()) >= world;
+    size_t next_file = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      epoch_files = shard_files(all_files, opt.seed, opt.shuffle, epoch, world, rank);
+      for (auto& s : slots) {
+        s = Slot();
+        if (next_file < epoch_files.size()) s.file = static_cast<int64_t>(next_file++);
+      }
+      cur = 0;
+    }
+    cv_work.notify_all();
+
+    const uint64_t shuffle_key = rng_key(opt.seed, epoch, 0x5b0ff1e, rank);
+    uint64_t draws = 0, stream_k = 0;
+    const size_t IC = schema.int_count(), FC = schema.float_count();
+    // Flat shuffle buffer: no allocation per example.
+    const size_t S =
+        opt.shuffle && opt.shuffle_buffer > 1 ? static_cast<size_t>(opt.shuffle_buffer) : 0;
+    std::vector<int32_t> buf_ints(S * IC);
+    std::vector<float> buf_floats(S * FC);
+    size_t buffered = 0;
+    auto accept = [&](const int32_t* ints, const float* floats) -> bool {
+      if (!by_file && static_cast<int>(stream_k++ % world) != rank) return true;
+      if (S == 0) return sink(ints, floats);
+      if (buffered < S) {
+        std::copy_n(ints, IC, buf_ints.data() + buffered * IC);
+        std::copy_n(floats, FC, buf_floats.data() + buffered * FC);
+        ++buffered;
+        return true;
+      }
+      const size_t j = rng_u64(shuffle_key, draws++) % S;
+      if (!sink(buf_ints.data() + j * IC, buf_floats.data() + j * FC)) return false;
+      std::copy_n(ints, IC, buf_ints.data() + j * IC);
+      std::copy_n(floats, FC, buf_floats.data() + j * FC);
+      return true;
+    };
+
+    // Interleave: block_length examples from each open file in turn; an exhausted file is
+    // replaced in its slot by the next file of the epoch. The assembler owns `held[i]`, the
+    // chunk it is taking examples from for slot i, so it locks once per chunk.
+    std::vector<Chunk> held(slots.size());
+    uint64_t usable = 0;  // records parsed this epoch (before the per-rank split)
+    for (;;) {
+      bool any_open = false;
+      for (const auto& s : slots) any_open |= s.file >= 0;
+      if (!any_open) break;
+      Slot& slot = slots[cur];
+      Chunk& h = held[cur];
+      for (int taken = 0; taken < opt.block_length;) {
+        if (h.pos < h.n) {
+          const size_t k = std::min<size_t>(h.n - h.pos, opt.block_length - taken);
+          usable += k;
+          for (size_t i = 0; i < k; ++i, ++h.pos)
+            if (!accept(h.ints.data() + h.pos * IC, h.floats.data() + h.pos * FC)) return false;
+          taken += static_cast<int>(k);
+          continue;
+        }
+        if (!h.error.empty()) {
+          push_out({{}, epoch, at, h.error, false});
+          return false;
+        }
+        std::unique_lock<std::mutex> lock(mu);
+        if (h.ints.capacity() > 0) free_chunks.push_back(std::move(h));
+        h = Chunk();
+        if (slot.file < 0) break;
+        cv_data.wait(lock, [&] { return stop || !slot.q.empty() || (slot.eof && !slot.busy); });
+        if (stop) return false;
+        if (slot.q.empty()) {  // this file is done: the next one takes the slot
+          slot = Slot();
+          if (next_file < epoch_files.size()) slot.file = static_cast<int64_t>(next_file++);
+          lock.unlock();
+          cv_work.notify_all();
+          break;
+        }
+        h = std::move(slot.q.front());
+        slot.q.pop_front();
+        slot.queued -= h.n;
+        lock.unlock();
+        cv_work.notify_all();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      cur = (cur + 1) % slots.size();
+    }
+    // An epoch without a single usable record would repeat forever: with every record
+    // skipped, or files without records, that is an error, not a wait.
+    if (usable == 0 && own) {
+      const uint64_t n = skipped.load();
+      const std::string first = first_skip_reason();
+      push_out({{},
+                epoch,
+                at,
+                n > 0
+                    ? str("no usable record in a whole epoch of ", epoch_files.size(), " file(s) (",
+                          opt.files, "): all ", n, " records read were skipped; the first: ", first)
+                    : str("the input files hold no records (", opt.files, ", ", epoch_files.size(),
+                          " file(s) for this rank)"),
+                false});
+      return false;
+    }
+    // End of the epoch: drain the shuffle buffer in random order.
+    while (buffered > 0) {
+      const size_t j = rng_u64(shuffle_key, draws++) % buffered;
+      if (!sink(buf_ints.data() + j * IC, buf_floats.data() + j * FC)) return false;
+      --buffered;
+      std::copy_n(buf_ints.data() + buffered * IC, IC, buf_ints.data() + j * IC);
+      std::copy_n(buf_floats.data() + buffered * FC, FC, buf_floats.data() + j * FC);
+    }
+    return true;
+  }
+
   void assembler_loop() {
     const int64_t B = opt.batch_size;
-    for (uint64_t epoch = pos.epoch; opt.epochs == 0 || epoch < static_cast<uint64_t>(opt.epochs);
+    for (uint64_t epoch = start.epoch; opt.epochs == 0 || epoch < static_cast<uint64_t>(opt.epochs);
          ++epoch) {
-      const uint64_t skip_batches = epoch == pos.epoch ? pos.batches : 0;
-      size_t next_file = 0;
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        epoch_files = files_for_epoch(epoch);
-        for (auto& s : slots) {
-          s = Slot();
-          if (next_file < epoch_files.size()) s.file = static_cast<int64_t>(next_file++);
-        }
-        cur = 0;
-      }
-      cv_work.notify_all();
-
-      const uint64_t shuffle_key = rng_key(opt.seed, epoch, 0x5b0ff1e, opt.rank);
-      uint64_t draws = 0, stream_k = 0, batch_index = 0;
+      const uint64_t skip_batches = epoch == start.epoch ? start.batches : 0;
+      uint64_t batch_index = 0;
       int64_t rows = 0;
-      const size_t IC = schema.int_count(), FC = schema.float_count();
-      // Flat shuffle buffer: no allocation per example.
-      const size_t S =
-          opt.shuffle && opt.shuffle_buffer > 1 ? static_cast<size_t>(opt.shuffle_buffer) : 0;
-      std::vector<int32_t> buf_ints(S * IC);
-      std::vector<float> buf_floats(S * FC);
-      size_t buffered = 0;
       Batch batch = take_free_batch();
       schema.shape_batch(batch, B);
-
       auto emit = [&](const int32_t* ints, const float* floats) -> bool {
         if (batch_index >= skip_batches) schema.fill_row(ints, floats, batch, rows);
         if (++rows == B) {
@@ -361,99 +569,28 @@ struct Pipeline::Impl {
         }
         return true;
       };
-      auto accept = [&](const int32_t* ints, const float* floats) -> bool {
-        if (!shard_by_file && static_cast<int>(stream_k++ % opt.world) != opt.rank) return true;
-        if (S == 0) return emit(ints, floats);
-        if (buffered < S) {
-          std::copy_n(ints, IC, buf_ints.data() + buffered * IC);
-          std::copy_n(floats, FC, buf_floats.data() + buffered * FC);
-          ++buffered;
-          return true;
+      const EpochPlan* plan = start.plan_for(epoch);
+      if (plan) {  // parts of other ranks' streams, one after the other
+        for (const StreamPart& part : plan->parts) {
+          uint64_t k = 0;
+          auto in_part = [&](const int32_t* ints, const float* floats) -> bool {
+            const bool mine = k >= part.begin && k < part.end;
+            ++k;
+            return !mine || emit(ints, floats);
+          };
+          if (!run_stream(epoch, part.world, part.rank, false, batch_index, in_part)) return;
         }
-        const size_t j = rng_u64(shuffle_key, draws++) % S;
-        if (!emit(buf_ints.data() + j * IC, buf_floats.data() + j * FC)) return false;
-        std::copy_n(ints, IC, buf_ints.data() + j * IC);
-        std::copy_n(floats, FC, buf_floats.data() + j * FC);
-        return true;
-      };
-
-      // Interleave: block_length examples from each open file in turn; an exhausted file is
-      // replaced in its slot by the next file of the epoch. The assembler owns `held[i]`, the
-      // chunk it is taking examples from for slot i, so it locks once per chunk.
-      std::vector<Chunk> held(slots.size());
-      uint64_t usable = 0;  // records parsed this epoch (before the per-rank split)
-      for (;;) {
-        bool any_open = false;
-        for (const auto& s : slots) any_open |= s.file >= 0;
-        if (!any_open) break;
-        Slot& slot = slots[cur];
-        Chunk& h = held[cur];
-        for (int taken = 0; taken < opt.block_length;) {
-          if (h.pos < h.n) {
-            const size_t k = std::min<size_t>(h.n - h.pos, opt.block_length - taken);
-            usable += k;
-            for (size_t i = 0; i < k; ++i, ++h.pos)
-              if (!accept(h.ints.data() + h.pos * IC, h.floats.data() + h.pos * FC)) return;
-            taken += static_cast<int>(k);
-            continue;
-          }
-          if (!h.error.empty()) {
-            push_out({{}, epoch, batch_index, h.error, false});
-            return;
-          }
-          std::unique_lock<std::mutex> lock(mu);
-          if (h.ints.capacity() > 0) free_chunks.push_back(std::move(h));
-          h = Chunk();
-          if (slot.file < 0) break;
-          cv_data.wait(lock, [&] { return stop || !slot.q.empty() || (slot.eof && !slot.busy); });
-          if (stop) return;
-          if (slot.q.empty()) {  // this file is done: the next one takes the slot
-            slot = Slot();
-            if (next_file < epoch_files.size()) slot.file = static_cast<int64_t>(next_file++);
-            lock.unlock();
-            cv_work.notify_all();
-            break;
-          }
-          h = std::move(slot.q.front());
-          slot.q.pop_front();
-          slot.queued -= h.n;
-          lock.unlock();
-          cv_work.notify_all();
-        }
-        std::lock_guard<std::mutex> lock(mu);
-        cur = (cur + 1) % slots.size();
-      }
-      // An epoch without a single usable record would repeat forever: with every record
-      // skipped, or files without records, that is an error, not a wait.
-      if (usable == 0) {
-        const uint64_t n = skipped.load();
-        const std::string first = first_skip_reason();
-        push_out(
-            {{},
-             epoch,
-             batch_index,
-             n > 0 ? str("no usable record in a whole epoch of ", epoch_files.size(), " file(s) (",
-                         opt.files, "): all ", n, " records read were skipped; the first: ", first)
-                   : str("the input files hold no records (", opt.files, ", ", epoch_files.size(),
-                         " file(s) for this rank)"),
-             false});
+      } else if (!run_stream(epoch, opt.world, opt.rank, true, batch_index, emit)) {
         return;
-      }
-      // End of the epoch: drain the shuffle buffer in random order, then the remainder.
-      while (buffered > 0) {
-        const size_t j = rng_u64(shuffle_key, draws++) % buffered;
-        if (!emit(buf_ints.data() + j * IC, buf_floats.data() + j * FC)) return;
-        --buffered;
-        std::copy_n(buf_ints.data() + buffered * IC, IC, buf_ints.data() + j * IC);
-        std::copy_n(buf_floats.data() + buffered * FC, FC, buf_floats.data() + j * FC);
       }
       if (rows > 0 && !opt.drop_remainder && batch_index >= skip_batches) {
         truncate_batch(batch, rows);
         if (!push_out({std::move(batch), epoch, batch_index, "", false})) return;
       }
       // Batches do not span epochs: with fewer records per epoch than one batch (and the
-      // remainder dropped) no batch would ever come, and the run would wait forever.
-      if (batch_index == 0 && opt.drop_remainder) {
+      // remainder dropped) no batch would ever come, and the run would wait forever. (A plan
+      // may give this rank no batch of an epoch: the others read it.)
+      if (batch_index == 0 && opt.drop_remainder && !plan) {
         push_out({{},
                   epoch,
                   0,
@@ -511,18 +648,25 @@ Pipeline::Pipeline(const PipelineOptions& opt, const Schema& schema, PipelinePos
   if (opt.cycle_length <= 0 || opt.block_length <= 0)
     fail("cycle and block length must be positive");
   m.all_files = list_files(opt.files);
-  m.shard_by_file = static_cast<int>(m.all_files.size()) >= opt.world;
   m.fingerprint = fingerprint_of(m.all_files);
   if (start.fingerprint != 0 && start.fingerprint != m.fingerprint)
     fail("the input files differ from the ones the checkpoint was reading (", opt.files,
          "); resume with the same data, or start a new run");
+  for (const auto& plan : start.plans)
+    for (const auto& part : plan.parts)
+      if (part.world <= 0 || part.rank < 0 || part.rank >= part.world || part.end < part.begin)
+        fail("the input position's plan for epoch ", plan.epoch, " names an impossible part (rank ",
+             part.rank, " of ", part.world, ", examples ", part.begin, "..", part.end, ")");
+  m.start = start;
   m.pos = start;
   m.pos.fingerprint = m.fingerprint;
   m.slot_cap = slot_capacity(opt);
   m.slots.resize(opt.cycle_length);
   // A reader works on one open file at a time: more readers than open files would idle.
-  const int files_here = static_cast<int>(
-      m.shard_by_file ? (m.all_files.size() + opt.world - 1) / opt.world : m.all_files.size());
+  const int files_here =
+      static_cast<int>(static_cast<int>(m.all_files.size()) >= opt.world && start.plans.empty()
+                           ? (m.all_files.size() + opt.world - 1) / opt.world
+                           : m.all_files.size());
   const int max_readers = std::max(1, std::min({opt.cycle_length, files_here,
                                                 opt.readers > 0 ? opt.readers : opt.cycle_length}));
   m.active_readers = opt.readers > 0 ? max_readers : 1;

@@ -11,6 +11,8 @@
 // active reader threads and the prefetch depth while the consumer waits, and lowers them while
 // it never does. A position (epoch, batches) restarts the stream exactly where it left off:
 // the assembler replays the epoch's interleave and shuffle up to it without emitting batches.
+// An epoch with a plan (a resume on another number of ranks) reads the parts of other ranks'
+// streams that the plan names, replaying those streams the same way.
 #pragma once
 
 #include <atomic>
@@ -56,11 +58,67 @@ class Interrupted : public Error {
   using Error::Error;
 };
 
+// Examples [begin, end) of the stream that rank `rank` of `world` ranks reads in one epoch, in
+// the order it reads them (after the interleave and the shuffle buffer).
+struct StreamPart {
+  int world = 1, rank = 0;
+  uint64_t begin = 0, end = 0;
+  uint64_t size() const { return end - begin; }
+  bool operator==(const StreamPart&) const = default;
+};
+
+// What one rank reads in `epoch` instead of its own shard: parts of the streams of another
+// layout's ranks, one after the other (a resume on another number of ranks; see remap_positions).
+struct EpochPlan {
+  uint64_t epoch = 0;
+  std::vector<StreamPart> parts;
+  uint64_t examples() const;
+};
+
 struct PipelinePosition {
   uint64_t epoch = 0;        // epochs completed before the current one
   uint64_t batches = 0;      // batches already returned in the current epoch
   uint64_t fingerprint = 0;  // of the file list (names, sizes): resuming on other data fails
+  // Epochs this rank reads by a plan rather than by its shard (those from `epoch` on count).
+  std::vector<EpochPlan> plans;
+  const EpochPlan* plan_for(uint64_t e) const;
 };
+
+// Examples per epoch in each rank's stream, for any number of ranks: from the files' record
+// counts (every record counted as usable; a corrupt record that is skipped makes a stream end
+// early, never read twice) and the same file order and sharding as the pipeline.
+class StreamSizes {
+ public:
+  StreamSizes(std::vector<std::string> files, std::vector<uint64_t> records, uint64_t seed,
+              bool shuffle);
+  uint64_t examples(uint64_t epoch, int world, int rank) const;
+
+ private:
+  std::vector<std::string> files_;
+  std::vector<uint64_t> records_;
+  uint64_t seed_;
+  bool shuffle_;
+};
+
+// Records in a TFRecord file (its framing read, the data skipped; compressed files inflated).
+uint64_t count_records(const std::string& path, const std::string& compression = "auto");
+
+// A resume on another number of ranks. `old` holds the position of every rank of the run that
+// wrote the checkpoint (batches of old_batch examples); the result, one position per rank of
+// `world` ranks with batches of `batch`. For every epoch that some old rank had begun but not
+// every one had finished, the examples the old ranks had still to read (their streams' full
+// batches past their positions; parts of plans for a run already remapped) are laid end to end
+// in old-rank order and cut into whole batches, dealt out as contiguous runs: rank q gets
+// floor(K/world) batches of the K, one more for q < K % world. Within such an epoch no example
+// is read twice and none is skipped, except the last (< batch) examples of the cut when they
+// do not fill a batch (counted in `dropped`). Later epochs are each rank's own shard again.
+struct Remap {
+  std::vector<PipelinePosition> positions;  // per new rank
+  uint64_t first_epoch = 0, last_epoch = 0;
+  uint64_t remaining = 0, dropped = 0;  // examples re-divided; dropped as less than a batch
+};
+Remap remap_positions(const std::vector<PipelinePosition>& old, int64_t old_batch, int world,
+                      int64_t batch, const StreamSizes& sizes);
 
 struct PipelineStats {
   uint64_t batches = 0, examples = 0, bytes = 0, skipped = 0;

@@ -192,10 +192,21 @@ std::string save_checkpoint(const std::string& run_dir, const model::BertModel& 
                           {"optimizer_steps", st.optimizer_steps},
                           {"settings", st.settings}};
       nlohmann::json pos = nlohmann::json::array();
-      for (const auto& p : st.positions)
-        pos.push_back({{"epoch", p.epoch},
-                       {"batches", p.batches},
-                       {"fingerprint", std::to_string(p.fingerprint)}});
+      for (const auto& p : st.positions) {
+        nlohmann::json e = {{"epoch", p.epoch},
+                            {"batches", p.batches},
+                            {"fingerprint", std::to_string(p.fingerprint)}};
+        // After a resume on another rank count: each epoch's parts of the old ranks' streams,
+        // [world, rank, begin, end] (the epochs not yet finished).
+        for (const auto& plan : p.plans) {
+          if (plan.epoch < p.epoch) continue;
+          nlohmann::json parts = nlohmann::json::array();
+          for (const auto& part : plan.parts)
+            parts.push_back({part.world, part.rank, part.begin, part.end});
+          e["plans"].push_back({{"epoch", plan.epoch}, {"parts", parts}});
+        }
+        pos.push_back(e);
+      }
       j["pipeline"] = pos;
       write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), j.dump(2) + "\n");
       fsync_dir(tmp_dir);
@@ -265,9 +276,21 @@ TrainerState load_checkpoint(const std::string& dir, model::BertModel& m, Optimi
     st.scaler_skipped = j.at(field = "scaler_skipped_steps");
     st.optimizer_steps = j.at(field = "optimizer_steps");
     st.settings = j.at(field = "settings");
-    for (const auto& p : j.at(field = "pipeline"))
-      st.positions.push_back({p.at("epoch").get<uint64_t>(), p.at("batches").get<uint64_t>(),
-                              std::stoull(p.at("fingerprint").get<std::string>())});
+    for (const auto& p : j.at(field = "pipeline")) {
+      data::PipelinePosition pos{p.at("epoch").get<uint64_t>(),
+                                 p.at("batches").get<uint64_t>(),
+                                 std::stoull(p.at("fingerprint").get<std::string>()),
+                                 {}};
+      if (p.contains("plans"))
+        for (const auto& plan : p.at("plans")) {
+          data::EpochPlan e{plan.at("epoch").get<uint64_t>(), {}};
+          for (const auto& q : plan.at("parts"))
+            e.parts.push_back({q.at(0).get<int>(), q.at(1).get<int>(), q.at(2).get<uint64_t>(),
+                               q.at(3).get<uint64_t>()});
+          pos.plans.push_back(std::move(e));
+        }
+      st.positions.push_back(std::move(pos));
+    }
   } catch (const std::exception& e) {
     fail(state_path, ": field \"", field, "\" is missing or malformed (", e.what(),
          "); resume from an earlier checkpoint of the run");

@@ -158,6 +158,9 @@ struct Trainer::State {
   nlohmann::json settings;
   int64_t start_step = 0;
   data::PipelinePosition position;
+  // Every rank's epoch plans (a resume on another rank count): saved with the positions.
+  std::vector<std::vector<data::EpochPlan>> plans_of_rank;
+  std::string regrid_note;  // what such a resume did with the batch and the data (banner)
   std::string resumed_from, last_ck;
   std::unique_ptr<data::Pipeline> pipe;
   obs::Timeline tl;
@@ -173,6 +176,7 @@ struct Trainer::State {
 
   State(const TrainConfig& c, comm::Communicator& cm);
   void resume_or_init();
+  void resume_on_other_ranks(const TrainerState& st, const std::string& ck);
   void check_ranks_agree();
   std::string save(int64_t step_done, const data::PipelinePosition& done_pos);
   void record(int64_t done, int64_t step, const Totals& window, double seconds);
@@ -255,14 +259,26 @@ void Trainer::State::resume_or_init() {
   const std::string ck = cfg.resume ? resolve_checkpoint(cfg.output) : "";
   if (!ck.empty()) {
     TrainerState st = load_checkpoint(ck, m, &opt);
+    // On another number of ranks the per-rank batch and the accumulation may change (the
+    // global batch is kept where it can be); on the same number everything must match.
+    const bool regrid = static_cast<int>(st.positions.size()) != world;
     for (const char* k : {"batch_size", "seq_len", "max_predictions", "accumulation", "world_size",
-                          "precision", "optimizer"})
+                          "precision", "optimizer"}) {
+      if (regrid && (k == std::string("batch_size") || k == std::string("accumulation") ||
+                     k == std::string("world_size")))
+        continue;
       if (st.settings.contains(k) && st.settings[k] != settings[k])
         fail("cannot resume from ", ck, ": it was trained with ", k, " = ", st.settings[k].dump(),
              ", this run has ", settings[k].dump(), " (resume with the same settings)");
+    }
     start_step = st.step;
     scaler.restore(st.loss_scale, st.scaler_good, st.scaler_skipped);
-    if (static_cast<int>(st.positions.size()) == world) position = st.positions[rank];
+    if (regrid) {
+      resume_on_other_ranks(st, ck);
+    } else {
+      position = st.positions[rank];
+      for (const auto& p : st.positions) plans_of_rank.push_back(p.plans);
+    }
     resumed_from = ck;
   } else if (!cfg.init_checkpoint.empty()) {
     m.init_params(cfg.seed);  // heads absent from a BertModel checkpoint keep BERT's init
@@ -271,6 +287,62 @@ void Trainer::State::resume_or_init() {
     m.init_params(cfg.seed);
   }
   last_ck = resumed_from;
+}
+
+// A checkpoint of N ranks continued on `world` ranks (a host lost, or more hosts): the global
+// batch is kept by the accumulation when it divides (else it changes, with a warning), the
+// unread examples of the epochs in progress are re-divided (data::remap_positions), the
+// optimizer state (re-partitioned if sharded) and the loss scale carry over.
+void Trainer::State::resume_on_other_ranks(const TrainerState& st, const std::string& ck) {
+  const int old_world = static_cast<int>(st.positions.size());
+  int64_t old_batch = cfg.batch_size, old_accum = cfg.accumulation;
+  try {
+    old_batch = st.settings.at("batch_size").get<int64_t>();
+    old_accum = st.settings.at("accumulation").get<int64_t>();
+  } catch (const std::exception&) {
+    fail(ck,
+         ": trainer_state.json lacks the batch size or accumulation of the run that wrote "
+         "it, so its input position cannot be re-divided over ",
+         world, " ranks; resume on ", old_world, " ranks");
+  }
+  if (old_world == 0) fail(ck, ": the checkpoint holds no input position");
+  const int64_t old_global = old_batch * old_accum * old_world;
+  const int64_t per_step = cfg.batch_size * world;
+  std::string batch_note;
+  if (old_global % per_step == 0) {
+    cfg.accumulation = old_global / per_step;
+    settings["accumulation"] = cfg.accumulation;
+    batch_note = str("global batch ", old_global, " kept (", world, " ranks x ", cfg.batch_size,
+                     " x ", cfg.accumulation, " accumulation; it was ", old_world, " x ", old_batch,
+                     " x ", old_accum, ")");
+  } else {
+    batch_note =
+        str("WARNING: the global batch changes from ", old_global, " (", old_world, " ranks x ",
+            old_batch, " x ", old_accum, ") to ", per_step * cfg.accumulation, " (", world, " x ",
+            cfg.batch_size, " x ", cfg.accumulation, "): ", old_global, " is not a multiple of ",
+            per_step, "; the learning-rate schedule goes on by step. Choose ",
+            setting("batch_size"), " so that ranks x batch divides ", old_global, " to keep it");
+  }
+  // Record counts of every file, each rank counting its share.
+  const std::vector<std::string> files = data::list_files(cfg.input.files);
+  std::vector<double> counts(files.size(), 0.0);
+  for (size_t i = rank; i < files.size(); i += world)
+    counts[i] = static_cast<double>(data::count_records(files[i], cfg.input.compression));
+  comm.allreduce_sum(counts.data(), static_cast<int64_t>(counts.size()));
+  std::vector<uint64_t> records(counts.begin(), counts.end());
+  const data::StreamSizes sizes(files, records, cfg.seed, cfg.input.shuffle);
+  const data::Remap r =
+      data::remap_positions(st.positions, old_batch, world, cfg.batch_size, sizes);
+  position = r.positions[rank];
+  for (const auto& p : r.positions) plans_of_rank.push_back(p.plans);
+  regrid_note =
+      str("  resumed on ", world, " ranks from a checkpoint of ", old_world, ": ", batch_note,
+          "\n  data: ", r.remaining, " unread examples of epoch",
+          r.first_epoch == r.last_epoch ? str(" ", r.first_epoch)
+                                        : str("s ", r.first_epoch, "..", r.last_epoch),
+          " re-divided over ", world, " ranks in whole batches (none read twice, none skipped",
+          r.dropped > 0 ? str("; ", r.dropped, " left over, less than a batch") : std::string(),
+          "); later epochs sharded over ", world, " ranks\n");
 }
 
 // Every rank must run the same job: compare a fingerprint of the settings that change the math
@@ -306,7 +378,10 @@ std::string Trainer::State::save(int64_t step_done, const data::PipelinePosition
   comm.allreduce_sum(pos.data(), static_cast<int64_t>(pos.size()));
   for (int r = 0; r < world; ++r)
     st.positions.push_back({static_cast<uint64_t>(pos[3 * r]),
-                            static_cast<uint64_t>(pos[3 * r + 1]), done_pos.fingerprint});
+                            static_cast<uint64_t>(pos[3 * r + 1]), done_pos.fingerprint,
+                            r < static_cast<int>(plans_of_rank.size())
+                                ? plans_of_rank[r]
+                                : std::vector<data::EpochPlan>{}});
   if (opt.sharded())  // every rank writes its shard
     last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last), &comm);
   else if (rank == 0)
@@ -352,6 +427,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   in.interrupt = &g_stop_signal;
   in.interrupt_grace_s = s.world == 1 ? 0.0 : kStopGraceSeconds;
   comm.set_interrupt(&g_stop_signal, kStopGraceSeconds);
+  comm.set_incident_log((std::filesystem::path(cfg.output) / "incidents.log").string());
   s.pipe = std::make_unique<data::Pipeline>(
       in,
       data::Schema::pretraining(cfg.seq_len, cfg.max_predictions, s.mcfg.vocab_size,
@@ -368,13 +444,13 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   }
   s.step = std::make_unique<Step>(
       s.m, s.opt, s.scaler, comm,
-      StepSettings{cfg.accumulation, cfg.predivide, cfg.overlap, cfg.bucket_mb << 20, cfg.seed},
+      StepSettings{s.cfg.accumulation, cfg.predivide, cfg.overlap, cfg.bucket_mb << 20, cfg.seed},
       &s.tl);
   s.peak_gflops =
       obs::measure_gemm_peak_gflops(cfg.batch_size * cfg.seq_len, s.mcfg.intermediate_size,
                                     s.mcfg.hidden_size, cfg.precision == Precision::BF16, 0.5);
   s.flops_step = s.m.flops_per_step(cfg.batch_size, cfg.seq_len, cfg.max_predictions) *
-                 static_cast<double>(cfg.accumulation);
+                 static_cast<double>(s.cfg.accumulation);
 }
 
 Trainer::~Trainer() = default;
@@ -420,6 +496,7 @@ std::string Trainer::banner() const {
                             human_bytes(8.0 * s.opt.total()), " here)")  // m, v: 8 B/param
                       : std::string(),
       ", input bound ", human_bytes(static_cast<double>(s.pipe->memory_bound_bytes())), "\n");
+  out += s.regrid_note;
   out += str("  cpu ", kernels::cpu_description(), "\n");
   if (bf16 && !kernels::bf16_speed_note().empty())
     out += str("  ", kernels::bf16_speed_note(), "\n");
@@ -435,9 +512,28 @@ TrainResult Trainer::run() {
   // The input position after the last completed step: a step interrupted while it waited for
   // input is not in the checkpoint, and neither are the micro-batches it had read.
   data::PipelinePosition done_pos = s.pipe->position();
+  int64_t step = s.start_step;
+  std::ofstream trace;
+  if (!cfg.trace_input.empty()) {
+    const std::string path = str(cfg.trace_input, ".rank-", rank);
+    trace.open(path, std::ios::app);
+    if (!trace) fail("cannot open ", path, " for --trace-input");
+  }
   auto next_batch = [&](model::Batch& b) {
     try {
       if (!s.pipe->next(b)) fail("the input pipeline ended (it repeats forever; this is a bug)");
+      if (trace.is_open()) {
+        const uint64_t epoch = s.pipe->position().epoch;
+        for (int64_t r = 0; r < b.B; ++r) {
+          uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the row's token ids
+          for (int64_t t = 0; t < b.T; ++t) {
+            h ^= static_cast<uint32_t>(b.input_ids[r * b.T + t]);
+            h *= 0x100000001b3ull;
+          }
+          trace << step << ' ' << epoch << ' ' << std::hex << h << std::dec << '\n';
+        }
+        trace.flush();
+      }
       return true;
     } catch (const data::Interrupted&) {
       if (world > 1)  // the peers are in this step's collectives: the job cannot stop cleanly
@@ -451,7 +547,6 @@ TrainResult Trainer::run() {
   const auto run_start = Clock::now();
   auto window_start = Clock::now();
   double slowest_step = 0;
-  int64_t step = s.start_step;
   for (; step < cfg.steps; ++step) {
     const std::string hint =
         s.last_ck.empty() ? std::string(" (none saved yet)") : " (" + s.last_ck + ")";

@@ -36,7 +36,10 @@ struct TrainConfig {
   double predivide =
       1.0;  // Horovod's gradient_predivide_factor: x 1/f before the sum, f/size after
   bool quiet = false;
-  std::string timeline;    // Chrome trace of the run (merged over ranks), "" = off
+  std::string timeline;  // Chrome trace of the run (merged over ranks), "" = off
+  // Each rank appends "step epoch fingerprint" per example it trains on to <trace_input>.rank-R
+  // (the fingerprint: FNV-1a of its token ids), to audit what a run, or a resumed one, read.
+  std::string trace_input;
   bool overlap = true;     // with several ranks: allreduce buckets while backward runs
   int64_t bucket_mb = 64;  // gradient bucket size for the overlap (Horovod's fusion threshold)
   bool shard_optimizer = false;  // ZeRO stage 1: each rank holds 1/world of the optimizer state
