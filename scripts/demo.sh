@@ -17,7 +17,9 @@
 #   7. the memory plan of BERT-base and the largest batch that fits this machine, with and without
 #      layer recomputation;
 #   8. one job description emitted for mpirun, Slurm, a Kubernetes MPIJob and PAI-DLC, and a
-#      two-rank job started here from its description.
+#      two-rank job started here from its description;
+#   9. two test hosts (network namespaces; as root), one of them killed mid-run: the survivor's
+#      message names it, and the job resumes on the rank left with the global batch kept.
 # Outputs go to demo-out/. DEMO_STEPS (default 300) sets the pretraining length.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -103,4 +105,30 @@ for comp in none fp16; do
 done
 echo "-- and a two-rank job started here, its optimizer state sharded (configs/jobs/local-2rank.yaml --run):"
 $BT launch configs/jobs/local-2rank.yaml --run 2>&1 | grep -E "^launch|sharded|^step|^bottleneck"
+
+echo; echo "== 8. a host lost mid-run, and the job resumed on the host left"
+lost_args=(train --model-config "$PWD/configs/bert-tiny-zh.json" --data "$PWD/$OUT/data/*.tfrecord" --output "$PWD/$OUT/lost"
+  --batch-size 8 --seq-len 128 --max-predictions 20 --steps 16 --lr 5e-3 --optimizer lamb --log-every 4
+  --save-every 2 --stall-timeout 10)
+if [ "$(id -u)" = 0 ] && ip netns add "bt-demo-$$" 2> /dev/null; then
+  ip netns del "bt-demo-$$"
+  # Two test hosts (network namespaces, tests/cluster/hosts.sh), one rank each, TCP between them.
+  tests/cluster/hosts.sh up "$OUT/hosts" 2 > /dev/null
+  (
+    for _ in $(seq 600); do [ -e "$OUT/lost/checkpoint-000006" ] && break; sleep 0.1; done
+    tests/cluster/hosts.sh kill "$OUT/hosts" h1
+  ) &
+  tests/cluster/hosts.sh mpirun "$OUT/hosts" -np 2 --map-by ppr:1:node --bind-to none -x OMP_NUM_THREADS=1 \
+    "$BT" "${lost_args[@]}" 2>&1 | grep -E "on 2 hosts|^step" | sed 's/, allreduce.*//' || true
+  wait
+  tests/cluster/hosts.sh down "$OUT/hosts"
+  echo "-- h1 killed after checkpoint 6; what the rank on h0 saw ($OUT/lost/incidents.log):"
+  cat "$OUT/lost/incidents.log"
+else
+  echo "(test hosts need root for network namespaces: 2 ranks on this host instead, stopped at step 6)"
+  mpirun -np 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$BT" "${lost_args[@]}" \
+    --stop-after-steps 6 2>&1 | grep -E "^step"
+fi
+echo "-- resumed on 1 rank, batch 16 (the global batch kept), the unread examples re-divided:"
+"$BT" "${lost_args[@]}" --resume --batch-size 16 2>&1 | grep -E "resumed|data:|^step|^bottleneck"
 echo; echo "demo: done (outputs in $OUT/)"

@@ -27,7 +27,7 @@ PACKAGES=(
   chromium-headless-shell python3   # tests/report/render.sh renders `bertrain report` offline, checks the PNG
   python3-jsonschema python3-yaml   # tests/launch: the MPIJob manifests against the CRD schema
   slurmctld slurmd slurm-client munge # tests/launch/slurm_test.sh: a real Slurm runs the sbatch script
-  iproute2 iputils-ping util-linux # tests/cluster/hosts.sh: test hosts as network namespaces (ip, tc, unshare)
+  iproute2 iputils-ping util-linux nftables # tests/cluster/hosts.sh: test hosts as network namespaces (ip, tc, unshare; nft drops packets)
 )
 
 missing=()

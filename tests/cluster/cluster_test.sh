@@ -2,7 +2,8 @@
 # Many hosts for real (ctest label "cluster"): two test hosts (network namespaces, tests/cluster/
 # hosts.sh) x 2 ranks, Open MPI over TCP between them.
 #   1. 40 steps across the hosts equal 40 steps on one host with nodes pretended by
-#      BERTRAIN_LOCAL_SIZE (bit-identical model: the same hierarchical arithmetic).
+#      BERTRAIN_LOCAL_SIZE (bit-identical model: the same hierarchical arithmetic); so do 10 steps
+#      with fp16 on the wire between the hosts.
 #   2. A host dies mid-run (every process of h1 killed): every rank exits within
 #      --stall-timeout, a message names h1 and its ranks, the checkpoints written stand.
 #   3. The job (optimizer state sharded over the 4 ranks) resumes on the host left (2 ranks, the
@@ -56,7 +57,16 @@ timeout 300 mpirun -np 4 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 -x 
   { cat "$TMP/single.log"; fail "one host"; }
 cmp "$TMP/multi/checkpoint-000040/model.safetensors" "$TMP/single/checkpoint-000040/model.safetensors" ||
   fail "2 hosts x 2 ranks differ from one host with 2 pretended nodes"
-echo "ok: 2 hosts x 2 ranks over TCP = one host (bit-identical after 40 steps)"
+# fp16 on the wire between the hosts (the leaders' ring), the same on one host.
+on_hosts 4 train multi16 10 --save-every 10 --compression fp16 > "$TMP/multi16.log" 2>&1 ||
+  { cat "$TMP/multi16.log"; fail "2 hosts x 2 ranks, fp16 wire"; }
+grep -q "wire fp16" "$TMP/multi16.log" || { cat "$TMP/multi16.log"; fail "no fp16 wire in the banner"; }
+timeout 300 mpirun -np 4 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 -x BERTRAIN_LOCAL_SIZE=2 \
+  bash -c "$(declare -f train); train single16 10 --save-every 10 --compression fp16" > "$TMP/single16.log" 2>&1 ||
+  { cat "$TMP/single16.log"; fail "one host, fp16 wire"; }
+cmp "$TMP/multi16/checkpoint-000010/model.safetensors" "$TMP/single16/checkpoint-000010/model.safetensors" ||
+  fail "fp16 wire: 2 hosts differ from one host"
+echo "ok: 2 hosts x 2 ranks over TCP = one host (bit-identical after 40 steps; and with fp16 on the wire)"
 
 # 2. A host dies: kill everything in h1 once checkpoint 16 exists.
 (

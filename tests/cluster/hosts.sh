@@ -8,7 +8,8 @@
 #                            (Open MPI's plm_rsh_agent: enters the host's namespace), names
 #   hosts.sh down DIR        remove every namespace of DIR (safe to call twice, after failures)
 #   hosts.sh exec DIR HOST CMD...   run CMD on HOST (h0.. or its address)
-#   hosts.sh shape DIR HOST RATE_GBIT DELAY_MS LOSS_PCT   shape HOST's link (both directions)
+#   hosts.sh shape DIR HOST RATE_GBIT [DELAY_MS [LOSS_PCT]]   shape HOST's link (both directions;
+#                            delay needs the kernel's netem, loss uses nftables)
 #   hosts.sh cut DIR HOST    take HOST's link down (its processes keep running, unreachable)
 #   hosts.sh restore DIR HOST   bring HOST's link up again
 #   hosts.sh pids DIR HOST   the processes running on HOST
@@ -101,12 +102,31 @@ AGENT
     host=${1:?} rate=${2:?} delay=${3:-0} loss=${4:-0}
     ns=$(ns_of "$host")
     i=${ns##*-h}
-    # netem on both ends of the host's cable: its sending side and the switch's side to it.
+    # Rate on both ends of the host's cable (its sending side and the switch's side to it):
+    # netem when there is delay to add (and the kernel has netem), else a token bucket. Loss
+    # is dropped by nftables on the host's side, in both directions (netem is not in every
+    # kernel; nftables' numgen is).
     for end in "$ns eth0" "${prefix}-sw v$i"; do
       set -- $end
       ip -n "$1" link set "$2" txqueuelen 10000
-      tc -n "$1" qdisc replace dev "$2" root netem rate "${rate}gbit" delay "${delay}ms" loss "${loss}%" limit 100000
+      tc -n "$1" qdisc del dev "$2" root 2> /dev/null || true
+      if [ "$delay" != 0 ]; then
+        tc -n "$1" qdisc add dev "$2" root netem rate "${rate}gbit" delay "${delay}ms" limit 100000 ||
+          die "this kernel has no netem qdisc: latency cannot be added (rate and loss can)"
+      else
+        tc -n "$1" qdisc add dev "$2" root tbf rate "${rate}gbit" burst 4mb latency 100ms
+      fi
     done
+    ip netns exec "$ns" nft delete table inet btloss 2> /dev/null || true
+    if [ "$loss" != 0 ]; then
+      per10k=$(awk -v l="$loss" 'BEGIN{printf "%d", l * 100}')
+      ip netns exec "$ns" nft -f - << NFT
+table inet btloss {
+  chain in { type filter hook input priority 0; iifname "eth0" numgen random mod 10000 < $per10k drop; }
+  chain out { type filter hook output priority 0; oifname "eth0" numgen random mod 10000 < $per10k drop; }
+}
+NFT
+    fi
     ;;
   cut)
     ns=$(ns_of "${1:?}")
