@@ -108,7 +108,7 @@ $BT launch configs/jobs/local-2rank.yaml --run 2>&1 | grep -E "^launch|sharded|^
 
 echo; echo "== 8. a host lost mid-run, and the job resumed on the host left"
 lost_args=(train --model-config "$PWD/configs/bert-tiny-zh.json" --data "$PWD/$OUT/data/*.tfrecord" --output "$PWD/$OUT/lost"
-  --batch-size 8 --seq-len 128 --max-predictions 20 --steps 16 --lr 5e-3 --optimizer lamb --log-every 4
+  --seq-len 128 --max-predictions 20 --steps 16 --lr 5e-3 --optimizer lamb --log-every 4
   --save-every 2 --stall-timeout 10)
 if [ "$(id -u)" = 0 ] && ip netns add "bt-demo-$$" 2> /dev/null; then
   ip netns del "bt-demo-$$"
@@ -119,7 +119,7 @@ if [ "$(id -u)" = 0 ] && ip netns add "bt-demo-$$" 2> /dev/null; then
     tests/cluster/hosts.sh kill "$OUT/hosts" h1
   ) &
   tests/cluster/hosts.sh mpirun "$OUT/hosts" -np 2 --map-by ppr:1:node --bind-to none -x OMP_NUM_THREADS=1 \
-    "$BT" "${lost_args[@]}" 2>&1 | grep -E "on 2 hosts|^step" | sed 's/, allreduce.*//' || true
+    "$BT" "${lost_args[@]}" --batch-size 8 2>&1 | grep -E "on 2 hosts|^step" | sed 's/, allreduce.*//' || true
   wait
   tests/cluster/hosts.sh down "$OUT/hosts"
   echo "-- h1 killed after checkpoint 6; what the rank on h0 saw ($OUT/lost/incidents.log):"
@@ -127,7 +127,7 @@ if [ "$(id -u)" = 0 ] && ip netns add "bt-demo-$$" 2> /dev/null; then
 else
   echo "(test hosts need root for network namespaces: 2 ranks on this host instead, stopped at step 6)"
   mpirun -np 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$BT" "${lost_args[@]}" \
-    --stop-after-steps 6 2>&1 | grep -E "^step"
+    --batch-size 8 --stop-after-steps 6 2>&1 | grep -E "^step"
 fi
 echo "-- resumed on 1 rank, batch 16 (the global batch kept), the unread examples re-divided:"
 "$BT" "${lost_args[@]}" --resume --batch-size 16 2>&1 | grep -E "resumed|data:|^step|^bottleneck"

@@ -308,20 +308,21 @@ void Trainer::State::resume_on_other_ranks(const TrainerState& st, const std::st
   if (old_world == 0) fail(ck, ": the checkpoint holds no input position");
   const int64_t old_global = old_batch * old_accum * old_world;
   const int64_t per_step = cfg.batch_size * world;
+  auto ranks = [](int n) { return str(n, n == 1 ? " rank" : " ranks"); };
   std::string batch_note;
   if (old_global % per_step == 0) {
     cfg.accumulation = old_global / per_step;
     settings["accumulation"] = cfg.accumulation;
-    batch_note = str("global batch ", old_global, " kept (", world, " ranks x ", cfg.batch_size,
-                     " x ", cfg.accumulation, " accumulation; it was ", old_world, " x ", old_batch,
-                     " x ", old_accum, ")");
+    batch_note = str("global batch ", old_global, " kept (", ranks(world), " x ", cfg.batch_size,
+                     " x ", cfg.accumulation, " accumulation; it was ", ranks(old_world), " x ",
+                     old_batch, " x ", old_accum, ")");
   } else {
-    batch_note =
-        str("WARNING: the global batch changes from ", old_global, " (", old_world, " ranks x ",
-            old_batch, " x ", old_accum, ") to ", per_step * cfg.accumulation, " (", world, " x ",
-            cfg.batch_size, " x ", cfg.accumulation, "): ", old_global, " is not a multiple of ",
-            per_step, "; the learning-rate schedule goes on by step. Choose ",
-            setting("batch_size"), " so that ranks x batch divides ", old_global, " to keep it");
+    batch_note = str("WARNING: the global batch changes from ", old_global, " (", ranks(old_world),
+                     " x ", old_batch, " x ", old_accum, ") to ", per_step * cfg.accumulation, " (",
+                     ranks(world), " x ", cfg.batch_size, " x ", cfg.accumulation,
+                     "): ", old_global, " is not a multiple of ", per_step,
+                     "; the learning-rate schedule goes on by step. Choose ", setting("batch_size"),
+                     " so that ranks x batch divides ", old_global, " to keep it");
   }
   // Record counts of every file, each rank counting its share.
   const std::vector<std::string> files = data::list_files(cfg.input.files);
@@ -336,13 +337,13 @@ void Trainer::State::resume_on_other_ranks(const TrainerState& st, const std::st
   position = r.positions[rank];
   for (const auto& p : r.positions) plans_of_rank.push_back(p.plans);
   regrid_note =
-      str("  resumed on ", world, " ranks from a checkpoint of ", old_world, ": ", batch_note,
-          "\n  data: ", r.remaining, " unread examples of epoch",
+      str("  resumed on ", ranks(world), " from a checkpoint of ", ranks(old_world), ": ",
+          batch_note, "\n  data: ", r.remaining, " unread examples of epoch",
           r.first_epoch == r.last_epoch ? str(" ", r.first_epoch)
                                         : str("s ", r.first_epoch, "..", r.last_epoch),
-          " re-divided over ", world, " ranks in whole batches (none read twice, none skipped",
+          " re-divided over ", ranks(world), " in whole batches (none read twice, none skipped",
           r.dropped > 0 ? str("; ", r.dropped, " left over, less than a batch") : std::string(),
-          "); later epochs sharded over ", world, " ranks\n");
+          "); later epochs sharded over ", ranks(world), "\n");
 }
 
 // Every rank must run the same job: compare a fingerprint of the settings that change the math

@@ -93,7 +93,7 @@ S=$((10#${last#checkpoint-}))
 timeout 300 "$HOSTS" mpirun "$CL" -np 2 --host "$(awk 'NR==1{print $1}' "$CL/hostfile"):2" --bind-to none \
   -x OMP_NUM_THREADS=1 -x BT -x ROOT -x TMP -x STALL bash -c "$(declare -f train); BATCH=4 TRACE=resumed train lost 40 --save-every 4 --keep-last 0 --resume --shard-optimizer" \
   > "$TMP/resumed.log" 2>&1 || { cat "$TMP/resumed.log"; fail "resume on the 2 ranks left"; }
-grep -q "resumed on 2 ranks from a checkpoint of 4: global batch 8 kept" "$TMP/resumed.log" ||
+grep -q "resumed on 2 ranks from a checkpoint of 4 ranks: global batch 8 kept" "$TMP/resumed.log" ||
   { cat "$TMP/resumed.log"; fail "the resume does not say how it kept the global batch"; }
 [ -f "$TMP/lost/checkpoint-000040/model.safetensors" ] || fail "the resumed run did not reach step 40"
 # The optimizer state was in 4 shards; the resumed run holds it in 2.

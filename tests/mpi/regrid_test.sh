@@ -15,12 +15,12 @@ run() {  # run NP BATCH TRACE [flags...]
 }
 run 2 2 a --stop-after-steps 10 || { cat "$TMP/log_a"; fail "2 ranks"; }
 run 1 4 b --stop-after-steps 10 --resume || { cat "$TMP/log_b"; fail "resume on 1 rank"; }
-grep -q "resumed on 1 ranks from a checkpoint of 2: global batch 4 kept (1 ranks x 4 x 1 accumulation" "$TMP/log_b" ||
+grep -q "resumed on 1 rank from a checkpoint of 2 ranks: global batch 4 kept (1 rank x 4 x 1 accumulation; it was 2 ranks x 2 x 1)" "$TMP/log_b" ||
   { cat "$TMP/log_b"; fail "no line on the kept global batch"; }
 run 3 2 c --resume || { cat "$TMP/log_c"; fail "resume on 3 ranks"; }
 grep -q "WARNING: the global batch changes from 4" "$TMP/log_c" || { cat "$TMP/log_c"; fail "no warning on the changed batch"; }
 [ -f "$TMP/run/checkpoint-000030/model.safetensors" ] || fail "the run did not reach step 30"
-grep -q "resumed on 3 ranks from a checkpoint of 1" "$TMP/log_c" || { cat "$TMP/log_c"; fail "no regrid line"; }
+grep -q "resumed on 3 ranks from a checkpoint of 1 rank" "$TMP/log_c" || { cat "$TMP/log_c"; fail "no regrid line"; }
 # No example read twice within an epoch over the three runs (each run's steps follow the last).
 python3 - "$TMP" << 'PY' || fail "an example was read twice within an epoch"
 import collections, glob, sys
