@@ -363,6 +363,24 @@ TEST(Doctor, LateAllreduceFromTheTimeline) {
   EXPECT_TRUE(obs::diagnose_timeline(obs::RunMetrics{}).empty());
 }
 
+// incidents.log as the MPI watchdog writes it (lines from the 2-host cluster test): the finding
+// names the hosts the ranks waited for or found gone, not the reporting ranks' own.
+TEST(Doctor, IncidentsNameTheLostHost) {
+  test::TempDir dir;
+  EXPECT_TRUE(obs::diagnose_incidents(dir.path.string()).empty());
+  std::ofstream(dir / "incidents.log")
+      << "bertrain: rank 1 on host h0: signal 15 while collective 'allreduce' waited 1.1 s for the "
+         "ranks on h1 (ranks 2-3); probe: ranks 2-3 on host h1: process gone (connection refused)\n"
+         "bertrain: rank 0 on host h0: signal 15 while collective 'allreduce' waited 1.1 s for "
+         "rank 2 on host h1 (ranks 2-3); probe: ranks 2-3 on host h1: process gone (connection "
+         "refused)\n";
+  const auto f = obs::diagnose_incidents(dir.path.string());
+  ASSERT_EQ(rules(f), std::vector<std::string>{"incident"});
+  EXPECT_NE(f[0].what.find("2 message(s)"), std::string::npos) << f[0].what;
+  EXPECT_NE(f[0].what.find("(waiting for or probing: h1)"), std::string::npos) << f[0].what;
+  EXPECT_NE(f[0].fix.find("--resume"), std::string::npos) << f[0].fix;
+}
+
 TEST(Doctor, EachRuleFiresOnItsSymptomOnly) {
   const double memory = 64.0 * 1073741824.0;
   EXPECT_TRUE(obs::diagnose(healthy_rows(), memory).empty());

@@ -214,6 +214,7 @@ void add_doctor(CLI::App& app, comm::Communicator& (*comm)()) {
           m.trace_step.c_str(), m.trace_step_ms, o.comm, o.hidden, o.exposed);
       for (auto& f : obs::diagnose_timeline(m)) findings.push_back(std::move(f));
     }
+    for (auto& f : obs::diagnose_incidents(*run)) findings.push_back(std::move(f));
     if (findings.empty())
       std::printf("  ok    no problems found in the run's metrics%s\n",
                   m.trace.empty() ? "" : " and timeline");

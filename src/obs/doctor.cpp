@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 
 #include "core/error.h"
 #include "core/setting.h"
@@ -164,6 +166,38 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
                          "fits"});
   }
   return out;
+}
+
+std::vector<Finding> diagnose_incidents(const std::string& run_dir) {
+  std::ifstream in(std::filesystem::path(run_dir) / "incidents.log");
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(in, l);)
+    if (!l.empty()) lines.push_back(l);
+  if (lines.empty()) return {};
+  // Hosts the ranks waited for or found gone: every "on host X" / "the ranks on X" after the
+  // reporting rank's own "bertrain: rank N on host H:" prefix.
+  std::vector<std::string> suspects;
+  for (const auto& l : lines) {
+    const size_t body = l.find(": ", l.find(" on host "));
+    if (body == std::string::npos) continue;
+    for (const std::string key : {"on host ", "the ranks on "})
+      for (size_t k = l.find(key, body); k != std::string::npos; k = l.find(key, k + 1)) {
+        const size_t h = k + key.size();
+        const std::string host = l.substr(h, l.find_first_of(" :;(", h) - h);
+        if (!host.empty() && std::find(suspects.begin(), suspects.end(), host) == suspects.end())
+          suspects.push_back(host);
+      }
+  }
+  std::string hosts;
+  for (const auto& h : suspects) hosts += str(hosts.empty() ? "" : ", ", h);
+  return {{"incident",
+           str(lines.size(), " message(s) from ranks when the job ended",
+               hosts.empty() ? std::string() : str(" (waiting for or probing: ", hosts, ")"),
+               "; the last: ", lines.back()),
+           str("continue from the last checkpoint with --resume; if a host is lost, on the hosts "
+               "left (the global batch is kept by the accumulation, the unread examples are "
+               "re-divided); see ",
+               (std::filesystem::path(run_dir) / "incidents.log").string())}};
 }
 
 std::vector<Finding> diagnose_timeline(const RunMetrics& run, const DiagnoseLimits& lim) {

@@ -14,7 +14,8 @@ namespace bertrain::obs {
 
 struct Finding {
   std::string rule;  // "input-bound", "communication-bound", "straggler", "load-imbalance",
-                     // "loss-spike", "fp16-skips", "memory", "late-allreduce" (timeline)
+                     // "loss-spike", "fp16-skips", "memory", "late-allreduce" (timeline),
+                     // "incident" (incidents.log)
   std::string what;  // the evidence, with numbers
   std::string fix;   // what to change
 };
@@ -35,6 +36,10 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
 // when the step waits for the gradient sum while little of the reducer's allreduce ran during
 // backward (the buckets start too late to hide).
 std::vector<Finding> diagnose_timeline(const RunMetrics& run, const DiagnoseLimits& limits = {});
+
+// The run's incidents.log (what ranks saw when a job ended: a stall, a lost host, a signal
+// in a collective): "incident" with the hosts named there, and how to go on.
+std::vector<Finding> diagnose_incidents(const std::string& run_dir);
 
 // The GPU software stack as the dynamic loader finds it (dlopen, nothing linked, so every build
 // reports it): the CUDA runtime, the CUDA version the driver supports, NCCL. 0 and an empty name
