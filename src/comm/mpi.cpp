@@ -275,31 +275,23 @@ std::string MpiCommunicator::host_and_ranks(int rank) const {
   return str(h, " (rank", ranks.find_first_of("-,") == std::string::npos ? " " : "s ", ranks, ")");
 }
 
-std::string MpiCommunicator::other_hosts() const {
+std::string MpiCommunicator::hosts_summary(bool others) const {
   std::string out;
   int shown = 0, more = 0;
-  for (int r = 0; r < size_; ++r)
-    if (host_of(r) != host_of(rank_) && (r == 0 || impl_->hosts[r] != impl_->hosts[r - 1])) {
-      if (shown < 4)
-        out += str(shown++ == 0 ? "" : ", ", host_and_ranks(r));
-      else
-        ++more;
-    }
+  for (int r = 0; r < size_; ++r) {
+    if ((others && host_of(r) == host_of(rank_)) || (r > 0 && host_of(r) == host_of(r - 1)))
+      continue;
+    if (shown < 4)
+      out += str(shown++ == 0 ? "" : ", ", host_and_ranks(r));
+    else
+      ++more;
+  }
   return more > 0 ? str(out, " and ", more, " more host(s)") : out;
 }
 
 std::string MpiCommunicator::name() const {
-  std::string hosts;  // "h0 (ranks 0-1), h1 (ranks 2-3)", the first four hosts
   const int nh = host_count();
-  if (nh > 1) {
-    int shown = 0;
-    for (int r = 0; r < size_ && shown < 4; ++r)
-      if (r == 0 || impl_->hosts[r] != impl_->hosts[r - 1]) {
-        hosts += str(shown == 0 ? "" : ", ", host_and_ranks(r));
-        ++shown;
-      }
-    hosts = str(" on ", nh, " hosts: ", hosts, nh > shown ? str(", ", nh - shown, " more") : "");
-  }
+  const std::string hosts = nh > 1 ? str(" on ", nh, " hosts: ", hosts_summary(false)) : "";
   return str(
       "MPI, ", size_, " ranks (", size_ / std::max(1, local_size_), " node(s) x ", local_size_,
       hosts, "), allreduce ",
@@ -408,18 +400,16 @@ std::vector<int> MpiCommunicator::probe_ranks(double timeout_s) const {
   return state;
 }
 
-// "ranks 2-3 on host h1 do not answer (...)" from a probe, for the ranks that did not answer;
+// What a probe found, for the ranks that did not answer: "ranks 2-3 on host h1: process gone
+// (connection refused)" or "...: no answer (...)"; that this host has no route to the others;
 // empty when every rank answered or none could be probed.
 std::string MpiCommunicator::probe_report(double timeout_s) const {
   const std::vector<int> st = probe_ranks(timeout_s);
   std::string out;
-  int answered = 0, silent = 0;
+  int answered = 0, silent = 0, no_route = 0, elsewhere_answered = 0;
   for (int r = 0; r < size_; ++r) {
     answered += st[r] == 1;
     silent += st[r] == -1;
-  }
-  int no_route = 0, elsewhere_answered = 0;
-  for (int r = 0; r < size_; ++r) {
     no_route += st[r] == -2;
     elsewhere_answered += st[r] == 1 && host_of(r) != host_of(rank_);
   }
@@ -456,7 +446,7 @@ std::string MpiCommunicator::waited_for(bool* remote) const {
   for (int r = 0; r < local_size_; ++r)
     if (impl_->progress[r] < mine)
       missing += str(missing.empty() ? "" : ", ", rank_ - local_rank_ + r);
-  if (size_ > local_size_ && missing.empty()) return str("the ranks on ", other_hosts());
+  if (size_ > local_size_ && missing.empty()) return str("the ranks on ", hosts_summary(true));
   *remote = false;
   return missing.empty() ? "" : str("rank(s) ", missing, " on this host");
 }

@@ -123,7 +123,9 @@ class MpiCommunicator : public Communicator {
   void leave();
   void watchdog_loop();
   [[noreturn]] void abort_job(int code);
-  std::string other_hosts() const;  // every host but this rank's, with their ranks
+  // Hosts with their ranks in rank order, the first four: "h0 (ranks 0-1), h1 (ranks 2-3)"
+  // (others: every host but this rank's).
+  std::string hosts_summary(bool others) const;
   std::string waited_for(bool* remote) const;
   // Liveness probe over plain TCP (works when MPI's transport is stuck): see mpi.cpp.
   void open_probe();
