@@ -125,12 +125,6 @@ std::vector<std::string> shard_files(const std::vector<std::string>& all, uint64
 
 }  // namespace
 
-uint64_t EpochPlan::examples() const {
-  uint64_t n = 0;
-  for (const auto& p : parts) n += p.size();
-  return n;
-}
-
 const EpochPlan* PipelinePosition::plan_for(uint64_t e) const {
   for (const auto& p : plans)
     if (p.epoch == e) return &p;

@@ -64,7 +64,6 @@ struct StreamPart {
   int world = 1, rank = 0;
   uint64_t begin = 0, end = 0;
   uint64_t size() const { return end - begin; }
-  bool operator==(const StreamPart&) const = default;
 };
 
 // What one rank reads in `epoch` instead of its own shard: parts of the streams of another
@@ -72,7 +71,6 @@ struct StreamPart {
 struct EpochPlan {
   uint64_t epoch = 0;
   std::vector<StreamPart> parts;
-  uint64_t examples() const;
 };
 
 struct PipelinePosition {
