@@ -19,6 +19,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin        # processes and transport for data parallelism
   libprotobuf-dev protobuf-compiler # tf.Example, TensorBoard events
   libutf8proc-dev zlib1g-dev        # WordPiece Unicode; gzip TFRecords
+  libcurl4-openssl-dev libssl-dev libpugixml-dev # object storage: transfers, SigV4 signing, XML replies
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev          # the fuzz target (libFuzzer + sanitizers) in scripts/test.sh
@@ -27,6 +28,7 @@ PACKAGES=(
   chromium-headless-shell python3   # tests/report/render.sh renders `bertrain report` offline, checks the PNG
   python3-jsonschema python3-yaml   # tests/launch: the MPIJob manifests against the CRD schema
   slurmctld slurmd slurm-client munge # tests/launch/slurm_test.sh: a real Slurm runs the sbatch script
+  python3-venv                      # tests/s3: the venv of the S3 test server (moto, from PyPI)
   iproute2 iputils-ping util-linux nftables # tests/cluster/hosts.sh: test hosts as network namespaces (ip, tc, unshare; nft drops packets)
 )
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up (installs what is missing, builds), checks formatting, runs every
-# test with ctest. No Python, no network beyond Debian's packages, no GPU needed. Where nvcc is
+# test with ctest. No network beyond Debian's packages and, for the object storage test, PyPI's
+# moto (an S3 server; that test skips when PyPI is unreachable); no GPU needed. Where nvcc is
 # installed, the CUDA backend is built too (build-cuda/) and its tests run (they skip without a
 # GPU), so CUDA code that stops compiling fails here.
 set -euo pipefail

@@ -1,5 +1,6 @@
 // bertrain bench-input: drains the input pipeline as fast as it can (no model) and reports
-// examples/s, MB/s, the pipeline's settings after AUTOTUNE and its memory bound. The peer
+// examples/s, MB/s, the pipeline's settings after AUTOTUNE and its memory bound; from object
+// storage also what the store did (ranged reads, their latency, retries, reader waits). The peer
 // comparison with tf.data is bench/input_pipeline.sh.
 #include <sys/resource.h>
 
@@ -10,6 +11,7 @@
 #include "cli/commands.h"
 #include "core/arena.h"
 #include "data/pipeline.h"
+#include "data/storage.h"
 
 namespace bertrain::cli {
 
@@ -23,7 +25,9 @@ void add_bench_input(CLI::App& app) {
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("bench-input",
                                "Measure the input pipeline alone: examples/s from TFRecord shards");
-  c->add_option("--data", o->p.files, "TFRecord files: glob(s), comma-separated")->required();
+  c->add_option("--data", o->p.files,
+                "TFRecord files: glob(s), comma-separated; s3:// and oss:// too")
+      ->required();
   c->add_option("--batch-size", o->p.batch_size, "Examples per batch")->capture_default_str();
   c->add_option("--seq-len", o->seq, "Sequence length of the records")->capture_default_str();
   c->add_option("--max-predictions", o->preds, "Masked LM predictions per record")
@@ -40,6 +44,8 @@ void add_bench_input(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--seconds", o->seconds, "How long to measure")->capture_default_str();
   c->add_flag("--json", o->json, "Print one JSON object");
+  add_read_ahead_options(c, o->p);
+  add_storage_options(c);
   c->callback([o] {
     data::Schema schema = data::Schema::pretraining(o->seq, o->preds, o->vocab);
     data::Pipeline p(o->p, schema);
@@ -50,10 +56,18 @@ void add_bench_input(CLI::App& app) {
     while (std::chrono::duration<double>(Clock::now() - w0).count() < std::min(2.0, o->seconds / 4))
       p.next(b);
     const data::PipelineStats s0 = p.stats();
+    const data::RemoteReadStats r0 = data::remote_read_stats();
     const auto t0 = Clock::now();
     double dt = 0;
     while ((dt = std::chrono::duration<double>(Clock::now() - t0).count()) < o->seconds) p.next(b);
     const data::PipelineStats s1 = p.stats();
+    const data::RemoteReadStats r1 = data::remote_read_stats();
+    const bool remote = r1.requests > 0;
+    const uint64_t requests = r1.requests - r0.requests;
+    const double fetched_mb = static_cast<double>(r1.bytes - r0.bytes) / dt / 1e6;
+    const double latency_ms =
+        requests ? 1e3 * (r1.request_seconds - r0.request_seconds) / requests : 0;
+    const double waited = r1.reader_wait_seconds - r0.reader_wait_seconds;
     const double ex = static_cast<double>(s1.examples - s0.examples) / dt;
     const double mb = static_cast<double>(s1.bytes - s0.bytes) / dt / 1e6;
     struct rusage ru {};
@@ -66,12 +80,24 @@ void add_bench_input(CLI::App& app) {
                           {"files", p.files().size()},
                           {"memory_bound_bytes", p.memory_bound_bytes()},
                           {"peak_rss_bytes", ru.ru_maxrss * 1024.0}};
+      if (remote)
+        j["remote"] = {{"requests", requests},           {"retries", r1.retries - r0.retries},
+                       {"mb_per_s_fetched", fetched_mb}, {"mean_request_ms", latency_ms},
+                       {"reader_wait_s", waited},        {"files_opened", r1.opened - r0.opened}};
       std::printf("%s\n", j.dump().c_str());
       return;
     }
     std::printf("bench-input: %zu files, batch %lld, seq %lld, %.1f s\n", p.files().size(),
                 (long long)o->p.batch_size, (long long)o->seq, dt);
     std::printf("  %.0f examples/s, %.1f MB/s of records\n", ex, mb);
+    if (remote)
+      std::printf(
+          "  object store (%s): %.1f MB/s fetched in %llu ranged reads (%.0f ms each on average, "
+          "%llu retried), %llu files opened; reader threads waited %.2f s for data\n",
+          p.files()[0].substr(0, p.files()[0].find('/', p.files()[0].find("://") + 3)).c_str(),
+          fetched_mb, (unsigned long long)requests, latency_ms,
+          (unsigned long long)(r1.retries - r0.retries),
+          (unsigned long long)(r1.opened - r0.opened), waited);
     std::printf("  after AUTOTUNE: %d reader threads, prefetch %d batches\n", s1.readers,
                 s1.prefetch);
     std::printf("  memory: bound %s, peak RSS %s\n",

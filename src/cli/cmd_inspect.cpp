@@ -232,8 +232,8 @@ void add_inspect(CLI::App& app) {
       "Show and verify TFRecord files, .safetensors files, checkpoint directories and "
       "TensorFlow checkpoints");
   c->add_option("files", o->files,
-                "TFRecord files (globs allowed), .safetensors files, checkpoint directories or "
-                "TensorFlow checkpoints (prefix or .index)")
+                "TFRecord files (globs allowed; s3:// and oss:// too), .safetensors files, "
+                "checkpoint directories or TensorFlow checkpoints (prefix or .index)")
       ->required();
   c->add_option("--model-config", o->config,
                 "config.json to check loading against (default: the one beside the file)");
@@ -247,9 +247,15 @@ void add_inspect(CLI::App& app) {
   c->add_option("--max-values", o->max_values,
                 "TFRecords: print at most this many values per feature")
       ->capture_default_str();
+  add_storage_options(c);
   c->callback([o] {
     int rc = 0;
     for (const auto& f : o->files) {
+      if (data::is_remote(f)) {  // TFRecords in object storage
+        for (const auto& path : data::list_files(f))
+          rc |= inspect_tfrecord(path, o->compression, o->count, o->max_records, o->max_values);
+        continue;
+      }
       if (model::is_tf_checkpoint(f) &&
           !std::filesystem::exists(std::filesystem::path(f) / "model.safetensors")) {
         rc |= inspect_tf_checkpoint(f, o->json);

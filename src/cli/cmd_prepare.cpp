@@ -36,6 +36,9 @@ int parse_lower(const std::string& s) {
 // large sets go through the input pipeline.
 template <class Opts>
 void prepare_task(const Opts& o) {
+  if (data::is_remote(o.cfg.output))
+    fail("prepare ", setting("task"), " writes to a local folder (with its labels.txt); ",
+         o.cfg.output, " is in object storage: write locally, then copy the folder");
   const std::vector<std::string> files = data::list_files(o.cfg.input);
   if (files.size() != 1)
     fail("prepare ", setting("task"), " reads one task file; ", o.cfg.input, " names ",
@@ -88,9 +91,12 @@ void add_prepare(CLI::App& app) {
       "prepare",
       "Make BERT pretraining TFRecords from text (Google's create_pretraining_data.py format), "
       "or with --task classification TFRecords from a fine-tuning file");
-  c->add_option("--input", o->cfg.input, "Text files: glob(s), comma-separated")->required();
+  c->add_option("--input", o->cfg.input,
+                "Text files: glob(s), comma-separated; s3:// and oss:// too")
+      ->required();
   c->add_option("--vocab", o->cfg.vocab, "WordPiece vocabulary (one token per line)")->required();
-  c->add_option("--output", o->cfg.output, "Output directory for part-NNNNN-of-NNNNN.tfrecord")
+  c->add_option("--output", o->cfg.output,
+                "Output directory (or s3:// / oss:// prefix) for part-NNNNN-of-NNNNN.tfrecord")
       ->required();
   c->add_option("--seq-len", o->cfg.instance.seq_len, "Tokens per example ([CLS] A [SEP] B [SEP])")
       ->capture_default_str();
@@ -121,6 +127,7 @@ void add_prepare(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--threads", o->threads, "Threads (0: all cores)")->capture_default_str();
   add_task_options(c, o->task);
+  add_storage_options(c);
   c->callback([o] {
     set_threads(o->threads);
     if (!o->task.columns().empty() || !o->task.task.empty()) return prepare_task(*o);

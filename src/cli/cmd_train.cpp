@@ -32,6 +32,23 @@ void add_pipeline_options(CLI::App* c, data::PipelineOptions& p, std::string& on
       ->capture_default_str();
   c->add_option("--on-corrupt", on_corrupt, "Corrupt input records: fail or skip")
       ->capture_default_str();
+  add_read_ahead_options(c, p);
+  add_storage_options(c);
+}
+
+void add_read_ahead_options(CLI::App* c, data::PipelineOptions& p) {
+  c->add_option_function<double>(
+       "--read-chunk",
+       [&p](double mib) {
+         if (!(mib >= 0.0625)) fail("--read-chunk must be at least 0.0625 (MiB)");
+         p.remote_chunk_bytes = static_cast<size_t>(mib * (1 << 20));
+       },
+       "MiB per ranged read of an s3:// or oss:// file (default 4)")
+      ->group("Object storage");
+  c->add_option("--read-ahead", p.remote_readahead,
+                "Ranged reads in flight per open s3:// or oss:// file (0: auto, at least 2 and "
+                "32 MiB over the --cycle-length open files)")
+      ->group("Object storage");
 }
 
 data::OnCorrupt parse_on_corrupt(const std::string& s) {
@@ -115,7 +132,8 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   auto& t = o->cfg;
   c->add_option("--model-config", t.model_config, "HuggingFace config.json of the model")
       ->required();
-  c->add_option("--data", t.input.files, "Training TFRecords: glob(s), comma-separated")
+  c->add_option("--data", t.input.files,
+                "Training TFRecords: glob(s), comma-separated; s3:// and oss:// too")
       ->required();
   c->add_option("--output", t.output, "Run directory (checkpoints, latest)")->required();
   c->add_option("--init-checkpoint", t.init_checkpoint,
@@ -228,7 +246,9 @@ void add_eval(CLI::App& app, comm::Communicator& (*comm)()) {
   c->add_option("--checkpoint", o->checkpoint,
                 "Run directory (its latest checkpoint) or checkpoint/HF directory")
       ->required();
-  c->add_option("--data", o->data, "Evaluation TFRecords: glob(s)")->required();
+  c->add_option("--data", o->data, "Evaluation TFRecords: glob(s), s3:// or oss:// too")
+      ->required();
+  add_storage_options(c);
   c->add_option("--batch-size", o->batch, "Sequences per batch")->capture_default_str();
   c->add_option("--seq-len", o->seq, "Tokens per sequence (must match the data)")
       ->capture_default_str();

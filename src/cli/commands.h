@@ -28,6 +28,10 @@ void add_launch(CLI::App& app);
 void add_report(CLI::App& app);
 void add_doctor(CLI::App& app, comm::Communicator& (*comm)());
 void add_pipeline_options(CLI::App* c, data::PipelineOptions& p, std::string& on_corrupt);
+// --s3-endpoint, --s3-region, --s3-addressing, --s3-retries, --s3-timeout (object storage).
+void add_storage_options(CLI::App* c);
+// --read-chunk and --read-ahead: the ranged reads of s3:// and oss:// input.
+void add_read_ahead_options(CLI::App* c, data::PipelineOptions& p);
 data::OnCorrupt parse_on_corrupt(const std::string& s);
 
 struct DistOptions {

@@ -3,10 +3,11 @@
 #include <sys/stat.h>
 
 #include <cstdio>
-#include <fstream>
+#include <sstream>
 
 #include "core/error.h"
 #include "core/setting.h"
+#include "data/storage.h"
 #include "data/unicode.h"
 
 namespace bertrain::data {
@@ -105,7 +106,7 @@ std::vector<std::string> split_sentences(const std::string& s) {
 }
 
 CorpusFormat detect_format(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+  std::istringstream in(read_prefix(path, size_t{1} << 20));  // a file or an object
   std::string line;
   int lines = 0, unterminated = 0, blank = 0;
   while (lines < 400 && std::getline(in, line)) {
@@ -125,20 +126,31 @@ CorpusFormat detect_format(const std::string& path) {
 }
 
 struct CorpusReader::File {
-  std::FILE* f = nullptr;
-  ~File() {
-    if (f) std::fclose(f);
+  std::unique_ptr<ByteSource> src;
+  std::string buf;
+  size_t pos = 0;
+  // The next line with its '\n' (none at the end of the file) into `line`; false at the end.
+  bool getline(std::string& line) {
+    for (;;) {
+      const size_t nl = buf.find('\n', pos);
+      if (nl != std::string::npos) {
+        line.append(buf, pos, nl + 1 - pos);
+        pos = nl + 1;
+        return true;
+      }
+      line.append(buf, pos, std::string::npos);
+      buf.resize(1 << 20);
+      buf.resize(src->read(buf.data(), buf.size()));
+      pos = 0;
+      if (buf.empty()) return !line.empty();
+    }
   }
 };
 
 CorpusReader::CorpusReader(std::vector<std::string> files, CorpusFormat format,
                            size_t max_doc_sentences)
     : files_(std::move(files)), format_(format), max_doc_sentences_(max_doc_sentences) {
-  for (const auto& f : files_) {
-    struct stat st {};
-    if (::stat(f.c_str(), &st) != 0) fail("cannot read input ", f);
-    total_ += static_cast<uint64_t>(st.st_size);
-  }
+  for (const auto& f : files_) total_ += file_size(f);
 }
 
 CorpusReader::~CorpusReader() = default;
@@ -148,22 +160,14 @@ bool CorpusReader::open_next_file() {
   if (file_index_ >= files_.size()) return false;
   const std::string& path = files_[file_index_];
   file_ = std::make_unique<File>();
-  file_->f = std::fopen(path.c_str(), "rb");
-  if (!file_->f) fail("cannot open input ", path);
+  file_->src = open_raw(path);
   file_format_ = format_ == CorpusFormat::Auto ? detect_format(path) : format_;
   return true;
 }
 
 bool CorpusReader::next_line(std::string& line) {
   line.clear();
-  char buf[65536];
-  bool any = false;
-  while (std::fgets(buf, sizeof buf, file_->f)) {
-    any = true;
-    line += buf;
-    if (!line.empty() && line.back() == '\n') break;
-  }
-  if (!any) return false;
+  if (!file_->getline(line)) return false;
   bytes_ += line.size();
   while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
   invalid_ += unicode::repair(line);

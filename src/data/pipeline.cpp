@@ -21,6 +21,19 @@
 
 namespace bertrain::data {
 
+ReadAhead read_ahead(const PipelineOptions& opt) {
+  ReadAhead ra;
+  ra.chunk_bytes = opt.remote_chunk_bytes;
+  // At least two requests per open object, and 32 MiB ahead over the whole interleave: what
+  // keeps a reader fed through a store's round trip (at 50 ms, 32 MiB ahead sustains 640 MB/s).
+  const size_t interleave = static_cast<size_t>(std::max(1, opt.cycle_length)) * ra.chunk_bytes;
+  ra.chunks =
+      opt.remote_readahead > 0
+          ? opt.remote_readahead
+          : std::max<int>(2, static_cast<int>(((size_t{32} << 20) + interleave - 1) / interleave));
+  return ra;
+}
+
 namespace {
 // Records one interleave slot may queue ahead.
 size_t slot_capacity(const PipelineOptions& opt) {
@@ -37,17 +50,7 @@ std::vector<std::string> list_files(const std::string& patterns) {
     const std::string pat = patterns.substr(start, end - start);
     start = end + 1;
     if (pat.empty()) continue;
-    glob_t g{};
-    const int rc = ::glob(pat.c_str(), GLOB_BRACE | GLOB_TILDE, nullptr, &g);
-    if (rc == 0)
-      for (size_t i = 0; i < g.gl_pathc; ++i) {
-        struct stat st {};
-        // Regular files, and named pipes (data streamed in by another program, e.g. from
-        // object storage; each epoch opens it again, so its writer must feed it again).
-        if (::stat(g.gl_pathv[i], &st) == 0 && (S_ISREG(st.st_mode) || S_ISFIFO(st.st_mode)))
-          out.push_back(g.gl_pathv[i]);
-      }
-    globfree(&g);
+    for (std::string& f : match_files(pat)) out.push_back(std::move(f));
   }
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
@@ -98,10 +101,8 @@ void truncate_batch(Batch& b, int64_t rows) {
 uint64_t fingerprint_of(const std::vector<std::string>& files) {
   uint64_t h = 0x6a09e667f3bcc908ull;
   for (const auto& f : files) {
-    struct stat st {};
-    ::stat(f.c_str(), &st);
     for (char c : f) h = mix64(h ^ static_cast<uint8_t>(c));
-    h = mix64(h ^ static_cast<uint64_t>(st.st_size));
+    h = mix64(h ^ (is_fifo(f) ? 0 : file_size(f)));
   }
   return h;
 }
@@ -231,6 +232,7 @@ struct Pipeline::Impl {
   Schema schema;
   std::vector<std::string> all_files;
   uint64_t fingerprint = 0;
+  bool remote = false;  // some files are objects (s3://, oss://)
   size_t slot_cap = 0;
 
   // Shared between the assembler and the readers (under mu).
@@ -337,8 +339,8 @@ struct Pipeline::Impl {
       };
       try {
         if (!slot.reader)
-          slot.reader =
-              std::make_unique<TFRecordReader>(path, resolve_compression(opt.compression, path));
+          slot.reader = std::make_unique<TFRecordReader>(
+              path, resolve_compression(opt.compression, path), read_ahead(opt));
         while (chunk.n < want && !eof) {
           try {
             if (!slot.reader->next(rec)) {
@@ -432,6 +434,20 @@ struct Pipeline::Impl {
   bool run_stream(uint64_t epoch, int world, int rank, bool own, const uint64_t& at, Sink&& sink) {
     const bool by_file = static_cast<int>(all_files.size()) >= world;
     size_t next_file = 0;
+    // Objects: the file a slot will take next is opened ahead (its first reads in flight), and
+    // once every file of the epoch has a slot, the next epoch's first ones.
+    bool ahead_next_epoch = false;
+    auto open_next_ahead = [&] {
+      if (!remote) return;
+      const ReadAhead ra = read_ahead(opt);
+      const size_t keep = 2 * slots.size();  // the next file per slot and the next epoch's first
+      if (next_file < epoch_files.size()) return open_ahead(epoch_files[next_file], ra, keep);
+      if (ahead_next_epoch) return;
+      ahead_next_epoch = true;
+      const auto next = shard_files(all_files, opt.seed, opt.shuffle, epoch + 1, world, rank);
+      for (size_t i = 0; i < std::min(next.size(), slots.size()); ++i)
+        open_ahead(next[i], ra, keep);
+    };
     {
       std::lock_guard<std::mutex> lock(mu);
       epoch_files = shard_files(all_files, opt.seed, opt.shuffle, epoch, world, rank);
@@ -439,6 +455,7 @@ struct Pipeline::Impl {
         s = Slot();
         if (next_file < epoch_files.size()) s.file = static_cast<int64_t>(next_file++);
       }
+      open_next_ahead();
       cur = 0;
     }
     cv_work.notify_all();
@@ -501,6 +518,7 @@ struct Pipeline::Impl {
         if (slot.q.empty()) {  // this file is done: the next one takes the slot
           slot = Slot();
           if (next_file < epoch_files.size()) slot.file = static_cast<int64_t>(next_file++);
+          open_next_ahead();
           lock.unlock();
           cv_work.notify_all();
           break;
@@ -642,6 +660,7 @@ Pipeline::Pipeline(const PipelineOptions& opt, const Schema& schema, PipelinePos
   if (opt.cycle_length <= 0 || opt.block_length <= 0)
     fail("cycle and block length must be positive");
   m.all_files = list_files(opt.files);
+  for (const auto& f : m.all_files) m.remote |= is_remote(f);
   m.fingerprint = fingerprint_of(m.all_files);
   if (start.fingerprint != 0 && start.fingerprint != m.fingerprint)
     fail("the input files differ from the ones the checkpoint was reading (", opt.files,
@@ -770,8 +789,15 @@ size_t Pipeline::memory_bound(const PipelineOptions& opt, const Schema& schema) 
   // lists recycle those same chunks and batches.
   const size_t slot_cap = slot_capacity(opt);
   const size_t chunk = std::max<size_t>(opt.block_length, 8) * ex;
+  // Objects: the ranged reads in flight and the one being read, per open file.
+  const ReadAhead ra = read_ahead(opt);
+  // Objects: the ranged reads in flight and the one being read, per open file and per file
+  // opened ahead (at most two per slot).
+  const size_t remote = opt.files.find("://") != std::string::npos
+                            ? opt.cycle_length * (3 * ra.chunks + size_t{1}) * ra.chunk_bytes
+                            : 0;
   return opt.cycle_length * (slot_cap * ex + 2 * chunk) + opt.shuffle_buffer * ex +
-         (opt.max_prefetch + 6) * batch + read_buffers + 64 * 1024;
+         (opt.max_prefetch + 6) * batch + read_buffers + remote + 64 * 1024;
 }
 
 const std::vector<std::string>& Pipeline::files() const {

@@ -24,6 +24,7 @@
 #include "core/error.h"
 #include "data/batch.h"
 #include "data/schema.h"
+#include "data/storage.h"
 
 namespace bertrain::data {
 
@@ -45,6 +46,10 @@ struct PipelineOptions {
   bool drop_remainder = true;
   OnCorrupt on_corrupt = OnCorrupt::Fail;
   std::string compression = "auto";
+  // Objects (s3://, oss://): bytes per ranged read, and reads in flight per open file (0: auto,
+  // at least 2 and 32 MiB over the cycle_length open files).
+  size_t remote_chunk_bytes = size_t{4} << 20;
+  int remote_readahead = 0;
   bool verbose_skips = true;  // log skipped records to stderr (the first few, then counts)
   // When set and raised (SIGTERM's flag), next() stops waiting for input once the flag has been
   // up for interrupt_grace_s (checked every 100 ms) and throws Interrupted.
@@ -126,8 +131,12 @@ struct PipelineStats {
   double examples_per_s() const { return elapsed_s > 0 ? examples / elapsed_s : 0; }
 };
 
-// Files matching the comma-separated glob patterns, sorted; Error when none match.
+// Files matching the comma-separated glob patterns, sorted; Error when none match. Patterns may
+// name objects (s3://bucket/train-*.tfrecord; storage.h).
 std::vector<std::string> list_files(const std::string& patterns);
+
+// The read-ahead of each open object for these options.
+ReadAhead read_ahead(const PipelineOptions& opt);
 
 class Pipeline {
  public:

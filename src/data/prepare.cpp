@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/setting.h"
 #include "data/pipeline.h"
+#include "data/storage.h"
 
 namespace bertrain::data {
 
@@ -36,7 +37,7 @@ PrepareReport prepare(const PrepareConfig& cfg,
   const Tokenizer tok(vocab, rep.lower_case);
 
   std::error_code ec;
-  std::filesystem::create_directories(cfg.output, ec);
+  if (!is_remote(cfg.output)) std::filesystem::create_directories(cfg.output, ec);
   if (ec) fail("cannot create output directory ", cfg.output, ": ", ec.message());
   const char* ext = cfg.compression == Compression::Gzip   ? ".tfrecord.gz"
                     : cfg.compression == Compression::Zlib ? ".tfrecord.zlib"
@@ -45,7 +46,8 @@ PrepareReport prepare(const PrepareConfig& cfg,
   for (int s = 0; s < cfg.output_shards; ++s) {
     char name[64];
     std::snprintf(name, sizeof name, "part-%05d-of-%05d%s", s, cfg.output_shards, ext);
-    rep.outputs.push_back((std::filesystem::path(cfg.output) / name).string());
+    // A folder or a bucket prefix (s3://bucket/prepared): the shards are staged and uploaded.
+    rep.outputs.push_back(cfg.output + (cfg.output.ends_with('/') ? "" : "/") + name);
     writers.push_back(std::make_unique<TFRecordWriter>(rep.outputs.back(), cfg.compression));
   }
 

@@ -17,37 +17,10 @@ namespace {
 
 constexpr size_t kBufSize = 1 << 20;
 
-class FileSource : public ByteSource {
- public:
-  explicit FileSource(const std::string& path) : path_(path) {
-    fd_ = ::open(path.c_str(), O_RDONLY);
-    if (fd_ < 0) fail("cannot open ", path, ": ", std::strerror(errno));
-    ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
-  }
-  ~FileSource() override { ::close(fd_); }
-  size_t read(void* buf, size_t n) override {
-    size_t got = 0;
-    char* p = static_cast<char*>(buf);
-    while (got < n) {
-      ssize_t r = ::read(fd_, p + got, n - got);
-      if (r < 0) {
-        if (errno == EINTR) continue;
-        fail("cannot read ", path_, ": ", std::strerror(errno));
-      }
-      if (r == 0) break;
-      got += static_cast<size_t>(r);
-    }
-    return got;
-  }
-
- private:
-  std::string path_;
-  int fd_ = -1;
-};
-
 class ZlibSource : public ByteSource {
  public:
-  ZlibSource(const std::string& path, Compression c) : path_(path), file_(path), in_(kBufSize) {
+  ZlibSource(const std::string& path, std::unique_ptr<ByteSource> file, Compression c)
+      : path_(path), file_(std::move(file)), in_(kBufSize) {
     std::memset(&zs_, 0, sizeof zs_);
     // gzip: 16 + 15; zlib: 15. TensorFlow may concatenate members; we continue across them.
     window_ = c == Compression::Gzip ? 15 + 16 : 15;
@@ -59,7 +32,7 @@ class ZlibSource : public ByteSource {
     zs_.avail_out = static_cast<uInt>(n);
     while (zs_.avail_out > 0) {
       if (zs_.avail_in == 0) {
-        size_t got = file_.read(in_.data(), in_.size());
+        size_t got = file_->read(in_.data(), in_.size());
         if (got == 0) {
           if (!stream_end_ && produced_any_)
             throw CorruptRecord(CorruptRecord::Kind::Decompress, path_, total_out(), 0,
@@ -90,7 +63,7 @@ class ZlibSource : public ByteSource {
  private:
   uint64_t total_out() const { return out_before_ + (stream_end_ ? 0 : zs_.total_out); }
   std::string path_;
-  FileSource file_;
+  std::unique_ptr<ByteSource> file_;
   std::vector<Bytef> in_;
   z_stream zs_;
   int window_;
@@ -165,11 +138,10 @@ Compression resolve_compression(const std::string& option, const std::string& pa
   if (path.ends_with(".gz") || path.ends_with(".gzip")) return Compression::Gzip;
   if (path.ends_with(".zlib") || path.ends_with(".zz")) return Compression::Zlib;
   // A named pipe cannot be peeked at (what is read is gone): its name says, or it is plain.
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && S_ISFIFO(st.st_mode)) return Compression::None;
-  unsigned char head[2] = {0, 0};
-  FileSource f(path);
-  if (f.read(head, 2) == 2) {
+  if (is_fifo(path)) return Compression::None;
+  const std::string first = read_prefix(path, 2);
+  if (first.size() == 2) {
+    const auto* head = reinterpret_cast<const unsigned char*>(first.data());
     if (head[0] == 0x1f && head[1] == 0x8b) return Compression::Gzip;
     // zlib header: CMF 0x78 and (CMF*256 + FLG) % 31 == 0. An uncompressed TFRecord starts with
     // a little-endian length whose low byte is rarely 0x78 with a matching check; the CRC
@@ -187,13 +159,15 @@ CorruptRecord::CorruptRecord(Kind k, const std::string& p, uint64_t off, uint64_
       offset(off),
       record(rec) {}
 
-std::unique_ptr<ByteSource> open_source(const std::string& path, Compression c) {
-  if (c == Compression::None) return std::make_unique<Buffered>(std::make_unique<FileSource>(path));
-  return std::make_unique<Buffered>(std::make_unique<ZlibSource>(path, c));
+std::unique_ptr<ByteSource> open_source(const std::string& path, Compression c,
+                                        const ReadAhead& ra) {
+  std::unique_ptr<ByteSource> raw = open_raw(path, ra);
+  if (c == Compression::None) return std::make_unique<Buffered>(std::move(raw));
+  return std::make_unique<Buffered>(std::make_unique<ZlibSource>(path, std::move(raw), c));
 }
 
-TFRecordReader::TFRecordReader(const std::string& path, Compression c)
-    : path_(path), src_(open_source(path, c)) {}
+TFRecordReader::TFRecordReader(const std::string& path, Compression c, const ReadAhead& ra)
+    : path_(path), src_(open_source(path, c, ra)) {}
 
 bool TFRecordReader::read_header(uint64_t& len) {
   if (dead_) return false;
@@ -261,6 +235,7 @@ bool TFRecordReader::skip() {
 
 struct TFRecordWriter::Impl {
   std::string path, tmp;
+  std::unique_ptr<StagedOutput> staged;
   int fd = -1;
   Compression comp;
   z_stream zs{};
@@ -304,7 +279,8 @@ struct TFRecordWriter::Impl {
 
 TFRecordWriter::TFRecordWriter(const std::string& path, Compression c) : impl_(new Impl) {
   impl_->path = path;
-  impl_->tmp = path + ".tmp." + std::to_string(::getpid());
+  impl_->staged = std::make_unique<StagedOutput>(path);
+  impl_->tmp = impl_->staged->local_path();
   impl_->comp = c;
   impl_->fd = ::open(impl_->tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (impl_->fd < 0) fail("cannot create ", impl_->tmp, ": ", std::strerror(errno));
@@ -317,10 +293,7 @@ TFRecordWriter::TFRecordWriter(const std::string& path, Compression c) : impl_(n
 }
 
 TFRecordWriter::~TFRecordWriter() {
-  if (!impl_->closed) {
-    ::close(impl_->fd);
-    ::unlink(impl_->tmp.c_str());
-  }
+  if (!impl_->closed) ::close(impl_->fd);  // the staged file goes with impl_->staged
   if (impl_->comp != Compression::None) deflateEnd(&impl_->zs);
 }
 
@@ -345,9 +318,8 @@ void TFRecordWriter::close() {
   impl_->flush_pending(true);
   if (::fsync(impl_->fd) != 0) fail("cannot sync ", impl_->tmp, ": ", std::strerror(errno));
   ::close(impl_->fd);
-  if (::rename(impl_->tmp.c_str(), impl_->path.c_str()) != 0)
-    fail("cannot rename ", impl_->tmp, " to ", impl_->path, ": ", std::strerror(errno));
   impl_->closed = true;
+  impl_->staged->commit();
 }
 
 }  // namespace bertrain::data

@@ -1,7 +1,8 @@
 // TFRecord files: [u64 length][u32 masked crc32c(length)][data][u32 masked crc32c(data)],
 // uncompressed or as one GZIP/ZLIB stream (TensorFlow's compression_type). The reader checks
 // both CRCs of every record; corruption raises CorruptRecord naming the file, the byte offset
-// (in the uncompressed stream) and the record number. The writer is atomic (temp + rename).
+// (in the uncompressed stream) and the record number. Files or objects (s3://, oss://) alike.
+// The writer is atomic (a staged file renamed into place, or uploaded, when closed).
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <string_view>
 
 #include "core/error.h"
+#include "data/storage.h"
 
 namespace bertrain::data {
 
@@ -33,19 +35,13 @@ class CorruptRecord : public Error {
   bool resumable() const { return kind == Kind::DataCrc; }
 };
 
-// A sequential byte stream: a file, or a file through zlib inflate.
-class ByteSource {
- public:
-  virtual ~ByteSource() = default;
-  // Reads up to n bytes; fewer only at the end of the stream.
-  virtual size_t read(void* buf, size_t n) = 0;
-};
-
-std::unique_ptr<ByteSource> open_source(const std::string& path, Compression c);
+// A file or object (storage.h), inflated when compressed, read through a large buffer.
+std::unique_ptr<ByteSource> open_source(const std::string& path, Compression c,
+                                        const ReadAhead& ra = {});
 
 class TFRecordReader {
  public:
-  TFRecordReader(const std::string& path, Compression c);
+  TFRecordReader(const std::string& path, Compression c, const ReadAhead& ra = {});
   // Next record into `out`; false at a clean end of file. Throws CorruptRecord; after a
   // resumable one the next call continues with the following record.
   bool next(std::string& out);
