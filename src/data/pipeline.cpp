@@ -12,8 +12,10 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "core/rng.h"
 #include "core/setting.h"
@@ -72,7 +74,8 @@ struct Chunk {
 };
 
 struct Slot {
-  int64_t file = -1;  // index into the epoch's file list; -1: empty slot
+  int64_t file = -1;                // index into the epoch's file list; -1: empty slot
+  std::unique_ptr<ByteSource> raw;  // the file opened ahead (an object), for the reader to take
   std::unique_ptr<TFRecordReader> reader;
   std::deque<Chunk> q;
   size_t queued = 0;  // examples in q
@@ -233,6 +236,8 @@ struct Pipeline::Impl {
   std::vector<std::string> all_files;
   uint64_t fingerprint = 0;
   bool remote = false;  // some files are objects (s3://, oss://)
+  // Objects opened ahead of their slot (assembler only): see run_stream.
+  std::map<std::tuple<uint64_t, int, int, size_t>, std::unique_ptr<ByteSource>> ahead;
   size_t slot_cap = 0;
 
   // Shared between the assembler and the readers (under mu).
@@ -319,6 +324,7 @@ struct Pipeline::Impl {
       Slot& slot = slots[s];
       slot.busy = true;
       const std::string path = epoch_files[slot.file];
+      std::unique_ptr<ByteSource> raw = std::move(slot.raw);
       const size_t want =
           std::min<size_t>(std::max<size_t>(opt.block_length, 8), slot_cap - slot.queued);
       Chunk chunk = take_free_chunk_locked();
@@ -340,7 +346,7 @@ struct Pipeline::Impl {
       try {
         if (!slot.reader)
           slot.reader = std::make_unique<TFRecordReader>(
-              path, resolve_compression(opt.compression, path), read_ahead(opt));
+              path, opt.compression, raw ? std::move(raw) : open_raw(path, read_ahead(opt)));
         while (chunk.n < want && !eof) {
           try {
             if (!slot.reader->next(rec)) {
@@ -436,25 +442,44 @@ struct Pipeline::Impl {
     size_t next_file = 0;
     // Objects: the file a slot will take next is opened ahead (its first reads in flight), and
     // once every file of the epoch has a slot, the next epoch's first ones.
+    // Opened ahead: (epoch, world, rank, index in that epoch's files) -> the open object. What
+    // another stream opened (a plan's guess of the next epoch) is dropped.
+    const auto key = [&](uint64_t e, size_t i) { return std::make_tuple(e, world, rank, i); };
+    std::erase_if(ahead, [&](const auto& a) {
+      return std::get<0>(a.first) != epoch || std::get<1>(a.first) != world ||
+             std::get<2>(a.first) != rank;
+    });
     bool ahead_next_epoch = false;
     auto open_next_ahead = [&] {
       if (!remote) return;
       const ReadAhead ra = read_ahead(opt);
-      const size_t keep = 2 * slots.size();  // the next file per slot and the next epoch's first
-      if (next_file < epoch_files.size()) return open_ahead(epoch_files[next_file], ra, keep);
+      auto open = [&](uint64_t e, size_t i, const std::string& f) {
+        try {
+          ahead[key(e, i)] = open_raw(f, ra);
+        } catch (const Error&) {  // the reader's open reports it, in its turn
+        }
+      };
+      if (next_file < epoch_files.size()) return open(epoch, next_file, epoch_files[next_file]);
       if (ahead_next_epoch) return;
       ahead_next_epoch = true;
       const auto next = shard_files(all_files, opt.seed, opt.shuffle, epoch + 1, world, rank);
-      for (size_t i = 0; i < std::min(next.size(), slots.size()); ++i)
-        open_ahead(next[i], ra, keep);
+      for (size_t i = 0; i < std::min(next.size(), slots.size()); ++i) open(epoch + 1, i, next[i]);
+    };
+    // A slot takes the next file, and the file opened ahead for it if any.
+    auto assign = [&](Slot& s) {
+      s = Slot();
+      if (next_file >= epoch_files.size()) return;
+      auto it = ahead.find(key(epoch, next_file));
+      if (it != ahead.end()) {
+        s.raw = std::move(it->second);
+        ahead.erase(it);
+      }
+      s.file = static_cast<int64_t>(next_file++);
     };
     {
       std::lock_guard<std::mutex> lock(mu);
       epoch_files = shard_files(all_files, opt.seed, opt.shuffle, epoch, world, rank);
-      for (auto& s : slots) {
-        s = Slot();
-        if (next_file < epoch_files.size()) s.file = static_cast<int64_t>(next_file++);
-      }
+      for (auto& s : slots) assign(s);
       open_next_ahead();
       cur = 0;
     }
@@ -516,8 +541,7 @@ struct Pipeline::Impl {
         cv_data.wait(lock, [&] { return stop || !slot.q.empty() || (slot.eof && !slot.busy); });
         if (stop) return false;
         if (slot.q.empty()) {  // this file is done: the next one takes the slot
-          slot = Slot();
-          if (next_file < epoch_files.size()) slot.file = static_cast<int64_t>(next_file++);
+          assign(slot);
           open_next_ahead();
           lock.unlock();
           cv_work.notify_all();
@@ -791,11 +815,12 @@ size_t Pipeline::memory_bound(const PipelineOptions& opt, const Schema& schema) 
   const size_t chunk = std::max<size_t>(opt.block_length, 8) * ex;
   // Objects: the ranged reads in flight and the one being read, per open file.
   const ReadAhead ra = read_ahead(opt);
-  // Objects: the ranged reads in flight and the one being read, per open file and per file
-  // opened ahead (at most two per slot).
-  const size_t remote = opt.files.find("://") != std::string::npos
-                            ? opt.cycle_length * (3 * ra.chunks + size_t{1}) * ra.chunk_bytes
-                            : 0;
+  // Objects: the ranged reads in flight and the one being read, per open file, and those of
+  // the files opened ahead (the next epoch's first, one per slot, and the next file).
+  const size_t remote =
+      opt.files.find("://") != std::string::npos
+          ? (opt.cycle_length * (2 * ra.chunks + size_t{1}) + ra.chunks) * ra.chunk_bytes
+          : 0;
   return opt.cycle_length * (slot_cap * ex + 2 * chunk) + opt.shuffle_buffer * ex +
          (opt.max_prefetch + 6) * batch + read_buffers + remote + 64 * 1024;
 }

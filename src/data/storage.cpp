@@ -137,45 +137,8 @@ bool is_remote(const std::string& path) {
   return is_object_url(path);
 }
 
-namespace {
-std::mutex g_ahead_mu;
-std::deque<std::pair<std::string, std::unique_ptr<ByteSource>>> g_ahead;  // oldest first
-}  // namespace
-
-void open_ahead(const std::string& path, const ReadAhead& ra, size_t keep) {
-  if (!is_remote(path) || keep == 0) return;
-  {
-    std::lock_guard<std::mutex> lock(g_ahead_mu);
-    for (const auto& a : g_ahead)
-      if (a.first == path) return;
-  }
-  // A failure to start is the open's to report, when the file is opened for real.
-  std::unique_ptr<ByteSource> src;
-  try {
-    src = std::make_unique<ObjectSource>(path, ra);
-  } catch (const Error&) {
-    return;
-  }
-  std::unique_ptr<ByteSource> dropped;
-  std::lock_guard<std::mutex> lock(g_ahead_mu);
-  g_ahead.emplace_back(path, std::move(src));
-  if (g_ahead.size() > keep) {
-    dropped = std::move(g_ahead.front().second);
-    g_ahead.pop_front();
-  }
-}
-
 std::unique_ptr<ByteSource> open_raw(const std::string& path, const ReadAhead& ra) {
   if (!is_remote(path)) return std::make_unique<FileSource>(path);
-  {
-    std::lock_guard<std::mutex> lock(g_ahead_mu);
-    for (auto it = g_ahead.begin(); it != g_ahead.end(); ++it)
-      if (it->first == path) {
-        std::unique_ptr<ByteSource> src = std::move(it->second);
-        g_ahead.erase(it);
-        return src;
-      }
-  }
   return std::make_unique<ObjectSource>(path, ra);
 }
 

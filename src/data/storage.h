@@ -29,11 +29,9 @@ struct ReadAhead {
   int chunks = 4;
 };
 
+// An object's first reads are in flight when this returns: opened ahead of its use (the
+// pipeline's next files), its round trip overlaps the reading of others.
 std::unique_ptr<ByteSource> open_raw(const std::string& path, const ReadAhead& ra = {});
-// Starts reading an object now for an open_raw of it soon (the pipeline's next file), so that
-// its round trip overlaps the files being read; open_raw then takes it. At most `keep` wait
-// (the oldest is dropped). Local files: nothing to do.
-void open_ahead(const std::string& path, const ReadAhead& ra, size_t keep);
 // The first n bytes (fewer if the file is shorter).
 std::string read_prefix(const std::string& path, size_t n);
 uint64_t file_size(const std::string& path);

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "data/crc32c.h"
@@ -130,25 +131,56 @@ const char* compression_name(Compression c) {
   return "?";
 }
 
-Compression resolve_compression(const std::string& option, const std::string& path) {
+namespace {
+
+// By the option, else by the name; nullopt: "auto" with a name that does not say.
+std::optional<Compression> compression_by_name(const std::string& option, const std::string& path) {
   if (option == "none" || option == "") return Compression::None;
   if (option == "gzip" || option == "GZIP") return Compression::Gzip;
   if (option == "zlib" || option == "ZLIB") return Compression::Zlib;
   if (option != "auto") fail("unknown compression '", option, "' (use none, gzip, zlib or auto)");
   if (path.ends_with(".gz") || path.ends_with(".gzip")) return Compression::Gzip;
   if (path.ends_with(".zlib") || path.ends_with(".zz")) return Compression::Zlib;
+  return std::nullopt;
+}
+
+Compression compression_by_bytes(const std::string& first) {
+  if (first.size() < 2) return Compression::None;
+  const auto* head = reinterpret_cast<const unsigned char*>(first.data());
+  if (head[0] == 0x1f && head[1] == 0x8b) return Compression::Gzip;
+  // zlib header: CMF 0x78 and (CMF*256 + FLG) % 31 == 0. An uncompressed TFRecord starts with
+  // a little-endian length whose low byte is rarely 0x78 with a matching check; the CRC
+  // verification catches a wrong guess anyway.
+  if (head[0] == 0x78 && ((head[0] << 8) | head[1]) % 31 == 0) return Compression::Zlib;
+  return Compression::None;
+}
+
+// The bytes already read from a source (to look at them), then the rest of it.
+class Prefixed : public ByteSource {
+ public:
+  Prefixed(std::string head, std::unique_ptr<ByteSource> rest)
+      : head_(std::move(head)), rest_(std::move(rest)) {}
+  size_t read(void* buf, size_t n) override {
+    char* p = static_cast<char*>(buf);
+    const size_t take = std::min(n, head_.size() - pos_);
+    std::memcpy(p, head_.data() + pos_, take);
+    pos_ += take;
+    return take == n ? n : take + rest_->read(p + take, n - take);
+  }
+
+ private:
+  std::string head_;
+  size_t pos_ = 0;
+  std::unique_ptr<ByteSource> rest_;
+};
+
+}  // namespace
+
+Compression resolve_compression(const std::string& option, const std::string& path) {
+  if (const auto c = compression_by_name(option, path)) return *c;
   // A named pipe cannot be peeked at (what is read is gone): its name says, or it is plain.
   if (is_fifo(path)) return Compression::None;
-  const std::string first = read_prefix(path, 2);
-  if (first.size() == 2) {
-    const auto* head = reinterpret_cast<const unsigned char*>(first.data());
-    if (head[0] == 0x1f && head[1] == 0x8b) return Compression::Gzip;
-    // zlib header: CMF 0x78 and (CMF*256 + FLG) % 31 == 0. An uncompressed TFRecord starts with
-    // a little-endian length whose low byte is rarely 0x78 with a matching check; the CRC
-    // verification catches a wrong guess anyway.
-    if (head[0] == 0x78 && ((head[0] << 8) | head[1]) % 31 == 0) return Compression::Zlib;
-  }
-  return Compression::None;
+  return compression_by_bytes(read_prefix(path, 2));
 }
 
 CorruptRecord::CorruptRecord(Kind k, const std::string& p, uint64_t off, uint64_t rec,
@@ -168,6 +200,22 @@ std::unique_ptr<ByteSource> open_source(const std::string& path, Compression c,
 
 TFRecordReader::TFRecordReader(const std::string& path, Compression c, const ReadAhead& ra)
     : path_(path), src_(open_source(path, c, ra)) {}
+
+TFRecordReader::TFRecordReader(const std::string& path, const std::string& compression,
+                               std::unique_ptr<ByteSource> raw)
+    : path_(path) {
+  std::optional<Compression> c = compression_by_name(compression, path);
+  if (!c) {
+    std::string head(2, '\0');
+    head.resize(raw->read(head.data(), 2));
+    c = compression_by_bytes(head);
+    raw = std::make_unique<Prefixed>(std::move(head), std::move(raw));
+  }
+  if (*c == Compression::None)
+    src_ = std::make_unique<Buffered>(std::move(raw));
+  else
+    src_ = std::make_unique<Buffered>(std::make_unique<ZlibSource>(path, std::move(raw), *c));
+}
 
 bool TFRecordReader::read_header(uint64_t& len) {
   if (dead_) return false;

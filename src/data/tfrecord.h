@@ -42,6 +42,11 @@ std::unique_ptr<ByteSource> open_source(const std::string& path, Compression c,
 class TFRecordReader {
  public:
   TFRecordReader(const std::string& path, Compression c, const ReadAhead& ra = {});
+  // From a source already open (open_raw: an object's first reads may be in flight). The
+  // compression option as resolve_compression takes it; "auto" with a name that does not say
+  // looks at the source's first bytes (no second request, and named pipes work too).
+  TFRecordReader(const std::string& path, const std::string& compression,
+                 std::unique_ptr<ByteSource> raw);
   // Next record into `out`; false at a clean end of file. Throws CorruptRecord; after a
   // resumable one the next call continues with the following record.
   bool next(std::string& out);
