@@ -107,4 +107,17 @@ for f in part-00000-of-00002.tfrecord part-00001-of-00002.tfrecord; do
 done
 ls "${TMPDIR:-/tmp}"/bertrain-upload-* >/dev/null 2>&1 && fail "staged uploads left behind"
 echo "ok: prepare s3:// -> s3:// writes the same shards, byte for byte, as file -> folder"
+# 8. Addressing and the oss:// alias: the bucket as a host name (bucket.localhost, which curl
+# resolves to this machine), and oss:// with its OSS_* settings (the store speaks the S3 API).
+out=$("$BT" inspect --count --s3-endpoint "http://localhost:$MOTO_PORT" --s3-addressing virtual \
+  "s3://data/train/part-*.tfrecord" 2>&1) || fail "virtual-host addressing: $out"
+[ "$(echo "$out" | grep -c ": .* records, .* all CRCs ok")" = 2 ] || fail "virtual-host listing: $out"
+out=$(env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY OSS_ENDPOINT="$MOTO_URL" OSS_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
+  OSS_ACCESS_KEY_SECRET="$AWS_SECRET_ACCESS_KEY" "$BT" inspect --count "oss://data/train/part-*.tfrecord" 2>&1) ||
+  fail "oss://: $out"
+echo "$out" | grep -q "oss://data/train/part-00001-of-00002.tfrecord: .* records" || fail "oss:// listing: $out"
+out=$(env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY "$BT" inspect --count "oss://data/train/x.tfrecord" 2>&1) &&
+  fail "oss:// without an endpoint passed"
+echo "$out" | grep -q "set OSS_ENDPOINT" || fail "oss:// without an endpoint: $out"
+echo "ok: virtual-host addressing (data.localhost), oss:// with OSS_ENDPOINT/OSS_ACCESS_KEY_*, oss:// without an endpoint named"
 echo "s3: all ok"
