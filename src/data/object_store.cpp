@@ -97,6 +97,9 @@ Config make_config(const std::string& scheme) {
   c.host = endpoint.substr(endpoint.find("://") + 3);
   c.host = c.host.substr(0, c.host.find('/'));
   if (c.host.empty()) fail("object store endpoint '", endpoint, "' names no host");
+  // curl leaves a scheme's default port out of the Host header, so the signature must too.
+  const std::string default_port = c.proto == "https" ? ":443" : ":80";
+  if (c.host.ends_with(default_port)) c.host.resize(c.host.size() - default_port.size());
   if (c.region.empty()) {
     // OSS: oss-cn-hangzhou.aliyuncs.com signs as region oss-cn-hangzhou.
     c.region = oss && c.host.starts_with("oss-") ? c.host.substr(0, c.host.find('.')) : "us-east-1";
@@ -394,6 +397,14 @@ struct ObjectStore::Impl {
       failure = str(curl_easy_strerror(rc), op.errbuf[0] ? str(" (", op.errbuf, ")") : "");
       again = retryable_curl(rc);
     } else if (status >= 200 && status < 300) {
+      if (op.ranged && status == 200 && op.reply.body.size() != op.end - op.begin) {
+        op.done(Reply(), std::make_exception_ptr(Error(
+                             str(op.what, ": the server sent ", op.reply.body.size(),
+                                 " bytes for a ranged read (it ignores the Range header); ",
+                                 cfg.endpoint(), " is not an S3-compatible endpoint"))));
+        delete &op;
+        return;
+      }
       if (op.ranged && op.reply.body.size() != op.end - op.begin) {
         failure = str("the reply holds ", op.reply.body.size(), " bytes of the ", op.end - op.begin,
                       " asked (a connection cut mid-object)");
