@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -58,6 +59,36 @@ struct Config {
   }
 };
 
+// One [section] of an AWS INI file (~/.aws/credentials: [name]; ~/.aws/config: [profile name]
+// or [default]) as key -> value; empty when the file or the section is missing.
+std::map<std::string, std::string> ini_section(const std::string& path, const std::string& name) {
+  std::map<std::string, std::string> out;
+  std::ifstream in(path);
+  std::string line;
+  bool inside = false;
+  auto trim = [](std::string v) {
+    const size_t a = v.find_first_not_of(" \t\r"), b = v.find_last_not_of(" \t\r");
+    return a == std::string::npos ? std::string() : v.substr(a, b - a + 1);
+  };
+  while (std::getline(in, line)) {
+    line = trim(line);
+    if (line.empty() || line[0] == '#' || line[0] == ';') continue;
+    if (line.front() == '[' && line.back() == ']') {
+      inside = trim(line.substr(1, line.size() - 2)) == name;
+      continue;
+    }
+    const size_t eq = line.find('=');
+    if (inside && eq != std::string::npos)
+      out[trim(line.substr(0, eq))] = trim(line.substr(eq + 1));
+  }
+  return out;
+}
+
+std::string home_file(const char* env_name, const char* rel) {
+  if (!env(env_name).empty()) return env(env_name);
+  return env("HOME").empty() ? "" : env("HOME") + "/" + rel;
+}
+
 bool is_ip_or_localhost(const std::string& host) {
   const std::string h = host.substr(
       0, host.rfind(':') == std::string::npos || host[0] == '[' ? host.size() : host.rfind(':'));
@@ -77,9 +108,22 @@ Config make_config(const std::string& scheme) {
   std::string endpoint = o.endpoint;
   if (endpoint.empty())
     endpoint = oss ? env("OSS_ENDPOINT") : first_env({"AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"});
+  // s3://: the shared files of the AWS CLI and SDKs when the variables are unset (AWS_PROFILE,
+  // else "default"; AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE).
+  const std::string profile = env("AWS_PROFILE").empty() ? "default" : env("AWS_PROFILE");
+  const auto profile_config =
+      oss ? std::map<std::string, std::string>{}
+          : ini_section(home_file("AWS_CONFIG_FILE", ".aws/config"),
+                        profile == "default" ? profile : "profile " + profile);
+  auto config_value = [&](const char* key) {
+    auto it = profile_config.find(key);
+    return it == profile_config.end() ? std::string() : it->second;
+  };
   c.region = !o.region.empty() ? o.region
              : oss             ? env("OSS_REGION")
                                : first_env({"AWS_REGION", "AWS_DEFAULT_REGION"});
+  if (c.region.empty()) c.region = config_value("region");
+  if (endpoint.empty() && !oss) endpoint = config_value("endpoint_url");
   if (oss && endpoint.empty())
     fail(
         "oss:// paths need the OSS endpoint: set OSS_ENDPOINT (e.g. oss-cn-hangzhou.aliyuncs.com) "
@@ -120,6 +164,21 @@ Config make_config(const std::string& scheme) {
   c.key.secret_key = oss ? first_env({"OSS_ACCESS_KEY_SECRET", "AWS_SECRET_ACCESS_KEY"})
                          : env("AWS_SECRET_ACCESS_KEY");
   c.token = oss ? first_env({"OSS_SESSION_TOKEN", "AWS_SESSION_TOKEN"}) : env("AWS_SESSION_TOKEN");
+  if (!oss && c.key.access_key.empty() && c.key.secret_key.empty()) {
+    const auto creds =
+        ini_section(home_file("AWS_SHARED_CREDENTIALS_FILE", ".aws/credentials"), profile);
+    auto value = [&](const char* key) {
+      auto it = creds.find(key);
+      return it == creds.end() ? std::string() : it->second;
+    };
+    c.key.access_key = value("aws_access_key_id");
+    c.key.secret_key = value("aws_secret_access_key");
+    c.token = value("aws_session_token");
+    if (c.key.access_key.empty() && env("AWS_PROFILE").size())
+      fail("AWS_PROFILE=", profile, " but ",
+           home_file("AWS_SHARED_CREDENTIALS_FILE", ".aws/credentials"),
+           " has no aws_access_key_id for it; add the profile or set AWS_ACCESS_KEY_ID");
+  }
   if (c.key.access_key.empty() != c.key.secret_key.empty())
     fail("object store credentials are half set: give both ", c.credentials_hint());
   c.key.region = c.region;
@@ -398,10 +457,10 @@ struct ObjectStore::Impl {
       again = retryable_curl(rc);
     } else if (status >= 200 && status < 300) {
       if (op.ranged && status == 200 && op.reply.body.size() != op.end - op.begin) {
-        op.done(Reply(), std::make_exception_ptr(Error(
-                             str(op.what, ": the server sent ", op.reply.body.size(),
-                                 " bytes for a ranged read (it ignores the Range header); ",
-                                 cfg.endpoint(), " is not an S3-compatible endpoint"))));
+        op.done(Reply(), std::make_exception_ptr(
+                             Error(str(op.what, ": the server sent ", op.reply.body.size(),
+                                       " bytes for a ranged read (it ignores the Range header); ",
+                                       cfg.endpoint(), " is not an S3-compatible endpoint"))));
         delete &op;
         return;
       }

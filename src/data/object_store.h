@@ -9,7 +9,10 @@
 // Paths: s3://bucket/key and oss://bucket/key. Settings come from flags (set_overrides) over the
 // usual environment variables:
 //   s3://   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION or
-//           AWS_DEFAULT_REGION (us-east-1), AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (AWS itself)
+//           AWS_DEFAULT_REGION (us-east-1), AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (AWS itself);
+//           without them the AWS CLI's files: the AWS_PROFILE (else default) profile's keys in
+//           ~/.aws/credentials and its region / endpoint_url in ~/.aws/config
+//           (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE move them)
 //   oss://  OSS_ACCESS_KEY_ID, OSS_ACCESS_KEY_SECRET, OSS_SESSION_TOKEN, OSS_ENDPOINT (required:
 //           oss-cn-hangzhou.aliyuncs.com or a URL), OSS_REGION (else from the endpoint); the AWS_*
 //           credentials when the OSS_* ones are unset.

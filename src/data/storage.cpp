@@ -142,6 +142,19 @@ std::unique_ptr<ByteSource> open_raw(const std::string& path, const ReadAhead& r
   return std::make_unique<ObjectSource>(path, ra);
 }
 
+std::string read_all(const std::string& path) {
+  std::unique_ptr<ByteSource> src = open_raw(path);  // names a missing file
+  std::string out;
+  // To the end, whatever the size says (a pipe or /dev/stdin has none).
+  for (;;) {  // a read returns less than asked only at the end
+    const size_t got = out.size(), want = std::max<size_t>(size_t{1} << 20, got);
+    out.resize(got + want);
+    const size_t n = src->read(out.data() + got, want);
+    out.resize(got + n);
+    if (n < want) return out;
+  }
+}
+
 std::string read_prefix(const std::string& path, size_t n) {
   std::string out;
   if (is_remote(path)) {

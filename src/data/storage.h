@@ -32,6 +32,8 @@ struct ReadAhead {
 // An object's first reads are in flight when this returns: opened ahead of its use (the
 // pipeline's next files), its round trip overlaps the reading of others.
 std::unique_ptr<ByteSource> open_raw(const std::string& path, const ReadAhead& ra = {});
+// A whole file or object (task files, not training shards).
+std::string read_all(const std::string& path);
 // The first n bytes (fewer if the file is shorter).
 std::string read_prefix(const std::string& path, size_t n);
 uint64_t file_size(const std::string& path);

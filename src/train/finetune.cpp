@@ -10,6 +10,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
 #include "core/error.h"
 #include "core/safetensors.h"
@@ -18,6 +19,7 @@
 #include "data/pipeline.h"
 #include "data/pretraining.h"
 #include "data/schema.h"
+#include "data/storage.h"
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
 #include "obs/events.h"
@@ -188,8 +190,7 @@ TaskColumns resolve_columns(const std::string& path, const TaskColumns& given,
 LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
                           const data::Tokenizer& tok, int64_t seq_len,
                           std::vector<std::string> label_names) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open ", path);
+  std::istringstream in(data::read_all(path));  // a file or an object (s3://, oss://)
   const bool jsonl = path.ends_with(".json") || path.ends_with(".jsonl");
   // First every data row's fields (a row that cannot be read is skipped and counted), then
   // the labels, then the examples.

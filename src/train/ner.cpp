@@ -5,8 +5,10 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
 #include "core/error.h"
+#include "data/storage.h"
 #include "data/unicode.h"
 #include "train/finetune.h"
 
@@ -55,8 +57,7 @@ std::string TaggedSet::skipped_summary(const std::string& file) const {
 }
 
 TaggedSet read_tagged_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open ", path);
+  std::istringstream in(data::read_all(path));  // a file or an object (s3://, oss://)
   TaggedSet s;
   auto skip = [&](int64_t line, const std::string& why) {
     ++s.skipped;

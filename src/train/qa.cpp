@@ -5,9 +5,11 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <sstream>
 
 #include "core/error.h"
 #include "core/setting.h"
+#include "data/storage.h"
 #include "data/unicode.h"
 #include "train/finetune.h"
 
@@ -201,8 +203,7 @@ std::string QaSet::skipped_summary(const std::string& file) const {
 }
 
 QaSet read_squad(const std::string& path, bool training) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open ", path);
+  std::istringstream in(data::read_all(path));  // a file or an object (s3://, oss://)
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(in);

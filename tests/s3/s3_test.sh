@@ -120,4 +120,28 @@ out=$(env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY "$BT" inspect --count "o
   fail "oss:// without an endpoint passed"
 echo "$out" | grep -q "set OSS_ENDPOINT" || fail "oss:// without an endpoint: $out"
 echo "ok: virtual-host addressing (data.localhost), oss:// with OSS_ENDPOINT/OSS_ACCESS_KEY_*, oss:// without an endpoint named"
+
+# 9. The AWS CLI's files instead of variables: a named profile's keys, its endpoint and region.
+printf '[default]\naws_access_key_id = AKIAWRONGWRONGWRONG0\naws_secret_access_key = wrong\n\n[bt]\naws_access_key_id = %s\naws_secret_access_key = %s\n' \
+  "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" > "$TMP/credentials"
+printf '[profile bt]\nregion = us-east-1\nendpoint_url = %s\n' "$MOTO_URL" > "$TMP/config"
+files=(env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY -u AWS_REGION AWS_SHARED_CREDENTIALS_FILE="$TMP/credentials"
+  AWS_CONFIG_FILE="$TMP/config")
+out=$("${files[@]}" AWS_PROFILE=bt "$BT" inspect --count "s3://data/train/part-00000-of-00002.tfrecord" 2>&1) ||
+  fail "profile bt: $out"
+out=$("${files[@]}" AWS_PROFILE=nobody "$BT" inspect --count "s3://data/train/part-00000-of-00002.tfrecord" 2>&1) &&
+  fail "a missing profile passed"
+echo "$out" | grep -q "AWS_PROFILE=nobody but .* has no aws_access_key_id for it" || fail "missing profile: $out"
+echo "ok: keys, region and endpoint from ~/.aws/credentials and ~/.aws/config (AWS_PROFILE); a missing profile named"
+
+# 10. A fine-tuning file from a bucket (the task readers: TSV here, JSON lines, CoNLL, SQuAD).
+moto_put "tasks/" "$ROOT/data/classification/chnsenticorp_small/dev.tsv" || fail "upload the task file"
+task=(prepare --vocab "$ROOT/data/vocab/bert-base-chinese-vocab.txt" --seq-len 64 --text-a-column text_a --label-column label)
+"$BT" "${task[@]}" --input "$ROOT/data/classification/chnsenticorp_small/dev.tsv" --output "$TMP/task_local" \
+  > /dev/null 2>&1 || fail "prepare the task file"
+"$BT" "${task[@]}" --input "s3://data/tasks/dev.tsv" $S3 --output "$TMP/task_s3" > "$TMP/log_task" 2>&1 ||
+  { cat "$TMP/log_task"; fail "prepare the task file from the store"; }
+cmp -s "$TMP/task_local/part-00000-of-00001.tfrecord" "$TMP/task_s3/part-00000-of-00001.tfrecord" ||
+  fail "the task file read from the store gave other examples"
+echo "ok: a fine-tuning TSV read from the bucket gives the same examples as the file"
 echo "s3: all ok"
