@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -90,12 +91,21 @@ void add_bench_input(CLI::App& app) {
     std::printf("bench-input: %zu files, batch %lld, seq %lld, %.1f s\n", p.files().size(),
                 (long long)o->p.batch_size, (long long)o->seq, dt);
     std::printf("  %.0f examples/s, %.1f MB/s of records\n", ex, mb);
+    // The sources: local files and each bucket, with how many files each holds.
+    std::map<std::string, int> sources;
+    for (const auto& f : p.files())
+      ++sources[data::is_remote(f) ? f.substr(0, f.find('/', f.find("://") + 3)) : "local"];
+    std::string names, buckets;
+    for (const auto& [name, n] : sources) {
+      names += str(names.empty() ? "" : ", ", name, " (", n, n == 1 ? " file)" : " files)");
+      if (name != "local") buckets += (buckets.empty() ? "" : ", ") + name;
+    }
+    if (sources.size() > 1) std::printf("  sources: %s\n", names.c_str());
     if (remote)
       std::printf(
           "  object store (%s): %.1f MB/s fetched in %llu ranged reads (%.0f ms each on average, "
           "%llu retried), %llu files opened; reader threads waited %.2f s for data\n",
-          p.files()[0].substr(0, p.files()[0].find('/', p.files()[0].find("://") + 3)).c_str(),
-          fetched_mb, (unsigned long long)requests, latency_ms,
+          buckets.c_str(), fetched_mb, (unsigned long long)requests, latency_ms,
           (unsigned long long)(r1.retries - r0.retries),
           (unsigned long long)(r1.opened - r0.opened), waited);
     std::printf("  after AUTOTUNE: %d reader threads, prefetch %d batches\n", s1.readers,
