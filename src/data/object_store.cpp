@@ -722,12 +722,4 @@ ObjectStoreStats ObjectStore::stats() const {
           impl_->request_us.load() / 1e6};
 }
 
-std::string ObjectStore::describe() const {
-  const Config& c = impl_->cfg;
-  return str(c.endpoint(), ", region ", c.region, ", ",
-             c.virtual_host ? "virtual-host" : "path-style", " addressing, ",
-             c.signed_requests() ? "signed as " + c.key.access_key : "unsigned (no credentials)",
-             ", ", c.max_attempts, " attempts per request");
-}
-
 }  // namespace bertrain::data

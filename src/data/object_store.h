@@ -73,7 +73,6 @@ class ObjectStore {
   ObjectStoreStats stats() const;
   // Summed over the stores in use (none made for asking).
   static ObjectStoreStats totals();
-  std::string describe() const;  // endpoint, region, addressing, credentials (never the secret)
 
   struct Impl;
 
