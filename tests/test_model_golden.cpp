@@ -7,6 +7,9 @@
 // gradient make small elements relatively noisy. Measured worst errors are ~10x below these.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <tuple>
+
 #include "core/isa.h"
 #include "core/safetensors.h"
 #include "model/bert.h"
@@ -62,22 +65,55 @@ void check_grads(const BertModel& m, const SafetensorsReader& g) {
   EXPECT_EQ(checked, static_cast<int>(m.table().params().size()));
 }
 
-// Both attention kernels (the full one and the blocked one) against the same golden.
-class GoldenAttention : public ::testing::TestWithParam<ModelDims::Attention> {};
+// The sequence output in the reference's [B,T,C] layout: a padded model's as it is; an unpadded
+// one's real rows (ModelDims::unpadded), the reference's own values at the padding it never
+// computes, so comparing checks every real position.
+std::vector<float> as_padded(const BertModel& m, const Batch& b, const std::vector<double>& ref) {
+  const int64_t C = m.config().hidden_size;
+  std::vector<float> out(ref.begin(), ref.end());
+  for (int64_t e = 0; e < b.B; ++e)
+    for (int64_t t = 0; t < b.T; ++t) {
+      const int64_t row = m.sequence_row(e, t);
+      if (row >= 0) std::copy_n(m.sequence_output() + row * C, C, out.begin() + (e * b.T + t) * C);
+    }
+  return out;
+}
+
+// Both attention kernels (the full one and the blocked one), padded and unpadded, against the
+// same golden (whose batch has padding: the unpadded runs check that it is skipped).
+using GoldenParam = std::tuple<ModelDims::Attention, bool>;
+class GoldenAttention : public ::testing::TestWithParam<GoldenParam> {};
+
+ModelDims golden_dims(const GoldenParam& p) {
+  ModelDims d;
+  d.attention = std::get<0>(p);
+  d.unpadded = std::get<1>(p);
+  return d;
+}
 
 TEST_P(GoldenAttention, BertForPreTrainingForwardBackward) {
   const std::string dir = data_path("golden/bert_pretrain");
   SafetensorsReader g(dir + "/golden.safetensors");
   Batch b = golden_batch(g, true);
   BertConfig cfg = BertConfig::load(dir + "/config.json");
-  BertModel m(cfg, Head::Pretraining, {b.B, b.T, b.P, false, GetParam()});
+  ModelDims d = golden_dims(GetParam());
+  d.batch = b.B;
+  d.seq_len = b.T;
+  d.max_predictions = b.P;
+  BertModel m(cfg, Head::Pretraining, d);
   load_safetensors_into(m, dir + "/model.safetensors");
 
   Losses l = m.forward(b, {});
   const int64_t C = cfg.hidden_size, V = cfg.vocab_size;
-  EXPECT_TRUE(all_close("sequence_output", m.sequence_output(),
-                        g.read_f64("output.sequence_output").data(), b.B * b.T * C, kFwdRtol,
-                        kFwdAtol));
+  if (d.unpadded) {
+    EXPECT_LT(l.real_tokens, b.B * b.T) << "the golden batch has no padding to skip";
+    EXPECT_EQ(l.computed_tokens, std::min(b.B * b.T, (l.real_tokens + 63) / 64 * 64));
+  } else {
+    EXPECT_EQ(l.computed_tokens, b.B * b.T);
+  }
+  const std::vector<double> seq_ref = g.read_f64("output.sequence_output");
+  EXPECT_TRUE(all_close("sequence_output", as_padded(m, b, seq_ref).data(), seq_ref.data(),
+                        b.B * b.T * C, kFwdRtol, kFwdAtol));
   EXPECT_TRUE(all_close("pooled_output", m.pooled_output(),
                         g.read_f64("output.pooled_output").data(), b.B * C, kFwdRtol, kFwdAtol));
   EXPECT_TRUE(all_close("mlm_logits", m.mlm_logits(), g.read_f64("output.mlm_logits").data(),
@@ -93,13 +129,17 @@ TEST_P(GoldenAttention, BertForPreTrainingForwardBackward) {
   check_grads(m, g);
 }
 
-TEST(GoldenHF, BertForSequenceClassificationForwardBackward) {
+TEST_P(GoldenAttention, BertForSequenceClassificationForwardBackward) {
   const std::string dir = data_path("golden/bert_cls");
   SafetensorsReader g(dir + "/golden.safetensors");
   Batch b = golden_batch(g, false);
   BertConfig cfg = BertConfig::load(dir + "/config.json");
   ASSERT_EQ(cfg.num_labels, 3);
-  BertModel m(cfg, Head::SequenceClassification, {b.B, b.T, 0});
+  ModelDims d = golden_dims(GetParam());
+  d.batch = b.B;
+  d.seq_len = b.T;
+  d.max_predictions = 0;
+  BertModel m(cfg, Head::SequenceClassification, d);
   load_safetensors_into(m, dir + "/model.safetensors");
   Losses l = m.forward(b, {});
   EXPECT_TRUE(all_close("logits", m.cls_logits(), g.read_f64("output.logits").data(), b.B * 3,
@@ -246,7 +286,8 @@ void check_within(ModelDims dims, double bound, const char* what) {
   BertModel m(BertConfig::load(dir + "/config.json"), Head::Pretraining, dims);
   load_safetensors_into(m, dir + "/model.safetensors");
   Losses l = m.forward(b, {});
-  EXPECT_LT(rel_l2(m.sequence_output(), g.read_f64("output.sequence_output")), bound);
+  const std::vector<double> seq_ref = g.read_f64("output.sequence_output");
+  EXPECT_LT(rel_l2(as_padded(m, b, seq_ref).data(), seq_ref), bound);
   EXPECT_LT(rel_l2(m.mlm_logits(), g.read_f64("output.mlm_logits")), bound);
   EXPECT_NEAR(l.loss, g.read_f64("output.loss")[0], bound * g.read_f64("output.loss")[0]);
   m.zero_grads();
@@ -288,9 +329,8 @@ void check_within(ModelDims dims, double bound, const char* what) {
 // tensor is relative L2 error <= 16u = 3.1e-2 (measured 0.009, ~3x lower).
 TEST_P(GoldenAttention, Bf16MatmulsStayWithinBf16Precision) {
   BT_SKIP_WITHOUT_BF16();
-  ModelDims d;
+  ModelDims d = golden_dims(GetParam());
   d.bf16 = true;
-  d.attention = GetParam();
   check_within(d, 16.0 * 0x1p-9, "bf16");
 }
 
@@ -299,16 +339,19 @@ TEST_P(GoldenAttention, Bf16MatmulsStayWithinBf16Precision) {
 // moves its tensor by <= u relative; four per layer over two layers add up, in the L2 sense, to
 // at most 8u = 3.9e-3 (measured 5.2e-4, about u). Runs on every CPU (the kernels are fp32).
 TEST_P(GoldenAttention, Fp16StorageStaysWithinFp16Precision) {
-  ModelDims d;
+  ModelDims d = golden_dims(GetParam());
   d.fp16 = true;
-  d.attention = GetParam();
   check_within(d, 8.0 * 0x1p-11, "fp16");
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernel, GoldenAttention,
-                         ::testing::Values(ModelDims::Attention::Full,
-                                           ModelDims::Attention::Blocked),
-                         [](const auto& info) { return attention_name(info.param); });
+                         ::testing::Combine(::testing::Values(ModelDims::Attention::Full,
+                                                              ModelDims::Attention::Blocked),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(attention_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_unpadded" : "_padded");
+                         });
 
 }  // namespace
 }  // namespace bertrain::model

@@ -1,7 +1,7 @@
 // bertrain bench: times full training steps (forward, backward, AdamW update) of a model on
-// synthetic batches and reports tokens/s, ms per phase, achieved GFLOP/s and model FLOP
-// utilisation against the GEMM rate (fp32 or bf16) it measures itself in the same run (oneDNN
-// at the model's largest matmul shape), and peak memory.
+// synthetic or prepared batches, padded or unpadded, and reports real tokens/s, ms per phase,
+// achieved GFLOP/s and model FLOP utilisation against the GEMM rate (fp32 or bf16) it measures
+// itself in the same run (oneDNN at the model's largest matmul shape), and peak memory.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -16,6 +16,9 @@
 #include "core/error.h"
 #include "core/isa.h"
 #include "core/rng.h"
+#include "core/setting.h"
+#include "data/pipeline.h"
+#include "data/schema.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/scratch.h"
 #include "obs/gemm_peak.h"
@@ -62,19 +65,43 @@ model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T,
   return b;
 }
 
+// Batches of prepared pretraining records (the pipeline with its default settings, a fixed
+// seed): real lengths, so the padding an unpadded run skips is the data's own.
+std::vector<model::Batch> data_batches(const std::string& files, int64_t B, int64_t T, int64_t P,
+                                       const model::BertConfig& cfg, int n) {
+  data::PipelineOptions po;
+  po.files = files;
+  po.batch_size = B;
+  po.seed = 7;
+  data::Pipeline pipe(po, data::Schema::pretraining(T, P, cfg.vocab_size, cfg.type_vocab_size));
+  std::vector<model::Batch> out(static_cast<size_t>(n));
+  for (model::Batch& b : out) pipe.next(b);
+  return out;
+}
+
+// One configuration's timed steps (each on its own batch of `batches`, cycling).
+struct BenchResult {
+  bool unpadded = false;
+  double forward = 0, backward = 0, optimizer = 0;  // medians, seconds
+  double seconds = 0, real_tokens = 0, computed_tokens = 0, padded_tokens = 0, flops = 0;
+  double loss = 0, rss = 0, planned = 0, allocated = 0;
+  int64_t unplanned = 0;
+};
+
 }  // namespace
 
 void add_bench(CLI::App& app) {
   struct Opts {
     std::string config, head = "pretraining", precision = "fp32", attention = "auto",
-                        recompute = "none";
+                        recompute = "none", data, padding = "skip";
     int64_t batch = 8, seq = 128, preds = 20;
     int steps = 5, warmup = 2, threads = 0;
     bool json = false;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand(
-      "bench", "Time full training steps (forward, backward, AdamW) on synthetic batches");
+      "bench",
+      "Time full training steps (forward, backward, AdamW) on synthetic or prepared batches");
   c->add_option("--model-config", o->config, "HuggingFace config.json of the model")->required();
   c->add_option("--batch-size", o->batch, "Sequences per step")->capture_default_str();
   c->add_option("--seq-len", o->seq, "Tokens per sequence")->capture_default_str();
@@ -83,6 +110,9 @@ void add_bench(CLI::App& app) {
   c->add_option("--head", o->head,
                 "pretraining, classification, token-classification or question-answering")
       ->capture_default_str();
+  c->add_option("--data", o->data,
+                "Prepared pretraining TFRecords (glob(s), comma-separated) to take the batches "
+                "from, with their real lengths (default: synthetic batches of full length)");
   c->add_option("--steps", o->steps, "Timed steps")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -95,7 +125,12 @@ void add_bench(CLI::App& app) {
       ->capture_default_str();
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
-  c->add_flag("--json", o->json, "Print one JSON object with the results");
+  add_padding_option(c, o->padding);
+  c->get_option("--padding")
+      ->description(
+          "skip (each sequence on its real tokens), compute (padded to --seq-len) or both: the "
+          "two on the same batches, one after the other, and their ratio");
+  c->add_flag("--json", o->json, "Print one JSON object per run with the results");
   c->callback([o] {
     set_threads(o->threads);
     model::BertConfig cfg = model::BertConfig::load(o->config);
@@ -103,6 +138,14 @@ void add_bench(CLI::App& app) {
     const int64_t P = head == model::Head::Pretraining ? o->preds : 0;
     const train::Precision prec = train::parse_precision(o->precision);
     const bool bf16 = prec == train::Precision::BF16, fp16 = prec == train::Precision::FP16;
+    std::vector<bool> modes;
+    if (o->padding == "both")
+      modes = {false, true};
+    else
+      modes = {parse_padding(o->padding)};
+    if (!o->data.empty() && head != model::Head::Pretraining)
+      fail(setting("data"), " takes pretraining records: it needs ", setting("head"),
+           " pretraining");
     // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
     // below is the training run's, not this probe's.
     const double peak = obs::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
@@ -110,109 +153,150 @@ void add_bench(CLI::App& app) {
     // What the process holds before the training run exists: the libraries (oneDNN, OpenMP,
     // MPI, protobuf, the C++ runtime) and their own state.
     const double baseline = resident_bytes();
-    // Kernel scratch taken outside a model's plan so far (the probe's GEMM scratchpad): the run
-    // below adds nothing to it (tests/test_memory.cpp).
-    const int64_t unplanned_before = kernels::unplanned_scratch_bytes();
-    model::ModelDims dims = train::with_precision(
-        {o->batch, o->seq, P, false, model::parse_attention(o->attention)}, prec);
-    apply_recompute(o->recompute, dims);
-    model::BertModel m(cfg, head, dims);
-    m.init_params(1);
-    train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(),
-                               {});  // AdamW, clipping at 1.0
-    model::Batch b = synthetic_batch(cfg, o->batch, o->seq, P, 7);
-    if (!o->json)
-      std::printf(
-          "bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %s attention%s, %d+%d steps\n",
-          o->config.c_str(), describe(cfg).c_str(), (long long)o->batch, (long long)o->seq,
-          omp_get_max_threads(), o->precision.c_str(),
-          m.dims().blocked_attention() ? "blocked" : "full",
-          m.dims().recompute_layers ? ", layers recomputed" : "", o->warmup, o->steps);
-    if (!o->json) {
-      std::printf("  cpu        %s\n", kernels::cpu_description().c_str());
-      if (bf16 && !kernels::bf16_speed_note().empty())
-        std::printf("  %s\n", kernels::bf16_speed_note().c_str());
-    }
-    // The training step itself (train/step.h), as train and finetune run it: fp16 with the
-    // scaler's initial loss scale, the gradients unscaled in the optimizer pass.
-    train::LossScaler::Config sc;
-    sc.enabled = fp16;
-    train::LossScaler scaler(sc);
-    comm::SingleProcess single;
-    train::Step train_step(m, optimizer, scaler, single, train::StepSettings{1, 1.0, false, 0, 1});
-    std::vector<double> fwd, bwd, upd;
-    double loss = 0;
-    for (int s = 0; s < o->warmup + o->steps; ++s) {
-      const train::StepReport r = train_step.run(s, 1e-5, [&](model::Batch& batch) {
-        batch = b;
-        return true;
-      });
-      loss = r.loss;
-      if (s >= o->warmup) {
+    const int n_batches = o->warmup + o->steps;
+    const std::vector<model::Batch> batches =
+        o->data.empty() ? std::vector<model::Batch>{synthetic_batch(cfg, o->batch, o->seq, P, 7)}
+                        : data_batches(o->data, o->batch, o->seq, P, cfg, n_batches);
+
+    auto measure = [&](bool unpadded) {
+      BenchResult res;
+      res.unpadded = unpadded;
+      // Kernel scratch taken outside a model's plan so far (the probe's GEMM scratchpad): the
+      // run below adds nothing to it when it runs padded (tests/test_memory.cpp).
+      const int64_t unplanned_before = kernels::unplanned_scratch_bytes();
+      model::ModelDims dims = train::with_precision(
+          {o->batch, o->seq, P, false, model::parse_attention(o->attention)}, prec);
+      apply_recompute(o->recompute, dims);
+      dims.unpadded = unpadded;
+      model::BertModel m(cfg, head, dims);
+      m.init_params(1);
+      train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(),
+                                 {});  // AdamW, clipping at 1.0
+      // The training step itself (train/step.h), as train and finetune run it: fp16 with the
+      // scaler's initial loss scale, the gradients unscaled in the optimizer pass.
+      train::LossScaler::Config sc;
+      sc.enabled = fp16;
+      train::LossScaler scaler(sc);
+      comm::SingleProcess single;
+      train::Step train_step(m, optimizer, scaler, single,
+                             train::StepSettings{1, 1.0, false, 0, 1});
+      std::vector<double> fwd, bwd, upd;
+      for (int s = 0; s < n_batches; ++s) {
+        const model::Batch& b = batches[static_cast<size_t>(s) % batches.size()];
+        const train::StepReport r = train_step.run(s, 1e-5, [&](model::Batch& batch) {
+          batch = b;
+          return true;
+        });
+        res.loss = r.loss;
+        if (s < o->warmup) continue;
         fwd.push_back(r.t_forward);
         bwd.push_back(r.t_backward);
         upd.push_back(r.t_optimizer);
+        res.seconds += r.t_forward + r.t_backward + r.t_optimizer;
+        res.real_tokens += r.real_tokens;
+        res.computed_tokens += r.computed_tokens;
+        res.padded_tokens += static_cast<double>(b.B * b.T);
+        res.flops += r.flops;
       }
-    }
-    auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
+      auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      res.forward = median(fwd);
+      res.backward = median(bwd);
+      res.optimizer = median(upd);
+      struct rusage ru {};
+      getrusage(RUSAGE_SELF, &ru);
+      res.rss = ru.ru_maxrss * 1024.0;
+      // The plan `bertrain estimate` prints for this run, and what the arenas hold.
+      res.planned = static_cast<double>(plan::training_plan(cfg, head, m.dims(), 2).total_bytes());
+      res.allocated = static_cast<double>(m.allocated_bytes() + optimizer.allocated_bytes());
+      res.unplanned = kernels::unplanned_scratch_bytes() - unplanned_before;
+      if (!o->json && modes.front() == unpadded) {
+        std::printf(
+            "bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %s attention%s, %d+%d "
+            "steps\n",
+            o->config.c_str(), describe(cfg).c_str(), (long long)o->batch, (long long)o->seq,
+            omp_get_max_threads(), o->precision.c_str(),
+            m.dims().blocked_attention() ? "blocked" : "full",
+            m.dims().recompute_layers ? ", layers recomputed" : "", o->warmup, o->steps);
+        std::printf("  cpu        %s\n", kernels::cpu_description().c_str());
+        if (bf16 && !kernels::bf16_speed_note().empty())
+          std::printf("  %s\n", kernels::bf16_speed_note().c_str());
+        std::printf("  data       %s\n",
+                    o->data.empty()
+                        ? "synthetic, every sequence full length (no padding)"
+                        : str(o->data, ": ", batches.size(), " batches, ",
+                              static_cast<int>(100.0 * res.real_tokens / res.padded_tokens + 0.5),
+                              "% of the token positions real")
+                              .c_str());
+      }
+      return res;
     };
-    const double tf = median(fwd), tb = median(bwd), tu = median(upd), step = tf + tb + tu;
-    const double flops = m.flops_per_step(o->batch, o->seq, P);
-    const double gflops = flops / step / 1e9;
-    struct rusage ru {};
-    getrusage(RUSAGE_SELF, &ru);
-    const double rss = ru.ru_maxrss * 1024.0;
-    // The plan `bertrain estimate` prints for this run, and what the arenas hold.
-    const double planned =
-        static_cast<double>(plan::training_plan(cfg, head, m.dims(), 2).total_bytes());
-    const double allocated = static_cast<double>(m.allocated_bytes() + optimizer.allocated_bytes());
-    const double tokens = static_cast<double>(o->batch * o->seq) / step;
-    if (o->json) {
-      nlohmann::json j = {
-          {"config", o->config},
-          {"batch", o->batch},
-          {"seq_len", o->seq},
-          {"threads", omp_get_max_threads()},
-          {"precision", o->precision},
-          {"cpu", cpu_model_name()},
-          {"isa", isa_name(cpu_isa())},
-          {"gemm_isa", kernels::gemm_isa_name()},
-          {"tokens_per_s", tokens},
-          {"forward_ms", tf * 1e3},
-          {"backward_ms", tb * 1e3},
-          {"optimizer_ms", tu * 1e3},
-          {"gflops", gflops},
-          {"gemm_peak_gflops", peak},
-          {"mfu", gflops / peak},
-          {"peak_rss_bytes", rss},
-          {"baseline_rss_bytes", baseline},
-          {"plan_bytes", planned},
-          {"allocated_bytes", allocated},
-          {"unplanned_scratch_bytes", kernels::unplanned_scratch_bytes() - unplanned_before},
-          {"loss", loss}};
-      std::printf("%s\n", j.dump().c_str());
-      return;
+
+    std::vector<BenchResult> results;
+    for (bool unpadded : modes) {
+      const BenchResult r = measure(unpadded);
+      results.push_back(r);
+      const double step = r.seconds / o->steps;
+      const double gflops = r.flops / r.seconds / 1e9;
+      const double tokens = r.real_tokens / r.seconds;
+      if (o->json) {
+        nlohmann::json j = {{"config", o->config},
+                            {"batch", o->batch},
+                            {"seq_len", o->seq},
+                            {"threads", omp_get_max_threads()},
+                            {"precision", o->precision},
+                            {"padding", r.unpadded ? "skip" : "compute"},
+                            {"cpu", cpu_model_name()},
+                            {"isa", isa_name(cpu_isa())},
+                            {"gemm_isa", kernels::gemm_isa_name()},
+                            {"tokens_per_s", tokens},
+                            {"computed_tokens_per_s", r.computed_tokens / r.seconds},
+                            {"real_token_fraction", r.real_tokens / r.padded_tokens},
+                            {"forward_ms", r.forward * 1e3},
+                            {"backward_ms", r.backward * 1e3},
+                            {"optimizer_ms", r.optimizer * 1e3},
+                            {"step_ms", step * 1e3},
+                            {"gflops", gflops},
+                            {"gemm_peak_gflops", peak},
+                            {"mfu", gflops / peak},
+                            {"peak_rss_bytes", r.rss},
+                            {"baseline_rss_bytes", baseline},
+                            {"plan_bytes", r.planned},
+                            {"allocated_bytes", r.allocated},
+                            {"unplanned_scratch_bytes", r.unplanned},
+                            {"loss", r.loss}};
+        std::printf("%s\n", j.dump().c_str());
+        continue;
+      }
+      std::printf("  -- padding %s --\n", r.unpadded
+                                              ? "skipped (each sequence on its real tokens)"
+                                              : "computed (every sequence padded to --seq-len)");
+      std::printf(
+          "  step       %8.1f ms mean (median forward %.1f ms, backward %.1f ms, AdamW %.1f ms "
+          "over %d steps)\n",
+          step * 1e3, r.forward * 1e3, r.backward * 1e3, r.optimizer * 1e3, o->steps);
+      std::printf(
+          "  throughput %8.0f real tokens/s (%.0f token rows computed/s), %.1f sequences/s\n",
+          tokens, r.computed_tokens / r.seconds, o->batch / step);
+      std::printf(
+          "  compute    %8.1f GFLOP/s model FLOPs computed; %s GEMM ceiling measured now %.1f "
+          "GFLOP/s; utilisation %.0f%%\n",
+          gflops, bf16 ? "bf16" : "fp32", peak, 100.0 * gflops / peak);  // fp16: fp32 compute
+      std::printf(
+          "  memory     peak RSS %s = %s before the model (libraries) + %s; planned %s, "
+          "allocated from the arenas %s\n",
+          human_bytes(r.rss).c_str(), human_bytes(baseline).c_str(),
+          human_bytes(r.rss - baseline).c_str(), human_bytes(r.planned).c_str(),
+          human_bytes(r.allocated).c_str());
+      std::printf("  loss       %.4f (%s)\n", r.loss,
+                  o->data.empty() ? "synthetic data; sanity only" : "untrained model");
     }
-    std::printf(
-        "  step       %8.1f ms (forward %.1f ms, backward %.1f ms, AdamW %.1f ms; median of "
-        "%d)\n",
-        step * 1e3, tf * 1e3, tb * 1e3, tu * 1e3, o->steps);
-    std::printf("  throughput %8.0f tokens/s, %.1f sequences/s\n", tokens, o->batch / step);
-    std::printf(
-        "  compute    %8.1f GFLOP/s model FLOPs; %s GEMM ceiling measured now %.1f GFLOP/s; "
-        "utilisation %.0f%%\n",
-        gflops, bf16 ? "bf16" : "fp32", peak, 100.0 * gflops / peak);  // fp16 computes in fp32
-    std::printf(
-        "  memory     peak RSS %s = %s before the model (libraries) + %s; planned %s (model %s + "
-        "optimizer %s), allocated from the arenas %s\n",
-        human_bytes(rss).c_str(), human_bytes(baseline).c_str(),
-        human_bytes(rss - baseline).c_str(), human_bytes(planned).c_str(),
-        human_bytes(static_cast<double>(m.plan().total_bytes())).c_str(),
-        human_bytes(static_cast<double>(optimizer.plan().total_bytes())).c_str(),
-        human_bytes(allocated).c_str());
-    std::printf("  loss       %.4f (synthetic data; sanity only)\n", loss);
+    if (results.size() == 2 && !o->json)
+      std::printf("  skipping the padding: %.2fx the real tokens/s of computing it\n",
+                  (results[1].real_tokens / results[1].seconds) /
+                      (results[0].real_tokens / results[0].seconds));
   });
 }
 

@@ -42,7 +42,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     train::FinetuneConfig cfg;
     TaskOpts task;
-    std::string lower = "auto", precision = "fp32";
+    std::string lower = "auto", precision = "fp32", padding = "skip";
     int threads = 0;
   };
   auto o = std::make_shared<Opts>();
@@ -96,10 +96,12 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
       ->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
+  add_padding_option(c, o->padding);
   add_dist_options(c);
   c->callback([o, comm] {
     set_threads(o->threads);
     train::FinetuneConfig cfg = o->cfg;
+    cfg.unpadded = parse_padding(o->padding);
     cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
     cfg.precision = train::parse_precision(o->precision);
     cfg.columns = o->task.columns();

@@ -122,7 +122,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     train::TrainConfig cfg;
     std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail", attention = "auto",
-                recompute = "none", batch = "32", budget;
+                recompute = "none", batch = "32", budget, padding = "skip";
     int64_t global_batch = 0;
     int threads = 0;
   };
@@ -159,6 +159,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
       ->capture_default_str();
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
+  add_padding_option(c, o->padding);
   c->add_option("--precision", o->precision, "fp32, bf16 or fp16 (fp16: dynamic loss scaling)")
       ->capture_default_str();
   c->add_option("--optimizer", o->optimizer, "lamb or adamw")->capture_default_str();
@@ -218,6 +219,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
     apply_recompute(o->recompute, d);
     cfg.attention = d.attention;
     cfg.recompute_layers = d.recompute_layers;
+    cfg.unpadded = parse_padding(o->padding);
     cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
     cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
     comm::Communicator& c = comm();

@@ -54,6 +54,9 @@ void add_task_options(CLI::App* c, TaskOpts& t);
 model::Head parse_head(const std::string& s);
 void add_attention_option(CLI::App* c, std::string& attention);  // --attention auto|full|blocked
 void add_recompute_option(CLI::App* c, std::string& recompute);  // --recompute none|attention|layer
+void add_padding_option(CLI::App* c, std::string& padding);      // --padding skip|compute
+// --padding's value as ModelDims::unpadded (skip: true).
+bool parse_padding(const std::string& padding);
 // --recompute's value into the dims (after --attention): a layer slot, or the blocked kernel.
 void apply_recompute(const std::string& recompute, model::ModelDims& d);
 double parse_bytes(const std::string& s);          // "16GiB", "512MiB", "1e9" (--memory-budget)

@@ -45,6 +45,20 @@ void add_recompute_option(CLI::App* c, std::string& recompute) {
       ->capture_default_str();
 }
 
+void add_padding_option(CLI::App* c, std::string& padding) {
+  c->add_option("--padding", padding,
+                "skip: each sequence runs on its real tokens (pretraining and sequence "
+                "classification; token classification and QA always compute the padding, which "
+                "their losses read); compute: every sequence padded to --seq-len, as HF runs it")
+      ->capture_default_str();
+}
+
+bool parse_padding(const std::string& padding) {
+  if (padding == "skip") return true;
+  if (padding == "compute") return false;
+  fail("--padding must be skip or compute, got '", padding, "'");
+}
+
 void apply_recompute(const std::string& recompute, model::ModelDims& d) {
   if (recompute == "none") return;
   if (recompute == "layer") {

@@ -57,10 +57,13 @@ struct AttentionSaved {
 };
 
 // Dropout of one site: element i kept iff rng_uniform(key, offset + i) >= p (core/rng.h, the
-// same on host and device).
+// same on host and device). rows (the row kernels: embedding and the LayerNorm blocks): element
+// (r, c) of a C-wide row is element rows[r] * C + c, so an unpadded model's packed row draws
+// its padded row's mask.
 struct Dropout {
   float p = 0;
   uint64_t key = 0, offset = 0;
+  const int32_t* rows = nullptr;
 };
 
 class Backend {
@@ -114,16 +117,19 @@ class Backend {
   virtual void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n) const = 0;
 
   // -- embeddings, LayerNorm and the fused residual blocks (fp32) --
-  // out = dropout(LayerNorm(word[id] + position[t] + token_type[segment])); sum kept.
+  // out = dropout(LayerNorm(word[id] + position[t] + token_type[segment])); sum kept. The
+  // position of row i is positions[i], or i % T where positions is null.
   virtual void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
                                            const int32_t* ids, const int32_t* segment,
-                                           const float* word, const float* position,
-                                           const float* token_type, const float* gamma,
-                                           const float* beta, int64_t B, int64_t T, int64_t C,
-                                           float eps, const Dropout& d) const = 0;
+                                           const int32_t* positions, const float* word,
+                                           const float* position, const float* token_type,
+                                           const float* gamma, const float* beta, int64_t B,
+                                           int64_t T, int64_t C, float eps,
+                                           const Dropout& d) const = 0;
   virtual void embedding_backward(float* dword, float* dposition, float* dtoken_type,
                                   const float* dout, const int32_t* ids, const int32_t* segment,
-                                  int64_t B, int64_t T, int64_t C) const = 0;
+                                  const int32_t* positions, int64_t B, int64_t T,
+                                  int64_t C) const = 0;
   virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* in,
                                  const float* gamma, const float* beta, int64_t N, int64_t C,
                                  float eps) const = 0;
@@ -152,6 +158,7 @@ class Backend {
   // -- token rows (the heads read a few rows of the sequence output) --
   // out[r] = seq row (r / P) * T + (positions ? positions[r] : 0), r < B * P, rows of C values:
   // the [CLS] rows (positions null, P = 1) for the pooler, the masked positions for the MLM head.
+  // T = 0 makes positions absolute rows (an unpadded model's packed rows).
   virtual void gather_rows(float* out, const float* seq, const int32_t* positions, int64_t B,
                            int64_t P, int64_t T, int64_t C) const = 0;
   // Its backward: that row of dseq += d[r] (positions may repeat within a sequence).

@@ -12,9 +12,18 @@ enum class Precision : uint8_t { FP32, BF16, FP16 };
 
 enum class Activation { GeluErf, GeluTanh, Relu };
 
-// Attention dimensions: batch, tokens, hidden, heads.
+// Attention dimensions: batch, tokens, hidden, heads; dropout_T (0: T) the row length of the
+// dropout index space, larger than T when sequences of T tokens run out of a batch padded to
+// dropout_T (an unpadded model's runs): probability (b, h, i, j) is dropout element
+// ((b * NH + h) * dropout_T + i) * dropout_T + j.
 struct AttentionShape {
   int64_t B, T, C, NH;
+  int64_t dropout_T = 0;
+  // The dropout index of row i of (sequence, head) bh, before the column.
+  uint64_t dropout_row(int64_t bh, int64_t i) const {
+    const int64_t t = dropout_T > 0 ? dropout_T : T;
+    return static_cast<uint64_t>((bh * t + i) * t);
+  }
 };
 
 // The shapes a model runs, for its backend's kernel scratch (Backend::scratch_layout): every

@@ -28,6 +28,23 @@ std::string layer_prefix(int64_t l, const ModelDims& d) {
   return d.recompute_layers ? std::string("layers.") : "layer" + std::to_string(l) + ".";
 }
 
+// The rows of sequence e an unpadded model runs: through its last input_mask 1 and any masked
+// position with a weight (a loss read there must be computed); all T when the mask has no 1 (the
+// padded model then attends to every position alike).
+int64_t real_length(const Batch& b, int64_t e) {
+  const int32_t* m = b.input_mask.data() + e * b.T;
+  int64_t n = b.T;
+  while (n > 0 && m[n - 1] == 0) --n;
+  if (n == 0) return b.T;
+  if (!b.masked_lm_weights.empty())
+    for (int64_t j = 0; j < b.P; ++j)
+      if (b.masked_lm_weights[e * b.P + j] != 0.0f)
+        n = std::max<int64_t>(n, b.masked_lm_positions[e * b.P + j] + 1);
+  return n;
+}
+
+constexpr int64_t kRowQuantum = 64;  // unpadded row counts are rounded up to this
+
 }  // namespace
 
 ModelDims::Attention parse_attention(const std::string& s) {
@@ -291,6 +308,84 @@ void BertModel::zero_grads() {
   be_.zero(grads_.base(), static_cast<int64_t>(grads_.bytes()));
 }
 
+void BertModel::pack(const Batch& b) {
+  Packed& pk = packed_;
+  const int64_t B = b.B, T = b.T, P = b.P;
+  pk.B = B;
+  pk.T = T;
+  pk.start.resize(B);
+  pk.len.resize(B);
+  pk.runs.clear();
+  int64_t r = 0;
+  for (int64_t e = 0; e < B; ++e) {
+    pk.start[e] = r;
+    pk.len[e] = real_length(b, e);
+    r += pk.len[e];
+    if (e > 0 && pk.len[e] == pk.len[e - 1])
+      ++pk.runs.back().second;
+    else
+      pk.runs.push_back({e, 1});
+  }
+  pk.real = r;
+  pk.rows = std::min(B * T, (r + kRowQuantum - 1) / kRowQuantum * kRowQuantum);
+  pk.ids.assign(pk.rows, cfg_.pad_token_id);
+  pk.segments.assign(pk.rows, 0);
+  pk.positions.assign(pk.rows, 0);
+  pk.mask.assign(pk.rows, 0);
+  pk.padded_row.assign(pk.rows, 0);
+  for (int64_t e = 0; e < B; ++e)
+    for (int64_t t = 0; t < pk.len[e]; ++t) {
+      const int64_t row = pk.start[e] + t;
+      pk.padded_row[row] = static_cast<int32_t>(e * T + t);
+      pk.ids[row] = b.input_ids[e * T + t];
+      pk.segments[row] = b.segment_ids[e * T + t];
+      pk.positions[row] = static_cast<int32_t>(t);
+      pk.mask[row] = b.input_mask[e * T + t];
+    }
+  pk.cls.resize(B);
+  for (int64_t e = 0; e < B; ++e) pk.cls[e] = static_cast<int32_t>(pk.start[e]);
+  // A masked position past the real length has weight 0 (real_length): its loss is multiplied
+  // by 0, so any row of the sequence serves; its first.
+  pk.mlm.resize(B * P);
+  for (int64_t e = 0; e < B; ++e)
+    for (int64_t j = 0; j < P; ++j) {
+      const int64_t t = b.masked_lm_positions[e * P + j];
+      pk.mlm[e * P + j] = static_cast<int32_t>(pk.start[e] + (t < pk.len[e] ? t : 0));
+    }
+}
+
+int64_t BertModel::sequence_row(int64_t b, int64_t t) const {
+  if (!unpadded()) return b * packed_.T + t;
+  return t < packed_.len[b] ? packed_.start[b] + t : -1;
+}
+
+void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const float* dctx,
+                                 const StepOptions& opt) {
+  const Packed& pk = packed_;
+  const int64_t C = cfg_.hidden_size, NH = cfg_.num_attention_heads, T = pk.T;
+  const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
+  const uint64_t key = rng_key(opt.seed, opt.step, l + 1, kAttnProbs);
+  const LayerActs& a = act_.layers[l];
+  int64_t saved = 0;  // values of the probabilities (or the log-sum-exp) the runs before used
+  for (const auto& [first, count] : pk.runs) {
+    const int64_t L = pk.len[first], r0 = pk.start[first];
+    const AttentionShape s{count, L, C, NH, T};
+    AttentionSaved sv = a.saved;
+    if (sv.lse) sv.lse += saved;
+    if (sv.probs) sv.probs += saved;
+    if (sv.probs16) sv.probs16 += saved;
+    saved += count * NH * L * (sv.blocked() ? 1 : L);
+    const Kept qkv{a.qkv.f32 + r0 * 3 * C, a.qkv.bits ? a.qkv.bits + r0 * 3 * C : nullptr};
+    // The run's probabilities draw the padded model's dropout: its sequences' [NH,T,T] blocks.
+    const Dropout d{p_attn, key, (opt.example_offset + first) * NH * T * T};
+    const int32_t* mask = pk.mask.data() + r0;
+    if (forward)
+      be_.attention_forward(prec_, a.ctx.f32 + r0 * C, sv, qkv, mask, s, d, ws_);
+    else
+      be_.attention_backward(prec_, dqkv + r0 * 3 * C, dctx + r0 * C, qkv, sv, mask, s, d, ws_);
+  }
+}
+
 Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   if (b.B > dims_.batch || b.T > dims_.seq_len || b.P > dims_.max_predictions)
     fail("batch [", b.B, " x ", b.T, ", ", b.P, " predictions] exceeds the planned [", dims_.batch,
@@ -299,7 +394,15 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   bind_kernel_scratch();
   if (!bf16_fresh_) be_.copy_weights(prec_, params(), wbf16_, table_.total());
   bf16_fresh_ = false;
-  const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, V = cfg_.vocab_size;
+  const bool up = unpadded();
+  if (up) pack(b);
+  packed_.T = b.T;
+  last_B_ = b.B;
+  last_P_ = b.P;
+  const int64_t B = b.B, T = b.T, N = up ? packed_.rows : B * T, C = cfg_.hidden_size,
+                V = cfg_.vocab_size;
+  int64_t real = 0;
+  for (int64_t e = 0; e < B; ++e) real += up ? packed_.len[e] : real_length(b, e);
   const float eps = cfg_.layer_norm_eps;
   const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
   const Activation act = cfg_.activation();
@@ -310,14 +413,16 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   };
 
   const ParamTable& t = table_;
-  be_.embedding_layernorm_forward(act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd,
-                                  b.input_ids.data(), b.segment_ids.data(),
-                                  W(t.offset("bert.embeddings.word_embeddings.weight")),
-                                  W(t.offset("bert.embeddings.position_embeddings.weight")),
-                                  W(t.offset("bert.embeddings.token_type_embeddings.weight")),
-                                  W(t.offset("bert.embeddings.LayerNorm.weight")),
-                                  W(t.offset("bert.embeddings.LayerNorm.bias")), B, T, C, eps,
-                                  site(0, kEmbedding, p_hidden, off_tc));
+  be_.embedding_layernorm_forward(
+      act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd,
+      up ? packed_.ids.data() : b.input_ids.data(),
+      up ? packed_.segments.data() : b.segment_ids.data(), up ? packed_.positions.data() : nullptr,
+      W(t.offset("bert.embeddings.word_embeddings.weight")),
+      W(t.offset("bert.embeddings.position_embeddings.weight")),
+      W(t.offset("bert.embeddings.token_type_embeddings.weight")),
+      W(t.offset("bert.embeddings.LayerNorm.weight")),
+      W(t.offset("bert.embeddings.LayerNorm.bias")), up ? 1 : B, up ? N : T, C, eps,
+      on_rows(site(0, kEmbedding, p_hidden, off_tc)));
 
   const float* x = act_.h0;
   for (int64_t l = 0; l < L; ++l) {
@@ -341,6 +446,8 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
         be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.tok_logits,
                           b.token_label_ids.data(), b.token_label_weights.data(), N, NL, 0.0f);
     Losses out;
+    out.real_tokens = real;
+    out.computed_tokens = N;
     out.loss = scored > 0 ? ce.loss / scored : 0.0;
     out.tokens_scored = static_cast<int64_t>(scored);
     out.tokens_correct = static_cast<int64_t>(ce.correct);
@@ -360,6 +467,8 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
         be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.qa_logits,
                           b.span_positions.data(), nullptr, 2 * B, T, 0.0f);
     Losses out;
+    out.real_tokens = real;
+    out.computed_tokens = N;
     out.loss = ce.loss / (2.0 * B);
     out.tokens_scored = 2 * B;
     out.tokens_correct = static_cast<int64_t>(ce.correct);
@@ -367,12 +476,14 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   }
 
   // Pooler: tanh(dense(h[:, 0])).
-  be_.gather_rows(act_.cls_in, x, nullptr, B, 1, T, C);
+  be_.gather_rows(act_.cls_in, x, up ? packed_.cls.data() : nullptr, B, 1, up ? 0 : T, C);
   be_.linear_forward(prec_, act_.pooled, {act_.cls_in}, Wt(t.offset("bert.pooler.dense.weight")),
                      W(t.offset("bert.pooler.dense.bias")), B, C, C, ws_);
   be_.tanh_forward(act_.pooled, act_.pooled, B * C);
 
   Losses out;
+  out.real_tokens = real;
+  out.computed_tokens = N;
   if (head_ == Head::Pretraining) {
     be_.linear_forward(prec_, act_.nsp_logits, {act_.pooled},
                        Wt(t.offset("cls.seq_relationship.weight")),
@@ -385,7 +496,8 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
 
     // MLM head on the masked positions only (gather first): BP rows instead of B*T.
     const int64_t BP = B * b.P;
-    be_.gather_rows(act_.mlm_in, x, b.masked_lm_positions.data(), B, b.P, T, C);
+    be_.gather_rows(act_.mlm_in, x, up ? packed_.mlm.data() : b.masked_lm_positions.data(), B, b.P,
+                    up ? 0 : T, C);
     be_.linear_forward(prec_, act_.mlm_pre, {act_.mlm_in},
                        Wt(t.offset("cls.predictions.transform.dense.weight")),
                        W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C, ws_);
@@ -430,8 +542,9 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
 }
 
 void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const StepOptions& opt) {
-  const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
-                NH = cfg_.num_attention_heads;
+  const bool up = unpadded();
+  const int64_t B = b.B, T = b.T, N = up ? packed_.rows : B * T, C = cfg_.hidden_size,
+                I = cfg_.intermediate_size, NH = cfg_.num_attention_heads;
   const float eps = cfg_.layer_norm_eps;
   const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
   const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
@@ -444,19 +557,25 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
   const LayerActs& a = act_.layers[l];
   be_.linear_forward(prec_, a.qkv.f32, {const_cast<float*>(x)}, Wt(o.qkv_w), W(o.qkv_b), N, 3 * C,
                      C, ws_);
-  be_.attention_forward(prec_, a.ctx.f32, a.saved, a.qkv, b.input_mask.data(), {B, T, C, NH},
-                        site(kAttnProbs, p_attn, off_probs), ws_);
+  if (up) {
+    packed_attention(l, true, nullptr, nullptr, opt);
+    // The dummy rows past the real tokens take no part in attention: zeros, not stale values.
+    be_.zero(a.ctx.f32 + packed_.real * C, static_cast<int64_t>(f32s((N - packed_.real) * C)));
+  } else {
+    be_.attention_forward(prec_, a.ctx.f32, a.saved, a.qkv, b.input_mask.data(), {B, T, C, NH},
+                          site(kAttnProbs, p_attn, off_probs), ws_);
+  }
   be_.keep(prec_, a.ctx, N * C);
   be_.linear_forward(prec_, a.attn_res, a.ctx, Wt(o.attn_out_w), W(o.attn_out_b), N, C, C, ws_);
   be_.residual_layernorm_forward(a.ln1_out, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
-                                 W(o.ln1_b), N, C, eps, site(kAttnOut, p_hidden, off_tc));
+                                 W(o.ln1_b), N, C, eps, on_rows(site(kAttnOut, p_hidden, off_tc)));
   be_.linear_forward(prec_, a.inter_pre.f32, {a.ln1_out}, Wt(o.inter_w), W(o.inter_b), N, I, C,
                      ws_);
   be_.activation_forward(prec_, cfg_.activation(), a.inter_act, a.inter_pre, N * I);
   be_.linear_forward(prec_, a.ffn_res, a.inter_act, Wt(o.out_w), W(o.out_b), N, C, I, ws_);
   be_.residual_layernorm_forward(a.ln2_out, a.ln2_mean, a.ln2_rstd, a.ffn_res, a.ln1_out,
                                  W(o.ln2_w), W(o.ln2_b), N, C, eps,
-                                 site(kFfnOut, p_hidden, off_tc));
+                                 on_rows(site(kFfnOut, p_hidden, off_tc)));
 }
 
 std::pair<int64_t, int64_t> BertModel::layer_range(int64_t l) const {
@@ -465,8 +584,10 @@ std::pair<int64_t, int64_t> BertModel::layer_range(int64_t l) const {
 
 void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scale,
                          const std::function<void(int64_t)>& layer_done) {
-  const int64_t B = b.B, T = b.T, N = B * T, C = cfg_.hidden_size, I = cfg_.intermediate_size,
-                NH = cfg_.num_attention_heads, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
+  const bool up = unpadded();
+  const int64_t B = b.B, T = b.T, N = up ? packed_.rows : B * T, C = cfg_.hidden_size,
+                I = cfg_.intermediate_size, NH = cfg_.num_attention_heads, V = cfg_.vocab_size,
+                L = cfg_.num_hidden_layers;
   const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
   const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
   const Activation act = cfg_.activation();
@@ -539,7 +660,8 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     be_.activation_backward(Precision::FP32, act, d2, {act_.mlm_pre}, d2, BP * C);
     lin_bwd(d1, t.offset("cls.predictions.transform.dense.weight"),
             t.offset("cls.predictions.transform.dense.bias"), d2, {act_.mlm_in}, BP, C, C);
-    be_.scatter_add_rows(dh, d1, b.masked_lm_positions.data(), B, b.P, T, C);
+    be_.scatter_add_rows(dh, d1, up ? packed_.mlm.data() : b.masked_lm_positions.data(), B, b.P,
+                         up ? 0 : T, C);
   } else {
     const int64_t NL = cfg_.num_labels;
     float* dlog = act_.dsmall;
@@ -558,7 +680,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     float* dcls = act_.dhead1;
     lin_bwd(dcls, t.offset("bert.pooler.dense.weight"), t.offset("bert.pooler.dense.bias"), dpooled,
             {act_.cls_in}, B, C, C);
-    be_.scatter_add_rows(dh, dcls, nullptr, B, 1, T, C);
+    be_.scatter_add_rows(dh, dcls, up ? packed_.cls.data() : nullptr, B, 1, up ? 0 : T, C);
   }
 
   // ---- encoder, last layer first ----
@@ -575,7 +697,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     // h_out = LN2(ffn_res), ffn_res = drop(inter_act W_out + b) + ln1_out
     be_.layernorm_dropout_backward(dA, dB, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w),
                                    a.ln2_mean, a.ln2_rstd, N, C, false,
-                                   site(l + 1, kFfnOut, p_hidden, off_tc));
+                                   on_rows(site(l + 1, kFfnOut, p_hidden, off_tc)));
     lin_bwd(dI, o.out_w, o.out_b, dB, a.inter_act, N, C, I);
     be_.activation_backward(prec_, act, dI, a.inter_pre, dI, N * I);
     lin_bwd(dA, o.inter_w, o.inter_b, dI, {a.ln1_out}, N, I, C,
@@ -583,17 +705,29 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
     be_.layernorm_dropout_backward(dh, dB, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w),
                                    a.ln1_mean, a.ln1_rstd, N, C, false,
-                                   site(l + 1, kAttnOut, p_hidden, off_tc));
+                                   on_rows(site(l + 1, kAttnOut, p_hidden, off_tc)));
     lin_bwd(dA, o.attn_out_w, o.attn_out_b, dB, a.ctx, N, C, C);
-    be_.attention_backward(prec_, dI, dA, a.qkv, a.saved, b.input_mask.data(), {B, T, C, NH},
-                           site(l + 1, kAttnProbs, p_attn, off_probs), ws_);
+    if (up) {
+      packed_attention(l, false, dI, dA, opt);
+      // The dummy rows: no gradient reaches the QKV weights from them.
+      be_.zero(dI + packed_.real * 3 * C, static_cast<int64_t>(f32s((N - packed_.real) * 3 * C)));
+    } else {
+      be_.attention_backward(prec_, dI, dA, a.qkv, a.saved, b.input_mask.data(), {B, T, C, NH},
+                             site(l + 1, kAttnProbs, p_attn, off_probs), ws_);
+    }
     lin_bwd(dh, o.qkv_w, o.qkv_b, dI, {x}, N, 3 * C, C,
             /*accumulate=*/true);  // dh = d x (residual + attention path)
     if (layer_done) layer_done(l);
   }
 
   // ---- embeddings ----
-  be_.dropout_backward(dh, dh, N * C, site(0, kEmbedding, p_hidden, off_tc));
+  if (up) {  // each sequence's rows are its padded rows' prefix: one call each
+    for (int64_t e = 0; e < B; ++e)
+      be_.dropout_backward(dh + packed_.start[e] * C, dh + packed_.start[e] * C, packed_.len[e] * C,
+                           site(0, kEmbedding, p_hidden, off_tc + e * T * C));
+  } else {
+    be_.dropout_backward(dh, dh, N * C, site(0, kEmbedding, p_hidden, off_tc));
+  }
   be_.layernorm_backward(dA, G(t.offset("bert.embeddings.LayerNorm.weight")),
                          G(t.offset("bert.embeddings.LayerNorm.bias")), dh, act_.emb_sum,
                          W(t.offset("bert.embeddings.LayerNorm.weight")), act_.emb_mean,
@@ -605,8 +739,23 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   be_.copy(act_.dhead1, pad_row, C);
   be_.embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
                          G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA,
-                         b.input_ids.data(), b.segment_ids.data(), B, T, C);
+                         up ? packed_.ids.data() : b.input_ids.data(),
+                         up ? packed_.segments.data() : b.segment_ids.data(),
+                         up ? packed_.positions.data() : nullptr, up ? 1 : B, up ? N : T, C);
   be_.copy(pad_row, act_.dhead1, C);
+}
+
+double BertModel::last_step_flops() const {
+  const Packed& pk = packed_;
+  if (!unpadded()) return flops_per_step(last_B_, pk.T, last_P_);
+  const double C = cfg_.hidden_size, I = cfg_.intermediate_size, V = cfg_.vocab_size,
+               L = cfg_.num_hidden_layers, N = static_cast<double>(pk.rows);
+  double squares = 0;
+  for (int64_t e = 0; e < pk.B; ++e) squares += static_cast<double>(pk.len[e]) * pk.len[e];
+  const double per_layer = 2 * N * (3 * C * C + C * C + 2 * C * I) + 2 * 2 * squares * C;
+  double head = 2.0 * pk.B * C * C;
+  if (head_ == Head::Pretraining) head += 2.0 * pk.B * last_P_ * (C * C + C * V);
+  return 3.0 * (L * per_layer + head);
 }
 
 double BertModel::flops_per_step(int64_t B, int64_t T, int64_t P) const {

@@ -11,6 +11,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/arena.h"
 #include "kernels/backend.h"
@@ -44,6 +46,18 @@ struct ModelDims {
   // forward from its input first (dropout masks regenerated from the same counter RNG, so the
   // gradients are bit for bit those of the stored run). Costs one more forward of the encoder.
   bool recompute_layers = false;
+  // Unpadded execution (pretraining and sequence-classification heads, which read only the
+  // [CLS] row and the masked positions): each sequence runs on its real length, the length
+  // through its last input_mask 1 (and any weighted masked position past it). Forward packs the
+  // real tokens into consecutive rows (position and segment ids kept per row); embeddings,
+  // LayerNorm, GELU, dropout and every matmul run on those rows only, attention on each
+  // sequence's own rows (runs of equal length together), the heads gather [CLS] and the masked
+  // positions from them. The row count is rounded up to 64 (dummy rows, kept out of attention
+  // and of every gradient) so the matmuls see few distinct shapes. Losses, gradients and every
+  // real position's activations are the padded model's up to summation order (padding keys get
+  // probability exp(-10000) = 0 there), dropout included: every packed row and attention run
+  // draws the masks of its place in the padded batch.
+  bool unpadded = false;
   kernels::Precision precision() const {
     return bf16   ? kernels::Precision::BF16
            : fp16 ? kernels::Precision::FP16
@@ -65,6 +79,9 @@ struct StepOptions {
 };
 
 struct Losses {
+  // Token rows the encoder ran: the batch's real tokens and the rows computed (B*T padded,
+  // the real tokens rounded up to 64 unpadded).
+  int64_t real_tokens = 0, computed_tokens = 0;
   double loss = 0;         // mlm + nsp, or the classification loss
   double mlm_loss = 0;     // sum(w * ce) / (sum(w) + 1e-5), as Google BERT
   double nsp_loss = 0;     // mean over the batch
@@ -142,8 +159,14 @@ class BertModel {
   // (layers are contiguous in the flat buffer). Everything else is final when backward returns.
   std::pair<int64_t, int64_t> layer_range(int64_t l) const;
 
+  // Whether forward runs unpadded (ModelDims::unpadded and a head that allows it).
+  bool unpadded() const { return dims_.unpadded && has_pooler(head_); }
+
   // Outputs of the last forward (valid until the next backward/forward).
-  const float* sequence_output() const { return seq_out_; }      // [B,T,C]
+  // Padded: [B,T,C]; unpadded: the packed rows, sequence b's token t at row
+  // sequence_row(b, t) (-1 past its real length).
+  const float* sequence_output() const { return seq_out_; }
+  int64_t sequence_row(int64_t b, int64_t t) const;
   const float* pooled_output() const { return act_.pooled; }     // [B,C]
   const float* mlm_logits() const { return act_.mlm_logits; }    // [B*P,V]
   const float* nsp_logits() const { return act_.nsp_logits; }    // [B,2]
@@ -157,6 +180,9 @@ class BertModel {
 
   // Model FLOPs of one forward+backward (matmuls and attention), for throughput reports.
   double flops_per_step(int64_t B, int64_t T, int64_t P) const;
+  // The same for the last forward's batch as it ran: unpadded, over the rows computed and each
+  // sequence's own attention square.
+  double last_step_flops() const;
 
  private:
   struct LayerActs {
@@ -179,6 +205,26 @@ class BertModel {
     // backward scratch
     float *dh, *dA, *dB, *dI, *dhead1, *dhead2, *dsmall;
   };
+  // The packed rows of an unpadded forward (rows = T = 0 when padded): sequence b owns rows
+  // [start[b], start[b] + len[b]); runs[i] = (first sequence, count) of consecutive sequences of
+  // equal length (one attention call each); ids, segments, positions, mask and the padded row
+  // (b * T + t: where the row's dropout masks are drawn) per row (dummy rows: [PAD], segment 0,
+  // position 0, mask 0, padded row 0); cls and mlm the heads' rows.
+  struct Packed {
+    int64_t B = 0, T = 0, real = 0, rows = 0;
+    std::vector<int64_t> start, len;
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    std::vector<int32_t> ids, segments, positions, mask, padded_row, cls, mlm;
+  };
+  void pack(const Batch& b);
+  // A row kernel's dropout site, keyed by the padded rows when running unpadded.
+  kernels::Dropout on_rows(kernels::Dropout d) const {
+    if (unpadded()) d.rows = packed_.padded_row.data();
+    return d;
+  }
+  // The attention core of layer l over the packed rows, forward or backward (one call per run).
+  void packed_attention(int64_t l, bool forward, float* dqkv, const float* dctx,
+                        const StepOptions& opt);
   const float* W(int64_t off) const { return params() + off; }
   // A weight for the matmuls: the fp32 master and, in bf16, its copy.
   kernels::Weight Wt(int64_t off) const {
@@ -202,6 +248,8 @@ class BertModel {
   bool bf16_fresh_ = false;      // bf16_weights() already equals params() rounded
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
+  Packed packed_;
+  int64_t last_B_ = 0, last_P_ = 0;  // the last forward's batch
 };
 
 }  // namespace bertrain::model

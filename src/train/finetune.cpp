@@ -611,7 +611,9 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   const model::Head head = qa       ? model::Head::QuestionAnswering
                            : tokens ? model::Head::TokenClassification
                                     : model::Head::SequenceClassification;
-  model::BertModel m(mc, head, with_precision({cfg.batch_size, cfg.seq_len, 0}, cfg.precision));
+  model::ModelDims dims{cfg.batch_size, cfg.seq_len, 0};
+  dims.unpadded = cfg.unpadded;
+  model::BertModel m(mc, head, with_precision(dims, cfg.precision));
   m.init_params(cfg.seed);
   // A token classifier or a QA model has no pooler: the pretrained one is left out.
   std::vector<std::string> ignored = {"cls."};

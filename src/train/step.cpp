@@ -87,8 +87,9 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   if (reducer_) reducer_->set_prescale(g.prescale);
   m_.zero_grads();
   // Per rank: loss sum, MLM hits and weight, NSP and classification hits, examples, whether
-  // some micro-batch's loss was not finite, and (sharded) the squared gradient norm of its part.
-  double stats[8] = {};
+  // some micro-batch's loss was not finite, (sharded) the squared gradient norm of its part, the
+  // real and the computed tokens.
+  double stats[10] = {};
   for (int64_t micro = 0; micro < s_.accumulation; ++micro) {
     auto t0 = Clock::now();
     if (!next_batch(batch_)) {
@@ -110,6 +111,9 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
     stats[4] += static_cast<double>(l.cls_correct);
     stats[5] += static_cast<double>(batch_.B);
     if (!std::isfinite(l.loss)) stats[6] += 1;
+    stats[8] += static_cast<double>(l.real_tokens);
+    stats[9] += static_cast<double>(l.computed_tokens);
+    r.flops += m_.last_step_flops();
     t0 = Clock::now();
     const bool last = micro + 1 == s_.accumulation;
     if (reducer_ && last)
@@ -127,7 +131,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   const bool sharded = opt_.sharded();
   m_.bind_kernel_scratch();  // the optimizer's reductions take their partial sums from it
   if (sharded) stats[7] = opt_.sum_squares(m_.grads(), g.unscale);  // of this rank's part
-  if (world > 1) comm_.allreduce_sum(stats, sharded ? 8 : 7);
+  if (world > 1) comm_.allreduce_sum(stats, 10);                    // stats[7] is 0 unsharded
   r.t_comm = since(t0);
   span("allreduce gradients", "communication", t0);
   r.loss = stats[0] / world;
@@ -136,6 +140,8 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   r.nsp_correct = stats[3];
   r.cls_correct = stats[4];
   r.examples = stats[5];
+  r.real_tokens = stats[8];
+  r.computed_tokens = stats[9];
 
   // Finite check on every rank (all skip together), then the update.
   t0 = Clock::now();

@@ -47,7 +47,11 @@ struct StepReport {
   bool applied = false;      // false: skipped by the loss scaler (non-finite gradients)
   double loss = 0;           // mean over micro-batches and ranks
   double mlm_correct = 0, mlm_weight = 0, nsp_correct = 0, cls_correct = 0;
-  double examples = 0;      // sequences in the step, all ranks
+  double examples = 0;  // sequences in the step, all ranks
+  // Token rows of the step, all ranks: the real tokens and those the encoder computed (with
+  // padding when the model runs padded; model::Losses).
+  double real_tokens = 0, computed_tokens = 0;
+  double flops = 0;         // model FLOPs this rank computed (BertModel::last_step_flops)
   double grad_norm = 0;     // of the unscaled, averaged gradients, before clipping
   float loss_scale = 1.0f;  // the scale this step ran with
   // Seconds of this rank: waiting for input, forward, backward, exposed communication (gradient

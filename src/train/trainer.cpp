@@ -106,6 +106,7 @@ namespace {
 // Sums of step reports over a logging window or the whole run.
 struct Totals {
   double loss = 0, mlm_correct = 0, mlm_weight = 0, nsp_correct = 0, examples = 0;
+  double real_tokens = 0, computed_tokens = 0, flops = 0;
   double input = 0, forward = 0, backward = 0, comm = 0, optimizer = 0, hidden = 0, total = 0;
   int64_t steps = 0;
   void add(const StepReport& r) {
@@ -114,6 +115,9 @@ struct Totals {
     mlm_weight += r.mlm_weight;
     nsp_correct += r.nsp_correct;
     examples += r.examples;
+    real_tokens += r.real_tokens;
+    computed_tokens += r.computed_tokens;
+    flops += r.flops;
     input += r.t_input;
     forward += r.t_forward;
     backward += r.t_backward;
@@ -165,7 +169,7 @@ struct Trainer::State {
   std::unique_ptr<data::Pipeline> pipe;
   obs::Timeline tl;
   std::unique_ptr<Step> step;
-  double peak_gflops = 0, flops_step = 0;
+  double peak_gflops = 0;
   // Rank 0: TensorBoard events and metrics.jsonl in the run directory.
   std::unique_ptr<obs::EventWriter> events;
   std::unique_ptr<obs::MetricsLog> metrics;
@@ -202,8 +206,11 @@ void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double 
       {"train/learning_rate", sched.at(step)},
       {"train/loss_scale", scaler.scale()},
       {"train/skipped_steps", static_cast<double>(scaler.skipped())},
-      {"throughput/tokens_per_s",
-       w.examples * static_cast<double>(cfg.seq_len) / std::max(seconds, 1e-9)},
+      // Real tokens (the input's, padding not counted), and the rows the encoder computed.
+      {"throughput/tokens_per_s", w.real_tokens / std::max(seconds, 1e-9)},
+      {"throughput/computed_tokens_per_s", w.computed_tokens / std::max(seconds, 1e-9)},
+      {"throughput/padding_fraction",
+       1.0 - w.real_tokens / std::max(w.examples * static_cast<double>(cfg.seq_len), 1.0)},
       {"time/step_ms", 1e3 * w.total / n},
       {"time/input_wait_ms", 1e3 * w.input / n},
       {"time/forward_ms", 1e3 * w.forward / n},
@@ -229,7 +236,7 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
       mcfg(model::BertConfig::load(c.model_config)),
       m(mcfg, model::Head::Pretraining,
         with_precision({c.batch_size, c.seq_len, c.max_predictions, false, c.attention, false,
-                        c.recompute_layers},
+                        c.recompute_layers, c.unpadded},
                        c.precision)),
       opt(param_slices(m.table()), m.table().total(), c.optimizer, kernels::cpu_backend(),
           c.shard_optimizer ? shard_of(m.table().total(), cm.rank(), cm.size()) : Shard{}),
@@ -450,8 +457,6 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   s.peak_gflops =
       obs::measure_gemm_peak_gflops(cfg.batch_size * cfg.seq_len, s.mcfg.intermediate_size,
                                     s.mcfg.hidden_size, cfg.precision == Precision::BF16, 0.5);
-  s.flops_step = s.m.flops_per_step(cfg.batch_size, cfg.seq_len, cfg.max_predictions) *
-                 static_cast<double>(s.cfg.accumulation);
 }
 
 Trainer::~Trainer() = default;
@@ -578,7 +583,7 @@ TrainResult Trainer::run() {
             (long long)done, (long long)cfg.steps, window.loss / window.steps,
             window.mlm_correct / std::max(window.mlm_weight, 1e-9),
             window.nsp_correct / std::max(window.examples, 1.0), s.sched.at(step), s.scaler.scale(),
-            window.examples * cfg.seq_len / std::max(dt, 1e-9), hms(eta).c_str());
+            window.real_tokens / std::max(dt, 1e-9), hms(eta).c_str());
         std::fflush(stdout);
       }
       s.record(done, step, window, dt);
@@ -650,7 +655,15 @@ std::string Trainer::summary() const {
         1e3 * t.hidden / n, red->buckets(), (long long)cfg.bucket_mb);
     out += line;
   }
-  const double achieved = s.flops_step * n / std::max(t.total, 1e-9) / 1e9;
+  const double achieved = t.flops / std::max(t.total, 1e-9) / 1e9;
+  std::snprintf(line, sizeof line,
+                "tokens: %.0f real tokens/s over all ranks; %.1f%% of the token positions were "
+                "padding, %.1f%% of the rows computed (%s)\n",
+                t.real_tokens / std::max(t.total, 1e-9),
+                100.0 * (1.0 - t.real_tokens / std::max(t.examples * cfg.seq_len, 1.0)),
+                100.0 * (1.0 - t.real_tokens / std::max(t.computed_tokens, 1.0)),
+                s.m.unpadded() ? "unpadded: rows rounded up to 64" : "padded to --seq-len");
+  out += line;
   std::snprintf(line, sizeof line,
                 "compute: %.1f GFLOP/s of model FLOPs per rank = %.0f%% of the %s GEMM rate "
                 "measured now (%.1f GFLOP/s)\n",

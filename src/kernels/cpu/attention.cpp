@@ -52,7 +52,7 @@ void attention_forward_reference(float* ctx, float* probs, const float* qkv, con
           float* p = probs + ((b * NH + h) * T + i) * T;
           float* o = ctx + (b * T + i) * C + h * HD;
           for (int64_t e = 0; e < HD; ++e) o[e] = 0.0f;
-          const uint64_t idx0 = offset + static_cast<uint64_t>(((b * NH + h) * T + i) * T);
+          const uint64_t idx0 = offset + s.dropout_row(b * NH + h, i);
           for (int64_t j = 0; j < T; ++j) {
             p[j] = row[j] * inv;
             float w = p[j];
@@ -90,7 +90,7 @@ void attention_backward_reference(float* dqkv, const float* dctx, const float* q
         for (int64_t i = 0; i < T; ++i) {
           const float* p = probs + ((b * NH + h) * T + i) * T;
           const float* dy = dctx + (b * T + i) * C + h * HD;
-          const uint64_t idx0 = offset + static_cast<uint64_t>(((b * NH + h) * T + i) * T);
+          const uint64_t idx0 = offset + s.dropout_row(b * NH + h, i);
           // dV[j] += pd[i,j] dy ; dpd[i,j] = dy . V[j] ; dp = dpd * mask/(1-p)
           float dot = 0.0f;
           for (int64_t j = 0; j < T; ++j) {
@@ -401,7 +401,7 @@ void forward_impl(float* ctx, float* scores, S* saved, X* dropped, const X* qkv,
           for (int64_t i = 0; i < T; ++i) {
             const int64_t r = (bh * T + i) * T;
             X* out = dropped ? dropped + r : nullptr;
-            const uint64_t idx0 = offset + static_cast<uint64_t>(r);
+            const uint64_t idx0 = offset + s.dropout_row(bh, i);
             softmax_row(tag, scores + r, saved ? saved + r : nullptr, bias, out, T, dropout_p,
                         keep_scale, key, idx0);
           }
@@ -434,7 +434,7 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
     with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < B * NH * T; ++r) {
-        const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
+        const uint64_t idx0 = offset + s.dropout_row(r / T, r % T);
         dropout_row(tag, pd + r * T, probs + r * T, T, dropout_p, keep_scale, key, idx0);
       }
     });
@@ -446,7 +446,7 @@ void backward_impl(float* dqkv, float* work, X* pd, const X* dctx, const X* qkv,
     with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < B * NH * T; ++r) {
-        const uint64_t idx0 = offset + static_cast<uint64_t>(r * T);
+        const uint64_t idx0 = offset + s.dropout_row(r / T, r % T);
         softmax_backward_row(tag, work + r * T, pd + r * T, probs + r * T, T, dropout_p, keep_scale,
                              key, idx0, scale);
       }

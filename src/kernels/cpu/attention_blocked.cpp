@@ -263,9 +263,8 @@ void forward_impl(float* ctx, float* lse, const X* qkv, const int32_t* mask,
                       dropped = buf.a;
                     for (int64_t i = 0; i < rows && !query; ++i) {
                       const int64_t r = bh * T + i0 + i;
-                      lse[r] =
-                          forward_row(tag, buf.s + i * T, dropped + i * T, buf.bias, T, scale, p,
-                                      keep_scale, key, offset + static_cast<uint64_t>(r * T));
+                      lse[r] = forward_row(tag, buf.s + i * T, dropped + i * T, buf.bias, T, scale,
+                                           p, keep_scale, key, offset + s.dropout_row(bh, i0 + i));
                     }
                     block_gemm(false, false, rows, HD, T, dropped, T, v, C3,
                                ctx + (b * T + i0) * C + h * HD, C, false);
@@ -295,7 +294,7 @@ void backward_impl(float* dqkv, const X* dctx, const X* qkv, const float* lse, c
                       const int64_t r = bh * T + i0 + i;
                       backward_row(tag, buf.s + i * T, buf.g + i * T, buf.a + i * T, buf.b + i * T,
                                    buf.bias, T, scale, lse[r], p, keep_scale, key,
-                                   offset + static_cast<uint64_t>(r * T));
+                                   offset + s.dropout_row(bh, i0 + i));
                     }
                     // dV += P_drop^T dctx_blk; dQ_blk = dS K; dK += dS^T Q_blk
                     block_gemm(true, false, T, HD, rows, buf.a, T, dout, C, dv, C3, true);

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "core/dtype.h"
+#include "core/error.h"
 #include "core/parallel.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/cross_entropy.h"
@@ -160,18 +161,20 @@ class CpuBackend final : public Backend {
   }
 
   void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
-                                   const int32_t* ids, const int32_t* segment, const float* word,
+                                   const int32_t* ids, const int32_t* segment,
+                                   const int32_t* positions, const float* word,
                                    const float* position, const float* token_type,
                                    const float* gamma, const float* beta, int64_t B, int64_t T,
                                    int64_t C, float eps, const Dropout& d) const override {
-    kernels::embedding_layernorm_forward(out, sum, mean, rstd, ids, segment, word, position,
-                                         token_type, gamma, beta, B, T, C, eps, d.p, d.key,
-                                         d.offset);
+    kernels::embedding_layernorm_forward(out, sum, mean, rstd, ids, segment, positions, word,
+                                         position, token_type, gamma, beta, B, T, C, eps, d.p,
+                                         d.key, d.offset, d.rows);
   }
   void embedding_backward(float* dword, float* dposition, float* dtoken_type, const float* dout,
-                          const int32_t* ids, const int32_t* segment, int64_t B, int64_t T,
-                          int64_t C) const override {
-    kernels::embedding_backward(dword, dposition, dtoken_type, dout, ids, segment, B, T, C);
+                          const int32_t* ids, const int32_t* segment, const int32_t* positions,
+                          int64_t B, int64_t T, int64_t C) const override {
+    kernels::embedding_backward(dword, dposition, dtoken_type, dout, ids, segment, positions, B, T,
+                                C);
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* in, const float* gamma,
                          const float* beta, int64_t N, int64_t C, float eps) const override {
@@ -187,20 +190,22 @@ class CpuBackend final : public Backend {
                                   int64_t N, int64_t C, float eps,
                                   const Dropout& d) const override {
     kernels::residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d.p,
-                                        d.key, d.offset);
+                                        d.key, d.offset, d.rows);
   }
   void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
                                   const float* dout, const float* in, const float* gamma,
                                   const float* mean, const float* rstd, int64_t N, int64_t C,
                                   bool accumulate_dinp, const Dropout& d) const override {
     kernels::layernorm_dropout_backward(dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd,
-                                        N, C, accumulate_dinp, d.p, d.key, d.offset);
+                                        N, C, accumulate_dinp, d.p, d.key, d.offset, d.rows);
   }
 
   void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
+    BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
     kernels::dropout_forward(x, n, d.p, d.key, d.offset);
   }
   void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const override {
+    BT_CHECK(!d.rows, "dropout_backward: a row map is for the row kernels");
     kernels::dropout_backward(dx, dy, n, d.p, d.key, d.offset);
   }
   void add_inplace(float* out, const float* a, int64_t n) const override {

@@ -13,8 +13,8 @@ void embedding_forward(float* out, const int32_t* ids, const int32_t* segment, c
 }
 
 void embedding_backward(float* dword, float* dposition, float* dtoken_type, const float* dout,
-                        const int32_t* ids, const int32_t* segment, int64_t B, int64_t T,
-                        int64_t C) {
+                        const int32_t* ids, const int32_t* segment, const int32_t* positions,
+                        int64_t B, int64_t T, int64_t C) {
   constexpr int64_t kBlock = 64;
 #pragma omp parallel for schedule(static)
   for (int64_t c0 = 0; c0 < C; c0 += kBlock) {
@@ -22,7 +22,7 @@ void embedding_backward(float* dword, float* dposition, float* dtoken_type, cons
     for (int64_t bt = 0; bt < B * T; ++bt) {
       const float* g = dout + bt * C;
       float* w = dword + static_cast<int64_t>(ids[bt]) * C;
-      float* p = dposition + (bt % T) * C;
+      float* p = dposition + static_cast<int64_t>(positions ? positions[bt] : bt % T) * C;
       float* s = dtoken_type + static_cast<int64_t>(segment[bt]) * C;
       for (int64_t c = c0; c < c1; ++c) {
         w[c] += g[c];

@@ -22,8 +22,9 @@ inline void embedding_sum_row(float* out, int32_t id, int32_t segment, int64_t t
   for (int64_t c = 0; c < C; ++c) out[c] = w[c] + p[c] + s[c];
 }
 
+// Row i's position is positions[i], or i % T where positions is null.
 void embedding_backward(float* dword, float* dposition, float* dtoken_type, const float* dout,
-                        const int32_t* ids, const int32_t* segment, int64_t B, int64_t T,
-                        int64_t C);
+                        const int32_t* ids, const int32_t* segment, const int32_t* positions,
+                        int64_t B, int64_t T, int64_t C);
 
 }  // namespace bertrain::kernels

@@ -140,13 +140,13 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
 void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                 const float* residual, const float* gamma, const float* beta,
                                 int64_t N, int64_t C, float eps, float dropout_p, uint64_t key,
-                                uint64_t offset) {
+                                uint64_t offset, const int32_t* rows) {
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < N; ++i)
       ln_row(tag, out + i * C, mean + i, rstd + i, x + i * C, residual + i * C, gamma, beta, C, eps,
-             dropout_p, keep_scale, key, offset + static_cast<uint64_t>(i * C));
+             dropout_p, keep_scale, key, offset + static_cast<uint64_t>((rows ? rows[i] : i) * C));
   });
 }
 
@@ -181,20 +181,23 @@ void dropout_row(isa::Portable, float* out, int64_t C, float p, float keep_scale
 }  // namespace
 
 void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
-                                 const int32_t* ids, const int32_t* segment, const float* word,
-                                 const float* position, const float* token_type, const float* gamma,
-                                 const float* beta, int64_t B, int64_t T, int64_t C, float eps,
-                                 float dropout_p, uint64_t key, uint64_t offset) {
+                                 const int32_t* ids, const int32_t* segment,
+                                 const int32_t* positions, const float* word, const float* position,
+                                 const float* token_type, const float* gamma, const float* beta,
+                                 int64_t B, int64_t T, int64_t C, float eps, float dropout_p,
+                                 uint64_t key, uint64_t offset, const int32_t* rows) {
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < B * T; ++bt) {
       float* x = sum + bt * C;
       float* o = out + bt * C;
-      embedding_sum_row(x, ids[bt], segment[bt], bt % T, word, position, token_type, C);
+      embedding_sum_row(x, ids[bt], segment[bt], positions ? positions[bt] : bt % T, word, position,
+                        token_type, C);
       ln_row(tag, o, mean + bt, rstd + bt, x, nullptr, gamma, beta, C, eps, 0.0f, 1.0f, 0, 0);
       if (dropout_p > 0.0f)
-        dropout_row(tag, o, C, dropout_p, keep_scale, key, offset + static_cast<uint64_t>(bt * C));
+        dropout_row(tag, o, C, dropout_p, keep_scale, key,
+                    offset + static_cast<uint64_t>((rows ? rows[bt] : bt) * C));
     }
   });
 }
@@ -298,7 +301,7 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
                                 const float* dout, const float* inp, const float* gamma,
                                 const float* mean, const float* rstd, int64_t N, int64_t C,
                                 bool accumulate_dinp, float dropout_p, uint64_t key,
-                                uint64_t offset) {
+                                uint64_t offset, const int32_t* rows) {
   // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat)), xhat = (x - mean) * rstd
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   const int nthreads = omp_get_max_threads();
@@ -315,7 +318,8 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
       for (int64_t i = 0; i < N; ++i)
         ln_backward_row(tag, dinp + i * C, ddropped ? ddropped + i * C : nullptr, pg, pb,
                         dout + i * C, inp + i * C, gamma, mean[i], rstd[i], C, accumulate_dinp,
-                        dropout_p, keep_scale, key, offset + static_cast<uint64_t>(i * C));
+                        dropout_p, keep_scale, key,
+                        offset + static_cast<uint64_t>((rows ? rows[i] : i) * C));
     }
   });
   for (int t = 0; t < nthreads; ++t) {

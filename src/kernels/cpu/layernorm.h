@@ -11,21 +11,24 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
                        const float* beta, int64_t N, int64_t C, float eps);
 
 // Fused residual block: x = dropout(x) + residual in place (x: the projection's output; dropout
-// element i*C + c keyed at offset + i*C + c, as dropout_forward), then out = LayerNorm(x), in
-// one pass per row.
+// element i*C + c keyed at offset + i*C + c, as dropout_forward, or at offset + rows[i]*C + c
+// where rows is given: a packed row keyed as its padded row), then out = LayerNorm(x), in one
+// pass per row.
 void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                 const float* residual, const float* gamma, const float* beta,
                                 int64_t N, int64_t C, float eps, float dropout_p, uint64_t key,
-                                uint64_t offset);
+                                uint64_t offset, const int32_t* rows = nullptr);
 
 // BERT's embedding block in one pass per token: sum = word[id] + position[t] +
 // token_type[segment] (saved for backward), out = dropout(LayerNorm(sum)), dropout keyed as
-// dropout_forward on out. Ids are validated by the caller.
+// dropout_forward on out. Ids are validated by the caller. Row i's position is positions[i], or
+// i % T where positions is null.
 void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
-                                 const int32_t* ids, const int32_t* segment, const float* word,
-                                 const float* position, const float* token_type, const float* gamma,
-                                 const float* beta, int64_t B, int64_t T, int64_t C, float eps,
-                                 float dropout_p, uint64_t key, uint64_t offset);
+                                 const int32_t* ids, const int32_t* segment,
+                                 const int32_t* positions, const float* word, const float* position,
+                                 const float* token_type, const float* gamma, const float* beta,
+                                 int64_t B, int64_t T, int64_t C, float eps, float dropout_p,
+                                 uint64_t key, uint64_t offset, const int32_t* rows = nullptr);
 
 void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
                         const float* inp, const float* gamma, const float* mean, const float* rstd,
@@ -33,11 +36,11 @@ void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* d
 
 // The residual block's backward in one pass: LayerNorm backward into dinp (= or +=, the
 // gradient of x = dropout(y) + residual, hence also the residual's), and ddropped =
-// dropout_backward(dinp) (the gradient of y) with the forward's key and offset.
+// dropout_backward(dinp) (the gradient of y) with the forward's key, offset and rows.
 void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
                                 const float* dout, const float* inp, const float* gamma,
                                 const float* mean, const float* rstd, int64_t N, int64_t C,
                                 bool accumulate_dinp, float dropout_p, uint64_t key,
-                                uint64_t offset);
+                                uint64_t offset, const int32_t* rows = nullptr);
 
 }  // namespace bertrain::kernels
