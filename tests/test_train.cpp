@@ -2,6 +2,7 @@
 // of the CLI), and the documented errors with the previous checkpoint left intact.
 #include <gtest/gtest.h>
 
+#include <omp.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -18,6 +19,7 @@
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
 #include "test_util.h"
+#include "train/autotune.h"
 #include "train/evaluate.h"
 #include "train/loss_scaler.h"
 #include "train/run_state.h"
@@ -239,6 +241,63 @@ TEST_P(ResumeTest, InterruptedAndResumedRunEqualsUninterrupted) {
             file_bytes(b2.last_checkpoint + "/model.safetensors"));
   EXPECT_EQ(file_bytes(a.last_checkpoint + "/optimizer.safetensors"),
             file_bytes(b2.last_checkpoint + "/optimizer.safetensors"));
+}
+
+// --autotune: the trials run on a throwaway model, so the run equals, bit for bit, a run given
+// the chosen settings as flags; the choice is in the checkpoint, and a resume keeps it (and
+// continues bit for bit) without measuring again.
+TEST(Train, AutotuneChoosesWithoutTouchingTheRun) {
+  TrainEnv env;
+  comm::SingleProcess comm;
+  const int threads = omp_get_max_threads();
+  TrainConfig tuned = env.cfg("tuned", 8);
+  tuned.autotune = true;
+  tuned.save_every = 4;
+  TrainResult a = train(tuned, comm);
+  const nlohmann::json st =
+      nlohmann::json::parse(file_bytes(a.last_checkpoint + "/trainer_state.json"));
+  ASSERT_TRUE(st["settings"].contains("autotune")) << st.dump();
+  const Tuning choice = Tuning::from_json(st["settings"]["autotune"]);
+  // Both kernels timed (the run asked for none), and fewer threads where there were several.
+  std::set<std::string> tried;
+  for (const auto& t : choice.trials) {
+    tried.insert(t.knob + "=" + t.value);
+    EXPECT_GT(t.step_ms, 0.0) << t.knob << " " << t.value;
+  }
+  EXPECT_TRUE(tried.count("attention=full") && tried.count("attention=blocked"));
+  if (threads > 1) EXPECT_TRUE(tried.count("threads=" + std::to_string(threads / 2)));
+  EXPECT_NE(choice.attention, model::ModelDims::Attention::Auto);
+
+  omp_set_num_threads(threads);
+  TrainConfig fixed = env.cfg("fixed", 8);
+  fixed.attention = choice.attention;
+  fixed.bucket_mb = choice.bucket_mb;
+  omp_set_num_threads(choice.threads);
+  TrainResult b = train(fixed, comm);
+  EXPECT_EQ(a.losses, b.losses);  // bitwise: the trials left the run alone
+
+  // Resumed from step 4 (its checkpoint holds the same choice): no new trials, the same steps.
+  omp_set_num_threads(threads);
+  TrainConfig part = env.cfg("part", 8);
+  part.autotune = true;
+  part.stop_after = 4;
+  TrainResult c1 = train(part, comm);
+  omp_set_num_threads(threads);
+  part.stop_after = 0;
+  part.resume = true;
+  part.autotune = false;  // kept from the checkpoint all the same
+  Tuning kept;
+  ASSERT_TRUE(stored_tuning(part, kept));
+  EXPECT_NE(kept.source.find("checkpoint-000004"), std::string::npos) << kept.source;
+  TrainResult c2 = train(part, comm);
+  const nlohmann::json st2 =
+      nlohmann::json::parse(file_bytes(c2.last_checkpoint + "/trainer_state.json"));
+  EXPECT_EQ(st2["settings"]["autotune"],
+            nlohmann::json::parse(
+                file_bytes(c1.last_checkpoint + "/trainer_state.json"))["settings"]["autotune"]);
+  EXPECT_EQ(c2.losses.size(), 4u);
+  EXPECT_EQ(omp_get_max_threads(), kept.threads);  // the stored thread count applied
+  omp_set_num_threads(threads);
 }
 
 INSTANTIATE_TEST_SUITE_P(Train, ResumeTest,

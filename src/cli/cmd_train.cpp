@@ -160,6 +160,10 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
   add_padding_option(c, o->padding);
+  c->add_flag("--autotune", t.autotune,
+              "Before the first step, time steps of a throwaway copy of the model with each "
+              "attention kernel, fewer compute threads and (several ranks) other bucket sizes, and "
+              "train with the fastest; printed, and kept in the checkpoints for --resume");
   c->add_option("--precision", o->precision, "fp32, bf16 or fp16 (fp16: dynamic loss scaling)")
       ->capture_default_str();
   c->add_option("--optimizer", o->optimizer, "lamb or adamw")->capture_default_str();

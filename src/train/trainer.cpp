@@ -21,6 +21,7 @@
 #include "model/checkpoint.h"
 #include "obs/events.h"
 #include "obs/gemm_peak.h"
+#include "train/autotune.h"
 #include "train/loss_scaler.h"
 #include "train/run_state.h"
 #include "train/step.h"
@@ -165,6 +166,7 @@ struct Trainer::State {
   // Every rank's epoch plans (a resume on another rank count): saved with the positions.
   std::vector<std::vector<data::EpochPlan>> plans_of_rank;
   std::string regrid_note;  // what such a resume did with the batch and the data (banner)
+  std::string tuning_note;  // what autotune measured and chose, or kept (banner)
   std::string resumed_from, last_ck;
   std::unique_ptr<data::Pipeline> pipe;
   obs::Timeline tl;
@@ -403,8 +405,21 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   if (cfg.accumulation <= 0) fail(setting("accumulation_steps"), " must be positive");
   if (cfg.output.empty())
     fail(setting("output"), " is required (the run directory for checkpoints)");
-  s_ = std::make_unique<State>(cfg, comm);
+  // The settings autotune chose (measured now, or kept from the checkpoint resumed) replace the
+  // flags' before the model exists: the attention kernel decides its memory plan.
+  TrainConfig tuned = cfg;
+  Tuning tuning;
+  const bool have_tuning = stored_tuning(cfg, tuning) || (cfg.autotune && [&] {
+                             tuning = autotune(cfg, comm);
+                             return true;
+                           }());
+  if (have_tuning) tuning.apply(tuned);
+  s_ = std::make_unique<State>(tuned, comm);
   State& s = *s_;
+  if (have_tuning) {
+    s.settings["autotune"] = tuning.to_json();
+    s.tuning_note = tuning.report();
+  }
   s.resume_or_init();
   s.check_ranks_agree();
   // Every rank starts from rank 0's parameters and optimizer state (sharded: each rank loaded
@@ -503,6 +518,7 @@ std::string Trainer::banner() const {
                       : std::string(),
       ", input bound ", human_bytes(static_cast<double>(s.pipe->memory_bound_bytes())), "\n");
   out += s.regrid_note;
+  out += s.tuning_note;
   out += str("  cpu ", kernels::cpu_description(), "\n");
   if (bf16 && !kernels::bf16_speed_note().empty())
     out += str("  ", kernels::bf16_speed_note(), "\n");

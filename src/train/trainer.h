@@ -44,6 +44,9 @@ struct TrainConfig {
   bool overlap = true;     // with several ranks: allreduce buckets while backward runs
   int64_t bucket_mb = 64;  // gradient bucket size for the overlap (Horovod's fusion threshold)
   bool shard_optimizer = false;  // ZeRO stage 1: each rank holds 1/world of the optimizer state
+  // Measure and choose the attention kernel, threads and bucket size first (train/autotune.h);
+  // a resumed run keeps the choice its checkpoint stores, flag or not.
+  bool autotune = false;
 };
 
 struct TrainResult {

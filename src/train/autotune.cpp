@@ -1,0 +1,197 @@
+#include "train/autotune.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "core/error.h"
+#include "data/pipeline.h"
+#include "data/schema.h"
+#include "train/loss_scaler.h"
+#include "train/optimizer.h"
+#include "train/precision.h"
+#include "train/run_state.h"
+#include "train/step.h"
+
+namespace bertrain::train {
+
+nlohmann::json Tuning::to_json() const {
+  nlohmann::json trials_json = nlohmann::json::array();
+  for (const Trial& t : trials)
+    trials_json.push_back({{"knob", t.knob}, {"value", t.value}, {"step_ms", t.step_ms}});
+  return {{"attention", model::attention_name(attention)},
+          {"threads", threads},
+          {"bucket_mb", bucket_mb},
+          {"trials", trials_json}};
+}
+
+Tuning Tuning::from_json(const nlohmann::json& j) {
+  Tuning t;
+  t.attention = model::parse_attention(j.at("attention").get<std::string>());
+  t.threads = j.at("threads").get<int>();
+  t.bucket_mb = j.at("bucket_mb").get<int64_t>();
+  for (const auto& x : j.value("trials", nlohmann::json::array()))
+    t.trials.push_back({x.at("knob").get<std::string>(), x.at("value").get<std::string>(),
+                        x.at("step_ms").get<double>()});
+  return t;
+}
+
+void Tuning::apply(TrainConfig& cfg) const {
+  cfg.attention = attention;
+  cfg.bucket_mb = bucket_mb;
+  if (threads > 0) omp_set_num_threads(threads);
+}
+
+std::string Tuning::report() const {
+  std::string out;
+  if (source != "measured") {
+    out += str("  autotune: kept from ", source, ": ", model::attention_name(attention),
+               " attention, ", threads, " threads, buckets of ", bucket_mb, " MiB\n");
+    return out;
+  }
+  for (const Trial& t : trials) {
+    char line[160];
+    std::snprintf(line, sizeof line, "  autotune: %-9s %-8s %9.1f ms per step\n", t.knob.c_str(),
+                  t.value.c_str(), t.step_ms);
+    out += line;
+  }
+  out += str("  autotune: chose ", model::attention_name(attention), " attention, ", threads,
+             " threads, buckets of ", bucket_mb,
+             " MiB (the fastest of each; input readers and prefetch tune themselves)\n");
+  return out;
+}
+
+bool stored_tuning(const TrainConfig& cfg, Tuning& out) {
+  if (!cfg.resume) return false;
+  const std::string ck = resolve_checkpoint(cfg.output);
+  if (ck.empty()) return false;
+  std::ifstream in(std::filesystem::path(ck) / "trainer_state.json");
+  if (!in) return false;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const std::exception&) {
+    return false;  // load_checkpoint names what is wrong with it
+  }
+  if (!j.contains("settings") || !j["settings"].contains("autotune")) return false;
+  out = Tuning::from_json(j["settings"]["autotune"]);
+  out.source = ck;
+  return true;
+}
+
+namespace {
+
+// Step time (ms) of a throwaway model: the fastest of `steps` steps after one warm-up (the least
+// disturbed: this machine's other work only ever adds time), the mean of that over the ranks.
+double time_steps(const TrainConfig& cfg, comm::Communicator& comm,
+                  const std::vector<model::Batch>& batches, model::ModelDims::Attention attention,
+                  int threads, int64_t bucket_mb, int steps) {
+  omp_set_num_threads(threads);
+  const model::BertConfig mc = model::BertConfig::load(cfg.model_config);
+  model::ModelDims d{cfg.batch_size, cfg.seq_len, cfg.max_predictions, false,
+                     attention,      false,       cfg.recompute_layers};
+  d.unpadded = cfg.unpadded;
+  model::BertModel m(mc, model::Head::Pretraining, with_precision(d, cfg.precision));
+  m.init_params(cfg.seed);
+  Optimizer opt(
+      param_slices(m.table()), m.table().total(), cfg.optimizer, kernels::cpu_backend(),
+      cfg.shard_optimizer ? shard_of(m.table().total(), comm.rank(), comm.size()) : Shard{});
+  LossScaler::Config sc;
+  sc.enabled = cfg.precision == Precision::FP16;
+  LossScaler scaler(sc);
+  Step step(m, opt, scaler, comm,
+            StepSettings{1, cfg.predivide, cfg.overlap, bucket_mb << 20, cfg.seed});
+  double fastest = 0;
+  for (int s = 0; s <= steps; ++s) {
+    const model::Batch& b = batches[static_cast<size_t>(s) % batches.size()];
+    const StepReport r = step.run(s, 1e-6, [&](model::Batch& out) {
+      out = b;
+      return true;
+    });
+    if (s > 0 && (fastest == 0 || r.t_total < fastest)) fastest = r.t_total;
+  }
+  double ms = 1e3 * fastest;
+  if (comm.size() > 1) {
+    comm.allreduce_sum(&ms, 1);
+    ms /= comm.size();
+    comm.broadcast(&ms, sizeof ms, 0);  // rank 0's sum decides on every rank
+  }
+  return ms;
+}
+
+}  // namespace
+
+Tuning autotune(const TrainConfig& cfg, comm::Communicator& comm, int steps) {
+  // The run's first batches of this rank, from a pipeline of the tuning's own.
+  data::PipelineOptions in = cfg.input;
+  in.batch_size = cfg.batch_size;
+  in.rank = comm.rank();
+  in.world = comm.size();
+  in.seed = cfg.seed;
+  in.verbose_skips = false;
+  const model::BertConfig mc = model::BertConfig::load(cfg.model_config);
+  std::vector<model::Batch> batches(static_cast<size_t>(steps + 1));
+  {
+    data::Pipeline pipe(in, data::Schema::pretraining(cfg.seq_len, cfg.max_predictions,
+                                                      mc.vocab_size, mc.type_vocab_size));
+    for (model::Batch& b : batches) pipe.next(b);
+  }
+  Tuning t;
+  t.source = "measured";
+  t.attention = cfg.attention;
+  t.threads = omp_get_max_threads();
+  t.bucket_mb = cfg.bucket_mb;
+  auto measure = [&](const std::string& knob, const std::string& value,
+                     model::ModelDims::Attention a, int threads, int64_t bucket) {
+    const double ms = time_steps(cfg, comm, batches, a, threads, bucket, steps);
+    t.trials.push_back({knob, value, ms});
+    return ms;
+  };
+  // 1. The attention kernel, unless the run asked for one.
+  double best = 0;
+  if (cfg.attention == model::ModelDims::Attention::Auto) {
+    for (auto a : {model::ModelDims::Attention::Full, model::ModelDims::Attention::Blocked}) {
+      const double ms = measure("attention", model::attention_name(a), a, t.threads, t.bucket_mb);
+      if (best == 0 || ms < best) {
+        best = ms;
+        t.attention = a;
+      }
+    }
+  } else {
+    best = measure("attention", model::attention_name(t.attention), t.attention, t.threads,
+                   t.bucket_mb);
+  }
+  // 2. Compute threads per rank: the most this process may use, and fewer (a rank sharing its
+  // cores with the input pipeline's readers and the communication may do better with less).
+  const int most = t.threads;
+  std::vector<int> fewer;
+  for (int n : {most * 3 / 4, most / 2})
+    if (n >= 1 && n < most && std::find(fewer.begin(), fewer.end(), n) == fewer.end())
+      fewer.push_back(n);
+  for (int n : fewer) {
+    const double ms = measure("threads", std::to_string(n), t.attention, n, t.bucket_mb);
+    if (ms < best) {
+      best = ms;
+      t.threads = n;
+    }
+  }
+  // 3. The gradient bucket size, where buckets are reduced behind backward.
+  if (comm.size() > 1 && cfg.overlap) {
+    const int64_t base = cfg.bucket_mb;
+    for (int64_t mb : {std::max<int64_t>(1, base / 4), base * 4}) {
+      if (mb == base) continue;
+      const double ms = measure("bucket", str(mb, " MiB"), t.attention, t.threads, mb);
+      if (ms < best) {
+        best = ms;
+        t.bucket_mb = mb;
+      }
+    }
+  }
+  omp_set_num_threads(t.threads);
+  return t;
+}
+
+}  // namespace bertrain::train
