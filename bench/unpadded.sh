@@ -32,7 +32,7 @@ for seq in $LENGTHS; do
   if [ ! -f "$DATA/$seq/part-00000-of-00001.tfrecord" ]; then
     $BT prepare --input data/corpus/zh_CLUECorpusSmall_bert_sampled.txt \
       --vocab data/vocab/bert-base-chinese-vocab.txt --output "$DATA/$seq" \
-      --seq-len "$seq" --max-predictions "$preds" --dupe-factor 1 --output-shards 1 >/dev/null
+      --seq-len "$seq" --max-predictions "$preds" --dupe-factor 1 --output-shards 1 >/dev/null 2>&1
   fi
   for cfg in $CONFIGS; do
     out=$($BT bench --model-config "$cfg" --data "$DATA/$seq/*.tfrecord" --batch-size "$B" --seq-len "$seq" \

@@ -239,8 +239,10 @@ void add_predict(CLI::App& app) {
     }
     cols.regression = regression;
     train::LabeledSet s = train::read_task_file(o->input, cols, tok, seq, names);
+    model::ModelDims dims{o->batch, seq, 0};
+    dims.unpadded = true;  // the padded model's predictions, at the real tokens' cost
     model::BertModel m(mc, model::Head::SequenceClassification,
-                       train::with_precision({o->batch, seq, 0}, precision));
+                       train::with_precision(dims, precision));
     model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
     // One output line per data row of the input: a row that could not be used gets "-" (and is
     // reported on stderr), so that line i is still row i.

@@ -272,9 +272,10 @@ void add_eval(CLI::App& app, comm::Communicator& (*comm)()) {
     std::string dir = train::resolve_checkpoint(o->checkpoint);
     if (dir.empty()) fail("no checkpoint in ", o->checkpoint);
     const model::BertConfig cfg = model::BertConfig::load(model::checkpoint_config_path(dir));
-    model::BertModel m(
-        cfg, model::Head::Pretraining,
-        train::with_precision({o->batch, o->seq, o->preds}, train::parse_precision(o->precision)));
+    model::ModelDims dims{o->batch, o->seq, o->preds};
+    dims.unpadded = true;  // the padded model's metrics, at the real tokens' cost
+    model::BertModel m(cfg, model::Head::Pretraining,
+                       train::with_precision(dims, train::parse_precision(o->precision)));
     model::load_safetensors_into(m, model::checkpoint_weights_path(dir));
     const train::EvalResult r = train::evaluate(m, o->data, o->batch, o->max_batches, comm());
     if (comm().rank() == 0)

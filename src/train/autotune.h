@@ -1,11 +1,12 @@
 // train --autotune: before the first step, time full training steps of a throwaway copy of the
 // run's model (same config, batch, precision, recomputation and padding, its own optimizer and
 // initialisation, the run's first batches read by a pipeline of its own) under candidate
-// settings, one after the other, and keep the fastest of each: the attention kernel (full or
-// blocked), the compute threads per rank (OpenMP), and with several ranks the gradient bucket
-// size of the overlapped allreduce. The run's own model, optimizer and input position are
-// untouched by the trials, so the run computes exactly what the same settings given as flags
-// compute. The input pipeline's reader and prefetch counts tune themselves while it runs
+// settings, one knob after the other, and keep the fastest value of each (a value other than
+// the default only when it is more than 2% faster: the noise of a step time): the attention
+// kernel (full or blocked), the compute threads per rank (OpenMP), and with several ranks the
+// gradient bucket size of the overlapped allreduce. The run's own model, optimizer and input
+// position are untouched by the trials, so the run computes exactly what the same settings given as
+// flags compute. The input pipeline's reader and prefetch counts tune themselves while it runs
 // (data/pipeline.h, AUTOTUNE). The choice is stored in every checkpoint's trainer state: a
 // resumed run takes it from there instead of measuring again.
 #pragma once
