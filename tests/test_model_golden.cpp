@@ -169,7 +169,8 @@ TEST(GoldenHF, BertForSequenceClassificationRegressionForwardBackward) {
 }
 
 // HF's BertForTokenClassification: a classifier on every token, no pooler; tokens labelled
-// -100 (HF's ignore_index) are weight 0 here, the loss is the mean over the scored ones.
+// -100 (HF's ignore_index) are weight 0 here, the loss is the mean over the scored ones. Padded
+// and unpadded (the logits of the real tokens; padding's are never computed).
 TEST(GoldenHF, BertForTokenClassificationForwardBackward) {
   const std::string dir = data_path("golden/bert_token");
   SafetensorsReader g(dir + "/golden.safetensors");
@@ -190,16 +191,27 @@ TEST(GoldenHF, BertForTokenClassificationForwardBackward) {
   }
   BertConfig cfg = BertConfig::load(dir + "/config.json");
   ASSERT_EQ(cfg.num_labels, 5);
-  BertModel m(cfg, Head::TokenClassification, {B, T, 0});
-  EXPECT_FALSE(m.table().find("bert.pooler.dense.weight"));
-  load_safetensors_into(m, dir + "/model.safetensors");  // strictly: HF's file has no pooler
-  Losses l = m.forward(b, {});
-  EXPECT_TRUE(all_close("logits", m.token_logits(), g.read_f64("output.logits").data(), B * T * 5,
-                        kFwdRtol, kFwdAtol));
-  EXPECT_NEAR(l.loss, g.read_f64("output.loss")[0], 1e-5);
-  m.zero_grads();
-  m.backward(b, {});
-  check_grads(m, g);
+  for (bool unpadded : {false, true}) {
+    SCOPED_TRACE(unpadded ? "unpadded" : "padded");
+    ModelDims d{B, T, 0};
+    d.unpadded = unpadded;
+    BertModel m(cfg, Head::TokenClassification, d);
+    EXPECT_FALSE(m.table().find("bert.pooler.dense.weight"));
+    load_safetensors_into(m, dir + "/model.safetensors");  // strictly: HF's file has no pooler
+    Losses l = m.forward(b, {});
+    const std::vector<double> ref = g.read_f64("output.logits");
+    std::vector<float> logits(ref.begin(), ref.end());
+    for (int64_t e = 0; e < B; ++e)
+      for (int64_t t = 0; t < T; ++t)
+        if (const int64_t row = m.sequence_row(e, t); row >= 0)
+          std::copy_n(m.token_logits() + row * 5, 5, logits.begin() + (e * T + t) * 5);
+    if (unpadded) EXPECT_LT(l.real_tokens, B * T) << "the golden batch has no padding to skip";
+    EXPECT_TRUE(all_close("logits", logits.data(), ref.data(), B * T * 5, kFwdRtol, kFwdAtol));
+    EXPECT_NEAR(l.loss, g.read_f64("output.loss")[0], 1e-5);
+    m.zero_grads();
+    m.backward(b, {});
+    check_grads(m, g);
+  }
 }
 
 // HF's BertForQuestionAnswering: qa_outputs on every token (no pooler, no dropout), the loss

@@ -41,6 +41,9 @@ Batch batch(const std::vector<int>& lengths, int64_t T, int64_t P) {
       b.input_ids[e * T + t] = real ? static_cast<int32_t>(2 + (e * 7 + t * 13) % 47) : 0;
       b.input_mask[e * T + t] = real;
       b.segment_ids[e * T + t] = real && t >= lengths[e] / 2;
+      // Token classification: every real token but [CLS] and every third one scored.
+      b.token_label_ids[e * T + t] = static_cast<int32_t>((e + t) % 3);
+      b.token_label_weights[e * T + t] = real && t > 0 && t % 3 != 2 ? 1.0f : 0.0f;
     }
     for (int64_t j = 0; j < P; ++j) {
       const int64_t len = std::max(lengths[e], 1);
@@ -90,6 +93,8 @@ void expect_same(const StepResult& padded, const StepResult& unpadded, double rt
   EXPECT_EQ(unpadded.losses.mlm_correct, padded.losses.mlm_correct);
   EXPECT_EQ(unpadded.losses.nsp_correct, padded.losses.nsp_correct);
   EXPECT_EQ(unpadded.losses.cls_correct, padded.losses.cls_correct);
+  EXPECT_EQ(unpadded.losses.tokens_scored, padded.losses.tokens_scored);
+  EXPECT_EQ(unpadded.losses.tokens_correct, padded.losses.tokens_correct);
   ASSERT_EQ(unpadded.rows.size(), padded.rows.size());
   EXPECT_TRUE(test::all_close("real positions' output", unpadded.rows.data(), padded.rows.data(),
                               padded.rows.size(), rtol, atol));
@@ -101,9 +106,11 @@ void expect_same(const StepResult& padded, const StepResult& unpadded, double rt
 // Lengths with every case: full rows, a run of equal lengths, length 1, a mask without any 1.
 const std::vector<int> kLengths = {24, 24, 17, 9, 9, 1, 0, 12};
 
+const Head kHeads[] = {Head::Pretraining, Head::SequenceClassification, Head::TokenClassification};
+
 TEST(Unpadded, EqualsThePaddedModelInFp32) {
   const Batch b = batch(kLengths, 24, 4);
-  for (Head head : {Head::Pretraining, Head::SequenceClassification})
+  for (Head head : kHeads)
     for (auto attention : {ModelDims::Attention::Full, ModelDims::Attention::Blocked}) {
       SCOPED_TRACE(str(head_architecture(head), " ", attention_name(attention)));
       ModelDims d;
@@ -125,7 +132,7 @@ TEST(Unpadded, EqualsThePaddedModelWithDropout) {
   // A training step: dropout 0.2 on every site, an example offset as a data-parallel rank has.
   const Batch b = batch(kLengths, 24, 4);
   const StepOptions opt{true, 99, 7, 40};
-  for (Head head : {Head::Pretraining, Head::SequenceClassification})
+  for (Head head : kHeads)
     for (auto attention : {ModelDims::Attention::Full, ModelDims::Attention::Blocked}) {
       SCOPED_TRACE(str(head_architecture(head), " ", attention_name(attention)));
       ModelDims d;
@@ -224,15 +231,25 @@ TEST(Unpadded, DropoutMasksRegenerateInBackward) {
   }
 }
 
-TEST(Unpadded, HeadsReadingEveryTokenStayPadded) {
-  // Token classification and question answering read (QA: normalise over) every position, so
-  // the flag leaves them padded.
+TEST(Unpadded, QuestionAnsweringStaysPadded) {
+  // Question answering normalises its start and end over every position, padding included (as
+  // HF computes it), so the flag leaves it padded.
   ModelDims d{2, 24, 4};
   d.unpadded = true;
-  for (Head head : {Head::TokenClassification, Head::QuestionAnswering})
-    EXPECT_FALSE(BertModel(config(), head, d).unpadded()) << head_architecture(head);
-  for (Head head : {Head::Pretraining, Head::SequenceClassification})
+  EXPECT_FALSE(BertModel(config(), Head::QuestionAnswering, d).unpadded());
+  for (Head head : kHeads)
     EXPECT_TRUE(BertModel(config(), head, d).unpadded()) << head_architecture(head);
+}
+
+TEST(Unpadded, AScoredTokenPastTheMaskExtendsTheRows) {
+  Batch b = batch({20, 6}, 20, 0);
+  b.token_label_weights[1 * 20 + 9] = 1.0f;  // a weighted token past sequence 1's last mask 1
+  ModelDims d;
+  const StepResult padded = run(Head::TokenClassification, d, b);
+  d.unpadded = true;
+  const StepResult unpadded = run(Head::TokenClassification, d, b);
+  EXPECT_EQ(unpadded.losses.real_tokens, 20 + 10);
+  expect_same(padded, unpadded, 1e-4, 1e-5, ParamTable(config(), Head::TokenClassification));
 }
 
 }  // namespace

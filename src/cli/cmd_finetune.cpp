@@ -206,8 +206,10 @@ void add_predict(CLI::App& app) {
       const train::TaggedSet s = train::read_tagged_file(o->input);
       if (s.skipped) std::fprintf(stderr, "predict: %s\n", s.skipped_summary(o->input).c_str());
       const train::TokenSet t = train::encode_tagged(s, tok, seq, names);
+      model::ModelDims dims{o->batch, seq, 0};
+      dims.unpadded = true;  // the padded model's tags, at the real tokens' cost
       model::BertModel m(mc, model::Head::TokenClassification,
-                         train::with_precision({o->batch, seq, 0}, precision));
+                         train::with_precision(dims, precision));
       model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
       const auto tags = train::predict_tags(m, s, t, o->batch);
       std::vector<std::vector<std::string>> gold;

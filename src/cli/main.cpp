@@ -47,9 +47,9 @@ void add_recompute_option(CLI::App* c, std::string& recompute) {
 
 void add_padding_option(CLI::App* c, std::string& padding) {
   c->add_option("--padding", padding,
-                "skip: each sequence runs on its real tokens (pretraining and sequence "
-                "classification; token classification and QA always compute the padding, which "
-                "their losses read); compute: every sequence padded to --seq-len, as HF runs it")
+                "skip: each sequence runs on its real tokens (pretraining, sequence and token "
+                "classification; question answering always computes the padding, which its loss "
+                "reads); compute: every sequence padded to --seq-len, as HF runs it")
       ->capture_default_str();
 }
 

@@ -40,6 +40,9 @@ int64_t real_length(const Batch& b, int64_t e) {
     for (int64_t j = 0; j < b.P; ++j)
       if (b.masked_lm_weights[e * b.P + j] != 0.0f)
         n = std::max<int64_t>(n, b.masked_lm_positions[e * b.P + j] + 1);
+  if (!b.token_label_weights.empty())
+    for (int64_t t = n; t < b.T; ++t)
+      if (b.token_label_weights[e * b.T + t] != 0.0f) n = t + 1;
   return n;
 }
 
@@ -342,6 +345,15 @@ void BertModel::pack(const Batch& b) {
       pk.positions[row] = static_cast<int32_t>(t);
       pk.mask[row] = b.input_mask[e * T + t];
     }
+  if (head_ == Head::TokenClassification) {
+    pk.token_labels.assign(pk.rows, 0);
+    pk.token_weights.assign(pk.rows, 0.0f);
+    for (int64_t e = 0; e < B; ++e)
+      for (int64_t t = 0; t < pk.len[e]; ++t) {
+        pk.token_labels[pk.start[e] + t] = b.token_label_ids[e * T + t];
+        pk.token_weights[pk.start[e] + t] = b.token_label_weights[e * T + t];
+      }
+  }
   pk.cls.resize(B);
   for (int64_t e = 0; e < B; ++e) pk.cls[e] = static_cast<int32_t>(pk.start[e]);
   // A masked position past the real length has weight 0 (real_length): its loss is multiplied
@@ -352,6 +364,21 @@ void BertModel::pack(const Batch& b) {
       const int64_t t = b.masked_lm_positions[e * P + j];
       pk.mlm[e * P + j] = static_cast<int32_t>(pk.start[e] + (t < pk.len[e] ? t : 0));
     }
+}
+
+void BertModel::dropout_rows(bool backward, float* x, const float* dy, int64_t N,
+                             const Dropout& d) const {
+  const int64_t C = cfg_.hidden_size, T = packed_.T;
+  auto run = [&](int64_t row, int64_t rows, uint64_t offset) {
+    const Dropout at{d.p, d.key, offset};
+    if (backward)
+      be_.dropout_backward(x + row * C, dy + row * C, rows * C, at);
+    else
+      be_.dropout_forward(x + row * C, rows * C, at);
+  };
+  if (!unpadded()) return run(0, N, d.offset);
+  for (int64_t e = 0; e < packed_.B; ++e)
+    run(packed_.start[e], packed_.len[e], d.offset + static_cast<uint64_t>(e * T * C));
 }
 
 int64_t BertModel::sequence_row(int64_t b, int64_t t) const {
@@ -435,16 +462,18 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   if (head_ == Head::TokenClassification) {
     // HF's BertForTokenClassification: classifier(dropout(h)) on every token; the loss is the
     // mean cross-entropy over the scored tokens (weight 1; HF's ignore_index -100 is weight 0).
+    // Unpadded: the packed rows' labels and weights (dummy rows weigh 0).
     const int64_t NL = cfg_.num_labels;
+    const int32_t* labels = up ? packed_.token_labels.data() : b.token_label_ids.data();
+    const float* weights = up ? packed_.token_weights.data() : b.token_label_weights.data();
     be_.copy(act_.tok_drop, x, N * C);
-    be_.dropout_forward(act_.tok_drop, N * C, site(L + 1, kTokens, p_hidden, off_tc));
+    dropout_rows(false, act_.tok_drop, nullptr, N, site(L + 1, kTokens, p_hidden, off_tc));
     be_.linear_forward(prec_, act_.tok_logits, {act_.tok_drop}, Wt(t.offset("classifier.weight")),
                        W(t.offset("classifier.bias")), N, NL, C, ws_);
     double scored = 0;
-    for (int64_t i = 0; i < N; ++i) scored += b.token_label_weights[i];
-    const CrossEntropySums ce =
-        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.tok_logits,
-                          b.token_label_ids.data(), b.token_label_weights.data(), N, NL, 0.0f);
+    for (int64_t i = 0; i < N; ++i) scored += weights[i];
+    const CrossEntropySums ce = be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct,
+                                                  act_.tok_logits, labels, weights, N, NL, 0.0f);
     Losses out;
     out.real_tokens = real;
     out.computed_tokens = N;
@@ -612,15 +641,16 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   float* dpooled = act_.dhead2;  // [B,C]
   if (head_ == Head::TokenClassification) {
     const int64_t NL = cfg_.num_labels;
+    const int32_t* labels = up ? packed_.token_labels.data() : b.token_label_ids.data();
+    const float* weights = up ? packed_.token_weights.data() : b.token_label_weights.data();
     double scored = 0;
-    for (int64_t i = 0; i < N; ++i) scored += b.token_label_weights[i];
+    for (int64_t i = 0; i < N; ++i) scored += weights[i];
     float* dlog = act_.dsmall;  // [N,NL]
-    be_.cross_entropy(dlog, nullptr, nullptr, act_.tok_logits, b.token_label_ids.data(),
-                      b.token_label_weights.data(), N, NL,
+    be_.cross_entropy(dlog, nullptr, nullptr, act_.tok_logits, labels, weights, N, NL,
                       scored > 0 ? static_cast<float>(loss_scale / scored) : 0.0f);
     lin_bwd(dh, t.offset("classifier.weight"), t.offset("classifier.bias"), dlog, {act_.tok_drop},
             N, NL, C);
-    be_.dropout_backward(dh, dh, N * C, site(L + 1, kTokens, p_hidden, opt.example_offset * T * C));
+    dropout_rows(true, dh, dh, N, site(L + 1, kTokens, p_hidden, off_tc));
   } else if (head_ == Head::QuestionAnswering) {
     float* dlog = act_.dsmall;  // [2N]: d start logits, then d end logits
     be_.cross_entropy(dlog, nullptr, nullptr, act_.qa_logits, b.span_positions.data(), nullptr,
@@ -721,13 +751,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   }
 
   // ---- embeddings ----
-  if (up) {  // each sequence's rows are its padded rows' prefix: one call each
-    for (int64_t e = 0; e < B; ++e)
-      be_.dropout_backward(dh + packed_.start[e] * C, dh + packed_.start[e] * C, packed_.len[e] * C,
-                           site(0, kEmbedding, p_hidden, off_tc + e * T * C));
-  } else {
-    be_.dropout_backward(dh, dh, N * C, site(0, kEmbedding, p_hidden, off_tc));
-  }
+  dropout_rows(true, dh, dh, N, site(0, kEmbedding, p_hidden, off_tc));
   be_.layernorm_backward(dA, G(t.offset("bert.embeddings.LayerNorm.weight")),
                          G(t.offset("bert.embeddings.LayerNorm.bias")), dh, act_.emb_sum,
                          W(t.offset("bert.embeddings.LayerNorm.weight")), act_.emb_mean,

@@ -46,9 +46,11 @@ struct ModelDims {
   // forward from its input first (dropout masks regenerated from the same counter RNG, so the
   // gradients are bit for bit those of the stored run). Costs one more forward of the encoder.
   bool recompute_layers = false;
-  // Unpadded execution (pretraining and sequence-classification heads, which read only the
-  // [CLS] row and the masked positions): each sequence runs on its real length, the length
-  // through its last input_mask 1 (and any weighted masked position past it). Forward packs the
+  // Unpadded execution (pretraining, sequence- and token-classification heads, whose losses
+  // read only the [CLS] row, the masked positions or the weighted tokens; question answering
+  // normalises over every position and stays padded): each sequence runs on its real length,
+  // the length through its last input_mask 1 (and any weighted masked position or token past
+  // it). Forward packs the
   // real tokens into consecutive rows (position and segment ids kept per row); embeddings,
   // LayerNorm, GELU, dropout and every matmul run on those rows only, attention on each
   // sequence's own rows (runs of equal length together), the heads gather [CLS] and the masked
@@ -160,18 +162,19 @@ class BertModel {
   std::pair<int64_t, int64_t> layer_range(int64_t l) const;
 
   // Whether forward runs unpadded (ModelDims::unpadded and a head that allows it).
-  bool unpadded() const { return dims_.unpadded && has_pooler(head_); }
+  bool unpadded() const { return dims_.unpadded && head_ != Head::QuestionAnswering; }
 
   // Outputs of the last forward (valid until the next backward/forward).
   // Padded: [B,T,C]; unpadded: the packed rows, sequence b's token t at row
   // sequence_row(b, t) (-1 past its real length).
   const float* sequence_output() const { return seq_out_; }
   int64_t sequence_row(int64_t b, int64_t t) const;
-  const float* pooled_output() const { return act_.pooled; }     // [B,C]
-  const float* mlm_logits() const { return act_.mlm_logits; }    // [B*P,V]
-  const float* nsp_logits() const { return act_.nsp_logits; }    // [B,2]
-  const float* cls_logits() const { return act_.cls_logits; }    // [B,num_labels]
-  const float* token_logits() const { return act_.tok_logits; }  // [B*T,num_labels]
+  const float* pooled_output() const { return act_.pooled; }   // [B,C]
+  const float* mlm_logits() const { return act_.mlm_logits; }  // [B*P,V]
+  const float* nsp_logits() const { return act_.nsp_logits; }  // [B,2]
+  const float* cls_logits() const { return act_.cls_logits; }  // [B,num_labels]
+  // [B*T,num_labels]; unpadded, a row per packed row (sequence_row).
+  const float* token_logits() const { return act_.tok_logits; }
   // Question answering: the start logits [B,T], then the end logits [B,T].
   const float* span_logits() const { return act_.qa_logits; }
 
@@ -209,14 +212,20 @@ class BertModel {
   // [start[b], start[b] + len[b]); runs[i] = (first sequence, count) of consecutive sequences of
   // equal length (one attention call each); ids, segments, positions, mask and the padded row
   // (b * T + t: where the row's dropout masks are drawn) per row (dummy rows: [PAD], segment 0,
-  // position 0, mask 0, padded row 0); cls and mlm the heads' rows.
+  // position 0, mask 0, padded row 0); cls and mlm the heads' rows; a token classifier's labels
+  // and weights per row (dummy rows: weight 0).
   struct Packed {
     int64_t B = 0, T = 0, real = 0, rows = 0;
     std::vector<int64_t> start, len;
     std::vector<std::pair<int64_t, int64_t>> runs;
-    std::vector<int32_t> ids, segments, positions, mask, padded_row, cls, mlm;
+    std::vector<int32_t> ids, segments, positions, mask, padded_row, cls, mlm, token_labels;
+    std::vector<float> token_weights;
   };
   void pack(const Batch& b);
+  // Dropout of the N rows of x (forward: in place) or its backward (dx from dy) at site d:
+  // unpadded, one call per sequence at its padded rows' offset (its rows are their prefix).
+  void dropout_rows(bool backward, float* x, const float* dy, int64_t N,
+                    const kernels::Dropout& d) const;
   // A row kernel's dropout site, keyed by the padded rows when running unpadded.
   kernels::Dropout on_rows(kernels::Dropout d) const {
     if (unpadded()) d.rows = packed_.padded_row.data();

@@ -44,8 +44,8 @@ struct Tuning {
 bool stored_tuning(const TrainConfig& cfg, Tuning& out);
 
 // Measures as described above (collective: every rank runs the same trials; rank 0's choice
-// on the mean over the ranks is every rank's). `steps` timed steps per trial, after one warm-up;
-// each trial counts its fastest.
+// on the mean over the ranks is every rank's). Each trial: `steps` batches, once to warm up and
+// once timed.
 Tuning autotune(const TrainConfig& cfg, comm::Communicator& comm, int steps = 3);
 
 }  // namespace bertrain::train

@@ -295,7 +295,9 @@ std::vector<std::vector<std::string>> predict_tags(model::BertModel& m, const Ta
       for (size_t w = 0; w < tags.size(); ++w) {
         const int64_t tok = t.first_token[r][w];
         if (tok < 0) continue;
-        const float* l = m.token_logits() + ((r - i) * T + tok) * NL;
+        const int64_t row = m.sequence_row(static_cast<int64_t>(r - i), tok);
+        if (row < 0) continue;  // past the sentence's tokens (never for a word's first token)
+        const float* l = m.token_logits() + row * NL;
         tags[w] = t.label_names[std::max_element(l, l + NL) - l];
       }
       out.push_back(std::move(tags));
