@@ -600,8 +600,10 @@ TEST(Finetune, StsbRegressionBeatsTheConstantPredictor) {
   const nlohmann::json j = nlohmann::json::parse(in);
   EXPECT_EQ(j["id2label"].size(), 1u);  // HF's num_labels
   EXPECT_EQ(j["problem_type"], "regression");
+  model::ModelDims dims{16, 64, 0};
+  dims.unpadded = true;  // as finetune's dev evaluation and predict run it
   model::BertModel m(model::BertConfig::load(tmp / "out/config.json"),
-                     model::Head::SequenceClassification, {16, 64, 0});
+                     model::Head::SequenceClassification, dims);
   model::load_safetensors_into(m, tmp / "out/model.safetensors");
   const RegressionMetrics again = regress(m, dev, 16, nullptr);
   EXPECT_NEAR(again.pearson, r.dev_pearson.back(), 1e-9);

@@ -347,7 +347,7 @@ std::string render_report(const std::vector<RunMetrics>& runs) {
   h += line_chart("learning rate", "lr", per_run(runs, "train/learning_rate"), true);
   h += line_chart("loss scale (fp16)", "scale", per_run(runs, "train/loss_scale"), true);
   h += "</div><h2>Speed</h2><div class='grid'>";
-  h += line_chart("throughput", "tokens/s", per_run(runs, "throughput/tokens_per_s"), true);
+  h += line_chart("throughput", "real tokens/s", per_run(runs, "throughput/tokens_per_s"), true);
   for (const auto& r : runs) {
     const std::vector<Series> layers = {
         series(r, "time/input_wait_ms", "input wait", "#ff7f0e"),
