@@ -15,8 +15,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 THREADS=${THREADS:-2}
 B=${BATCH:-8}
-STEPS=${STEPS:-4}
-WARMUP=${WARMUP:-3}
+STEPS=${STEPS:-12}
+WARMUP=${WARMUP:-1}
 LENGTHS=${LENGTHS:-128 512}
 CONFIGS=${*:-configs/bert-small.json configs/bert-base.json}
 BT=build/bertrain
@@ -25,7 +25,7 @@ field() { python3 -c "import json,sys; print(json.loads(sys.argv[2])[sys.argv[1]
 have_torch=0
 "$PY" -c "import torch, transformers" 2>/dev/null && have_torch=1
 echo "# CPU: $($BT bench --model-config configs/bert-tiny.json --batch-size 1 --seq-len 8 --max-predictions 1 --steps 1 --warmup 0 | sed -n 's/^  cpu *//p')"
-echo "# bertrain $(git rev-parse --short HEAD 2>/dev/null || echo ?), threads $THREADS, batch $B, $WARMUP+$STEPS steps each$([ $have_torch = 1 ] && "$PY" -c "import torch; print(', PyTorch', torch.__version__)")"
+echo "# bertrain $(git rev-parse --short HEAD 2>/dev/null || echo ?), threads $THREADS, batch $B, $STEPS batches timed after an untimed pass$([ $have_torch = 1 ] && "$PY" -c "import torch; print(', PyTorch', torch.__version__)")"
 printf "%-24s %5s %6s %13s %13s %8s %13s %9s\n" config seq real "padded t/s" "unpadded t/s" speedup "pytorch t/s" "vs torch"
 for seq in $LENGTHS; do
   preds=$((seq * 20 / 128))
