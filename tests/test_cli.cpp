@@ -5,6 +5,8 @@
 #include <array>
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "test_util.h"
 
@@ -211,6 +213,41 @@ TEST(Cli, BenchRunsAStep) {
   r = run("bench --model-config " + data_path("../configs/bert-tiny.json") + " --precision fp8");
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.out.find("--precision must be fp32, bf16 or fp16, got 'fp8'"), std::string::npos)
+      << r.out;
+}
+
+// Prepared records with their padding: both modes on the same batches, each a JSON line with
+// real and computed tokens/s (the unpadded run computes fewer rows for the same real tokens).
+TEST(Cli, BenchOnPreparedDataSkipsThePadding) {
+  const std::string args = "bench --model-config " + data_path("../configs/bert-tiny.json") +
+                           " --data " +
+                           data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord") +
+                           " --batch-size 4 --seq-len 128 --max-predictions 20 --steps 2 --json";
+  RunResult r = run(args + " --padding both");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  std::vector<nlohmann::json> runs;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);)
+    if (!line.empty() && line[0] == '{') runs.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(runs.size(), 2u) << r.out;
+  EXPECT_EQ(runs[0]["padding"], "compute");
+  EXPECT_EQ(runs[1]["padding"], "skip");
+  const double real = runs[1]["real_token_fraction"].get<double>();
+  EXPECT_GT(real, 0.3);
+  EXPECT_LT(real, 1.0) << "the sample's records have padding";
+  EXPECT_EQ(runs[0]["real_token_fraction"], runs[1]["real_token_fraction"]);  // the same batches
+  // Padded: every position computed; unpadded: the real ones, rounded up to 64 rows a batch.
+  EXPECT_NEAR(runs[0]["computed_tokens_per_s"].get<double>() * real,
+              runs[0]["tokens_per_s"].get<double>(), 1e-6 * runs[0]["tokens_per_s"].get<double>());
+  EXPECT_GT(runs[1]["computed_tokens_per_s"].get<double>(), runs[1]["tokens_per_s"].get<double>());
+  r = run(args + " --padding none");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("--padding must be skip or compute, got 'none'"), std::string::npos)
+      << r.out;
+  r = run(args + " --head classification");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("--data takes pretraining records: it needs --head pretraining"),
+            std::string::npos)
       << r.out;
 }
 
