@@ -314,8 +314,6 @@ void BertModel::zero_grads() {
 void BertModel::pack(const Batch& b) {
   Packed& pk = packed_;
   const int64_t B = b.B, T = b.T, P = b.P;
-  pk.B = B;
-  pk.T = T;
   pk.start.resize(B);
   pk.len.resize(B);
   pk.runs.clear();
@@ -422,14 +420,15 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   if (!bf16_fresh_) be_.copy_weights(prec_, params(), wbf16_, table_.total());
   bf16_fresh_ = false;
   const bool up = unpadded();
-  if (up) pack(b);
+  packed_.B = b.B;
   packed_.T = b.T;
-  last_B_ = b.B;
-  last_P_ = b.P;
+  packed_.P = b.P;
+  if (up) pack(b);
   const int64_t B = b.B, T = b.T, N = up ? packed_.rows : B * T, C = cfg_.hidden_size,
                 V = cfg_.vocab_size;
-  int64_t real = 0;
-  for (int64_t e = 0; e < B; ++e) real += up ? packed_.len[e] : real_length(b, e);
+  int64_t real = up ? packed_.real : 0;
+  if (!up)
+    for (int64_t e = 0; e < B; ++e) real += real_length(b, e);
   const float eps = cfg_.layer_norm_eps;
   const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
   const Activation act = cfg_.activation();
@@ -771,14 +770,14 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
 
 double BertModel::last_step_flops() const {
   const Packed& pk = packed_;
-  if (!unpadded()) return flops_per_step(last_B_, pk.T, last_P_);
+  if (!unpadded()) return flops_per_step(pk.B, pk.T, pk.P);
   const double C = cfg_.hidden_size, I = cfg_.intermediate_size, V = cfg_.vocab_size,
                L = cfg_.num_hidden_layers, N = static_cast<double>(pk.rows);
   double squares = 0;
   for (int64_t e = 0; e < pk.B; ++e) squares += static_cast<double>(pk.len[e]) * pk.len[e];
   const double per_layer = 2 * N * (3 * C * C + C * C + 2 * C * I) + 2 * 2 * squares * C;
   double head = 2.0 * pk.B * C * C;
-  if (head_ == Head::Pretraining) head += 2.0 * pk.B * last_P_ * (C * C + C * V);
+  if (head_ == Head::Pretraining) head += 2.0 * pk.B * pk.P * (C * C + C * V);
   return 3.0 * (L * per_layer + head);
 }
 

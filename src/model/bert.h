@@ -208,14 +208,14 @@ class BertModel {
     // backward scratch
     float *dh, *dA, *dB, *dI, *dhead1, *dhead2, *dsmall;
   };
-  // The packed rows of an unpadded forward (rows = T = 0 when padded): sequence b owns rows
+  // The packed rows of an unpadded forward (rows = 0 when padded): sequence b owns rows
   // [start[b], start[b] + len[b]); runs[i] = (first sequence, count) of consecutive sequences of
   // equal length (one attention call each); ids, segments, positions, mask and the padded row
   // (b * T + t: where the row's dropout masks are drawn) per row (dummy rows: [PAD], segment 0,
   // position 0, mask 0, padded row 0); cls and mlm the heads' rows; a token classifier's labels
   // and weights per row (dummy rows: weight 0).
   struct Packed {
-    int64_t B = 0, T = 0, real = 0, rows = 0;
+    int64_t B = 0, T = 0, P = 0, real = 0, rows = 0;  // B, T, P: the last batch's, padded too
     std::vector<int64_t> start, len;
     std::vector<std::pair<int64_t, int64_t>> runs;
     std::vector<int32_t> ids, segments, positions, mask, padded_row, cls, mlm, token_labels;
@@ -258,7 +258,6 @@ class BertModel {
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
   Packed packed_;
-  int64_t last_B_ = 0, last_P_ = 0;  // the last forward's batch
 };
 
 }  // namespace bertrain::model

@@ -89,11 +89,10 @@ namespace {
 // a primitive per new shape, and an unpadded batch brings new row counts: a trial timed on its
 // first sight of them would pay for what the trials after it find cached), then the mean of a
 // second pass over the same batches, the mean of that over the ranks.
-double time_steps(const TrainConfig& cfg, comm::Communicator& comm,
+double time_steps(const TrainConfig& cfg, comm::Communicator& comm, const model::BertConfig& mc,
                   const std::vector<model::Batch>& batches, model::ModelDims::Attention attention,
                   int threads, int64_t bucket_mb) {
   omp_set_num_threads(threads);
-  const model::BertConfig mc = model::BertConfig::load(cfg.model_config);
   model::ModelDims d{cfg.batch_size, cfg.seq_len, cfg.max_predictions, false,
                      attention,      false,       cfg.recompute_layers};
   d.unpadded = cfg.unpadded;
@@ -150,7 +149,7 @@ Tuning autotune(const TrainConfig& cfg, comm::Communicator& comm, int steps) {
   t.bucket_mb = cfg.bucket_mb;
   auto measure = [&](const std::string& knob, const std::string& value,
                      model::ModelDims::Attention a, int threads, int64_t bucket) {
-    const double ms = time_steps(cfg, comm, batches, a, threads, bucket);
+    const double ms = time_steps(cfg, comm, mc, batches, a, threads, bucket);
     t.trials.push_back({knob, value, ms});
     return ms;
   };

@@ -409,10 +409,11 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   // flags' before the model exists: the attention kernel decides its memory plan.
   TrainConfig tuned = cfg;
   Tuning tuning;
-  const bool have_tuning = stored_tuning(cfg, tuning) || (cfg.autotune && [&] {
-                             tuning = autotune(cfg, comm);
-                             return true;
-                           }());
+  bool have_tuning = stored_tuning(cfg, tuning);
+  if (!have_tuning && cfg.autotune) {
+    tuning = autotune(cfg, comm);
+    have_tuning = true;
+  }
   if (have_tuning) tuning.apply(tuned);
   s_ = std::make_unique<State>(tuned, comm);
   State& s = *s_;
