@@ -70,9 +70,9 @@ void choose_batch(train::TrainConfig& cfg, const Opts& o, const comm::Communicat
   if (o.batch == "auto") {
     budget = o.budget.empty() ? 0.9 * available_memory() / std::max(1, c.local_size())
                               : parse_bytes(o.budget);
-    model::ModelDims d = train::with_precision(
-        {1, cfg.seq_len, cfg.max_predictions, false, cfg.attention, false, cfg.recompute_layers},
-        cfg.precision);
+    train::TrainConfig one = cfg;
+    one.batch_size = 1;
+    const model::ModelDims d = train::model_dims(one);
     const model::BertConfig mc = model::BertConfig::load(cfg.model_config);
     // Besides the arenas: this run's input pipeline bound and, under MPI, the window slot.
     auto outside = [&](int64_t batch) {
@@ -160,6 +160,12 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
   add_padding_option(c, o->padding);
+  c->add_option("--pack", t.input.pack_per_row,
+                "Pack instances (MLPerf's packing, for short sequences): a batch is the instances "
+                "that fit into --batch-size rows of --seq-len tokens, at most N a row (3: "
+                "MLPerf's); each instance keeps its own positions and attends to itself only. "
+                "0: a batch is --batch-size instances. Runs unpadded")
+      ->capture_default_str();
   c->add_flag("--autotune", t.autotune,
               "Before the first step, time steps of a throwaway copy of the model with each "
               "attention kernel, fewer compute threads and (several ranks) other bucket sizes, and "
@@ -224,6 +230,10 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
     cfg.attention = d.attention;
     cfg.recompute_layers = d.recompute_layers;
     cfg.unpadded = parse_padding(o->padding);
+    if (cfg.input.pack_per_row > 0 && !cfg.unpadded)
+      fail(
+          "--pack runs unpadded (each instance on its own tokens): it does not go with "
+          "--padding compute");
     cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
     cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
     comm::Communicator& c = comm();

@@ -10,6 +10,8 @@ namespace bertrain::data {
 
 struct Batch {
   int64_t B = 0, T = 0, P = 0;  // batch, tokens per sequence, masked predictions per sequence
+  // Packed (data/packing.h): the B instances fit into this many rows of T tokens; 0 = unpacked.
+  int64_t packed_rows = 0;
   std::vector<int32_t> input_ids, input_mask, segment_ids;  // [B,T]
   std::vector<int32_t> masked_lm_positions, masked_lm_ids;  // [B,P]
   std::vector<float> masked_lm_weights;                     // [B,P]

@@ -19,6 +19,7 @@
 
 #include "core/rng.h"
 #include "core/setting.h"
+#include "data/packing.h"
 #include "data/tfrecord.h"
 
 namespace bertrain::data {
@@ -87,6 +88,7 @@ struct Out {
   uint64_t epoch = 0, index = 0;
   std::string error;
   bool end = false;
+  uint64_t examples = 0;  // instances of the epoch through this batch
 };
 
 void truncate_batch(Batch& b, int64_t rows) {
@@ -168,7 +170,7 @@ uint64_t count_records(const std::string& path, const std::string& compression) 
 }
 
 Remap remap_positions(const std::vector<PipelinePosition>& old, int64_t old_batch, int world,
-                      int64_t batch, const StreamSizes& sizes) {
+                      int64_t batch, const StreamSizes& sizes, bool packed) {
   if (old.empty()) fail("the checkpoint holds no input position to resume from");
   if (world <= 0 || batch <= 0 || old_batch <= 0) fail("remap: world and batches must be positive");
   const int N = static_cast<int>(old.size());
@@ -192,9 +194,9 @@ Remap remap_positions(const std::vector<PipelinePosition>& old, int64_t old_batc
         parts = plan->parts;
       else {
         const uint64_t n = sizes.examples(e, N, r);
-        parts.push_back({N, r, 0, n / old_batch * old_batch});  // its full batches
+        parts.push_back({N, r, 0, packed ? n : n / old_batch * old_batch});  // its full batches
       }
-      uint64_t skip = e == p.epoch ? p.batches * old_batch : 0;  // already read
+      uint64_t skip = e != p.epoch ? 0 : packed ? p.examples : p.batches * old_batch;  // read
       for (StreamPart part : parts) {
         const uint64_t k = std::min(skip, part.size());
         part.begin += k;
@@ -204,15 +206,16 @@ Remap remap_positions(const std::vector<PipelinePosition>& old, int64_t old_batc
     }
     uint64_t total = 0;
     for (const auto& part : rest) total += part.size();
-    const uint64_t K = total / batch;
+    const uint64_t unit = packed ? 1 : static_cast<uint64_t>(batch);  // dealt out in these
+    const uint64_t K = total / unit;
     out.remaining += total;
-    out.dropped += total - K * batch;
+    out.dropped += total - K * unit;
     // Deal out contiguous runs of whole batches.
     size_t at = 0;
     uint64_t used = 0;  // of rest[at]
     for (int q = 0; q < world; ++q) {
       EpochPlan plan{e, {}};
-      uint64_t want = (K / world + (static_cast<uint64_t>(q) < K % world ? 1 : 0)) * batch;
+      uint64_t want = (K / world + (static_cast<uint64_t>(q) < K % world ? 1 : 0)) * unit;
       while (want > 0) {
         const StreamPart& src = rest[at];
         const uint64_t k = std::min(want, src.size() - used);
@@ -584,25 +587,49 @@ struct Pipeline::Impl {
   }
 
   void assembler_loop() {
-    const int64_t B = opt.batch_size;
+    const int64_t B = opt.batch_size, T = schema.seq_len(), P = schema.max_predictions();
+    const bool pack = opt.pack_per_row > 0;
+    const int64_t cap = pack ? B * opt.pack_per_row : B;  // instances a batch holds at most
+    RowPacker packer({B, T, std::max<int64_t>(opt.pack_per_row, 1), B * P});
+    int64_t mask_at = 0, positions_at = 0, weights_at = 0;  // in a parsed example
+    for (const FeatureSpec& f : schema.features()) {
+      if (f.name == "input_mask") mask_at = f.offset;
+      if (f.name == "masked_lm_positions") positions_at = f.offset;
+      if (f.name == "masked_lm_weights") weights_at = f.offset;
+    }
     for (uint64_t epoch = start.epoch; opt.epochs == 0 || epoch < static_cast<uint64_t>(opt.epochs);
          ++epoch) {
       const uint64_t skip_batches = epoch == start.epoch ? start.batches : 0;
-      uint64_t batch_index = 0;
+      uint64_t batch_index = 0, read = 0;  // read: instances of the epoch in batches so far
       int64_t rows = 0;
       Batch batch = take_free_batch();
-      schema.shape_batch(batch, B);
-      auto emit = [&](const int32_t* ints, const float* floats) -> bool {
-        if (batch_index >= skip_batches) schema.fill_row(ints, floats, batch, rows);
-        if (++rows == B) {
-          if (batch_index >= skip_batches) {
-            if (!push_out({std::move(batch), epoch, batch_index, "", false})) return false;
-            batch = take_free_batch();
-            schema.shape_batch(batch, B);
-          }
-          ++batch_index;
-          rows = 0;
+      schema.shape_batch(batch, cap);
+      packer.clear();
+      auto close = [&]() -> bool {  // the batch's `rows` instances are all it gets
+        read += rows;
+        if (batch_index >= skip_batches) {
+          if (rows != batch.B) truncate_batch(batch, rows);
+          batch.packed_rows = pack ? B : 0;
+          if (!push_out({std::move(batch), epoch, batch_index, "", false, read})) return false;
+          batch = take_free_batch();
+          schema.shape_batch(batch, cap);
         }
+        ++batch_index;
+        rows = 0;
+        packer.clear();
+        return true;
+      };
+      auto emit = [&](const int32_t* ints, const float* floats) -> bool {
+        if (pack) {
+          const auto [tokens, predictions] =
+              instance_size(ints + mask_at, T, ints + positions_at, floats + weights_at, P);
+          if (!packer.take(tokens, predictions)) {
+            if (!close()) return false;
+            packer.take(tokens, predictions);  // an empty batch takes any one instance
+          }
+        }
+        if (batch_index >= skip_batches) schema.fill_row(ints, floats, batch, rows);
+        if (++rows == B && !pack) return close();
         return true;
       };
       const EpochPlan* plan = start.plan_for(epoch);
@@ -619,10 +646,7 @@ struct Pipeline::Impl {
       } else if (!run_stream(epoch, opt.world, opt.rank, true, batch_index, emit)) {
         return;
       }
-      if (rows > 0 && !opt.drop_remainder && batch_index >= skip_batches) {
-        truncate_batch(batch, rows);
-        if (!push_out({std::move(batch), epoch, batch_index, "", false})) return;
-      }
+      if (rows > 0 && !opt.drop_remainder && !close()) return;
       // Batches do not span epochs: with fewer records per epoch than one batch (and the
       // remainder dropped) no batch would ever come, and the run would wait forever. (A plan
       // may give this rank no batch of an epoch: the others read it.)
@@ -631,9 +655,10 @@ struct Pipeline::Impl {
                   epoch,
                   0,
                   str("one epoch of ", opt.files, " gives this rank ", rows,
-                      " records, fewer than one batch of ", B, ": lower ", setting("batch_size"),
-                      " to at most ", rows, opt.world > 1 ? " (or use fewer ranks)" : "",
-                      ", or add data"),
+                      pack ? str(" records, which fill fewer than one batch of ", B, " packed rows")
+                           : str(" records, fewer than one batch of ", B),
+                      ": lower ", setting("batch_size"), " to at most ", rows,
+                      opt.world > 1 ? " (or use fewer ranks)" : "", ", or add data"),
                   false});
         return;
       }
@@ -683,6 +708,11 @@ Pipeline::Pipeline(const PipelineOptions& opt, const Schema& schema, PipelinePos
     fail("rank ", opt.rank, " is outside a world of ", opt.world);
   if (opt.cycle_length <= 0 || opt.block_length <= 0)
     fail("cycle and block length must be positive");
+  if (opt.pack_per_row < 0) fail(setting("pack"), " must be >= 0, got ", opt.pack_per_row);
+  if (opt.pack_per_row > 0 &&
+      (schema.kind() != Schema::Kind::Pretraining || schema.max_predictions() <= 0))
+    fail("packing (", setting("pack"),
+         ") needs pretraining records with masked predictions; fine-tuning data is not packed");
   m.all_files = list_files(opt.files);
   for (const auto& f : m.all_files) m.remote |= is_remote(f);
   m.fingerprint = fingerprint_of(m.all_files);
@@ -774,6 +804,7 @@ bool Pipeline::next(Batch& batch) {
   batch = std::move(o.batch);
   m.pos.epoch = o.epoch;
   m.pos.batches = o.index + 1;
+  m.pos.examples = o.examples;
   m.st.batches++;
   m.st.examples += batch.B;
   m.st.consumer_wait_s += waited;
@@ -807,7 +838,7 @@ size_t Pipeline::memory_bound_bytes() const {
 
 size_t Pipeline::memory_bound(const PipelineOptions& opt, const Schema& schema) {
   const size_t ex = schema.example_bytes();
-  const size_t batch = ex * opt.batch_size;
+  const size_t batch = ex * opt.batch_size * std::max<int64_t>(opt.pack_per_row, 1);
   const size_t read_buffers = opt.cycle_length * size_t{2} << 20;  // buffered file + zlib input
   // Per slot: queued chunks up to slot_cap plus one chunk in flight and one held; the free
   // lists recycle those same chunks and batches.

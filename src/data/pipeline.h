@@ -43,6 +43,10 @@ struct PipelineOptions {
   int prefetch = 0;  // batches ready ahead; 0 = AUTOTUNE (1..max_prefetch)
   int max_prefetch = 8;
   int64_t epochs = 0;  // 0 = repeat forever
+  // Packing (pretraining records; data/packing.h): 0 = a batch is batch_size instances; N = a
+  // batch is the instances that fit into batch_size rows of seq_len tokens, N at most a row,
+  // with at most batch_size x max_predictions weighted masked predictions (Batch::packed_rows).
+  int64_t pack_per_row = 0;
   bool drop_remainder = true;
   OnCorrupt on_corrupt = OnCorrupt::Fail;
   std::string compression = "auto";
@@ -84,6 +88,8 @@ struct PipelinePosition {
   uint64_t fingerprint = 0;  // of the file list (names, sizes): resuming on other data fails
   // Epochs this rank reads by a plan rather than by its shard (those from `epoch` on count).
   std::vector<EpochPlan> plans;
+  // Instances in the batches returned in the current epoch (batches x batch size unless packed).
+  uint64_t examples = 0;
   const EpochPlan* plan_for(uint64_t e) const;
 };
 
@@ -120,8 +126,11 @@ struct Remap {
   uint64_t first_epoch = 0, last_epoch = 0;
   uint64_t remaining = 0, dropped = 0;  // examples re-divided; dropped as less than a batch
 };
+// Packed runs (`packed`): what was read is each position's `examples`, the rest of a stream is
+// all of it (a packed batch holds a varying number of instances), and the rest is dealt out
+// instance by instance, none dropped.
 Remap remap_positions(const std::vector<PipelinePosition>& old, int64_t old_batch, int world,
-                      int64_t batch, const StreamSizes& sizes);
+                      int64_t batch, const StreamSizes& sizes, bool packed = false);
 
 struct PipelineStats {
   uint64_t batches = 0, examples = 0, bytes = 0, skipped = 0;

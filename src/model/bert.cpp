@@ -64,9 +64,11 @@ const char* attention_name(ModelDims::Attention a) {
 }
 
 void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const ModelDims& d) {
-  const int64_t B = d.batch, T = d.seq_len, N = B * T, C = cfg.hidden_size,
+  // B: sequences (the heads); R rows of T tokens (the encoder; R = B unless packed, and a
+  // packed batch's attention squares sum to at most R T^2: sum L_i^2 <= T sum L_i <= R T^2).
+  const int64_t B = d.batch, T = d.seq_len, R = d.token_rows(), N = R * T, C = cfg.hidden_size,
                 I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = cfg.vocab_size;
-  const int64_t BP = head == Head::Pretraining ? B * d.max_predictions : 0;
+  const int64_t BP = head == Head::Pretraining ? R * d.max_predictions : 0;
   const std::string g = "activations";
   // bf16 and fp16 keep the same tensors in 16 bits (of their own format).
   const bool half = d.bf16 || d.fp16;
@@ -87,11 +89,11 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
     else
       add("qkv", f32s(N * 3 * C));
     if (d.blocked_attention())  // the row log-sum-exp only (kernels/cpu/attention.h)
-      add("lse", f32s(B * NH * T));
+      add("lse", f32s(R * NH * T));
     else if (half)  // the softmax output saved in bf16 / fp16
-      add("probs16", f32s(B * NH * T * T) / 2);
+      add("probs16", f32s(R * NH * T * T) / 2);
     else
-      add("probs", f32s(B * NH * T * T));
+      add("probs", f32s(R * NH * T * T));
     // bf16/fp16: the inputs of the attention-output and FFN-output matmuls are kept only in
     // 16 bits (bf16: they are the matmuls' operands, GELU writes them directly).
     if (half)
@@ -143,7 +145,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(s, "grad.dI", f32s(N * std::max(I, 3 * C)));
   plan.add(s, "grad.dhead1", f32s(std::max(BP, B) * C));
   plan.add(s, "grad.dhead2", f32s(std::max(BP, B) * C));
-  if (!d.blocked_attention()) plan.add(s, "attn.work", f32s(B * NH * T * T));
+  if (!d.blocked_attention()) plan.add(s, "attn.work", f32s(R * NH * T * T));
   if (d.bf16) plan.add(s, "attn.ctx", f32s(N * C));  // fp32 ctx until it is rounded to bf16
   // fp16: forward's fp32 ctx until it is rounded; in backward each saved fp16 tensor widened
   // back to fp32 for the fp32 kernels, one at a time.
@@ -160,19 +162,19 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
     plan.add(g16, "bf16.scratch_b", static_cast<size_t>(std::max(N * std::max(C, I), BP * C)) * h);
     // Attention's matmul operands: the dropped probabilities (then dS), dctx (QKV: per layer).
     if (!d.blocked_attention())
-      plan.add(g16, "bf16.attn_probs", static_cast<size_t>(B * NH * T * T) * h);
+      plan.add(g16, "bf16.attn_probs", static_cast<size_t>(R * NH * T * T) * h);
     plan.add(g16, "bf16.attn_dctx", static_cast<size_t>(N * C) * h);
   }
 }
 
 kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, const ModelDims& d,
                                            const kernels::Backend& backend) {
-  const int64_t B = d.batch, T = d.seq_len, N = B * T, C = cfg.hidden_size,
+  const int64_t B = d.batch, T = d.seq_len, R = d.token_rows(), N = R * T, C = cfg.hidden_size,
                 I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = cfg.vocab_size;
   // The products forward and backward make (bert.cpp's linear_forward calls), once per shape.
   std::vector<kernels::LinearShape> linears = {{N, 3 * C, C}, {N, C, C}, {N, I, C}, {N, C, I}};
   if (head == Head::Pretraining) {
-    const int64_t BP = B * d.max_predictions;
+    const int64_t BP = R * d.max_predictions;
     linears.insert(linears.end(), {{B, C, C}, {B, 2, C}, {BP, C, C}, {BP, V, C}});
   } else if (head == Head::SequenceClassification) {
     linears.insert(linears.end(), {{B, C, C}, {B, cfg.num_labels, C}});
@@ -185,7 +187,7 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, con
   k.precision = d.precision();
   k.linears = linears.data();
   k.num_linears = static_cast<int64_t>(linears.size());
-  k.attention = {B, T, C, NH};
+  k.attention = {R, T, C, NH};
   k.blocked_attention = d.blocked_attention();
   k.layernorm_width = C;
   return backend.scratch_layout(k);
@@ -202,6 +204,10 @@ MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDim
     fail(setting("max_predictions"), " ", dims.max_predictions, " exceeds ", setting("seq_len"),
          " ", dims.seq_len);
   if (dims.bf16 && dims.fp16) fail("a model computes in bf16 or in fp16, not both");
+  if (dims.pack_rows < 0 || (dims.pack_rows > 0 && (!dims.unpadded || head != Head::Pretraining ||
+                                                    dims.pack_rows > dims.batch)))
+    fail("packing runs pretraining unpadded, with at least as many instances as rows (",
+         dims.pack_rows, " rows, ", dims.batch, " instances", dims.unpadded ? "" : ", padded", ")");
   const ParamTable table(cfg, head);
   MemoryPlan plan;
   plan.add("parameters", "params", f32s(table.total()));
@@ -328,7 +334,12 @@ void BertModel::pack(const Batch& b) {
       pk.runs.push_back({e, 1});
   }
   pk.real = r;
-  pk.rows = std::min(B * T, (r + kRowQuantum - 1) / kRowQuantum * kRowQuantum);
+  const int64_t budget = dims_.pack_rows > 0 ? dims_.pack_rows * dims_.seq_len : B * T;
+  if (r > budget)
+    fail("the batch's ", B, " sequences hold ", r, " real tokens, more than the ", budget,
+         " planned (", dims_.pack_rows, " packed rows of ", dims_.seq_len,
+         "); pack the batch with the same --batch-size and --seq-len as the model");
+  pk.rows = std::min(budget, (r + kRowQuantum - 1) / kRowQuantum * kRowQuantum);
   pk.ids.assign(pk.rows, cfg_.pad_token_id);
   pk.segments.assign(pk.rows, 0);
   pk.positions.assign(pk.rows, 0);
@@ -362,6 +373,30 @@ void BertModel::pack(const Batch& b) {
       const int64_t t = b.masked_lm_positions[e * P + j];
       pk.mlm[e * P + j] = static_cast<int32_t>(pk.start[e] + (t < pk.len[e] ? t : 0));
     }
+  pk.mlm_rows = B * P;
+  if (!compact_mlm() || head_ != Head::Pretraining) return;
+  // Packed: the weighted predictions only (at least one row, weight 0, when there are none).
+  pk.mlm_ids.clear();
+  pk.mlm_weights.clear();
+  int64_t n = 0;
+  for (int64_t i = 0; i < B * P; ++i)
+    if (b.masked_lm_weights[i] != 0.0f) {
+      pk.mlm[n++] = pk.mlm[i];
+      pk.mlm_ids.push_back(b.masked_lm_ids[i]);
+      pk.mlm_weights.push_back(b.masked_lm_weights[i]);
+    }
+  const int64_t most = dims_.pack_rows * dims_.max_predictions;
+  if (n > most)
+    fail("the batch holds ", n, " weighted masked predictions, more than the ", most, " planned (",
+         dims_.pack_rows, " packed rows x ", setting("max_predictions"), " ", dims_.max_predictions,
+         ")");
+  if (n == 0) {
+    pk.mlm[n++] = 0;
+    pk.mlm_ids.push_back(0);
+    pk.mlm_weights.push_back(0.0f);
+  }
+  pk.mlm.resize(n);
+  pk.mlm_rows = n;
 }
 
 void BertModel::dropout_rows(bool backward, float* x, const float* dy, int64_t N,
@@ -412,6 +447,10 @@ void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const flo
 }
 
 Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
+  if (b.packed_rows > 0 && (dims_.pack_rows == 0 || b.packed_rows > dims_.pack_rows))
+    fail("a batch packed into ", b.packed_rows, " rows needs a model planned for packing (",
+         setting("pack"), ") with at least that ", setting("batch_size"),
+         "; this one is planned for ", dims_.pack_rows, " packed rows");
   if (b.B > dims_.batch || b.T > dims_.seq_len || b.P > dims_.max_predictions)
     fail("batch [", b.B, " x ", b.T, ", ", b.P, " predictions] exceeds the planned [", dims_.batch,
          " x ", dims_.seq_len, ", ", dims_.max_predictions, "]");
@@ -523,9 +562,9 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     out.nsp_correct = static_cast<int64_t>(nsp.correct);
 
     // MLM head on the masked positions only (gather first): BP rows instead of B*T.
-    const int64_t BP = B * b.P;
-    be_.gather_rows(act_.mlm_in, x, up ? packed_.mlm.data() : b.masked_lm_positions.data(), B, b.P,
-                    up ? 0 : T, C);
+    const int64_t BP = up ? packed_.mlm_rows : B * b.P;
+    be_.gather_rows(act_.mlm_in, x, up ? packed_.mlm.data() : b.masked_lm_positions.data(),
+                    up ? 1 : B, up ? BP : b.P, up ? 0 : T, C);
     be_.linear_forward(prec_, act_.mlm_pre, {act_.mlm_in},
                        Wt(t.offset("cls.predictions.transform.dense.weight")),
                        W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C, ws_);
@@ -539,11 +578,11 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
                        W(t.offset("cls.predictions.bias")), BP, V, C, ws_);
     // Training: the gradient (for loss scale 1) is written over the logits in the same passes
     // that compute the loss, so backward does not recompute the softmax over the vocabulary.
-    for (int64_t r = 0; r < BP; ++r) out.mlm_weight += b.masked_lm_weights[r];
+    for (int64_t r = 0; r < BP; ++r) out.mlm_weight += mlm_weights(b)[r];
     const float dscale1 = static_cast<float>(1.0 / (out.mlm_weight + kMlmDenominatorEps));
-    const CrossEntropySums mlm = be_.cross_entropy(
-        opt.training ? act_.mlm_logits : nullptr, act_.row_loss, act_.row_correct, act_.mlm_logits,
-        b.masked_lm_ids.data(), b.masked_lm_weights.data(), BP, V, dscale1);
+    const CrossEntropySums mlm =
+        be_.cross_entropy(opt.training ? act_.mlm_logits : nullptr, act_.row_loss, act_.row_correct,
+                          act_.mlm_logits, mlm_ids(b), mlm_weights(b), BP, V, dscale1);
     mlm_grad_ready_ = opt.training;
     out.mlm_correct = mlm.correct;
     out.mlm_loss = mlm.loss / (out.mlm_weight + kMlmDenominatorEps);
@@ -665,7 +704,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     lin_bwd(dpooled, t.offset("cls.seq_relationship.weight"), t.offset("cls.seq_relationship.bias"),
             dnsp, {act_.pooled}, B, 2, C);
 
-    const int64_t BP = B * b.P;
+    const int64_t BP = up ? packed_.mlm_rows : B * b.P;
     float* dlogits = act_.mlm_logits;  // gradient overwrites the logits
     if (mlm_grad_ready_) {
       // Forward left the gradient for loss scale 1; scales are powers of two, so scaling here
@@ -673,10 +712,10 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
       if (loss_scale != 1.0f) be_.scale_inplace(dlogits, BP * V, loss_scale);
     } else {
       double wsum = 0;
-      for (int64_t r = 0; r < BP; ++r) wsum += b.masked_lm_weights[r];
+      for (int64_t r = 0; r < BP; ++r) wsum += mlm_weights(b)[r];
       const float dscale = static_cast<float>(loss_scale / (wsum + kMlmDenominatorEps));
-      be_.cross_entropy(dlogits, nullptr, nullptr, act_.mlm_logits, b.masked_lm_ids.data(),
-                        b.masked_lm_weights.data(), BP, V, dscale);
+      be_.cross_entropy(dlogits, nullptr, nullptr, act_.mlm_logits, mlm_ids(b), mlm_weights(b), BP,
+                        V, dscale);
     }
     mlm_grad_ready_ = false;
     float* d1 = act_.dhead1;  // [BP,C]
@@ -689,8 +728,8 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     be_.activation_backward(Precision::FP32, act, d2, {act_.mlm_pre}, d2, BP * C);
     lin_bwd(d1, t.offset("cls.predictions.transform.dense.weight"),
             t.offset("cls.predictions.transform.dense.bias"), d2, {act_.mlm_in}, BP, C, C);
-    be_.scatter_add_rows(dh, d1, up ? packed_.mlm.data() : b.masked_lm_positions.data(), B, b.P,
-                         up ? 0 : T, C);
+    be_.scatter_add_rows(dh, d1, up ? packed_.mlm.data() : b.masked_lm_positions.data(), up ? 1 : B,
+                         up ? BP : b.P, up ? 0 : T, C);
   } else {
     const int64_t NL = cfg_.num_labels;
     float* dlog = act_.dsmall;
@@ -777,7 +816,7 @@ double BertModel::last_step_flops() const {
   for (int64_t e = 0; e < pk.B; ++e) squares += static_cast<double>(pk.len[e]) * pk.len[e];
   const double per_layer = 2 * N * (3 * C * C + C * C + 2 * C * I) + 2 * 2 * squares * C;
   double head = 2.0 * pk.B * C * C;
-  if (head_ == Head::Pretraining) head += 2.0 * pk.B * pk.P * (C * C + C * V);
+  if (head_ == Head::Pretraining) head += 2.0 * pk.mlm_rows * (C * C + C * V);
   return 3.0 * (L * per_layer + head);
 }
 

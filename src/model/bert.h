@@ -60,6 +60,14 @@ struct ModelDims {
   // probability exp(-10000) = 0 there), dropout included: every packed row and attention run
   // draws the masks of its place in the padded batch.
   bool unpadded = false;
+  // Packing (pretraining, unpadded; data/packing.h): a batch is up to `batch` instances whose
+  // real tokens fit into pack_rows rows of seq_len and whose weighted masked predictions number
+  // at most pack_rows x max_predictions. The encoder is planned for pack_rows x seq_len tokens,
+  // the pooler and NSP for `batch` instances, and the MLM head for the weighted predictions
+  // only (mlm_logits() then has a row per weighted prediction, in batch order). 0 = unpacked.
+  int64_t pack_rows = 0;
+  // Rows of seq_len tokens the encoder is planned for.
+  int64_t token_rows() const { return pack_rows > 0 ? pack_rows : batch; }
   kernels::Precision precision() const {
     return bf16   ? kernels::Precision::BF16
            : fp16 ? kernels::Precision::FP16
@@ -169,8 +177,9 @@ class BertModel {
   // sequence_row(b, t) (-1 past its real length).
   const float* sequence_output() const { return seq_out_; }
   int64_t sequence_row(int64_t b, int64_t t) const;
-  const float* pooled_output() const { return act_.pooled; }   // [B,C]
-  const float* mlm_logits() const { return act_.mlm_logits; }  // [B*P,V]
+  const float* pooled_output() const { return act_.pooled; }  // [B,C]
+  // [B*P,V]; packed (ModelDims::pack_rows), [weighted predictions, V].
+  const float* mlm_logits() const { return act_.mlm_logits; }
   const float* nsp_logits() const { return act_.nsp_logits; }  // [B,2]
   const float* cls_logits() const { return act_.cls_logits; }  // [B,num_labels]
   // [B*T,num_labels]; unpadded, a row per packed row (sequence_row).
@@ -213,14 +222,26 @@ class BertModel {
   // equal length (one attention call each); ids, segments, positions, mask and the padded row
   // (b * T + t: where the row's dropout masks are drawn) per row (dummy rows: [PAD], segment 0,
   // position 0, mask 0, padded row 0); cls and mlm the heads' rows; a token classifier's labels
-  // and weights per row (dummy rows: weight 0).
+  // and weights per row (dummy rows: weight 0). Packing: the MLM head's rows are the weighted
+  // predictions only, with their ids and weights (mlm_ids, mlm_weights).
   struct Packed {
     int64_t B = 0, T = 0, P = 0, real = 0, rows = 0;  // B, T, P: the last batch's, padded too
+    int64_t mlm_rows = 0;                             // rows of the MLM head
     std::vector<int64_t> start, len;
     std::vector<std::pair<int64_t, int64_t>> runs;
     std::vector<int32_t> ids, segments, positions, mask, padded_row, cls, mlm, token_labels;
     std::vector<float> token_weights;
+    std::vector<int32_t> mlm_ids;
+    std::vector<float> mlm_weights;
   };
+  bool compact_mlm() const { return dims_.pack_rows > 0; }
+  // The MLM head's labels and weights for batch b (its rows: packed_.mlm_rows).
+  const int32_t* mlm_ids(const Batch& b) const {
+    return compact_mlm() ? packed_.mlm_ids.data() : b.masked_lm_ids.data();
+  }
+  const float* mlm_weights(const Batch& b) const {
+    return compact_mlm() ? packed_.mlm_weights.data() : b.masked_lm_weights.data();
+  }
   void pack(const Batch& b);
   // Dropout of the N rows of x (forward: in place) or its backward (dx from dy) at site d:
   // unpadded, one call per sequence at its padded rows' offset (its rows are their prefix).

@@ -156,8 +156,10 @@ int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, mod
                              const std::function<double(int64_t)>& outside) {
   // The plan grows monotonically with the batch: binary search on it.
   int64_t lo = 0, hi = 1;
+  const int64_t per_row = dims.pack_rows > 0 ? dims.batch / dims.pack_rows : 0;
   auto fits = [&](int64_t b) {
-    dims.batch = b;
+    dims.batch = per_row > 0 ? b * per_row : b;
+    if (per_row > 0) dims.pack_rows = b;
     return static_cast<double>(
                training_plan(cfg, head, dims, optimizer_slots, shard_world).total_bytes()) +
                (outside ? outside(b) : 0.0) <=

@@ -38,6 +38,7 @@ std::string explain_plan(const model::BertConfig& cfg, model::Head head,
 std::string format_plan(const MemoryPlan& plan, int top_regions = 8);
 
 // Largest batch size whose plan fits in `budget_bytes` (0 if even batch 1 does not fit).
+// Packed dims (pack_rows > 0, batch = pack_rows x instances per row): the batch is in rows.
 // outside(batch): what a run holds besides its arenas at that batch (the input pipeline's
 // bound, the MPI window slot), counted against the budget too.
 int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, model::ModelDims dims,

@@ -93,10 +93,9 @@ double time_steps(const TrainConfig& cfg, comm::Communicator& comm, const model:
                   const std::vector<model::Batch>& batches, model::ModelDims::Attention attention,
                   int threads, int64_t bucket_mb) {
   omp_set_num_threads(threads);
-  model::ModelDims d{cfg.batch_size, cfg.seq_len, cfg.max_predictions, false,
-                     attention,      false,       cfg.recompute_layers};
-  d.unpadded = cfg.unpadded;
-  model::BertModel m(mc, model::Head::Pretraining, with_precision(d, cfg.precision));
+  model::ModelDims d = model_dims(cfg);
+  d.attention = attention;
+  model::BertModel m(mc, model::Head::Pretraining, d);
   m.init_params(cfg.seed);
   Optimizer opt(
       param_slices(m.table()), m.table().total(), cfg.optimizer, kernels::cpu_backend(),

@@ -195,6 +195,7 @@ std::string save_checkpoint(const std::string& run_dir, const model::BertModel& 
       for (const auto& p : st.positions) {
         nlohmann::json e = {{"epoch", p.epoch},
                             {"batches", p.batches},
+                            {"examples", p.examples},
                             {"fingerprint", std::to_string(p.fingerprint)}};
         // After a resume on another rank count: each epoch's parts of the old ranks' streams,
         // [world, rank, begin, end] (the epochs not yet finished).
@@ -281,6 +282,7 @@ TrainerState load_checkpoint(const std::string& dir, model::BertModel& m, Optimi
                                  p.at("batches").get<uint64_t>(),
                                  std::stoull(p.at("fingerprint").get<std::string>()),
                                  {}};
+      if (p.contains("examples")) pos.examples = p.at("examples").get<uint64_t>();
       if (p.contains("plans"))
         for (const auto& plan : p.at("plans")) {
           data::EpochPlan e{plan.at("epoch").get<uint64_t>(), {}};

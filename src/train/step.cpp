@@ -88,8 +88,8 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   m_.zero_grads();
   // Per rank: loss sum, MLM hits and weight, NSP and classification hits, examples, whether
   // some micro-batch's loss was not finite, (sharded) the squared gradient norm of its part, the
-  // real and the computed tokens.
-  double stats[10] = {};
+  // real and the computed tokens, the token positions.
+  double stats[11] = {};
   for (int64_t micro = 0; micro < s_.accumulation; ++micro) {
     auto t0 = Clock::now();
     if (!next_batch(batch_)) {
@@ -98,8 +98,11 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
     }
     r.t_input += since(t0);
     span("input wait", "input", t0);
+    // Each rank's and micro-batch's own dropout streams: a packed batch's instance count
+    // varies, so it counts its most (the model's planned batch).
+    const int64_t per_batch = batch_.packed_rows > 0 ? m_.dims().batch : batch_.B;
     const model::StepOptions so{true, s_.seed, static_cast<uint64_t>(step),
-                                static_cast<uint64_t>((micro * world + rank) * batch_.B)};
+                                static_cast<uint64_t>((micro * world + rank) * per_batch)};
     t0 = Clock::now();
     const model::Losses l = m_.forward(batch_, so);
     r.t_forward += since(t0);
@@ -113,6 +116,8 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
     if (!std::isfinite(l.loss)) stats[6] += 1;
     stats[8] += static_cast<double>(l.real_tokens);
     stats[9] += static_cast<double>(l.computed_tokens);
+    stats[10] +=
+        static_cast<double>((batch_.packed_rows > 0 ? batch_.packed_rows : batch_.B) * batch_.T);
     r.flops += m_.last_step_flops();
     t0 = Clock::now();
     const bool last = micro + 1 == s_.accumulation;
@@ -131,7 +136,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   const bool sharded = opt_.sharded();
   m_.bind_kernel_scratch();  // the optimizer's reductions take their partial sums from it
   if (sharded) stats[7] = opt_.sum_squares(m_.grads(), g.unscale);  // of this rank's part
-  if (world > 1) comm_.allreduce_sum(stats, 10);                    // stats[7] is 0 unsharded
+  if (world > 1) comm_.allreduce_sum(stats, 11);                    // stats[7] is 0 unsharded
   r.t_comm = since(t0);
   span("allreduce gradients", "communication", t0);
   r.loss = stats[0] / world;
@@ -142,6 +147,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   r.examples = stats[5];
   r.real_tokens = stats[8];
   r.computed_tokens = stats[9];
+  r.token_slots = stats[10];
 
   // Finite check on every rank (all skip together), then the update.
   t0 = Clock::now();

@@ -51,6 +51,9 @@ struct StepReport {
   // Token rows of the step, all ranks: the real tokens and those the encoder computed (with
   // padding when the model runs padded; model::Losses).
   double real_tokens = 0, computed_tokens = 0;
+  // The token positions of the step's batches, all ranks: rows x seq_len, a row per sequence
+  // (padded) or per packed row (data/packing.h). Padding is what of them real tokens leave.
+  double token_slots = 0;
   double flops = 0;         // model FLOPs this rank computed (BertModel::last_step_flops)
   double grad_norm = 0;     // of the unscaled, averaged gradients, before clipping
   float loss_scale = 1.0f;  // the scale this step ran with

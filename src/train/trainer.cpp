@@ -107,7 +107,7 @@ namespace {
 // Sums of step reports over a logging window or the whole run.
 struct Totals {
   double loss = 0, mlm_correct = 0, mlm_weight = 0, nsp_correct = 0, examples = 0;
-  double real_tokens = 0, computed_tokens = 0, flops = 0;
+  double real_tokens = 0, computed_tokens = 0, token_slots = 0, flops = 0;
   double input = 0, forward = 0, backward = 0, comm = 0, optimizer = 0, hidden = 0, total = 0;
   int64_t steps = 0;
   void add(const StepReport& r) {
@@ -118,6 +118,7 @@ struct Totals {
     examples += r.examples;
     real_tokens += r.real_tokens;
     computed_tokens += r.computed_tokens;
+    token_slots += r.token_slots;
     flops += r.flops;
     input += r.t_input;
     forward += r.t_forward;
@@ -211,8 +212,7 @@ void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double 
       // Real tokens (the input's, padding not counted), and the rows the encoder computed.
       {"throughput/tokens_per_s", w.real_tokens / std::max(seconds, 1e-9)},
       {"throughput/computed_tokens_per_s", w.computed_tokens / std::max(seconds, 1e-9)},
-      {"throughput/padding_fraction",
-       1.0 - w.real_tokens / std::max(w.examples * static_cast<double>(cfg.seq_len), 1.0)},
+      {"throughput/padding_fraction", 1.0 - w.real_tokens / std::max(w.token_slots, 1.0)},
       {"time/step_ms", 1e3 * w.total / n},
       {"time/input_wait_ms", 1e3 * w.input / n},
       {"time/forward_ms", 1e3 * w.forward / n},
@@ -230,16 +230,26 @@ void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double 
   metrics->write(done, values, {{"rank_step_ms", rank_ms}});
 }
 
+model::ModelDims model_dims(const TrainConfig& c) {
+  const int64_t per_row = c.input.pack_per_row;
+  model::ModelDims d;
+  d.batch = per_row > 0 ? c.batch_size * per_row : c.batch_size;
+  d.seq_len = c.seq_len;
+  d.max_predictions = c.max_predictions;
+  d.attention = c.attention;
+  d.recompute_layers = c.recompute_layers;
+  d.unpadded = c.unpadded || per_row > 0;
+  d.pack_rows = per_row > 0 ? c.batch_size : 0;
+  return with_precision(d, c.precision);
+}
+
 Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
     : cfg(c),
       comm(cm),
       rank(cm.rank()),
       world(cm.size()),
       mcfg(model::BertConfig::load(c.model_config)),
-      m(mcfg, model::Head::Pretraining,
-        with_precision({c.batch_size, c.seq_len, c.max_predictions, false, c.attention, false,
-                        c.recompute_layers, c.unpadded},
-                       c.precision)),
+      m(mcfg, model::Head::Pretraining, model_dims(c)),
       opt(param_slices(m.table()), m.table().total(), c.optimizer, kernels::cpu_backend(),
           c.shard_optimizer ? shard_of(m.table().total(), cm.rank(), cm.size()) : Shard{}),
       scaler([&] {
@@ -253,6 +263,7 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
   settings = {{"batch_size", cfg.batch_size},
               {"seq_len", cfg.seq_len},
               {"max_predictions", cfg.max_predictions},
+              {"pack", cfg.input.pack_per_row},
               {"accumulation", cfg.accumulation},
               {"world_size", world},
               {"precision", precision_name(cfg.precision)},
@@ -271,8 +282,8 @@ void Trainer::State::resume_or_init() {
     // On another number of ranks the per-rank batch and the accumulation may change (the
     // global batch is kept where it can be); on the same number everything must match.
     const bool regrid = static_cast<int>(st.positions.size()) != world;
-    for (const char* k : {"batch_size", "seq_len", "max_predictions", "accumulation", "world_size",
-                          "precision", "optimizer"}) {
+    for (const char* k : {"batch_size", "seq_len", "max_predictions", "pack", "accumulation",
+                          "world_size", "precision", "optimizer"}) {
       if (regrid && (k == std::string("batch_size") || k == std::string("accumulation") ||
                      k == std::string("world_size")))
         continue;
@@ -341,8 +352,8 @@ void Trainer::State::resume_on_other_ranks(const TrainerState& st, const std::st
   comm.allreduce_sum(counts.data(), static_cast<int64_t>(counts.size()));
   std::vector<uint64_t> records(counts.begin(), counts.end());
   const data::StreamSizes sizes(files, records, cfg.seed, cfg.input.shuffle);
-  const data::Remap r =
-      data::remap_positions(st.positions, old_batch, world, cfg.batch_size, sizes);
+  const data::Remap r = data::remap_positions(st.positions, old_batch, world, cfg.batch_size, sizes,
+                                              cfg.input.pack_per_row > 0);
   position = r.positions[rank];
   for (const auto& p : r.positions) plans_of_rank.push_back(p.plans);
   regrid_note =
@@ -385,13 +396,15 @@ std::string Trainer::State::save(int64_t step_done, const data::PipelinePosition
   std::vector<double> pos(3 * world, 0.0);
   pos[3 * rank] = static_cast<double>(done_pos.epoch);
   pos[3 * rank + 1] = static_cast<double>(done_pos.batches);
+  pos[3 * rank + 2] = static_cast<double>(done_pos.examples);
   comm.allreduce_sum(pos.data(), static_cast<int64_t>(pos.size()));
   for (int r = 0; r < world; ++r)
     st.positions.push_back({static_cast<uint64_t>(pos[3 * r]),
                             static_cast<uint64_t>(pos[3 * r + 1]), done_pos.fingerprint,
                             r < static_cast<int>(plans_of_rank.size())
                                 ? plans_of_rank[r]
-                                : std::vector<data::EpochPlan>{}});
+                                : std::vector<data::EpochPlan>{},
+                            static_cast<uint64_t>(pos[3 * r + 2])});
   if (opt.sharded())  // every rank writes its shard
     last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last), &comm);
   else if (rank == 0)
@@ -489,10 +502,13 @@ std::string Trainer::banner() const {
                                                                 : "from " + cfg.init_checkpoint)
                                  : "resumed from " + s.resumed_from,
           "\n");
+  const int64_t per_row = cfg.input.pack_per_row;
   out += str("  data ", cfg.input.files, " (", s.pipe->files().size(), " files), batch ",
-             cfg.batch_size, " x ", s.world, " ranks x ", cfg.accumulation,
-             " accumulation = ", cfg.batch_size * s.world * cfg.accumulation, " sequences of ",
-             cfg.seq_len, " tokens\n");
+             cfg.batch_size, per_row > 0 ? " packed rows" : "", " x ", s.world, " ranks x ",
+             cfg.accumulation, " accumulation = ", cfg.batch_size * s.world * cfg.accumulation,
+             per_row > 0 ? str(" rows of ", cfg.seq_len, " tokens, each up to ", per_row,
+                               " instances (packed: the instances per step vary)\n")
+                         : str(" sequences of ", cfg.seq_len, " tokens\n"));
   char line[512];
   std::snprintf(
       line, sizeof line,
@@ -677,7 +693,7 @@ std::string Trainer::summary() const {
                 "tokens: %.0f real tokens/s over all ranks; %.1f%% of the token positions were "
                 "padding, %.1f%% of the rows computed (%s)\n",
                 t.real_tokens / std::max(t.total, 1e-9),
-                100.0 * (1.0 - t.real_tokens / std::max(t.examples * cfg.seq_len, 1.0)),
+                100.0 * (1.0 - t.real_tokens / std::max(t.token_slots, 1.0)),
                 100.0 * (1.0 - t.real_tokens / std::max(t.computed_tokens, 1.0)),
                 s.m.unpadded() ? "unpadded: rows rounded up to 64" : "padded to --seq-len");
   out += line;

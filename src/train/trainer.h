@@ -49,6 +49,10 @@ struct TrainConfig {
   bool autotune = false;
 };
 
+// The model's dims for a training run: its batch, precision, attention, recompute, padding and
+// packing (--pack: batch_size packed rows of up to pack_per_row instances each, unpadded).
+model::ModelDims model_dims(const TrainConfig& c);
+
 struct TrainResult {
   int64_t steps_done = 0;
   double first_loss = 0, last_loss = 0;  // averaged over the first / last log window
