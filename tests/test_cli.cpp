@@ -223,15 +223,21 @@ TEST(Cli, BenchOnPreparedDataSkipsThePadding) {
                            " --data " +
                            data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord") +
                            " --batch-size 4 --seq-len 128 --max-predictions 20 --steps 2 --json";
-  RunResult r = run(args + " --padding both");
+  RunResult r = run(args + " --padding both --pack 3");
   ASSERT_EQ(r.rc, 0) << r.out;
   std::vector<nlohmann::json> runs;
   std::istringstream lines(r.out);
   for (std::string line; std::getline(lines, line);)
     if (!line.empty() && line[0] == '{') runs.push_back(nlohmann::json::parse(line));
-  ASSERT_EQ(runs.size(), 2u) << r.out;
+  ASSERT_EQ(runs.size(), 3u) << r.out;
   EXPECT_EQ(runs[0]["padding"], "compute");
   EXPECT_EQ(runs[1]["padding"], "skip");
+  EXPECT_EQ(runs[2]["padding"], "packed");
+  EXPECT_EQ(runs[1]["instances_per_step"], 4.0);
+  // Packed rows: at least as many instances a step, the rows at least as full.
+  EXPECT_GE(runs[2]["instances_per_step"].get<double>(), 4.0);
+  EXPECT_GE(runs[2]["real_token_fraction"].get<double>(),
+            runs[1]["real_token_fraction"].get<double>() - 1e-9);
   const double real = runs[1]["real_token_fraction"].get<double>();
   EXPECT_GT(real, 0.3);
   EXPECT_LT(real, 1.0) << "the sample's records have padding";
@@ -247,6 +253,15 @@ TEST(Cli, BenchOnPreparedDataSkipsThePadding) {
   r = run(args + " --head classification");
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.out.find("--data takes pretraining records: it needs --head pretraining"),
+            std::string::npos)
+      << r.out;
+  // Packing runs unpadded: train refuses it with --padding compute.
+  r = run("train --model-config " + data_path("../configs/bert-tiny.json") + " --data " +
+          data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord") +
+          " --output /nonexistent --pack 3 --padding compute");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("--pack runs unpadded (each instance on its own tokens): it does not go "
+                       "with --padding compute"),
             std::string::npos)
       << r.out;
 }

@@ -81,8 +81,10 @@ TEST(LossScaler, SkipsHalvesGrowsAndGivesUp) {
 struct TrainEnv {
   test::TempDir dir;
   std::string data, config;
-  TrainEnv() {
+  // short_seq_prob: create_pretraining_data's share of instances with a shorter target length.
+  explicit TrainEnv(double short_seq_prob = 0.1) {
     data::PrepareConfig p;
+    p.instance.short_seq_prob = short_seq_prob;
     p.input = root("data/corpus/bert_sample_text.txt") + "," +
               root("data/corpus/gutenberg/shakespeare-caesar.txt");
     p.vocab = root("data/vocab/bert-base-uncased-vocab.txt");
@@ -298,6 +300,45 @@ TEST(Train, AutotuneChoosesWithoutTouchingTheRun) {
   EXPECT_EQ(c2.losses.size(), 4u);
   EXPECT_EQ(omp_get_max_threads(), kept.threads);  // the stored thread count applied
   omp_set_num_threads(threads);
+}
+
+// --pack: batches of packed rows train, a resumed run equals the uninterrupted one bit for bit
+// (the packed batches replayed to the position), the positions count the instances read, and
+// a resume with another packing is refused.
+TEST(Train, PackedRunResumesExactly) {
+  TrainEnv env(0.5);  // half the instances shorter than 64 tokens: some share rows
+  comm::SingleProcess comm;
+  TrainConfig full = env.cfg("packed", 12);
+  full.input.pack_per_row = 3;
+  full.save_every = 6;
+  TrainResult a = train(full, comm);
+  EXPECT_LT(a.losses.back(), a.losses.front());
+  const nlohmann::json st =
+      nlohmann::json::parse(file_bytes(a.last_checkpoint + "/trainer_state.json"));
+  EXPECT_EQ(st["settings"]["pack"], 3);
+  // 12 batches of 8 rows hold more than 12 x 8 instances.
+  const auto& pos = st["pipeline"][0];
+  ASSERT_EQ(pos["epoch"], 0);
+  EXPECT_GT(pos["examples"].get<uint64_t>(), 12u * 8u);
+  TrainConfig part = full;
+  part.output = env.dir / "packed_part";
+  part.stop_after = 5;
+  TrainResult b1 = train(part, comm);
+  part.stop_after = 0;
+  part.resume = true;
+  TrainResult b2 = train(part, comm);
+  std::vector<double> losses = b1.losses;
+  losses.insert(losses.end(), b2.losses.begin(), b2.losses.end());
+  EXPECT_EQ(losses, a.losses);
+  part.input.pack_per_row = 2;
+  try {
+    train(part, comm);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("it was trained with pack = 3, this run has 2"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Train, ResumeTest,

@@ -67,12 +67,14 @@ model::Batch synthetic_batch(const model::BertConfig& cfg, int64_t B, int64_t T,
 
 // Batches of prepared pretraining records (the pipeline with its default settings, a fixed
 // seed): real lengths, so the padding an unpadded run skips is the data's own.
+// Packed (pack > 0): batches of B packed rows, up to `pack` instances a row (data/packing.h).
 std::vector<model::Batch> data_batches(const std::string& files, int64_t B, int64_t T, int64_t P,
-                                       const model::BertConfig& cfg, int n) {
+                                       const model::BertConfig& cfg, int n, int64_t pack = 0) {
   data::PipelineOptions po;
   po.files = files;
   po.batch_size = B;
   po.seed = 7;
+  po.pack_per_row = pack;
   data::Pipeline pipe(po, data::Schema::pretraining(T, P, cfg.vocab_size, cfg.type_vocab_size));
   std::vector<model::Batch> out(static_cast<size_t>(n));
   for (model::Batch& b : out) pipe.next(b);
@@ -80,8 +82,14 @@ std::vector<model::Batch> data_batches(const std::string& files, int64_t B, int6
 }
 
 // One configuration's timed steps (each on its own batch of `batches`, cycling).
+enum class Mode { Padded, Unpadded, Packed };
+const char* mode_name(Mode m) {
+  return m == Mode::Padded ? "compute" : m == Mode::Unpadded ? "skip" : "packed";
+}
+
 struct BenchResult {
-  bool unpadded = false;
+  Mode mode = Mode::Padded;
+  double instances = 0;  // sequences (instances) trained on in the timed steps
   double forward = 0, backward = 0, optimizer = 0;  // medians, seconds
   double seconds = 0, real_tokens = 0, computed_tokens = 0, padded_tokens = 0, flops = 0;
   double loss = 0, rss = 0, planned = 0, allocated = 0;
@@ -94,7 +102,7 @@ void add_bench(CLI::App& app) {
   struct Opts {
     std::string config, head = "pretraining", precision = "fp32", attention = "auto",
                         recompute = "none", data, padding = "skip";
-    int64_t batch = 8, seq = 128, preds = 20;
+    int64_t batch = 8, seq = 128, preds = 20, pack = 0;
     int steps = 5, warmup = 2, threads = 0;
     bool json = false;
   };
@@ -133,6 +141,10 @@ void add_bench(CLI::App& app) {
       ->description(
           "skip (each sequence on its real tokens), compute (padded to --seq-len) or both: the "
           "two on the same batches, one after the other, and their ratio");
+  c->add_option("--pack", o->pack,
+                "With --data: one more run on packed batches (--batch-size rows of --seq-len "
+                "tokens, up to N instances a row; train --pack), after the --padding run(s)")
+      ->capture_default_str();
   c->add_flag("--json", o->json, "Print one JSON object per run with the results");
   c->callback([o] {
     set_threads(o->threads);
@@ -141,14 +153,17 @@ void add_bench(CLI::App& app) {
     const int64_t P = head == model::Head::Pretraining ? o->preds : 0;
     const train::Precision prec = train::parse_precision(o->precision);
     const bool bf16 = prec == train::Precision::BF16, fp16 = prec == train::Precision::FP16;
-    std::vector<bool> modes;
+    std::vector<Mode> modes;
     if (o->padding == "both")
-      modes = {false, true};
+      modes = {Mode::Padded, Mode::Unpadded};
     else
-      modes = {parse_padding(o->padding)};
+      modes = {parse_padding(o->padding) ? Mode::Unpadded : Mode::Padded};
     if (!o->data.empty() && head != model::Head::Pretraining)
       fail(setting("data"), " takes pretraining records: it needs ", setting("head"),
            " pretraining");
+    if (o->pack < 0 || (o->pack > 0 && o->data.empty()))
+      fail(setting("pack"), " packs prepared records: it needs ", setting("data"), " and N > 0");
+    if (o->pack > 0) modes.push_back(Mode::Packed);
     // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
     // below is the training run's, not this probe's.
     const double peak = obs::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
@@ -165,9 +180,16 @@ void add_bench(CLI::App& app) {
         o->data.empty() ? std::vector<model::Batch>{synthetic_batch(cfg, o->batch, o->seq, P, 7)}
                         : data_batches(o->data, o->batch, o->seq, P, cfg, n_batches);
 
-    auto measure = [&](bool unpadded) {
+    // Packed: as many packed batches, each holding more instances than rows.
+    const std::vector<model::Batch> packed =
+        o->pack > 0 ? data_batches(o->data, o->batch, o->seq, P, cfg, n_batches, o->pack)
+                    : std::vector<model::Batch>{};
+
+    auto measure = [&](Mode mode) {
+      const bool unpadded = mode != Mode::Padded;
+      const std::vector<model::Batch>& bs = mode == Mode::Packed ? packed : batches;
       BenchResult res;
-      res.unpadded = unpadded;
+      res.mode = mode;
       // Kernel scratch taken outside a model's plan so far (the probe's GEMM scratchpad): the
       // run below adds nothing to it when it runs padded (tests/test_memory.cpp).
       const int64_t unplanned_before = kernels::unplanned_scratch_bytes();
@@ -175,6 +197,10 @@ void add_bench(CLI::App& app) {
           {o->batch, o->seq, P, false, model::parse_attention(o->attention)}, prec);
       apply_recompute(o->recompute, dims);
       dims.unpadded = unpadded;
+      if (mode == Mode::Packed) {
+        dims.batch = o->batch * o->pack;
+        dims.pack_rows = o->batch;
+      }
       model::BertModel m(cfg, head, dims);
       m.init_params(1);
       train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(),
@@ -189,7 +215,7 @@ void add_bench(CLI::App& app) {
                              train::StepSettings{1, 1.0, false, 0, 1});
       std::vector<double> fwd, bwd, upd;
       for (int s = 0; s < warmup + o->steps; ++s) {
-        const model::Batch& b = batches[static_cast<size_t>(s) % batches.size()];
+        const model::Batch& b = bs[static_cast<size_t>(s) % bs.size()];
         const train::StepReport r = train_step.run(s, 1e-5, [&](model::Batch& batch) {
           batch = b;
           return true;
@@ -202,7 +228,8 @@ void add_bench(CLI::App& app) {
         res.seconds += r.t_forward + r.t_backward + r.t_optimizer;
         res.real_tokens += r.real_tokens;
         res.computed_tokens += r.computed_tokens;
-        res.padded_tokens += static_cast<double>(b.B * b.T);
+        res.padded_tokens += static_cast<double>((b.packed_rows > 0 ? b.packed_rows : b.B) * b.T);
+        res.instances += static_cast<double>(b.B);
         res.flops += r.flops;
       }
       auto median = [](std::vector<double> v) {
@@ -219,7 +246,7 @@ void add_bench(CLI::App& app) {
       res.planned = static_cast<double>(plan::training_plan(cfg, head, m.dims(), 2).total_bytes());
       res.allocated = static_cast<double>(m.allocated_bytes() + optimizer.allocated_bytes());
       res.unplanned = kernels::unplanned_scratch_bytes() - unplanned_before;
-      if (!o->json && modes.front() == unpadded) {
+      if (!o->json && modes.front() == mode) {
         std::printf(
             "bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %s attention%s, %d+%d "
             "steps\n",
@@ -242,8 +269,8 @@ void add_bench(CLI::App& app) {
     };
 
     std::vector<BenchResult> results;
-    for (bool unpadded : modes) {
-      const BenchResult r = measure(unpadded);
+    for (Mode mode : modes) {
+      const BenchResult r = measure(mode);
       results.push_back(r);
       const double step = r.seconds / o->steps;
       const double gflops = r.flops / r.seconds / 1e9;
@@ -254,7 +281,8 @@ void add_bench(CLI::App& app) {
                             {"seq_len", o->seq},
                             {"threads", omp_get_max_threads()},
                             {"precision", o->precision},
-                            {"padding", r.unpadded ? "skip" : "compute"},
+                            {"padding", mode_name(r.mode)},
+                            {"instances_per_step", r.instances / o->steps},
                             {"cpu", cpu_model_name()},
                             {"isa", isa_name(cpu_isa())},
                             {"gemm_isa", kernels::gemm_isa_name()},
@@ -277,16 +305,21 @@ void add_bench(CLI::App& app) {
         std::printf("%s\n", j.dump().c_str());
         continue;
       }
-      std::printf("  -- padding %s --\n", r.unpadded
-                                              ? "skipped (each sequence on its real tokens)"
-                                              : "computed (every sequence padded to --seq-len)");
+      std::printf("  -- %s --\n",
+                  r.mode == Mode::Unpadded ? "padding skipped (each sequence on its real tokens)"
+                  : r.mode == Mode::Padded
+                      ? "padding computed (every sequence padded to --seq-len)"
+                      : str("packed (up to ", o->pack, " instances a row, ",
+                            static_cast<int>(100.0 * r.real_tokens / r.padded_tokens + 0.5),
+                            "% of the rows' tokens real, each instance on its own tokens)")
+                            .c_str());
       std::printf(
           "  step       %8.1f ms mean (median forward %.1f ms, backward %.1f ms, AdamW %.1f ms "
           "over %d steps)\n",
           step * 1e3, r.forward * 1e3, r.backward * 1e3, r.optimizer * 1e3, o->steps);
       std::printf(
           "  throughput %8.0f real tokens/s (%.0f token rows computed/s), %.1f sequences/s\n",
-          tokens, r.computed_tokens / r.seconds, o->batch / step);
+          tokens, r.computed_tokens / r.seconds, r.instances / r.seconds);
       std::printf(
           "  compute    %8.1f GFLOP/s model FLOPs computed; %s GEMM ceiling measured now %.1f "
           "GFLOP/s; utilisation %.0f%%\n",
@@ -300,10 +333,15 @@ void add_bench(CLI::App& app) {
       std::printf("  loss       %.4f (%s)\n", r.loss,
                   o->data.empty() ? "synthetic data; sanity only" : "untrained model");
     }
-    if (results.size() == 2 && !o->json)
-      std::printf("  skipping the padding: %.2fx the real tokens/s of computing it\n",
-                  (results[1].real_tokens / results[1].seconds) /
-                      (results[0].real_tokens / results[0].seconds));
+    auto rate = [](const BenchResult& r) { return r.real_tokens / r.seconds; };
+    for (size_t i = 1; i < results.size() && !o->json; ++i)
+      std::printf("  %s: %.2fx the real tokens/s of %s\n",
+                  results[i].mode == Mode::Unpadded ? "skipping the padding" : "packing",
+                  rate(results[i]) / rate(results[0]),
+                  results[0].mode == Mode::Padded ? "computing the padding" : "skipping it");
+    if (results.size() == 3 && !o->json)
+      std::printf("  packing: %.2fx the real tokens/s of skipping the padding\n",
+                  rate(results[2]) / rate(results[1]));
   });
 }
 

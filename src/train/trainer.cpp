@@ -697,6 +697,15 @@ std::string Trainer::summary() const {
                 100.0 * (1.0 - t.real_tokens / std::max(t.computed_tokens, 1.0)),
                 s.m.unpadded() ? "unpadded: rows rounded up to 64" : "padded to --seq-len");
   out += line;
+  if (cfg.input.pack_per_row > 0) {
+    std::snprintf(line, sizeof line,
+                  "packing: %.2f instances a row on average (at most %lld), %.1f instances a "
+                  "step\n",
+                  t.examples / std::max(t.token_slots / cfg.seq_len, 1.0),
+                  (long long)cfg.input.pack_per_row,
+                  t.examples / std::max(static_cast<double>(t.steps), 1.0));
+    out += line;
+  }
   std::snprintf(line, sizeof line,
                 "compute: %.1f GFLOP/s of model FLOPs per rank = %.0f%% of the %s GEMM rate "
                 "measured now (%.1f GFLOP/s)\n",
