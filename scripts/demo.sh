@@ -5,7 +5,8 @@
 #   3. train a tiny Chinese BERT with 2 MPI ranks (zero-copy shared-memory allreduce), autotuned
 #      (attention kernel and bucket size timed first), each sequence on its real tokens (the
 #      padding skipped), with the progress line and the step-time breakdown; TensorBoard event
-#      files and metrics.jsonl in the run directory;
+#      files and metrics.jsonl in the run directory; then the padding computed, skipped and
+#      packed (MLPerf-style rows of several instances), timed side by side at 512 tokens;
 #   4. eval: masked-LM and next-sentence metrics on the held-out records;
 #   5. fine-tune on ChnSentiCorp reviews (dev accuracy per epoch) and predict the test set; a
 #      regression task (GLUE STS-B as distributed: dev Pearson/Spearman per epoch); entity tagging
@@ -52,6 +53,11 @@ mpirun -np 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 \
 echo; echo "-- what TensorBoard shows (tensorboard --logdir $OUT/run): $(ls "$OUT"/run/events.out.tfevents.* | head -1)"
 echo "   metrics.jsonl, the last logged step (one JSON object per logged step; rank_step_ms: each rank's mean step time):"
 tail -1 "$OUT/run/metrics.jsonl" | fold -w 110 | sed 's/^/     /'
+echo; echo "-- the padding computed, skipped and packed (train --pack 3): BERT-tiny steps on the training documents at 512 tokens"
+$BT prepare --input "$OUT/train.txt" --vocab data/vocab/bert-base-chinese-vocab.txt --output "$OUT/data512" \
+  --seq-len 512 --max-predictions 76 --dupe-factor 1 --output-shards 1 >/dev/null
+$BT bench --model-config configs/bert-tiny.json --data "$OUT/data512/*.tfrecord" --batch-size 8 --seq-len 512 \
+  --max-predictions 76 --steps 4 --padding both --pack 3 | grep -E "^  (data|--|throughput)|x the real"
 
 echo; echo "== 3. eval on the held-out documents"
 $BT eval --checkpoint "$OUT/run" --data "$OUT/eval/*.tfrecord" --batch-size 32 --seq-len 128 --max-predictions 20
