@@ -255,13 +255,24 @@ TEST(Cli, BenchOnPreparedDataSkipsThePadding) {
   EXPECT_NE(r.out.find("--data takes pretraining records: it needs --head pretraining"),
             std::string::npos)
       << r.out;
-  // Packing runs unpadded: train refuses it with --padding compute.
-  r = run("train --model-config " + data_path("../configs/bert-tiny.json") + " --data " +
-          data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord") +
-          " --output /nonexistent --pack 3 --padding compute");
+  // Packing runs unpadded: train refuses it with --padding compute; auto needs --autotune.
+  const std::string train = "train --model-config " + data_path("../configs/bert-tiny.json") +
+                            " --data " +
+                            data_path("data/tfrecord/bert_pretrain_sample_text.tfrecord") +
+                            " --output /nonexistent --pack ";
+  r = run(train + "3 --padding compute");
   EXPECT_EQ(r.rc, 1);
   EXPECT_NE(r.out.find("--pack runs unpadded (each instance on its own tokens): it does not go "
                        "with --padding compute"),
+            std::string::npos)
+      << r.out;
+  r = run(train + "auto");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("--pack auto is chosen by --autotune"), std::string::npos) << r.out;
+  r = run(train + "x3");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("--pack must be a number of instances a row (0: no packing) or auto, got "
+                       "'x3'"),
             std::string::npos)
       << r.out;
 }

@@ -341,6 +341,42 @@ TEST(Train, PackedRunResumesExactly) {
   }
 }
 
+// --pack auto with --autotune: the three pack trials on their own packed batches, compared by
+// real tokens/s; the choice is the run's packing (settings.pack), and the run equals one given
+// the choices as flags.
+TEST(Train, AutotuneChoosesThePackingWhenAskedTo) {
+  TrainEnv env(0.5);
+  comm::SingleProcess comm;
+  const int threads = omp_get_max_threads();
+  TrainConfig tuned = env.cfg("tuned_pack", 6);
+  tuned.autotune = true;
+  tuned.autotune_pack = true;
+  tuned.input.pack_per_row = 4;
+  TrainResult a = train(tuned, comm);
+  const nlohmann::json st =
+      nlohmann::json::parse(file_bytes(a.last_checkpoint + "/trainer_state.json"));
+  const Tuning choice = Tuning::from_json(st["settings"]["autotune"]);
+  std::vector<std::string> packs;
+  for (const auto& t : choice.trials)
+    if (t.knob == "pack") {
+      packs.push_back(t.value);
+      EXPECT_GT(t.tokens_per_s, 0.0);
+    }
+  EXPECT_EQ(packs, (std::vector<std::string>{"3", "2", "4"}));
+  ASSERT_GE(choice.pack, 2);
+  ASSERT_LE(choice.pack, 4);
+  EXPECT_EQ(st["settings"]["pack"], choice.pack);
+  omp_set_num_threads(threads);
+  TrainConfig fixed = env.cfg("fixed_pack", 6);
+  fixed.input.pack_per_row = choice.pack;
+  fixed.attention = choice.attention;
+  fixed.bucket_mb = choice.bucket_mb;
+  omp_set_num_threads(choice.threads);
+  TrainResult b = train(fixed, comm);
+  EXPECT_EQ(a.losses, b.losses);
+  omp_set_num_threads(threads);
+}
+
 INSTANTIATE_TEST_SUITE_P(Train, ResumeTest,
                          ::testing::Values(Precision::FP32, Precision::FP16, Precision::BF16),
                          [](const auto& info) { return std::string(precision_name(info.param)); });

@@ -122,7 +122,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     train::TrainConfig cfg;
     std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail", attention = "auto",
-                recompute = "none", batch = "32", budget, padding = "skip";
+                recompute = "none", batch = "32", budget, padding = "skip", pack = "0";
     int64_t global_batch = 0;
     int threads = 0;
   };
@@ -160,11 +160,12 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
   add_padding_option(c, o->padding);
-  c->add_option("--pack", t.input.pack_per_row,
+  c->add_option("--pack", o->pack,
                 "Pack instances (MLPerf's packing, for short sequences): a batch is the instances "
                 "that fit into --batch-size rows of --seq-len tokens, at most N a row (3: "
                 "MLPerf's); each instance keeps its own positions and attends to itself only. "
-                "0: a batch is --batch-size instances. Runs unpadded")
+                "0: a batch is --batch-size instances; auto: --autotune chooses N of 2, 3, 4 by "
+                "real tokens/s. Runs unpadded")
       ->capture_default_str();
   c->add_flag("--autotune", t.autotune,
               "Before the first step, time steps of a throwaway copy of the model with each "
@@ -230,6 +231,22 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
     cfg.attention = d.attention;
     cfg.recompute_layers = d.recompute_layers;
     cfg.unpadded = parse_padding(o->padding);
+    if (o->pack == "auto") {
+      if (!cfg.autotune)
+        fail("--pack auto is chosen by --autotune: add --autotune, or give the instances a row");
+      cfg.autotune_pack = true;
+      cfg.input.pack_per_row = 4;  // the most autotune tries (the memory plan of --batch-size auto)
+    } else {
+      size_t used = 0;
+      try {
+        cfg.input.pack_per_row = std::stoll(o->pack, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != o->pack.size() || cfg.input.pack_per_row < 0)
+        fail("--pack must be a number of instances a row (0: no packing) or auto, got '", o->pack,
+             "'");
+    }
     if (cfg.input.pack_per_row > 0 && !cfg.unpadded)
       fail(
           "--pack runs unpadded (each instance on its own tokens): it does not go with "

@@ -7,8 +7,11 @@
 // gradient bucket size of the overlapped allreduce. The run's own model, optimizer and input
 // position are untouched by the trials, so the run computes exactly what the same settings given as
 // flags compute. The input pipeline's reader and prefetch counts tune themselves while it runs
-// (data/pipeline.h, AUTOTUNE). The choice is stored in every checkpoint's trainer state: a
-// resumed run takes it from there instead of measuring again.
+// (data/pipeline.h, AUTOTUNE). With --pack auto (TrainConfig::autotune_pack), first the
+// instances a packed row holds at most (2, 3 or 4, each on its own packed batches): by real
+// tokens per second, since the step's tokens differ; unlike the other knobs it changes what a
+// step trains on, so it is tuned only where asked for. The choice is stored in every
+// checkpoint's trainer state: a resumed run takes it from there instead of measuring again.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -24,10 +27,12 @@ struct Tuning {
   model::ModelDims::Attention attention = model::ModelDims::Attention::Auto;
   int threads = 0;  // compute threads per rank
   int64_t bucket_mb = 0;
-  // Each trial: what was tried and its mean step time over the ranks (ms).
+  int64_t pack = -1;  // instances a packed row (--pack auto); -1: not tuned
+  // Each trial: what was tried, its mean step time over the ranks (ms) and, for the pack
+  // trials, the real tokens per second over all ranks.
   struct Trial {
     std::string knob, value;
-    double step_ms = 0;
+    double step_ms = 0, tokens_per_s = 0;
   };
   std::vector<Trial> trials;
   std::string source;  // "measured", or the checkpoint it was read from

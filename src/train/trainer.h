@@ -47,6 +47,9 @@ struct TrainConfig {
   // Measure and choose the attention kernel, threads and bucket size first (train/autotune.h);
   // a resumed run keeps the choice its checkpoint stores, flag or not.
   bool autotune = false;
+  // --pack auto: autotune also chooses input.pack_per_row (instances a row) by real tokens/s.
+  // It changes the instances a step trains on, so only where asked for.
+  bool autotune_pack = false;
 };
 
 // The model's dims for a training run: its batch, precision, attention, recompute, padding and
