@@ -361,7 +361,9 @@ void Trainer::State::resume_on_other_ranks(const TrainerState& st, const std::st
           batch_note, "\n  data: ", r.remaining, " unread examples of epoch",
           r.first_epoch == r.last_epoch ? str(" ", r.first_epoch)
                                         : str("s ", r.first_epoch, "..", r.last_epoch),
-          " re-divided over ", ranks(world), " in whole batches (none read twice, none skipped",
+          " re-divided over ", ranks(world),
+          cfg.input.pack_per_row > 0 ? " instance by instance" : " in whole batches",
+          " (none read twice, none skipped",
           r.dropped > 0 ? str("; ", r.dropped, " left over, less than a batch") : std::string(),
           "); later epochs sharded over ", ranks(world), "\n");
 }
