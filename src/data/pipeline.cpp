@@ -194,7 +194,8 @@ Remap remap_positions(const std::vector<PipelinePosition>& old, int64_t old_batc
         parts = plan->parts;
       else {
         const uint64_t n = sizes.examples(e, N, r);
-        parts.push_back({N, r, 0, packed ? n : n / old_batch * old_batch});  // its full batches
+        parts.push_back(
+            {N, r, 0, packed ? n : n / old_batch * old_batch});  // its full batches (packed: all)
       }
       uint64_t skip = e != p.epoch ? 0 : packed ? p.examples : p.batches * old_batch;  // read
       for (StreamPart part : parts) {
