@@ -312,10 +312,10 @@ Outputs run(const Batch& b, int64_t pack_rows, const model::StepOptions& opt, fl
                     m.sequence_output() + (row + 1) * C);
     }
   r.nsp.assign(m.nsp_logits(), m.nsp_logits() + 2 * b.B);
-  int64_t k = 0;  // packed: the logits hold the weighted predictions only
+  int64_t k = 0;  // unpadded: the logits hold the weighted predictions only
   for (int64_t i = 0; i < b.B * b.P; ++i)
     if (b.masked_lm_weights[i] != 0.0f) {
-      const float* row = m.mlm_logits() + (pack_rows > 0 ? k++ : i) * V;
+      const float* row = m.mlm_logits() + (unpadded ? k++ : i) * V;
       r.mlm.insert(r.mlm.end(), row, row + V);
     }
   if (opt.training) {

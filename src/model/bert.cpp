@@ -374,8 +374,9 @@ void BertModel::pack(const Batch& b) {
       pk.mlm[e * P + j] = static_cast<int32_t>(pk.start[e] + (t < pk.len[e] ? t : 0));
     }
   pk.mlm_rows = B * P;
-  if (!compact_mlm() || head_ != Head::Pretraining) return;
-  // Packed: the weighted predictions only (at least one row, weight 0, when there are none).
+  if (!compact_mlm()) return;
+  // The weighted predictions only (at least one row, weight 0, when there are none): a slot
+  // without weight adds 0 to the loss and its gradient, whatever its logits.
   pk.mlm_ids.clear();
   pk.mlm_weights.clear();
   int64_t n = 0;
@@ -385,7 +386,7 @@ void BertModel::pack(const Batch& b) {
       pk.mlm_ids.push_back(b.masked_lm_ids[i]);
       pk.mlm_weights.push_back(b.masked_lm_weights[i]);
     }
-  const int64_t most = dims_.pack_rows * dims_.max_predictions;
+  const int64_t most = dims_.token_rows() * dims_.max_predictions;
   if (n > most)
     fail("the batch holds ", n, " weighted masked predictions, more than the ", most, " planned (",
          dims_.pack_rows, " packed rows x ", setting("max_predictions"), " ", dims_.max_predictions,

@@ -63,8 +63,8 @@ struct ModelDims {
   // Packing (pretraining, unpadded; data/packing.h): a batch is up to `batch` instances whose
   // real tokens fit into pack_rows rows of seq_len and whose weighted masked predictions number
   // at most pack_rows x max_predictions. The encoder is planned for pack_rows x seq_len tokens,
-  // the pooler and NSP for `batch` instances, and the MLM head for the weighted predictions
-  // only (mlm_logits() then has a row per weighted prediction, in batch order). 0 = unpacked.
+  // the pooler and NSP for `batch` instances, the MLM head (which runs unpadded on the weighted
+  // predictions only) for pack_rows x max_predictions of them. 0 = unpacked.
   int64_t pack_rows = 0;
   // Rows of seq_len tokens the encoder is planned for.
   int64_t token_rows() const { return pack_rows > 0 ? pack_rows : batch; }
@@ -178,7 +178,8 @@ class BertModel {
   const float* sequence_output() const { return seq_out_; }
   int64_t sequence_row(int64_t b, int64_t t) const;
   const float* pooled_output() const { return act_.pooled; }  // [B,C]
-  // [B*P,V]; packed (ModelDims::pack_rows), [weighted predictions, V].
+  // Padded: [B*P,V]; unpadded: a row per weighted prediction (weight != 0), in batch order (the
+  // slots without weight, create_pretraining_data's padding of the predictions, are skipped).
   const float* mlm_logits() const { return act_.mlm_logits; }
   const float* nsp_logits() const { return act_.nsp_logits; }  // [B,2]
   const float* cls_logits() const { return act_.cls_logits; }  // [B,num_labels]
@@ -222,7 +223,7 @@ class BertModel {
   // equal length (one attention call each); ids, segments, positions, mask and the padded row
   // (b * T + t: where the row's dropout masks are drawn) per row (dummy rows: [PAD], segment 0,
   // position 0, mask 0, padded row 0); cls and mlm the heads' rows; a token classifier's labels
-  // and weights per row (dummy rows: weight 0). Packing: the MLM head's rows are the weighted
+  // and weights per row (dummy rows: weight 0). The MLM head's rows are the weighted
   // predictions only, with their ids and weights (mlm_ids, mlm_weights).
   struct Packed {
     int64_t B = 0, T = 0, P = 0, real = 0, rows = 0;  // B, T, P: the last batch's, padded too
@@ -234,7 +235,8 @@ class BertModel {
     std::vector<int32_t> mlm_ids;
     std::vector<float> mlm_weights;
   };
-  bool compact_mlm() const { return dims_.pack_rows > 0; }
+  // Unpadded pretraining runs its MLM head on the weighted predictions only.
+  bool compact_mlm() const { return unpadded() && head_ == Head::Pretraining; }
   // The MLM head's labels and weights for batch b (its rows: packed_.mlm_rows).
   const int32_t* mlm_ids(const Batch& b) const {
     return compact_mlm() ? packed_.mlm_ids.data() : b.masked_lm_ids.data();
