@@ -228,7 +228,7 @@ void add_bench(CLI::App& app) {
         res.seconds += r.t_forward + r.t_backward + r.t_optimizer;
         res.real_tokens += r.real_tokens;
         res.computed_tokens += r.computed_tokens;
-        res.padded_tokens += static_cast<double>((b.packed_rows > 0 ? b.packed_rows : b.B) * b.T);
+        res.padded_tokens += static_cast<double>(b.token_slots());
         res.instances += static_cast<double>(b.B);
         res.flops += r.flops;
       }

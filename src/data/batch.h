@@ -27,6 +27,8 @@ struct Batch {
   std::vector<int32_t> span_positions;
 
   void resize(int64_t b, int64_t t, int64_t p);
+  // Token positions of the batch: rows x T, a row per sequence, or per packed row.
+  int64_t token_slots() const { return (packed_rows > 0 ? packed_rows : B) * T; }
 };
 
 }  // namespace bertrain::data

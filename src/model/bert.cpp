@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/setting.h"
+#include "data/packing.h"
 
 namespace bertrain::model {
 
@@ -32,14 +33,12 @@ std::string layer_prefix(int64_t l, const ModelDims& d) {
 // position with a weight (a loss read there must be computed); all T when the mask has no 1 (the
 // padded model then attends to every position alike).
 int64_t real_length(const Batch& b, int64_t e) {
-  const int32_t* m = b.input_mask.data() + e * b.T;
-  int64_t n = b.T;
-  while (n > 0 && m[n - 1] == 0) --n;
-  if (n == 0) return b.T;
-  if (!b.masked_lm_weights.empty())
-    for (int64_t j = 0; j < b.P; ++j)
-      if (b.masked_lm_weights[e * b.P + j] != 0.0f)
-        n = std::max<int64_t>(n, b.masked_lm_positions[e * b.P + j] + 1);
+  const bool mlm = !b.masked_lm_weights.empty();
+  int64_t n =
+      data::instance_size(b.input_mask.data() + e * b.T, b.T,
+                          mlm ? b.masked_lm_positions.data() + e * b.P : nullptr,
+                          mlm ? b.masked_lm_weights.data() + e * b.P : nullptr, mlm ? b.P : 0)
+          .first;
   if (!b.token_label_weights.empty())
     for (int64_t t = n; t < b.T; ++t)
       if (b.token_label_weights[e * b.T + t] != 0.0f) n = t + 1;

@@ -116,8 +116,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
     if (!std::isfinite(l.loss)) stats[6] += 1;
     stats[8] += static_cast<double>(l.real_tokens);
     stats[9] += static_cast<double>(l.computed_tokens);
-    stats[10] +=
-        static_cast<double>((batch_.packed_rows > 0 ? batch_.packed_rows : batch_.B) * batch_.T);
+    stats[10] += static_cast<double>(batch_.token_slots());
     r.flops += m_.last_step_flops();
     t0 = Clock::now();
     const bool last = micro + 1 == s_.accumulation;
