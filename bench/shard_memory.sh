@@ -5,6 +5,8 @@
 # process, bench/peer_pytorch.py) on the same global batch. Prints per-process peak RSS
 # (bertrain: rank 0's ru_maxrss from metrics.jsonl; PyTorch's own), the step time, and the
 # ratios: sharded/PyTorch memory, sharded/unsharded throughput.
+# PRECISION=bf16: both in bf16 (bertrain sharded: the fp32 master weights of the matmuls are
+# sharded too; PyTorch: autocast).
 #   PY=/path/to/python-with-torch-and-transformers bench/shard_memory.sh [config]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +17,7 @@ B=${BATCH:-4}
 SEQ=${SEQ:-128}
 PREDS=${PREDS:-20}
 STEPS=${STEPS:-4}
+PRECISION=${PRECISION:-fp32}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
@@ -29,20 +32,20 @@ for mode in unsharded sharded; do
   mpiexec -np "$RANKS" --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 build/bertrain train \
     --model-config "$CFG" --data "$TMP/data/*.tfrecord" --output "$TMP/$mode" --batch-size "$B" \
     --seq-len "$SEQ" --max-predictions "$PREDS" --steps "$STEPS" --log-every 1 --optimizer adamw \
-    $flag > "$TMP/$mode.log" 2>&1 || { cat "$TMP/$mode.log"; exit 1; }
+    --precision "$PRECISION" $flag > "$TMP/$mode.log" 2>&1 || { cat "$TMP/$mode.log"; exit 1; }
 done
 pt=$("$PY" bench/peer_pytorch.py --model-config "$CFG" --batch-size $((B * RANKS)) --seq-len "$SEQ" \
-  --max-predictions "$PREDS" --threads "$RANKS" --steps 3 --warmup 1 2>/dev/null | tail -1)
+  --max-predictions "$PREDS" --threads "$RANKS" --steps 3 --warmup 1 --precision "$PRECISION" 2>/dev/null | tail -1)
 python3 - "$pt" "$(last unsharded memory/peak_rss_mib)" "$(last sharded memory/peak_rss_mib)" \
   "$(last unsharded time/step_ms)" "$(last sharded time/step_ms)" "$(last unsharded memory/plan_mib)" \
   "$(last sharded memory/plan_mib)" "$(last unsharded memory/pss_mib)" "$(last sharded memory/pss_mib)" \
-  "$CFG" "$RANKS" "$B" "$SEQ" <<'PYEOF'
+  "$CFG" "$RANKS" "$B" "$SEQ" "$PRECISION" <<'PYEOF'
 import json, sys
 pt = json.loads(sys.argv[1])
 rss_u, rss_s, ms_u, ms_s, plan_u, plan_s, pss_u, pss_s = map(float, sys.argv[2:10])
 cfg, ranks, b, seq = sys.argv[10], int(sys.argv[11]), int(sys.argv[12]), int(sys.argv[13])
 rss_pt = pt["peak_rss_bytes"] / 2**20
-print(f"# {cfg}: {ranks} ranks x batch {b} x {seq} tokens (PyTorch: one process, batch {ranks * b}, {ranks} threads)")
+print(f"# {cfg}, {sys.argv[14]}: {ranks} ranks x batch {b} x {seq} tokens (PyTorch: one process, batch {ranks * b}, {ranks} threads)")
 print("# PSS: shared pages (the gradients' MPI window, read by the peers) divided among the ranks")
 print(f"{'run':<28} {'plan MiB':>9} {'peak RSS MiB':>13} {'PSS MiB':>9} {'step ms':>9}")
 print(f"{'bertrain unsharded (rank 0)':<28} {plan_u:9.0f} {rss_u:13.0f} {pss_u:9.0f} {ms_u:9.0f}")

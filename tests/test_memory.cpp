@@ -4,10 +4,12 @@
 
 #include <array>
 #include <cstdio>
+#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "kernels/cpu/matmul.h"
 #include "model/bert.h"
+#include "model/checkpoint.h"
 #include "plan/memory.h"
 #include "test_util.h"
 #include "train/optimizer.h"
@@ -61,6 +63,97 @@ TEST(MemoryPlan, ShardedOptimizerStateIsTheLargestPart) {
     EXPECT_EQ(plan.group_bytes("optimizer"), most) << world << " ranks";
     EXPECT_LE(most, whole / world + 2 * 16 * sizeof(float)) << world << " ranks";
   }
+}
+
+// bf16 with a sharded optimizer (ZeRO-1's sharded fp32 master): each rank's parameters arena
+// holds the tensors read in fp32 and its own part of the matmul weights; the pages of the rest
+// are holes (never resident; touching one faults). Its weights (the bf16 copy) and its losses
+// are the unsharded model's bit for bit, and its model file, with the other ranks' parts
+// supplied, is the unsharded model's file.
+TEST(MemoryPlan, ShardedMasterHoldsOnlyItsPartOfTheMatmulWeights) {
+  const model::BertConfig cfg = test::small_bert(1000, 128, 2, 4, 512, 128);
+  const model::ModelDims dims = train::with_precision({4, 64, 10}, train::Precision::BF16);
+  model::BertModel ref(cfg, model::Head::Pretraining, dims);
+  ref.init_params(7);
+  const int64_t total = ref.table().total();
+  std::vector<uint16_t> ref_bf16(static_cast<size_t>(total));
+  ref.refresh_bf16_weights(0, total);
+  std::copy(ref.bf16_weights(), ref.bf16_weights() + total, ref_bf16.begin());
+  const model::Batch batch = test::random_batch(cfg, 4, 64, 10);
+  const bool run = test::bf16_unavailable().empty();
+  const model::StepOptions so{false, 0, 0, 0};
+  const model::Losses want = run ? ref.forward(batch, so) : model::Losses{};
+  const test::TempDir tmp;
+  model::save_pretrained(ref, (tmp.path / "ref").string());
+  int64_t kept = 0;
+  for (const auto& [b, e] : ref.table().fp32_read_ranges()) kept += e - b;
+  for (int world : {2, 3}) {
+    size_t most = 0;
+    for (int r = 0; r < world; ++r) {
+      const model::ModelDims d =
+          plan::with_master_shard(cfg, model::Head::Pretraining, dims, r, world);
+      ASSERT_TRUE(d.master_shard);
+      model::BertModel m(cfg, model::Head::Pretraining, d);
+      const std::string what = str("rank ", r, " of ", world);
+      EXPECT_EQ(m.allocated_bytes(), m.plan().total_bytes()) << what;
+      // Resident: the fp32-read tensors, the own part, and at most the 2 partial pages at the
+      // ends of each matmul range outside it.
+      const size_t params = m.plan().group_bytes("parameters");
+      const auto outside = m.table().matmul_ranges_outside(d.master_begin, d.master_end);
+      EXPECT_LT(params, static_cast<size_t>(4 * total)) << what;
+      EXPECT_LE(params, 4 * static_cast<size_t>(kept + d.master_end - d.master_begin) +
+                            2 * kPage * outside.size())
+          << what;
+      most = std::max(most, params);
+      m.init_params(7);
+      EXPECT_EQ(std::memcmp(m.bf16_weights(), ref_bf16.data(), ref_bf16.size() * 2), 0) << what;
+      for (const auto& p : m.table().params()) {
+        if (!m.holds_fp32(p)) continue;
+        EXPECT_EQ(std::memcmp(m.param(p.name), ref.param(p.name), 4 * p.numel()), 0) << p.name;
+      }
+      if (run) {
+        const model::Losses got = m.forward(batch, so);
+        EXPECT_EQ(got.loss, want.loss) << what;
+        EXPECT_EQ(got.mlm_correct, want.mlm_correct) << what;
+      }
+      // Saving needs the other ranks' parts; given them, the file is the unsharded model's.
+      const std::string dir = (tmp.path / what).string();
+      EXPECT_DEATH(model::save_pretrained(m, dir), "is sharded over the ranks") << what;
+      model::save_pretrained(m, dir, DType::F32, [&](const model::ParamInfo& p, float* out) {
+        std::copy(ref.param(p.name), ref.param(p.name) + p.numel(), out);
+      });
+      EXPECT_EQ(test::read_file((tmp.path / "ref/model.safetensors").string()),
+                test::read_file(dir + "/model.safetensors"))
+          << what;
+      // A weight of another rank's part is not there: reading it faults.
+      const int64_t floats = static_cast<int64_t>(kPage / 4);
+      const int64_t hole = (outside.front().first + floats - 1) / floats * floats;
+      if (hole + floats <= outside.front().second) {
+        EXPECT_DEATH(
+            {
+              volatile float x = m.params()[hole];
+              (void)x;
+            },
+            "")
+            << what;
+      }
+    }
+    // The plan a rank's estimate prints is the most any rank holds.
+    EXPECT_EQ(plan::with_master_shard(cfg, model::Head::Pretraining, dims, -1, world).master_begin,
+              [&] {
+                for (int r = 0; r < world; ++r) {
+                  const model::ModelDims d =
+                      plan::with_master_shard(cfg, model::Head::Pretraining, dims, r, world);
+                  if (model::BertModel::make_plan(cfg, model::Head::Pretraining, d)
+                          .group_bytes("parameters") == most)
+                    return d.master_begin;
+                }
+                return int64_t{-1};
+              }());
+  }
+  // Only bf16 pretraining shards the master (fp32 and fp16 update the weights the model reads).
+  EXPECT_FALSE(
+      plan::with_master_shard(cfg, model::Head::Pretraining, {4, 64, 10}, 0, 2).master_shard);
 }
 
 // What a run holds besides its arenas (the input pipeline's bound, the MPI window slot) counts

@@ -71,26 +71,9 @@ void operator delete[](void* p, std::size_t, std::align_val_t) noexcept {
 namespace bertrain::train {
 namespace {
 
-model::Batch random_batch(const model::BertConfig& c, int64_t B, int64_t T, int64_t P) {
-  model::Batch b;
-  b.resize(B, T, P);
-  for (int64_t i = 0; i < B * T; ++i) {
-    b.input_ids[i] = static_cast<int32_t>((i * 7919) % c.vocab_size);
-    b.input_mask[i] = i % T < T - 2 ? 1 : 0;
-    b.segment_ids[i] = i % T < T / 2 ? 0 : 1;
-  }
-  for (int64_t i = 0; i < B * P; ++i) {
-    b.masked_lm_positions[i] = static_cast<int32_t>(1 + (i * 3) % (T - 3));
-    b.masked_lm_ids[i] = static_cast<int32_t>((i * 104729) % c.vocab_size);
-    b.masked_lm_weights[i] = 1.0f;
-  }
-  for (int64_t i = 0; i < B; ++i) b.next_sentence_labels[i] = static_cast<int32_t>(i % 2);
-  return b;
-}
-
 TEST(Step, MakesNoHeapAllocation) {
   const model::BertConfig cfg = test::small_bert(211, 64, 2, 4, 128, 64);
-  const model::Batch b = random_batch(cfg, 4, 48, 6);
+  const model::Batch b = test::random_batch(cfg, 4, 48, 6);
   std::vector<Precision> precisions = {Precision::FP32, Precision::FP16};
   if (test::bf16_unavailable().empty()) precisions.push_back(Precision::BF16);
   for (Precision p : precisions)

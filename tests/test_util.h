@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "core/error.h"
 #include "core/isa.h"
 #include "kernels/cpu/matmul.h"
+#include "model/batch.h"
 #include "model/config.h"
 
 namespace bertrain::test {
@@ -30,6 +33,25 @@ inline model::BertConfig small_bert(int64_t vocab, int64_t hidden, int64_t layer
   c.intermediate_size = intermediate;
   c.max_position_embeddings = max_positions;
   return c;
+}
+
+// A pretraining batch of B x T tokens with P masked positions, ids spread over the vocabulary,
+// the last 2 tokens of each row padding.
+inline model::Batch random_batch(const model::BertConfig& c, int64_t B, int64_t T, int64_t P) {
+  model::Batch b;
+  b.resize(B, T, P);
+  for (int64_t i = 0; i < B * T; ++i) {
+    b.input_ids[i] = static_cast<int32_t>((i * 7919) % c.vocab_size);
+    b.input_mask[i] = i % T < T - 2 ? 1 : 0;
+    b.segment_ids[i] = i % T < T / 2 ? 0 : 1;
+  }
+  for (int64_t i = 0; i < B * P; ++i) {
+    b.masked_lm_positions[i] = static_cast<int32_t>(1 + (i * 3) % (T - 3));
+    b.masked_lm_ids[i] = static_cast<int32_t>((i * 104729) % c.vocab_size);
+    b.masked_lm_weights[i] = 1.0f;
+  }
+  for (int64_t i = 0; i < B; ++i) b.next_sentence_labels[i] = static_cast<int32_t>(i % 2);
+  return b;
 }
 
 inline std::string data_path(const std::string& rel) {
@@ -143,6 +165,12 @@ inline std::string error_of(const std::function<void()>& f) {
     return e.what();
   }
   return "";
+}
+
+// A file's bytes ("" if it cannot be read).
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 struct TempDir {

@@ -72,7 +72,7 @@ void choose_batch(train::TrainConfig& cfg, const Opts& o, const comm::Communicat
                               : parse_bytes(o.budget);
     train::TrainConfig one = cfg;
     one.batch_size = 1;
-    const model::ModelDims d = train::model_dims(one);
+    const model::ModelDims d = train::model_dims(one, -1, static_cast<int>(world));
     const model::BertConfig mc = model::BertConfig::load(cfg.model_config);
     // Besides the arenas: this run's input pipeline bound and, under MPI, the window slot.
     auto outside = [&](int64_t batch) {

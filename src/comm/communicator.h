@@ -57,6 +57,15 @@ class Communicator {
     std::fill(data + end, data + n, 0.0f);
     allreduce_sum(data, n);
   }
+  // The allgather of 16-bit data (a sharded master's bf16 weights), counts in elements. The
+  // default broadcasts each part from its owner.
+  virtual void allgather(uint16_t* data, int64_t n, std::span<const int64_t> counts) {
+    int64_t begin = 0;
+    for (int r = 0; r < size(); ++r) {
+      broadcast(data + begin, counts[r] * static_cast<int64_t>(sizeof(uint16_t)), r);
+      begin += counts[r];
+    }
+  }
   // Logical AND of a flag over ranks (e.g. "all gradients finite").
   bool all(bool flag) {
     double v = flag ? 0.0 : 1.0;
@@ -73,6 +82,7 @@ class SingleProcess : public Communicator {
   void allreduce_sum(double*, int64_t) override {}
   void reduce_scatter_sum(float*, int64_t, std::span<const int64_t>) override {}
   void allgather(float*, int64_t, std::span<const int64_t>) override {}
+  void allgather(uint16_t*, int64_t, std::span<const int64_t>) override {}
   void broadcast(void*, int64_t, int) override {}
   void barrier() override {}
   std::string name() const override { return "single process"; }

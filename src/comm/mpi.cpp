@@ -921,6 +921,18 @@ void MpiCommunicator::allgather(float* data, int64_t n, std::span<const int64_t>
   leave();
 }
 
+void MpiCommunicator::allgather(uint16_t* data, int64_t n, std::span<const int64_t> counts) {
+  check_parts(counts, n, size_, "allgather (16-bit)");
+  if (size_ == 1) return;
+  enter("allgather(16-bit)");
+  std::vector<int> rc(counts.begin(), counts.end()), displ(size_ + 1, 0);
+  for (int r = 0; r < size_; ++r) displ[r + 1] = displ[r] + rc[r];
+  check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, rc.data(), displ.data(),
+                       MPI_UINT16_T, MPI_COMM_WORLD),
+        "MPI_Allgatherv");
+  leave();
+}
+
 void MpiCommunicator::allreduce_sum(double* data, int64_t n) {
   enter("allreduce(f64)");
   check(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(n), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD),

@@ -68,8 +68,10 @@ class MpiCommunicator : public Communicator {
   // parts as chunks (compression narrows the reduce-scatter; the allgather stays fp32). shm on
   // one node: each rank sums its part from its peers' buffers (zero-copy for shared buffers);
   // across nodes the reduce-scatter is the hierarchical allreduce. Allgather: MPI_Allgatherv.
+  // The 16-bit allgather is MPI_Allgatherv on every algorithm.
   void reduce_scatter_sum(float* data, int64_t n, std::span<const int64_t> counts) override;
   void allgather(float* data, int64_t n, std::span<const int64_t> counts) override;
+  void allgather(uint16_t* data, int64_t n, std::span<const int64_t> counts) override;
 
   void set_algorithm(Algorithm a) { algo_ = a; }
   void set_wire(Wire w) { wire_ = w; }

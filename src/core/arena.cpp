@@ -1,6 +1,9 @@
 #include "core/arena.h"
 #include "core/setting.h"
 
+#include <sys/mman.h>
+
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -14,7 +17,7 @@ size_t MemoryPlan::add(const std::string& group, const std::string& name, size_t
   size_t offset = 0;
   for (const auto& r : regions_)
     if (r.group == group) offset = std::max(offset, r.offset + align_up(r.bytes));
-  regions_.push_back({name, group, bytes, offset});
+  regions_.push_back({name, group, bytes, offset, {}});
   return regions_.size() - 1;
 }
 
@@ -25,11 +28,33 @@ const PlanRegion& MemoryPlan::region(const std::string& name) const {
   std::abort();
 }
 
-size_t MemoryPlan::group_bytes(const std::string& group) const {
+size_t PlanRegion::hole_bytes() const {
+  size_t n = 0;
+  for (const auto& [b, e] : holes) n += e - b;
+  return n;
+}
+
+void MemoryPlan::set_holes(size_t index, std::vector<std::pair<size_t, size_t>> holes) {
+  BT_CHECK(index < regions_.size(), "no plan region ", index);
+  PlanRegion& r = regions_[index];
+  for (const auto& [b, e] : holes)
+    BT_CHECK(b % kPage == 0 && e % kPage == 0 && b < e && b >= r.offset && e <= r.offset + r.bytes,
+             "hole [", b, ", ", e, ") of ", r.name, " is not whole pages inside it");
+  r.holes = std::move(holes);
+}
+
+size_t MemoryPlan::group_span(const std::string& group) const {
   size_t end = 0;
   for (const auto& r : regions_)
     if (r.group == group) end = std::max(end, r.offset + align_up(r.bytes));
   return end;
+}
+
+size_t MemoryPlan::group_bytes(const std::string& group) const {
+  size_t holes = 0;
+  for (const auto& r : regions_)
+    if (r.group == group) holes += r.hole_bytes();
+  return group_span(group) - holes;
 }
 
 size_t MemoryPlan::total_bytes() const {
@@ -49,23 +74,40 @@ std::vector<std::string> MemoryPlan::groups() const {
 }
 
 void Arena::Free::operator()(std::byte* p) const {
-  if (!external) std::free(p);
+  if (mapped > 0)
+    ::munmap(p, mapped);
+  else if (!external)
+    std::free(p);
 }
 
 Arena::Arena(const MemoryPlan& plan, const std::string& group, std::byte* external)
-    : plan_(&plan), data_(external, Free{true}), bytes_(plan.group_bytes(group)) {
+    : plan_(&plan), data_(external, Free{true, 0}), bytes_(plan.group_bytes(group)) {
   BT_CHECK(reinterpret_cast<uintptr_t>(external) % kAlign == 0, "external memory for ", group,
            " is not ", kAlign, "-byte aligned");
 }
 
 Arena::Arena(const MemoryPlan& plan, const std::string& group)
     : plan_(&plan), bytes_(plan.group_bytes(group)) {
-  size_t n = std::max<size_t>(bytes_, kAlign);
-  void* p = std::aligned_alloc(kAlign, align_up(n));
-  if (!p)
+  const size_t n = std::max<size_t>(plan.group_span(group), kAlign);
+  auto out_of_memory = [&] {
     fail("out of memory: could not reserve ", human_bytes(static_cast<double>(n)), " for ", group,
          "; lower ", setting("batch_size"), " or ", setting("seq_len"),
          " (bertrain estimate shows the plan)");
+  };
+  if (bytes_ < plan.group_span(group)) {
+    const size_t mapped = align_up(n, kPage);
+    void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) out_of_memory();
+    data_ = std::unique_ptr<std::byte, Free>(static_cast<std::byte*>(p), Free{false, mapped});
+    for (const auto& r : plan.regions())
+      if (r.group == group)
+        for (const auto& [b, e] : r.holes)
+          if (::mprotect(data_.get() + b, e - b, PROT_NONE) != 0)
+            fail("cannot unmap the unbacked part of ", r.name, ": ", std::strerror(errno));
+    return;
+  }
+  void* p = std::aligned_alloc(kAlign, align_up(n));
+  if (!p) out_of_memory();
   std::memset(p, 0, align_up(n));
   data_.reset(static_cast<std::byte*>(p));
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -23,6 +24,12 @@ struct PlanRegion {
   std::string group;  // "parameters", "gradients", "optimizer", "activations", "scratch", ...
   size_t bytes = 0;
   size_t offset = 0;  // within the arena of its group, assigned by MemoryPlan::add
+  // Byte ranges of the region, from the group's base and page-aligned, that are address space
+  // only: their pages are never touched (an access faults), so they never become resident (the
+  // fp32 master weights another rank holds; BertModel's ModelDims::master_shard).
+  std::vector<std::pair<size_t, size_t>> holes;
+  size_t hole_bytes() const;
+  size_t resident_bytes() const { return bytes - hole_bytes(); }
 };
 
 class MemoryPlan {
@@ -31,15 +38,24 @@ class MemoryPlan {
   size_t add(const std::string& group, const std::string& name, size_t bytes);
   const std::vector<PlanRegion>& regions() const { return regions_; }
   const PlanRegion& region(const std::string& name) const;  // fails if absent
+  // Leaves the page-aligned byte ranges (from the group's base) of region `index` unbacked.
+  void set_holes(size_t index, std::vector<std::pair<size_t, size_t>> holes);
+  // Resident bytes: the group's span less its holes (what memory it costs).
   size_t group_bytes(const std::string& group) const;
-  size_t total_bytes() const;
-  std::vector<std::string> groups() const;  // in the order first added
+  size_t group_span(const std::string& group) const;  // the address space it reserves
+  size_t total_bytes() const;                         // resident, all groups
+  std::vector<std::string> groups() const;            // in the order first added
 
  private:
   std::vector<PlanRegion> regions_;
 };
 
-// Owns one 64-byte aligned, zero-initialised allocation for one group of a plan.
+// Owns one 64-byte aligned, zero-initialised allocation for one group of a plan. A group with
+// holes is mapped from the kernel (page-aligned, zero pages on first touch) with its holes made
+// inaccessible (PROT_NONE), so a stray read of memory that is not there faults instead of
+// returning zeros.
+inline constexpr size_t kPage = 4096;
+
 class Arena {
  public:
   Arena() = default;
@@ -51,7 +67,7 @@ class Arena {
   Arena& operator=(Arena&&) = default;
 
   std::byte* base() const { return data_.get(); }
-  size_t bytes() const { return bytes_; }
+  size_t bytes() const { return bytes_; }  // resident (holes excluded)
   // A view of a named region as a tensor; the shape must fit the region.
   Tensor view(const std::string& name, DType t, Shape shape) const;
   float* f32(const std::string& name) const;
@@ -59,6 +75,7 @@ class Arena {
  private:
   struct Free {
     bool external;  // value-initialised: false
+    size_t mapped;  // > 0: bytes mapped with mmap (a group with holes)
     void operator()(std::byte* p) const;
   };
   const MemoryPlan* plan_ = nullptr;

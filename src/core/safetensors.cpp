@@ -258,6 +258,7 @@ void write_safetensors(const std::string& path, const std::vector<SafeTensorOut>
     write_all(fd, len, 8, tmp);
     write_all(fd, header.data(), header.size(), tmp);
     std::vector<unsigned char> buf;
+    std::vector<float> filled;
     for (const auto& t : tensors) {
       const size_t n_el = static_cast<size_t>(shape_numel(t.shape));
       const size_t bytes = n_el * dtype_size(t.dtype);
@@ -265,17 +266,23 @@ void write_safetensors(const std::string& path, const std::vector<SafeTensorOut>
         write_all(fd, t.raw, bytes, tmp);
         continue;
       }
-      BT_CHECK(t.f32, "tensor ", t.name, " has no data");
+      const float* f32 = t.f32;
+      if (t.fill) {
+        filled.resize(n_el);
+        t.fill(filled.data());
+        f32 = filled.data();
+      }
+      BT_CHECK(f32, "tensor ", t.name, " has no data");
       if (t.dtype == DType::F32) {
-        write_all(fd, t.f32, bytes, tmp);
+        write_all(fd, f32, bytes, tmp);
         continue;
       }
       buf.resize(bytes);
       auto* h16 = reinterpret_cast<uint16_t*>(buf.data());
       if (t.dtype == DType::BF16)
-        convert_f32_to_bf16(t.f32, h16, n_el);
+        convert_f32_to_bf16(f32, h16, n_el);
       else if (t.dtype == DType::F16)
-        convert_f32_to_f16(t.f32, h16, n_el);
+        convert_f32_to_f16(f32, h16, n_el);
       else
         fail("cannot write tensor ", t.name, " as ", dtype_name(t.dtype));
       write_all(fd, buf.data(), bytes, tmp);

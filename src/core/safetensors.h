@@ -4,6 +4,7 @@
 // request; writing is atomic (temp file, fsync, rename) so a crash never leaves half a file.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -53,6 +54,9 @@ struct SafeTensorOut {
   Shape shape;
   const float* f32 = nullptr;  // source data in fp32, converted to dtype when written
   const void* raw = nullptr;   // or raw bytes already in dtype
+  // or fp32 data written into a buffer of numel floats when the tensor's turn comes (data
+  // assembled from several places, one tensor in memory at a time)
+  std::function<void(float*)> fill = {};
 };
 
 // Writes atomically: path.tmp.<pid>, fsync, rename, fsync of the directory. On failure (disk

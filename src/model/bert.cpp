@@ -207,9 +207,23 @@ MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDim
                                                     dims.pack_rows > dims.batch)))
     fail("packing runs pretraining unpadded, with at least as many instances as rows (",
          dims.pack_rows, " rows, ", dims.batch, " instances", dims.unpadded ? "" : ", padded", ")");
+  if (dims.master_shard &&
+      (!dims.bf16 || dims.master_begin < 0 || dims.master_begin > dims.master_end))
+    fail("a sharded fp32 master needs bf16 compute and a part [", dims.master_begin, ", ",
+         dims.master_end, ") of the parameters");
   const ParamTable table(cfg, head);
   MemoryPlan plan;
-  plan.add("parameters", "params", f32s(table.total()));
+  const size_t params = plan.add("parameters", "params", f32s(table.total()));
+  if (dims.master_shard) {
+    // The whole pages of the matmul weights outside this rank's part are never touched (the
+    // region starts the group, whose arena is page-aligned).
+    std::vector<std::pair<size_t, size_t>> holes;
+    for (const auto& [b, e] : table.matmul_ranges_outside(dims.master_begin, dims.master_end)) {
+      const size_t hb = align_up(f32s(b), kPage), he = f32s(e) / kPage * kPage;
+      if (he > hb) holes.push_back({hb, he});
+    }
+    plan.set_holes(params, std::move(holes));
+  }
   plan.add("gradients", "grads", f32s(table.total()));
   plan_activations(plan, cfg, head, dims);
   plan.add("kernels", "kernels.scratch",
@@ -310,6 +324,31 @@ void BertModel::place_gradients(std::byte* memory) {
   Arena moved(plan_, "gradients", memory);
   std::memcpy(moved.base(), grads_.base(), grads_.bytes());
   grads_ = std::move(moved);
+}
+
+void BertModel::init_params(uint64_t seed) {
+  const auto& ps = table_.params();
+  for (size_t t = 0; t < ps.size(); ++t)
+    write_param(ps[t], [&](float* out) { table_.initialize_tensor(t, out, cfg_, seed); });
+}
+
+void BertModel::write_param(const ParamInfo& p, const std::function<void(float*)>& read) {
+  if (!dims_.master_shard) {
+    read(params() + p.offset);
+    bf16_fresh_ = false;  // the bf16 copy follows at the next forward
+    return;
+  }
+  const int64_t n = p.numel();
+  if (!p.matmul) {
+    read(params() + p.offset);
+    be_.copy_weights(prec_, params() + p.offset, wbf16_ + p.offset, n);
+    return;
+  }
+  std::vector<float> whole(static_cast<size_t>(n));
+  read(whole.data());
+  be_.copy_weights(prec_, whole.data(), wbf16_ + p.offset, n);
+  const int64_t b = std::max(p.offset, dims_.master_begin), e = std::min(p.end(), dims_.master_end);
+  if (e > b) std::copy(whole.data() + (b - p.offset), whole.data() + (e - p.offset), params() + b);
 }
 
 void BertModel::zero_grads() {
@@ -456,7 +495,10 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
          " x ", dims_.seq_len, ", ", dims_.max_predictions, "]");
   validate_batch(b, cfg_, head_);
   bind_kernel_scratch();
-  if (!bf16_fresh_) be_.copy_weights(prec_, params(), wbf16_, table_.total());
+  // A sharded master's bf16 copy is the model's weights (write_param, the optimizer and the
+  // step keep it current); else it follows the fp32 master.
+  if (!bf16_fresh_ && !dims_.master_shard)
+    be_.copy_weights(prec_, params(), wbf16_, table_.total());
   bf16_fresh_ = false;
   const bool up = unpadded();
   packed_.B = b.B;

@@ -66,6 +66,14 @@ struct ModelDims {
   // the pooler and NSP for `batch` instances, the MLM head (which runs unpadded on the weighted
   // predictions only) for pack_rows x max_predictions of them. 0 = unpacked.
   int64_t pack_rows = 0;
+  // ZeRO's sharded fp32 master (bf16 with a sharded optimizer; train::Step): this rank holds
+  // the fp32 master of the matmul weights (ParamInfo::matmul) only inside [master_begin,
+  // master_end), its optimizer part; the rest of them is address space only (holes of the
+  // plan, never resident) and the bf16 copy, which the matmuls read, is then the model's
+  // weights: the optimizer rounds its part into it and the step all-gathers it. The tensors
+  // read in fp32 (embeddings, biases, LayerNorm) stay whole on every rank.
+  bool master_shard = false;
+  int64_t master_begin = 0, master_end = 0;
   // Rows of seq_len tokens the encoder is planned for.
   int64_t token_rows() const { return pack_rows > 0 ? pack_rows : batch; }
   kernels::Precision precision() const {
@@ -159,7 +167,18 @@ class BertModel {
   // Moves the gradients into `memory` (group_bytes("gradients"), 64-byte aligned, owned by the
   // caller and outliving the model), e.g. a communicator's shared window for zero-copy allreduce.
   void place_gradients(std::byte* memory);
-  void init_params(uint64_t seed) { table_.initialize(params(), cfg_, seed); }
+  void init_params(uint64_t seed);
+  // Sets tensor p to what `read` writes into a buffer of p.numel() floats. With a sharded
+  // master (ModelDims::master_shard) a matmul weight is read into a temporary, rounded into
+  // the bf16 copy and its fp32 kept only inside the shard, and every tensor's bf16 copy is
+  // refreshed (the copy is the model's weights there); else it is read in place.
+  void write_param(const ParamInfo& p, const std::function<void(float*)>& read);
+  // Whether params() holds all of p in fp32 (false: a matmul weight of a sharded master that
+  // reaches outside this rank's part).
+  bool holds_fp32(const ParamInfo& p) const {
+    return !dims_.master_shard || !p.matmul ||
+           (p.offset >= dims_.master_begin && p.end() <= dims_.master_end);
+  }
 
   Losses forward(const Batch& b, const StepOptions& opt);
   // Gradients of loss_scale * loss, accumulated into grads(). Needs the preceding forward.

@@ -112,7 +112,7 @@ LoadReport load_tensors(BertModel& m, const std::string& path,
                            shape_str(p->shape));
       continue;
     }
-    t.read(m.params() + p->offset);
+    m.write_param(*p, t.read);
     seen.insert(t.name);
     rep.loaded.push_back(t.name);
   }
@@ -179,13 +179,22 @@ LoadReport load_checkpoint_into(BertModel& m, const std::string& path, const Loa
   return load_tensors(m, bundle.prefix(), tensors, opt, std::move(rep));
 }
 
-void save_pretrained(const BertModel& m, const std::string& dir, DType dtype) {
+void save_pretrained(const BertModel& m, const std::string& dir, DType dtype,
+                     const ParamGather& gather) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) fail("cannot create checkpoint directory ", dir, ": ", ec.message());
   std::vector<SafeTensorOut> out;
-  for (const auto& p : m.table().params())
-    out.push_back({p.name, dtype, p.shape, m.params() + p.offset, nullptr});
+  for (const auto& p : m.table().params()) {
+    if (m.holds_fp32(p)) {
+      out.push_back({p.name, dtype, p.shape, m.params() + p.offset, nullptr});
+      continue;
+    }
+    BT_CHECK(static_cast<bool>(gather), p.name,
+             " is sharded over the ranks: saving it needs their parts (gather)");
+    out.push_back(
+        {p.name, dtype, p.shape, nullptr, nullptr, [&gather, &p](float* o) { gather(p, o); }});
+  }
   write_safetensors((fs::path(dir) / "model.safetensors").string(), out, {{"format", "pt"}});
   nlohmann::json cfg = m.config().to_json(head_architecture(m.table().head()));
   if (dtype != DType::F32) cfg["torch_dtype"] = dtype == DType::BF16 ? "bfloat16" : "float16";

@@ -6,6 +6,7 @@
 // list every offending name with both shapes.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,11 @@ LoadReport load_safetensors_into(BertModel& m, const std::string& path,
 LoadReport load_checkpoint_into(BertModel& m, const std::string& path, const LoadOptions& opt = {});
 
 // Writes dir/model.safetensors (dtype F32, F16 or BF16) and dir/config.json, atomically.
-void save_pretrained(const BertModel& m, const std::string& dir, DType dtype = DType::F32);
+// Tensors the model does not hold whole in fp32 (BertModel::holds_fp32: a sharded master) are
+// written from `gather`, which fills a buffer of the tensor's numel floats (the ranks' parts).
+using ParamGather = std::function<void(const ParamInfo&, float*)>;
+void save_pretrained(const BertModel& m, const std::string& dir, DType dtype = DType::F32,
+                     const ParamGather& gather = {});
 
 // Finds config.json and model.safetensors in a checkpoint directory (or accepts the file).
 std::string checkpoint_weights_path(const std::string& dir_or_file);

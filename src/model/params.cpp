@@ -14,8 +14,8 @@ const char* head_architecture(Head h) {
                                              : "BertForQuestionAnswering";
 }
 
-void ParamTable::add(const std::string& name, Shape shape, Init init, bool decay) {
-  ParamInfo p{name, std::move(shape), total_, init, decay};
+void ParamTable::add(const std::string& name, Shape shape, Init init, bool decay, bool matmul) {
+  ParamInfo p{name, std::move(shape), total_, init, decay, matmul};
   total_ += (p.numel() + 15) / 16 * 16;  // 64-byte aligned tensors
   index_[name] = params_.size();
   params_.push_back(std::move(p));
@@ -45,7 +45,7 @@ ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head), hidden_(
     // below hold the invariant for the rest).
     int64_t qkv_w = total_;
     for (const char* m : {"query", "key", "value"}) {
-      ParamInfo w{p + "attention.self." + m + ".weight", {C, C}, total_, Init::Normal, true};
+      ParamInfo w{p + "attention.self." + m + ".weight", {C, C}, total_, Init::Normal, true, true};
       index_[w.name] = params_.size();
       params_.push_back(w);
       total_ += C * C;
@@ -63,7 +63,7 @@ ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head), hidden_(
     lo.qkv_w = qkv_w;
     lo.qkv_b = qkv_b;
     lo.attn_out_w = total_;
-    add(p + "attention.output.dense.weight", {C, C}, Init::Normal, true);
+    add(p + "attention.output.dense.weight", {C, C}, Init::Normal, true, true);
     lo.attn_out_b = total_;
     add(p + "attention.output.dense.bias", {C}, Init::Zeros, false);
     lo.ln1_w = total_;
@@ -71,11 +71,11 @@ ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head), hidden_(
     lo.ln1_b = total_;
     add(p + "attention.output.LayerNorm.bias", {C}, Init::Zeros, false);
     lo.inter_w = total_;
-    add(p + "intermediate.dense.weight", {I, C}, Init::Normal, true);
+    add(p + "intermediate.dense.weight", {I, C}, Init::Normal, true, true);
     lo.inter_b = total_;
     add(p + "intermediate.dense.bias", {I}, Init::Zeros, false);
     lo.out_w = total_;
-    add(p + "output.dense.weight", {C, I}, Init::Normal, true);
+    add(p + "output.dense.weight", {C, I}, Init::Normal, true, true);
     lo.out_b = total_;
     add(p + "output.dense.bias", {C}, Init::Zeros, false);
     lo.ln2_w = total_;
@@ -85,22 +85,22 @@ ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head), hidden_(
     layers_.push_back(lo);
   }
   if (has_pooler(head)) {
-    add("bert.pooler.dense.weight", {C, C}, Init::Normal, true);
+    add("bert.pooler.dense.weight", {C, C}, Init::Normal, true, true);
     add("bert.pooler.dense.bias", {C}, Init::Zeros, false);
   }
   if (head == Head::Pretraining) {
-    add("cls.predictions.transform.dense.weight", {C, C}, Init::Normal, true);
+    add("cls.predictions.transform.dense.weight", {C, C}, Init::Normal, true, true);
     add("cls.predictions.transform.dense.bias", {C}, Init::Zeros, false);
     add("cls.predictions.transform.LayerNorm.weight", {C}, Init::Ones, false);
     add("cls.predictions.transform.LayerNorm.bias", {C}, Init::Zeros, false);
     add("cls.predictions.bias", {V}, Init::Zeros, false);
-    add("cls.seq_relationship.weight", {2, C}, Init::Normal, true);
+    add("cls.seq_relationship.weight", {2, C}, Init::Normal, true, true);
     add("cls.seq_relationship.bias", {2}, Init::Zeros, false);
   } else if (head == Head::QuestionAnswering) {
-    add("qa_outputs.weight", {2, C}, Init::Normal, true);  // row 0: start, row 1: end
+    add("qa_outputs.weight", {2, C}, Init::Normal, true, true);  // row 0: start, row 1: end
     add("qa_outputs.bias", {2}, Init::Zeros, false);
   } else {
-    add("classifier.weight", {cfg.num_labels, C}, Init::Normal, true);
+    add("classifier.weight", {cfg.num_labels, C}, Init::Normal, true, true);
     add("classifier.bias", {cfg.num_labels}, Init::Zeros, false);
   }
 }
@@ -116,30 +116,67 @@ const ParamInfo& ParamTable::at(const std::string& name) const {
   return *p;
 }
 
-void ParamTable::initialize(float* params, const BertConfig& cfg, uint64_t seed) const {
+namespace {
+
+// Appends [b, e) to ranges, merged with the last one when they touch.
+void append_range(std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t b, int64_t e) {
+  if (e <= b) return;
+  if (!ranges.empty() && ranges.back().second == b)
+    ranges.back().second = e;
+  else
+    ranges.push_back({b, e});
+}
+
+}  // namespace
+
+std::vector<std::pair<int64_t, int64_t>> ParamTable::matmul_ranges_outside(int64_t keep_begin,
+                                                                           int64_t keep_end) const {
+  std::vector<std::pair<int64_t, int64_t>> out;
   for (size_t t = 0; t < params_.size(); ++t) {
-    const ParamInfo& p = params_[t];
-    float* w = params + p.offset;
-    const int64_t n = p.numel();
-    if (p.init == Init::Zeros) {
-      for (int64_t i = 0; i < n; ++i) w[i] = 0.0f;
-    } else if (p.init == Init::Ones) {
-      for (int64_t i = 0; i < n; ++i) w[i] = 1.0f;
-    } else {
-      // Box-Muller on counter-based uniforms; redraw outside 2 std (truncated normal, as
-      // Google BERT's tf.truncated_normal_initializer). Keyed by tensor name order and index.
-      const uint64_t key = rng_key(seed, 0x1a17, t);
-      for (int64_t i = 0; i < n; ++i) {
-        float z;
-        uint64_t draw = static_cast<uint64_t>(i) << 8;
-        do {
-          float u1 = rng_uniform(key, 2 * draw) + 1.0f / 33554432.0f;
-          float u2 = rng_uniform(key, 2 * draw + 1);
-          z = std::sqrt(-2.0f * std::log(u1)) * std::cos(6.28318530717958647692f * u2);
-          ++draw;
-        } while (std::fabs(z) > 2.0f);
-        w[i] = z * cfg.initializer_range;
-      }
+    if (!params_[t].matmul) continue;
+    // The tensor with the padding up to the next one (or the end of the buffer).
+    const int64_t b = params_[t].offset,
+                  e = t + 1 < params_.size() ? params_[t + 1].offset : total_;
+    append_range(out, b, std::min(e, keep_begin));
+    append_range(out, std::max(b, keep_end), e);
+  }
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> ParamTable::fp32_read_ranges() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t t = 0; t < params_.size(); ++t)
+    if (!params_[t].matmul)
+      append_range(out, params_[t].offset, t + 1 < params_.size() ? params_[t + 1].offset : total_);
+  return out;
+}
+
+void ParamTable::initialize(float* params, const BertConfig& cfg, uint64_t seed) const {
+  for (size_t t = 0; t < params_.size(); ++t)
+    initialize_tensor(t, params + params_[t].offset, cfg, seed);
+}
+
+void ParamTable::initialize_tensor(size_t t, float* w, const BertConfig& cfg, uint64_t seed) const {
+  const ParamInfo& p = params_.at(t);
+  const int64_t n = p.numel();
+  if (p.init == Init::Zeros) {
+    for (int64_t i = 0; i < n; ++i) w[i] = 0.0f;
+  } else if (p.init == Init::Ones) {
+    for (int64_t i = 0; i < n; ++i) w[i] = 1.0f;
+  } else {
+    // Box-Muller on counter-based uniforms; redraw outside 2 std (truncated normal, as
+    // Google BERT's tf.truncated_normal_initializer). Keyed by tensor name order and index.
+    const uint64_t key = rng_key(seed, 0x1a17, t);
+    for (int64_t i = 0; i < n; ++i) {
+      float z;
+      uint64_t draw = static_cast<uint64_t>(i) << 8;
+      do {
+        float u1 = rng_uniform(key, 2 * draw) + 1.0f / 33554432.0f;
+        float u2 = rng_uniform(key, 2 * draw + 1);
+        z = std::sqrt(-2.0f * std::log(u1)) * std::cos(6.28318530717958647692f * u2);
+        ++draw;
+      } while (std::fabs(z) > 2.0f);
+      w[i] = z * cfg.initializer_range;
     }
   }
 }

@@ -34,7 +34,12 @@ struct ParamInfo {
   int64_t offset = 0;  // in floats
   Init init = Init::Normal;
   bool decay = true;  // false for LayerNorm weights and all biases (BERT's AdamW/LAMB exclusion)
+  // Read by the model only as a matmul weight (a bf16 model reads its bf16 copy), never in fp32:
+  // the linear layers' weights. The embeddings (the word embeddings are also the tied MLM
+  // decoder), biases and LayerNorm are read in fp32.
+  bool matmul = false;
   int64_t numel() const { return shape_numel(shape); }
+  int64_t end() const { return offset + numel(); }
 };
 
 // Offsets of one encoder layer's parameters, for the model's hot loop.
@@ -61,9 +66,19 @@ class ParamTable {
   // Fills the flat buffer with BERT's initialisation: truncated normal (2 std) with
   // std = initializer_range for matrices and embeddings, zeros for biases, LayerNorm 1/0.
   void initialize(float* params, const BertConfig& cfg, uint64_t seed) const;
+  // The same for tensor t (index into params()) alone, into out[numel].
+  void initialize_tensor(size_t t, float* out, const BertConfig& cfg, uint64_t seed) const;
+
+  // [begin, end) float ranges of the flat buffer (adjacent tensors merged, the padding between
+  // them included): the matmul weights outside [keep_begin, keep_end), and the tensors read in
+  // fp32 (all but the matmul weights). A sharded fp32 master (ModelDims::master_shard) holds
+  // the first nowhere on this rank and every rank holds the second.
+  std::vector<std::pair<int64_t, int64_t>> matmul_ranges_outside(int64_t keep_begin,
+                                                                 int64_t keep_end) const;
+  std::vector<std::pair<int64_t, int64_t>> fp32_read_ranges() const;
 
  private:
-  void add(const std::string& name, Shape shape, Init init, bool decay);
+  void add(const std::string& name, Shape shape, Init init, bool decay, bool matmul = false);
   Head head_;
   std::vector<ParamInfo> params_;
   std::map<std::string, size_t> index_;

@@ -1,5 +1,7 @@
 #include "plan/memory.h"
 
+#include <tuple>
+
 #include <algorithm>
 #include <cstdio>
 
@@ -28,6 +30,26 @@ int64_t largest_shard(int64_t total, int world) {
   for (int r = 0; r < world; ++r) {
     const auto [b, e] = shard_range(total, r, world);
     most = std::max(most, e - b);
+  }
+  return most;
+}
+
+model::ModelDims with_master_shard(const model::BertConfig& cfg, model::Head head,
+                                   model::ModelDims dims, int rank, int world) {
+  if (!dims.bf16 || world <= 1 || head != model::Head::Pretraining) return dims;
+  const int64_t total = model::ParamTable(cfg, head).total();
+  auto of_rank = [&](int r) {
+    model::ModelDims d = dims;
+    d.master_shard = true;
+    std::tie(d.master_begin, d.master_end) = shard_range(total, r, world);
+    return d;
+  };
+  if (rank >= 0) return of_rank(rank);
+  model::ModelDims most = of_rank(0);
+  size_t most_bytes = 0;
+  for (int r = 0; r < world; ++r) {
+    const size_t b = model::BertModel::make_plan(cfg, head, of_rank(r)).group_bytes("parameters");
+    if (b > most_bytes) std::tie(most, most_bytes) = std::pair(of_rank(r), b);
   }
   return most;
 }

@@ -21,6 +21,12 @@ void plan_optimizer_state(MemoryPlan& plan, int64_t parameters, int slots);
 std::pair<int64_t, int64_t> shard_range(int64_t total, int rank, int world);
 int64_t largest_shard(int64_t total, int world);
 
+// bf16 pretraining with the optimizer sharded over `world` > 1 ranks (train --shard-optimizer):
+// dims with rank `rank`'s part of the fp32 master (ModelDims::master_shard); rank -1: the rank
+// whose parameters hold the most (what a plan per rank must hold). Else dims unchanged.
+model::ModelDims with_master_shard(const model::BertConfig& cfg, model::Head head,
+                                   model::ModelDims dims, int rank, int world);
+
 // optimizer_slots: fp32 copies per parameter held by the optimizer (AdamW/LAMB: 2).
 // shard_world > 1: the optimizer state is sharded over that many ranks (the largest part).
 MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,

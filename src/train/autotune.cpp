@@ -107,7 +107,7 @@ double time_steps(const TrainConfig& cfg, comm::Communicator& comm, const model:
                   const std::vector<model::Batch>& batches, model::ModelDims::Attention attention,
                   int threads, int64_t bucket_mb) {
   omp_set_num_threads(threads);
-  model::ModelDims d = model_dims(cfg);
+  model::ModelDims d = model_dims(cfg, comm.rank(), comm.size());
   d.attention = attention;
   model::BertModel m(mc, model::Head::Pretraining, d);
   m.init_params(cfg.seed);

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 
 #include "core/error.h"
 #include "core/safetensors.h"
@@ -38,9 +39,33 @@ std::string shard_file(int rank, int world) {
   return buf;
 }
 
+// Tensor p's fp32 values from the "master" parts of the shard files `parts` (every rank's),
+// into out[p.numel()].
+void gather_master(const std::vector<std::unique_ptr<SafetensorsReader>>& parts, int64_t total,
+                   const model::ParamInfo& p, float* out) {
+  int64_t covered = 0;
+  for (const auto& r : parts) {
+    const auto& meta = r->metadata();
+    const SafeTensorInfo* t = r->find("master");
+    const int64_t b = meta.count("begin") ? std::stoll(meta.at("begin")) : 0;
+    const int64_t e = meta.count("end") ? std::stoll(meta.at("end")) : total;
+    if (!t || t->dtype != DType::F32 || shape_numel(t->shape) != e - b)
+      fail(r->path(), " holds no fp32 master weights for [", b, ", ", e,
+           ") (written by a run without a sharded master?)");
+    const int64_t lo = std::max(b, p.offset), hi = std::min(e, p.end());
+    if (hi <= lo) continue;
+    const float* src = static_cast<const float*>(r->data(*t)) + (lo - b);
+    std::copy(src, src + (hi - lo), out + (lo - p.offset));
+    covered += hi - lo;
+  }
+  if (covered != p.numel())
+    fail("the optimizer shards hold ", covered, " of the ", p.numel(), " weights of ", p.name);
+}
+
 }  // namespace
 
-std::string save_optimizer_state(const std::string& dir, const Optimizer& opt) {
+std::string save_optimizer_state(const std::string& dir, const Optimizer& opt,
+                                 const float* master) {
   const Shard& sh = opt.shard();
   const std::string path =
       (fs::path(dir) / (opt.sharded() ? shard_file(sh.rank, sh.world) : "optimizer.safetensors"))
@@ -52,11 +77,11 @@ std::string save_optimizer_state(const std::string& dir, const Optimizer& opt) {
     meta["end"] = std::to_string(sh.end);
     meta["total"] = std::to_string(opt.total());
   }
-  write_safetensors(
-      path,
-      {{"m", DType::F32, {static_cast<int64_t>(opt.m().size())}, opt.m().data(), nullptr},
-       {"v", DType::F32, {static_cast<int64_t>(opt.v().size())}, opt.v().data(), nullptr}},
-      meta);
+  const int64_t n = static_cast<int64_t>(opt.m().size());
+  std::vector<SafeTensorOut> tensors = {{"m", DType::F32, {n}, opt.m().data(), nullptr},
+                                        {"v", DType::F32, {n}, opt.v().data(), nullptr}};
+  if (master) tensors.push_back({"master", DType::F32, {n}, master, nullptr});
+  write_safetensors(path, tensors, meta);
   return path;
 }
 
@@ -163,16 +188,16 @@ std::string save_checkpoint(const std::string& run_dir, const model::BertModel& 
       error = str("cannot create ", tmp_dir, ": ", ec ? ec.message() : "it exists");
   }
   agree("create the checkpoint directory");
+  const bool master_shard = m.dims().master_shard;
   if (shards) {
     try {
-      save_optimizer_state(tmp_dir, opt);
+      save_optimizer_state(tmp_dir, opt, master_shard ? m.params() + opt.shard().begin : nullptr);
     } catch (const std::exception& e) {
       error = str("rank ", comm->rank(), ": ", e.what());
     }
     agree("write its optimizer shard");
   }
   if (lead) try {
-      model::save_pretrained(m, tmp_dir);
       if (shards) {
         // Rank 0 sees every shard, or the directory is not shared by the ranks.
         for (int r = 0; r < opt.shard().world; ++r)
@@ -180,9 +205,20 @@ std::string save_checkpoint(const std::string& run_dir, const model::BertModel& 
             fail("rank ", r, "'s optimizer shard is not in ", tmp_dir,
                  " as rank 0 sees it: a sharded run needs an --output directory every rank "
                  "sees (a shared file system)");
-      } else {
-        save_optimizer_state(tmp_dir, opt);
       }
+      if (master_shard) {
+        // The matmul weights this rank does not hold in fp32 come from the ranks' shards.
+        std::vector<std::unique_ptr<SafetensorsReader>> parts;
+        for (int r = 0; r < opt.shard().world; ++r)
+          parts.push_back(std::make_unique<SafetensorsReader>(
+              (fs::path(tmp_dir) / shard_file(r, opt.shard().world)).string()));
+        model::save_pretrained(m, tmp_dir, DType::F32, [&](const model::ParamInfo& p, float* out) {
+          gather_master(parts, opt.total(), p, out);
+        });
+      } else {
+        model::save_pretrained(m, tmp_dir);
+      }
+      if (!shards) save_optimizer_state(tmp_dir, opt);
       nlohmann::json j = {{"format", "bertrain-trainer-state"},
                           {"version", kTrainerStateVersion},
                           {"step", st.step},

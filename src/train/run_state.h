@@ -46,8 +46,11 @@ void load_optimizer_state(const std::string& dir, Optimizer& opt);
 // Its files (optimizer.safetensors, or the shards' files); empty if there are none.
 std::vector<std::string> optimizer_state_files(const std::string& dir);
 // Writes this rank's optimizer state into checkpoint directory `dir` (the whole file, or its
-// shard's) and returns the path.
-std::string save_optimizer_state(const std::string& dir, const Optimizer& opt);
+// shard's) and returns the path. `master` (a model with a sharded fp32 master): the fp32
+// parameters of the shard's range, stored beside the moments as "master" (rank 0 assembles
+// model.safetensors from them).
+std::string save_optimizer_state(const std::string& dir, const Optimizer& opt,
+                                 const float* master = nullptr);
 
 // The checkpoint directory `path` names: a checkpoint itself, or a run directory (its latest).
 // Empty if a run directory has no checkpoint yet.

@@ -1,7 +1,9 @@
 #include "train/step.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <vector>
 
 #include "core/error.h"
 #include "core/setting.h"
@@ -15,6 +17,44 @@ double since(Clock::time_point t) {
 }
 }  // namespace
 
+void allgather_sharded_master(model::BertModel& m, comm::Communicator& comm,
+                              std::span<const int64_t> counts) {
+  BT_CHECK(m.dims().master_shard, "allgather_sharded_master: the model's master is not sharded");
+  const int world = comm.size();
+  const int64_t total = m.table().total();
+  comm.allgather(m.bf16_weights(), total, counts);
+  std::vector<int64_t> cuts(1, 0);
+  for (int64_t c : counts) cuts.push_back(cuts.back() + c);
+  // Each rank's elements of [b, e), in rank order (the parts are consecutive).
+  auto parts = [&](int64_t b, int64_t e, std::vector<int64_t>& into) {
+    for (int r = 0; r < world; ++r)
+      into[r] += std::max<int64_t>(0, std::min(e, cuts[r + 1]) - std::max(b, cuts[r]));
+  };
+  constexpr int64_t kInPlace = int64_t{1} << 20;  // floats: gathered where they lie
+  float* params = m.params();
+  std::vector<std::pair<int64_t, int64_t>> small;
+  std::vector<int64_t> small_counts(world, 0);
+  for (const auto& [b, e] : m.table().fp32_read_ranges()) {
+    if (e - b >= kInPlace) {
+      std::vector<int64_t> c(world, 0);
+      parts(b, e, c);
+      comm.allgather(params + b, e - b, c);
+    } else {
+      small.push_back({b, e});
+      parts(b, e, small_counts);
+    }
+  }
+  // Packed in offset order, every rank's elements of the small tensors are one run.
+  std::vector<float> packed;
+  for (const auto& [b, e] : small) packed.insert(packed.end(), params + b, params + e);
+  comm.allgather(packed.data(), static_cast<int64_t>(packed.size()), small_counts);
+  const float* from = packed.data();
+  for (const auto& [b, e] : small) {
+    std::copy(from, from + (e - b), params + b);
+    from += e - b;
+  }
+}
+
 Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, comm::Communicator& comm,
            const StepSettings& s, obs::Timeline* timeline)
     : m_(m), opt_(opt), scaler_(scaler), comm_(comm), s_(s), tl_(timeline) {
@@ -26,6 +66,14 @@ Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, comm::Commun
       fail("the optimizer is sharded for rank ", opt_.shard().rank, " of ", opt_.shard().world,
            ", this is rank ", comm_.rank(), " of ", comm_.size());
     counts_ = shard_counts(P, comm_.size());
+  }
+  const model::ModelDims& d = m_.dims();
+  if (d.master_shard &&
+      (!opt_.sharded() || opt_.shard().begin != d.master_begin || opt_.shard().end != d.master_end))
+    fail("the model holds the fp32 master of [", d.master_begin, ", ", d.master_end,
+         "), the optimizer updates ", opt_.sharded() ? "another part" : "all parameters",
+         ": a sharded master needs the optimizer sharded the same way");
+  if (opt_.sharded()) {
     owners_.assign(1, 0);
     for (int64_t c : counts_) owners_.push_back(owners_.back() + c);
   }
@@ -168,17 +216,22 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
     opt_.apply(m_.params(), m_.grads(), static_cast<float>(lr), g.unscale, measured,
                m_.bf16_weights(), [&](double* v, int64_t n) { comm_.allreduce_sum(v, n); });
     if (sharded) {
-      // Each rank updated its part: every rank gets every part (fp32, exact), and rounds the
-      // parts it did not update into its bf16 copy.
+      // Each rank updated its part: every rank gets every part. With a sharded master, the
+      // bf16 weights and the fp32-read tensors; else the fp32 parameters (exact), whose parts
+      // updated elsewhere each rank rounds into its bf16 copy.
       const auto t_gather = Clock::now();
       comm_.set_label("updated parameters");
-      comm_.allgather(m_.params(), m_.table().total(), counts_);
+      if (m_.dims().master_shard) {
+        allgather_sharded_master(m_, comm_, counts_);
+      } else {
+        comm_.allgather(m_.params(), m_.table().total(), counts_);
+        const Shard& own = opt_.shard();
+        m_.refresh_bf16_weights(0, own.begin);
+        m_.refresh_bf16_weights(own.end, m_.table().total());
+      }
       comm_.set_label("");
       r.t_comm += since(t_gather);
       span("allgather parameters", "communication", t_gather);
-      const Shard& own = opt_.shard();
-      m_.refresh_bf16_weights(0, own.begin);
-      m_.refresh_bf16_weights(own.end, m_.table().total());
     }
     m_.bf16_weights_updated();
   }

@@ -16,6 +16,7 @@
 
 #include <functional>
 #include <memory>
+#include <span>
 
 #include "comm/communicator.h"
 #include "comm/reducer.h"
@@ -62,6 +63,13 @@ struct StepReport {
   double t_input = 0, t_forward = 0, t_backward = 0, t_comm = 0, t_optimizer = 0, t_hidden = 0;
   double t_total = 0;
 };
+
+// For a model with a sharded fp32 master (ModelDims::master_shard): every rank's part of the
+// weights to every rank, `counts` the optimizer's parts. The bf16 copy goes whole (2 bytes a
+// parameter instead of the fp32 allgather's 4) and the tensors read in fp32 as fp32 (the
+// embeddings in place, the small ones packed into one message). Collective.
+void allgather_sharded_master(model::BertModel& m, comm::Communicator& comm,
+                              std::span<const int64_t> counts);
 
 class Step {
  public:

@@ -21,6 +21,7 @@
 #include "model/checkpoint.h"
 #include "obs/events.h"
 #include "obs/gemm_peak.h"
+#include "plan/memory.h"
 #include "train/autotune.h"
 #include "train/loss_scaler.h"
 #include "train/run_state.h"
@@ -230,7 +231,7 @@ void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double 
   metrics->write(done, values, {{"rank_step_ms", rank_ms}});
 }
 
-model::ModelDims model_dims(const TrainConfig& c) {
+model::ModelDims model_dims(const TrainConfig& c, int rank, int world) {
   const int64_t per_row = c.input.pack_per_row;
   model::ModelDims d;
   d.batch = per_row > 0 ? c.batch_size * per_row : c.batch_size;
@@ -240,7 +241,11 @@ model::ModelDims model_dims(const TrainConfig& c) {
   d.recompute_layers = c.recompute_layers;
   d.unpadded = c.unpadded || per_row > 0;
   d.pack_rows = per_row > 0 ? c.batch_size : 0;
-  return with_precision(d, c.precision);
+  d = with_precision(d, c.precision);
+  if (c.shard_optimizer)
+    d = plan::with_master_shard(model::BertConfig::load(c.model_config), model::Head::Pretraining,
+                                d, rank, world);
+  return d;
 }
 
 Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
@@ -249,7 +254,7 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
       rank(cm.rank()),
       world(cm.size()),
       mcfg(model::BertConfig::load(c.model_config)),
-      m(mcfg, model::Head::Pretraining, model_dims(c)),
+      m(mcfg, model::Head::Pretraining, model_dims(c, cm.rank(), cm.size())),
       opt(param_slices(m.table()), m.table().total(), c.optimizer, kernels::cpu_backend(),
           c.shard_optimizer ? shard_of(m.table().total(), cm.rank(), cm.size()) : Shard{}),
       scaler([&] {
@@ -440,8 +445,12 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   s.check_ranks_agree();
   // Every rank starts from rank 0's parameters and optimizer state (sharded: each rank loaded
   // its own part of the state).
+  // A sharded master: each rank loaded its part, which every rank then gets from its owner.
   const int64_t bytes = s.m.table().total() * static_cast<int64_t>(sizeof(float));
-  comm.broadcast(s.m.params(), bytes, 0);
+  if (s.m.dims().master_shard)
+    allgather_sharded_master(s.m, comm, shard_counts(s.m.table().total(), s.world));
+  else
+    comm.broadcast(s.m.params(), bytes, 0);
   if (!s.opt.sharded()) {
     comm.broadcast(s.opt.m().data(), bytes, 0);
     comm.broadcast(s.opt.v().data(), bytes, 0);
@@ -531,10 +540,17 @@ std::string Trainer::banner() const {
       "  steps ", s.start_step, "..", cfg.steps, ", save every ", cfg.save_every, " to ",
       cfg.output, ", ", s.comm.name(), ", ", omp_get_max_threads(), " threads, memory plan ",
       human_bytes(static_cast<double>(s.m.plan().total_bytes() + s.opt.plan().total_bytes())),
-      s.opt.sharded() ? str(" (optimizer state sharded: ",
-                            human_bytes(static_cast<double>(s.opt.plan().total_bytes())), " of ",
-                            human_bytes(8.0 * s.opt.total()), " here)")  // m, v: 8 B/param
-                      : std::string(),
+      s.opt.sharded()
+          ? str(" (optimizer state sharded: ",
+                human_bytes(static_cast<double>(s.opt.plan().total_bytes())), " of ",
+                human_bytes(8.0 * s.opt.total()), " here",  // m, v: 8 B/param
+                s.m.dims().master_shard
+                    ? str("; fp32 master weights sharded: ",
+                          human_bytes(static_cast<double>(s.m.plan().group_bytes("parameters"))),
+                          " of ", human_bytes(4.0 * s.m.table().total()), " here")
+                    : std::string(),
+                ")")
+          : std::string(),
       ", input bound ", human_bytes(static_cast<double>(s.pipe->memory_bound_bytes())), "\n");
   out += s.regrid_note;
   out += s.tuning_note;

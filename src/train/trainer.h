@@ -53,8 +53,10 @@ struct TrainConfig {
 };
 
 // The model's dims for a training run: its batch, precision, attention, recompute, padding and
-// packing (--pack: batch_size packed rows of up to pack_per_row instances each, unpadded).
-model::ModelDims model_dims(const TrainConfig& c);
+// packing (--pack: batch_size packed rows of up to pack_per_row instances each, unpadded), and
+// for rank `rank` of `world` (-1: the one whose parameters hold the most), bf16 with a sharded
+// optimizer: the fp32 master of its part only (plan::with_master_shard).
+model::ModelDims model_dims(const TrainConfig& c, int rank = 0, int world = 1);
 
 struct TrainResult {
   int64_t steps_done = 0;
