@@ -1,9 +1,8 @@
 #include "plan/memory.h"
 
-#include <tuple>
-
 #include <algorithm>
 #include <cstdio>
+#include <tuple>
 
 #include "core/error.h"
 
@@ -118,6 +117,10 @@ std::string explain_plan(const model::BertConfig& cfg, model::Head head, const m
   if (shard_world > 1)
     why += str("; the optimizer state sharded over ", shard_world, " ranks (",
                4.0 * slots / shard_world, " B per parameter on this rank)");
+  if (d.master_shard)
+    why += str("; the fp32 master weights sharded too (", human_bytes(g("parameters")),
+               " on this rank: its part of the matmul weights, and the embeddings, biases and "
+               "LayerNorm that every rank reads in fp32)");
   out += (why.empty() ? std::string(": the same accounting") : why) + "\n";
   out += str("  activations: the plan is ", pct(act, rule_act), " of the rule");
   why.clear();
@@ -151,7 +154,7 @@ std::string explain_plan(const model::BertConfig& cfg, model::Head head, const m
 
 std::string format_plan(const MemoryPlan& plan, int top_regions) {
   std::string out;
-  char line[160];
+  char line[256];
   std::snprintf(line, sizeof line, "  %-14s %12s\n", "group", "bytes");
   out += line;
   for (const auto& g : plan.groups()) {
@@ -163,11 +166,18 @@ std::string format_plan(const MemoryPlan& plan, int top_regions) {
                 human_bytes(static_cast<double>(plan.total_bytes())).c_str());
   out += line;
   std::vector<PlanRegion> r = plan.regions();
-  std::sort(r.begin(), r.end(), [](const auto& a, const auto& b) { return a.bytes > b.bytes; });
+  std::sort(r.begin(), r.end(),
+            [](const auto& a, const auto& b) { return a.resident_bytes() > b.resident_bytes(); });
   out += "  largest regions:\n";
   for (int i = 0; i < top_regions && i < static_cast<int>(r.size()); ++i) {
-    std::snprintf(line, sizeof line, "    %-28s %-12s %12s\n", r[i].name.c_str(),
-                  r[i].group.c_str(), human_bytes(static_cast<double>(r[i].bytes)).c_str());
+    // A region with holes (the sharded fp32 master) costs its resident part.
+    const std::string of = r[i].holes.empty()
+                               ? ""
+                               : str("  (of ", human_bytes(static_cast<double>(r[i].bytes)),
+                                     ": the rest is other ranks' part)");
+    std::snprintf(line, sizeof line, "    %-28s %-12s %12s%s\n", r[i].name.c_str(),
+                  r[i].group.c_str(),
+                  human_bytes(static_cast<double>(r[i].resident_bytes())).c_str(), of.c_str());
     out += line;
   }
   return out;

@@ -197,12 +197,25 @@ void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double 
   const double n = static_cast<double>(std::max<int64_t>(w.steps, 1));
   // Each rank's own share of the step: without the exposed wait in the gradient sum, which is
   // where fast ranks wait for a slow one (with it, every rank's step would look the same).
-  std::vector<double> rank_ms(world, 0.0);
-  rank_ms[rank] = 1e3 * (w.total - w.comm) / n;
-  if (world > 1) comm.allreduce_sum(rank_ms.data(), world);
-  if (!events) return;
+  // With it, each rank's memory (its plan, peak RSS and PSS: ranks differ where the fp32 master
+  // is sharded, ModelDims::master_shard).
   struct rusage ru {};
   getrusage(RUSAGE_SELF, &ru);
+  const double plan_mib =
+      static_cast<double>(m.plan().total_bytes() + opt.plan().total_bytes()) / 1048576.0;
+  const double rss_mib = static_cast<double>(ru.ru_maxrss) / 1024.0;
+  const double pss_mib = proportional_set_size() / 1048576.0;
+  std::vector<double> per_rank(4 * world, 0.0);
+  per_rank[rank] = 1e3 * (w.total - w.comm) / n;
+  per_rank[world + rank] = plan_mib;
+  per_rank[2 * world + rank] = rss_mib;
+  per_rank[3 * world + rank] = pss_mib;
+  if (world > 1) comm.allreduce_sum(per_rank.data(), 4 * world);
+  auto of = [&](int k) {
+    return std::vector<double>(per_rank.begin() + k * world, per_rank.begin() + (k + 1) * world);
+  };
+  const std::vector<double> rank_ms = of(0);
+  if (!events) return;
   const obs::Scalars values = {
       {"train/loss", w.loss / n},
       {"train/mlm_accuracy", w.mlm_correct / std::max(w.mlm_weight, 1e-9)},
@@ -222,13 +235,16 @@ void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double 
       {"time/communication_hidden_ms", 1e3 * w.hidden / n},
       {"time/optimizer_ms", 1e3 * w.optimizer / n},
       {"time/slowest_rank_ms", *std::max_element(rank_ms.begin(), rank_ms.end())},
-      {"memory/plan_mib",
-       static_cast<double>(m.plan().total_bytes() + opt.plan().total_bytes()) / 1048576.0},
-      {"memory/peak_rss_mib", static_cast<double>(ru.ru_maxrss) / 1024.0},
-      {"memory/pss_mib", proportional_set_size() / 1048576.0},
+      {"memory/plan_mib", plan_mib},
+      {"memory/peak_rss_mib", rss_mib},
+      {"memory/pss_mib", pss_mib},
   };
   events->scalars(done, values);
-  metrics->write(done, values, {{"rank_step_ms", rank_ms}});
+  metrics->write(done, values,
+                 {{"rank_step_ms", rank_ms},
+                  {"rank_plan_mib", of(1)},
+                  {"rank_peak_rss_mib", of(2)},
+                  {"rank_pss_mib", of(3)}});
 }
 
 model::ModelDims model_dims(const TrainConfig& c, int rank, int world) {

@@ -10,7 +10,7 @@ source "$(dirname "$0")/prepared_run.sh"
 run() {  # run NAME [flags...]
   local name=$1
   shift
-  timeout 300 mpiexec -np 3 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$BT" train \
+  timeout 300 mpiexec -np "${NP:-3}" --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$BT" train \
     --model-config "$ROOT/configs/bert-tiny.json" --data "$TMP/data/*.tfrecord" --output "$TMP/$name" \
     --batch-size 2 --seq-len 64 --max-predictions 10 --steps "${STEPS:-4}" --optimizer adamw --max-grad-norm 0 \
     --allreduce shm --bucket-mb 1 "$@" >> "$TMP/log_$name" 2>&1
@@ -70,6 +70,12 @@ if [ $bf16 = yes ]; then
   for name in s2s s2w w2s; do
     cmp "$(final plainbf)" "$(final "bf$name")" || { cat "$TMP/log_bf$name"; echo "FAIL: bf16 $name differs from the unsharded run"; exit 1; }
   done
+  # The sharded master's checkpoint (a whole model.safetensors, 3 optimizer shards) continues on
+  # 2 ranks, each holding its new part.
+  NP=2 STEPS=6 run bfs2s --precision bf16 --shard-optimizer --resume \
+    || { cat "$TMP/log_bfs2s"; echo "FAIL: bf16 sharded 3 -> 2 ranks"; exit 1; }
+  grep -q "fp32 master weights sharded" "$TMP/log_bfs2s" && [ -f "$TMP/bfs2s/checkpoint-000006/model.safetensors" ] \
+    || { cat "$TMP/log_bfs2s"; echo "FAIL: bf16 sharded 3 -> 2 ranks did not train on"; exit 1; }
 fi
 # A shard lost from the checkpoint: the resume names the gap instead of starting from zeros.
 rm "$TMP/s2s/checkpoint-000004/optimizer.rank-00001-of-00003.safetensors"
