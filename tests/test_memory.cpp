@@ -151,7 +151,7 @@ TEST(MemoryPlan, ShardedMasterHoldsOnlyItsPartOfTheMatmulWeights) {
                 return int64_t{-1};
               }());
   }
-  // Only bf16 pretraining shards the master (fp32 and fp16 update the weights the model reads).
+  // Only bf16 shards the master (fp32 and fp16 compute with the weights the optimizer updates).
   EXPECT_FALSE(
       plan::with_master_shard(cfg, model::Head::Pretraining, {4, 64, 10}, 0, 2).master_shard);
 }

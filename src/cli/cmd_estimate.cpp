@@ -58,7 +58,7 @@ void add_estimate(CLI::App& app) {
                               train::parse_precision(o->precision));
     apply_recompute(o->recompute, d);
     const int shard_world = o->shard ? o->ranks : 1;
-    d = plan::with_master_shard(cfg, head, d, -1, shard_world);  // bf16 pretraining, as train
+    d = plan::with_master_shard(cfg, head, d, -1, shard_world);  // bf16, as train/finetune
     MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots, shard_world);
     model::ParamTable table(cfg, head);
     int64_t nparams = 0;

@@ -35,7 +35,7 @@ int64_t largest_shard(int64_t total, int world) {
 
 model::ModelDims with_master_shard(const model::BertConfig& cfg, model::Head head,
                                    model::ModelDims dims, int rank, int world) {
-  if (!dims.bf16 || world <= 1 || head != model::Head::Pretraining) return dims;
+  if (!dims.bf16 || world <= 1) return dims;
   const int64_t total = model::ParamTable(cfg, head).total();
   auto of_rank = [&](int r) {
     model::ModelDims d = dims;

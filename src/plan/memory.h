@@ -21,7 +21,7 @@ void plan_optimizer_state(MemoryPlan& plan, int64_t parameters, int slots);
 std::pair<int64_t, int64_t> shard_range(int64_t total, int rank, int world);
 int64_t largest_shard(int64_t total, int world);
 
-// bf16 pretraining with the optimizer sharded over `world` > 1 ranks (train --shard-optimizer):
+// bf16 with the optimizer sharded over `world` > 1 ranks (train/finetune --shard-optimizer):
 // dims with rank `rank`'s part of the fp32 master (ModelDims::master_shard); rank -1: the rank
 // whose parameters hold the most (what a plan per rank must hold). Else dims unchanged.
 model::ModelDims with_master_shard(const model::BertConfig& cfg, model::Head head,

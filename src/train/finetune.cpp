@@ -23,6 +23,7 @@
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
 #include "obs/events.h"
+#include "plan/memory.h"
 #include "train/loss_scaler.h"
 #include "train/metrics.h"
 #include "train/ner.h"
@@ -613,7 +614,9 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
                                     : model::Head::SequenceClassification;
   model::ModelDims dims{cfg.batch_size, cfg.seq_len, 0};
   dims.unpadded = cfg.unpadded;
-  model::BertModel m(mc, head, with_precision(dims, cfg.precision));
+  dims = with_precision(dims, cfg.precision);
+  if (cfg.shard_optimizer) dims = plan::with_master_shard(mc, head, dims, comm.rank(), world);
+  model::BertModel m(mc, head, dims);
   m.init_params(cfg.seed);
   // A token classifier or a QA model has no pooler: the pretrained one is left out.
   std::vector<std::string> ignored = {"cls."};
@@ -751,8 +754,10 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
       std::fflush(stdout);
     }
   }
+  // A sharded master: every rank gives its part (into the output, which all ranks must see).
+  if (!cfg.output.empty() && m.dims().master_shard) save_pretrained_sharded(m, cfg.output, comm);
   if (!cfg.output.empty() && rank == 0) {
-    model::save_pretrained(m, cfg.output);
+    if (!m.dims().master_shard) model::save_pretrained(m, cfg.output);
     // Label names and the tokenizer settings travel with the model.
     const fs::path cfg_path = fs::path(cfg.output) / "config.json";
     std::ifstream cin(cfg_path);

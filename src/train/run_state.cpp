@@ -62,7 +62,69 @@ void gather_master(const std::vector<std::unique_ptr<SafetensorsReader>>& parts,
     fail("the optimizer shards hold ", covered, " of the ", p.numel(), " weights of ", p.name);
 }
 
+// model.safetensors of a sharded master into dir: the matmul weights rank 0 does not hold in
+// fp32 come from the "master" parts of `files` (one per rank, each with its begin/end).
+void save_assembled(const model::BertModel& m, const std::string& dir,
+                    const std::vector<std::string>& files, int64_t total) {
+  std::vector<std::unique_ptr<SafetensorsReader>> parts;
+  for (const std::string& f : files) parts.push_back(std::make_unique<SafetensorsReader>(f));
+  model::save_pretrained(m, dir, DType::F32, [&](const model::ParamInfo& p, float* out) {
+    gather_master(parts, total, p, out);
+  });
+}
+
 }  // namespace
+
+void save_pretrained_sharded(const model::BertModel& m, const std::string& dir,
+                             comm::Communicator& comm) {
+  const model::ModelDims& d = m.dims();
+  BT_CHECK(d.master_shard, "save_pretrained_sharded: the model's master is not sharded");
+  const int rank = comm.rank(), world = comm.size();
+  const int64_t total = m.table().total();
+  auto part = [&](int r) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, ".master.rank-%05d-of-%05d.safetensors", r, world);
+    return (fs::path(dir) / buf).string();
+  };
+  std::string error;
+  auto agree = [&](const char* what) {
+    if (comm.all(error.empty())) return;
+    std::error_code ec;
+    fs::remove(part(rank), ec);
+    fail("could not save the model into ", dir, ": ",
+         error.empty() ? str("another rank failed to ", what) : error);
+  };
+  try {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    const int64_t n = d.master_end - d.master_begin;
+    write_safetensors(part(rank),
+                      {{"master", DType::F32, {n}, m.params() + d.master_begin, nullptr}},
+                      {{"format", "bertrain-master-part"},
+                       {"begin", std::to_string(d.master_begin)},
+                       {"end", std::to_string(d.master_end)},
+                       {"total", std::to_string(total)}});
+  } catch (const std::exception& e) {
+    error = str("rank ", rank, ": ", e.what());
+  }
+  agree("write its part of the weights");
+  if (rank == 0) try {
+      std::vector<std::string> files;
+      for (int r = 0; r < world; ++r) {
+        if (!fs::exists(part(r)))
+          fail("rank ", r, "'s part of the weights is not in ", dir,
+               " as rank 0 sees it: with --shard-optimizer in bf16 the output must be a "
+               "directory every rank sees (a shared file system)");
+        files.push_back(part(r));
+      }
+      save_assembled(m, dir, files, total);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  agree("assemble the model");
+  std::error_code ec;
+  fs::remove(part(rank), ec);
+}
 
 std::string save_optimizer_state(const std::string& dir, const Optimizer& opt,
                                  const float* master) {
@@ -208,13 +270,10 @@ std::string save_checkpoint(const std::string& run_dir, const model::BertModel& 
       }
       if (master_shard) {
         // The matmul weights this rank does not hold in fp32 come from the ranks' shards.
-        std::vector<std::unique_ptr<SafetensorsReader>> parts;
+        std::vector<std::string> files;
         for (int r = 0; r < opt.shard().world; ++r)
-          parts.push_back(std::make_unique<SafetensorsReader>(
-              (fs::path(tmp_dir) / shard_file(r, opt.shard().world)).string()));
-        model::save_pretrained(m, tmp_dir, DType::F32, [&](const model::ParamInfo& p, float* out) {
-          gather_master(parts, opt.total(), p, out);
-        });
+          files.push_back((fs::path(tmp_dir) / shard_file(r, opt.shard().world)).string());
+        save_assembled(m, tmp_dir, files, opt.total());
       } else {
         model::save_pretrained(m, tmp_dir);
       }

@@ -40,6 +40,13 @@ std::string save_checkpoint(const std::string& run_dir, const model::BertModel& 
                             const Optimizer& opt, const TrainerState& st, int keep,
                             comm::Communicator* comm = nullptr);
 
+// A model with a sharded fp32 master (ModelDims::master_shard) saved as save_pretrained saves
+// a whole one, by all ranks: each writes its part into dir, rank 0 assembles
+// model.safetensors and config.json from the parts, then removes them. Collective; dir must be
+// a directory every rank sees (the error says so when rank 0 does not see a part).
+void save_pretrained_sharded(const model::BertModel& m, const std::string& dir,
+                             comm::Communicator& comm);
+
 // The optimizer state of checkpoint `dir` into `opt`, whatever the partition it was saved
 // with and `opt` has (re-partitioning: 4 shards into 2, shards into one, one into shards).
 void load_optimizer_state(const std::string& dir, Optimizer& opt);

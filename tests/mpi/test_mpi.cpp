@@ -495,6 +495,24 @@ TEST(DataParallel, FinetuneTwoRanksEqualOneRankDoubleBatch) {
   sh.output = tmp / "two_sharded";
   const train::FinetuneResult two_sharded = train::finetune(sh);
   EXPECT_NEAR(two_sharded.train_loss, two.train_loss, 1e-6);
+  // bf16 with the AdamW state sharded: the fp32 master of the matmul weights is sharded too, and
+  // the model file is assembled from the ranks' parts (in the output both ranks see). The same
+  // 2-term sums: the weights agree to a bf16 rounding of the same gradients (1e-6 measured 0).
+  const bool bf16 = test::bf16_unavailable().empty();
+  if (bf16) {
+    char shared[512] = {};  // rank 0's directory (each rank's TempDir is its own)
+    std::snprintf(shared, sizeof shared, "%s", (tmp / "bf16").c_str());
+    g_comm->broadcast(shared, sizeof shared, 0);
+    train::FinetuneConfig b = f;
+    b.precision = train::Precision::BF16;
+    b.output = std::string(shared) + "/plain";
+    const train::FinetuneResult plain = train::finetune(b);
+    b.shard_optimizer = true;
+    b.output = std::string(shared) + "/sharded";
+    const train::FinetuneResult sharded = train::finetune(b);
+    EXPECT_NEAR(sharded.train_loss, plain.train_loss, 1e-6);
+    EXPECT_EQ(sharded.dev_accuracy, plain.dev_accuracy);
+  }
   // Rank 0 saved; every rank has the same metrics.
   if (g_comm->rank() == 0) {
     train::FinetuneConfig s = f;
@@ -521,11 +539,62 @@ TEST(DataParallel, FinetuneTwoRanksEqualOneRankDoubleBatch) {
     }
     EXPECT_LE(sharded_worst, 1e-6);
     std::printf("finetune 2 ranks sharded vs unsharded: worst weight diff %.2e\n", sharded_worst);
+    if (bf16) {
+      SafetensorsReader p(tmp / "bf16/plain/model.safetensors"),
+          q(tmp / "bf16/sharded/model.safetensors");
+      double bf16_worst = 0;
+      for (const auto& t : p.tensors()) {
+        const auto x = p.read_f32(t.name), y = q.read_f32(t.name);
+        for (size_t i = 0; i < x.size(); ++i)
+          bf16_worst = std::max(bf16_worst, static_cast<double>(std::fabs(x[i] - y[i])));
+      }
+      EXPECT_LE(bf16_worst, 1e-6);
+      for (const auto& e : std::filesystem::directory_iterator(tmp / "bf16/sharded"))
+        EXPECT_EQ(e.path().filename().string().find(".master"), std::string::npos)
+            << e.path() << ": a part left behind";
+      std::printf("finetune 2 ranks bf16, sharded master vs unsharded: worst weight diff %.2e\n",
+                  bf16_worst);
+    }
     std::printf("finetune 2 ranks x 4 vs 1 x 8: train loss %.6f vs %.6f, worst weight diff %.2e\n",
                 two.train_loss, one.train_loss, worst);
   }
   float done = 1.0f;  // rank 1 waits here while rank 0 runs the reference
   g_comm->allreduce_sum(&done, 1);
+}
+
+// A sharded master's model is assembled by rank 0 from every rank's part: into a directory
+// only one rank sees (each rank's own temp directory here) it fails on every rank, naming the
+// missing part and the fix, instead of writing a model with holes.
+TEST(DataParallel, ShardedMasterNeedsAnOutputEveryRankSees) {
+  BT_SKIP_WITHOUT_BF16();
+  if (g_comm->size() < 2) GTEST_SKIP() << "runs with 2 or more ranks";
+  test::TempDir tmp;  // a different directory on each rank
+  {
+    std::ifstream in(test::data_path("../data/classification/chnsenticorp_small/train.tsv"));
+    std::ofstream out(tmp / "train.tsv");
+    std::string line;
+    for (int i = 0; i <= 16 && std::getline(in, line); ++i) out << line << "\n";
+  }
+  train::FinetuneConfig f;
+  f.init_checkpoint = test::data_path("data/pretrained/zh-h64");
+  f.vocab = test::data_path("../data/vocab/bert-base-chinese-vocab.txt");
+  f.train = tmp / "train.tsv";
+  f.seq_len = 32;
+  f.epochs = 1;
+  f.quiet = true;
+  f.batch_size = 4;
+  f.comm = g_comm;
+  f.precision = train::Precision::BF16;
+  f.shard_optimizer = true;
+  f.output = tmp / "out";
+  const std::string e = test::error_of([&] { train::finetune(f); });
+  EXPECT_NE(e.find(g_comm->rank() == 0 ? "a directory every rank sees" : "another rank failed"),
+            std::string::npos)
+      << e;
+  EXPECT_FALSE(std::filesystem::exists(tmp / "out/model.safetensors"));
+  for (const auto& p : std::filesystem::directory_iterator(tmp / "out"))
+    EXPECT_EQ(p.path().filename().string().find(".master"), std::string::npos)
+        << p.path() << ": a part left behind";
 }
 
 // Sharded, the finite check is the sum of the parts' squared norms (train::Step): an overflow
