@@ -99,9 +99,11 @@ $BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128
 echo "-- the same with layer recomputation (backward recomputes each layer's forward; same gradients):"
 $BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128 --recompute layer \
   --memory-budget "$((mem_kib / 1024 / 2))MiB" | grep -E "^run|activations|total|budget"
-echo "-- and with the optimizer state sharded over 8 ranks (train --shard-optimizer, ZeRO stage 1):"
-$BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128 --shard-optimizer --ranks 8 \
-  | grep -E "^run|optimizer|total"
+echo "-- and with the optimizer state sharded over 8 ranks (train --shard-optimizer, ZeRO stage 1); in bf16 the fp32 master weights too:"
+for p in fp32 bf16; do
+  $BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128 --shard-optimizer --ranks 8 \
+    --precision $p | grep -E "^run|^  parameters|^  optimizer|^  total"
+done
 
 echo; echo "== 7. one job description for every launcher: BERT-Large on 32 hosts x 4 GPUs"
 for emit in mpirun slurm mpijob dlc; do $BT launch configs/jobs/bert-large-128.yaml --emit $emit --output "$OUT/jobs"; done

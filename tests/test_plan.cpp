@@ -75,6 +75,13 @@ TEST(Plan, StepReplaysTheReducersOverlap) {
   r = predict_step(g, slow, c, s);
   EXPECT_NEAR(r.exposed_ms, 2.0 + 4.0 + 12.0, 1e-9);
   EXPECT_NEAR(r.compute_ms, 10 + 40 + 2.5, 1e-9);
+  // A sharded master (bf16): the allgather moves the bf16 weights (3M floats' bytes) and the
+  // 1M floats read in fp32: 4M floats' bytes, 8 ms instead of 12.
+  g.fp32_read = 1'000'000;
+  s.sharded_master = true;
+  r = predict_step(g, slow, c, s);
+  EXPECT_NEAR(r.exposed_ms, 2.0 + 4.0 + 8.0, 1e-9);
+  s.sharded_master = false;
   // One rank alone: no communication, perfect scaling.
   c.hosts = 1;
   r = predict_step(g, slow, c, s);

@@ -70,7 +70,10 @@ void add_estimate(CLI::App& app) {
         "attention%s\n",
         (long long)d.batch, (long long)d.seq_len, (long long)d.max_predictions,
         o->precision.c_str(), o->slots,
-        shard_world > 1 ? str(" sharded over ", shard_world, " ranks").c_str() : "",
+        shard_world > 1 ? str(" sharded over ", shard_world, " ranks",
+                              d.master_shard ? " with the fp32 master weights" : "")
+                              .c_str()
+                        : "",
         d.blocked_attention() ? "blocked" : "full",
         d.recompute_layers ? ", layers recomputed in backward" : "");
     std::printf("memory plan per rank:\n%s", plan::format_plan(plan).c_str());

@@ -120,6 +120,7 @@ void add_plan(CLI::App& app) {
         {o->batch, o->seq, o->preds, false, model::parse_attention(o->attention)},
         train::parse_precision(o->precision));
     apply_recompute(o->recompute, d);
+    o->comm.sharded_master = o->comm.shard_optimizer && d.bf16;
     const double tokens_per_rank = static_cast<double>(o->batch * o->accumulation * o->seq);
     std::printf(
         "plan: %s (%s, %.1fM parameters, %s of fp32 gradients), %lld x %lld tokens x %lld "
@@ -134,7 +135,10 @@ void add_plan(CLI::App& app) {
         "allreduce %s, wire %s, buckets %.3g MiB, overlap %s%s\n",
         (long long)o->cluster.ranks_per_host, o->cluster.link_gbit, o->cluster.latency_us,
         o->cluster.host_gbyte_s, o->allreduce.c_str(), o->compression.c_str(), o->comm.bucket_mb,
-        o->comm.overlap ? "on" : "off", o->comm.shard_optimizer ? ", optimizer sharded" : "");
+        o->comm.overlap ? "on" : "off",
+        o->comm.shard_optimizer ? (o->comm.sharded_master ? ", optimizer and fp32 master sharded"
+                                                          : ", optimizer sharded")
+                                : "");
     std::printf("%6s %6s %-13s %9s %9s %11s %10s %12s %12s\n", "hosts", "ranks", "algorithm",
                 "step ms", "comm ms", "exposed ms", "scaling", "tokens/s", "memory/rank");
     for (int64_t h : hosts) {

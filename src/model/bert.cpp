@@ -192,6 +192,18 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, con
   return backend.scratch_layout(k);
 }
 
+std::vector<std::pair<size_t, size_t>> master_holes(const ParamTable& table, int64_t begin,
+                                                    int64_t end) {
+  // The whole pages of the matmul weights outside the part (the parameters region starts its
+  // group, whose arena is page-aligned).
+  std::vector<std::pair<size_t, size_t>> holes;
+  for (const auto& [b, e] : table.matmul_ranges_outside(begin, end)) {
+    const size_t hb = align_up(f32s(b), kPage), he = f32s(e) / kPage * kPage;
+    if (he > hb) holes.push_back({hb, he});
+  }
+  return holes;
+}
+
 MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDims& dims,
                                 const kernels::Backend& backend) {
   if (dims.seq_len > cfg.max_position_embeddings)
@@ -214,16 +226,8 @@ MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDim
   const ParamTable table(cfg, head);
   MemoryPlan plan;
   const size_t params = plan.add("parameters", "params", f32s(table.total()));
-  if (dims.master_shard) {
-    // The whole pages of the matmul weights outside this rank's part are never touched (the
-    // region starts the group, whose arena is page-aligned).
-    std::vector<std::pair<size_t, size_t>> holes;
-    for (const auto& [b, e] : table.matmul_ranges_outside(dims.master_begin, dims.master_end)) {
-      const size_t hb = align_up(f32s(b), kPage), he = f32s(e) / kPage * kPage;
-      if (he > hb) holes.push_back({hb, he});
-    }
-    plan.set_holes(params, std::move(holes));
-  }
+  if (dims.master_shard)
+    plan.set_holes(params, master_holes(table, dims.master_begin, dims.master_end));
   plan.add("gradients", "grads", f32s(table.total()));
   plan_activations(plan, cfg, head, dims);
   plan.add("kernels", "kernels.scratch",

@@ -121,6 +121,11 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
 kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, const ModelDims& d,
                                            const kernels::Backend& backend);
 
+// The byte ranges of the parameters region a sharded fp32 master holding [begin, end) leaves
+// unbacked (ModelDims::master_shard): the whole pages of the matmul weights outside it.
+std::vector<std::pair<size_t, size_t>> master_holes(const ParamTable& table, int64_t begin,
+                                                    int64_t end);
+
 class BertModel {
  public:
   // Kernels run on `backend` (the CPU's unless told).

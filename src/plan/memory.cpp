@@ -1,6 +1,7 @@
 #include "plan/memory.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <tuple>
 
@@ -44,18 +45,25 @@ model::ModelDims with_master_shard(const model::BertConfig& cfg, model::Head hea
     return d;
   };
   if (rank >= 0) return of_rank(rank);
-  model::ModelDims most = of_rank(0);
-  size_t most_bytes = 0;
+  // The rank whose part leaves the fewest bytes of holes holds the most.
+  const model::ParamTable table(cfg, head);
+  int most = 0;
+  size_t fewest = SIZE_MAX;
   for (int r = 0; r < world; ++r) {
-    const size_t b = model::BertModel::make_plan(cfg, head, of_rank(r)).group_bytes("parameters");
-    if (b > most_bytes) std::tie(most, most_bytes) = std::pair(of_rank(r), b);
+    const auto [b, e] = shard_range(total, r, world);
+    size_t holes = 0;
+    for (const auto& [hb, he] : model::master_holes(table, b, e)) holes += he - hb;
+    if (holes < fewest) std::tie(most, fewest) = std::pair(r, holes);
   }
-  return most;
+  return of_rank(most);
 }
 
 MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,
                          const model::ModelDims& dims, int optimizer_slots, int shard_world) {
-  MemoryPlan plan = model::BertModel::make_plan(cfg, head, dims);
+  // bf16 with a sharded optimizer shards the fp32 master (planned for the rank holding the most).
+  MemoryPlan plan = model::BertModel::make_plan(
+      cfg, head,
+      dims.master_shard ? dims : with_master_shard(cfg, head, dims, -1, std::max(1, shard_world)));
   plan_optimizer_state(
       plan, largest_shard(model::ParamTable(cfg, head).total(), std::max(1, shard_world)),
       optimizer_slots);

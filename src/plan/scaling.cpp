@@ -17,6 +17,7 @@ GradientLayout gradient_layout(const model::ParamTable& table, int64_t layers) {
     in_layers += e - b;
   }
   g.rest = g.total - in_layers;
+  for (const auto& [b, e] : table.fp32_read_ranges()) g.fp32_read += e - b;
   return g;
 }
 
@@ -112,8 +113,12 @@ ScalingRow predict_step(const GradientLayout& g, const StepCompute& compute, con
   }
   double exposed = std::max(0.0, comm_end - compute.backward_ms);
   if (s.shard_optimizer) {  // the parameters' allgather after the optimizer: never hidden
-    const double t = allreduce_ms(
-        g.total, c, CommSpec{s.algorithm, 4, s.bucket_mb, s.overlap, true}, r.algorithm, true);
+    // A sharded master sends the bf16 copy (the bytes of half as many floats) and the fp32-read
+    // tensors.
+    const int64_t floats = s.sharded_master ? (g.total + 1) / 2 + g.fp32_read : g.total;
+    const double t =
+        allreduce_ms(floats, c, CommSpec{s.algorithm, 4, s.bucket_mb, s.overlap, true, false},
+                     r.algorithm, true);
     exposed += t;
     comm_total += t;
   }

@@ -15,7 +15,8 @@
 //                            then the host's ranks copy the result (n 4 B each)
 // (w: 4 bytes, 2 with fp16/bf16 compression on the wire between hosts.) A sharded optimizer
 // reduce-scatters (half) while backward runs and all-gathers the parameters (the other half,
-// fp32, exposed) after its 1/P share of the optimizer.
+// fp32, exposed) after its 1/P share of the optimizer; with a sharded master (bf16) the
+// allgather moves the bf16 weights (2 B each) and the tensors read in fp32 (4 B each).
 #pragma once
 
 #include <string>
@@ -41,6 +42,7 @@ struct CommSpec {
   double bucket_mb = 64;
   bool overlap = true;
   bool shard_optimizer = false;
+  bool sharded_master = false;  // bf16 compute with shard_optimizer (ModelDims::master_shard)
 };
 
 struct StepCompute {  // one rank, one step (all its micro-batches)
@@ -53,6 +55,7 @@ struct StepCompute {  // one rank, one step (all its micro-batches)
 struct GradientLayout {
   std::vector<int64_t> layers;  // layer l's floats, l = 0 .. L-1
   int64_t rest = 0, total = 0;
+  int64_t fp32_read = 0;  // the parameters read in fp32 (all but the matmul weights)
 };
 GradientLayout gradient_layout(const model::ParamTable& table, int64_t layers);
 
