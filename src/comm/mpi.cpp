@@ -829,6 +829,15 @@ std::vector<int64_t> cuts_of(std::span<const int64_t> counts) {
   for (size_t r = 0; r < counts.size(); ++r) cuts[r + 1] = cuts[r] + counts[r];
   return cuts;
 }
+// MPI_Allgatherv in place over MPI_COMM_WORLD, rank r's part counts[r] elements of `type`.
+void allgatherv_in_place(void* data, std::span<const int64_t> counts, MPI_Datatype type) {
+  std::vector<int> rc(counts.begin(), counts.end()), displ(counts.size() + 1, 0);
+  for (size_t r = 0; r < counts.size(); ++r) displ[r + 1] = displ[r] + rc[r];
+  check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, rc.data(), displ.data(), type,
+                       MPI_COMM_WORLD),
+        "MPI_Allgatherv");
+}
+
 void check_parts(std::span<const int64_t> counts, int64_t n, int size, const char* what) {
   int64_t sum = 0;
   for (int64_t c : counts) sum += c;
@@ -912,11 +921,7 @@ void MpiCommunicator::allgather(float* data, int64_t n, std::span<const int64_t>
     MPI_Comm w = MPI_COMM_WORLD;
     ring(data, cuts_of(counts), Wire::F32, &w, 0, false, true);
   } else {
-    std::vector<int> rc(counts.begin(), counts.end()), displ(size_ + 1, 0);
-    for (int r = 0; r < size_; ++r) displ[r + 1] = displ[r] + rc[r];
-    check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, rc.data(), displ.data(),
-                         MPI_FLOAT, MPI_COMM_WORLD),
-          "MPI_Allgatherv");
+    allgatherv_in_place(data, counts, MPI_FLOAT);
   }
   leave();
 }
@@ -925,11 +930,7 @@ void MpiCommunicator::allgather(uint16_t* data, int64_t n, std::span<const int64
   check_parts(counts, n, size_, "allgather (16-bit)");
   if (size_ == 1) return;
   enter("allgather(16-bit)");
-  std::vector<int> rc(counts.begin(), counts.end()), displ(size_ + 1, 0);
-  for (int r = 0; r < size_; ++r) displ[r + 1] = displ[r] + rc[r];
-  check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, rc.data(), displ.data(),
-                       MPI_UINT16_T, MPI_COMM_WORLD),
-        "MPI_Allgatherv");
+  allgatherv_in_place(data, counts, MPI_UINT16_T);
   leave();
 }
 

@@ -462,6 +462,25 @@ TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
   g_comm->set_wire(Wire::F32);
 }
 
+// A sentiment fine-tuning config for the ranks of this test: the first `reviews` ChnSentiCorp
+// training reviews (written into dir as train.tsv), the small pretrained fixture, 32 tokens.
+train::FinetuneConfig small_finetune(const test::TempDir& dir, int reviews) {
+  {
+    std::ifstream in(test::data_path("../data/classification/chnsenticorp_small/train.tsv"));
+    std::ofstream out(dir / "train.tsv");
+    std::string line;
+    for (int i = 0; i <= reviews && std::getline(in, line); ++i) out << line << "\n";
+  }
+  train::FinetuneConfig f;
+  f.init_checkpoint = test::data_path("data/pretrained/zh-h64");
+  f.vocab = test::data_path("../data/vocab/bert-base-chinese-vocab.txt");
+  f.train = dir / "train.tsv";
+  f.seq_len = 32;
+  f.quiet = true;
+  f.comm = g_comm;
+  return f;
+}
+
 // finetune under mpirun: 2 ranks x batch 4 run the shared step on the same examples as 1 rank x
 // batch 8 (64 reviews: no wrap-around), dropout included (the step gives each rank its examples'
 // offsets). Summation order differs only: after 16 AdamW steps the weights agree to 1e-5
@@ -470,22 +489,11 @@ TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
 TEST(DataParallel, FinetuneTwoRanksEqualOneRankDoubleBatch) {
   if (g_comm->size() != 2) GTEST_SKIP() << "runs with 2 ranks";
   test::TempDir tmp;
-  {
-    std::ifstream in(test::data_path("../data/classification/chnsenticorp_small/train.tsv"));
-    std::ofstream out(tmp / "train.tsv");
-    std::string line;
-    for (int i = 0; i <= 64 && std::getline(in, line); ++i) out << line << "\n";
-  }
-  train::FinetuneConfig f;
-  f.init_checkpoint = test::data_path("data/pretrained/zh-h64");
-  f.vocab = test::data_path("../data/vocab/bert-base-chinese-vocab.txt");
-  f.train = f.dev = tmp / "train.tsv";
-  f.seq_len = 32;
+  train::FinetuneConfig f = small_finetune(tmp, 64);
+  f.dev = f.train;
   f.epochs = 2;
   f.lr = 1e-3;
-  f.quiet = true;
   f.batch_size = 4;
-  f.comm = g_comm;
   f.output = tmp / "two";
   const train::FinetuneResult two = train::finetune(f);
   // The same with the AdamW state sharded over the 2 ranks: the same model (2-term sums are
@@ -522,32 +530,26 @@ TEST(DataParallel, FinetuneTwoRanksEqualOneRankDoubleBatch) {
     const train::FinetuneResult one = train::finetune(s);
     EXPECT_NEAR(two.train_loss, one.train_loss, 1e-4);
     EXPECT_EQ(two.dev_accuracy, one.dev_accuracy);
-    SafetensorsReader a(tmp / "two/model.safetensors"), b(tmp / "one/model.safetensors");
-    double worst = 0;
-    for (const auto& t : a.tensors()) {
-      const auto x = a.read_f32(t.name), y = b.read_f32(t.name);
-      for (size_t i = 0; i < x.size(); ++i)
-        worst = std::max(worst, static_cast<double>(std::fabs(x[i] - y[i])));
-    }
+    // The largest weight difference between two saved models.
+    auto worst_of = [](const std::string& x_path, const std::string& y_path) {
+      SafetensorsReader a(x_path), b(y_path);
+      double w = 0;
+      for (const auto& t : a.tensors()) {
+        const auto x = a.read_f32(t.name), y = b.read_f32(t.name);
+        for (size_t i = 0; i < x.size(); ++i)
+          w = std::max(w, static_cast<double>(std::fabs(x[i] - y[i])));
+      }
+      return w;
+    };
+    const double worst = worst_of(tmp / "two/model.safetensors", tmp / "one/model.safetensors");
     EXPECT_LE(worst, 1e-5);
-    SafetensorsReader c(tmp / "two_sharded/model.safetensors");
-    double sharded_worst = 0;
-    for (const auto& t : a.tensors()) {
-      const auto x = a.read_f32(t.name), y = c.read_f32(t.name);
-      for (size_t i = 0; i < x.size(); ++i)
-        sharded_worst = std::max(sharded_worst, static_cast<double>(std::fabs(x[i] - y[i])));
-    }
+    const double sharded_worst =
+        worst_of(tmp / "two/model.safetensors", tmp / "two_sharded/model.safetensors");
     EXPECT_LE(sharded_worst, 1e-6);
     std::printf("finetune 2 ranks sharded vs unsharded: worst weight diff %.2e\n", sharded_worst);
     if (bf16) {
-      SafetensorsReader p(tmp / "bf16/plain/model.safetensors"),
-          q(tmp / "bf16/sharded/model.safetensors");
-      double bf16_worst = 0;
-      for (const auto& t : p.tensors()) {
-        const auto x = p.read_f32(t.name), y = q.read_f32(t.name);
-        for (size_t i = 0; i < x.size(); ++i)
-          bf16_worst = std::max(bf16_worst, static_cast<double>(std::fabs(x[i] - y[i])));
-      }
+      const double bf16_worst =
+          worst_of(tmp / "bf16/plain/model.safetensors", tmp / "bf16/sharded/model.safetensors");
       EXPECT_LE(bf16_worst, 1e-6);
       for (const auto& e : std::filesystem::directory_iterator(tmp / "bf16/sharded"))
         EXPECT_EQ(e.path().filename().string().find(".master"), std::string::npos)
@@ -569,21 +571,9 @@ TEST(DataParallel, ShardedMasterNeedsAnOutputEveryRankSees) {
   BT_SKIP_WITHOUT_BF16();
   if (g_comm->size() < 2) GTEST_SKIP() << "runs with 2 or more ranks";
   test::TempDir tmp;  // a different directory on each rank
-  {
-    std::ifstream in(test::data_path("../data/classification/chnsenticorp_small/train.tsv"));
-    std::ofstream out(tmp / "train.tsv");
-    std::string line;
-    for (int i = 0; i <= 16 && std::getline(in, line); ++i) out << line << "\n";
-  }
-  train::FinetuneConfig f;
-  f.init_checkpoint = test::data_path("data/pretrained/zh-h64");
-  f.vocab = test::data_path("../data/vocab/bert-base-chinese-vocab.txt");
-  f.train = tmp / "train.tsv";
-  f.seq_len = 32;
+  train::FinetuneConfig f = small_finetune(tmp, 16);
   f.epochs = 1;
-  f.quiet = true;
   f.batch_size = 4;
-  f.comm = g_comm;
   f.precision = train::Precision::BF16;
   f.shard_optimizer = true;
   f.output = tmp / "out";
