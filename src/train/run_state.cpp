@@ -39,37 +39,37 @@ std::string shard_file(int rank, int world) {
   return buf;
 }
 
-// Tensor p's fp32 values from the "master" parts of the shard files `parts` (every rank's),
-// into out[p.numel()].
-void gather_master(const std::vector<std::unique_ptr<SafetensorsReader>>& parts, int64_t total,
-                   const model::ParamInfo& p, float* out) {
-  int64_t covered = 0;
-  for (const auto& r : parts) {
-    const auto& meta = r->metadata();
-    const SafeTensorInfo* t = r->find("master");
-    const int64_t b = meta.count("begin") ? std::stoll(meta.at("begin")) : 0;
-    const int64_t e = meta.count("end") ? std::stoll(meta.at("end")) : total;
-    if (!t || t->dtype != DType::F32 || shape_numel(t->shape) != e - b)
-      fail(r->path(), " holds no fp32 master weights for [", b, ", ", e,
-           ") (written by a run without a sharded master?)");
-    const int64_t lo = std::max(b, p.offset), hi = std::min(e, p.end());
-    if (hi <= lo) continue;
-    const float* src = static_cast<const float*>(r->data(*t)) + (lo - b);
-    std::copy(src, src + (hi - lo), out + (lo - p.offset));
-    covered += hi - lo;
-  }
-  if (covered != p.numel())
-    fail("the optimizer shards hold ", covered, " of the ", p.numel(), " weights of ", p.name);
-}
-
 // model.safetensors of a sharded master into dir: the matmul weights rank 0 does not hold in
 // fp32 come from the "master" parts of `files` (one per rank, each with its begin/end).
 void save_assembled(const model::BertModel& m, const std::string& dir,
                     const std::vector<std::string>& files, int64_t total) {
-  std::vector<std::unique_ptr<SafetensorsReader>> parts;
-  for (const std::string& f : files) parts.push_back(std::make_unique<SafetensorsReader>(f));
+  struct Part {
+    int64_t begin, end;
+    const float* data;  // [begin, end), mapped from its file
+  };
+  std::vector<std::unique_ptr<SafetensorsReader>> readers;
+  std::vector<Part> parts;
+  for (const std::string& f : files) {
+    const auto& r = *readers.emplace_back(std::make_unique<SafetensorsReader>(f));
+    const auto& meta = r.metadata();
+    const SafeTensorInfo* t = r.find("master");
+    const int64_t b = meta.count("begin") ? std::stoll(meta.at("begin")) : 0;
+    const int64_t e = meta.count("end") ? std::stoll(meta.at("end")) : total;
+    if (!t || t->dtype != DType::F32 || shape_numel(t->shape) != e - b)
+      fail(f, " holds no fp32 master weights for [", b, ", ", e,
+           ") (written by a run without a sharded master?)");
+    parts.push_back({b, e, static_cast<const float*>(r.data(*t))});
+  }
   model::save_pretrained(m, dir, DType::F32, [&](const model::ParamInfo& p, float* out) {
-    gather_master(parts, total, p, out);
+    int64_t covered = 0;
+    for (const Part& q : parts) {
+      const int64_t lo = std::max(q.begin, p.offset), hi = std::min(q.end, p.end());
+      if (hi <= lo) continue;
+      std::copy(q.data + (lo - q.begin), q.data + (hi - q.begin), out + (lo - p.offset));
+      covered += hi - lo;
+    }
+    if (covered != p.numel())
+      fail("the optimizer shards hold ", covered, " of the ", p.numel(), " weights of ", p.name);
   });
 }
 

@@ -17,39 +17,41 @@ double since(Clock::time_point t) {
 }
 }  // namespace
 
-void allgather_sharded_master(model::BertModel& m, comm::Communicator& comm,
-                              std::span<const int64_t> counts) {
-  BT_CHECK(m.dims().master_shard, "allgather_sharded_master: the model's master is not sharded");
-  const int world = comm.size();
-  const int64_t total = m.table().total();
-  comm.allgather(m.bf16_weights(), total, counts);
+ShardedMasterGather::ShardedMasterGather(const model::BertModel& m, std::vector<int64_t> counts)
+    : counts_(std::move(counts)), small_counts_(counts_.size(), 0) {
+  BT_CHECK(m.dims().master_shard, "ShardedMasterGather: the model's master is not sharded");
   std::vector<int64_t> cuts(1, 0);
-  for (int64_t c : counts) cuts.push_back(cuts.back() + c);
+  for (int64_t c : counts_) cuts.push_back(cuts.back() + c);
   // Each rank's elements of [b, e), in rank order (the parts are consecutive).
   auto parts = [&](int64_t b, int64_t e, std::vector<int64_t>& into) {
-    for (int r = 0; r < world; ++r)
+    for (size_t r = 0; r < counts_.size(); ++r)
       into[r] += std::max<int64_t>(0, std::min(e, cuts[r + 1]) - std::max(b, cuts[r]));
   };
   constexpr int64_t kInPlace = int64_t{1} << 20;  // floats: gathered where they lie
-  float* params = m.params();
-  std::vector<std::pair<int64_t, int64_t>> small;
-  std::vector<int64_t> small_counts(world, 0);
+  int64_t packed = 0;
   for (const auto& [b, e] : m.table().fp32_read_ranges()) {
     if (e - b >= kInPlace) {
-      std::vector<int64_t> c(world, 0);
-      parts(b, e, c);
-      comm.allgather(params + b, e - b, c);
+      in_place_.push_back({b, e, std::vector<int64_t>(counts_.size(), 0)});
+      parts(b, e, in_place_.back().counts);
     } else {
-      small.push_back({b, e});
-      parts(b, e, small_counts);
+      small_.push_back({b, e});
+      parts(b, e, small_counts_);
+      packed += e - b;
     }
   }
+  packed_.resize(static_cast<size_t>(packed));
+}
+
+void ShardedMasterGather::run(model::BertModel& m, comm::Communicator& comm) {
+  comm.allgather(m.bf16_weights(), m.table().total(), counts_);
+  float* params = m.params();
+  for (const Range& r : in_place_) comm.allgather(params + r.begin, r.end - r.begin, r.counts);
   // Packed in offset order, every rank's elements of the small tensors are one run.
-  std::vector<float> packed;
-  for (const auto& [b, e] : small) packed.insert(packed.end(), params + b, params + e);
-  comm.allgather(packed.data(), static_cast<int64_t>(packed.size()), small_counts);
-  const float* from = packed.data();
-  for (const auto& [b, e] : small) {
+  float* to = packed_.data();
+  for (const auto& [b, e] : small_) to = std::copy(params + b, params + e, to);
+  comm.allgather(packed_.data(), static_cast<int64_t>(packed_.size()), small_counts_);
+  const float* from = packed_.data();
+  for (const auto& [b, e] : small_) {
     std::copy(from, from + (e - b), params + b);
     from += e - b;
   }
@@ -66,6 +68,7 @@ Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, comm::Commun
       fail("the optimizer is sharded for rank ", opt_.shard().rank, " of ", opt_.shard().world,
            ", this is rank ", comm_.rank(), " of ", comm_.size());
     counts_ = shard_counts(P, comm_.size());
+    if (m_.dims().master_shard) master_gather_ = std::make_unique<ShardedMasterGather>(m_, counts_);
   }
   const model::ModelDims& d = m_.dims();
   if (d.master_shard &&
@@ -222,7 +225,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
       const auto t_gather = Clock::now();
       comm_.set_label("updated parameters");
       if (m_.dims().master_shard) {
-        allgather_sharded_master(m_, comm_, counts_);
+        master_gather_->run(m_, comm_);
       } else {
         comm_.allgather(m_.params(), m_.table().total(), counts_);
         const Shard& own = opt_.shard();

@@ -16,7 +16,8 @@
 
 #include <functional>
 #include <memory>
-#include <span>
+#include <utility>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "comm/reducer.h"
@@ -67,9 +68,24 @@ struct StepReport {
 // For a model with a sharded fp32 master (ModelDims::master_shard): every rank's part of the
 // weights to every rank, `counts` the optimizer's parts. The bf16 copy goes whole (2 bytes a
 // parameter instead of the fp32 allgather's 4) and the tensors read in fp32 as fp32 (the
-// embeddings in place, the small ones packed into one message). Collective.
-void allgather_sharded_master(model::BertModel& m, comm::Communicator& comm,
-                              std::span<const int64_t> counts);
+// embeddings in place, the small ones packed into one message). The layout is worked out once;
+// run() is collective.
+class ShardedMasterGather {
+ public:
+  ShardedMasterGather(const model::BertModel& m, std::vector<int64_t> counts);
+  void run(model::BertModel& m, comm::Communicator& comm);
+
+ private:
+  struct Range {
+    int64_t begin, end;
+    std::vector<int64_t> counts;  // each rank's elements of it
+  };
+  std::vector<int64_t> counts_;
+  std::vector<Range> in_place_;                     // large fp32 tensors, gathered where they lie
+  std::vector<std::pair<int64_t, int64_t>> small_;  // packed in offset order
+  std::vector<int64_t> small_counts_;               // each rank's elements of them, one run each
+  std::vector<float> packed_;
+};
 
 class Step {
  public:
@@ -105,6 +121,7 @@ class Step {
   std::unique_ptr<comm::Reducer> reducer_;
   // Sharded optimizer: every rank's part of the flat buffers, and the cuts between them.
   std::vector<int64_t> counts_, owners_;
+  std::unique_ptr<ShardedMasterGather> master_gather_;  // a sharded master's allgather
   model::Batch batch_;
 };
 

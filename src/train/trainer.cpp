@@ -464,7 +464,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   // A sharded master: each rank loaded its part, which every rank then gets from its owner.
   const int64_t bytes = s.m.table().total() * static_cast<int64_t>(sizeof(float));
   if (s.m.dims().master_shard)
-    allgather_sharded_master(s.m, comm, shard_counts(s.m.table().total(), s.world));
+    ShardedMasterGather(s.m, shard_counts(s.m.table().total(), s.world)).run(s.m, comm);
   else
     comm.broadcast(s.m.params(), bytes, 0);
   if (!s.opt.sharded()) {
