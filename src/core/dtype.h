@@ -8,6 +8,8 @@
 #include <string>
 #include <string_view>
 
+#include "core/host_device.h"
+
 namespace bertrain {
 
 enum class DType : uint8_t { F32, F16, BF16, F64, I64, I32 };
@@ -16,25 +18,34 @@ size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);          // safetensors spelling: "F32", "BF16", ...
 DType dtype_from_name(std::string_view name);  // throws Error for names it does not know
 
-inline uint32_t f32_bits(float f) {
+// These four also run in CUDA kernels (the optimizer writes the bf16 copy on either device).
+BT_HOST_DEVICE inline uint32_t f32_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
+#endif
 }
-inline float bits_f32(uint32_t u) {
+BT_HOST_DEVICE inline float bits_f32(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+#endif
 }
 
 // bf16 is the top half of an fp32; rounding adds 0x7fff plus the lowest kept bit.
-inline uint16_t f32_to_bf16(float f) {
+BT_HOST_DEVICE inline uint16_t f32_to_bf16(float f) {
   uint32_t u = f32_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
-inline float bf16_to_f32(uint16_t h) {
+BT_HOST_DEVICE inline float bf16_to_f32(uint16_t h) {
   return bits_f32(static_cast<uint32_t>(h) << 16);
 }
 

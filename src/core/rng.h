@@ -6,11 +6,7 @@
 #include <cstdint>
 
 // The same functions on the host and in CUDA kernels: a dropout mask is identical on both.
-#ifdef __CUDACC__
-#define BT_HOST_DEVICE __host__ __device__
-#else
-#define BT_HOST_DEVICE
-#endif
+#include "core/host_device.h"
 
 namespace bertrain {
 

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/host_device.h"
+
 namespace bertrain::kernels {
 
 // What the model keeps and its matmuls read (kernels/backend.h): fp32; bf16 matmul operands
@@ -20,7 +22,7 @@ struct AttentionShape {
   int64_t B, T, C, NH;
   int64_t dropout_T = 0;
   // The dropout index of row i of (sequence, head) bh, before the column.
-  uint64_t dropout_row(int64_t bh, int64_t i) const {
+  BT_HOST_DEVICE uint64_t dropout_row(int64_t bh, int64_t i) const {
     const int64_t t = dropout_T > 0 ? dropout_T : T;
     return static_cast<uint64_t>((bh * t + i) * t);
   }

@@ -2,9 +2,14 @@
 // skips when no GPU is present, so the CUDA build passes on CPU-only CI.
 #include <gtest/gtest.h>
 
+#include "core/dtype.h"
+#include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/layernorm.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/optimizer.h"
 #include "kernels/cuda/cuda.h"
+#include "kernels/row_math.h"
 #include "test_util.h"
 
 namespace bertrain {
@@ -79,6 +84,281 @@ TEST(Cuda, ActivationsAndDropoutMatchCpu) {
   cuda::dropout_forward(d.f32(), n, 0.1f, 1234, 77);
   cuda::synchronize();
   EXPECT_EQ(to_host(d, n), ones);  // bit-identical masks on both backends
+}
+
+template <typename T>
+cuda::DeviceBuffer to_device_as(const std::vector<T>& v) {
+  cuda::DeviceBuffer b(v.size() * sizeof(T));
+  b.upload(v.data(), v.size() * sizeof(T));
+  return b;
+}
+
+template <typename T>
+std::vector<T> to_host_as(const cuda::DeviceBuffer& b, size_t n) {
+  std::vector<T> v(n);
+  b.download(v.data(), n * sizeof(T));
+  return v;
+}
+
+// The fused residual, embedding and backward LayerNorm blocks against the CPU kernels: masks
+// bit for bit (dropout zeros in the same places), values within fp32 rounding of the row sums
+// (the CPU sums in double: rtol 1e-5 / atol 1e-5 of the max, as the row math's host test).
+TEST(Cuda, FusedLayerNormBlocksMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 37, C = 768, V = 50, P = 40;
+  const float eps = 1e-12f;
+  std::vector<int32_t> rows(N), ids(N), seg(N);
+  for (int64_t i = 0; i < N; ++i) {
+    rows[i] = static_cast<int32_t>((i * 7) % 41);
+    ids[i] = static_cast<int32_t>((i * 13) % V);
+    seg[i] = static_cast<int32_t>(i % 2);
+  }
+  const kernels::Dropout hd{0.1f, 7, 50, rows.data()};
+  const auto y = random_vector(N * C, 1, 2.0f), res = random_vector(N * C, 2),
+             g = random_vector(C, 3), b = random_vector(C, 4), dy = random_vector(N * C, 5),
+             word = random_vector(V * C, 6), pos = random_vector(P * C, 7),
+             type = random_vector(2 * C, 8);
+  auto rows_d = to_device_as(rows);
+  const kernels::Dropout dd{0.1f, 7, 50, static_cast<const int32_t*>(rows_d.data())};
+  auto y_d = to_device(y), res_d = to_device(res), g_d = to_device(g), b_d = to_device(b),
+       dy_d = to_device(dy);
+  // dropout + residual + LayerNorm
+  std::vector<float> x = y, out(N * C), mean(N), rstd(N);
+  kernels::residual_layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), res.data(),
+                                      g.data(), b.data(), N, C, eps, hd.p, hd.key, hd.offset,
+                                      hd.rows);
+  cuda::DeviceBuffer out_d(N * C * 4), mean_d(N * 4), rstd_d(N * 4);
+  cuda::residual_layernorm_forward(out_d.f32(), mean_d.f32(), rstd_d.f32(), y_d.f32(), res_d.f32(),
+                                   g_d.f32(), b_d.f32(), N, C, eps, dd);
+  cuda::synchronize();
+  EXPECT_EQ(to_host(y_d, N * C), x);  // x = dropout(y) + residual in place: the same operations
+  EXPECT_TRUE(all_close("out", to_host(out_d, N * C).data(), out.data(), N * C, 1e-5, 1e-5));
+  // its backward, accumulating into dx, with the gradient through the dropout
+  const auto dx0 = random_vector(N * C, 9);
+  std::vector<float> dx = dx0, ddrop(N * C), dg(C, 0.0f), db(C, 0.0f);
+  kernels::layernorm_dropout_backward(dx.data(), ddrop.data(), dg.data(), db.data(), dy.data(),
+                                      x.data(), g.data(), mean.data(), rstd.data(), N, C, true,
+                                      hd.p, hd.key, hd.offset, hd.rows);
+  auto dx_d = to_device(dx0), dg_d = to_device(std::vector<float>(C, 0.0f)),
+       db_d = to_device(std::vector<float>(C, 0.0f));
+  cuda::DeviceBuffer ddrop_d(N * C * 4);
+  cuda::layernorm_dropout_backward(dx_d.f32(), ddrop_d.f32(), dg_d.f32(), db_d.f32(), dy_d.f32(),
+                                   y_d.f32(), g_d.f32(), mean_d.f32(), rstd_d.f32(), N, C, true,
+                                   dd);
+  cuda::synchronize();
+  EXPECT_TRUE(all_close("dx", to_host(dx_d, N * C).data(), dx.data(), N * C, 1e-5, 1e-5));
+  const auto ddrop_g = to_host(ddrop_d, N * C);
+  EXPECT_TRUE(all_close("ddropped", ddrop_g.data(), ddrop.data(), N * C, 1e-5, 1e-5));
+  for (int64_t i = 0; i < N * C; ++i) ASSERT_EQ(ddrop_g[i] == 0.0f, ddrop[i] == 0.0f) << i;
+  EXPECT_TRUE(all_close("dgamma", to_host(dg_d, C).data(), dg.data(), C, 1e-4, 1e-5));
+  EXPECT_TRUE(all_close("dbeta", to_host(db_d, C).data(), db.data(), C, 1e-4, 1e-5));
+  // embedding sum + LayerNorm + dropout (positions from i % T)
+  const int64_t B = 1, T = N;
+  std::vector<float> e_out(N * C), e_sum(N * C), e_mean(N), e_rstd(N);
+  kernels::embedding_layernorm_forward(e_out.data(), e_sum.data(), e_mean.data(), e_rstd.data(),
+                                       ids.data(), seg.data(), nullptr, word.data(), pos.data(),
+                                       type.data(), g.data(), b.data(), B, T, C, eps, hd.p, hd.key,
+                                       hd.offset, hd.rows);
+  auto ids_d = to_device_as(ids), seg_d = to_device_as(seg), word_d = to_device(word),
+       pos_d = to_device(pos), type_d = to_device(type);
+  cuda::DeviceBuffer eo_d(N * C * 4), es_d(N * C * 4);
+  cuda::embedding_layernorm_forward(
+      eo_d.f32(), es_d.f32(), mean_d.f32(), rstd_d.f32(), static_cast<const int32_t*>(ids_d.data()),
+      static_cast<const int32_t*>(seg_d.data()), nullptr, word_d.f32(), pos_d.f32(), type_d.f32(),
+      g_d.f32(), b_d.f32(), B, T, C, eps, dd);
+  cuda::synchronize();
+  EXPECT_EQ(to_host(es_d, N * C), e_sum);
+  EXPECT_TRUE(
+      all_close("embedding out", to_host(eo_d, N * C).data(), e_out.data(), N * C, 1e-5, 1e-5));
+}
+
+// Attention's row passes on the GPU against the same row math on the host (itself checked
+// against the CPU attention: test_row_math.cpp), with a padded sequence, dropout and a dropout
+// row length past T.
+TEST(Cuda, AttentionRowPassesMatchHost) {
+  SKIP_WITHOUT_GPU();
+  kernels::AttentionShape s{2, 77, 256, 4};
+  s.dropout_T = 96;
+  const int64_t R = s.B * s.NH * s.T, T = s.T;
+  const auto scores = random_vector(R * T, 1, 3.0f), dd = random_vector(R * T, 2);
+  std::vector<int32_t> mask(s.B * T, 1);
+  for (int64_t t = 60; t < T; ++t) mask[T + t] = 0;
+  const kernels::Dropout d{0.1f, 5, 11, nullptr};
+  std::vector<float> probs(R * T), dropped(R * T), ds(R * T);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t bh = r / T, i = r % T;
+    kernels::row_math::attention_softmax(probs.data() + r * T, dropped.data() + r * T,
+                                         scores.data() + r * T, mask.data() + (bh / s.NH) * T, T,
+                                         d.p, d.key, d.offset + s.dropout_row(bh, i),
+                                         kernels::row_math::OneLane{});
+    kernels::row_math::attention_softmax_backward(
+        ds.data() + r * T, dd.data() + r * T, probs.data() + r * T, T, d.p, d.key,
+        d.offset + s.dropout_row(bh, i), kernels::row_math::OneLane{});
+  }
+  auto sc_d = to_device(scores), dd_d = to_device(dd), mask_d = to_device_as(mask);
+  cuda::DeviceBuffer dr_d(R * T * 4);
+  cuda::attention_softmax_forward(sc_d.f32(), dr_d.f32(), sc_d.f32(),
+                                  static_cast<const int32_t*>(mask_d.data()), s, d);
+  cuda::attention_softmax_backward(dd_d.f32(), dd_d.f32(), sc_d.f32(), s, d);
+  cuda::synchronize();
+  // The same operations in another summation order: rtol 1e-5.
+  EXPECT_TRUE(all_close("probs", to_host(sc_d, R * T).data(), probs.data(), R * T, 1e-5, 1e-7));
+  EXPECT_TRUE(all_close("dropped", to_host(dr_d, R * T).data(), dropped.data(), R * T, 1e-5, 1e-7));
+  EXPECT_TRUE(all_close("ds", to_host(dd_d, R * T).data(), ds.data(), R * T, 1e-5, 1e-6));
+}
+
+TEST(Cuda, CrossEntropyMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 80, V = 30522;
+  const auto logits = random_vector(N * V, 1, 3.0f);
+  std::vector<int32_t> targets(N);
+  std::vector<float> weights(N);
+  for (int64_t i = 0; i < N; ++i) {
+    targets[i] = static_cast<int32_t>((i * 7919) % V);
+    weights[i] = i % 5 == 0 ? 0.0f : 1.0f;
+  }
+  std::vector<float> d(N * V), loss(N);
+  std::vector<int32_t> hit(N);
+  const double total = kernels::cross_entropy_forward_backward(
+      d.data(), loss.data(), hit.data(), logits.data(), targets.data(), weights.data(), N, V, 0.5f);
+  auto x_d = to_device(logits), t_d = to_device_as(targets), w_d = to_device(weights);
+  cuda::DeviceBuffer sums(2 * N * 4);
+  const auto got =
+      cuda::cross_entropy(x_d.f32(), sums.f32(), x_d.f32(), static_cast<const int32_t*>(t_d.data()),
+                          w_d.f32(), N, V, 0.5f);
+  double hits = 0;
+  for (int64_t i = 0; i < N; ++i) hits += weights[i] * hit[i];
+  // fp32 row sums of 30522 exponentials against the CPU's double: rtol 1e-5.
+  EXPECT_NEAR(got.loss, total, 1e-5 * std::fabs(total));
+  EXPECT_EQ(got.correct, hits);
+  EXPECT_TRUE(all_close("dlogits", to_host(x_d, N * V).data(), d.data(), N * V, 1e-5, 1e-5));
+}
+
+// AdamW and LAMB (with the bf16 copy) and the gradient norm against the CPU's reference loops,
+// which run the same element functions with IEEE operations and no contraction on either side
+// (--fmad=false): the same bits. The norms are double sums in another order (rtol 1e-12).
+TEST(Cuda, OptimizerMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 100003;
+  const auto p0 = random_vector(n, 1), g = random_vector(n, 2), m0 = random_vector(n, 3, 0.1f);
+  auto v0 = random_vector(n, 4, 0.1f);
+  for (auto& x : v0) x = x * x;
+  const kernels::AdamwStep aw{0.5f, 0.9f, 0.999f, 1e-3f, 0.3f, 1e-6f, 0.9999f};
+  const kernels::LambStep lb{0.5f, 0.9f, 0.999f, 1.2f, 1.1f, 1e-6f, 0.01f, 1e-3f};
+  for (int which = 0; which < 2; ++which) {
+    std::vector<float> p = p0, m = m0, v = v0;
+    std::vector<uint16_t> p16(n);
+    auto p_d = to_device(p0), g_d = to_device(g), m_d = to_device(m0), v_d = to_device(v0);
+    cuda::DeviceBuffer p16_d(n * 2);
+    auto* p16_dev = static_cast<uint16_t*>(p16_d.data());
+    if (which == 0) {
+      kernels::adamw_update_reference(aw, p.data(), p16.data(), g.data(), m.data(), v.data(), n);
+      cuda::adamw_update(aw, p_d.f32(), p16_dev, g_d.f32(), m_d.f32(), v_d.f32(), n);
+    } else {
+      double pn = 0, un = 0, pn_d = 0, un_d = 0;
+      kernels::lamb_moments_reference(lb, p.data(), g.data(), m.data(), v.data(), n, pn, un);
+      cuda::lamb_moments(lb, p_d.f32(), g_d.f32(), m_d.f32(), v_d.f32(), n, pn_d, un_d);
+      EXPECT_NEAR(pn_d, pn, 1e-12 * pn);
+      EXPECT_NEAR(un_d, un, 1e-12 * un);
+      const float step = lb.lr * kernels::lamb_trust(lb, pn, un);
+      kernels::lamb_apply_reference(lb, p.data(), p16.data(), m.data(), v.data(), n, step);
+      cuda::lamb_apply(lb, p_d.f32(), p16_dev, m_d.f32(), v_d.f32(), n, step);
+    }
+    cuda::synchronize();
+    const char* name = which == 0 ? "adamw" : "lamb";
+    EXPECT_EQ(to_host(p_d, n), p) << name;
+    EXPECT_EQ(to_host(m_d, n), m) << name;
+    EXPECT_EQ(to_host(v_d, n), v) << name;
+    EXPECT_EQ(to_host_as<uint16_t>(p16_d, n), p16) << name;
+  }
+  double sum = 0, sum_d = 0;
+  kernels::add_sum_squares_reference(sum, g.data(), n, 0.5);
+  auto g_d = to_device(g);
+  cuda::add_sum_squares(sum_d, g_d.f32(), n, 0.5);
+  EXPECT_NEAR(sum_d, sum, 1e-12 * sum);
+}
+
+// cuBLASLt's linear layers against the CPU's fp32 products. 16-bit operands: the oracle is the
+// fp32 product of the operands rounded the same way (the GPU accumulates their exact products in
+// fp32), so the bound is fp32 accumulation over K, not the 16-bit rounding: rtol 1e-4 / atol
+// 1e-4 of the max. fp32 (no TF32): rtol 1e-5.
+TEST(Cuda, LinearMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t M = 130, N = 96, K = 200;
+  const auto in = random_vector(M * K, 1), w = random_vector(N * K, 2, 0.1f),
+             bias = random_vector(N, 3), dout = random_vector(M * N, 4),
+             dinp0 = random_vector(M * K, 5), dw0 = random_vector(N * K, 6),
+             db0 = random_vector(N, 7);
+  for (auto o : {cuda::Operands::FP32, cuda::Operands::BF16, cuda::Operands::FP16}) {
+    const char* name = o == cuda::Operands::FP32   ? "fp32"
+                       : o == cuda::Operands::BF16 ? "bf16"
+                                                   : "fp16";
+    // The operands as the GPU reads them, widened back to fp32 for the CPU's product.
+    auto rounded = [&](const std::vector<float>& x, std::vector<uint16_t>& bits) {
+      std::vector<float> r(x.size());
+      bits.resize(x.size());
+      for (size_t i = 0; i < x.size(); ++i) {
+        if (o == cuda::Operands::BF16) {
+          bits[i] = f32_to_bf16(x[i]);
+          r[i] = bf16_to_f32(bits[i]);
+        } else if (o == cuda::Operands::FP16) {
+          bits[i] = f32_to_f16(x[i]);
+          r[i] = f16_to_f32(bits[i]);
+        } else {
+          r[i] = x[i];
+        }
+      }
+      return r;
+    };
+    std::vector<uint16_t> in16, w16, dout16;
+    const auto in_r = rounded(in, in16), w_r = rounded(w, w16), dout_r = rounded(dout, dout16);
+    std::vector<float> out(M * N), dinp = dinp0, dw = dw0, db = db0;
+    kernels::linear_forward(out.data(), in_r.data(), w_r.data(), bias.data(), M, N, K);
+    kernels::linear_backward(dinp.data(), dw.data(), nullptr, dout_r.data(), in_r.data(),
+                             w_r.data(), M, N, K, true);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < N; ++c) db[c] += dout[r * N + c];
+    const bool f32 = o == cuda::Operands::FP32;
+    auto in_d = f32 ? to_device(in) : to_device_as(in16),
+         w_d = f32 ? to_device(w) : to_device_as(w16),
+         dout16_d = f32 ? to_device(dout) : to_device_as(dout16);
+    auto dout_d = to_device(dout), bias_d = to_device(bias), dinp_d = to_device(dinp0),
+         dw_d = to_device(dw0), db_d = to_device(db0);
+    cuda::DeviceBuffer out_d(M * N * 4);
+    cuda::linear_forward(o, out_d.f32(), in_d.data(), w_d.data(), bias_d.f32(), M, N, K);
+    cuda::linear_backward(o, dinp_d.f32(), dw_d.f32(), db_d.f32(), dout16_d.data(), dout_d.f32(),
+                          in_d.data(), w_d.data(), M, N, K, true);
+    cuda::synchronize();
+    const double rtol = f32 ? 1e-5 : 1e-4;
+    EXPECT_TRUE(all_close(std::string(name) + " out", to_host(out_d, M * N).data(), out.data(),
+                          M * N, rtol, rtol));
+    EXPECT_TRUE(all_close(std::string(name) + " dinp", to_host(dinp_d, M * K).data(), dinp.data(),
+                          M * K, rtol, rtol));
+    EXPECT_TRUE(all_close(std::string(name) + " dw", to_host(dw_d, N * K).data(), dw.data(), N * K,
+                          rtol, rtol));
+    EXPECT_TRUE(
+        all_close(std::string(name) + " db", to_host(db_d, N).data(), db.data(), N, 1e-5, 1e-5));
+  }
+  // 16-bit copies round as the host does (nearest even), NaN and overflow included.
+  std::vector<float> x = random_vector(1000, 8, 100.0f);
+  x[0] = INFINITY;
+  x[1] = NAN;
+  x[2] = 1e6f;   // fp16 overflow: inf
+  x[3] = 1e-6f;  // an fp16 subnormal
+  auto x_d = to_device(x);
+  cuda::DeviceBuffer b_d(2000), h_d(2000);
+  cuda::round_to_bf16(static_cast<uint16_t*>(b_d.data()), x_d.f32(), 1000);
+  cuda::round_to_f16(static_cast<uint16_t*>(h_d.data()), x_d.f32(), 1000);
+  cuda::synchronize();
+  const auto b = to_host_as<uint16_t>(b_d, 1000), h = to_host_as<uint16_t>(h_d, 1000);
+  for (int i = 0; i < 1000; ++i) {
+    if (std::isnan(x[i])) {
+      EXPECT_TRUE(std::isnan(bf16_to_f32(b[i])) && std::isnan(f16_to_f32(h[i])));
+      continue;
+    }
+    EXPECT_EQ(b[i], f32_to_bf16(x[i])) << x[i];
+    EXPECT_EQ(h[i], f32_to_f16(x[i])) << x[i];
+  }
 }
 
 }  // namespace

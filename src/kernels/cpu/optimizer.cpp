@@ -11,6 +11,7 @@
 #include "core/simd_avx2.h"
 #include "core/simd_avx512.h"
 #include "kernels/cpu/scratch.h"
+#include "kernels/row_math.h"
 
 namespace bertrain::kernels {
 namespace {
@@ -312,16 +313,8 @@ void adamw_update(const AdamwStep& a, float* p, uint16_t* p16, const float* g, f
 
 void adamw_update_reference(const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
                             float* v, int64_t n) {
-  const float gscale = a.gscale, b1 = a.beta1, b2 = a.beta2, step_size = a.step_size,
-              sqrt_bc2 = a.sqrt_bc2, eps = a.eps, decay = a.decay;
 #pragma omp parallel for simd schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] * gscale;
-    m[i] = b1 * m[i] + (1.0f - b1) * gi;
-    v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
-    p[i] = p[i] * decay - step_size * m[i] / (std::sqrt(v[i]) / sqrt_bc2 + eps);
-    if (p16) p16[i] = f32_to_bf16(p[i]);
-  }
+  for (int64_t i = 0; i < n; ++i) row_math::adamw(a, p, p16, g, m, v, i);
 }
 
 void lamb_moments(const LambStep& a, const float* p, const float* g, float* m, float* v, int64_t n,
@@ -343,15 +336,10 @@ void lamb_update(const LambStep& a, float* p, uint16_t* p16, const float* g, flo
 
 void lamb_moments_reference(const LambStep& a, const float* p, const float* g, float* m, float* v,
                             int64_t n, double& pn_out, double& un_out) {
-  const float gscale = a.gscale, b1 = a.beta1, b2 = a.beta2, ibc1 = a.ibc1, ibc2 = a.ibc2,
-              eps = a.eps, wd = a.wd;
   double pn = 0, un = 0;
 #pragma omp parallel for reduction(+ : pn, un) schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] * gscale;
-    m[i] = b1 * m[i] + (1.0f - b1) * gi;
-    v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
-    const float u = (m[i] * ibc1) / (std::sqrt(v[i] * ibc2) + eps) + wd * p[i];
+    const float u = row_math::lamb_moments(a, p, g, m, v, i);
     pn += static_cast<double>(p[i]) * p[i];
     un += static_cast<double>(u) * u;
   }
@@ -361,13 +349,8 @@ void lamb_moments_reference(const LambStep& a, const float* p, const float* g, f
 
 void lamb_apply_reference(const LambStep& a, float* p, uint16_t* p16, const float* m,
                           const float* v, int64_t n, float step) {
-  const float ibc1 = a.ibc1, ibc2 = a.ibc2, eps = a.eps, wd = a.wd;
 #pragma omp parallel for simd schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) {
-    const float u = (m[i] * ibc1) / (std::sqrt(v[i] * ibc2) + eps) + wd * p[i];
-    p[i] -= step * u;
-    if (p16) p16[i] = f32_to_bf16(p[i]);
-  }
+  for (int64_t i = 0; i < n; ++i) row_math::lamb_apply(a, p, p16, m, v, i, step);
 }
 
 void lamb_update_reference(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m,

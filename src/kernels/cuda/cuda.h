@@ -1,12 +1,17 @@
 // The CUDA backend's host interface: device buffers and the kernel families ported so far
-// (LayerNorm, activations, dropout with the same counter-based masks as the CPU). Plain C++
+// (LayerNorm and the fused residual and embedding blocks, activations, dropout with the same
+// counter-based masks as the CPU, attention's row passes, the cross-entropy, the optimizers).
+// The fused kernels run the row math the CPU tests check (kernels/row_math.h). Plain C++
 // header, no CUDA types, so CPU code can include it; compiled only with -DBERTRAIN_CUDA=ON.
-// Kernels run on the default stream unless a stream (cudaStream_t as void*) is given.
+// Pointers are device memory unless said otherwise. Kernels run on the default stream unless a
+// stream (cudaStream_t as void*) is given; the ones returning sums synchronise it.
+// Semantics are the CPU kernels' of the same name (kernels/cpu/*.h, kernels/backend.h).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/backend.h"
 #include "kernels/cpu/elementwise.h"
 
 namespace bertrain::cuda {
@@ -35,12 +40,50 @@ class DeviceBuffer {
 
 void synchronize();
 
+// What a linear layer's operands are: fp32, or 16-bit (raw bf16 / fp16 bits) with fp32
+// accumulation and an fp32 result.
+enum class Operands { FP32, BF16, FP16 };
+
+// out[M,N] = in[M,K] . w[N,K]^T + bias[N] (bias may be null), through cuBLASLt (bias in the
+// epilogue); in and w of the operand type.
+void linear_forward(Operands o, float* out, const void* in, const void* w, const float* bias,
+                    int64_t M, int64_t N, int64_t K, void* stream = nullptr);
+// dinp[M,K] = dout . w (or += with accumulate; skipped when null), dw[N,K] += dout^T . in,
+// db[N] += column sums of dout (if non-null). dout in the operand type, dout_f32 its fp32 values
+// (the bias gradient's; the same pointer in fp32).
+void linear_backward(Operands o, float* dinp, float* dw, float* db, const void* dout,
+                     const float* dout_f32, const void* in, const void* w, int64_t M, int64_t N,
+                     int64_t K, bool accumulate_dinp, void* stream = nullptr);
+
+// 16-bit copies (round to nearest even, as core/dtype.h): raw bf16 / fp16 bits.
+void round_to_bf16(uint16_t* dst, const float* src, int64_t n, void* stream = nullptr);
+void round_to_f16(uint16_t* dst, const float* src, int64_t n, void* stream = nullptr);
+
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* gamma,
                        const float* beta, int64_t N, int64_t C, float eps, void* stream = nullptr);
 // dinp (=), dgamma and dbeta (+=), as the CPU kernel.
 void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
                         const float* inp, const float* gamma, const float* mean, const float* rstd,
                         int64_t N, int64_t C, void* stream = nullptr);
+// x = dropout(x) + residual in place, out = LayerNorm(x).
+void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
+                                const float* residual, const float* gamma, const float* beta,
+                                int64_t N, int64_t C, float eps, const kernels::Dropout& d,
+                                void* stream = nullptr);
+// out = dropout(LayerNorm(word[id] + position[t] + token_type[segment])), the sum kept.
+void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
+                                 const int32_t* ids, const int32_t* segment,
+                                 const int32_t* positions, const float* word, const float* position,
+                                 const float* token_type, const float* gamma, const float* beta,
+                                 int64_t B, int64_t T, int64_t C, float eps,
+                                 const kernels::Dropout& d, void* stream = nullptr);
+// The residual block's backward: dinp (= or +=), ddropped = dropout(dinp) (may be null),
+// dgamma and dbeta (+=).
+void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
+                                const float* dout, const float* in, const float* gamma,
+                                const float* mean, const float* rstd, int64_t N, int64_t C,
+                                bool accumulate_dinp, const kernels::Dropout& d,
+                                void* stream = nullptr);
 
 void activation_forward(kernels::Activation a, float* out, const float* inp, int64_t n,
                         void* stream = nullptr);
@@ -49,5 +92,33 @@ void activation_backward(kernels::Activation a, float* dinp, const float* inp, c
 
 void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset,
                      void* stream = nullptr);
+
+// Attention's row passes over [B, NH, T, T] (the products around them are strided batched
+// GEMMs): probs = softmax(scores + mask) (probs may alias scores), dropped = dropout(probs)
+// (null when d.p = 0); scores already scaled by 1/sqrt(head size).
+void attention_softmax_forward(float* probs, float* dropped, const float* scores,
+                               const int32_t* mask, const kernels::AttentionShape& s,
+                               const kernels::Dropout& d, void* stream = nullptr);
+// ds = probs * (dp - rowsum(probs * dp)), dp = dropout(dd) (ds may alias dd).
+void attention_softmax_backward(float* ds, const float* dd, const float* probs,
+                                const kernels::AttentionShape& s, const kernels::Dropout& d,
+                                void* stream = nullptr);
+
+// Softmax cross-entropy of N rows of V logits with its gradient (dlogits may be null or alias
+// logits; weights may be null); row_sums: device scratch of 2 N floats. Returns the weighted
+// loss and hit sums (synchronises the stream).
+kernels::CrossEntropySums cross_entropy(float* dlogits, float* row_sums, const float* logits,
+                                        const int32_t* targets, const float* weights, int64_t N,
+                                        int64_t V, float dscale, void* stream = nullptr);
+
+// The optimizer over one tensor (kernels/cpu/optimizer.h); the sums come back to the host
+// (synchronising the stream).
+void add_sum_squares(double& sum, const float* g, int64_t n, double scale, void* stream = nullptr);
+void adamw_update(const kernels::AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
+                  float* v, int64_t n, void* stream = nullptr);
+void lamb_moments(const kernels::LambStep& a, const float* p, const float* g, float* m, float* v,
+                  int64_t n, double& pn, double& un, void* stream = nullptr);
+void lamb_apply(const kernels::LambStep& a, float* p, uint16_t* p16, const float* m, const float* v,
+                int64_t n, float step, void* stream = nullptr);
 
 }  // namespace bertrain::cuda

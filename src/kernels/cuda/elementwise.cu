@@ -1,5 +1,8 @@
 // Activations and dropout on the GPU. Dropout uses the same counter-based hash as the CPU
 // (core/rng.h), so a mask is identical on either backend for the same (key, index).
+#include <cuda_fp16.h>
+
+#include "core/dtype.h"
 #include "core/rng.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
@@ -43,6 +46,16 @@ __global__ void activation_backward_kernel(int a, float* dinp, const float* inp,
   dinp[i] = dout[i] * d;
 }
 
+__global__ void round_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = f32_to_bf16(src[i]);
+}
+
+__global__ void round_f16_kernel(uint16_t* dst, const float* src, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = __half_as_ushort(__float2half_rn(src[i]));
+}
+
 __global__ void dropout_kernel(float* x, int64_t n, float p, float scale, uint64_t key,
                                uint64_t offset) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -72,6 +85,18 @@ void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset
   if (n == 0 || p <= 0.0f) return;
   dropout_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(
       x, n, p, 1.0f / (1.0f - p), key, offset);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void round_to_bf16(uint16_t* dst, const float* src, int64_t n, void* stream) {
+  if (n == 0) return;
+  round_bf16_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(dst, src, n);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void round_to_f16(uint16_t* dst, const float* src, int64_t n, void* stream) {
+  if (n == 0) return;
+  round_f16_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(dst, src, n);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

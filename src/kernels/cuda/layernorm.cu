@@ -1,102 +1,125 @@
-// LayerNorm on the GPU: one warp per row (C up to a few thousand), fp32 statistics.
-// Backward: dinp per row in the same warp; dgamma/dbeta by a column kernel over all rows
-// (deterministic: no atomics).
+// LayerNorm and the fused blocks around it on the GPU, one warp per row running the row math the
+// CPU tests check (kernels/row_math.h): plain LayerNorm, dropout + residual + LayerNorm, the
+// embedding sum + LayerNorm + dropout, and their backward. The parameter gradients come from a
+// column kernel over all rows (deterministic: no atomics).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
+#include "kernels/cuda/lanes.cuh"
 
 namespace bertrain::cuda {
 
+namespace rm = kernels::row_math;
+
 namespace {
 
-__device__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+// Optionally x = dropout(x) + residual in place first (residual non-null).
+__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, float* x,
+                                         const float* residual, const float* gamma,
+                                         const float* beta, int64_t N, int64_t C, float eps,
+                                         float p, uint64_t key, uint64_t offset,
+                                         const int32_t* rows) {
+  const int64_t i = warp_row();
+  if (i >= N) return;
+  const WarpLanes l = warp_lanes();
+  if (residual)
+    rm::dropout_residual(x + i * C, residual + i * C, C, p, key, row_index0(offset, rows, i, C), l);
+  rm::layernorm(out + i * C, mean + i, rstd + i, x + i * C, gamma, beta, C, eps, l);
 }
 
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp,
-                                         const float* gamma, const float* beta, int64_t N,
-                                         int64_t C, float eps) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= N) return;
-  const float* x = inp + row * C;
-  float s = 0.0f;
-  for (int64_t c = lane; c < C; c += 32) s += x[c];
-  const float m = warp_sum(s) / C;
-  float v = 0.0f;
-  for (int64_t c = lane; c < C; c += 32) {
-    float d = x[c] - m;
-    v += d * d;
-  }
-  const float r = rsqrtf(warp_sum(v) / C + eps);
-  float* o = out + row * C;
-  for (int64_t c = lane; c < C; c += 32) o[c] = (x[c] - m) * r * gamma[c] + beta[c];
-  if (lane == 0) {
-    mean[row] = m;
-    rstd[row] = r;
-  }
+__global__ void embedding_layernorm_kernel(float* out, float* sum, float* mean, float* rstd,
+                                           const int32_t* ids, const int32_t* segment,
+                                           const int32_t* positions, const float* word,
+                                           const float* position, const float* token_type,
+                                           const float* gamma, const float* beta, int64_t N,
+                                           int64_t T, int64_t C, float eps, float p, uint64_t key,
+                                           uint64_t offset, const int32_t* rows) {
+  const int64_t i = warp_row();
+  if (i >= N) return;
+  const WarpLanes l = warp_lanes();
+  rm::embedding_sum(sum + i * C, ids[i], segment[i], positions ? positions[i] : i % T, word,
+                    position, token_type, C, l);
+  rm::layernorm(out + i * C, mean + i, rstd + i, sum + i * C, gamma, beta, C, eps, l);
+  rm::dropout_row(out + i * C, C, p, key, row_index0(offset, rows, i, C), l);
 }
 
-__global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp,
-                                               const float* gamma, const float* mean,
-                                               const float* rstd, int64_t N, int64_t C) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= N) return;
-  const float* x = inp + row * C;
-  const float* dy = dout + row * C;
-  const float m = mean[row], r = rstd[row];
-  float a = 0.0f, b = 0.0f;
-  for (int64_t c = lane; c < C; c += 32) {
-    const float xhat = (x[c] - m) * r;
-    const float gdy = gamma[c] * dy[c];
-    a += gdy;
-    b += gdy * xhat;
-  }
-  a = warp_sum(a) / C;
-  b = warp_sum(b) / C;
-  float* dx = dinp + row * C;
-  for (int64_t c = lane; c < C; c += 32) {
-    const float xhat = (x[c] - m) * r;
-    dx[c] = r * (gamma[c] * dy[c] - a - xhat * b);
-  }
+__global__ void layernorm_backward_kernel(float* dinp, float* ddropped, const float* dout,
+                                          const float* in, const float* gamma, const float* mean,
+                                          const float* rstd, int64_t N, int64_t C, bool accumulate,
+                                          float p, uint64_t key, uint64_t offset,
+                                          const int32_t* rows) {
+  const int64_t i = warp_row();
+  if (i >= N) return;
+  rm::layernorm_backward(dinp + i * C, ddropped ? ddropped + i * C : nullptr, dout + i * C,
+                         in + i * C, gamma, mean[i], rstd[i], C, accumulate, p, key,
+                         row_index0(offset, rows, i, C), warp_lanes());
 }
 
-__global__ void layernorm_backward_params_kernel(float* dgamma, float* dbeta, const float* dout,
-                                                 const float* inp, const float* mean,
-                                                 const float* rstd, int64_t N, int64_t C) {
+__global__ void layernorm_param_grads_kernel(float* dgamma, float* dbeta, const float* dout,
+                                             const float* in, const float* mean, const float* rstd,
+                                             int64_t N, int64_t C) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  float g = 0.0f, bsum = 0.0f;
-  for (int64_t i = 0; i < N; ++i) {
-    const float dy = dout[i * C + c];
-    g += dy * (inp[i * C + c] - mean[i]) * rstd[i];
-    bsum += dy;
-  }
-  dgamma[c] += g;
-  dbeta[c] += bsum;
+  if (c < C) rm::layernorm_param_grads(dgamma, dbeta, dout, in, mean, rstd, 0, N, C, c);
+}
+
+void param_grads(float* dgamma, float* dbeta, const float* dout, const float* in, const float* mean,
+                 const float* rstd, int64_t N, int64_t C, cudaStream_t s) {
+  constexpr unsigned kThreads = 256;
+  layernorm_param_grads_kernel<<<blocks_for(C, kThreads), kThreads, 0, s>>>(dgamma, dbeta, dout, in,
+                                                                            mean, rstd, N, C);
+  BT_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* gamma,
                        const float* beta, int64_t N, int64_t C, float eps, void* stream) {
-  constexpr unsigned kThreads = 256, kRowsPerBlock = kThreads / 32;
-  layernorm_forward_kernel<<<blocks_for(N, kRowsPerBlock), kThreads, 0, as_stream(stream)>>>(
-      out, mean, rstd, inp, gamma, beta, N, C, eps);
+  if (N == 0) return;
+  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, as_stream(stream)>>>(
+      out, mean, rstd, const_cast<float*>(inp), nullptr, gamma, beta, N, C, eps, 0.0f, 0, 0,
+      nullptr);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
+                                const float* residual, const float* gamma, const float* beta,
+                                int64_t N, int64_t C, float eps, const kernels::Dropout& d,
+                                void* stream) {
+  if (N == 0) return;
+  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, as_stream(stream)>>>(
+      out, mean, rstd, x, residual, gamma, beta, N, C, eps, d.p, d.key, d.offset, d.rows);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
+                                 const int32_t* ids, const int32_t* segment,
+                                 const int32_t* positions, const float* word, const float* position,
+                                 const float* token_type, const float* gamma, const float* beta,
+                                 int64_t B, int64_t T, int64_t C, float eps,
+                                 const kernels::Dropout& d, void* stream) {
+  if (B * T == 0) return;
+  embedding_layernorm_kernel<<<row_blocks(B * T), kRowThreads, 0, as_stream(stream)>>>(
+      out, sum, mean, rstd, ids, segment, positions, word, position, token_type, gamma, beta, B * T,
+      T, C, eps, d.p, d.key, d.offset, d.rows);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
 void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
                         const float* inp, const float* gamma, const float* mean, const float* rstd,
                         int64_t N, int64_t C, void* stream) {
-  constexpr unsigned kThreads = 256, kRowsPerBlock = kThreads / 32;
-  layernorm_backward_dinp_kernel<<<blocks_for(N, kRowsPerBlock), kThreads, 0, as_stream(stream)>>>(
-      dinp, dout, inp, gamma, mean, rstd, N, C);
+  layernorm_dropout_backward(dinp, nullptr, dgamma, dbeta, dout, inp, gamma, mean, rstd, N, C,
+                             false, kernels::Dropout{}, stream);
+}
+
+void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
+                                const float* dout, const float* in, const float* gamma,
+                                const float* mean, const float* rstd, int64_t N, int64_t C,
+                                bool accumulate_dinp, const kernels::Dropout& d, void* stream) {
+  if (N == 0) return;
+  layernorm_backward_kernel<<<row_blocks(N), kRowThreads, 0, as_stream(stream)>>>(
+      dinp, ddropped, dout, in, gamma, mean, rstd, N, C, accumulate_dinp, d.p, d.key, d.offset,
+      d.rows);
   BT_CUDA_CHECK(cudaGetLastError());
-  layernorm_backward_params_kernel<<<blocks_for(C, kThreads), kThreads, 0, as_stream(stream)>>>(
-      dgamma, dbeta, dout, inp, mean, rstd, N, C);
-  BT_CUDA_CHECK(cudaGetLastError());
+  param_grads(dgamma, dbeta, dout, in, mean, rstd, N, C, as_stream(stream));
 }
 
 }  // namespace bertrain::cuda

@@ -1,0 +1,53 @@
+// A warp as row_math's lanes (kernels/row_math.h): lane = the thread's lane, combinations by
+// butterfly shuffles (every lane ends with the same total: each step adds the same two values),
+// kernels launched with blocks of whole warps, one row per warp.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/row_math.h"
+
+namespace bertrain::cuda {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr unsigned kRowThreads = 128, kRowsPerBlock = kRowThreads / 32;
+
+struct WarpLanes {
+  int lane;
+  static constexpr int count = 32;
+  __device__ float sum(float v) const {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+    return v;
+  }
+  __device__ float max(float v) const {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+    return v;
+  }
+  __device__ int64_t min(int64_t v) const {
+    for (int o = 16; o > 0; o >>= 1) {
+      const auto w = static_cast<int64_t>(__shfl_xor_sync(kFullMask, static_cast<long long>(v), o));
+      v = w < v ? w : v;
+    }
+    return v;
+  }
+};
+
+// This thread's row (one per warp; rows >= N return) and its lanes.
+__device__ inline int64_t warp_row() {
+  return static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+}
+__device__ inline WarpLanes warp_lanes() {
+  return WarpLanes{static_cast<int>(threadIdx.x % 32)};
+}
+
+inline unsigned row_blocks(int64_t rows) {
+  return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+}
+
+// The dropout index of row i's first element: offset + rows[i] * C (a packed row keyed as its
+// padded row) or offset + i * C.
+__device__ inline uint64_t row_index0(uint64_t offset, const int32_t* rows, int64_t i, int64_t C) {
+  return offset + static_cast<uint64_t>((rows ? rows[i] : i) * C);
+}
+
+}  // namespace bertrain::cuda

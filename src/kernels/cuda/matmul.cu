@@ -1,0 +1,171 @@
+// Linear layers through cuBLASLt: fp32, bf16 or fp16 operands, fp32 accumulation and output, the
+// bias added in the matmul's epilogue. Row-major tensors are cuBLAS's column-major transposes, so
+// out[M,N] = in[M,K] . w[N,K]^T is the column-major out^T = w^T . in^T with w read transposed.
+// A product's descriptors and the algorithm cuBLASLt's heuristic picks are made once per shape
+// (per host thread) and reused, as the oneDNN primitives are on the CPU. fp32 runs in plain fp32
+// (no TF32), so it agrees with the CPU to fp32 rounding.
+#include <cublasLt.h>
+#include <cublas_api.h>
+
+#include <map>
+#include <tuple>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda.h"
+
+#define BT_CUBLAS_CHECK(call)                                                             \
+  do {                                                                                    \
+    cublasStatus_t st_ = (call);                                                          \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                     \
+      ::bertrain::fail("cuBLASLt error ", cublasGetStatusName(st_), " (",                 \
+                       cublasGetStatusString(st_), ") in ", #call, " at ", __FILE__, ":", \
+                       __LINE__);                                                         \
+  } while (0)
+
+namespace bertrain::cuda {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;
+
+cudaDataType_t operand_type(Operands o) {
+  switch (o) {
+    case Operands::BF16:
+      return CUDA_R_16BF;
+    case Operands::FP16:
+      return CUDA_R_16F;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+// One product's shape: column-major m x n = op(A) m x k . op(B) k x n, C with beta.
+struct Shape {
+  Operands operands;
+  bool trans_a, trans_b, bias;
+  int64_t m, n, k, lda, ldb, ldc;
+  bool operator<(const Shape& o) const {
+    return std::tie(operands, trans_a, trans_b, bias, m, n, k, lda, ldb, ldc) <
+           std::tie(o.operands, o.trans_a, o.trans_b, o.bias, o.m, o.n, o.k, o.lda, o.ldb, o.ldc);
+  }
+};
+
+struct Product {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+struct Context {
+  cublasLtHandle_t handle = nullptr;
+  DeviceBuffer workspace{kWorkspaceBytes};
+  std::map<Shape, Product> products;
+  Context() { BT_CUBLAS_CHECK(cublasLtCreate(&handle)); }
+  ~Context() {
+    for (auto& [shape, p] : products) {
+      cublasLtMatrixLayoutDestroy(p.a);
+      cublasLtMatrixLayoutDestroy(p.b);
+      cublasLtMatrixLayoutDestroy(p.c);
+      cublasLtMatmulDescDestroy(p.op);
+    }
+    cublasLtDestroy(handle);
+  }
+};
+
+Context& context() {
+  thread_local Context c;
+  return c;
+}
+
+const Product& product(Context& ctx, const Shape& s) {
+  auto it = ctx.products.find(s);
+  if (it != ctx.products.end()) return it->second;
+  Product p;
+  BT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                          tb = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  BT_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  BT_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  if (s.bias) {
+    const cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_BIAS;
+    const cudaDataType_t bt = CUDA_R_32F;
+    BT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
+    BT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+  }
+  const cudaDataType_t t = operand_type(s.operands);
+  // Stored (column-major) sizes: A is m x k, or k x m read transposed; B likewise.
+  BT_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&p.a, t, s.trans_a ? s.k : s.m, s.trans_a ? s.m : s.k, s.lda));
+  BT_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&p.b, t, s.trans_b ? s.n : s.k, s.trans_b ? s.k : s.n, s.ldb));
+  BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, s.m, s.n, s.ldc));
+  cublasLtMatmulPreference_t pref;
+  BT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const size_t ws = kWorkspaceBytes;
+  BT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  BT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.op, p.a, p.b, p.c, p.c, pref, 1,
+                                                 &result, &found));
+  cublasLtMatmulPreferenceDestroy(pref);
+  BT_CHECK(found > 0, "cuBLASLt has no algorithm for a ", s.m, "x", s.n, "x", s.k, " product of ",
+           s.operands == Operands::FP32 ? "fp32" : "16-bit", " operands");
+  p.algo = result.algo;
+  return ctx.products.emplace(s, p).first->second;
+}
+
+void matmul(const Shape& s, const void* A, const void* B, float* C, float beta, const float* bias,
+            void* stream) {
+  Context& ctx = context();
+  const Product& p = product(ctx, s);
+  if (s.bias)
+    BT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                   sizeof(bias)));
+  const float alpha = 1.0f;
+  BT_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c,
+                                 &p.algo, ctx.workspace.data(), kWorkspaceBytes,
+                                 as_stream(stream)));
+}
+
+// db[N] += column sums of dout[M,N]: a column per thread, rows in order (deterministic).
+__global__ void column_sums_kernel(float* db, const float* dout, int64_t M, int64_t N) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= N) return;
+  float s = 0.0f;
+  for (int64_t r = 0; r < M; ++r) s += dout[r * N + c];
+  db[c] += s;
+}
+
+}  // namespace
+
+void linear_forward(Operands o, float* out, const void* in, const void* w, const float* bias,
+                    int64_t M, int64_t N, int64_t K, void* stream) {
+  if (M == 0 || N == 0) return;
+  // out^T (N x M) = w^T (w stored K x N, read transposed) . in^T (stored K x M).
+  matmul({o, true, false, bias != nullptr, N, M, K, K, K, N}, w, in, out, 0.0f, bias, stream);
+}
+
+void linear_backward(Operands o, float* dinp, float* dw, float* db, const void* dout,
+                     const float* dout_f32, const void* in, const void* w, int64_t M, int64_t N,
+                     int64_t K, bool accumulate_dinp, void* stream) {
+  if (M == 0) return;
+  // dinp^T (K x M) = w (stored K x N) . dout^T (stored N x M).
+  if (dinp)
+    matmul({o, false, false, false, K, M, N, K, N, K}, w, dout, dinp, accumulate_dinp ? 1.0f : 0.0f,
+           nullptr, stream);
+  // dw^T (K x N) += in^T (stored K x M) . dout (stored N x M, read transposed).
+  matmul({o, false, true, false, K, N, M, K, N, K}, in, dout, dw, 1.0f, nullptr, stream);
+  if (db) {
+    constexpr unsigned kThreads = 256;
+    column_sums_kernel<<<blocks_for(N, kThreads), kThreads, 0, as_stream(stream)>>>(db, dout_f32, M,
+                                                                                    N);
+    BT_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace bertrain::cuda

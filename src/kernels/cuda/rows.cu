@@ -1,0 +1,209 @@
+// Attention's row passes, the cross-entropy and the optimizer on the GPU, running the row math
+// the CPU tests check (kernels/row_math.h): one warp per row, one thread per element. The sums
+// the host needs (the loss, LAMB's norms, the gradient norm) come back as per-row or per-block
+// partial values, added on the host in double in a fixed order.
+#include <vector>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda.h"
+#include "kernels/cuda/lanes.cuh"
+
+namespace bertrain::cuda {
+
+namespace rm = kernels::row_math;
+
+namespace {
+
+// Row r of the [B, NH, T, T] scores is query i of (sequence, head) bh = r / T; b = bh / NH.
+__global__ void attention_softmax_kernel(float* probs, float* dropped, const float* scores,
+                                         const int32_t* mask, kernels::AttentionShape s, float p,
+                                         uint64_t key, uint64_t offset) {
+  const int64_t r = warp_row();
+  if (r >= s.B * s.NH * s.T) return;
+  const int64_t bh = r / s.T, i = r % s.T, T = s.T;
+  rm::attention_softmax(probs + r * T, dropped ? dropped + r * T : nullptr, scores + r * T,
+                        mask + (bh / s.NH) * T, T, p, key, offset + s.dropout_row(bh, i),
+                        warp_lanes());
+}
+
+__global__ void attention_softmax_backward_kernel(float* ds, const float* dd, const float* probs,
+                                                  kernels::AttentionShape s, float p, uint64_t key,
+                                                  uint64_t offset) {
+  const int64_t r = warp_row();
+  if (r >= s.B * s.NH * s.T) return;
+  const int64_t bh = r / s.T, i = r % s.T, T = s.T;
+  rm::attention_softmax_backward(ds + r * T, dd + r * T, probs + r * T, T, p, key,
+                                 offset + s.dropout_row(bh, i), warp_lanes());
+}
+
+// row_sums[2i] = weight * loss, row_sums[2i + 1] = weight * hit.
+__global__ void cross_entropy_kernel(float* dlogits, float* row_sums, const float* logits,
+                                     const int32_t* targets, const float* weights, int64_t N,
+                                     int64_t V, float dscale) {
+  const int64_t i = warp_row();
+  if (i >= N) return;
+  const WarpLanes l = warp_lanes();
+  const float w = weights ? weights[i] : 1.0f;
+  const rm::CrossEntropyRow row = rm::cross_entropy(dlogits ? dlogits + i * V : nullptr,
+                                                    logits + i * V, targets[i], w, V, dscale, l);
+  if (l.lane == 0) {
+    row_sums[2 * i] = w * row.loss;
+    row_sums[2 * i + 1] = row.hit ? w : 0.0f;
+  }
+}
+
+constexpr unsigned kThreads = 256, kReduceBlocks = 1024;
+
+// A block's sum of per-thread doubles into out[blockIdx.x] (kThreads threads).
+__device__ void block_sum(double v, double* out) {
+  __shared__ double part[kThreads];
+  part[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned o = kThreads / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) part[threadIdx.x] += part[threadIdx.x + o];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = part[0];
+}
+
+__global__ void sum_squares_kernel(double* partial, const float* g, int64_t n, double scale) {
+  double acc = 0.0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double x = static_cast<double>(g[i]) * scale;
+    acc += x * x;
+  }
+  block_sum(acc, partial + blockIdx.x);
+}
+
+__global__ void adamw_kernel(kernels::AdamwStep a, float* p, uint16_t* p16, const float* g,
+                             float* m, float* v, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) rm::adamw(a, p, p16, g, m, v, i);
+}
+
+// partial[block] = sum of p^2, partial[gridDim.x + block] = sum of u^2.
+__global__ void lamb_moments_kernel(double* partial, kernels::LambStep a, const float* p,
+                                    const float* g, float* m, float* v, int64_t n) {
+  double pn = 0.0, un = 0.0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float u = rm::lamb_moments(a, p, g, m, v, i);
+    pn += static_cast<double>(p[i]) * p[i];
+    un += static_cast<double>(u) * u;
+  }
+  block_sum(pn, partial + blockIdx.x);
+  __syncthreads();
+  block_sum(un, partial + gridDim.x + blockIdx.x);
+}
+
+__global__ void lamb_apply_kernel(kernels::LambStep a, float* p, uint16_t* p16, const float* m,
+                                  const float* v, int64_t n, float step) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) rm::lamb_apply(a, p, p16, m, v, i, step);
+}
+
+unsigned reduce_blocks(int64_t n) {
+  const auto b = blocks_for(n, kThreads);
+  return b < kReduceBlocks ? (b > 0 ? b : 1) : kReduceBlocks;
+}
+
+// The per-block partial sums of one reduction, added on the host in block order.
+std::vector<double> download_partials(const DeviceBuffer& partial, size_t count, cudaStream_t s) {
+  std::vector<double> h(count);
+  BT_CUDA_CHECK(
+      cudaMemcpyAsync(h.data(), partial.data(), count * sizeof(double), cudaMemcpyDeviceToHost, s));
+  BT_CUDA_CHECK(cudaStreamSynchronize(s));
+  return h;
+}
+
+// The reductions' partial sums: one buffer per host thread, made on first use.
+DeviceBuffer& partials() {
+  thread_local DeviceBuffer b(2 * kReduceBlocks * sizeof(double));
+  return b;
+}
+
+}  // namespace
+
+void attention_softmax_forward(float* probs, float* dropped, const float* scores,
+                               const int32_t* mask, const kernels::AttentionShape& s,
+                               const kernels::Dropout& d, void* stream) {
+  const int64_t rows = s.B * s.NH * s.T;
+  if (rows == 0) return;
+  attention_softmax_kernel<<<row_blocks(rows), kRowThreads, 0, as_stream(stream)>>>(
+      probs, dropped, scores, mask, s, d.p, d.key, d.offset);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void attention_softmax_backward(float* ds, const float* dd, const float* probs,
+                                const kernels::AttentionShape& s, const kernels::Dropout& d,
+                                void* stream) {
+  const int64_t rows = s.B * s.NH * s.T;
+  if (rows == 0) return;
+  attention_softmax_backward_kernel<<<row_blocks(rows), kRowThreads, 0, as_stream(stream)>>>(
+      ds, dd, probs, s, d.p, d.key, d.offset);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+kernels::CrossEntropySums cross_entropy(float* dlogits, float* row_sums, const float* logits,
+                                        const int32_t* targets, const float* weights, int64_t N,
+                                        int64_t V, float dscale, void* stream) {
+  kernels::CrossEntropySums sums;
+  if (N == 0) return sums;
+  const cudaStream_t s = as_stream(stream);
+  cross_entropy_kernel<<<row_blocks(N), kRowThreads, 0, s>>>(dlogits, row_sums, logits, targets,
+                                                             weights, N, V, dscale);
+  BT_CUDA_CHECK(cudaGetLastError());
+  std::vector<float> h(2 * N);
+  BT_CUDA_CHECK(
+      cudaMemcpyAsync(h.data(), row_sums, h.size() * sizeof(float), cudaMemcpyDeviceToHost, s));
+  BT_CUDA_CHECK(cudaStreamSynchronize(s));
+  for (int64_t i = 0; i < N; ++i) {
+    sums.loss += h[2 * i];
+    sums.correct += h[2 * i + 1];
+  }
+  return sums;
+}
+
+void add_sum_squares(double& sum, const float* g, int64_t n, double scale, void* stream) {
+  if (n == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  const unsigned blocks = reduce_blocks(n);
+  DeviceBuffer& part = partials();
+  sum_squares_kernel<<<blocks, kThreads, 0, s>>>(static_cast<double*>(part.data()), g, n, scale);
+  BT_CUDA_CHECK(cudaGetLastError());
+  for (double x : download_partials(part, blocks, s)) sum += x;
+}
+
+void adamw_update(const kernels::AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
+                  float* v, int64_t n, void* stream) {
+  if (n == 0) return;
+  adamw_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(a, p, p16, g, m, v, n);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void lamb_moments(const kernels::LambStep& a, const float* p, const float* g, float* m, float* v,
+                  int64_t n, double& pn, double& un, void* stream) {
+  if (n == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  const unsigned blocks = reduce_blocks(n);
+  DeviceBuffer& part = partials();
+  lamb_moments_kernel<<<blocks, kThreads, 0, s>>>(static_cast<double*>(part.data()), a, p, g, m, v,
+                                                  n);
+  BT_CUDA_CHECK(cudaGetLastError());
+  const std::vector<double> h = download_partials(part, 2 * blocks, s);
+  for (unsigned b = 0; b < blocks; ++b) {
+    pn += h[b];
+    un += h[blocks + b];
+  }
+}
+
+void lamb_apply(const kernels::LambStep& a, float* p, uint16_t* p16, const float* m, const float* v,
+                int64_t n, float step, void* stream) {
+  if (n == 0) return;
+  lamb_apply_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(a, p, p16, m, v, n,
+                                                                                 step);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace bertrain::cuda

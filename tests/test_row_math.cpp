@@ -1,0 +1,254 @@
+// The fused kernels' per-row math (kernels/row_math.h), which the CUDA kernels run one warp per
+// row, against the CPU kernels on the same inputs. Each row runs on one lane and on 32 lanes,
+// the lanes as host threads combining through a barrier as a warp's shuffles do: the striding,
+// the combinations and the first-maximum rule are checked here, so that on a GPU only the
+// thread mapping is new. Tolerances: the row math sums in fp32 where the CPU's portable and
+// vector bodies sum in double or in another order, so results agree to fp32 rounding of a row
+// sum (rtol 1e-5 / 2e-5 of the tensor max); dropout masks are the same bits (compared exactly
+// through the zeros).
+#include <barrier>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/cross_entropy.h"
+#include "kernels/cpu/layernorm.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/row_math.h"
+#include "test_util.h"
+
+namespace bertrain::kernels {
+namespace {
+
+using test::all_close;
+using test::random_vector;
+
+// `count` lanes on as many threads; a combination is a barrier, the total summed in lane order.
+class HostWarp {
+ public:
+  explicit HostWarp(int count) : count_(count), bar_(count), f_(count), i_(count) {}
+
+  struct Lane {
+    HostWarp* w;
+    int lane, count;
+    float sum(float v) const {
+      return w->combine<float>(w->f_, lane, v, [](float a, float b) { return a + b; });
+    }
+    float max(float v) const {
+      return w->combine<float>(w->f_, lane, v, [](float a, float b) { return a > b ? a : b; });
+    }
+    int64_t min(int64_t v) const {
+      return w->combine<int64_t>(w->i_, lane, v,
+                                 [](int64_t a, int64_t b) { return a < b ? a : b; });
+    }
+  };
+
+  // body(lane) on every lane, each on its own thread.
+  template <class F>
+  void run(F body) {
+    std::vector<std::thread> t;
+    for (int l = 0; l < count_; ++l) t.emplace_back([&, l] { body(Lane{this, l, count_}); });
+    for (auto& x : t) x.join();
+  }
+
+ private:
+  template <class T, class Op>
+  T combine(std::vector<T>& slots, int lane, T v, Op op) {
+    slots[lane] = v;
+    bar_.arrive_and_wait();
+    T total = slots[0];
+    for (int l = 1; l < count_; ++l) total = op(total, slots[l]);
+    bar_.arrive_and_wait();  // nobody writes a slot again before everyone has read them
+    return total;
+  }
+  int count_;
+  std::barrier<> bar_;
+  std::vector<float> f_;
+  std::vector<int64_t> i_;
+};
+
+// f(lanes) for every row, with one lane (the host's OneLane) or a warp of 32.
+template <class F>
+void for_rows(int lanes, int64_t rows, F f) {
+  if (lanes == 1) {
+    for (int64_t r = 0; r < rows; ++r) f(r, row_math::OneLane{});
+    return;
+  }
+  HostWarp w(lanes);
+  for (int64_t r = 0; r < rows; ++r) w.run([&](const HostWarp::Lane& l) { f(r, l); });
+}
+
+class RowMath : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(Lanes, RowMath, ::testing::Values(1, 32));
+
+// The residual block (dropout + residual + LayerNorm) and plain LayerNorm, rows mapped to other
+// dropout rows (an unpadded model's packed rows); C = 100 leaves lanes with 3 and 4 columns.
+TEST_P(RowMath, ResidualLayerNormEqualsCpu) {
+  const int64_t N = 7, C = 100;
+  const float p = 0.1f, eps = 1e-12f;
+  const std::vector<int32_t> rows = {3, 0, 9, 1, 4, 12, 5};
+  const auto y = random_vector(N * C, 1, 2.0f), res = random_vector(N * C, 2),
+             g = random_vector(C, 3), b = random_vector(C, 4);
+  std::vector<float> x_ref = y, out_ref(N * C), mean_ref(N), rstd_ref(N);
+  residual_layernorm_forward(out_ref.data(), mean_ref.data(), rstd_ref.data(), x_ref.data(),
+                             res.data(), g.data(), b.data(), N, C, eps, p, 7, 50, rows.data());
+  std::vector<float> x = y, out(N * C), mean(N), rstd(N);
+  for_rows(GetParam(), N, [&](int64_t r, const auto& l) {
+    row_math::dropout_residual(x.data() + r * C, res.data() + r * C, C, p, 7, 50 + rows[r] * C, l);
+    row_math::layernorm(out.data() + r * C, &mean[r], &rstd[r], x.data() + r * C, g.data(),
+                        b.data(), C, eps, l);
+  });
+  EXPECT_EQ(x, x_ref);  // the same mask, the same sums of two values
+  EXPECT_TRUE(all_close("out", out.data(), out_ref.data(), out.size(), 1e-5, 1e-5));
+  EXPECT_TRUE(all_close("mean", mean.data(), mean_ref.data(), N, 1e-5, 1e-6));
+  EXPECT_TRUE(all_close("rstd", rstd.data(), rstd_ref.data(), N, 1e-5, 1e-6));
+}
+
+TEST_P(RowMath, EmbeddingLayerNormEqualsCpu) {
+  const int64_t B = 2, T = 5, C = 72, V = 30, P = 16;
+  const float p = 0.1f, eps = 1e-12f;
+  const auto word = random_vector(V * C, 1), pos = random_vector(P * C, 2),
+             type = random_vector(2 * C, 3), g = random_vector(C, 4), b = random_vector(C, 5);
+  const std::vector<int32_t> ids = {1, 29, 4, 4, 0, 7, 8, 2, 17, 3},
+                             seg = {0, 0, 1, 1, 1, 0, 1, 0, 1, 1},
+                             positions = {0, 1, 2, 3, 4, 0, 1, 2, 3, 15},
+                             rows = {0, 1, 2, 3, 4, 8, 9, 10, 11, 12};
+  std::vector<float> out_ref(B * T * C), sum_ref(B * T * C), mean_ref(B * T), rstd_ref(B * T);
+  embedding_layernorm_forward(out_ref.data(), sum_ref.data(), mean_ref.data(), rstd_ref.data(),
+                              ids.data(), seg.data(), positions.data(), word.data(), pos.data(),
+                              type.data(), g.data(), b.data(), B, T, C, eps, p, 9, 3, rows.data());
+  std::vector<float> out(B * T * C), sum(B * T * C), mean(B * T), rstd(B * T);
+  for_rows(GetParam(), B * T, [&](int64_t r, const auto& l) {
+    row_math::embedding_sum(sum.data() + r * C, ids[r], seg[r], positions[r], word.data(),
+                            pos.data(), type.data(), C, l);
+    row_math::layernorm(out.data() + r * C, &mean[r], &rstd[r], sum.data() + r * C, g.data(),
+                        b.data(), C, eps, l);
+    row_math::dropout_row(out.data() + r * C, C, p, 9, 3 + rows[r] * C, l);
+  });
+  EXPECT_EQ(sum, sum_ref);
+  EXPECT_TRUE(all_close("out", out.data(), out_ref.data(), out.size(), 1e-5, 1e-5));
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i] == 0.0f, out_ref[i] == 0.0f) << i;
+}
+
+// The residual block's backward: dx accumulated into, the gradient through the dropout, and the
+// parameter gradients by columns.
+TEST_P(RowMath, LayerNormDropoutBackwardEqualsCpu) {
+  const int64_t N = 9, C = 100;
+  const float p = 0.1f, eps = 1e-12f;
+  const std::vector<int32_t> rows = {2, 0, 1, 8, 3, 4, 11, 5, 6};
+  const auto x = random_vector(N * C, 1, 3.0f), g = random_vector(C, 2), b = random_vector(C, 3),
+             dy = random_vector(N * C, 4), dx0 = random_vector(N * C, 5);
+  std::vector<float> out(N * C), mean(N), rstd(N);
+  layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), g.data(), b.data(), N, C, eps);
+  std::vector<float> dx_ref = dx0, dd_ref(N * C), dg_ref(C, 0.5f), db_ref(C, -0.5f);
+  layernorm_dropout_backward(dx_ref.data(), dd_ref.data(), dg_ref.data(), db_ref.data(), dy.data(),
+                             x.data(), g.data(), mean.data(), rstd.data(), N, C, true, p, 4, 17,
+                             rows.data());
+  std::vector<float> dx = dx0, dd(N * C), dg(C, 0.5f), db(C, -0.5f);
+  for_rows(GetParam(), N, [&](int64_t r, const auto& l) {
+    row_math::layernorm_backward(dx.data() + r * C, dd.data() + r * C, dy.data() + r * C,
+                                 x.data() + r * C, g.data(), mean[r], rstd[r], C, true, p, 4,
+                                 17 + rows[r] * C, l);
+  });
+  for (int64_t c = 0; c < C; ++c)
+    row_math::layernorm_param_grads(dg.data(), db.data(), dy.data(), x.data(), mean.data(),
+                                    rstd.data(), 0, N, C, c);
+  EXPECT_TRUE(all_close("dx", dx.data(), dx_ref.data(), dx.size(), 1e-5, 1e-5));
+  EXPECT_TRUE(all_close("ddropped", dd.data(), dd_ref.data(), dd.size(), 1e-5, 1e-5));
+  for (size_t i = 0; i < dd.size(); ++i) ASSERT_EQ(dd[i] == 0.0f, dd_ref[i] == 0.0f) << i;
+  EXPECT_TRUE(all_close("dgamma", dg.data(), dg_ref.data(), C, 1e-5, 1e-5));
+  EXPECT_TRUE(all_close("dbeta", db.data(), db_ref.data(), C, 1e-5, 1e-5));
+}
+
+// Attention as the GPU runs it: the four products as strided batched GEMMs over the heads
+// (gemm_reference here), the mask + softmax + dropout and its backward by rows. Against the
+// CPU's reference loops with a padded sequence and dropout, with a dropout row length larger
+// than T (an unpadded run inside a batch padded to 48).
+TEST_P(RowMath, AttentionEqualsCpu) {
+  AttentionShape s{2, 37, 64, 4};
+  s.dropout_T = 48;
+  const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C;
+  const float p = 0.1f, scale = 1.0f / std::sqrt(static_cast<float>(HD));
+  const uint64_t key = 5, offset = 11;
+  const auto qkv = random_vector(B * T * C3, 72), dctx = random_vector(B * T * C, 73);
+  std::vector<int32_t> mask(B * T, 1);
+  for (int64_t t = 30; t < T; ++t) mask[T + t] = 0;
+  std::vector<float> ctx_ref(B * T * C), probs_ref(B * NH * T * T), dqkv_ref(qkv.size());
+  attention_forward_reference(ctx_ref.data(), probs_ref.data(), qkv.data(), mask.data(), s, p, key,
+                              offset);
+  attention_backward_reference(dqkv_ref.data(), dctx.data(), qkv.data(), probs_ref.data(), s, p,
+                               key, offset);
+
+  std::vector<float> probs(B * NH * T * T), dropped(probs.size()), ctx(B * T * C),
+      dqkv(qkv.size(), 0.0f), dd(T * T);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < NH; ++h) {
+      const int64_t bh = b * NH + h;
+      const float* q = qkv.data() + b * T * C3 + h * HD;
+      const float *k = q + C, *v = q + 2 * C;
+      float* pr = probs.data() + bh * T * T;
+      float* dr = dropped.data() + bh * T * T;
+      // scores = scale * Q K^T (into probs: the row pass works in place)
+      gemm_reference(false, true, T, T, HD, q, C3, k, C3, pr, T, nullptr, false);
+      for (int64_t i = 0; i < T * T; ++i) pr[i] *= scale;
+      for_rows(GetParam(), T, [&](int64_t i, const auto& l) {
+        row_math::attention_softmax(pr + i * T, dr + i * T, pr + i * T, mask.data() + b * T, T, p,
+                                    key, offset + s.dropout_row(bh, i), l);
+      });
+      gemm_reference(false, false, T, HD, T, dr, T, v, C3, ctx.data() + b * T * C + h * HD, C,
+                     nullptr, false);
+      // dV = dropped^T dctx; dd = dctx V^T; ds by rows; dQ = scale ds K; dK = scale ds^T Q
+      const float* dc = dctx.data() + b * T * C + h * HD;
+      float* dq = dqkv.data() + b * T * C3 + h * HD;
+      gemm_reference(true, false, T, HD, T, dr, T, dc, C, dq + 2 * C, C3, nullptr, false);
+      gemm_reference(false, true, T, T, HD, dc, C, v, C3, dd.data(), T, nullptr, false);
+      for_rows(GetParam(), T, [&](int64_t i, const auto& l) {
+        row_math::attention_softmax_backward(dd.data() + i * T, dd.data() + i * T, pr + i * T, T, p,
+                                             key, offset + s.dropout_row(bh, i), l);
+      });
+      for (int64_t i = 0; i < T * T; ++i) dd[i] *= scale;
+      gemm_reference(false, false, T, HD, T, dd.data(), T, k, C3, dq, C3, nullptr, false);
+      gemm_reference(true, false, T, HD, T, dd.data(), T, q, C3, dq + C, C3, nullptr, false);
+    }
+  EXPECT_TRUE(all_close("probs", probs.data(), probs_ref.data(), probs.size(), 2e-5, 1e-7));
+  EXPECT_TRUE(all_close("ctx", ctx.data(), ctx_ref.data(), ctx.size(), 2e-5, 1e-6));
+  EXPECT_TRUE(all_close("dqkv", dqkv.data(), dqkv_ref.data(), dqkv.size(), 2e-5, 1e-6));
+}
+
+// Cross-entropy with its gradient in place of the logits, weights (one 0), and ties for the
+// maximum in different lanes' columns: the first maximum decides the hit, as on the CPU.
+TEST_P(RowMath, CrossEntropyEqualsCpu) {
+  const int64_t N = 6, V = 1000;
+  auto logits = random_vector(N * V, 1, 3.0f);
+  const std::vector<int32_t> targets = {5, 999, 0, 77, 64, 3};
+  const std::vector<float> weights = {1.0f, 0.5f, 0.0f, 2.0f, 1.0f, 1.0f};
+  logits[3 * V + 77] = logits[3 * V + 640] = 50.0f;  // tie; the target is the first
+  logits[4 * V + 33] = logits[4 * V + 64] = 50.0f;   // tie; the target is the second
+  logits[5 * V + 3] = 50.0f;
+  std::vector<float> d_ref(N * V), loss_ref(N);
+  std::vector<int32_t> hit_ref(N);
+  const double total_ref =
+      cross_entropy_forward_backward(d_ref.data(), loss_ref.data(), hit_ref.data(), logits.data(),
+                                     targets.data(), weights.data(), N, V, 0.25f);
+  std::vector<float> d = logits, loss(N);  // the gradient overwrites the logits
+  std::vector<int32_t> hit(N);
+  for_rows(GetParam(), N, [&](int64_t r, const auto& l) {
+    const auto row = row_math::cross_entropy(d.data() + r * V, d.data() + r * V, targets[r],
+                                             weights[r], V, 0.25f, l);
+    if (l.lane == 0) {
+      loss[r] = row.loss;
+      hit[r] = row.hit;
+    }
+  });
+  double total = 0;
+  for (int64_t r = 0; r < N; ++r) total += weights[r] * loss[r];
+  EXPECT_EQ(hit, hit_ref);
+  EXPECT_EQ(hit, (std::vector<int32_t>{0, 0, 0, 1, 0, 1}));
+  EXPECT_TRUE(all_close("loss", loss.data(), loss_ref.data(), N, 1e-5, 1e-6));
+  EXPECT_NEAR(total, total_ref, 1e-5 * std::fabs(total_ref));
+  EXPECT_TRUE(all_close("dlogits", d.data(), d_ref.data(), d.size(), 1e-5, 1e-5));
+}
+
+}  // namespace
+}  // namespace bertrain::kernels
