@@ -166,17 +166,28 @@ BT_HOST_DEVICE void attention_softmax(float* probs, float* dropped, const float*
 // Its backward for one row: dd the gradient of the dropped probabilities (dctx . V^T), probs as
 // forward kept them; ds = probs * (dp - sum_j probs_j dp_j) with dp = dropout(dd) (ds may alias
 // dd). The 1/sqrt(head size) is the products' scale.
-template <class Lanes>
-BT_HOST_DEVICE void attention_softmax_backward(float* ds, const float* dd, const float* probs,
+// A kept probability: fp32, or bf16 bits widened.
+struct Bf16Bits {
+  uint16_t bits;
+};
+BT_HOST_DEVICE inline float widen(float x) {
+  return x;
+}
+BT_HOST_DEVICE inline float widen(Bf16Bits x) {
+  return bf16_to_f32(x.bits);
+}
+
+template <class Lanes, class P = float>
+BT_HOST_DEVICE void attention_softmax_backward(float* ds, const float* dd, const P* probs,
                                                int64_t T, float p, uint64_t key, uint64_t index0,
                                                const Lanes& l) {
   const float ks = keep_scale_of(p);
   float dot = 0.0f;
   for (int64_t j = l.lane; j < T; j += l.count)
-    dot += probs[j] * dropout(dd[j], p, ks, key, index0 + j);
+    dot += widen(probs[j]) * dropout(dd[j], p, ks, key, index0 + j);
   dot = l.sum(dot);
   for (int64_t j = l.lane; j < T; j += l.count)
-    ds[j] = probs[j] * (dropout(dd[j], p, ks, key, index0 + j) - dot);
+    ds[j] = widen(probs[j]) * (dropout(dd[j], p, ks, key, index0 + j) - dot);
 }
 
 // Softmax cross-entropy of one row of V logits with its gradient (kernels/cpu/cross_entropy.h):
@@ -211,6 +222,36 @@ BT_HOST_DEVICE CrossEntropyRow cross_entropy(float* d, const float* x, int32_t t
       d[v] = expf(x[v] - row_max) * inv * g - (v == target ? g : 0.0f);
   }
   return {loss, arg == target};
+}
+
+// -- activations (BERT's GELU in its erf form, the tanh form of "gelu_new", ReLU) --
+
+BT_HOST_DEVICE inline float activation(Activation a, float x) {
+  switch (a) {
+    case Activation::GeluErf:
+      return 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f));
+    case Activation::GeluTanh:
+      return 0.5f * x * (1.0f + tanhf(0.79788456080286535588f * (x + 0.044715f * x * x * x)));
+    default:
+      return x > 0.0f ? x : 0.0f;
+  }
+}
+
+// dout * act'(x).
+BT_HOST_DEVICE inline float activation_grad(Activation a, float x, float dout) {
+  switch (a) {
+    case Activation::GeluErf:
+      return dout * (0.5f * (1.0f + erff(x * 0.70710678118654752440f)) +
+                     x * (0.39894228040143267794f * expf(-0.5f * x * x)));
+    case Activation::GeluTanh: {
+      const float k = 0.79788456080286535588f;
+      const float t = tanhf(k * (x + 0.044715f * x * x * x));
+      const float du = k * (1.0f + 3.0f * 0.044715f * x * x);
+      return dout * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du);
+    }
+    default:
+      return x > 0.0f ? dout : 0.0f;
+  }
 }
 
 // -- optimizer elements (torch.optim.AdamW; LAMB as apex FusedLAMB: kernels/types.h). The CPU's

@@ -222,10 +222,12 @@ TEST(Cuda, CrossEntropyMatchesCpu) {
   const double total = kernels::cross_entropy_forward_backward(
       d.data(), loss.data(), hit.data(), logits.data(), targets.data(), weights.data(), N, V, 0.5f);
   auto x_d = to_device(logits), t_d = to_device_as(targets), w_d = to_device(weights);
-  cuda::DeviceBuffer sums(2 * N * 4);
+  cuda::DeviceBuffer loss_d(N * 4), hit_d(N * 4);
   const auto got =
-      cuda::cross_entropy(x_d.f32(), sums.f32(), x_d.f32(), static_cast<const int32_t*>(t_d.data()),
-                          w_d.f32(), N, V, 0.5f);
+      cuda::cross_entropy(x_d.f32(), loss_d.f32(), static_cast<int32_t*>(hit_d.data()), x_d.f32(),
+                          static_cast<const int32_t*>(t_d.data()), w_d.f32(), N, V, 0.5f);
+  EXPECT_EQ(to_host_as<int32_t>(hit_d, N), hit);
+  EXPECT_TRUE(all_close("losses", to_host(loss_d, N).data(), loss.data(), N, 1e-5, 1e-6));
   double hits = 0;
   for (int64_t i = 0; i < N; ++i) hits += weights[i] * hit[i];
   // fp32 row sums of 30522 exponentials against the CPU's double: rtol 1e-5.

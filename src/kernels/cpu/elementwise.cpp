@@ -10,6 +10,7 @@
 #include "core/parallel.h"
 #include "core/simd_avx2.h"
 #include "core/simd_avx512.h"
+#include "kernels/row_math.h"
 
 namespace bertrain::kernels {
 namespace {
@@ -116,43 +117,13 @@ BT_AVX2 void dropout_rows(isa::Avx2, float* dx, const float* dy, int64_t b, int6
 namespace {
 constexpr int64_t kBlock = 4096;  // elements per stack block in the 16-bit activation passes
 
-// One thread's share (no OpenMP), the portable formulas.
+// One thread's share (no OpenMP), the portable formulas (kernels/row_math.h: the GPU's too).
 void activation_forward_serial(Activation a, float* out, const float* inp, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = inp[i];
-    switch (a) {
-      case Activation::GeluErf:
-        out[i] = 0.5f * x * (1.0f + std::erf(x * kInvSqrt2));
-        break;
-      case Activation::GeluTanh:
-        out[i] = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)));
-        break;
-      case Activation::Relu:
-        out[i] = x > 0.0f ? x : 0.0f;
-        break;
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = row_math::activation(a, inp[i]);
 }
 void activation_backward_serial(Activation a, float* dinp, const float* inp, const float* dout,
                                 int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = inp[i];
-    switch (a) {
-      case Activation::GeluErf:
-        dinp[i] = dout[i] * (0.5f * (1.0f + std::erf(x * kInvSqrt2)) +
-                             x * (kInvSqrt2Pi * std::exp(-0.5f * x * x)));
-        break;
-      case Activation::GeluTanh: {
-        const float t = std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x));
-        const float du = kSqrt2OverPi * (1.0f + 3.0f * 0.044715f * x * x);
-        dinp[i] = dout[i] * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du);
-        break;
-      }
-      case Activation::Relu:
-        dinp[i] = x > 0.0f ? dout[i] : 0.0f;
-        break;
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) dinp[i] = row_math::activation_grad(a, inp[i], dout[i]);
 }
 // GELU's portable bodies: activation_*_serial's formulas (the vector bodies are above).
 void gelu_forward(isa::Portable, float* out, const float* inp, int64_t b, int64_t e) {

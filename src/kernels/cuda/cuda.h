@@ -16,6 +16,9 @@
 
 namespace bertrain::cuda {
 
+// The CUDA backend (kernels/backend.h), for models whose memory is on the device.
+const kernels::Backend& cuda_backend();
+
 // Number of usable CUDA devices (0 when no driver or no GPU: callers skip, never crash).
 int device_count();
 
@@ -27,6 +30,7 @@ class DeviceBuffer {
   DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
   float* f32() const { return static_cast<float*>(ptr_); }
   void* data() const { return ptr_; }
   size_t bytes() const { return bytes_; }
@@ -54,6 +58,14 @@ void linear_forward(Operands o, float* out, const void* in, const void* w, const
 void linear_backward(Operands o, float* dinp, float* dw, float* db, const void* dout,
                      const float* dout_f32, const void* in, const void* w, int64_t M, int64_t N,
                      int64_t K, bool accumulate_dinp, void* stream = nullptr);
+
+// batch row-major products C_i = alpha op(A_i) op(B_i) + beta C_i, matrix i at A + i*sa,
+// B + i*sb, C + i*sc (elements), as kernels::gemm_batched on the CPU (cuBLAS strided batched:
+// attention's products over the heads of a sequence, read straight out of the QKV rows).
+void gemm_batched(Operands o, int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N,
+                  int64_t K, float alpha, const void* A, int64_t lda, int64_t sa, const void* B,
+                  int64_t ldb, int64_t sb, float beta, float* C, int64_t ldc, int64_t sc,
+                  void* stream = nullptr);
 
 // 16-bit copies (round to nearest even, as core/dtype.h): raw bf16 / fp16 bits.
 void round_to_bf16(uint16_t* dst, const float* src, int64_t n, void* stream = nullptr);
@@ -105,11 +117,17 @@ void attention_softmax_backward(float* ds, const float* dd, const float* probs,
                                 void* stream = nullptr);
 
 // Softmax cross-entropy of N rows of V logits with its gradient (dlogits may be null or alias
-// logits; weights may be null); row_sums: device scratch of 2 N floats. Returns the weighted
-// loss and hit sums (synchronises the stream).
-kernels::CrossEntropySums cross_entropy(float* dlogits, float* row_sums, const float* logits,
-                                        const int32_t* targets, const float* weights, int64_t N,
-                                        int64_t V, float dscale, void* stream = nullptr);
+// logits; weights may be null); losses and correct (optional) receive each row's loss and hit.
+// Returns the weighted loss and hit sums (synchronises the stream).
+kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
+                                        const float* logits, const int32_t* targets,
+                                        const float* weights, int64_t N, int64_t V, float dscale,
+                                        void* stream = nullptr);
+
+// Device memory of the calling host thread's own, for kernels that need more than their
+// operands (slot: which buffer; it grows to `bytes` and stays): valid until the next call with
+// that slot and a larger size.
+void* own_scratch(int slot, size_t bytes);
 
 // The optimizer over one tensor (kernels/cpu/optimizer.h); the sums come back to the host
 // (synchronising the stream).

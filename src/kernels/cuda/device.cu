@@ -20,6 +20,17 @@ DeviceBuffer::~DeviceBuffer() {
   if (ptr_) cudaFree(ptr_);
 }
 
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
 void DeviceBuffer::upload(const void* host, size_t bytes) {
   BT_CHECK(bytes <= bytes_, "upload of ", bytes, " bytes into a buffer of ", bytes_);
   BT_CUDA_CHECK(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
@@ -28,6 +39,17 @@ void DeviceBuffer::upload(const void* host, size_t bytes) {
 void DeviceBuffer::download(void* host, size_t bytes) const {
   BT_CHECK(bytes <= bytes_, "download of ", bytes, " bytes from a buffer of ", bytes_);
   BT_CUDA_CHECK(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost));
+}
+
+void* own_scratch(int slot, size_t bytes) {
+  thread_local DeviceBuffer buffers[kScratchSlots];
+  BT_CHECK(slot >= 0 && slot < kScratchSlots, "own_scratch: no slot ", slot);
+  DeviceBuffer& b = buffers[slot];
+  if (b.bytes() < bytes) {
+    b = DeviceBuffer();  // cudaFree waits for the kernels still using it
+    b = DeviceBuffer(bytes);
+  }
+  return b.data();
 }
 
 void synchronize() {

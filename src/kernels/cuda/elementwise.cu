@@ -1,11 +1,13 @@
-// Activations and dropout on the GPU. Dropout uses the same counter-based hash as the CPU
-// (core/rng.h), so a mask is identical on either backend for the same (key, index).
+// Activations (the CPU's portable formulas: kernels/row_math.h), dropout and 16-bit rounding on
+// the GPU. Dropout uses the same counter-based hash as the CPU (core/rng.h), so a mask is
+// identical on either backend for the same (key, index).
 #include <cuda_fp16.h>
 
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
+#include "kernels/row_math.h"
 
 namespace bertrain::cuda {
 
@@ -13,37 +15,16 @@ namespace {
 
 constexpr unsigned kThreads = 256;
 
-__global__ void activation_forward_kernel(int a, float* out, const float* inp, int64_t n) {
+__global__ void activation_forward_kernel(kernels::Activation a, float* out, const float* inp,
+                                          int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const float x = inp[i];
-  if (a == 0)
-    out[i] = 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f));
-  else if (a == 1)
-    out[i] = 0.5f * x * (1.0f + tanhf(0.79788456080286535588f * (x + 0.044715f * x * x * x)));
-  else
-    out[i] = x > 0.0f ? x : 0.0f;
+  if (i < n) out[i] = kernels::row_math::activation(a, inp[i]);
 }
 
-__global__ void activation_backward_kernel(int a, float* dinp, const float* inp, const float* dout,
-                                           int64_t n) {
+__global__ void activation_backward_kernel(kernels::Activation a, float* dinp, const float* inp,
+                                           const float* dout, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const float x = inp[i];
-  float d;
-  if (a == 0) {
-    const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752440f));
-    const float pdf = 0.39894228040143267794f * expf(-0.5f * x * x);
-    d = cdf + x * pdf;
-  } else if (a == 1) {
-    const float u = 0.79788456080286535588f * (x + 0.044715f * x * x * x);
-    const float t = tanhf(u);
-    const float du = 0.79788456080286535588f * (1.0f + 3.0f * 0.044715f * x * x);
-    d = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
-  } else {
-    d = x > 0.0f ? 1.0f : 0.0f;
-  }
-  dinp[i] = dout[i] * d;
+  if (i < n) dinp[i] = kernels::row_math::activation_grad(a, inp[i], dout[i]);
 }
 
 __global__ void round_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
@@ -68,8 +49,8 @@ __global__ void dropout_kernel(float* x, int64_t n, float p, float scale, uint64
 void activation_forward(kernels::Activation a, float* out, const float* inp, int64_t n,
                         void* stream) {
   if (n == 0) return;
-  activation_forward_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(
-      static_cast<int>(a), out, inp, n);
+  activation_forward_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(a, out,
+                                                                                         inp, n);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -77,7 +58,7 @@ void activation_backward(kernels::Activation a, float* dinp, const float* inp, c
                          int64_t n, void* stream) {
   if (n == 0) return;
   activation_backward_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(
-      static_cast<int>(a), dinp, inp, dout, n);
+      a, dinp, inp, dout, n);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -5,7 +5,7 @@
 // (per host thread) and reused, as the oneDNN primitives are on the CPU. fp32 runs in plain fp32
 // (no TF32), so it agrees with the CPU to fp32 rounding.
 #include <cublasLt.h>
-#include <cublas_api.h>
+#include <cublas_v2.h>
 
 #include <map>
 #include <tuple>
@@ -141,7 +141,32 @@ __global__ void column_sums_kernel(float* db, const float* dout, int64_t M, int6
   db[c] += s;
 }
 
+cublasHandle_t blas_handle() {
+  thread_local struct Handle {
+    cublasHandle_t h = nullptr;
+    Handle() { BT_CUBLAS_CHECK(cublasCreate(&h)); }
+    ~Handle() { cublasDestroy(h); }
+  } handle;
+  return handle.h;
+}
+
 }  // namespace
+
+void gemm_batched(Operands o, int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N,
+                  int64_t K, float alpha, const void* A, int64_t lda, int64_t sa, const void* B,
+                  int64_t ldb, int64_t sb, float beta, float* C, int64_t ldc, int64_t sc,
+                  void* stream) {
+  if (batch == 0 || M == 0 || N == 0) return;
+  cublasHandle_t h = blas_handle();
+  BT_CUBLAS_CHECK(cublasSetStream(h, as_stream(stream)));
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B first, the flags kept.
+  const cudaDataType_t t = operand_type(o);
+  BT_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+      static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, B, t,
+      static_cast<int>(ldb), sb, A, t, static_cast<int>(lda), sa, &beta, C, CUDA_R_32F,
+      static_cast<int>(ldc), sc, static_cast<int>(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
 
 void linear_forward(Operands o, float* out, const void* in, const void* w, const float* bias,
                     int64_t M, int64_t N, int64_t K, void* stream) {

@@ -36,10 +36,10 @@ __global__ void attention_softmax_backward_kernel(float* ds, const float* dd, co
                                  offset + s.dropout_row(bh, i), warp_lanes());
 }
 
-// row_sums[2i] = weight * loss, row_sums[2i + 1] = weight * hit.
-__global__ void cross_entropy_kernel(float* dlogits, float* row_sums, const float* logits,
-                                     const int32_t* targets, const float* weights, int64_t N,
-                                     int64_t V, float dscale) {
+// row_sums[2i] = weight * loss, row_sums[2i + 1] = weight * hit; losses, correct optional.
+__global__ void cross_entropy_kernel(float* dlogits, float* row_sums, float* losses,
+                                     int32_t* correct, const float* logits, const int32_t* targets,
+                                     const float* weights, int64_t N, int64_t V, float dscale) {
   const int64_t i = warp_row();
   if (i >= N) return;
   const WarpLanes l = warp_lanes();
@@ -49,6 +49,8 @@ __global__ void cross_entropy_kernel(float* dlogits, float* row_sums, const floa
   if (l.lane == 0) {
     row_sums[2 * i] = w * row.loss;
     row_sums[2 * i + 1] = row.hit ? w : 0.0f;
+    if (losses) losses[i] = row.loss;
+    if (correct) correct[i] = row.hit;
   }
 }
 
@@ -109,18 +111,17 @@ unsigned reduce_blocks(int64_t n) {
 }
 
 // The per-block partial sums of one reduction, added on the host in block order.
-std::vector<double> download_partials(const DeviceBuffer& partial, size_t count, cudaStream_t s) {
+std::vector<double> download_partials(const double* partial, size_t count, cudaStream_t s) {
   std::vector<double> h(count);
   BT_CUDA_CHECK(
-      cudaMemcpyAsync(h.data(), partial.data(), count * sizeof(double), cudaMemcpyDeviceToHost, s));
+      cudaMemcpyAsync(h.data(), partial, count * sizeof(double), cudaMemcpyDeviceToHost, s));
   BT_CUDA_CHECK(cudaStreamSynchronize(s));
   return h;
 }
 
-// The reductions' partial sums: one buffer per host thread, made on first use.
-DeviceBuffer& partials() {
-  thread_local DeviceBuffer b(2 * kReduceBlocks * sizeof(double));
-  return b;
+// The reductions' partial sums.
+double* partials() {
+  return static_cast<double*>(own_scratch(kReductionSlot, 2 * kReduceBlocks * sizeof(double)));
 }
 
 }  // namespace
@@ -145,14 +146,16 @@ void attention_softmax_backward(float* ds, const float* dd, const float* probs,
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
-kernels::CrossEntropySums cross_entropy(float* dlogits, float* row_sums, const float* logits,
-                                        const int32_t* targets, const float* weights, int64_t N,
-                                        int64_t V, float dscale, void* stream) {
+kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
+                                        const float* logits, const int32_t* targets,
+                                        const float* weights, int64_t N, int64_t V, float dscale,
+                                        void* stream) {
   kernels::CrossEntropySums sums;
   if (N == 0) return sums;
   const cudaStream_t s = as_stream(stream);
-  cross_entropy_kernel<<<row_blocks(N), kRowThreads, 0, s>>>(dlogits, row_sums, logits, targets,
-                                                             weights, N, V, dscale);
+  auto* row_sums = static_cast<float*>(own_scratch(kCrossEntropySlot, 2 * N * sizeof(float)));
+  cross_entropy_kernel<<<row_blocks(N), kRowThreads, 0, s>>>(
+      dlogits, row_sums, losses, correct, logits, targets, weights, N, V, dscale);
   BT_CUDA_CHECK(cudaGetLastError());
   std::vector<float> h(2 * N);
   BT_CUDA_CHECK(
@@ -169,8 +172,8 @@ void add_sum_squares(double& sum, const float* g, int64_t n, double scale, void*
   if (n == 0) return;
   const cudaStream_t s = as_stream(stream);
   const unsigned blocks = reduce_blocks(n);
-  DeviceBuffer& part = partials();
-  sum_squares_kernel<<<blocks, kThreads, 0, s>>>(static_cast<double*>(part.data()), g, n, scale);
+  double* part = partials();
+  sum_squares_kernel<<<blocks, kThreads, 0, s>>>(part, g, n, scale);
   BT_CUDA_CHECK(cudaGetLastError());
   for (double x : download_partials(part, blocks, s)) sum += x;
 }
@@ -187,9 +190,8 @@ void lamb_moments(const kernels::LambStep& a, const float* p, const float* g, fl
   if (n == 0) return;
   const cudaStream_t s = as_stream(stream);
   const unsigned blocks = reduce_blocks(n);
-  DeviceBuffer& part = partials();
-  lamb_moments_kernel<<<blocks, kThreads, 0, s>>>(static_cast<double*>(part.data()), a, p, g, m, v,
-                                                  n);
+  double* part = partials();
+  lamb_moments_kernel<<<blocks, kThreads, 0, s>>>(part, a, p, g, m, v, n);
   BT_CUDA_CHECK(cudaGetLastError());
   const std::vector<double> h = download_partials(part, 2 * blocks, s);
   for (unsigned b = 0; b < blocks; ++b) {

@@ -1,0 +1,543 @@
+// The CUDA backend: kernels/backend.h's table filled with this directory's kernels and cuBLAS /
+// cuBLASLt products, the precision branches as the CPU backend has them (kernels/cpu/backend.cpp)
+// so that a model computes the same thing on either. Pointers are device memory; kernels run on
+// the default stream, in order. What this first port does not have yet fails with a message
+// that says so: the blocked (flash-style) attention kernel (full attention runs at every length).
+#include <cuda_fp16.h>
+
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda.h"
+#include "kernels/cuda/lanes.cuh"
+
+namespace bertrain::cuda {
+
+namespace rm = kernels::row_math;
+using kernels::Activation;
+using kernels::AttentionShape;
+using kernels::Dropout;
+using kernels::Kept;
+using kernels::Precision;
+
+namespace {
+
+constexpr unsigned kThreads = 256;
+
+#define BT_FOR_EACH(n)                                                           \
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; \
+  if (i >= (n)) return
+
+__device__ inline float widen_f16(uint16_t b) {
+  return __half2float(__ushort_as_half(b));
+}
+__device__ inline uint16_t to_f16(float x) {
+  return __half_as_ushort(__float2half_rn(x));
+}
+
+// FP16 storage: x rounded to fp16 in place, its bits kept.
+__global__ void keep_f16_kernel(float* x, uint16_t* bits, int64_t n) {
+  BT_FOR_EACH(n);
+  const uint16_t b = to_f16(x[i]);
+  if (bits) bits[i] = b;
+  x[i] = widen_f16(b);
+}
+
+__global__ void widen_f16_kernel(float* out, const uint16_t* bits, int64_t n) {
+  BT_FOR_EACH(n);
+  out[i] = widen_f16(bits[i]);
+}
+
+// The activation in the kept precision (kernels/backend.h): BF16 writes out16 = bf16(act(x))
+// and in16 = bf16(x); FP16 rounds the input first, then the output (bits and value).
+__global__ void activation_forward_16_kernel(Precision p, Activation a, float* out, uint16_t* out16,
+                                             const float* in, uint16_t* in16, int64_t n) {
+  BT_FOR_EACH(n);
+  if (p == Precision::BF16) {
+    out16[i] = f32_to_bf16(rm::activation(a, in[i]));
+    if (in16) in16[i] = f32_to_bf16(in[i]);
+    return;
+  }
+  const uint16_t xb = to_f16(in[i]);
+  if (in16) in16[i] = xb;
+  const uint16_t yb = to_f16(rm::activation(a, widen_f16(xb)));
+  if (out16) out16[i] = yb;
+  if (out) out[i] = widen_f16(yb);
+}
+
+// dinp = dout * act'(x) at the kept 16-bit input.
+__global__ void activation_backward_16_kernel(Precision p, Activation a, float* dinp,
+                                              const uint16_t* in16, const float* dout, int64_t n) {
+  BT_FOR_EACH(n);
+  const float x = p == Precision::BF16 ? bf16_to_f32(in16[i]) : widen_f16(in16[i]);
+  dinp[i] = rm::activation_grad(a, x, dout[i]);
+}
+
+__global__ void tanh_forward_kernel(float* out, const float* in, int64_t n) {
+  BT_FOR_EACH(n);
+  out[i] = tanhf(in[i]);
+}
+
+__global__ void tanh_backward_kernel(float* dinp, const float* out, const float* dout, int64_t n) {
+  BT_FOR_EACH(n);
+  dinp[i] = dout[i] * (1.0f - out[i] * out[i]);
+}
+
+__global__ void dropout_backward_kernel(float* dx, const float* dy, int64_t n, float p,
+                                        uint64_t key, uint64_t offset) {
+  BT_FOR_EACH(n);
+  dx[i] = rm::dropout(dy[i], p, rm::keep_scale_of(p), key, offset + i);
+}
+
+__global__ void add_inplace_kernel(float* out, const float* a, int64_t n) {
+  BT_FOR_EACH(n);
+  out[i] += a[i];
+}
+
+__global__ void scale_kernel(float* x, int64_t n, float s) {
+  BT_FOR_EACH(n);
+  x[i] *= s;
+}
+
+// Embedding backward, deterministic: a thread per channel walks the tokens in order (the CPU
+// kernel's split: channels over threads, no atomics).
+__global__ void embedding_backward_kernel(float* dword, float* dposition, float* dtoken_type,
+                                          const float* dout, const int32_t* ids,
+                                          const int32_t* segment, const int32_t* positions,
+                                          int64_t N, int64_t T, int64_t C) {
+  BT_FOR_EACH(C);
+  for (int64_t t = 0; t < N; ++t) {
+    const float g = dout[t * C + i];
+    dword[static_cast<int64_t>(ids[t]) * C + i] += g;
+    dposition[(positions ? positions[t] : t % T) * C + i] += g;
+    dtoken_type[static_cast<int64_t>(segment[t]) * C + i] += g;
+  }
+}
+
+__device__ inline int64_t seq_row(int64_t r, const int32_t* positions, int64_t P, int64_t T) {
+  return (r / P) * T + (positions ? positions[r] : 0);
+}
+
+__global__ void gather_rows_kernel(float* out, const float* seq, const int32_t* positions,
+                                   int64_t B, int64_t P, int64_t T, int64_t C) {
+  BT_FOR_EACH(B * P * C);
+  const int64_t r = i / C, c = i % C;
+  out[i] = seq[seq_row(r, positions, P, T) * C + c];
+}
+
+// A thread per (sequence, channel): repeated positions of a sequence add in order.
+__global__ void scatter_add_rows_kernel(float* dseq, const float* d, const int32_t* positions,
+                                        int64_t B, int64_t P, int64_t T, int64_t C) {
+  BT_FOR_EACH(B * C);
+  const int64_t b = i / C, c = i % C;
+  for (int64_t j = 0; j < P; ++j) {
+    const int64_t r = b * P + j;
+    dseq[seq_row(r, positions, P, T) * C + c] += d[r * C + c];
+  }
+}
+
+__global__ void squared_error_kernel(float* dpred, float* sq, const float* pred,
+                                     const float* target, int64_t n, float dscale) {
+  BT_FOR_EACH(n);
+  const float d = pred[i] - target[i];
+  sq[i] = d * d;
+  if (dpred) dpred[i] = dscale * 2.0f * d;
+}
+
+// Attention's saved probabilities in 16 bits and the dropped ones made from the rounded values
+// (kernels/cpu/attention.h), element e of [B, NH, T, T] keyed as its row: BF16 writes probs16
+// and dropped16; FP16 writes probs16, the rounded value back into probs (fp32) and dropped (fp32).
+__global__ void attention_keep_kernel(Precision p, float* probs, uint16_t* probs16,
+                                      uint16_t* dropped16, float* dropped, AttentionShape s,
+                                      float dp, uint64_t key, uint64_t offset) {
+  BT_FOR_EACH(s.B * s.NH * s.T * s.T);
+  const int64_t r = i / s.T, j = i % s.T;
+  const uint64_t idx = offset + s.dropout_row(r / s.T, r % s.T) + j;
+  const float ks = rm::keep_scale_of(dp);
+  if (p == Precision::BF16) {
+    const uint16_t b = f32_to_bf16(probs[i]);
+    probs16[i] = b;
+    dropped16[i] = f32_to_bf16(rm::dropout(bf16_to_f32(b), dp, ks, key, idx));
+    return;
+  }
+  const uint16_t h = to_f16(probs[i]);
+  const float w = widen_f16(h);
+  if (probs16) probs16[i] = h;
+  probs[i] = w;
+  if (dropped) dropped[i] = rm::dropout(w, dp, ks, key, idx);
+}
+
+// Backward's dropped probabilities from the kept ones (fp32, or bf16 into bf16).
+__global__ void attention_dropped_kernel(float* dropped, uint16_t* dropped16, const float* probs,
+                                         const uint16_t* probs16, AttentionShape s, float dp,
+                                         uint64_t key, uint64_t offset) {
+  BT_FOR_EACH(s.B * s.NH * s.T * s.T);
+  const int64_t r = i / s.T, j = i % s.T;
+  const uint64_t idx = offset + s.dropout_row(r / s.T, r % s.T) + j;
+  const float ks = rm::keep_scale_of(dp);
+  if (probs16)
+    dropped16[i] = f32_to_bf16(rm::dropout(bf16_to_f32(probs16[i]), dp, ks, key, idx));
+  else
+    dropped[i] = rm::dropout(probs[i], dp, ks, key, idx);
+}
+
+// Rows [first, first + rows) of the softmax backward (one sequence's heads).
+template <class P>
+__global__ void softmax_backward_rows_kernel(float* ds, const float* dd, const P* probs,
+                                             AttentionShape s, int64_t first, int64_t rows,
+                                             float dp, uint64_t key, uint64_t offset) {
+  const int64_t w = warp_row();
+  if (w >= rows) return;
+  const int64_t r = first + w, T = s.T;
+  rm::attention_softmax_backward(ds + w * T, dd + w * T, probs + r * T, T, dp, key,
+                                 offset + s.dropout_row(r / T, r % T), warp_lanes());
+}
+
+void check_launch() {
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+template <class K, class... A>
+void launch(K kernel, int64_t n, A... args) {
+  if (n == 0) return;
+  kernel<<<blocks_for(n, kThreads), kThreads>>>(args...);
+  check_launch();
+}
+
+Operands operands_of(Precision p) {
+  return p == Precision::BF16 ? Operands::BF16 : Operands::FP32;
+}
+
+class CudaBackend final : public kernels::Backend {
+ public:
+  const char* name() const override { return "cuda"; }
+
+  // The kernels keep their scratch themselves (cuBLASLt's workspace, the reductions' partial
+  // sums, attention's per-sequence buffers: own_scratch), so the model plans none here.
+  kernels::ScratchLayout scratch_layout(const kernels::KernelShapes&) const override { return {}; }
+  void bind_scratch(void*, const kernels::ScratchLayout&) const override {}
+
+  void linear_forward(Precision p, float* out, Kept in, kernels::Weight w, const float* bias,
+                      int64_t M, int64_t N, int64_t K,
+                      const kernels::Workspace& ws) const override {
+    if (p != Precision::BF16)
+      return cuda::linear_forward(Operands::FP32, out, in.f32, w.f32, bias, M, N, K);
+    const uint16_t* x = in.bits;
+    if (!x) {
+      round_to_bf16(ws.bf16_a, in.f32, M * K);
+      x = ws.bf16_a;
+    }
+    cuda::linear_forward(Operands::BF16, out, x, w.bf16, bias, M, N, K);
+  }
+
+  void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
+                       kernels::Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
+                       const kernels::Workspace& ws) const override {
+    switch (p) {
+      case Precision::FP32:
+        return cuda::linear_backward(Operands::FP32, dinp, dw, db, dout, dout, in.f32, w.f32, M, N,
+                                     K, accumulate_dinp);
+      case Precision::BF16: {
+        round_to_bf16(ws.bf16_a, dout, M * N);
+        const uint16_t* x = in.bits;
+        if (!x) {
+          round_to_bf16(ws.bf16_b, in.f32, M * K);
+          x = ws.bf16_b;
+        }
+        return cuda::linear_backward(Operands::BF16, dinp, dw, db, ws.bf16_a, dout, x, w.bf16, M, N,
+                                     K, accumulate_dinp);
+      }
+      case Precision::FP16: {
+        const float* x = in.f32;
+        if (in.bits) {  // the fp16 value forward used, widened for the fp32 products
+          launch(widen_f16_kernel, M * K, ws.wide, in.bits, M * K);
+          x = ws.wide;
+        }
+        return cuda::linear_backward(Operands::FP32, dinp, dw, db, dout, dout, x, w.f32, M, N, K,
+                                     accumulate_dinp);
+      }
+    }
+  }
+
+  void keep(Precision p, Kept x, int64_t n) const override {
+    if (p == Precision::BF16) round_to_bf16(x.bits, x.f32, n);
+    if (p == Precision::FP16) launch(keep_f16_kernel, n, x.f32, x.bits, n);
+  }
+
+  void copy_weights(Precision p, const float* master, uint16_t* copy, int64_t n) const override {
+    if (p == Precision::BF16) round_to_bf16(copy, master, n);
+  }
+
+  // Full attention: per sequence, the heads' products as strided batched GEMMs read straight out
+  // of the QKV rows, and the row passes over all rows. FP32 keeps probs; BF16 keeps probs16 with
+  // bf16 operands for the products; FP16 keeps probs16 with fp32 products on fp16 values.
+  void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
+                         const int32_t* mask, const AttentionShape& s, const Dropout& d,
+                         const kernels::Workspace& ws) const override {
+    BT_CHECK(!saved.blocked(),
+             "the blocked attention kernel is not on CUDA yet: run with --attention full");
+    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
+    const int64_t n_probs = B * NH * TT;
+    const float scale = 1.0f / sqrtf(static_cast<float>(HD));
+    const Operands o = operands_of(p);
+    if (p == Precision::BF16) round_to_bf16(qkv.bits, qkv.f32, B * T * C3);
+    if (p == Precision::FP16) launch(keep_f16_kernel, B * T * C3, qkv.f32, qkv.bits, B * T * C3);
+    const void* q = p == Precision::BF16 ? static_cast<const void*>(qkv.bits) : qkv.f32;
+    const size_t el = p == Precision::BF16 ? 2 : 4;
+    auto at = [&](const void* base, int64_t elems) {
+      return static_cast<const char*>(base) + elems * static_cast<int64_t>(el);
+    };
+    // scores (scaled) in fp32: the kept probs in FP32, a buffer of our own otherwise
+    float* scores = p == Precision::FP32
+                        ? saved.probs
+                        : static_cast<float*>(own_scratch(kAttentionScoresSlot, n_probs * 4));
+    for (int64_t b = 0; b < B; ++b)
+      gemm_batched(o, NH, false, true, T, T, HD, scale, at(q, b * T * C3), C3, HD,
+                   at(q, b * T * C3 + C), C3, HD, 0.0f, scores + b * NH * TT, T, TT);
+    const void* dropped = nullptr;
+    if (p == Precision::FP32) {
+      float* dr = d.p > 0.0f ? ws.attn_work : nullptr;
+      attention_softmax_forward(scores, dr, scores, mask, s, d);
+      dropped = dr ? dr : scores;
+    } else {
+      attention_softmax_forward(scores, nullptr, scores, mask, s, Dropout{});
+      if (p == Precision::BF16) {
+        launch(attention_keep_kernel, n_probs, p, scores, saved.probs16, ws.attn_probs16,
+               static_cast<float*>(nullptr), s, d.p, d.key, d.offset);
+        dropped = ws.attn_probs16;
+      } else {
+        float* dr = d.p > 0.0f
+                        ? static_cast<float*>(own_scratch(kAttentionDroppedSlot, n_probs * 4))
+                        : nullptr;
+        launch(attention_keep_kernel, n_probs, p, scores, saved.probs16,
+               static_cast<uint16_t*>(nullptr), dr, s, d.p, d.key, d.offset);
+        dropped = dr ? dr : scores;
+      }
+    }
+    for (int64_t b = 0; b < B; ++b)
+      gemm_batched(o, NH, false, false, T, HD, T, 1.0f, at(dropped, b * NH * TT), T, TT,
+                   at(q, b * T * C3 + 2 * C), C3, HD, 0.0f, ctx + b * T * C, C, HD);
+  }
+
+  void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
+                          kernels::AttentionSaved saved, const int32_t* mask,
+                          const AttentionShape& s, const Dropout& d,
+                          const kernels::Workspace& ws) const override {
+    BT_CHECK(!saved.blocked(),
+             "the blocked attention kernel is not on CUDA yet: run with --attention full");
+    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
+    const int64_t n_probs = B * NH * TT;
+    const float scale = 1.0f / sqrtf(static_cast<float>(HD));
+    const Operands o = operands_of(p);
+    const bool bf16 = p == Precision::BF16;
+    const size_t el = bf16 ? 2 : 4;
+    auto at = [&](const void* base, int64_t elems) {
+      return static_cast<const char*>(base) + elems * static_cast<int64_t>(el);
+    };
+    // Q, K, V as forward used them; the kept probabilities in fp32 (FP16: widened).
+    const void* q = bf16 ? static_cast<const void*>(qkv.bits) : qkv.f32;
+    const float* probs = saved.probs;
+    if (p == Precision::FP16) {
+      launch(widen_f16_kernel, B * T * C3, ws.wide, qkv.bits, B * T * C3);
+      q = ws.wide;
+      float* pw = static_cast<float*>(own_scratch(kAttentionScoresSlot, n_probs * 4));
+      launch(widen_f16_kernel, n_probs, pw, saved.probs16, n_probs);
+      probs = pw;
+    }
+    // The dropped probabilities again (forward's are gone with its scratch).
+    const void* dropped = bf16 ? static_cast<const void*>(saved.probs16) : probs;
+    if (bf16) {
+      launch(attention_dropped_kernel, n_probs, static_cast<float*>(nullptr), ws.attn_probs16,
+             static_cast<const float*>(nullptr), saved.probs16, s, d.p, d.key, d.offset);
+      dropped = ws.attn_probs16;
+    } else if (d.p > 0.0f) {
+      float* dr = static_cast<float*>(own_scratch(kAttentionDroppedSlot, n_probs * 4));
+      launch(attention_dropped_kernel, n_probs, dr, static_cast<uint16_t*>(nullptr), probs,
+             static_cast<const uint16_t*>(nullptr), s, d.p, d.key, d.offset);
+      dropped = dr;
+    }
+    const void* dc = dctx;
+    if (bf16) {
+      round_to_bf16(ws.attn_dctx16, dctx, B * T * C);
+      dc = ws.attn_dctx16;
+    }
+    // One sequence at a time: dd (then ds) for its heads in a buffer of NH x T x T.
+    float* dd = static_cast<float*>(own_scratch(kAttentionGradSlot, NH * TT * 4));
+    for (int64_t b = 0; b < B; ++b) {
+      float* dq = dqkv + b * T * C3;
+      // dV = dropped^T dctx; dd = dctx V^T
+      gemm_batched(o, NH, true, false, T, HD, T, 1.0f, at(dropped, b * NH * TT), T, TT,
+                   at(dc, b * T * C), C, HD, 0.0f, dq + 2 * C, C3, HD);
+      gemm_batched(o, NH, false, false, T, T, HD, 1.0f, at(dc, b * T * C), C, HD,
+                   at(q, b * T * C3 + 2 * C), C3, HD, 0.0f, dd, T, TT);
+      const int64_t rows = NH * T;
+      if (bf16)
+        softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(
+            dd, dd, reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, b * rows, rows, d.p,
+            d.key, d.offset);
+      else
+        softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(dd, dd, probs, s, b * rows,
+                                                                        rows, d.p, d.key, d.offset);
+      check_launch();
+      const void* ds = dd;
+      if (bf16) {  // ds in bf16 for the two products, into this sequence's dropped rows
+        uint16_t* ds16 = ws.attn_probs16 + b * NH * TT;
+        round_to_bf16(ds16, dd, NH * TT);
+        ds = ds16;
+      }
+      // dQ = scale ds K; dK = scale ds^T Q
+      gemm_batched(o, NH, false, false, T, HD, T, scale, ds, T, TT, at(q, b * T * C3 + C), C3, HD,
+                   0.0f, dq, C3, HD);
+      gemm_batched(o, NH, true, false, T, HD, T, scale, ds, T, TT, at(q, b * T * C3), C3, HD, 0.0f,
+                   dq + C, C3, HD);
+    }
+  }
+
+  void activation_forward(Precision p, Activation a, Kept out, Kept in, int64_t n) const override {
+    if (p == Precision::FP32) return cuda::activation_forward(a, out.f32, in.f32, n);
+    launch(activation_forward_16_kernel, n, p, a, out.f32, out.bits,
+           static_cast<const float*>(in.f32), in.bits, n);
+  }
+
+  void activation_backward(Precision p, Activation a, float* dinp, Kept in, const float* dout,
+                           int64_t n) const override {
+    if (p == Precision::FP32) return cuda::activation_backward(a, dinp, in.f32, dout, n);
+    launch(activation_backward_16_kernel, n, p, a, dinp, static_cast<const uint16_t*>(in.bits),
+           dout, n);
+  }
+
+  void tanh_forward(float* out, const float* in, int64_t n) const override {
+    launch(tanh_forward_kernel, n, out, in, n);
+  }
+  void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n) const override {
+    launch(tanh_backward_kernel, n, dinp, out, dout, n);
+  }
+
+  void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
+                                   const int32_t* ids, const int32_t* segment,
+                                   const int32_t* positions, const float* word,
+                                   const float* position, const float* token_type,
+                                   const float* gamma, const float* beta, int64_t B, int64_t T,
+                                   int64_t C, float eps, const Dropout& d) const override {
+    cuda::embedding_layernorm_forward(out, sum, mean, rstd, ids, segment, positions, word, position,
+                                      token_type, gamma, beta, B, T, C, eps, d);
+  }
+  void embedding_backward(float* dword, float* dposition, float* dtoken_type, const float* dout,
+                          const int32_t* ids, const int32_t* segment, const int32_t* positions,
+                          int64_t B, int64_t T, int64_t C) const override {
+    launch(embedding_backward_kernel, C, dword, dposition, dtoken_type, dout, ids, segment,
+           positions, B * T, T, C);
+  }
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* in, const float* gamma,
+                         const float* beta, int64_t N, int64_t C, float eps) const override {
+    cuda::layernorm_forward(out, mean, rstd, in, gamma, beta, N, C, eps);
+  }
+  void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
+                          const float* in, const float* gamma, const float* mean, const float* rstd,
+                          int64_t N, int64_t C) const override {
+    cuda::layernorm_backward(dinp, dgamma, dbeta, dout, in, gamma, mean, rstd, N, C);
+  }
+  void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
+                                  const float* residual, const float* gamma, const float* beta,
+                                  int64_t N, int64_t C, float eps,
+                                  const Dropout& d) const override {
+    cuda::residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
+  }
+  void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
+                                  const float* dout, const float* in, const float* gamma,
+                                  const float* mean, const float* rstd, int64_t N, int64_t C,
+                                  bool accumulate_dinp, const Dropout& d) const override {
+    cuda::layernorm_dropout_backward(dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd, N,
+                                     C, accumulate_dinp, d);
+  }
+
+  void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
+    BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
+    cuda::dropout_forward(x, n, d.p, d.key, d.offset);
+  }
+  void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const override {
+    BT_CHECK(!d.rows, "dropout_backward: a row map is for the row kernels");
+    if (d.p <= 0.0f) {
+      if (dx != dy) copy(dx, dy, n);
+      return;
+    }
+    launch(dropout_backward_kernel, n, dx, dy, n, d.p, d.key, d.offset);
+  }
+  void add_inplace(float* out, const float* a, int64_t n) const override {
+    launch(add_inplace_kernel, n, out, a, n);
+  }
+  void copy(float* dst, const float* src, int64_t n) const override {
+    if (n > 0)
+      BT_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float),
+                                    cudaMemcpyDeviceToDevice));
+  }
+  void gather_rows(float* out, const float* seq, const int32_t* positions, int64_t B, int64_t P,
+                   int64_t T, int64_t C) const override {
+    launch(gather_rows_kernel, B * P * C, out, seq, positions, B, P, T, C);
+  }
+  void scatter_add_rows(float* dseq, const float* d, const int32_t* positions, int64_t B, int64_t P,
+                        int64_t T, int64_t C) const override {
+    launch(scatter_add_rows_kernel, B * C, dseq, d, positions, B, P, T, C);
+  }
+  void scale_inplace(float* x, int64_t n, float s) const override {
+    launch(scale_kernel, n, x, n, s);
+  }
+  void zero(void* p, int64_t bytes) const override {
+    if (bytes > 0) BT_CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(bytes)));
+  }
+
+  kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
+                                          const float* logits, const int32_t* targets,
+                                          const float* weights, int64_t N, int64_t V,
+                                          float dscale) const override {
+    kernels::CrossEntropySums s =
+        cuda::cross_entropy(dlogits, losses, correct, logits, targets, weights, N, V, dscale);
+    if (!correct) s.correct = 0;  // as the CPU: the hits only where asked for
+    return s;
+  }
+
+  double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
+                       float dscale) const override {
+    if (N == 0) return 0;
+    float* sq = static_cast<float*>(own_scratch(kSquaredErrorSlot, N * sizeof(float)));
+    launch(squared_error_kernel, N, dpred, sq, pred, target, N, dscale);
+    std::vector<float> h(N);
+    BT_CUDA_CHECK(cudaMemcpy(h.data(), sq, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    double sum = 0;
+    for (float x : h) sum += x;
+    return sum;
+  }
+
+  void add_sum_squares(double& sum, const float* g, int64_t n, double scale) const override {
+    cuda::add_sum_squares(sum, g, n, scale);
+  }
+  void adamw_update(const kernels::AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
+                    float* v, int64_t n) const override {
+    cuda::adamw_update(a, p, p16, g, m, v, n);
+  }
+  void lamb_update(const kernels::LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
+                   float* v, int64_t n) const override {
+    double pn = 0, un = 0;
+    cuda::lamb_moments(a, p, g, m, v, n, pn, un);
+    cuda::lamb_apply(a, p, p16, m, v, n, a.lr * kernels::lamb_trust(a, pn, un));
+  }
+  void lamb_moments(const kernels::LambStep& a, const float* p, const float* g, float* m, float* v,
+                    int64_t n, double& pn, double& un) const override {
+    cuda::lamb_moments(a, p, g, m, v, n, pn, un);
+  }
+  void lamb_apply(const kernels::LambStep& a, float* p, uint16_t* p16, const float* m,
+                  const float* v, int64_t n, float step) const override {
+    cuda::lamb_apply(a, p, p16, m, v, n, step);
+  }
+};
+
+}  // namespace
+
+const kernels::Backend& cuda_backend() {
+  static const CudaBackend backend;
+  return backend;
+}
+
+}  // namespace bertrain::cuda

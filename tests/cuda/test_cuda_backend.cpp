@@ -1,0 +1,220 @@
+// The CUDA backend against the CPU backend through kernels/backend.h: the same calls, the same
+// inputs, in every precision, so that a model gets the same numbers on either device. Skips
+// without a GPU (and its bf16 parts where this CPU has no bf16 matmul to compare with).
+// Tolerances: fp32 paths differ in summation order only (rtol 2e-5 of the max); 16-bit paths
+// may round a value the other way where the two accumulate in another order before rounding:
+// one unit of the format in a few elements, so rtol / atol of the max at a few units (bf16
+// 2^-8: 2e-2; fp16 2^-11: 4e-3).
+#include <gtest/gtest.h>
+
+#include "core/dtype.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cuda/cuda.h"
+#include "test_util.h"
+
+namespace bertrain {
+namespace {
+
+using kernels::Kept;
+using kernels::Precision;
+using test::all_close;
+using test::random_vector;
+
+#define SKIP_WITHOUT_GPU() \
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine"
+
+// A host vector and its device copy.
+template <typename T>
+struct Twin {
+  std::vector<T> h;
+  cuda::DeviceBuffer d;
+  explicit Twin(std::vector<T> v) : h(std::move(v)), d(std::max<size_t>(h.size(), 1) * sizeof(T)) {
+    if (!h.empty()) d.upload(h.data(), h.size() * sizeof(T));
+  }
+  explicit Twin(size_t n) : Twin(std::vector<T>(n)) {}
+  T* host() { return h.data(); }
+  T* dev() { return static_cast<T*>(d.data()); }
+  std::vector<T> back() const {
+    std::vector<T> v(h.size());
+    if (!v.empty()) d.download(v.data(), v.size() * sizeof(T));
+    return v;
+  }
+};
+
+const kernels::Backend& cpu() {
+  return kernels::cpu_backend();
+}
+const kernels::Backend& gpu() {
+  return cuda::cuda_backend();
+}
+
+const char* name_of(Precision p) {
+  return p == Precision::FP32 ? "fp32" : p == Precision::BF16 ? "bf16" : "fp16";
+}
+double tol(Precision p) {
+  return p == Precision::FP32 ? 2e-5 : p == Precision::BF16 ? 2e-2 : 4e-3;
+}
+
+// The precisions this machine can compare (bf16 needs oneDNN's bf16 matmul on the CPU side).
+std::vector<Precision> precisions() {
+  std::vector<Precision> v = {Precision::FP32, Precision::FP16};
+  if (kernels::gemm_bf16_available()) v.push_back(Precision::BF16);
+  return v;
+}
+
+TEST(CudaBackend, LinearLayersMatchCpuInEveryPrecision) {
+  SKIP_WITHOUT_GPU();
+  const int64_t M = 70, N = 48, K = 96;
+  for (Precision p : precisions()) {
+    SCOPED_TRACE(name_of(p));
+    Twin<float> in(random_vector(M * K, 1)), w(random_vector(N * K, 2, 0.1f)),
+        bias(random_vector(N, 3)), dout(random_vector(M * N, 4)), out(M * N),
+        dinp(random_vector(M * K, 5)), dw(random_vector(N * K, 6)), db(random_vector(N, 7)),
+        wide(M * K);
+    Twin<uint16_t> w16(N * K), in16(M * K), a16(M * std::max(N, K)), b16(M * K);
+    for (const kernels::Backend* be : {&cpu(), &gpu()}) {
+      const bool g = be == &gpu();
+      auto P = [&](auto& t) { return g ? t.dev() : t.host(); };
+      be->copy_weights(p, P(w), P(w16), N * K);
+      Kept x{P(in), p == Precision::FP32 ? nullptr : P(in16)};
+      be->keep(p, x, M * K);  // the kept input: bf16 bits, or fp16 rounded in place with bits
+      const kernels::Weight wt{P(w), P(w16)};
+      const kernels::Workspace ws{P(a16), P(b16), P(wide)};
+      be->linear_forward(p, P(out), x, wt, P(bias), M, N, K, ws);
+      be->linear_backward(p, P(dinp), P(dw), P(db), P(dout), x, wt, M, N, K, true, ws);
+    }
+    cuda::synchronize();
+    const double t = tol(p);
+    EXPECT_TRUE(all_close("out", out.back().data(), out.host(), M * N, t, t));
+    EXPECT_TRUE(all_close("dinp", dinp.back().data(), dinp.host(), M * K, t, t));
+    EXPECT_TRUE(all_close("dw", dw.back().data(), dw.host(), N * K, t, t));
+    EXPECT_TRUE(all_close("db", db.back().data(), db.host(), N, 2e-5, 2e-5));
+    EXPECT_EQ(in16.back(), in16.h);  // the same rounding of the same values
+  }
+}
+
+// Attention forward and backward, full kernel, with a padded sequence and dropout.
+TEST(CudaBackend, AttentionMatchesCpuInEveryPrecision) {
+  SKIP_WITHOUT_GPU();
+  const kernels::AttentionShape s{2, 40, 64, 4};
+  const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_qkv = B * T * 3 * C, n_p = B * NH * T * T;
+  std::vector<int32_t> mask_h(B * T, 1);
+  for (int64_t t = 31; t < T; ++t) mask_h[T + t] = 0;
+  const kernels::Dropout d{0.1f, 5, 11, nullptr};
+  for (Precision p : precisions()) {
+    SCOPED_TRACE(name_of(p));
+    Twin<int32_t> mask(mask_h);
+    Twin<float> qkv(random_vector(n_qkv, 1)), ctx(B * T * C), dctx(random_vector(B * T * C, 2)),
+        dqkv(n_qkv), probs(n_p), work(n_p), wide(n_qkv);
+    Twin<uint16_t> qkv16(n_qkv), probs16(n_p), scratch16(n_p), dctx16(B * T * C);
+    for (const kernels::Backend* be : {&cpu(), &gpu()}) {
+      const bool g = be == &gpu();
+      auto P = [&](auto& t) { return g ? t.dev() : t.host(); };
+      const Kept x{P(qkv), p == Precision::FP32 ? nullptr : P(qkv16)};
+      kernels::AttentionSaved saved;
+      if (p == Precision::FP32)
+        saved.probs = P(probs);
+      else
+        saved.probs16 = P(probs16);
+      kernels::Workspace ws;
+      ws.attn_work = P(work);
+      ws.attn_probs16 = P(scratch16);
+      ws.attn_dctx16 = P(dctx16);
+      ws.wide = P(wide);
+      be->attention_forward(p, P(ctx), saved, x, P(mask), s, d, ws);
+      be->attention_backward(p, P(dqkv), P(dctx), x, saved, P(mask), s, d, ws);
+    }
+    cuda::synchronize();
+    const double t = tol(p);
+    EXPECT_TRUE(all_close("ctx", ctx.back().data(), ctx.host(), ctx.h.size(), t, t));
+    EXPECT_TRUE(all_close("dqkv", dqkv.back().data(), dqkv.host(), n_qkv, t, t));
+    if (p == Precision::FP32)
+      EXPECT_TRUE(all_close("probs", probs.back().data(), probs.host(), n_p, 2e-5, 1e-7));
+    else
+      EXPECT_EQ(qkv16.back(), qkv16.h);  // QKV rounded the same way
+  }
+}
+
+// The 16-bit activations, the elementwise ops, the row gathers and the regression loss.
+TEST(CudaBackend, ElementwiseAndRowOpsMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 5000;
+  for (Precision p : {Precision::FP32, Precision::BF16, Precision::FP16})
+    for (auto a :
+         {kernels::Activation::GeluErf, kernels::Activation::GeluTanh, kernels::Activation::Relu}) {
+      SCOPED_TRACE(name_of(p));
+      Twin<float> in(random_vector(n, 1, 2.0f)), out(n), dout(random_vector(n, 2)), dinp(n);
+      Twin<uint16_t> in16(n), out16(n);
+      for (const kernels::Backend* be : {&cpu(), &gpu()}) {
+        const bool g = be == &gpu();
+        auto P = [&](auto& t) { return g ? t.dev() : t.host(); };
+        const bool f32 = p == Precision::FP32;
+        be->activation_forward(p, a, Kept{P(out), f32 ? nullptr : P(out16)},
+                               Kept{P(in), f32 ? nullptr : P(in16)}, n);
+        be->activation_backward(p, a, P(dinp), Kept{P(in), f32 ? nullptr : P(in16)}, P(dout), n);
+      }
+      cuda::synchronize();
+      if (p == Precision::BF16) {
+        // bf16(act(x)): a one-unit difference where the two erf/tanh differ at a rounding edge
+        const auto o = out16.back();
+        for (int64_t i = 0; i < n; ++i) ASSERT_LE(std::abs(int(o[i]) - int(out16.h[i])), 1) << i;
+      } else {
+        EXPECT_TRUE(all_close("act", out.back().data(), out.host(), n, 1e-3, 1e-6));
+      }
+      EXPECT_TRUE(all_close("dact", dinp.back().data(), dinp.host(), n, 1e-3, 1e-5));
+    }
+  // rows: gather the MLM positions, scatter their gradients back (a position twice)
+  const int64_t B = 3, T = 16, C = 40, Pn = 4;
+  Twin<float> seq(random_vector(B * T * C, 3)), rows(B * Pn * C),
+      drows(random_vector(B * Pn * C, 4)), dseq(random_vector(B * T * C, 5)),
+      pred(random_vector(50, 6)), target(random_vector(50, 7)), dpred(50), x(random_vector(n, 8)),
+      y(random_vector(n, 9));
+  Twin<int32_t> pos(std::vector<int32_t>{1, 5, 5, 15, 0, 2, 3, 4, 9, 9, 9, 1});
+  double sq[2];
+  for (const kernels::Backend* be : {&cpu(), &gpu()}) {
+    const bool g = be == &gpu();
+    auto P = [&](auto& t) { return g ? t.dev() : t.host(); };
+    be->gather_rows(P(rows), P(seq), P(pos), B, Pn, T, C);
+    be->scatter_add_rows(P(dseq), P(drows), P(pos), B, Pn, T, C);
+    sq[g] = be->squared_error(P(dpred), P(pred), P(target), 50, 0.5f);
+    be->dropout_backward(P(x), P(x), n, kernels::Dropout{0.1f, 3, 4, nullptr});
+    be->add_inplace(P(x), P(y), n);
+    be->scale_inplace(P(x), n, 0.25f);
+    be->tanh_forward(P(y), P(x), n);
+  }
+  cuda::synchronize();
+  EXPECT_EQ(rows.back(), rows.h);
+  EXPECT_EQ(dseq.back(), dseq.h);  // the same additions in the same order
+  EXPECT_NEAR(sq[1], sq[0], 1e-9 * sq[0]);
+  EXPECT_EQ(dpred.back(), dpred.h);
+  EXPECT_EQ(x.back(), x.h);
+  EXPECT_TRUE(all_close("tanh", y.back().data(), y.host(), n, 1e-6, 1e-7));
+}
+
+// Embedding backward: the three tables' gradients, ids repeated across sequences.
+TEST(CudaBackend, EmbeddingBackwardMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t B = 4, T = 32, C = 96, V = 50;
+  std::vector<int32_t> ids_h(B * T), seg_h(B * T);
+  for (int64_t i = 0; i < B * T; ++i) {
+    ids_h[i] = static_cast<int32_t>((i * 11) % V);
+    seg_h[i] = static_cast<int32_t>(i % 3 == 0);
+  }
+  Twin<int32_t> ids(ids_h), seg(seg_h);
+  Twin<float> dout(random_vector(B * T * C, 1)), dword(random_vector(V * C, 2)),
+      dpos(random_vector(T * C, 3)), dtype(random_vector(2 * C, 4));
+  for (const kernels::Backend* be : {&cpu(), &gpu()}) {
+    const bool g = be == &gpu();
+    auto P = [&](auto& t) { return g ? t.dev() : t.host(); };
+    be->embedding_backward(P(dword), P(dpos), P(dtype), P(dout), P(ids), P(seg), nullptr, B, T, C);
+  }
+  cuda::synchronize();
+  // The same additions in token order on both: the same bits.
+  EXPECT_EQ(dword.back(), dword.h);
+  EXPECT_EQ(dpos.back(), dpos.h);
+  EXPECT_EQ(dtype.back(), dtype.h);
+}
+
+}  // namespace
+}  // namespace bertrain
