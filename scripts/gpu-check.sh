@@ -53,11 +53,39 @@ case "${1:-}" in
     LOG=${OUT:-.}/gpu-check.log
     {
       echo "== gpu-check $(date -u +%FT%TZ) on $(hostname)"
-      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "no nvidia-smi"
+      if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      else
+        echo "no nvidia-smi: no NVIDIA driver here (the GPU tests skip)"
+      fi
       if ldd "$PACK/bin/bertrain_tests" | grep "not found"; then echo "gpu-check: libraries missing (above)"; fi
       set +e
       OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$PACK/bin/bertrain_tests" --gtest_filter='Cuda*:*RowMath*'
       echo "gpu-check: tests exit $?"
+      # The GEMM ceiling: ours (cuBLASLt, bertrain doctor) and PyTorch's on the same GPU.
+      OURS=$("$PACK/bin/bertrain" doctor 2>&1 | grep -E "^ *[a-z]+ +gpu" | tee /dev/stderr |
+        sed -n 's/.*gpu gemm *\([0-9.]*\) TFLOP\/s bf16.*/\1/p')
+      python3 - "${OURS:-0}" <<'PY' || echo "gpu-check: no PyTorch peer here"
+import sys, torch
+if not torch.cuda.is_available():
+    sys.exit("gpu-check: PyTorch sees no GPU")
+n = 8192
+a = torch.rand(n, n, device="cuda", dtype=torch.bfloat16) * 2 - 1
+b = torch.rand(n, n, device="cuda", dtype=torch.bfloat16) * 2 - 1
+for _ in range(3):
+    a @ b.T
+torch.cuda.synchronize()
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+s.record()
+for _ in range(50):
+    a @ b.T
+e.record()
+torch.cuda.synchronize()
+tf = 2 * n**3 * 50 / (s.elapsed_time(e) * 1e-3) / 1e12
+ours = float(sys.argv[1])
+print(f"pytorch gemm: {tf:.1f} TFLOP/s bf16 (torch {torch.__version__}, a @ b.T, {n}^3); "
+      f"bertrain/pytorch {ours / tf:.2f}")
+PY
     } 2>&1 | tee "$LOG"
     grep -q "tests exit 0" "$LOG"
     ;;

@@ -157,7 +157,18 @@ void environment(comm::Communicator& comm, const std::string& run) {
 #ifdef BERTRAIN_CUDA
   const int gpus = cuda::device_count();
   line(gpus > 0 ? "ok" : "info", "gpu",
-       gpus > 0 ? str(gpus, " CUDA device(s)") : "no CUDA device visible: training runs on CPUs");
+       gpus > 0 ? str(gpus, " CUDA device(s), the first a ", cuda::device_name())
+                : "no CUDA device visible: training runs on CPUs");
+  if (gpus > 0) {
+    // The ceiling GPU utilisation is measured against, on the first device (as the CPU's above).
+    const int64_t n = 8192;
+    const double bf16 = cuda::gemm_tflops(cuda::Operands::BF16, n, n, n, 0.5),
+                 f32 = cuda::gemm_tflops(cuda::Operands::FP32, n, n, n, 0.5);
+    char rates[96];
+    std::snprintf(rates, sizeof rates, "%.1f TFLOP/s bf16, %.1f fp32", bf16, f32);
+    line("info", "gpu gemm",
+         str(rates, " (cuBLASLt, ", n, "^3, pseudo-random operands, measured now)"));
+  }
 #else
   line("info", "gpu",
        on_path("nvidia-smi")

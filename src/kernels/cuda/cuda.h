@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "kernels/backend.h"
 #include "kernels/cpu/elementwise.h"
@@ -66,6 +67,13 @@ void gemm_batched(Operands o, int64_t batch, bool trans_a, bool trans_b, int64_t
                   int64_t K, float alpha, const void* A, int64_t lda, int64_t sa, const void* B,
                   int64_t ldb, int64_t sb, float beta, float* C, int64_t ldc, int64_t sc,
                   void* stream = nullptr);
+
+// The GEMM ceiling on the current GPU, measured now: TFLOP/s of cuBLASLt's [M,K] x [N,K]^T
+// product with these operands on pseudo-random values (zeros run faster), timed with CUDA
+// events over `seconds` after warm-up. What the GPU benchmarks report utilisation against.
+double gemm_tflops(Operands o, int64_t M, int64_t N, int64_t K, double seconds);
+// The device's name, e.g. "NVIDIA H200".
+std::string device_name();
 
 // 16-bit copies (round to nearest even, as core/dtype.h): raw bf16 / fp16 bits.
 void round_to_bf16(uint16_t* dst, const float* src, int64_t n, void* stream = nullptr);

@@ -10,6 +10,10 @@
 #include <map>
 #include <tuple>
 
+#include <cuda_fp16.h>
+
+#include "core/dtype.h"
+#include "core/rng.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
 
@@ -191,6 +195,61 @@ void linear_backward(Operands o, float* dinp, float* dw, float* db, const void* 
                                                                                     N);
     BT_CUDA_CHECK(cudaGetLastError());
   }
+}
+
+namespace {
+
+// Values in [-1, 1) from the counter-based hash, in the operand type.
+__global__ void fill_kernel(Operands o, void* x, int64_t n, uint64_t key) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float v = 2.0f * rng_uniform(key, i) - 1.0f;
+  if (o == Operands::FP32)
+    static_cast<float*>(x)[i] = v;
+  else if (o == Operands::BF16)
+    static_cast<uint16_t*>(x)[i] = f32_to_bf16(v);
+  else
+    static_cast<uint16_t*>(x)[i] = __half_as_ushort(__float2half_rn(v));
+}
+
+}  // namespace
+
+double gemm_tflops(Operands o, int64_t M, int64_t N, int64_t K, double seconds) {
+  const size_t el = o == Operands::FP32 ? 4 : 2;
+  DeviceBuffer a(M * K * el), b(N * K * el), c(M * N * 4);
+  constexpr unsigned kThreads = 256;
+  fill_kernel<<<blocks_for(M * K, kThreads), kThreads>>>(o, a.data(), M * K, 1);
+  fill_kernel<<<blocks_for(N * K, kThreads), kThreads>>>(o, b.data(), N * K, 2);
+  BT_CUDA_CHECK(cudaGetLastError());
+  for (int i = 0; i < 3; ++i) linear_forward(o, c.f32(), a.data(), b.data(), nullptr, M, N, K);
+  BT_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaEvent_t start, stop;
+  BT_CUDA_CHECK(cudaEventCreate(&start));
+  BT_CUDA_CHECK(cudaEventCreate(&stop));
+  double elapsed_ms = 0;
+  int64_t runs = 0;
+  for (int batch = 1; elapsed_ms < seconds * 1e3; batch *= 2) {
+    BT_CUDA_CHECK(cudaEventRecord(start));
+    for (int i = 0; i < batch; ++i)
+      linear_forward(o, c.f32(), a.data(), b.data(), nullptr, M, N, K);
+    BT_CUDA_CHECK(cudaEventRecord(stop));
+    BT_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    BT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    elapsed_ms += ms;
+    runs += batch;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return 2.0 * M * N * K * runs / (elapsed_ms * 1e-3) / 1e12;
+}
+
+std::string device_name() {
+  int dev = 0;
+  BT_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp p{};
+  BT_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
+  return p.name;
 }
 
 }  // namespace bertrain::cuda
