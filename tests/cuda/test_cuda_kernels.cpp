@@ -321,15 +321,22 @@ TEST(Cuda, LinearMatchesCpu) {
     for (int64_t r = 0; r < M; ++r)
       for (int64_t c = 0; c < N; ++c) db[c] += dout[r * N + c];
     const bool f32 = o == cuda::Operands::FP32;
+    // The weight one element into its buffer, as a tensor of the flat parameter buffer may
+    // start: cuBLASLt must not assume aligned operands.
+    std::vector<float> w1 = w;
+    std::vector<uint16_t> w16_1 = w16;
+    w1.insert(w1.begin(), 0.0f);
+    w16_1.insert(w16_1.begin(), 0);
     auto in_d = f32 ? to_device(in) : to_device_as(in16),
-         w_d = f32 ? to_device(w) : to_device_as(w16),
+         w_d = f32 ? to_device(w1) : to_device_as(w16_1),
          dout16_d = f32 ? to_device(dout) : to_device_as(dout16);
+    const void* w_at = static_cast<const char*>(w_d.data()) + (f32 ? 4 : 2);
     auto dout_d = to_device(dout), bias_d = to_device(bias), dinp_d = to_device(dinp0),
          dw_d = to_device(dw0), db_d = to_device(db0);
     cuda::DeviceBuffer out_d(M * N * 4);
-    cuda::linear_forward(o, out_d.f32(), in_d.data(), w_d.data(), bias_d.f32(), M, N, K);
+    cuda::linear_forward(o, out_d.f32(), in_d.data(), w_at, bias_d.f32(), M, N, K);
     cuda::linear_backward(o, dinp_d.f32(), dw_d.f32(), db_d.f32(), dout16_d.data(), dout_d.f32(),
-                          in_d.data(), w_d.data(), M, N, K, true);
+                          in_d.data(), w_at, M, N, K, true);
     cuda::synchronize();
     const double rtol = f32 ? 1e-5 : 1e-4;
     EXPECT_TRUE(all_close(std::string(name) + " out", to_host(out_d, M * N).data(), out.data(),

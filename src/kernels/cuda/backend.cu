@@ -210,6 +210,29 @@ Operands operands_of(Precision p) {
   return p == Precision::BF16 ? Operands::BF16 : Operands::FP32;
 }
 
+// Attention's sizes and operand addressing: the products read the precision's elements (bf16
+// bits in BF16, fp32 values otherwise). Refuses the blocked kernel's saved state.
+struct AttentionDims {
+  int64_t HD, C3, TT, n_probs;
+  float scale;
+  Operands o;
+  int64_t el;
+  AttentionDims(Precision p, const AttentionShape& s, const kernels::AttentionSaved& saved)
+      : HD(s.C / s.NH),
+        C3(3 * s.C),
+        TT(s.T * s.T),
+        n_probs(s.B * s.NH * s.T * s.T),
+        scale(1.0f / sqrtf(static_cast<float>(s.C / s.NH))),
+        o(operands_of(p)),
+        el(p == Precision::BF16 ? 2 : 4) {
+    BT_CHECK(!saved.blocked(),
+             "the blocked attention kernel is not on CUDA yet: run with --attention full");
+  }
+  const void* at(const void* base, int64_t elems) const {
+    return static_cast<const char*>(base) + elems * el;
+  }
+};
+
 class CudaBackend final : public kernels::Backend {
  public:
   const char* name() const override { return "cuda"; }
@@ -276,19 +299,15 @@ class CudaBackend final : public kernels::Backend {
   void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
                          const int32_t* mask, const AttentionShape& s, const Dropout& d,
                          const kernels::Workspace& ws) const override {
-    BT_CHECK(!saved.blocked(),
-             "the blocked attention kernel is not on CUDA yet: run with --attention full");
-    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
-    const int64_t n_probs = B * NH * TT;
-    const float scale = 1.0f / sqrtf(static_cast<float>(HD));
-    const Operands o = operands_of(p);
+    const AttentionDims g(p, s, saved);
+    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = g.HD, C3 = g.C3, TT = g.TT;
+    const int64_t n_probs = g.n_probs;
+    const float scale = g.scale;
+    const Operands o = g.o;
     if (p == Precision::BF16) round_to_bf16(qkv.bits, qkv.f32, B * T * C3);
     if (p == Precision::FP16) launch(keep_f16_kernel, B * T * C3, qkv.f32, qkv.bits, B * T * C3);
     const void* q = p == Precision::BF16 ? static_cast<const void*>(qkv.bits) : qkv.f32;
-    const size_t el = p == Precision::BF16 ? 2 : 4;
-    auto at = [&](const void* base, int64_t elems) {
-      return static_cast<const char*>(base) + elems * static_cast<int64_t>(el);
-    };
+    auto at = [&](const void* base, int64_t elems) { return g.at(base, elems); };
     // scores (scaled) in fp32: the kept probs in FP32, a buffer of our own otherwise
     float* scores = p == Precision::FP32
                         ? saved.probs
@@ -325,17 +344,13 @@ class CudaBackend final : public kernels::Backend {
                           kernels::AttentionSaved saved, const int32_t* mask,
                           const AttentionShape& s, const Dropout& d,
                           const kernels::Workspace& ws) const override {
-    BT_CHECK(!saved.blocked(),
-             "the blocked attention kernel is not on CUDA yet: run with --attention full");
-    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C, TT = T * T;
-    const int64_t n_probs = B * NH * TT;
-    const float scale = 1.0f / sqrtf(static_cast<float>(HD));
-    const Operands o = operands_of(p);
+    const AttentionDims g(p, s, saved);
+    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = g.HD, C3 = g.C3, TT = g.TT;
+    const int64_t n_probs = g.n_probs;
+    const float scale = g.scale;
+    const Operands o = g.o;
     const bool bf16 = p == Precision::BF16;
-    const size_t el = bf16 ? 2 : 4;
-    auto at = [&](const void* base, int64_t elems) {
-      return static_cast<const char*>(base) + elems * static_cast<int64_t>(el);
-    };
+    auto at = [&](const void* base, int64_t elems) { return g.at(base, elems); };
     // Q, K, V as forward used them; the kept probabilities in fp32 (FP16: widened).
     const void* q = bf16 ? static_cast<const void*>(qkv.bits) : qkv.f32;
     const float* probs = saved.probs;

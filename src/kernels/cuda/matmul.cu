@@ -9,6 +9,7 @@
 
 #include <map>
 #include <tuple>
+#include <utility>
 
 #include <cuda_fp16.h>
 
@@ -43,16 +44,28 @@ cudaDataType_t operand_type(Operands o) {
   }
 }
 
-// One product's shape: column-major m x n = op(A) m x k . op(B) k x n, C with beta.
+// One product's shape: column-major m x n = op(A) m x k . op(B) k x n, C with beta; and the
+// alignment of its pointers (cuBLASLt assumes 256 bytes unless told: a tensor of the flat
+// parameter buffer may start at any element).
 struct Shape {
   Operands operands;
   bool trans_a, trans_b, bias;
   int64_t m, n, k, lda, ldb, ldc;
+  uint32_t align_a = 256, align_b = 256, align_c = 256;
   bool operator<(const Shape& o) const {
-    return std::tie(operands, trans_a, trans_b, bias, m, n, k, lda, ldb, ldc) <
-           std::tie(o.operands, o.trans_a, o.trans_b, o.bias, o.m, o.n, o.k, o.lda, o.ldb, o.ldc);
+    return std::tie(operands, trans_a, trans_b, bias, m, n, k, lda, ldb, ldc, align_a, align_b,
+                    align_c) < std::tie(o.operands, o.trans_a, o.trans_b, o.bias, o.m, o.n, o.k,
+                                        o.lda, o.ldb, o.ldc, o.align_a, o.align_b, o.align_c);
   }
 };
+
+// The largest power of two up to 256 that divides the address.
+uint32_t alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t r = 256;
+  while (r > 1 && a % r != 0) r /= 2;
+  return r;
+}
 
 struct Product {
   cublasLtMatmulDesc_t op = nullptr;
@@ -112,6 +125,11 @@ const Product& product(Context& ctx, const Shape& s) {
   const size_t ws = kWorkspaceBytes;
   BT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  for (auto [attr, value] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, s.align_a},
+                             std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, s.align_b},
+                             std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, s.align_c},
+                             std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, s.align_c}})
+    BT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   BT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.op, p.a, p.b, p.c, p.c, pref, 1,
@@ -123,8 +141,11 @@ const Product& product(Context& ctx, const Shape& s) {
   return ctx.products.emplace(s, p).first->second;
 }
 
-void matmul(const Shape& s, const void* A, const void* B, float* C, float beta, const float* bias,
+void matmul(Shape s, const void* A, const void* B, float* C, float beta, const float* bias,
             void* stream) {
+  s.align_a = alignment(A);
+  s.align_b = alignment(B);
+  s.align_c = alignment(C);
   Context& ctx = context();
   const Product& p = product(ctx, s);
   if (s.bias)
