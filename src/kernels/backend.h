@@ -14,7 +14,9 @@
 // input gradients (=, or += where `accumulate` says) and accumulates (+=) weight gradients.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/types.h"
 
@@ -70,6 +72,20 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
+
+  // -- memory --
+  // Whether the kernels read host memory (the CPU's). Otherwise the model's arenas are the
+  // backend's (allocate: zeroed, 256-byte aligned; release) and what the host makes or reads
+  // crosses with to_device / to_host.
+  virtual bool host_memory() const { return true; }
+  virtual void* allocate(size_t bytes) const;
+  virtual void release(void* p) const;
+  virtual void to_device(void* dst, const void* src, size_t bytes) const {
+    std::memcpy(dst, src, bytes);
+  }
+  virtual void to_host(void* dst, const void* src, size_t bytes) const {
+    std::memcpy(dst, src, bytes);
+  }
 
   // -- kernel scratch (kernels/types.h) --
   // What this backend's kernels need besides their operands for the shapes a model runs; the

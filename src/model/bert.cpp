@@ -244,16 +244,16 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
       plan_(make_plan(cfg, head, dims, backend)),
       be_(backend),
       prec_(dims.precision()) {
-  params_ = Arena(plan_, "parameters");
-  grads_ = Arena(plan_, "gradients");
-  acts_arena_ = Arena(plan_, "activations");
-  scratch_ = Arena(plan_, "scratch");
-  kernels_arena_ = Arena(plan_, "kernels");
+  params_ = make_arena("parameters");
+  grads_ = make_arena("gradients");
+  acts_arena_ = make_arena("activations");
+  scratch_ = make_arena("scratch");
+  kernels_arena_ = make_arena("kernels");
   kernel_scratch_ = plan_kernel_scratch(cfg, head, dims, backend);
   const bool blocked = dims.blocked_attention();
   if (!blocked) ws_.attn_work = scratch_.f32("attn.work");
   if (dims.bf16) {
-    bf16_arena_ = Arena(plan_, "bf16");
+    bf16_arena_ = make_arena("bf16");
     auto b16 = [&](const char* name) { return reinterpret_cast<uint16_t*>(bf16_arena_.f32(name)); };
     wbf16_ = b16("bf16.weights");
     ws_.bf16_a = b16("bf16.scratch_a");
@@ -324,7 +324,70 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   act_.dsmall = s.f32("grad.dsmall");
 }
 
+Arena BertModel::make_arena(const std::string& group) {
+  if (be_.host_memory()) return Arena(plan_, group);
+  if (plan_.group_bytes(group) != plan_.group_span(group))
+    fail("the ", be_.name(), " backend cannot leave parts of ", group,
+         " unbacked: the sharded fp32 master (--shard-optimizer with bf16) is for CPUs for now");
+  const size_t bytes = std::max<size_t>(plan_.group_span(group), kAlign);
+  void* p = be_.allocate(bytes);  // zeroed
+  device_blocks_.emplace_back(p, [be = &be_](void* q) { be->release(q); });
+  return Arena(plan_, group, static_cast<std::byte*>(p));
+}
+
+void BertModel::stage_inputs(const Batch& b) {
+  const bool up = unpadded();
+  const Packed& pk = packed_;
+  KernelInputs& in = in_;
+  struct Source {
+    const void* data;
+    size_t bytes;
+    const void** at;
+  };
+  std::vector<Source> sources;
+  auto use = [&](const auto& v, auto& field) {
+    field = v.data();
+    sources.push_back(
+        {v.data(), v.size() * sizeof(*v.data()), reinterpret_cast<const void**>(&field)});
+  };
+  use(up ? pk.ids : b.input_ids, in.ids);
+  use(up ? pk.segments : b.segment_ids, in.segments);
+  use(up ? pk.mask : b.input_mask, in.mask);
+  use(b.span_positions, in.span_positions);
+  use(b.next_sentence_labels, in.nsp_labels);
+  use(b.label_ids, in.label_ids);
+  use(b.label_values, in.label_values);
+  use(up ? pk.mlm : b.masked_lm_positions, in.mlm_positions);
+  use(compact_mlm() ? pk.mlm_ids : b.masked_lm_ids, in.mlm_ids);
+  use(compact_mlm() ? pk.mlm_weights : b.masked_lm_weights, in.mlm_weights);
+  use(up ? pk.token_labels : b.token_label_ids, in.token_labels);
+  use(up ? pk.token_weights : b.token_label_weights, in.token_weights);
+  in.positions = in.padded_row = in.cls = nullptr;
+  if (up) {
+    use(pk.positions, in.positions);
+    use(pk.padded_row, in.padded_row);
+    use(pk.cls, in.cls);
+  }
+  if (be_.host_memory()) return;
+  // Copies into the backend's memory, each 256-byte aligned.
+  size_t need = 0;
+  for (const Source& x : sources) need += align_up(x.bytes, 256);
+  if (need > staging_bytes_) {
+    staging_.reset();
+    staging_bytes_ = need;
+    staging_ = std::shared_ptr<void>(be_.allocate(need), [be = &be_](void* q) { be->release(q); });
+  }
+  size_t at = 0;
+  for (const Source& x : sources) {
+    std::byte* dst = static_cast<std::byte*>(staging_.get()) + at;
+    if (x.bytes) be_.to_device(dst, x.data, x.bytes);
+    *x.at = x.bytes ? dst : nullptr;
+    at += align_up(x.bytes, 256);
+  }
+}
+
 void BertModel::place_gradients(std::byte* memory) {
+  BT_CHECK(be_.host_memory(), "gradients in the ", be_.name(), " backend's memory stay there");
   Arena moved(plan_, "gradients", memory);
   std::memcpy(moved.base(), grads_.base(), grads_.bytes());
   grads_ = std::move(moved);
@@ -337,6 +400,13 @@ void BertModel::init_params(uint64_t seed) {
 }
 
 void BertModel::write_param(const ParamInfo& p, const std::function<void(float*)>& read) {
+  if (!be_.host_memory()) {  // made on the host, copied to the backend's memory
+    std::vector<float> host(static_cast<size_t>(p.numel()));
+    read(host.data());
+    be_.to_device(params() + p.offset, host.data(), host.size() * sizeof(float));
+    bf16_fresh_ = false;
+    return;
+  }
   if (!dims_.master_shard) {
     read(params() + p.offset);
     bf16_fresh_ = false;  // the bf16 copy follows at the next forward
@@ -481,7 +551,7 @@ void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const flo
     const Kept qkv{a.qkv.f32 + r0 * 3 * C, a.qkv.bits ? a.qkv.bits + r0 * 3 * C : nullptr};
     // The run's probabilities draw the padded model's dropout: its sequences' [NH,T,T] blocks.
     const Dropout d{p_attn, key, (opt.example_offset + first) * NH * T * T};
-    const int32_t* mask = pk.mask.data() + r0;
+    const int32_t* mask = in_.mask + r0;
     if (forward)
       be_.attention_forward(prec_, a.ctx.f32 + r0 * C, sv, qkv, mask, s, d, ws_);
     else
@@ -509,6 +579,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   packed_.T = b.T;
   packed_.P = b.P;
   if (up) pack(b);
+  stage_inputs(b);
   const int64_t B = b.B, T = b.T, N = up ? packed_.rows : B * T, C = cfg_.hidden_size,
                 V = cfg_.vocab_size;
   int64_t real = up ? packed_.real : 0;
@@ -525,9 +596,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
 
   const ParamTable& t = table_;
   be_.embedding_layernorm_forward(
-      act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd,
-      up ? packed_.ids.data() : b.input_ids.data(),
-      up ? packed_.segments.data() : b.segment_ids.data(), up ? packed_.positions.data() : nullptr,
+      act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd, in_.ids, in_.segments, in_.positions,
       W(t.offset("bert.embeddings.word_embeddings.weight")),
       W(t.offset("bert.embeddings.position_embeddings.weight")),
       W(t.offset("bert.embeddings.token_type_embeddings.weight")),
@@ -548,14 +617,14 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     // mean cross-entropy over the scored tokens (weight 1; HF's ignore_index -100 is weight 0).
     // Unpadded: the packed rows' labels and weights (dummy rows weigh 0).
     const int64_t NL = cfg_.num_labels;
-    const int32_t* labels = up ? packed_.token_labels.data() : b.token_label_ids.data();
-    const float* weights = up ? packed_.token_weights.data() : b.token_label_weights.data();
+    const int32_t* labels = in_.token_labels;
+    const float* weights = in_.token_weights;
     be_.copy(act_.tok_drop, x, N * C);
     dropout_rows(false, act_.tok_drop, nullptr, N, site(L + 1, kTokens, p_hidden, off_tc));
     be_.linear_forward(prec_, act_.tok_logits, {act_.tok_drop}, Wt(t.offset("classifier.weight")),
                        W(t.offset("classifier.bias")), N, NL, C, ws_);
     double scored = 0;
-    for (int64_t i = 0; i < N; ++i) scored += weights[i];
+    for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
     const CrossEntropySums ce = be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct,
                                                   act_.tok_logits, labels, weights, N, NL, 0.0f);
     Losses out;
@@ -578,7 +647,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
                        N, 1, C, ws_);
     const CrossEntropySums ce =
         be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.qa_logits,
-                          b.span_positions.data(), nullptr, 2 * B, T, 0.0f);
+                          in_.span_positions, nullptr, 2 * B, T, 0.0f);
     Losses out;
     out.real_tokens = real;
     out.computed_tokens = N;
@@ -589,7 +658,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   }
 
   // Pooler: tanh(dense(h[:, 0])).
-  be_.gather_rows(act_.cls_in, x, up ? packed_.cls.data() : nullptr, B, 1, up ? 0 : T, C);
+  be_.gather_rows(act_.cls_in, x, in_.cls, B, 1, up ? 0 : T, C);
   be_.linear_forward(prec_, act_.pooled, {act_.cls_in}, Wt(t.offset("bert.pooler.dense.weight")),
                      W(t.offset("bert.pooler.dense.bias")), B, C, C, ws_);
   be_.tanh_forward(act_.pooled, act_.pooled, B * C);
@@ -602,15 +671,14 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
                        Wt(t.offset("cls.seq_relationship.weight")),
                        W(t.offset("cls.seq_relationship.bias")), B, 2, C, ws_);
     const CrossEntropySums nsp =
-        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
-                          b.next_sentence_labels.data(), nullptr, B, 2, 0.0f);
+        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits, in_.nsp_labels,
+                          nullptr, B, 2, 0.0f);
     out.nsp_loss = nsp.loss / B;
     out.nsp_correct = static_cast<int64_t>(nsp.correct);
 
     // MLM head on the masked positions only (gather first): BP rows instead of B*T.
     const int64_t BP = up ? packed_.mlm_rows : B * b.P;
-    be_.gather_rows(act_.mlm_in, x, up ? packed_.mlm.data() : b.masked_lm_positions.data(),
-                    up ? 1 : B, up ? BP : b.P, up ? 0 : T, C);
+    be_.gather_rows(act_.mlm_in, x, in_.mlm_positions, up ? 1 : B, up ? BP : b.P, up ? 0 : T, C);
     be_.linear_forward(prec_, act_.mlm_pre, {act_.mlm_in},
                        Wt(t.offset("cls.predictions.transform.dense.weight")),
                        W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C, ws_);
@@ -628,7 +696,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     const float dscale1 = static_cast<float>(1.0 / (out.mlm_weight + kMlmDenominatorEps));
     const CrossEntropySums mlm =
         be_.cross_entropy(opt.training ? act_.mlm_logits : nullptr, act_.row_loss, act_.row_correct,
-                          act_.mlm_logits, mlm_ids(b), mlm_weights(b), BP, V, dscale1);
+                          act_.mlm_logits, in_.mlm_ids, in_.mlm_weights, BP, V, dscale1);
     mlm_grad_ready_ = opt.training;
     out.mlm_correct = mlm.correct;
     out.mlm_loss = mlm.loss / (out.mlm_weight + kMlmDenominatorEps);
@@ -642,11 +710,11 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
                        Wt(t.offset("classifier.weight")), W(t.offset("classifier.bias")), B, NL, C,
                        ws_);
     if (NL == 1) {  // regression (HF's rule for one label): mean squared error
-      out.loss = be_.squared_error(nullptr, act_.cls_logits, b.label_values.data(), B, 0.0f) / B;
+      out.loss = be_.squared_error(nullptr, act_.cls_logits, in_.label_values, B, 0.0f) / B;
     } else {
       const CrossEntropySums cls =
           be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
-                            b.label_ids.data(), nullptr, B, NL, 0.0f);
+                            in_.label_ids, nullptr, B, NL, 0.0f);
       out.loss = cls.loss / B;
       out.cls_correct = static_cast<int64_t>(cls.correct);
     }
@@ -675,7 +743,7 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
     // The dummy rows past the real tokens take no part in attention: zeros, not stale values.
     be_.zero(a.ctx.f32 + packed_.real * C, static_cast<int64_t>(f32s((N - packed_.real) * C)));
   } else {
-    be_.attention_forward(prec_, a.ctx.f32, a.saved, a.qkv, b.input_mask.data(), {B, T, C, NH},
+    be_.attention_forward(prec_, a.ctx.f32, a.saved, a.qkv, in_.mask, {B, T, C, NH},
                           site(kAttnProbs, p_attn, off_probs), ws_);
   }
   be_.keep(prec_, a.ctx, N * C);
@@ -725,10 +793,10 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   float* dpooled = act_.dhead2;  // [B,C]
   if (head_ == Head::TokenClassification) {
     const int64_t NL = cfg_.num_labels;
-    const int32_t* labels = up ? packed_.token_labels.data() : b.token_label_ids.data();
-    const float* weights = up ? packed_.token_weights.data() : b.token_label_weights.data();
+    const int32_t* labels = in_.token_labels;
+    const float* weights = in_.token_weights;
     double scored = 0;
-    for (int64_t i = 0; i < N; ++i) scored += weights[i];
+    for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
     float* dlog = act_.dsmall;  // [N,NL]
     be_.cross_entropy(dlog, nullptr, nullptr, act_.tok_logits, labels, weights, N, NL,
                       scored > 0 ? static_cast<float>(loss_scale / scored) : 0.0f);
@@ -737,16 +805,16 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     dropout_rows(true, dh, dh, N, site(L + 1, kTokens, p_hidden, off_tc));
   } else if (head_ == Head::QuestionAnswering) {
     float* dlog = act_.dsmall;  // [2N]: d start logits, then d end logits
-    be_.cross_entropy(dlog, nullptr, nullptr, act_.qa_logits, b.span_positions.data(), nullptr,
-                      2 * B, T, static_cast<float>(loss_scale / (2.0 * B)));
+    be_.cross_entropy(dlog, nullptr, nullptr, act_.qa_logits, in_.span_positions, nullptr, 2 * B, T,
+                      static_cast<float>(loss_scale / (2.0 * B)));
     const int64_t w = t.offset("qa_outputs.weight"), bias = t.offset("qa_outputs.bias");
     const Kept seq{seq_out_};
     lin_bwd(dh, w, bias, dlog, seq, N, 1, C);
     lin_bwd(dh, w + C, bias + 1, dlog + N, seq, N, 1, C, /*accumulate=*/true);
   } else if (head_ == Head::Pretraining) {
     float* dnsp = act_.dsmall;
-    be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, b.next_sentence_labels.data(),
-                      nullptr, B, 2, loss_scale / B);
+    be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, in_.nsp_labels, nullptr, B, 2,
+                      loss_scale / B);
     lin_bwd(dpooled, t.offset("cls.seq_relationship.weight"), t.offset("cls.seq_relationship.bias"),
             dnsp, {act_.pooled}, B, 2, C);
 
@@ -760,8 +828,8 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
       double wsum = 0;
       for (int64_t r = 0; r < BP; ++r) wsum += mlm_weights(b)[r];
       const float dscale = static_cast<float>(loss_scale / (wsum + kMlmDenominatorEps));
-      be_.cross_entropy(dlogits, nullptr, nullptr, act_.mlm_logits, mlm_ids(b), mlm_weights(b), BP,
-                        V, dscale);
+      be_.cross_entropy(dlogits, nullptr, nullptr, act_.mlm_logits, in_.mlm_ids, in_.mlm_weights,
+                        BP, V, dscale);
     }
     mlm_grad_ready_ = false;
     float* d1 = act_.dhead1;  // [BP,C]
@@ -774,15 +842,14 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     be_.activation_backward(Precision::FP32, act, d2, {act_.mlm_pre}, d2, BP * C);
     lin_bwd(d1, t.offset("cls.predictions.transform.dense.weight"),
             t.offset("cls.predictions.transform.dense.bias"), d2, {act_.mlm_in}, BP, C, C);
-    be_.scatter_add_rows(dh, d1, up ? packed_.mlm.data() : b.masked_lm_positions.data(), up ? 1 : B,
-                         up ? BP : b.P, up ? 0 : T, C);
+    be_.scatter_add_rows(dh, d1, in_.mlm_positions, up ? 1 : B, up ? BP : b.P, up ? 0 : T, C);
   } else {
     const int64_t NL = cfg_.num_labels;
     float* dlog = act_.dsmall;
     if (NL == 1)
-      be_.squared_error(dlog, act_.cls_logits, b.label_values.data(), B, loss_scale / B);
+      be_.squared_error(dlog, act_.cls_logits, in_.label_values, B, loss_scale / B);
     else
-      be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, b.label_ids.data(), nullptr, B, NL,
+      be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, in_.label_ids, nullptr, B, NL,
                         loss_scale / B);
     lin_bwd(dpooled, t.offset("classifier.weight"), t.offset("classifier.bias"), dlog,
             {act_.pooled_drop}, B, NL, C);
@@ -794,7 +861,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     float* dcls = act_.dhead1;
     lin_bwd(dcls, t.offset("bert.pooler.dense.weight"), t.offset("bert.pooler.dense.bias"), dpooled,
             {act_.cls_in}, B, C, C);
-    be_.scatter_add_rows(dh, dcls, up ? packed_.cls.data() : nullptr, B, 1, up ? 0 : T, C);
+    be_.scatter_add_rows(dh, dcls, in_.cls, B, 1, up ? 0 : T, C);
   }
 
   // ---- encoder, last layer first ----
@@ -826,7 +893,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
       // The dummy rows: no gradient reaches the QKV weights from them.
       be_.zero(dI + packed_.real * 3 * C, static_cast<int64_t>(f32s((N - packed_.real) * 3 * C)));
     } else {
-      be_.attention_backward(prec_, dI, dA, a.qkv, a.saved, b.input_mask.data(), {B, T, C, NH},
+      be_.attention_backward(prec_, dI, dA, a.qkv, a.saved, in_.mask, {B, T, C, NH},
                              site(l + 1, kAttnProbs, p_attn, off_probs), ws_);
     }
     lin_bwd(dh, o.qkv_w, o.qkv_b, dI, {x}, N, 3 * C, C,
@@ -846,10 +913,8 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   float* pad_row = G(word + cfg_.pad_token_id * C);
   be_.copy(act_.dhead1, pad_row, C);
   be_.embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
-                         G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA,
-                         up ? packed_.ids.data() : b.input_ids.data(),
-                         up ? packed_.segments.data() : b.segment_ids.data(),
-                         up ? packed_.positions.data() : nullptr, up ? 1 : B, up ? N : T, C);
+                         G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA, in_.ids,
+                         in_.segments, in_.positions, up ? 1 : B, up ? N : T, C);
   be_.copy(pad_row, act_.dhead1, C);
 }
 

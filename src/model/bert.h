@@ -128,7 +128,10 @@ std::vector<std::pair<size_t, size_t>> master_holes(const ParamTable& table, int
 
 class BertModel {
  public:
-  // Kernels run on `backend` (the CPU's unless told).
+  // Kernels run on `backend` (the CPU's unless told). A backend with memory of its own (a GPU:
+  // Backend::host_memory false) holds the arenas: params(), grads() and the activations are
+  // then its memory (read them with backend().to_host); write_param copies what the host
+  // makes there, and forward copies the batch arrays the kernels read.
   BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
             const kernels::Backend& backend = kernels::cpu_backend());
   // Unbinds the kernel scratch (its region goes with the model; kernels then use their own).
@@ -139,6 +142,7 @@ class BertModel {
                               const kernels::Backend& backend = kernels::cpu_backend());
 
   const BertConfig& config() const { return cfg_; }
+  const kernels::Backend& backend() const { return be_; }
   const ParamTable& table() const { return table_; }
   const ModelDims& dims() const { return dims_; }
   const MemoryPlan& plan() const { return plan_; }
@@ -249,6 +253,19 @@ class BertModel {
   // position 0, mask 0, padded row 0); cls and mlm the heads' rows; a token classifier's labels
   // and weights per row (dummy rows: weight 0). The MLM head's rows are the weighted
   // predictions only, with their ids and weights (mlm_ids, mlm_weights).
+  // The batch arrays the kernels read, chosen once per forward (padded: the batch's; unpadded:
+  // the packed ones) and, for a backend with memory of its own, copied there
+  // (stage_inputs): forward and backward pass these, never the batch's.
+  struct KernelInputs {
+    const int32_t *ids = nullptr, *segments = nullptr, *positions = nullptr, *mask = nullptr,
+                  *padded_row = nullptr, *cls = nullptr, *mlm_positions = nullptr,
+                  *mlm_ids = nullptr, *token_labels = nullptr, *span_positions = nullptr,
+                  *nsp_labels = nullptr, *label_ids = nullptr;
+    const float *mlm_weights = nullptr, *token_weights = nullptr, *label_values = nullptr;
+  };
+  void stage_inputs(const Batch& b);
+  // The group's arena: allocated here, or from a backend with memory of its own.
+  Arena make_arena(const std::string& group);
   struct Packed {
     int64_t B = 0, T = 0, P = 0, real = 0, rows = 0;  // B, T, P: the last batch's, padded too
     int64_t mlm_rows = 0;                             // rows of the MLM head
@@ -261,12 +278,13 @@ class BertModel {
   };
   // Unpadded pretraining runs its MLM head on the weighted predictions only.
   bool compact_mlm() const { return unpadded() && head_ == Head::Pretraining; }
-  // The MLM head's labels and weights for batch b (its rows: packed_.mlm_rows).
-  const int32_t* mlm_ids(const Batch& b) const {
-    return compact_mlm() ? packed_.mlm_ids.data() : b.masked_lm_ids.data();
-  }
+  // The MLM head's weights for batch b on the host (its rows: packed_.mlm_rows).
   const float* mlm_weights(const Batch& b) const {
     return compact_mlm() ? packed_.mlm_weights.data() : b.masked_lm_weights.data();
+  }
+  // The token classifier's weights on the host (the loss's denominator).
+  const float* token_weights_host(const Batch& b) const {
+    return unpadded() ? packed_.token_weights.data() : b.token_label_weights.data();
   }
   void pack(const Batch& b);
   // Dropout of the N rows of x (forward: in place) or its backward (dx from dy) at site d:
@@ -275,7 +293,7 @@ class BertModel {
                     const kernels::Dropout& d) const;
   // A row kernel's dropout site, keyed by the padded rows when running unpadded.
   kernels::Dropout on_rows(kernels::Dropout d) const {
-    if (unpadded()) d.rows = packed_.padded_row.data();
+    if (unpadded()) d.rows = in_.padded_row;
     return d;
   }
   // The attention core of layer l over the packed rows, forward or backward (one call per run).
@@ -293,6 +311,12 @@ class BertModel {
   ParamTable table_;
   ModelDims dims_;
   MemoryPlan plan_;
+  // A backend with memory of its own: the arenas' blocks and the staged batch arrays (freed
+  // with the model, through the backend).
+  std::vector<std::shared_ptr<void>> device_blocks_;
+  std::shared_ptr<void> staging_;
+  size_t staging_bytes_ = 0;
+  KernelInputs in_;
   Arena params_, grads_, acts_arena_, scratch_, bf16_arena_, kernels_arena_;
   kernels::ScratchLayout kernel_scratch_;  // kernels_arena_'s layout, bound before kernels run
   Acts act_{};

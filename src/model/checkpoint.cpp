@@ -186,6 +186,13 @@ void save_pretrained(const BertModel& m, const std::string& dir, DType dtype,
   if (ec) fail("cannot create checkpoint directory ", dir, ": ", ec.message());
   std::vector<SafeTensorOut> out;
   for (const auto& p : m.table().params()) {
+    if (!m.backend().host_memory()) {  // a GPU's model: each tensor copied out as it is written
+      out.push_back({p.name, dtype, p.shape, nullptr, nullptr, [&m, &p](float* o) {
+                       m.backend().to_host(o, m.params() + p.offset,
+                                           static_cast<size_t>(p.numel()) * sizeof(float));
+                     }});
+      continue;
+    }
     if (m.holds_fp32(p)) {
       out.push_back({p.name, dtype, p.shape, m.params() + p.offset, nullptr});
       continue;

@@ -293,6 +293,13 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
+void* Backend::allocate(size_t bytes) const {
+  fail("the ", name(), " backend reads host memory: its models allocate their own arenas (", bytes,
+       " bytes asked for)");
+}
+
+void Backend::release(void*) const {}
+
 const Backend& cpu_backend() {
   static const CpuBackend backend;
   return backend;

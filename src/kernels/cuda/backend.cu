@@ -237,6 +237,30 @@ class CudaBackend final : public kernels::Backend {
  public:
   const char* name() const override { return "cuda"; }
 
+  bool host_memory() const override { return false; }
+  void* allocate(size_t bytes) const override {
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, bytes);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      size_t free_bytes = 0, total = 0;
+      cudaMemGetInfo(&free_bytes, &total);
+      fail("out of GPU memory: ", bytes, " bytes asked for, ", free_bytes, " of ", total, " free (",
+           cudaGetErrorString(e), "); lower the batch size or the sequence length");
+    }
+    BT_CUDA_CHECK(cudaMemset(p, 0, bytes));
+    return p;
+  }
+  void release(void* p) const override {
+    if (p) cudaFree(p);
+  }
+  void to_device(void* dst, const void* src, size_t bytes) const override {
+    BT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  }
+  void to_host(void* dst, const void* src, size_t bytes) const override {
+    BT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+  }
+
   // The kernels keep their scratch themselves (cuBLASLt's workspace, the reductions' partial
   // sums, attention's per-sequence buffers: own_scratch), so the model plans none here.
   kernels::ScratchLayout scratch_layout(const kernels::KernelShapes&) const override { return {}; }

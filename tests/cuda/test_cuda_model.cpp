@@ -1,0 +1,124 @@
+// BertModel on the CUDA backend against BertModel on the CPU: its arenas in GPU memory, the
+// parameters written from the host, the batch arrays copied per forward; the same losses and
+// every gradient, in each precision, padded and unpadded, with dropout; and a checkpoint written
+// from the GPU model loads into the CPU model bit for bit. Skips without a GPU.
+// Tolerances: fp32 differs in summation order only: rtol 1e-4 / atol 1e-4 of each tensor's max
+// after two layers of backward (the golden tests' bound against PyTorch is the same order);
+// 16-bit paths round operands the other way where the two accumulate differently: 3e-2.
+#include <gtest/gtest.h>
+
+#include "kernels/cpu/matmul.h"
+#include "kernels/cuda/cuda.h"
+#include "model/bert.h"
+#include "model/checkpoint.h"
+#include "test_util.h"
+
+namespace bertrain {
+namespace {
+
+using model::BertModel;
+using model::Head;
+using model::ModelDims;
+
+#define SKIP_WITHOUT_GPU() \
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine"
+
+struct StepRun {
+  model::Losses losses;
+  std::vector<float> grads, params;
+};
+
+StepRun step(const kernels::Backend& be, const model::BertConfig& c, Head head, const ModelDims& d,
+             const model::Batch& b) {
+  BertModel m(c, head, d, be);
+  m.init_params(11);
+  m.zero_grads();
+  const model::StepOptions opt{true, 5, 3, 0};
+  StepRun r;
+  r.losses = m.forward(b, opt);
+  m.backward(b, opt, 1.0f);
+  const size_t n = static_cast<size_t>(m.table().total());
+  r.grads.resize(n);
+  r.params.resize(n);
+  be.to_host(r.grads.data(), m.grads(), n * sizeof(float));
+  be.to_host(r.params.data(), m.params(), n * sizeof(float));
+  return r;
+}
+
+TEST(CudaModel, ForwardBackwardEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  const model::Batch b = test::random_batch(c, 4, 32, 5);
+  for (int precision = 0; precision < 3; ++precision)
+    for (bool unpadded : {false, true}) {
+      ModelDims d{b.B, b.T, b.P};
+      d.attention = ModelDims::Attention::Full;
+      d.unpadded = unpadded;
+      d.bf16 = precision == 1;
+      d.fp16 = precision == 2;
+      if (d.bf16 && !kernels::gemm_bf16_available()) continue;  // no CPU reference here
+      SCOPED_TRACE(testing::Message() << "precision " << precision << " unpadded " << unpadded);
+      const StepRun cpu = step(kernels::cpu_backend(), c, Head::Pretraining, d, b);
+      const StepRun gpu = step(cuda::cuda_backend(), c, Head::Pretraining, d, b);
+      EXPECT_EQ(gpu.params, cpu.params);  // initialised on the host, copied
+      const double tol = precision == 0 ? 1e-4 : 3e-2;
+      EXPECT_NEAR(gpu.losses.loss, cpu.losses.loss, tol * std::fabs(cpu.losses.loss));
+      EXPECT_NEAR(gpu.losses.mlm_loss, cpu.losses.mlm_loss, tol * std::fabs(cpu.losses.mlm_loss));
+      EXPECT_NEAR(gpu.losses.nsp_loss, cpu.losses.nsp_loss, tol * std::fabs(cpu.losses.nsp_loss));
+      BertModel shapes(c, Head::Pretraining, d);
+      for (const auto& p : shapes.table().params())
+        EXPECT_TRUE(test::all_close(p.name, gpu.grads.data() + p.offset,
+                                    cpu.grads.data() + p.offset, p.numel(), tol, tol));
+    }
+}
+
+// The other heads: sequence classification, token classification, question answering.
+TEST(CudaModel, TaskHeadsEqualCpu) {
+  SKIP_WITHOUT_GPU();
+  model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  c.num_labels = 3;
+  model::Batch b = test::random_batch(c, 4, 32, 5);
+  b.label_ids = {0, 2, 1, 2};
+  b.token_label_ids.assign(b.B * b.T, 1);
+  b.token_label_weights.assign(b.B * b.T, 1.0f);
+  for (int64_t i = 0; i < b.B * b.T; i += 3) b.token_label_ids[i] = 2;
+  b.span_positions = {3, 7, 1, 20, 5, 9, 0, 0};  // starts of the 4 sequences, then their ends
+  for (Head head :
+       {Head::SequenceClassification, Head::TokenClassification, Head::QuestionAnswering}) {
+    SCOPED_TRACE(static_cast<int>(head));
+    ModelDims d{b.B, b.T, b.P};
+    d.attention = ModelDims::Attention::Full;
+    const StepRun cpu = step(kernels::cpu_backend(), c, head, d, b);
+    const StepRun gpu = step(cuda::cuda_backend(), c, head, d, b);
+    EXPECT_NEAR(gpu.losses.loss, cpu.losses.loss, 1e-4 * std::fabs(cpu.losses.loss));
+    EXPECT_TRUE(
+        test::all_close("grads", gpu.grads.data(), cpu.grads.data(), cpu.grads.size(), 1e-4, 1e-4));
+  }
+}
+
+// A checkpoint written from the GPU model is the CPU model's parameters.
+TEST(CudaModel, CheckpointFromTheGpuLoadsOnTheCpu) {
+  SKIP_WITHOUT_GPU();
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  const ModelDims d{2, 16, 3};
+  BertModel gpu(c, Head::Pretraining, d, cuda::cuda_backend());
+  gpu.init_params(3);
+  test::TempDir tmp;
+  model::save_pretrained(gpu, tmp / "ck");
+  BertModel cpu(c, Head::Pretraining, d);
+  model::load_safetensors_into(cpu, tmp / "ck/model.safetensors");
+  BertModel ref(c, Head::Pretraining, d);
+  ref.init_params(3);
+  const int64_t n = ref.table().total();
+  EXPECT_EQ(std::vector<float>(cpu.params(), cpu.params() + n),
+            std::vector<float>(ref.params(), ref.params() + n));
+  // and back: the CPU's checkpoint into the GPU model
+  BertModel gpu2(c, Head::Pretraining, d, cuda::cuda_backend());
+  model::load_safetensors_into(gpu2, tmp / "ck/model.safetensors");
+  std::vector<float> back(static_cast<size_t>(n));
+  gpu2.backend().to_host(back.data(), gpu2.params(), back.size() * sizeof(float));
+  EXPECT_EQ(back, std::vector<float>(ref.params(), ref.params() + n));
+}
+
+}  // namespace
+}  // namespace bertrain
