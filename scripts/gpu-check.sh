@@ -8,10 +8,13 @@
 #   scripts/gpu-check.sh run    there (or here, where the GPU tests skip): unpacks it and runs
 #                               every GPU test (Cuda.*: each CUDA kernel against the CPU kernel;
 #                               CudaBackend.*: the CUDA backend against the CPU backend in every
-#                               precision) and the host tests of the row math the kernels share
-#                               (RowMath); the log goes to $OUT/gpu-check.log.
-# What it does not check yet, because it does not exist yet: a whole training step on the GPU
-# (the model's memory on the device), NCCL, and the BERT-base/Large benchmark against PyTorch.
+#                               precision; CudaModel.*: BertModel and train::Step on the GPU
+#                               against the CPU: every gradient, a 300-step loss curve,
+#                               checkpoints both ways) and the host tests of what they share
+#                               (RowMath, DeviceModel), then `bertrain doctor`'s GEMM ceiling
+#                               beside PyTorch's; the log goes to $OUT/gpu-check.log.
+# What it does not check yet, because it does not exist yet: training from the CLI on a GPU
+# (--device), NCCL, and the BERT-base/Large benchmark against PyTorch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACK=gpu-pack
@@ -60,7 +63,7 @@ case "${1:-}" in
       fi
       if ldd "$PACK/bin/bertrain_tests" | grep "not found"; then echo "gpu-check: libraries missing (above)"; fi
       set +e
-      OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$PACK/bin/bertrain_tests" --gtest_filter='Cuda*:*RowMath*'
+      OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$PACK/bin/bertrain_tests" --gtest_filter='Cuda*:*RowMath*:DeviceModel*'
       echo "gpu-check: tests exit $?"
       # The GEMM ceiling: ours (cuBLASLt, bertrain doctor) and PyTorch's on the same GPU.
       OURS=$("$PACK/bin/bertrain" doctor 2>&1 | grep -E "^ *[a-z]+ +gpu" | tee /dev/stderr |

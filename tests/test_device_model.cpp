@@ -10,11 +10,15 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "comm/communicator.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/matmul.h"
 #include "model/bert.h"
 #include "model/checkpoint.h"
 #include "test_util.h"
+#include "train/loss_scaler.h"
+#include "train/optimizer.h"
+#include "train/step.h"
 
 namespace bertrain {
 namespace {
@@ -235,20 +239,32 @@ class OwnMemoryBackend final : public Backend {
     own(g, "gradient");
     cpu().add_sum_squares(sum, g, n, scale);
   }
+  void own_update(const void* p, const void* p16, const void* g, const void* m,
+                  const void* v) const {
+    own(p, "parameters");
+    own(p16, "bf16 parameters");
+    own(g, "gradients");
+    own(m, "first moments");
+    own(v, "second moments");
+  }
   void adamw_update(const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m, float* v,
                     int64_t n) const override {
+    own_update(p, p16, g, m, v);
     cpu().adamw_update(a, p, p16, g, m, v, n);
   }
   void lamb_update(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m, float* v,
                    int64_t n) const override {
+    own_update(p, p16, g, m, v);
     cpu().lamb_update(a, p, p16, g, m, v, n);
   }
   void lamb_moments(const LambStep& a, const float* p, const float* g, float* m, float* v,
                     int64_t n, double& pn, double& un) const override {
+    own_update(p, nullptr, g, m, v);
     cpu().lamb_moments(a, p, g, m, v, n, pn, un);
   }
   void lamb_apply(const LambStep& a, float* p, uint16_t* p16, const float* m, const float* v,
                   int64_t n, float step) const override {
+    own_update(p, p16, nullptr, m, v);
     cpu().lamb_apply(a, p, p16, m, v, n, step);
   }
 
@@ -330,6 +346,46 @@ TEST(DeviceModel, TaskHeadsPassOnlyBackendMemory) {
   b.label_values = {0.5f, -1.0f, 2.0f, 0.0f};
   expect_same(step(own, c, model::Head::SequenceClassification, {b.B, b.T, b.P}, b),
               step(cpu_backend(), c, model::Head::SequenceClassification, {b.B, b.T, b.P}, b));
+}
+
+// Training steps (train::Step: forward, backward, the gradient norm, the update) with the
+// optimizer's moments in the backend's memory too: the same parameters as on the CPU after
+// three steps of AdamW and of LAMB, in fp32 and bf16 (whose update also writes the bf16 copy).
+TEST(DeviceModel, TrainingStepsEqualTheCpu) {
+  const OwnMemoryBackend own;
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  const model::Batch batch = test::random_batch(c, 4, 32, 5);
+  auto train = [&](const Backend& be, train::OptimizerKind kind, bool bf16) {
+    model::ModelDims d{batch.B, batch.T, batch.P};
+    d.bf16 = bf16;
+    d.unpadded = true;
+    model::BertModel m(c, model::Head::Pretraining, d, be);
+    m.init_params(11);
+    train::OptimizerConfig oc;
+    oc.kind = kind;
+    train::Optimizer opt(train::param_slices(m.table()), m.table().total(), oc, be);
+    train::LossScaler scaler{train::LossScaler::Config{}};
+    comm::SingleProcess single;
+    train::StepSettings ss;
+    ss.seed = 9;
+    train::Step step(m, opt, scaler, single, ss);
+    for (int64_t k = 0; k < 3; ++k)
+      EXPECT_TRUE(step.run(k, 1e-3,
+                           [&](model::Batch& b) {
+                             b = batch;
+                             return true;
+                           })
+                      .applied);
+    std::vector<float> p(static_cast<size_t>(m.table().total()));
+    be.to_host(p.data(), m.params(), p.size() * sizeof(float));
+    return p;
+  };
+  for (auto kind : {train::OptimizerKind::AdamW, train::OptimizerKind::Lamb})
+    for (bool bf16 : {false, true}) {
+      if (bf16 && !gemm_bf16_available()) continue;
+      SCOPED_TRACE(testing::Message() << train::optimizer_name(kind) << (bf16 ? " bf16" : ""));
+      EXPECT_EQ(train(own, kind, bf16), train(cpu_backend(), kind, bf16));
+    }
 }
 
 // Checkpoints cross: saved from the backend's memory, loaded into it, byte for byte; and a

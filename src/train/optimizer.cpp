@@ -48,7 +48,13 @@ Optimizer::Optimizer(std::vector<ParamSlice> slices, int64_t total, const Optimi
   BT_CHECK(shard_.begin >= 0 && shard_.end <= total && shard_.begin <= shard_.end,
            "optimizer shard [", shard_.begin, ", ", shard_.end, ") outside ", total, " parameters");
   plan::plan_optimizer_state(plan_, shard_.size(), 2);
-  state_ = Arena(plan_, "optimizer");  // zeroed
+  if (backend.host_memory()) {
+    state_ = Arena(plan_, "optimizer");  // zeroed
+  } else {
+    void* p = backend.allocate(std::max<size_t>(plan_.group_span("optimizer"), kAlign));  // zeroed
+    device_state_ = std::shared_ptr<void>(p, [be = &backend](void* q) { be->release(q); });
+    state_ = Arena(plan_, "optimizer", static_cast<std::byte*>(p));
+  }
   m_ = state_.f32("optimizer.m");
   v_ = state_.f32("optimizer.v");
 }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -87,7 +88,7 @@ class Optimizer {
   const Shard& shard() const { return shard_; }
   bool sharded() const { return shard_.world > 1; }
   // The moments of shard().begin .. end, in the optimizer group of the memory plan
-  // (plan::plan_optimizer_state).
+  // (plan::plan_optimizer_state): the backend's memory (a GPU's, when it has its own).
   std::span<float> m() const { return {m_, static_cast<size_t>(shard_.size())}; }
   std::span<float> v() const { return {v_, static_cast<size_t>(shard_.size())}; }
   int64_t total() const { return total_; }  // parameters of the model
@@ -108,6 +109,7 @@ class Optimizer {
   const kernels::Backend* be_;
   int64_t total_;
   MemoryPlan plan_;
+  std::shared_ptr<void> device_state_;  // the state's block, a backend with memory of its own
   Arena state_;
   float *m_, *v_;
   int64_t steps_ = 0;

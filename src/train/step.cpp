@@ -63,6 +63,9 @@ Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, comm::Commun
   if (s_.accumulation <= 0) fail("accumulation must be positive, got ", s_.accumulation);
   if (!(s_.predivide > 0)) fail("the gradient predivide factor must be positive");
   const int64_t P = m_.table().total();
+  if (!m_.backend().host_memory() && comm_.size() > 1)
+    fail("data parallelism across ", comm_.size(), " ranks of the ", m_.backend().name(),
+         " backend needs its collectives (NCCL), which are not built yet: one rank per run");
   if (opt_.sharded()) {
     if (opt_.shard().world != comm_.size() || opt_.shard().rank != comm_.rank())
       fail("the optimizer is sharded for rank ", opt_.shard().rank, " of ", opt_.shard().world,
