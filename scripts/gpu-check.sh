@@ -13,8 +13,12 @@
 #                               checkpoints both ways) and the host tests of what they share
 #                               (RowMath, DeviceModel), then `bertrain doctor`'s GEMM ceiling
 #                               beside PyTorch's; the log goes to $OUT/gpu-check.log.
-# What it does not check yet, because it does not exist yet: training from the CLI on a GPU
-# (--device), NCCL, and the BERT-base/Large benchmark against PyTorch.
+#                               Then BERT-base and BERT-Large training steps (bench --device
+#                               cuda) against PyTorch on the same GPU: tokens/s, ratio, MFU
+#                               against the GEMM ceiling measured in the run, GPU memory
+#                               (BENCH=0 skips them).
+# What it does not check yet, because it does not exist yet: train/finetune on a GPU from the
+# CLI, and NCCL between GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACK=gpu-pack
@@ -89,6 +93,35 @@ ours = float(sys.argv[1])
 print(f"pytorch gemm: {tf:.1f} TFLOP/s bf16 (torch {torch.__version__}, a @ b.T, {n}^3); "
       f"bertrain/pytorch {ours / tf:.2f}")
 PY
+      # BERT-base and BERT-Large training steps against PyTorch on the same GPU (bench/peer_pytorch.py
+      # --device cuda: HF BertForPreTraining, SDPA, autocast, fused AdamW), same batch.
+      if [ "${BENCH:-1}" = 1 ]; then
+        printf "%-24s %-4s %-9s %12s %12s %6s %6s %10s %10s\n" config prec "batch" "bertrain t/s" \
+          "pytorch t/s" ratio MFU "bt GPU" "pt GPU"
+        for run in "bert-base 128 20 32" "bert-large 128 20 32" "bert-large 512 80 8"; do
+          set -- $run
+          for prec in bf16 fp16; do
+            BT=$("$PACK/bin/bertrain" bench --device cuda --model-config "configs/$1.json" \
+              --seq-len "$2" --max-predictions "$3" --batch-size "$4" --precision "$prec" \
+              --steps 5 --warmup 2 --json 2>&1 | tail -1)
+            PT=$(python3 bench/peer_pytorch.py --device cuda --model-config "configs/$1.json" \
+              --seq-len "$2" --max-predictions "$3" --batch-size "$4" --precision "$prec" \
+              --steps 5 --warmup 2 2>&1 | tail -1)
+            python3 - "$1/$2" "$prec" "$4x$2" "$BT" "$PT" <<'PY'
+import json, sys
+name, prec, batch, bt, pt = sys.argv[1:]
+try:
+    b, p = json.loads(bt), json.loads(pt)
+except ValueError:  # one side failed: its last line says why
+    sys.exit(print(f"{name:<24} {prec:<4} {batch:<9} bertrain: {bt[:150]} | pytorch: {pt[:150]}"))
+gib = lambda x: f"{x / 2**30:.1f}GiB"
+print(f"{name:<24} {prec:<4} {batch:<9} {b['tokens_per_s']:12.0f} {p['tokens_per_s']:12.0f} "
+      f"{b['tokens_per_s'] / p['tokens_per_s']:6.2f} {b['mfu'] * 100:5.0f}% "
+      f"{gib(b['allocated_bytes']):>10} {gib(p['gpu_peak_allocated_bytes']):>10}")
+PY
+          done
+        done
+      fi
     } 2>&1 | tee "$LOG"
     grep -q "tests exit 0" "$LOG"
     ;;

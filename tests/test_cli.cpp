@@ -68,6 +68,28 @@ TEST(Cli, ErrorsAreOneLineWithTheCause) {
       << r.out;
 }
 
+// --device: a GPU that cannot be had is named as such (this build without the CUDA backend, or
+// the CUDA build on a machine without a GPU), and auto falls back to the CPU.
+TEST(Cli, DeviceSaysWhyNoGpu) {
+  const std::string bench = "bench --model-config " + data_path("../configs/bert-tiny.json") +
+                            " --batch-size 2 --seq-len 16 --max-predictions 2 --steps 1 "
+                            "--warmup 0 --device ";
+  RunResult r = run(bench + "gpu");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.out.find("--device must be cpu, cuda or auto, got 'gpu'"), std::string::npos)
+      << r.out;
+  r = run(bench + "cuda");
+  const bool named = r.out.find("built without the CUDA backend") != std::string::npos ||
+                     r.out.find("no CUDA device is visible") != std::string::npos;
+  // (a machine with a GPU and a CUDA build runs it: then it must succeed on the GPU)
+  if (r.rc == 0)
+    EXPECT_NE(r.out.find("gpu "), std::string::npos) << r.out;
+  else
+    EXPECT_TRUE(named) << r.out;
+  r = run(bench + "auto");
+  EXPECT_EQ(r.rc, 0) << r.out;
+}
+
 TEST(Cli, InitThenInspectRoundTrip) {
   TempDir tmp;
   RunResult r = run("init --model-config " + data_path("../configs/bert-tiny.json") + " --output " +

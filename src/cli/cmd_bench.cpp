@@ -101,7 +101,7 @@ struct BenchResult {
 void add_bench(CLI::App& app) {
   struct Opts {
     std::string config, head = "pretraining", precision = "fp32", attention = "auto",
-                        recompute = "none", data, padding = "skip";
+                        recompute = "none", data, padding = "skip", device = "cpu";
     int64_t batch = 8, seq = 128, preds = 20, pack = 0;
     int steps = 5, warmup = 2, threads = 0;
     bool json = false;
@@ -137,6 +137,7 @@ void add_bench(CLI::App& app) {
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
   add_padding_option(c, o->padding);
+  add_device_option(c, o->device);
   c->get_option("--padding")
       ->description(
           "skip (each sequence on its real tokens), compute (padded to --seq-len) or both: the "
@@ -164,10 +165,12 @@ void add_bench(CLI::App& app) {
     if (o->pack < 0 || (o->pack > 0 && o->data.empty()))
       fail(setting("pack"), " packs prepared records: it needs ", setting("data"), " and N > 0");
     if (o->pack > 0) modes.push_back(Mode::Packed);
+    const kernels::Backend& be = device_backend(o->device);
+    const bool gpu = !be.host_memory();
     // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
-    // below is the training run's, not this probe's.
-    const double peak = obs::measure_gemm_peak_gflops(o->batch * o->seq, cfg.intermediate_size,
-                                                      cfg.hidden_size, bf16, 1.0);
+    // below is the training run's, not this probe's. On a GPU, cuBLASLt's.
+    const double peak = device_gemm_peak_gflops(be, o->batch * o->seq, cfg.intermediate_size,
+                                                cfg.hidden_size, bf16, 1.0);
     // What the process holds before the training run exists: the libraries (oneDNN, OpenMP,
     // MPI, protobuf, the C++ runtime) and their own state.
     const double baseline = resident_bytes();
@@ -196,15 +199,18 @@ void add_bench(CLI::App& app) {
       model::ModelDims dims = train::with_precision(
           {o->batch, o->seq, P, false, model::parse_attention(o->attention)}, prec);
       apply_recompute(o->recompute, dims);
+      // The GPU has the full attention kernel only: auto takes it at every length there.
+      if (gpu && dims.attention == model::ModelDims::Attention::Auto)
+        dims.attention = model::ModelDims::Attention::Full;
       dims.unpadded = unpadded;
       if (mode == Mode::Packed) {
         dims.batch = o->batch * o->pack;
         dims.pack_rows = o->batch;
       }
-      model::BertModel m(cfg, head, dims);
+      model::BertModel m(cfg, head, dims, be);
       m.init_params(1);
-      train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(),
-                                 {});  // AdamW, clipping at 1.0
+      train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(), {},
+                                 be);  // AdamW, clipping at 1.0
       // The training step itself (train/step.h), as train and finetune run it: fp16 with the
       // scaler's initial loss scale, the gradients unscaled in the optimizer pass.
       train::LossScaler::Config sc;
@@ -254,7 +260,7 @@ void add_bench(CLI::App& app) {
             omp_get_max_threads(), o->precision.c_str(),
             m.dims().blocked_attention() ? "blocked" : "full",
             m.dims().recompute_layers ? ", layers recomputed" : "", warmup, o->steps);
-        std::printf("  cpu        %s\n", kernels::cpu_description().c_str());
+        std::printf("  %s\n", device_description(be).c_str());
         if (bf16 && !kernels::bf16_speed_note().empty())
           std::printf("  %s\n", kernels::bf16_speed_note().c_str());
         std::printf("  data       %s\n",
@@ -284,6 +290,7 @@ void add_bench(CLI::App& app) {
                             {"padding", mode_name(r.mode)},
                             {"instances_per_step", r.instances / o->steps},
                             {"cpu", cpu_model_name()},
+                            {"device", be.name()},
                             {"isa", isa_name(cpu_isa())},
                             {"gemm_isa", kernels::gemm_isa_name()},
                             {"tokens_per_s", tokens},
@@ -324,12 +331,16 @@ void add_bench(CLI::App& app) {
           "  compute    %8.1f GFLOP/s model FLOPs computed; %s GEMM ceiling measured now %.1f "
           "GFLOP/s; utilisation %.0f%%\n",
           gflops, bf16 ? "bf16" : "fp32", peak, 100.0 * gflops / peak);  // fp16: fp32 compute
-      std::printf(
-          "  memory     peak RSS %s = %s before the model (libraries) + %s; planned %s, "
-          "allocated from the arenas %s\n",
-          human_bytes(r.rss).c_str(), human_bytes(baseline).c_str(),
-          human_bytes(r.rss - baseline).c_str(), human_bytes(r.planned).c_str(),
-          human_bytes(r.allocated).c_str());
+      if (gpu)
+        std::printf("  memory     GPU: the model's and optimizer's arenas %s; host peak RSS %s\n",
+                    human_bytes(r.allocated).c_str(), human_bytes(r.rss).c_str());
+      else
+        std::printf(
+            "  memory     peak RSS %s = %s before the model (libraries) + %s; planned %s, "
+            "allocated from the arenas %s\n",
+            human_bytes(r.rss).c_str(), human_bytes(baseline).c_str(),
+            human_bytes(r.rss - baseline).c_str(), human_bytes(r.planned).c_str(),
+            human_bytes(r.allocated).c_str());
       std::printf("  loss       %.4f (%s)\n", r.loss,
                   o->data.empty() ? "synthetic data; sanity only" : "untrained model");
     }

@@ -86,6 +86,9 @@ class Backend {
   virtual void to_host(void* dst, const void* src, size_t bytes) const {
     std::memcpy(dst, src, bytes);
   }
+  // Waits until the kernels issued so far have run (a GPU's run asynchronously; timings of a
+  // phase end here). The CPU's kernels have run when they return.
+  virtual void synchronize() const {}
 
   // -- kernel scratch (kernels/types.h) --
   // What this backend's kernels need besides their operands for the shapes a model runs; the

@@ -159,6 +159,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
                                 static_cast<uint64_t>((micro * world + rank) * per_batch)};
     t0 = Clock::now();
     const model::Losses l = m_.forward(batch_, so);
+    m_.backend().synchronize();  // a GPU's phases end when its kernels have run
     r.t_forward += since(t0);
     span("forward", "compute", t0);
     stats[0] += l.loss;
@@ -178,6 +179,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
       m_.backward(batch_, so, g.backward, [&](int64_t layer) { reducer_->layer_done(layer); });
     else
       m_.backward(batch_, so, g.backward);
+    m_.backend().synchronize();
     r.t_backward += since(t0);
     span("backward", "compute", t0);
   }
@@ -241,6 +243,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
     }
     m_.bf16_weights_updated();
   }
+  m_.backend().synchronize();
   r.t_optimizer = since(t0);
   span("optimizer", "optimizer", t0);
   r.t_total = since(t_step);

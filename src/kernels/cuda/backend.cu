@@ -260,6 +260,7 @@ class CudaBackend final : public kernels::Backend {
   void to_host(void* dst, const void* src, size_t bytes) const override {
     BT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
   }
+  void synchronize() const override { BT_CUDA_CHECK(cudaDeviceSynchronize()); }
 
   // The kernels keep their scratch themselves (cuBLASLt's workspace, the reductions' partial
   // sums, attention's per-sequence buffers: own_scratch), so the model plans none here.

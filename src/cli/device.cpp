@@ -1,0 +1,58 @@
+// --device: which backend the model runs on (kernels/backend.h), and what the benchmarks
+// report about it (its GEMM ceiling, a line naming it).
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "kernels/cpu/matmul.h"
+#include "obs/gemm_peak.h"
+#ifdef BERTRAIN_CUDA
+#include "kernels/cuda/cuda.h"
+#endif
+
+namespace bertrain::cli {
+
+void add_device_option(CLI::App* c, std::string& device) {
+  c->add_option("--device", device,
+                "cpu, cuda or auto (auto: the GPU where this build has the CUDA backend and a "
+                "GPU is visible, else the CPU)")
+      ->capture_default_str();
+}
+
+const kernels::Backend& device_backend(const std::string& device) {
+  if (device != "cpu" && device != "cuda" && device != "auto")
+    fail("--device must be cpu, cuda or auto, got '", device, "'");
+  if (device == "cpu") return kernels::cpu_backend();
+#ifdef BERTRAIN_CUDA
+  if (cuda::device_count() > 0) return cuda::cuda_backend();
+  if (device == "cuda")
+    fail(
+        "--device cuda: no CUDA device is visible here (nvidia-smi lists them; check "
+        "CUDA_VISIBLE_DEVICES); run with --device cpu");
+#else
+  if (device == "cuda")
+    fail(
+        "--device cuda: this bertrain is built without the CUDA backend; build it with "
+        "CMAKE_ARGS=\"-DBERTRAIN_CUDA=ON\" scripts/setup.sh (needs the CUDA toolkit's nvcc)");
+#endif
+  return kernels::cpu_backend();
+}
+
+double device_gemm_peak_gflops(const kernels::Backend& be, int64_t M, int64_t N, int64_t K,
+                               bool bf16, double seconds) {
+#ifdef BERTRAIN_CUDA
+  if (!be.host_memory())
+    return 1e3 *
+           cuda::gemm_tflops(bf16 ? cuda::Operands::BF16 : cuda::Operands::FP32, M, N, K, seconds);
+#endif
+  return obs::measure_gemm_peak_gflops(M, N, K, bf16, seconds);
+}
+
+std::string device_description(const kernels::Backend& be) {
+#ifdef BERTRAIN_CUDA
+  if (!be.host_memory()) return "gpu        " + cuda::device_name() + " (CUDA backend, cuBLASLt)";
+#endif
+  return "cpu        " + kernels::cpu_description();
+}
+
+}  // namespace bertrain::cli
