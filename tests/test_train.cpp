@@ -18,6 +18,7 @@
 #include "data/prepare.h"
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
+#include "own_memory_backend.h"
 #include "test_util.h"
 #include "train/autotune.h"
 #include "train/evaluate.h"
@@ -135,6 +136,48 @@ TEST(Train, LowersTheMaskedLmLossOnRealText) {
   // Starts near ln(30522) + ln(2) = 11.0; the unigram distribution alone is worth ~4 nats.
   EXPECT_GT(first, 10.0);
   EXPECT_LT(last, first - 2.5) << "first " << first << ", last " << last;
+}
+
+// The trainer on a backend with memory of its own (what --device cuda gives it): the model, its
+// gradients and the optimizer's moments in that memory, every kernel handed only that memory
+// (OwnMemoryBackend fails the test otherwise), checkpoints written and read through to_host /
+// to_device. The same run as on the CPU, bit for bit: losses, and the checkpoint's model and
+// optimizer files; and a run stopped and resumed on it continues the same losses.
+TEST(Train, OnABackendWithItsOwnMemoryEqualsTheCpu) {
+  TrainEnv env;
+  comm::SingleProcess comm;
+  const test::OwnMemoryBackend own;
+  for (Precision p : {Precision::FP32, Precision::BF16}) {
+    if (p == Precision::BF16 && !kernels::gemm_bf16_available()) continue;
+    SCOPED_TRACE(precision_name(p));
+    TrainConfig a = env.cfg(std::string("cpu-") + precision_name(p), 12);
+    TrainConfig b = env.cfg(std::string("own-") + precision_name(p), 12);
+    a.precision = b.precision = p;
+    a.save_every = b.save_every = 6;
+    b.backend = &own;
+    const TrainResult ra = train(a, comm), rb = train(b, comm);
+    EXPECT_EQ(ra.losses, rb.losses);
+    for (const char* f : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(file_bytes(a.output + "/checkpoint-000012/" + f),
+                file_bytes(b.output + "/checkpoint-000012/" + f))
+          << f;
+    // Stopped after 6 steps and resumed there: the moments come back through to_device.
+    TrainConfig c = b;
+    c.output = b.output + "-resumed";
+    c.stop_after = 6;
+    train(c, comm);
+    c.stop_after = 0;
+    c.resume = true;
+    const TrainResult rc = train(c, comm);
+    ASSERT_EQ(rc.losses.size(), 6u);
+    EXPECT_EQ(std::vector<double>(rb.losses.begin() + 6, rb.losses.end()), rc.losses);
+  }
+  // What it cannot do yet says so.
+  TrainConfig t = env.cfg("own-autotune", 2);
+  t.backend = &own;
+  t.autotune = true;
+  EXPECT_NE(test::error_of([&] { train(t, comm); }).find("on the own-memory backend run without"),
+            std::string::npos);
 }
 
 // 300 steps in a 16-bit precision against the same run in fp32: windows of 50 steps agree

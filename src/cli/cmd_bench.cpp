@@ -169,8 +169,8 @@ void add_bench(CLI::App& app) {
     const bool gpu = !be.host_memory();
     // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
     // below is the training run's, not this probe's. On a GPU, cuBLASLt's.
-    const double peak = device_gemm_peak_gflops(be, o->batch * o->seq, cfg.intermediate_size,
-                                                cfg.hidden_size, bf16, 1.0);
+    const double peak = obs::measure_gemm_peak_gflops(be, o->batch * o->seq, cfg.intermediate_size,
+                                                      cfg.hidden_size, bf16, 1.0);
     // What the process holds before the training run exists: the libraries (oneDNN, OpenMP,
     // MPI, protobuf, the C++ runtime) and their own state.
     const double baseline = resident_bytes();
@@ -260,7 +260,7 @@ void add_bench(CLI::App& app) {
             omp_get_max_threads(), o->precision.c_str(),
             m.dims().blocked_attention() ? "blocked" : "full",
             m.dims().recompute_layers ? ", layers recomputed" : "", warmup, o->steps);
-        std::printf("  %s\n", device_description(be).c_str());
+        std::printf("  %s\n", obs::device_description(be).c_str());
         if (bf16 && !kernels::bf16_speed_note().empty())
           std::printf("  %s\n", kernels::bf16_speed_note().c_str());
         std::printf("  data       %s\n",

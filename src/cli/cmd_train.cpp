@@ -68,6 +68,9 @@ void choose_batch(train::TrainConfig& cfg, const Opts& o, const comm::Communicat
   int64_t fit = 0;
   double budget = 0;
   if (o.batch == "auto") {
+    if (!train::backend_of(cfg).host_memory())
+      fail("--batch-size auto plans host memory; on the ", train::backend_of(cfg).name(),
+           " backend give the batch size");
     budget = o.budget.empty() ? 0.9 * available_memory() / std::max(1, c.local_size())
                               : parse_bytes(o.budget);
     train::TrainConfig one = cfg;
@@ -122,7 +125,8 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     train::TrainConfig cfg;
     std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail", attention = "auto",
-                recompute = "none", batch = "32", budget, padding = "skip", pack = "0";
+                recompute = "none", batch = "32", budget, padding = "skip", pack = "0",
+                device = "cpu";
     int64_t global_batch = 0;
     int threads = 0;
   };
@@ -160,6 +164,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
   add_padding_option(c, o->padding);
+  add_device_option(c, o->device);
   c->add_option("--pack", o->pack,
                 "Pack instances (MLPerf's packing, for short sequences): a batch is the instances "
                 "that fit into --batch-size rows of --seq-len tokens, at most N a row (3: "
@@ -253,6 +258,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
           "--padding compute");
     cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
     cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
+    cfg.backend = &device_backend(o->device);
     comm::Communicator& c = comm();
     choose_batch(cfg, *o, c);
     train::Trainer trainer(cfg, c);

@@ -57,10 +57,7 @@ void add_device_option(CLI::App* c, std::string& device);        // --device cpu
 // The backend --device names (an error says why a GPU cannot be had: no CUDA backend in this
 // build, or no GPU visible).
 const kernels::Backend& device_backend(const std::string& device);
-// The GEMM ceiling on that backend's device (GFLOP/s), and a line naming the device.
-double device_gemm_peak_gflops(const kernels::Backend& be, int64_t M, int64_t N, int64_t K,
-                               bool bf16, double seconds);
-std::string device_description(const kernels::Backend& be);
+
 void add_recompute_option(CLI::App* c, std::string& recompute);  // --recompute none|attention|layer
 void add_padding_option(CLI::App* c, std::string& padding);      // --padding skip|compute
 // --padding's value as ModelDims::unpadded (skip: true).

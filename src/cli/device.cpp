@@ -1,11 +1,9 @@
-// --device: which backend the model runs on (kernels/backend.h), and what the benchmarks
-// report about it (its GEMM ceiling, a line naming it).
+// --device: which backend the model runs on (kernels/backend.h); what the commands report
+// about it is obs/gemm_peak.h's (its GEMM ceiling, a line naming it).
 #include <cstdio>
 
 #include "cli/commands.h"
 #include "core/error.h"
-#include "kernels/cpu/matmul.h"
-#include "obs/gemm_peak.h"
 #ifdef BERTRAIN_CUDA
 #include "kernels/cuda/cuda.h"
 #endif
@@ -36,23 +34,6 @@ const kernels::Backend& device_backend(const std::string& device) {
         "CMAKE_ARGS=\"-DBERTRAIN_CUDA=ON\" scripts/setup.sh (needs the CUDA toolkit's nvcc)");
 #endif
   return kernels::cpu_backend();
-}
-
-double device_gemm_peak_gflops(const kernels::Backend& be, int64_t M, int64_t N, int64_t K,
-                               bool bf16, double seconds) {
-#ifdef BERTRAIN_CUDA
-  if (!be.host_memory())
-    return 1e3 *
-           cuda::gemm_tflops(bf16 ? cuda::Operands::BF16 : cuda::Operands::FP32, M, N, K, seconds);
-#endif
-  return obs::measure_gemm_peak_gflops(M, N, K, bf16, seconds);
-}
-
-std::string device_description(const kernels::Backend& be) {
-#ifdef BERTRAIN_CUDA
-  if (!be.host_memory()) return "gpu        " + cuda::device_name() + " (CUDA backend, cuBLASLt)";
-#endif
-  return "cpu        " + kernels::cpu_description();
 }
 
 }  // namespace bertrain::cli

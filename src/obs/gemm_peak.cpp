@@ -6,6 +6,9 @@
 #include <vector>
 
 #include "kernels/cpu/matmul.h"
+#ifdef BERTRAIN_CUDA
+#include "kernels/cuda/cuda.h"
+#endif
 
 namespace bertrain::obs {
 
@@ -33,6 +36,23 @@ double measure_gemm_peak_gflops(int64_t M, int64_t N, int64_t K, bool bf16, doub
     best = std::min(best, since(t0));
   } while (since(start) < seconds);
   return 2.0 * M * N * K / best / 1e9;
+}
+
+double measure_gemm_peak_gflops(const kernels::Backend& be, int64_t M, int64_t N, int64_t K,
+                                bool bf16, double seconds) {
+#ifdef BERTRAIN_CUDA
+  if (!be.host_memory())
+    return 1e3 *
+           cuda::gemm_tflops(bf16 ? cuda::Operands::BF16 : cuda::Operands::FP32, M, N, K, seconds);
+#endif
+  return measure_gemm_peak_gflops(M, N, K, bf16, seconds);
+}
+
+std::string device_description(const kernels::Backend& be) {
+#ifdef BERTRAIN_CUDA
+  if (!be.host_memory()) return "gpu        " + cuda::device_name() + " (CUDA backend, cuBLASLt)";
+#endif
+  return "cpu        " + kernels::cpu_description();
 }
 
 }  // namespace bertrain::obs

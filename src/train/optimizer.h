@@ -95,6 +95,7 @@ class Optimizer {
   const MemoryPlan& plan() const { return plan_; }
   size_t allocated_bytes() const { return state_.bytes(); }
   const OptimizerConfig& config() const { return cfg_; }
+  const kernels::Backend& backend() const { return *be_; }
   const std::vector<ParamSlice>& slices() const { return slices_; }
 
  private:

@@ -142,6 +142,14 @@ std::string save_optimizer_state(const std::string& dir, const Optimizer& opt,
   const int64_t n = static_cast<int64_t>(opt.m().size());
   std::vector<SafeTensorOut> tensors = {{"m", DType::F32, {n}, opt.m().data(), nullptr},
                                         {"v", DType::F32, {n}, opt.v().data(), nullptr}};
+  if (!opt.backend().host_memory())  // a GPU's moments: copied out as they are written
+    for (SafeTensorOut& t : tensors) {
+      const float* at = t.f32;
+      t.f32 = nullptr;
+      t.fill = [&opt, at, n](float* o) {
+        opt.backend().to_host(o, at, static_cast<size_t>(n) * sizeof(float));
+      };
+    }
   if (master) tensors.push_back({"master", DType::F32, {n}, master, nullptr});
   write_safetensors(path, tensors, meta);
   return path;
@@ -201,8 +209,10 @@ void load_optimizer_state(const std::string& dir, Optimizer& opt) {
     if (hi <= lo) continue;
     const float* src_m = static_cast<const float*>(r.data(*m)) + (lo - b);
     const float* src_v = static_cast<const float*>(r.data(*v)) + (lo - b);
-    std::copy(src_m, src_m + (hi - lo), opt.m().begin() + (lo - want.begin));
-    std::copy(src_v, src_v + (hi - lo), opt.v().begin() + (lo - want.begin));
+    // (into the backend's memory: a GPU's, or the host's)
+    const size_t bytes = static_cast<size_t>(hi - lo) * sizeof(float);
+    opt.backend().to_device(opt.m().data() + (lo - want.begin), src_m, bytes);
+    opt.backend().to_device(opt.v().data() + (lo - want.begin), src_v, bytes);
   }
   std::sort(ranges.begin(), ranges.end());
   int64_t covered = 0;

@@ -247,6 +247,10 @@ void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double 
                   {"rank_pss_mib", of(3)}});
 }
 
+const kernels::Backend& backend_of(const TrainConfig& c) {
+  return c.backend ? *c.backend : kernels::cpu_backend();
+}
+
 model::ModelDims model_dims(const TrainConfig& c, int rank, int world) {
   const int64_t per_row = c.input.pack_per_row;
   model::ModelDims d;
@@ -254,6 +258,9 @@ model::ModelDims model_dims(const TrainConfig& c, int rank, int world) {
   d.seq_len = c.seq_len;
   d.max_predictions = c.max_predictions;
   d.attention = c.attention;
+  // A GPU has the full attention kernel only: auto takes it at every length there.
+  if (!backend_of(c).host_memory() && d.attention == model::ModelDims::Attention::Auto)
+    d.attention = model::ModelDims::Attention::Full;
   d.recompute_layers = c.recompute_layers;
   d.unpadded = c.unpadded || per_row > 0;
   d.pack_rows = per_row > 0 ? c.batch_size : 0;
@@ -270,8 +277,8 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
       rank(cm.rank()),
       world(cm.size()),
       mcfg(model::BertConfig::load(c.model_config)),
-      m(mcfg, model::Head::Pretraining, model_dims(c, cm.rank(), cm.size())),
-      opt(param_slices(m.table()), m.table().total(), c.optimizer, kernels::cpu_backend(),
+      m(mcfg, model::Head::Pretraining, model_dims(c, cm.rank(), cm.size()), backend_of(c)),
+      opt(param_slices(m.table()), m.table().total(), c.optimizer, backend_of(c),
           c.shard_optimizer ? shard_of(m.table().total(), cm.rank(), cm.size()) : Shard{}),
       scaler([&] {
         LossScaler::Config sc;
@@ -446,6 +453,9 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   TrainConfig tuned = cfg;
   Tuning tuning;
   bool have_tuning = stored_tuning(cfg, tuning);
+  if (cfg.autotune && !backend_of(cfg).host_memory())
+    fail(setting("autotune"), " tunes the CPU's kernels, threads and buckets; on the ",
+         backend_of(cfg).name(), " backend run without it");
   if (!have_tuning && cfg.autotune) {
     tuning = autotune(cfg, comm);
     have_tuning = true;
@@ -510,9 +520,9 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
       s.m, s.opt, s.scaler, comm,
       StepSettings{s.cfg.accumulation, cfg.predivide, cfg.overlap, cfg.bucket_mb << 20, cfg.seed},
       &s.tl);
-  s.peak_gflops =
-      obs::measure_gemm_peak_gflops(cfg.batch_size * cfg.seq_len, s.mcfg.intermediate_size,
-                                    s.mcfg.hidden_size, cfg.precision == Precision::BF16, 0.5);
+  s.peak_gflops = obs::measure_gemm_peak_gflops(backend_of(cfg), cfg.batch_size * cfg.seq_len,
+                                                s.mcfg.intermediate_size, s.mcfg.hidden_size,
+                                                cfg.precision == Precision::BF16, 0.5);
 }
 
 Trainer::~Trainer() = default;
@@ -570,7 +580,7 @@ std::string Trainer::banner() const {
       ", input bound ", human_bytes(static_cast<double>(s.pipe->memory_bound_bytes())), "\n");
   out += s.regrid_note;
   out += s.tuning_note;
-  out += str("  cpu ", kernels::cpu_description(), "\n");
+  out += str("  ", obs::device_description(backend_of(cfg)), "\n");
   if (bf16 && !kernels::bf16_speed_note().empty())
     out += str("  ", kernels::bf16_speed_note(), "\n");
   return out;

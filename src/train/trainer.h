@@ -50,7 +50,12 @@ struct TrainConfig {
   // --pack auto: autotune also chooses input.pack_per_row (instances a row) by real tokens/s.
   // It changes the instances a step trains on, so only where asked for.
   bool autotune_pack = false;
+  // Where the model, its gradients and the optimizer state live and run (null: the CPU's
+  // backend). A backend with memory of its own (the GPU's) trains on one rank, with the full
+  // attention kernel.
+  const kernels::Backend* backend = nullptr;
 };
+const kernels::Backend& backend_of(const TrainConfig& c);
 
 // The model's dims for a training run: its batch, precision, attention, recompute, padding and
 // packing (--pack: batch_size packed rows of up to pack_per_row instances each, unpadded), and
