@@ -16,9 +16,10 @@
 #                               Then BERT-base and BERT-Large training steps (bench --device
 #                               cuda) against PyTorch on the same GPU: tokens/s, ratio, MFU
 #                               against the GEMM ceiling measured in the run, GPU memory
-#                               (BENCH=0 skips them).
-# What it does not check yet, because it does not exist yet: train/finetune on a GPU from the
-# CLI, and NCCL between GPUs.
+#                               (BENCH=0 skips them), after a BERT-tiny training run
+#                               from the CLI on the GPU (train --device cuda; TRAIN=0 skips it).
+# What it does not check yet, because it does not exist yet: finetune/eval/predict on a GPU,
+# and NCCL between GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACK=gpu-pack
@@ -93,6 +94,19 @@ ours = float(sys.argv[1])
 print(f"pytorch gemm: {tf:.1f} TFLOP/s bf16 (torch {torch.__version__}, a @ b.T, {n}^3); "
       f"bertrain/pytorch {ours / tf:.2f}")
 PY
+      # A training run from the CLI on the GPU: BERT-tiny on the bundled English sample, LAMB,
+      # bf16, checkpoints (the run's summary names the bottleneck).
+      if [ "${TRAIN:-1}" = 1 ]; then
+        GC=$(mktemp -d)
+        "$PACK/bin/bertrain" prepare --input data/corpus/bert_sample_text.txt \
+          --vocab data/vocab/bert-base-uncased-vocab.txt --output "$GC/data" --seq-len 128 \
+          --max-predictions 20 --dupe-factor 5 --output-shards 2 >/dev/null &&
+          "$PACK/bin/bertrain" train --device cuda --model-config configs/bert-tiny.json \
+            --data "$GC/data/*.tfrecord" --output "$GC/run" --batch-size 32 --steps 100 \
+            --log-every 25 --save-every 50 --optimizer lamb --lr 5e-3 --precision bf16 ||
+          echo "gpu-check: the GPU training run failed (above)"
+        rm -rf "$GC"
+      fi
       # BERT-base and BERT-Large training steps against PyTorch on the same GPU (bench/peer_pytorch.py
       # --device cuda: HF BertForPreTraining, SDPA, autocast, fused AdamW), same batch.
       if [ "${BENCH:-1}" = 1 ]; then

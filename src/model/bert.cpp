@@ -1,6 +1,7 @@
 #include "model/bert.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "core/error.h"
@@ -344,11 +345,12 @@ void BertModel::stage_inputs(const Batch& b) {
     size_t bytes;
     const void** at;
   };
-  std::vector<Source> sources;
+  std::array<Source, 15> sources;  // (no allocation in a step: tests/test_no_alloc.cpp)
+  size_t count = 0;
   auto use = [&](const auto& v, auto& field) {
     field = v.data();
-    sources.push_back(
-        {v.data(), v.size() * sizeof(*v.data()), reinterpret_cast<const void**>(&field)});
+    sources[count++] = {v.data(), v.size() * sizeof(*v.data()),
+                        reinterpret_cast<const void**>(&field)};
   };
   use(up ? pk.ids : b.input_ids, in.ids);
   use(up ? pk.segments : b.segment_ids, in.segments);
@@ -371,14 +373,15 @@ void BertModel::stage_inputs(const Batch& b) {
   if (be_.host_memory()) return;
   // Copies into the backend's memory, each 256-byte aligned.
   size_t need = 0;
-  for (const Source& x : sources) need += align_up(x.bytes, 256);
+  for (size_t i = 0; i < count; ++i) need += align_up(sources[i].bytes, 256);
   if (need > staging_bytes_) {
     staging_.reset();
     staging_bytes_ = need;
     staging_ = std::shared_ptr<void>(be_.allocate(need), [be = &be_](void* q) { be->release(q); });
   }
   size_t at = 0;
-  for (const Source& x : sources) {
+  for (size_t i = 0; i < count; ++i) {
+    const Source& x = sources[i];
     std::byte* dst = static_cast<std::byte*>(staging_.get()) + at;
     if (x.bytes) be_.to_device(dst, x.data, x.bytes);
     *x.at = x.bytes ? dst : nullptr;

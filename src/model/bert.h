@@ -190,7 +190,8 @@ class BertModel {
   }
 
   Losses forward(const Batch& b, const StepOptions& opt);
-  // Gradients of loss_scale * loss, accumulated into grads(). Needs the preceding forward.
+  // Gradients of loss_scale * loss, accumulated into grads(). Needs the preceding forward, on
+  // the same batch (its kernels read the arrays that forward chose and staged: KernelInputs).
   void backward(const Batch& b, const StepOptions& opt, float loss_scale = 1.0f,
                 const std::function<void(int64_t)>& layer_done = {});
   // Gradient offsets [begin, end) of encoder layer l: final once backward reports layer l done
