@@ -18,8 +18,7 @@
 #                               against the GEMM ceiling measured in the run, GPU memory
 #                               (BENCH=0 skips them), after a BERT-tiny training run
 #                               from the CLI on the GPU (train --device cuda; TRAIN=0 skips it).
-# What it does not check yet, because it does not exist yet: finetune/eval/predict on a GPU,
-# and NCCL between GPUs.
+# What it does not check yet, because it does not exist yet: NCCL between GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACK=gpu-pack

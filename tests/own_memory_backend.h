@@ -1,46 +1,74 @@
 // A backend with memory of its own, on the CPU: it runs the CPU's kernels but says its memory
 // is not the host's (Backend::host_memory), hands out its own blocks, and fails the test on any
-// kernel call given a pointer outside them. What a model, its optimizer and the trainer do on a
-// GPU then runs here, and every pointer they hand a kernel is proven to be backend memory.
+// kernel call given a pointer outside them. Its blocks are inaccessible (PROT_NONE) except while
+// one of its calls runs, so host code that reads or writes them directly faults, as it would on
+// a GPU. What a model, its optimizer and the trainer do on a GPU then runs here: every pointer
+// they hand a kernel is backend memory, and they touch that memory only through the backend.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
 
-namespace bertrain::test {
-
-using namespace kernels;
+namespace bertrain::kernels {
 
 class OwnMemoryBackend final : public Backend {
  public:
   const char* name() const override { return "own-memory"; }
   bool host_memory() const override { return false; }
   void* allocate(size_t bytes) const override {
-    const size_t n = (bytes + 255) / 256 * 256;
-    void* p = std::aligned_alloc(256, n);
-    std::memset(p, 0, n);
+    const size_t n = (bytes + 4095) / 4096 * 4096;  // zero pages
+    void* p = ::mmap(nullptr, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
     std::lock_guard<std::mutex> lock(mu_);
     blocks_.push_back({static_cast<const char*>(p), n});
+    if (open_ > 0) ::mprotect(p, n, PROT_READ | PROT_WRITE);
     return p;
   }
   void release(void* p) const override {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < blocks_.size(); ++i)
-      if (blocks_[i].first == p) blocks_.erase(blocks_.begin() + static_cast<int64_t>(i));
-    std::free(p);
+      if (blocks_[i].first == p) {
+        ::munmap(p, blocks_[i].second);
+        blocks_.erase(blocks_.begin() + static_cast<int64_t>(i));
+        return;
+      }
+  }
+  // The blocks readable and writable while one of this backend's calls runs (nested: counted).
+  class Open {
+   public:
+    explicit Open(const OwnMemoryBackend& b) : b_(b) { b_.protect(+1); }
+    ~Open() { b_.protect(-1); }
+    Open(const Open&) = delete;
+    Open& operator=(const Open&) = delete;
+
+   private:
+    const OwnMemoryBackend& b_;
+  };
+  void protect(int change) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int was = open_;
+    open_ += change;
+    if ((was == 0) == (open_ == 0)) return;
+    for (const auto& [b, n] : blocks_)
+      ::mprotect(const_cast<char*>(b), n, open_ > 0 ? PROT_READ | PROT_WRITE : PROT_NONE);
   }
   void to_device(void* dst, const void* src, size_t bytes) const override {
+    const Open open(*this);
     own(dst, "to_device's destination");
     std::memcpy(dst, src, bytes);
   }
   void to_host(void* dst, const void* src, size_t bytes) const override {
+    const Open open(*this);
     own(src, "to_host's source");
     std::memcpy(dst, src, bytes);
   }
@@ -58,14 +86,17 @@ class OwnMemoryBackend final : public Backend {
   }
 
   ScratchLayout scratch_layout(const KernelShapes& s) const override {
+    const Open open(*this);
     return cpu().scratch_layout(s);
   }
   void bind_scratch(void* region, const ScratchLayout& l) const override {
+    const Open open(*this);
     own(region, "kernel scratch");
     cpu().bind_scratch(region, l);
   }
   void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias, int64_t M,
                       int64_t N, int64_t K, const Workspace& ws) const override {
+    const Open open(*this);
     own(out, "linear out");
     own(in, "linear in");
     own(w.f32, "weight");
@@ -76,6 +107,7 @@ class OwnMemoryBackend final : public Backend {
   void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
                        Weight w, int64_t M, int64_t N, int64_t K, bool acc,
                        const Workspace& ws) const override {
+    const Open open(*this);
     for (const void* x : {static_cast<const void*>(dinp), static_cast<const void*>(dw),
                           static_cast<const void*>(db), static_cast<const void*>(dout)})
       own(x, "linear backward operand");
@@ -83,10 +115,12 @@ class OwnMemoryBackend final : public Backend {
     cpu().linear_backward(p, dinp, dw, db, dout, in, w, M, N, K, acc, ws);
   }
   void keep(Precision p, Kept x, int64_t n) const override {
+    const Open open(*this);
     own(x, "kept tensor");
     cpu().keep(p, x, n);
   }
   void copy_weights(Precision p, const float* master, uint16_t* copy, int64_t n) const override {
+    const Open open(*this);
     own(master, "master weights");
     own(copy, "weights' copy");
     cpu().copy_weights(p, master, copy, n);
@@ -94,6 +128,7 @@ class OwnMemoryBackend final : public Backend {
   void attention_forward(Precision p, float* ctx, AttentionSaved saved, Kept qkv,
                          const int32_t* mask, const AttentionShape& s, const Dropout& d,
                          const Workspace& ws) const override {
+    const Open open(*this);
     own(ctx, "ctx");
     own(qkv, "qkv");
     own(mask, "attention mask");
@@ -102,25 +137,30 @@ class OwnMemoryBackend final : public Backend {
   void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
                           AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
                           const Dropout& d, const Workspace& ws) const override {
+    const Open open(*this);
     own(dqkv, "dqkv");
     own(mask, "attention mask");
     cpu().attention_backward(p, dqkv, dctx, qkv, saved, mask, s, d, ws);
   }
   void activation_forward(Precision p, Activation a, Kept out, Kept in, int64_t n) const override {
+    const Open open(*this);
     own(out, "activation out");
     own(in, "activation in");
     cpu().activation_forward(p, a, out, in, n);
   }
   void activation_backward(Precision p, Activation a, float* dinp, Kept in, const float* dout,
                            int64_t n) const override {
+    const Open open(*this);
     own(dinp, "activation dinp");
     cpu().activation_backward(p, a, dinp, in, dout, n);
   }
   void tanh_forward(float* out, const float* in, int64_t n) const override {
+    const Open open(*this);
     own(in, "tanh in");
     cpu().tanh_forward(out, in, n);
   }
   void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n) const override {
+    const Open open(*this);
     own(dinp, "tanh dinp");
     cpu().tanh_backward(dinp, out, dout, n);
   }
@@ -130,6 +170,7 @@ class OwnMemoryBackend final : public Backend {
                                    const float* position, const float* token_type,
                                    const float* gamma, const float* beta, int64_t B, int64_t T,
                                    int64_t C, float eps, const Dropout& d) const override {
+    const Open open(*this);
     own(ids, "input ids");
     own(segment, "segment ids");
     own(positions, "positions");
@@ -141,6 +182,7 @@ class OwnMemoryBackend final : public Backend {
   void embedding_backward(float* dword, float* dposition, float* dtoken_type, const float* dout,
                           const int32_t* ids, const int32_t* segment, const int32_t* positions,
                           int64_t B, int64_t T, int64_t C) const override {
+    const Open open(*this);
     own(ids, "input ids");
     own(segment, "segment ids");
     own(positions, "positions");
@@ -149,12 +191,14 @@ class OwnMemoryBackend final : public Backend {
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* in, const float* gamma,
                          const float* beta, int64_t N, int64_t C, float eps) const override {
+    const Open open(*this);
     own(in, "layernorm in");
     cpu().layernorm_forward(out, mean, rstd, in, gamma, beta, N, C, eps);
   }
   void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
                           const float* in, const float* gamma, const float* mean, const float* rstd,
                           int64_t N, int64_t C) const override {
+    const Open open(*this);
     own(dinp, "layernorm dinp");
     cpu().layernorm_backward(dinp, dgamma, dbeta, dout, in, gamma, mean, rstd, N, C);
   }
@@ -162,6 +206,7 @@ class OwnMemoryBackend final : public Backend {
                                   const float* residual, const float* gamma, const float* beta,
                                   int64_t N, int64_t C, float eps,
                                   const Dropout& d) const override {
+    const Open open(*this);
     own(x, "residual block x");
     own(d.rows, "dropout rows");
     cpu().residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
@@ -170,51 +215,61 @@ class OwnMemoryBackend final : public Backend {
                                   const float* dout, const float* in, const float* gamma,
                                   const float* mean, const float* rstd, int64_t N, int64_t C,
                                   bool acc, const Dropout& d) const override {
+    const Open open(*this);
     own(dinp, "residual block dinp");
     own(d.rows, "dropout rows");
     cpu().layernorm_dropout_backward(dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd, N,
                                      C, acc, d);
   }
   void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
+    const Open open(*this);
     own(x, "dropout x");
     cpu().dropout_forward(x, n, d);
   }
   void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const override {
+    const Open open(*this);
     own(dx, "dropout dx");
     cpu().dropout_backward(dx, dy, n, d);
   }
   void add_inplace(float* out, const float* a, int64_t n) const override {
+    const Open open(*this);
     own(out, "add out");
     own(a, "add a");
     cpu().add_inplace(out, a, n);
   }
   void copy(float* dst, const float* src, int64_t n) const override {
+    const Open open(*this);
     own(dst, "copy dst");
     own(src, "copy src");
     cpu().copy(dst, src, n);
   }
   void gather_rows(float* out, const float* seq, const int32_t* positions, int64_t B, int64_t P,
                    int64_t T, int64_t C) const override {
+    const Open open(*this);
     own(positions, "gathered positions");
     own(seq, "gathered sequence");
     cpu().gather_rows(out, seq, positions, B, P, T, C);
   }
   void scatter_add_rows(float* dseq, const float* d, const int32_t* positions, int64_t B, int64_t P,
                         int64_t T, int64_t C) const override {
+    const Open open(*this);
     own(positions, "scattered positions");
     cpu().scatter_add_rows(dseq, d, positions, B, P, T, C);
   }
   void scale_inplace(float* x, int64_t n, float s) const override {
+    const Open open(*this);
     own(x, "scaled");
     cpu().scale_inplace(x, n, s);
   }
   void zero(void* p, int64_t bytes) const override {
+    const Open open(*this);
     own(p, "zeroed");
     cpu().zero(p, bytes);
   }
   CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                  const float* logits, const int32_t* targets, const float* weights,
                                  int64_t N, int64_t V, float dscale) const override {
+    const Open open(*this);
     own(logits, "logits");
     own(targets, "targets");
     own(weights, "weights");
@@ -224,11 +279,13 @@ class OwnMemoryBackend final : public Backend {
   }
   double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
                        float dscale) const override {
+    const Open open(*this);
     own(pred, "predictions");
     own(target, "regression targets");
     return cpu().squared_error(dpred, pred, target, N, dscale);
   }
   void add_sum_squares(double& sum, const float* g, int64_t n, double scale) const override {
+    const Open open(*this);
     own(g, "gradient");
     cpu().add_sum_squares(sum, g, n, scale);
   }
@@ -242,21 +299,25 @@ class OwnMemoryBackend final : public Backend {
   }
   void adamw_update(const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m, float* v,
                     int64_t n) const override {
+    const Open open(*this);
     own_update(p, p16, g, m, v);
     cpu().adamw_update(a, p, p16, g, m, v, n);
   }
   void lamb_update(const LambStep& a, float* p, uint16_t* p16, const float* g, float* m, float* v,
                    int64_t n) const override {
+    const Open open(*this);
     own_update(p, p16, g, m, v);
     cpu().lamb_update(a, p, p16, g, m, v, n);
   }
   void lamb_moments(const LambStep& a, const float* p, const float* g, float* m, float* v,
                     int64_t n, double& pn, double& un) const override {
+    const Open open(*this);
     own_update(p, nullptr, g, m, v);
     cpu().lamb_moments(a, p, g, m, v, n, pn, un);
   }
   void lamb_apply(const LambStep& a, float* p, uint16_t* p16, const float* m, const float* v,
                   int64_t n, float step) const override {
+    const Open open(*this);
     own_update(p, p16, nullptr, m, v);
     cpu().lamb_apply(a, p, p16, m, v, n, step);
   }
@@ -270,6 +331,11 @@ class OwnMemoryBackend final : public Backend {
   static const Backend& cpu() { return cpu_backend(); }
   mutable std::mutex mu_;
   mutable std::vector<std::pair<const char*, size_t>> blocks_;
+  mutable int open_ = 0;
 };
 
+}  // namespace bertrain::kernels
+
+namespace bertrain::test {
+using kernels::OwnMemoryBackend;
 }  // namespace bertrain::test

@@ -77,12 +77,7 @@ TEST(DeviceModel, TaskHeadsPassOnlyBackendMemory) {
   const OwnMemoryBackend own;
   model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
   c.num_labels = 3;
-  model::Batch b = test::random_batch(c, 4, 32, 5);
-  b.label_ids = {0, 2, 1, 2};
-  b.token_label_ids.assign(b.B * b.T, 1);
-  b.token_label_weights.assign(b.B * b.T, 1.0f);
-  for (int64_t i = 0; i < b.B * b.T; i += 3) b.token_label_ids[i] = 2;
-  b.span_positions = {3, 7, 1, 20, 5, 9, 0, 0};
+  model::Batch b = test::task_batch(c);
   for (auto head : {model::Head::SequenceClassification, model::Head::TokenClassification,
                     model::Head::QuestionAnswering})
     for (bool unpadded : {false, true}) {

@@ -54,6 +54,18 @@ inline model::Batch random_batch(const model::BertConfig& c, int64_t B, int64_t 
   return b;
 }
 
+// random_batch of 4 x 32 (5 predictions) with every task head's labels too: classes of 3, a
+// label for each token (every third one another), and one answer span per sequence.
+inline model::Batch task_batch(const model::BertConfig& c) {
+  model::Batch b = random_batch(c, 4, 32, 5);
+  b.label_ids = {0, 2, 1, 2};
+  b.token_label_ids.assign(b.B * b.T, 1);
+  b.token_label_weights.assign(b.B * b.T, 1.0f);
+  for (int64_t i = 0; i < b.B * b.T; i += 3) b.token_label_ids[i] = 2;
+  b.span_positions = {3, 7, 1, 20, 5, 9, 0, 0};  // the 4 sequences' starts, then their ends
+  return b;
+}
+
 inline std::string data_path(const std::string& rel) {
   return std::string(BERTRAIN_TEST_DATA) + "/" + rel;
 }

@@ -42,7 +42,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     train::FinetuneConfig cfg;
     TaskOpts task;
-    std::string lower = "auto", precision = "fp32", padding = "skip";
+    std::string lower = "auto", precision = "fp32", padding = "skip", device = "cpu";
     int threads = 0;
   };
   auto o = std::make_shared<Opts>();
@@ -97,10 +97,12 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
   add_padding_option(c, o->padding);
+  add_device_option(c, o->device);
   add_dist_options(c);
   c->callback([o, comm] {
     set_threads(o->threads);
     train::FinetuneConfig cfg = o->cfg;
+    cfg.backend = &device_backend(o->device);
     cfg.unpadded = parse_padding(o->padding);
     cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
     cfg.precision = train::parse_precision(o->precision);
@@ -112,7 +114,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
 
 void add_predict(CLI::App& app) {
   struct Opts {
-    std::string checkpoint, input, precision = "fp32";
+    std::string checkpoint, input, precision = "fp32", device = "cpu";
     TaskOpts task;
     int64_t batch = 32;
     int threads = 0;
@@ -134,9 +136,17 @@ void add_predict(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
+  add_device_option(c, o->device);
   c->callback([o] {
     set_threads(o->threads);
     const train::Precision precision = train::parse_precision(o->precision);
+    const kernels::Backend& be = device_backend(o->device);
+    // The model's dims in the precision, on the device (a GPU has the full attention only).
+    auto on_device = [&](model::ModelDims d) {
+      d = train::with_precision(d, precision);
+      if (!be.host_memory()) d.attention = model::ModelDims::Attention::Full;
+      return d;
+    };
     const std::string cfg_path = model::checkpoint_config_path(o->checkpoint);
     std::ifstream in(cfg_path);
     const nlohmann::json j = nlohmann::json::parse(in);
@@ -174,8 +184,7 @@ void add_predict(CLI::App& app) {
       const train::QaSet s = train::read_squad(o->input, false);
       if (s.skipped) std::fprintf(stderr, "predict: %s\n", s.skipped_summary(o->input).c_str());
       const train::QaFeatures f = train::make_qa_features(s, tok, qo);
-      model::BertModel m(mc, model::Head::QuestionAnswering,
-                         train::with_precision({o->batch, seq, 0}, precision));
+      model::BertModel m(mc, model::Head::QuestionAnswering, on_device({o->batch, seq, 0}), be);
       model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
       const std::vector<train::QaAnswer> answers = train::predict_answers(m, s, f, qo, o->batch);
       std::vector<std::string> texts;
@@ -208,8 +217,7 @@ void add_predict(CLI::App& app) {
       const train::TokenSet t = train::encode_tagged(s, tok, seq, names);
       model::ModelDims dims{o->batch, seq, 0};
       dims.unpadded = true;  // the padded model's tags, at the real tokens' cost
-      model::BertModel m(mc, model::Head::TokenClassification,
-                         train::with_precision(dims, precision));
+      model::BertModel m(mc, model::Head::TokenClassification, on_device(dims), be);
       model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
       const auto tags = train::predict_tags(m, s, t, o->batch);
       std::vector<std::vector<std::string>> gold;
@@ -243,8 +251,7 @@ void add_predict(CLI::App& app) {
     train::LabeledSet s = train::read_task_file(o->input, cols, tok, seq, names);
     model::ModelDims dims{o->batch, seq, 0};
     dims.unpadded = true;  // the padded model's predictions, at the real tokens' cost
-    model::BertModel m(mc, model::Head::SequenceClassification,
-                       train::with_precision(dims, precision));
+    model::BertModel m(mc, model::Head::SequenceClassification, on_device(dims), be);
     model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
     // One output line per data row of the input: a row that could not be used gets "-" (and is
     // reported on stderr), so that line i is still row i.

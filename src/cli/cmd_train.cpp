@@ -275,7 +275,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
 
 void add_eval(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
-    std::string checkpoint, data, model_config, precision = "fp32";
+    std::string checkpoint, data, model_config, precision = "fp32", device = "cpu";
     int64_t batch = 32, seq = 128, preds = 20, max_batches = 0;
     int threads = 0;
   };
@@ -299,16 +299,19 @@ void add_eval(CLI::App& app, comm::Communicator& (*comm)()) {
       ->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
+  add_device_option(c, o->device);
   add_dist_options(c);
   c->callback([o, comm] {
     set_threads(o->threads);
+    const kernels::Backend& be = device_backend(o->device);
     std::string dir = train::resolve_checkpoint(o->checkpoint);
     if (dir.empty()) fail("no checkpoint in ", o->checkpoint);
     const model::BertConfig cfg = model::BertConfig::load(model::checkpoint_config_path(dir));
     model::ModelDims dims{o->batch, o->seq, o->preds};
     dims.unpadded = true;  // the padded model's metrics, at the real tokens' cost
-    model::BertModel m(cfg, model::Head::Pretraining,
-                       train::with_precision(dims, train::parse_precision(o->precision)));
+    dims = train::with_precision(dims, train::parse_precision(o->precision));
+    if (!be.host_memory()) dims.attention = model::ModelDims::Attention::Full;  // a GPU's kernel
+    model::BertModel m(cfg, model::Head::Pretraining, dims, be);
     model::load_safetensors_into(m, model::checkpoint_weights_path(dir));
     const train::EvalResult r = train::evaluate(m, o->data, o->batch, o->max_batches, comm());
     if (comm().rank() == 0)

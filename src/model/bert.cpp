@@ -389,6 +389,17 @@ void BertModel::stage_inputs(const Batch& b) {
   }
 }
 
+const float* BertModel::host_output(const float* p, int64_t n) const {
+  if (be_.host_memory() || !p) return p;
+  auto& [made_after, copy] = outputs_[p];
+  if (made_after != passes_ || copy.size() != static_cast<size_t>(n)) {
+    copy.resize(static_cast<size_t>(n));
+    be_.to_host(copy.data(), p, copy.size() * sizeof(float));
+    made_after = passes_;
+  }
+  return copy.data();
+}
+
 void BertModel::place_gradients(std::byte* memory) {
   BT_CHECK(be_.host_memory(), "gradients in the ", be_.name(), " backend's memory stay there");
   Arena moved(plan_, "gradients", memory);
@@ -583,6 +594,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   packed_.P = b.P;
   if (up) pack(b);
   stage_inputs(b);
+  ++passes_;  // the outputs copied out before are stale now (backward too)
   const int64_t B = b.B, T = b.T, N = up ? packed_.rows : B * T, C = cfg_.hidden_size,
                 V = cfg_.vocab_size;
   int64_t real = up ? packed_.real : 0;
@@ -768,6 +780,7 @@ std::pair<int64_t, int64_t> BertModel::layer_range(int64_t l) const {
 
 void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scale,
                          const std::function<void(int64_t)>& layer_done) {
+  ++passes_;
   const bool up = unpadded();
   const int64_t B = b.B, T = b.T, N = up ? packed_.rows : B * T, C = cfg_.hidden_size,
                 I = cfg_.intermediate_size, NH = cfg_.num_attention_heads, V = cfg_.vocab_size,

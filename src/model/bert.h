@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -201,21 +202,36 @@ class BertModel {
   // Whether forward runs unpadded (ModelDims::unpadded and a head that allows it).
   bool unpadded() const { return dims_.unpadded && head_ != Head::QuestionAnswering; }
 
-  // Outputs of the last forward (valid until the next backward/forward).
+  // Outputs of the last forward (valid until the next backward/forward), on the host: a model
+  // in a backend's own memory (a GPU's) copies one out the first time it is asked for after a
+  // forward (host_output).
   // Padded: [B,T,C]; unpadded: the packed rows, sequence b's token t at row
   // sequence_row(b, t) (-1 past its real length).
-  const float* sequence_output() const { return seq_out_; }
+  const float* sequence_output() const {
+    return host_output(seq_out_, output_rows() * cfg_.hidden_size);
+  }
   int64_t sequence_row(int64_t b, int64_t t) const;
-  const float* pooled_output() const { return act_.pooled; }  // [B,C]
+  const float* pooled_output() const {  // [B,C]
+    return host_output(act_.pooled, packed_.B * cfg_.hidden_size);
+  }
   // Padded: [B*P,V]; unpadded: a row per weighted prediction (weight != 0), in batch order (the
   // slots without weight, create_pretraining_data's padding of the predictions, are skipped).
-  const float* mlm_logits() const { return act_.mlm_logits; }
-  const float* nsp_logits() const { return act_.nsp_logits; }  // [B,2]
-  const float* cls_logits() const { return act_.cls_logits; }  // [B,num_labels]
+  const float* mlm_logits() const {
+    return host_output(act_.mlm_logits, (compact_mlm() ? packed_.mlm_rows : packed_.B * packed_.P) *
+                                            cfg_.vocab_size);
+  }
+  const float* nsp_logits() const { return host_output(act_.nsp_logits, packed_.B * 2); }
+  const float* cls_logits() const {  // [B,num_labels]
+    return host_output(act_.cls_logits, packed_.B * cfg_.num_labels);
+  }
   // [B*T,num_labels]; unpadded, a row per packed row (sequence_row).
-  const float* token_logits() const { return act_.tok_logits; }
+  const float* token_logits() const {
+    return host_output(act_.tok_logits, output_rows() * cfg_.num_labels);
+  }
   // Question answering: the start logits [B,T], then the end logits [B,T].
-  const float* span_logits() const { return act_.qa_logits; }
+  const float* span_logits() const {
+    return host_output(act_.qa_logits, 2 * packed_.B * packed_.T);
+  }
 
   // Spans per layer (forward/backward) go to this timeline when it is enabled.
   void set_timeline(obs::Timeline* tl) { timeline_ = tl; }
@@ -283,6 +299,11 @@ class BertModel {
   const float* mlm_weights(const Batch& b) const {
     return compact_mlm() ? packed_.mlm_weights.data() : b.masked_lm_weights.data();
   }
+  // Rows of the last forward's encoder output: the packed rows, or B x T.
+  int64_t output_rows() const { return unpadded() ? packed_.rows : packed_.B * packed_.T; }
+  // p (n floats of the last forward's outputs) where the host reads it: p itself, or a copy out
+  // of the backend's memory made once per forward.
+  const float* host_output(const float* p, int64_t n) const;
   // The token classifier's weights on the host (the loss's denominator).
   const float* token_weights_host(const Batch& b) const {
     return unpadded() ? packed_.token_weights.data() : b.token_label_weights.data();
@@ -318,6 +339,9 @@ class BertModel {
   std::shared_ptr<void> staging_;
   size_t staging_bytes_ = 0;
   KernelInputs in_;
+  // host_output's copies, each with the pass (forward or backward) it was made after.
+  uint64_t passes_ = 0;
+  mutable std::unordered_map<const float*, std::pair<uint64_t, std::vector<float>>> outputs_;
   Arena params_, grads_, acts_arena_, scratch_, bf16_arena_, kernels_arena_;
   kernels::ScratchLayout kernel_scratch_;  // kernels_arena_'s layout, bound before kernels run
   Acts act_{};

@@ -616,7 +616,9 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   dims.unpadded = cfg.unpadded;
   dims = with_precision(dims, cfg.precision);
   if (cfg.shard_optimizer) dims = plan::with_master_shard(mc, head, dims, comm.rank(), world);
-  model::BertModel m(mc, head, dims);
+  const kernels::Backend& be = cfg.backend ? *cfg.backend : kernels::cpu_backend();
+  if (!be.host_memory()) dims.attention = model::ModelDims::Attention::Full;  // a GPU's kernel
+  model::BertModel m(mc, head, dims, be);
   m.init_params(cfg.seed);
   // A token classifier or a QA model has no pooler: the pretrained one is left out.
   std::vector<std::string> ignored = {"cls."};
@@ -626,7 +628,7 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   OptimizerConfig oc;
   oc.kind = OptimizerKind::AdamW;
   oc.weight_decay = static_cast<float>(cfg.weight_decay);
-  Optimizer opt(param_slices(m.table()), m.table().total(), oc, kernels::cpu_backend(),
+  Optimizer opt(param_slices(m.table()), m.table().total(), oc, be,
                 cfg.shard_optimizer ? shard_of(m.table().total(), comm.rank(), world) : Shard{});
   LossScaler::Config sc;
   sc.enabled = cfg.precision == Precision::FP16;

@@ -99,6 +99,9 @@ struct FinetuneConfig {
   // shared training step; rank 0 prints, logs and saves. Null: one process.
   comm::Communicator* comm = nullptr;
   bool shard_optimizer = false;  // several ranks: each holds 1/ranks of the AdamW state (ZeRO-1)
+  // Where the model and the optimizer state live and run (null: the CPU's backend); a backend
+  // with memory of its own (a GPU's) fine-tunes on one rank, with the full attention kernel.
+  const kernels::Backend* backend = nullptr;
 };
 
 struct FinetuneResult {
