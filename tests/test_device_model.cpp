@@ -27,24 +27,8 @@ namespace {
 using namespace kernels;
 using test::OwnMemoryBackend;
 
-struct StepRun {
-  model::Losses losses;
-  std::vector<float> grads;
-};
-
-StepRun step(const Backend& be, const model::BertConfig& c, model::Head head,
-             const model::ModelDims& d, const model::Batch& b) {
-  model::BertModel m(c, head, d, be);
-  m.init_params(11);
-  m.zero_grads();
-  const model::StepOptions opt{true, 5, 3, 0};
-  StepRun r;
-  r.losses = m.forward(b, opt);
-  m.backward(b, opt, 1.0f);
-  r.grads.resize(static_cast<size_t>(m.table().total()));
-  be.to_host(r.grads.data(), m.grads(), r.grads.size() * sizeof(float));
-  return r;
-}
+using StepRun = test::BackendStep;
+constexpr auto step = test::backend_step;
 
 // The losses are sums in OpenMP reductions, whose combination order varies from run to run
 // with several threads: equal to the last few bits.

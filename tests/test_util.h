@@ -18,6 +18,7 @@
 #include "core/isa.h"
 #include "kernels/cpu/matmul.h"
 #include "model/batch.h"
+#include "model/bert.h"
 #include "model/config.h"
 
 namespace bertrain::test {
@@ -52,6 +53,30 @@ inline model::Batch random_batch(const model::BertConfig& c, int64_t B, int64_t 
   }
   for (int64_t i = 0; i < B; ++i) b.next_sentence_labels[i] = static_cast<int32_t>(i % 2);
   return b;
+}
+
+// One training forward + backward (dropout on) of a fresh model (init seed 11) on a backend,
+// its losses, gradients and parameters read back to the host.
+struct BackendStep {
+  model::Losses losses;
+  std::vector<float> grads, params;
+};
+inline BackendStep backend_step(const kernels::Backend& be, const model::BertConfig& c,
+                                model::Head head, const model::ModelDims& d,
+                                const model::Batch& b) {
+  model::BertModel m(c, head, d, be);
+  m.init_params(11);
+  m.zero_grads();
+  const model::StepOptions opt{true, 5, 3, 0};
+  BackendStep r;
+  r.losses = m.forward(b, opt);
+  m.backward(b, opt, 1.0f);
+  const size_t n = static_cast<size_t>(m.table().total());
+  r.grads.resize(n);
+  r.params.resize(n);
+  be.to_host(r.grads.data(), m.grads(), n * sizeof(float));
+  be.to_host(r.params.data(), m.params(), n * sizeof(float));
+  return r;
 }
 
 // random_batch of 4 x 32 (5 predictions) with every task head's labels too: classes of 3, a

@@ -28,27 +28,8 @@ using model::ModelDims;
 #define SKIP_WITHOUT_GPU() \
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine"
 
-struct StepRun {
-  model::Losses losses;
-  std::vector<float> grads, params;
-};
-
-StepRun step(const kernels::Backend& be, const model::BertConfig& c, Head head, const ModelDims& d,
-             const model::Batch& b) {
-  BertModel m(c, head, d, be);
-  m.init_params(11);
-  m.zero_grads();
-  const model::StepOptions opt{true, 5, 3, 0};
-  StepRun r;
-  r.losses = m.forward(b, opt);
-  m.backward(b, opt, 1.0f);
-  const size_t n = static_cast<size_t>(m.table().total());
-  r.grads.resize(n);
-  r.params.resize(n);
-  be.to_host(r.grads.data(), m.grads(), n * sizeof(float));
-  be.to_host(r.params.data(), m.params(), n * sizeof(float));
-  return r;
-}
+using StepRun = test::BackendStep;
+constexpr auto step = test::backend_step;
 
 TEST(CudaModel, ForwardBackwardEqualsCpu) {
   SKIP_WITHOUT_GPU();
