@@ -199,9 +199,6 @@ void add_bench(CLI::App& app) {
       model::ModelDims dims = train::with_precision(
           {o->batch, o->seq, P, false, model::parse_attention(o->attention)}, prec);
       apply_recompute(o->recompute, dims);
-      // The GPU has the full attention kernel only: auto takes it at every length there.
-      if (gpu && dims.attention == model::ModelDims::Attention::Auto)
-        dims.attention = model::ModelDims::Attention::Full;
       dims.unpadded = unpadded;
       if (mode == Mode::Packed) {
         dims.batch = o->batch * o->pack;

@@ -141,12 +141,6 @@ void add_predict(CLI::App& app) {
     set_threads(o->threads);
     const train::Precision precision = train::parse_precision(o->precision);
     const kernels::Backend& be = device_backend(o->device);
-    // The model's dims in the precision, on the device (a GPU has the full attention only).
-    auto on_device = [&](model::ModelDims d) {
-      d = train::with_precision(d, precision);
-      if (!be.host_memory()) d.attention = model::ModelDims::Attention::Full;
-      return d;
-    };
     const std::string cfg_path = model::checkpoint_config_path(o->checkpoint);
     std::ifstream in(cfg_path);
     const nlohmann::json j = nlohmann::json::parse(in);
@@ -184,7 +178,8 @@ void add_predict(CLI::App& app) {
       const train::QaSet s = train::read_squad(o->input, false);
       if (s.skipped) std::fprintf(stderr, "predict: %s\n", s.skipped_summary(o->input).c_str());
       const train::QaFeatures f = train::make_qa_features(s, tok, qo);
-      model::BertModel m(mc, model::Head::QuestionAnswering, on_device({o->batch, seq, 0}), be);
+      model::BertModel m(mc, model::Head::QuestionAnswering,
+                         train::with_precision({o->batch, seq, 0}, precision), be);
       model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
       const std::vector<train::QaAnswer> answers = train::predict_answers(m, s, f, qo, o->batch);
       std::vector<std::string> texts;
@@ -217,7 +212,8 @@ void add_predict(CLI::App& app) {
       const train::TokenSet t = train::encode_tagged(s, tok, seq, names);
       model::ModelDims dims{o->batch, seq, 0};
       dims.unpadded = true;  // the padded model's tags, at the real tokens' cost
-      model::BertModel m(mc, model::Head::TokenClassification, on_device(dims), be);
+      model::BertModel m(mc, model::Head::TokenClassification,
+                         train::with_precision(dims, precision), be);
       model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
       const auto tags = train::predict_tags(m, s, t, o->batch);
       std::vector<std::vector<std::string>> gold;
@@ -251,7 +247,8 @@ void add_predict(CLI::App& app) {
     train::LabeledSet s = train::read_task_file(o->input, cols, tok, seq, names);
     model::ModelDims dims{o->batch, seq, 0};
     dims.unpadded = true;  // the padded model's predictions, at the real tokens' cost
-    model::BertModel m(mc, model::Head::SequenceClassification, on_device(dims), be);
+    model::BertModel m(mc, model::Head::SequenceClassification,
+                       train::with_precision(dims, precision), be);
     model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
     // One output line per data row of the input: a row that could not be used gets "-" (and is
     // reported on stderr), so that line i is still row i.

@@ -310,7 +310,6 @@ void add_eval(CLI::App& app, comm::Communicator& (*comm)()) {
     model::ModelDims dims{o->batch, o->seq, o->preds};
     dims.unpadded = true;  // the padded model's metrics, at the real tokens' cost
     dims = train::with_precision(dims, train::parse_precision(o->precision));
-    if (!be.host_memory()) dims.attention = model::ModelDims::Attention::Full;  // a GPU's kernel
     model::BertModel m(cfg, model::Head::Pretraining, dims, be);
     model::load_safetensors_into(m, model::checkpoint_weights_path(dir));
     const train::EvalResult r = train::evaluate(m, o->data, o->batch, o->max_batches, comm());

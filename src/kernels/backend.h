@@ -89,6 +89,9 @@ class Backend {
   // Waits until the kernels issued so far have run (a GPU's run asynchronously; timings of a
   // phase end here). The CPU's kernels have run when they return.
   virtual void synchronize() const {}
+  // Whether the blocked (flash-style) attention kernel is here: where it is not, a model's
+  // automatic choice (ModelDims::Attention::Auto) takes the full kernel at every length.
+  virtual bool has_blocked_attention() const { return true; }
 
   // -- kernel scratch (kernels/types.h) --
   // What this backend's kernels need besides their operands for the shapes a model runs; the

@@ -205,8 +205,18 @@ std::vector<std::pair<size_t, size_t>> master_holes(const ParamTable& table, int
   return holes;
 }
 
-MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDims& dims,
+namespace {
+// The dims as they run on `be`: the automatic attention choice resolved to a kernel it has.
+ModelDims on_backend(ModelDims d, const kernels::Backend& be) {
+  if (d.attention == ModelDims::Attention::Auto && !be.has_blocked_attention())
+    d.attention = ModelDims::Attention::Full;
+  return d;
+}
+}  // namespace
+
+MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDims& requested,
                                 const kernels::Backend& backend) {
+  const ModelDims dims = on_backend(requested, backend);
   if (dims.seq_len > cfg.max_position_embeddings)
     fail(setting("seq_len"), " ", dims.seq_len, " exceeds the model's max_position_embeddings ",
          cfg.max_position_embeddings);
@@ -241,19 +251,19 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
     : cfg_(cfg),
       head_(head),
       table_(cfg, head),
-      dims_(dims),
-      plan_(make_plan(cfg, head, dims, backend)),
+      dims_(on_backend(dims, backend)),
+      plan_(make_plan(cfg, head, dims_, backend)),
       be_(backend),
-      prec_(dims.precision()) {
+      prec_(dims_.precision()) {
   params_ = make_arena("parameters");
   grads_ = make_arena("gradients");
   acts_arena_ = make_arena("activations");
   scratch_ = make_arena("scratch");
   kernels_arena_ = make_arena("kernels");
-  kernel_scratch_ = plan_kernel_scratch(cfg, head, dims, backend);
-  const bool blocked = dims.blocked_attention();
+  kernel_scratch_ = plan_kernel_scratch(cfg, head, dims_, backend);
+  const bool blocked = dims_.blocked_attention();
   if (!blocked) ws_.attn_work = scratch_.f32("attn.work");
-  if (dims.bf16) {
+  if (dims_.bf16) {
     bf16_arena_ = make_arena("bf16");
     auto b16 = [&](const char* name) { return reinterpret_cast<uint16_t*>(bf16_arena_.f32(name)); };
     wbf16_ = b16("bf16.weights");
@@ -262,7 +272,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
     if (!blocked) ws_.attn_probs16 = b16("bf16.attn_probs");
     ws_.attn_dctx16 = b16("bf16.attn_dctx");
   }
-  if (dims.fp16) ws_.wide = scratch_.f32("fp16.wide");
+  if (dims_.fp16) ws_.wide = scratch_.f32("fp16.wide");
 
   const Arena& a = acts_arena_;
   act_.emb_sum = a.f32("emb.sum");
@@ -270,8 +280,8 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   act_.emb_rstd = a.f32("emb.rstd");
   act_.h0 = a.f32("emb.out");
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-    const std::string p = layer_prefix(l, dims);
-    const bool h = dims.bf16 || dims.fp16, bf = dims.bf16, fp = dims.fp16;
+    const std::string p = layer_prefix(l, dims_);
+    const bool h = dims_.bf16 || dims_.fp16, bf = dims_.bf16, fp = dims_.fp16;
     auto b16 = [&](const std::string& name) {
       return h ? reinterpret_cast<uint16_t*>(a.f32(name)) : nullptr;
     };

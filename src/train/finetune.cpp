@@ -617,7 +617,6 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   dims = with_precision(dims, cfg.precision);
   if (cfg.shard_optimizer) dims = plan::with_master_shard(mc, head, dims, comm.rank(), world);
   const kernels::Backend& be = cfg.backend ? *cfg.backend : kernels::cpu_backend();
-  if (!be.host_memory()) dims.attention = model::ModelDims::Attention::Full;  // a GPU's kernel
   model::BertModel m(mc, head, dims, be);
   m.init_params(cfg.seed);
   // A token classifier or a QA model has no pooler: the pretrained one is left out.

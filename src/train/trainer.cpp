@@ -258,9 +258,6 @@ model::ModelDims model_dims(const TrainConfig& c, int rank, int world) {
   d.seq_len = c.seq_len;
   d.max_predictions = c.max_predictions;
   d.attention = c.attention;
-  // A GPU has the full attention kernel only: auto takes it at every length there.
-  if (!backend_of(c).host_memory() && d.attention == model::ModelDims::Attention::Auto)
-    d.attention = model::ModelDims::Attention::Full;
   d.recompute_layers = c.recompute_layers;
   d.unpadded = c.unpadded || per_row > 0;
   d.pack_rows = per_row > 0 ? c.batch_size : 0;

@@ -261,6 +261,7 @@ class CudaBackend final : public kernels::Backend {
     BT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
   }
   void synchronize() const override { BT_CUDA_CHECK(cudaDeviceSynchronize()); }
+  bool has_blocked_attention() const override { return false; }
 
   // The kernels keep their scratch themselves (cuBLASLt's workspace, the reductions' partial
   // sums, attention's per-sequence buffers: own_scratch), so the model plans none here.
