@@ -10,27 +10,42 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <utility>
 #include <vector>
 
+#include "core/error.h"
 #include "kernels/backend.h"
 
 namespace bertrain::kernels {
 
 class OwnMemoryBackend final : public Backend {
  public:
+  // capacity > 0: a device of that many bytes (device_memory says what is free; an allocation
+  // past it fails as a GPU's cudaMalloc does). 0: unbounded, and no device_memory.
+  explicit OwnMemoryBackend(size_t capacity = 0) : capacity_(capacity) {}
   const char* name() const override { return "own-memory"; }
   bool host_memory() const override { return false; }
   void* allocate(size_t bytes) const override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (capacity_ && in_use_ + bytes > capacity_)
+        fail("out of own-memory device memory: ", bytes, " bytes asked for, ", capacity_ - in_use_,
+             " of ", capacity_, " free");
+    }
     const size_t n = (bytes + 4095) / 4096 * 4096;  // zero pages
     void* p = ::mmap(nullptr, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     std::lock_guard<std::mutex> lock(mu_);
     blocks_.push_back({static_cast<const char*>(p), n});
+    sizes_.push_back(bytes);
+    in_use_ += bytes;
+    peak_ = std::max(peak_, in_use_);
     if (open_ > 0) ::mprotect(p, n, PROT_READ | PROT_WRITE);
     return p;
   }
@@ -40,8 +55,24 @@ class OwnMemoryBackend final : public Backend {
       if (blocks_[i].first == p) {
         ::munmap(p, blocks_[i].second);
         blocks_.erase(blocks_.begin() + static_cast<int64_t>(i));
+        in_use_ -= sizes_[i];
+        sizes_.erase(sizes_.begin() + static_cast<int64_t>(i));
         return;
       }
+  }
+  std::optional<DeviceMemory> device_memory() const override {
+    if (!capacity_) return std::nullopt;
+    std::lock_guard<std::mutex> lock(mu_);
+    return DeviceMemory{capacity_ - in_use_, capacity_};
+  }
+  // Bytes allocated now, and the most at once.
+  size_t in_use() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return in_use_;
+  }
+  size_t peak() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return peak_;
   }
   // The blocks readable and writable while one of this backend's calls runs (nested: counted).
   class Open {
@@ -331,7 +362,10 @@ class OwnMemoryBackend final : public Backend {
   static const Backend& cpu() { return cpu_backend(); }
   mutable std::mutex mu_;
   mutable std::vector<std::pair<const char*, size_t>> blocks_;
+  mutable std::vector<size_t> sizes_;  // the bytes asked for each block
   mutable int open_ = 0;
+  const size_t capacity_;
+  mutable size_t in_use_ = 0, peak_ = 0;
 };
 
 }  // namespace bertrain::kernels

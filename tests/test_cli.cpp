@@ -51,6 +51,27 @@ TEST(Cli, EstimatePrintsPlanAndBatchForBudget) {
   EXPECT_NE(r.out.find("largest batch size that fits is"), std::string::npos) << r.out;
 }
 
+// --device cuda plans a GPU run where there is no GPU: the arenas in device memory with the
+// CUDA kernels' scratch (cuBLASLt's 32 MiB workspace among it) and the staged batch, full
+// attention; the largest batch for a GPU's memory.
+TEST(Cli, EstimatePlansAGpuRunWithoutAGpu) {
+  const std::string base = "estimate --model-config " + data_path("../configs/bert-base.json") +
+                           " --batch-size 8 --precision bf16 --seq-len 512 --max-predictions 80";
+  RunResult r = run(base + " --device cuda --memory-budget 16GiB");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  for (const char* want :
+       {"full attention", "memory plan per rank, in the cuda device's memory", "  input   ",
+        "besides the plan: the CUDA context", "largest batch size that fits is"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  const RunResult cpu = run(base + " --memory-budget 16GiB");
+  ASSERT_EQ(cpu.rc, 0) << cpu.out;
+  EXPECT_NE(cpu.out.find("blocked attention"), std::string::npos) << cpu.out;
+  EXPECT_EQ(cpu.out.find("  input   "), std::string::npos) << cpu.out;
+  r = run(base + " --device tpu");
+  EXPECT_NE(r.out.find("--device must be cpu, cuda or auto, got 'tpu'"), std::string::npos)
+      << r.out;
+}
+
 TEST(Cli, ErrorsAreOneLineWithTheCause) {
   RunResult r = run("estimate --model-config /nonexistent.json");
   EXPECT_EQ(r.rc, 1);

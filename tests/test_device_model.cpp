@@ -13,9 +13,11 @@
 #include "comm/communicator.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cuda/scratch.h"
 #include "model/bert.h"
 #include "model/checkpoint.h"
 #include "own_memory_backend.h"
+#include "plan/memory.h"
 #include "test_util.h"
 #include "train/loss_scaler.h"
 #include "train/optimizer.h"
@@ -147,6 +149,112 @@ TEST(DeviceModel, CheckpointsCrossAndHolesAreRefused) {
   const std::string e =
       test::error_of([&] { model::BertModel m(c, model::Head::Pretraining, sharded, own); });
   EXPECT_NE(e.find("sharded fp32 master"), std::string::npos) << e;
+}
+
+// The plan of a run on a GPU, made without one (cuda::target(): what `estimate --device cuda`
+// prints): the CPU plan's model groups (full attention: there is no blocked kernel on CUDA yet),
+// the CUDA kernels' scratch instead of the CPU's, and the batch arrays staged in device memory.
+TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
+  model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 512);
+  for (int precision = 0; precision < 3; ++precision)
+    for (int64_t T : {64, 512}) {
+      SCOPED_TRACE(testing::Message() << "precision " << precision << " T " << T);
+      model::ModelDims d{8, T, 10};  // attention auto: blocked at 512 tokens on the CPU
+      d.bf16 = precision == 1;
+      d.fp16 = precision == 2;
+      const MemoryPlan gpu =
+          model::BertModel::make_plan(c, model::Head::Pretraining, d, cuda::target());
+      model::ModelDims full = d;
+      full.attention = model::ModelDims::Attention::Full;
+      const MemoryPlan cpu = model::BertModel::make_plan(c, model::Head::Pretraining, full);
+      for (const char* g : {"parameters", "gradients", "activations", "scratch", "bf16"})
+        EXPECT_EQ(gpu.group_bytes(g), cpu.group_bytes(g)) << g;
+      EXPECT_EQ(gpu.group_bytes("input"), model::input_bytes(d));
+      EXPECT_EQ(cpu.group_bytes("input"), 0u);
+      // cuBLASLt's workspace; [B, NH, T, T] fp32 scores in 16 bits, dropped probabilities in
+      // fp32 and fp16; one sequence's probability gradients; the reductions' partial sums; a
+      // loss and a hit for each of the most rows a loss sees (every token, here).
+      const ScratchLayout l =
+          model::plan_kernel_scratch(c, model::Head::Pretraining, d, cuda::target());
+      const int64_t probs = 8 * 4 * T * T * 4;
+      EXPECT_EQ(l.part[cuda::kMatmulWorkspaceSlot], int64_t{32} << 20);
+      EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], precision == 0 ? 0 : probs);
+      EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 1 ? 0 : probs);
+      EXPECT_EQ(l.part[cuda::kAttentionGradSlot], 4 * T * T * 4);
+      EXPECT_EQ(l.part[cuda::kReductionSlot], 2 * 1024 * 8);
+      EXPECT_EQ(l.part[cuda::kCrossEntropySlot], 2 * 8 * T * 4);
+      EXPECT_EQ(gpu.group_bytes("kernels"), static_cast<size_t>(l.total()));
+    }
+}
+
+// Everything a model, its optimizer and a training step hold on a device is the plan's: the
+// most the backend ever held equals the training plan, byte for byte (nothing allocated on the
+// way: the batch arrays go to the planned input region), padded and unpadded.
+TEST(DeviceMemory, TrainingStepsHoldExactlyThePlan) {
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  const model::Batch batch = test::random_batch(c, 4, 32, 5);
+  for (bool unpadded : {false, true}) {
+    SCOPED_TRACE(unpadded ? "unpadded" : "padded");
+    const OwnMemoryBackend own;
+    model::ModelDims d{batch.B, batch.T, batch.P};
+    d.unpadded = unpadded;
+    size_t planned = 0;
+    {
+      model::BertModel m(c, model::Head::Pretraining, d, own);
+      m.init_params(11);
+      train::Optimizer opt(train::param_slices(m.table()), m.table().total(), {}, own);
+      train::LossScaler scaler{train::LossScaler::Config{}};
+      comm::SingleProcess single;
+      train::Step step(m, opt, scaler, single, train::StepSettings{});
+      for (int64_t k = 0; k < 2; ++k)
+        step.run(k, 1e-3, [&](model::Batch& b) {
+          b = batch;
+          return true;
+        });
+      planned = plan::training_plan(c, model::Head::Pretraining, m.dims(), 2, 1, own).total_bytes();
+      EXPECT_EQ(m.allocated_bytes() + opt.allocated_bytes(), planned);
+    }
+    EXPECT_EQ(own.peak(), planned);
+    EXPECT_EQ(own.in_use(), 0u);
+  }
+}
+
+// A batch too large for the device is named before anything is allocated, with the largest
+// batch that fits, which then runs; an allocation that fails anyway names the model's group.
+TEST(DeviceMemory, ABatchTooLargeIsNamedWithTheLargestThatFits) {
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  auto dims = [](int64_t batch) { return model::ModelDims{batch, 32, 5}; };
+  const OwnMemoryBackend unbounded;
+  auto planned = [&](int64_t batch) {
+    return plan::training_plan(c, model::Head::Pretraining, dims(batch), 2, 1, unbounded)
+        .total_bytes();
+  };
+  const OwnMemoryBackend own(planned(4) + static_cast<size_t>(plan::kDeviceHeadroom) + 1000);
+  const std::string e = test::error_of(
+      [&] { plan::check_device_fits(c, model::Head::Pretraining, dims(16), 2, 1, own); });
+  for (const char* want : {"batch 16 x 32 tokens needs", "on the own-memory device (activations",
+                           "the largest batch that fits is 4 (--batch-size 4)",
+                           "`bertrain estimate --device own-memory` prints the plan"})
+    EXPECT_NE(e.find(want), std::string::npos) << want << "\n" << e;
+  EXPECT_EQ(own.in_use(), 0u);
+  plan::check_device_fits(c, model::Head::Pretraining, dims(4), 2, 1, own);
+  EXPECT_EQ(
+      test::backend_step(own, c, model::Head::Pretraining, dims(4), test::random_batch(c, 4, 32, 5))
+          .grads.size(),
+      static_cast<size_t>(model::ParamTable(c, model::Head::Pretraining).total()));
+  EXPECT_EQ(plan::max_batch_for_budget(c, model::Head::Pretraining, dims(1), 2,
+                                       plan::device_budget(*own.device_memory()), 1, {}, own),
+            4);
+
+  // Room for the parameters and gradients only: the activations' allocation fails, named.
+  const MemoryPlan p = model::BertModel::make_plan(c, model::Head::Pretraining, dims(4), own);
+  const OwnMemoryBackend tight(p.group_span("parameters") + p.group_span("gradients") + 4096);
+  const std::string a =
+      test::error_of([&] { model::BertModel m(c, model::Head::Pretraining, dims(4), tight); });
+  EXPECT_NE(a.find("the model's activations ("), std::string::npos) << a;
+  EXPECT_NE(a.find("on the own-memory device: out of own-memory device memory"), std::string::npos)
+      << a;
+  EXPECT_EQ(tight.in_use(), 0u);  // what was allocated went back
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
 #include "own_memory_backend.h"
+#include "plan/memory.h"
 #include "test_util.h"
 #include "train/autotune.h"
 #include "train/evaluate.h"
@@ -178,6 +179,23 @@ TEST(Train, OnABackendWithItsOwnMemoryEqualsTheCpu) {
   t.autotune = true;
   EXPECT_NE(test::error_of([&] { train(t, comm); }).find("on the own-memory backend run without"),
             std::string::npos);
+  // A device with room for 4 sequences, asked for 8: the run stops before it allocates anything,
+  // naming the largest batch that fits.
+  TrainConfig four = env.cfg("own-small", 2);
+  four.batch_size = 4;
+  const test::OwnMemoryBackend small(plan::training_plan(model::BertConfig::load(env.config),
+                                                         model::Head::Pretraining,
+                                                         model_dims(four, 0, 1), 2, 1, own)
+                                         .total_bytes() +
+                                     static_cast<size_t>(plan::kDeviceHeadroom) + 1000);
+  TrainConfig eight = env.cfg("own-small", 2);
+  eight.backend = &small;
+  const std::string e = test::error_of([&] { train(eight, comm); });
+  EXPECT_NE(e.find("batch 8 x 64 tokens needs"), std::string::npos) << e;
+  EXPECT_NE(e.find("the largest batch that fits is 4 (--batch-size 4)"), std::string::npos) << e;
+  EXPECT_EQ(small.peak(), 0u);
+  four.backend = &small;
+  EXPECT_EQ(train(four, comm).losses.size(), 2u);
 }
 
 // 300 steps in a 16-bit precision against the same run in fp32: windows of 50 steps agree

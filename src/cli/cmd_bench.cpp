@@ -93,6 +93,7 @@ struct BenchResult {
   double forward = 0, backward = 0, optimizer = 0;  // medians, seconds
   double seconds = 0, real_tokens = 0, computed_tokens = 0, padded_tokens = 0, flops = 0;
   double loss = 0, rss = 0, planned = 0, allocated = 0;
+  double device_used = 0;  // a GPU's memory in use at the end (the CUDA context's included)
   int64_t unplanned = 0;
 };
 
@@ -204,6 +205,7 @@ void add_bench(CLI::App& app) {
         dims.batch = o->batch * o->pack;
         dims.pack_rows = o->batch;
       }
+      plan::check_device_fits(cfg, head, dims, 2, 1, be);
       model::BertModel m(cfg, head, dims, be);
       m.init_params(1);
       train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(), {},
@@ -246,7 +248,10 @@ void add_bench(CLI::App& app) {
       getrusage(RUSAGE_SELF, &ru);
       res.rss = ru.ru_maxrss * 1024.0;
       // The plan `bertrain estimate` prints for this run, and what the arenas hold.
-      res.planned = static_cast<double>(plan::training_plan(cfg, head, m.dims(), 2).total_bytes());
+      res.planned =
+          static_cast<double>(plan::training_plan(cfg, head, m.dims(), 2, 1, be).total_bytes());
+      if (const auto dm = be.device_memory())
+        res.device_used = static_cast<double>(dm->total - dm->free);
       res.allocated = static_cast<double>(m.allocated_bytes() + optimizer.allocated_bytes());
       res.unplanned = kernels::unplanned_scratch_bytes() - unplanned_before;
       if (!o->json && modes.front() == mode) {
@@ -304,6 +309,7 @@ void add_bench(CLI::App& app) {
                             {"baseline_rss_bytes", baseline},
                             {"plan_bytes", r.planned},
                             {"allocated_bytes", r.allocated},
+                            {"device_used_bytes", r.device_used},
                             {"unplanned_scratch_bytes", r.unplanned},
                             {"loss", r.loss}};
         std::printf("%s\n", j.dump().c_str());
@@ -329,8 +335,11 @@ void add_bench(CLI::App& app) {
           "GFLOP/s; utilisation %.0f%%\n",
           gflops, bf16 ? "bf16" : "fp32", peak, 100.0 * gflops / peak);  // fp16: fp32 compute
       if (gpu)
-        std::printf("  memory     GPU: the model's and optimizer's arenas %s; host peak RSS %s\n",
-                    human_bytes(r.allocated).c_str(), human_bytes(r.rss).c_str());
+        std::printf(
+            "  memory     GPU: planned %s, allocated from the arenas %s, in use on the device "
+            "%s (with the CUDA context and libraries); host peak RSS %s\n",
+            human_bytes(r.planned).c_str(), human_bytes(r.allocated).c_str(),
+            human_bytes(r.device_used).c_str(), human_bytes(r.rss).c_str());
       else
         std::printf(
             "  memory     peak RSS %s = %s before the model (libraries) + %s; planned %s, "

@@ -6,6 +6,7 @@
 #include "comm/mpi.h"
 #include "core/error.h"
 #include "data/pipeline.h"
+#include "obs/gemm_peak.h"
 #include "plan/memory.h"
 #include "train/precision.h"
 
@@ -14,7 +15,7 @@ namespace bertrain::cli {
 void add_estimate(CLI::App& app) {
   struct Opts {
     std::string config, head = "pretraining", budget, precision = "fp32", attention = "auto",
-                        recompute = "none";
+                        recompute = "none", device = "cpu";
     int64_t batch = 32, seq = 128, preds = 20;
     int slots = 2, ranks = 1;
     bool shard = false, explain = false;
@@ -48,7 +49,13 @@ void add_estimate(CLI::App& app) {
                 "in 16 bits, as train allocates)")
       ->capture_default_str();
   c->add_option("--memory-budget", o->budget,
-                "Memory available per rank, e.g. 16GiB: prints the largest batch that fits");
+                "Memory available per rank (per GPU with --device cuda), e.g. 16GiB: prints the "
+                "largest batch that fits (default on a visible GPU: its free memory)");
+  c->add_option("--device", o->device,
+                "cpu or cuda: the plan of a run on a GPU (its arenas in device memory, the "
+                "CUDA kernels' scratch, full attention), also where no GPU is; auto: cuda where "
+                "a GPU is visible")
+      ->capture_default_str();
   c->callback([o] {
     model::BertConfig cfg = model::BertConfig::load(o->config);
     model::Head head = parse_head(o->head);
@@ -59,7 +66,18 @@ void add_estimate(CLI::App& app) {
     apply_recompute(o->recompute, d);
     const int shard_world = o->shard ? o->ranks : 1;
     d = plan::with_master_shard(cfg, head, d, -1, shard_world);  // bf16, as train/finetune
-    MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots, shard_world);
+    const kernels::Target& target = device_target(o->device);
+    const bool device = !target.host_memory();
+    if (device && d.master_shard)
+      fail("--device ", o->device,
+           ": the sharded fp32 master (--shard-optimizer with bf16) is "
+           "for CPUs for now");
+    MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots, shard_world, target);
+    if (device && d.attention == model::ModelDims::Attention::Auto)
+      d.attention = model::ModelDims::Attention::Full;  // (the plan's: no blocked kernel there)
+    const kernels::Backend* gpu = device ? visible_gpu() : nullptr;
+    const std::optional<kernels::DeviceMemory> gpu_memory =
+        gpu ? gpu->device_memory() : std::nullopt;
     model::ParamTable table(cfg, head);
     int64_t nparams = 0;
     for (const auto& p : table.params()) nparams += p.numel();
@@ -76,7 +94,9 @@ void add_estimate(CLI::App& app) {
                         : "",
         d.blocked_attention() ? "blocked" : "full",
         d.recompute_layers ? ", layers recomputed in backward" : "");
-    std::printf("memory plan per rank:\n%s", plan::format_plan(plan).c_str());
+    std::printf("memory plan per rank%s:\n%s",
+                device ? str(", in the ", target.name(), " device's memory").c_str() : "",
+                plan::format_plan(plan).c_str());
     // Besides the arenas: the input pipeline's bound (train's default input options) and, under
     // MPI, the rank's slot of the node's shared window.
     // (Fine-tuning reads its task file into memory instead: the file's size.)
@@ -87,23 +107,39 @@ void add_estimate(CLI::App& app) {
     auto outside = [&](int64_t batch) {
       return input(batch) + (o->ranks > 1 ? static_cast<double>(comm::kShmSlotBytes) : 0.0);
     };
-    std::printf("besides the arenas (bounded):\n");
-    if (pipeline)
+    if (device) {
+      // The device holds the plan; the input pipeline is host memory, the CUDA context and the
+      // libraries' handles are the device's own.
       std::printf(
-          "  input pipeline %12s  (train's default input options: interleave, shuffle "
-          "buffer, prefetch)\n",
-          human_bytes(input(d.batch)).c_str());
-    if (o->ranks > 1)
-      std::printf("  MPI window     %12s  (the rank's staging slot in its node's shared window)\n",
-                  human_bytes(static_cast<double>(comm::kShmSlotBytes)).c_str());
-    std::printf("  total          %12s\n",
-                human_bytes(static_cast<double>(plan.total_bytes()) + outside(d.batch)).c_str());
+          "besides the plan: the CUDA context and the libraries' handles and workspaces (a run "
+          "keeps %s of the free memory for them); in host memory the input pipeline (%s)\n",
+          human_bytes(plan::kDeviceHeadroom).c_str(), human_bytes(input(d.batch)).c_str());
+      if (gpu_memory)
+        std::printf("device    %s: %s free of %s\n", obs::device_description(*gpu).c_str(),
+                    human_bytes(static_cast<double>(gpu_memory->free)).c_str(),
+                    human_bytes(static_cast<double>(gpu_memory->total)).c_str());
+    } else {
+      std::printf("besides the arenas (bounded):\n");
+      if (pipeline)
+        std::printf(
+            "  input pipeline %12s  (train's default input options: interleave, shuffle "
+            "buffer, prefetch)\n",
+            human_bytes(input(d.batch)).c_str());
+      if (o->ranks > 1)
+        std::printf(
+            "  MPI window     %12s  (the rank's staging slot in its node's shared window)\n",
+            human_bytes(static_cast<double>(comm::kShmSlotBytes)).c_str());
+      std::printf("  total          %12s\n",
+                  human_bytes(static_cast<double>(plan.total_bytes()) + outside(d.batch)).c_str());
+    }
     if (o->explain)
       std::printf("%s", plan::explain_plan(cfg, head, d, o->slots, shard_world, plan).c_str());
-    if (!o->budget.empty()) {
-      const double budget = parse_bytes(o->budget);
+    if (!o->budget.empty() || gpu_memory) {
+      const double budget =
+          !o->budget.empty() ? parse_bytes(o->budget) : plan::device_budget(*gpu_memory);
       const int64_t b =
-          plan::max_batch_for_budget(cfg, head, d, o->slots, budget, shard_world, outside);
+          plan::max_batch_for_budget(cfg, head, d, o->slots, budget, shard_world,
+                                     device ? std::function<double(int64_t)>() : outside, target);
       if (b == 0)
         std::printf(
             "budget    %s: even batch 1 does not fit; use a shorter --seq-len or a smaller model\n",

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/setting.h"
 #include "model/checkpoint.h"
+#include "plan/memory.h"
 #include "train/finetune.h"
 #include "train/ner.h"
 #include "train/qa.h"
@@ -178,8 +179,9 @@ void add_predict(CLI::App& app) {
       const train::QaSet s = train::read_squad(o->input, false);
       if (s.skipped) std::fprintf(stderr, "predict: %s\n", s.skipped_summary(o->input).c_str());
       const train::QaFeatures f = train::make_qa_features(s, tok, qo);
-      model::BertModel m(mc, model::Head::QuestionAnswering,
-                         train::with_precision({o->batch, seq, 0}, precision), be);
+      const model::ModelDims dims = train::with_precision({o->batch, seq, 0}, precision);
+      plan::check_device_fits(mc, model::Head::QuestionAnswering, dims, 0, 1, be);
+      model::BertModel m(mc, model::Head::QuestionAnswering, dims, be);
       model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
       const std::vector<train::QaAnswer> answers = train::predict_answers(m, s, f, qo, o->batch);
       std::vector<std::string> texts;
@@ -212,8 +214,9 @@ void add_predict(CLI::App& app) {
       const train::TokenSet t = train::encode_tagged(s, tok, seq, names);
       model::ModelDims dims{o->batch, seq, 0};
       dims.unpadded = true;  // the padded model's tags, at the real tokens' cost
-      model::BertModel m(mc, model::Head::TokenClassification,
-                         train::with_precision(dims, precision), be);
+      dims = train::with_precision(dims, precision);
+      plan::check_device_fits(mc, model::Head::TokenClassification, dims, 0, 1, be);
+      model::BertModel m(mc, model::Head::TokenClassification, dims, be);
       model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
       const auto tags = train::predict_tags(m, s, t, o->batch);
       std::vector<std::vector<std::string>> gold;
@@ -247,8 +250,9 @@ void add_predict(CLI::App& app) {
     train::LabeledSet s = train::read_task_file(o->input, cols, tok, seq, names);
     model::ModelDims dims{o->batch, seq, 0};
     dims.unpadded = true;  // the padded model's predictions, at the real tokens' cost
-    model::BertModel m(mc, model::Head::SequenceClassification,
-                       train::with_precision(dims, precision), be);
+    dims = train::with_precision(dims, precision);
+    plan::check_device_fits(mc, model::Head::SequenceClassification, dims, 0, 1, be);
+    model::BertModel m(mc, model::Head::SequenceClassification, dims, be);
     model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
     // One output line per data row of the input: a row that could not be used gets "-" (and is
     // reported on stderr), so that line i is still row i.

@@ -61,33 +61,41 @@ namespace {
 
 // --batch-size (a number or auto) and --global-batch into the micro-batch and the accumulation.
 // auto: the largest micro-batch whose memory plan (plan::training_plan: parameters, gradients,
-// optimizer state, activations, kernel scratch) fits the budget per rank.
+// optimizer state, activations, kernel scratch) fits the budget per rank: the host's memory, or
+// on a backend with memory of its own (a GPU) the device's (plan::device_budget).
 template <typename Opts>
 void choose_batch(train::TrainConfig& cfg, const Opts& o, const comm::Communicator& c) {
   const int64_t world = c.size();
   int64_t fit = 0;
   double budget = 0;
   if (o.batch == "auto") {
-    if (!train::backend_of(cfg).host_memory())
-      fail("--batch-size auto plans host memory; on the ", train::backend_of(cfg).name(),
-           " backend give the batch size");
-    budget = o.budget.empty() ? 0.9 * available_memory() / std::max(1, c.local_size())
-                              : parse_bytes(o.budget);
+    const kernels::Backend& be = train::backend_of(cfg);
+    const std::optional<kernels::DeviceMemory> device = be.device_memory();
+    if (!be.host_memory() && !device)
+      fail("--batch-size auto: the ", be.name(),
+           " backend says nothing of its memory; give the "
+           "batch size");
+    budget = !o.budget.empty() ? parse_bytes(o.budget)
+             : device          ? plan::device_budget(*device)
+                               : 0.9 * available_memory() / std::max(1, c.local_size());
     train::TrainConfig one = cfg;
     one.batch_size = 1;
     const model::ModelDims d = train::model_dims(one, -1, static_cast<int>(world));
     const model::BertConfig mc = model::BertConfig::load(cfg.model_config);
-    // Besides the arenas: this run's input pipeline bound and, under MPI, the window slot.
+    // Besides the arenas in host memory: this run's input pipeline bound and, under MPI, the
+    // window slot. A device's budget holds the arenas alone (the input is staged in its plan).
     auto outside = [&](int64_t batch) {
+      if (!be.host_memory()) return 0.0;
       return input_bound(cfg.input, batch, cfg.seq_len, cfg.max_predictions, mc) +
              (world > 1 ? static_cast<double>(comm::kShmSlotBytes) : 0.0);
     };
-    fit = plan::max_batch_for_budget(mc, model::Head::Pretraining, d, 2, budget,
-                                     cfg.shard_optimizer ? static_cast<int>(world) : 1, outside);
+    fit =
+        plan::max_batch_for_budget(mc, model::Head::Pretraining, d, 2, budget,
+                                   cfg.shard_optimizer ? static_cast<int>(world) : 1, outside, be);
     if (fit == 0)
       fail("--batch-size auto: not even one sequence of ", cfg.seq_len, " tokens fits ",
-           human_bytes(budget),
-           " per rank; use --recompute layer, --precision bf16, a shorter --seq-len or a larger "
+           human_bytes(budget), " per rank", device ? str(" on the ", be.name(), " device") : "",
+           "; use --recompute layer, --precision bf16, a shorter --seq-len or a larger "
            "--memory-budget");
     cfg.batch_size = fit;
   } else {
@@ -149,7 +157,8 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
       ->capture_default_str();
   c->add_option("--memory-budget", o->budget,
                 "With --batch-size auto: memory per rank, e.g. 16GiB (default: 90% of this "
-                "host's available memory, shared by its ranks)");
+                "host's available memory, shared by its ranks; on a GPU its free memory less "
+                "256 MiB for the libraries)");
   c->add_option("--global-batch", o->global_batch,
                 "Sequences per optimizer step over all ranks, kept with gradient accumulation "
                 "(sets --accumulation-steps)");
@@ -310,6 +319,7 @@ void add_eval(CLI::App& app, comm::Communicator& (*comm)()) {
     model::ModelDims dims{o->batch, o->seq, o->preds};
     dims.unpadded = true;  // the padded model's metrics, at the real tokens' cost
     dims = train::with_precision(dims, train::parse_precision(o->precision));
+    plan::check_device_fits(cfg, model::Head::Pretraining, dims, 0, 1, be);
     model::BertModel m(cfg, model::Head::Pretraining, dims, be);
     model::load_safetensors_into(m, model::checkpoint_weights_path(dir));
     const train::EvalResult r = train::evaluate(m, o->data, o->batch, o->max_batches, comm());

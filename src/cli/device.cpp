@@ -4,6 +4,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "kernels/cuda/scratch.h"
 #ifdef BERTRAIN_CUDA
 #include "kernels/cuda/cuda.h"
 #endif
@@ -17,12 +18,32 @@ void add_device_option(CLI::App* c, std::string& device) {
       ->capture_default_str();
 }
 
-const kernels::Backend& device_backend(const std::string& device) {
+namespace {
+void check_device(const std::string& device) {
   if (device != "cpu" && device != "cuda" && device != "auto")
     fail("--device must be cpu, cuda or auto, got '", device, "'");
-  if (device == "cpu") return kernels::cpu_backend();
+}
+}  // namespace
+
+const kernels::Backend* visible_gpu() {
 #ifdef BERTRAIN_CUDA
-  if (cuda::device_count() > 0) return cuda::cuda_backend();
+  if (cuda::device_count() > 0) return &cuda::cuda_backend();
+#endif
+  return nullptr;
+}
+
+const kernels::Target& device_target(const std::string& device) {
+  check_device(device);
+  if (device == "cpu") return kernels::cpu_backend();
+  if (const kernels::Backend* gpu = visible_gpu()) return *gpu;
+  return device == "cuda" ? cuda::target() : kernels::cpu_backend();
+}
+
+const kernels::Backend& device_backend(const std::string& device) {
+  check_device(device);
+  if (device == "cpu") return kernels::cpu_backend();
+  if (const kernels::Backend* gpu = visible_gpu()) return *gpu;
+#ifdef BERTRAIN_CUDA
   if (device == "cuda")
     fail(
         "--device cuda: no CUDA device is visible here (nvidia-smi lists them; check "

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 #include "kernels/types.h"
 
@@ -68,16 +69,37 @@ struct Dropout {
   const int32_t* rows = nullptr;
 };
 
-class Backend {
+// What a memory plan needs to know of where a model's kernels run: whose memory they read, which
+// attention kernels there are, the kernel scratch for the model's shapes. A Backend is one; a
+// plan for a device this machine lacks (`estimate --device cuda` on a laptop) takes the target
+// alone (kernels/cuda/scratch.h, cuda::target()), so the plan printed is the one the run makes.
+class Target {
  public:
-  virtual ~Backend() = default;
+  virtual ~Target() = default;
   virtual const char* name() const = 0;
-
-  // -- memory --
   // Whether the kernels read host memory (the CPU's). Otherwise the model's arenas are the
-  // backend's (allocate: zeroed, 256-byte aligned; release) and what the host makes or reads
-  // crosses with to_device / to_host.
+  // backend's (Backend::allocate) and the batch arrays the kernels read are copied there (a
+  // planned group of their own, "input").
   virtual bool host_memory() const { return true; }
+  // Whether the blocked (flash-style) attention kernel is here: where it is not, a model's
+  // automatic choice (ModelDims::Attention::Auto) takes the full kernel at every length.
+  virtual bool has_blocked_attention() const { return true; }
+  // What the kernels need besides their operands for the shapes a model runs; the model plans
+  // layout.total() bytes (group "kernels") and binds them (Backend::bind_scratch).
+  virtual ScratchLayout scratch_layout(const KernelShapes& shapes) const = 0;
+};
+
+// Memory a device has: free for new allocations now, and in all.
+struct DeviceMemory {
+  size_t free = 0, total = 0;
+};
+
+class Backend : public Target {
+ public:
+  // -- memory --
+  // Not host memory (Target::host_memory): the model's arenas are the backend's (allocate:
+  // zeroed, 256-byte aligned; release; a failed allocate is a bertrain::Error naming the bytes
+  // asked and the bytes free) and what the host makes or reads crosses with to_device / to_host.
   virtual void* allocate(size_t bytes) const;
   virtual void release(void* p) const;
   virtual void to_device(void* dst, const void* src, size_t bytes) const {
@@ -89,15 +111,14 @@ class Backend {
   // Waits until the kernels issued so far have run (a GPU's run asynchronously; timings of a
   // phase end here). The CPU's kernels have run when they return.
   virtual void synchronize() const {}
-  // Whether the blocked (flash-style) attention kernel is here: where it is not, a model's
-  // automatic choice (ModelDims::Attention::Auto) takes the full kernel at every length.
-  virtual bool has_blocked_attention() const { return true; }
+  // The device's memory, for a backend with memory of its own (a GPU's: what a run checks its
+  // plan against before it allocates); nothing for host memory (the CPU's budget is the host's).
+  virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
 
   // -- kernel scratch (kernels/types.h) --
-  // What this backend's kernels need besides their operands for the shapes a model runs; the
-  // model plans layout.total() bytes and binds them before it runs kernels (forward, backward,
-  // optimizer). Kernels run with nothing bound still work, on buffers of their own.
-  virtual ScratchLayout scratch_layout(const KernelShapes& shapes) const = 0;
+  // The region of Target::scratch_layout's layout, bound before the model runs kernels
+  // (forward, backward, optimizer). Kernels run with nothing bound still work, on buffers of
+  // their own.
   virtual void bind_scratch(void* region, const ScratchLayout& layout) const = 0;
 
   // -- matmuls --

@@ -41,15 +41,17 @@ struct KernelShapes {
   AttentionShape attention{0, 0, 0, 0};
   bool blocked_attention = false;
   int64_t layernorm_width = 0;
+  int64_t loss_rows = 0;  // the most rows one cross-entropy or squared error is given
 };
 
 // Kernel scratch: what the kernels use besides their operands (the CPU's: oneDNN's GEMM
 // scratchpad, attention row buffers and mask rows, LayerNorm's and the optimizer's per-thread
+// partial sums; a GPU's: cuBLASLt's workspace, attention's score buffers, the reductions'
 // partial sums). `caller` bytes for the thread that calls the kernels (the products it makes
 // itself, outside parallel regions), then one slice per thread of the parts' bytes in order,
 // each rounded up to 64 bytes. The model plans total() bytes (group "kernels").
 struct ScratchLayout {
-  static constexpr int kParts = 5;
+  static constexpr int kParts = 8;
   int threads = 1;
   int64_t caller = 0;
   int64_t part[kParts] = {};

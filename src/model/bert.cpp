@@ -167,8 +167,19 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   }
 }
 
-kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, const ModelDims& d,
-                                           const kernels::Backend& backend) {
+namespace {
+// The dims as they run on `be`: the automatic attention choice resolved to a kernel it has.
+ModelDims on_backend(ModelDims d, const kernels::Target& be) {
+  if (d.attention == ModelDims::Attention::Auto && !be.has_blocked_attention())
+    d.attention = ModelDims::Attention::Full;
+  return d;
+}
+}  // namespace
+
+kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head,
+                                           const ModelDims& requested,
+                                           const kernels::Target& target) {
+  const ModelDims d = on_backend(requested, target);
   const int64_t B = d.batch, T = d.seq_len, R = d.token_rows(), N = R * T, C = cfg.hidden_size,
                 I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = cfg.vocab_size;
   // The products forward and backward make (bert.cpp's linear_forward calls), once per shape.
@@ -190,7 +201,19 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, con
   k.attention = {R, T, C, NH};
   k.blocked_attention = d.blocked_attention();
   k.layernorm_width = C;
-  return backend.scratch_layout(k);
+  k.loss_rows = std::max({R * d.max_predictions, 2 * B, N});  // (as head.row_loss)
+  return target.scratch_layout(k);
+}
+
+size_t input_bytes(const ModelDims& d) {
+  // stage_inputs' arrays, 4-byte elements: 7 of token rows (ids, segments, mask, token labels and
+  // weights, the packed positions and padded rows; at most the padded batch's or the planned
+  // rows), 3 of predictions (positions, ids, weights), 4 of sequences (the NSP labels, label ids
+  // and values, the [CLS] rows) and the QA spans (2 a sequence).
+  const int64_t B = d.batch, rows = std::max(B, d.token_rows()) * d.seq_len,
+                P = B * d.max_predictions;
+  auto arr = [](int64_t n) { return align_up(static_cast<size_t>(n) * 4, 256); };
+  return 7 * arr(rows) + 3 * arr(P) + 4 * arr(B) + arr(2 * B);
 }
 
 std::vector<std::pair<size_t, size_t>> master_holes(const ParamTable& table, int64_t begin,
@@ -205,18 +228,9 @@ std::vector<std::pair<size_t, size_t>> master_holes(const ParamTable& table, int
   return holes;
 }
 
-namespace {
-// The dims as they run on `be`: the automatic attention choice resolved to a kernel it has.
-ModelDims on_backend(ModelDims d, const kernels::Backend& be) {
-  if (d.attention == ModelDims::Attention::Auto && !be.has_blocked_attention())
-    d.attention = ModelDims::Attention::Full;
-  return d;
-}
-}  // namespace
-
 MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDims& requested,
-                                const kernels::Backend& backend) {
-  const ModelDims dims = on_backend(requested, backend);
+                                const kernels::Target& target) {
+  const ModelDims dims = on_backend(requested, target);
   if (dims.seq_len > cfg.max_position_embeddings)
     fail(setting("seq_len"), " ", dims.seq_len, " exceeds the model's max_position_embeddings ",
          cfg.max_position_embeddings);
@@ -242,7 +256,8 @@ MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDim
   plan.add("gradients", "grads", f32s(table.total()));
   plan_activations(plan, cfg, head, dims);
   plan.add("kernels", "kernels.scratch",
-           static_cast<size_t>(plan_kernel_scratch(cfg, head, dims, backend).total()));
+           static_cast<size_t>(plan_kernel_scratch(cfg, head, dims, target).total()));
+  if (!target.host_memory()) plan.add("input", "input.batch", input_bytes(dims));
   return plan;
 }
 
@@ -261,6 +276,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   scratch_ = make_arena("scratch");
   kernels_arena_ = make_arena("kernels");
   kernel_scratch_ = plan_kernel_scratch(cfg, head, dims_, backend);
+  if (!backend.host_memory()) input_arena_ = make_arena("input");
   const bool blocked = dims_.blocked_attention();
   if (!blocked) ws_.attn_work = scratch_.f32("attn.work");
   if (dims_.bf16) {
@@ -341,7 +357,15 @@ Arena BertModel::make_arena(const std::string& group) {
     fail("the ", be_.name(), " backend cannot leave parts of ", group,
          " unbacked: the sharded fp32 master (--shard-optimizer with bf16) is for CPUs for now");
   const size_t bytes = std::max<size_t>(plan_.group_span(group), kAlign);
-  void* p = be_.allocate(bytes);  // zeroed
+  void* p = nullptr;
+  try {
+    p = be_.allocate(bytes);  // zeroed
+  } catch (const Error& e) {
+    fail("the model's ", group, " (", human_bytes(static_cast<double>(bytes)), " of its plan's ",
+         human_bytes(static_cast<double>(plan_.total_bytes())), ") on the ", be_.name(),
+         " device: ", e.what(), "; `bertrain estimate --device ", be_.name(),
+         "` prints the plan and the largest batch that fits");
+  }
   device_blocks_.emplace_back(p, [be = &be_](void* q) { be->release(q); });
   return Arena(plan_, group, static_cast<std::byte*>(p));
 }
@@ -381,18 +405,15 @@ void BertModel::stage_inputs(const Batch& b) {
     use(pk.cls, in.cls);
   }
   if (be_.host_memory()) return;
-  // Copies into the backend's memory, each 256-byte aligned.
+  // Copies into the backend's memory (the plan's "input" region), each 256-byte aligned.
   size_t need = 0;
   for (size_t i = 0; i < count; ++i) need += align_up(sources[i].bytes, 256);
-  if (need > staging_bytes_) {
-    staging_.reset();
-    staging_bytes_ = need;
-    staging_ = std::shared_ptr<void>(be_.allocate(need), [be = &be_](void* q) { be->release(q); });
-  }
+  BT_CHECK(need <= input_arena_.bytes(), "the batch arrays take ", need,
+           " bytes, the plan's input region ", input_arena_.bytes(), " (model::input_bytes)");
   size_t at = 0;
   for (size_t i = 0; i < count; ++i) {
     const Source& x = sources[i];
-    std::byte* dst = static_cast<std::byte*>(staging_.get()) + at;
+    std::byte* dst = input_arena_.base() + at;
     if (x.bytes) be_.to_device(dst, x.data, x.bytes);
     *x.at = x.bytes ? dst : nullptr;
     at += align_up(x.bytes, 256);

@@ -120,7 +120,13 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
 // "kernels.scratch": kernels/types.h ScratchLayout), from every linear layer's shape, the
 // attention core's and the LayerNorm width.
 kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, const ModelDims& d,
-                                           const kernels::Backend& backend);
+                                           const kernels::Target& target);
+
+// Bytes of the batch arrays a model's kernels read for dims d (ids, masks, labels, the packed
+// rows' indices; each 256-byte aligned): on a backend with memory of its own they are copied
+// there each forward, into the plan's group "input" (region "input.batch"). A bound: the arrays
+// of every head, at the most rows the dims allow.
+size_t input_bytes(const ModelDims& d);
 
 // The byte ranges of the parameters region a sharded fp32 master holding [begin, end) leaves
 // unbacked (ModelDims::master_shard): the whole pages of the matmul weights outside it.
@@ -139,8 +145,9 @@ class BertModel {
   ~BertModel() { be_.bind_scratch(nullptr, {}); }
   BertModel(BertModel&&) = default;
   // The plan this model allocates from: parameters, gradients, activations, scratch.
+  // `target`: the backend the model runs on, or a device's plan without it (kernels/backend.h).
   static MemoryPlan make_plan(const BertConfig& cfg, Head head, const ModelDims& dims,
-                              const kernels::Backend& backend = kernels::cpu_backend());
+                              const kernels::Target& target = kernels::cpu_backend());
 
   const BertConfig& config() const { return cfg_; }
   const kernels::Backend& backend() const { return be_; }
@@ -150,7 +157,7 @@ class BertModel {
   // Bytes this model holds in its arenas: plan().total_bytes(), allocated (tests prove it).
   size_t allocated_bytes() const {
     return params_.bytes() + grads_.bytes() + acts_arena_.bytes() + scratch_.bytes() +
-           bf16_arena_.bytes() + kernels_arena_.bytes();
+           bf16_arena_.bytes() + kernels_arena_.bytes() + input_arena_.bytes();
   }
   float* params() const { return reinterpret_cast<float*>(params_.base()); }
   float* grads() const { return reinterpret_cast<float*>(grads_.base()); }
@@ -336,13 +343,12 @@ class BertModel {
   // A backend with memory of its own: the arenas' blocks and the staged batch arrays (freed
   // with the model, through the backend).
   std::vector<std::shared_ptr<void>> device_blocks_;
-  std::shared_ptr<void> staging_;
-  size_t staging_bytes_ = 0;
   KernelInputs in_;
   // host_output's copies, each with the pass (forward or backward) it was made after.
   uint64_t passes_ = 0;
   mutable std::unordered_map<const float*, std::pair<uint64_t, std::vector<float>>> outputs_;
   Arena params_, grads_, acts_arena_, scratch_, bf16_arena_, kernels_arena_;
+  Arena input_arena_;  // the staged batch arrays (a backend with memory of its own)
   kernels::ScratchLayout kernel_scratch_;  // kernels_arena_'s layout, bound before kernels run
   Acts act_{};
   const kernels::Backend& be_;

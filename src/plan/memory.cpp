@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <tuple>
 
 #include "core/error.h"
@@ -59,11 +60,13 @@ model::ModelDims with_master_shard(const model::BertConfig& cfg, model::Head hea
 }
 
 MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,
-                         const model::ModelDims& dims, int optimizer_slots, int shard_world) {
+                         const model::ModelDims& dims, int optimizer_slots, int shard_world,
+                         const kernels::Target& target) {
   // bf16 with a sharded optimizer shards the fp32 master (planned for the rank holding the most).
   MemoryPlan plan = model::BertModel::make_plan(
       cfg, head,
-      dims.master_shard ? dims : with_master_shard(cfg, head, dims, -1, std::max(1, shard_world)));
+      dims.master_shard ? dims : with_master_shard(cfg, head, dims, -1, std::max(1, shard_world)),
+      target);
   plan_optimizer_state(
       plan, largest_shard(model::ParamTable(cfg, head).total(), std::max(1, shard_world)),
       optimizer_slots);
@@ -193,7 +196,8 @@ std::string format_plan(const MemoryPlan& plan, int top_regions) {
 
 int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, model::ModelDims dims,
                              int optimizer_slots, double budget_bytes, int shard_world,
-                             const std::function<double(int64_t)>& outside) {
+                             const std::function<double(int64_t)>& outside,
+                             const kernels::Target& target) {
   // The plan grows monotonically with the batch: binary search on it.
   int64_t lo = 0, hi = 1;
   const int64_t per_row = dims.pack_rows > 0 ? dims.batch / dims.pack_rows : 0;
@@ -201,7 +205,7 @@ int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, mod
     dims.batch = per_row > 0 ? b * per_row : b;
     if (per_row > 0) dims.pack_rows = b;
     return static_cast<double>(
-               training_plan(cfg, head, dims, optimizer_slots, shard_world).total_bytes()) +
+               training_plan(cfg, head, dims, optimizer_slots, shard_world, target).total_bytes()) +
                (outside ? outside(b) : 0.0) <=
            budget_bytes;
   };
@@ -214,6 +218,46 @@ int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, mod
     (fits(mid) ? lo : hi) = mid;
   }
   return lo;
+}
+
+}  // namespace bertrain::plan
+
+namespace bertrain::plan {
+
+double device_budget(const kernels::DeviceMemory& m) {
+  return std::max(0.0, static_cast<double>(m.free) - kDeviceHeadroom);
+}
+
+void check_device_fits(const model::BertConfig& cfg, model::Head head, const model::ModelDims& dims,
+                       int optimizer_slots, int shard_world, const kernels::Backend& backend,
+                       const std::string& batch_option) {
+  const std::optional<kernels::DeviceMemory> mem = backend.device_memory();
+  if (backend.host_memory() || !mem) return;
+  const MemoryPlan plan = training_plan(cfg, head, dims, optimizer_slots, shard_world, backend);
+  const double budget = device_budget(*mem), need = static_cast<double>(plan.total_bytes());
+  if (need <= budget) return;
+  std::vector<std::string> groups = plan.groups();
+  std::sort(groups.begin(), groups.end(), [&](const std::string& a, const std::string& b) {
+    return plan.group_bytes(a) > plan.group_bytes(b);
+  });
+  std::string largest;
+  for (size_t i = 0; i < groups.size() && i < 3; ++i)
+    largest += str(i ? ", " : "", groups[i], " ",
+                   human_bytes(static_cast<double>(plan.group_bytes(groups[i]))));
+  const int64_t fit =
+      max_batch_for_budget(cfg, head, dims, optimizer_slots, budget, shard_world, {}, backend);
+  const int64_t batch = dims.pack_rows > 0 ? dims.pack_rows : dims.batch;
+  const std::string advice =
+      fit > 0 ? str("the largest batch that fits is ", fit, " (", batch_option, " ", fit,
+                    "); layer recomputation or bf16 fit more")
+              : str("not even a batch of 1 fits: a shorter sequence length, layer recomputation, "
+                    "bf16 or a GPU with more memory");
+  fail("batch ", batch, " x ", dims.seq_len, " tokens needs ", human_bytes(need), " on the ",
+       backend.name(), " device (", largest, "), which has ",
+       human_bytes(static_cast<double>(mem->free)), " of ",
+       human_bytes(static_cast<double>(mem->total)), " free (", human_bytes(kDeviceHeadroom),
+       " of it kept for the libraries): ", advice, "; `bertrain estimate --device ", backend.name(),
+       "` prints the plan");
 }
 
 }  // namespace bertrain::plan

@@ -29,8 +29,11 @@ model::ModelDims with_master_shard(const model::BertConfig& cfg, model::Head hea
 
 // optimizer_slots: fp32 copies per parameter held by the optimizer (AdamW/LAMB: 2).
 // shard_world > 1: the optimizer state is sharded over that many ranks (the largest part).
+// target: where the kernels run (kernels/backend.h; a device's plan adds the staged batch
+// arrays and takes its kernels' scratch).
 MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,
-                         const model::ModelDims& dims, int optimizer_slots, int shard_world = 1);
+                         const model::ModelDims& dims, int optimizer_slots, int shard_world = 1,
+                         const kernels::Target& target = kernels::cpu_backend());
 
 // `estimate --explain`: the rule of thumb that out-of-memory advice quotes (16 bytes per
 // parameter for fp32 Adam training; Korthikanti et al. 2022's s b h (34 + 5 a s / h) bytes of
@@ -49,6 +52,21 @@ std::string format_plan(const MemoryPlan& plan, int top_regions = 8);
 // bound, the MPI window slot), counted against the budget too.
 int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, model::ModelDims dims,
                              int optimizer_slots, double budget_bytes, int shard_world = 1,
-                             const std::function<double(int64_t)>& outside = {});
+                             const std::function<double(int64_t)>& outside = {},
+                             const kernels::Target& target = kernels::cpu_backend());
+
+// What a device keeps back from a run's plan: the libraries' own allocations (cuBLAS's and
+// cuBLASLt's handles and workspaces, lazily loaded kernels, the allocator's rounding).
+constexpr double kDeviceHeadroom = 256.0 * (1 << 20);
+// The bytes a plan may take on a device with memory m: its free memory less the headroom.
+double device_budget(const kernels::DeviceMemory& m);
+
+// Before a run allocates on a backend with memory of its own (a GPU): its plan (training_plan
+// with `optimizer_slots`, 0 for eval and predict) against the device's budget. When it does not
+// fit, fails naming the device, the bytes, the largest groups and the largest batch that fits
+// (`batch_option`: the flag that sets it). Host memory (the CPU's): nothing to check.
+void check_device_fits(const model::BertConfig& cfg, model::Head head, const model::ModelDims& dims,
+                       int optimizer_slots, int shard_world, const kernels::Backend& backend,
+                       const std::string& batch_option = "--batch-size");
 
 }  // namespace bertrain::plan

@@ -617,6 +617,7 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   dims = with_precision(dims, cfg.precision);
   if (cfg.shard_optimizer) dims = plan::with_master_shard(mc, head, dims, comm.rank(), world);
   const kernels::Backend& be = cfg.backend ? *cfg.backend : kernels::cpu_backend();
+  plan::check_device_fits(mc, head, dims, 2, cfg.shard_optimizer ? world : 1, be);
   model::BertModel m(mc, head, dims, be);
   m.init_params(cfg.seed);
   // A token classifier or a QA model has no pooler: the pretrained one is left out.

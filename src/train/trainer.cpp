@@ -268,13 +268,25 @@ model::ModelDims model_dims(const TrainConfig& c, int rank, int world) {
   return d;
 }
 
+namespace {
+// The model's dims, on a backend with memory of its own checked against the device first (the
+// plan with the optimizer's moments), so a batch too large is named before anything allocates.
+model::ModelDims fitted_dims(const TrainConfig& c, const model::BertConfig& mc, int rank,
+                             int world) {
+  const model::ModelDims d = model_dims(c, rank, world);
+  plan::check_device_fits(mc, model::Head::Pretraining, d, 2, c.shard_optimizer ? world : 1,
+                          backend_of(c));
+  return d;
+}
+}  // namespace
+
 Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
     : cfg(c),
       comm(cm),
       rank(cm.rank()),
       world(cm.size()),
       mcfg(model::BertConfig::load(c.model_config)),
-      m(mcfg, model::Head::Pretraining, model_dims(c, cm.rank(), cm.size()), backend_of(c)),
+      m(mcfg, model::Head::Pretraining, fitted_dims(c, mcfg, cm.rank(), cm.size()), backend_of(c)),
       opt(param_slices(m.table()), m.table().total(), c.optimizer, backend_of(c),
           c.shard_optimizer ? shard_of(m.table().total(), cm.rank(), cm.size()) : Shard{}),
       scaler([&] {

@@ -5,8 +5,10 @@
 // that says so: the blocked (flash-style) attention kernel (full attention runs at every length).
 #include <cuda_fp16.h>
 
+#include <optional>
 #include <vector>
 
+#include "core/arena.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cuda/common.cuh"
@@ -245,8 +247,9 @@ class CudaBackend final : public kernels::Backend {
       cudaGetLastError();
       size_t free_bytes = 0, total = 0;
       cudaMemGetInfo(&free_bytes, &total);
-      fail("out of GPU memory: ", bytes, " bytes asked for, ", free_bytes, " of ", total, " free (",
-           cudaGetErrorString(e), "); lower the batch size or the sequence length");
+      fail("out of GPU memory: ", human_bytes(static_cast<double>(bytes)), " asked for, ",
+           human_bytes(static_cast<double>(free_bytes)), " of ",
+           human_bytes(static_cast<double>(total)), " free (", cudaGetErrorString(e), ")");
     }
     BT_CUDA_CHECK(cudaMemset(p, 0, bytes));
     return p;
@@ -263,10 +266,20 @@ class CudaBackend final : public kernels::Backend {
   void synchronize() const override { BT_CUDA_CHECK(cudaDeviceSynchronize()); }
   bool has_blocked_attention() const override { return false; }
 
-  // The kernels keep their scratch themselves (cuBLASLt's workspace, the reductions' partial
-  // sums, attention's per-sequence buffers: own_scratch), so the model plans none here.
-  kernels::ScratchLayout scratch_layout(const kernels::KernelShapes&) const override { return {}; }
-  void bind_scratch(void*, const kernels::ScratchLayout&) const override {}
+  std::optional<kernels::DeviceMemory> device_memory() const override {
+    kernels::DeviceMemory m;
+    BT_CUDA_CHECK(cudaMemGetInfo(&m.free, &m.total));
+    return m;
+  }
+
+  // The kernels' scratch from the model's plan (scratch.h: cuBLASLt's workspace, attention's
+  // score buffers, the reductions' partial sums); unbound, buffers of their own.
+  kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) const override {
+    return cuda::scratch_layout(k);
+  }
+  void bind_scratch(void* region, const kernels::ScratchLayout& layout) const override {
+    cuda::bind_scratch(region, layout);
+  }
 
   void linear_forward(Precision p, float* out, Kept in, kernels::Weight w, const float* bias,
                       int64_t M, int64_t N, int64_t K,
@@ -337,7 +350,7 @@ class CudaBackend final : public kernels::Backend {
     // scores (scaled) in fp32: the kept probs in FP32, a buffer of our own otherwise
     float* scores = p == Precision::FP32
                         ? saved.probs
-                        : static_cast<float*>(own_scratch(kAttentionScoresSlot, n_probs * 4));
+                        : static_cast<float*>(scratch(kAttentionScoresSlot, n_probs * 4));
     for (int64_t b = 0; b < B; ++b)
       gemm_batched(o, NH, false, true, T, T, HD, scale, at(q, b * T * C3), C3, HD,
                    at(q, b * T * C3 + C), C3, HD, 0.0f, scores + b * NH * TT, T, TT);
@@ -353,9 +366,8 @@ class CudaBackend final : public kernels::Backend {
                static_cast<float*>(nullptr), s, d.p, d.key, d.offset);
         dropped = ws.attn_probs16;
       } else {
-        float* dr = d.p > 0.0f
-                        ? static_cast<float*>(own_scratch(kAttentionDroppedSlot, n_probs * 4))
-                        : nullptr;
+        float* dr =
+            d.p > 0.0f ? static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4)) : nullptr;
         launch(attention_keep_kernel, n_probs, p, scores, saved.probs16,
                static_cast<uint16_t*>(nullptr), dr, s, d.p, d.key, d.offset);
         dropped = dr ? dr : scores;
@@ -383,7 +395,7 @@ class CudaBackend final : public kernels::Backend {
     if (p == Precision::FP16) {
       launch(widen_f16_kernel, B * T * C3, ws.wide, qkv.bits, B * T * C3);
       q = ws.wide;
-      float* pw = static_cast<float*>(own_scratch(kAttentionScoresSlot, n_probs * 4));
+      float* pw = static_cast<float*>(scratch(kAttentionScoresSlot, n_probs * 4));
       launch(widen_f16_kernel, n_probs, pw, saved.probs16, n_probs);
       probs = pw;
     }
@@ -394,7 +406,7 @@ class CudaBackend final : public kernels::Backend {
              static_cast<const float*>(nullptr), saved.probs16, s, d.p, d.key, d.offset);
       dropped = ws.attn_probs16;
     } else if (d.p > 0.0f) {
-      float* dr = static_cast<float*>(own_scratch(kAttentionDroppedSlot, n_probs * 4));
+      float* dr = static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4));
       launch(attention_dropped_kernel, n_probs, dr, static_cast<uint16_t*>(nullptr), probs,
              static_cast<const uint16_t*>(nullptr), s, d.p, d.key, d.offset);
       dropped = dr;
@@ -405,7 +417,7 @@ class CudaBackend final : public kernels::Backend {
       dc = ws.attn_dctx16;
     }
     // One sequence at a time: dd (then ds) for its heads in a buffer of NH x T x T.
-    float* dd = static_cast<float*>(own_scratch(kAttentionGradSlot, NH * TT * 4));
+    float* dd = static_cast<float*>(scratch(kAttentionGradSlot, NH * TT * 4));
     for (int64_t b = 0; b < B; ++b) {
       float* dq = dqkv + b * T * C3;
       // dV = dropped^T dctx; dd = dctx V^T
@@ -542,7 +554,7 @@ class CudaBackend final : public kernels::Backend {
   double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
                        float dscale) const override {
     if (N == 0) return 0;
-    float* sq = static_cast<float*>(own_scratch(kSquaredErrorSlot, N * sizeof(float)));
+    float* sq = static_cast<float*>(scratch(kSquaredErrorSlot, N * sizeof(float)));
     launch(squared_error_kernel, N, dpred, sq, pred, target, N, dscale);
     std::vector<float> h(N);
     BT_CUDA_CHECK(cudaMemcpy(h.data(), sq, h.size() * sizeof(float), cudaMemcpyDeviceToHost));

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "core/error.h"
+#include "kernels/cuda/scratch.h"
 
 #define BT_CUDA_CHECK(call)                                                                      \
   do {                                                                                           \
@@ -18,16 +19,6 @@ namespace bertrain::cuda {
 inline cudaStream_t as_stream(void* s) {
   return static_cast<cudaStream_t>(s);
 }
-// own_scratch's slots (cuda.h).
-enum ScratchSlot : int {
-  kReductionSlot,
-  kCrossEntropySlot,
-  kAttentionScoresSlot,
-  kAttentionDroppedSlot,
-  kAttentionGradSlot,
-  kSquaredErrorSlot,
-  kScratchSlots
-};
 inline unsigned blocks_for(int64_t n, unsigned threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }

@@ -132,10 +132,14 @@ kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* 
                                         const float* weights, int64_t N, int64_t V, float dscale,
                                         void* stream = nullptr);
 
-// Device memory of the calling host thread's own, for kernels that need more than their
-// operands (slot: which buffer; it grows to `bytes` and stays): valid until the next call with
+// Device memory for kernels that need more than their operands (slot: which part, scratch.h):
+// the bound region's part (bind_scratch: the model's plan) when it holds `bytes`, else a buffer
+// of the calling host thread's own, grown to `bytes` and kept: valid until the next call with
 // that slot and a larger size.
-void* own_scratch(int slot, size_t bytes);
+void* scratch(int slot, size_t bytes);
+// The region of a scratch_layout (scratch.h) the kernels take their scratch from; null: none
+// (as the CPU's binding, kernels/cpu/scratch.h: one model computes at a time in a process).
+void bind_scratch(void* region, const kernels::ScratchLayout& layout);
 
 // The optimizer over one tensor (kernels/cpu/optimizer.h); the sums come back to the host
 // (synchronising the stream).

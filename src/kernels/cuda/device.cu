@@ -1,6 +1,8 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
 
+#include <cstddef>
+
 namespace bertrain::cuda {
 
 int device_count() {
@@ -41,9 +43,25 @@ void DeviceBuffer::download(void* host, size_t bytes) const {
   BT_CUDA_CHECK(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost));
 }
 
-void* own_scratch(int slot, size_t bytes) {
+namespace {
+struct Binding {
+  std::byte* base = nullptr;
+  kernels::ScratchLayout layout;
+};
+Binding g_binding;
+}  // namespace
+
+void bind_scratch(void* region, const kernels::ScratchLayout& layout) {
+  g_binding = {static_cast<std::byte*>(region), layout};
+}
+
+void* scratch(int slot, size_t bytes) {
+  BT_CHECK(slot >= 0 && slot < kScratchSlots, "scratch: no slot ", slot);
+  const Binding& bound = g_binding;
+  if (bound.base && static_cast<int64_t>(bytes) <= bound.layout.part[slot])
+    return bound.base + kernels::ScratchLayout::rounded(bound.layout.caller) +
+           bound.layout.offset(slot);
   thread_local DeviceBuffer buffers[kScratchSlots];
-  BT_CHECK(slot >= 0 && slot < kScratchSlots, "own_scratch: no slot ", slot);
   DeviceBuffer& b = buffers[slot];
   if (b.bytes() < bytes) {
     b = DeviceBuffer();  // cudaFree waits for the kernels still using it

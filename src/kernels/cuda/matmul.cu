@@ -31,8 +31,6 @@ namespace bertrain::cuda {
 
 namespace {
 
-constexpr size_t kWorkspaceBytes = 32u << 20;
-
 cudaDataType_t operand_type(Operands o) {
   switch (o) {
     case Operands::BF16:
@@ -75,7 +73,6 @@ struct Product {
 
 struct Context {
   cublasLtHandle_t handle = nullptr;
-  DeviceBuffer workspace{kWorkspaceBytes};
   std::map<Shape, Product> products;
   Context() { BT_CUBLAS_CHECK(cublasLtCreate(&handle)); }
   ~Context() {
@@ -122,7 +119,7 @@ const Product& product(Context& ctx, const Shape& s) {
   BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, s.m, s.n, s.ldc));
   cublasLtMatmulPreference_t pref;
   BT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const size_t ws = kWorkspaceBytes;
+  const size_t ws = kMatmulWorkspaceBytes;
   BT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   for (auto [attr, value] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, s.align_a},
@@ -153,8 +150,8 @@ void matmul(Shape s, const void* A, const void* B, float* C, float beta, const f
                                                    sizeof(bias)));
   const float alpha = 1.0f;
   BT_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c,
-                                 &p.algo, ctx.workspace.data(), kWorkspaceBytes,
-                                 as_stream(stream)));
+                                 &p.algo, scratch(kMatmulWorkspaceSlot, kMatmulWorkspaceBytes),
+                                 kMatmulWorkspaceBytes, as_stream(stream)));
 }
 
 // db[N] += column sums of dout[M,N]: a column per thread, rows in order (deterministic).

@@ -54,7 +54,7 @@ __global__ void cross_entropy_kernel(float* dlogits, float* row_sums, float* los
   }
 }
 
-constexpr unsigned kThreads = 256, kReduceBlocks = 1024;
+constexpr unsigned kThreads = 256;
 
 // A block's sum of per-thread doubles into out[blockIdx.x] (kThreads threads).
 __device__ void block_sum(double v, double* out) {
@@ -107,7 +107,7 @@ __global__ void lamb_apply_kernel(kernels::LambStep a, float* p, uint16_t* p16, 
 
 unsigned reduce_blocks(int64_t n) {
   const auto b = blocks_for(n, kThreads);
-  return b < kReduceBlocks ? (b > 0 ? b : 1) : kReduceBlocks;
+  return b < kReduceBlocks ? (b > 0 ? b : 1) : static_cast<unsigned>(kReduceBlocks);
 }
 
 // The per-block partial sums of one reduction, added on the host in block order.
@@ -121,7 +121,7 @@ std::vector<double> download_partials(const double* partial, size_t count, cudaS
 
 // The reductions' partial sums.
 double* partials() {
-  return static_cast<double*>(own_scratch(kReductionSlot, 2 * kReduceBlocks * sizeof(double)));
+  return static_cast<double*>(scratch(kReductionSlot, 2 * kReduceBlocks * sizeof(double)));
 }
 
 }  // namespace
@@ -153,7 +153,7 @@ kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* 
   kernels::CrossEntropySums sums;
   if (N == 0) return sums;
   const cudaStream_t s = as_stream(stream);
-  auto* row_sums = static_cast<float*>(own_scratch(kCrossEntropySlot, 2 * N * sizeof(float)));
+  auto* row_sums = static_cast<float*>(scratch(kCrossEntropySlot, 2 * N * sizeof(float)));
   cross_entropy_kernel<<<row_blocks(N), kRowThreads, 0, s>>>(
       dlogits, row_sums, losses, correct, logits, targets, weights, N, V, dscale);
   BT_CUDA_CHECK(cudaGetLastError());

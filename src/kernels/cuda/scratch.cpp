@@ -1,0 +1,45 @@
+#include "kernels/cuda/scratch.h"
+
+#include <algorithm>
+
+namespace bertrain::cuda {
+
+kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
+  using kernels::Precision;
+  kernels::ScratchLayout l;  // one thread, no caller part: the kernels run on the GPU
+  const kernels::AttentionShape& a = k.attention;
+  const int64_t probs = a.B * a.NH * a.T * a.T * int64_t{sizeof(float)};
+  const bool attention = a.B > 0 && !k.blocked_attention;
+  auto part = [&](ScratchSlot s) -> int64_t& { return l.part[s]; };
+  part(kReductionSlot) = 2 * kReduceBlocks * int64_t{sizeof(double)};
+  part(kCrossEntropySlot) = 2 * k.loss_rows * int64_t{sizeof(float)};
+  part(kSquaredErrorSlot) = k.loss_rows * int64_t{sizeof(float)};
+  if (attention) {
+    // (backend.cu's attention: FP32 scores are the kept probabilities themselves; BF16's dropped
+    // probabilities are its bf16 operand, a Workspace region of the model's.)
+    part(kAttentionScoresSlot) = k.precision == Precision::FP32 ? 0 : probs;
+    part(kAttentionDroppedSlot) = k.precision == Precision::BF16 ? 0 : probs;
+    part(kAttentionGradSlot) = a.NH * a.T * a.T * int64_t{sizeof(float)};
+  }
+  part(kMatmulWorkspaceSlot) = k.num_linears > 0 ? static_cast<int64_t>(kMatmulWorkspaceBytes) : 0;
+  return l;
+}
+
+namespace {
+class CudaTarget final : public kernels::Target {
+ public:
+  const char* name() const override { return "cuda"; }
+  bool host_memory() const override { return false; }
+  bool has_blocked_attention() const override { return false; }
+  kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& s) const override {
+    return cuda::scratch_layout(s);
+  }
+};
+}  // namespace
+
+const kernels::Target& target() {
+  static const CudaTarget t;
+  return t;
+}
+
+}  // namespace bertrain::cuda

@@ -1,0 +1,38 @@
+// The CUDA backend as a memory plan sees it (kernels/backend.h, Target): memory of its own, no
+// blocked attention kernel yet, and the kernel scratch its kernels take from the model's plan
+// (cuBLASLt's workspace, attention's score buffers, the reductions' partial sums) instead of
+// allocating on the way. Plain C++, compiled in every build: `bertrain estimate --device cuda`
+// plans a GPU run where there is no GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/backend.h"
+
+namespace bertrain::cuda {
+
+// The parts of the CUDA kernels' scratch (ScratchLayout::part, one thread): the bound region's
+// part when it is large enough, else a buffer of the calling thread's own (cuda.h, scratch).
+enum ScratchSlot : int {
+  kReductionSlot,         // partial sums of a reduction: 2 x kReduceBlocks doubles
+  kCrossEntropySlot,      // each row's loss and hit: 2 floats a row
+  kAttentionScoresSlot,   // [B, NH, T, T] fp32 scores (16-bit precisions; FP16 backward: probs)
+  kAttentionDroppedSlot,  // [B, NH, T, T] fp32 dropped probabilities (FP32 backward, FP16)
+  kAttentionGradSlot,     // one sequence's [NH, T, T] probability gradients
+  kSquaredErrorSlot,      // a regression's squared errors: a float a row
+  kMatmulWorkspaceSlot,   // cuBLASLt's workspace
+  kScratchSlots
+};
+static_assert(kScratchSlots <= kernels::ScratchLayout::kParts);
+
+constexpr int64_t kReduceBlocks = 1024;
+constexpr size_t kMatmulWorkspaceBytes = size_t{32} << 20;
+
+// The scratch the CUDA kernels use for a model's shapes.
+kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& shapes);
+
+// The CUDA backend's target (cuda_backend() is one too, where the build has it).
+const kernels::Target& target();
+
+}  // namespace bertrain::cuda
