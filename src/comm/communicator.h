@@ -66,6 +66,13 @@ class Communicator {
       begin += counts[r];
     }
   }
+  // Whether the collectives take device memory (a GPU's: NCCL, comm/nccl.h) instead of the
+  // host's. A model on a backend with memory of its own trains across ranks only through such a
+  // communicator; the scalars of a step (statistics, flags, norms) stay host memory either way.
+  virtual bool device_memory() const { return false; }
+  // data *= s over n values where the collectives read them (the predivide factor before a sum):
+  // on the host by the calling thread here, on the device for a device communicator.
+  virtual void scale(float* data, int64_t n, float s);
   // Logical AND of a flag over ranks (e.g. "all gradients finite").
   bool all(bool flag) {
     double v = flag ? 0.0 : 1.0;

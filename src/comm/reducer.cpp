@@ -74,10 +74,7 @@ void Reducer::loop() {
     const int64_t b0 = tl_ && tl_->enabled() ? tl_->now_us() : 0;
     float* p = grads_ + job.first;
     const int64_t n = job.second - job.first;
-    if (prescale_ != 1.0f) {
-      const float s = prescale_;
-      for (int64_t i = 0; i < n; ++i) p[i] *= s;
-    }
+    if (prescale_ != 1.0f) comm_.scale(p, n, prescale_);
     comm_.set_label(str("gradient bucket ", bucket_counter_, " (", n * 4 / 1024, " KiB at offset ",
                         job.first, ")"));
     if (owners_.empty()) {

@@ -63,9 +63,12 @@ Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, comm::Commun
   if (s_.accumulation <= 0) fail("accumulation must be positive, got ", s_.accumulation);
   if (!(s_.predivide > 0)) fail("the gradient predivide factor must be positive");
   const int64_t P = m_.table().total();
-  if (!m_.backend().host_memory() && comm_.size() > 1)
-    fail("data parallelism across ", comm_.size(), " ranks of the ", m_.backend().name(),
-         " backend needs its collectives (NCCL), which are not built yet: one rank per run");
+  if (comm_.size() > 1 && m_.backend().host_memory() == comm_.device_memory())
+    fail("data parallelism across ", comm_.size(), " ranks: the model's memory is ",
+         m_.backend().host_memory() ? "the host's" : str("the ", m_.backend().name(), " device's"),
+         ", the ", comm_.name(), " communicator reduces ",
+         comm_.device_memory() ? "device memory" : "host memory",
+         m_.backend().host_memory() ? "" : " (a GPU's gradients go through NCCL)");
   if (opt_.sharded()) {
     if (opt_.shard().world != comm_.size() || opt_.shard().rank != comm_.rank())
       fail("the optimizer is sharded for rank ", opt_.shard().rank, " of ", opt_.shard().world,
@@ -112,7 +115,9 @@ void Step::reduce(const GradientScale& g, StepReport& r) {
   }
   const int64_t P = m_.table().total();
   float* grad = m_.grads();
-  if (g.prescale != 1.0f) {
+  if (g.prescale != 1.0f && comm_.device_memory()) {
+    comm_.scale(grad, P, g.prescale);
+  } else if (g.prescale != 1.0f) {
     const float pre = g.prescale;
 #pragma omp parallel for simd schedule(static)
     for (int64_t i = 0; i < P; ++i) grad[i] *= pre;

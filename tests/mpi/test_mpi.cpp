@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <tuple>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "comm/mpi.h"
 #include "core/safetensors.h"
 #include "model/bert.h"
+#include "own_memory_backend.h"
 #include "plan/memory.h"
 #include "test_util.h"
 #include "train/finetune.h"
@@ -601,6 +603,114 @@ TEST(LossScaling, ShardedOverflowInAnotherRanksPartSkipsOnAll) {
   double sum = opt.sum_squares(g.data(), 1.0f);
   g_comm->allreduce_sum(&sum, 1);
   EXPECT_FALSE(opt.result(sum).finite) << "rank " << g_comm->rank();
+}
+
+// MPI's collectives on a backend's own memory: what NCCL is to a GPU's (comm/nccl.h), on the
+// CPU. The backend's blocks open only while a collective or one of its kernels runs, so a step
+// that touched the gradients or parameters from the host anywhere else would fault.
+class DeviceMpi final : public Communicator {
+ public:
+  DeviceMpi(MpiCommunicator& mpi, const test::OwnMemoryBackend& be) : mpi_(mpi), be_(be) {}
+  int rank() const override { return mpi_.rank(); }
+  int size() const override { return mpi_.size(); }
+  int local_rank() const override { return mpi_.local_rank(); }
+  int local_size() const override { return mpi_.local_size(); }
+  bool device_memory() const override { return true; }
+  std::string name() const override { return "device MPI"; }
+  void set_label(const std::string& l) override { mpi_.set_label(l); }
+  void allreduce_sum(float* d, int64_t n) override {
+    open([&] { mpi_.allreduce_sum(d, n); });
+  }
+  void allreduce_sum(double* d, int64_t n) override {
+    open([&] { mpi_.allreduce_sum(d, n); });
+  }
+  void broadcast(void* d, int64_t bytes, int root) override {
+    open([&] { mpi_.broadcast(d, bytes, root); });
+  }
+  void barrier() override { mpi_.barrier(); }
+  void reduce_scatter_sum(float* d, int64_t n, std::span<const int64_t> counts) override {
+    open([&] { mpi_.reduce_scatter_sum(d, n, counts); });
+  }
+  void allgather(float* d, int64_t n, std::span<const int64_t> counts) override {
+    open([&] { mpi_.allgather(d, n, counts); });
+  }
+  void allgather(uint16_t* d, int64_t n, std::span<const int64_t> counts) override {
+    open([&] { mpi_.allgather(d, n, counts); });
+  }
+  void scale(float* d, int64_t n, float s) override {
+    open([&] { Communicator::scale(d, n, s); });
+  }
+
+ private:
+  void open(const std::function<void()>& f) {
+    const test::OwnMemoryBackend::Open o(be_);
+    f();
+  }
+  MpiCommunicator& mpi_;
+  const test::OwnMemoryBackend& be_;
+};
+
+// A model on a backend with memory of its own trains across ranks through a communicator of
+// device memory (a GPU's through NCCL): bit for bit the CPU ranks' parameters after three steps,
+// overlapped or not, sharded or not, AdamW and LAMB, with a predivide factor; through a
+// communicator of host memory it is refused, and the other way round.
+TEST(DataParallel, ADeviceModelTrainsAcrossRanksThroughADeviceCommunicator) {
+  const model::BertConfig c = test::small_bert(97, 16, 2, 2, 32, 16);
+  const int64_t B = 2, T = 12, P = 3;
+  const int me = g_comm->rank(), world = g_comm->size();
+  const Algorithm was = g_comm->algorithm();
+  g_comm->set_algorithm(Algorithm::Ring);
+  g_comm->set_wire(Wire::F32);
+  auto run = [&](const kernels::Backend& be, Communicator& comm, train::OptimizerKind kind,
+                 bool overlap, bool shard) {
+    model::BertModel m(c, model::Head::Pretraining, {B, T, P}, be);
+    m.init_params(11);
+    const int64_t total = m.table().total();
+    train::OptimizerConfig oc;
+    oc.kind = kind;
+    train::Optimizer opt(train::param_slices(m.table()), total, oc, be,
+                         shard ? train::shard_of(total, me, world) : train::Shard{});
+    train::LossScaler scaler{train::LossScaler::Config{}};
+    train::StepSettings ss;
+    ss.overlap = overlap;
+    ss.bucket_bytes = 4096;
+    ss.seed = 9;
+    ss.predivide = 2.0;
+    train::Step step(m, opt, scaler, comm, ss);
+    for (int64_t k = 0; k < 3; ++k)
+      EXPECT_TRUE(step.run(k, 1e-3,
+                           [&](model::Batch& b) {
+                             std::mt19937 rng(static_cast<uint32_t>(100 * k + me));
+                             random_batch(b, B, T, P, c.vocab_size, rng);
+                             return true;
+                           })
+                      .applied);
+    std::vector<float> p(static_cast<size_t>(total));
+    be.to_host(p.data(), m.params(), p.size() * sizeof(float));
+    return p;
+  };
+  const test::OwnMemoryBackend own;
+  DeviceMpi device(*g_comm, own);
+  for (auto kind : {train::OptimizerKind::AdamW, train::OptimizerKind::Lamb})
+    for (bool overlap : {false, true})
+      for (bool shard : {false, true}) {
+        SCOPED_TRACE(str(train::optimizer_name(kind), overlap ? " overlapped" : "",
+                         shard ? " sharded" : ""));
+        EXPECT_EQ(run(own, device, kind, overlap, shard),
+                  run(kernels::cpu_backend(), *g_comm, kind, overlap, shard));
+      }
+  const std::string e =
+      test::error_of([&] { run(own, *g_comm, train::OptimizerKind::AdamW, false, false); });
+  EXPECT_NE(e.find("the model's memory is the own-memory device's, the MPI"), std::string::npos)
+      << e;
+  EXPECT_NE(e.find("reduces host memory (a GPU's gradients go through NCCL)"), std::string::npos)
+      << e;
+  const std::string h = test::error_of(
+      [&] { run(kernels::cpu_backend(), device, train::OptimizerKind::AdamW, false, false); });
+  EXPECT_NE(h.find("the model's memory is the host's, the device MPI communicator reduces device"),
+            std::string::npos)
+      << h;
+  g_comm->set_algorithm(was);
 }
 
 // fp16 loss scaling: an overflow on one rank makes every rank skip the step and halve the scale.
