@@ -10,15 +10,16 @@
 #                               CudaBackend.*: the CUDA backend against the CPU backend in every
 #                               precision; CudaModel.*: BertModel and train::Step on the GPU
 #                               against the CPU: every gradient, a 300-step loss curve,
-#                               checkpoints both ways) and the host tests of what they share
-#                               (RowMath, DeviceModel), then `bertrain doctor`'s GEMM ceiling
+#                               checkpoints both ways; Nccl*: NCCL on one GPU, and with two
+#                               or more the sums, half the batch on each GPU against one at the
+#                               whole, a rank that never joins) and the host tests of what they
+#                               share (RowMath, DeviceModel, DeviceMemory), then `bertrain doctor`'s GEMM ceiling
 #                               beside PyTorch's; the log goes to $OUT/gpu-check.log.
 #                               Then BERT-base and BERT-Large training steps (bench --device
 #                               cuda) against PyTorch on the same GPU: tokens/s, ratio, MFU
 #                               against the GEMM ceiling measured in the run, GPU memory
 #                               (BENCH=0 skips them), after a BERT-tiny training run
 #                               from the CLI on the GPU (train --device cuda; TRAIN=0 skips it).
-# What it does not check yet, because it does not exist yet: NCCL between GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACK=gpu-pack
@@ -56,6 +57,9 @@ case "${1:-}" in
     for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [ -d "$d" ] && CUBLAS="$CUBLAS:$d"; done
     PYCUBLAS=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
     [ -n "$PYCUBLAS" ] && CUBLAS="$CUBLAS:$PYCUBLAS"
+    # NCCL (loaded at run time by comm/nccl.h): the toolkit's, else PyTorch's wheels'.
+    PYNCCL=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+    [ -n "$PYNCCL" ] && CUBLAS="$CUBLAS:$PYNCCL"
     export LD_LIBRARY_PATH="$PWD/$PACK/lib$CUBLAS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     LOG=${OUT:-.}/gpu-check.log
     {
@@ -67,7 +71,7 @@ case "${1:-}" in
       fi
       if ldd "$PACK/bin/bertrain_tests" | grep "not found"; then echo "gpu-check: libraries missing (above)"; fi
       set +e
-      OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$PACK/bin/bertrain_tests" --gtest_filter='Cuda*:*RowMath*:DeviceModel*'
+      OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$PACK/bin/bertrain_tests" --gtest_filter='Cuda*:Nccl*:*RowMath*:DeviceModel*:DeviceMemory*'
       echo "gpu-check: tests exit $?"
       # The GEMM ceiling: ours (cuBLASLt, bertrain doctor) and PyTorch's on the same GPU.
       OURS=$("$PACK/bin/bertrain" doctor 2>&1 | grep -E "^ *[a-z]+ +gpu" | tee /dev/stderr |

@@ -43,7 +43,7 @@ if [ -n "$NVCC" ] && [ "${BERTRAIN_SKIP_CUDA:-0}" != 1 ]; then
   cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DBERTRAIN_CUDA=ON -DBERTRAIN_BENCH=OFF \
     -DCMAKE_CUDA_COMPILER="$NVCC" >/dev/null
   cmake --build build-cuda -j"$(nproc)"
-  ctest --test-dir build-cuda --output-on-failure -R '^Cuda(Backend|Model)?\.' --timeout 600
+  ctest --test-dir build-cuda --output-on-failure -R '^(Cuda(Backend|Model)?|Nccl|NcclDeathTest)\.' --timeout 600
 else
   echo "test: nvcc not found; CUDA backend not built"
 fi

@@ -108,7 +108,8 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
     cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
     cfg.precision = train::parse_precision(o->precision);
     cfg.columns = o->task.columns();
-    cfg.comm = &comm();  // MPI under mpirun: data parallel (--batch-size per rank)
+    // MPI under mpirun: data parallel (--batch-size per rank); a GPU's gradients through NCCL.
+    cfg.comm = &gradient_communicator(*cfg.backend, comm());
     train::finetune(cfg);
   });
 }

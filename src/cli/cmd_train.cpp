@@ -268,7 +268,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
     cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
     cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
     cfg.backend = &device_backend(o->device);
-    comm::Communicator& c = comm();
+    comm::Communicator& c = gradient_communicator(*cfg.backend, comm());
     choose_batch(cfg, *o, c);
     train::Trainer trainer(cfg, c);
     auto print = [&](const std::string& text) {

@@ -39,6 +39,10 @@ struct DistOptions {
   double stall_timeout = 60;
 };
 void add_dist_options(CLI::App* c);  // --allreduce, --compression, --stall-timeout
+// The communicator a model's gradients go through: the job's (MPI under mpirun) for a model in
+// host memory; for a model on a GPU with several ranks, NCCL over the job's ranks (comm/nccl.h),
+// made once, before the model allocates (it picks the rank's GPU).
+comm::Communicator& gradient_communicator(const kernels::Backend& be, comm::Communicator& job);
 
 // --task and the column flags (finetune, predict, prepare): a preset's columns, each overridden
 // by its flag.

@@ -9,6 +9,9 @@
 #include "cli/commands.h"
 #include "comm/launcher.h"
 #include "comm/mpi.h"
+#ifdef BERTRAIN_CUDA
+#include "comm/nccl.h"
+#endif
 #include "core/error.h"
 #include "core/setting.h"
 
@@ -146,6 +149,22 @@ comm::Communicator& communicator() {
       comm::check_job_shape(job, env, c.size(), c.local_size());
   }
   return *g_comm;
+}
+
+comm::Communicator& gradient_communicator(const kernels::Backend& be, comm::Communicator& job) {
+  if (be.host_memory() || job.size() == 1) return job;
+#ifdef BERTRAIN_CUDA
+  if (g_dist.compression != "none" || g_dist.allreduce != "auto")
+    fail(
+        "--compression and --allreduce choose the MPI allreduce of host memory; the ", be.name(),
+        " backend's gradients go through NCCL (fp32, NCCL's own algorithms: NCCL_ALGO): drop them");
+  static std::unique_ptr<comm::Communicator> nccl;
+  if (!nccl) nccl = comm::make_nccl_communicator(job, g_dist.stall_timeout);
+  return *nccl;
+#else
+  fail("the ", be.name(), " backend across ", job.size(),
+       " ranks needs NCCL, which comes with the CUDA build (-DBERTRAIN_CUDA=ON)");
+#endif
 }
 
 void add_dist_options(CLI::App* c) {

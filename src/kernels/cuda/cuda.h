@@ -112,6 +112,8 @@ void activation_backward(kernels::Activation a, float* dinp, const float* inp, c
 
 void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset,
                      void* stream = nullptr);
+// x *= s (n values).
+void scale(float* x, int64_t n, float s, void* stream = nullptr);
 
 // Attention's row passes over [B, NH, T, T] (the products around them are strided batched
 // GEMMs): probs = softmax(scores + mask) (probs may alias scores), dropped = dropout(probs)
@@ -137,8 +139,8 @@ kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* 
 // of the calling host thread's own, grown to `bytes` and kept: valid until the next call with
 // that slot and a larger size.
 void* scratch(int slot, size_t bytes);
-// The region of a scratch_layout (scratch.h) the kernels take their scratch from; null: none
-// (as the CPU's binding, kernels/cpu/scratch.h: one model computes at a time in a process).
+// The region of a scratch_layout (scratch.h) the calling thread's kernels take their scratch
+// from; null: none.
 void bind_scratch(void* region, const kernels::ScratchLayout& layout);
 
 // The optimizer over one tensor (kernels/cpu/optimizer.h); the sums come back to the host

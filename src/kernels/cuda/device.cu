@@ -48,7 +48,9 @@ struct Binding {
   std::byte* base = nullptr;
   kernels::ScratchLayout layout;
 };
-Binding g_binding;
+// The calling host thread's: it launches the kernels (a process may run a model per GPU, one
+// thread each).
+thread_local Binding g_binding;
 }  // namespace
 
 void bind_scratch(void* region, const kernels::ScratchLayout& layout) {

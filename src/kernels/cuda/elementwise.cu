@@ -27,6 +27,11 @@ __global__ void activation_backward_kernel(kernels::Activation a, float* dinp, c
   if (i < n) dinp[i] = kernels::row_math::activation_grad(a, inp[i], dout[i]);
 }
 
+__global__ void scale_kernel(float* x, int64_t n, float s) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] *= s;
+}
+
 __global__ void round_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) dst[i] = f32_to_bf16(src[i]);
@@ -66,6 +71,12 @@ void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset
   if (n == 0 || p <= 0.0f) return;
   dropout_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(
       x, n, p, 1.0f / (1.0f - p), key, offset);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void scale(float* x, int64_t n, float s, void* stream) {
+  if (n == 0) return;
+  scale_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(x, n, s);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

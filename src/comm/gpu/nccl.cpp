@@ -1,0 +1,443 @@
+#include "comm/nccl.h"
+
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <nccl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cuda/cuda.h"
+
+namespace bertrain::comm {
+
+namespace {
+
+// The NCCL functions this communicator calls, from libnccl.so.2 loaded at run time.
+struct Nccl {
+  decltype(&::ncclGetVersion) GetVersion;
+  decltype(&::ncclGetUniqueId) GetUniqueId;
+  decltype(&::ncclCommInitRank) CommInitRank;
+  decltype(&::ncclCommDestroy) CommDestroy;
+  decltype(&::ncclCommAbort) CommAbort;
+  decltype(&::ncclCommGetAsyncError) CommGetAsyncError;
+  decltype(&::ncclGetErrorString) GetErrorString;
+  decltype(&::ncclGetLastError) GetLastError;
+  decltype(&::ncclAllReduce) AllReduce;
+  decltype(&::ncclReduce) Reduce;
+  decltype(&::ncclBroadcast) Broadcast;
+  decltype(&::ncclReduceScatter) ReduceScatter;
+  decltype(&::ncclAllGather) AllGather;
+  decltype(&::ncclGroupStart) GroupStart;
+  decltype(&::ncclGroupEnd) GroupEnd;
+};
+
+const Nccl& nccl() {
+  static const Nccl n = [] {
+    void* h = ::dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
+    if (!h) h = ::dlopen("libnccl.so", RTLD_NOW | RTLD_GLOBAL);
+    if (!h)
+      fail("NCCL is needed for data parallelism across GPUs and cannot be loaded (", ::dlerror(),
+           "): install it (the CUDA toolkit's libnccl2 package, or pip's nvidia-nccl-cu*) and put "
+           "its directory on LD_LIBRARY_PATH, or run one GPU per job");
+    Nccl f{};
+    auto load = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(h, name));
+      if (!fn) fail("libnccl.so.2 has no ", name, ": NCCL 2.12 or newer is needed");
+    };
+    load(f.GetVersion, "ncclGetVersion");
+    load(f.GetUniqueId, "ncclGetUniqueId");
+    load(f.CommInitRank, "ncclCommInitRank");
+    load(f.CommDestroy, "ncclCommDestroy");
+    load(f.CommAbort, "ncclCommAbort");
+    load(f.CommGetAsyncError, "ncclCommGetAsyncError");
+    load(f.GetErrorString, "ncclGetErrorString");
+    load(f.GetLastError, "ncclGetLastError");
+    load(f.AllReduce, "ncclAllReduce");
+    load(f.Reduce, "ncclReduce");
+    load(f.Broadcast, "ncclBroadcast");
+    load(f.ReduceScatter, "ncclReduceScatter");
+    load(f.AllGather, "ncclAllGather");
+    load(f.GroupStart, "ncclGroupStart");
+    load(f.GroupEnd, "ncclGroupEnd");
+    return f;
+  }();
+  return n;
+}
+
+// NCCL's settings that decide how ranks reach each other (what to look at when they cannot).
+constexpr const char* kSettings[] = {"NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE",  "NCCL_IB_HCA",
+                                     "NCCL_IB_GID_INDEX",  "NCCL_SHM_DISABLE", "NCCL_P2P_DISABLE",
+                                     "NCCL_NET",           "NCCL_ALGO",        "NCCL_PROTO"};
+
+std::string settings_line() {
+  std::string out;
+  for (const char* k : kSettings) {
+    const char* v = std::getenv(k);
+    out += str(out.empty() ? "" : " ", k, "=", v ? v : "(unset)");
+  }
+  return out;
+}
+
+std::string host_name() {
+  char h[256] = {};
+  ::gethostname(h, sizeof h - 1);
+  return h;
+}
+
+// What every rank must agree on, one line each: versions and settings.
+std::vector<std::string> identity(int nccl_version) {
+  int runtime = 0, driver = 0;
+  cudaRuntimeGetVersion(&runtime);
+  cudaDriverGetVersion(&driver);
+  std::vector<std::string> v = {str("NCCL ", nccl_version), str("CUDA runtime ", runtime),
+                                str("CUDA driver ", driver)};
+  for (const char* k : kSettings) {
+    const char* x = std::getenv(k);
+    v.push_back(str(k, "=", x ? x : "(unset)"));
+  }
+  return v;
+}
+
+int visible_gpus() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(Communicator& bootstrap, double stall_timeout_s)
+      : boot_(bootstrap),
+        rank_(bootstrap.rank()),
+        size_(bootstrap.size()),
+        device_(nccl_device_for(bootstrap)),
+        host_(host_name()),
+        stall_s_(stall_timeout_s) {
+    const Nccl& n = nccl();
+    check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+    n.GetVersion(&version_);
+    check_ranks_agree();
+    ncclUniqueId id{};
+    if (rank_ == 0) check(n.GetUniqueId(&id), "ncclGetUniqueId");
+    boot_.broadcast(&id, sizeof id, 0);
+    check(n.CommInitRank(&comm_, size_, id, rank_), "ncclCommInitRank");
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    check_cuda(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming), "cudaEventCreate");
+  }
+
+  ~NcclCommunicator() override {
+    if (comm_) nccl().CommDestroy(comm_);
+    if (staging_) cudaFree(staging_);
+    if (queued_) cudaEventDestroy(queued_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int local_rank() const override { return boot_.local_rank(); }
+  int local_size() const override { return boot_.local_size(); }
+  bool device_memory() const override { return true; }
+  std::string name() const override {
+    return str("NCCL ", version_, ", ", size_, " ranks (GPU ", device_, " on ", host_, " here)");
+  }
+  void set_label(const std::string& label) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    label_ = label;
+  }
+  void set_incident_log(const std::string& path) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    incident_log_ = path;
+  }
+  void set_interrupt(const std::atomic<int>* flag, double grace_s) override {
+    interrupt_ = flag;
+    grace_s_ = grace_s;
+  }
+
+  void allreduce_sum(float* data, int64_t n) override { allreduce(data, n, ncclFloat32, 4); }
+  void allreduce_sum(double* data, int64_t n) override { allreduce(data, n, ncclFloat64, 8); }
+
+  void broadcast(void* data, int64_t bytes, int root) override {
+    run("broadcast", data, bytes, [&](void* d) {
+      return nccl().Broadcast(d, d, static_cast<size_t>(bytes), ncclUint8, root, comm_, stream_);
+    });
+  }
+
+  void barrier() override { boot_.barrier(); }
+
+  void reduce_scatter_sum(float* data, int64_t n, std::span<const int64_t> counts) override {
+    const bool even = equal_parts(n, counts);
+    run("reduce-scatter", data, n * 4, [&](void* d) {
+      float* f = static_cast<float*>(d);
+      if (even)  // in place: this rank's part of the buffer receives its sum
+        return nccl().ReduceScatter(f, f + rank_ * counts[0], static_cast<size_t>(counts[0]),
+                                    ncclFloat32, ncclSum, comm_, stream_);
+      return grouped(
+          [&](int r, int64_t at, int64_t count) {
+            return nccl().Reduce(f + at, f + at, static_cast<size_t>(count), ncclFloat32, ncclSum,
+                                 r, comm_, stream_);
+          },
+          counts);
+    });
+  }
+
+  void allgather(float* data, int64_t n, std::span<const int64_t> counts) override {
+    gather(data, n, counts, ncclFloat32, 4);
+  }
+  void allgather(uint16_t* data, int64_t n, std::span<const int64_t> counts) override {
+    gather(data, n, counts, ncclFloat16, 2);  // (bits moved, never added)
+  }
+
+  void scale(float* data, int64_t n, float s) override {
+    select_device();
+    after_queued_work();
+    cuda::scale(data, n, s, stream_);
+    wait("scale", 0);
+  }
+
+ private:
+  template <class Enqueue>
+  void run(const char* what, void* data, int64_t bytes, Enqueue enqueue) {
+    select_device();
+    // Host memory (a step's statistics and flags) crosses through the staging buffer.
+    cudaPointerAttributes a{};
+    const bool host =
+        cudaPointerGetAttributes(&a, data) != cudaSuccess || a.type != cudaMemoryTypeDevice;
+    cudaGetLastError();
+    void* d = data;
+    if (host) {
+      d = staging(static_cast<size_t>(bytes));
+      check_cuda(
+          cudaMemcpyAsync(d, data, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_),
+          "cudaMemcpyAsync");
+    } else {
+      after_queued_work();
+    }
+    check(enqueue(d), what);
+    if (host)
+      check_cuda(
+          cudaMemcpyAsync(data, d, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, stream_),
+          "cudaMemcpyAsync");
+    wait(what, bytes);
+  }
+
+  void allreduce(void* data, int64_t n, ncclDataType_t type, int64_t el) {
+    run("allreduce", data, n * el, [&](void* d) {
+      return nccl().AllReduce(d, d, static_cast<size_t>(n), type, ncclSum, comm_, stream_);
+    });
+  }
+
+  void gather(void* data, int64_t n, std::span<const int64_t> counts, ncclDataType_t type,
+              int64_t el) {
+    const bool even = equal_parts(n, counts);
+    run("allgather", data, n * el, [&](void* d) {
+      char* c = static_cast<char*>(d);
+      if (even)  // in place: this rank's part is already where every rank's part goes
+        return nccl().AllGather(c + rank_ * counts[0] * el, c, static_cast<size_t>(counts[0]), type,
+                                comm_, stream_);
+      return grouped(
+          [&](int r, int64_t at, int64_t count) {
+            return nccl().Broadcast(c + at * el, c + at * el, static_cast<size_t>(count), type, r,
+                                    comm_, stream_);
+          },
+          counts);
+    });
+  }
+
+  bool equal_parts(int64_t n, std::span<const int64_t> counts) const {
+    BT_CHECK(static_cast<int>(counts.size()) == size_, "one part per rank: ", counts.size(),
+             " parts for ", size_, " ranks");
+    int64_t sum = 0;
+    bool even = true;
+    for (int64_t c : counts) {
+      sum += c;
+      even &= c == counts[0];
+    }
+    BT_CHECK(sum == n, "the parts cover ", sum, " of ", n, " values");
+    return even;
+  }
+
+  // One operation per rank's part, as one NCCL group (parts of unequal size).
+  template <class Op>
+  ncclResult_t grouped(Op op, std::span<const int64_t> counts) {
+    ncclResult_t r = nccl().GroupStart();
+    int64_t at = 0;
+    for (int k = 0; k < size_ && r == ncclSuccess; ++k) {
+      if (counts[k] > 0) r = op(k, at, counts[k]);
+      at += counts[k];
+    }
+    const ncclResult_t e = nccl().GroupEnd();
+    return r != ncclSuccess ? r : e;
+  }
+
+  void select_device() { check_cuda(cudaSetDevice(device_), "cudaSetDevice"); }
+
+  // The collective's stream waits for what the calling thread's default stream has queued (the
+  // gradients it reads were written there).
+  void after_queued_work() {
+    check_cuda(cudaEventRecord(queued_, nullptr), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(stream_, queued_, 0), "cudaStreamWaitEvent");
+  }
+
+  void* staging(size_t bytes) {
+    if (bytes > staging_bytes_) {
+      if (staging_) cudaFree(staging_);
+      staging_ = nullptr;
+      check_cuda(cudaMalloc(&staging_, bytes), "cudaMalloc (the host buffers' staging)");
+      staging_bytes_ = bytes;
+    }
+    return staging_;
+  }
+
+  // Until the stream has run the collective: NCCL's asynchronous errors, the stall timeout and a
+  // stop request past its grace end the rank (after aborting the communicator) with the reason.
+  void wait(const char* what, int64_t bytes) {
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    double stopped_at = -1;
+    for (int spin = 0;; ++spin) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) {
+        cudaGetLastError();
+        die(str(what, " failed on the GPU: ", cudaGetErrorString(q)), bytes);
+      }
+      ncclResult_t async = ncclSuccess;
+      nccl().CommGetAsyncError(comm_, &async);
+      if (async != ncclSuccess && async != ncclInProgress)
+        die(str(what, ": NCCL error ", nccl().GetErrorString(async), " (",
+                nccl().GetLastError(comm_), ")"),
+            bytes);
+      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+      if (stall_s_ > 0 && waited > stall_s_)
+        die(str(what, " has not completed in ", static_cast<int64_t>(waited), " s (",
+                "stall_timeout ", stall_s_,
+                " s): a rank died, hangs, runs another step, or "
+                "cannot be reached over NCCL's transport"),
+            bytes);
+      if (interrupt_ && interrupt_->load() != 0) {
+        if (stopped_at < 0) stopped_at = waited;
+        if (waited - stopped_at >= grace_s_)
+          die(str("stopped by signal ", interrupt_->load(), " while ", what,
+                  " waited for the other ranks: the step cannot finish, so the job ends now; the "
+                  "last complete checkpoint stands (continue with resume)"),
+              bytes);
+      }
+      if (spin > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  [[noreturn]] void die(const std::string& why, int64_t bytes) {
+    std::string label, log;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      label = label_;
+      log = incident_log_;
+    }
+    nccl().CommAbort(comm_);  // no rank stays in a collective with this one gone
+    comm_ = nullptr;
+    const std::string line =
+        str("bertrain: rank ", rank_, " on host ", host_, " (GPU ", device_, "): ", why,
+            label.empty() ? "" : " of ", label, " (", bytes, " bytes); NCCL ", version_, ", ",
+            settings_line(), "; ending the job (continue from the last checkpoint with resume)");
+    std::fprintf(stderr, "%s\n", line.c_str());
+    std::fflush(stderr);
+    if (!log.empty())
+      if (FILE* f = std::fopen(log.c_str(), "a")) {
+        std::fprintf(f, "%s\n", line.c_str());
+        std::fclose(f);
+      }
+    std::_Exit(3);
+  }
+
+  void check(ncclResult_t r, const char* what) {
+    if (r == ncclSuccess) return;
+    fail("rank ", rank_, " on host ", host_, " (GPU ", device_, "): ", what, ": NCCL error ",
+         nccl().GetErrorString(r), comm_ ? str(" (", nccl().GetLastError(comm_), ")") : "",
+         "; NCCL ", version_, ", ", settings_line(), "; NCCL_DEBUG=INFO prints what NCCL tried");
+  }
+
+  void check_cuda(cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return;
+    cudaGetLastError();
+    fail("rank ", rank_, " on host ", host_, " (GPU ", device_, "): ", what, ": CUDA error ",
+         cudaGetErrorString(e));
+  }
+
+  // Every rank's versions and settings against rank 0's, each rank's line broadcast in turn.
+  void check_ranks_agree() {
+    const std::vector<std::string> mine = identity(version_);
+    std::string joined;
+    for (const auto& l : mine) joined += l + "\n";
+    std::vector<char> buf(4096, '\0');
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) std::strncpy(buf.data(), joined.c_str(), buf.size() - 1);
+      boot_.broadcast(buf.data(), static_cast<int64_t>(buf.size()), r);
+      if (r == 0) zero_ = std::string(buf.data());
+      if (r == rank_ && rank_ != 0 && zero_ != joined) {
+        size_t a = 0, b = 0;
+        while (true) {
+          const size_t ea = zero_.find('\n', a), eb = joined.find('\n', b);
+          if (ea == std::string::npos || eb == std::string::npos) break;
+          const std::string x = zero_.substr(a, ea - a), y = joined.substr(b, eb - b);
+          if (x != y)
+            fail("rank ", rank_, " on host ", host_, " has ", y, ", rank 0 has ", x,
+                 ": every rank needs the same NCCL, CUDA and NCCL settings (the job's "
+                 "environment and image)");
+          a = ea + 1;
+          b = eb + 1;
+        }
+      }
+    }
+  }
+
+  Communicator& boot_;
+  const int rank_, size_, device_;
+  const std::string host_;
+  const double stall_s_;
+  int version_ = 0;
+  std::string zero_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t queued_ = nullptr;
+  void* staging_ = nullptr;
+  size_t staging_bytes_ = 0;
+  std::mutex mu_;
+  std::string label_, incident_log_;
+  const std::atomic<int>* interrupt_ = nullptr;
+  double grace_s_ = 0;
+};
+
+}  // namespace
+
+int nccl_device_for(const Communicator& bootstrap) {
+  const int gpus = visible_gpus();
+  if (gpus == 0)
+    fail("rank ", bootstrap.rank(), " on host ", host_name(),
+         " sees no GPU (nvidia-smi lists them; check CUDA_VISIBLE_DEVICES)");
+  if (bootstrap.local_size() > gpus)
+    fail(bootstrap.local_size(), " ranks on host ", host_name(), " but ", gpus,
+         " GPU(s) visible: one rank per GPU (mpirun --npernode ", gpus,
+         ", or the job's GPUs per node)");
+  return bootstrap.local_rank() % gpus;
+}
+
+std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap,
+                                                     double stall_timeout_s) {
+  return std::make_unique<NcclCommunicator>(bootstrap, stall_timeout_s);
+}
+
+}  // namespace bertrain::comm

@@ -1,0 +1,220 @@
+// NCCL between GPUs (comm/nccl.h). The ranks are threads of this process, one GPU each, their
+// bootstrap an in-process communicator (what MPI is to a job's processes): the collectives
+// against sums made on the host, a model on two GPUs at half the batch against one GPU at the
+// whole batch (with and without overlap), and a rank that never joins a collective ending the job
+// with a message instead of a hang. One-rank tests need one GPU; the rest skip with fewer than
+// two. NCCL is loaded at run time: without libnccl.so.2 the tests skip saying so.
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "comm/nccl.h"
+#include "kernels/cuda/cuda.h"
+#include "model/bert.h"
+#include "test_util.h"
+#include "train/loss_scaler.h"
+#include "train/optimizer.h"
+#include "train/step.h"
+
+namespace bertrain {
+namespace {
+
+// Threads as ranks: broadcast through a shared buffer between barriers.
+struct ThreadGroup {
+  explicit ThreadGroup(int n) : size(n), sync(n) {}
+  int size;
+  std::barrier<> sync;
+  std::vector<char> buffer;
+};
+
+class ThreadRank final : public comm::Communicator {
+ public:
+  ThreadRank(ThreadGroup& g, int rank) : g_(g), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return g_.size; }
+  void allreduce_sum(float*, int64_t) override { fail("ThreadRank: bootstrap only"); }
+  void allreduce_sum(double*, int64_t) override { fail("ThreadRank: bootstrap only"); }
+  void broadcast(void* data, int64_t bytes, int root) override {
+    g_.sync.arrive_and_wait();
+    if (rank_ == root) g_.buffer.assign(static_cast<char*>(data), static_cast<char*>(data) + bytes);
+    g_.sync.arrive_and_wait();
+    std::memcpy(data, g_.buffer.data(), static_cast<size_t>(bytes));
+    g_.sync.arrive_and_wait();
+  }
+  void barrier() override { g_.sync.arrive_and_wait(); }
+  std::string name() const override { return "threads"; }
+
+ private:
+  ThreadGroup& g_;
+  int rank_;
+};
+
+// Runs f(rank, communicator) on `ranks` threads, each with a NCCL communicator of its own GPU.
+void on_gpus(int ranks, const std::function<void(int, comm::Communicator&)>& f,
+             double stall_s = 60.0) {
+  ThreadGroup g(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      ThreadRank boot(g, r);
+      auto nccl = comm::make_nccl_communicator(boot, stall_s);
+      f(r, *nccl);
+    });
+  for (auto& t : threads) t.join();
+}
+
+// Skips without `gpus` GPUs or without NCCL.
+#define SKIP_WITHOUT(gpus)                                                                \
+  do {                                                                                    \
+    if (cuda::device_count() < (gpus))                                                    \
+      GTEST_SKIP() << (gpus) << " GPU(s) needed, " << cuda::device_count() << " visible"; \
+    comm::SingleProcess one;                                                              \
+    try {                                                                                 \
+      comm::make_nccl_communicator(one);                                                  \
+    } catch (const Error& e) {                                                            \
+      if (std::string(e.what()).find("cannot be loaded") != std::string::npos)            \
+        GTEST_SKIP() << e.what();                                                         \
+      throw;                                                                              \
+    }                                                                                     \
+  } while (0)
+
+std::vector<float> download(const cuda::DeviceBuffer& b, int64_t n) {
+  std::vector<float> h(static_cast<size_t>(n));
+  b.download(h.data(), h.size() * 4);
+  return h;
+}
+
+TEST(Nccl, OneRankCollectivesOnOneGpu) {
+  SKIP_WITHOUT(1);
+  comm::SingleProcess one;
+  auto c = comm::make_nccl_communicator(one);
+  EXPECT_TRUE(c->device_memory());
+  EXPECT_NE(c->name().find("NCCL"), std::string::npos) << c->name();
+  const std::vector<float> x = {1, 2, 3, 4, 5};
+  cuda::DeviceBuffer d(x.size() * 4);
+  d.upload(x.data(), x.size() * 4);
+  c->allreduce_sum(d.f32(), 5);
+  EXPECT_EQ(download(d, 5), x);
+  c->scale(d.f32(), 5, 0.5f);
+  EXPECT_EQ(download(d, 5), (std::vector<float>{0.5f, 1, 1.5f, 2, 2.5f}));
+  double stats[2] = {3.0, -1.0};  // host memory: staged through the device
+  c->allreduce_sum(stats, 2);
+  EXPECT_EQ(stats[0], 3.0);
+  EXPECT_TRUE(c->all(true));
+  EXPECT_FALSE(c->all(false));
+}
+
+TEST(Nccl, TwoGpusSumGatherAndScatter) {
+  SKIP_WITHOUT(2);
+  const int64_t n = 1000;
+  const std::vector<int64_t> uneven = {384, 616}, even = {500, 500};
+  on_gpus(2, [&](int r, comm::Communicator& c) {
+    std::vector<float> x(n);
+    for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 7 + r * 1000);
+    cuda::DeviceBuffer d(n * 4);
+    d.upload(x.data(), n * 4);
+    c.allreduce_sum(d.f32(), n);
+    std::vector<float> sum = download(d, n);
+    for (int64_t i = 0; i < n; ++i) EXPECT_EQ(sum[i], 2 * (i % 7) + 1000) << i;
+    for (const auto& counts : {uneven, even}) {
+      d.upload(x.data(), n * 4);
+      c.reduce_scatter_sum(d.f32(), n, counts);
+      const int64_t b = r == 0 ? 0 : counts[0], e = b + counts[r];
+      sum = download(d, n);
+      for (int64_t i = b; i < e; ++i) EXPECT_EQ(sum[i], 2 * (i % 7) + 1000) << i;
+      d.upload(x.data(), n * 4);
+      c.allgather(d.f32(), n, counts);
+      const std::vector<float> all = download(d, n);
+      for (int64_t i = 0; i < n; ++i)
+        EXPECT_EQ(all[i], static_cast<float>(i % 7 + (i < counts[0] ? 0 : 1000))) << i;
+    }
+    double flags[1] = {r == 1 ? 1.0 : 0.0};
+    c.allreduce_sum(flags, 1);
+    EXPECT_EQ(flags[0], 1.0);
+  });
+}
+
+model::Batch slice(const model::Batch& full, int64_t b0, int64_t n) {
+  const int64_t T = full.T, P = full.P;
+  model::Batch s;
+  s.resize(n, T, P);
+  std::copy_n(full.input_ids.begin() + b0 * T, n * T, s.input_ids.begin());
+  std::copy_n(full.input_mask.begin() + b0 * T, n * T, s.input_mask.begin());
+  std::copy_n(full.segment_ids.begin() + b0 * T, n * T, s.segment_ids.begin());
+  std::copy_n(full.masked_lm_positions.begin() + b0 * P, n * P, s.masked_lm_positions.begin());
+  std::copy_n(full.masked_lm_ids.begin() + b0 * P, n * P, s.masked_lm_ids.begin());
+  std::copy_n(full.masked_lm_weights.begin() + b0 * P, n * P, s.masked_lm_weights.begin());
+  std::copy_n(full.next_sentence_labels.begin() + b0, n, s.next_sentence_labels.begin());
+  return s;
+}
+
+// Three AdamW steps: two GPUs at half the batch each (overlapped with backward or not, a
+// predivide factor of 2) against one GPU at the whole batch. Only the summation order differs:
+// fp32 rounding carried through three Adam steps, 2e-6 (as the MPI tests' bound).
+TEST(Nccl, TwoGpusAtHalfTheBatchEqualOneAtTheWhole) {
+  SKIP_WITHOUT(2);
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  const model::Batch full = test::random_batch(c, 8, 32, 5);
+  auto train = [&](comm::Communicator& comm, const model::Batch& b, bool overlap) {
+    model::BertModel m(c, model::Head::Pretraining, {b.B, b.T, b.P}, cuda::cuda_backend());
+    m.init_params(11);
+    train::Optimizer opt(train::param_slices(m.table()), m.table().total(), {},
+                         cuda::cuda_backend());
+    train::LossScaler scaler{train::LossScaler::Config{}};
+    train::StepSettings ss;
+    ss.seed = 9;
+    ss.overlap = overlap;
+    ss.bucket_bytes = 64 << 10;
+    ss.predivide = 2.0;
+    train::Step step(m, opt, scaler, comm, ss);
+    for (int64_t k = 0; k < 3; ++k)
+      step.run(k, 1e-3, [&](model::Batch& into) {
+        into = b;
+        return true;
+      });
+    std::vector<float> p(static_cast<size_t>(m.table().total()));
+    cuda::cuda_backend().to_host(p.data(), m.params(), p.size() * 4);
+    return p;
+  };
+  comm::SingleProcess single;
+  const std::vector<float> one = train(single, full, false);
+  for (bool overlap : {false, true}) {
+    std::vector<float> two[2];
+    on_gpus(2, [&](int r, comm::Communicator& comm) {
+      two[r] = train(comm, slice(full, r * 4, 4), overlap);
+    });
+    EXPECT_EQ(two[0], two[1]) << "the GPUs disagree";
+    double worst = 0;
+    for (size_t i = 0; i < one.size(); ++i)
+      worst = std::max(worst, static_cast<double>(std::fabs(one[i] - two[0][i])));
+    EXPECT_LE(worst, 2e-6) << (overlap ? "overlapped" : "after backward");
+  }
+}
+
+// A rank that never joins: the other's collective times out and ends the process with a message
+// naming the rank, the GPU, the collective's label and NCCL's settings.
+TEST(NcclDeathTest, ARankThatNeverJoinsEndsTheJobWithAMessage) {
+  SKIP_WITHOUT(2);
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process: CUDA does not survive fork
+  EXPECT_EXIT(
+      on_gpus(
+          2,
+          [](int r, comm::Communicator& c) {
+            if (r == 1) std::this_thread::sleep_for(std::chrono::seconds(30));
+            cuda::DeviceBuffer d(4096);
+            c.set_label("gradient bucket 3");
+            c.allreduce_sum(d.f32(), 1024);
+          },
+          2.0),
+      testing::ExitedWithCode(3),
+      "rank 0 on host .* \\(GPU 0\\): allreduce has not completed in .* of gradient bucket 3 .* "
+      "NCCL_SOCKET_IFNAME=");
+}
+
+}  // namespace
+}  // namespace bertrain
