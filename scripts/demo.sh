@@ -104,6 +104,9 @@ for p in fp32 bf16; do
   $BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128 --shard-optimizer --ranks 8 \
     --precision $p | grep -E "^run|^  parameters|^  optimizer|^  total"
 done
+echo "-- and on a GPU (no GPU needed to plan one): BERT-Large phase 2 in bf16, what an 80 GiB GPU fits:"
+$BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512 --max-predictions 80 \
+  --precision bf16 --device cuda --memory-budget 80GiB | grep -E "^run|^memory|^  [a-z0-9]+ +[0-9.]+ [KMG]iB$|^budget"
 
 echo; echo "== 7. one job description for every launcher: BERT-Large on 32 hosts x 4 GPUs"
 for emit in mpirun slurm mpijob dlc; do $BT launch configs/jobs/bert-large-128.yaml --emit $emit --output "$OUT/jobs"; done

@@ -89,6 +89,17 @@ std::vector<float> download(const cuda::DeviceBuffer& b, int64_t n) {
   return h;
 }
 
+// Without a GPU, asking for NCCL names the rank and the host that see none.
+TEST(Nccl, WithoutAGpuSaysSo) {
+  if (cuda::device_count() > 0) GTEST_SKIP() << "a GPU is visible here";
+  comm::SingleProcess one;
+  const std::string e = test::error_of([&] { comm::make_nccl_communicator(one); });
+  EXPECT_NE(e.find("rank 0 on host "), std::string::npos) << e;
+  EXPECT_NE(e.find(" sees no GPU (nvidia-smi lists them; check CUDA_VISIBLE_DEVICES)"),
+            std::string::npos)
+      << e;
+}
+
 TEST(Nccl, OneRankCollectivesOnOneGpu) {
   SKIP_WITHOUT(1);
   comm::SingleProcess one;
