@@ -183,6 +183,10 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       EXPECT_EQ(l.part[cuda::kAttentionGradSlot], 4 * T * T * 4);
       EXPECT_EQ(l.part[cuda::kReductionSlot], 2 * 1024 * 8);
       EXPECT_EQ(l.part[cuda::kCrossEntropySlot], 2 * 8 * T * 4);
+      const model::ParamTable table(c, model::Head::Pretraining);  // the optimizer's tensors
+      EXPECT_EQ(
+          l.part[cuda::kMultiTensorSlot],
+          cuda::multi_tensor_bytes(table.total(), static_cast<int64_t>(table.params().size())));
       EXPECT_EQ(gpu.group_bytes("kernels"), static_cast<size_t>(l.total()));
     }
 }

@@ -239,6 +239,24 @@ class Backend : public Target {
                             int64_t n, double& pn, double& un) const = 0;
   virtual void lamb_apply(const LambStep& a, float* p, uint16_t* p16, const float* m,
                           const float* v, int64_t n, float step) const = 0;
+
+  // -- optimizer over the tensors of one step (kernels/types.h TensorSpan; p, p16 and g at a
+  //    span's offset, m and v at its state; one step or trust ratio per span). The defaults call
+  //    the one-tensor operations above in span order, so the CPU's results are theirs bit for
+  //    bit; a GPU runs each as one pass over all the tensors with at most one synchronisation.
+  //    (Pointers and counts: this header is compiled as CUDA C++17 too.)
+  virtual void add_sum_squares(double& sum, const float* g, const TensorSpan* t, int64_t count,
+                               double scale) const;
+  virtual void adamw_update(const AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
+                            float* v, const TensorSpan* t, int64_t count) const;
+  virtual void lamb_update(const LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
+                           float* v, const TensorSpan* t, int64_t count) const;
+  // pn[i] and un[i] += span i's squared norms.
+  virtual void lamb_moments(const LambStep* a, const float* p, const float* g, float* m, float* v,
+                            const TensorSpan* t, int64_t count, double* pn, double* un) const;
+  virtual void lamb_apply(const LambStep* a, float* p, uint16_t* p16, const float* m,
+                          const float* v, const TensorSpan* t, int64_t count,
+                          const float* step) const;
 };
 
 // The CPU backend (ISA-dispatched kernels, oneDNN matmuls).

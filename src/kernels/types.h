@@ -42,6 +42,8 @@ struct KernelShapes {
   bool blocked_attention = false;
   int64_t layernorm_width = 0;
   int64_t loss_rows = 0;  // the most rows one cross-entropy or squared error is given
+  // The optimizer's: parameters (values) and tensors of a step.
+  int64_t parameters = 0, tensors = 0;
 };
 
 // Kernel scratch: what the kernels use besides their operands (the CPU's: oneDNN's GEMM
@@ -84,6 +86,12 @@ struct LambStep {
 
 // LAMB's trust ratio of a tensor from the squared norms of its parameters and of its update
 // direction: ||p|| / ||u|| for tensors with weight decay (when both are non-zero), else 1.
+// One tensor of an optimizer step: its values at `offset` of the flat parameter and gradient
+// buffers, its optimizer state at `state` of the (possibly sharded) moment buffers, n values.
+struct TensorSpan {
+  int64_t offset, state, n;
+};
+
 inline float lamb_trust(const LambStep& a, double pn, double un) {
   if (a.wd != 0.0f && pn > 0 && un > 0) return static_cast<float>(std::sqrt(pn) / std::sqrt(un));
   return 1.0f;

@@ -202,6 +202,9 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head,
   k.blocked_attention = d.blocked_attention();
   k.layernorm_width = C;
   k.loss_rows = std::max({R * d.max_predictions, 2 * B, N});  // (as head.row_loss)
+  const ParamTable table(cfg, head);
+  k.parameters = table.total();
+  k.tensors = static_cast<int64_t>(table.params().size());
   return target.scratch_layout(k);
 }
 

@@ -65,6 +65,13 @@ Optimizer::Optimizer(std::vector<ParamSlice> slices, int64_t total, const Optimi
   }
   m_ = state_.f32("optimizer.m");
   v_ = state_.f32("optimizer.v");
+  pieces_ = pieces();
+  for (const Piece& q : pieces_) spans_.push_back({q.offset, q.offset - shard_.begin, q.numel});
+  adamw_.resize(pieces_.size());
+  lamb_.resize(pieces_.size());
+  pn_.resize(pieces_.size());
+  un_.resize(pieces_.size());
+  trust_.resize(pieces_.size());
 }
 
 std::vector<Optimizer::Piece> Optimizer::pieces() const {
@@ -79,7 +86,7 @@ std::vector<Optimizer::Piece> Optimizer::pieces() const {
 
 double Optimizer::sum_squares(const float* grads, float inv_scale) const {
   double sum = 0;
-  for (const Piece& p : pieces()) be_->add_sum_squares(sum, grads + p.offset, p.numel, inv_scale);
+  be_->add_sum_squares(sum, grads, spans_.data(), count(), inv_scale);
   return sum;
 }
 
@@ -105,52 +112,49 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
   const double bc1 = 1.0 - std::pow(static_cast<double>(b1), static_cast<double>(steps_));
   const double bc2 = 1.0 - std::pow(static_cast<double>(b2), static_cast<double>(steps_));
   const float gscale = static_cast<float>(inv_scale * r.clip_coef);
-  const std::vector<Piece> parts = pieces();
   auto lamb_step = [&](const ParamSlice& s) {
     const float wd = s.decay ? cfg_.weight_decay : 0.0f;
     return kernels::LambStep{
         gscale, b1, b2, static_cast<float>(1.0 / bc1), static_cast<float>(1.0 / bc2), eps, wd, lr};
   };
-  if (cfg_.kind == OptimizerKind::Lamb && sharded()) {
-    // A tensor may be split between ranks: its trust ratio needs the norms of all its parts.
-    BT_CHECK(static_cast<bool>(sum_over_ranks), "a sharded LAMB step needs sum_over_ranks");
-    std::vector<double> norms(2 * slices_.size(), 0.0);
-    for (const Piece& q : parts)
-      be_->lamb_moments(lamb_step(slices_[q.slice]), params + q.offset, grads + q.offset,
-                        m_ + (q.offset - shard_.begin), v_ + (q.offset - shard_.begin), q.numel,
-                        norms[2 * q.slice], norms[2 * q.slice + 1]);
-    sum_over_ranks(norms.data(), static_cast<int64_t>(norms.size()));
-    for (const Piece& q : parts) {
-      const kernels::LambStep a = lamb_step(slices_[q.slice]);
-      be_->lamb_apply(a, params + q.offset, params_bf16 ? params_bf16 + q.offset : nullptr,
-                      m_ + (q.offset - shard_.begin), v_ + (q.offset - shard_.begin), q.numel,
-                      a.lr * kernels::lamb_trust(a, norms[2 * q.slice], norms[2 * q.slice + 1]));
+  if (cfg_.kind == OptimizerKind::AdamW) {
+    // torch.optim.AdamW: p *= 1 - lr*wd; p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      const float wd = slices_[pieces_[i].slice].decay ? cfg_.weight_decay : 0.0f;
+      adamw_[i] = {gscale,
+                   b1,
+                   b2,
+                   static_cast<float>(lr / bc1),
+                   static_cast<float>(std::sqrt(bc2)),
+                   eps,
+                   1.0f - lr * wd};
     }
+    be_->adamw_update(adamw_.data(), params, params_bf16, grads, m_, v_, spans_.data(), count());
     return;
   }
-  for (const Piece& q : parts) {
-    const ParamSlice& s = slices_[q.slice];
-    float* p = params + q.offset;
-    uint16_t* p16 = params_bf16 ? params_bf16 + q.offset : nullptr;
-    const float* g = grads + q.offset;
-    float* m = m_ + (q.offset - shard_.begin);
-    float* v = v_ + (q.offset - shard_.begin);
-    if (cfg_.kind == OptimizerKind::AdamW) {
-      // torch.optim.AdamW: p *= 1 - lr*wd; p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
-      const float wd = s.decay ? cfg_.weight_decay : 0.0f;
-      const kernels::AdamwStep a{gscale,
-                                 b1,
-                                 b2,
-                                 static_cast<float>(lr / bc1),
-                                 static_cast<float>(std::sqrt(bc2)),
-                                 eps,
-                                 1.0f - lr * wd};
-      be_->adamw_update(a, p, p16, g, m, v, q.numel);
-    } else {
-      // LAMB: u = m_hat / (sqrt(v_hat) + eps) + wd * p; p -= lr * trust * u
-      be_->lamb_update(lamb_step(s), p, p16, g, m, v, q.numel);
-    }
+  // LAMB: u = m_hat / (sqrt(v_hat) + eps) + wd * p; p -= lr * trust * u
+  for (size_t i = 0; i < pieces_.size(); ++i) lamb_[i] = lamb_step(slices_[pieces_[i].slice]);
+  if (!sharded()) {
+    be_->lamb_update(lamb_.data(), params, params_bf16, grads, m_, v_, spans_.data(), count());
+    return;
   }
+  // A tensor may be split between ranks: its trust ratio needs the norms of all its parts.
+  BT_CHECK(static_cast<bool>(sum_over_ranks), "a sharded LAMB step needs sum_over_ranks");
+  std::fill(pn_.begin(), pn_.end(), 0.0);
+  std::fill(un_.begin(), un_.end(), 0.0);
+  be_->lamb_moments(lamb_.data(), params, grads, m_, v_, spans_.data(), count(), pn_.data(),
+                    un_.data());
+  std::vector<double> norms(2 * slices_.size(), 0.0);
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    norms[2 * pieces_[i].slice] = pn_[i];
+    norms[2 * pieces_[i].slice + 1] = un_[i];
+  }
+  sum_over_ranks(norms.data(), static_cast<int64_t>(norms.size()));
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const int64_t q = pieces_[i].slice;
+    trust_[i] = lamb_[i].lr * kernels::lamb_trust(lamb_[i], norms[2 * q], norms[2 * q + 1]);
+  }
+  be_->lamb_apply(lamb_.data(), params, params_bf16, m_, v_, spans_.data(), count(), trust_.data());
 }
 
 StepResult Optimizer::step(float* params, const float* grads, float lr, float inv_scale,

@@ -106,6 +106,15 @@ class Optimizer {
   std::vector<Piece> pieces() const;
   std::vector<ParamSlice> slices_;
   Shard shard_;
+  // The pieces (fixed by the shard) as the backend's tensor spans, and each step's per-tensor
+  // arguments (kept: a step allocates nothing).
+  std::vector<Piece> pieces_;
+  std::vector<kernels::TensorSpan> spans_;
+  std::vector<kernels::AdamwStep> adamw_;
+  std::vector<kernels::LambStep> lamb_;
+  std::vector<double> pn_, un_;
+  std::vector<float> trust_;
+  int64_t count() const { return static_cast<int64_t>(spans_.size()); }
   OptimizerConfig cfg_;
   const kernels::Backend* be_;
   int64_t total_;

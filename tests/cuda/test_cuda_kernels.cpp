@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "core/dtype.h"
+#include "kernels/backend.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/layernorm.h"
@@ -277,6 +278,74 @@ TEST(Cuda, OptimizerMatchesCpu) {
   kernels::add_sum_squares_reference(sum, g.data(), n, 0.5);
   auto g_d = to_device(g);
   cuda::add_sum_squares(sum_d, g_d.f32(), n, 0.5);
+  EXPECT_NEAR(sum_d, sum, 1e-12 * sum);
+}
+
+// The optimizer over many tensors at once (a block per chunk of 64 Ki values, a span longer than a
+// chunk, an empty one, the state offset from the values as a shard's) against the CPU backend's
+// one tensor at a time: the same element functions, so the same bits; the norms are double sums
+// in another order (rtol 1e-12), and LAMB's trust ratios come from them.
+TEST(Cuda, OptimizerOverManyTensorsMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  // Values (p, g) from 1000 on, their state (m, v) from 0: a shard's layout.
+  const std::vector<kernels::TensorSpan> spans = {{1000, 0, 150000},
+                                                  {151000, 150000, 0},
+                                                  {151000, 150000, 7},
+                                                  {151007, 150007, 64},
+                                                  {151071, 150071, 1000}};
+  const int64_t n = 152071, ns = 151071;
+  const auto p0 = random_vector(n, 1), g = random_vector(n, 2), m0 = random_vector(ns, 3, 0.1f);
+  auto v0 = random_vector(ns, 4, 0.1f);
+  for (auto& x : v0) x = x * x;
+  const int64_t T = static_cast<int64_t>(spans.size());
+  std::vector<kernels::AdamwStep> aw(T, {0.5f, 0.9f, 0.999f, 1e-3f, 0.3f, 1e-6f, 0.9999f});
+  std::vector<kernels::LambStep> lb(T, {0.5f, 0.9f, 0.999f, 1.2f, 1.1f, 1e-6f, 0.01f, 1e-3f});
+  aw[2].decay = 1.0f;  // per-tensor steps (no weight decay on one)
+  lb[2].wd = 0.0f;
+  const kernels::Backend& cpu = kernels::cpu_backend();
+  const kernels::Backend& gpu = cuda::cuda_backend();
+  const kernels::TensorSpan* tensors = spans.data();
+  for (int which = 0; which < 3; ++which) {
+    std::vector<float> p = p0, m = m0, v = v0;
+    std::vector<uint16_t> p16(n);
+    auto p_d = to_device(p0), g_d = to_device(g), m_d = to_device(m0), v_d = to_device(v0);
+    cuda::DeviceBuffer p16_d(n * 2);
+    auto* p16_dev = static_cast<uint16_t*>(p16_d.data());
+    if (which == 0) {
+      cpu.adamw_update(aw.data(), p.data(), p16.data(), g.data(), m.data(), v.data(), tensors, T);
+      gpu.adamw_update(aw.data(), p_d.f32(), p16_dev, g_d.f32(), m_d.f32(), v_d.f32(), tensors, T);
+    } else if (which == 1) {
+      cpu.lamb_update(lb.data(), p.data(), p16.data(), g.data(), m.data(), v.data(), tensors, T);
+      gpu.lamb_update(lb.data(), p_d.f32(), p16_dev, g_d.f32(), m_d.f32(), v_d.f32(), tensors, T);
+    } else {  // the sharded LAMB's two passes
+      std::vector<double> pn(T), un(T), pn_d(T), un_d(T);
+      cpu.lamb_moments(lb.data(), p.data(), g.data(), m.data(), v.data(), tensors, T, pn.data(),
+                       un.data());
+      gpu.lamb_moments(lb.data(), p_d.f32(), g_d.f32(), m_d.f32(), v_d.f32(), tensors, T,
+                       pn_d.data(), un_d.data());
+      std::vector<float> step(T);
+      for (int64_t i = 0; i < T; ++i) {
+        EXPECT_NEAR(pn_d[i], pn[i], 1e-12 * pn[i]) << i;
+        EXPECT_NEAR(un_d[i], un[i], 1e-12 * un[i]) << i;
+        step[i] = lb[i].lr * kernels::lamb_trust(lb[i], pn[i], un[i]);
+      }
+      cpu.lamb_apply(lb.data(), p.data(), p16.data(), m.data(), v.data(), tensors, T, step.data());
+      gpu.lamb_apply(lb.data(), p_d.f32(), p16_dev, m_d.f32(), v_d.f32(), tensors, T, step.data());
+    }
+    cuda::synchronize();
+    const char* name = which == 0 ? "adamw" : which == 1 ? "lamb" : "lamb in two passes";
+    EXPECT_EQ(to_host(p_d, n), p) << name;
+    EXPECT_EQ(to_host(m_d, ns), m) << name;
+    EXPECT_EQ(to_host(v_d, ns), v) << name;
+    const std::vector<uint16_t> got16 = to_host_as<uint16_t>(p16_d, n);
+    for (const auto& t : spans)  // (p16 outside the spans is not written)
+      for (int64_t i = t.offset; i < t.offset + t.n; ++i)
+        ASSERT_EQ(got16[i], p16[i]) << name << " " << i;
+  }
+  double sum = 0, sum_d = 0;
+  cpu.add_sum_squares(sum, g.data(), spans.data(), T, 0.5);
+  auto g_d = to_device(g);
+  gpu.add_sum_squares(sum_d, g_d.f32(), spans.data(), T, 0.5);
   EXPECT_NEAR(sum_d, sum, 1e-12 * sum);
 }
 

@@ -300,6 +300,39 @@ void* Backend::allocate(size_t bytes) const {
 
 void Backend::release(void*) const {}
 
+void Backend::add_sum_squares(double& sum, const float* g, const TensorSpan* t, int64_t count,
+                              double scale) const {
+  for (int64_t i = 0; i < count; ++i) add_sum_squares(sum, g + t[i].offset, t[i].n, scale);
+}
+
+void Backend::adamw_update(const AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
+                           float* v, const TensorSpan* t, int64_t count) const {
+  for (int64_t i = 0; i < count; ++i)
+    adamw_update(a[i], p + t[i].offset, p16 ? p16 + t[i].offset : nullptr, g + t[i].offset,
+                 m + t[i].state, v + t[i].state, t[i].n);
+}
+
+void Backend::lamb_update(const LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
+                          float* v, const TensorSpan* t, int64_t count) const {
+  for (int64_t i = 0; i < count; ++i)
+    lamb_update(a[i], p + t[i].offset, p16 ? p16 + t[i].offset : nullptr, g + t[i].offset,
+                m + t[i].state, v + t[i].state, t[i].n);
+}
+
+void Backend::lamb_moments(const LambStep* a, const float* p, const float* g, float* m, float* v,
+                           const TensorSpan* t, int64_t count, double* pn, double* un) const {
+  for (int64_t i = 0; i < count; ++i)
+    lamb_moments(a[i], p + t[i].offset, g + t[i].offset, m + t[i].state, v + t[i].state, t[i].n,
+                 pn[i], un[i]);
+}
+
+void Backend::lamb_apply(const LambStep* a, float* p, uint16_t* p16, const float* m, const float* v,
+                         const TensorSpan* t, int64_t count, const float* step) const {
+  for (int64_t i = 0; i < count; ++i)
+    lamb_apply(a[i], p + t[i].offset, p16 ? p16 + t[i].offset : nullptr, m + t[i].state,
+               v + t[i].state, t[i].n, step[i]);
+}
+
 const Backend& cpu_backend() {
   static const CpuBackend backend;
   return backend;

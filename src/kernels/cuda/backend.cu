@@ -576,6 +576,39 @@ class CudaBackend final : public kernels::Backend {
     cuda::lamb_moments(a, p, g, m, v, n, pn, un);
     cuda::lamb_apply(a, p, p16, m, v, n, a.lr * kernels::lamb_trust(a, pn, un));
   }
+  // Many tensors: one pass each, one synchronisation for the norms (rows.cu).
+  using kernels::Backend::adamw_update;
+  using kernels::Backend::add_sum_squares;
+  using kernels::Backend::lamb_apply;
+  using kernels::Backend::lamb_moments;
+  using kernels::Backend::lamb_update;
+  void add_sum_squares(double& sum, const float* g, const kernels::TensorSpan* t, int64_t count,
+                       double scale) const override {
+    cuda::add_sum_squares(sum, g, t, count, scale);
+  }
+  void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
+                    float* v, const kernels::TensorSpan* t, int64_t count) const override {
+    cuda::adamw_update(a, p, p16, g, m, v, t, count);
+  }
+  void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
+                   float* v, const kernels::TensorSpan* t, int64_t count) const override {
+    std::vector<double> pn(static_cast<size_t>(count), 0.0), un(static_cast<size_t>(count), 0.0);
+    cuda::lamb_update(a, p, p16, g, m, v, t, count, pn.data(), un.data(), [&](float* step) {
+      for (int64_t i = 0; i < count; ++i)
+        step[i] = a[i].lr * kernels::lamb_trust(a[i], pn[i], un[i]);
+    });
+  }
+  void lamb_moments(const kernels::LambStep* a, const float* p, const float* g, float* m, float* v,
+                    const kernels::TensorSpan* t, int64_t count, double* pn,
+                    double* un) const override {
+    cuda::lamb_update(a, const_cast<float*>(p), nullptr, g, m, v, t, count, pn, un, {});
+  }
+  void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float* m,
+                  const float* v, const kernels::TensorSpan* t, int64_t count,
+                  const float* step) const override {
+    cuda::lamb_apply(a, p, p16, m, v, t, count, step);
+  }
+
   void lamb_moments(const kernels::LambStep& a, const float* p, const float* g, float* m, float* v,
                     int64_t n, double& pn, double& un) const override {
     cuda::lamb_moments(a, p, g, m, v, n, pn, un);

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "kernels/backend.h"
@@ -152,5 +153,20 @@ void lamb_moments(const kernels::LambStep& a, const float* p, const float* g, fl
                   int64_t n, double& pn, double& un, void* stream = nullptr);
 void lamb_apply(const kernels::LambStep& a, float* p, uint16_t* p16, const float* m, const float* v,
                 int64_t n, float step, void* stream = nullptr);
+
+// The same over many tensors of flat buffers (kernels/backend.h, TensorSpan), one pass each
+// (scratch.h: a block per chunk). add_sum_squares synchronises once; lamb_update once: pn, un
+// receive each span's norms (+=), then `trust` (when given) writes each span's step (lr x trust
+// ratio) for the update pass.
+void add_sum_squares(double& sum, const float* g, const kernels::TensorSpan* t, int64_t count,
+                     double scale, void* stream = nullptr);
+void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
+                  float* v, const kernels::TensorSpan* t, int64_t count, void* stream = nullptr);
+void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
+                 float* v, const kernels::TensorSpan* t, int64_t count, double* pn, double* un,
+                 const std::function<void(float* step)>& trust, void* stream = nullptr);
+void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float* m, const float* v,
+                const kernels::TensorSpan* t, int64_t count, const float* step,
+                void* stream = nullptr);
 
 }  // namespace bertrain::cuda

@@ -2,6 +2,9 @@
 // the CPU tests check (kernels/row_math.h): one warp per row, one thread per element. The sums
 // the host needs (the loss, LAMB's norms, the gradient norm) come back as per-row or per-block
 // partial values, added on the host in double in a fixed order.
+#include <algorithm>
+#include <cstring>
+#include <functional>
 #include <vector>
 
 #include "kernels/cuda/common.cuh"
@@ -84,6 +87,62 @@ __global__ void adamw_kernel(kernels::AdamwStep a, float* p, uint16_t* p16, cons
   if (i < n) rm::adamw(a, p, p16, g, m, v, i);
 }
 
+// The multi-tensor passes (scratch.h): block b runs chunk b of span chunks[b].tensor.
+__global__ void sum_squares_many_kernel(double* partial, const float* g,
+                                        const kernels::TensorSpan* spans, const Chunk* chunks,
+                                        double scale) {
+  const Chunk c = chunks[blockIdx.x];
+  const float* x = g + spans[c.tensor].offset + c.begin;
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x) {
+    const double y = static_cast<double>(x[i]) * scale;
+    acc += y * y;
+  }
+  block_sum(acc, partial + blockIdx.x);
+}
+
+__global__ void adamw_many_kernel(const kernels::AdamwStep* steps, float* p, uint16_t* p16,
+                                  const float* g, float* m, float* v,
+                                  const kernels::TensorSpan* spans, const Chunk* chunks) {
+  const Chunk c = chunks[blockIdx.x];
+  const kernels::TensorSpan t = spans[c.tensor];
+  const kernels::AdamwStep a = steps[c.tensor];
+  for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x)
+    rm::adamw(a, p + t.offset, p16 ? p16 + t.offset : nullptr, g + t.offset, m + t.state,
+              v + t.state, c.begin + i);
+}
+
+// partial[2 b] = sum of p^2 over chunk b, partial[2 b + 1] = sum of u^2.
+__global__ void lamb_moments_many_kernel(double* partial, const kernels::LambStep* steps,
+                                         const float* p, const float* g, float* m, float* v,
+                                         const kernels::TensorSpan* spans, const Chunk* chunks) {
+  const Chunk c = chunks[blockIdx.x];
+  const kernels::TensorSpan t = spans[c.tensor];
+  const kernels::LambStep a = steps[c.tensor];
+  const float* P = p + t.offset;
+  double pn = 0.0, un = 0.0;
+  for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x) {
+    const int64_t j = c.begin + i;
+    const float u = rm::lamb_moments(a, P, g + t.offset, m + t.state, v + t.state, j);
+    pn += static_cast<double>(P[j]) * P[j];
+    un += static_cast<double>(u) * u;
+  }
+  block_sum(pn, partial + 2 * blockIdx.x);
+  __syncthreads();
+  block_sum(un, partial + 2 * blockIdx.x + 1);
+}
+
+__global__ void lamb_apply_many_kernel(const kernels::LambStep* steps, const float* trust, float* p,
+                                       uint16_t* p16, const float* m, const float* v,
+                                       const kernels::TensorSpan* spans, const Chunk* chunks) {
+  const Chunk c = chunks[blockIdx.x];
+  const kernels::TensorSpan t = spans[c.tensor];
+  const kernels::LambStep a = steps[c.tensor];
+  for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x)
+    rm::lamb_apply(a, p + t.offset, p16 ? p16 + t.offset : nullptr, m + t.state, v + t.state,
+                   c.begin + i, trust[c.tensor]);
+}
+
 // partial[block] = sum of p^2, partial[gridDim.x + block] = sum of u^2.
 __global__ void lamb_moments_kernel(double* partial, kernels::LambStep a, const float* p,
                                     const float* g, float* m, float* v, int64_t n) {
@@ -117,6 +176,52 @@ std::vector<double> download_partials(const double* partial, size_t count, cudaS
       cudaMemcpyAsync(h.data(), partial, count * sizeof(double), cudaMemcpyDeviceToHost, s));
   BT_CUDA_CHECK(cudaStreamSynchronize(s));
   return h;
+}
+
+// A multi-tensor pass's arguments in the scratch (scratch.h, kMultiTensorSlot): the spans, their
+// chunks, one step per span; then room for a trust ratio per span and two partials per chunk.
+struct Many {
+  const kernels::TensorSpan* spans = nullptr;
+  const Chunk* chunks = nullptr;
+  const void* steps = nullptr;
+  float* trust = nullptr;
+  double* partials = nullptr;
+  std::vector<Chunk> host_chunks;
+};
+
+size_t aligned(size_t b) {
+  return (b + 255) / 256 * 256;
+}
+
+Many upload(const kernels::TensorSpan* t, int64_t count, const void* steps, size_t step_bytes,
+            cudaStream_t s) {
+  Many w;
+  int64_t values = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    values += t[i].n;
+    for (int64_t b = 0; b < t[i].n; b += kChunk)
+      w.host_chunks.push_back({i, b, std::min(kChunk, t[i].n - b)});
+  }
+  const size_t n = static_cast<size_t>(count);
+  const size_t spans_b = aligned(n * sizeof(kernels::TensorSpan)),
+               chunks_b = aligned(w.host_chunks.size() * sizeof(Chunk)),
+               steps_b = aligned(n * step_bytes), trust_b = aligned(n * 4),
+               partial_b = 2 * w.host_chunks.size() * sizeof(double);
+  auto* base = static_cast<char*>(scratch(
+      kMultiTensorSlot, std::max<size_t>(spans_b + chunks_b + steps_b + trust_b + partial_b,
+                                         static_cast<size_t>(multi_tensor_bytes(values, count)))));
+  thread_local std::vector<char> host;
+  host.assign(spans_b + chunks_b + steps_b, 0);
+  std::memcpy(host.data(), t, n * sizeof(kernels::TensorSpan));
+  std::memcpy(host.data() + spans_b, w.host_chunks.data(), w.host_chunks.size() * sizeof(Chunk));
+  if (steps) std::memcpy(host.data() + spans_b + chunks_b, steps, n * step_bytes);
+  BT_CUDA_CHECK(cudaMemcpyAsync(base, host.data(), host.size(), cudaMemcpyHostToDevice, s));
+  w.spans = reinterpret_cast<const kernels::TensorSpan*>(base);
+  w.chunks = reinterpret_cast<const Chunk*>(base + spans_b);
+  w.steps = base + spans_b + chunks_b;
+  w.trust = reinterpret_cast<float*>(base + spans_b + chunks_b + steps_b);
+  w.partials = reinterpret_cast<double*>(base + spans_b + chunks_b + steps_b + trust_b);
+  return w;
 }
 
 // The reductions' partial sums.
@@ -205,6 +310,73 @@ void lamb_apply(const kernels::LambStep& a, float* p, uint16_t* p16, const float
   if (n == 0) return;
   lamb_apply_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(a, p, p16, m, v, n,
                                                                                  step);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void add_sum_squares(double& sum, const float* g, const kernels::TensorSpan* t, int64_t count,
+                     double scale, void* stream) {
+  if (count == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  const Many w = upload(t, count, nullptr, 0, s);
+  const auto blocks = static_cast<unsigned>(w.host_chunks.size());
+  if (blocks == 0) return;
+  sum_squares_many_kernel<<<blocks, kThreads, 0, s>>>(w.partials, g, w.spans, w.chunks, scale);
+  BT_CUDA_CHECK(cudaGetLastError());
+  for (double x : download_partials(w.partials, blocks, s)) sum += x;
+}
+
+void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
+                  float* v, const kernels::TensorSpan* t, int64_t count, void* stream) {
+  if (count == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  const Many w = upload(t, count, a, sizeof(kernels::AdamwStep), s);
+  const auto blocks = static_cast<unsigned>(w.host_chunks.size());
+  if (blocks == 0) return;
+  adamw_many_kernel<<<blocks, kThreads, 0, s>>>(static_cast<const kernels::AdamwStep*>(w.steps), p,
+                                                p16, g, m, v, w.spans, w.chunks);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
+                 float* v, const kernels::TensorSpan* t, int64_t count, double* pn, double* un,
+                 const std::function<void(float* step)>& trust, void* stream) {
+  if (count == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  const Many w = upload(t, count, a, sizeof(kernels::LambStep), s);
+  const auto blocks = static_cast<unsigned>(w.host_chunks.size());
+  const auto* steps = static_cast<const kernels::LambStep*>(w.steps);
+  if (blocks > 0) {
+    lamb_moments_many_kernel<<<blocks, kThreads, 0, s>>>(w.partials, steps, p, g, m, v, w.spans,
+                                                         w.chunks);
+    BT_CUDA_CHECK(cudaGetLastError());
+    const std::vector<double> h = download_partials(w.partials, 2 * blocks, s);
+    for (unsigned b = 0; b < blocks; ++b) {
+      pn[w.host_chunks[b].tensor] += h[2 * b];
+      un[w.host_chunks[b].tensor] += h[2 * b + 1];
+    }
+  }
+  if (!trust || blocks == 0) return;  // (no trust: the moments only)
+  thread_local std::vector<float> step;
+  step.assign(static_cast<size_t>(count), 0.0f);
+  trust(step.data());
+  BT_CUDA_CHECK(cudaMemcpyAsync(w.trust, step.data(), step.size() * sizeof(float),
+                                cudaMemcpyHostToDevice, s));
+  lamb_apply_many_kernel<<<blocks, kThreads, 0, s>>>(steps, w.trust, p, p16, m, v, w.spans,
+                                                     w.chunks);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float* m, const float* v,
+                const kernels::TensorSpan* t, int64_t count, const float* step, void* stream) {
+  if (count == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  const Many w = upload(t, count, a, sizeof(kernels::LambStep), s);
+  const auto blocks = static_cast<unsigned>(w.host_chunks.size());
+  if (blocks == 0) return;
+  BT_CUDA_CHECK(cudaMemcpyAsync(w.trust, step, static_cast<size_t>(count) * sizeof(float),
+                                cudaMemcpyHostToDevice, s));
+  lamb_apply_many_kernel<<<blocks, kThreads, 0, s>>>(static_cast<const kernels::LambStep*>(w.steps),
+                                                     w.trust, p, p16, m, v, w.spans, w.chunks);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -22,7 +22,16 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
     part(kAttentionGradSlot) = a.NH * a.T * a.T * int64_t{sizeof(float)};
   }
   part(kMatmulWorkspaceSlot) = k.num_linears > 0 ? static_cast<int64_t>(kMatmulWorkspaceBytes) : 0;
+  part(kMultiTensorSlot) = multi_tensor_bytes(k.parameters, k.tensors);
   return l;
+}
+
+int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors) {
+  if (tensors == 0) return 0;
+  const int64_t chunks = parameters / kChunk + tensors;  // each span's last chunk may be short
+  const int64_t step = std::max(sizeof(kernels::AdamwStep), sizeof(kernels::LambStep));
+  return tensors * (int64_t{sizeof(kernels::TensorSpan)} + step + int64_t{sizeof(float)}) +
+         chunks * (int64_t{sizeof(Chunk)} + 2 * int64_t{sizeof(double)}) + 4 * 256;  // alignment
 }
 
 namespace {

@@ -22,12 +22,24 @@ enum ScratchSlot : int {
   kAttentionGradSlot,     // one sequence's [NH, T, T] probability gradients
   kSquaredErrorSlot,      // a regression's squared errors: a float a row
   kMatmulWorkspaceSlot,   // cuBLASLt's workspace
+  kMultiTensorSlot,       // the optimizer's tensors, chunks, steps and partial sums
   kScratchSlots
 };
 static_assert(kScratchSlots <= kernels::ScratchLayout::kParts);
 
 constexpr int64_t kReduceBlocks = 1024;
 constexpr size_t kMatmulWorkspaceBytes = size_t{32} << 20;
+
+// The optimizer's passes over many tensors (Backend's TensorSpan operations): each span cut into
+// chunks of at most kChunk values, a block per chunk, one partial sum (two for LAMB's norms) per
+// chunk added on the host in chunk order.
+constexpr int64_t kChunk = int64_t{1} << 16;
+struct Chunk {
+  int64_t tensor, begin, n;  // values [begin, begin + n) of span `tensor`
+};
+// Bytes of the multi-tensor scratch for `tensors` spans over `parameters` values: the spans, the
+// chunks, a step (AdamW's or LAMB's) and a trust ratio per span, two partial sums per chunk.
+int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors);
 
 // The scratch the CUDA kernels use for a model's shapes.
 kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& shapes);
