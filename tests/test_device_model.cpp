@@ -172,7 +172,7 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       EXPECT_EQ(gpu.group_bytes("input"), model::input_bytes(d));
       EXPECT_EQ(cpu.group_bytes("input"), 0u);
       // cuBLASLt's workspace; [B, NH, T, T] fp32 scores in 16 bits, dropped probabilities in
-      // fp32 and fp16; one sequence's probability gradients; the reductions' partial sums; a
+      // fp32 and fp16; the probabilities' fp32 gradients; the reductions' partial sums; a
       // loss and a hit for each of the most rows a loss sees (every token, here).
       const ScratchLayout l =
           model::plan_kernel_scratch(c, model::Head::Pretraining, d, cuda::target());
@@ -180,7 +180,7 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       EXPECT_EQ(l.part[cuda::kMatmulWorkspaceSlot], int64_t{32} << 20);
       EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], precision == 0 ? 0 : probs);
       EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 1 ? 0 : probs);
-      EXPECT_EQ(l.part[cuda::kAttentionGradSlot], 4 * T * T * 4);
+      EXPECT_EQ(l.part[cuda::kAttentionGradSlot], probs);
       EXPECT_EQ(l.part[cuda::kReductionSlot], 2 * 1024 * 8);
       EXPECT_EQ(l.part[cuda::kCrossEntropySlot], 2 * 8 * T * 4);
       const model::ParamTable table(c, model::Head::Pretraining);  // the optimizer's tensors

@@ -235,6 +235,30 @@ struct AttentionDims {
   }
 };
 
+// Attention's batched products over (sequence, head) pairs in as few calls as one stride allows:
+// a call per sequence over its heads (HD apart in the QKV and context rows, T x T apart in the
+// probabilities), or a call per head over the sequences (T rows apart, NH T x T apart), whichever
+// is fewer: BERT-Large at batch 64 makes 16 calls a product instead of 64. A call takes the pairs
+// (b0 + k ds, h0 + k dh), k < batch.
+struct Pairs {
+  int64_t b0, h0, batch, ds, dh;
+  // Element offset of the first pair's matrix in rows of width w (HD columns a head), and the
+  // stride between the pairs' matrices; the same in the [B, NH, T, T] probabilities.
+  int64_t rows(int64_t T, int64_t w, int64_t HD) const { return b0 * T * w + h0 * HD; }
+  int64_t rows_stride(int64_t T, int64_t w, int64_t HD) const { return ds * T * w + dh * HD; }
+  int64_t probs(int64_t NH, int64_t TT) const { return (b0 * NH + h0) * TT; }
+  int64_t probs_stride(int64_t NH, int64_t TT) const { return (ds * NH + dh) * TT; }
+};
+
+std::vector<Pairs> pair_calls(const AttentionShape& s) {
+  std::vector<Pairs> v;
+  if (s.B <= s.NH)
+    for (int64_t b = 0; b < s.B; ++b) v.push_back({b, 0, s.NH, 0, 1});
+  else
+    for (int64_t h = 0; h < s.NH; ++h) v.push_back({0, h, s.B, 1, 0});
+  return v;
+}
+
 class CudaBackend final : public kernels::Backend {
  public:
   const char* name() const override { return "cuda"; }
@@ -351,9 +375,12 @@ class CudaBackend final : public kernels::Backend {
     float* scores = p == Precision::FP32
                         ? saved.probs
                         : static_cast<float*>(scratch(kAttentionScoresSlot, n_probs * 4));
-    for (int64_t b = 0; b < B; ++b)
-      gemm_batched(o, NH, false, true, T, T, HD, scale, at(q, b * T * C3), C3, HD,
-                   at(q, b * T * C3 + C), C3, HD, 0.0f, scores + b * NH * TT, T, TT);
+    const std::vector<Pairs> calls = pair_calls(s);
+    for (const Pairs& c : calls) {
+      const int64_t r = c.rows(T, C3, HD), rs = c.rows_stride(T, C3, HD);
+      gemm_batched(o, c.batch, false, true, T, T, HD, scale, at(q, r), C3, rs, at(q, r + C), C3, rs,
+                   0.0f, scores + c.probs(NH, TT), T, c.probs_stride(NH, TT));
+    }
     const void* dropped = nullptr;
     if (p == Precision::FP32) {
       float* dr = d.p > 0.0f ? ws.attn_work : nullptr;
@@ -373,9 +400,12 @@ class CudaBackend final : public kernels::Backend {
         dropped = dr ? dr : scores;
       }
     }
-    for (int64_t b = 0; b < B; ++b)
-      gemm_batched(o, NH, false, false, T, HD, T, 1.0f, at(dropped, b * NH * TT), T, TT,
-                   at(q, b * T * C3 + 2 * C), C3, HD, 0.0f, ctx + b * T * C, C, HD);
+    for (const Pairs& c : calls) {
+      const int64_t r = c.rows(T, C3, HD), rs = c.rows_stride(T, C3, HD);
+      gemm_batched(o, c.batch, false, false, T, HD, T, 1.0f, at(dropped, c.probs(NH, TT)), T,
+                   c.probs_stride(NH, TT), at(q, r + 2 * C), C3, rs, 0.0f, ctx + c.rows(T, C, HD),
+                   C, c.rows_stride(T, C, HD));
+    }
   }
 
   void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
@@ -416,35 +446,41 @@ class CudaBackend final : public kernels::Backend {
       round_to_bf16(ws.attn_dctx16, dctx, B * T * C);
       dc = ws.attn_dctx16;
     }
-    // One sequence at a time: dd (then ds) for its heads in a buffer of NH x T x T.
-    float* dd = static_cast<float*>(scratch(kAttentionGradSlot, NH * TT * 4));
-    for (int64_t b = 0; b < B; ++b) {
-      float* dq = dqkv + b * T * C3;
+    // dd (then ds) for every pair in a [B, NH, T, T] buffer.
+    float* dd = static_cast<float*>(scratch(kAttentionGradSlot, n_probs * 4));
+    const std::vector<Pairs> calls = pair_calls(s);
+    for (const Pairs& c : calls) {
+      const int64_t r3 = c.rows(T, C3, HD), rs3 = c.rows_stride(T, C3, HD);
+      const int64_t r = c.rows(T, C, HD), rs = c.rows_stride(T, C, HD);
+      const int64_t pr = c.probs(NH, TT), ps = c.probs_stride(NH, TT);
       // dV = dropped^T dctx; dd = dctx V^T
-      gemm_batched(o, NH, true, false, T, HD, T, 1.0f, at(dropped, b * NH * TT), T, TT,
-                   at(dc, b * T * C), C, HD, 0.0f, dq + 2 * C, C3, HD);
-      gemm_batched(o, NH, false, false, T, T, HD, 1.0f, at(dc, b * T * C), C, HD,
-                   at(q, b * T * C3 + 2 * C), C3, HD, 0.0f, dd, T, TT);
-      const int64_t rows = NH * T;
-      if (bf16)
-        softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(
-            dd, dd, reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, b * rows, rows, d.p,
-            d.key, d.offset);
-      else
-        softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(dd, dd, probs, s, b * rows,
-                                                                        rows, d.p, d.key, d.offset);
-      check_launch();
-      const void* ds = dd;
-      if (bf16) {  // ds in bf16 for the two products, into this sequence's dropped rows
-        uint16_t* ds16 = ws.attn_probs16 + b * NH * TT;
-        round_to_bf16(ds16, dd, NH * TT);
-        ds = ds16;
-      }
+      gemm_batched(o, c.batch, true, false, T, HD, T, 1.0f, at(dropped, pr), T, ps, at(dc, r), C,
+                   rs, 0.0f, dqkv + r3 + 2 * C, C3, rs3);
+      gemm_batched(o, c.batch, false, true, T, T, HD, 1.0f, at(dc, r), C, rs, at(q, r3 + 2 * C), C3,
+                   rs3, 0.0f, dd + pr, T, ps);
+    }
+    const int64_t rows = B * NH * T;
+    if (bf16)
+      softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(
+          dd, dd, reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, 0, rows, d.p, d.key,
+          d.offset);
+    else
+      softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(dd, dd, probs, s, 0, rows,
+                                                                      d.p, d.key, d.offset);
+    check_launch();
+    const void* ds = dd;
+    if (bf16) {  // ds in bf16 for the two products, over the dropped probabilities (used above)
+      round_to_bf16(ws.attn_probs16, dd, n_probs);
+      ds = ws.attn_probs16;
+    }
+    for (const Pairs& c : calls) {
+      const int64_t r3 = c.rows(T, C3, HD), rs3 = c.rows_stride(T, C3, HD);
+      const int64_t pr = c.probs(NH, TT), ps = c.probs_stride(NH, TT);
       // dQ = scale ds K; dK = scale ds^T Q
-      gemm_batched(o, NH, false, false, T, HD, T, scale, ds, T, TT, at(q, b * T * C3 + C), C3, HD,
-                   0.0f, dq, C3, HD);
-      gemm_batched(o, NH, true, false, T, HD, T, scale, ds, T, TT, at(q, b * T * C3), C3, HD, 0.0f,
-                   dq + C, C3, HD);
+      gemm_batched(o, c.batch, false, false, T, HD, T, scale, at(ds, pr), T, ps, at(q, r3 + C), C3,
+                   rs3, 0.0f, dqkv + r3, C3, rs3);
+      gemm_batched(o, c.batch, true, false, T, HD, T, scale, at(ds, pr), T, ps, at(q, r3), C3, rs3,
+                   0.0f, dqkv + r3 + C, C3, rs3);
     }
   }
 

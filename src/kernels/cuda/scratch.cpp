@@ -19,7 +19,7 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
     // probabilities are its bf16 operand, a Workspace region of the model's.)
     part(kAttentionScoresSlot) = k.precision == Precision::FP32 ? 0 : probs;
     part(kAttentionDroppedSlot) = k.precision == Precision::BF16 ? 0 : probs;
-    part(kAttentionGradSlot) = a.NH * a.T * a.T * int64_t{sizeof(float)};
+    part(kAttentionGradSlot) = probs;
   }
   part(kMatmulWorkspaceSlot) = k.num_linears > 0 ? static_cast<int64_t>(kMatmulWorkspaceBytes) : 0;
   part(kMultiTensorSlot) = multi_tensor_bytes(k.parameters, k.tensors);

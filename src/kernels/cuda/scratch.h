@@ -19,7 +19,7 @@ enum ScratchSlot : int {
   kCrossEntropySlot,      // each row's loss and hit: 2 floats a row
   kAttentionScoresSlot,   // [B, NH, T, T] fp32 scores (16-bit precisions; FP16 backward: probs)
   kAttentionDroppedSlot,  // [B, NH, T, T] fp32 dropped probabilities (FP32 backward, FP16)
-  kAttentionGradSlot,     // one sequence's [NH, T, T] probability gradients
+  kAttentionGradSlot,     // [B, NH, T, T] fp32 probability gradients
   kSquaredErrorSlot,      // a regression's squared errors: a float a row
   kMatmulWorkspaceSlot,   // cuBLASLt's workspace
   kMultiTensorSlot,       // the optimizer's tensors, chunks, steps and partial sums
