@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -77,6 +78,21 @@ inline BackendStep backend_step(const kernels::Backend& be, const model::BertCon
   be.to_host(r.grads.data(), m.grads(), n * sizeof(float));
   be.to_host(r.params.data(), m.params(), n * sizeof(float));
   return r;
+}
+
+// Sequences [b0, b0 + n) of a pretraining batch (a rank's part of the global batch).
+inline model::Batch slice_batch(const model::Batch& full, int64_t b0, int64_t n) {
+  const int64_t T = full.T, P = full.P;
+  model::Batch s;
+  s.resize(n, T, P);
+  std::copy_n(full.input_ids.begin() + b0 * T, n * T, s.input_ids.begin());
+  std::copy_n(full.input_mask.begin() + b0 * T, n * T, s.input_mask.begin());
+  std::copy_n(full.segment_ids.begin() + b0 * T, n * T, s.segment_ids.begin());
+  std::copy_n(full.masked_lm_positions.begin() + b0 * P, n * P, s.masked_lm_positions.begin());
+  std::copy_n(full.masked_lm_ids.begin() + b0 * P, n * P, s.masked_lm_ids.begin());
+  std::copy_n(full.masked_lm_weights.begin() + b0 * P, n * P, s.masked_lm_weights.begin());
+  std::copy_n(full.next_sentence_labels.begin() + b0, n, s.next_sentence_labels.begin());
+  return s;
 }
 
 // random_batch of 4 x 32 (5 predictions) with every task head's labels too: classes of 3, a

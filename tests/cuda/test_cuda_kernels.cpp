@@ -237,6 +237,25 @@ TEST(Cuda, CrossEntropyMatchesCpu) {
   EXPECT_TRUE(all_close("dlogits", to_host(x_d, N * V).data(), d.data(), N * V, 1e-5, 1e-5));
 }
 
+// An optimizer test's state: parameters, their bf16 copy and the moments on the host (what the
+// CPU updates) and on the device (what the GPU updates), from the same values.
+struct OptimizerState {
+  std::vector<float> p, m, v;
+  std::vector<uint16_t> p16;
+  cuda::DeviceBuffer p_d, m_d, v_d, p16_d;
+  OptimizerState(const std::vector<float>& p0, const std::vector<float>& m0,
+                 const std::vector<float>& v0)
+      : p(p0),
+        m(m0),
+        v(v0),
+        p16(p0.size()),
+        p_d(to_device(p0)),
+        m_d(to_device(m0)),
+        v_d(to_device(v0)),
+        p16_d(p0.size() * 2) {}
+  uint16_t* p16_dev() const { return static_cast<uint16_t*>(p16_d.data()); }
+};
+
 // AdamW and LAMB (with the bf16 copy) and the gradient norm against the CPU's reference loops,
 // which run the same element functions with IEEE operations and no contraction on either side
 // (--fmad=false): the same bits. The norms are double sums in another order (rtol 1e-12).
@@ -248,12 +267,13 @@ TEST(Cuda, OptimizerMatchesCpu) {
   for (auto& x : v0) x = x * x;
   const kernels::AdamwStep aw{0.5f, 0.9f, 0.999f, 1e-3f, 0.3f, 1e-6f, 0.9999f};
   const kernels::LambStep lb{0.5f, 0.9f, 0.999f, 1.2f, 1.1f, 1e-6f, 0.01f, 1e-3f};
+  const auto g_d = to_device(g);
   for (int which = 0; which < 2; ++which) {
-    std::vector<float> p = p0, m = m0, v = v0;
-    std::vector<uint16_t> p16(n);
-    auto p_d = to_device(p0), g_d = to_device(g), m_d = to_device(m0), v_d = to_device(v0);
-    cuda::DeviceBuffer p16_d(n * 2);
-    auto* p16_dev = static_cast<uint16_t*>(p16_d.data());
+    OptimizerState st(p0, m0, v0);
+    auto &p = st.p, &m = st.m, &v = st.v;
+    auto& p16 = st.p16;
+    auto &p_d = st.p_d, &m_d = st.m_d, &v_d = st.v_d, &p16_d = st.p16_d;
+    uint16_t* p16_dev = st.p16_dev();
     if (which == 0) {
       kernels::adamw_update_reference(aw, p.data(), p16.data(), g.data(), m.data(), v.data(), n);
       cuda::adamw_update(aw, p_d.f32(), p16_dev, g_d.f32(), m_d.f32(), v_d.f32(), n);
@@ -276,7 +296,6 @@ TEST(Cuda, OptimizerMatchesCpu) {
   }
   double sum = 0, sum_d = 0;
   kernels::add_sum_squares_reference(sum, g.data(), n, 0.5);
-  auto g_d = to_device(g);
   cuda::add_sum_squares(sum_d, g_d.f32(), n, 0.5);
   EXPECT_NEAR(sum_d, sum, 1e-12 * sum);
 }
@@ -305,12 +324,13 @@ TEST(Cuda, OptimizerOverManyTensorsMatchesCpu) {
   const kernels::Backend& cpu = kernels::cpu_backend();
   const kernels::Backend& gpu = cuda::cuda_backend();
   const kernels::TensorSpan* tensors = spans.data();
+  const auto g_d = to_device(g);
   for (int which = 0; which < 3; ++which) {
-    std::vector<float> p = p0, m = m0, v = v0;
-    std::vector<uint16_t> p16(n);
-    auto p_d = to_device(p0), g_d = to_device(g), m_d = to_device(m0), v_d = to_device(v0);
-    cuda::DeviceBuffer p16_d(n * 2);
-    auto* p16_dev = static_cast<uint16_t*>(p16_d.data());
+    OptimizerState st(p0, m0, v0);
+    auto &p = st.p, &m = st.m, &v = st.v;
+    auto& p16 = st.p16;
+    auto &p_d = st.p_d, &m_d = st.m_d, &v_d = st.v_d, &p16_d = st.p16_d;
+    uint16_t* p16_dev = st.p16_dev();
     if (which == 0) {
       cpu.adamw_update(aw.data(), p.data(), p16.data(), g.data(), m.data(), v.data(), tensors, T);
       gpu.adamw_update(aw.data(), p_d.f32(), p16_dev, g_d.f32(), m_d.f32(), v_d.f32(), tensors, T);
@@ -344,7 +364,6 @@ TEST(Cuda, OptimizerOverManyTensorsMatchesCpu) {
   }
   double sum = 0, sum_d = 0;
   cpu.add_sum_squares(sum, g.data(), spans.data(), T, 0.5);
-  auto g_d = to_device(g);
   gpu.add_sum_squares(sum_d, g_d.f32(), spans.data(), T, 0.5);
   EXPECT_NEAR(sum_d, sum, 1e-12 * sum);
 }

@@ -150,20 +150,6 @@ TEST(Nccl, TwoGpusSumGatherAndScatter) {
   });
 }
 
-model::Batch slice(const model::Batch& full, int64_t b0, int64_t n) {
-  const int64_t T = full.T, P = full.P;
-  model::Batch s;
-  s.resize(n, T, P);
-  std::copy_n(full.input_ids.begin() + b0 * T, n * T, s.input_ids.begin());
-  std::copy_n(full.input_mask.begin() + b0 * T, n * T, s.input_mask.begin());
-  std::copy_n(full.segment_ids.begin() + b0 * T, n * T, s.segment_ids.begin());
-  std::copy_n(full.masked_lm_positions.begin() + b0 * P, n * P, s.masked_lm_positions.begin());
-  std::copy_n(full.masked_lm_ids.begin() + b0 * P, n * P, s.masked_lm_ids.begin());
-  std::copy_n(full.masked_lm_weights.begin() + b0 * P, n * P, s.masked_lm_weights.begin());
-  std::copy_n(full.next_sentence_labels.begin() + b0, n, s.next_sentence_labels.begin());
-  return s;
-}
-
 // Three AdamW steps: two GPUs at half the batch each (overlapped with backward or not, a
 // predivide factor of 2) against one GPU at the whole batch. Only the summation order differs:
 // fp32 rounding carried through three Adam steps, 2e-6 (as the MPI tests' bound).
@@ -197,7 +183,7 @@ TEST(Nccl, TwoGpusAtHalfTheBatchEqualOneAtTheWhole) {
   for (bool overlap : {false, true}) {
     std::vector<float> two[2];
     on_gpus(2, [&](int r, comm::Communicator& comm) {
-      two[r] = train(comm, slice(full, r * 4, 4), overlap);
+      two[r] = train(comm, test::slice_batch(full, r * 4, 4), overlap);
     });
     EXPECT_EQ(two[0], two[1]) << "the GPUs disagree";
     double worst = 0;

@@ -413,18 +413,6 @@ TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
   model::Batch full;
   std::mt19937 rng(5);
   random_batch(full, B, T, P, c.vocab_size, rng);
-  auto slice = [&](int64_t b0, int64_t n) {
-    model::Batch s;
-    s.resize(n, T, P);
-    std::copy_n(full.input_ids.begin() + b0 * T, n * T, s.input_ids.begin());
-    std::copy_n(full.input_mask.begin() + b0 * T, n * T, s.input_mask.begin());
-    std::copy_n(full.segment_ids.begin() + b0 * T, n * T, s.segment_ids.begin());
-    std::copy_n(full.masked_lm_positions.begin() + b0 * P, n * P, s.masked_lm_positions.begin());
-    std::copy_n(full.masked_lm_ids.begin() + b0 * P, n * P, s.masked_lm_ids.begin());
-    std::copy_n(full.masked_lm_weights.begin() + b0 * P, n * P, s.masked_lm_weights.begin());
-    std::copy_n(full.next_sentence_labels.begin() + b0, n, s.next_sentence_labels.begin());
-    return s;
-  };
   for (Algorithm a : {Algorithm::Ring, Algorithm::Hierarchical, Algorithm::Shm}) {
     for (Wire w : {Wire::F32, Wire::F16}) {
       g_comm->set_algorithm(a);
@@ -438,7 +426,7 @@ TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
           two.place_gradients(reinterpret_cast<std::byte*>(shared));
       const auto sl = train::param_slices(one.table());
       train::Optimizer o1(sl, one.table().total(), {}), o2(sl, two.table().total(), {});
-      const model::Batch mine = slice(g_comm->rank() * half, half);
+      const model::Batch mine = test::slice_batch(full, g_comm->rank() * half, half);
       for (uint64_t step = 0; step < 3; ++step) {
         one.zero_grads();
         one.forward(full, {true, 9, step, 0});
