@@ -313,6 +313,7 @@ void add_eval(CLI::App& app, comm::Communicator& (*comm)()) {
   c->callback([o, comm] {
     set_threads(o->threads);
     const kernels::Backend& be = device_backend(o->device);
+    use_rank_gpu(be, comm());  // (eval's sums are the host's: MPI takes them)
     std::string dir = train::resolve_checkpoint(o->checkpoint);
     if (dir.empty()) fail("no checkpoint in ", o->checkpoint);
     const model::BertConfig cfg = model::BertConfig::load(model::checkpoint_config_path(dir));

@@ -43,6 +43,9 @@ void add_dist_options(CLI::App* c);  // --allreduce, --compression, --stall-time
 // host memory; for a model on a GPU with several ranks, NCCL over the job's ranks (comm/nccl.h),
 // made once, before the model allocates (it picks the rank's GPU).
 comm::Communicator& gradient_communicator(const kernels::Backend& be, comm::Communicator& job);
+// A GPU run with several ranks on a host: this rank's GPU (its local rank's) for what follows,
+// as NCCL picks it (gradient_communicator does it too).
+void use_rank_gpu(const kernels::Backend& be, const comm::Communicator& job);
 
 // --task and the column flags (finetune, predict, prepare): a preset's columns, each overridden
 // by its flag.

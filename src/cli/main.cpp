@@ -11,6 +11,7 @@
 #include "comm/mpi.h"
 #ifdef BERTRAIN_CUDA
 #include "comm/nccl.h"
+#include "kernels/cuda/cuda.h"
 #endif
 #include "core/error.h"
 #include "core/setting.h"
@@ -164,6 +165,15 @@ comm::Communicator& gradient_communicator(const kernels::Backend& be, comm::Comm
 #else
   fail("the ", be.name(), " backend across ", job.size(),
        " ranks needs NCCL, which comes with the CUDA build (-DBERTRAIN_CUDA=ON)");
+#endif
+}
+
+void use_rank_gpu(const kernels::Backend& be, const comm::Communicator& job) {
+#ifdef BERTRAIN_CUDA
+  if (!be.host_memory() && job.local_size() > 1) cuda::set_device(comm::nccl_device_for(job));
+#else
+  (void)be;
+  (void)job;
 #endif
 }
 

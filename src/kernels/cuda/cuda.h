@@ -23,6 +23,8 @@ const kernels::Backend& cuda_backend();
 
 // Number of usable CUDA devices (0 when no driver or no GPU: callers skip, never crash).
 int device_count();
+// The GPU the calling host thread's kernels and allocations use from now on.
+void set_device(int device);
 
 class DeviceBuffer {
  public:

@@ -14,6 +14,10 @@ int device_count() {
   return n;
 }
 
+void set_device(int device) {
+  BT_CUDA_CHECK(cudaSetDevice(device));
+}
+
 DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
   if (bytes) BT_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
 }
