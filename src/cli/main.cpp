@@ -132,12 +132,6 @@ comm::Communicator& communicator() {
       mpi->set_algorithm(comm::parse_algorithm(g_dist.allreduce));
       mpi->set_wire(comm::parse_wire(g_dist.compression));
       mpi->set_stall_timeout(g_dist.stall_timeout);
-      if (mpi->size() > 1 && comm::parse_wire(g_dist.compression) != comm::Wire::F32 &&
-          !mpi->wire_in_use())
-        bertrain::fail("--compression ", g_dist.compression,
-                       " would do nothing: all ranks are on one node, where the ", g_dist.allreduce,
-                       " allreduce reads the other ranks' memory and sends nothing over a wire; "
-                       "drop --compression, or pass --allreduce ring to compress between ranks");
       g_comm = std::move(mpi);
     } else {
       g_comm = std::make_unique<comm::SingleProcess>();
@@ -153,14 +147,24 @@ comm::Communicator& communicator() {
 }
 
 comm::Communicator& gradient_communicator(const kernels::Backend& be, comm::Communicator& job) {
-  if (be.host_memory() || job.size() == 1) return job;
+  if (job.size() == 1) return job;
+  if (be.host_memory()) {
+    const auto* mpi = dynamic_cast<const comm::MpiCommunicator*>(&job);
+    if (mpi && comm::parse_wire(g_dist.compression) != comm::Wire::F32 && !mpi->wire_in_use())
+      bertrain::fail("--compression ", g_dist.compression,
+                     " would do nothing: all ranks are on one node, where the ", g_dist.allreduce,
+                     " allreduce reads the other ranks' memory and sends nothing over a wire; "
+                     "drop --compression, or pass --allreduce ring to compress between ranks");
+    return job;
+  }
 #ifdef BERTRAIN_CUDA
-  if (g_dist.compression != "none" || g_dist.allreduce != "auto")
-    fail(
-        "--compression and --allreduce choose the MPI allreduce of host memory; the ", be.name(),
-        " backend's gradients go through NCCL (fp32, NCCL's own algorithms: NCCL_ALGO): drop them");
+  if (g_dist.allreduce != "auto")
+    fail("--allreduce chooses the MPI allreduce of host memory; the ", be.name(),
+         " backend's gradients go through NCCL, whose algorithms NCCL_ALGO chooses: drop it");
   static std::unique_ptr<comm::Communicator> nccl;
-  if (!nccl) nccl = comm::make_nccl_communicator(job, g_dist.stall_timeout);
+  if (!nccl)
+    nccl = comm::make_nccl_communicator(job, g_dist.stall_timeout,
+                                        comm::parse_wire(g_dist.compression));
   return *nccl;
 #else
   fail("the ", be.name(), " backend across ", job.size(),
@@ -184,7 +188,7 @@ void add_dist_options(CLI::App* c) {
        "shm, ring, hierarchical or mpi")
       ->capture_default_str();
   c->add_option("--compression", g_dist.compression,
-                "Wire compression for ring/hierarchical: none, fp16, bf16")
+                "Wire compression for ring/hierarchical (and NCCL between GPUs): none, fp16, bf16")
       ->capture_default_str();
   c->add_option("--stall-timeout", g_dist.stall_timeout,
                 "Abort all ranks when a collective waits this long (s)")

@@ -25,13 +25,17 @@
 #include <memory>
 
 #include "comm/communicator.h"
+#include "comm/mpi.h"  // Wire
 
 namespace bertrain::comm {
 
 // A NCCL communicator over bootstrap's ranks (which it keeps using for barriers).
-// stall_timeout_s <= 0: no timeout.
+// stall_timeout_s <= 0: no timeout. wire F16 / BF16: gradient allreduces of device memory travel
+// and add in 16 bits (rounded on the GPU before, widened after; what Horovod's fp16 compression
+// does); statistics, reduce-scatters and gathers stay exact.
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap,
-                                                     double stall_timeout_s = 60.0);
+                                                     double stall_timeout_s = 60.0,
+                                                     Wire wire = Wire::F32);
 
 // The GPU a rank of bootstrap uses (its local rank), checked against the GPUs visible.
 int nccl_device_for(const Communicator& bootstrap);

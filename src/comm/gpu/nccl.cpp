@@ -120,8 +120,9 @@ int visible_gpus() {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(Communicator& bootstrap, double stall_timeout_s)
-      : boot_(bootstrap),
+  NcclCommunicator(Communicator& bootstrap, double stall_timeout_s, Wire wire)
+      : wire_(wire),
+        boot_(bootstrap),
         rank_(bootstrap.rank()),
         size_(bootstrap.size()),
         device_(nccl_device_for(bootstrap)),
@@ -142,6 +143,7 @@ class NcclCommunicator final : public Communicator {
   ~NcclCommunicator() override {
     if (comm_) nccl().CommDestroy(comm_);
     if (staging_) cudaFree(staging_);
+    if (wire_buffer_) cudaFree(wire_buffer_);
     if (queued_) cudaEventDestroy(queued_);
     if (stream_) cudaStreamDestroy(stream_);
   }
@@ -152,7 +154,9 @@ class NcclCommunicator final : public Communicator {
   int local_size() const override { return boot_.local_size(); }
   bool device_memory() const override { return true; }
   std::string name() const override {
-    return str("NCCL ", version_, ", ", size_, " ranks (GPU ", device_, " on ", host_, " here)");
+    return str("NCCL ", version_, ", ", size_, " ranks (GPU ", device_, " on ", host_, " here",
+               wire_ == Wire::F32 ? "" : str("; gradients in ", wire_name(wire_), " on the wire"),
+               ")");
   }
   void set_label(const std::string& label) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -167,7 +171,20 @@ class NcclCommunicator final : public Communicator {
     grace_s_ = grace_s;
   }
 
-  void allreduce_sum(float* data, int64_t n) override { allreduce(data, n, ncclFloat32, 4); }
+  void allreduce_sum(float* data, int64_t n) override {
+    if (wire_ == Wire::F32 || !on_device(data)) return allreduce(data, n, ncclFloat32, 4);
+    // 16 bits on the wire: rounded on this stream after the queued work, summed, widened back.
+    select_device();
+    after_queued_work();
+    uint16_t* w = wire_buffer(static_cast<size_t>(n));
+    const bool bf16 = wire_ == Wire::BF16;
+    (bf16 ? cuda::round_to_bf16 : cuda::round_to_f16)(w, data, n, stream_);
+    check(nccl().AllReduce(w, w, static_cast<size_t>(n), bf16 ? ncclBfloat16 : ncclFloat16, ncclSum,
+                           comm_, stream_),
+          "allreduce");
+    (bf16 ? cuda::widen_from_bf16 : cuda::widen_from_f16)(data, w, n, stream_);
+    wait("allreduce", n * 2);
+  }
   void allreduce_sum(double* data, int64_t n) override { allreduce(data, n, ncclFloat64, 8); }
 
   void broadcast(void* data, int64_t bytes, int root) override {
@@ -213,10 +230,7 @@ class NcclCommunicator final : public Communicator {
   void run(const char* what, void* data, int64_t bytes, Enqueue enqueue) {
     select_device();
     // Host memory (a step's statistics and flags) crosses through the staging buffer.
-    cudaPointerAttributes a{};
-    const bool host =
-        cudaPointerGetAttributes(&a, data) != cudaSuccess || a.type != cudaMemoryTypeDevice;
-    cudaGetLastError();
+    const bool host = !on_device(data);
     void* d = data;
     if (host) {
       d = staging(static_cast<size_t>(bytes));
@@ -290,6 +304,24 @@ class NcclCommunicator final : public Communicator {
   void after_queued_work() {
     check_cuda(cudaEventRecord(queued_, nullptr), "cudaEventRecord");
     check_cuda(cudaStreamWaitEvent(stream_, queued_, 0), "cudaStreamWaitEvent");
+  }
+
+  static bool on_device(const void* p) {
+    cudaPointerAttributes a{};
+    const bool device =
+        cudaPointerGetAttributes(&a, p) == cudaSuccess && a.type == cudaMemoryTypeDevice;
+    cudaGetLastError();
+    return device;
+  }
+
+  uint16_t* wire_buffer(size_t n) {
+    if (n > wire_elems_) {
+      if (wire_buffer_) cudaFree(wire_buffer_);
+      wire_buffer_ = nullptr;
+      check_cuda(cudaMalloc(&wire_buffer_, n * 2), "cudaMalloc (the 16-bit wire buffer)");
+      wire_elems_ = n;
+    }
+    return static_cast<uint16_t*>(wire_buffer_);
   }
 
   void* staging(size_t bytes) {
@@ -404,6 +436,7 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  const Wire wire_;
   Communicator& boot_;
   const int rank_, size_, device_;
   const std::string host_;
@@ -415,6 +448,8 @@ class NcclCommunicator final : public Communicator {
   cudaEvent_t queued_ = nullptr;
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
+  void* wire_buffer_ = nullptr;
+  size_t wire_elems_ = 0;
   std::mutex mu_;
   std::string label_, incident_log_;
   const std::atomic<int>* interrupt_ = nullptr;
@@ -436,8 +471,8 @@ int nccl_device_for(const Communicator& bootstrap) {
 }
 
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap,
-                                                     double stall_timeout_s) {
-  return std::make_unique<NcclCommunicator>(bootstrap, stall_timeout_s);
+                                                     double stall_timeout_s, Wire wire) {
+  return std::make_unique<NcclCommunicator>(bootstrap, stall_timeout_s, wire);
 }
 
 }  // namespace bertrain::comm

@@ -81,6 +81,9 @@ std::string device_name();
 // 16-bit copies (round to nearest even, as core/dtype.h): raw bf16 / fp16 bits.
 void round_to_bf16(uint16_t* dst, const float* src, int64_t n, void* stream = nullptr);
 void round_to_f16(uint16_t* dst, const float* src, int64_t n, void* stream = nullptr);
+// And back to fp32 (exact).
+void widen_from_bf16(float* dst, const uint16_t* src, int64_t n, void* stream = nullptr);
+void widen_from_f16(float* dst, const uint16_t* src, int64_t n, void* stream = nullptr);
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* gamma,
                        const float* beta, int64_t N, int64_t C, float eps, void* stream = nullptr);

@@ -32,6 +32,16 @@ __global__ void scale_kernel(float* x, int64_t n, float s) {
   if (i < n) x[i] *= s;
 }
 
+__global__ void widen_bf16_kernel(float* dst, const uint16_t* src, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = bf16_to_f32(src[i]);
+}
+
+__global__ void widen_f16_kernel(float* dst, const uint16_t* src, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = __half2float(__ushort_as_half(src[i]));
+}
+
 __global__ void round_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) dst[i] = f32_to_bf16(src[i]);
@@ -77,6 +87,18 @@ void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset
 void scale(float* x, int64_t n, float s, void* stream) {
   if (n == 0) return;
   scale_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(x, n, s);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void widen_from_bf16(float* dst, const uint16_t* src, int64_t n, void* stream) {
+  if (n == 0) return;
+  widen_bf16_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(dst, src, n);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void widen_from_f16(float* dst, const uint16_t* src, int64_t n, void* stream) {
+  if (n == 0) return;
+  widen_f16_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(dst, src, n);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
