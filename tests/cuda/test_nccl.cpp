@@ -56,13 +56,13 @@ class ThreadRank final : public comm::Communicator {
 
 // Runs f(rank, communicator) on `ranks` threads, each with a NCCL communicator of its own GPU.
 void on_gpus(int ranks, const std::function<void(int, comm::Communicator&)>& f,
-             double stall_s = 60.0) {
+             double stall_s = 60.0, comm::Wire wire = comm::Wire::F32) {
   ThreadGroup g(ranks);
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r)
     threads.emplace_back([&, r] {
       ThreadRank boot(g, r);
-      auto nccl = comm::make_nccl_communicator(boot, stall_s);
+      auto nccl = comm::make_nccl_communicator(boot, stall_s, wire);
       f(r, *nccl);
     });
   for (auto& t : threads) t.join();
@@ -148,6 +148,30 @@ TEST(Nccl, TwoGpusSumGatherAndScatter) {
     c.allreduce_sum(flags, 1);
     EXPECT_EQ(flags[0], 1.0);
   });
+}
+
+// 16 bits on the wire: small integers (exact in fp16 and bf16) sum exactly; the statistics in
+// host memory stay doubles.
+TEST(Nccl, TwoGpusSumIn16BitsOnTheWire) {
+  SKIP_WITHOUT(2);
+  const int64_t n = 5000;
+  for (comm::Wire w : {comm::Wire::F16, comm::Wire::BF16})
+    on_gpus(
+        2,
+        [&](int r, comm::Communicator& c) {
+          EXPECT_NE(c.name().find(" on the wire"), std::string::npos) << c.name();
+          std::vector<float> x(n);
+          for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 7 + r);
+          cuda::DeviceBuffer d(n * 4);
+          d.upload(x.data(), n * 4);
+          c.allreduce_sum(d.f32(), n);
+          const std::vector<float> sum = download(d, n);
+          for (int64_t i = 0; i < n; ++i) ASSERT_EQ(sum[i], 2 * (i % 7) + 1) << i;
+          double exact[1] = {0.1 + r};
+          c.allreduce_sum(exact, 1);
+          EXPECT_EQ(exact[0], 0.1 + 1.1);
+        },
+        60.0, w);
 }
 
 // Three AdamW steps: two GPUs at half the batch each (overlapped with backward or not, a
