@@ -187,6 +187,7 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       EXPECT_EQ(
           l.part[cuda::kMultiTensorSlot],
           cuda::multi_tensor_bytes(table.total(), static_cast<int64_t>(table.params().size())));
+      EXPECT_EQ(l.part[cuda::kLayerNormSlot], 2 * 256 * 64 * 4);  // 256 chunks of 64 columns
       EXPECT_EQ(gpu.group_bytes("kernels"), static_cast<size_t>(l.total()));
     }
 }

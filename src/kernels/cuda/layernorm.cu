@@ -54,18 +54,48 @@ __global__ void layernorm_backward_kernel(float* dinp, float* ddropped, const fl
                          row_index0(offset, rows, i, C), warp_lanes());
 }
 
-__global__ void layernorm_param_grads_kernel(float* dgamma, float* dbeta, const float* dout,
-                                             const float* in, const float* mean, const float* rstd,
-                                             int64_t N, int64_t C) {
+// Chunk blockIdx.y of the rows (`per` rows each), a column per thread: its partial sums into
+// partial[chunk * C + c] (dgamma) and partial[(chunks + chunk) * C + c] (dbeta).
+__global__ void layernorm_param_partials_kernel(float* partial, const float* dout, const float* in,
+                                                const float* mean, const float* rstd, int64_t N,
+                                                int64_t C, int64_t per) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c < C) rm::layernorm_param_grads(dgamma, dbeta, dout, in, mean, rstd, 0, N, C, c);
+  if (c >= C) return;
+  const int64_t chunk = blockIdx.y, chunks = gridDim.y;
+  float* g = partial + chunk * C;
+  float* b = partial + (chunks + chunk) * C;
+  g[c] = 0.0f;
+  b[c] = 0.0f;
+  const int64_t end = (chunk + 1) * per < N ? (chunk + 1) * per : N;
+  rm::layernorm_param_grads(g, b, dout, in, mean, rstd, chunk * per, end, C, c);
 }
 
+// dgamma, dbeta += the chunks' partial sums, in chunk order.
+__global__ void layernorm_param_sum_kernel(float* dgamma, float* dbeta, const float* partial,
+                                           int64_t chunks, int64_t C) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float g = 0.0f, b = 0.0f;
+  for (int64_t k = 0; k < chunks; ++k) {
+    g += partial[k * C + c];
+    b += partial[(chunks + k) * C + c];
+  }
+  dgamma[c] += g;
+  dbeta[c] += b;
+}
+
+// Over chunks of rows in parallel (a column per thread over all N rows would leave most of the
+// GPU idle: C threads), then the chunks added in order.
 void param_grads(float* dgamma, float* dbeta, const float* dout, const float* in, const float* mean,
                  const float* rstd, int64_t N, int64_t C, cudaStream_t s) {
   constexpr unsigned kThreads = 256;
-  layernorm_param_grads_kernel<<<blocks_for(C, kThreads), kThreads, 0, s>>>(dgamma, dbeta, dout, in,
-                                                                            mean, rstd, N, C);
+  const int64_t chunks = layernorm_chunks(N), per = (N + chunks - 1) / chunks;
+  auto* partial = static_cast<float*>(scratch(kLayerNormSlot, 2 * chunks * C * sizeof(float)));
+  layernorm_param_partials_kernel<<<dim3(blocks_for(C, kThreads), static_cast<unsigned>(chunks)),
+                                    kThreads, 0, s>>>(partial, dout, in, mean, rstd, N, C, per);
+  BT_CUDA_CHECK(cudaGetLastError());
+  layernorm_param_sum_kernel<<<blocks_for(C, kThreads), kThreads, 0, s>>>(dgamma, dbeta, partial,
+                                                                          chunks, C);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

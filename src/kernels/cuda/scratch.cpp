@@ -23,7 +23,12 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
   }
   part(kMatmulWorkspaceSlot) = k.num_linears > 0 ? static_cast<int64_t>(kMatmulWorkspaceBytes) : 0;
   part(kMultiTensorSlot) = multi_tensor_bytes(k.parameters, k.tensors);
+  part(kLayerNormSlot) = 2 * kLayerNormChunks * k.layernorm_width * int64_t{sizeof(float)};
   return l;
+}
+
+int64_t layernorm_chunks(int64_t rows) {
+  return std::clamp<int64_t>((rows + kLayerNormRows - 1) / kLayerNormRows, 1, kLayerNormChunks);
 }
 
 int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors) {
