@@ -270,9 +270,7 @@ TEST(Cuda, OptimizerMatchesCpu) {
   const auto g_d = to_device(g);
   for (int which = 0; which < 2; ++which) {
     OptimizerState st(p0, m0, v0);
-    auto &p = st.p, &m = st.m, &v = st.v;
-    auto& p16 = st.p16;
-    auto &p_d = st.p_d, &m_d = st.m_d, &v_d = st.v_d, &p16_d = st.p16_d;
+    auto& [p, m, v, p16, p_d, m_d, v_d, p16_d] = st;
     uint16_t* p16_dev = st.p16_dev();
     if (which == 0) {
       kernels::adamw_update_reference(aw, p.data(), p16.data(), g.data(), m.data(), v.data(), n);
@@ -327,9 +325,7 @@ TEST(Cuda, OptimizerOverManyTensorsMatchesCpu) {
   const auto g_d = to_device(g);
   for (int which = 0; which < 3; ++which) {
     OptimizerState st(p0, m0, v0);
-    auto &p = st.p, &m = st.m, &v = st.v;
-    auto& p16 = st.p16;
-    auto &p_d = st.p_d, &m_d = st.m_d, &v_d = st.v_d, &p16_d = st.p16_d;
+    auto& [p, m, v, p16, p_d, m_d, v_d, p16_d] = st;
     uint16_t* p16_dev = st.p16_dev();
     if (which == 0) {
       cpu.adamw_update(aw.data(), p.data(), p16.data(), g.data(), m.data(), v.data(), tensors, T);
