@@ -112,12 +112,19 @@ std::string explain_plan(const model::BertConfig& cfg, model::Head head, const m
           human_bytes(g("optimizer"))));
   row("activations", "activations + backward scratch", act,
       str(human_bytes(g("activations")), " + ", human_bytes(g("scratch"))));
-  row("kernels", "library and kernel workspaces", kernels, "oneDNN's GEMM scratchpad, partials");
+  // A device's plan stages the batch it reads (group "input") and holds its kernels' scratch.
+  const bool device = g("input") > 0;
+  row("kernels", "library and kernel workspaces", kernels,
+      device ? "cuBLASLt's workspace, attention's buffers, partial sums"
+             : "oneDNN's GEMM scratchpad, partials");
   for (const std::string& other : plan.groups())
     if (other != "parameters" && other != "gradients" && other != "optimizer" &&
         other != "activations" && other != "scratch" && other != "kernels")
-      row(other.c_str(), other == "bf16" ? "weight copy and matmul operands" : "", g(other.c_str()),
-          "");
+      row(other.c_str(),
+          other == "bf16"    ? "weight copy and matmul operands"
+          : other == "input" ? "the batch's arrays on the device"
+                             : "",
+          g(other.c_str()), "");
   row("total", "", static_cast<double>(plan.total_bytes()), "");
   out += "where they differ:\n";
   auto pct = [](double x, double y) { return str(static_cast<int64_t>(100.0 * x / y + 0.5), "%"); };
