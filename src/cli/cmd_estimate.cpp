@@ -68,13 +68,12 @@ void add_estimate(CLI::App& app) {
     d = plan::with_master_shard(cfg, head, d, -1, shard_world);  // bf16, as train/finetune
     const kernels::Target& target = device_target(o->device);
     const bool device = !target.host_memory();
+    d = model::on_backend(d, target);  // (a GPU has no blocked attention kernel yet)
     if (device && d.master_shard)
       fail("--device ", o->device,
            ": the sharded fp32 master (--shard-optimizer with bf16) is "
            "for CPUs for now");
     MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots, shard_world, target);
-    if (device && d.attention == model::ModelDims::Attention::Auto)
-      d.attention = model::ModelDims::Attention::Full;  // (the plan's: no blocked kernel there)
     const kernels::Backend* gpu = device ? visible_gpu() : nullptr;
     const std::optional<kernels::DeviceMemory> gpu_memory =
         gpu ? gpu->device_memory() : std::nullopt;

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 
 #include "kernels/types.h"
 
@@ -101,6 +102,9 @@ class Backend : public Target {
   // zeroed, 256-byte aligned; release; a failed allocate is a bertrain::Error naming the bytes
   // asked and the bytes free) and what the host makes or reads crosses with to_device / to_host.
   virtual void* allocate(size_t bytes) const;
+  // allocate, its failure naming what the bytes were for (`what`, e.g. "the model's activations
+  // (1.2 GiB)") and where the plan that sized them is printed.
+  void* allocate_for(size_t bytes, const std::string& what) const;
   virtual void release(void* p) const;
   virtual void to_device(void* dst, const void* src, size_t bytes) const {
     std::memcpy(dst, src, bytes);

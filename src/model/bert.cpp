@@ -167,14 +167,11 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   }
 }
 
-namespace {
-// The dims as they run on `be`: the automatic attention choice resolved to a kernel it has.
 ModelDims on_backend(ModelDims d, const kernels::Target& be) {
   if (d.attention == ModelDims::Attention::Auto && !be.has_blocked_attention())
     d.attention = ModelDims::Attention::Full;
   return d;
 }
-}  // namespace
 
 kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head,
                                            const ModelDims& requested,
@@ -360,15 +357,9 @@ Arena BertModel::make_arena(const std::string& group) {
     fail("the ", be_.name(), " backend cannot leave parts of ", group,
          " unbacked: the sharded fp32 master (--shard-optimizer with bf16) is for CPUs for now");
   const size_t bytes = std::max<size_t>(plan_.group_span(group), kAlign);
-  void* p = nullptr;
-  try {
-    p = be_.allocate(bytes);  // zeroed
-  } catch (const Error& e) {
-    fail("the model's ", group, " (", human_bytes(static_cast<double>(bytes)), " of its plan's ",
-         human_bytes(static_cast<double>(plan_.total_bytes())), ") on the ", be_.name(),
-         " device: ", e.what(), "; `bertrain estimate --device ", be_.name(),
-         "` prints the plan and the largest batch that fits");
-  }
+  void* p = be_.allocate_for(  // zeroed
+      bytes, str("the model's ", group, " (", human_bytes(static_cast<double>(bytes)),
+                 " of its plan's ", human_bytes(static_cast<double>(plan_.total_bytes())), ")"));
   device_blocks_.emplace_back(p, [be = &be_](void* q) { be->release(q); });
   return Arena(plan_, group, static_cast<std::byte*>(p));
 }

@@ -122,6 +122,10 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
 kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, const ModelDims& d,
                                            const kernels::Target& target);
 
+// The dims as they run on `be`: the automatic attention choice resolved to a kernel it has
+// (what BertModel and its plan do).
+ModelDims on_backend(ModelDims d, const kernels::Target& be);
+
 // Bytes of the batch arrays a model's kernels read for dims d (ids, masks, labels, the packed
 // rows' indices; each 256-byte aligned): on a backend with memory of its own they are copied
 // there each forward, into the plan's group "input" (region "input.batch"). A bound: the arrays

@@ -227,10 +227,6 @@ int64_t max_batch_for_budget(const model::BertConfig& cfg, model::Head head, mod
   return lo;
 }
 
-}  // namespace bertrain::plan
-
-namespace bertrain::plan {
-
 double device_budget(const kernels::DeviceMemory& m) {
   return std::max(0.0, static_cast<double>(m.free) - kDeviceHeadroom);
 }

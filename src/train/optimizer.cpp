@@ -52,14 +52,8 @@ Optimizer::Optimizer(std::vector<ParamSlice> slices, int64_t total, const Optimi
     state_ = Arena(plan_, "optimizer");  // zeroed
   } else {
     const size_t bytes = std::max<size_t>(plan_.group_span("optimizer"), kAlign);
-    void* p = nullptr;
-    try {
-      p = backend.allocate(bytes);  // zeroed
-    } catch (const Error& e) {
-      fail("the optimizer's moments (", human_bytes(static_cast<double>(bytes)), ") on the ",
-           backend.name(), " device: ", e.what(), "; `bertrain estimate --device ", backend.name(),
-           "` prints the plan and the largest batch that fits");
-    }
+    void* p = backend.allocate_for(  // zeroed
+        bytes, str("the optimizer's moments (", human_bytes(static_cast<double>(bytes)), ")"));
     device_state_ = std::shared_ptr<void>(p, [be = &backend](void* q) { be->release(q); });
     state_ = Arena(plan_, "optimizer", static_cast<std::byte*>(p));
   }

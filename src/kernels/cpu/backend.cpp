@@ -298,6 +298,15 @@ void* Backend::allocate(size_t bytes) const {
        " bytes asked for)");
 }
 
+void* Backend::allocate_for(size_t bytes, const std::string& what) const {
+  try {
+    return allocate(bytes);
+  } catch (const Error& e) {
+    fail(what, " on the ", name(), " device: ", e.what(), "; `bertrain estimate --device ", name(),
+         "` prints the plan and the largest batch that fits");
+  }
+}
+
 void Backend::release(void*) const {}
 
 void Backend::add_sum_squares(double& sum, const float* g, const TensorSpan* t, int64_t count,
