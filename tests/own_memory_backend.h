@@ -24,6 +24,44 @@
 
 namespace bertrain::kernels {
 
+// Grouping `runs` lists tokens [0, tokens) once each, by table row (key(n)), in token order
+// within a row, in chunks of at most kEmbeddingChunk; rows of several chunks sum their
+// consecutive partial rows.
+template <class Key>
+void check_runs(const char* table, const RowRuns& r, int64_t tokens, Key key) {
+  SCOPED_TRACE(table);
+  std::vector<int> seen(static_cast<size_t>(tokens), 0);
+  int64_t prev_row = -1, prev_token = -1, partials = 0, at = 0;
+  for (int64_t i = 0; i < r.num_chunks; ++i) {
+    const EmbeddingChunk& k = r.chunks[i];
+    ASSERT_EQ(k.begin, at);
+    ASSERT_GT(k.end, k.begin);
+    ASSERT_LE(k.end - k.begin, kEmbeddingChunk);
+    ASSERT_GE(k.row, prev_row);
+    if (k.row != prev_row) prev_token = -1;
+    for (int32_t j = k.begin; j < k.end; ++j) {
+      const int32_t n = r.order[j];
+      ASSERT_TRUE(n >= 0 && n < tokens);
+      ASSERT_EQ(key(n), k.row) << "token " << n;
+      ASSERT_GT(n, prev_token);
+      prev_token = n;
+      ++seen[static_cast<size_t>(n)];
+    }
+    if (k.partial >= 0) ASSERT_EQ(k.partial, partials++);
+    prev_row = k.row;
+    at = k.end;
+  }
+  ASSERT_EQ(at, tokens);
+  for (int64_t n = 0; n < tokens; ++n) ASSERT_EQ(seen[static_cast<size_t>(n)], 1) << n;
+  ASSERT_EQ(r.partials, partials);
+  int64_t summed = 0;
+  for (int64_t i = 0; i < r.num_sums; ++i) {
+    ASSERT_EQ(r.sums[i].first, summed);
+    summed += r.sums[i].count;
+  }
+  ASSERT_EQ(summed, partials);
+}
+
 class OwnMemoryBackend final : public Backend {
  public:
   // capacity > 0: a device of that many bytes (device_memory says what is free; an allocation
@@ -212,13 +250,29 @@ class OwnMemoryBackend final : public Backend {
   }
   void embedding_backward(float* dword, float* dposition, float* dtoken_type, const float* dout,
                           const int32_t* ids, const int32_t* segment, const int32_t* positions,
-                          int64_t B, int64_t T, int64_t C) const override {
+                          int64_t B, int64_t T, int64_t C,
+                          const EmbeddingRuns* runs) const override {
     const Open open(*this);
     own(ids, "input ids");
     own(segment, "segment ids");
     own(positions, "positions");
     own(dword, "word embeddings' gradient");
-    cpu().embedding_backward(dword, dposition, dtoken_type, dout, ids, segment, positions, B, T, C);
+    // The grouping a GPU sums by (RowMathEmbedding tests its sums): staged, and exactly the
+    // tokens' table rows.
+    EXPECT_NE(runs, nullptr) << "a backend with memory of its own is given the grouped tokens";
+    if (runs) {
+      for (const RowRuns* r : {&runs->word, &runs->position, &runs->token_type}) {
+        own(r->order, "grouped tokens");
+        own(r->chunks, "grouped tokens' chunks");
+        own(r->sums, "grouped tokens' sums");
+      }
+      check_runs("word", runs->word, B * T, [&](int64_t n) { return ids[n]; });
+      check_runs("position", runs->position, B * T,
+                 [&](int64_t n) { return positions ? positions[n] : n % T; });
+      check_runs("token type", runs->token_type, B * T, [&](int64_t n) { return segment[n]; });
+    }
+    cpu().embedding_backward(dword, dposition, dtoken_type, dout, ids, segment, positions, B, T, C,
+                             nullptr);
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* in, const float* gamma,
                          const float* beta, int64_t N, int64_t C, float eps) const override {

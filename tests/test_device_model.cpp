@@ -187,7 +187,11 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       EXPECT_EQ(
           l.part[cuda::kMultiTensorSlot],
           cuda::multi_tensor_bytes(table.total(), static_cast<int64_t>(table.params().size())));
-      EXPECT_EQ(l.part[cuda::kLayerNormSlot], 2 * 256 * 64 * 4);  // 256 chunks of 64 columns
+      // Column sums' partials: the widest bias gradient (the intermediate layer's 256 columns)
+      // over its 8 x T rows in chunks of 64, more than LayerNorm's two of 64 columns.
+      EXPECT_EQ(l.part[cuda::kColumnSumsSlot], (8 * T / 64) * 256 * 4);
+      // Embedding backward's partial rows: at most 2 per 64 of the 8 x T tokens, 64 columns.
+      EXPECT_EQ(l.part[cuda::kEmbeddingSlot], 2 * (8 * T / 64) * 64 * 4);
       EXPECT_EQ(gpu.group_bytes("kernels"), static_cast<size_t>(l.total()));
     }
 }

@@ -173,10 +173,13 @@ class Backend : public Target {
                                            const float* gamma, const float* beta, int64_t B,
                                            int64_t T, int64_t C, float eps,
                                            const Dropout& d) const = 0;
+  // The three tables' gradients += dout's rows. `runs` (null on host memory): the tokens grouped
+  // by table row (types.h, EmbeddingRuns; the model stages them with the batch), which a backend
+  // with memory of its own sums by.
   virtual void embedding_backward(float* dword, float* dposition, float* dtoken_type,
                                   const float* dout, const int32_t* ids, const int32_t* segment,
-                                  const int32_t* positions, int64_t B, int64_t T,
-                                  int64_t C) const = 0;
+                                  const int32_t* positions, int64_t B, int64_t T, int64_t C,
+                                  const EmbeddingRuns* runs) const = 0;
   virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* in,
                                  const float* gamma, const float* beta, int64_t N, int64_t C,
                                  float eps) const = 0;

@@ -122,6 +122,35 @@ BT_HOST_DEVICE void layernorm_backward(float* dx, float* dd, const float* dy, co
   }
 }
 
+// Column c of x[rows, N] over rows [r0, r1), summed in order and added to out[c] (a bias
+// gradient: a chunk of rows, then the chunks' partial sums; a column per thread on the GPU).
+BT_HOST_DEVICE inline void column_sum(float* out, const float* x, int64_t r0, int64_t r1, int64_t N,
+                                      int64_t c) {
+  float s = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) s += x[r * N + c];
+  out[c] += s;
+}
+
+// Embedding backward over grouped tokens (kernels::RowRuns), channel c of a table of C
+// columns: chunk k's tokens' gradients (dout rows order[k.begin, k.end)) summed in token order,
+// onto its table row (a row of one chunk: the CPU's additions, bit for bit) or into its partial
+// row; then a row of several chunks adds its partial rows in order (embedding_partials_sum).
+BT_HOST_DEVICE inline void embedding_chunk(float* table, float* partial, const EmbeddingChunk& k,
+                                           const int32_t* order, const float* dout, int64_t C,
+                                           int64_t c) {
+  float* out = k.partial < 0 ? table + static_cast<int64_t>(k.row) * C
+                             : partial + static_cast<int64_t>(k.partial) * C;
+  float s = k.partial < 0 ? out[c] : 0.0f;
+  for (int32_t i = k.begin; i < k.end; ++i) s += dout[static_cast<int64_t>(order[i]) * C + c];
+  out[c] = s;
+}
+BT_HOST_DEVICE inline void embedding_partials_sum(float* table, const float* partial,
+                                                  const EmbeddingSum& s, int64_t C, int64_t c) {
+  float v = 0.0f;
+  for (int32_t k = 0; k < s.count; ++k) v += partial[static_cast<int64_t>(s.first + k) * C + c];
+  table[static_cast<int64_t>(s.row) * C + c] += v;
+}
+
 // LayerNorm's parameter gradients of one column c over rows [r0, r1): dgamma += sum dy * xhat,
 // dbeta += sum dy (a column per thread on the GPU: no atomics, the same order every run).
 BT_HOST_DEVICE inline void layernorm_param_grads(float* dgamma, float* dbeta, const float* dy,

@@ -40,8 +40,9 @@ struct KernelShapes {
   int64_t num_linears = 0;
   AttentionShape attention{0, 0, 0, 0};
   bool blocked_attention = false;
-  int64_t layernorm_width = 0;
-  int64_t loss_rows = 0;  // the most rows one cross-entropy or squared error is given
+  int64_t layernorm_width = 0;  // the widest LayerNorm row (the hidden size)
+  int64_t tokens = 0;           // the most tokens a pass runs (embedding, LayerNorm rows)
+  int64_t loss_rows = 0;        // the most rows one cross-entropy or squared error is given
   // The optimizer's: parameters (values) and tensors of a step.
   int64_t parameters = 0, tensors = 0;
 };
@@ -65,6 +66,31 @@ struct ScratchLayout {
   }
   int64_t stride() const { return offset(kParts); }
   int64_t total() const { return rounded(caller) + threads * stride(); }
+};
+
+// Embedding backward's token rows grouped by the table row they add to, for a backend whose
+// threads each sum one table row's gradients (a GPU's, which has no order among atomics; built on
+// the host with the batch: kernels/embedding_runs.h). `order` lists the token rows by table
+// row, in token order within one, cut into chunks of at most kEmbeddingChunk tokens. A table row
+// of one chunk adds its tokens to the row in token order (the CPU kernel's sums, bit for bit);
+// a row of several sums each chunk into a partial row (`partial` >= 0), then adds the partials
+// in order (EmbeddingSum). Pointers are the backend's memory; counts are the host's.
+constexpr int64_t kEmbeddingChunk = 64;
+struct EmbeddingChunk {
+  int32_t begin, end, row, partial;  // order[begin, end) add to table row `row`
+};
+struct EmbeddingSum {
+  int32_t row, first, count;  // partial rows [first, first + count) add to table row `row`
+};
+struct RowRuns {
+  const int32_t* order = nullptr;
+  const EmbeddingChunk* chunks = nullptr;
+  const EmbeddingSum* sums = nullptr;
+  int64_t num_chunks = 0, num_sums = 0, partials = 0;
+};
+// The three tables' (word, position, token type) of one batch.
+struct EmbeddingRuns {
+  RowRuns word, position, token_type;
 };
 
 // What Backend::cross_entropy returns: the weighted loss and the weighted count of hits.

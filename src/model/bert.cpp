@@ -198,6 +198,7 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head,
   k.attention = {R, T, C, NH};
   k.blocked_attention = d.blocked_attention();
   k.layernorm_width = C;
+  k.tokens = N;
   k.loss_rows = std::max({R * d.max_predictions, 2 * B, N});  // (as head.row_loss)
   const ParamTable table(cfg, head);
   k.parameters = table.total();
@@ -213,7 +214,11 @@ size_t input_bytes(const ModelDims& d) {
   const int64_t B = d.batch, rows = std::max(B, d.token_rows()) * d.seq_len,
                 P = B * d.max_predictions;
   auto arr = [](int64_t n) { return align_up(static_cast<size_t>(n) * 4, 256); };
-  return 7 * arr(rows) + 3 * arr(P) + 4 * arr(B) + arr(2 * B);
+  // Then the tokens grouped by embedding table row, 3 tables (kernels::RowRuns): the order, a
+  // chunk per row at most (4 values each), a sum per kEmbeddingChunk tokens at most (3 values).
+  const int64_t chunks = std::max<int64_t>(1, rows), sums = rows / kernels::kEmbeddingChunk + 1;
+  const size_t runs = arr(rows) + arr(4 * chunks) + arr(3 * sums);
+  return 7 * arr(rows) + 3 * arr(P) + 4 * arr(B) + arr(2 * B) + 3 * runs;
 }
 
 std::vector<std::pair<size_t, size_t>> master_holes(const ParamTable& table, int64_t begin,
@@ -373,7 +378,7 @@ void BertModel::stage_inputs(const Batch& b) {
     size_t bytes;
     const void** at;
   };
-  std::array<Source, 15> sources;  // (no allocation in a step: tests/test_no_alloc.cpp)
+  std::array<Source, 24> sources;  // (no allocation in a step: tests/test_no_alloc.cpp)
   size_t count = 0;
   auto use = [&](const auto& v, auto& field) {
     field = v.data();
@@ -399,6 +404,23 @@ void BertModel::stage_inputs(const Batch& b) {
     use(pk.cls, in.cls);
   }
   if (be_.host_memory()) return;
+  // The tokens grouped by embedding table row: the kernels sum each row's gradients in parallel.
+  const int64_t tokens = up ? pk.rows : b.B * b.T;
+  auto group = [&](kernels::RowGrouping& g, kernels::RowRuns& r, const int32_t* keys,
+                   int64_t rows) {
+    g.build(keys, b.T, tokens, rows);
+    use(g.order(), r.order);
+    use(g.chunks(), r.chunks);
+    use(g.sums(), r.sums);
+    r.num_chunks = static_cast<int64_t>(g.chunks().size());
+    r.num_sums = static_cast<int64_t>(g.sums().size());
+    r.partials = g.partials();
+  };
+  group(by_word_, in.runs.word, up ? pk.ids.data() : b.input_ids.data(), cfg_.vocab_size);
+  group(by_position_, in.runs.position, up ? pk.positions.data() : nullptr,
+        cfg_.max_position_embeddings);
+  group(by_token_type_, in.runs.token_type, up ? pk.segments.data() : b.segment_ids.data(),
+        cfg_.type_vocab_size);
   // Copies into the backend's memory (the plan's "input" region), each 256-byte aligned.
   size_t need = 0;
   for (size_t i = 0; i < count; ++i) need += align_up(sources[i].bytes, 256);
@@ -955,7 +977,8 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   be_.copy(act_.dhead1, pad_row, C);
   be_.embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
                          G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA, in_.ids,
-                         in_.segments, in_.positions, up ? 1 : B, up ? N : T, C);
+                         in_.segments, in_.positions, up ? 1 : B, up ? N : T, C,
+                         be_.host_memory() ? nullptr : &in_.runs);
   be_.copy(pad_row, act_.dhead1, C);
 }
 

@@ -17,6 +17,7 @@
 
 #include "core/arena.h"
 #include "kernels/backend.h"
+#include "kernels/embedding_runs.h"
 #include "model/batch.h"
 #include "model/config.h"
 #include "model/params.h"
@@ -290,6 +291,8 @@ class BertModel {
                   *mlm_ids = nullptr, *token_labels = nullptr, *span_positions = nullptr,
                   *nsp_labels = nullptr, *label_ids = nullptr;
     const float *mlm_weights = nullptr, *token_weights = nullptr, *label_values = nullptr;
+    // Not host memory: the tokens grouped by embedding table row (embedding backward's).
+    kernels::EmbeddingRuns runs;
   };
   void stage_inputs(const Batch& b);
   // The group's arena: allocated here, or from a backend with memory of its own.
@@ -348,6 +351,7 @@ class BertModel {
   // with the model, through the backend).
   std::vector<std::shared_ptr<void>> device_blocks_;
   KernelInputs in_;
+  kernels::RowGrouping by_word_, by_position_, by_token_type_;  // in_.runs' host side
   // host_output's copies, each with the pass (forward or backward) it was made after.
   uint64_t passes_ = 0;
   mutable std::unordered_map<const float*, std::pair<uint64_t, std::vector<float>>> outputs_;

@@ -122,7 +122,7 @@ std::string explain_plan(const model::BertConfig& cfg, model::Head head, const m
         other != "activations" && other != "scratch" && other != "kernels")
       row(other.c_str(),
           other == "bf16"    ? "weight copy and matmul operands"
-          : other == "input" ? "the batch's arrays on the device"
+          : other == "input" ? "the batch, its embedding groups"
                              : "",
           g(other.c_str()), "");
   row("total", "", static_cast<double>(plan.total_bytes()), "");

@@ -11,6 +11,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cuda/cuda.h"
+#include "kernels/embedding_runs.h"
 #include "test_util.h"
 
 namespace bertrain {
@@ -192,28 +193,56 @@ TEST(CudaBackend, ElementwiseAndRowOpsMatchCpu) {
   EXPECT_TRUE(all_close("tanh", y.back().data(), y.host(), n, 1e-6, 1e-7));
 }
 
-// Embedding backward: the three tables' gradients, ids repeated across sequences.
+// Embedding backward: the three tables' gradients, summed by the tokens grouped on the host
+// (kernels::RowGrouping, as BertModel stages them). Ids repeat across sequences and one id
+// (the padding's, say) fills half of every sequence: the word rows of one chunk and the
+// positions (4 tokens each) are the CPU's additions in token order, the same bits; the long
+// rows (that id, both token types: more than kEmbeddingChunk tokens) add chunks' partial
+// sums, fp32 sums in another order (rtol 1e-5 and 1e-5 of the largest).
 TEST(CudaBackend, EmbeddingBackwardMatchesCpu) {
   SKIP_WITHOUT_GPU();
-  const int64_t B = 4, T = 32, C = 96, V = 50;
-  std::vector<int32_t> ids_h(B * T), seg_h(B * T);
-  for (int64_t i = 0; i < B * T; ++i) {
-    ids_h[i] = static_cast<int32_t>((i * 11) % V);
+  const int64_t B = 4, T = 96, C = 200, V = 50, N = B * T;
+  std::vector<int32_t> ids_h(N), seg_h(N);
+  for (int64_t i = 0; i < N; ++i) {
+    ids_h[i] = static_cast<int32_t>(i % T >= T / 2 ? 0 : 1 + (i * 11) % (V - 1));
     seg_h[i] = static_cast<int32_t>(i % 3 == 0);
   }
   Twin<int32_t> ids(ids_h), seg(seg_h);
-  Twin<float> dout(random_vector(B * T * C, 1)), dword(random_vector(V * C, 2)),
+  Twin<float> dout(random_vector(N * C, 1)), dword(random_vector(V * C, 2)),
       dpos(random_vector(T * C, 3)), dtype(random_vector(2 * C, 4));
+  kernels::RowGrouping by_word, by_position, by_type;
+  by_word.build(ids_h.data(), T, N, V);
+  by_position.build(nullptr, T, N, T);
+  by_type.build(seg_h.data(), T, N, 2);
+  std::vector<Twin<int32_t>> orders;
+  std::vector<Twin<kernels::EmbeddingChunk>> chunks;
+  std::vector<Twin<kernels::EmbeddingSum>> sums;
+  kernels::EmbeddingRuns runs;
+  for (auto [g, r] : {std::pair{&by_word, &runs.word}, std::pair{&by_position, &runs.position},
+                      std::pair{&by_type, &runs.token_type}}) {
+    r->order = orders.emplace_back(g->order()).dev();
+    r->chunks = chunks.emplace_back(g->chunks()).dev();
+    r->sums = sums.emplace_back(g->sums()).dev();
+    r->num_chunks = static_cast<int64_t>(g->chunks().size());
+    r->num_sums = static_cast<int64_t>(g->sums().size());
+    r->partials = g->partials();
+  }
+  ASSERT_EQ(runs.word.num_sums, 1);        // the id filling half of each sequence
+  ASSERT_EQ(runs.token_type.num_sums, 2);  // both types
   for (const kernels::Backend* be : {&cpu(), &gpu()}) {
     const bool g = be == &gpu();
     auto P = [&](auto& t) { return g ? t.dev() : t.host(); };
-    be->embedding_backward(P(dword), P(dpos), P(dtype), P(dout), P(ids), P(seg), nullptr, B, T, C);
+    be->embedding_backward(P(dword), P(dpos), P(dtype), P(dout), P(ids), P(seg), nullptr, B, T, C,
+                           g ? &runs : nullptr);
   }
   cuda::synchronize();
-  // The same additions in token order on both: the same bits.
-  EXPECT_EQ(dword.back(), dword.h);
+  const std::vector<float> word = dword.back();
+  for (int64_t v = 1; v < V; ++v)
+    for (int64_t c = 0; c < C; ++c)
+      ASSERT_EQ(word[v * C + c], dword.h[v * C + c]) << "word row " << v << " column " << c;
+  EXPECT_TRUE(all_close("dword", word.data(), dword.host(), word.size(), 1e-5, 1e-5));
   EXPECT_EQ(dpos.back(), dpos.h);
-  EXPECT_EQ(dtype.back(), dtype.h);
+  EXPECT_TRUE(all_close("dtoken_type", dtype.back().data(), dtype.host(), 2 * C, 1e-5, 1e-5));
 }
 
 }  // namespace

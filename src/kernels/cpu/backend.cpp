@@ -170,9 +170,10 @@ class CpuBackend final : public Backend {
                                          position, token_type, gamma, beta, B, T, C, eps, d.p,
                                          d.key, d.offset, d.rows);
   }
-  void embedding_backward(float* dword, float* dposition, float* dtoken_type, const float* dout,
-                          const int32_t* ids, const int32_t* segment, const int32_t* positions,
-                          int64_t B, int64_t T, int64_t C) const override {
+  void embedding_backward(
+      float* dword, float* dposition, float* dtoken_type, const float* dout, const int32_t* ids,
+      const int32_t* segment, const int32_t* positions, int64_t B, int64_t T, int64_t C,
+      const EmbeddingRuns* /*runs: channels over threads instead*/) const override {
     kernels::embedding_backward(dword, dposition, dtoken_type, dout, ids, segment, positions, B, T,
                                 C);
   }

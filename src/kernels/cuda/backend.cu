@@ -103,19 +103,40 @@ __global__ void scale_kernel(float* x, int64_t n, float s) {
   x[i] *= s;
 }
 
-// Embedding backward, deterministic: a thread per channel walks the tokens in order (the CPU
-// kernel's split: channels over threads, no atomics).
-__global__ void embedding_backward_kernel(float* dword, float* dposition, float* dtoken_type,
-                                          const float* dout, const int32_t* ids,
-                                          const int32_t* segment, const int32_t* positions,
-                                          int64_t N, int64_t T, int64_t C) {
-  BT_FOR_EACH(C);
-  for (int64_t t = 0; t < N; ++t) {
-    const float g = dout[t * C + i];
-    dword[static_cast<int64_t>(ids[t]) * C + i] += g;
-    dposition[(positions ? positions[t] : t % T) * C + i] += g;
-    dtoken_type[static_cast<int64_t>(segment[t]) * C + i] += g;
-  }
+// Embedding backward over the tokens grouped by table row (kernels::RowRuns): a block per chunk
+// (blockIdx.x), its channels over threads, then a block per table row of several chunks adding
+// their partial rows in order. Deterministic, no atomics; rows of one chunk get the CPU's sums.
+__global__ void embedding_chunks_kernel(float* table, float* partial, kernels::RowRuns r,
+                                        const float* dout, int64_t C) {
+  const kernels::EmbeddingChunk k = r.chunks[blockIdx.x];
+  for (int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; c < C;
+       c += static_cast<int64_t>(gridDim.y) * blockDim.x)
+    rm::embedding_chunk(table, partial, k, r.order, dout, C, c);
+}
+
+__global__ void embedding_sums_kernel(float* table, const float* partial, kernels::RowRuns r,
+                                      int64_t C) {
+  const kernels::EmbeddingSum s = r.sums[blockIdx.x];
+  for (int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; c < C;
+       c += static_cast<int64_t>(gridDim.y) * blockDim.x)
+    rm::embedding_partials_sum(table, partial, s, C, c);
+}
+
+void embedding_table_backward(float* table, const kernels::RowRuns& r, const float* dout,
+                              int64_t C) {
+  if (r.num_chunks == 0) return;
+  constexpr unsigned kThreads = 128;
+  const unsigned y = static_cast<unsigned>((C + kThreads - 1) / kThreads);
+  auto* partial = r.partials > 0
+                      ? static_cast<float*>(scratch(kEmbeddingSlot, r.partials * C * sizeof(float)))
+                      : nullptr;
+  embedding_chunks_kernel<<<dim3(static_cast<unsigned>(r.num_chunks), y), kThreads>>>(
+      table, partial, r, dout, C);
+  BT_CUDA_CHECK(cudaGetLastError());
+  if (r.num_sums == 0) return;
+  embedding_sums_kernel<<<dim3(static_cast<unsigned>(r.num_sums), y), kThreads>>>(table, partial, r,
+                                                                                  C);
+  BT_CUDA_CHECK(cudaGetLastError());
 }
 
 __device__ inline int64_t seq_row(int64_t r, const int32_t* positions, int64_t P, int64_t T) {
@@ -515,9 +536,15 @@ class CudaBackend final : public kernels::Backend {
   }
   void embedding_backward(float* dword, float* dposition, float* dtoken_type, const float* dout,
                           const int32_t* ids, const int32_t* segment, const int32_t* positions,
-                          int64_t B, int64_t T, int64_t C) const override {
-    launch(embedding_backward_kernel, C, dword, dposition, dtoken_type, dout, ids, segment,
-           positions, B * T, T, C);
+                          int64_t B, int64_t T, int64_t C,
+                          const kernels::EmbeddingRuns* runs) const override {
+    (void)ids, (void)segment, (void)positions, (void)B, (void)T;  // grouped in `runs`
+    BT_CHECK(runs,
+             "embedding backward on the GPU sums by the tokens grouped by table row "
+             "(kernels::EmbeddingRuns, which BertModel stages with the batch)");
+    embedding_table_backward(dword, runs->word, dout, C);
+    embedding_table_backward(dposition, runs->position, dout, C);
+    embedding_table_backward(dtoken_type, runs->token_type, dout, C);
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* in, const float* gamma,
                          const float* beta, int64_t N, int64_t C, float eps) const override {

@@ -89,8 +89,8 @@ __global__ void layernorm_param_sum_kernel(float* dgamma, float* dbeta, const fl
 void param_grads(float* dgamma, float* dbeta, const float* dout, const float* in, const float* mean,
                  const float* rstd, int64_t N, int64_t C, cudaStream_t s) {
   constexpr unsigned kThreads = 256;
-  const int64_t chunks = layernorm_chunks(N), per = (N + chunks - 1) / chunks;
-  auto* partial = static_cast<float*>(scratch(kLayerNormSlot, 2 * chunks * C * sizeof(float)));
+  const int64_t chunks = column_chunks(N), per = (N + chunks - 1) / chunks;
+  auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, 2 * chunks * C * sizeof(float)));
   layernorm_param_partials_kernel<<<dim3(blocks_for(C, kThreads), static_cast<unsigned>(chunks)),
                                     kThreads, 0, s>>>(partial, dout, in, mean, rstd, N, C, per);
   BT_CUDA_CHECK(cudaGetLastError());

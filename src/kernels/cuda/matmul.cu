@@ -17,6 +17,7 @@
 #include "core/rng.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
+#include "kernels/row_math.h"
 
 #define BT_CUBLAS_CHECK(call)                                                             \
   do {                                                                                    \
@@ -28,6 +29,8 @@
   } while (0)
 
 namespace bertrain::cuda {
+
+namespace rm = kernels::row_math;
 
 namespace {
 
@@ -154,13 +157,35 @@ void matmul(Shape s, const void* A, const void* B, float* C, float beta, const f
                                  kMatmulWorkspaceBytes, as_stream(stream)));
 }
 
-// db[N] += column sums of dout[M,N]: a column per thread, rows in order (deterministic).
-__global__ void column_sums_kernel(float* db, const float* dout, int64_t M, int64_t N) {
+// Chunk blockIdx.y of dout[M,N]'s rows (`per` rows each), a column per thread: its sums into
+// partial[chunk * N + c].
+__global__ void column_partials_kernel(float* partial, const float* dout, int64_t M, int64_t N,
+                                       int64_t per) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= N) return;
-  float s = 0.0f;
-  for (int64_t r = 0; r < M; ++r) s += dout[r * N + c];
-  db[c] += s;
+  const int64_t chunk = blockIdx.y, end = (chunk + 1) * per < M ? (chunk + 1) * per : M;
+  float* out = partial + chunk * N;
+  out[c] = 0.0f;
+  rm::column_sum(out, dout, chunk * per, end, N, c);
+}
+
+// db[c] += the chunks' partial sums, in chunk order.
+__global__ void column_sum_kernel(float* db, const float* partial, int64_t chunks, int64_t N) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c < N) rm::column_sum(db, partial, 0, chunks, N, c);
+}
+
+// db[N] += column sums of dout[M,N]: chunks of rows in parallel, then the chunks in order
+// (deterministic; scratch.h, column_chunks).
+void column_sums(float* db, const float* dout, int64_t M, int64_t N, cudaStream_t s) {
+  constexpr unsigned kThreads = 256;
+  const int64_t chunks = column_chunks(M), per = (M + chunks - 1) / chunks;
+  auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, chunks * N * sizeof(float)));
+  column_partials_kernel<<<dim3(blocks_for(N, kThreads), static_cast<unsigned>(chunks)), kThreads,
+                           0, s>>>(partial, dout, M, N, per);
+  BT_CUDA_CHECK(cudaGetLastError());
+  column_sum_kernel<<<blocks_for(N, kThreads), kThreads, 0, s>>>(db, partial, chunks, N);
+  BT_CUDA_CHECK(cudaGetLastError());
 }
 
 cublasHandle_t blas_handle() {
@@ -207,12 +232,7 @@ void linear_backward(Operands o, float* dinp, float* dw, float* db, const void* 
            nullptr, stream);
   // dw^T (K x N) += in^T (stored K x M) . dout (stored N x M, read transposed).
   matmul({o, false, true, false, K, N, M, K, N, K}, in, dout, dw, 1.0f, nullptr, stream);
-  if (db) {
-    constexpr unsigned kThreads = 256;
-    column_sums_kernel<<<blocks_for(N, kThreads), kThreads, 0, as_stream(stream)>>>(db, dout_f32, M,
-                                                                                    N);
-    BT_CUDA_CHECK(cudaGetLastError());
-  }
+  if (db) column_sums(db, dout_f32, M, N, as_stream(stream));
 }
 
 namespace {

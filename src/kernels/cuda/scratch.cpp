@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "kernels/embedding_runs.h"
+
 namespace bertrain::cuda {
 
 kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
@@ -23,12 +25,17 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
   }
   part(kMatmulWorkspaceSlot) = k.num_linears > 0 ? static_cast<int64_t>(kMatmulWorkspaceBytes) : 0;
   part(kMultiTensorSlot) = multi_tensor_bytes(k.parameters, k.tensors);
-  part(kLayerNormSlot) = 2 * kLayerNormChunks * k.layernorm_width * int64_t{sizeof(float)};
+  int64_t columns = 2 * column_chunks(k.tokens) * k.layernorm_width;  // (LayerNorm's)
+  for (int64_t i = 0; i < k.num_linears; ++i)                         // a bias gradient's
+    columns = std::max(columns, column_chunks(k.linears[i].M) * k.linears[i].N);
+  part(kColumnSumsSlot) = columns * int64_t{sizeof(float)};
+  part(kEmbeddingSlot) =
+      kernels::max_partials(k.tokens) * k.layernorm_width * int64_t{sizeof(float)};
   return l;
 }
 
-int64_t layernorm_chunks(int64_t rows) {
-  return std::clamp<int64_t>((rows + kLayerNormRows - 1) / kLayerNormRows, 1, kLayerNormChunks);
+int64_t column_chunks(int64_t rows) {
+  return std::clamp<int64_t>((rows + kColumnRows - 1) / kColumnRows, 1, kColumnChunks);
 }
 
 int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors) {

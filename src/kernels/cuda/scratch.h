@@ -23,7 +23,8 @@ enum ScratchSlot : int {
   kSquaredErrorSlot,      // a regression's squared errors: a float a row
   kMatmulWorkspaceSlot,   // cuBLASLt's workspace
   kMultiTensorSlot,       // the optimizer's tensors, chunks, steps and partial sums
-  kLayerNormSlot,         // LayerNorm's parameter gradients per chunk of rows
+  kColumnSumsSlot,        // column sums per chunk of rows (bias and LayerNorm gradients)
+  kEmbeddingSlot,         // embedding backward's partial rows (kernels::max_partials)
   kScratchSlots
 };
 static_assert(kScratchSlots <= kernels::ScratchLayout::kParts);
@@ -31,11 +32,13 @@ static_assert(kScratchSlots <= kernels::ScratchLayout::kParts);
 constexpr int64_t kReduceBlocks = 1024;
 constexpr size_t kMatmulWorkspaceBytes = size_t{32} << 20;
 
-// LayerNorm's parameter gradients: rows in chunks of at least kLayerNormRows, at most
-// kLayerNormChunks chunks, a block of columns per chunk writing its partial sums (2 floats a
-// column); a second pass adds the chunks in order (deterministic, no atomics).
-constexpr int64_t kLayerNormRows = 64, kLayerNormChunks = 256;
-int64_t layernorm_chunks(int64_t rows);
+// Sums down the columns of [rows, columns] (a linear layer's bias gradient, LayerNorm's
+// parameter gradients): rows in chunks of at least kColumnRows, at most kColumnChunks chunks, a
+// block of columns per chunk writing its partial sums (LayerNorm: 2 floats a column); a second
+// pass adds the chunks in order (deterministic, no atomics). A column per thread over all the
+// rows would leave most of a GPU idle: a few thousand threads, each walking thousands of rows.
+constexpr int64_t kColumnRows = 64, kColumnChunks = 256;
+int64_t column_chunks(int64_t rows);
 
 // The optimizer's passes over many tensors (Backend's TensorSpan operations): each span cut into
 // chunks of at most kChunk values, a block per chunk, one partial sum (two for LAMB's norms) per
