@@ -47,7 +47,9 @@ void check_runs(const char* table, const RowRuns& r, int64_t tokens, Key key) {
       prev_token = n;
       ++seen[static_cast<size_t>(n)];
     }
-    if (k.partial >= 0) ASSERT_EQ(k.partial, partials++);
+    if (k.partial >= 0) {
+      ASSERT_EQ(k.partial, partials++);
+    }
     prev_row = k.row;
     at = k.end;
   }
@@ -140,6 +142,46 @@ class OwnMemoryBackend final : public Backend {
     const Open open(*this);
     own(src, "to_host's source");
     std::memcpy(dst, src, bytes);
+  }
+  // Staging memory (a GPU's page-locked host memory) is ordinary host memory here, but an
+  // upload must come from it, into one block, and a staging block is released only after
+  // wait_uploads.
+  void* allocate_host(size_t bytes) const override {
+    void* p = Backend::allocate_host(bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    host_blocks_.push_back({static_cast<const char*>(p), bytes});
+    return p;
+  }
+  void release_host(void* p) const override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      EXPECT_EQ(pending_, 0) << "staging memory released before its upload was waited for";
+      auto it = std::find_if(host_blocks_.begin(), host_blocks_.end(),
+                             [&](const auto& b) { return b.first == p; });
+      EXPECT_NE(it, host_blocks_.end()) << "release_host of memory allocate_host did not give";
+      if (it != host_blocks_.end()) host_blocks_.erase(it);
+    }
+    Backend::release_host(p);
+  }
+  void upload(void* dst, const void* src, size_t bytes) const override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      EXPECT_TRUE(std::any_of(host_blocks_.begin(), host_blocks_.end(), [&](const auto& b) {
+        auto* s = static_cast<const char*>(src);
+        return s >= b.first && s + bytes <= b.first + b.second;
+      })) << "an upload's source is not allocate_host's memory";
+      ++uploads_;
+      pending_ = 1;
+    }
+    to_device(dst, src, bytes);
+  }
+  void wait_uploads() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_ = 0;
+  }
+  int64_t uploads() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return uploads_;
   }
   // Fails unless p is null or inside a block this backend handed out.
   void own(const void* p, const char* what) const {
@@ -418,6 +460,9 @@ class OwnMemoryBackend final : public Backend {
   mutable std::vector<std::pair<const char*, size_t>> blocks_;
   mutable std::vector<size_t> sizes_;  // the bytes asked for each block
   mutable int open_ = 0;
+  mutable std::vector<std::pair<const char*, size_t>> host_blocks_;  // allocate_host's
+  mutable int64_t uploads_ = 0;
+  mutable int pending_ = 0;  // an upload not waited for
   const size_t capacity_;
   mutable size_t in_use_ = 0, peak_ = 0;
 };

@@ -45,6 +45,7 @@ TEST(DeviceModel, PretrainingPassesOnlyBackendMemoryAndEqualsTheCpuModel) {
   const OwnMemoryBackend own;
   model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
   const model::Batch b = test::random_batch(c, 4, 32, 5);
+  int64_t passes = 0;
   for (int precision = 0; precision < 3; ++precision)
     for (bool unpadded : {false, true}) {
       model::ModelDims d{b.B, b.T, b.P};
@@ -55,8 +56,10 @@ TEST(DeviceModel, PretrainingPassesOnlyBackendMemoryAndEqualsTheCpuModel) {
       SCOPED_TRACE(testing::Message() << "precision " << precision << " unpadded " << unpadded);
       expect_same(step(own, c, model::Head::Pretraining, d, b),
                   step(cpu_backend(), c, model::Head::Pretraining, d, b));
+      ++passes;
     }
-  EXPECT_EQ(own.blocks(), 0u);  // every block released with its model
+  EXPECT_EQ(own.blocks(), 0u);       // every block released with its model
+  EXPECT_EQ(own.uploads(), passes);  // each batch in one copy, from the staging memory
 }
 
 TEST(DeviceModel, TaskHeadsPassOnlyBackendMemory) {

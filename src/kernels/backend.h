@@ -112,6 +112,17 @@ class Backend : public Target {
   virtual void to_host(void* dst, const void* src, size_t bytes) const {
     std::memcpy(dst, src, bytes);
   }
+  // The batch's way in (BertModel::stage_inputs): host memory the device copies from directly
+  // (a GPU's page-locked memory: no staging copy by the driver, no synchronisation), and one
+  // asynchronous copy of it into the backend's memory, done before any kernel issued after it
+  // runs. src must stay as it is until the copy has run: wait_uploads() returns once every
+  // upload has. Host memory backends never stage.
+  virtual void* allocate_host(size_t bytes) const;
+  virtual void release_host(void* p) const;
+  virtual void upload(void* dst, const void* src, size_t bytes) const {
+    to_device(dst, src, bytes);
+  }
+  virtual void wait_uploads() const {}
   // Waits until the kernels issued so far have run (a GPU's run asynchronously; timings of a
   // phase end here). The CPU's kernels have run when they return.
   virtual void synchronize() const {}

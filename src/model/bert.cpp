@@ -281,7 +281,16 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   scratch_ = make_arena("scratch");
   kernels_arena_ = make_arena("kernels");
   kernel_scratch_ = plan_kernel_scratch(cfg, head, dims_, backend);
-  if (!backend.host_memory()) input_arena_ = make_arena("input");
+  if (!backend.host_memory()) {
+    input_arena_ = make_arena("input");
+    staging_ = std::shared_ptr<void>(be_.allocate_host(input_arena_.bytes()), [be = &be_](void* p) {
+      try {
+        be->wait_uploads();     // (its last copy out of p)
+      } catch (const Error&) {  // the device's error is reported
+      }
+      be->release_host(p);
+    });
+  }
   const bool blocked = dims_.blocked_attention();
   if (!blocked) ws_.attn_work = scratch_.f32("attn.work");
   if (dims_.bf16) {
@@ -421,19 +430,22 @@ void BertModel::stage_inputs(const Batch& b) {
         cfg_.max_position_embeddings);
   group(by_token_type_, in.runs.token_type, up ? pk.segments.data() : b.segment_ids.data(),
         cfg_.type_vocab_size);
-  // Copies into the backend's memory (the plan's "input" region), each 256-byte aligned.
+  // Laid out as the plan's "input" region, each array 256-byte aligned, in the backend's host
+  // staging memory (once the last batch's copy out of it has run), then one copy.
   size_t need = 0;
   for (size_t i = 0; i < count; ++i) need += align_up(sources[i].bytes, 256);
   BT_CHECK(need <= input_arena_.bytes(), "the batch arrays take ", need,
            " bytes, the plan's input region ", input_arena_.bytes(), " (model::input_bytes)");
+  be_.wait_uploads();
+  auto* staging = static_cast<std::byte*>(staging_.get());
   size_t at = 0;
   for (size_t i = 0; i < count; ++i) {
     const Source& x = sources[i];
-    std::byte* dst = input_arena_.base() + at;
-    if (x.bytes) be_.to_device(dst, x.data, x.bytes);
-    *x.at = x.bytes ? dst : nullptr;
+    if (x.bytes) std::memcpy(staging + at, x.data, x.bytes);
+    *x.at = x.bytes ? input_arena_.base() + at : nullptr;
     at += align_up(x.bytes, 256);
   }
+  be_.upload(input_arena_.base(), staging, at);
 }
 
 const float* BertModel::host_output(const float* p, int64_t n) const {

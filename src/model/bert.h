@@ -356,7 +356,8 @@ class BertModel {
   uint64_t passes_ = 0;
   mutable std::unordered_map<const float*, std::pair<uint64_t, std::vector<float>>> outputs_;
   Arena params_, grads_, acts_arena_, scratch_, bf16_arena_, kernels_arena_;
-  Arena input_arena_;  // the staged batch arrays (a backend with memory of its own)
+  Arena input_arena_;              // the staged batch arrays (a backend with memory of its own)
+  std::shared_ptr<void> staging_;  // their host side (Backend::allocate_host)
   kernels::ScratchLayout kernel_scratch_;  // kernels_arena_'s layout, bound before kernels run
   Acts act_{};
   const kernels::Backend& be_;

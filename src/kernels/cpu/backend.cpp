@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -309,6 +310,14 @@ void* Backend::allocate_for(size_t bytes, const std::string& what) const {
 }
 
 void Backend::release(void*) const {}
+
+void* Backend::allocate_host(size_t bytes) const {
+  return ::operator new (std::max<size_t>(bytes, 1), std::align_val_t{256});
+}
+
+void Backend::release_host(void* p) const {
+  ::operator delete (p, std::align_val_t{256});
+}
 
 void Backend::add_sum_squares(double& sum, const float* g, const TensorSpan* t, int64_t count,
                               double scale) const {

@@ -5,6 +5,8 @@
 // that says so: the blocked (flash-style) attention kernel (full attention runs at every length).
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <map>
 #include <optional>
 #include <vector>
 
@@ -280,6 +282,26 @@ std::vector<Pairs> pair_calls(const AttentionShape& s) {
   return v;
 }
 
+// The last upload's completion on the calling thread's current GPU (uploads are in the order
+// of the GPU's kernel stream, so it follows every earlier one; one thread may run several GPUs
+// in turn: a test's ranks).
+cudaEvent_t upload_event() {
+  thread_local struct Uploads {
+    std::map<int, cudaEvent_t> done;
+    ~Uploads() {
+      for (auto& [device, e] : done) cudaEventDestroy(e);
+    }
+  } u;
+  int device = 0;
+  BT_CUDA_CHECK(cudaGetDevice(&device));
+  cudaEvent_t& e = u.done[device];
+  if (!e) {
+    BT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    BT_CUDA_CHECK(cudaEventRecord(e, nullptr));  // (complete at once: nothing uploaded yet)
+  }
+  return e;
+}
+
 class CudaBackend final : public kernels::Backend {
  public:
   const char* name() const override { return "cuda"; }
@@ -308,6 +330,21 @@ class CudaBackend final : public kernels::Backend {
   void to_host(void* dst, const void* src, size_t bytes) const override {
     BT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
   }
+  void* allocate_host(size_t bytes) const override {
+    void* p = nullptr;
+    const cudaError_t e = cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocDefault);
+    if (e != cudaSuccess)
+      fail("cannot lock ", bytes, " bytes of host memory for the batch's copy to the GPU (",
+           cudaGetErrorString(e), "): raise the memory lock limit (ulimit -l) or free host memory");
+    return p;
+  }
+  void release_host(void* p) const override { cudaFreeHost(p); }
+  // On the kernels' stream: the kernels issued after it wait for it; the host does not.
+  void upload(void* dst, const void* src, size_t bytes) const override {
+    BT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, nullptr));
+    BT_CUDA_CHECK(cudaEventRecord(upload_event(), nullptr));
+  }
+  void wait_uploads() const override { BT_CUDA_CHECK(cudaEventSynchronize(upload_event())); }
   void synchronize() const override { BT_CUDA_CHECK(cudaDeviceSynchronize()); }
   bool has_blocked_attention() const override { return false; }
 
