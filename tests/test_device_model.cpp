@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "comm/communicator.h"
+#include "golden_check.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cuda/scratch.h"
@@ -60,6 +61,23 @@ TEST(DeviceModel, PretrainingPassesOnlyBackendMemoryAndEqualsTheCpuModel) {
     }
   EXPECT_EQ(own.blocks(), 0u);       // every block released with its model
   EXPECT_EQ(own.uploads(), passes);  // each batch in one copy, from the staging memory
+}
+
+// The HuggingFace golden (forward, every gradient) through a model in a backend's own memory:
+// what CudaModel.MatchesTheHuggingFaceGoldens runs on a GPU, both attention kernels here.
+TEST(DeviceModel, MatchesTheHuggingFaceGoldens) {
+  const OwnMemoryBackend own;
+  for (auto attention : {model::ModelDims::Attention::Full, model::ModelDims::Attention::Blocked})
+    for (bool unpadded : {false, true}) {
+      SCOPED_TRACE(testing::Message()
+                   << "blocked " << (attention != model::ModelDims::Attention::Full) << " unpadded "
+                   << unpadded);
+      model::ModelDims d;
+      d.attention = attention;
+      d.unpadded = unpadded;
+      model::golden::check_pretraining(own, d);
+    }
+  EXPECT_EQ(own.blocks(), 0u);
 }
 
 TEST(DeviceModel, TaskHeadsPassOnlyBackendMemory) {

@@ -12,6 +12,7 @@
 
 #include "core/isa.h"
 #include "core/safetensors.h"
+#include "golden_check.h"
 #include "model/bert.h"
 #include "model/checkpoint.h"
 #include "test_util.h"
@@ -22,77 +23,7 @@ namespace {
 using test::all_close;
 using test::data_path;
 
-constexpr double kFwdRtol = 2e-5, kFwdAtol = 2e-6, kGradRtol = 1e-4, kGradAtol = 1e-4,
-                 kGradFloor = 1e-7;
-
-Batch golden_batch(const SafetensorsReader& g, bool pretraining) {
-  auto ids = g.read_i64("input.input_ids");
-  const auto* info = g.find("input.input_ids");
-  const int64_t B = info->shape[0], T = info->shape[1];
-  const int64_t P = g.find("input.masked_lm_positions")->shape[1];
-  Batch b;
-  b.resize(B, T, pretraining ? P : 0);
-  auto to32 = [](const std::vector<int64_t>& v, std::vector<int32_t>& out) {
-    out.assign(v.begin(), v.end());
-  };
-  to32(ids, b.input_ids);
-  to32(g.read_i64("input.input_mask"), b.input_mask);
-  to32(g.read_i64("input.segment_ids"), b.segment_ids);
-  if (pretraining) {
-    to32(g.read_i64("input.masked_lm_positions"), b.masked_lm_positions);
-    to32(g.read_i64("input.masked_lm_ids"), b.masked_lm_ids);
-    to32(g.read_i64("input.next_sentence_labels"), b.next_sentence_labels);
-    auto w = g.read_f64("input.masked_lm_weights");
-    b.masked_lm_weights.assign(w.begin(), w.end());
-  } else if (g.find("input.label_values")) {  // regression
-    auto v = g.read_f64("input.label_values");
-    b.label_values.assign(v.begin(), v.end());
-  } else {
-    to32(g.read_i64("input.label_ids"), b.label_ids);
-  }
-  return b;
-}
-
-void check_grads(const BertModel& m, const SafetensorsReader& g) {
-  int checked = 0;
-  for (const auto& p : m.table().params()) {
-    auto ref = g.read_f64("grad." + p.name);
-    ASSERT_EQ(ref.size(), static_cast<size_t>(p.numel())) << p.name;
-    EXPECT_TRUE(all_close("grad " + p.name, m.grads() + p.offset, ref.data(), ref.size(), kGradRtol,
-                          kGradAtol, kGradFloor));
-    ++checked;
-  }
-  EXPECT_EQ(checked, static_cast<int>(m.table().params().size()));
-}
-
-// The sequence output in the reference's [B,T,C] layout: a padded model's as it is; an unpadded
-// one's real rows (ModelDims::unpadded), the reference's own values at the padding it never
-// computes, so comparing checks every real position.
-std::vector<float> as_padded(const BertModel& m, const Batch& b, const std::vector<double>& ref) {
-  const int64_t C = m.config().hidden_size;
-  std::vector<float> out(ref.begin(), ref.end());
-  for (int64_t e = 0; e < b.B; ++e)
-    for (int64_t t = 0; t < b.T; ++t) {
-      const int64_t row = m.sequence_row(e, t);
-      if (row >= 0) std::copy_n(m.sequence_output() + row * C, C, out.begin() + (e * b.T + t) * C);
-    }
-  return out;
-}
-
-// The MLM logits in the reference's [B*P,V] layout: a padded model's as they are; an unpadded
-// one's rows of the weighted predictions (the only ones it computes), the reference's own values
-// at the slots without weight.
-std::vector<float> mlm_as_padded(const BertModel& m, const Batch& b,
-                                 const std::vector<double>& ref) {
-  if (!m.unpadded()) return std::vector<float>(m.mlm_logits(), m.mlm_logits() + ref.size());
-  const int64_t V = m.config().vocab_size;
-  std::vector<float> out(ref.begin(), ref.end());
-  int64_t k = 0;
-  for (int64_t i = 0; i < b.B * b.P; ++i)
-    if (b.masked_lm_weights[i] != 0.0f)
-      std::copy_n(m.mlm_logits() + k++ * V, V, out.begin() + i * V);
-  return out;
-}
+using namespace golden;
 
 // Both attention kernels (the full one and the blocked one), padded and unpadded, against the
 // same golden (whose batch has padding: the unpadded runs check that it is skipped).
@@ -107,42 +38,7 @@ ModelDims golden_dims(const GoldenParam& p) {
 }
 
 TEST_P(GoldenAttention, BertForPreTrainingForwardBackward) {
-  const std::string dir = data_path("golden/bert_pretrain");
-  SafetensorsReader g(dir + "/golden.safetensors");
-  Batch b = golden_batch(g, true);
-  BertConfig cfg = BertConfig::load(dir + "/config.json");
-  ModelDims d = golden_dims(GetParam());
-  d.batch = b.B;
-  d.seq_len = b.T;
-  d.max_predictions = b.P;
-  BertModel m(cfg, Head::Pretraining, d);
-  load_safetensors_into(m, dir + "/model.safetensors");
-
-  Losses l = m.forward(b, {});
-  const int64_t C = cfg.hidden_size, V = cfg.vocab_size;
-  if (d.unpadded) {
-    EXPECT_LT(l.real_tokens, b.B * b.T) << "the golden batch has no padding to skip";
-    EXPECT_EQ(l.computed_tokens, std::min(b.B * b.T, (l.real_tokens + 63) / 64 * 64));
-  } else {
-    EXPECT_EQ(l.computed_tokens, b.B * b.T);
-  }
-  const std::vector<double> seq_ref = g.read_f64("output.sequence_output");
-  EXPECT_TRUE(all_close("sequence_output", as_padded(m, b, seq_ref).data(), seq_ref.data(),
-                        b.B * b.T * C, kFwdRtol, kFwdAtol));
-  EXPECT_TRUE(all_close("pooled_output", m.pooled_output(),
-                        g.read_f64("output.pooled_output").data(), b.B * C, kFwdRtol, kFwdAtol));
-  const std::vector<double> mlm_ref = g.read_f64("output.mlm_logits");
-  EXPECT_TRUE(all_close("mlm_logits", mlm_as_padded(m, b, mlm_ref).data(), mlm_ref.data(),
-                        b.B * b.P * V, kFwdRtol, kFwdAtol));
-  EXPECT_TRUE(all_close("nsp_logits", m.nsp_logits(), g.read_f64("output.nsp_logits").data(),
-                        b.B * 2, kFwdRtol, kFwdAtol));
-  EXPECT_NEAR(l.mlm_loss, g.read_f64("output.mlm_loss")[0], 1e-5);
-  EXPECT_NEAR(l.nsp_loss, g.read_f64("output.nsp_loss")[0], 1e-5);
-  EXPECT_NEAR(l.loss, g.read_f64("output.loss")[0], 2e-5);
-
-  m.zero_grads();
-  m.backward(b, {});
-  check_grads(m, g);
+  check_pretraining(kernels::cpu_backend(), golden_dims(GetParam()));
 }
 
 TEST_P(GoldenAttention, BertForSequenceClassificationForwardBackward) {

@@ -9,6 +9,7 @@
 
 #include "comm/communicator.h"
 #include "core/rng.h"
+#include "golden_check.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cuda/cuda.h"
 #include "model/bert.h"
@@ -59,6 +60,20 @@ TEST(CudaModel, ForwardBackwardEqualsCpu) {
 }
 
 // The other heads: sequence classification, token classification, question answering.
+// HuggingFace's BertForPreTraining (tools/make_bert_golden.py, float64) on the GPU in fp32:
+// outputs, losses and every gradient within the CPU model's golden bounds
+// (test_model_golden.cpp), padded and unpadded; full attention (no blocked kernel on CUDA).
+TEST(CudaModel, MatchesTheHuggingFaceGoldens) {
+  SKIP_WITHOUT_GPU();
+  for (bool unpadded : {false, true}) {
+    SCOPED_TRACE(unpadded ? "unpadded" : "padded");
+    ModelDims d;
+    d.attention = ModelDims::Attention::Full;
+    d.unpadded = unpadded;
+    model::golden::check_pretraining(cuda::cuda_backend(), d);
+  }
+}
+
 TEST(CudaModel, TaskHeadsEqualCpu) {
   SKIP_WITHOUT_GPU();
   model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
