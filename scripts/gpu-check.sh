@@ -9,8 +9,9 @@
 #                               every GPU test (Cuda.*: each CUDA kernel against the CPU kernel;
 #                               CudaBackend.*: the CUDA backend against the CPU backend in every
 #                               precision; CudaModel.*: BertModel and train::Step on the GPU
-#                               against the CPU: every gradient, a 300-step loss curve,
-#                               checkpoints both ways; Nccl*: NCCL on one GPU, and with two
+#                               against the CPU: every gradient, HuggingFace's golden, a
+#                               300-step loss curve, checkpoints both ways, a run stopped on
+#                               one device resumed on the other; Nccl*: NCCL on one GPU, and with two
 #                               or more the sums, half the batch on each GPU against one at the
 #                               whole, a rank that never joins) and the host tests of what they
 #                               share (RowMath, DeviceModel, DeviceMemory), then `bertrain doctor`'s GEMM ceiling

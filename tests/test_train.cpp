@@ -172,6 +172,20 @@ TEST(Train, OnABackendWithItsOwnMemoryEqualsTheCpu) {
     const TrainResult rc = train(c, comm);
     ASSERT_EQ(rc.losses.size(), 6u);
     EXPECT_EQ(std::vector<double>(rb.losses.begin() + 6, rb.losses.end()), rc.losses);
+    // Stopped on the device and resumed on the CPU, and the other way round (what
+    // CudaModel.ARunMovesBetweenTheGpuAndTheCpu does with a GPU): the same losses.
+    for (bool device_first : {true, false}) {
+      TrainConfig m = b;
+      m.output = b.output + (device_first ? "-to-cpu" : "-from-cpu");
+      m.backend = device_first ? &own : nullptr;
+      m.stop_after = 6;
+      train(m, comm);
+      m.backend = device_first ? nullptr : &own;
+      m.stop_after = 0;
+      m.resume = true;
+      EXPECT_EQ(std::vector<double>(rb.losses.begin() + 6, rb.losses.end()), train(m, comm).losses)
+          << (device_first ? "device, then CPU" : "CPU, then device");
+    }
   }
   // What it cannot do yet says so.
   TrainConfig t = env.cfg("own-autotune", 2);

@@ -7,8 +7,11 @@
 // 16-bit paths round operands the other way where the two accumulate differently: 3e-2.
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include "comm/communicator.h"
 #include "core/rng.h"
+#include "data/prepare.h"
 #include "golden_check.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cuda/cuda.h"
@@ -18,6 +21,7 @@
 #include "train/loss_scaler.h"
 #include "train/optimizer.h"
 #include "train/step.h"
+#include "train/trainer.h"
 
 namespace bertrain {
 namespace {
@@ -144,6 +148,58 @@ TEST(CudaModel, LossCurveTracksTheCpu) {
 }
 
 // A checkpoint written from the GPU model is the CPU model's parameters.
+// A training run stopped on one device resumes on the other (model, AdamW's moments, the step
+// and the input position, through the run checkpoint): stopped after 6 of 12 steps on the GPU
+// and finished on the CPU, and the other way round, the last 6 losses track the CPU run that
+// never stopped (fp32: summation order only, rtol 1e-3 after 12 AdamW steps).
+TEST(CudaModel, ARunMovesBetweenTheGpuAndTheCpu) {
+  SKIP_WITHOUT_GPU();
+  test::TempDir dir;
+  data::PrepareConfig p;
+  p.input = test::data_path("../data/corpus/bert_sample_text.txt");
+  p.vocab = test::data_path("../data/vocab/bert-base-uncased-vocab.txt");
+  p.output = dir / "data";
+  p.instance.seq_len = 64;
+  p.instance.max_predictions = 10;
+  data::prepare(p);
+  std::ofstream(dir / "tiny.json")
+      << R"({"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64})";
+  auto cfg = [&](const std::string& out) {
+    train::TrainConfig c;
+    c.model_config = dir / "tiny.json";
+    c.input.files = dir / "data/*.tfrecord";
+    c.output = dir / out;
+    c.batch_size = 8;
+    c.seq_len = 64;
+    c.max_predictions = 10;
+    c.steps = 12;
+    c.lr = 2e-3;
+    c.log_every = 0;
+    c.quiet = true;
+    c.save_every = 6;
+    c.optimizer.kind = train::OptimizerKind::AdamW;
+    return c;
+  };
+  comm::SingleProcess comm;
+  const train::TrainResult ref = train::train(cfg("cpu"), comm);
+  ASSERT_EQ(ref.losses.size(), 12u);
+  for (bool gpu_first : {true, false}) {
+    SCOPED_TRACE(gpu_first ? "GPU, then CPU" : "CPU, then GPU");
+    train::TrainConfig c = cfg(gpu_first ? "gpu-cpu" : "cpu-gpu");
+    c.backend = gpu_first ? &cuda::cuda_backend() : nullptr;
+    c.stop_after = 6;
+    train::train(c, comm);
+    c.backend = gpu_first ? nullptr : &cuda::cuda_backend();
+    c.stop_after = 0;
+    c.resume = true;
+    const train::TrainResult r = train::train(c, comm);
+    ASSERT_EQ(r.losses.size(), 6u);
+    for (size_t k = 0; k < 6; ++k)
+      EXPECT_NEAR(r.losses[k], ref.losses[6 + k], 1e-3 * ref.losses[6 + k]) << "step " << 7 + k;
+  }
+}
+
 TEST(CudaModel, CheckpointFromTheGpuLoadsOnTheCpu) {
   SKIP_WITHOUT_GPU();
   const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
