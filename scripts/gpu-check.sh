@@ -72,8 +72,29 @@ case "${1:-}" in
       fi
       if ldd "$PACK/bin/bertrain_tests" | grep "not found"; then echo "gpu-check: libraries missing (above)"; fi
       set +e
-      OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$PACK/bin/bertrain_tests" --gtest_filter='Cuda*:Nccl*:*RowMath*:DeviceModel*:DeviceMemory*'
-      echo "gpu-check: tests exit $?"
+      # Each GPU test in a process of its own under a time limit: a kernel that faults leaves its
+      # CUDA context unusable (every later test in that process would fail too) and a hang would
+      # eat the device time; the host tests of the shared code run together.
+      export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+      "$PACK/bin/bertrain_tests" --gtest_brief=1 --gtest_filter='*RowMath*:DeviceModel*:DeviceMemory*'
+      FAILED=$?
+      ONE=$(mktemp)
+      for t in $("$PACK/bin/bertrain_tests" --gtest_list_tests --gtest_filter='Cuda*:Nccl*' |
+        awk '/^[^ ]/ {suite = $1} /^  / {print suite $1}'); do
+        timeout "${TEST_TIMEOUT:-150}" "$PACK/bin/bertrain_tests" --gtest_filter="$t" >"$ONE" 2>&1
+        rc=$?
+        if [ $rc = 0 ] && grep -q "^\[  SKIPPED \] $t" "$ONE"; then
+          echo "SKIP $t: $(grep -m1 -A1 "Skipped" "$ONE" | tail -1)"
+        elif [ $rc = 0 ]; then
+          echo "PASS $t ($(sed -n "s/^\[       OK \] $t (\(.*\))/\1/p" "$ONE"))"
+        else
+          FAILED=1
+          [ $rc = 124 ] && echo "TIMEOUT $t (${TEST_TIMEOUT:-150} s)" || echo "FAIL $t (exit $rc)"
+          grep -v "^\[ *\(RUN\|OK\|==\|--\)" "$ONE" | tail -40
+        fi
+      done
+      rm -f "$ONE"
+      echo "gpu-check: tests exit $FAILED"
       # The GEMM ceiling: ours (cuBLASLt, bertrain doctor) and PyTorch's on the same GPU.
       OURS=$("$PACK/bin/bertrain" doctor 2>&1 | grep -E "^ *[a-z]+ +gpu" | tee /dev/stderr |
         sed -n 's/.*gpu gemm *\([0-9.]*\) TFLOP\/s bf16.*/\1/p')
@@ -105,7 +126,7 @@ PY
         "$PACK/bin/bertrain" prepare --input data/corpus/bert_sample_text.txt \
           --vocab data/vocab/bert-base-uncased-vocab.txt --output "$GC/data" --seq-len 128 \
           --max-predictions 20 --dupe-factor 5 --output-shards 2 >/dev/null &&
-          "$PACK/bin/bertrain" train --device cuda --model-config configs/bert-tiny.json \
+          timeout 180 "$PACK/bin/bertrain" train --device cuda --model-config configs/bert-tiny.json \
             --data "$GC/data/*.tfrecord" --output "$GC/run" --batch-size 32 --steps 100 \
             --log-every 25 --save-every 50 --optimizer lamb --lr 5e-3 --precision bf16 ||
           echo "gpu-check: the GPU training run failed (above)"
@@ -119,10 +140,10 @@ PY
         for run in "bert-base 128 20 32" "bert-large 128 20 32" "bert-large 512 80 8"; do
           set -- $run
           for prec in bf16 fp16; do
-            BT=$("$PACK/bin/bertrain" bench --device cuda --model-config "configs/$1.json" \
+            BT=$(timeout 120 "$PACK/bin/bertrain" bench --device cuda --model-config "configs/$1.json" \
               --seq-len "$2" --max-predictions "$3" --batch-size "$4" --precision "$prec" \
               --steps 5 --warmup 2 --json 2>&1 | tail -1)
-            PT=$(python3 bench/peer_pytorch.py --device cuda --model-config "configs/$1.json" \
+            PT=$(timeout 120 python3 bench/peer_pytorch.py --device cuda --model-config "configs/$1.json" \
               --seq-len "$2" --max-predictions "$3" --batch-size "$4" --precision "$prec" \
               --steps 5 --warmup 2 2>&1 | tail -1)
             python3 - "$1/$2" "$prec" "$4x$2" "$BT" "$PT" <<'PY'
