@@ -231,8 +231,17 @@ void launch(K kernel, int64_t n, A... args) {
   check_launch();
 }
 
+// The products' operands: bf16 bits in BF16; in FP16 fp32 values multiplied as TF32 (fp16's
+// significand: the kept fp16 values exactly; cuda.h, Operands); plain fp32 in FP32.
 Operands operands_of(Precision p) {
-  return p == Precision::BF16 ? Operands::BF16 : Operands::FP32;
+  switch (p) {
+    case Precision::BF16:
+      return Operands::BF16;
+    case Precision::FP16:
+      return Operands::TF32;
+    default:
+      return Operands::FP32;
+  }
 }
 
 // Attention's sizes and operand addressing: the products read the precision's elements (bf16
@@ -367,7 +376,7 @@ class CudaBackend final : public kernels::Backend {
                       int64_t M, int64_t N, int64_t K,
                       const kernels::Workspace& ws) const override {
     if (p != Precision::BF16)
-      return cuda::linear_forward(Operands::FP32, out, in.f32, w.f32, bias, M, N, K);
+      return cuda::linear_forward(operands_of(p), out, in.f32, w.f32, bias, M, N, K);
     const uint16_t* x = in.bits;
     if (!x) {
       round_to_bf16(ws.bf16_a, in.f32, M * K);
@@ -399,7 +408,7 @@ class CudaBackend final : public kernels::Backend {
           launch(widen_f16_kernel, M * K, ws.wide, in.bits, M * K);
           x = ws.wide;
         }
-        return cuda::linear_backward(Operands::FP32, dinp, dw, db, dout, dout, x, w.f32, M, N, K,
+        return cuda::linear_backward(Operands::TF32, dinp, dw, db, dout, dout, x, w.f32, M, N, K,
                                      accumulate_dinp);
       }
     }

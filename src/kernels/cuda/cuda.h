@@ -49,8 +49,10 @@ class DeviceBuffer {
 void synchronize();
 
 // What a linear layer's operands are: fp32, or 16-bit (raw bf16 / fp16 bits) with fp32
-// accumulation and an fp32 result.
-enum class Operands { FP32, BF16, FP16 };
+// accumulation and an fp32 result; TF32: fp32 values the tensor cores multiply with fp16's
+// 10-bit significand and fp32's range (the FP16 precision's products: its kept fp16 activations
+// exactly, the fp32 weights and gradients rounded as fp16 operands would be, without overflow).
+enum class Operands { FP32, BF16, FP16, TF32 };
 
 // out[M,N] = in[M,K] . w[N,K]^T + bias[N] (bias may be null), through cuBLASLt (bias in the
 // epilogue); in and w of the operand type.

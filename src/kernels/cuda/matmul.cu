@@ -45,6 +45,16 @@ cudaDataType_t operand_type(Operands o) {
   }
 }
 
+// fp32 accumulation throughout; TF32 operands on the tensor cores where asked for (plain fp32
+// otherwise: no TF32 behind the caller's back).
+cublasComputeType_t compute_type(Operands o) {
+  return o == Operands::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+}
+
+__host__ __device__ inline bool fp32_storage(Operands o) {
+  return o == Operands::FP32 || o == Operands::TF32;
+}
+
 // One product's shape: column-major m x n = op(A) m x k . op(B) k x n, C with beta; and the
 // alignment of its pointers (cuBLASLt assumes 256 bytes unless told: a tensor of the flat
 // parameter buffer may start at any element).
@@ -98,7 +108,7 @@ const Product& product(Context& ctx, const Shape& s) {
   auto it = ctx.products.find(s);
   if (it != ctx.products.end()) return it->second;
   Product p;
-  BT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  BT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, compute_type(s.operands), CUDA_R_32F));
   const cublasOperation_t ta = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
                           tb = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   BT_CUBLAS_CHECK(
@@ -136,7 +146,7 @@ const Product& product(Context& ctx, const Shape& s) {
                                                  &result, &found));
   cublasLtMatmulPreferenceDestroy(pref);
   BT_CHECK(found > 0, "cuBLASLt has no algorithm for a ", s.m, "x", s.n, "x", s.k, " product of ",
-           s.operands == Operands::FP32 ? "fp32" : "16-bit", " operands");
+           fp32_storage(s.operands) ? "fp32" : "16-bit", " operands");
   p.algo = result.algo;
   return ctx.products.emplace(s, p).first->second;
 }
@@ -212,7 +222,7 @@ void gemm_batched(Operands o, int64_t batch, bool trans_a, bool trans_b, int64_t
       h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
       static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, B, t,
       static_cast<int>(ldb), sb, A, t, static_cast<int>(lda), sa, &beta, C, CUDA_R_32F,
-      static_cast<int>(ldc), sc, static_cast<int>(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      static_cast<int>(ldc), sc, static_cast<int>(batch), compute_type(o), CUBLAS_GEMM_DEFAULT));
 }
 
 void linear_forward(Operands o, float* out, const void* in, const void* w, const float* bias,
@@ -242,7 +252,7 @@ __global__ void fill_kernel(Operands o, void* x, int64_t n, uint64_t key) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float v = 2.0f * rng_uniform(key, i) - 1.0f;
-  if (o == Operands::FP32)
+  if (fp32_storage(o))
     static_cast<float*>(x)[i] = v;
   else if (o == Operands::BF16)
     static_cast<uint16_t*>(x)[i] = f32_to_bf16(v);
@@ -253,7 +263,7 @@ __global__ void fill_kernel(Operands o, void* x, int64_t n, uint64_t key) {
 }  // namespace
 
 double gemm_tflops(Operands o, int64_t M, int64_t N, int64_t K, double seconds) {
-  const size_t el = o == Operands::FP32 ? 4 : 2;
+  const size_t el = fp32_storage(o) ? 4 : 2;
   DeviceBuffer a(M * K * el), b(N * K * el), c(M * N * 4);
   constexpr unsigned kThreads = 256;
   fill_kernel<<<blocks_for(M * K, kThreads), kThreads>>>(o, a.data(), M * K, 1);
