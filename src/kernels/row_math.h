@@ -206,9 +206,17 @@ BT_HOST_DEVICE inline float widen(Bf16Bits x) {
   return bf16_to_f32(x.bits);
 }
 
-template <class Lanes, class P = float>
-BT_HOST_DEVICE void attention_softmax_backward(float* ds, const float* dd, const P* probs,
-                                               int64_t T, float p, uint64_t key, uint64_t index0,
+// ds written as fp32, or rounded to bf16 (the products' operand: no fp32 pass in between).
+BT_HOST_DEVICE inline void store(float* out, float v) {
+  *out = v;
+}
+BT_HOST_DEVICE inline void store(Bf16Bits* out, float v) {
+  out->bits = f32_to_bf16(v);
+}
+
+template <class Lanes, class P = float, class D = float>
+BT_HOST_DEVICE void attention_softmax_backward(D* ds, const float* dd, const P* probs, int64_t T,
+                                               float p, uint64_t key, uint64_t index0,
                                                const Lanes& l) {
   const float ks = keep_scale_of(p);
   float dot = 0.0f;
@@ -216,7 +224,33 @@ BT_HOST_DEVICE void attention_softmax_backward(float* ds, const float* dd, const
     dot += widen(probs[j]) * dropout(dd[j], p, ks, key, index0 + j);
   dot = l.sum(dot);
   for (int64_t j = l.lane; j < T; j += l.count)
-    ds[j] = widen(probs[j]) * (dropout(dd[j], p, ks, key, index0 + j) - dot);
+    store(ds + j, widen(probs[j]) * (dropout(dd[j], p, ks, key, index0 + j) - dot));
+}
+
+// attention_softmax with the probabilities kept in bf16 (the BF16 precision's rule,
+// kernels/cpu/attention.h): probs16 = bf16(probs), dropped16 = bf16(dropout(widen(probs16)))
+// (may be null when p = 0), the same values as attention_softmax followed by that rounding, in
+// one pass over the row (the exponentials computed again instead of kept in fp32).
+template <class Lanes>
+BT_HOST_DEVICE void attention_softmax_bf16(Bf16Bits* probs16, Bf16Bits* dropped16,
+                                           const float* scores, const int32_t* mask, int64_t T,
+                                           float p, uint64_t key, uint64_t index0, const Lanes& l) {
+  float mx = -INFINITY;
+  for (int64_t j = l.lane; j < T; j += l.count)
+    mx = fmaxf(mx, scores[j] + (mask[j] ? 0.0f : -10000.0f));
+  mx = l.max(mx);
+  float sum = 0.0f;
+  for (int64_t j = l.lane; j < T; j += l.count)
+    sum += expf(scores[j] + (mask[j] ? 0.0f : -10000.0f) - mx);
+  const float inv = 1.0f / l.sum(sum);
+  const float ks = keep_scale_of(p);
+  for (int64_t j = l.lane; j < T; j += l.count) {
+    float e = expf(scores[j] + (mask[j] ? 0.0f : -10000.0f) - mx);
+    e *= inv;
+    const uint16_t b = f32_to_bf16(e);
+    probs16[j].bits = b;
+    if (dropped16) dropped16[j].bits = f32_to_bf16(dropout(bf16_to_f32(b), p, ks, key, index0 + j));
+  }
 }
 
 // Softmax cross-entropy of one row of V logits with its gradient (kernels/cpu/cross_entropy.h):

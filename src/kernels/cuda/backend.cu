@@ -171,27 +171,20 @@ __global__ void squared_error_kernel(float* dpred, float* sq, const float* pred,
   if (dpred) dpred[i] = dscale * 2.0f * d;
 }
 
-// Attention's saved probabilities in 16 bits and the dropped ones made from the rounded values
-// (kernels/cpu/attention.h), element e of [B, NH, T, T] keyed as its row: BF16 writes probs16
-// and dropped16; FP16 writes probs16, the rounded value back into probs (fp32) and dropped (fp32).
-__global__ void attention_keep_kernel(Precision p, float* probs, uint16_t* probs16,
-                                      uint16_t* dropped16, float* dropped, AttentionShape s,
-                                      float dp, uint64_t key, uint64_t offset) {
+// FP16's saved probabilities (kernels/cpu/attention.h), element e of [B, NH, T, T] keyed as its
+// row: probs16 their fp16 bits, the rounded value back into probs (fp32), dropped (fp32, may be
+// null) made from it. (BF16's are made in the softmax's pass: attention_softmax_forward_bf16.)
+__global__ void attention_keep_f16_kernel(float* probs, uint16_t* probs16, float* dropped,
+                                          AttentionShape s, float dp, uint64_t key,
+                                          uint64_t offset) {
   BT_FOR_EACH(s.B * s.NH * s.T * s.T);
   const int64_t r = i / s.T, j = i % s.T;
   const uint64_t idx = offset + s.dropout_row(r / s.T, r % s.T) + j;
-  const float ks = rm::keep_scale_of(dp);
-  if (p == Precision::BF16) {
-    const uint16_t b = f32_to_bf16(probs[i]);
-    probs16[i] = b;
-    dropped16[i] = f32_to_bf16(rm::dropout(bf16_to_f32(b), dp, ks, key, idx));
-    return;
-  }
   const uint16_t h = to_f16(probs[i]);
   const float w = widen_f16(h);
   if (probs16) probs16[i] = h;
   probs[i] = w;
-  if (dropped) dropped[i] = rm::dropout(w, dp, ks, key, idx);
+  if (dropped) dropped[i] = rm::dropout(w, dp, rm::keep_scale_of(dp), key, idx);
 }
 
 // Backward's dropped probabilities from the kept ones (fp32, or bf16 into bf16).
@@ -208,9 +201,10 @@ __global__ void attention_dropped_kernel(float* dropped, uint16_t* dropped16, co
     dropped[i] = rm::dropout(probs[i], dp, ks, key, idx);
 }
 
-// Rows [first, first + rows) of the softmax backward (one sequence's heads).
-template <class P>
-__global__ void softmax_backward_rows_kernel(float* ds, const float* dd, const P* probs,
+// Rows [first, first + rows) of the softmax backward (one sequence's heads); ds in fp32 or,
+// for bf16 products, rounded to bf16 as it is written.
+template <class P, class D>
+__global__ void softmax_backward_rows_kernel(D* ds, const float* dd, const P* probs,
                                              AttentionShape s, int64_t first, int64_t rows,
                                              float dp, uint64_t key, uint64_t offset) {
   const int64_t w = warp_row();
@@ -453,19 +447,16 @@ class CudaBackend final : public kernels::Backend {
       float* dr = d.p > 0.0f ? ws.attn_work : nullptr;
       attention_softmax_forward(scores, dr, scores, mask, s, d);
       dropped = dr ? dr : scores;
-    } else {
+    } else if (p == Precision::BF16) {  // softmax and the bf16 rounding in one pass
+      attention_softmax_forward_bf16(saved.probs16, ws.attn_probs16, scores, mask, s, d);
+      dropped = ws.attn_probs16;
+    } else {  // FP16
       attention_softmax_forward(scores, nullptr, scores, mask, s, Dropout{});
-      if (p == Precision::BF16) {
-        launch(attention_keep_kernel, n_probs, p, scores, saved.probs16, ws.attn_probs16,
-               static_cast<float*>(nullptr), s, d.p, d.key, d.offset);
-        dropped = ws.attn_probs16;
-      } else {
-        float* dr =
-            d.p > 0.0f ? static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4)) : nullptr;
-        launch(attention_keep_kernel, n_probs, p, scores, saved.probs16,
-               static_cast<uint16_t*>(nullptr), dr, s, d.p, d.key, d.offset);
-        dropped = dr ? dr : scores;
-      }
+      float* dr =
+          d.p > 0.0f ? static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4)) : nullptr;
+      launch(attention_keep_f16_kernel, n_probs, scores, saved.probs16, dr, s, d.p, d.key,
+             d.offset);
+      dropped = dr ? dr : scores;
     }
     for (const Pairs& c : calls) {
       const int64_t r = c.rows(T, C3, HD), rs = c.rows_stride(T, C3, HD);
@@ -527,19 +518,17 @@ class CudaBackend final : public kernels::Backend {
                    rs3, 0.0f, dd + pr, T, ps);
     }
     const int64_t rows = B * NH * T;
-    if (bf16)
-      softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(
-          dd, dd, reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, 0, rows, d.p, d.key,
-          d.offset);
-    else
-      softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(dd, dd, probs, s, 0, rows,
-                                                                      d.p, d.key, d.offset);
-    check_launch();
     const void* ds = dd;
     if (bf16) {  // ds in bf16 for the two products, over the dropped probabilities (used above)
-      round_to_bf16(ws.attn_probs16, dd, n_probs);
+      softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(
+          reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16), dd,
+          reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, 0, rows, d.p, d.key, d.offset);
       ds = ws.attn_probs16;
+    } else {
+      softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(dd, dd, probs, s, 0, rows,
+                                                                      d.p, d.key, d.offset);
     }
+    check_launch();
     for (const Pairs& c : calls) {
       const int64_t r3 = c.rows(T, C3, HD), rs3 = c.rows_stride(T, C3, HD);
       const int64_t pr = c.probs(NH, TT), ps = c.probs_stride(NH, TT);

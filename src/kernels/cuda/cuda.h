@@ -129,6 +129,11 @@ void scale(float* x, int64_t n, float s, void* stream = nullptr);
 void attention_softmax_forward(float* probs, float* dropped, const float* scores,
                                const int32_t* mask, const kernels::AttentionShape& s,
                                const kernels::Dropout& d, void* stream = nullptr);
+// BF16's: the probabilities kept in bf16 and the dropped ones made from them, in the same pass
+// (row_math::attention_softmax_bf16; dropped16 null when d.p = 0).
+void attention_softmax_forward_bf16(uint16_t* probs16, uint16_t* dropped16, const float* scores,
+                                    const int32_t* mask, const kernels::AttentionShape& s,
+                                    const kernels::Dropout& d, void* stream = nullptr);
 // ds = probs * (dp - rowsum(probs * dp)), dp = dropout(dd) (ds may alias dd).
 void attention_softmax_backward(float* ds, const float* dd, const float* probs,
                                 const kernels::AttentionShape& s, const kernels::Dropout& d,

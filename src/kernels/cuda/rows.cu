@@ -29,6 +29,18 @@ __global__ void attention_softmax_kernel(float* probs, float* dropped, const flo
                         warp_lanes());
 }
 
+__global__ void attention_softmax_bf16_kernel(rm::Bf16Bits* probs16, rm::Bf16Bits* dropped16,
+                                              const float* scores, const int32_t* mask,
+                                              kernels::AttentionShape s, float p, uint64_t key,
+                                              uint64_t offset) {
+  const int64_t r = warp_row();
+  if (r >= s.B * s.NH * s.T) return;
+  const int64_t bh = r / s.T, i = r % s.T, T = s.T;
+  rm::attention_softmax_bf16(probs16 + r * T, dropped16 ? dropped16 + r * T : nullptr,
+                             scores + r * T, mask + (bh / s.NH) * T, T, p, key,
+                             offset + s.dropout_row(bh, i), warp_lanes());
+}
+
 __global__ void attention_softmax_backward_kernel(float* ds, const float* dd, const float* probs,
                                                   kernels::AttentionShape s, float p, uint64_t key,
                                                   uint64_t offset) {
@@ -238,6 +250,17 @@ void attention_softmax_forward(float* probs, float* dropped, const float* scores
   if (rows == 0) return;
   attention_softmax_kernel<<<row_blocks(rows), kRowThreads, 0, as_stream(stream)>>>(
       probs, dropped, scores, mask, s, d.p, d.key, d.offset);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void attention_softmax_forward_bf16(uint16_t* probs16, uint16_t* dropped16, const float* scores,
+                                    const int32_t* mask, const kernels::AttentionShape& s,
+                                    const kernels::Dropout& d, void* stream) {
+  const int64_t rows = s.B * s.NH * s.T;
+  if (rows == 0) return;
+  attention_softmax_bf16_kernel<<<row_blocks(rows), kRowThreads, 0, as_stream(stream)>>>(
+      reinterpret_cast<rm::Bf16Bits*>(probs16), reinterpret_cast<rm::Bf16Bits*>(dropped16), scores,
+      mask, s, d.p, d.key, d.offset);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
