@@ -202,6 +202,7 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], precision == 0 ? 0 : probs);
       EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 1 ? 0 : probs);
       EXPECT_EQ(l.part[cuda::kAttentionGradSlot], probs);
+      EXPECT_EQ(l.part[cuda::kAttentionPointersSlot], 3 * 8 * 4 * 8);  // 3 a (sequence, head)
       EXPECT_EQ(l.part[cuda::kReductionSlot], 2 * 1024 * 8);
       EXPECT_EQ(l.part[cuda::kCrossEntropySlot], 2 * 8 * T * 4);
       const model::ParamTable table(c, model::Head::Pretraining);  // the optimizer's tensors

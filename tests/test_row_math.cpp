@@ -16,6 +16,7 @@
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cuda/attention_products.h"
 #include "kernels/cuda/scratch.h"
 #include "kernels/embedding_runs.h"
 #include "kernels/row_math.h"
@@ -271,7 +272,7 @@ TEST_P(RowMath, AttentionBf16RowsEqualRoundingAfter) {
   }
 }
 
-// Attention as the GPU runs it: the four products as strided batched GEMMs over the heads
+// Attention as the GPU runs it: the six products over every (sequence, head) pair
 // (gemm_reference here), the mask + softmax + dropout and its backward by rows. Against the
 // CPU's reference loops with a padded sequence and dropout, with a dropout row length larger
 // than T (an unpadded run inside a batch padded to 48).
@@ -290,37 +291,42 @@ TEST_P(RowMath, AttentionEqualsCpu) {
   attention_backward_reference(dqkv_ref.data(), dctx.data(), qkv.data(), probs_ref.data(), s, p,
                                key, offset);
 
-  std::vector<float> probs(B * NH * T * T), dropped(probs.size()), ctx(B * T * C),
-      dqkv(qkv.size(), 0.0f), dd(T * T);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < NH; ++h) {
-      const int64_t bh = b * NH + h;
-      const float* q = qkv.data() + b * T * C3 + h * HD;
-      const float *k = q + C, *v = q + 2 * C;
-      float* pr = probs.data() + bh * T * T;
-      float* dr = dropped.data() + bh * T * T;
-      // scores = scale * Q K^T (into probs: the row pass works in place)
-      gemm_reference(false, true, T, T, HD, q, C3, k, C3, pr, T, nullptr, false);
-      for (int64_t i = 0; i < T * T; ++i) pr[i] *= scale;
-      for_rows(GetParam(), T, [&](int64_t i, const auto& l) {
-        row_math::attention_softmax(pr + i * T, dr + i * T, pr + i * T, mask.data() + b * T, T, p,
-                                    key, offset + s.dropout_row(bh, i), l);
-      });
-      gemm_reference(false, false, T, HD, T, dr, T, v, C3, ctx.data() + b * T * C + h * HD, C,
-                     nullptr, false);
-      // dV = dropped^T dctx; dd = dctx V^T; ds by rows; dQ = scale ds K; dK = scale ds^T Q
-      const float* dc = dctx.data() + b * T * C + h * HD;
-      float* dq = dqkv.data() + b * T * C3 + h * HD;
-      gemm_reference(true, false, T, HD, T, dr, T, dc, C, dq + 2 * C, C3, nullptr, false);
-      gemm_reference(false, true, T, T, HD, dc, C, v, C3, dd.data(), T, nullptr, false);
-      for_rows(GetParam(), T, [&](int64_t i, const auto& l) {
-        row_math::attention_softmax_backward(dd.data() + i * T, dd.data() + i * T, pr + i * T, T, p,
-                                             key, offset + s.dropout_row(bh, i), l);
-      });
-      for (int64_t i = 0; i < T * T; ++i) dd[i] *= scale;
-      gemm_reference(false, false, T, HD, T, dd.data(), T, k, C3, dq, C3, nullptr, false);
-      gemm_reference(true, false, T, HD, T, dd.data(), T, q, C3, dq + C, C3, nullptr, false);
+  // The GPU's six products (cuda/attention_products.h: every (sequence, head) pair in place in
+  // the QKV rows, the [B, NH, T, T] buffers and the context rows), each pair through the
+  // reference GEMM; the row passes between them over all B x NH x T rows.
+  const int64_t pairs = B * NH;
+  auto run = [&](const cuda::PairProduct& m) {
+    for (int64_t k = 0; k < pairs; ++k) {
+      auto* c = static_cast<float*>(const_cast<void*>(m.c.of(k, NH)));
+      gemm_reference(m.trans_a, m.trans_b, m.M, m.N, m.K, static_cast<const float*>(m.a.of(k, NH)),
+                     m.lda, static_cast<const float*>(m.b.of(k, NH)), m.ldb, c, m.ldc, nullptr,
+                     false);
+      for (int64_t i = 0; i < m.M; ++i)
+        for (int64_t j = 0; j < m.N; ++j) c[i * m.ldc + j] *= m.alpha;
     }
+  };
+  std::vector<float> probs(B * NH * T * T), dropped(probs.size()), ctx(B * T * C),
+      dqkv(qkv.size(), 0.0f), dd(probs.size());
+  const auto fwd =
+      cuda::attention_forward_products(s, 4, qkv.data(), probs.data(), dropped.data(), ctx.data());
+  run(fwd[0]);  // scale Q K^T into probs: the row pass works in place
+  for_rows(GetParam(), pairs * T, [&](int64_t r, const auto& l) {
+    const int64_t bh = r / T;
+    row_math::attention_softmax(probs.data() + r * T, dropped.data() + r * T, probs.data() + r * T,
+                                mask.data() + (bh / NH) * T, T, p, key,
+                                offset + s.dropout_row(bh, r % T), l);
+  });
+  run(fwd[1]);
+  const auto bwd = cuda::attention_backward_products(s, 4, qkv.data(), dropped.data(), dctx.data(),
+                                                     dd.data(), dd.data(), dqkv.data());
+  run(bwd[0]);  // dV
+  run(bwd[1]);  // dd
+  for_rows(GetParam(), pairs * T, [&](int64_t r, const auto& l) {
+    row_math::attention_softmax_backward(dd.data() + r * T, dd.data() + r * T, probs.data() + r * T,
+                                         T, p, key, offset + s.dropout_row(r / T, r % T), l);
+  });
+  run(bwd[2]);  // dQ
+  run(bwd[3]);  // dK
   EXPECT_TRUE(all_close("probs", probs.data(), probs_ref.data(), probs.size(), 2e-5, 1e-7));
   EXPECT_TRUE(all_close("ctx", ctx.data(), ctx_ref.data(), ctx.size(), 2e-5, 1e-6));
   EXPECT_TRUE(all_close("dqkv", dqkv.data(), dqkv_ref.data(), dqkv.size(), 2e-5, 1e-6));

@@ -54,7 +54,7 @@ struct KernelShapes {
 // itself, outside parallel regions), then one slice per thread of the parts' bytes in order,
 // each rounded up to 64 bytes. The model plans total() bytes (group "kernels").
 struct ScratchLayout {
-  static constexpr int kParts = 10;
+  static constexpr int kParts = 12;
   int threads = 1;
   int64_t caller = 0;
   int64_t part[kParts] = {};

@@ -238,52 +238,21 @@ Operands operands_of(Precision p) {
   }
 }
 
-// Attention's sizes and operand addressing: the products read the precision's elements (bf16
-// bits in BF16, fp32 values otherwise). Refuses the blocked kernel's saved state.
+// Attention's sizes and operands: the products read the precision's elements (bf16 bits in
+// BF16, fp32 values otherwise: `el` bytes). Refuses the blocked kernel's saved state.
 struct AttentionDims {
-  int64_t HD, C3, TT, n_probs;
-  float scale;
+  int64_t C3, n_probs;
   Operands o;
   int64_t el;
   AttentionDims(Precision p, const AttentionShape& s, const kernels::AttentionSaved& saved)
-      : HD(s.C / s.NH),
-        C3(3 * s.C),
-        TT(s.T * s.T),
+      : C3(3 * s.C),
         n_probs(s.B * s.NH * s.T * s.T),
-        scale(1.0f / sqrtf(static_cast<float>(s.C / s.NH))),
         o(operands_of(p)),
         el(p == Precision::BF16 ? 2 : 4) {
     BT_CHECK(!saved.blocked(),
              "the blocked attention kernel is not on CUDA yet: run with --attention full");
   }
-  const void* at(const void* base, int64_t elems) const {
-    return static_cast<const char*>(base) + elems * el;
-  }
 };
-
-// Attention's batched products over (sequence, head) pairs in as few calls as one stride allows:
-// a call per sequence over its heads (HD apart in the QKV and context rows, T x T apart in the
-// probabilities), or a call per head over the sequences (T rows apart, NH T x T apart), whichever
-// is fewer: BERT-Large at batch 64 makes 16 calls a product instead of 64. A call takes the pairs
-// (b0 + k ds, h0 + k dh), k < batch.
-struct Pairs {
-  int64_t b0, h0, batch, ds, dh;
-  // Element offset of the first pair's matrix in rows of width w (HD columns a head), and the
-  // stride between the pairs' matrices; the same in the [B, NH, T, T] probabilities.
-  int64_t rows(int64_t T, int64_t w, int64_t HD) const { return b0 * T * w + h0 * HD; }
-  int64_t rows_stride(int64_t T, int64_t w, int64_t HD) const { return ds * T * w + dh * HD; }
-  int64_t probs(int64_t NH, int64_t TT) const { return (b0 * NH + h0) * TT; }
-  int64_t probs_stride(int64_t NH, int64_t TT) const { return (ds * NH + dh) * TT; }
-};
-
-std::vector<Pairs> pair_calls(const AttentionShape& s) {
-  std::vector<Pairs> v;
-  if (s.B <= s.NH)
-    for (int64_t b = 0; b < s.B; ++b) v.push_back({b, 0, s.NH, 0, 1});
-  else
-    for (int64_t h = 0; h < s.NH; ++h) v.push_back({0, h, s.B, 1, 0});
-  return v;
-}
 
 // The last upload's completion on the calling thread's current GPU (uploads are in the order
 // of the GPU's kernel stream, so it follows every earlier one; one thread may run several GPUs
@@ -424,46 +393,35 @@ class CudaBackend final : public kernels::Backend {
                          const int32_t* mask, const AttentionShape& s, const Dropout& d,
                          const kernels::Workspace& ws) const override {
     const AttentionDims g(p, s, saved);
-    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = g.HD, C3 = g.C3, TT = g.TT;
-    const int64_t n_probs = g.n_probs;
-    const float scale = g.scale;
-    const Operands o = g.o;
+    const int64_t B = s.B, T = s.T, C3 = g.C3, n_probs = g.n_probs;
     if (p == Precision::BF16) round_to_bf16(qkv.bits, qkv.f32, B * T * C3);
     if (p == Precision::FP16) launch(keep_f16_kernel, B * T * C3, qkv.f32, qkv.bits, B * T * C3);
     const void* q = p == Precision::BF16 ? static_cast<const void*>(qkv.bits) : qkv.f32;
-    auto at = [&](const void* base, int64_t elems) { return g.at(base, elems); };
-    // scores (scaled) in fp32: the kept probs in FP32, a buffer of our own otherwise
+    // scores (scaled) in fp32: the kept probs in FP32, a buffer of our own otherwise; what
+    // multiplies V: the dropped probabilities (bf16 in BF16), or the probabilities without dropout
     float* scores = p == Precision::FP32
                         ? saved.probs
                         : static_cast<float*>(scratch(kAttentionScoresSlot, n_probs * 4));
-    const std::vector<Pairs> calls = pair_calls(s);
-    for (const Pairs& c : calls) {
-      const int64_t r = c.rows(T, C3, HD), rs = c.rows_stride(T, C3, HD);
-      gemm_batched(o, c.batch, false, true, T, T, HD, scale, at(q, r), C3, rs, at(q, r + C), C3, rs,
-                   0.0f, scores + c.probs(NH, TT), T, c.probs_stride(NH, TT));
-    }
-    const void* dropped = nullptr;
+    float* dr = d.p == 0.0f            ? nullptr
+                : p == Precision::FP32 ? ws.attn_work
+                : p == Precision::FP16
+                    ? static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4))
+                    : nullptr;
+    const void* dropped = p == Precision::BF16 ? static_cast<const void*>(ws.attn_probs16)
+                          : dr                 ? dr
+                                               : scores;
+    const auto products = attention_forward_products(s, g.el, q, scores, dropped, ctx);
+    gemm_pairs(g.o, s.B * s.NH, s.NH, products[0]);
     if (p == Precision::FP32) {
-      float* dr = d.p > 0.0f ? ws.attn_work : nullptr;
       attention_softmax_forward(scores, dr, scores, mask, s, d);
-      dropped = dr ? dr : scores;
     } else if (p == Precision::BF16) {  // softmax and the bf16 rounding in one pass
       attention_softmax_forward_bf16(saved.probs16, ws.attn_probs16, scores, mask, s, d);
-      dropped = ws.attn_probs16;
     } else {  // FP16
       attention_softmax_forward(scores, nullptr, scores, mask, s, Dropout{});
-      float* dr =
-          d.p > 0.0f ? static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4)) : nullptr;
       launch(attention_keep_f16_kernel, n_probs, scores, saved.probs16, dr, s, d.p, d.key,
              d.offset);
-      dropped = dr ? dr : scores;
     }
-    for (const Pairs& c : calls) {
-      const int64_t r = c.rows(T, C3, HD), rs = c.rows_stride(T, C3, HD);
-      gemm_batched(o, c.batch, false, false, T, HD, T, 1.0f, at(dropped, c.probs(NH, TT)), T,
-                   c.probs_stride(NH, TT), at(q, r + 2 * C), C3, rs, 0.0f, ctx + c.rows(T, C, HD),
-                   C, c.rows_stride(T, C, HD));
-    }
+    gemm_pairs(g.o, s.B * s.NH, s.NH, products[1]);
   }
 
   void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
@@ -471,12 +429,8 @@ class CudaBackend final : public kernels::Backend {
                           const AttentionShape& s, const Dropout& d,
                           const kernels::Workspace& ws) const override {
     const AttentionDims g(p, s, saved);
-    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = g.HD, C3 = g.C3, TT = g.TT;
-    const int64_t n_probs = g.n_probs;
-    const float scale = g.scale;
-    const Operands o = g.o;
+    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, C3 = g.C3, n_probs = g.n_probs;
     const bool bf16 = p == Precision::BF16;
-    auto at = [&](const void* base, int64_t elems) { return g.at(base, elems); };
     // Q, K, V as forward used them; the kept probabilities in fp32 (FP16: widened).
     const void* q = bf16 ? static_cast<const void*>(qkv.bits) : qkv.f32;
     const float* probs = saved.probs;
@@ -488,7 +442,7 @@ class CudaBackend final : public kernels::Backend {
       probs = pw;
     }
     // The dropped probabilities again (forward's are gone with its scratch).
-    const void* dropped = bf16 ? static_cast<const void*>(saved.probs16) : probs;
+    const void* dropped = probs;
     if (bf16) {
       launch(attention_dropped_kernel, n_probs, static_cast<float*>(nullptr), ws.attn_probs16,
              static_cast<const float*>(nullptr), saved.probs16, s, d.p, d.key, d.offset);
@@ -504,40 +458,24 @@ class CudaBackend final : public kernels::Backend {
       round_to_bf16(ws.attn_dctx16, dctx, B * T * C);
       dc = ws.attn_dctx16;
     }
-    // dd (then ds) for every pair in a [B, NH, T, T] buffer.
+    // dd (then ds) for every pair in a [B, NH, T, T] buffer; BF16's ds in bf16 over the dropped
+    // probabilities once dV has used them.
     float* dd = static_cast<float*>(scratch(kAttentionGradSlot, n_probs * 4));
-    const std::vector<Pairs> calls = pair_calls(s);
-    for (const Pairs& c : calls) {
-      const int64_t r3 = c.rows(T, C3, HD), rs3 = c.rows_stride(T, C3, HD);
-      const int64_t r = c.rows(T, C, HD), rs = c.rows_stride(T, C, HD);
-      const int64_t pr = c.probs(NH, TT), ps = c.probs_stride(NH, TT);
-      // dV = dropped^T dctx; dd = dctx V^T
-      gemm_batched(o, c.batch, true, false, T, HD, T, 1.0f, at(dropped, pr), T, ps, at(dc, r), C,
-                   rs, 0.0f, dqkv + r3 + 2 * C, C3, rs3);
-      gemm_batched(o, c.batch, false, true, T, T, HD, 1.0f, at(dc, r), C, rs, at(q, r3 + 2 * C), C3,
-                   rs3, 0.0f, dd + pr, T, ps);
-    }
+    const void* ds = bf16 ? static_cast<const void*>(ws.attn_probs16) : dd;
+    const auto products = attention_backward_products(s, g.el, q, dropped, dc, dd, ds, dqkv);
+    gemm_pairs(g.o, B * NH, NH, products[0]);  // dV
+    gemm_pairs(g.o, B * NH, NH, products[1]);  // dd
     const int64_t rows = B * NH * T;
-    const void* ds = dd;
-    if (bf16) {  // ds in bf16 for the two products, over the dropped probabilities (used above)
+    if (bf16)
       softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(
           reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16), dd,
           reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, 0, rows, d.p, d.key, d.offset);
-      ds = ws.attn_probs16;
-    } else {
+    else
       softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(dd, dd, probs, s, 0, rows,
                                                                       d.p, d.key, d.offset);
-    }
     check_launch();
-    for (const Pairs& c : calls) {
-      const int64_t r3 = c.rows(T, C3, HD), rs3 = c.rows_stride(T, C3, HD);
-      const int64_t pr = c.probs(NH, TT), ps = c.probs_stride(NH, TT);
-      // dQ = scale ds K; dK = scale ds^T Q
-      gemm_batched(o, c.batch, false, false, T, HD, T, scale, at(ds, pr), T, ps, at(q, r3 + C), C3,
-                   rs3, 0.0f, dqkv + r3, C3, rs3);
-      gemm_batched(o, c.batch, true, false, T, HD, T, scale, at(ds, pr), T, ps, at(q, r3), C3, rs3,
-                   0.0f, dqkv + r3 + C, C3, rs3);
-    }
+    gemm_pairs(g.o, B * NH, NH, products[2]);  // dQ
+    gemm_pairs(g.o, B * NH, NH, products[3]);  // dK
   }
 
   void activation_forward(Precision p, Activation a, Kept out, Kept in, int64_t n) const override {

@@ -15,6 +15,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cpu/elementwise.h"
+#include "kernels/cuda/attention_products.h"
 
 namespace bertrain::cuda {
 
@@ -65,13 +66,11 @@ void linear_backward(Operands o, float* dinp, float* dw, float* db, const void* 
                      const float* dout_f32, const void* in, const void* w, int64_t M, int64_t N,
                      int64_t K, bool accumulate_dinp, void* stream = nullptr);
 
-// batch row-major products C_i = alpha op(A_i) op(B_i) + beta C_i, matrix i at A + i*sa,
-// B + i*sb, C + i*sc (elements), as kernels::gemm_batched on the CPU (cuBLAS strided batched:
-// attention's products over the heads of a sequence, read straight out of the QKV rows).
-void gemm_batched(Operands o, int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N,
-                  int64_t K, float alpha, const void* A, int64_t lda, int64_t sa, const void* B,
-                  int64_t ldb, int64_t sb, float beta, float* C, int64_t ldc, int64_t sc,
-                  void* stream = nullptr);
+// A product over attention's (sequence, head) pairs (attention_products.h) for `pairs` pairs of
+// NH heads a sequence: one cuBLAS batched call, its pointer arrays made on the GPU (scratch's
+// attention-pointers part).
+void gemm_pairs(Operands o, int64_t pairs, int64_t NH, const PairProduct& p,
+                void* stream = nullptr);
 
 // The GEMM ceiling on the current GPU, measured now: TFLOP/s of cuBLASLt's [M,K] x [N,K]^T
 // product with these operands on pseudo-random values (zeros run faster), timed with CUDA

@@ -198,6 +198,16 @@ void column_sums(float* db, const float* dout, int64_t M, int64_t N, cudaStream_
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
+// The pairs' matrices: pointers [0, n) of A, [n, 2n) of B, [2n, 3n) of C.
+__global__ void pair_pointers_kernel(void** out, int64_t n, int64_t NH, PairOperand a,
+                                     PairOperand b, PairOperand c) {
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k >= n) return;
+  out[k] = const_cast<void*>(a.of(k, NH));
+  out[n + k] = const_cast<void*>(b.of(k, NH));
+  out[2 * n + k] = const_cast<void*>(c.of(k, NH));
+}
+
 cublasHandle_t blas_handle() {
   thread_local struct Handle {
     cublasHandle_t h = nullptr;
@@ -209,20 +219,25 @@ cublasHandle_t blas_handle() {
 
 }  // namespace
 
-void gemm_batched(Operands o, int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N,
-                  int64_t K, float alpha, const void* A, int64_t lda, int64_t sa, const void* B,
-                  int64_t ldb, int64_t sb, float beta, float* C, int64_t ldc, int64_t sc,
-                  void* stream) {
-  if (batch == 0 || M == 0 || N == 0) return;
+void gemm_pairs(Operands o, int64_t pairs, int64_t NH, const PairProduct& p, void* stream) {
+  if (pairs == 0 || p.M == 0 || p.N == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  auto** ptrs = static_cast<void**>(scratch(kAttentionPointersSlot, 3 * pairs * sizeof(void*)));
+  constexpr unsigned kThreads = 256;
+  pair_pointers_kernel<<<blocks_for(pairs, kThreads), kThreads, 0, s>>>(ptrs, pairs, NH, p.a, p.b,
+                                                                        p.c);
+  BT_CUDA_CHECK(cudaGetLastError());
   cublasHandle_t h = blas_handle();
-  BT_CUBLAS_CHECK(cublasSetStream(h, as_stream(stream)));
+  BT_CUBLAS_CHECK(cublasSetStream(h, s));
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B first, the flags kept.
   const cudaDataType_t t = operand_type(o);
-  BT_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-      h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-      static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, B, t,
-      static_cast<int>(ldb), sb, A, t, static_cast<int>(lda), sa, &beta, C, CUDA_R_32F,
-      static_cast<int>(ldc), sc, static_cast<int>(batch), compute_type(o), CUBLAS_GEMM_DEFAULT));
+  const float beta = 0.0f;
+  BT_CUBLAS_CHECK(cublasGemmBatchedEx(
+      h, p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+      static_cast<int>(p.N), static_cast<int>(p.M), static_cast<int>(p.K), &p.alpha, ptrs + pairs,
+      t, static_cast<int>(p.ldb), ptrs, t, static_cast<int>(p.lda), &beta, ptrs + 2 * pairs,
+      CUDA_R_32F, static_cast<int>(p.ldc), static_cast<int>(pairs), compute_type(o),
+      CUBLAS_GEMM_DEFAULT));
 }
 
 void linear_forward(Operands o, float* out, const void* in, const void* w, const float* bias,

@@ -22,6 +22,7 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
     part(kAttentionScoresSlot) = k.precision == Precision::FP32 ? 0 : probs;
     part(kAttentionDroppedSlot) = k.precision == Precision::BF16 ? 0 : probs;
     part(kAttentionGradSlot) = probs;
+    part(kAttentionPointersSlot) = 3 * a.B * a.NH * int64_t{sizeof(void*)};
   }
   part(kMatmulWorkspaceSlot) = k.num_linears > 0 ? static_cast<int64_t>(kMatmulWorkspaceBytes) : 0;
   part(kMultiTensorSlot) = multi_tensor_bytes(k.parameters, k.tensors);

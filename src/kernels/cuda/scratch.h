@@ -15,16 +15,17 @@ namespace bertrain::cuda {
 // The parts of the CUDA kernels' scratch (ScratchLayout::part, one thread): the bound region's
 // part when it is large enough, else a buffer of the calling thread's own (cuda.h, scratch).
 enum ScratchSlot : int {
-  kReductionSlot,         // partial sums of a reduction: 2 x kReduceBlocks doubles
-  kCrossEntropySlot,      // each row's loss and hit: 2 floats a row
-  kAttentionScoresSlot,   // [B, NH, T, T] fp32 scores (16-bit precisions; FP16 backward: probs)
-  kAttentionDroppedSlot,  // [B, NH, T, T] fp32 dropped probabilities (FP32 backward, FP16)
-  kAttentionGradSlot,     // [B, NH, T, T] fp32 probability gradients
-  kSquaredErrorSlot,      // a regression's squared errors: a float a row
-  kMatmulWorkspaceSlot,   // cuBLASLt's workspace
-  kMultiTensorSlot,       // the optimizer's tensors, chunks, steps and partial sums
-  kColumnSumsSlot,        // column sums per chunk of rows (bias and LayerNorm gradients)
-  kEmbeddingSlot,         // embedding backward's partial rows (kernels::max_partials)
+  kReductionSlot,          // partial sums of a reduction: 2 x kReduceBlocks doubles
+  kCrossEntropySlot,       // each row's loss and hit: 2 floats a row
+  kAttentionScoresSlot,    // [B, NH, T, T] fp32 scores (16-bit precisions; FP16 backward: probs)
+  kAttentionDroppedSlot,   // [B, NH, T, T] fp32 dropped probabilities (FP32 backward, FP16)
+  kAttentionGradSlot,      // [B, NH, T, T] fp32 probability gradients
+  kSquaredErrorSlot,       // a regression's squared errors: a float a row
+  kMatmulWorkspaceSlot,    // cuBLASLt's workspace
+  kMultiTensorSlot,        // the optimizer's tensors, chunks, steps and partial sums
+  kColumnSumsSlot,         // column sums per chunk of rows (bias and LayerNorm gradients)
+  kEmbeddingSlot,          // embedding backward's partial rows (kernels::max_partials)
+  kAttentionPointersSlot,  // attention's products: 3 pointers a (sequence, head) pair
   kScratchSlots
 };
 static_assert(kScratchSlots <= kernels::ScratchLayout::kParts);
