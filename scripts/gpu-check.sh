@@ -19,7 +19,9 @@
 #                               Then BERT-base and BERT-Large training steps (bench --device
 #                               cuda) against PyTorch on the same GPU: tokens/s, ratio, MFU
 #                               against the GEMM ceiling measured in the run, GPU memory
-#                               (BENCH=0 skips them), after a BERT-tiny training run
+#                               and where a BERT-Large step's GPU time goes by operation
+#                               (BERTRAIN_CUDA_PROFILE=1) (BENCH=0 skips them), after a
+#                               BERT-tiny training run
 #                               from the CLI on the GPU (train --device cuda; TRAIN=0 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -160,6 +162,11 @@ print(f"{name:<24} {prec:<4} {batch:<9} {b['tokens_per_s']:12.0f} {p['tokens_per
 PY
           done
         done
+        # Where a BERT-Large step's GPU time goes, by operation: the map for what to speed up next.
+        BERTRAIN_CUDA_PROFILE=1 timeout 120 "$PACK/bin/bertrain" bench --device cuda \
+          --model-config configs/bert-large.json --seq-len 128 --max-predictions 20 \
+          --batch-size 32 --precision bf16 --steps 3 --warmup 1 ||
+          echo "gpu-check: the profiled BERT-Large run failed (above)"
       fi
     } 2>&1 | tee "$LOG"
     grep -q "tests exit 0" "$LOG"

@@ -95,6 +95,7 @@ struct BenchResult {
   double loss = 0, rss = 0, planned = 0, allocated = 0;
   double device_used = 0;  // a GPU's memory in use at the end (the CUDA context's included)
   int64_t unplanned = 0;
+  std::string op_profile;  // the device's time by operation (Backend::op_profile), if on
 };
 
 }  // namespace
@@ -220,6 +221,7 @@ void add_bench(CLI::App& app) {
                              train::StepSettings{1, 1.0, false, 0, 1});
       std::vector<double> fwd, bwd, upd;
       for (int s = 0; s < warmup + o->steps; ++s) {
+        if (s == warmup) be.op_profile(1);  // (the warm-up's operations left out)
         const model::Batch& b = bs[static_cast<size_t>(s) % bs.size()];
         const train::StepReport r = train_step.run(s, 1e-5, [&](model::Batch& batch) {
           batch = b;
@@ -241,6 +243,7 @@ void add_bench(CLI::App& app) {
         std::sort(v.begin(), v.end());
         return v[v.size() / 2];
       };
+      res.op_profile = be.op_profile(o->steps);
       res.forward = median(fwd);
       res.backward = median(bwd);
       res.optimizer = median(upd);
@@ -349,6 +352,11 @@ void add_bench(CLI::App& app) {
             human_bytes(r.allocated).c_str());
       std::printf("  loss       %.4f (%s)\n", r.loss,
                   o->data.empty() ? "synthetic data; sanity only" : "untrained model");
+      if (!r.op_profile.empty())
+        std::printf(
+            "  device time by operation (BERTRAIN_CUDA_PROFILE; events around each, "
+            "so the step above is slower than unprofiled):\n%s",
+            r.op_profile.c_str());
     }
     auto rate = [](const BenchResult& r) { return r.real_tokens / r.seconds; };
     for (size_t i = 1; i < results.size() && !o->json; ++i)

@@ -129,6 +129,10 @@ class Backend : public Target {
   // The device's memory, for a backend with memory of its own (a GPU's: what a run checks its
   // plan against before it allocates); nothing for host memory (the CPU's budget is the host's).
   virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
+  // Where the device's time goes, where profiling is on (a GPU's: BERTRAIN_CUDA_PROFILE=1): the
+  // device time of each operation since the last call, per step of `steps`, as a table (the
+  // sums start again); empty where it is off.
+  virtual std::string op_profile(int64_t /*steps*/) const { return {}; }
 
   // -- kernel scratch (kernels/types.h) --
   // The region of Target::scratch_layout's layout, bound before the model runs kernels

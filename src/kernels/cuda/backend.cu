@@ -6,8 +6,13 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "core/arena.h"
@@ -254,6 +259,121 @@ struct AttentionDims {
   }
 };
 
+// BERTRAIN_CUDA_PROFILE=1: each backend operation's GPU time, summed by name: events recorded
+// around what it queues on the kernels' stream, read back every kFold operations (a profiled
+// run is slower end to end; its per-operation times are the GPU's). Off: one branch each.
+class Profile {
+ public:
+  static Profile& get() {
+    static Profile p;
+    return p;
+  }
+  bool on() const { return on_; }
+  cudaEvent_t event() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pool_.empty()) {
+      cudaEvent_t e = nullptr;
+      BT_CUDA_CHECK(cudaEventCreate(&e));
+      return e;
+    }
+    cudaEvent_t e = pool_.back();
+    pool_.pop_back();
+    return e;
+  }
+  void add(const char* name, cudaEvent_t a, cudaEvent_t b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.push_back({name, a, b});
+    if (pending_.size() >= kFold) fold();
+  }
+  std::string table(int64_t steps) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fold();
+    double all = 0;
+    std::vector<std::pair<double, std::string>> rows;
+    for (const auto& [name, t] : totals_) {
+      all += t.ms;
+      rows.push_back({t.ms, name});
+    }
+    std::sort(rows.rbegin(), rows.rend());
+    const double per = static_cast<double>(std::max<int64_t>(steps, 1));
+    std::string out;
+    char line[160];
+    std::snprintf(line, sizeof line, "    %-30s %10s %10s %7s\n", "operation", "calls/step",
+                  "ms/step", "share");
+    out += line;
+    for (const auto& [ms, name] : rows) {
+      std::snprintf(line, sizeof line, "    %-30s %10.1f %10.3f %6.1f%%\n", name.c_str(),
+                    static_cast<double>(totals_[name].calls) / per, ms / per,
+                    all > 0 ? 100.0 * ms / all : 0.0);
+      out += line;
+    }
+    std::snprintf(line, sizeof line, "    %-30s %10s %10.3f\n", "all operations", "", all / per);
+    out += line;
+    totals_.clear();
+    return out;
+  }
+
+ private:
+  static constexpr size_t kFold = 4096;
+  struct Span {
+    const char* name;
+    cudaEvent_t a, b;
+  };
+  struct Total {
+    double ms = 0;
+    int64_t calls = 0;
+  };
+  Profile() {
+    const char* e = std::getenv("BERTRAIN_CUDA_PROFILE");
+    on_ = e && *e && std::strcmp(e, "0") != 0;
+  }
+  void fold() {  // (mu_ held)
+    for (const Span& s : pending_) {
+      float ms = 0;
+      BT_CUDA_CHECK(cudaEventSynchronize(s.b));
+      BT_CUDA_CHECK(cudaEventElapsedTime(&ms, s.a, s.b));
+      Total& t = totals_[s.name];
+      t.ms += ms;
+      ++t.calls;
+      pool_.push_back(s.a);
+      pool_.push_back(s.b);
+    }
+    pending_.clear();
+  }
+  bool on_ = false;
+  std::mutex mu_;
+  std::vector<Span> pending_;
+  std::vector<cudaEvent_t> pool_;
+  std::map<std::string, Total> totals_;
+};
+
+// One operation's span (Profile), from its construction to the end of its scope.
+class Op {
+ public:
+  explicit Op(const char* name) : name_(name) {
+    Profile& p = Profile::get();
+    if (!p.on()) return;
+    start_ = p.event();
+    BT_CUDA_CHECK(cudaEventRecord(start_, nullptr));
+  }
+  ~Op() {
+    if (!start_) return;
+    try {  // (a CUDA error here: the operation's own check, or the next one, reports it)
+      Profile& p = Profile::get();
+      cudaEvent_t end = p.event();
+      BT_CUDA_CHECK(cudaEventRecord(end, nullptr));
+      p.add(name_, start_, end);
+    } catch (const Error&) {
+    }
+  }
+  Op(const Op&) = delete;
+  Op& operator=(const Op&) = delete;
+
+ private:
+  const char* name_;
+  cudaEvent_t start_ = nullptr;
+};
+
 // The last upload's completion on the calling thread's current GPU (uploads are in the order
 // of the GPU's kernel stream, so it follows every earlier one; one thread may run several GPUs
 // in turn: a test's ranks).
@@ -297,9 +417,11 @@ class CudaBackend final : public kernels::Backend {
     if (p) cudaFree(p);
   }
   void to_device(void* dst, const void* src, size_t bytes) const override {
+    const Op op("to_device");
     BT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
   }
   void to_host(void* dst, const void* src, size_t bytes) const override {
+    const Op op("to_host");
     BT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
   }
   void* allocate_host(size_t bytes) const override {
@@ -313,12 +435,16 @@ class CudaBackend final : public kernels::Backend {
   void release_host(void* p) const override { cudaFreeHost(p); }
   // On the kernels' stream: the kernels issued after it wait for it; the host does not.
   void upload(void* dst, const void* src, size_t bytes) const override {
+    const Op op("upload");
     BT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, nullptr));
     BT_CUDA_CHECK(cudaEventRecord(upload_event(), nullptr));
   }
   void wait_uploads() const override { BT_CUDA_CHECK(cudaEventSynchronize(upload_event())); }
   void synchronize() const override { BT_CUDA_CHECK(cudaDeviceSynchronize()); }
   bool has_blocked_attention() const override { return false; }
+  std::string op_profile(int64_t steps) const override {
+    return Profile::get().on() ? Profile::get().table(steps) : std::string();
+  }
 
   std::optional<kernels::DeviceMemory> device_memory() const override {
     kernels::DeviceMemory m;
@@ -338,6 +464,7 @@ class CudaBackend final : public kernels::Backend {
   void linear_forward(Precision p, float* out, Kept in, kernels::Weight w, const float* bias,
                       int64_t M, int64_t N, int64_t K,
                       const kernels::Workspace& ws) const override {
+    const Op op("linear_forward");
     if (p != Precision::BF16)
       return cuda::linear_forward(operands_of(p), out, in.f32, w.f32, bias, M, N, K);
     const uint16_t* x = in.bits;
@@ -351,6 +478,7 @@ class CudaBackend final : public kernels::Backend {
   void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
                        kernels::Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
                        const kernels::Workspace& ws) const override {
+    const Op op("linear_backward");
     switch (p) {
       case Precision::FP32:
         return cuda::linear_backward(Operands::FP32, dinp, dw, db, dout, dout, in.f32, w.f32, M, N,
@@ -378,11 +506,13 @@ class CudaBackend final : public kernels::Backend {
   }
 
   void keep(Precision p, Kept x, int64_t n) const override {
+    const Op op("keep");
     if (p == Precision::BF16) round_to_bf16(x.bits, x.f32, n);
     if (p == Precision::FP16) launch(keep_f16_kernel, n, x.f32, x.bits, n);
   }
 
   void copy_weights(Precision p, const float* master, uint16_t* copy, int64_t n) const override {
+    const Op op("copy_weights");
     if (p == Precision::BF16) round_to_bf16(copy, master, n);
   }
 
@@ -392,6 +522,7 @@ class CudaBackend final : public kernels::Backend {
   void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
                          const int32_t* mask, const AttentionShape& s, const Dropout& d,
                          const kernels::Workspace& ws) const override {
+    const Op op("attention_forward");
     const AttentionDims g(p, s, saved);
     const int64_t B = s.B, T = s.T, C3 = g.C3, n_probs = g.n_probs;
     if (p == Precision::BF16) round_to_bf16(qkv.bits, qkv.f32, B * T * C3);
@@ -428,6 +559,7 @@ class CudaBackend final : public kernels::Backend {
                           kernels::AttentionSaved saved, const int32_t* mask,
                           const AttentionShape& s, const Dropout& d,
                           const kernels::Workspace& ws) const override {
+    const Op op("attention_backward");
     const AttentionDims g(p, s, saved);
     const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, C3 = g.C3, n_probs = g.n_probs;
     const bool bf16 = p == Precision::BF16;
@@ -479,6 +611,7 @@ class CudaBackend final : public kernels::Backend {
   }
 
   void activation_forward(Precision p, Activation a, Kept out, Kept in, int64_t n) const override {
+    const Op op("activation_forward");
     if (p == Precision::FP32) return cuda::activation_forward(a, out.f32, in.f32, n);
     launch(activation_forward_16_kernel, n, p, a, out.f32, out.bits,
            static_cast<const float*>(in.f32), in.bits, n);
@@ -486,15 +619,18 @@ class CudaBackend final : public kernels::Backend {
 
   void activation_backward(Precision p, Activation a, float* dinp, Kept in, const float* dout,
                            int64_t n) const override {
+    const Op op("activation_backward");
     if (p == Precision::FP32) return cuda::activation_backward(a, dinp, in.f32, dout, n);
     launch(activation_backward_16_kernel, n, p, a, dinp, static_cast<const uint16_t*>(in.bits),
            dout, n);
   }
 
   void tanh_forward(float* out, const float* in, int64_t n) const override {
+    const Op op("tanh_forward");
     launch(tanh_forward_kernel, n, out, in, n);
   }
   void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n) const override {
+    const Op op("tanh_backward");
     launch(tanh_backward_kernel, n, dinp, out, dout, n);
   }
 
@@ -504,6 +640,7 @@ class CudaBackend final : public kernels::Backend {
                                    const float* position, const float* token_type,
                                    const float* gamma, const float* beta, int64_t B, int64_t T,
                                    int64_t C, float eps, const Dropout& d) const override {
+    const Op op("embedding_layernorm_forward");
     cuda::embedding_layernorm_forward(out, sum, mean, rstd, ids, segment, positions, word, position,
                                       token_type, gamma, beta, B, T, C, eps, d);
   }
@@ -511,6 +648,7 @@ class CudaBackend final : public kernels::Backend {
                           const int32_t* ids, const int32_t* segment, const int32_t* positions,
                           int64_t B, int64_t T, int64_t C,
                           const kernels::EmbeddingRuns* runs) const override {
+    const Op op("embedding_backward");
     (void)ids, (void)segment, (void)positions, (void)B, (void)T;  // grouped in `runs`
     BT_CHECK(runs,
              "embedding backward on the GPU sums by the tokens grouped by table row "
@@ -521,32 +659,38 @@ class CudaBackend final : public kernels::Backend {
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* in, const float* gamma,
                          const float* beta, int64_t N, int64_t C, float eps) const override {
+    const Op op("layernorm_forward");
     cuda::layernorm_forward(out, mean, rstd, in, gamma, beta, N, C, eps);
   }
   void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
                           const float* in, const float* gamma, const float* mean, const float* rstd,
                           int64_t N, int64_t C) const override {
+    const Op op("layernorm_backward");
     cuda::layernorm_backward(dinp, dgamma, dbeta, dout, in, gamma, mean, rstd, N, C);
   }
   void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                   const float* residual, const float* gamma, const float* beta,
                                   int64_t N, int64_t C, float eps,
                                   const Dropout& d) const override {
+    const Op op("residual_layernorm_forward");
     cuda::residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
   }
   void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
                                   const float* dout, const float* in, const float* gamma,
                                   const float* mean, const float* rstd, int64_t N, int64_t C,
                                   bool accumulate_dinp, const Dropout& d) const override {
+    const Op op("layernorm_dropout_backward");
     cuda::layernorm_dropout_backward(dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd, N,
                                      C, accumulate_dinp, d);
   }
 
   void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
+    const Op op("dropout_forward");
     BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
     cuda::dropout_forward(x, n, d.p, d.key, d.offset);
   }
   void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const override {
+    const Op op("dropout_backward");
     BT_CHECK(!d.rows, "dropout_backward: a row map is for the row kernels");
     if (d.p <= 0.0f) {
       if (dx != dy) copy(dx, dy, n);
@@ -555,25 +699,31 @@ class CudaBackend final : public kernels::Backend {
     launch(dropout_backward_kernel, n, dx, dy, n, d.p, d.key, d.offset);
   }
   void add_inplace(float* out, const float* a, int64_t n) const override {
+    const Op op("add_inplace");
     launch(add_inplace_kernel, n, out, a, n);
   }
   void copy(float* dst, const float* src, int64_t n) const override {
+    const Op op("copy");
     if (n > 0)
       BT_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float),
                                     cudaMemcpyDeviceToDevice));
   }
   void gather_rows(float* out, const float* seq, const int32_t* positions, int64_t B, int64_t P,
                    int64_t T, int64_t C) const override {
+    const Op op("gather_rows");
     launch(gather_rows_kernel, B * P * C, out, seq, positions, B, P, T, C);
   }
   void scatter_add_rows(float* dseq, const float* d, const int32_t* positions, int64_t B, int64_t P,
                         int64_t T, int64_t C) const override {
+    const Op op("scatter_add_rows");
     launch(scatter_add_rows_kernel, B * C, dseq, d, positions, B, P, T, C);
   }
   void scale_inplace(float* x, int64_t n, float s) const override {
+    const Op op("scale_inplace");
     launch(scale_kernel, n, x, n, s);
   }
   void zero(void* p, int64_t bytes) const override {
+    const Op op("zero");
     if (bytes > 0) BT_CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(bytes)));
   }
 
@@ -581,6 +731,7 @@ class CudaBackend final : public kernels::Backend {
                                           const float* logits, const int32_t* targets,
                                           const float* weights, int64_t N, int64_t V,
                                           float dscale) const override {
+    const Op op("cross_entropy");
     kernels::CrossEntropySums s =
         cuda::cross_entropy(dlogits, losses, correct, logits, targets, weights, N, V, dscale);
     if (!correct) s.correct = 0;  // as the CPU: the hits only where asked for
@@ -589,6 +740,7 @@ class CudaBackend final : public kernels::Backend {
 
   double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
                        float dscale) const override {
+    const Op op("squared_error");
     if (N == 0) return 0;
     float* sq = static_cast<float*>(scratch(kSquaredErrorSlot, N * sizeof(float)));
     launch(squared_error_kernel, N, dpred, sq, pred, target, N, dscale);
@@ -600,14 +752,17 @@ class CudaBackend final : public kernels::Backend {
   }
 
   void add_sum_squares(double& sum, const float* g, int64_t n, double scale) const override {
+    const Op op("add_sum_squares");
     cuda::add_sum_squares(sum, g, n, scale);
   }
   void adamw_update(const kernels::AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
                     float* v, int64_t n) const override {
+    const Op op("adamw_update");
     cuda::adamw_update(a, p, p16, g, m, v, n);
   }
   void lamb_update(const kernels::LambStep& a, float* p, uint16_t* p16, const float* g, float* m,
                    float* v, int64_t n) const override {
+    const Op op("lamb_update");
     double pn = 0, un = 0;
     cuda::lamb_moments(a, p, g, m, v, n, pn, un);
     cuda::lamb_apply(a, p, p16, m, v, n, a.lr * kernels::lamb_trust(a, pn, un));
@@ -620,14 +775,17 @@ class CudaBackend final : public kernels::Backend {
   using kernels::Backend::lamb_update;
   void add_sum_squares(double& sum, const float* g, const kernels::TensorSpan* t, int64_t count,
                        double scale) const override {
+    const Op op("add_sum_squares (all tensors)");
     cuda::add_sum_squares(sum, g, t, count, scale);
   }
   void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
                     float* v, const kernels::TensorSpan* t, int64_t count) const override {
+    const Op op("adamw_update (all tensors)");
     cuda::adamw_update(a, p, p16, g, m, v, t, count);
   }
   void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
                    float* v, const kernels::TensorSpan* t, int64_t count) const override {
+    const Op op("lamb_update (all tensors)");
     std::vector<double> pn(static_cast<size_t>(count), 0.0), un(static_cast<size_t>(count), 0.0);
     cuda::lamb_update(a, p, p16, g, m, v, t, count, pn.data(), un.data(), [&](float* step) {
       for (int64_t i = 0; i < count; ++i)
@@ -637,20 +795,24 @@ class CudaBackend final : public kernels::Backend {
   void lamb_moments(const kernels::LambStep* a, const float* p, const float* g, float* m, float* v,
                     const kernels::TensorSpan* t, int64_t count, double* pn,
                     double* un) const override {
+    const Op op("lamb_moments (all tensors)");
     cuda::lamb_update(a, const_cast<float*>(p), nullptr, g, m, v, t, count, pn, un, {});
   }
   void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float* m,
                   const float* v, const kernels::TensorSpan* t, int64_t count,
                   const float* step) const override {
+    const Op op("lamb_apply (all tensors)");
     cuda::lamb_apply(a, p, p16, m, v, t, count, step);
   }
 
   void lamb_moments(const kernels::LambStep& a, const float* p, const float* g, float* m, float* v,
                     int64_t n, double& pn, double& un) const override {
+    const Op op("lamb_moments");
     cuda::lamb_moments(a, p, g, m, v, n, pn, un);
   }
   void lamb_apply(const kernels::LambStep& a, float* p, uint16_t* p16, const float* m,
                   const float* v, int64_t n, float step) const override {
+    const Op op("lamb_apply");
     cuda::lamb_apply(a, p, p16, m, v, n, step);
   }
 };
