@@ -75,13 +75,8 @@ __global__ void layernorm_param_sum_kernel(float* dgamma, float* dbeta, const fl
                                            int64_t chunks, int64_t C) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
-  float g = 0.0f, b = 0.0f;
-  for (int64_t k = 0; k < chunks; ++k) {
-    g += partial[k * C + c];
-    b += partial[(chunks + k) * C + c];
-  }
-  dgamma[c] += g;
-  dbeta[c] += b;
+  rm::column_sum(dgamma, partial, 0, chunks, C, c);
+  rm::column_sum(dbeta, partial + chunks * C, 0, chunks, C, c);
 }
 
 // Over chunks of rows in parallel (a column per thread over all N rows would leave most of the
