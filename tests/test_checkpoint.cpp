@@ -136,6 +136,23 @@ TEST(Safetensors, CorruptFilesGiveClearErrors) {
   len[0] = static_cast<char>(hdr.size());
   e = error_of([&] { SafetensorsReader r(write("trunc", len + hdr + std::string(8, '\0'))); });
   EXPECT_NE(e.find("tensor w [4] F32 has data_offsets [0, 16]"), std::string::npos) << e;
+  // Sizes that are no sizes (found by the fuzzer: an offset past 64 bits, which JSON reads as
+  // floating point), or more elements than the file has bytes.
+  for (const auto& [h, want] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,55555555555555555524]}})",
+            "tensor w: data_offsets holds 5.555555555555556e+19, not a whole number"},
+           {R"({"w":{"dtype":"F32","shape":[-4],"data_offsets":[0,16]}})",
+            "tensor w: shape holds -4, not a whole number"},
+           {R"({"w":{"dtype":"F32","shape":[2.5],"data_offsets":[0,16]}})",
+            "tensor w: shape holds 2.5, not a whole number"},
+           {R"({"w":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,16]}})",
+            "tensor w: shape [4611686018427387904,8] holds more elements than the data section"},
+           {R"({"w":{"dtype":"F32","shape":4,"data_offsets":[0,16]}})",
+            "tensor w: shape 4 is not an array"}}) {
+    len[0] = static_cast<char>(h.size());
+    e = error_of([&] { SafetensorsReader r(write("sizes", len + h + std::string(16, '\0'))); });
+    EXPECT_NE(e.find(want), std::string::npos) << e;
+  }
   std::string bad = "{not json";
   len[0] = static_cast<char>(bad.size());
   e = error_of([&] { SafetensorsReader r(write("badjson", len + bad)); });

@@ -19,6 +19,21 @@ namespace {
 
 constexpr uint64_t kMaxHeader = 100u << 20;  // the format's own limit (100 MB)
 
+// A header's array of whole numbers (a shape, data offsets). JSON parsers read an integer past
+// 64 bits as floating point, and a negative or fractional one is no size: the file's error.
+std::vector<uint64_t> whole_numbers(const nlohmann::json& j, const std::string& tensor,
+                                    const char* field) {
+  if (!j.is_array()) fail("tensor ", tensor, ": ", field, " ", j.dump(), " is not an array");
+  std::vector<uint64_t> v;
+  for (const auto& x : j) {
+    if (!x.is_number_unsigned())
+      fail("tensor ", tensor, ": ", field, " holds ", x.dump(),
+           ", not a whole number from 0 to 2^64 - 1");
+    v.push_back(x.get<uint64_t>());
+  }
+  return v;
+}
+
 }  // namespace
 
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
@@ -65,12 +80,21 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
       SafeTensorInfo t;
       t.name = it.key();
       t.dtype = dtype_from_name(it->at("dtype").get<std::string>());
-      t.shape = it->at("shape").get<Shape>();
-      auto off = it->at("data_offsets").get<std::vector<uint64_t>>();
+      // Elements of at most the data section's bytes (so neither the count nor its bytes
+      // overflow 64 bits, whatever the header claims).
+      uint64_t numel = 1;
+      for (uint64_t d : whole_numbers(it->at("shape"), t.name, "shape")) {
+        if (d != 0 && numel > data_size / d)
+          fail("tensor ", t.name, ": shape ", it->at("shape").dump(), " holds more elements than ",
+               "the data section has bytes (", data_size, ")");
+        numel *= d;
+        t.shape.push_back(static_cast<int64_t>(d));
+      }
+      const auto off = whole_numbers(it->at("data_offsets"), t.name, "data_offsets");
       if (off.size() != 2) fail("data_offsets must have 2 entries");
       t.begin = off[0];
       t.end = off[1];
-      const uint64_t want = static_cast<uint64_t>(shape_numel(t.shape)) * dtype_size(t.dtype);
+      const uint64_t want = numel * dtype_size(t.dtype);
       if (t.end < t.begin || t.end > data_size || t.end - t.begin != want)
         fail("tensor ", t.name, " ", shape_str(t.shape), " ", dtype_name(t.dtype),
              " has data_offsets [", t.begin, ", ", t.end, "] but needs ", want,
