@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/backend.h"
 
@@ -68,9 +69,16 @@ class OwnMemoryBackend final : public Backend {
  public:
   // capacity > 0: a device of that many bytes (device_memory says what is free; an allocation
   // past it fails as a GPU's cudaMalloc does). 0: unbounded, and no device_memory.
-  explicit OwnMemoryBackend(size_t capacity = 0) : capacity_(capacity) {}
+  // fp16_operands: FP16's products take fp16 operands, as a GPU's do (Target::fp16_operands):
+  // the model plans the fp16 weight copy and operand scratch, the optimizer writes the copy,
+  // and the linear layers multiply what a GPU's would (the kept fp16 inputs, the fp16 weight
+  // copy, the other operands rounded to fp16) with the CPU's fp32 kernel; attention runs the
+  // CPU's FP16 kernels (the GPU's 16-bit attention row passes: RowMath tests).
+  explicit OwnMemoryBackend(size_t capacity = 0, bool fp16_operands = false)
+      : capacity_(capacity), fp16_operands_(fp16_operands) {}
   const char* name() const override { return "own-memory"; }
   bool host_memory() const override { return false; }
+  bool fp16_operands() const override { return fp16_operands_; }
   void* allocate(size_t bytes) const override {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -211,8 +219,13 @@ class OwnMemoryBackend final : public Backend {
     own(out, "linear out");
     own(in, "linear in");
     own(w.f32, "weight");
-    own(w.bf16, "bf16 weight");
+    own(w.bits, "16-bit weight");
     own(bias, "bias");
+    if (fp16_products(p, w, ws)) {
+      const auto x = fp16_values(in.bits, in.f32, M * K), wv = fp16_values(w.bits, nullptr, N * K);
+      return cpu().linear_forward(Precision::FP32, out, Kept{const_cast<float*>(x.data())},
+                                  Weight{wv.data()}, bias, M, N, K, ws);
+    }
     cpu().linear_forward(p, out, in, w, bias, M, N, K, ws);
   }
   void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
@@ -223,7 +236,41 @@ class OwnMemoryBackend final : public Backend {
                           static_cast<const void*>(db), static_cast<const void*>(dout)})
       own(x, "linear backward operand");
     own(in, "linear backward input");
+    if (fp16_products(p, w, ws)) {  // the bias gradient from the fp32 output gradient
+      const auto d = fp16_values(nullptr, dout, M * N), x = fp16_values(in.bits, in.f32, M * K),
+                 wv = fp16_values(w.bits, nullptr, N * K);
+      cpu().linear_backward(Precision::FP32, dinp, dw, nullptr, d.data(),
+                            Kept{const_cast<float*>(x.data())}, Weight{wv.data()}, M, N, K, acc,
+                            ws);
+      if (db)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n) db[n] += dout[m * N + n];
+      return;
+    }
     cpu().linear_backward(p, dinp, dw, db, dout, in, w, M, N, K, acc, ws);
+  }
+  // Whether a linear layer multiplies fp16 operands here; then its weight has the fp16 copy and
+  // the operand scratch is planned (as a GPU's products need them).
+  bool fp16_products(Precision p, const Weight& w, const Workspace& ws) const {
+    if (p != Precision::FP16 || !fp16_operands_) return false;
+    EXPECT_NE(w.bits, nullptr) << "an fp16 product without the weights' fp16 copy";
+    own(ws.half_a, "16-bit operand scratch");
+    own(ws.half_b, "16-bit operand scratch");
+    EXPECT_NE(ws.half_a, nullptr);
+    EXPECT_NE(ws.half_b, nullptr);
+    return true;
+  }
+  // n fp16 values in fp32: bits widened, or f32 rounded to fp16 and widened.
+  static std::vector<float> fp16_values(const uint16_t* bits, const float* f32, int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    std::vector<uint16_t> b;
+    if (!bits) {
+      b.resize(v.size());
+      convert_f32_to_f16(f32, b.data(), v.size());
+      bits = b.data();
+    }
+    convert_f16_to_f32(bits, v.data(), v.size());
+    return v;
   }
   void keep(Precision p, Kept x, int64_t n) const override {
     const Open open(*this);
@@ -234,6 +281,8 @@ class OwnMemoryBackend final : public Backend {
     const Open open(*this);
     own(master, "master weights");
     own(copy, "weights' copy");
+    if (p == Precision::FP16 && fp16_operands_)
+      return convert_f32_to_f16(master, copy, static_cast<size_t>(n));
     cpu().copy_weights(p, master, copy, n);
   }
   void attention_forward(Precision p, float* ctx, AttentionSaved saved, Kept qkv,
@@ -251,6 +300,16 @@ class OwnMemoryBackend final : public Backend {
     const Open open(*this);
     own(dqkv, "dqkv");
     own(mask, "attention mask");
+    if (p == Precision::FP16 && fp16_operands_) {
+      // The CPU's FP16 kernel widens QKV into ws.wide; with fp16 operands the model plans it for
+      // forward's context only (a GPU's attention reads the 16-bit operands instead).
+      own(ws.attn_probs16, "attention's 16-bit operands");
+      own(ws.attn_dctx16, "attention's 16-bit operands");
+      std::vector<float> wide(static_cast<size_t>(s.B * s.T * 3 * s.C));
+      Workspace w = ws;
+      w.wide = wide.data();
+      return cpu().attention_backward(p, dqkv, dctx, qkv, saved, mask, s, d, w);
+    }
     cpu().attention_backward(p, dqkv, dctx, qkv, saved, mask, s, d, ws);
   }
   void activation_forward(Precision p, Activation a, Kept out, Kept in, int64_t n) const override {
@@ -464,6 +523,7 @@ class OwnMemoryBackend final : public Backend {
   mutable int64_t uploads_ = 0;
   mutable int pending_ = 0;  // an upload not waited for
   const size_t capacity_;
+  const bool fp16_operands_;
   mutable size_t in_use_ = 0, peak_ = 0;
 };
 

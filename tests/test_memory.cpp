@@ -77,8 +77,8 @@ TEST(MemoryPlan, ShardedMasterHoldsOnlyItsPartOfTheMatmulWeights) {
   ref.init_params(7);
   const int64_t total = ref.table().total();
   std::vector<uint16_t> ref_bf16(static_cast<size_t>(total));
-  ref.refresh_bf16_weights(0, total);
-  std::copy(ref.bf16_weights(), ref.bf16_weights() + total, ref_bf16.begin());
+  ref.refresh_weights16(0, total);
+  std::copy(ref.weights16(), ref.weights16() + total, ref_bf16.begin());
   const model::Batch batch = test::random_batch(cfg, 4, 64, 10);
   const bool run = test::bf16_unavailable().empty();
   const model::StepOptions so{false, 0, 0, 0};
@@ -106,7 +106,7 @@ TEST(MemoryPlan, ShardedMasterHoldsOnlyItsPartOfTheMatmulWeights) {
           << what;
       most = std::max(most, params);
       m.init_params(7);
-      EXPECT_EQ(std::memcmp(m.bf16_weights(), ref_bf16.data(), ref_bf16.size() * 2), 0) << what;
+      EXPECT_EQ(std::memcmp(m.weights16(), ref_bf16.data(), ref_bf16.size() * 2), 0) << what;
       for (const auto& p : m.table().params()) {
         if (!m.holds_fp32(p)) continue;
         EXPECT_EQ(std::memcmp(m.param(p.name), ref.param(p.name), 4 * p.numel()), 0) << p.name;

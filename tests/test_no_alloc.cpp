@@ -93,8 +93,8 @@ TEST(Step, MakesNoHeapAllocation) {
           m.zero_grads();
           m.forward(b, so);
           m.backward(b, so, 1024.0f);
-          if (opt.step(m.params(), m.grads(), 1e-4f, 1.0f / 1024, m.bf16_weights()).finite)
-            m.bf16_weights_updated();
+          if (opt.step(m.params(), m.grads(), 1e-4f, 1.0f / 1024, m.weight_copy()).finite)
+            m.weights16_updated();
           during = g_allocations.load() - before;
           large = g_large.load() - lb;
           bytes = g_bytes.load() - bb;

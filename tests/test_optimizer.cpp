@@ -144,25 +144,34 @@ TEST(Optimizer, LambVectorBodiesMatchPortable) {
   }
 }
 
-// The bf16 weight copy written in the update pass equals the updated parameters rounded, for
-// both optimizers and every body.
-TEST(Optimizer, Bf16CopyInTheUpdatePassEqualsRoundedParameters) {
+// The 16-bit weight copy written in the update pass (bf16, or fp16: what a GPU's FP16 products
+// read) equals the updated parameters rounded, for both optimizers and every body (the AVX-512
+// one's vcvtps2ph, the AVX2 one's and the portable loop's f32_to_f16), with a value past fp16's
+// range (infinity in the fp16 copy).
+TEST(Optimizer, WeightCopyInTheUpdatePassEqualsRoundedParameters) {
   const std::vector<ParamSlice> slices = {{"a", 0, 70001, true}, {"b", 70001, 37, false}};
   const int64_t total = 70038;
-  for (OptimizerKind kind : {OptimizerKind::AdamW, OptimizerKind::Lamb}) {
-    for (Isa isa : test::isa_levels()) {
-      OptimizerConfig cfg;
-      cfg.kind = kind;
-      std::vector<float> p = test::random_vector(total, 1), g = test::random_vector(total, 2);
-      std::vector<uint16_t> p16(total, 0xffff), want(total);
-      Optimizer opt(slices, total, cfg);
-      set_isa_override(isa);
-      for (int step = 0; step < 2; ++step) opt.step(p.data(), g.data(), 1e-3f, 1.0f, p16.data());
-      reset_isa_override();
-      convert_f32_to_bf16(p.data(), want.data(), total);
-      EXPECT_EQ(p16, want) << optimizer_name(kind) << " " << isa_name(isa);
+  for (bool f16 : {false, true})
+    for (OptimizerKind kind : {OptimizerKind::AdamW, OptimizerKind::Lamb}) {
+      for (Isa isa : test::isa_levels()) {
+        OptimizerConfig cfg;
+        cfg.kind = kind;
+        std::vector<float> p = test::random_vector(total, 1), g = test::random_vector(total, 2);
+        p[5] = 1e6f;  // fp16: infinity
+        std::vector<uint16_t> p16(total, 0xffff), want(total);
+        Optimizer opt(slices, total, cfg);
+        set_isa_override(isa);
+        for (int step = 0; step < 2; ++step)
+          opt.step(p.data(), g.data(), 1e-3f, 1.0f, kernels::WeightCopy{p16.data(), f16});
+        reset_isa_override();
+        if (f16)
+          convert_f32_to_f16(p.data(), want.data(), total);
+        else
+          convert_f32_to_bf16(p.data(), want.data(), total);
+        EXPECT_EQ(p16, want) << optimizer_name(kind) << " " << isa_name(isa)
+                             << (f16 ? " fp16" : " bf16");
+      }
     }
-  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Clip, AdamWIsa, ::testing::Values(0.0f, 1.0f),

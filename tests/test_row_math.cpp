@@ -239,36 +239,49 @@ TEST(RowMathEmbedding, GroupedSumsEqualCpu) {
   }
 }
 
-// BF16 attention's row passes that round as they write (the GPU's: no fp32 pass between the
-// softmax and its bf16 operands): the kept and the dropped probabilities, and ds, are the bits
-// the fp32 row passes give rounded afterwards, exactly.
-TEST_P(RowMath, AttentionBf16RowsEqualRoundingAfter) {
+// The 16-bit attention row passes that round as they write (the GPU's: no fp32 pass between the
+// softmax and its bf16 / fp16 operands): the kept and the dropped probabilities, and ds, are the
+// bits the fp32 row passes give rounded afterwards, exactly. fp16 with a row of tiny
+// probabilities too (subnormal in fp16, rounded as f32_to_f16 rounds them).
+template <class H, class Round, class Widen>
+void check_rows_16(int lanes, Round round, Widen widen) {
   const int64_t rows = 6, T = 45;
   const float p = 0.1f, ks = row_math::keep_scale_of(p);
   const uint64_t key = 3, index0 = 100;
-  const auto scores = random_vector(rows * T, 1, 4.0f), dd = random_vector(rows * T, 2);
+  auto scores = random_vector(rows * T, 1, 4.0f);
+  for (int64_t j = 0; j < T; ++j) scores[5 * T + j] = j == 0 ? 0.0f : -12.0f - 0.1f * j;
+  const auto dd = random_vector(rows * T, 2);
   std::vector<int32_t> mask(T, 1);
   for (int64_t j = 40; j < T; ++j) mask[j] = 0;
   std::vector<float> probs(rows * T), ds(rows * T);
-  std::vector<row_math::Bf16Bits> probs16(rows * T), dropped16(rows * T), ds16(rows * T);
-  for_rows(GetParam(), rows, [&](int64_t r, const auto& l) {
+  std::vector<H> probs16(rows * T), dropped16(rows * T), ds16(rows * T);
+  for_rows(lanes, rows, [&](int64_t r, const auto& l) {
     const uint64_t i0 = index0 + r * T;
     row_math::attention_softmax(probs.data() + r * T, nullptr, scores.data() + r * T, mask.data(),
                                 T, 0.0f, key, i0, l);
-    row_math::attention_softmax_bf16(probs16.data() + r * T, dropped16.data() + r * T,
-                                     scores.data() + r * T, mask.data(), T, p, key, i0, l);
+    row_math::attention_softmax_16(probs16.data() + r * T, dropped16.data() + r * T,
+                                   scores.data() + r * T, mask.data(), T, p, key, i0, l);
     row_math::attention_softmax_backward(ds.data() + r * T, dd.data() + r * T,
                                          probs16.data() + r * T, T, p, key, i0, l);
     row_math::attention_softmax_backward(ds16.data() + r * T, dd.data() + r * T,
                                          probs16.data() + r * T, T, p, key, i0, l);
   });
   for (int64_t i = 0; i < rows * T; ++i) {
-    const uint16_t b = f32_to_bf16(probs[i]);
+    const uint16_t b = round(probs[i]);
     ASSERT_EQ(probs16[i].bits, b) << i;
-    ASSERT_EQ(dropped16[i].bits,
-              f32_to_bf16(row_math::dropout(bf16_to_f32(b), p, ks, key, index0 + i)))
-        << i;
-    ASSERT_EQ(ds16[i].bits, f32_to_bf16(ds[i])) << i;
+    ASSERT_EQ(dropped16[i].bits, round(row_math::dropout(widen(b), p, ks, key, index0 + i))) << i;
+    ASSERT_EQ(ds16[i].bits, round(ds[i])) << i;
+  }
+}
+
+TEST_P(RowMath, Attention16BitRowsEqualRoundingAfter) {
+  {
+    SCOPED_TRACE("bf16");
+    check_rows_16<row_math::Bf16Bits>(GetParam(), f32_to_bf16, bf16_to_f32);
+  }
+  {
+    SCOPED_TRACE("fp16");
+    check_rows_16<row_math::F16Bits>(GetParam(), f32_to_f16, f16_to_f32);
   }
 }
 

@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "core/isa.h"
+#include "core/rng.h"
 #include "kernels/cpu/matmul.h"
 #include "model/batch.h"
 #include "model/bert.h"
@@ -93,6 +94,20 @@ inline model::Batch slice_batch(const model::Batch& full, int64_t b0, int64_t n)
   std::copy_n(full.masked_lm_weights.begin() + b0 * P, n * P, s.masked_lm_weights.begin());
   std::copy_n(full.next_sentence_labels.begin() + b0, n, s.next_sentence_labels.begin());
   return s;
+}
+
+// Batch k of a stream a small model learns steadily (test::small_bert's vocabulary of 300, 4 x
+// 32 tokens, 5 predictions): ids from their position and a hash of (k, i), the masked tokens
+// those at their positions, so the loss falls (measured on the CPU: 6.47 -> 1.70 over 300
+// AdamW steps) instead of collapsing on a memorised batch, where relative differences say
+// nothing.
+inline model::Batch learnable_batch(const model::BertConfig& c, int64_t k) {
+  model::Batch b = random_batch(c, 4, 32, 5);
+  for (size_t i = 0; i < b.input_ids.size(); ++i)
+    b.input_ids[i] = static_cast<int32_t>(mix64(k * 1000003 + i) % 50 + (i % 32) * 8);
+  for (size_t i = 0; i < b.masked_lm_ids.size(); ++i)
+    b.masked_lm_ids[i] = b.input_ids[(i / 5) * 32 + b.masked_lm_positions[i]];
+  return b;
 }
 
 // random_batch of 4 x 32 (5 predictions) with every task head's labels too: classes of 3, a

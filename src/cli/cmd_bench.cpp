@@ -1,7 +1,8 @@
 // bertrain bench: times full training steps (forward, backward, AdamW update) of a model on
 // synthetic or prepared batches, padded or unpadded, and reports real tokens/s, ms per phase,
-// achieved GFLOP/s and model FLOP utilisation against the GEMM rate (fp32 or bf16) it measures
-// itself in the same run (oneDNN at the model's largest matmul shape), and peak memory.
+// achieved GFLOP/s and model FLOP utilisation against the GEMM rate (of the operands the
+// precision's matmuls take there) it measures itself in the same run (oneDNN or cuBLASLt at the
+// model's largest matmul shape), and peak memory.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -134,7 +135,7 @@ void add_bench(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--precision", o->precision,
                 "fp32, bf16 (bf16 matmuls with fp32 accumulation) or fp16 (activations kept "
-                "in fp16, fp32 compute, loss scale 2^16)")
+                "in fp16, loss scale 2^16; fp32 compute on a CPU, fp16 matmuls on a GPU)")
       ->capture_default_str();
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
@@ -171,8 +172,9 @@ void add_bench(CLI::App& app) {
     const bool gpu = !be.host_memory();
     // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
     // below is the training run's, not this probe's. On a GPU, cuBLASLt's.
-    const double peak = obs::measure_gemm_peak_gflops(be, o->batch * o->seq, cfg.intermediate_size,
-                                                      cfg.hidden_size, bf16, 1.0);
+    const double peak =
+        obs::measure_gemm_peak_gflops(be, o->batch * o->seq, cfg.intermediate_size, cfg.hidden_size,
+                                      train::kernel_precision(prec), 1.0);
     // What the process holds before the training run exists: the libraries (oneDNN, OpenMP,
     // MPI, protobuf, the C++ runtime) and their own state.
     const double baseline = resident_bytes();
@@ -336,7 +338,8 @@ void add_bench(CLI::App& app) {
       std::printf(
           "  compute    %8.1f GFLOP/s model FLOPs computed; %s GEMM ceiling measured now %.1f "
           "GFLOP/s; utilisation %.0f%%\n",
-          gflops, bf16 ? "bf16" : "fp32", peak, 100.0 * gflops / peak);  // fp16: fp32 compute
+          gflops, obs::gemm_operands(be, train::kernel_precision(prec)), peak,
+          100.0 * gflops / peak);
       if (gpu)
         std::printf(
             "  memory     GPU: planned %s, allocated from the arenas %s, in use on the device "

@@ -45,8 +45,8 @@ void add_estimate(CLI::App& app) {
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
   c->add_option("--precision", o->precision,
-                "fp32, bf16 or fp16 (bf16 adds the bf16 weight copy; both keep some activations "
-                "in 16 bits, as train allocates)")
+                "fp32, bf16 or fp16 (bf16 adds the bf16 weight copy, fp16 on a GPU an fp16 one; "
+                "both keep some activations in 16 bits, as train allocates)")
       ->capture_default_str();
   c->add_option("--memory-budget", o->budget,
                 "Memory available per rank (per GPU with --device cuda), e.g. 16GiB: prints the "

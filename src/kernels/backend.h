@@ -7,8 +7,11 @@
 // Precision is what the model keeps and what its matmuls read (train/precision.h says it for
 // users): FP32 everything fp32; BF16 matmuls on bf16 operands (a bf16 copy of the weights and of
 // the kept activations) with fp32 accumulation; FP16 the kept activations stored in fp16, each
-// rounded before forward uses it, the kernels computing in fp32. Gradients, LayerNorm, softmax
-// and losses are fp32 in every precision.
+// rounded before forward uses it, the kernels computing in fp32 (the CPU's), or, on a backend
+// whose products take fp16 operands (Target::fp16_operands: a GPU's tensor cores), the matmuls
+// on fp16 operands as BF16's on bf16 ones (an fp16 copy of the weights, the output gradients
+// rounded to fp16 under the loss scale). Gradients, LayerNorm, softmax and losses are fp32 in
+// every precision.
 //
 // Conventions (as the CPU kernels): row-major; weights in HF layout [out, in]; backward writes
 // input gradients (=, or += where `accumulate` says) and accumulates (+=) weight gradients.
@@ -34,18 +37,20 @@ struct Kept {
   uint16_t* bits = nullptr;
 };
 
-// A linear layer's weight: the fp32 master and, in BF16, its bf16 copy (what the matmuls read).
+// A linear layer's weight: the fp32 master and its 16-bit copy where the matmuls read one
+// (WeightCopy: bf16 bits in BF16; fp16 bits in FP16 with fp16 operands).
 struct Weight {
   const float* f32 = nullptr;
-  const uint16_t* bf16 = nullptr;
+  const uint16_t* bits = nullptr;
 };
 
 // Scratch the precision paths need, regions of the model's memory plan (BertModel::make_plan):
-// BF16 operands rounded on the fly (a: a forward input or an output gradient, b: a backward
-// input), the FP16 tensor widened back to fp32 for backward, attention's bf16 operands, and the
-// full attention kernel's [B,NH,T,T] work buffer.
+// 16-bit operands rounded on the fly (a: a forward input or an output gradient, b: a backward
+// input; bf16, or fp16 with fp16 operands), the FP16 tensor widened back to fp32 for backward,
+// attention's 16-bit operands (the same), and the full attention kernel's [B,NH,T,T] work
+// buffer.
 struct Workspace {
-  uint16_t *bf16_a = nullptr, *bf16_b = nullptr;
+  uint16_t *half_a = nullptr, *half_b = nullptr;
   float* wide = nullptr;
   uint16_t *attn_probs16 = nullptr, *attn_dctx16 = nullptr;
   float* attn_work = nullptr;
@@ -85,6 +90,11 @@ class Target {
   // Whether the blocked (flash-style) attention kernel is here: where it is not, a model's
   // automatic choice (ModelDims::Attention::Auto) takes the full kernel at every length.
   virtual bool has_blocked_attention() const { return true; }
+  // Whether FP16's matmuls take fp16 operands (a GPU's tensor cores multiply fp16 at twice TF32's
+  // rate): the model then keeps an fp16 copy of the weights (the optimizer's update writes it)
+  // and 16-bit operand scratch, as in BF16. Otherwise (the CPU: oneDNN has no fp16 matmul
+  // without AVX512-FP16) FP16's kernels compute in fp32 on the fp32 weights.
+  virtual bool fp16_operands() const { return false; }
   // What the kernels need besides their operands for the shapes a model runs; the model plans
   // layout.total() bytes (group "kernels") and binds them (Backend::bind_scratch).
   virtual ScratchLayout scratch_layout(const KernelShapes& shapes) const = 0;
@@ -153,7 +163,8 @@ class Backend : public Target {
   // x (n values) to the kept precision: BF16 writes its bf16 copy to bits; FP16 rounds x in
   // place and writes the fp16 bits; FP32 does nothing.
   virtual void keep(Precision p, Kept x, int64_t n) const = 0;
-  // The weights' copy the matmuls read: BF16 rounds master[n] into copy; others do nothing.
+  // The weights' copy the matmuls read: BF16 rounds master[n] into copy (bf16 bits), FP16 where
+  // fp16_operands() (fp16 bits); others do nothing.
   virtual void copy_weights(Precision p, const float* master, uint16_t* copy, int64_t n) const = 0;
 
   // -- attention core (between the QKV and the output projection) --

@@ -195,8 +195,11 @@ BT_HOST_DEVICE void attention_softmax(float* probs, float* dropped, const float*
 // Its backward for one row: dd the gradient of the dropped probabilities (dctx . V^T), probs as
 // forward kept them; ds = probs * (dp - sum_j probs_j dp_j) with dp = dropout(dd) (ds may alias
 // dd). The 1/sqrt(head size) is the products' scale.
-// A kept probability: fp32, or bf16 bits widened.
+// A kept probability: fp32, or bf16 / fp16 bits widened.
 struct Bf16Bits {
+  uint16_t bits;
+};
+struct F16Bits {
   uint16_t bits;
 };
 BT_HOST_DEVICE inline float widen(float x) {
@@ -205,13 +208,20 @@ BT_HOST_DEVICE inline float widen(float x) {
 BT_HOST_DEVICE inline float widen(Bf16Bits x) {
   return bf16_to_f32(x.bits);
 }
+BT_HOST_DEVICE inline float widen(F16Bits x) {
+  return f16_to_f32(x.bits);
+}
 
-// ds written as fp32, or rounded to bf16 (the products' operand: no fp32 pass in between).
+// ds written as fp32, or rounded to bf16 / fp16 (the products' operand: no fp32 pass in
+// between).
 BT_HOST_DEVICE inline void store(float* out, float v) {
   *out = v;
 }
 BT_HOST_DEVICE inline void store(Bf16Bits* out, float v) {
   out->bits = f32_to_bf16(v);
+}
+BT_HOST_DEVICE inline void store(F16Bits* out, float v) {
+  out->bits = f32_to_f16(v);
 }
 
 template <class Lanes, class P = float, class D = float>
@@ -227,14 +237,15 @@ BT_HOST_DEVICE void attention_softmax_backward(D* ds, const float* dd, const P* 
     store(ds + j, widen(probs[j]) * (dropout(dd[j], p, ks, key, index0 + j) - dot));
 }
 
-// attention_softmax with the probabilities kept in bf16 (the BF16 precision's rule,
-// kernels/cpu/attention.h): probs16 = bf16(probs), dropped16 = bf16(dropout(widen(probs16)))
-// (may be null when p = 0), the same values as attention_softmax followed by that rounding, in
-// one pass over the row (the exponentials computed again instead of kept in fp32).
-template <class Lanes>
-BT_HOST_DEVICE void attention_softmax_bf16(Bf16Bits* probs16, Bf16Bits* dropped16,
-                                           const float* scores, const int32_t* mask, int64_t T,
-                                           float p, uint64_t key, uint64_t index0, const Lanes& l) {
+// attention_softmax with the probabilities kept in 16 bits (H: Bf16Bits, the BF16 precision's
+// rule, kernels/cpu/attention.h; F16Bits, FP16's where the products take fp16 operands):
+// probs16 = round(probs), dropped16 = round(dropout(widen(probs16))) (may be null when p = 0),
+// the same values as attention_softmax followed by that rounding, in one pass over the row (the
+// exponentials computed again instead of kept in fp32).
+template <class Lanes, class H>
+BT_HOST_DEVICE void attention_softmax_16(H* probs16, H* dropped16, const float* scores,
+                                         const int32_t* mask, int64_t T, float p, uint64_t key,
+                                         uint64_t index0, const Lanes& l) {
   float mx = -INFINITY;
   for (int64_t j = l.lane; j < T; j += l.count)
     mx = fmaxf(mx, scores[j] + (mask[j] ? 0.0f : -10000.0f));
@@ -247,9 +258,8 @@ BT_HOST_DEVICE void attention_softmax_bf16(Bf16Bits* probs16, Bf16Bits* dropped1
   for (int64_t j = l.lane; j < T; j += l.count) {
     float e = expf(scores[j] + (mask[j] ? 0.0f : -10000.0f) - mx);
     e *= inv;
-    const uint16_t b = f32_to_bf16(e);
-    probs16[j].bits = b;
-    if (dropped16) dropped16[j].bits = f32_to_bf16(dropout(bf16_to_f32(b), p, ks, key, index0 + j));
+    store(probs16 + j, e);
+    if (dropped16) store(dropped16 + j, dropout(widen(probs16[j]), p, ks, key, index0 + j));
   }
 }
 
@@ -331,7 +341,7 @@ BT_HOST_DEVICE inline void adamw(const AdamwStep& a, float* p, uint16_t* p16, co
                                  float* m, float* v, int64_t i) {
   adam_moments(g[i] * a.gscale, a.beta1, a.beta2, m, v, i);
   p[i] = p[i] * a.decay - a.step_size * m[i] / (sqrtf(v[i]) / a.sqrt_bc2 + a.eps);
-  if (p16) p16[i] = f32_to_bf16(p[i]);
+  if (p16) p16[i] = a.f16_copy ? f32_to_f16(p[i]) : f32_to_bf16(p[i]);
 }
 
 // LAMB's update direction of element i: m / bc1 / (sqrt(v / bc2) + eps) + wd p.
@@ -351,7 +361,7 @@ BT_HOST_DEVICE inline float lamb_moments(const LambStep& a, const float* p, cons
 BT_HOST_DEVICE inline void lamb_apply(const LambStep& a, float* p, uint16_t* p16, const float* m,
                                       const float* v, int64_t i, float step) {
   p[i] -= step * lamb_direction(a, p[i], m[i], v[i]);
-  if (p16) p16[i] = f32_to_bf16(p[i]);
+  if (p16) p16[i] = a.f16_copy ? f32_to_f16(p[i]) : f32_to_bf16(p[i]);
 }
 
 }  // namespace bertrain::kernels::row_math

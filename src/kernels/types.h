@@ -100,14 +100,26 @@ struct CrossEntropySums {
 
 // torch.optim.AdamW with g * gscale: p = p * decay - step_size * m / (sqrt(v) / sqrt_bc2 + eps)
 // where decay = 1 - lr * wd, step_size = lr / bc1.
+// The update also writes the parameters' 16-bit copy where one is given (p16): bf16 bits, or fp16
+// with f16_copy (a GPU's FP16 products read an fp16 copy: WeightCopy).
 struct AdamwStep {
   float gscale, beta1, beta2, step_size, sqrt_bc2, eps, decay;
+  bool f16_copy = false;
 };
 
 // LAMB with g * gscale: u = m / bc1 / (sqrt(v / bc2) + eps) + wd p (ibc = 1 / bc), then
 // p -= lr * trust * u with trust = ||p|| / ||u|| when wd != 0 and both norms are positive.
 struct LambStep {
   float gscale, beta1, beta2, ibc1, ibc2, eps, wd, lr;
+  bool f16_copy = false;  // as AdamwStep's
+};
+
+// The parameters' 16-bit copy the matmuls read, which the optimizer's update writes: bf16 bits
+// in BF16, fp16 bits in FP16 on a backend whose products take fp16 operands
+// (Target::fp16_operands); none otherwise.
+struct WeightCopy {
+  uint16_t* bits = nullptr;
+  bool f16 = false;
 };
 
 // LAMB's trust ratio of a tensor from the squared norms of its parameters and of its update

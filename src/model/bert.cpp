@@ -63,6 +63,13 @@ const char* attention_name(ModelDims::Attention a) {
                                            : "blocked";
 }
 
+namespace {
+// The plan group of the weights' 16-bit copy and the 16-bit operand scratch.
+std::string copy_group(const ModelDims& d) {
+  return d.bf16 ? "bf16" : "fp16";
+}
+}  // namespace
+
 void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const ModelDims& d) {
   // B: sequences (the heads); R rows of T tokens (the encoder; R = B unless packed, and a
   // packed batch's attention squares sum to at most R T^2: sum L_i^2 <= T sum L_i <= R T^2).
@@ -147,29 +154,31 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(s, "grad.dhead2", f32s(std::max(BP, B) * C));
   if (!d.blocked_attention()) plan.add(s, "attn.work", f32s(R * NH * T * T));
   if (d.bf16) plan.add(s, "attn.ctx", f32s(N * C));  // fp32 ctx until it is rounded to bf16
-  // fp16: forward's fp32 ctx until it is rounded; in backward each saved fp16 tensor widened
-  // back to fp32 for the fp32 kernels, one at a time.
-  if (d.fp16) plan.add(s, "fp16.wide", f32s(N * std::max(I, 3 * C)));
+  // fp16: forward's fp32 ctx until it is rounded; in backward (fp32 kernels: no fp16 operands)
+  // each saved fp16 tensor widened back to fp32 for them, one at a time.
+  if (d.fp16) plan.add(s, "fp16.wide", f32s(d.fp16_operands ? N * C : N * std::max(I, 3 * C)));
   plan.add(s, "grad.dsmall", f32s(std::max({B, NT, NQ}) * std::max<int64_t>(2, cfg.num_labels)));
-  if (d.bf16) {
-    const std::string g16 = "bf16";
+  if (d.weight_copy()) {  // bf16, or fp16 with fp16 operands: the same tensors in 16 bits
+    const std::string g16 = copy_group(d);
     const size_t h = sizeof(uint16_t);
-    plan.add(g16, "bf16.weights", static_cast<size_t>(ParamTable(cfg, head).total()) * h);
-    // Largest matmul operand rounded to bf16: a forward input or a backward output gradient,
+    plan.add(g16, g16 + ".weights", static_cast<size_t>(ParamTable(cfg, head).total()) * h);
+    // Largest matmul operand rounded to 16 bits: a forward input or a backward output gradient,
     // and a backward input.
     const int64_t a = std::max({N * std::max(3 * C, I), BP * V, B * std::max<int64_t>(C, V)});
-    plan.add(g16, "bf16.scratch_a", static_cast<size_t>(a) * h);
-    plan.add(g16, "bf16.scratch_b", static_cast<size_t>(std::max(N * std::max(C, I), BP * C)) * h);
+    plan.add(g16, g16 + ".scratch_a", static_cast<size_t>(a) * h);
+    plan.add(g16, g16 + ".scratch_b",
+             static_cast<size_t>(std::max(N * std::max(C, I), BP * C)) * h);
     // Attention's matmul operands: the dropped probabilities (then dS), dctx (QKV: per layer).
     if (!d.blocked_attention())
-      plan.add(g16, "bf16.attn_probs", static_cast<size_t>(R * NH * T * T) * h);
-    plan.add(g16, "bf16.attn_dctx", static_cast<size_t>(N * C) * h);
+      plan.add(g16, g16 + ".attn_probs", static_cast<size_t>(R * NH * T * T) * h);
+    plan.add(g16, g16 + ".attn_dctx", static_cast<size_t>(N * C) * h);
   }
 }
 
 ModelDims on_backend(ModelDims d, const kernels::Target& be) {
   if (d.attention == ModelDims::Attention::Auto && !be.has_blocked_attention())
     d.attention = ModelDims::Attention::Full;
+  d.fp16_operands = d.fp16 && be.fp16_operands();
   return d;
 }
 
@@ -293,14 +302,17 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   }
   const bool blocked = dims_.blocked_attention();
   if (!blocked) ws_.attn_work = scratch_.f32("attn.work");
-  if (dims_.bf16) {
-    bf16_arena_ = make_arena("bf16");
-    auto b16 = [&](const char* name) { return reinterpret_cast<uint16_t*>(bf16_arena_.f32(name)); };
-    wbf16_ = b16("bf16.weights");
-    ws_.bf16_a = b16("bf16.scratch_a");
-    ws_.bf16_b = b16("bf16.scratch_b");
-    if (!blocked) ws_.attn_probs16 = b16("bf16.attn_probs");
-    ws_.attn_dctx16 = b16("bf16.attn_dctx");
+  if (dims_.weight_copy()) {
+    const std::string g16 = copy_group(dims_);
+    w16_arena_ = make_arena(g16);
+    auto b16 = [&](const char* name) {
+      return reinterpret_cast<uint16_t*>(w16_arena_.f32(g16 + name));
+    };
+    w16_ = b16(".weights");
+    ws_.half_a = b16(".scratch_a");
+    ws_.half_b = b16(".scratch_b");
+    if (!blocked) ws_.attn_probs16 = b16(".attn_probs");
+    ws_.attn_dctx16 = b16(".attn_dctx");
   }
   if (dims_.fp16) ws_.wide = scratch_.f32("fp16.wide");
 
@@ -477,23 +489,23 @@ void BertModel::write_param(const ParamInfo& p, const std::function<void(float*)
     std::vector<float> host(static_cast<size_t>(p.numel()));
     read(host.data());
     be_.to_device(params() + p.offset, host.data(), host.size() * sizeof(float));
-    bf16_fresh_ = false;
+    w16_fresh_ = false;
     return;
   }
   if (!dims_.master_shard) {
     read(params() + p.offset);
-    bf16_fresh_ = false;  // the bf16 copy follows at the next forward
+    w16_fresh_ = false;  // the 16-bit copy follows at the next forward
     return;
   }
   const int64_t n = p.numel();
   if (!p.matmul) {
     read(params() + p.offset);
-    be_.copy_weights(prec_, params() + p.offset, wbf16_ + p.offset, n);
+    be_.copy_weights(prec_, params() + p.offset, w16_ + p.offset, n);
     return;
   }
   std::vector<float> whole(static_cast<size_t>(n));
   read(whole.data());
-  be_.copy_weights(prec_, whole.data(), wbf16_ + p.offset, n);
+  be_.copy_weights(prec_, whole.data(), w16_ + p.offset, n);
   const int64_t b = std::max(p.offset, dims_.master_begin), e = std::min(p.end(), dims_.master_end);
   if (e > b) std::copy(whole.data() + (b - p.offset), whole.data() + (e - p.offset), params() + b);
 }
@@ -644,9 +656,8 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   bind_kernel_scratch();
   // A sharded master's bf16 copy is the model's weights (write_param, the optimizer and the
   // step keep it current); else it follows the fp32 master.
-  if (!bf16_fresh_ && !dims_.master_shard)
-    be_.copy_weights(prec_, params(), wbf16_, table_.total());
-  bf16_fresh_ = false;
+  if (!w16_fresh_ && !dims_.master_shard) be_.copy_weights(prec_, params(), w16_, table_.total());
+  w16_fresh_ = false;
   const bool up = unpadded();
   packed_.B = b.B;
   packed_.T = b.T;

@@ -43,6 +43,11 @@ struct ModelDims {
   // matmul for CPUs without AVX512-FP16, and an fp16 copy of the weights would only add memory
   // and error to fp32 matmuls. Gradients stay fp32.
   bool fp16 = false;
+  // fp16 on a backend whose matmuls take fp16 operands (kernels::Target::fp16_operands, a GPU's;
+  // set by on_backend, not by users): as bf16 with fp16 for bf16, an fp16 copy of the weights
+  // (written by the optimizer's update) and the products' other operands rounded to fp16 (the
+  // output gradients under the loss scale), accumulation in fp32.
+  bool fp16_operands = false;
   // Layer recomputation: an encoder layer keeps only its output (the next layer's input); its
   // activations live in one slot shared by all layers, and backward recomputes each layer's
   // forward from its input first (dropout masks regenerated from the same counter RNG, so the
@@ -83,6 +88,9 @@ struct ModelDims {
            : fp16 ? kernels::Precision::FP16
                   : kernels::Precision::FP32;
   }
+  // Whether the matmuls read a 16-bit copy of the weights and 16-bit operand scratch (bf16, or
+  // fp16 with fp16 operands): the plan's group "bf16" or "fp16".
+  bool weight_copy() const { return bf16 || (fp16 && fp16_operands); }
   bool blocked_attention() const {
     return attention == Attention::Blocked || (attention == Attention::Auto && seq_len >= 512);
   }
@@ -162,7 +170,7 @@ class BertModel {
   // Bytes this model holds in its arenas: plan().total_bytes(), allocated (tests prove it).
   size_t allocated_bytes() const {
     return params_.bytes() + grads_.bytes() + acts_arena_.bytes() + scratch_.bytes() +
-           bf16_arena_.bytes() + kernels_arena_.bytes() + input_arena_.bytes();
+           w16_arena_.bytes() + kernels_arena_.bytes() + input_arena_.bytes();
   }
   float* params() const { return reinterpret_cast<float*>(params_.base()); }
   float* grads() const { return reinterpret_cast<float*>(grads_.base()); }
@@ -175,16 +183,17 @@ class BertModel {
   // Encoder layer l on input x, its activations into act_.layers[l] (forward, and backward's
   // recomputation).
   void layer_forward(int64_t l, const float* x, const Batch& b, const StepOptions& opt);
-  // bf16 models: the bf16 copy of the weights the matmuls read (null in fp32). Forward refreshes
-  // it from params() unless told, once, that the caller already did (the optimizer writes it
-  // in its update pass).
-  uint16_t* bf16_weights() const { return wbf16_; }
-  void bf16_weights_updated() { bf16_fresh_ = wbf16_ != nullptr; }
-  // Rounds params()[begin, end) into the bf16 copy (the parts of the weights another rank
+  // The 16-bit copy of the weights the matmuls read (ModelDims::weight_copy: bf16, or fp16 on a
+  // backend with fp16 operands; null otherwise). Forward refreshes it from params() unless told,
+  // once, that the caller already did (the optimizer writes it in its update pass:
+  // weight_copy() says where and in which format).
+  uint16_t* weights16() const { return w16_; }
+  kernels::WeightCopy weight_copy() const { return {w16_, w16_ && dims_.fp16}; }
+  void weights16_updated() { w16_fresh_ = w16_ != nullptr; }
+  // Rounds params()[begin, end) into the 16-bit copy (the parts of the weights another rank
   // updated, for a sharded optimizer); no-op without a copy.
-  void refresh_bf16_weights(int64_t begin, int64_t end) const {
-    if (wbf16_ && end > begin)
-      be_.copy_weights(prec_, params() + begin, wbf16_ + begin, end - begin);
+  void refresh_weights16(int64_t begin, int64_t end) const {
+    if (w16_ && end > begin) be_.copy_weights(prec_, params() + begin, w16_ + begin, end - begin);
   }
   // Moves the gradients into `memory` (group_bytes("gradients"), 64-byte aligned, owned by the
   // caller and outliving the model), e.g. a communicator's shared window for zero-copy allreduce.
@@ -336,10 +345,8 @@ class BertModel {
   void packed_attention(int64_t l, bool forward, float* dqkv, const float* dctx,
                         const StepOptions& opt);
   const float* W(int64_t off) const { return params() + off; }
-  // A weight for the matmuls: the fp32 master and, in bf16, its copy.
-  kernels::Weight Wt(int64_t off) const {
-    return {params() + off, wbf16_ ? wbf16_ + off : nullptr};
-  }
+  // A weight for the matmuls: the fp32 master and its 16-bit copy, if any.
+  kernels::Weight Wt(int64_t off) const { return {params() + off, w16_ ? w16_ + off : nullptr}; }
   float* G(int64_t off) const { return grads() + off; }
 
   BertConfig cfg_;
@@ -355,7 +362,7 @@ class BertModel {
   // host_output's copies, each with the pass (forward or backward) it was made after.
   uint64_t passes_ = 0;
   mutable std::unordered_map<const float*, std::pair<uint64_t, std::vector<float>>> outputs_;
-  Arena params_, grads_, acts_arena_, scratch_, bf16_arena_, kernels_arena_;
+  Arena params_, grads_, acts_arena_, scratch_, w16_arena_, kernels_arena_;
   Arena input_arena_;              // the staged batch arrays (a backend with memory of its own)
   std::shared_ptr<void> staging_;  // their host side (Backend::allocate_host)
   kernels::ScratchLayout kernel_scratch_;  // kernels_arena_'s layout, bound before kernels run
@@ -363,9 +370,9 @@ class BertModel {
   const kernels::Backend& be_;
   kernels::Precision prec_;
   kernels::Workspace ws_;        // the precision paths' scratch, regions of the plan
-  uint16_t* wbf16_ = nullptr;    // bf16: the weights' copy the matmuls read
+  uint16_t* w16_ = nullptr;      // the weights' 16-bit copy the matmuls read (weight_copy())
   bool mlm_grad_ready_ = false;  // the training forward left the MLM logits' gradient in place
-  bool bf16_fresh_ = false;      // bf16_weights() already equals params() rounded
+  bool w16_fresh_ = false;       // weights16() already equals params() rounded
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
   Packed packed_;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/error.h"
 #include "kernels/cpu/matmul.h"
 #ifdef BERTRAIN_CUDA
 #include "kernels/cuda/cuda.h"
@@ -38,14 +39,24 @@ double measure_gemm_peak_gflops(int64_t M, int64_t N, int64_t K, bool bf16, doub
   return 2.0 * M * N * K / best / 1e9;
 }
 
+const char* gemm_operands(const kernels::Target& be, kernels::Precision p) {
+  if (p == kernels::Precision::BF16) return "bf16";
+  if (p == kernels::Precision::FP16 && be.fp16_operands()) return "fp16";
+  return "fp32";
+}
+
 double measure_gemm_peak_gflops(const kernels::Backend& be, int64_t M, int64_t N, int64_t K,
-                                bool bf16, double seconds) {
+                                kernels::Precision p, double seconds) {
+  const std::string operands = gemm_operands(be, p);
 #ifdef BERTRAIN_CUDA
   if (!be.host_memory())
-    return 1e3 *
-           cuda::gemm_tflops(bf16 ? cuda::Operands::BF16 : cuda::Operands::FP32, M, N, K, seconds);
+    return 1e3 * cuda::gemm_tflops(operands == "bf16"   ? cuda::Operands::BF16
+                                   : operands == "fp16" ? cuda::Operands::FP16
+                                                        : cuda::Operands::FP32,
+                                   M, N, K, seconds);
 #endif
-  return measure_gemm_peak_gflops(M, N, K, bf16, seconds);
+  BT_CHECK(operands != "fp16", "no fp16 GEMM ceiling on the CPU");
+  return measure_gemm_peak_gflops(M, N, K, operands == "bf16", seconds);
 }
 
 std::string device_description(const kernels::Backend& be) {

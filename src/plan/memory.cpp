@@ -121,16 +121,19 @@ std::string explain_plan(const model::BertConfig& cfg, model::Head head, const m
     if (other != "parameters" && other != "gradients" && other != "optimizer" &&
         other != "activations" && other != "scratch" && other != "kernels")
       row(other.c_str(),
-          other == "bf16"    ? "weight copy and matmul operands"
-          : other == "input" ? "the batch, its embedding groups"
-                             : "",
+          other == "bf16" || other == "fp16" ? "weight copy and matmul operands"
+          : other == "input"                 ? "the batch, its embedding groups"
+                                             : "",
           g(other.c_str()), "");
   row("total", "", static_cast<double>(plan.total_bytes()), "");
   out += "where they differ:\n";
   auto pct = [](double x, double y) { return str(static_cast<int64_t>(100.0 * x / y + 0.5), "%"); };
   out += str("  model states: the plan is ", pct(states, rule_states), " of the rule");
   std::string why;
-  if (d.bf16) why += "; the bf16 weight copy the matmuls read (2 B per parameter) is its own group";
+  for (const char* copy : {"bf16", "fp16"})
+    if (g(copy) > 0)
+      why +=
+          str("; the ", copy, " weight copy the matmuls read (2 B per parameter) is its own group");
   if (slots != 2) why += str("; ", slots, " optimizer slots instead of Adam's 2");
   if (shard_world > 1)
     why += str("; the optimizer state sharded over ", shard_world, " ranks (",

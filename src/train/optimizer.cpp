@@ -99,7 +99,7 @@ StepResult Optimizer::result(double sum) const {
 }
 
 void Optimizer::apply(float* params, const float* grads, float lr, float inv_scale,
-                      const StepResult& r, uint16_t* params_bf16,
+                      const StepResult& r, kernels::WeightCopy copy,
                       const SumOverRanks& sum_over_ranks) {
   ++steps_;
   const float b1 = cfg_.beta1, b2 = cfg_.beta2, eps = cfg_.eps;
@@ -109,7 +109,8 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
   auto lamb_step = [&](const ParamSlice& s) {
     const float wd = s.decay ? cfg_.weight_decay : 0.0f;
     return kernels::LambStep{
-        gscale, b1, b2, static_cast<float>(1.0 / bc1), static_cast<float>(1.0 / bc2), eps, wd, lr};
+        gscale, b1, b2,      static_cast<float>(1.0 / bc1), static_cast<float>(1.0 / bc2), eps,
+        wd,     lr, copy.f16};
   };
   if (cfg_.kind == OptimizerKind::AdamW) {
     // torch.optim.AdamW: p *= 1 - lr*wd; p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
@@ -121,15 +122,16 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
                    static_cast<float>(lr / bc1),
                    static_cast<float>(std::sqrt(bc2)),
                    eps,
-                   1.0f - lr * wd};
+                   1.0f - lr * wd,
+                   copy.f16};
     }
-    be_->adamw_update(adamw_.data(), params, params_bf16, grads, m_, v_, spans_.data(), count());
+    be_->adamw_update(adamw_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count());
     return;
   }
   // LAMB: u = m_hat / (sqrt(v_hat) + eps) + wd * p; p -= lr * trust * u
   for (size_t i = 0; i < pieces_.size(); ++i) lamb_[i] = lamb_step(slices_[pieces_[i].slice]);
   if (!sharded()) {
-    be_->lamb_update(lamb_.data(), params, params_bf16, grads, m_, v_, spans_.data(), count());
+    be_->lamb_update(lamb_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count());
     return;
   }
   // A tensor may be split between ranks: its trust ratio needs the norms of all its parts.
@@ -148,13 +150,13 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
     const int64_t q = pieces_[i].slice;
     trust_[i] = lamb_[i].lr * kernels::lamb_trust(lamb_[i], norms[2 * q], norms[2 * q + 1]);
   }
-  be_->lamb_apply(lamb_.data(), params, params_bf16, m_, v_, spans_.data(), count(), trust_.data());
+  be_->lamb_apply(lamb_.data(), params, copy.bits, m_, v_, spans_.data(), count(), trust_.data());
 }
 
 StepResult Optimizer::step(float* params, const float* grads, float lr, float inv_scale,
-                           uint16_t* params_bf16) {
+                           kernels::WeightCopy copy) {
   StepResult r = measure(grads, inv_scale);
-  if (r.finite) apply(params, grads, lr, inv_scale, r, params_bf16);
+  if (r.finite) apply(params, grads, lr, inv_scale, r, copy);
   return r;
 }
 

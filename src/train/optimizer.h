@@ -72,16 +72,17 @@ class Optimizer {
   StepResult result(double sum_squares) const;
   // Updates params from grads * inv_scale with the clipping of `r` (from measure). Increments
   // the step count (bias correction uses it).
-  // params_bf16 (optional): also receives the updated parameters rounded to bf16, in the same
-  // pass (the bf16 model's weight copy, so its forward need not convert them again).
+  // copy (optional): the model's 16-bit weight copy (bf16 or fp16 bits: BertModel::weight_copy)
+  // also receives the updated parameters rounded, in the same pass, so its forward need not
+  // convert them again.
   // Sharded LAMB needs the per-tensor norms of every rank: sum_over_ranks sums 2 doubles per
   // parameter tensor in place (a Communicator's allreduce_sum).
   using SumOverRanks = std::function<void(double*, int64_t)>;
   void apply(float* params, const float* grads, float lr, float inv_scale, const StepResult& r,
-             uint16_t* params_bf16 = nullptr, const SumOverRanks& sum_over_ranks = {});
+             kernels::WeightCopy copy = {}, const SumOverRanks& sum_over_ranks = {});
   // measure + apply unless a gradient is non-finite (then nothing changes).
   StepResult step(float* params, const float* grads, float lr, float inv_scale,
-                  uint16_t* params_bf16 = nullptr);
+                  kernels::WeightCopy copy = {});
 
   int64_t steps() const { return steps_; }
   void set_steps(int64_t s) { steps_ = s; }

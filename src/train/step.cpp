@@ -43,7 +43,7 @@ ShardedMasterGather::ShardedMasterGather(const model::BertModel& m, std::vector<
 }
 
 void ShardedMasterGather::run(model::BertModel& m, comm::Communicator& comm) {
-  comm.allgather(m.bf16_weights(), m.table().total(), counts_);
+  comm.allgather(m.weights16(), m.table().total(), counts_);
   float* params = m.params();
   for (const Range& r : in_place_) comm.allgather(params + r.begin, r.end - r.begin, r.counts);
   // Packed in offset order, every rank's elements of the small tensors are one run.
@@ -227,7 +227,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   if (r.applied) {
     // Clipping uses the same global norm on every rank: gradients are identical after the sum.
     opt_.apply(m_.params(), m_.grads(), static_cast<float>(lr), g.unscale, measured,
-               m_.bf16_weights(), [&](double* v, int64_t n) { comm_.allreduce_sum(v, n); });
+               m_.weight_copy(), [&](double* v, int64_t n) { comm_.allreduce_sum(v, n); });
     if (sharded) {
       // Each rank updated its part: every rank gets every part. With a sharded master, the
       // bf16 weights and the fp32-read tensors; else the fp32 parameters (exact), whose parts
@@ -239,14 +239,14 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
       } else {
         comm_.allgather(m_.params(), m_.table().total(), counts_);
         const Shard& own = opt_.shard();
-        m_.refresh_bf16_weights(0, own.begin);
-        m_.refresh_bf16_weights(own.end, m_.table().total());
+        m_.refresh_weights16(0, own.begin);
+        m_.refresh_weights16(own.end, m_.table().total());
       }
       comm_.set_label("");
       r.t_comm += since(t_gather);
       span("allgather parameters", "communication", t_gather);
     }
-    m_.bf16_weights_updated();
+    m_.weights16_updated();
   }
   m_.backend().synchronize();
   r.t_optimizer = since(t0);

@@ -531,7 +531,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
       &s.tl);
   s.peak_gflops = obs::measure_gemm_peak_gflops(backend_of(cfg), cfg.batch_size * cfg.seq_len,
                                                 s.mcfg.intermediate_size, s.mcfg.hidden_size,
-                                                cfg.precision == Precision::BF16, 0.5);
+                                                kernel_precision(cfg.precision), 0.5);
 }
 
 Trainer::~Trainer() = default;
@@ -565,8 +565,11 @@ std::string Trainer::banner() const {
       cfg.precision == Precision::FP32 ? ""
       : bf16 ? " (fp32 master weights and optimizer; matmuls and attention on bf16 operands, "
                "fp32 accumulation)"
-             : " (fp32 weights and optimizer; activations kept in fp16 for backward, kernels "
-               "compute in fp32; dynamic loss scaling)",
+      : s.m.dims().fp16_operands
+          ? " (fp32 master weights and optimizer; activations kept in fp16 for backward, matmuls "
+            "and attention on fp16 operands, fp32 accumulation; dynamic loss scaling)"
+          : " (fp32 weights and optimizer; activations kept in fp16 for backward, kernels "
+            "compute in fp32; dynamic loss scaling)",
       s.m.dims().blocked_attention() ? "blocked" : "full",
       s.m.dims().recompute_layers ? ", layers recomputed in backward" : "",
       (unsigned long long)cfg.seed);
@@ -763,7 +766,8 @@ std::string Trainer::summary() const {
                 "compute: %.1f GFLOP/s of model FLOPs per rank = %.0f%% of the %s GEMM rate "
                 "measured now (%.1f GFLOP/s)\n",
                 achieved, 100.0 * achieved / s.peak_gflops,
-                cfg.precision == Precision::BF16 ? "bf16" : "fp32", s.peak_gflops);
+                obs::gemm_operands(backend_of(cfg), kernel_precision(cfg.precision)),
+                s.peak_gflops);
   out += line;
   const std::string bottleneck =
       pct(t.input) > 10  ? str("input pipeline (raise ", setting("readers"), "/",

@@ -4,8 +4,9 @@
 // Tolerances: fp32 paths differ in summation order only (rtol 2e-5 of the max); 16-bit paths
 // may round a value the other way where the two accumulate in another order before rounding:
 // one unit of the format in a few elements, so rtol / atol of the max at a few units (bf16
-// 2^-8: 2e-2; fp16 2^-11: 4e-3; the GPU's FP16 products multiply as TF32, fp16's significand,
-// so its weights and gradients also round at 2^-11 where the CPU's multiply in fp32).
+// 2^-8: 2e-2; fp16 2^-11: 4e-3; the GPU's FP16 products take fp16 operands, so its weights,
+// output gradients, dropped probabilities and dS also round at 2^-11 where the CPU's multiply
+// in fp32).
 #include <gtest/gtest.h>
 
 #include "core/dtype.h"

@@ -2,6 +2,8 @@
 // skips when no GPU is present, so the CUDA build passes on CPU-only CI.
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "core/dtype.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cross_entropy.h"
@@ -256,23 +258,25 @@ struct OptimizerState {
   uint16_t* p16_dev() const { return static_cast<uint16_t*>(p16_d.data()); }
 };
 
-// AdamW and LAMB (with the bf16 copy) and the gradient norm against the CPU's reference loops,
-// which run the same element functions with IEEE operations and no contraction on either side
-// (--fmad=false): the same bits. The norms are double sums in another order (rtol 1e-12).
+// AdamW and LAMB (with the bf16 copy, and the fp16 one) and the gradient norm against the CPU's
+// reference loops, which run the same element functions with IEEE operations and no contraction
+// on either side (--fmad=false): the same bits. The norms are double sums in another order (rtol
+// 1e-12).
 TEST(Cuda, OptimizerMatchesCpu) {
   SKIP_WITHOUT_GPU();
   const int64_t n = 100003;
   const auto p0 = random_vector(n, 1), g = random_vector(n, 2), m0 = random_vector(n, 3, 0.1f);
   auto v0 = random_vector(n, 4, 0.1f);
   for (auto& x : v0) x = x * x;
-  const kernels::AdamwStep aw{0.5f, 0.9f, 0.999f, 1e-3f, 0.3f, 1e-6f, 0.9999f};
-  const kernels::LambStep lb{0.5f, 0.9f, 0.999f, 1.2f, 1.1f, 1e-6f, 0.01f, 1e-3f};
   const auto g_d = to_device(g);
-  for (int which = 0; which < 2; ++which) {
+  for (int which = 0; which < 4; ++which) {
+    const bool f16 = which >= 2;
+    const kernels::AdamwStep aw{0.5f, 0.9f, 0.999f, 1e-3f, 0.3f, 1e-6f, 0.9999f, f16};
+    const kernels::LambStep lb{0.5f, 0.9f, 0.999f, 1.2f, 1.1f, 1e-6f, 0.01f, 1e-3f, f16};
     OptimizerState st(p0, m0, v0);
     auto& [p, m, v, p16, p_d, m_d, v_d, p16_d] = st;
     uint16_t* p16_dev = st.p16_dev();
-    if (which == 0) {
+    if (which % 2 == 0) {
       kernels::adamw_update_reference(aw, p.data(), p16.data(), g.data(), m.data(), v.data(), n);
       cuda::adamw_update(aw, p_d.f32(), p16_dev, g_d.f32(), m_d.f32(), v_d.f32(), n);
     } else {
@@ -286,7 +290,7 @@ TEST(Cuda, OptimizerMatchesCpu) {
       cuda::lamb_apply(lb, p_d.f32(), p16_dev, m_d.f32(), v_d.f32(), n, step);
     }
     cuda::synchronize();
-    const char* name = which == 0 ? "adamw" : "lamb";
+    const std::string name = std::string(which % 2 == 0 ? "adamw" : "lamb") + (f16 ? " fp16" : "");
     EXPECT_EQ(to_host(p_d, n), p) << name;
     EXPECT_EQ(to_host(m_d, n), m) << name;
     EXPECT_EQ(to_host(v_d, n), v) << name;

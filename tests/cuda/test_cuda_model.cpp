@@ -15,6 +15,7 @@
 #include "golden_check.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cuda/cuda.h"
+#include "loss_curve.h"
 #include "model/bert.h"
 #include "model/checkpoint.h"
 #include "test_util.h"
@@ -96,54 +97,26 @@ TEST(CudaModel, TaskHeadsEqualCpu) {
   }
 }
 
-// 300 training steps (train::Step, AdamW, dropout on) on the GPU in fp32 and bf16 against the
-// CPU in fp32, a new batch every step: every step's loss within 2% of the CPU's (fp32: summation
-// order only, the trajectories drift apart slowly; bf16: its rounding) and the loss falls.
+// 300 training steps (train::Step, AdamW, dropout on) on the GPU in fp32, bf16 and fp16 (fp16
+// operands, the loss scaler on) against the CPU in fp32, a new batch every step
+// (test::loss_curve): every step's loss within 2% of the CPU's (fp32: summation order only, the
+// trajectories drift apart slowly; bf16 and fp16: their rounding) and the loss falls.
 TEST(CudaModel, LossCurveTracksTheCpu) {
   SKIP_WITHOUT_GPU();
   const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
-  auto curve = [&](const kernels::Backend& be, bool bf16) {
-    model::ModelDims d{4, 32, 5};
-    d.bf16 = bf16;
-    d.attention = ModelDims::Attention::Full;
-    BertModel m(c, Head::Pretraining, d, be);
-    m.init_params(11);
-    train::OptimizerConfig oc;
-    train::Optimizer opt(train::param_slices(m.table()), m.table().total(), oc, be);
-    train::LossScaler scaler{train::LossScaler::Config{}};
-    comm::SingleProcess single;
-    train::StepSettings ss;
-    ss.seed = 9;
-    train::Step step(m, opt, scaler, single, ss);
-    std::vector<double> losses;
-    for (int64_t k = 0; k < 300; ++k) {
-      const auto r = step.run(k, 1e-3, [&](model::Batch& b) {
-        // A new batch every step whose masked tokens follow from their positions: the loss falls
-        // steadily (measured on the CPU: 6.47 -> 1.70 over the 300 steps) instead of collapsing
-        // to ~0 on a memorised batch, where relative differences say nothing.
-        b = test::random_batch(c, 4, 32, 5);
-        for (size_t i = 0; i < b.input_ids.size(); ++i)
-          b.input_ids[i] = static_cast<int32_t>(mix64(k * 1000003 + i) % 50 + (i % 32) * 8);
-        for (size_t i = 0; i < b.masked_lm_ids.size(); ++i)
-          b.masked_lm_ids[i] = b.input_ids[(i / 5) * 32 + b.masked_lm_positions[i]];
-        return true;
-      });
-      losses.push_back(r.loss);
-    }
-    return losses;
-  };
-  const auto cpu = curve(kernels::cpu_backend(), false);
-  for (bool bf16 : {false, true}) {
-    const auto gpu = curve(cuda::cuda_backend(), bf16);
-    double worst = 0;
-    for (size_t k = 0; k < cpu.size(); ++k)
-      worst = std::max(worst, std::fabs(gpu[k] - cpu[k]) / std::fabs(cpu[k]));
+  const auto cpu = test::loss_curve(kernels::cpu_backend(), c, kernels::Precision::FP32, 300);
+  for (auto p : {kernels::Precision::FP32, kernels::Precision::BF16, kernels::Precision::FP16}) {
+    const char* name = p == kernels::Precision::FP32   ? "fp32"
+                       : p == kernels::Precision::BF16 ? "bf16"
+                                                       : "fp16";
+    const auto gpu = test::loss_curve(cuda::cuda_backend(), c, p, 300);
+    const double worst = test::worst_relative(gpu, cpu);
     std::printf(
         "%s GPU vs fp32 CPU over 300 steps: worst relative loss difference %.2e; loss %.4f"
         " -> %.4f (CPU %.4f -> %.4f)\n",
-        bf16 ? "bf16" : "fp32", worst, gpu.front(), gpu.back(), cpu.front(), cpu.back());
-    EXPECT_LT(worst, 2e-2) << (bf16 ? "bf16" : "fp32");
-    EXPECT_LT(gpu.back(), 0.8 * gpu.front());
+        name, worst, gpu.front(), gpu.back(), cpu.front(), cpu.back());
+    EXPECT_LT(worst, 2e-2) << name;
+    EXPECT_LT(gpu.back(), 0.8 * gpu.front()) << name;
   }
 }
 

@@ -369,7 +369,7 @@ TEST(ShardedOptimizer, ShardedMasterEqualsUnshardedOnEveryAlgorithm) {
     const train::Shard own = train::shard_of(total, me, world);
     std::copy(m.params() + own.begin, m.params() + own.end, r.master.begin() + own.begin);
     g_comm->allgather(r.master.data(), total, train::shard_counts(total, world));
-    r.bf16.assign(m.bf16_weights(), m.bf16_weights() + total);
+    r.bf16.assign(m.weights16(), m.weights16() + total);
     std::vector<uint16_t> r0 = r.bf16;
     MPI_Bcast(r0.data(), static_cast<int>(total), MPI_UINT16_T, 0, MPI_COMM_WORLD);
     EXPECT_EQ(std::memcmp(r0.data(), r.bf16.data(), total * 2), 0)

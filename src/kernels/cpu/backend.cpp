@@ -62,8 +62,8 @@ class CpuBackend final : public Backend {
                       int64_t N, int64_t K, const Workspace& ws) const override {
     if (p != Precision::BF16) return kernels::linear_forward(out, in.f32, w.f32, bias, M, N, K);
     if (in.bits)  // already rounded (a kept tensor): straight to the bf16 GEMM
-      return gemm_bf16(false, true, M, N, K, in.bits, K, w.bf16, K, out, N, bias, false);
-    linear_forward_bf16(out, in.f32, w.bf16, bias, M, N, K, ws.bf16_a);
+      return gemm_bf16(false, true, M, N, K, in.bits, K, w.bits, K, out, N, bias, false);
+    linear_forward_bf16(out, in.f32, w.bits, bias, M, N, K, ws.half_a);
   }
 
   void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
@@ -75,10 +75,10 @@ class CpuBackend final : public Backend {
                                         accumulate_dinp);
       case Precision::BF16:
         if (in.bits)
-          return linear_backward_bf16_in16(dinp, dw, db, dout, in.bits, w.bf16, M, N, K,
-                                           accumulate_dinp, ws.bf16_a);
-        return linear_backward_bf16(dinp, dw, db, dout, in.f32, w.bf16, M, N, K, accumulate_dinp,
-                                    ws.bf16_a, ws.bf16_b);
+          return linear_backward_bf16_in16(dinp, dw, db, dout, in.bits, w.bits, M, N, K,
+                                           accumulate_dinp, ws.half_a);
+        return linear_backward_bf16(dinp, dw, db, dout, in.f32, w.bits, M, N, K, accumulate_dinp,
+                                    ws.half_a, ws.half_b);
       case Precision::FP16: {
         const float* x = in.f32;
         if (in.bits) {  // the fp16 value forward used, widened for the fp32 kernels

@@ -64,15 +64,19 @@ BT_AVX512 inline __m512d add_squares16(__m512d acc, __m512 x) {
   return _mm512_add_pd(acc, _mm512_add_pd(_mm512_mul_pd(lo, lo), _mm512_mul_pd(hi, hi)));
 }
 
-// The new parameters, and their bf16 copy when asked for.
-BT_AVX512 inline void store_params16(float* p, uint16_t* p16, __mmask16 k, __m512 x) {
+// The new parameters, and their 16-bit copy when asked for (bf16, or fp16: vcvtps2ph rounds to
+// nearest even as f32_to_f16 does).
+BT_AVX512 inline void store_params16(float* p, uint16_t* p16, bool f16, __mmask16 k, __m512 x) {
   _mm512_mask_storeu_ps(p, k, x);
-  if (p16) _mm256_mask_storeu_epi16(p16, k, simd::f32_to_bf16_16(x));
+  if (!p16) return;
+  _mm256_mask_storeu_epi16(p16, k,
+                           f16 ? _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                               : simd::f32_to_bf16_16(x));
 }
 
-BT_AVX512 void adamw_rows(isa::Avx512, float* p, uint16_t* p16, const float* g, float* m, float* v,
-                          int64_t b, int64_t e, float gscale, float b1, float b2, float step_size,
-                          float sqrt_bc2, float eps, float decay) {
+BT_AVX512 void adamw_rows(isa::Avx512, float* p, uint16_t* p16, bool f16, const float* g, float* m,
+                          float* v, int64_t b, int64_t e, float gscale, float b1, float b2,
+                          float step_size, float sqrt_bc2, float eps, float decay) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 k = tail_mask(e - i);
@@ -84,7 +88,7 @@ BT_AVX512 void adamw_rows(isa::Avx512, float* p, uint16_t* p16, const float* g, 
     const __m512 pi =
         _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i), _mm512_set1_ps(decay)),
                       _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(step_size), mi), denom));
-    store_params16(p + i, p16 ? p16 + i : nullptr, k, pi);
+    store_params16(p + i, p16 ? p16 + i : nullptr, f16, k, pi);
   }
 }
 
@@ -109,7 +113,7 @@ BT_AVX512 void lamb_moments_rows(isa::Avx512, const float* p, const float* g, fl
   *un += _mm512_reduce_add_pd(au);
 }
 
-BT_AVX512 void lamb_update_rows(isa::Avx512, float* p, uint16_t* p16, const float* m,
+BT_AVX512 void lamb_update_rows(isa::Avx512, float* p, uint16_t* p16, bool f16, const float* m,
                                 const float* v, int64_t b, int64_t e, float ibc1, float ibc2,
                                 float eps, float wd, float step) {
   using namespace simd;
@@ -118,7 +122,7 @@ BT_AVX512 void lamb_update_rows(isa::Avx512, float* p, uint16_t* p16, const floa
     const __m512 pi = _mm512_maskz_loadu_ps(k, p + i);
     const __m512 u = lamb_direction16(_mm512_maskz_loadu_ps(k, m + i),
                                       _mm512_maskz_loadu_ps(k, v + i), pi, ibc1, ibc2, eps, wd);
-    store_params16(p + i, p16 ? p16 + i : nullptr, k,
+    store_params16(p + i, p16 ? p16 + i : nullptr, f16, k,
                    _mm512_sub_ps(pi, _mm512_mul_ps(_mm512_set1_ps(step), u)));
   }
 }
@@ -164,15 +168,16 @@ BT_AVX2 inline __m256 lamb_direction8(__m256 mi, __m256 vi, __m256 pi, float ibc
       _mm256_mul_ps(_mm256_set1_ps(wd), pi));
 }
 
-BT_AVX2 inline void store_params8(float* p, uint16_t* p16, int64_t n, __m256 x) {
+BT_AVX2 inline void store_params8(float* p, uint16_t* p16, bool f16, int64_t n, __m256 x) {
   simd::store8(p, n, x);
   if (p16)
-    for (int64_t l = 0; l < std::min<int64_t>(n, 8); ++l) p16[l] = f32_to_bf16(p[l]);
+    for (int64_t l = 0; l < std::min<int64_t>(n, 8); ++l)
+      p16[l] = f16 ? f32_to_f16(p[l]) : f32_to_bf16(p[l]);
 }
 
-BT_AVX2 void adamw_rows(isa::Avx2, float* p, uint16_t* p16, const float* g, float* m, float* v,
-                        int64_t b, int64_t e, float gscale, float b1, float b2, float step_size,
-                        float sqrt_bc2, float eps, float decay) {
+BT_AVX2 void adamw_rows(isa::Avx2, float* p, uint16_t* p16, bool f16, const float* g, float* m,
+                        float* v, int64_t b, int64_t e, float gscale, float b1, float b2,
+                        float step_size, float sqrt_bc2, float eps, float decay) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 8) {
     const int64_t n = e - i;
@@ -184,7 +189,7 @@ BT_AVX2 void adamw_rows(isa::Avx2, float* p, uint16_t* p16, const float* g, floa
     const __m256 pi =
         _mm256_sub_ps(_mm256_mul_ps(load8(p + i, n), _mm256_set1_ps(decay)),
                       _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(step_size), mi), denom));
-    store_params8(p + i, p16 ? p16 + i : nullptr, n, pi);
+    store_params8(p + i, p16 ? p16 + i : nullptr, f16, n, pi);
   }
 }
 
@@ -206,15 +211,15 @@ BT_AVX2 void lamb_moments_rows(isa::Avx2, const float* p, const float* g, float*
   *un += hsum4d(au);
 }
 
-BT_AVX2 void lamb_update_rows(isa::Avx2, float* p, uint16_t* p16, const float* m, const float* v,
-                              int64_t b, int64_t e, float ibc1, float ibc2, float eps, float wd,
-                              float step) {
+BT_AVX2 void lamb_update_rows(isa::Avx2, float* p, uint16_t* p16, bool f16, const float* m,
+                              const float* v, int64_t b, int64_t e, float ibc1, float ibc2,
+                              float eps, float wd, float step) {
   using namespace simd;
   for (int64_t i = b; i < e; i += 8) {
     const int64_t n = e - i;
     const __m256 pi = load8(p + i, n);
     const __m256 u = lamb_direction8(load8(m + i, n), load8(v + i, n), pi, ibc1, ibc2, eps, wd);
-    store_params8(p + i, p16 ? p16 + i : nullptr, n,
+    store_params8(p + i, p16 ? p16 + i : nullptr, f16, n,
                   _mm256_sub_ps(pi, _mm256_mul_ps(_mm256_set1_ps(step), u)));
   }
 }
@@ -250,8 +255,8 @@ template <typename Tag>
 void adamw_on(Tag tag, const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
               float* v, int64_t n) {
   parallel_chunks(n, [&](int64_t b, int64_t e) {
-    adamw_rows(tag, p, p16, g, m, v, b, e, a.gscale, a.beta1, a.beta2, a.step_size, a.sqrt_bc2,
-               a.eps, a.decay);
+    adamw_rows(tag, p, p16, a.f16_copy, g, m, v, b, e, a.gscale, a.beta1, a.beta2, a.step_size,
+               a.sqrt_bc2, a.eps, a.decay);
   });
 }
 void adamw_on(isa::Portable, const AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
@@ -283,7 +288,7 @@ template <typename Tag>
 void lamb_apply_on(Tag tag, const LambStep& a, float* p, uint16_t* p16, const float* m,
                    const float* v, int64_t n, float step) {
   parallel_chunks(n, [&](int64_t b, int64_t e) {
-    lamb_update_rows(tag, p, p16, m, v, b, e, a.ibc1, a.ibc2, a.eps, a.wd, step);
+    lamb_update_rows(tag, p, p16, a.f16_copy, m, v, b, e, a.ibc1, a.ibc2, a.eps, a.wd, step);
   });
 }
 void lamb_apply_on(isa::Portable, const LambStep& a, float* p, uint16_t* p16, const float* m,

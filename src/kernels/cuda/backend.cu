@@ -1,6 +1,7 @@
 // The CUDA backend: kernels/backend.h's table filled with this directory's kernels and cuBLAS /
 // cuBLASLt products, the precision branches as the CPU backend has them (kernels/cpu/backend.cpp)
-// so that a model computes the same thing on either. Pointers are device memory; kernels run on
+// so that a model computes the same thing on either; FP16's products take fp16 operands here
+// (Target::fp16_operands), as BF16's take bf16 ones. Pointers are device memory; kernels run on
 // the default stream, in order. What this first port does not have yet fails with a message
 // that says so: the blocked (flash-style) attention kernel (full attention runs at every length).
 #include <cuda_fp16.h>
@@ -48,11 +49,6 @@ __global__ void keep_f16_kernel(float* x, uint16_t* bits, int64_t n) {
   const uint16_t b = to_f16(x[i]);
   if (bits) bits[i] = b;
   x[i] = widen_f16(b);
-}
-
-__global__ void widen_f16_kernel(float* out, const uint16_t* bits, int64_t n) {
-  BT_FOR_EACH(n);
-  out[i] = widen_f16(bits[i]);
 }
 
 // The activation in the kept precision (kernels/backend.h): BF16 writes out16 = bf16(act(x))
@@ -172,38 +168,19 @@ __global__ void squared_error_kernel(float* dpred, float* sq, const float* pred,
   if (dpred) dpred[i] = dscale * 2.0f * d;
 }
 
-// FP16's saved probabilities (kernels/cpu/attention.h), element e of [B, NH, T, T] keyed as its
-// row: probs16 their fp16 bits, the rounded value back into probs (fp32), dropped (fp32, may be
-// null) made from it. (BF16's are made in the softmax's pass: attention_softmax_forward_bf16.)
-__global__ void attention_keep_f16_kernel(float* probs, uint16_t* probs16, float* dropped,
-                                          AttentionShape s, float dp, uint64_t key,
-                                          uint64_t offset) {
-  BT_FOR_EACH(s.B * s.NH * s.T * s.T);
-  const int64_t r = i / s.T, j = i % s.T;
-  const uint64_t idx = offset + s.dropout_row(r / s.T, r % s.T) + j;
-  const uint16_t h = to_f16(probs[i]);
-  const float w = widen_f16(h);
-  if (probs16) probs16[i] = h;
-  probs[i] = w;
-  if (dropped) dropped[i] = rm::dropout(w, dp, rm::keep_scale_of(dp), key, idx);
-}
-
-// Backward's dropped probabilities from the kept ones (fp32, or bf16 into bf16).
-__global__ void attention_dropped_kernel(float* dropped, uint16_t* dropped16, const float* probs,
-                                         const uint16_t* probs16, AttentionShape s, float dp,
+// Backward's dropped probabilities from the kept ones, element e of [B, NH, T, T] keyed as its
+// row: fp32, or 16-bit (rm::Bf16Bits / rm::F16Bits) into the same format.
+template <class H>
+__global__ void attention_dropped_kernel(H* dropped, const H* probs, AttentionShape s, float dp,
                                          uint64_t key, uint64_t offset) {
   BT_FOR_EACH(s.B * s.NH * s.T * s.T);
   const int64_t r = i / s.T, j = i % s.T;
   const uint64_t idx = offset + s.dropout_row(r / s.T, r % s.T) + j;
-  const float ks = rm::keep_scale_of(dp);
-  if (probs16)
-    dropped16[i] = f32_to_bf16(rm::dropout(bf16_to_f32(probs16[i]), dp, ks, key, idx));
-  else
-    dropped[i] = rm::dropout(probs[i], dp, ks, key, idx);
+  rm::store(dropped + i, rm::dropout(rm::widen(probs[i]), dp, rm::keep_scale_of(dp), key, idx));
 }
 
 // Rows [first, first + rows) of the softmax backward (one sequence's heads); ds in fp32 or,
-// for bf16 products, rounded to bf16 as it is written.
+// for 16-bit products, rounded to their format as it is written.
 template <class P, class D>
 __global__ void softmax_backward_rows_kernel(D* ds, const float* dd, const P* probs,
                                              AttentionShape s, int64_t first, int64_t rows,
@@ -226,21 +203,29 @@ void launch(K kernel, int64_t n, A... args) {
   check_launch();
 }
 
-// The products' operands: bf16 bits in BF16; in FP16 fp32 values multiplied as TF32 (fp16's
-// significand: the kept fp16 values exactly; cuda.h, Operands); plain fp32 in FP32.
+// The products' operands: bf16 bits in BF16, fp16 bits in FP16 (the kept fp16 activations, the
+// weights' fp16 copy, the rest rounded on the way in), plain fp32 in FP32.
 Operands operands_of(Precision p) {
   switch (p) {
     case Precision::BF16:
       return Operands::BF16;
     case Precision::FP16:
-      return Operands::TF32;
+      return Operands::FP16;
     default:
       return Operands::FP32;
   }
 }
 
-// Attention's sizes and operands: the products read the precision's elements (bf16 bits in
-// BF16, fp32 values otherwise: `el` bytes). Refuses the blocked kernel's saved state.
+// n fp32 values rounded to the 16-bit precision's operands.
+void round_16(Precision p, uint16_t* dst, const float* src, int64_t n) {
+  if (p == Precision::BF16)
+    round_to_bf16(dst, src, n);
+  else
+    round_to_f16(dst, src, n);
+}
+
+// Attention's sizes and operands: the products read the precision's elements (16-bit bits in
+// BF16 and FP16, fp32 values in FP32: `el` bytes). Refuses the blocked kernel's saved state.
 struct AttentionDims {
   int64_t C3, n_probs;
   Operands o;
@@ -249,7 +234,7 @@ struct AttentionDims {
       : C3(3 * s.C),
         n_probs(s.B * s.NH * s.T * s.T),
         o(operands_of(p)),
-        el(p == Precision::BF16 ? 2 : 4) {
+        el(p == Precision::FP32 ? 4 : 2) {
     BT_CHECK(!saved.blocked(),
              "the blocked attention kernel is not on CUDA yet: run with --attention full");
   }
@@ -275,9 +260,18 @@ cudaEvent_t upload_event() {
   return e;
 }
 
+// A 16-bit precision's products read the weights' 16-bit copy: a model on this backend plans one
+// (Target::fp16_operands, ModelDims::weight_copy).
+void check_copy(const kernels::Weight& w) {
+  BT_CHECK(w.bits,
+           "a 16-bit product on the GPU reads the weights' 16-bit copy (BertModel plans it: "
+           "ModelDims::weight_copy), and none was given");
+}
+
 class CudaBackend final : public kernels::Backend {
  public:
   const char* name() const override { return "cuda"; }
+  bool fp16_operands() const override { return true; }
 
   bool host_memory() const override { return false; }
   void* allocate(size_t bytes) const override {
@@ -340,48 +334,41 @@ class CudaBackend final : public kernels::Backend {
     cuda::bind_scratch(region, layout);
   }
 
+  // 16-bit precisions: the products read the weights' 16-bit copy (the model's, written by the
+  // optimizer's update) and the kept 16-bit input, or the input rounded into the workspace.
   void linear_forward(Precision p, float* out, Kept in, kernels::Weight w, const float* bias,
                       int64_t M, int64_t N, int64_t K,
                       const kernels::Workspace& ws) const override {
     const Op op("linear_forward");
-    if (p != Precision::BF16)
-      return cuda::linear_forward(operands_of(p), out, in.f32, w.f32, bias, M, N, K);
+    if (p == Precision::FP32)
+      return cuda::linear_forward(Operands::FP32, out, in.f32, w.f32, bias, M, N, K);
+    check_copy(w);
     const uint16_t* x = in.bits;
     if (!x) {
-      round_to_bf16(ws.bf16_a, in.f32, M * K);
-      x = ws.bf16_a;
+      round_16(p, ws.half_a, in.f32, M * K);
+      x = ws.half_a;
     }
-    cuda::linear_forward(Operands::BF16, out, x, w.bf16, bias, M, N, K);
+    cuda::linear_forward(operands_of(p), out, x, w.bits, bias, M, N, K);
   }
 
+  // 16-bit precisions: the output gradient rounded to the operands' format (fp16 under the loss
+  // scale; the bias gradient sums its fp32 values).
   void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
                        kernels::Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
                        const kernels::Workspace& ws) const override {
     const Op op("linear_backward");
-    switch (p) {
-      case Precision::FP32:
-        return cuda::linear_backward(Operands::FP32, dinp, dw, db, dout, dout, in.f32, w.f32, M, N,
-                                     K, accumulate_dinp);
-      case Precision::BF16: {
-        round_to_bf16(ws.bf16_a, dout, M * N);
-        const uint16_t* x = in.bits;
-        if (!x) {
-          round_to_bf16(ws.bf16_b, in.f32, M * K);
-          x = ws.bf16_b;
-        }
-        return cuda::linear_backward(Operands::BF16, dinp, dw, db, ws.bf16_a, dout, x, w.bf16, M, N,
-                                     K, accumulate_dinp);
-      }
-      case Precision::FP16: {
-        const float* x = in.f32;
-        if (in.bits) {  // the fp16 value forward used, widened for the fp32 products
-          launch(widen_f16_kernel, M * K, ws.wide, in.bits, M * K);
-          x = ws.wide;
-        }
-        return cuda::linear_backward(Operands::TF32, dinp, dw, db, dout, dout, x, w.f32, M, N, K,
-                                     accumulate_dinp);
-      }
+    if (p == Precision::FP32)
+      return cuda::linear_backward(Operands::FP32, dinp, dw, db, dout, dout, in.f32, w.f32, M, N, K,
+                                   accumulate_dinp);
+    check_copy(w);
+    round_16(p, ws.half_a, dout, M * N);
+    const uint16_t* x = in.bits;
+    if (!x) {
+      round_16(p, ws.half_b, in.f32, M * K);
+      x = ws.half_b;
     }
+    cuda::linear_backward(operands_of(p), dinp, dw, db, ws.half_a, dout, x, w.bits, M, N, K,
+                          accumulate_dinp);
   }
 
   void keep(Precision p, Kept x, int64_t n) const override {
@@ -392,45 +379,37 @@ class CudaBackend final : public kernels::Backend {
 
   void copy_weights(Precision p, const float* master, uint16_t* copy, int64_t n) const override {
     const Op op("copy_weights");
-    if (p == Precision::BF16) round_to_bf16(copy, master, n);
+    if (p != Precision::FP32) round_16(p, copy, master, n);
   }
 
   // Full attention: per sequence, the heads' products as strided batched GEMMs read straight out
-  // of the QKV rows, and the row passes over all rows. FP32 keeps probs; BF16 keeps probs16 with
-  // bf16 operands for the products; FP16 keeps probs16 with fp32 products on fp16 values.
+  // of the QKV rows, and the row passes over all rows. FP32 keeps probs; BF16 and FP16 keep
+  // probs16 with 16-bit operands for the products (QKV's kept bits, the dropped probabilities
+  // and dS rounded as the row passes write them, dctx rounded).
   void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
                          const int32_t* mask, const AttentionShape& s, const Dropout& d,
                          const kernels::Workspace& ws) const override {
     const Op op("attention_forward");
     const AttentionDims g(p, s, saved);
     const int64_t B = s.B, T = s.T, C3 = g.C3, n_probs = g.n_probs;
+    const bool half = p != Precision::FP32;
     if (p == Precision::BF16) round_to_bf16(qkv.bits, qkv.f32, B * T * C3);
     if (p == Precision::FP16) launch(keep_f16_kernel, B * T * C3, qkv.f32, qkv.bits, B * T * C3);
-    const void* q = p == Precision::BF16 ? static_cast<const void*>(qkv.bits) : qkv.f32;
+    const void* q = half ? static_cast<const void*>(qkv.bits) : qkv.f32;
     // scores (scaled) in fp32: the kept probs in FP32, a buffer of our own otherwise; what
-    // multiplies V: the dropped probabilities (bf16 in BF16), or the probabilities without dropout
-    float* scores = p == Precision::FP32
-                        ? saved.probs
-                        : static_cast<float*>(scratch(kAttentionScoresSlot, n_probs * 4));
-    float* dr = d.p == 0.0f            ? nullptr
-                : p == Precision::FP32 ? ws.attn_work
-                : p == Precision::FP16
-                    ? static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4))
-                    : nullptr;
-    const void* dropped = p == Precision::BF16 ? static_cast<const void*>(ws.attn_probs16)
-                          : dr                 ? dr
-                                               : scores;
+    // multiplies V: the dropped probabilities (16-bit in BF16 and FP16), or the probabilities
+    // without dropout
+    float* scores =
+        half ? static_cast<float*>(scratch(kAttentionScoresSlot, n_probs * 4)) : saved.probs;
+    float* dr = !half && d.p > 0.0f ? ws.attn_work : nullptr;
+    const void* dropped = half ? static_cast<const void*>(ws.attn_probs16) : dr ? dr : scores;
     const auto products = attention_forward_products(s, g.el, q, scores, dropped, ctx);
     gemm_pairs(g.o, s.B * s.NH, s.NH, products[0]);
-    if (p == Precision::FP32) {
+    if (half)  // softmax and the 16-bit rounding in one pass
+      attention_softmax_forward_16(p == Precision::FP16, saved.probs16, ws.attn_probs16, scores,
+                                   mask, s, d);
+    else
       attention_softmax_forward(scores, dr, scores, mask, s, d);
-    } else if (p == Precision::BF16) {  // softmax and the bf16 rounding in one pass
-      attention_softmax_forward_bf16(saved.probs16, ws.attn_probs16, scores, mask, s, d);
-    } else {  // FP16
-      attention_softmax_forward(scores, nullptr, scores, mask, s, Dropout{});
-      launch(attention_keep_f16_kernel, n_probs, scores, saved.probs16, dr, s, d.p, d.key,
-             d.offset);
-    }
     gemm_pairs(g.o, s.B * s.NH, s.NH, products[1]);
   }
 
@@ -440,50 +419,53 @@ class CudaBackend final : public kernels::Backend {
                           const kernels::Workspace& ws) const override {
     const Op op("attention_backward");
     const AttentionDims g(p, s, saved);
-    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, C3 = g.C3, n_probs = g.n_probs;
-    const bool bf16 = p == Precision::BF16;
-    // Q, K, V as forward used them; the kept probabilities in fp32 (FP16: widened).
-    const void* q = bf16 ? static_cast<const void*>(qkv.bits) : qkv.f32;
-    const float* probs = saved.probs;
-    if (p == Precision::FP16) {
-      launch(widen_f16_kernel, B * T * C3, ws.wide, qkv.bits, B * T * C3);
-      q = ws.wide;
-      float* pw = static_cast<float*>(scratch(kAttentionScoresSlot, n_probs * 4));
-      launch(widen_f16_kernel, n_probs, pw, saved.probs16, n_probs);
-      probs = pw;
-    }
+    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_probs = g.n_probs;
+    const bool half = p != Precision::FP32, f16 = p == Precision::FP16;
+    // Q, K, V as forward used them.
+    const void* q = half ? static_cast<const void*>(qkv.bits) : qkv.f32;
     // The dropped probabilities again (forward's are gone with its scratch).
-    const void* dropped = probs;
-    if (bf16) {
-      launch(attention_dropped_kernel, n_probs, static_cast<float*>(nullptr), ws.attn_probs16,
-             static_cast<const float*>(nullptr), saved.probs16, s, d.p, d.key, d.offset);
+    const void* dropped = saved.probs;
+    if (half) {
+      if (f16)
+        launch(attention_dropped_kernel<rm::F16Bits>, n_probs,
+               reinterpret_cast<rm::F16Bits*>(ws.attn_probs16),
+               reinterpret_cast<const rm::F16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
+      else
+        launch(attention_dropped_kernel<rm::Bf16Bits>, n_probs,
+               reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16),
+               reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
       dropped = ws.attn_probs16;
     } else if (d.p > 0.0f) {
       float* dr = static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4));
-      launch(attention_dropped_kernel, n_probs, dr, static_cast<uint16_t*>(nullptr), probs,
-             static_cast<const uint16_t*>(nullptr), s, d.p, d.key, d.offset);
+      launch(attention_dropped_kernel<float>, n_probs, dr, static_cast<const float*>(saved.probs),
+             s, d.p, d.key, d.offset);
       dropped = dr;
     }
     const void* dc = dctx;
-    if (bf16) {
-      round_to_bf16(ws.attn_dctx16, dctx, B * T * C);
+    if (half) {
+      round_16(p, ws.attn_dctx16, dctx, B * T * C);
       dc = ws.attn_dctx16;
     }
-    // dd (then ds) for every pair in a [B, NH, T, T] buffer; BF16's ds in bf16 over the dropped
-    // probabilities once dV has used them.
+    // dd (then ds) for every pair in a [B, NH, T, T] buffer; the 16-bit precisions' ds rounded
+    // over the dropped probabilities once dV has used them.
     float* dd = static_cast<float*>(scratch(kAttentionGradSlot, n_probs * 4));
-    const void* ds = bf16 ? static_cast<const void*>(ws.attn_probs16) : dd;
+    const void* ds = half ? static_cast<const void*>(ws.attn_probs16) : dd;
     const auto products = attention_backward_products(s, g.el, q, dropped, dc, dd, ds, dqkv);
     gemm_pairs(g.o, B * NH, NH, products[0]);  // dV
     gemm_pairs(g.o, B * NH, NH, products[1]);  // dd
     const int64_t rows = B * NH * T;
-    if (bf16)
-      softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(
-          reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16), dd,
-          reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, 0, rows, d.p, d.key, d.offset);
-    else
-      softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(dd, dd, probs, s, 0, rows,
+    auto backward_rows = [&](auto* out, const auto* probs) {
+      softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(out, dd, probs, s, 0, rows,
                                                                       d.p, d.key, d.offset);
+    };
+    if (f16)
+      backward_rows(reinterpret_cast<rm::F16Bits*>(ws.attn_probs16),
+                    reinterpret_cast<const rm::F16Bits*>(saved.probs16));
+    else if (half)
+      backward_rows(reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16),
+                    reinterpret_cast<const rm::Bf16Bits*>(saved.probs16));
+    else
+      backward_rows(dd, static_cast<const float*>(saved.probs));
     check_launch();
     gemm_pairs(g.o, B * NH, NH, products[2]);  // dQ
     gemm_pairs(g.o, B * NH, NH, products[3]);  // dK

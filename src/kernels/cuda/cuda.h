@@ -50,10 +50,8 @@ class DeviceBuffer {
 void synchronize();
 
 // What a linear layer's operands are: fp32, or 16-bit (raw bf16 / fp16 bits) with fp32
-// accumulation and an fp32 result; TF32: fp32 values the tensor cores multiply with fp16's
-// 10-bit significand and fp32's range (the FP16 precision's products: its kept fp16 activations
-// exactly, the fp32 weights and gradients rounded as fp16 operands would be, without overflow).
-enum class Operands { FP32, BF16, FP16, TF32 };
+// accumulation and an fp32 result.
+enum class Operands { FP32, BF16, FP16 };
 
 // out[M,N] = in[M,K] . w[N,K]^T + bias[N] (bias may be null), through cuBLASLt (bias in the
 // epilogue); in and w of the operand type.
@@ -128,11 +126,13 @@ void scale(float* x, int64_t n, float s, void* stream = nullptr);
 void attention_softmax_forward(float* probs, float* dropped, const float* scores,
                                const int32_t* mask, const kernels::AttentionShape& s,
                                const kernels::Dropout& d, void* stream = nullptr);
-// BF16's: the probabilities kept in bf16 and the dropped ones made from them, in the same pass
-// (row_math::attention_softmax_bf16; dropped16 null when d.p = 0).
-void attention_softmax_forward_bf16(uint16_t* probs16, uint16_t* dropped16, const float* scores,
-                                    const int32_t* mask, const kernels::AttentionShape& s,
-                                    const kernels::Dropout& d, void* stream = nullptr);
+// The 16-bit precisions': the probabilities kept in bf16 (fp16 with f16) and the dropped ones
+// made from them, in the same pass (row_math::attention_softmax_16; dropped16 null when
+// d.p = 0).
+void attention_softmax_forward_16(bool f16, uint16_t* probs16, uint16_t* dropped16,
+                                  const float* scores, const int32_t* mask,
+                                  const kernels::AttentionShape& s, const kernels::Dropout& d,
+                                  void* stream = nullptr);
 // ds = probs * (dp - rowsum(probs * dp)), dp = dropout(dd) (ds may alias dd).
 void attention_softmax_backward(float* ds, const float* dd, const float* probs,
                                 const kernels::AttentionShape& s, const kernels::Dropout& d,

@@ -45,14 +45,11 @@ cudaDataType_t operand_type(Operands o) {
   }
 }
 
-// fp32 accumulation throughout; TF32 operands on the tensor cores where asked for (plain fp32
-// otherwise: no TF32 behind the caller's back).
-cublasComputeType_t compute_type(Operands o) {
-  return o == Operands::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-}
+// fp32 accumulation throughout (plain fp32 for fp32 operands: no TF32 behind the caller's back).
+constexpr cublasComputeType_t kCompute = CUBLAS_COMPUTE_32F;
 
 __host__ __device__ inline bool fp32_storage(Operands o) {
-  return o == Operands::FP32 || o == Operands::TF32;
+  return o == Operands::FP32;
 }
 
 // One product's shape: column-major m x n = op(A) m x k . op(B) k x n, C with beta; and the
@@ -108,7 +105,7 @@ const Product& product(Context& ctx, const Shape& s) {
   auto it = ctx.products.find(s);
   if (it != ctx.products.end()) return it->second;
   Product p;
-  BT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, compute_type(s.operands), CUDA_R_32F));
+  BT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, kCompute, CUDA_R_32F));
   const cublasOperation_t ta = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
                           tb = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   BT_CUBLAS_CHECK(
@@ -236,8 +233,7 @@ void gemm_pairs(Operands o, int64_t pairs, int64_t NH, const PairProduct& p, voi
       h, p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
       static_cast<int>(p.N), static_cast<int>(p.M), static_cast<int>(p.K), &p.alpha, ptrs + pairs,
       t, static_cast<int>(p.ldb), ptrs, t, static_cast<int>(p.lda), &beta, ptrs + 2 * pairs,
-      CUDA_R_32F, static_cast<int>(p.ldc), static_cast<int>(pairs), compute_type(o),
-      CUBLAS_GEMM_DEFAULT));
+      CUDA_R_32F, static_cast<int>(p.ldc), static_cast<int>(pairs), kCompute, CUBLAS_GEMM_DEFAULT));
 }
 
 void linear_forward(Operands o, float* out, const void* in, const void* w, const float* bias,

@@ -29,16 +29,16 @@ __global__ void attention_softmax_kernel(float* probs, float* dropped, const flo
                         warp_lanes());
 }
 
-__global__ void attention_softmax_bf16_kernel(rm::Bf16Bits* probs16, rm::Bf16Bits* dropped16,
-                                              const float* scores, const int32_t* mask,
-                                              kernels::AttentionShape s, float p, uint64_t key,
-                                              uint64_t offset) {
+template <class H>
+__global__ void attention_softmax_16_kernel(H* probs16, H* dropped16, const float* scores,
+                                            const int32_t* mask, kernels::AttentionShape s, float p,
+                                            uint64_t key, uint64_t offset) {
   const int64_t r = warp_row();
   if (r >= s.B * s.NH * s.T) return;
   const int64_t bh = r / s.T, i = r % s.T, T = s.T;
-  rm::attention_softmax_bf16(probs16 + r * T, dropped16 ? dropped16 + r * T : nullptr,
-                             scores + r * T, mask + (bh / s.NH) * T, T, p, key,
-                             offset + s.dropout_row(bh, i), warp_lanes());
+  rm::attention_softmax_16(probs16 + r * T, dropped16 ? dropped16 + r * T : nullptr, scores + r * T,
+                           mask + (bh / s.NH) * T, T, p, key, offset + s.dropout_row(bh, i),
+                           warp_lanes());
 }
 
 __global__ void attention_softmax_backward_kernel(float* ds, const float* dd, const float* probs,
@@ -253,14 +253,20 @@ void attention_softmax_forward(float* probs, float* dropped, const float* scores
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
-void attention_softmax_forward_bf16(uint16_t* probs16, uint16_t* dropped16, const float* scores,
-                                    const int32_t* mask, const kernels::AttentionShape& s,
-                                    const kernels::Dropout& d, void* stream) {
+void attention_softmax_forward_16(bool f16, uint16_t* probs16, uint16_t* dropped16,
+                                  const float* scores, const int32_t* mask,
+                                  const kernels::AttentionShape& s, const kernels::Dropout& d,
+                                  void* stream) {
   const int64_t rows = s.B * s.NH * s.T;
   if (rows == 0) return;
-  attention_softmax_bf16_kernel<<<row_blocks(rows), kRowThreads, 0, as_stream(stream)>>>(
-      reinterpret_cast<rm::Bf16Bits*>(probs16), reinterpret_cast<rm::Bf16Bits*>(dropped16), scores,
-      mask, s, d.p, d.key, d.offset);
+  auto run = [&](auto* probs, auto* dropped) {
+    attention_softmax_16_kernel<<<row_blocks(rows), kRowThreads, 0, as_stream(stream)>>>(
+        probs, dropped, scores, mask, s, d.p, d.key, d.offset);
+  };
+  if (f16)
+    run(reinterpret_cast<rm::F16Bits*>(probs16), reinterpret_cast<rm::F16Bits*>(dropped16));
+  else
+    run(reinterpret_cast<rm::Bf16Bits*>(probs16), reinterpret_cast<rm::Bf16Bits*>(dropped16));
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -17,10 +17,11 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
   part(kCrossEntropySlot) = 2 * k.loss_rows * int64_t{sizeof(float)};
   part(kSquaredErrorSlot) = k.loss_rows * int64_t{sizeof(float)};
   if (attention) {
-    // (backend.cu's attention: FP32 scores are the kept probabilities themselves; BF16's dropped
-    // probabilities are its bf16 operand, a Workspace region of the model's.)
+    // (backend.cu's attention: FP32 scores are the kept probabilities themselves, its dropped
+    // ones backward's buffer here; BF16's and FP16's dropped probabilities are their 16-bit
+    // operand, a Workspace region of the model's.)
     part(kAttentionScoresSlot) = k.precision == Precision::FP32 ? 0 : probs;
-    part(kAttentionDroppedSlot) = k.precision == Precision::BF16 ? 0 : probs;
+    part(kAttentionDroppedSlot) = k.precision == Precision::FP32 ? probs : 0;
     part(kAttentionGradSlot) = probs;
     part(kAttentionPointersSlot) = 3 * a.B * a.NH * int64_t{sizeof(void*)};
   }
@@ -53,6 +54,7 @@ class CudaTarget final : public kernels::Target {
   const char* name() const override { return "cuda"; }
   bool host_memory() const override { return false; }
   bool has_blocked_attention() const override { return false; }
+  bool fp16_operands() const override { return true; }
   kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& s) const override {
     return cuda::scratch_layout(s);
   }
