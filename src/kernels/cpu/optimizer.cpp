@@ -128,8 +128,8 @@ BT_AVX512 void lamb_update_rows(isa::Avx512, float* p, uint16_t* p16, bool f16, 
 }
 
 // The AVX2 twins (8 lanes, the same operations in the same order as the AVX-512 bodies). The
-// bf16 copy is rounded per element: bf16 training needs AVX-512, so it is never asked for here
-// in practice.
+// 16-bit copy is rounded per element: a CPU model has one only in bf16, which needs AVX-512, so
+// in practice only tests ask for it here.
 BT_AVX2 double sum_squares_rows(isa::Avx2, const float* g, int64_t n, double s) {
   __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
   const __m256d vs = _mm256_set1_pd(s);
