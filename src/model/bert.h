@@ -39,9 +39,9 @@ struct ModelDims {
   // fp16 storage: what backward keeps of QKV, the attention probabilities and context and the
   // FFN pre- and post-activation is stored in fp16 (the tensors bf16 keeps in bf16, with fp16's
   // 11-bit significand), each rounded before forward uses it, so backward differentiates exactly
-  // what forward computed. The kernels compute in fp32 on the fp32 weights: oneDNN has no fp16
-  // matmul for CPUs without AVX512-FP16, and an fp16 copy of the weights would only add memory
-  // and error to fp32 matmuls. Gradients stay fp32.
+  // what forward computed. On a CPU the kernels compute in fp32 on the fp32 weights: oneDNN has
+  // no fp16 matmul for CPUs without AVX512-FP16, and an fp16 copy of the weights would only add
+  // memory and error to fp32 matmuls (a GPU's: fp16_operands). Gradients stay fp32.
   bool fp16 = false;
   // fp16 on a backend whose matmuls take fp16 operands (kernels::Target::fp16_operands, a GPU's;
   // set by on_backend, not by users): as bf16 with fp16 for bf16, an fp16 copy of the weights
