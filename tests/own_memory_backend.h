@@ -16,12 +16,15 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "gpu_attention_16.h"
 #include "kernels/backend.h"
+#include "kernels/row_math.h"
 
 namespace bertrain::kernels {
 
@@ -72,8 +75,9 @@ class OwnMemoryBackend final : public Backend {
   // fp16_operands: FP16's products take fp16 operands, as a GPU's do (Target::fp16_operands):
   // the model plans the fp16 weight copy and operand scratch, the optimizer writes the copy,
   // and the linear layers multiply what a GPU's would (the kept fp16 inputs, the fp16 weight
-  // copy, the other operands rounded to fp16) with the CPU's fp32 kernel; attention runs the
-  // CPU's FP16 kernels (the GPU's 16-bit attention row passes: RowMath tests).
+  // copy, the other operands rounded to fp16) with the CPU's fp32 kernel, and attention runs the
+  // GPU's fp16 flow on the host (gpu_attention_16.h: fp16 operands, the dropped probabilities
+  // and dS rounded to fp16 as the row passes write them).
   explicit OwnMemoryBackend(size_t capacity = 0, bool fp16_operands = false)
       : capacity_(capacity), fp16_operands_(fp16_operands) {}
   const char* name() const override { return "own-memory"; }
@@ -260,6 +264,14 @@ class OwnMemoryBackend final : public Backend {
     EXPECT_NE(ws.half_b, nullptr);
     return true;
   }
+  template <class T>
+  static auto* f16(T* bits) {
+    using H = std::conditional_t<std::is_const_v<T>, const row_math::F16Bits, row_math::F16Bits>;
+    return reinterpret_cast<H*>(bits);
+  }
+  static constexpr auto one_lane = [](int64_t rows, const auto& f) {
+    for (int64_t r = 0; r < rows; ++r) f(r, row_math::OneLane{});
+  };
   // n fp16 values in fp32: bits widened, or f32 rounded to fp16 and widened.
   static std::vector<float> fp16_values(const uint16_t* bits, const float* f32, int64_t n) {
     std::vector<float> v(static_cast<size_t>(n));
@@ -292,6 +304,14 @@ class OwnMemoryBackend final : public Backend {
     own(ctx, "ctx");
     own(qkv, "qkv");
     own(mask, "attention mask");
+    if (p == Precision::FP16 && fp16_operands_) {
+      own(saved.probs16, "kept probabilities");
+      own(ws.attn_probs16, "attention's 16-bit operands");
+      EXPECT_FALSE(saved.blocked()) << "the GPU has the full attention kernel only";
+      cpu().keep(p, qkv, s.B * s.T * 3 * s.C);  // QKV rounded in place, its bits kept
+      return test::gpu_attention_16_forward(ctx, f16(saved.probs16), f16(ws.attn_probs16),
+                                            f16(qkv.bits), mask, s, d, one_lane);
+    }
     cpu().attention_forward(p, ctx, saved, qkv, mask, s, d, ws);
   }
   void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
@@ -300,15 +320,13 @@ class OwnMemoryBackend final : public Backend {
     const Open open(*this);
     own(dqkv, "dqkv");
     own(mask, "attention mask");
-    if (p == Precision::FP16 && fp16_operands_) {
-      // The CPU's FP16 kernel widens QKV into ws.wide; with fp16 operands the model plans it for
-      // forward's context only (a GPU's attention reads the 16-bit operands instead).
+    if (p == Precision::FP16 && fp16_operands_) {  // dctx rounded into its operand buffer
       own(ws.attn_probs16, "attention's 16-bit operands");
       own(ws.attn_dctx16, "attention's 16-bit operands");
-      std::vector<float> wide(static_cast<size_t>(s.B * s.T * 3 * s.C));
-      Workspace w = ws;
-      w.wide = wide.data();
-      return cpu().attention_backward(p, dqkv, dctx, qkv, saved, mask, s, d, w);
+      convert_f32_to_f16(dctx, ws.attn_dctx16, static_cast<size_t>(s.B * s.T * s.C));
+      return test::gpu_attention_16_backward(dqkv, f16(ws.attn_dctx16), f16(qkv.bits),
+                                             f16(saved.probs16), f16(ws.attn_probs16), s, d,
+                                             one_lane);
     }
     cpu().attention_backward(p, dqkv, dctx, qkv, saved, mask, s, d, ws);
   }

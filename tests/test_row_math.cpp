@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include "gpu_attention_16.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
@@ -345,95 +346,34 @@ TEST_P(RowMath, AttentionEqualsCpu) {
   EXPECT_TRUE(all_close("dqkv", dqkv.data(), dqkv_ref.data(), dqkv.size(), 2e-5, 1e-6));
 }
 
-// The 16-bit attention as the GPU's BF16 and FP16 run it (cuda/backend.cu): the same six product
-// descriptions on 2-byte operands (QKV's kept bits read in place, the dropped probabilities,
-// dctx rounded), the softmax writing the kept and the dropped probabilities rounded, backward's
-// dropped probabilities made again into the operand buffer and dS written over them once dV has
-// read them; each product through the reference GEMM on the operands' values (fp32
-// accumulation, as cuBLAS's). Against the fp32 reference: the operands round at the format's
-// unit (bf16 2^-8, fp16 2^-11), a few units of the tensor max (bf16 3e-2, fp16 4e-3); the kept
-// probabilities are the reference's rounded, to a unit.
+// The 16-bit attention as the GPU's BF16 and FP16 run it (gpu_attention_16.h: the six product
+// descriptions on 2-byte operands read in place, the rounding row passes, dS written over the
+// dropped probabilities once dV has read them), on 1 and 32 lanes, against the fp32 reference:
+// the operands round at the format's unit (bf16 2^-8, fp16 2^-11), so a few units of the tensor
+// max (bf16 3e-2, fp16 4e-3); the kept probabilities are the reference's rounded, to a unit.
 template <class H, class Round, class Widen>
 void check_attention_16(int lanes, Round round, Widen widen, double tol) {
   AttentionShape s{2, 37, 64, 4};
   s.dropout_T = 48;
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, C3 = 3 * C, n_p = B * NH * T * T;
-  const float p = 0.1f;
-  const uint64_t key = 5, offset = 11;
+  const Dropout d{0.1f, 5, 11, nullptr};
   const auto qkv = random_vector(B * T * C3, 72), dctx = random_vector(B * T * C, 73);
   std::vector<int32_t> mask(B * T, 1);
   for (int64_t t = 30; t < T; ++t) mask[T + t] = 0;
   std::vector<float> ctx_ref(B * T * C), probs_ref(n_p), dqkv_ref(qkv.size());
-  attention_forward_reference(ctx_ref.data(), probs_ref.data(), qkv.data(), mask.data(), s, p, key,
-                              offset);
-  attention_backward_reference(dqkv_ref.data(), dctx.data(), qkv.data(), probs_ref.data(), s, p,
-                               key, offset);
-
-  // The GPU's buffers: QKV's kept bits, the kept probabilities, the 16-bit operand buffer
-  // (Workspace::attn_probs16: the dropped probabilities, then dS), dctx rounded; fp32 scores,
-  // dd, ctx and dqkv.
+  attention_forward_reference(ctx_ref.data(), probs_ref.data(), qkv.data(), mask.data(), s, d.p,
+                              d.key, d.offset);
+  attention_backward_reference(dqkv_ref.data(), dctx.data(), qkv.data(), probs_ref.data(), s, d.p,
+                               d.key, d.offset);
   std::vector<H> qkv16(qkv.size()), probs16(n_p), work16(n_p), dctx16(dctx.size());
   for (size_t i = 0; i < qkv.size(); ++i) qkv16[i].bits = round(qkv[i]);
   for (size_t i = 0; i < dctx.size(); ++i) dctx16[i].bits = round(dctx[i]);
-  std::vector<float> scores(n_p), dd(n_p), ctx(B * T * C), dqkv(qkv.size(), 0.0f);
-  // A product on the operands' values: each 2-byte operand read from an fp32 copy of its buffer
-  // as it is now, at the same element offsets.
-  const std::vector<const std::vector<H>*> buffers = {&qkv16, &work16, &dctx16};
-  std::vector<std::vector<float>> wide(buffers.size());
-  auto value_of = [&](const cuda::PairOperand& o) {
-    if (o.bytes == 4) return o;
-    for (size_t b = 0; b < buffers.size(); ++b) {
-      const auto& h = *buffers[b];
-      const auto* base = static_cast<const H*>(o.base);
-      if (base >= h.data() && base < h.data() + h.size()) {
-        wide[b].resize(h.size());
-        for (size_t i = 0; i < h.size(); ++i) wide[b][i] = widen(h[i].bits);
-        return cuda::PairOperand{wide[b].data() + (base - h.data()), o.per_sequence, o.per_head, 4};
-      }
-    }
-    ADD_FAILURE() << "a 2-byte operand outside the 16-bit buffers";
-    return o;
-  };
-  const int64_t pairs = B * NH;
-  auto run = [&](const cuda::PairProduct& m) {
-    const cuda::PairOperand a = value_of(m.a), b = value_of(m.b);
-    for (int64_t k = 0; k < pairs; ++k) {
-      auto* c = static_cast<float*>(const_cast<void*>(m.c.of(k, NH)));
-      gemm_reference(m.trans_a, m.trans_b, m.M, m.N, m.K, static_cast<const float*>(a.of(k, NH)),
-                     m.lda, static_cast<const float*>(b.of(k, NH)), m.ldb, c, m.ldc, nullptr,
-                     false);
-      for (int64_t i = 0; i < m.M; ++i)
-        for (int64_t j = 0; j < m.N; ++j) c[i * m.ldc + j] *= m.alpha;
-    }
-  };
-  const auto fwd = cuda::attention_forward_products(s, 2, qkv16.data(), scores.data(),
-                                                    work16.data(), ctx.data());
-  run(fwd[0]);
-  for_rows(lanes, pairs * T, [&](int64_t r, const auto& l) {
-    const int64_t bh = r / T;
-    row_math::attention_softmax_16(probs16.data() + r * T, work16.data() + r * T,
-                                   scores.data() + r * T, mask.data() + (bh / NH) * T, T, p, key,
-                                   offset + s.dropout_row(bh, r % T), l);
-  });
-  run(fwd[1]);
-  // Backward: the dropped probabilities again from the kept ones, into the operand buffer.
-  const float ks = row_math::keep_scale_of(p);
-  for (int64_t e = 0; e < n_p; ++e) {
-    const int64_t r = e / T, j = e % T;
-    row_math::store(work16.data() + e, row_math::dropout(row_math::widen(probs16[e]), p, ks, key,
-                                                         offset + s.dropout_row(r / T, r % T) + j));
-  }
-  const auto bwd = cuda::attention_backward_products(
-      s, 2, qkv16.data(), work16.data(), dctx16.data(), dd.data(), work16.data(), dqkv.data());
-  run(bwd[0]);                                                // dV
-  run(bwd[1]);                                                // dd
-  for_rows(lanes, pairs * T, [&](int64_t r, const auto& l) {  // dS over the dropped ones
-    row_math::attention_softmax_backward(work16.data() + r * T, dd.data() + r * T,
-                                         probs16.data() + r * T, T, p, key,
-                                         offset + s.dropout_row(r / T, r % T), l);
-  });
-  run(bwd[2]);  // dQ
-  run(bwd[3]);  // dK
+  std::vector<float> ctx(B * T * C), dqkv(qkv.size());
+  auto rows = [&](int64_t n, const auto& f) { for_rows(lanes, n, f); };
+  test::gpu_attention_16_forward(ctx.data(), probs16.data(), work16.data(), qkv16.data(),
+                                 mask.data(), s, d, rows);
+  test::gpu_attention_16_backward(dqkv.data(), dctx16.data(), qkv16.data(), probs16.data(),
+                                  work16.data(), s, d, rows);
   std::vector<float> kept(n_p);
   for (int64_t e = 0; e < n_p; ++e) kept[e] = widen(probs16[e].bits);
   EXPECT_TRUE(all_close("probs", kept.data(), probs_ref.data(), n_p, tol, tol));
