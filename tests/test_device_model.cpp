@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "comm/communicator.h"
@@ -182,6 +183,22 @@ TEST(DeviceModel, Fp16OperandsTrackTheCpuAndTheUpdateWritesTheCopy) {
     EXPECT_LT(worst, 1e-3);
     EXPECT_LT(dev.back(), dev.front() - 0.1);
   }
+  // One forward and backward (no loss scale): every gradient within the bound the GPU's
+  // CudaModel.ForwardBackwardEqualsCpu allows fp16 against the CPU (test::grads_close at 3e-2),
+  // padded and unpadded.
+  const model::Batch batch = test::random_batch(c, 4, 32, 5);
+  for (bool unpadded : {false, true}) {
+    SCOPED_TRACE(unpadded ? "unpadded" : "padded");
+    model::ModelDims d{batch.B, batch.T, batch.P};
+    d.fp16 = true;
+    d.unpadded = unpadded;
+    d.attention = model::ModelDims::Attention::Full;
+    const StepRun dev = step(own, c, model::Head::Pretraining, d, batch),
+                  cpu = step(cpu_backend(), c, model::Head::Pretraining, d, batch);
+    EXPECT_NEAR(dev.losses.loss, cpu.losses.loss, 3e-2 * std::fabs(cpu.losses.loss));
+    EXPECT_TRUE(test::grads_close(model::ParamTable(c, model::Head::Pretraining), dev.grads.data(),
+                                  cpu.grads.data(), 3e-2));
+  }
   // The CPU's FP16 has no copy: its products are fp32.
   model::ModelDims d{4, 32, 5};
   d.fp16 = true;
@@ -189,6 +206,120 @@ TEST(DeviceModel, Fp16OperandsTrackTheCpuAndTheUpdateWritesTheCopy) {
   EXPECT_FALSE(host.dims().fp16_operands);
   EXPECT_EQ(host.weights16(), nullptr);
   EXPECT_EQ(host.plan().group_bytes("fp16"), 0u);
+}
+
+// The bounds CudaBackend's tests hold the GPU's fp16 to against the CPU's (4e-3 of the max:
+// LinearLayersMatchCpuInEveryPrecision, AttentionMatchesCpuInEveryPrecision, same shapes and
+// inputs), met by the host's model of the GPU's fp16 (the fp16-operand test backend: fp16
+// products, dropped probabilities and dS rounded to fp16; measured: within a tenth of them), so
+// a GPU run that fails them has a bug, not a tolerance too tight for fp16 operands.
+TEST(DeviceModel, Fp16OperandLayersMeetTheGpuTestsBounds) {
+  const OwnMemoryBackend own(0, true);
+  // A host vector and its copy in the backend's memory.
+  struct Twin {
+    const Backend& be;
+    std::vector<float> h;
+    void* d;
+    Twin(const Backend& b, std::vector<float> v) : be(b), h(std::move(v)) {
+      d = be.allocate(std::max<size_t>(h.size(), 1) * 4);
+      be.to_device(d, h.data(), h.size() * 4);
+    }
+    ~Twin() { be.release(d); }
+    float* f32() { return static_cast<float*>(d); }
+    uint16_t* u16() { return static_cast<uint16_t*>(d); }
+    std::vector<float> back() const {
+      std::vector<float> v(h.size());
+      be.to_host(v.data(), d, v.size() * 4);
+      return v;
+    }
+  };
+  const double t = 4e-3;
+  {
+    const int64_t M = 70, N = 48, K = 96;
+    using test::random_vector;
+    std::vector<float> in = random_vector(M * K, 1), w = random_vector(N * K, 2, 0.1f),
+                       bias = random_vector(N, 3), dout = random_vector(M * N, 4), out(M * N),
+                       dinp = random_vector(M * K, 5), dw = random_vector(N * K, 6),
+                       db = random_vector(N, 7);
+    Twin din(own, in), dw_(own, w), dbias(own, bias), ddout(own, dout), dout_(own, out),
+        ddinp(own, dinp), ddw(own, dw), ddb(own, db), w16(own, std::vector<float>(N * K)),
+        in16(own, std::vector<float>(M * K)), a16(own, std::vector<float>(M * std::max(N, K))),
+        b16(own, std::vector<float>(M * K)), wide(own, std::vector<float>(M * K));
+    std::vector<uint16_t> in16_h(M * K), scratch(M * std::max(N, K));
+    std::vector<float> wide_h(M * K);
+    const Backend& cpu = cpu_backend();
+    // CPU fp16: fp32 products on the kept fp16 input
+    Kept xh{in.data(), in16_h.data()};
+    cpu.keep(Precision::FP16, xh, M * K);
+    const Workspace wsh{scratch.data(), scratch.data(), wide_h.data()};
+    cpu.linear_forward(Precision::FP16, out.data(), xh, Weight{w.data(), nullptr}, bias.data(), M,
+                       N, K, wsh);
+    cpu.linear_backward(Precision::FP16, dinp.data(), dw.data(), db.data(), dout.data(), xh,
+                        Weight{w.data(), nullptr}, M, N, K, true, wsh);
+    // the GPU's: fp16 operands
+    own.copy_weights(Precision::FP16, dw_.f32(), w16.u16(), N * K);
+    const Kept x{din.f32(), in16.u16()};
+    own.keep(Precision::FP16, x, M * K);
+    const Weight wt{dw_.f32(), w16.u16()};
+    const Workspace ws{a16.u16(), b16.u16(), wide.f32()};
+    own.linear_forward(Precision::FP16, dout_.f32(), x, wt, dbias.f32(), M, N, K, ws);
+    own.linear_backward(Precision::FP16, ddinp.f32(), ddw.f32(), ddb.f32(), ddout.f32(), x, wt, M,
+                        N, K, true, ws);
+    EXPECT_TRUE(test::all_close("out", dout_.back().data(), out.data(), M * N, t, t));
+    EXPECT_TRUE(test::all_close("dinp", ddinp.back().data(), dinp.data(), M * K, t, t));
+    EXPECT_TRUE(test::all_close("dw", ddw.back().data(), dw.data(), N * K, t, t));
+    EXPECT_TRUE(test::all_close("db", ddb.back().data(), db.data(), N, 2e-5, 2e-5));
+    std::vector<uint16_t> copy(N * K), want(N * K);  // the products read the fp16 copy
+    own.to_host(copy.data(), w16.d, copy.size() * 2);
+    convert_f32_to_f16(w.data(), want.data(), want.size());
+    EXPECT_EQ(copy, want);
+  }
+  {
+    const AttentionShape s{2, 40, 64, 4};
+    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_qkv = B * T * 3 * C, n_p = B * NH * T * T;
+    std::vector<float> mask_f(B * T, 0.0f);
+    std::vector<int32_t> mask(B * T, 1);
+    for (int64_t t2 = 31; t2 < T; ++t2) mask[T + t2] = 0;
+    std::memcpy(mask_f.data(), mask.data(), mask.size() * 4);
+    const Dropout d{0.1f, 5, 11, nullptr};
+    std::vector<float> qkv = test::random_vector(n_qkv, 1), ctx(B * T * C),
+                       dctx = test::random_vector(B * T * C, 2), dqkv(n_qkv), work(n_p),
+                       wide_h(n_qkv);
+    std::vector<uint16_t> qkv16(n_qkv), probs16(n_p), s16(n_p), dctx16(B * T * C);
+    Twin dm(own, mask_f), dq(own, qkv), dc(own, ctx), ddc(own, dctx), ddq(own, dqkv),
+        dwork(own, work), dwide(own, wide_h), dq16(own, std::vector<float>(n_qkv)),
+        dp16(own, std::vector<float>(n_p)), ds16(own, std::vector<float>(n_p)),
+        ddc16(own, std::vector<float>(B * T * C));
+    const Backend& cpu = cpu_backend();
+    Workspace wh;
+    wh.attn_work = work.data();
+    wh.attn_probs16 = s16.data();
+    wh.attn_dctx16 = dctx16.data();
+    wh.wide = wide_h.data();
+    AttentionSaved sh;
+    sh.probs16 = probs16.data();
+    const Kept xh{qkv.data(), qkv16.data()};
+    cpu.attention_forward(Precision::FP16, ctx.data(), sh, xh, mask.data(), s, d, wh);
+    cpu.attention_backward(Precision::FP16, dqkv.data(), dctx.data(), xh, sh, mask.data(), s, d,
+                           wh);
+    Workspace wd;
+    wd.attn_work = dwork.f32();
+    wd.attn_probs16 = ds16.u16();
+    wd.attn_dctx16 = ddc16.u16();
+    wd.wide = dwide.f32();
+    AttentionSaved sd;
+    sd.probs16 = dp16.u16();
+    const Kept xd{dq.f32(), dq16.u16()};
+    const auto* dmask = reinterpret_cast<const int32_t*>(dm.d);
+    own.attention_forward(Precision::FP16, dc.f32(), sd, xd, dmask, s, d, wd);
+    own.attention_backward(Precision::FP16, ddq.f32(), ddc.f32(), xd, sd, dmask, s, d, wd);
+    EXPECT_TRUE(test::all_close("ctx", dc.back().data(), ctx.data(), ctx.size(), t, t));
+    EXPECT_TRUE(test::all_close("dqkv", ddq.back().data(), dqkv.data(), n_qkv, t, t));
+    std::vector<uint16_t> ds(n_p);  // the GPU's flow left dS in fp16 in the operand buffer
+    own.to_host(ds.data(), ds16.d, ds.size() * 2);
+    EXPECT_GT(std::count_if(ds.begin(), ds.end(), [](uint16_t b) { return (b & 0x7fff) != 0; }),
+              n_p / 2);
+  }
 }
 
 // Checkpoints cross: saved from the backend's memory, loaded into it, byte for byte; and a

@@ -153,6 +153,24 @@ template <typename G, typename R>
          << "x the bound; rtol " << rtol << ", atol " << atol << ")";
 }
 
+// Each parameter tensor's gradient of `got` against `ref` (flat buffers in the table's layout)
+// at rtol and atol `tol` of the tensor's largest value, but never below tol times a thousandth
+// of the whole gradient's largest: a tensor whose exact gradient vanishes (the attention key's
+// bias: softmax ignores a shift shared by a row's scores) holds only the rounding noise of the
+// others, and is compared at their scale, not at its own noise's.
+inline ::testing::AssertionResult grads_close(const model::ParamTable& table, const float* got,
+                                              const float* ref, double tol) {
+  double largest = 0;
+  for (int64_t i = 0; i < table.total(); ++i)
+    largest = std::max(largest, std::fabs(static_cast<double>(ref[i])));
+  for (const auto& p : table.params()) {
+    auto r = all_close(p.name, got + p.offset, ref + p.offset, static_cast<size_t>(p.numel()), tol,
+                       tol, tol * 1e-3 * largest);
+    if (!r) return r;
+  }
+  return ::testing::AssertionSuccess();
+}
+
 // Empty where oneDNN runs bf16 matmuls on this CPU; otherwise the reason, naming the missing ISA,
 // for GTEST_SKIP (AVX2-only CPUs such as AMD Zen 2/3, or BERTRAIN_ISA=avx2|portable).
 inline std::string bf16_unavailable() {

@@ -57,10 +57,11 @@ TEST(CudaModel, ForwardBackwardEqualsCpu) {
       EXPECT_NEAR(gpu.losses.loss, cpu.losses.loss, tol * std::fabs(cpu.losses.loss));
       EXPECT_NEAR(gpu.losses.mlm_loss, cpu.losses.mlm_loss, tol * std::fabs(cpu.losses.mlm_loss));
       EXPECT_NEAR(gpu.losses.nsp_loss, cpu.losses.nsp_loss, tol * std::fabs(cpu.losses.nsp_loss));
-      BertModel shapes(c, Head::Pretraining, d);
-      for (const auto& p : shapes.table().params())
-        EXPECT_TRUE(test::all_close(p.name, gpu.grads.data() + p.offset,
-                                    cpu.grads.data() + p.offset, p.numel(), tol, tol));
+      // Per tensor, floored at a thousandth of the largest gradient (test::grads_close): the
+      // attention key's exact gradient vanishes, and fp16's dS rounded on the GPU but not on the
+      // CPU leaves noise there (the host's fp16 flow: up to 3000x a bound of its own max).
+      EXPECT_TRUE(test::grads_close(model::ParamTable(c, Head::Pretraining), gpu.grads.data(),
+                                    cpu.grads.data(), tol));
     }
 }
 
