@@ -290,29 +290,25 @@ TEST(DeviceModel, Fp16OperandLayersMeetTheGpuTestsBounds) {
         dwork(own, work), dwide(own, wide_h), dq16(own, std::vector<float>(n_qkv)),
         dp16(own, std::vector<float>(n_p)), ds16(own, std::vector<float>(n_p)),
         ddc16(own, std::vector<float>(B * T * C));
-    const Backend& cpu = cpu_backend();
-    Workspace wh;
-    wh.attn_work = work.data();
-    wh.attn_probs16 = s16.data();
-    wh.attn_dctx16 = dctx16.data();
-    wh.wide = wide_h.data();
-    AttentionSaved sh;
-    sh.probs16 = probs16.data();
-    const Kept xh{qkv.data(), qkv16.data()};
-    cpu.attention_forward(Precision::FP16, ctx.data(), sh, xh, mask.data(), s, d, wh);
-    cpu.attention_backward(Precision::FP16, dqkv.data(), dctx.data(), xh, sh, mask.data(), s, d,
-                           wh);
-    Workspace wd;
-    wd.attn_work = dwork.f32();
-    wd.attn_probs16 = ds16.u16();
-    wd.attn_dctx16 = ddc16.u16();
-    wd.wide = dwide.f32();
-    AttentionSaved sd;
-    sd.probs16 = dp16.u16();
-    const Kept xd{dq.f32(), dq16.u16()};
-    const auto* dmask = reinterpret_cast<const int32_t*>(dm.d);
-    own.attention_forward(Precision::FP16, dc.f32(), sd, xd, dmask, s, d, wd);
-    own.attention_backward(Precision::FP16, ddq.f32(), ddc.f32(), xd, sd, dmask, s, d, wd);
+    // Forward and backward on one side: its work buffers, 16-bit operand buffers and kept bits.
+    auto run = [&](const Backend& be, float* ctx_, float* dqkv_, const float* dctx_, Kept x,
+                   const int32_t* m, float* work_, uint16_t* ops16, uint16_t* dctx16_, float* wide_,
+                   uint16_t* kept16) {
+      Workspace ws;
+      ws.attn_work = work_;
+      ws.attn_probs16 = ops16;
+      ws.attn_dctx16 = dctx16_;
+      ws.wide = wide_;
+      AttentionSaved saved;
+      saved.probs16 = kept16;
+      be.attention_forward(Precision::FP16, ctx_, saved, x, m, s, d, ws);
+      be.attention_backward(Precision::FP16, dqkv_, dctx_, x, saved, m, s, d, ws);
+    };
+    run(cpu_backend(), ctx.data(), dqkv.data(), dctx.data(), Kept{qkv.data(), qkv16.data()},
+        mask.data(), work.data(), s16.data(), dctx16.data(), wide_h.data(), probs16.data());
+    run(own, dc.f32(), ddq.f32(), ddc.f32(), Kept{dq.f32(), dq16.u16()},
+        reinterpret_cast<const int32_t*>(dm.d), dwork.f32(), ds16.u16(), ddc16.u16(), dwide.f32(),
+        dp16.u16());
     EXPECT_TRUE(test::all_close("ctx", dc.back().data(), ctx.data(), ctx.size(), t, t));
     EXPECT_TRUE(test::all_close("dqkv", ddq.back().data(), dqkv.data(), n_qkv, t, t));
     std::vector<uint16_t> ds(n_p);  // the GPU's flow left dS in fp16 in the operand buffer
