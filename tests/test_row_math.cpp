@@ -293,8 +293,8 @@ TEST_P(RowMath, Attention16BitRowsEqualRoundingAfter) {
 TEST_P(RowMath, AttentionEqualsCpu) {
   AttentionShape s{2, 37, 64, 4};
   s.dropout_T = 48;
-  const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, HD = C / NH, C3 = 3 * C;
-  const float p = 0.1f, scale = 1.0f / std::sqrt(static_cast<float>(HD));
+  const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, C3 = 3 * C;
+  const float p = 0.1f;
   const uint64_t key = 5, offset = 11;
   const auto qkv = random_vector(B * T * C3, 72), dctx = random_vector(B * T * C, 73);
   std::vector<int32_t> mask(B * T, 1);

@@ -170,17 +170,27 @@ BT_HOST_DEVICE inline void layernorm_param_grads(float* dgamma, float* dbeta, co
 // Attention's mask + softmax + dropout over one row of T scores (already scaled by 1/sqrt(head
 // size)): s_j + (mask_j ? 0 : -10000), probs = softmax (kept for backward; may alias scores),
 // dropped = dropout(probs) keyed index0 + j (what multiplies V; may be null when p = 0).
+// Score j with BERT's additive mask.
+BT_HOST_DEVICE inline float masked(const float* scores, const int32_t* mask, int64_t j) {
+  return scores[j] + (mask[j] ? 0.0f : -10000.0f);
+}
+// The row's largest masked score, over every lane.
+template <class Lanes>
+BT_HOST_DEVICE float masked_max(const float* scores, const int32_t* mask, int64_t T,
+                                const Lanes& l) {
+  float mx = -INFINITY;
+  for (int64_t j = l.lane; j < T; j += l.count) mx = fmaxf(mx, masked(scores, mask, j));
+  return l.max(mx);
+}
+
 template <class Lanes>
 BT_HOST_DEVICE void attention_softmax(float* probs, float* dropped, const float* scores,
                                       const int32_t* mask, int64_t T, float p, uint64_t key,
                                       uint64_t index0, const Lanes& l) {
-  float mx = -INFINITY;
-  for (int64_t j = l.lane; j < T; j += l.count)
-    mx = fmaxf(mx, scores[j] + (mask[j] ? 0.0f : -10000.0f));
-  mx = l.max(mx);
+  const float mx = masked_max(scores, mask, T, l);
   float sum = 0.0f;
   for (int64_t j = l.lane; j < T; j += l.count) {
-    const float e = expf(scores[j] + (mask[j] ? 0.0f : -10000.0f) - mx);
+    const float e = expf(masked(scores, mask, j) - mx);
     probs[j] = e;
     sum += e;
   }
@@ -246,17 +256,13 @@ template <class Lanes, class H>
 BT_HOST_DEVICE void attention_softmax_16(H* probs16, H* dropped16, const float* scores,
                                          const int32_t* mask, int64_t T, float p, uint64_t key,
                                          uint64_t index0, const Lanes& l) {
-  float mx = -INFINITY;
-  for (int64_t j = l.lane; j < T; j += l.count)
-    mx = fmaxf(mx, scores[j] + (mask[j] ? 0.0f : -10000.0f));
-  mx = l.max(mx);
+  const float mx = masked_max(scores, mask, T, l);
   float sum = 0.0f;
-  for (int64_t j = l.lane; j < T; j += l.count)
-    sum += expf(scores[j] + (mask[j] ? 0.0f : -10000.0f) - mx);
+  for (int64_t j = l.lane; j < T; j += l.count) sum += expf(masked(scores, mask, j) - mx);
   const float inv = 1.0f / l.sum(sum);
   const float ks = keep_scale_of(p);
   for (int64_t j = l.lane; j < T; j += l.count) {
-    float e = expf(scores[j] + (mask[j] ? 0.0f : -10000.0f) - mx);
+    float e = expf(masked(scores, mask, j) - mx);
     e *= inv;
     store(probs16 + j, e);
     if (dropped16) store(dropped16 + j, dropout(widen(probs16[j]), p, ks, key, index0 + j));

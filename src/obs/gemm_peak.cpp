@@ -47,16 +47,17 @@ const char* gemm_operands(const kernels::Target& be, kernels::Precision p) {
 
 double measure_gemm_peak_gflops(const kernels::Backend& be, int64_t M, int64_t N, int64_t K,
                                 kernels::Precision p, double seconds) {
-  const std::string operands = gemm_operands(be, p);
+  const bool bf16 = p == kernels::Precision::BF16,
+             f16 = p == kernels::Precision::FP16 && be.fp16_operands();  // as gemm_operands
 #ifdef BERTRAIN_CUDA
   if (!be.host_memory())
-    return 1e3 * cuda::gemm_tflops(operands == "bf16"   ? cuda::Operands::BF16
-                                   : operands == "fp16" ? cuda::Operands::FP16
-                                                        : cuda::Operands::FP32,
+    return 1e3 * cuda::gemm_tflops(bf16  ? cuda::Operands::BF16
+                                   : f16 ? cuda::Operands::FP16
+                                         : cuda::Operands::FP32,
                                    M, N, K, seconds);
 #endif
-  BT_CHECK(operands != "fp16", "no fp16 GEMM ceiling on the CPU");
-  return measure_gemm_peak_gflops(M, N, K, operands == "bf16", seconds);
+  BT_CHECK(!f16, "no fp16 GEMM ceiling on the CPU");
+  return measure_gemm_peak_gflops(M, N, K, bf16, seconds);
 }
 
 std::string device_description(const kernels::Backend& be) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/common.cuh"
@@ -17,28 +18,23 @@ namespace rm = kernels::row_math;
 
 namespace {
 
-// Row r of the [B, NH, T, T] scores is query i of (sequence, head) bh = r / T; b = bh / NH.
-__global__ void attention_softmax_kernel(float* probs, float* dropped, const float* scores,
+// Row r of the [B, NH, T, T] scores is query i of (sequence, head) bh = r / T; b = bh / NH. The
+// probabilities in fp32 (P float), or kept and dropped in 16 bits (rm::Bf16Bits, rm::F16Bits).
+template <class P>
+__global__ void attention_softmax_kernel(P* probs, P* dropped, const float* scores,
                                          const int32_t* mask, kernels::AttentionShape s, float p,
                                          uint64_t key, uint64_t offset) {
   const int64_t r = warp_row();
   if (r >= s.B * s.NH * s.T) return;
   const int64_t bh = r / s.T, i = r % s.T, T = s.T;
-  rm::attention_softmax(probs + r * T, dropped ? dropped + r * T : nullptr, scores + r * T,
-                        mask + (bh / s.NH) * T, T, p, key, offset + s.dropout_row(bh, i),
-                        warp_lanes());
-}
-
-template <class H>
-__global__ void attention_softmax_16_kernel(H* probs16, H* dropped16, const float* scores,
-                                            const int32_t* mask, kernels::AttentionShape s, float p,
-                                            uint64_t key, uint64_t offset) {
-  const int64_t r = warp_row();
-  if (r >= s.B * s.NH * s.T) return;
-  const int64_t bh = r / s.T, i = r % s.T, T = s.T;
-  rm::attention_softmax_16(probs16 + r * T, dropped16 ? dropped16 + r * T : nullptr, scores + r * T,
-                           mask + (bh / s.NH) * T, T, p, key, offset + s.dropout_row(bh, i),
-                           warp_lanes());
+  P* out = dropped ? dropped + r * T : nullptr;
+  const int32_t* m = mask + (bh / s.NH) * T;
+  const uint64_t index0 = offset + s.dropout_row(bh, i);
+  if constexpr (std::is_same_v<P, float>)
+    rm::attention_softmax(probs + r * T, out, scores + r * T, m, T, p, key, index0, warp_lanes());
+  else
+    rm::attention_softmax_16(probs + r * T, out, scores + r * T, m, T, p, key, index0,
+                             warp_lanes());
 }
 
 __global__ void attention_softmax_backward_kernel(float* ds, const float* dd, const float* probs,
@@ -260,7 +256,7 @@ void attention_softmax_forward_16(bool f16, uint16_t* probs16, uint16_t* dropped
   const int64_t rows = s.B * s.NH * s.T;
   if (rows == 0) return;
   auto run = [&](auto* probs, auto* dropped) {
-    attention_softmax_16_kernel<<<row_blocks(rows), kRowThreads, 0, as_stream(stream)>>>(
+    attention_softmax_kernel<<<row_blocks(rows), kRowThreads, 0, as_stream(stream)>>>(
         probs, dropped, scores, mask, s, d.p, d.key, d.offset);
   };
   if (f16)
