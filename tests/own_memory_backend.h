@@ -13,9 +13,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <new>
 #include <optional>
+#include <set>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -156,8 +158,11 @@ class OwnMemoryBackend final : public Backend {
     std::memcpy(dst, src, bytes);
   }
   // Staging memory (a GPU's page-locked host memory) is ordinary host memory here, but an
-  // upload must come from it, into one block, and a staging block is released only after
-  // wait_uploads.
+  // upload must come from it, into one block. Uploads run late, as a GPU's copy stream may run
+  // them: at the slot's use_input (or wait_upload). The test fails on an upload into a slot the
+  // kernels may still read (used since its last release_input), on one from staging memory
+  // whose earlier upload was not waited for (wait_upload: the host wrote it again before that
+  // copy surely ran), and on staging memory released with a copy out of it not waited for.
   void* allocate_host(size_t bytes) const override {
     void* p = Backend::allocate_host(bytes);
     std::lock_guard<std::mutex> lock(mu_);
@@ -167,7 +172,7 @@ class OwnMemoryBackend final : public Backend {
   void release_host(void* p) const override {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      EXPECT_EQ(pending_, 0) << "staging memory released before its upload was waited for";
+      EXPECT_TRUE(sources_.empty()) << "staging memory released before its upload was waited for";
       auto it = std::find_if(host_blocks_.begin(), host_blocks_.end(),
                              [&](const auto& b) { return b.first == p; });
       EXPECT_NE(it, host_blocks_.end()) << "release_host of memory allocate_host did not give";
@@ -175,25 +180,52 @@ class OwnMemoryBackend final : public Backend {
     }
     Backend::release_host(p);
   }
-  void upload(void* dst, const void* src, size_t bytes) const override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      EXPECT_TRUE(std::any_of(host_blocks_.begin(), host_blocks_.end(), [&](const auto& b) {
-        auto* s = static_cast<const char*>(src);
-        return s >= b.first && s + bytes <= b.first + b.second;
-      })) << "an upload's source is not allocate_host's memory";
-      ++uploads_;
-      pending_ = 1;
-    }
-    to_device(dst, src, bytes);
-  }
-  void wait_uploads() const override {
+  void upload(void* slot, const void* src, size_t bytes) const override {
+    own(slot, "an input slot");
+    run_upload(slot);  // (a slot's copies run in order)
     std::lock_guard<std::mutex> lock(mu_);
-    pending_ = 0;
+    EXPECT_TRUE(std::any_of(host_blocks_.begin(), host_blocks_.end(), [&](const auto& b) {
+      auto* s = static_cast<const char*>(src);
+      return s >= b.first && s + bytes <= b.first + b.second;
+    })) << "an upload's source is not allocate_host's memory";
+    EXPECT_FALSE(reading_.count(slot))
+        << "an upload into an input slot the kernels may still read (no release_input)";
+    auto* from = static_cast<const char*>(src);
+    for (const auto& [other, s] : sources_)
+      EXPECT_TRUE(from + bytes <= s.src || s.src + s.bytes <= from)
+          << "an upload from staging memory written again before its last upload was waited for";
+    sources_[slot] = {from, bytes};
+    ++uploads_;
+    if (in_backward_) ++uploads_in_backward_;
+    pending_[slot] = {from, bytes};
   }
+  void use_input(const void* slot) const override {
+    run_upload(slot);
+    std::lock_guard<std::mutex> lock(mu_);
+    reading_.insert(slot);
+  }
+  void release_input(const void* slot) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    reading_.erase(slot);
+  }
+  void wait_upload(const void* slot) const override {
+    run_upload(slot);
+    std::lock_guard<std::mutex> lock(mu_);
+    sources_.erase(slot);
+  }
+  void synchronize() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_backward_ = false;
+  }
+  // Uploads, and those issued while a backward's kernels may still run (after its last kernel,
+  // embedding_backward, before the next synchronize): the next batch's copy beside them.
   int64_t uploads() const {
     std::lock_guard<std::mutex> lock(mu_);
     return uploads_;
+  }
+  int64_t uploads_in_backward() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return uploads_in_backward_;
   }
   // Fails unless p is null or inside a block this backend handed out.
   void own(const void* p, const char* what) const {
@@ -376,6 +408,10 @@ class OwnMemoryBackend final : public Backend {
     own(segment, "segment ids");
     own(positions, "positions");
     own(dword, "word embeddings' gradient");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_backward_ = true;
+    }
     // The grouping a GPU sums by (RowMathEmbedding tests its sums): staged, and exactly the
     // tokens' table rows.
     EXPECT_NE(runs, nullptr) << "a backend with memory of its own is given the grouped tokens";
@@ -538,8 +574,27 @@ class OwnMemoryBackend final : public Backend {
   mutable std::vector<size_t> sizes_;  // the bytes asked for each block
   mutable int open_ = 0;
   mutable std::vector<std::pair<const char*, size_t>> host_blocks_;  // allocate_host's
-  mutable int64_t uploads_ = 0;
-  mutable int pending_ = 0;  // an upload not waited for
+  struct Copy {
+    const char* src;
+    size_t bytes;
+  };
+  // Runs the slot's pending upload, if any.
+  void run_upload(const void* slot) const {
+    Copy c{nullptr, 0};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto it = pending_.find(slot);
+      if (it == pending_.end()) return;
+      c = it->second;
+      pending_.erase(it);
+    }
+    to_device(const_cast<void*>(slot), c.src, c.bytes);
+  }
+  mutable std::map<const void*, Copy> pending_;  // the input slots' uploads not yet run
+  mutable std::map<const void*, Copy> sources_;  // the slots' uploads not waited for
+  mutable std::set<const void*> reading_;        // slots used since their last release_input
+  mutable int64_t uploads_ = 0, uploads_in_backward_ = 0;
+  mutable bool in_backward_ = false;
   const size_t capacity_;
   const bool fp16_operands_;
   mutable size_t in_use_ = 0, peak_ = 0;

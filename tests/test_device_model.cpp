@@ -143,6 +143,72 @@ TEST(DeviceModel, TrainingStepsEqualTheCpu) {
     }
 }
 
+// On a backend with memory of its own (a GPU's) a step reads and stages each micro-batch after
+// the first while the kernels still run the backward before it, and the next step's first
+// with `ahead`: its copy runs beside them, into the input slot the batch before last used.
+// OwnMemoryBackend runs each copy as late as a GPU's copy stream may (when the batch's forward
+// starts using it) and fails an upload into a slot not yet released, so the staging memory or
+// a slot reused too early changes what the kernels read. Every micro-batch differs: 3 steps of
+// 2, in fp32, bf16 and fp16, unpadded and padded, AdamW: the same parameters as the CPU's, which
+// reads each batch when it runs it, bit for bit; the reads happen in the same order, and five of
+// the six copies are issued during a backward.
+TEST(DeviceModel, StepsStageTheNextBatchDuringBackwardAndEqualTheCpu) {
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  std::vector<model::Batch> batches;
+  int64_t P = 0;
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    batches.push_back(test::random_batch(c, 4, 32, seed));
+    P = std::max(P, batches.back().P);
+  }
+  for (int precision = 0; precision < 3; ++precision)
+    for (bool unpadded : {true, false}) {
+      if (precision == 1 && !gemm_bf16_available()) continue;  // (AVX2 CPUs: bf16 does not run)
+      SCOPED_TRACE(testing::Message() << "precision " << precision << " unpadded " << unpadded);
+      const OwnMemoryBackend own;  // (FP16 as the CPU's: fp32 products)
+      auto train = [&](const Backend& be, std::vector<int>& reads) {
+        model::ModelDims d{4, 32, P};
+        d.bf16 = precision == 1;
+        d.fp16 = precision == 2;
+        d.unpadded = unpadded;
+        model::BertModel m(c, model::Head::Pretraining, d, be);
+        m.init_params(11);
+        train::Optimizer opt(train::param_slices(m.table()), m.table().total(),
+                             train::OptimizerConfig{}, be);
+        train::LossScaler scaler{train::LossScaler::Config{}};
+        comm::SingleProcess single;
+        train::StepSettings ss;
+        ss.accumulation = 2;
+        ss.seed = 9;
+        train::Step step(m, opt, scaler, single, ss);
+        size_t taken = 0;
+        for (int64_t k = 0; k < 3; ++k) {
+          const train::StepReport r = step.run(
+              k, 1e-3,
+              [&](model::Batch& b) {
+                // Which batch, read ahead for the next step (+100) or not.
+                reads.push_back(static_cast<int>(taken) + (step.reading_ahead() ? 100 : 0));
+                b = batches.at(taken++);
+                return true;
+              },
+              "", k + 1 < 3);
+          EXPECT_FALSE(r.interrupted);
+          EXPECT_EQ(step.holds_next(), be.host_memory() ? false : k + 1 < 3) << k;
+        }
+        EXPECT_EQ(taken, batches.size());
+        std::vector<float> p(static_cast<size_t>(m.table().total()));
+        be.to_host(p.data(), m.params(), p.size() * sizeof(float));
+        return p;
+      };
+      std::vector<int> own_reads, cpu_reads;
+      EXPECT_EQ(train(own, own_reads), train(cpu_backend(), cpu_reads));
+      EXPECT_EQ(own_reads, (std::vector<int>{0, 1, 102, 3, 104, 5}));
+      EXPECT_EQ(cpu_reads, (std::vector<int>{0, 1, 2, 3, 4, 5}));
+      EXPECT_EQ(own.uploads(), 6);
+      EXPECT_EQ(own.uploads_in_backward(), 5);
+      EXPECT_EQ(own.blocks(), 0u);
+    }
+}
+
 // FP16 on a backend whose products take fp16 operands (a GPU's; OwnMemoryBackend multiplies
 // what a GPU's linear layers would and runs the GPU's fp16 attention flow, gpu_attention_16.h):
 // the model plans the fp16 weight copy and the operand scratch (group "fp16"), the optimizer's
@@ -381,7 +447,8 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       EXPECT_EQ(cpu.group_bytes("fp16"), 0u);
       EXPECT_EQ(gpu.group_bytes("scratch") + (d.fp16 ? (N * I - N * C) * 4 : 0),
                 cpu.group_bytes("scratch"));
-      EXPECT_EQ(gpu.group_bytes("input"), model::input_bytes(d));
+      // A slot for the batch the kernels read and one for the next, copied in beside them.
+      EXPECT_EQ(gpu.group_bytes("input"), kInputSlots * model::input_bytes(d));
       EXPECT_EQ(cpu.group_bytes("input"), 0u);
       // cuBLASLt's workspace; [B, NH, T, T] fp32 scores in 16 bits, backward's dropped
       // probabilities in fp32; the probabilities' fp32 gradients; the reductions' partial sums; a

@@ -172,6 +172,16 @@ TEST(Train, OnABackendWithItsOwnMemoryEqualsTheCpu) {
     const TrainResult rc = train(c, comm);
     ASSERT_EQ(rc.losses.size(), 6u);
     EXPECT_EQ(std::vector<double>(rb.losses.begin() + 6, rb.losses.end()), rc.losses);
+    // Resumed from the checkpoint saved at step 6 of the whole run, when the device's step had
+    // already read step 7's batch (Step::holds_next): the input position saved is the one before
+    // that read, so the resumed run reads it again.
+    TrainConfig mid = b;
+    mid.output = b.output + "-mid";
+    std::filesystem::copy(b.output, mid.output, std::filesystem::copy_options::recursive);
+    std::filesystem::remove_all(mid.output + "/checkpoint-000012");
+    std::ofstream(mid.output + "/latest") << "checkpoint-000006\n";
+    mid.resume = true;
+    EXPECT_EQ(std::vector<double>(rb.losses.begin() + 6, rb.losses.end()), train(mid, comm).losses);
     // Stopped on the device and resumed on the CPU, and the other way round (what
     // CudaModel.ARunMovesBetweenTheGpuAndTheCpu does with a GPU): the same losses.
     for (bool device_first : {true, false}) {

@@ -100,6 +100,10 @@ class Target {
   virtual ScratchLayout scratch_layout(const KernelShapes& shapes) const = 0;
 };
 
+// The batches a model on a backend with memory of its own holds at once (Backend::upload): the
+// one the kernels read and the next, copied in beside them.
+constexpr int kInputSlots = 2;
+
 // Memory a device has: free for new allocations now, and in all.
 struct DeviceMemory {
   size_t free = 0, total = 0;
@@ -122,17 +126,25 @@ class Backend : public Target {
   virtual void to_host(void* dst, const void* src, size_t bytes) const {
     std::memcpy(dst, src, bytes);
   }
-  // The batch's way in (BertModel::stage_inputs): host memory the device copies from directly
-  // (a GPU's page-locked memory: no staging copy by the driver, no synchronisation), and one
-  // asynchronous copy of it into the backend's memory, done before any kernel issued after it
-  // runs. src must stay as it is until the copy has run: wait_uploads() returns once every
-  // upload has. Host memory backends never stage.
+  // The batch's way in (BertModel::stage_inputs), through input slots (a model has
+  // kInputSlots: regions of its backend memory, each named by its start), so that the next
+  // batch's copy can run while the kernels still read this one's. Staging memory is host memory
+  // the device copies from directly (a GPU's page-locked memory: no staging copy by the driver,
+  // no synchronisation). upload(slot, src, bytes) is one copy of src into the slot that runs
+  // once the kernels issued before the slot's last release_input have run, asynchronously (a
+  // GPU's on a stream of its own, beside the kernels); use_input(slot): the kernels issued
+  // after it run after the slot's last upload; release_input(slot): the kernels issued so far
+  // are the last to read what the slot's last upload wrote; wait_upload(slot): returns once the
+  // slot's last upload has read its source, which the host may then write again. Host memory
+  // backends never stage.
   virtual void* allocate_host(size_t bytes) const;
   virtual void release_host(void* p) const;
-  virtual void upload(void* dst, const void* src, size_t bytes) const {
-    to_device(dst, src, bytes);
+  virtual void upload(void* slot, const void* src, size_t bytes) const {
+    to_device(slot, src, bytes);
   }
-  virtual void wait_uploads() const {}
+  virtual void use_input(const void* /*slot*/) const {}
+  virtual void release_input(const void* /*slot*/) const {}
+  virtual void wait_upload(const void* /*slot*/) const {}
   // Waits until the kernels issued so far have run (a GPU's run asynchronously; timings of a
   // phase end here). The CPU's kernels have run when they return.
   virtual void synchronize() const {}

@@ -215,6 +215,11 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head,
   return target.scratch_layout(k);
 }
 
+// The plan's region of input slot `slot` (group "input").
+static std::string input_region(int slot) {
+  return str("input.batch", slot);
+}
+
 size_t input_bytes(const ModelDims& d) {
   // stage_inputs' arrays, 4-byte elements: 7 of token rows (ids, segments, mask, token labels and
   // weights, the packed positions and padded rows; at most the padded batch's or the planned
@@ -271,7 +276,9 @@ MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDim
   plan_activations(plan, cfg, head, dims);
   plan.add("kernels", "kernels.scratch",
            static_cast<size_t>(plan_kernel_scratch(cfg, head, dims, target).total()));
-  if (!target.host_memory()) plan.add("input", "input.batch", input_bytes(dims));
+  if (!target.host_memory())
+    for (int s = 0; s < kernels::kInputSlots; ++s)
+      plan.add("input", input_region(s), input_bytes(dims));
   return plan;
 }
 
@@ -292,13 +299,22 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   kernel_scratch_ = plan_kernel_scratch(cfg, head, dims_, backend);
   if (!backend.host_memory()) {
     input_arena_ = make_arena("input");
-    staging_ = std::shared_ptr<void>(be_.allocate_host(input_arena_.bytes()), [be = &be_](void* p) {
-      try {
-        be->wait_uploads();     // (its last copy out of p)
-      } catch (const Error&) {  // the device's error is reported
-      }
-      be->release_host(p);
-    });
+    for (int s = 0; s < kernels::kInputSlots; ++s)
+      input_slot_[s] = reinterpret_cast<std::byte*>(input_arena_.f32(input_region(s)));
+    staging_ = std::shared_ptr<void>(
+        be_.allocate_host(input_arena_.bytes()), [be = &be_, slots = input_slot_](void* p) {
+          try {
+            for (std::byte* s : slots) {  // (the copies out of p; nothing reads the slots after)
+              be->wait_upload(s);
+              be->release_input(s);
+            }
+          } catch (const Error&) {  // the device's error is reported
+          }
+          be->release_host(p);
+        });
+    for (int s = 0; s < kernels::kInputSlots; ++s)
+      staging_slot_[s] =
+          static_cast<std::byte*>(staging_.get()) + (input_slot_[s] - input_arena_.base());
   }
   const bool blocked = dims_.blocked_attention();
   if (!blocked) ws_.attn_work = scratch_.f32("attn.work");
@@ -390,10 +406,10 @@ Arena BertModel::make_arena(const std::string& group) {
   return Arena(plan_, group, static_cast<std::byte*>(p));
 }
 
-void BertModel::stage_inputs(const Batch& b) {
+void BertModel::stage_inputs(const Batch& b, Staged& st, int slot) {
   const bool up = unpadded();
-  const Packed& pk = packed_;
-  KernelInputs& in = in_;
+  const Packed& pk = st.packed;
+  KernelInputs& in = st.in;
   struct Source {
     const void* data;
     size_t bytes;
@@ -437,27 +453,30 @@ void BertModel::stage_inputs(const Batch& b) {
     r.num_sums = static_cast<int64_t>(g.sums().size());
     r.partials = g.partials();
   };
-  group(by_word_, in.runs.word, up ? pk.ids.data() : b.input_ids.data(), cfg_.vocab_size);
-  group(by_position_, in.runs.position, up ? pk.positions.data() : nullptr,
+  group(st.by_word, in.runs.word, up ? pk.ids.data() : b.input_ids.data(), cfg_.vocab_size);
+  group(st.by_position, in.runs.position, up ? pk.positions.data() : nullptr,
         cfg_.max_position_embeddings);
-  group(by_token_type_, in.runs.token_type, up ? pk.segments.data() : b.segment_ids.data(),
+  group(st.by_token_type, in.runs.token_type, up ? pk.segments.data() : b.segment_ids.data(),
         cfg_.type_vocab_size);
-  // Laid out as the plan's "input" region, each array 256-byte aligned, in the backend's host
-  // staging memory (once the last batch's copy out of it has run), then one copy.
+  // Laid out as the slot's plan region, each array 256-byte aligned, in the slot's part of the
+  // backend's host staging memory (once the slot's last copy out of it has run), then one copy
+  // (which waits on the device for the kernels that last read the slot).
   size_t need = 0;
   for (size_t i = 0; i < count; ++i) need += align_up(sources[i].bytes, 256);
-  BT_CHECK(need <= input_arena_.bytes(), "the batch arrays take ", need,
-           " bytes, the plan's input region ", input_arena_.bytes(), " (model::input_bytes)");
-  be_.wait_uploads();
-  auto* staging = static_cast<std::byte*>(staging_.get());
+  const size_t room = input_bytes(dims_);
+  BT_CHECK(need <= room, "the batch arrays take ", need, " bytes, the plan's input slot ", room,
+           " (model::input_bytes)");
+  be_.wait_upload(input_slot_[slot]);
+  std::byte* staging = staging_slot_[slot];
+  std::byte* region = input_slot_[slot];
   size_t at = 0;
   for (size_t i = 0; i < count; ++i) {
     const Source& x = sources[i];
     if (x.bytes) std::memcpy(staging + at, x.data, x.bytes);
-    *x.at = x.bytes ? input_arena_.base() + at : nullptr;
+    *x.at = x.bytes ? region + at : nullptr;
     at += align_up(x.bytes, 256);
   }
-  be_.upload(input_arena_.base(), staging, at);
+  be_.upload(region, staging, at);
 }
 
 const float* BertModel::host_output(const float* p, int64_t n) const {
@@ -514,8 +533,7 @@ void BertModel::zero_grads() {
   be_.zero(grads_.base(), static_cast<int64_t>(grads_.bytes()));
 }
 
-void BertModel::pack(const Batch& b) {
-  Packed& pk = packed_;
+void BertModel::pack(const Batch& b, Packed& pk) const {
   const int64_t B = b.B, T = b.T, P = b.P;
   pk.start.resize(B);
   pk.len.resize(B);
@@ -599,7 +617,7 @@ void BertModel::pack(const Batch& b) {
 
 void BertModel::dropout_rows(bool backward, float* x, const float* dy, int64_t N,
                              const Dropout& d) const {
-  const int64_t C = cfg_.hidden_size, T = packed_.T;
+  const int64_t C = cfg_.hidden_size, T = cur_.packed.T;
   auto run = [&](int64_t row, int64_t rows, uint64_t offset) {
     const Dropout at{d.p, d.key, offset};
     if (backward)
@@ -608,18 +626,18 @@ void BertModel::dropout_rows(bool backward, float* x, const float* dy, int64_t N
       be_.dropout_forward(x + row * C, rows * C, at);
   };
   if (!unpadded()) return run(0, N, d.offset);
-  for (int64_t e = 0; e < packed_.B; ++e)
-    run(packed_.start[e], packed_.len[e], d.offset + static_cast<uint64_t>(e * T * C));
+  for (int64_t e = 0; e < cur_.packed.B; ++e)
+    run(cur_.packed.start[e], cur_.packed.len[e], d.offset + static_cast<uint64_t>(e * T * C));
 }
 
 int64_t BertModel::sequence_row(int64_t b, int64_t t) const {
-  if (!unpadded()) return b * packed_.T + t;
-  return t < packed_.len[b] ? packed_.start[b] + t : -1;
+  if (!unpadded()) return b * cur_.packed.T + t;
+  return t < cur_.packed.len[b] ? cur_.packed.start[b] + t : -1;
 }
 
 void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const float* dctx,
                                  const StepOptions& opt) {
-  const Packed& pk = packed_;
+  const Packed& pk = cur_.packed;
   const int64_t C = cfg_.hidden_size, NH = cfg_.num_attention_heads, T = pk.T;
   const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
   const uint64_t key = rng_key(opt.seed, opt.step, l + 1, kAttnProbs);
@@ -636,7 +654,7 @@ void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const flo
     const Kept qkv{a.qkv.f32 + r0 * 3 * C, a.qkv.bits ? a.qkv.bits + r0 * 3 * C : nullptr};
     // The run's probabilities draw the padded model's dropout: its sequences' [NH,T,T] blocks.
     const Dropout d{p_attn, key, (opt.example_offset + first) * NH * T * T};
-    const int32_t* mask = in_.mask + r0;
+    const int32_t* mask = cur_.in.mask + r0;
     if (forward)
       be_.attention_forward(prec_, a.ctx.f32 + r0 * C, sv, qkv, mask, s, d, ws_);
     else
@@ -644,7 +662,7 @@ void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const flo
   }
 }
 
-Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
+void BertModel::prepare(const Batch& b, Staged& st, int slot) {
   if (b.packed_rows > 0 && (dims_.pack_rows == 0 || b.packed_rows > dims_.pack_rows))
     fail("a batch packed into ", b.packed_rows, " rows needs a model planned for packing (",
          setting("pack"), ") with at least that ", setting("batch_size"),
@@ -653,21 +671,37 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     fail("batch [", b.B, " x ", b.T, ", ", b.P, " predictions] exceeds the planned [", dims_.batch,
          " x ", dims_.seq_len, ", ", dims_.max_predictions, "]");
   validate_batch(b, cfg_, head_);
+  st.packed.B = b.B;
+  st.packed.T = b.T;
+  st.packed.P = b.P;
+  if (unpadded()) pack(b, st.packed);
+  stage_inputs(b, st, slot);
+}
+
+void BertModel::stage(const Batch& b) {
+  next_for_ = nullptr;  // (should b fail its checks)
+  prepare(b, next_, 1 - slot_);
+  next_for_ = &b;
+}
+
+Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
+  if (next_for_ != &b) prepare(b, next_, 1 - slot_);
+  next_for_ = nullptr;
+  // The last batch's kernels were the last to read its slot; this one's run after its copy.
+  be_.release_input(input_slot_[slot_]);
+  slot_ = 1 - slot_;
+  std::swap(cur_, next_);
+  be_.use_input(input_slot_[slot_]);
   bind_kernel_scratch();
   // A sharded master's bf16 copy is the model's weights (write_param, the optimizer and the
   // step keep it current); else it follows the fp32 master.
   if (!w16_fresh_ && !dims_.master_shard) be_.copy_weights(prec_, params(), w16_, table_.total());
   w16_fresh_ = false;
   const bool up = unpadded();
-  packed_.B = b.B;
-  packed_.T = b.T;
-  packed_.P = b.P;
-  if (up) pack(b);
-  stage_inputs(b);
   ++passes_;  // the outputs copied out before are stale now (backward too)
-  const int64_t B = b.B, T = b.T, N = up ? packed_.rows : B * T, C = cfg_.hidden_size,
+  const int64_t B = b.B, T = b.T, N = up ? cur_.packed.rows : B * T, C = cfg_.hidden_size,
                 V = cfg_.vocab_size;
-  int64_t real = up ? packed_.real : 0;
+  int64_t real = up ? cur_.packed.real : 0;
   if (!up)
     for (int64_t e = 0; e < B; ++e) real += real_length(b, e);
   const float eps = cfg_.layer_norm_eps;
@@ -681,8 +715,8 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
 
   const ParamTable& t = table_;
   be_.embedding_layernorm_forward(
-      act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd, in_.ids, in_.segments, in_.positions,
-      W(t.offset("bert.embeddings.word_embeddings.weight")),
+      act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd, cur_.in.ids, cur_.in.segments,
+      cur_.in.positions, W(t.offset("bert.embeddings.word_embeddings.weight")),
       W(t.offset("bert.embeddings.position_embeddings.weight")),
       W(t.offset("bert.embeddings.token_type_embeddings.weight")),
       W(t.offset("bert.embeddings.LayerNorm.weight")),
@@ -702,8 +736,8 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     // mean cross-entropy over the scored tokens (weight 1; HF's ignore_index -100 is weight 0).
     // Unpadded: the packed rows' labels and weights (dummy rows weigh 0).
     const int64_t NL = cfg_.num_labels;
-    const int32_t* labels = in_.token_labels;
-    const float* weights = in_.token_weights;
+    const int32_t* labels = cur_.in.token_labels;
+    const float* weights = cur_.in.token_weights;
     be_.copy(act_.tok_drop, x, N * C);
     dropout_rows(false, act_.tok_drop, nullptr, N, site(L + 1, kTokens, p_hidden, off_tc));
     be_.linear_forward(prec_, act_.tok_logits, {act_.tok_drop}, Wt(t.offset("classifier.weight")),
@@ -732,7 +766,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
                        N, 1, C, ws_);
     const CrossEntropySums ce =
         be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.qa_logits,
-                          in_.span_positions, nullptr, 2 * B, T, 0.0f);
+                          cur_.in.span_positions, nullptr, 2 * B, T, 0.0f);
     Losses out;
     out.real_tokens = real;
     out.computed_tokens = N;
@@ -743,7 +777,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   }
 
   // Pooler: tanh(dense(h[:, 0])).
-  be_.gather_rows(act_.cls_in, x, in_.cls, B, 1, up ? 0 : T, C);
+  be_.gather_rows(act_.cls_in, x, cur_.in.cls, B, 1, up ? 0 : T, C);
   be_.linear_forward(prec_, act_.pooled, {act_.cls_in}, Wt(t.offset("bert.pooler.dense.weight")),
                      W(t.offset("bert.pooler.dense.bias")), B, C, C, ws_);
   be_.tanh_forward(act_.pooled, act_.pooled, B * C);
@@ -756,14 +790,15 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
                        Wt(t.offset("cls.seq_relationship.weight")),
                        W(t.offset("cls.seq_relationship.bias")), B, 2, C, ws_);
     const CrossEntropySums nsp =
-        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits, in_.nsp_labels,
-                          nullptr, B, 2, 0.0f);
+        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
+                          cur_.in.nsp_labels, nullptr, B, 2, 0.0f);
     out.nsp_loss = nsp.loss / B;
     out.nsp_correct = static_cast<int64_t>(nsp.correct);
 
     // MLM head on the masked positions only (gather first): BP rows instead of B*T.
-    const int64_t BP = up ? packed_.mlm_rows : B * b.P;
-    be_.gather_rows(act_.mlm_in, x, in_.mlm_positions, up ? 1 : B, up ? BP : b.P, up ? 0 : T, C);
+    const int64_t BP = up ? cur_.packed.mlm_rows : B * b.P;
+    be_.gather_rows(act_.mlm_in, x, cur_.in.mlm_positions, up ? 1 : B, up ? BP : b.P, up ? 0 : T,
+                    C);
     be_.linear_forward(prec_, act_.mlm_pre, {act_.mlm_in},
                        Wt(t.offset("cls.predictions.transform.dense.weight")),
                        W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C, ws_);
@@ -781,7 +816,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     const float dscale1 = static_cast<float>(1.0 / (out.mlm_weight + kMlmDenominatorEps));
     const CrossEntropySums mlm =
         be_.cross_entropy(opt.training ? act_.mlm_logits : nullptr, act_.row_loss, act_.row_correct,
-                          act_.mlm_logits, in_.mlm_ids, in_.mlm_weights, BP, V, dscale1);
+                          act_.mlm_logits, cur_.in.mlm_ids, cur_.in.mlm_weights, BP, V, dscale1);
     mlm_grad_ready_ = opt.training;
     out.mlm_correct = mlm.correct;
     out.mlm_loss = mlm.loss / (out.mlm_weight + kMlmDenominatorEps);
@@ -795,11 +830,11 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
                        Wt(t.offset("classifier.weight")), W(t.offset("classifier.bias")), B, NL, C,
                        ws_);
     if (NL == 1) {  // regression (HF's rule for one label): mean squared error
-      out.loss = be_.squared_error(nullptr, act_.cls_logits, in_.label_values, B, 0.0f) / B;
+      out.loss = be_.squared_error(nullptr, act_.cls_logits, cur_.in.label_values, B, 0.0f) / B;
     } else {
       const CrossEntropySums cls =
           be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
-                            in_.label_ids, nullptr, B, NL, 0.0f);
+                            cur_.in.label_ids, nullptr, B, NL, 0.0f);
       out.loss = cls.loss / B;
       out.cls_correct = static_cast<int64_t>(cls.correct);
     }
@@ -809,7 +844,7 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
 
 void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const StepOptions& opt) {
   const bool up = unpadded();
-  const int64_t B = b.B, T = b.T, N = up ? packed_.rows : B * T, C = cfg_.hidden_size,
+  const int64_t B = b.B, T = b.T, N = up ? cur_.packed.rows : B * T, C = cfg_.hidden_size,
                 I = cfg_.intermediate_size, NH = cfg_.num_attention_heads;
   const float eps = cfg_.layer_norm_eps;
   const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
@@ -826,9 +861,10 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
   if (up) {
     packed_attention(l, true, nullptr, nullptr, opt);
     // The dummy rows past the real tokens take no part in attention: zeros, not stale values.
-    be_.zero(a.ctx.f32 + packed_.real * C, static_cast<int64_t>(f32s((N - packed_.real) * C)));
+    be_.zero(a.ctx.f32 + cur_.packed.real * C,
+             static_cast<int64_t>(f32s((N - cur_.packed.real) * C)));
   } else {
-    be_.attention_forward(prec_, a.ctx.f32, a.saved, a.qkv, in_.mask, {B, T, C, NH},
+    be_.attention_forward(prec_, a.ctx.f32, a.saved, a.qkv, cur_.in.mask, {B, T, C, NH},
                           site(kAttnProbs, p_attn, off_probs), ws_);
   }
   be_.keep(prec_, a.ctx, N * C);
@@ -852,7 +888,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
                          const std::function<void(int64_t)>& layer_done) {
   ++passes_;
   const bool up = unpadded();
-  const int64_t B = b.B, T = b.T, N = up ? packed_.rows : B * T, C = cfg_.hidden_size,
+  const int64_t B = b.B, T = b.T, N = up ? cur_.packed.rows : B * T, C = cfg_.hidden_size,
                 I = cfg_.intermediate_size, NH = cfg_.num_attention_heads, V = cfg_.vocab_size,
                 L = cfg_.num_hidden_layers;
   const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
@@ -879,8 +915,8 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   float* dpooled = act_.dhead2;  // [B,C]
   if (head_ == Head::TokenClassification) {
     const int64_t NL = cfg_.num_labels;
-    const int32_t* labels = in_.token_labels;
-    const float* weights = in_.token_weights;
+    const int32_t* labels = cur_.in.token_labels;
+    const float* weights = cur_.in.token_weights;
     double scored = 0;
     for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
     float* dlog = act_.dsmall;  // [N,NL]
@@ -891,20 +927,20 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     dropout_rows(true, dh, dh, N, site(L + 1, kTokens, p_hidden, off_tc));
   } else if (head_ == Head::QuestionAnswering) {
     float* dlog = act_.dsmall;  // [2N]: d start logits, then d end logits
-    be_.cross_entropy(dlog, nullptr, nullptr, act_.qa_logits, in_.span_positions, nullptr, 2 * B, T,
-                      static_cast<float>(loss_scale / (2.0 * B)));
+    be_.cross_entropy(dlog, nullptr, nullptr, act_.qa_logits, cur_.in.span_positions, nullptr,
+                      2 * B, T, static_cast<float>(loss_scale / (2.0 * B)));
     const int64_t w = t.offset("qa_outputs.weight"), bias = t.offset("qa_outputs.bias");
     const Kept seq{seq_out_};
     lin_bwd(dh, w, bias, dlog, seq, N, 1, C);
     lin_bwd(dh, w + C, bias + 1, dlog + N, seq, N, 1, C, /*accumulate=*/true);
   } else if (head_ == Head::Pretraining) {
     float* dnsp = act_.dsmall;
-    be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, in_.nsp_labels, nullptr, B, 2,
+    be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, cur_.in.nsp_labels, nullptr, B, 2,
                       loss_scale / B);
     lin_bwd(dpooled, t.offset("cls.seq_relationship.weight"), t.offset("cls.seq_relationship.bias"),
             dnsp, {act_.pooled}, B, 2, C);
 
-    const int64_t BP = up ? packed_.mlm_rows : B * b.P;
+    const int64_t BP = up ? cur_.packed.mlm_rows : B * b.P;
     float* dlogits = act_.mlm_logits;  // gradient overwrites the logits
     if (mlm_grad_ready_) {
       // Forward left the gradient for loss scale 1; scales are powers of two, so scaling here
@@ -914,8 +950,8 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
       double wsum = 0;
       for (int64_t r = 0; r < BP; ++r) wsum += mlm_weights(b)[r];
       const float dscale = static_cast<float>(loss_scale / (wsum + kMlmDenominatorEps));
-      be_.cross_entropy(dlogits, nullptr, nullptr, act_.mlm_logits, in_.mlm_ids, in_.mlm_weights,
-                        BP, V, dscale);
+      be_.cross_entropy(dlogits, nullptr, nullptr, act_.mlm_logits, cur_.in.mlm_ids,
+                        cur_.in.mlm_weights, BP, V, dscale);
     }
     mlm_grad_ready_ = false;
     float* d1 = act_.dhead1;  // [BP,C]
@@ -928,14 +964,14 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     be_.activation_backward(Precision::FP32, act, d2, {act_.mlm_pre}, d2, BP * C);
     lin_bwd(d1, t.offset("cls.predictions.transform.dense.weight"),
             t.offset("cls.predictions.transform.dense.bias"), d2, {act_.mlm_in}, BP, C, C);
-    be_.scatter_add_rows(dh, d1, in_.mlm_positions, up ? 1 : B, up ? BP : b.P, up ? 0 : T, C);
+    be_.scatter_add_rows(dh, d1, cur_.in.mlm_positions, up ? 1 : B, up ? BP : b.P, up ? 0 : T, C);
   } else {
     const int64_t NL = cfg_.num_labels;
     float* dlog = act_.dsmall;
     if (NL == 1)
-      be_.squared_error(dlog, act_.cls_logits, in_.label_values, B, loss_scale / B);
+      be_.squared_error(dlog, act_.cls_logits, cur_.in.label_values, B, loss_scale / B);
     else
-      be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, in_.label_ids, nullptr, B, NL,
+      be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, cur_.in.label_ids, nullptr, B, NL,
                         loss_scale / B);
     lin_bwd(dpooled, t.offset("classifier.weight"), t.offset("classifier.bias"), dlog,
             {act_.pooled_drop}, B, NL, C);
@@ -947,7 +983,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     float* dcls = act_.dhead1;
     lin_bwd(dcls, t.offset("bert.pooler.dense.weight"), t.offset("bert.pooler.dense.bias"), dpooled,
             {act_.cls_in}, B, C, C);
-    be_.scatter_add_rows(dh, dcls, in_.cls, B, 1, up ? 0 : T, C);
+    be_.scatter_add_rows(dh, dcls, cur_.in.cls, B, 1, up ? 0 : T, C);
   }
 
   // ---- encoder, last layer first ----
@@ -977,9 +1013,10 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
     if (up) {
       packed_attention(l, false, dI, dA, opt);
       // The dummy rows: no gradient reaches the QKV weights from them.
-      be_.zero(dI + packed_.real * 3 * C, static_cast<int64_t>(f32s((N - packed_.real) * 3 * C)));
+      be_.zero(dI + cur_.packed.real * 3 * C,
+               static_cast<int64_t>(f32s((N - cur_.packed.real) * 3 * C)));
     } else {
-      be_.attention_backward(prec_, dI, dA, a.qkv, a.saved, in_.mask, {B, T, C, NH},
+      be_.attention_backward(prec_, dI, dA, a.qkv, a.saved, cur_.in.mask, {B, T, C, NH},
                              site(l + 1, kAttnProbs, p_attn, off_probs), ws_);
     }
     lin_bwd(dh, o.qkv_w, o.qkv_b, dI, {x}, N, 3 * C, C,
@@ -999,14 +1036,14 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   float* pad_row = G(word + cfg_.pad_token_id * C);
   be_.copy(act_.dhead1, pad_row, C);
   be_.embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
-                         G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA, in_.ids,
-                         in_.segments, in_.positions, up ? 1 : B, up ? N : T, C,
-                         be_.host_memory() ? nullptr : &in_.runs);
+                         G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA,
+                         cur_.in.ids, cur_.in.segments, cur_.in.positions, up ? 1 : B, up ? N : T,
+                         C, be_.host_memory() ? nullptr : &cur_.in.runs);
   be_.copy(pad_row, act_.dhead1, C);
 }
 
 double BertModel::last_step_flops() const {
-  const Packed& pk = packed_;
+  const Packed& pk = cur_.packed;
   if (!unpadded()) return flops_per_step(pk.B, pk.T, pk.P);
   const double C = cfg_.hidden_size, I = cfg_.intermediate_size, V = cfg_.vocab_size,
                L = cfg_.num_hidden_layers, N = static_cast<double>(pk.rows);

@@ -7,6 +7,7 @@
 // I intermediate, V vocab, P masked predictions per sequence, N = B*T rows.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -137,8 +138,9 @@ ModelDims on_backend(ModelDims d, const kernels::Target& be);
 
 // Bytes of the batch arrays a model's kernels read for dims d (ids, masks, labels, the packed
 // rows' indices; each 256-byte aligned): on a backend with memory of its own they are copied
-// there each forward, into the plan's group "input" (region "input.batch"). A bound: the arrays
-// of every head, at the most rows the dims allow.
+// there each batch, into one of the plan's group "input" regions ("input.batch0", ...: one
+// an input slot, kernels::kInputSlots). A bound: the arrays of every head, at the most rows the
+// dims allow.
 size_t input_bytes(const ModelDims& d);
 
 // The byte ranges of the parameters region a sharded fp32 master holding [begin, end) leaves
@@ -212,6 +214,13 @@ class BertModel {
   }
 
   Losses forward(const Batch& b, const StepOptions& opt);
+  // The next batch made ready while the kernels still run this one's: its arrays packed and,
+  // on a backend with memory of its own, grouped and copied into the other input slot beside
+  // the kernels (Backend::upload); forward(b) then starts from them. b must stay as it is until
+  // that forward. The same checks as forward's, so a bad batch fails here. Worth it where the
+  // kernels run beside the host (stages_ahead: a GPU's); forward alone does the same otherwise.
+  void stage(const Batch& b);
+  bool stages_ahead() const { return !be_.host_memory(); }
   // Gradients of loss_scale * loss, accumulated into grads(). Needs the preceding forward, on
   // the same batch (its kernels read the arrays that forward chose and staged: KernelInputs).
   void backward(const Batch& b, const StepOptions& opt, float loss_scale = 1.0f,
@@ -233,17 +242,18 @@ class BertModel {
   }
   int64_t sequence_row(int64_t b, int64_t t) const;
   const float* pooled_output() const {  // [B,C]
-    return host_output(act_.pooled, packed_.B * cfg_.hidden_size);
+    return host_output(act_.pooled, cur_.packed.B * cfg_.hidden_size);
   }
   // Padded: [B*P,V]; unpadded: a row per weighted prediction (weight != 0), in batch order (the
   // slots without weight, create_pretraining_data's padding of the predictions, are skipped).
   const float* mlm_logits() const {
-    return host_output(act_.mlm_logits, (compact_mlm() ? packed_.mlm_rows : packed_.B * packed_.P) *
-                                            cfg_.vocab_size);
+    return host_output(
+        act_.mlm_logits,
+        (compact_mlm() ? cur_.packed.mlm_rows : cur_.packed.B * cur_.packed.P) * cfg_.vocab_size);
   }
-  const float* nsp_logits() const { return host_output(act_.nsp_logits, packed_.B * 2); }
+  const float* nsp_logits() const { return host_output(act_.nsp_logits, cur_.packed.B * 2); }
   const float* cls_logits() const {  // [B,num_labels]
-    return host_output(act_.cls_logits, packed_.B * cfg_.num_labels);
+    return host_output(act_.cls_logits, cur_.packed.B * cfg_.num_labels);
   }
   // [B*T,num_labels]; unpadded, a row per packed row (sequence_row).
   const float* token_logits() const {
@@ -251,7 +261,7 @@ class BertModel {
   }
   // Question answering: the start logits [B,T], then the end logits [B,T].
   const float* span_logits() const {
-    return host_output(act_.qa_logits, 2 * packed_.B * packed_.T);
+    return host_output(act_.qa_logits, 2 * cur_.packed.B * cur_.packed.T);
   }
 
   // Spans per layer (forward/backward) go to this timeline when it is enabled.
@@ -303,7 +313,12 @@ class BertModel {
     // Not host memory: the tokens grouped by embedding table row (embedding backward's).
     kernels::EmbeddingRuns runs;
   };
-  void stage_inputs(const Batch& b);
+  // One batch's arrays ready for the kernels: the packed rows, the arrays the kernels read, and
+  // their embedding groups (the host side of in.runs).
+  struct Staged;
+  void stage_inputs(const Batch& b, Staged& s, int slot);
+  // The checks, the packing and the staging of batch b into slot (stage and forward).
+  void prepare(const Batch& b, Staged& s, int slot);
   // The group's arena: allocated here, or from a backend with memory of its own.
   Arena make_arena(const std::string& group);
   struct Packed {
@@ -318,27 +333,29 @@ class BertModel {
   };
   // Unpadded pretraining runs its MLM head on the weighted predictions only.
   bool compact_mlm() const { return unpadded() && head_ == Head::Pretraining; }
-  // The MLM head's weights for batch b on the host (its rows: packed_.mlm_rows).
+  // The MLM head's weights for batch b on the host (its rows: cur_.packed.mlm_rows).
   const float* mlm_weights(const Batch& b) const {
-    return compact_mlm() ? packed_.mlm_weights.data() : b.masked_lm_weights.data();
+    return compact_mlm() ? cur_.packed.mlm_weights.data() : b.masked_lm_weights.data();
   }
   // Rows of the last forward's encoder output: the packed rows, or B x T.
-  int64_t output_rows() const { return unpadded() ? packed_.rows : packed_.B * packed_.T; }
+  int64_t output_rows() const {
+    return unpadded() ? cur_.packed.rows : cur_.packed.B * cur_.packed.T;
+  }
   // p (n floats of the last forward's outputs) where the host reads it: p itself, or a copy out
   // of the backend's memory made once per forward.
   const float* host_output(const float* p, int64_t n) const;
   // The token classifier's weights on the host (the loss's denominator).
   const float* token_weights_host(const Batch& b) const {
-    return unpadded() ? packed_.token_weights.data() : b.token_label_weights.data();
+    return unpadded() ? cur_.packed.token_weights.data() : b.token_label_weights.data();
   }
-  void pack(const Batch& b);
+  void pack(const Batch& b, Packed& pk) const;
   // Dropout of the N rows of x (forward: in place) or its backward (dx from dy) at site d:
   // unpadded, one call per sequence at its padded rows' offset (its rows are their prefix).
   void dropout_rows(bool backward, float* x, const float* dy, int64_t N,
                     const kernels::Dropout& d) const;
   // A row kernel's dropout site, keyed by the padded rows when running unpadded.
   kernels::Dropout on_rows(kernels::Dropout d) const {
-    if (unpadded()) d.rows = in_.padded_row;
+    if (unpadded()) d.rows = cur_.in.padded_row;
     return d;
   }
   // The attention core of layer l over the packed rows, forward or backward (one call per run).
@@ -357,14 +374,26 @@ class BertModel {
   // A backend with memory of its own: the arenas' blocks and the staged batch arrays (freed
   // with the model, through the backend).
   std::vector<std::shared_ptr<void>> device_blocks_;
-  KernelInputs in_;
-  kernels::RowGrouping by_word_, by_position_, by_token_type_;  // in_.runs' host side
+  struct Staged {
+    Packed packed;
+    KernelInputs in;
+    kernels::RowGrouping by_word, by_position, by_token_type;
+  };
+  // The batch the kernels run (the last forward's), in input slot slot_; and the next, made
+  // ready by stage(b) for b == next_for_ in the other slot.
+  Staged cur_, next_;
+  int slot_ = 0;
+  const Batch* next_for_ = nullptr;
   // host_output's copies, each with the pass (forward or backward) it was made after.
   uint64_t passes_ = 0;
   mutable std::unordered_map<const float*, std::pair<uint64_t, std::vector<float>>> outputs_;
   Arena params_, grads_, acts_arena_, scratch_, w16_arena_, kernels_arena_;
-  Arena input_arena_;              // the staged batch arrays (a backend with memory of its own)
-  std::shared_ptr<void> staging_;  // their host side (Backend::allocate_host)
+  // The staged batch arrays (a backend with memory of its own): the plan's input region a slot
+  // (kernels::kInputSlots), each with its part of the host staging memory
+  // (Backend::allocate_host).
+  Arena input_arena_;
+  std::shared_ptr<void> staging_;
+  std::array<std::byte*, kernels::kInputSlots> input_slot_{}, staging_slot_{};
   kernels::ScratchLayout kernel_scratch_;  // kernels_arena_'s layout, bound before kernels run
   Acts act_{};
   const kernels::Backend& be_;
@@ -375,7 +404,6 @@ class BertModel {
   bool w16_fresh_ = false;       // weights16() already equals params() rounded
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
-  Packed packed_;
 };
 
 }  // namespace bertrain::model

@@ -130,8 +130,8 @@ void Step::reduce(const GradientScale& g, StepReport& r) {
   comm_.set_label("");
 }
 
-StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
-                     const std::string& hint) {
+StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const std::string& hint,
+                     bool ahead) {
   const int rank = comm_.rank(), world = comm_.size();
   const auto t_step = Clock::now();
   auto span = [&](const char* name, const char* cat, Clock::time_point begin) {
@@ -141,6 +141,10 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
     }
   };
   StepReport r;
+  if (interrupted_ahead_) {
+    r.interrupted = true;
+    return r;
+  }
   const GradientScale g = scale();
   r.loss_scale = scaler_.scale();
   if (reducer_) reducer_->set_prescale(g.prescale);
@@ -150,20 +154,25 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
   // real and the computed tokens, the token positions.
   double stats[11] = {};
   for (int64_t micro = 0; micro < s_.accumulation; ++micro) {
+    model::Batch& batch = batches_[cur_];
     auto t0 = Clock::now();
-    if (!next_batch(batch_)) {
-      r.interrupted = true;
-      return r;
+    if (held_) {
+      held_ = false;  // read and staged during the backward before
+    } else {
+      if (!next_batch(batch)) {
+        r.interrupted = true;
+        return r;
+      }
+      r.t_input += since(t0);
+      span("input wait", "input", t0);
     }
-    r.t_input += since(t0);
-    span("input wait", "input", t0);
     // Each rank's and micro-batch's own dropout streams: a packed batch's instance count
     // varies, so it counts its most (the model's planned batch).
-    const int64_t per_batch = batch_.packed_rows > 0 ? m_.dims().batch : batch_.B;
+    const int64_t per_batch = batch.packed_rows > 0 ? m_.dims().batch : batch.B;
     const model::StepOptions so{true, s_.seed, static_cast<uint64_t>(step),
                                 static_cast<uint64_t>((micro * world + rank) * per_batch)};
     t0 = Clock::now();
-    const model::Losses l = m_.forward(batch_, so);
+    const model::Losses l = m_.forward(batch, so);
     m_.backend().synchronize();  // a GPU's phases end when its kernels have run
     r.t_forward += since(t0);
     span("forward", "compute", t0);
@@ -172,20 +181,45 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch,
     stats[2] += l.mlm_weight;
     stats[3] += static_cast<double>(l.nsp_correct);
     stats[4] += static_cast<double>(l.cls_correct);
-    stats[5] += static_cast<double>(batch_.B);
+    stats[5] += static_cast<double>(batch.B);
     if (!std::isfinite(l.loss)) stats[6] += 1;
     stats[8] += static_cast<double>(l.real_tokens);
     stats[9] += static_cast<double>(l.computed_tokens);
-    stats[10] += static_cast<double>(batch_.token_slots());
+    stats[10] += static_cast<double>(batch.token_slots());
     r.flops += m_.last_step_flops();
     t0 = Clock::now();
     const bool last = micro + 1 == s_.accumulation;
     if (reducer_ && last)
-      m_.backward(batch_, so, g.backward, [&](int64_t layer) { reducer_->layer_done(layer); });
+      m_.backward(batch, so, g.backward, [&](int64_t layer) { reducer_->layer_done(layer); });
     else
-      m_.backward(batch_, so, g.backward);
+      m_.backward(batch, so, g.backward);
+    // The next micro-batch read and staged while the device runs this backward: the phase's
+    // time is its wall time less the read (input's).
+    double read = 0;
+    const bool next_here = micro + 1 < s_.accumulation;
+    if (m_.stages_ahead() && (next_here || ahead)) {
+      const auto t_read = Clock::now();
+      model::Batch& next = batches_[1 - cur_];
+      reading_ahead_ = !next_here;
+      const bool got = next_batch(next);
+      reading_ahead_ = false;
+      read = since(t_read);
+      r.t_input += read;
+      span("input wait", "input", t_read);
+      if (got) {
+        m_.stage(next);
+        cur_ = 1 - cur_;
+        held_ = true;
+      } else if (next_here) {
+        m_.backend().synchronize();
+        r.interrupted = true;
+        return r;
+      } else {
+        interrupted_ahead_ = true;  // this step completes; the next stops at once
+      }
+    }
     m_.backend().synchronize();
-    r.t_backward += since(t0);
+    r.t_backward += since(t0) - read;
     span("backward", "compute", t0);
   }
 

@@ -14,6 +14,7 @@
 // mean over ranks and micro-batches of the unscaled gradient.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <utility>
@@ -102,8 +103,17 @@ class Step {
   // Runs step `step` (0-based, the dropout and scaler counter) with learning rate lr.
   // Non-finite loss in fp32/bf16 is an error naming the step and rank; `hint` (e.g. the last
   // checkpoint to resume from) is appended to it.
-  StepReport run(int64_t step, double lr, const NextBatch& next_batch,
-                 const std::string& hint = "");
+  // On a model that stages ahead (BertModel::stages_ahead: a GPU's), each micro-batch after the
+  // first is read and staged while the kernels still run the backward before it: its copy to
+  // the device overlaps them. With `ahead` (a step follows this one) the next step's first
+  // micro-batch too: next_batch is then called once during this step for the next one
+  // (reading_ahead() is true during that call, and holds_next() after the step).
+  StepReport run(int64_t step, double lr, const NextBatch& next_batch, const std::string& hint = "",
+                 bool ahead = false);
+  bool reading_ahead() const { return reading_ahead_; }
+  // Whether the next step's first micro-batch is already read (the input position after this
+  // step is then the one before that read).
+  bool holds_next() const { return held_; }
 
   GradientScale scale() const;  // for the scaler's current loss scale
   const comm::Reducer* reducer() const { return reducer_.get(); }
@@ -122,7 +132,12 @@ class Step {
   // Sharded optimizer: every rank's part of the flat buffers, and the cuts between them.
   std::vector<int64_t> counts_, owners_;
   std::unique_ptr<ShardedMasterGather> master_gather_;  // a sharded master's allgather
-  model::Batch batch_;
+  // The micro-batch the model runs, and the next one read ahead (held_: batches_[cur_] is read
+  // and staged for the coming micro-batch). interrupted_ahead_: the read ahead of the next
+  // step's first micro-batch was interrupted, so that step stops at once.
+  std::array<model::Batch, 2> batches_;
+  int cur_ = 0;
+  bool held_ = false, reading_ahead_ = false, interrupted_ahead_ = false;
 };
 
 }  // namespace bertrain::train

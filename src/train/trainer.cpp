@@ -607,6 +607,9 @@ TrainResult Trainer::run() {
   // The input position after the last completed step: a step interrupted while it waited for
   // input is not in the checkpoint, and neither are the micro-batches it had read.
   data::PipelinePosition done_pos = s.pipe->position();
+  // The position before the next step's first micro-batch, where a step read it ahead
+  // (Step::holds_next): the step after resumes from it.
+  data::PipelinePosition ahead_pos;
   int64_t step = s.start_step;
   std::ofstream trace;
   if (!cfg.trace_input.empty()) {
@@ -615,6 +618,8 @@ TrainResult Trainer::run() {
     if (!trace) fail("cannot open ", path, " for --trace-input");
   }
   auto next_batch = [&](model::Batch& b) {
+    const bool ahead = s.step->reading_ahead();
+    if (ahead) ahead_pos = s.pipe->position();
     try {
       if (!s.pipe->next(b)) fail("the input pipeline ended (it repeats forever; this is a bug)");
       if (trace.is_open()) {
@@ -625,7 +630,8 @@ TrainResult Trainer::run() {
             h ^= static_cast<uint32_t>(b.input_ids[r * b.T + t]);
             h *= 0x100000001b3ull;
           }
-          trace << step << ' ' << epoch << ' ' << std::hex << h << std::dec << '\n';
+          trace << (ahead ? step + 1 : step) << ' ' << epoch << ' ' << std::hex << h << std::dec
+                << '\n';
         }
         trace.flush();
       }
@@ -645,7 +651,10 @@ TrainResult Trainer::run() {
   for (; step < cfg.steps; ++step) {
     const std::string hint =
         s.last_ck.empty() ? std::string(" (none saved yet)") : " (" + s.last_ck + ")";
-    const StepReport r = s.step->run(step, s.sched.at(step), next_batch, hint);
+    // A step follows unless this one ends the run or its slice (--stop-after).
+    const bool ahead =
+        step + 1 < cfg.steps && !(cfg.stop_after > 0 && step + 1 - s.start_step >= cfg.stop_after);
+    const StepReport r = s.step->run(step, s.sched.at(step), next_batch, hint, ahead);
     if (r.interrupted) {
       res.interrupted = true;
       break;
@@ -681,7 +690,7 @@ TrainResult Trainer::run() {
       window_start = Clock::now();
     }
     res.steps_done = done;
-    done_pos = s.pipe->position();
+    done_pos = s.step->holds_next() ? ahead_pos : s.pipe->position();
     const bool slice_done =
         cfg.stop_after > 0 && done - s.start_step >= cfg.stop_after && done != cfg.steps;
     const bool stop = slice_done || (world > 1 ? !s.comm.all(g_stop_signal.load() == 0)

@@ -7,7 +7,10 @@
 // 2^-8: 2e-2; fp16 2^-11: 4e-3; the GPU's FP16 products take fp16 operands, so its weights,
 // output gradients, dropped probabilities and dS also round at 2^-11 where the CPU's multiply
 // in fp32).
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
+
+#include <algorithm>
 
 #include "core/dtype.h"
 #include "kernels/backend.h"
@@ -245,6 +248,55 @@ TEST(CudaBackend, EmbeddingBackwardMatchesCpu) {
   EXPECT_TRUE(all_close("dword", word.data(), dword.host(), word.size(), 1e-5, 1e-5));
   EXPECT_EQ(dpos.back(), dpos.h);
   EXPECT_TRUE(all_close("dtoken_type", dtype.back().data(), dtype.host(), 2 * C, 1e-5, 1e-5));
+}
+
+// The input slots' copies (Backend::upload) run beside the kernels, on a stream of their own:
+// with about 100 GiB of memsets queued ahead on the kernels' stream (tens of milliseconds on a
+// GPU of a few TB/s), a 1 MiB copy into a slot has run when wait_upload returns while that
+// work still runs (an order, not a time: the copy is ~1000x shorter). Kernels after use_input
+// read what it copied. Once release_input marks the kernels issued so far as the slot's last
+// readers, the next copy into it waits for them.
+TEST(CudaBackend, InputCopiesRunBesideTheKernels) {
+  SKIP_WITHOUT_GPU();
+  const kernels::Backend& be = gpu();
+  const size_t big = size_t{1} << 30, bytes = size_t{1} << 20;
+  void* work = be.allocate(big);
+  void* slot = be.allocate(bytes);
+  auto* staging = static_cast<int32_t*>(be.allocate_host(bytes));
+  std::vector<int32_t> v(bytes / 4);
+  cudaEvent_t queued = nullptr;
+  ASSERT_EQ(cudaEventCreateWithFlags(&queued, cudaEventDisableTiming), cudaSuccess);
+  auto queue_work = [&] {
+    for (int i = 0; i < 100; ++i) be.zero(work, static_cast<int64_t>(big));
+    ASSERT_EQ(cudaEventRecord(queued, nullptr), cudaSuccess);
+  };
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int32_t>(i * 7 + 1);
+  std::copy(v.begin(), v.end(), staging);
+  queue_work();
+  be.upload(slot, staging, bytes);
+  be.wait_upload(slot);
+  EXPECT_EQ(cudaEventQuery(queued), cudaErrorNotReady)
+      << "the copy waited for the kernels queued before it";
+  be.use_input(slot);
+  std::vector<int32_t> back(v.size());
+  be.to_host(back.data(), slot, bytes);
+  EXPECT_EQ(back, v);
+  queue_work();
+  be.release_input(slot);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int32_t>(i * 3 + 2);
+  std::copy(v.begin(), v.end(), staging);
+  be.upload(slot, staging, bytes);
+  be.wait_upload(slot);
+  EXPECT_EQ(cudaEventQuery(queued), cudaSuccess)
+      << "the copy into a released slot ran before the kernels that last read it";
+  be.use_input(slot);
+  be.to_host(back.data(), slot, bytes);
+  EXPECT_EQ(back, v);
+  be.synchronize();
+  cudaEventDestroy(queued);
+  be.release_host(staging);
+  be.release(slot);
+  be.release(work);
 }
 
 }  // namespace

@@ -240,24 +240,45 @@ struct AttentionDims {
   }
 };
 
-// The last upload's completion on the calling thread's current GPU (uploads are in the order
-// of the GPU's kernel stream, so it follows every earlier one; one thread may run several GPUs
-// in turn: a test's ranks).
-cudaEvent_t upload_event() {
-  thread_local struct Uploads {
-    std::map<int, cudaEvent_t> done;
-    ~Uploads() {
-      for (auto& [device, e] : done) cudaEventDestroy(e);
+// The batches' copies into the models' input slots (Backend::upload), on the calling thread's
+// current GPU (one thread may run several GPUs in turn: a test's ranks): on a stream of their
+// own, non-blocking (it does not wait for the legacy default stream the kernels run on), so a
+// copy runs beside the kernels. Each slot has two events: its last copy (kernels issued after
+// use_input wait for it) and its last release (its next copy waits for it). An event waited for
+// before its first record counts as complete.
+struct InputSlot {
+  cudaEvent_t copied = nullptr, released = nullptr;
+};
+struct Uploads {
+  cudaStream_t stream = nullptr;
+  std::map<const void*, InputSlot> slots;
+  InputSlot& slot(const void* p) {
+    InputSlot& s = slots[p];
+    if (!s.copied) {
+      BT_CUDA_CHECK(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming));
+      BT_CUDA_CHECK(cudaEventCreateWithFlags(&s.released, cudaEventDisableTiming));
     }
-  } u;
+    return s;
+  }
+};
+Uploads& uploads() {
+  thread_local struct PerDevice {
+    std::map<int, Uploads> of;
+    ~PerDevice() {
+      for (auto& [device, u] : of) {
+        for (auto& [p, s] : u.slots) {
+          cudaEventDestroy(s.copied);
+          cudaEventDestroy(s.released);
+        }
+        if (u.stream) cudaStreamDestroy(u.stream);
+      }
+    }
+  } d;
   int device = 0;
   BT_CUDA_CHECK(cudaGetDevice(&device));
-  cudaEvent_t& e = u.done[device];
-  if (!e) {
-    BT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    BT_CUDA_CHECK(cudaEventRecord(e, nullptr));  // (complete at once: nothing uploaded yet)
-  }
-  return e;
+  Uploads& u = d.of[device];
+  if (!u.stream) BT_CUDA_CHECK(cudaStreamCreateWithFlags(&u.stream, cudaStreamNonBlocking));
+  return u;
 }
 
 // A 16-bit precision's products read the weights' 16-bit copy: a model on this backend plans one
@@ -308,13 +329,23 @@ class CudaBackend final : public kernels::Backend {
     return p;
   }
   void release_host(void* p) const override { cudaFreeHost(p); }
-  // On the kernels' stream: the kernels issued after it wait for it; the host does not.
-  void upload(void* dst, const void* src, size_t bytes) const override {
-    const Op op("upload");
-    BT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, nullptr));
-    BT_CUDA_CHECK(cudaEventRecord(upload_event(), nullptr));
+  // The input slots (uploads() above): the host waits only in wait_upload.
+  void upload(void* slot, const void* src, size_t bytes) const override {
+    Uploads& u = uploads();
+    const InputSlot& s = u.slot(slot);
+    BT_CUDA_CHECK(cudaStreamWaitEvent(u.stream, s.released, 0));
+    BT_CUDA_CHECK(cudaMemcpyAsync(slot, src, bytes, cudaMemcpyHostToDevice, u.stream));
+    BT_CUDA_CHECK(cudaEventRecord(s.copied, u.stream));
   }
-  void wait_uploads() const override { BT_CUDA_CHECK(cudaEventSynchronize(upload_event())); }
+  void use_input(const void* slot) const override {
+    BT_CUDA_CHECK(cudaStreamWaitEvent(nullptr, uploads().slot(slot).copied, 0));
+  }
+  void release_input(const void* slot) const override {
+    BT_CUDA_CHECK(cudaEventRecord(uploads().slot(slot).released, nullptr));
+  }
+  void wait_upload(const void* slot) const override {
+    BT_CUDA_CHECK(cudaEventSynchronize(uploads().slot(slot).copied));
+  }
   void synchronize() const override { BT_CUDA_CHECK(cudaDeviceSynchronize()); }
   bool has_blocked_attention() const override { return false; }
   std::string op_profile(int64_t steps) const override { return profile_table(steps); }
