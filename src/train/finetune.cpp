@@ -668,6 +668,25 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   }
   Step one_step(m, opt, scaler, comm, StepSettings{1, 1.0, false, 0, cfg.seed});
   std::vector<size_t> mine(cfg.batch_size);  // this rank's rows of a step (several ranks)
+  // The batch of the step at example i of the order: one process, rows [i, i + batch) (the
+  // last step may be shorter); several, this rank's rows of the global batch.
+  auto fill = [&](int64_t i, model::Batch& batch) {
+    const std::vector<size_t>* rows = &order;
+    size_t begin = static_cast<size_t>(i), end = static_cast<size_t>(std::min(n, i + global_batch));
+    if (world > 1) {
+      for (int64_t k = 0; k < cfg.batch_size; ++k)
+        mine[k] = order[static_cast<size_t>((i + rank * cfg.batch_size + k) % n)];
+      rows = &mine;
+      begin = 0;
+      end = mine.size();
+    }
+    if (qa)
+      make_qa_batch(train_qf, *rows, begin, end, cfg.seq_len, batch);
+    else if (tokens)
+      make_token_batch(train_tok, *rows, begin, end, cfg.seq_len, batch);
+    else
+      make_batch(train_set, *rows, begin, end, cfg.seq_len, batch);
+  };
   int64_t step = 0;
   for (int64_t epoch = 0; epoch < cfg.epochs; ++epoch) {
     for (int64_t i = 0; i < n; ++i) order[i] = static_cast<size_t>(i);
@@ -675,26 +694,14 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     double loss = 0;
     const auto t0 = Clock::now();
     for (int64_t i = 0; i < n; i += global_batch, ++step) {
-      // One process: rows [i, i + batch) of the order (the last step may be shorter).
-      const std::vector<size_t>* rows = &order;
-      size_t begin = static_cast<size_t>(i),
-             end = static_cast<size_t>(std::min(n, i + global_batch));
-      if (world > 1) {
-        for (int64_t k = 0; k < cfg.batch_size; ++k)
-          mine[k] = order[static_cast<size_t>((i + rank * cfg.batch_size + k) % n)];
-        rows = &mine;
-        begin = 0;
-        end = mine.size();
-      }
-      const StepReport r = one_step.run(step, sched.at(step), [&](model::Batch& batch) {
-        if (qa)
-          make_qa_batch(train_qf, *rows, begin, end, cfg.seq_len, batch);
-        else if (tokens)
-          make_token_batch(train_tok, *rows, begin, end, cfg.seq_len, batch);
-        else
-          make_batch(train_set, *rows, begin, end, cfg.seq_len, batch);
-        return true;
-      });
+      // On a GPU the step reads the epoch's next batch while its backward runs (Step::run).
+      const StepReport r = one_step.run(
+          step, sched.at(step),
+          [&](model::Batch& batch) {
+            fill(one_step.reading_ahead() ? i + global_batch : i, batch);
+            return true;
+          },
+          "", i + global_batch < n);
       loss += r.loss;
     }
     res.train_loss = loss / steps_per_epoch;
