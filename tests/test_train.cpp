@@ -156,8 +156,15 @@ TEST(Train, OnABackendWithItsOwnMemoryEqualsTheCpu) {
     a.precision = b.precision = p;
     a.save_every = b.save_every = 6;
     b.backend = &own;
+    // --trace-input: each batch under the step that trains on it, the batches the device's
+    // steps read ahead too.
+    a.trace_input = a.output + ".trace";
+    b.trace_input = b.output + ".trace";
     const TrainResult ra = train(a, comm), rb = train(b, comm);
     EXPECT_EQ(ra.losses, rb.losses);
+    const std::string trace = file_bytes(a.trace_input + ".rank-0");
+    EXPECT_EQ(std::count(trace.begin(), trace.end(), '\n'), 12 * 8);  // 12 steps of 8 rows
+    EXPECT_EQ(trace, file_bytes(b.trace_input + ".rank-0"));
     for (const char* f : {"model.safetensors", "optimizer.safetensors"})
       EXPECT_EQ(file_bytes(a.output + "/checkpoint-000012/" + f),
                 file_bytes(b.output + "/checkpoint-000012/" + f))

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <sstream>
 #include <thread>
 
 #include "core/error.h"
@@ -612,6 +613,7 @@ TrainResult Trainer::run() {
   data::PipelinePosition ahead_pos;
   int64_t step = s.start_step;
   std::ofstream trace;
+  std::string held_trace;  // a batch read ahead: its lines, written once its step runs
   if (!cfg.trace_input.empty()) {
     const std::string path = str(cfg.trace_input, ".rank-", rank);
     trace.open(path, std::ios::app);
@@ -624,16 +626,22 @@ TrainResult Trainer::run() {
       if (!s.pipe->next(b)) fail("the input pipeline ended (it repeats forever; this is a bug)");
       if (trace.is_open()) {
         const uint64_t epoch = s.pipe->position().epoch;
+        std::ostringstream lines;
         for (int64_t r = 0; r < b.B; ++r) {
           uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the row's token ids
           for (int64_t t = 0; t < b.T; ++t) {
             h ^= static_cast<uint32_t>(b.input_ids[r * b.T + t]);
             h *= 0x100000001b3ull;
           }
-          trace << (ahead ? step + 1 : step) << ' ' << epoch << ' ' << std::hex << h << std::dec
+          lines << (ahead ? step + 1 : step) << ' ' << epoch << ' ' << std::hex << h << std::dec
                 << '\n';
         }
-        trace.flush();
+        if (ahead) {
+          held_trace = lines.str();
+        } else {
+          trace << lines.str();
+          trace.flush();
+        }
       }
       return true;
     } catch (const data::Interrupted&) {
@@ -654,6 +662,11 @@ TrainResult Trainer::run() {
     // A step follows unless this one ends the run or its slice (--stop-after).
     const bool ahead =
         step + 1 < cfg.steps && !(cfg.stop_after > 0 && step + 1 - s.start_step >= cfg.stop_after);
+    if (!held_trace.empty()) {
+      trace << held_trace;
+      trace.flush();
+      held_trace.clear();
+    }
     const StepReport r = s.step->run(step, s.sched.at(step), next_batch, hint, ahead);
     if (r.interrupted) {
       res.interrupted = true;
