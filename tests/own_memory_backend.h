@@ -217,6 +217,12 @@ class OwnMemoryBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     in_backward_ = false;
   }
+  // A device that always runs behind the host: busy from a backward's last kernel until the
+  // next synchronize.
+  bool busy() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return in_backward_;
+  }
   // Uploads, and those issued while a backward's kernels may still run (after its last kernel,
   // embedding_backward, before the next synchronize): the next batch's copy beside them.
   int64_t uploads() const {

@@ -148,6 +148,9 @@ class Backend : public Target {
   // Waits until the kernels issued so far have run (a GPU's run asynchronously; timings of a
   // phase end here). The CPU's kernels have run when they return.
   virtual void synchronize() const {}
+  // Whether kernels issued so far are still running (a GPU's, queued behind the host); a CPU's
+  // have run when they return.
+  virtual bool busy() const { return false; }
   // The device's memory, for a backend with memory of its own (a GPU's: what a run checks its
   // plan against before it allocates); nothing for host memory (the CPU's budget is the host's).
   virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }

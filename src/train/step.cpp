@@ -193,8 +193,9 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
       m_.backward(batch, so, g.backward, [&](int64_t layer) { reducer_->layer_done(layer); });
     else
       m_.backward(batch, so, g.backward);
-    // The next micro-batch read and staged while the device runs this backward: the phase's
-    // time is its wall time less the read (input's).
+    // The next micro-batch read and staged while the device runs this backward. Where the
+    // device still ran it when the read ended, the read was hidden and the phase's time is its
+    // wall time; else the read is input's time (the device waited for it at most that long).
     double read = 0;
     const bool next_here = micro + 1 < s_.accumulation;
     if (m_.stages_ahead() && (next_here || ahead)) {
@@ -204,8 +205,14 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
       const bool got = next_batch(next);
       reading_ahead_ = false;
       read = since(t_read);
-      r.t_input += read;
-      span("input wait", "input", t_read);
+      if (m_.backend().busy()) {
+        r.t_input_hidden += read;
+        span("input read ahead", "input", t_read);
+        read = 0;
+      } else {
+        r.t_input += read;
+        span("input wait", "input", t_read);
+      }
       if (got) {
         m_.stage(next);
         cur_ = 1 - cur_;

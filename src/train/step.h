@@ -61,8 +61,11 @@ struct StepReport {
   double grad_norm = 0;     // of the unscaled, averaged gradients, before clipping
   float loss_scale = 1.0f;  // the scale this step ran with
   // Seconds of this rank: waiting for input, forward, backward, exposed communication (gradient
-  // sum and the step's statistics), optimizer; hidden = communication that ran behind backward.
+  // sum and the step's statistics), optimizer; hidden = communication that ran behind backward;
+  // input_hidden = input read ahead while the device still ran backward (Step::run: part of
+  // backward's time, which the device set).
   double t_input = 0, t_forward = 0, t_backward = 0, t_comm = 0, t_optimizer = 0, t_hidden = 0;
+  double t_input_hidden = 0;
   double t_total = 0;
 };
 

@@ -111,6 +111,7 @@ struct Totals {
   double loss = 0, mlm_correct = 0, mlm_weight = 0, nsp_correct = 0, examples = 0;
   double real_tokens = 0, computed_tokens = 0, token_slots = 0, flops = 0;
   double input = 0, forward = 0, backward = 0, comm = 0, optimizer = 0, hidden = 0, total = 0;
+  double input_hidden = 0;  // read ahead behind the device's backward
   int64_t steps = 0;
   void add(const StepReport& r) {
     loss += r.loss;
@@ -128,6 +129,7 @@ struct Totals {
     comm += r.t_comm;
     optimizer += r.t_optimizer;
     hidden += r.t_hidden;
+    input_hidden += r.t_input_hidden;
     total += r.t_total;
     ++steps;
   }
@@ -230,6 +232,7 @@ void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double 
       {"throughput/padding_fraction", 1.0 - w.real_tokens / std::max(w.token_slots, 1.0)},
       {"time/step_ms", 1e3 * w.total / n},
       {"time/input_wait_ms", 1e3 * w.input / n},
+      {"time/input_hidden_ms", 1e3 * w.input_hidden / n},
       {"time/forward_ms", 1e3 * w.forward / n},
       {"time/backward_ms", 1e3 * w.backward / n},
       {"time/communication_exposed_ms", 1e3 * w.comm / n},
@@ -764,6 +767,12 @@ std::string Trainer::summary() const {
         line, sizeof line,
         "communication hidden behind backward: %.1f ms per step (%zu buckets of <= %lld MiB)\n",
         1e3 * t.hidden / n, red->buckets(), (long long)cfg.bucket_mb);
+    out += line;
+  }
+  if (t.input_hidden > 0) {
+    std::snprintf(line, sizeof line,
+                  "input read while the device ran backward: %.1f ms per step (hidden)\n",
+                  1e3 * t.input_hidden / n);
     out += line;
   }
   const double achieved = t.flops / std::max(t.total, 1e-9) / 1e9;

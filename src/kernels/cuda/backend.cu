@@ -347,6 +347,12 @@ class CudaBackend final : public kernels::Backend {
     BT_CUDA_CHECK(cudaEventSynchronize(uploads().slot(slot).copied));
   }
   void synchronize() const override { BT_CUDA_CHECK(cudaDeviceSynchronize()); }
+  bool busy() const override {
+    const cudaError_t e = cudaStreamQuery(nullptr);
+    if (e == cudaErrorNotReady) return true;
+    BT_CUDA_CHECK(e);
+    return false;
+  }
   bool has_blocked_attention() const override { return false; }
   std::string op_profile(int64_t steps) const override { return profile_table(steps); }
 
