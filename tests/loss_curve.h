@@ -1,6 +1,7 @@
 // Training curves to compare backends and precisions by: train::Step (AdamW or LAMB, dropout
-// on, seed 9, lr 1e-3) from init_params(11) over test::learnable_batch, one new batch a step,
-// full attention; fp16 with the dynamic loss scaler on, as train runs it.
+// on, seed 9, lr 1e-3) from init_params(11) over test::learnable_batch, one new batch a step
+// (read ahead on a backend with memory of its own, as train does), full attention; fp16 with
+// the dynamic loss scaler on, as train runs it.
 #pragma once
 
 #include <functional>
@@ -39,10 +40,14 @@ inline std::vector<double> loss_curve(
   train::Step step(m, opt, scaler, single, ss);
   std::vector<double> losses;
   for (int64_t k = 0; k < steps; ++k) {
-    const auto r = step.run(k, 1e-3, [&](model::Batch& b) {
-      b = learnable_batch(c, k);
-      return true;
-    });
+    // (A backend with memory of its own reads the next step's batch during this one's backward.)
+    const auto r = step.run(
+        k, 1e-3,
+        [&](model::Batch& b) {
+          b = learnable_batch(c, step.reading_ahead() ? k + 1 : k);
+          return true;
+        },
+        "", k + 1 < steps);
     losses.push_back(r.loss);
     if (after) after(m, r);
   }
