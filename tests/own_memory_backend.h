@@ -184,13 +184,12 @@ class OwnMemoryBackend final : public Backend {
     own(slot, "an input slot");
     run_upload(slot);  // (a slot's copies run in order)
     std::lock_guard<std::mutex> lock(mu_);
+    auto* from = static_cast<const char*>(src);
     EXPECT_TRUE(std::any_of(host_blocks_.begin(), host_blocks_.end(), [&](const auto& b) {
-      auto* s = static_cast<const char*>(src);
-      return s >= b.first && s + bytes <= b.first + b.second;
+      return from >= b.first && from + bytes <= b.first + b.second;
     })) << "an upload's source is not allocate_host's memory";
     EXPECT_FALSE(reading_.count(slot))
         << "an upload into an input slot the kernels may still read (no release_input)";
-    auto* from = static_cast<const char*>(src);
     for (const auto& [other, s] : sources_)
       EXPECT_TRUE(from + bytes <= s.src || s.src + s.bytes <= from)
           << "an upload from staging memory written again before its last upload was waited for";
