@@ -139,16 +139,20 @@ PY
       if [ "${BENCH:-1}" = 1 ]; then
         printf "%-24s %-4s %-9s %12s %12s %6s %6s %10s %10s\n" config prec "batch" "bertrain t/s" \
           "pytorch t/s" ratio MFU "bt GPU" "pt GPU"
-        for run in "bert-base 128 20 32" "bert-large 128 20 32" "bert-large 512 80 8"; do
+        # 512 tokens: the blocked attention kernel (auto), then the full one in bf16 beside it.
+        for run in "bert-base 128 20 32" "bert-large 128 20 32" "bert-large 512 80 8" \
+          "bert-large 512 80 8 full"; do
           set -- $run
+          ATT=${5:-auto}
           for prec in bf16 fp16; do
+            [ "$ATT" = full ] && [ "$prec" = fp16 ] && continue
             BT=$(timeout 120 "$PACK/bin/bertrain" bench --device cuda --model-config "configs/$1.json" \
               --seq-len "$2" --max-predictions "$3" --batch-size "$4" --precision "$prec" \
-              --steps 5 --warmup 2 --json 2>&1 | tail -1)
+              --attention "$ATT" --steps 5 --warmup 2 --json 2>&1 | tail -1)
             PT=$(timeout 120 python3 bench/peer_pytorch.py --device cuda --model-config "configs/$1.json" \
               --seq-len "$2" --max-predictions "$3" --batch-size "$4" --precision "$prec" \
               --steps 5 --warmup 2 2>&1 | tail -1)
-            python3 - "$1/$2" "$prec" "$4x$2" "$BT" "$PT" <<'PY'
+            python3 - "$1/$2${5:+/$5}" "$prec" "$4x$2" "$BT" "$PT" <<'PY'
 import json, sys
 name, prec, batch, bt, pt = sys.argv[1:]
 try:

@@ -22,6 +22,23 @@
 
 namespace bertrain::test {
 
+// A product over every pair through the reference GEMM, its operands fp32 values: C_k =
+// alpha op(A_k) op(B_k), or C_k += that with accumulate (cuBLAS's beta = 1).
+inline void run_pairs(const cuda::PairProduct& m, int64_t pairs, int64_t NH) {
+  std::vector<float> t(static_cast<size_t>(m.M * m.N));
+  for (int64_t k = 0; k < pairs; ++k) {
+    auto* c = static_cast<float*>(const_cast<void*>(m.c.of(k, NH)));
+    kernels::gemm_reference(
+        m.trans_a, m.trans_b, m.M, m.N, m.K, static_cast<const float*>(m.a.of(k, NH)), m.lda,
+        static_cast<const float*>(m.b.of(k, NH)), m.ldb, t.data(), m.N, nullptr, false);
+    for (int64_t i = 0; i < m.M; ++i)
+      for (int64_t j = 0; j < m.N; ++j) {
+        float& x = c[i * m.ldc + j];
+        x = (m.accumulate ? x : 0.0f) + m.alpha * t[i * m.N + j];
+      }
+  }
+}
+
 // The 16-bit buffers a flow's products read: an fp32 copy of each as it is when a product runs,
 // a 2-byte operand mapped onto its copy at the same element offset.
 template <class H>
@@ -30,17 +47,12 @@ class Operands16 {
   explicit Operands16(std::vector<std::pair<const H*, int64_t>> buffers)
       : buffers_(std::move(buffers)), wide_(buffers_.size()) {}
 
-  // C_k = alpha op(A_k) op(B_k) for every (sequence, head) pair.
+  // C_k (+)= alpha op(A_k) op(B_k) for every (sequence, head) pair.
   void run(const cuda::PairProduct& m, int64_t pairs, int64_t NH) {
-    const cuda::PairOperand a = values(m.a), b = values(m.b);
-    for (int64_t k = 0; k < pairs; ++k) {
-      auto* c = static_cast<float*>(const_cast<void*>(m.c.of(k, NH)));
-      kernels::gemm_reference(
-          m.trans_a, m.trans_b, m.M, m.N, m.K, static_cast<const float*>(a.of(k, NH)), m.lda,
-          static_cast<const float*>(b.of(k, NH)), m.ldb, c, m.ldc, nullptr, false);
-      for (int64_t i = 0; i < m.M; ++i)
-        for (int64_t j = 0; j < m.N; ++j) c[i * m.ldc + j] *= m.alpha;
-    }
+    cuda::PairProduct w = m;
+    w.a = values(m.a);
+    w.b = values(m.b);
+    run_pairs(w, pairs, NH);
   }
 
  private:
@@ -109,6 +121,58 @@ void gpu_attention_16_backward(float* dqkv, const H* dctx16, const H* qkv16, con
   });
   ops.run(bwd[2], pairs, NH);  // dQ
   ops.run(bwd[3], pairs, NH);  // dK
+}
+
+// The blocked kernel as the GPU runs it (cuda/attention_products.h: blocked_forward_schedule and
+// blocked_backward_schedule, the CUDA backend's schedule, products and row passes) on the host. X
+// is float (fp32 operands) or H (16-bit bits: QKV's kept bits, dctx rounded; the block operands
+// rounded as the row passes write them). lse [B, NH, T] is all forward keeps.
+template <class X>
+struct BlockedFlow {
+  std::vector<float> scores, dd;
+  std::vector<X> dropped, ds;
+  explicit BlockedFlow(const kernels::AttentionShape& s)
+      : scores(static_cast<size_t>(cuda::block_values(s))),
+        dd(scores.size()),
+        dropped(scores.size()),
+        ds(scores.size()) {}
+  cuda::BlockBuffers buffers() { return {scores.data(), dd.data(), dropped.data(), ds.data()}; }
+  int64_t n() const { return static_cast<int64_t>(scores.size()); }
+};
+
+template <class X, class ForRows>
+void gpu_attention_blocked_forward(float* ctx, float* lse, const X* qkv, const int32_t* mask,
+                                   const kernels::AttentionShape& s, const kernels::Dropout& d,
+                                   ForRows for_rows) {
+  BlockedFlow<X> f(s);
+  Operands16<X> ops({{qkv, s.B * s.T * 3 * s.C}, {f.dropped.data(), f.n()}});
+  cuda::blocked_forward_schedule(
+      s, sizeof(X), qkv, mask, d, f.buffers(), ctx,
+      [&](const cuda::PairProduct& m) { ops.run(m, s.B * s.NH, s.NH); },
+      [&](const cuda::BlockRows& r) {
+        for_rows(r.rows(), [&](int64_t w, const auto& l) {
+          r.forward(w, f.dropped.data(), lse, f.scores.data(), l);
+        });
+      });
+}
+
+template <class X, class ForRows>
+void gpu_attention_blocked_backward(float* dqkv, const X* dctx, const X* qkv, const float* lse,
+                                    const int32_t* mask, const kernels::AttentionShape& s,
+                                    const kernels::Dropout& d, ForRows for_rows) {
+  BlockedFlow<X> f(s);
+  Operands16<X> ops({{qkv, s.B * s.T * 3 * s.C},
+                     {dctx, s.B * s.T * s.C},
+                     {f.dropped.data(), f.n()},
+                     {f.ds.data(), f.n()}});
+  cuda::blocked_backward_schedule(
+      s, sizeof(X), qkv, dctx, mask, d, f.buffers(), dqkv,
+      [&](const cuda::PairProduct& m) { ops.run(m, s.B * s.NH, s.NH); },
+      [&](const cuda::BlockRows& r) {
+        for_rows(r.rows(), [&](int64_t w, const auto& l) {
+          r.backward(w, f.dropped.data(), f.ds.data(), f.scores.data(), f.dd.data(), lse, l);
+        });
+      });
 }
 
 }  // namespace bertrain::test

@@ -342,10 +342,14 @@ class OwnMemoryBackend final : public Backend {
     own(qkv, "qkv");
     own(mask, "attention mask");
     if (p == Precision::FP16 && fp16_operands_) {
+      cpu().keep(p, qkv, s.B * s.T * 3 * s.C);  // QKV rounded in place, its bits kept
+      if (saved.blocked()) {
+        own(saved.lse, "row log-sum-exp");
+        return test::gpu_attention_blocked_forward(ctx, saved.lse, f16(qkv.bits), mask, s, d,
+                                                   one_lane);
+      }
       own(saved.probs16, "kept probabilities");
       own(ws.attn_probs16, "attention's 16-bit operands");
-      EXPECT_FALSE(saved.blocked()) << "the GPU has the full attention kernel only";
-      cpu().keep(p, qkv, s.B * s.T * 3 * s.C);  // QKV rounded in place, its bits kept
       return test::gpu_attention_16_forward(ctx, f16(saved.probs16), f16(ws.attn_probs16),
                                             f16(qkv.bits), mask, s, d, one_lane);
     }
@@ -358,9 +362,12 @@ class OwnMemoryBackend final : public Backend {
     own(dqkv, "dqkv");
     own(mask, "attention mask");
     if (p == Precision::FP16 && fp16_operands_) {  // dctx rounded into its operand buffer
-      own(ws.attn_probs16, "attention's 16-bit operands");
       own(ws.attn_dctx16, "attention's 16-bit operands");
       convert_f32_to_f16(dctx, ws.attn_dctx16, static_cast<size_t>(s.B * s.T * s.C));
+      if (saved.blocked())
+        return test::gpu_attention_blocked_backward(dqkv, f16(ws.attn_dctx16), f16(qkv.bits),
+                                                    saved.lse, mask, s, d, one_lane);
+      own(ws.attn_probs16, "attention's 16-bit operands");
       return test::gpu_attention_16_backward(dqkv, f16(ws.attn_dctx16), f16(qkv.bits),
                                              f16(saved.probs16), f16(ws.attn_probs16), s, d,
                                              one_lane);

@@ -60,7 +60,7 @@ TEST(Cli, EstimatePlansAGpuRunWithoutAGpu) {
   RunResult r = run(base + " --device cuda --memory-budget 16GiB");
   ASSERT_EQ(r.rc, 0) << r.out;
   for (const char* want :
-       {"full attention", "memory plan per rank, in the cuda device's memory", "  input   ",
+       {"blocked attention", "memory plan per rank, in the cuda device's memory", "  input   ",
         "besides the plan: the CUDA context", "largest batch size that fits is"})
     EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
   r = run(base + " --device cuda --explain");

@@ -260,20 +260,28 @@ TEST(DeviceModel, Fp16OperandsTrackTheCpuAndTheUpdateWritesTheCopy) {
   }
   // One forward and backward (no loss scale): every gradient within the bound the GPU's
   // CudaModel.ForwardBackwardEqualsCpu allows fp16 against the CPU (test::grads_close at 3e-2),
-  // padded and unpadded.
-  const model::Batch batch = test::random_batch(c, 4, 32, 5);
-  for (bool unpadded : {false, true}) {
-    SCOPED_TRACE(unpadded ? "unpadded" : "padded");
-    model::ModelDims d{batch.B, batch.T, batch.P};
-    d.fp16 = true;
-    d.unpadded = unpadded;
-    d.attention = model::ModelDims::Attention::Full;
-    const StepRun dev = step(own, c, model::Head::Pretraining, d, batch),
-                  cpu = step(cpu_backend(), c, model::Head::Pretraining, d, batch);
-    EXPECT_NEAR(dev.losses.loss, cpu.losses.loss, 3e-2 * std::fabs(cpu.losses.loss));
-    EXPECT_TRUE(test::grads_close(model::ParamTable(c, model::Head::Pretraining), dev.grads.data(),
-                                  cpu.grads.data(), 3e-2));
-  }
+  // padded and unpadded, with either attention kernel (the GPU's blocked one a block of 128
+  // query rows at a time: 150 tokens are two blocks).
+  const model::BertConfig c_long = test::small_bert(300, 64, 2, 4, 256, 160);
+  const model::Batch batch = test::random_batch(c, 4, 32, 5),
+                     long_batch = test::random_batch(c_long, 2, 150, 8);
+  for (auto kernel : {model::ModelDims::Attention::Full, model::ModelDims::Attention::Blocked})
+    for (bool unpadded : {false, true}) {
+      const bool full = kernel == model::ModelDims::Attention::Full;
+      SCOPED_TRACE(testing::Message()
+                   << (full ? "full" : "blocked") << (unpadded ? " unpadded" : " padded"));
+      const model::Batch& b = full ? batch : long_batch;
+      const model::BertConfig& cfg = full ? c : c_long;
+      model::ModelDims d{b.B, b.T, b.P};
+      d.fp16 = true;
+      d.unpadded = unpadded;
+      d.attention = kernel;
+      const StepRun dev = step(own, cfg, model::Head::Pretraining, d, b),
+                    cpu = step(cpu_backend(), cfg, model::Head::Pretraining, d, b);
+      EXPECT_NEAR(dev.losses.loss, cpu.losses.loss, 3e-2 * std::fabs(cpu.losses.loss));
+      EXPECT_TRUE(test::grads_close(model::ParamTable(cfg, model::Head::Pretraining),
+                                    dev.grads.data(), cpu.grads.data(), 3e-2));
+    }
   // The CPU's FP16 has no copy: its products are fp32.
   model::ModelDims d{4, 32, 5};
   d.fp16 = true;
@@ -426,28 +434,27 @@ TEST(DeviceModel, CheckpointsCrossAndHolesAreRefused) {
 }
 
 // The plan of a run on a GPU, made without one (cuda::target(): what `estimate --device cuda`
-// prints): the CPU plan's model groups (full attention: there is no blocked kernel on CUDA yet),
-// the CUDA kernels' scratch instead of the CPU's, and the batch arrays staged in device memory.
+// prints): the CPU plan's model groups (the same attention kernel: full at 64 tokens, blocked at
+// 512), the CUDA kernels' scratch instead of the CPU's, and the batch arrays staged in device
+// memory.
 TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
   model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 512);
   for (int precision = 0; precision < 3; ++precision)
     for (int64_t T : {64, 512}) {
       SCOPED_TRACE(testing::Message() << "precision " << precision << " T " << T);
-      model::ModelDims d{8, T, 10};  // attention auto: blocked at 512 tokens on the CPU
+      model::ModelDims d{8, T, 10};  // attention auto: blocked at 512 tokens
       d.bf16 = precision == 1;
       d.fp16 = precision == 2;
       const MemoryPlan gpu =
           model::BertModel::make_plan(c, model::Head::Pretraining, d, cuda::target());
-      model::ModelDims full = d;
-      full.attention = model::ModelDims::Attention::Full;
-      const MemoryPlan cpu = model::BertModel::make_plan(c, model::Head::Pretraining, full);
+      const MemoryPlan cpu = model::BertModel::make_plan(c, model::Head::Pretraining, d);
       for (const char* g : {"parameters", "gradients", "activations", "bf16"})
         EXPECT_EQ(gpu.group_bytes(g), cpu.group_bytes(g)) << g;
       // FP16 multiplies fp16 operands on a GPU: BF16's group in fp16 (the weights' copy and the
       // operands rounded on the way in), and of the widened tensors the CPU's fp32 kernels
       // read only forward's fp32 context [8 T, 64].
       const int64_t N = 8 * T, C = 64, I = 256;
-      model::ModelDims as_bf16 = full;
+      model::ModelDims as_bf16 = d;
       std::swap(as_bf16.bf16, as_bf16.fp16);
       EXPECT_EQ(gpu.group_bytes("fp16"),
                 d.fp16 ? model::BertModel::make_plan(c, model::Head::Pretraining, as_bf16)
@@ -459,16 +466,25 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       // A slot for the batch the kernels read and one for the next, copied in beside them.
       EXPECT_EQ(gpu.group_bytes("input"), kInputSlots * model::input_bytes(d));
       EXPECT_EQ(cpu.group_bytes("input"), 0u);
-      // cuBLASLt's workspace; [B, NH, T, T] fp32 scores in 16 bits, backward's dropped
-      // probabilities in fp32; the probabilities' fp32 gradients; the reductions' partial sums; a
-      // loss and a hit for each of the most rows a loss sees (every token, here).
+      // cuBLASLt's workspace; full attention: [B, NH, T, T] fp32 scores in 16 bits, backward's
+      // dropped probabilities in fp32, the probabilities' fp32 gradients; blocked: a block of 128
+      // query rows of each for every (sequence, head): fp32 scores and gradients, and two
+      // operand buffers (the dropped probabilities, dS) in the products' elements; the
+      // reductions' partial sums; a loss and a hit for each of the most rows a loss sees.
       const ScratchLayout l =
           model::plan_kernel_scratch(c, model::Head::Pretraining, d, cuda::target());
-      const int64_t probs = 8 * 4 * T * T * 4;
+      const int64_t probs = 8 * 4 * T * T * 4, block = 8 * 4 * 128 * T * 4;
       EXPECT_EQ(l.part[cuda::kMatmulWorkspaceSlot], int64_t{32} << 20);
-      EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], precision == 0 ? 0 : probs);
-      EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 0 ? probs : 0);
-      EXPECT_EQ(l.part[cuda::kAttentionGradSlot], probs);
+      if (T == 512) {
+        EXPECT_TRUE(d.blocked_attention());
+        EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], block);
+        EXPECT_EQ(l.part[cuda::kAttentionGradSlot], block);
+        EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 0 ? 2 * block : block);
+      } else {
+        EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], precision == 0 ? 0 : probs);
+        EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 0 ? probs : 0);
+        EXPECT_EQ(l.part[cuda::kAttentionGradSlot], probs);
+      }
       EXPECT_EQ(l.part[cuda::kAttentionPointersSlot], 3 * 8 * 4 * 8);  // 3 a (sequence, head)
       EXPECT_EQ(l.part[cuda::kReductionSlot], 2 * 1024 * 8);
       EXPECT_EQ(l.part[cuda::kCrossEntropySlot], 2 * 8 * T * 4);

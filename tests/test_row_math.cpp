@@ -309,16 +309,7 @@ TEST_P(RowMath, AttentionEqualsCpu) {
   // the QKV rows, the [B, NH, T, T] buffers and the context rows), each pair through the
   // reference GEMM; the row passes between them over all B x NH x T rows.
   const int64_t pairs = B * NH;
-  auto run = [&](const cuda::PairProduct& m) {
-    for (int64_t k = 0; k < pairs; ++k) {
-      auto* c = static_cast<float*>(const_cast<void*>(m.c.of(k, NH)));
-      gemm_reference(m.trans_a, m.trans_b, m.M, m.N, m.K, static_cast<const float*>(m.a.of(k, NH)),
-                     m.lda, static_cast<const float*>(m.b.of(k, NH)), m.ldb, c, m.ldc, nullptr,
-                     false);
-      for (int64_t i = 0; i < m.M; ++i)
-        for (int64_t j = 0; j < m.N; ++j) c[i * m.ldc + j] *= m.alpha;
-    }
-  };
+  auto run = [&](const cuda::PairProduct& m) { test::run_pairs(m, pairs, NH); };
   std::vector<float> probs(B * NH * T * T), dropped(probs.size()), ctx(B * T * C),
       dqkv(qkv.size(), 0.0f), dd(probs.size());
   const auto fwd =
@@ -389,6 +380,81 @@ TEST_P(RowMath, Attention16BitEqualsTheReference) {
   {
     SCOPED_TRACE("fp16");
     check_attention_16<row_math::F16Bits>(GetParam(), f32_to_f16, f16_to_f32, 4e-3);
+  }
+}
+
+// The blocked kernel as the GPU runs it (gpu_attention_16.h: cuda::blocked_forward / _backward,
+// the schedule, products and row passes of the CUDA backend) against the CPU's reference loops
+// and the CPU's blocked kernel: T = 150 is a full 128-row block and a 22-row one (dV and dK
+// added across blocks), a padded sequence, dropout, a dropout row length larger than T.
+// fp32: the reference's tolerances (rtol 2e-5 of the tensor max); the log-sum-exp the CPU's
+// blocked kernel keeps within 1e-5. bf16 / fp16 (16-bit operands, fp32 accumulation): a few
+// units of the format (bf16 3e-2, fp16 4e-3), as the full kernel's 16-bit flow.
+struct BlockedCase {
+  AttentionShape s{2, 150, 32, 2};
+  Dropout d{0.1f, 5, 11, nullptr};
+  std::vector<float> qkv, dctx, ctx_ref, probs_ref, dqkv_ref;
+  std::vector<int32_t> mask;
+  BlockedCase() {
+    s.dropout_T = 160;
+    const int64_t B = s.B, T = s.T, C = s.C;
+    qkv = random_vector(B * T * 3 * C, 81);
+    dctx = random_vector(B * T * C, 82);
+    mask.assign(B * T, 1);
+    for (int64_t t = 131; t < T; ++t) mask[T + t] = 0;
+    ctx_ref.resize(B * T * C);
+    probs_ref.resize(B * s.NH * T * T);
+    dqkv_ref.resize(qkv.size());
+    attention_forward_reference(ctx_ref.data(), probs_ref.data(), qkv.data(), mask.data(), s, d.p,
+                                d.key, d.offset);
+    attention_backward_reference(dqkv_ref.data(), dctx.data(), qkv.data(), probs_ref.data(), s, d.p,
+                                 d.key, d.offset);
+  }
+};
+
+TEST_P(RowMath, BlockedAttentionEqualsCpu) {
+  const BlockedCase c;
+  const AttentionShape& s = c.s;
+  auto rows = [&](int64_t n, const auto& f) { for_rows(GetParam(), n, f); };
+  std::vector<float> ctx(c.ctx_ref.size()), lse(s.B * s.NH * s.T), dqkv(c.qkv.size(), 7.0f);
+  test::gpu_attention_blocked_forward(ctx.data(), lse.data(), c.qkv.data(), c.mask.data(), s, c.d,
+                                      rows);
+  test::gpu_attention_blocked_backward(dqkv.data(), c.dctx.data(), c.qkv.data(), lse.data(),
+                                       c.mask.data(), s, c.d, rows);
+  EXPECT_TRUE(all_close("ctx", ctx.data(), c.ctx_ref.data(), ctx.size(), 2e-5, 1e-6));
+  EXPECT_TRUE(all_close("dqkv", dqkv.data(), c.dqkv_ref.data(), dqkv.size(), 2e-5, 1e-6));
+  std::vector<float> ctx_cpu(ctx.size()), lse_cpu(lse.size());
+  attention_blocked_forward(ctx_cpu.data(), lse_cpu.data(), c.qkv.data(), c.mask.data(), s, c.d.p,
+                            c.d.key, c.d.offset);
+  EXPECT_TRUE(all_close("lse", lse.data(), lse_cpu.data(), lse.size(), 1e-5, 1e-5));
+}
+
+template <class H, class Round>
+void check_blocked_16(int lanes, Round round, double tol) {
+  const BlockedCase c;
+  const AttentionShape& s = c.s;
+  auto rows = [&](int64_t n, const auto& f) { for_rows(lanes, n, f); };
+  std::vector<H> qkv16(c.qkv.size()), dctx16(c.dctx.size());
+  for (size_t i = 0; i < qkv16.size(); ++i) qkv16[i].bits = round(c.qkv[i]);
+  for (size_t i = 0; i < dctx16.size(); ++i) dctx16[i].bits = round(c.dctx[i]);
+  std::vector<float> ctx(c.ctx_ref.size()), lse(s.B * s.NH * s.T), dqkv(c.qkv.size());
+  test::gpu_attention_blocked_forward(ctx.data(), lse.data(), qkv16.data(), c.mask.data(), s, c.d,
+                                      rows);
+  test::gpu_attention_blocked_backward(dqkv.data(), dctx16.data(), qkv16.data(), lse.data(),
+                                       c.mask.data(), s, c.d, rows);
+  EXPECT_TRUE(all_close("ctx", ctx.data(), c.ctx_ref.data(), ctx.size(), tol, tol));
+  EXPECT_TRUE(all_close("dqkv", dqkv.data(), c.dqkv_ref.data(), dqkv.size(), tol, tol));
+  EXPECT_GT(test::rel_l2(dqkv, c.dqkv_ref), 1e-6);  // really 16-bit operands
+}
+
+TEST_P(RowMath, BlockedAttention16BitEqualsTheReference) {
+  {
+    SCOPED_TRACE("bf16");
+    check_blocked_16<row_math::Bf16Bits>(GetParam(), f32_to_bf16, 3e-2);
+  }
+  {
+    SCOPED_TRACE("fp16");
+    check_blocked_16<row_math::F16Bits>(GetParam(), f32_to_f16, 4e-3);
   }
 }
 

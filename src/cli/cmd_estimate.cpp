@@ -53,7 +53,7 @@ void add_estimate(CLI::App& app) {
                 "largest batch that fits (default on a visible GPU: its free memory)");
   c->add_option("--device", o->device,
                 "cpu or cuda: the plan of a run on a GPU (its arenas in device memory, the "
-                "CUDA kernels' scratch, full attention), also where no GPU is; auto: cuda where "
+                "CUDA kernels' scratch), also where no GPU is; auto: cuda where "
                 "a GPU is visible")
       ->capture_default_str();
   c->callback([o] {
@@ -68,7 +68,7 @@ void add_estimate(CLI::App& app) {
     d = plan::with_master_shard(cfg, head, d, -1, shard_world);  // bf16, as train/finetune
     const kernels::Target& target = device_target(o->device);
     const bool device = !target.host_memory();
-    d = model::on_backend(d, target);  // (a GPU has no blocked attention kernel yet)
+    d = model::on_backend(d, target);
     if (device && d.master_shard)
       fail("--device ", o->device,
            ": the sharded fp32 master (--shard-optimizer with bf16) is "

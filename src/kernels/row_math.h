@@ -269,6 +269,50 @@ BT_HOST_DEVICE void attention_softmax_16(H* probs16, H* dropped16, const float* 
   }
 }
 
+// The blocked (flash-style) kernel's rows (kernels/cpu/attention_blocked.cpp's forward_row and
+// backward_row; the GPU runs them over a block of query rows at a time, cuda/attention_products.h).
+// Forward: T scores (scaled) with BERT's mask; out = dropout(softmax) stored as X (fp32, or
+// rounded to bf16 / fp16 bits: the product's operand, one rounding); returns the log-sum-exp of
+// the masked scores to every lane, all backward keeps. out may alias scores when X is float.
+template <class Lanes, class X>
+BT_HOST_DEVICE float attention_softmax_lse(X* out, const float* scores, const int32_t* mask,
+                                           int64_t T, float p, uint64_t key, uint64_t index0,
+                                           const Lanes& l) {
+  const float mx = masked_max(scores, mask, T, l);
+  float sum = 0.0f;
+  for (int64_t j = l.lane; j < T; j += l.count) sum += expf(masked(scores, mask, j) - mx);
+  sum = l.sum(sum);
+  const float inv = 1.0f / sum, ks = keep_scale_of(p);
+  for (int64_t j = l.lane; j < T; j += l.count)
+    store(out + j, dropout(expf(masked(scores, mask, j) - mx) * inv, p, ks, key, index0 + j));
+  return mx + logf(sum);
+}
+
+// Its backward for one row, from the same scores recomputed and the kept log-sum-exp:
+// P = exp(masked score - lse); dropped = dropout(P) (dV's operand, as forward multiplied V);
+// g = dropout(dd) with dd = dctx . V^T; ds = P * (g - sum_j P_j g_j) (dQ's and dK's operand; the
+// 1/sqrt(head size) is the products' scale). scores and dd are overwritten with P and g;
+// dropped and ds stored as X.
+template <class Lanes, class X>
+BT_HOST_DEVICE void attention_softmax_backward_lse(X* dropped, X* ds, float* scores, float* dd,
+                                                   const int32_t* mask, int64_t T, float lse,
+                                                   float p, uint64_t key, uint64_t index0,
+                                                   const Lanes& l) {
+  const float ks = keep_scale_of(p);
+  float dot = 0.0f;
+  for (int64_t j = l.lane; j < T; j += l.count) {
+    const float P = expf(masked(scores, mask, j) - lse);
+    const float k = dropout(1.0f, p, ks, key, index0 + j);
+    const float g = dd[j] * k;
+    store(dropped + j, P * k);
+    scores[j] = P;
+    dd[j] = g;
+    dot += P * g;
+  }
+  dot = l.sum(dot);
+  for (int64_t j = l.lane; j < T; j += l.count) store(ds + j, scores[j] * (dd[j] - dot));
+}
+
 // Softmax cross-entropy of one row of V logits with its gradient (kernels/cpu/cross_entropy.h):
 // loss = logsumexp(x) - x[target]; hit = the first maximum is the target; when d is given,
 // d = (softmax(x) - onehot(target)) * weight * dscale (d may alias x).

@@ -100,46 +100,54 @@ TEST(CudaBackend, LinearLayersMatchCpuInEveryPrecision) {
   }
 }
 
-// Attention forward and backward, full kernel, with a padded sequence and dropout.
+// Attention forward and backward, with a padded sequence and dropout: the full kernel, and the
+// blocked one at 150 tokens (a block of 128 query rows and one of 22: dV and dK added across
+// blocks) against the CPU's blocked kernel, the row log-sum-exp it keeps included.
 TEST(CudaBackend, AttentionMatchesCpuInEveryPrecision) {
   SKIP_WITHOUT_GPU();
-  const kernels::AttentionShape s{2, 40, 64, 4};
-  const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_qkv = B * T * 3 * C, n_p = B * NH * T * T;
-  std::vector<int32_t> mask_h(B * T, 1);
-  for (int64_t t = 31; t < T; ++t) mask_h[T + t] = 0;
-  const kernels::Dropout d{0.1f, 5, 11, nullptr};
-  for (Precision p : precisions()) {
-    SCOPED_TRACE(name_of(p));
-    Twin<int32_t> mask(mask_h);
-    Twin<float> qkv(random_vector(n_qkv, 1)), ctx(B * T * C), dctx(random_vector(B * T * C, 2)),
-        dqkv(n_qkv), probs(n_p), work(n_p), wide(n_qkv);
-    Twin<uint16_t> qkv16(n_qkv), probs16(n_p), scratch16(n_p), dctx16(B * T * C);
-    for (const kernels::Backend* be : {&cpu(), &gpu()}) {
-      const bool g = be == &gpu();
-      auto P = [&](auto& t) { return g ? t.dev() : t.host(); };
-      const Kept x{P(qkv), p == Precision::FP32 ? nullptr : P(qkv16)};
-      kernels::AttentionSaved saved;
-      if (p == Precision::FP32)
-        saved.probs = P(probs);
-      else
-        saved.probs16 = P(probs16);
-      kernels::Workspace ws;
-      ws.attn_work = P(work);
-      ws.attn_probs16 = P(scratch16);
-      ws.attn_dctx16 = P(dctx16);
-      ws.wide = P(wide);
-      be->attention_forward(p, P(ctx), saved, x, P(mask), s, d, ws);
-      be->attention_backward(p, P(dqkv), P(dctx), x, saved, P(mask), s, d, ws);
+  for (bool blocked : {false, true})
+    for (Precision p : precisions()) {
+      SCOPED_TRACE(testing::Message() << (blocked ? "blocked " : "full ") << name_of(p));
+      const kernels::AttentionShape s{2, blocked ? 150 : 40, 64, 4};
+      const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_qkv = B * T * 3 * C,
+                    n_p = B * NH * T * T;
+      std::vector<int32_t> mask_h(B * T, 1);
+      for (int64_t t = T - 9; t < T; ++t) mask_h[T + t] = 0;
+      const kernels::Dropout d{0.1f, 5, 11, nullptr};
+      Twin<int32_t> mask(mask_h);
+      Twin<float> qkv(random_vector(n_qkv, 1)), ctx(B * T * C), dctx(random_vector(B * T * C, 2)),
+          dqkv(n_qkv), probs(n_p), work(n_p), wide(n_qkv), lse(B * NH * T);
+      Twin<uint16_t> qkv16(n_qkv), probs16(n_p), scratch16(n_p), dctx16(B * T * C);
+      for (const kernels::Backend* be : {&cpu(), &gpu()}) {
+        const bool g = be == &gpu();
+        auto P = [&](auto& t) { return g ? t.dev() : t.host(); };
+        const Kept x{P(qkv), p == Precision::FP32 ? nullptr : P(qkv16)};
+        kernels::AttentionSaved saved;
+        if (blocked)
+          saved.lse = P(lse);
+        else if (p == Precision::FP32)
+          saved.probs = P(probs);
+        else
+          saved.probs16 = P(probs16);
+        kernels::Workspace ws;
+        ws.attn_work = P(work);
+        ws.attn_probs16 = P(scratch16);
+        ws.attn_dctx16 = P(dctx16);
+        ws.wide = P(wide);
+        be->attention_forward(p, P(ctx), saved, x, P(mask), s, d, ws);
+        be->attention_backward(p, P(dqkv), P(dctx), x, saved, P(mask), s, d, ws);
+      }
+      cuda::synchronize();
+      const double t = tol(p);
+      EXPECT_TRUE(all_close("ctx", ctx.back().data(), ctx.host(), ctx.h.size(), t, t));
+      EXPECT_TRUE(all_close("dqkv", dqkv.back().data(), dqkv.host(), n_qkv, t, t));
+      if (blocked)  // the log of a row sum: its scores' error (16-bit QK^T: the operands')
+        EXPECT_TRUE(all_close("lse", lse.back().data(), lse.host(), lse.h.size(),
+                              p == Precision::FP32 ? 1e-5 : t, 1e-5));
+      else if (p == Precision::FP32)
+        EXPECT_TRUE(all_close("probs", probs.back().data(), probs.host(), n_p, 2e-5, 1e-7));
+      if (p != Precision::FP32) EXPECT_EQ(qkv16.back(), qkv16.h);  // QKV rounded the same way
     }
-    cuda::synchronize();
-    const double t = tol(p);
-    EXPECT_TRUE(all_close("ctx", ctx.back().data(), ctx.host(), ctx.h.size(), t, t));
-    EXPECT_TRUE(all_close("dqkv", dqkv.back().data(), dqkv.host(), n_qkv, t, t));
-    if (p == Precision::FP32)
-      EXPECT_TRUE(all_close("probs", probs.back().data(), probs.host(), n_p, 2e-5, 1e-7));
-    else
-      EXPECT_EQ(qkv16.back(), qkv16.h);  // QKV rounded the same way
-  }
 }
 
 // The 16-bit activations, the elementwise ops, the row gathers and the regression loss.

@@ -68,16 +68,18 @@ TEST(CudaModel, ForwardBackwardEqualsCpu) {
 // The other heads: sequence classification, token classification, question answering.
 // HuggingFace's BertForPreTraining (tools/make_bert_golden.py, float64) on the GPU in fp32:
 // outputs, losses and every gradient within the CPU model's golden bounds
-// (test_model_golden.cpp), padded and unpadded; full attention (no blocked kernel on CUDA).
+// (test_model_golden.cpp), padded and unpadded, with either attention kernel.
 TEST(CudaModel, MatchesTheHuggingFaceGoldens) {
   SKIP_WITHOUT_GPU();
-  for (bool unpadded : {false, true}) {
-    SCOPED_TRACE(unpadded ? "unpadded" : "padded");
-    ModelDims d;
-    d.attention = ModelDims::Attention::Full;
-    d.unpadded = unpadded;
-    model::golden::check_pretraining(cuda::cuda_backend(), d);
-  }
+  for (auto kernel : {ModelDims::Attention::Full, ModelDims::Attention::Blocked})
+    for (bool unpadded : {false, true}) {
+      SCOPED_TRACE(testing::Message() << (kernel == ModelDims::Attention::Full ? "full" : "blocked")
+                                      << (unpadded ? " unpadded" : " padded"));
+      ModelDims d;
+      d.attention = kernel;
+      d.unpadded = unpadded;
+      model::golden::check_pretraining(cuda::cuda_backend(), d);
+    }
 }
 
 TEST(CudaModel, TaskHeadsEqualCpu) {

@@ -2,8 +2,7 @@
 // cuBLASLt products, the precision branches as the CPU backend has them (kernels/cpu/backend.cpp)
 // so that a model computes the same thing on either; FP16's products take fp16 operands here
 // (Target::fp16_operands), as BF16's take bf16 ones. Pointers are device memory; kernels run on
-// the default stream, in order. What this first port does not have yet fails with a message
-// that says so: the blocked (flash-style) attention kernel (full attention runs at every length).
+// the default stream, in order.
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -196,6 +195,49 @@ void check_launch() {
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
+// The blocked kernel's row passes (attention_products.h, BlockRows): a warp per row of the block;
+// X the block operands' type (fp32, rm::Bf16Bits or rm::F16Bits).
+template <class X>
+__global__ void blocked_rows_forward_kernel(BlockRows r, X* dropped, float* lse,
+                                            const float* scores) {
+  const int64_t w = warp_row();
+  if (w >= r.rows()) return;
+  r.forward(w, dropped, lse, scores, warp_lanes());
+}
+template <class X>
+__global__ void blocked_rows_backward_kernel(BlockRows r, X* dropped, X* ds, float* scores,
+                                             float* dd, const float* lse) {
+  const int64_t w = warp_row();
+  if (w >= r.rows()) return;
+  r.backward(w, dropped, ds, scores, dd, lse, warp_lanes());
+}
+
+// f(X*) with a null pointer of the precision's operand type: float, rm::Bf16Bits, rm::F16Bits.
+template <class F>
+void with_operand_type(Precision p, F&& f) {
+  switch (p) {
+    case Precision::BF16:
+      return f(static_cast<rm::Bf16Bits*>(nullptr));
+    case Precision::FP16:
+      return f(static_cast<rm::F16Bits*>(nullptr));
+    default:
+      return f(static_cast<float*>(nullptr));
+  }
+}
+
+// The blocked kernel's buffers, parts of the kernels' scratch (scratch.h plans them): the block's
+// scores and dd in fp32, its two operand buffers in `el`-byte elements.
+BlockBuffers block_buffers(const AttentionShape& s, int64_t el) {
+  const int64_t n = block_values(s), op = block_operand_bytes(s, el);
+  BlockBuffers b;
+  b.scores = static_cast<float*>(scratch(kAttentionScoresSlot, n * int64_t{sizeof(float)}));
+  b.dd = static_cast<float*>(scratch(kAttentionGradSlot, n * int64_t{sizeof(float)}));
+  auto* operands = static_cast<char*>(scratch(kAttentionDroppedSlot, 2 * op));
+  b.dropped = operands;
+  b.ds = operands + op;
+  return b;
+}
+
 template <class K, class... A>
 void launch(K kernel, int64_t n, A... args) {
   if (n == 0) return;
@@ -225,20 +267,22 @@ void round_16(Precision p, uint16_t* dst, const float* src, int64_t n) {
 }
 
 // Attention's sizes and operands: the products read the precision's elements (16-bit bits in
-// BF16 and FP16, fp32 values in FP32: `el` bytes). Refuses the blocked kernel's saved state.
+// BF16 and FP16, fp32 values in FP32: `el` bytes).
 struct AttentionDims {
-  int64_t C3, n_probs;
+  int64_t n_probs;
   Operands o;
   int64_t el;
-  AttentionDims(Precision p, const AttentionShape& s, const kernels::AttentionSaved& saved)
-      : C3(3 * s.C),
-        n_probs(s.B * s.NH * s.T * s.T),
-        o(operands_of(p)),
-        el(p == Precision::FP32 ? 4 : 2) {
-    BT_CHECK(!saved.blocked(),
-             "the blocked attention kernel is not on CUDA yet: run with --attention full");
-  }
+  AttentionDims(Precision p, const AttentionShape& s)
+      : n_probs(s.B * s.NH * s.T * s.T), o(operands_of(p)), el(p == Precision::FP32 ? 4 : 2) {}
 };
+
+// QKV as attention's products read it: BF16 and FP16 round it into its kept bits first.
+const void* attention_qkv(Precision p, Kept qkv, const AttentionShape& s) {
+  const int64_t n = s.B * s.T * 3 * s.C;
+  if (p == Precision::BF16) round_to_bf16(qkv.bits, qkv.f32, n);
+  if (p == Precision::FP16) launch(keep_f16_kernel, n, qkv.f32, qkv.bits, n);
+  return p == Precision::FP32 ? static_cast<const void*>(qkv.f32) : qkv.bits;
+}
 
 // The batches' copies into the models' input slots (Backend::upload), on the calling thread's
 // current GPU (one thread may run several GPUs in turn: a test's ranks): on a stream of their
@@ -353,7 +397,6 @@ class CudaBackend final : public kernels::Backend {
     BT_CUDA_CHECK(e);
     return false;
   }
-  bool has_blocked_attention() const override { return false; }
   std::string op_profile(int64_t steps) const override { return profile_table(steps); }
 
   std::optional<kernels::DeviceMemory> device_memory() const override {
@@ -427,12 +470,11 @@ class CudaBackend final : public kernels::Backend {
                          const int32_t* mask, const AttentionShape& s, const Dropout& d,
                          const kernels::Workspace& ws) const override {
     const Op op("attention_forward");
-    const AttentionDims g(p, s, saved);
-    const int64_t B = s.B, T = s.T, C3 = g.C3, n_probs = g.n_probs;
+    const AttentionDims g(p, s);
+    const void* q = attention_qkv(p, qkv, s);
+    if (saved.blocked()) return blocked_forward(p, ctx, saved.lse, q, mask, s, d);
+    const int64_t n_probs = g.n_probs;
     const bool half = p != Precision::FP32;
-    if (p == Precision::BF16) round_to_bf16(qkv.bits, qkv.f32, B * T * C3);
-    if (p == Precision::FP16) launch(keep_f16_kernel, B * T * C3, qkv.f32, qkv.bits, B * T * C3);
-    const void* q = half ? static_cast<const void*>(qkv.bits) : qkv.f32;
     // scores (scaled) in fp32: the kept probs in FP32, a buffer of our own otherwise; what
     // multiplies V: the dropped probabilities (16-bit in BF16 and FP16), or the probabilities
     // without dropout
@@ -455,11 +497,17 @@ class CudaBackend final : public kernels::Backend {
                           const AttentionShape& s, const Dropout& d,
                           const kernels::Workspace& ws) const override {
     const Op op("attention_backward");
-    const AttentionDims g(p, s, saved);
+    const AttentionDims g(p, s);
     const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_probs = g.n_probs;
     const bool half = p != Precision::FP32, f16 = p == Precision::FP16;
-    // Q, K, V as forward used them.
+    // Q, K, V as forward used them; dctx rounded to the 16-bit operands.
     const void* q = half ? static_cast<const void*>(qkv.bits) : qkv.f32;
+    const void* dc = dctx;
+    if (half) {
+      round_16(p, ws.attn_dctx16, dctx, B * T * C);
+      dc = ws.attn_dctx16;
+    }
+    if (saved.blocked()) return blocked_backward(p, dqkv, dc, q, saved.lse, mask, s, d);
     // The dropped probabilities again (forward's are gone with its scratch).
     const void* dropped = saved.probs;
     if (half) {
@@ -477,11 +525,6 @@ class CudaBackend final : public kernels::Backend {
       launch(attention_dropped_kernel<float>, n_probs, dr, static_cast<const float*>(saved.probs),
              s, d.p, d.key, d.offset);
       dropped = dr;
-    }
-    const void* dc = dctx;
-    if (half) {
-      round_16(p, ws.attn_dctx16, dctx, B * T * C);
-      dc = ws.attn_dctx16;
     }
     // dd (then ds) for every pair in a [B, NH, T, T] buffer; the 16-bit precisions' ds rounded
     // over the dropped probabilities once dV has used them.
@@ -506,6 +549,42 @@ class CudaBackend final : public kernels::Backend {
     check_launch();
     gemm_pairs(g.o, B * NH, NH, products[2]);  // dQ
     gemm_pairs(g.o, B * NH, NH, products[3]);  // dK
+  }
+
+  // The blocked (flash-style) kernel, from 512 tokens: attention_products.h's blocked_forward and
+  // blocked_backward (the schedule the host tests run), the block buffers from the kernels'
+  // scratch, only the row log-sum-exp kept. q: QKV as the products read it; dc: dctx likewise.
+  void blocked_forward(Precision p, float* ctx, float* lse, const void* q, const int32_t* mask,
+                       const AttentionShape& s, const Dropout& d) const {
+    const AttentionDims g(p, s);
+    const BlockBuffers b = block_buffers(s, g.el);
+    with_operand_type(p, [&](auto* type) {
+      using X = std::remove_pointer_t<decltype(type)>;
+      blocked_forward_schedule(
+          s, g.el, q, mask, d, b, ctx,
+          [&](const PairProduct& m) { gemm_pairs(g.o, s.B * s.NH, s.NH, m); },
+          [&](const BlockRows& r) {
+            blocked_rows_forward_kernel<X><<<row_blocks(r.rows()), kRowThreads>>>(
+                r, static_cast<X*>(b.dropped), lse, b.scores);
+            check_launch();
+          });
+    });
+  }
+  void blocked_backward(Precision p, float* dqkv, const void* dc, const void* q, const float* lse,
+                        const int32_t* mask, const AttentionShape& s, const Dropout& d) const {
+    const AttentionDims g(p, s);
+    const BlockBuffers b = block_buffers(s, g.el);
+    with_operand_type(p, [&](auto* type) {
+      using X = std::remove_pointer_t<decltype(type)>;
+      blocked_backward_schedule(
+          s, g.el, q, dc, mask, d, b, dqkv,
+          [&](const PairProduct& m) { gemm_pairs(g.o, s.B * s.NH, s.NH, m); },
+          [&](const BlockRows& r) {
+            blocked_rows_backward_kernel<X><<<row_blocks(r.rows()), kRowThreads>>>(
+                r, static_cast<X*>(b.dropped), static_cast<X*>(b.ds), b.scores, b.dd, lse);
+            check_launch();
+          });
+    });
   }
 
   void activation_forward(Precision p, Activation a, Kept out, Kept in, int64_t n) const override {

@@ -228,7 +228,7 @@ void gemm_pairs(Operands o, int64_t pairs, int64_t NH, const PairProduct& p, voi
   BT_CUBLAS_CHECK(cublasSetStream(h, s));
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B first, the flags kept.
   const cudaDataType_t t = operand_type(o);
-  const float beta = 0.0f;
+  const float beta = p.accumulate ? 1.0f : 0.0f;
   BT_CUBLAS_CHECK(cublasGemmBatchedEx(
       h, p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
       static_cast<int>(p.N), static_cast<int>(p.M), static_cast<int>(p.K), &p.alpha, ptrs + pairs,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/attention_products.h"
 #include "kernels/embedding_runs.h"
 
 namespace bertrain::cuda {
@@ -12,6 +13,7 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
   const kernels::AttentionShape& a = k.attention;
   const int64_t probs = a.B * a.NH * a.T * a.T * int64_t{sizeof(float)};
   const bool attention = a.B > 0 && !k.blocked_attention;
+  const int64_t el = k.precision == Precision::FP32 ? 4 : 2;
   auto part = [&](ScratchSlot s) -> int64_t& { return l.part[s]; };
   part(kReductionSlot) = 2 * kReduceBlocks * int64_t{sizeof(double)};
   part(kCrossEntropySlot) = 2 * k.loss_rows * int64_t{sizeof(float)};
@@ -23,8 +25,14 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
     part(kAttentionScoresSlot) = k.precision == Precision::FP32 ? 0 : probs;
     part(kAttentionDroppedSlot) = k.precision == Precision::FP32 ? probs : 0;
     part(kAttentionGradSlot) = probs;
-    part(kAttentionPointersSlot) = 3 * a.B * a.NH * int64_t{sizeof(void*)};
+  } else if (a.B > 0) {
+    // The blocked kernel's block buffers (attention_products.h): scores and dd in fp32, the two
+    // operand buffers (the dropped probabilities, dS) in the products' elements.
+    part(kAttentionScoresSlot) = block_values(a) * int64_t{sizeof(float)};
+    part(kAttentionGradSlot) = block_values(a) * int64_t{sizeof(float)};
+    part(kAttentionDroppedSlot) = 2 * block_operand_bytes(a, el);
   }
+  if (a.B > 0) part(kAttentionPointersSlot) = 3 * a.B * a.NH * int64_t{sizeof(void*)};
   part(kMatmulWorkspaceSlot) = k.num_linears > 0 ? static_cast<int64_t>(kMatmulWorkspaceBytes) : 0;
   part(kMultiTensorSlot) = multi_tensor_bytes(k.parameters, k.tensors);
   int64_t columns = 2 * column_chunks(k.tokens) * k.layernorm_width;  // (LayerNorm's)
@@ -53,7 +61,6 @@ class CudaTarget final : public kernels::Target {
  public:
   const char* name() const override { return "cuda"; }
   bool host_memory() const override { return false; }
-  bool has_blocked_attention() const override { return false; }
   bool fp16_operands() const override { return true; }
   kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& s) const override {
     return cuda::scratch_layout(s);

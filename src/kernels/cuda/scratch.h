@@ -1,5 +1,5 @@
-// The CUDA backend as a memory plan sees it (kernels/backend.h, Target): memory of its own, no
-// blocked attention kernel yet, and the kernel scratch its kernels take from the model's plan
+// The CUDA backend as a memory plan sees it (kernels/backend.h, Target): memory of its own, and
+// the kernel scratch its kernels take from the model's plan
 // (cuBLASLt's workspace, attention's score buffers, the reductions' partial sums) instead of
 // allocating on the way. Plain C++, compiled in every build: `bertrain estimate --device cuda`
 // plans a GPU run where there is no GPU.
@@ -17,9 +17,10 @@ namespace bertrain::cuda {
 enum ScratchSlot : int {
   kReductionSlot,          // partial sums of a reduction: 2 x kReduceBlocks doubles
   kCrossEntropySlot,       // each row's loss and hit: 2 floats a row
-  kAttentionScoresSlot,    // [B, NH, T, T] fp32 scores (16-bit precisions; FP16 backward: probs)
-  kAttentionDroppedSlot,   // [B, NH, T, T] fp32 dropped probabilities (FP32 backward, FP16)
-  kAttentionGradSlot,      // [B, NH, T, T] fp32 probability gradients
+  kAttentionScoresSlot,    // [B, NH, T, T] fp32 scores (16-bit precisions); blocked: a block's
+  kAttentionDroppedSlot,   // [B, NH, T, T] fp32 dropped probabilities (FP32 backward); blocked:
+                           // a block's two operand buffers (dropped probabilities, dS)
+  kAttentionGradSlot,      // [B, NH, T, T] fp32 probability gradients; blocked: a block's
   kSquaredErrorSlot,       // a regression's squared errors: a float a row
   kMatmulWorkspaceSlot,    // cuBLASLt's workspace
   kMultiTensorSlot,        // the optimizer's tensors, chunks, steps and partial sums
