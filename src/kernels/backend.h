@@ -87,9 +87,6 @@ class Target {
   // backend's (Backend::allocate) and the batch arrays the kernels read are copied there (a
   // planned group of their own, "input").
   virtual bool host_memory() const { return true; }
-  // Whether the blocked (flash-style) attention kernel is here: where it is not, a model's
-  // automatic choice (ModelDims::Attention::Auto) takes the full kernel at every length.
-  virtual bool has_blocked_attention() const { return true; }
   // Whether FP16's matmuls take fp16 operands (a GPU's tensor cores multiply fp16 at twice TF32's
   // rate): the model then keeps an fp16 copy of the weights (the optimizer's update writes it)
   // and 16-bit operand scratch, as in BF16. Otherwise (the CPU: oneDNN has no fp16 matmul

@@ -176,8 +176,6 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
 }
 
 ModelDims on_backend(ModelDims d, const kernels::Target& be) {
-  if (d.attention == ModelDims::Attention::Auto && !be.has_blocked_attention())
-    d.attention = ModelDims::Attention::Full;
   d.fp16_operands = d.fp16 && be.fp16_operands();
   return d;
 }

@@ -132,7 +132,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
 kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, const ModelDims& d,
                                            const kernels::Target& target);
 
-// The dims as they run on `be`: the automatic attention choice resolved to a kernel it has
+// The dims as they run on `be`: FP16's products on fp16 operands where it multiplies them
 // (what BertModel and its plan do).
 ModelDims on_backend(ModelDims d, const kernels::Target& be);
 

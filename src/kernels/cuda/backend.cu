@@ -462,8 +462,9 @@ class CudaBackend final : public kernels::Backend {
     if (p != Precision::FP32) round_16(p, copy, master, n);
   }
 
-  // Full attention: per sequence, the heads' products as strided batched GEMMs read straight out
-  // of the QKV rows, and the row passes over all rows. FP32 keeps probs; BF16 and FP16 keep
+  // Full attention (the blocked kernel's saved state goes to blocked_forward / _backward below):
+  // the products over every (sequence, head) pair read straight out of the QKV rows, and the
+  // row passes over all rows. FP32 keeps probs; BF16 and FP16 keep
   // probs16 with 16-bit operands for the products (QKV's kept bits, the dropped probabilities
   // and dS rounded as the row passes write them, dctx rounded).
   void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
@@ -551,8 +552,8 @@ class CudaBackend final : public kernels::Backend {
     gemm_pairs(g.o, B * NH, NH, products[3]);  // dK
   }
 
-  // The blocked (flash-style) kernel, from 512 tokens: attention_products.h's blocked_forward and
-  // blocked_backward (the schedule the host tests run), the block buffers from the kernels'
+  // The blocked (flash-style) kernel, from 512 tokens: attention_products.h's
+  // blocked_forward_schedule and blocked_backward_schedule (what the host tests run), the block buffers from the kernels'
   // scratch, only the row log-sum-exp kept. q: QKV as the products read it; dc: dctx likewise.
   void blocked_forward(Precision p, float* ctx, float* lse, const void* q, const int32_t* mask,
                        const AttentionShape& s, const Dropout& d) const {
