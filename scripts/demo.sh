@@ -107,6 +107,9 @@ done
 echo "-- and on a GPU (no GPU needed to plan one): BERT-Large phase 2 in bf16, what an 80 GiB GPU fits:"
 $BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512 --max-predictions 80 \
   --precision bf16 --device cuda --memory-budget 80GiB | grep -E "^run|^memory|^  [a-z0-9]+ +[0-9.]+ [KMG]iB$|^budget"
+echo "-- the blocked attention kernel (auto from 512 tokens) keeps only the row log-sum-exp; the full one keeps [B,heads,T,T]:"
+$BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512 --max-predictions 80 \
+  --precision bf16 --device cuda --memory-budget 80GiB --attention full | grep -E "^run|^  total|^budget"
 
 echo; echo "== 7. one job description for every launcher: BERT-Large on 32 hosts x 4 GPUs"
 for emit in mpirun slurm mpijob dlc; do $BT launch configs/jobs/bert-large-128.yaml --emit $emit --output "$OUT/jobs"; done
