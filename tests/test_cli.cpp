@@ -74,6 +74,15 @@ TEST(Cli, EstimatePlansAGpuRunWithoutAGpu) {
   r = run(base + " --device tpu");
   EXPECT_NE(r.out.find("--device must be cpu, cuda or auto, got 'tpu'"), std::string::npos)
       << r.out;
+  // bf16 with the optimizer sharded: on a GPU the optimizer state alone (its arenas have no
+  // unbacked pages for a sharded fp32 master), on the CPU the master too.
+  r = run(base + " --device cuda --shard-optimizer --ranks 8");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("sharded over 8 ranks, blocked attention"), std::string::npos) << r.out;
+  r = run(base + " --shard-optimizer --ranks 8");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("sharded over 8 ranks with the fp32 master weights"), std::string::npos)
+      << r.out;
 }
 
 TEST(Cli, ErrorsAreOneLineWithTheCause) {

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/cpu/matmul.h"
+#include "kernels/cuda/scratch.h"
 #include "model/bert.h"
 #include "model/checkpoint.h"
 #include "plan/memory.h"
@@ -90,8 +91,8 @@ TEST(MemoryPlan, ShardedMasterHoldsOnlyItsPartOfTheMatmulWeights) {
   for (int world : {2, 3}) {
     size_t most = 0;
     for (int r = 0; r < world; ++r) {
-      const model::ModelDims d =
-          plan::with_master_shard(cfg, model::Head::Pretraining, dims, r, world);
+      const model::ModelDims d = plan::with_master_shard(cfg, model::Head::Pretraining, dims, r,
+                                                         world, kernels::cpu_backend());
       ASSERT_TRUE(d.master_shard);
       model::BertModel m(cfg, model::Head::Pretraining, d);
       const std::string what = str("rank ", r, " of ", world);
@@ -139,11 +140,13 @@ TEST(MemoryPlan, ShardedMasterHoldsOnlyItsPartOfTheMatmulWeights) {
       }
     }
     // The plan a rank's estimate prints is the most any rank holds.
-    EXPECT_EQ(plan::with_master_shard(cfg, model::Head::Pretraining, dims, -1, world).master_begin,
+    EXPECT_EQ(plan::with_master_shard(cfg, model::Head::Pretraining, dims, -1, world,
+                                      kernels::cpu_backend())
+                  .master_begin,
               [&] {
                 for (int r = 0; r < world; ++r) {
-                  const model::ModelDims d =
-                      plan::with_master_shard(cfg, model::Head::Pretraining, dims, r, world);
+                  const model::ModelDims d = plan::with_master_shard(
+                      cfg, model::Head::Pretraining, dims, r, world, kernels::cpu_backend());
                   if (model::BertModel::make_plan(cfg, model::Head::Pretraining, d)
                           .group_bytes("parameters") == most)
                     return d.master_begin;
@@ -152,8 +155,27 @@ TEST(MemoryPlan, ShardedMasterHoldsOnlyItsPartOfTheMatmulWeights) {
               }());
   }
   // Only bf16 shards the master (fp32 and fp16 compute with the weights the optimizer updates).
-  EXPECT_FALSE(
-      plan::with_master_shard(cfg, model::Head::Pretraining, {4, 64, 10}, 0, 2).master_shard);
+  EXPECT_FALSE(plan::with_master_shard(cfg, model::Head::Pretraining, {4, 64, 10}, 0, 2,
+                                       kernels::cpu_backend())
+                   .master_shard);
+  // and only where arenas may leave pages unbacked: a GPU's are one device block each, so there
+  // the optimizer state alone is sharded (its plan: the whole parameters, a shard of the moments).
+  model::ModelDims bf{4, 64, 10};
+  bf.bf16 = true;
+  EXPECT_TRUE(
+      plan::with_master_shard(cfg, model::Head::Pretraining, bf, 0, 2, kernels::cpu_backend())
+          .master_shard);
+  EXPECT_FALSE(plan::with_master_shard(cfg, model::Head::Pretraining, bf, 0, 2, cuda::target())
+                   .master_shard);
+  const MemoryPlan whole =
+      model::BertModel::make_plan(cfg, model::Head::Pretraining, bf, cuda::target());
+  const MemoryPlan gpu =
+      plan::training_plan(cfg, model::Head::Pretraining, bf, 2, 4, cuda::target());
+  EXPECT_EQ(gpu.group_bytes("parameters"), whole.group_bytes("parameters"));
+  EXPECT_EQ(gpu.group_bytes("optimizer"),
+            static_cast<size_t>(
+                2 * 4 *
+                plan::largest_shard(model::ParamTable(cfg, model::Head::Pretraining).total(), 4)));
 }
 
 // What a run holds besides its arenas (the input pipeline's bound, the MPI window slot) counts

@@ -65,14 +65,10 @@ void add_estimate(CLI::App& app) {
                               train::parse_precision(o->precision));
     apply_recompute(o->recompute, d);
     const int shard_world = o->shard ? o->ranks : 1;
-    d = plan::with_master_shard(cfg, head, d, -1, shard_world);  // bf16, as train/finetune
     const kernels::Target& target = device_target(o->device);
     const bool device = !target.host_memory();
+    d = plan::with_master_shard(cfg, head, d, -1, shard_world, target);  // as train/finetune
     d = model::on_backend(d, target);
-    if (device && d.master_shard)
-      fail("--device ", o->device,
-           ": the sharded fp32 master (--shard-optimizer with bf16) is "
-           "for CPUs for now");
     MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots, shard_world, target);
     const kernels::Backend* gpu = device ? visible_gpu() : nullptr;
     const std::optional<kernels::DeviceMemory> gpu_memory =

@@ -214,7 +214,8 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   c->add_flag("--shard-optimizer", t.shard_optimizer,
               "ZeRO stage 1: each of the ranks holds 1/ranks of the optimizer state; gradients "
               "are reduce-scattered and updated parameters all-gathered (the same bytes as the "
-              "allreduce). Checkpoints hold the shards; --resume works with or without it");
+              "allreduce); in bf16 on CPUs each rank holds 1/ranks of the fp32 master weights "
+              "too. Checkpoints hold the shards; --resume works with or without it");
   c->add_option("--timeline", t.timeline,
                 "Write a Chrome trace (Perfetto) of the run, all ranks in one file");
   c->add_option("--trace-input", t.trace_input,

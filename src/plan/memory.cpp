@@ -36,8 +36,9 @@ int64_t largest_shard(int64_t total, int world) {
 }
 
 model::ModelDims with_master_shard(const model::BertConfig& cfg, model::Head head,
-                                   model::ModelDims dims, int rank, int world) {
-  if (!dims.bf16 || world <= 1) return dims;
+                                   model::ModelDims dims, int rank, int world,
+                                   const kernels::Target& target) {
+  if (!dims.bf16 || world <= 1 || !target.host_memory()) return dims;
   const int64_t total = model::ParamTable(cfg, head).total();
   auto of_rank = [&](int r) {
     model::ModelDims d = dims;
@@ -65,7 +66,8 @@ MemoryPlan training_plan(const model::BertConfig& cfg, model::Head head,
   // bf16 with a sharded optimizer shards the fp32 master (planned for the rank holding the most).
   MemoryPlan plan = model::BertModel::make_plan(
       cfg, head,
-      dims.master_shard ? dims : with_master_shard(cfg, head, dims, -1, std::max(1, shard_world)),
+      dims.master_shard ? dims
+                        : with_master_shard(cfg, head, dims, -1, std::max(1, shard_world), target),
       target);
   plan_optimizer_state(
       plan, largest_shard(model::ParamTable(cfg, head).total(), std::max(1, shard_world)),

@@ -23,9 +23,12 @@ int64_t largest_shard(int64_t total, int world);
 
 // bf16 with the optimizer sharded over `world` > 1 ranks (train/finetune --shard-optimizer):
 // dims with rank `rank`'s part of the fp32 master (ModelDims::master_shard); rank -1: the rank
-// whose parameters hold the most (what a plan per rank must hold). Else dims unchanged.
+// whose parameters hold the most (what a plan per rank must hold). Else dims unchanged, and on a
+// target whose kernels read memory of their own (a GPU's): its arenas are one device block each,
+// with no unbacked holes, so there the optimizer state alone is sharded and the master whole.
 model::ModelDims with_master_shard(const model::BertConfig& cfg, model::Head head,
-                                   model::ModelDims dims, int rank, int world);
+                                   model::ModelDims dims, int rank, int world,
+                                   const kernels::Target& target);
 
 // optimizer_slots: fp32 copies per parameter held by the optimizer (AdamW/LAMB: 2).
 // shard_world > 1: the optimizer state is sharded over that many ranks (the largest part).

@@ -615,8 +615,8 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   model::ModelDims dims{cfg.batch_size, cfg.seq_len, 0};
   dims.unpadded = cfg.unpadded;
   dims = with_precision(dims, cfg.precision);
-  if (cfg.shard_optimizer) dims = plan::with_master_shard(mc, head, dims, comm.rank(), world);
   const kernels::Backend& be = cfg.backend ? *cfg.backend : kernels::cpu_backend();
+  if (cfg.shard_optimizer) dims = plan::with_master_shard(mc, head, dims, comm.rank(), world, be);
   plan::check_device_fits(mc, head, dims, 2, cfg.shard_optimizer ? world : 1, be);
   model::BertModel m(mc, head, dims, be);
   m.init_params(cfg.seed);

@@ -268,7 +268,7 @@ model::ModelDims model_dims(const TrainConfig& c, int rank, int world) {
   d = with_precision(d, c.precision);
   if (c.shard_optimizer)
     d = plan::with_master_shard(model::BertConfig::load(c.model_config), model::Head::Pretraining,
-                                d, rank, world);
+                                d, rank, world, backend_of(c));
   return d;
 }
 

@@ -701,6 +701,65 @@ TEST(DataParallel, ADeviceModelTrainsAcrossRanksThroughADeviceCommunicator) {
   g_comm->set_algorithm(was);
 }
 
+// bf16 with the optimizer sharded, on a backend whose arenas are one block each (a GPU's: no
+// unbacked pages, plan::with_master_shard leaves the master whole): the optimizer state alone is
+// sharded, each rank's updated part of the fp32 parameters gathered and rounded into every
+// rank's bf16 copy. It trains the same model as the CPU ranks, whose fp32 master is sharded:
+// after three steps the bf16 weights are the same bits on every rank, and so are the fp32
+// parameters of the part the CPU rank holds.
+TEST(DataParallel, ABf16DeviceModelShardsTheOptimizerAndKeepsTheMasterWhole) {
+  BT_SKIP_WITHOUT_BF16();
+  const model::BertConfig c = test::small_bert(97, 16, 2, 2, 32, 16);
+  const int64_t B = 2, T = 12, P = 3;
+  const int me = g_comm->rank(), world = g_comm->size();
+  const Algorithm was = g_comm->algorithm();
+  g_comm->set_algorithm(Algorithm::Ring);
+  g_comm->set_wire(Wire::F32);
+  struct Result {
+    model::ModelDims dims;
+    std::vector<float> params;
+    std::vector<uint16_t> weights16;
+  };
+  auto run = [&](const kernels::Backend& be, Communicator& comm) {
+    model::ModelDims d{B, T, P};
+    d.bf16 = true;
+    d = plan::with_master_shard(c, model::Head::Pretraining, d, me, world, be);
+    model::BertModel m(c, model::Head::Pretraining, d, be);
+    m.init_params(11);
+    const int64_t total = m.table().total();
+    train::Optimizer opt(train::param_slices(m.table()), total, train::OptimizerConfig{}, be,
+                         train::shard_of(total, me, world));
+    train::LossScaler scaler{train::LossScaler::Config{}};
+    train::StepSettings ss;
+    ss.seed = 9;
+    train::Step step(m, opt, scaler, comm, ss);
+    for (int64_t k = 0; k < 3; ++k)
+      EXPECT_TRUE(step.run(k, 1e-3,
+                           [&](model::Batch& b) {
+                             std::mt19937 rng(static_cast<uint32_t>(100 * k + me));
+                             random_batch(b, B, T, P, c.vocab_size, rng);
+                             return true;
+                           })
+                      .applied);
+    Result r{m.dims(), {}, std::vector<uint16_t>(static_cast<size_t>(total))};
+    be.to_host(r.weights16.data(), m.weights16(), r.weights16.size() * sizeof(uint16_t));
+    const int64_t b = d.master_shard ? d.master_begin : 0,
+                  e = d.master_shard ? d.master_end : total;
+    r.params.resize(static_cast<size_t>(e - b));
+    be.to_host(r.params.data(), m.params() + b, r.params.size() * sizeof(float));
+    return r;
+  };
+  const test::OwnMemoryBackend own;
+  DeviceMpi device(*g_comm, own);
+  const Result dev = run(own, device), cpu = run(kernels::cpu_backend(), *g_comm);
+  ASSERT_FALSE(dev.dims.master_shard);
+  ASSERT_EQ(cpu.dims.master_shard, world > 1);
+  EXPECT_EQ(dev.weights16, cpu.weights16);
+  const int64_t b = cpu.dims.master_shard ? cpu.dims.master_begin : 0;
+  EXPECT_TRUE(std::equal(cpu.params.begin(), cpu.params.end(), dev.params.begin() + b));
+  g_comm->set_algorithm(was);
+}
+
 // fp16 loss scaling: an overflow on one rank makes every rank skip the step and halve the scale.
 TEST(LossScaling, OverflowOnOneRankSkipsOnAll) {
   std::vector<train::ParamSlice> sl = {{"w", 0, 4, true}};

@@ -553,8 +553,9 @@ class CudaBackend final : public kernels::Backend {
   }
 
   // The blocked (flash-style) kernel, from 512 tokens: attention_products.h's
-  // blocked_forward_schedule and blocked_backward_schedule (what the host tests run), the block buffers from the kernels'
-  // scratch, only the row log-sum-exp kept. q: QKV as the products read it; dc: dctx likewise.
+  // blocked_forward_schedule and blocked_backward_schedule (what the host tests run), the block
+  // buffers from the kernels' scratch, only the row log-sum-exp kept. q: QKV as the products read
+  // it; dc: dctx likewise.
   void blocked_forward(Precision p, float* ctx, float* lse, const void* q, const int32_t* mask,
                        const AttentionShape& s, const Dropout& d) const {
     const AttentionDims g(p, s);
