@@ -638,6 +638,22 @@ class DeviceMpi final : public Communicator {
   const test::OwnMemoryBackend& be_;
 };
 
+// Three applied steps of train::Step (learning rate 1e-3), each rank's micro-batches its own
+// (seeded by the step and the rank), [B, T] with P predictions.
+void three_steps(model::BertModel& m, train::Optimizer& opt, Communicator& comm,
+                 const train::StepSettings& ss, int64_t B, int64_t T, int64_t P) {
+  train::LossScaler scaler{train::LossScaler::Config{}};
+  train::Step step(m, opt, scaler, comm, ss);
+  for (int64_t k = 0; k < 3; ++k)
+    EXPECT_TRUE(step.run(k, 1e-3,
+                         [&](model::Batch& b) {
+                           std::mt19937 rng(static_cast<uint32_t>(100 * k + comm.rank()));
+                           random_batch(b, B, T, P, m.config().vocab_size, rng);
+                           return true;
+                         })
+                    .applied);
+}
+
 // A model on a backend with memory of its own trains across ranks through a communicator of
 // device memory (a GPU's through NCCL): bit for bit the CPU ranks' parameters after three steps,
 // overlapped or not, sharded or not, AdamW and LAMB, with a predivide factor; through a
@@ -658,21 +674,12 @@ TEST(DataParallel, ADeviceModelTrainsAcrossRanksThroughADeviceCommunicator) {
     oc.kind = kind;
     train::Optimizer opt(train::param_slices(m.table()), total, oc, be,
                          shard ? train::shard_of(total, me, world) : train::Shard{});
-    train::LossScaler scaler{train::LossScaler::Config{}};
     train::StepSettings ss;
     ss.overlap = overlap;
     ss.bucket_bytes = 4096;
     ss.seed = 9;
     ss.predivide = 2.0;
-    train::Step step(m, opt, scaler, comm, ss);
-    for (int64_t k = 0; k < 3; ++k)
-      EXPECT_TRUE(step.run(k, 1e-3,
-                           [&](model::Batch& b) {
-                             std::mt19937 rng(static_cast<uint32_t>(100 * k + me));
-                             random_batch(b, B, T, P, c.vocab_size, rng);
-                             return true;
-                           })
-                      .applied);
+    three_steps(m, opt, comm, ss, B, T, P);
     std::vector<float> p(static_cast<size_t>(total));
     be.to_host(p.data(), m.params(), p.size() * sizeof(float));
     return p;
@@ -729,18 +736,9 @@ TEST(DataParallel, ABf16DeviceModelShardsTheOptimizerAndKeepsTheMasterWhole) {
     const int64_t total = m.table().total();
     train::Optimizer opt(train::param_slices(m.table()), total, train::OptimizerConfig{}, be,
                          train::shard_of(total, me, world));
-    train::LossScaler scaler{train::LossScaler::Config{}};
     train::StepSettings ss;
     ss.seed = 9;
-    train::Step step(m, opt, scaler, comm, ss);
-    for (int64_t k = 0; k < 3; ++k)
-      EXPECT_TRUE(step.run(k, 1e-3,
-                           [&](model::Batch& b) {
-                             std::mt19937 rng(static_cast<uint32_t>(100 * k + me));
-                             random_batch(b, B, T, P, c.vocab_size, rng);
-                             return true;
-                           })
-                      .applied);
+    three_steps(m, opt, comm, ss, B, T, P);
     Result r{m.dims(), {}, std::vector<uint16_t>(static_cast<size_t>(total))};
     be.to_host(r.weights16.data(), m.weights16(), r.weights16.size() * sizeof(uint16_t));
     const int64_t b = d.master_shard ? d.master_begin : 0,
