@@ -15,6 +15,7 @@
 
 #include "core/dtype.h"
 #include "core/rng.h"
+#include "kernels/cuda/blas_calls.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
 #include "kernels/row_math.h"
@@ -52,19 +53,19 @@ __host__ __device__ inline bool fp32_storage(Operands o) {
   return o == Operands::FP32;
 }
 
-// One product's shape: column-major m x n = op(A) m x k . op(B) k x n, C with beta; and the
+// One product: its column-major call (blas_calls.h), whether the epilogue adds a bias, and the
 // alignment of its pointers (cuBLASLt assumes 256 bytes unless told: a tensor of the flat
-// parameter buffer may start at any element).
+// parameter buffer's 16-bit copy may start at any 32 bytes).
 struct Shape {
   Operands operands;
-  bool trans_a, trans_b, bias;
-  int64_t m, n, k, lda, ldb, ldc;
+  ColumnMajorCall g;
+  bool bias;
   uint32_t align_a = 256, align_b = 256, align_c = 256;
-  bool operator<(const Shape& o) const {
-    return std::tie(operands, trans_a, trans_b, bias, m, n, k, lda, ldb, ldc, align_a, align_b,
-                    align_c) < std::tie(o.operands, o.trans_a, o.trans_b, o.bias, o.m, o.n, o.k,
-                                        o.lda, o.ldb, o.ldc, o.align_a, o.align_b, o.align_c);
+  auto key() const {
+    return std::tie(operands, g.trans_a, g.trans_b, bias, g.m, g.n, g.k, g.lda, g.ldb, g.ldc,
+                    align_a, align_b, align_c);
   }
+  bool operator<(const Shape& o) const { return key() < o.key(); }
 };
 
 // The largest power of two up to 256 that divides the address.
@@ -105,9 +106,10 @@ const Product& product(Context& ctx, const Shape& s) {
   auto it = ctx.products.find(s);
   if (it != ctx.products.end()) return it->second;
   Product p;
+  const ColumnMajorCall& g = s.g;
   BT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, kCompute, CUDA_R_32F));
-  const cublasOperation_t ta = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                          tb = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                          tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   BT_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   BT_CUBLAS_CHECK(
@@ -122,11 +124,9 @@ const Product& product(Context& ctx, const Shape& s) {
   }
   const cudaDataType_t t = operand_type(s.operands);
   // Stored (column-major) sizes: A is m x k, or k x m read transposed; B likewise.
-  BT_CUBLAS_CHECK(
-      cublasLtMatrixLayoutCreate(&p.a, t, s.trans_a ? s.k : s.m, s.trans_a ? s.m : s.k, s.lda));
-  BT_CUBLAS_CHECK(
-      cublasLtMatrixLayoutCreate(&p.b, t, s.trans_b ? s.n : s.k, s.trans_b ? s.k : s.n, s.ldb));
-  BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, s.m, s.n, s.ldc));
+  BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, t, g.a_rows(), g.a_cols(), g.lda));
+  BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, t, g.b_rows(), g.b_cols(), g.ldb));
+  BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, g.m, g.n, g.ldc));
   cublasLtMatmulPreference_t pref;
   BT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const size_t ws = kMatmulWorkspaceBytes;
@@ -142,7 +142,7 @@ const Product& product(Context& ctx, const Shape& s) {
   BT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.op, p.a, p.b, p.c, p.c, pref, 1,
                                                  &result, &found));
   cublasLtMatmulPreferenceDestroy(pref);
-  BT_CHECK(found > 0, "cuBLASLt has no algorithm for a ", s.m, "x", s.n, "x", s.k, " product of ",
+  BT_CHECK(found > 0, "cuBLASLt has no algorithm for a ", g.m, "x", g.n, "x", g.k, " product of ",
            fp32_storage(s.operands) ? "fp32" : "16-bit", " operands");
   p.algo = result.algo;
   return ctx.products.emplace(s, p).first->second;
@@ -226,21 +226,22 @@ void gemm_pairs(Operands o, int64_t pairs, int64_t NH, const PairProduct& p, voi
   BT_CUDA_CHECK(cudaGetLastError());
   cublasHandle_t h = blas_handle();
   BT_CUBLAS_CHECK(cublasSetStream(h, s));
-  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B first, the flags kept.
+  // Column-major C^T = op(B)^T op(A)^T (blas_calls.h): the product's B pointers first.
+  const ColumnMajorCall g = pair_call(p);
   const cudaDataType_t t = operand_type(o);
   const float beta = p.accumulate ? 1.0f : 0.0f;
   BT_CUBLAS_CHECK(cublasGemmBatchedEx(
-      h, p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-      static_cast<int>(p.N), static_cast<int>(p.M), static_cast<int>(p.K), &p.alpha, ptrs + pairs,
-      t, static_cast<int>(p.ldb), ptrs, t, static_cast<int>(p.lda), &beta, ptrs + 2 * pairs,
-      CUDA_R_32F, static_cast<int>(p.ldc), static_cast<int>(pairs), kCompute, CUBLAS_GEMM_DEFAULT));
+      h, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+      static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(g.k), &p.alpha, ptrs + pairs,
+      t, static_cast<int>(g.lda), ptrs, t, static_cast<int>(g.ldb), &beta, ptrs + 2 * pairs,
+      CUDA_R_32F, static_cast<int>(g.ldc), static_cast<int>(pairs), kCompute, CUBLAS_GEMM_DEFAULT));
 }
 
 void linear_forward(Operands o, float* out, const void* in, const void* w, const float* bias,
                     int64_t M, int64_t N, int64_t K, void* stream) {
   if (M == 0 || N == 0) return;
   // out^T (N x M) = w^T (w stored K x N, read transposed) . in^T (stored K x M).
-  matmul({o, true, false, bias != nullptr, N, M, K, K, K, N}, w, in, out, 0.0f, bias, stream);
+  matmul({o, linear_forward_call(M, N, K), bias != nullptr}, w, in, out, 0.0f, bias, stream);
 }
 
 void linear_backward(Operands o, float* dinp, float* dw, float* db, const void* dout,
@@ -249,10 +250,10 @@ void linear_backward(Operands o, float* dinp, float* dw, float* db, const void* 
   if (M == 0) return;
   // dinp^T (K x M) = w (stored K x N) . dout^T (stored N x M).
   if (dinp)
-    matmul({o, false, false, false, K, M, N, K, N, K}, w, dout, dinp, accumulate_dinp ? 1.0f : 0.0f,
+    matmul({o, linear_dinp_call(M, N, K), false}, w, dout, dinp, accumulate_dinp ? 1.0f : 0.0f,
            nullptr, stream);
   // dw^T (K x N) += in^T (stored K x M) . dout (stored N x M, read transposed).
-  matmul({o, false, true, false, K, N, M, K, N, K}, in, dout, dw, 1.0f, nullptr, stream);
+  matmul({o, linear_dw_call(M, N, K), false}, in, dout, dw, 1.0f, nullptr, stream);
   if (db) column_sums(db, dout_f32, M, N, as_stream(stream));
 }
 
