@@ -66,6 +66,16 @@ class Communicator {
       begin += counts[r];
     }
   }
+  // A device communicator's collectives wait for the device work the issuing thread queued
+  // before them (comm/nccl.h: the gradients they read are written there). When the data is
+  // complete earlier than that, on another thread, that thread takes a ready point there (a
+  // GPU's: an event on its compute stream) and the issuing thread's ready_after(point) makes its
+  // next operations wait for that point instead, until ready_after(-1). The Reducer does so per
+  // bucket: backward is queued far ahead of the GPU, and a bucket issued on the communication
+  // thread would otherwise wait for every layer queued by then, not for its own. Host
+  // communicators: their data is complete when a collective is called (-1, nothing to wait for).
+  virtual int64_t ready_point() { return -1; }
+  virtual void ready_after(int64_t point) { (void)point; }
   // Whether the collectives take device memory (a GPU's: NCCL, comm/nccl.h) instead of the
   // host's. A model on a backend with memory of its own trains across ranks only through such a
   // communicator; the scalars of a step (statistics, flags, norms) stay host memory either way.

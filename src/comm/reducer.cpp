@@ -47,9 +47,11 @@ Reducer::~Reducer() {
 }
 
 void Reducer::enqueue(int64_t begin, int64_t end) {
+  // On the thread that wrote the gradients: the point its queued device work has reached.
+  const int64_t ready = comm_.ready_point();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back({begin, end});
+    queue_.push_back({begin, end, ready});
     ++enqueued_;
   }
   cv_.notify_all();
@@ -62,7 +64,7 @@ void Reducer::layer_done(int64_t layer) {
 
 void Reducer::loop() {
   for (;;) {
-    std::pair<int64_t, int64_t> job;
+    Job job;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
@@ -72,20 +74,22 @@ void Reducer::loop() {
     }
     const auto t0 = Clock::now();
     const int64_t b0 = tl_ && tl_->enabled() ? tl_->now_us() : 0;
-    float* p = grads_ + job.first;
-    const int64_t n = job.second - job.first;
+    float* p = grads_ + job.begin;
+    const int64_t n = job.end - job.begin;
+    comm_.ready_after(job.ready_point);
     if (prescale_ != 1.0f) comm_.scale(p, n, prescale_);
     comm_.set_label(str("gradient bucket ", bucket_counter_, " (", n * 4 / 1024, " KiB at offset ",
-                        job.first, ")"));
+                        job.begin, ")"));
     if (owners_.empty()) {
       comm_.allreduce_sum(p, n);
     } else {
       counts_.assign(owners_.size() - 1, 0);
       for (size_t r = 0; r + 1 < owners_.size(); ++r)
         counts_[r] = std::max<int64_t>(
-            0, std::min(job.second, owners_[r + 1]) - std::max(job.first, owners_[r]));
+            0, std::min(job.end, owners_[r + 1]) - std::max(job.begin, owners_[r]));
       comm_.reduce_scatter_sum(p, n, counts_);
     }
+    comm_.ready_after(-1);
     comm_.set_label("");
     if (tl_ && tl_->enabled())
       tl_->add(str(owners_.empty() ? "allreduce" : "reduce-scatter", " bucket ", bucket_counter_++,

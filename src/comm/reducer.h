@@ -2,7 +2,8 @@
 // overlap). Gradient buckets are contiguous slices of the flat gradient buffer in reverse layer
 // order, each about `bucket_bytes` (no copy: the slice is reduced in place). backward reports
 // each finished encoder layer; when the lowest layer of a bucket is done, the bucket goes to a
-// background communication thread, which reduces it while backward continues below. finish()
+// background communication thread, which reduces it while backward continues below (on a GPU,
+// after the work queued when the bucket's layers were done: Communicator::ready_point). finish()
 // hands over the rest (embeddings, pooler, heads: final only when backward returns) and waits:
 // that wait is the exposed communication; the rest was hidden behind compute. With a sharded
 // optimizer each bucket is reduce-scattered instead: each rank receives the sum of the part of
@@ -44,7 +45,7 @@ class Reducer {
 
  private:
   void loop();
-  void enqueue(int64_t begin, int64_t end);
+  void enqueue(int64_t begin, int64_t end);  // with the communicator's ready point, now
   Communicator& comm_;
   float* grads_;
   int64_t total_;
@@ -59,7 +60,10 @@ class Reducer {
   std::vector<std::pair<int64_t, int64_t>> rest_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<int64_t, int64_t>> queue_;
+  struct Job {
+    int64_t begin, end, ready_point;
+  };
+  std::deque<Job> queue_;
   int64_t enqueued_ = 0, done_ = 0;
   bool stop_ = false;
   double busy_s_ = 0, last_busy_s_ = 0;

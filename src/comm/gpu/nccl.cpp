@@ -138,6 +138,8 @@ class NcclCommunicator final : public Communicator {
     check(n.CommInitRank(&comm_, size_, id, rank_), "ncclCommInitRank");
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     check_cuda(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming), "cudaEventCreate");
+    for (cudaEvent_t& e : points_)
+      check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   }
 
   ~NcclCommunicator() override {
@@ -145,6 +147,8 @@ class NcclCommunicator final : public Communicator {
     if (staging_) cudaFree(staging_);
     if (wire_buffer_) cudaFree(wire_buffer_);
     if (queued_) cudaEventDestroy(queued_);
+    for (cudaEvent_t e : points_)
+      if (e) cudaEventDestroy(e);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -217,6 +221,17 @@ class NcclCommunicator final : public Communicator {
   void allgather(uint16_t* data, int64_t n, std::span<const int64_t> counts) override {
     gather(data, n, counts, ncclFloat16, 2);  // (bits moved, never added)
   }
+
+  // A ready point: an event recorded on the calling thread's default stream (the compute
+  // stream), from a ring of kPoints. One recorded again before its wait was issued (more than
+  // kPoints points ahead) is a later point of the same stream: the wait is longer, never short.
+  int64_t ready_point() override {
+    select_device();
+    const int64_t k = next_point_.fetch_add(1);
+    check_cuda(cudaEventRecord(points_[k % kPoints], nullptr), "cudaEventRecord");
+    return k;
+  }
+  void ready_after(int64_t point) override { ready_ = point; }
 
   void scale(float* data, int64_t n, float s) override {
     select_device();
@@ -300,8 +315,12 @@ class NcclCommunicator final : public Communicator {
   void select_device() { check_cuda(cudaSetDevice(device_), "cudaSetDevice"); }
 
   // The collective's stream waits for what the calling thread's default stream has queued (the
-  // gradients it reads were written there).
+  // gradients it reads were written there), or, after ready_after(point), for that point only.
   void after_queued_work() {
+    if (ready_ >= 0) {
+      check_cuda(cudaStreamWaitEvent(stream_, points_[ready_ % kPoints], 0), "cudaStreamWaitEvent");
+      return;
+    }
     check_cuda(cudaEventRecord(queued_, nullptr), "cudaEventRecord");
     check_cuda(cudaStreamWaitEvent(stream_, queued_, 0), "cudaStreamWaitEvent");
   }
@@ -446,6 +465,10 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t queued_ = nullptr;
+  static constexpr int64_t kPoints = 256;
+  cudaEvent_t points_[kPoints] = {};
+  std::atomic<int64_t> next_point_{0};
+  int64_t ready_ = -1;  // the issuing thread's ready point (ready_after), or -1
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
   void* wire_buffer_ = nullptr;
