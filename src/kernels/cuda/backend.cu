@@ -390,7 +390,10 @@ class CudaBackend final : public kernels::Backend {
   void wait_upload(const void* slot) const override {
     BT_CUDA_CHECK(cudaEventSynchronize(uploads().slot(slot).copied));
   }
-  void synchronize() const override { BT_CUDA_CHECK(cudaDeviceSynchronize()); }
+  // The kernels' stream only (the legacy default stream; the copy and NCCL streams are
+  // non-blocking): a step's backward phase ends when its kernels have run, not when the gradient
+  // bucket NCCL is reducing beside them has (that wait is the reducer's: exposed communication).
+  void synchronize() const override { BT_CUDA_CHECK(cudaStreamSynchronize(nullptr)); }
   bool busy() const override {
     const cudaError_t e = cudaStreamQuery(nullptr);
     if (e == cudaErrorNotReady) return true;
