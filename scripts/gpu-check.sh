@@ -14,7 +14,8 @@
 #                               one device resumed on the other; Nccl*: NCCL on one GPU, and with two
 #                               or more the sums, half the batch on each GPU against one at the
 #                               whole, a rank that never joins) and the host tests of what they
-#                               share (RowMath, DeviceModel, DeviceMemory), then `bertrain doctor`'s GEMM ceiling
+#                               share (RowMath, DeviceModel, DeviceMemory, BlasCalls, Reducer), then
+#                               `bertrain doctor`'s GEMM ceiling
 #                               beside PyTorch's; the log goes to $OUT/gpu-check.log.
 #                               Then BERT-base and BERT-Large training steps (bench --device
 #                               cuda) against PyTorch on the same GPU: tokens/s, ratio, MFU
@@ -78,7 +79,8 @@ case "${1:-}" in
       # CUDA context unusable (every later test in that process would fail too) and a hang would
       # eat the device time; the host tests of the shared code run together.
       export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-      "$PACK/bin/bertrain_tests" --gtest_brief=1 --gtest_filter='*RowMath*:DeviceModel*:DeviceMemory*'
+      "$PACK/bin/bertrain_tests" --gtest_brief=1 \
+        --gtest_filter='*RowMath*:DeviceModel*:DeviceMemory*:BlasCalls*:Reducer*'
       FAILED=$?
       ONE=$(mktemp)
       for t in $("$PACK/bin/bertrain_tests" --gtest_list_tests --gtest_filter='Cuda*:Nccl*' |
