@@ -37,32 +37,39 @@ using model::ModelDims;
 using StepRun = test::BackendStep;
 constexpr auto step = test::backend_step;
 
+// Every precision, padded and unpadded, with either attention kernel (the blocked one at 150
+// tokens: a block of 128 query rows and one of 22).
 TEST(CudaModel, ForwardBackwardEqualsCpu) {
   SKIP_WITHOUT_GPU();
-  model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
-  const model::Batch b = test::random_batch(c, 4, 32, 5);
-  for (int precision = 0; precision < 3; ++precision)
-    for (bool unpadded : {false, true}) {
-      ModelDims d{b.B, b.T, b.P};
-      d.attention = ModelDims::Attention::Full;
-      d.unpadded = unpadded;
-      d.bf16 = precision == 1;
-      d.fp16 = precision == 2;
-      if (d.bf16 && !kernels::gemm_bf16_available()) continue;  // no CPU reference here
-      SCOPED_TRACE(testing::Message() << "precision " << precision << " unpadded " << unpadded);
-      const StepRun cpu = step(kernels::cpu_backend(), c, Head::Pretraining, d, b);
-      const StepRun gpu = step(cuda::cuda_backend(), c, Head::Pretraining, d, b);
-      EXPECT_EQ(gpu.params, cpu.params);  // initialised on the host, copied
-      const double tol = precision == 0 ? 1e-4 : 3e-2;
-      EXPECT_NEAR(gpu.losses.loss, cpu.losses.loss, tol * std::fabs(cpu.losses.loss));
-      EXPECT_NEAR(gpu.losses.mlm_loss, cpu.losses.mlm_loss, tol * std::fabs(cpu.losses.mlm_loss));
-      EXPECT_NEAR(gpu.losses.nsp_loss, cpu.losses.nsp_loss, tol * std::fabs(cpu.losses.nsp_loss));
-      // Per tensor, floored at a thousandth of the largest gradient (test::grads_close): the
-      // attention key's exact gradient vanishes, and fp16's dS rounded on the GPU but not on the
-      // CPU leaves noise there (the host's fp16 flow: up to 3000x a bound of its own max).
-      EXPECT_TRUE(test::grads_close(model::ParamTable(c, Head::Pretraining), gpu.grads.data(),
-                                    cpu.grads.data(), tol));
-    }
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 160);
+  const model::Batch short_batch = test::random_batch(c, 4, 32, 5),
+                     long_batch = test::random_batch(c, 2, 150, 8);
+  for (auto kernel : {ModelDims::Attention::Full, ModelDims::Attention::Blocked})
+    for (int precision = 0; precision < 3; ++precision)
+      for (bool unpadded : {false, true}) {
+        const bool full = kernel == ModelDims::Attention::Full;
+        const model::Batch& b = full ? short_batch : long_batch;
+        ModelDims d{b.B, b.T, b.P};
+        d.attention = kernel;
+        d.unpadded = unpadded;
+        d.bf16 = precision == 1;
+        d.fp16 = precision == 2;
+        if (d.bf16 && !kernels::gemm_bf16_available()) continue;  // no CPU reference here
+        SCOPED_TRACE(testing::Message() << (full ? "full" : "blocked") << " precision " << precision
+                                        << " unpadded " << unpadded);
+        const StepRun cpu = step(kernels::cpu_backend(), c, Head::Pretraining, d, b);
+        const StepRun gpu = step(cuda::cuda_backend(), c, Head::Pretraining, d, b);
+        EXPECT_EQ(gpu.params, cpu.params);  // initialised on the host, copied
+        const double tol = precision == 0 ? 1e-4 : 3e-2;
+        EXPECT_NEAR(gpu.losses.loss, cpu.losses.loss, tol * std::fabs(cpu.losses.loss));
+        EXPECT_NEAR(gpu.losses.mlm_loss, cpu.losses.mlm_loss, tol * std::fabs(cpu.losses.mlm_loss));
+        EXPECT_NEAR(gpu.losses.nsp_loss, cpu.losses.nsp_loss, tol * std::fabs(cpu.losses.nsp_loss));
+        // Per tensor, floored at a thousandth of the largest gradient (test::grads_close): the
+        // attention key's exact gradient vanishes, and fp16's dS rounded on the GPU but not on the
+        // CPU leaves noise there (the host's fp16 flow: up to 3000x a bound of its own max).
+        EXPECT_TRUE(test::grads_close(model::ParamTable(c, Head::Pretraining), gpu.grads.data(),
+                                      cpu.grads.data(), tol));
+      }
 }
 
 // The other heads: sequence classification, token classification, question answering.
