@@ -183,6 +183,20 @@ BT_HOST_DEVICE float masked_max(const float* scores, const int32_t* mask, int64_
   return l.max(mx);
 }
 
+// The row's largest masked score and the sum of exp(masked score - that maximum), over every
+// lane: a softmax's normaliser, its exponentials computed again where they are written.
+struct RowExpSum {
+  float mx, sum;
+};
+template <class Lanes>
+BT_HOST_DEVICE RowExpSum masked_exp_sum(const float* scores, const int32_t* mask, int64_t T,
+                                        const Lanes& l) {
+  const float mx = masked_max(scores, mask, T, l);
+  float sum = 0.0f;
+  for (int64_t j = l.lane; j < T; j += l.count) sum += expf(masked(scores, mask, j) - mx);
+  return {mx, l.sum(sum)};
+}
+
 template <class Lanes>
 BT_HOST_DEVICE void attention_softmax(float* probs, float* dropped, const float* scores,
                                       const int32_t* mask, int64_t T, float p, uint64_t key,
@@ -256,10 +270,8 @@ template <class Lanes, class H>
 BT_HOST_DEVICE void attention_softmax_16(H* probs16, H* dropped16, const float* scores,
                                          const int32_t* mask, int64_t T, float p, uint64_t key,
                                          uint64_t index0, const Lanes& l) {
-  const float mx = masked_max(scores, mask, T, l);
-  float sum = 0.0f;
-  for (int64_t j = l.lane; j < T; j += l.count) sum += expf(masked(scores, mask, j) - mx);
-  const float inv = 1.0f / l.sum(sum);
+  const auto [mx, sum] = masked_exp_sum(scores, mask, T, l);
+  const float inv = 1.0f / sum;
   const float ks = keep_scale_of(p);
   for (int64_t j = l.lane; j < T; j += l.count) {
     float e = expf(masked(scores, mask, j) - mx);
@@ -278,10 +290,7 @@ template <class Lanes, class X>
 BT_HOST_DEVICE float attention_softmax_lse(X* out, const float* scores, const int32_t* mask,
                                            int64_t T, float p, uint64_t key, uint64_t index0,
                                            const Lanes& l) {
-  const float mx = masked_max(scores, mask, T, l);
-  float sum = 0.0f;
-  for (int64_t j = l.lane; j < T; j += l.count) sum += expf(masked(scores, mask, j) - mx);
-  sum = l.sum(sum);
+  const auto [mx, sum] = masked_exp_sum(scores, mask, T, l);
   const float inv = 1.0f / sum, ks = keep_scale_of(p);
   for (int64_t j = l.lane; j < T; j += l.count)
     store(out + j, dropout(expf(masked(scores, mask, j) - mx) * inv, p, ks, key, index0 + j));

@@ -638,6 +638,20 @@ class DeviceMpi final : public Communicator {
   const test::OwnMemoryBackend& be_;
 };
 
+// The device tests' world: a small model, [B, T] batches with P predictions, the ring in fp32
+// for the test's lifetime (the algorithm restored after, also when an assertion returns early).
+struct DeviceTestWorld {
+  const model::BertConfig c = test::small_bert(97, 16, 2, 2, 32, 16);
+  const int64_t B = 2, T = 12, P = 3;
+  const int me = g_comm->rank(), world = g_comm->size();
+  const Algorithm was = g_comm->algorithm();
+  DeviceTestWorld() {
+    g_comm->set_algorithm(Algorithm::Ring);
+    g_comm->set_wire(Wire::F32);
+  }
+  ~DeviceTestWorld() { g_comm->set_algorithm(was); }
+};
+
 // Three applied steps of train::Step (learning rate 1e-3), each rank's micro-batches its own
 // (seeded by the step and the rank), [B, T] with P predictions.
 void three_steps(model::BertModel& m, train::Optimizer& opt, Communicator& comm,
@@ -659,12 +673,10 @@ void three_steps(model::BertModel& m, train::Optimizer& opt, Communicator& comm,
 // overlapped or not, sharded or not, AdamW and LAMB, with a predivide factor; through a
 // communicator of host memory it is refused, and the other way round.
 TEST(DataParallel, ADeviceModelTrainsAcrossRanksThroughADeviceCommunicator) {
-  const model::BertConfig c = test::small_bert(97, 16, 2, 2, 32, 16);
-  const int64_t B = 2, T = 12, P = 3;
-  const int me = g_comm->rank(), world = g_comm->size();
-  const Algorithm was = g_comm->algorithm();
-  g_comm->set_algorithm(Algorithm::Ring);
-  g_comm->set_wire(Wire::F32);
+  const DeviceTestWorld w;
+  const model::BertConfig& c = w.c;
+  const int64_t B = w.B, T = w.T, P = w.P;
+  const int me = w.me, world = w.world;
   auto run = [&](const kernels::Backend& be, Communicator& comm, train::OptimizerKind kind,
                  bool overlap, bool shard) {
     model::BertModel m(c, model::Head::Pretraining, {B, T, P}, be);
@@ -705,7 +717,6 @@ TEST(DataParallel, ADeviceModelTrainsAcrossRanksThroughADeviceCommunicator) {
   EXPECT_NE(h.find("the model's memory is the host's, the device MPI communicator reduces device"),
             std::string::npos)
       << h;
-  g_comm->set_algorithm(was);
 }
 
 // bf16 with the optimizer sharded, on a backend whose arenas are one block each (a GPU's: no
@@ -716,12 +727,10 @@ TEST(DataParallel, ADeviceModelTrainsAcrossRanksThroughADeviceCommunicator) {
 // parameters of the part the CPU rank holds.
 TEST(DataParallel, ABf16DeviceModelShardsTheOptimizerAndKeepsTheMasterWhole) {
   BT_SKIP_WITHOUT_BF16();
-  const model::BertConfig c = test::small_bert(97, 16, 2, 2, 32, 16);
-  const int64_t B = 2, T = 12, P = 3;
-  const int me = g_comm->rank(), world = g_comm->size();
-  const Algorithm was = g_comm->algorithm();
-  g_comm->set_algorithm(Algorithm::Ring);
-  g_comm->set_wire(Wire::F32);
+  const DeviceTestWorld w;
+  const model::BertConfig& c = w.c;
+  const int64_t B = w.B, T = w.T, P = w.P;
+  const int me = w.me, world = w.world;
   struct Result {
     model::ModelDims dims;
     std::vector<float> params;
@@ -755,7 +764,6 @@ TEST(DataParallel, ABf16DeviceModelShardsTheOptimizerAndKeepsTheMasterWhole) {
   EXPECT_EQ(dev.weights16, cpu.weights16);
   const int64_t b = cpu.dims.master_shard ? cpu.dims.master_begin : 0;
   EXPECT_TRUE(std::equal(cpu.params.begin(), cpu.params.end(), dev.params.begin() + b));
-  g_comm->set_algorithm(was);
 }
 
 // fp16 loss scaling: an overflow on one rank makes every rank skip the step and halve the scale.

@@ -127,26 +127,31 @@ struct BlockRows {
   }
 };
 
+// f(i0, n) for each block [i0, i0 + n) of query rows, in order.
+template <class F>
+void for_each_block(const kernels::AttentionShape& s, F&& f) {
+  for (int64_t i0 = 0; i0 < s.T; i0 += kBlockRows)
+    f(i0, s.T - i0 < kBlockRows ? s.T - i0 : kBlockRows);
+}
+
 // The blocks in the order the GPU runs them: gemm(product) runs a PairProduct over every pair,
 // rows(BlockRows) the row pass of a block (BlockRows::forward / backward on every row).
 template <class Gemm, class Rows>
 void blocked_forward_schedule(const kernels::AttentionShape& s, int64_t bytes, const void* qkv,
                               const int32_t* mask, const kernels::Dropout& d, const BlockBuffers& b,
                               float* ctx, Gemm&& gemm, Rows&& rows) {
-  for (int64_t i0 = 0; i0 < s.T; i0 += kBlockRows) {
-    const int64_t n = s.T - i0 < kBlockRows ? s.T - i0 : kBlockRows;
+  for_each_block(s, [&](int64_t i0, int64_t n) {
     const auto p = blocked_forward_products(s, bytes, i0, n, qkv, b, ctx);
     gemm(p[0]);
     rows(BlockRows{s, i0, n, mask, d});
     gemm(p[1]);
-  }
+  });
 }
 template <class Gemm, class Rows>
 void blocked_backward_schedule(const kernels::AttentionShape& s, int64_t bytes, const void* qkv,
                                const void* dctx, const int32_t* mask, const kernels::Dropout& d,
                                const BlockBuffers& b, float* dqkv, Gemm&& gemm, Rows&& rows) {
-  for (int64_t i0 = 0; i0 < s.T; i0 += kBlockRows) {
-    const int64_t n = s.T - i0 < kBlockRows ? s.T - i0 : kBlockRows;
+  for_each_block(s, [&](int64_t i0, int64_t n) {
     const auto p = blocked_backward_products(s, bytes, i0, n, qkv, dctx, b, dqkv);
     gemm(p[0]);  // S
     gemm(p[1]);  // dd
@@ -154,7 +159,7 @@ void blocked_backward_schedule(const kernels::AttentionShape& s, int64_t bytes, 
     gemm(p[2]);  // dV
     gemm(p[3]);  // dQ
     gemm(p[4]);  // dK
-  }
+  });
 }
 
 }  // namespace bertrain::cuda
