@@ -56,15 +56,22 @@ case "${1:-}" in
     fi
     [ -x "$PACK/bin/bertrain_tests" ] ||
       { echo "gpu-check: no $PACK/bin/bertrain_tests: run 'scripts/gpu-check.sh pack' first"; exit 2; }
-    # cuBLAS: the toolkit's, else the one PyTorch's wheels bring.
-    CUBLAS=""
-    for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [ -d "$d" ] && CUBLAS="$CUBLAS:$d"; done
-    PYCUBLAS=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
-    [ -n "$PYCUBLAS" ] && CUBLAS="$CUBLAS:$PYCUBLAS"
-    # NCCL (loaded at run time by comm/nccl.h): the toolkit's, else PyTorch's wheels'.
-    PYNCCL=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
-    [ -n "$PYNCCL" ] && CUBLAS="$CUBLAS:$PYNCCL"
-    export LD_LIBRARY_PATH="$PWD/$PACK/lib$CUBLAS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # cuBLAS and NCCL (NCCL loaded at run time by comm/nccl.h): the toolkit's, else those
+    # PyTorch's wheels bring, wherever their layout puts them (nvidia/cublas/lib and
+    # nvidia/nccl/lib for CUDA 12 wheels, nvidia/cu13/lib for the CUDA 13 toolkit wheel).
+    CUDALIBS=""
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [ -d "$d" ] && CUDALIBS="$CUDALIBS:$d"; done
+    PYLIBS=$(python3 - 2>/dev/null <<'PY' || true
+import glob, os
+import nvidia
+dirs = {os.path.dirname(p) for root in nvidia.__path__
+        for name in ("libcublasLt.so.*", "libnccl.so.*")
+        for p in glob.glob(os.path.join(root, "*", "lib", name))}
+print(":".join(sorted(dirs)))
+PY
+    )
+    [ -n "$PYLIBS" ] && CUDALIBS="$CUDALIBS:$PYLIBS"
+    export LD_LIBRARY_PATH="$PWD/$PACK/lib$CUDALIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     LOG=${OUT:-.}/gpu-check.log
     {
       echo "== gpu-check $(date -u +%FT%TZ) on $(hostname)"
@@ -73,6 +80,7 @@ case "${1:-}" in
       else
         echo "no nvidia-smi: no NVIDIA driver here (the GPU tests skip)"
       fi
+      echo "library path: $LD_LIBRARY_PATH"
       if ldd "$PACK/bin/bertrain_tests" | grep "not found"; then echo "gpu-check: libraries missing (above)"; fi
       set +e
       # Each GPU test in a process of its own under a time limit: a kernel that faults leaves its
@@ -98,7 +106,7 @@ case "${1:-}" in
         fi
       done
       rm -f "$ONE"
-      echo "gpu-check: tests exit $FAILED"
+      echo "gpu-check: tests exit $FAILED (at ${SECONDS} s)"
       # The GEMM ceiling: ours (cuBLASLt, bertrain doctor) and PyTorch's on the same GPU.
       OURS=$("$PACK/bin/bertrain" doctor 2>&1 | grep -E "^ *[a-z]+ +gpu" | tee /dev/stderr |
         sed -n 's/.*gpu gemm *\([0-9.]*\) TFLOP\/s bf16.*/\1/p')
@@ -126,6 +134,7 @@ PY
       # A training run from the CLI on the GPU: BERT-tiny on the bundled English sample, LAMB,
       # bf16, checkpoints (the run's summary names the bottleneck).
       if [ "${TRAIN:-1}" = 1 ]; then
+        echo "gpu-check: the training run from ${SECONDS} s"
         GC=$(mktemp -d)
         "$PACK/bin/bertrain" prepare --input data/corpus/bert_sample_text.txt \
           --vocab data/vocab/bert-base-uncased-vocab.txt --output "$GC/data" --seq-len 128 \
@@ -139,6 +148,7 @@ PY
       # BERT-base and BERT-Large training steps against PyTorch on the same GPU (bench/peer_pytorch.py
       # --device cuda: HF BertForPreTraining, SDPA, autocast, fused AdamW), same batch.
       if [ "${BENCH:-1}" = 1 ]; then
+        echo "gpu-check: the benchmarks from ${SECONDS} s"
         printf "%-24s %-4s %-9s %12s %12s %6s %6s %10s %10s\n" config prec "batch" "bertrain t/s" \
           "pytorch t/s" ratio MFU "bt GPU" "pt GPU"
         # 512 tokens: the blocked attention kernel (auto), then the full one in bf16 beside it.
@@ -174,6 +184,7 @@ PY
           --batch-size 32 --precision bf16 --steps 3 --warmup 1 ||
           echo "gpu-check: the profiled BERT-Large run failed (above)"
       fi
+      echo "gpu-check: done in ${SECONDS} s"
     } 2>&1 | tee "$LOG"
     grep -q "tests exit 0" "$LOG"
     ;;
