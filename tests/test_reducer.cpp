@@ -6,11 +6,18 @@
 // the first bucket's only. Here a communicator records what each operation would wait for.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "comm/reducer.h"
+#include "obs/timeline.h"
 
 namespace bertrain::comm {
 namespace {
@@ -101,6 +108,68 @@ TEST(Reducer, EachBucketWaitsForTheWorkQueuedWhenItsLayersWereDone) {
     dev.allreduce_sum(grads.data(), 1);
     EXPECT_EQ(dev.ops.back().waits_for, -1);
   }
+}
+
+// A device that reaches each ready point `lag` after the communication thread starts waiting for
+// it (a GPU still running the backward queued before the point); its collectives take no time.
+class LaggingDevice final : public Communicator {
+ public:
+  LaggingDevice(const obs::Timeline& tl, std::chrono::milliseconds lag) : tl_(tl), lag_(lag) {}
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::string name() const override { return "lagging"; }
+  bool device_memory() const override { return true; }
+  void allreduce_sum(float*, int64_t) override {}
+  void allreduce_sum(double*, int64_t) override {}
+  void broadcast(void*, int64_t, int) override {}
+  void barrier() override {}
+  void scale(float*, int64_t, float) override {}
+  int64_t ready_point() override { return next_++; }
+  void wait_point(int64_t point) override {
+    if (point < 0) return;
+    std::this_thread::sleep_for(lag_);
+    reached_us.push_back(tl_.now_us());  // the communication thread only
+  }
+  std::vector<int64_t> reached_us;
+
+ private:
+  const obs::Timeline& tl_;
+  std::chrono::milliseconds lag_;
+  int64_t next_ = 0;
+};
+
+// A bucket's communication starts when the device has computed its gradients, not when the
+// communication thread took it: the wait before is backward's compute, which neither the busy
+// time (train::Step reports busy minus exposed as hidden communication) nor the bucket's timeline
+// span may count. Six buckets wait 150 ms each for their points; the collectives take
+// microseconds, so the busy time stays far below one wait (counting the waits, it is 0.9 s).
+TEST(Reducer, ABucketIsTimedFromWhenTheDeviceReachedItsPoint) {
+  obs::Timeline tl;
+  tl.enable(0);
+  LaggingDevice dev(tl, std::chrono::milliseconds(150));
+  std::vector<float> grads(100);
+  const std::vector<std::pair<int64_t, int64_t>> layers = {{10, 30}, {30, 50}, {50, 70}, {70, 90}};
+  Reducer r(dev, grads.data(), 100, layers, 20 * 4, &tl);
+  for (int64_t l = 3; l >= 0; --l) r.layer_done(l);
+  const double exposed = r.finish();
+  ASSERT_EQ(dev.reached_us.size(), 6u);
+  EXPECT_GE(exposed, 0.9);
+  EXPECT_LT(r.busy_seconds(), 0.45) << "the waits for the device were counted as communication";
+
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("bertrain_reducer_timeline_" + std::to_string(::getpid()) + ".json");
+  tl.write(path.string(), 1);
+  std::ifstream in(path);
+  const auto j = nlohmann::json::parse(in);
+  std::filesystem::remove(path);
+  size_t k = 0;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] != "X" || e["cat"] != "communication") continue;
+    ASSERT_LT(k, dev.reached_us.size());
+    EXPECT_GE(e["ts"].get<int64_t>(), dev.reached_us[k]) << e["name"];
+    ++k;
+  }
+  EXPECT_EQ(k, 6u);
 }
 
 }  // namespace

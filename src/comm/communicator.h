@@ -76,6 +76,10 @@ class Communicator {
   // communicators: their data is complete when a collective is called (-1, nothing to wait for).
   virtual int64_t ready_point() { return -1; }
   virtual void ready_after(int64_t point) { (void)point; }
+  // Returns once the device has reached the point (a GPU's: its event completed). The Reducer
+  // times a bucket's communication from there: on a GPU the wait before it is backward's
+  // compute, which neither its busy time nor its timeline span may count.
+  virtual void wait_point(int64_t point) { (void)point; }
   // Whether the collectives take device memory (a GPU's: NCCL, comm/nccl.h) instead of the
   // host's. A model on a backend with memory of its own trains across ranks only through such a
   // communicator; the scalars of a step (statistics, flags, norms) stay host memory either way.

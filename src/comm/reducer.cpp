@@ -72,11 +72,12 @@ void Reducer::loop() {
       job = queue_.front();
       queue_.pop_front();
     }
+    comm_.ready_after(job.ready_point);
+    comm_.wait_point(job.ready_point);  // the bucket's gradients written: its communication starts
     const auto t0 = Clock::now();
     const int64_t b0 = tl_ && tl_->enabled() ? tl_->now_us() : 0;
     float* p = grads_ + job.begin;
     const int64_t n = job.end - job.begin;
-    comm_.ready_after(job.ready_point);
     if (prescale_ != 1.0f) comm_.scale(p, n, prescale_);
     comm_.set_label(str("gradient bucket ", bucket_counter_, " (", n * 4 / 1024, " KiB at offset ",
                         job.begin, ")"));

@@ -1,21 +1,25 @@
 // NCCL between GPUs (comm/nccl.h). The ranks are threads of this process, one GPU each, their
 // bootstrap an in-process communicator (what MPI is to a job's processes): the collectives
 // against sums made on the host, a model on two GPUs at half the batch against one GPU at the
-// whole batch (with and without overlap), and a rank that never joins a collective ending the job
-// with a message instead of a hang. One-rank tests need one GPU; the rest skip with fewer than
-// two. NCCL is loaded at run time: without libnccl.so.2 the tests skip saying so.
+// whole batch (with and without overlap), buckets reduced while backward runs, and a rank that
+// never joins a collective ending the job with a message instead of a hang. One-rank tests need one
+// GPU; the rest skip with fewer than two. NCCL is loaded at run time: without libnccl.so.2 the
+// tests skip saying so.
 #include <gtest/gtest.h>
 
 #include <barrier>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <thread>
 #include <vector>
 
 #include "comm/nccl.h"
 #include "kernels/cuda/cuda.h"
 #include "model/bert.h"
+#include "obs/timeline.h"
 #include "test_util.h"
 #include "train/loss_scaler.h"
 #include "train/optimizer.h"
@@ -215,6 +219,60 @@ TEST(Nccl, TwoGpusAtHalfTheBatchEqualOneAtTheWhole) {
       worst = std::max(worst, static_cast<double>(std::fabs(one[i] - two[0][i])));
     EXPECT_LE(worst, 2e-6) << (overlap ? "overlapped" : "after backward");
   }
+}
+
+// Overlap on the GPUs: a bucket's allreduce runs on NCCL's stream once the GPU has computed its
+// layers, while backward computes the layers below (comm::Reducer, Communicator::ready_point).
+// Eight encoder layers of 256, a bucket each: in the steps after the first, some bucket's
+// timeline span (timed from when the GPU reached the bucket's point) begins before the step's
+// backward span ends (backward ends when its kernels have run), and the steps report
+// communication hidden behind backward.
+TEST(Nccl, TwoGpusReduceBucketsWhileBackwardRuns) {
+  SKIP_WITHOUT(2);
+  const model::BertConfig c = test::small_bert(1000, 256, 8, 4, 1024, 128);
+  const model::Batch b = test::random_batch(c, 16, 128, 20);
+  on_gpus(2, [&](int r, comm::Communicator& comm) {
+    model::BertModel m(c, model::Head::Pretraining, {b.B, b.T, b.P}, cuda::cuda_backend());
+    m.init_params(11);
+    train::Optimizer opt(train::param_slices(m.table()), m.table().total(), {},
+                         cuda::cuda_backend());
+    train::LossScaler scaler{train::LossScaler::Config{}};
+    obs::Timeline tl;
+    tl.enable(r);
+    train::StepSettings ss;
+    ss.seed = 9;
+    ss.bucket_bytes = 1 << 20;
+    train::Step step(m, opt, scaler, comm, ss, &tl);
+    double hidden = 0;
+    for (int64_t k = 0; k < 4; ++k) {
+      const train::StepReport rep = step.run(k, 1e-4, [&](model::Batch& into) {
+        into = b;
+        return true;
+      });
+      if (k > 0) hidden += rep.t_hidden;
+    }
+    EXPECT_GT(hidden, 0.0) << "rank " << r;
+    const std::string path = str(::testing::TempDir(), "bertrain_overlap_", r, ".json");
+    tl.write(path, 1);
+    std::ifstream in(path);
+    const auto j = nlohmann::json::parse(in);
+    std::remove(path.c_str());
+    std::vector<std::pair<int64_t, int64_t>> backward;  // [begin, end) of each step's backward
+    std::vector<int64_t> buckets;                       // each bucket span's begin
+    for (const auto& e : j["traceEvents"]) {
+      if (e["ph"] != "X") continue;
+      const std::string name = e["name"];
+      const int64_t ts = e["ts"], dur = e["dur"];
+      if (name == "backward") backward.push_back({ts, ts + dur});
+      if (name.rfind("allreduce bucket", 0) == 0) buckets.push_back(ts);
+    }
+    ASSERT_EQ(backward.size(), 4u);
+    int overlapped = 0;
+    for (size_t k = 1; k < backward.size(); ++k)
+      for (int64_t t : buckets) overlapped += t >= backward[k].first && t < backward[k].second;
+    EXPECT_GT(overlapped, 0) << "rank " << r << ": no bucket began while backward ran ("
+                             << buckets.size() << " bucket spans)";
+  });
 }
 
 // A rank that never joins: the other's collective times out and ends the process with a message

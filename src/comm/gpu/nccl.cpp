@@ -232,6 +232,21 @@ class NcclCommunicator final : public Communicator {
     return k;
   }
   void ready_after(int64_t point) override { ready_ = point; }
+  void wait_point(int64_t point) override {
+    if (point < 0) return;
+    select_device();
+    for (int spin = 0;; ++spin) {
+      const cudaError_t q = cudaEventQuery(points_[point % kPoints]);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) {
+        cudaGetLastError();
+        die(str("the computation before a gradient bucket failed on the GPU: ",
+                cudaGetErrorString(q)),
+            0);
+      }
+      if (spin > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
 
   void scale(float* data, int64_t n, float s) override {
     select_device();
@@ -402,8 +417,9 @@ class NcclCommunicator final : public Communicator {
     comm_ = nullptr;
     const std::string line =
         str("bertrain: rank ", rank_, " on host ", host_, " (GPU ", device_, "): ", why,
-            label.empty() ? "" : " of ", label, " (", bytes, " bytes); NCCL ", version_, ", ",
-            settings_line(), "; ending the job (continue from the last checkpoint with resume)");
+            label.empty() ? "" : " of ", label, bytes > 0 ? str(" (", bytes, " bytes)") : "",
+            "; NCCL ", version_, ", ", settings_line(),
+            "; ending the job (continue from the last checkpoint with resume)");
     std::fprintf(stderr, "%s\n", line.c_str());
     std::fflush(stderr);
     if (!log.empty())
