@@ -178,6 +178,31 @@ TEST(Nccl, TwoGpusSumIn16BitsOnTheWire) {
         60.0, w);
 }
 
+// `steps` AdamW steps (learning rate 1e-3, dropout seed 9) of a pretraining model on this
+// thread's GPU from the parameters of seed 11, on batch b each step, through comm; each step's
+// report to `seen`. Returns the parameters after.
+std::vector<float> train_on_gpu(const model::BertConfig& c, const model::Batch& b,
+                                comm::Communicator& comm, train::StepSettings ss, int64_t steps,
+                                obs::Timeline* tl = nullptr,
+                                const std::function<void(const train::StepReport&)>& seen = {}) {
+  model::BertModel m(c, model::Head::Pretraining, {b.B, b.T, b.P}, cuda::cuda_backend());
+  m.init_params(11);
+  train::Optimizer opt(train::param_slices(m.table()), m.table().total(), {}, cuda::cuda_backend());
+  train::LossScaler scaler{train::LossScaler::Config{}};
+  ss.seed = 9;
+  train::Step step(m, opt, scaler, comm, ss, tl);
+  for (int64_t k = 0; k < steps; ++k) {
+    const train::StepReport r = step.run(k, 1e-3, [&](model::Batch& into) {
+      into = b;
+      return true;
+    });
+    if (seen) seen(r);
+  }
+  std::vector<float> p(static_cast<size_t>(m.table().total()));
+  cuda::cuda_backend().to_host(p.data(), m.params(), p.size() * 4);
+  return p;
+}
+
 // Three AdamW steps: two GPUs at half the batch each (overlapped with backward or not, a
 // predivide factor of 2) against one GPU at the whole batch. Only the summation order differs:
 // fp32 rounding carried through three Adam steps, 2e-6 (as the MPI tests' bound).
@@ -186,25 +211,11 @@ TEST(Nccl, TwoGpusAtHalfTheBatchEqualOneAtTheWhole) {
   const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
   const model::Batch full = test::random_batch(c, 8, 32, 5);
   auto train = [&](comm::Communicator& comm, const model::Batch& b, bool overlap) {
-    model::BertModel m(c, model::Head::Pretraining, {b.B, b.T, b.P}, cuda::cuda_backend());
-    m.init_params(11);
-    train::Optimizer opt(train::param_slices(m.table()), m.table().total(), {},
-                         cuda::cuda_backend());
-    train::LossScaler scaler{train::LossScaler::Config{}};
     train::StepSettings ss;
-    ss.seed = 9;
     ss.overlap = overlap;
     ss.bucket_bytes = 64 << 10;
     ss.predivide = 2.0;
-    train::Step step(m, opt, scaler, comm, ss);
-    for (int64_t k = 0; k < 3; ++k)
-      step.run(k, 1e-3, [&](model::Batch& into) {
-        into = b;
-        return true;
-      });
-    std::vector<float> p(static_cast<size_t>(m.table().total()));
-    cuda::cuda_backend().to_host(p.data(), m.params(), p.size() * 4);
-    return p;
+    return train_on_gpu(c, b, comm, ss, 3);
   };
   comm::SingleProcess single;
   const std::vector<float> one = train(single, full, false);
@@ -232,25 +243,14 @@ TEST(Nccl, TwoGpusReduceBucketsWhileBackwardRuns) {
   const model::BertConfig c = test::small_bert(1000, 256, 8, 4, 1024, 128);
   const model::Batch b = test::random_batch(c, 16, 128, 20);
   on_gpus(2, [&](int r, comm::Communicator& comm) {
-    model::BertModel m(c, model::Head::Pretraining, {b.B, b.T, b.P}, cuda::cuda_backend());
-    m.init_params(11);
-    train::Optimizer opt(train::param_slices(m.table()), m.table().total(), {},
-                         cuda::cuda_backend());
-    train::LossScaler scaler{train::LossScaler::Config{}};
     obs::Timeline tl;
     tl.enable(r);
     train::StepSettings ss;
-    ss.seed = 9;
     ss.bucket_bytes = 1 << 20;
-    train::Step step(m, opt, scaler, comm, ss, &tl);
-    double hidden = 0;
-    for (int64_t k = 0; k < 4; ++k) {
-      const train::StepReport rep = step.run(k, 1e-4, [&](model::Batch& into) {
-        into = b;
-        return true;
-      });
-      if (k > 0) hidden += rep.t_hidden;
-    }
+    int64_t k = 0;
+    double hidden = 0;  // after the first step
+    train_on_gpu(c, b, comm, ss, 4, &tl,
+                 [&](const train::StepReport& rep) { hidden += k++ > 0 ? rep.t_hidden : 0.0; });
     EXPECT_GT(hidden, 0.0) << "rank " << r;
     const std::string path = str(::testing::TempDir(), "bertrain_overlap_", r, ".json");
     tl.write(path, 1);
