@@ -14,7 +14,8 @@
 #                               one device resumed on the other; Nccl*: NCCL on one GPU, and with two
 #                               or more the sums, half the batch on each GPU against one at the
 #                               whole, a rank that never joins) and the host tests of what they
-#                               share (RowMath, DeviceModel, DeviceMemory, BlasCalls, Reducer), then
+#                               share (RowMath, DeviceModel, DeviceMemory, BlasCalls, Reducer,
+#                               GpuPlacement), then
 #                               `bertrain doctor`'s GEMM ceiling
 #                               beside PyTorch's; the log goes to $OUT/gpu-check.log.
 #                               Then BERT-base and BERT-Large training steps (bench --device
@@ -88,7 +89,7 @@ PY
       # eat the device time; the host tests of the shared code run together.
       export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
       "$PACK/bin/bertrain_tests" --gtest_brief=1 \
-        --gtest_filter='*RowMath*:DeviceModel*:DeviceMemory*:BlasCalls*:Reducer*'
+        --gtest_filter='*RowMath*:DeviceModel*:DeviceMemory*:BlasCalls*:Reducer*:GpuPlacement*'
       FAILED=$?
       ONE=$(mktemp)
       for t in $("$PACK/bin/bertrain_tests" --gtest_list_tests --gtest_filter='Cuda*:Nccl*' |

@@ -9,8 +9,9 @@
 //   NCCL_ALGO, NCCL_PROTO) with rank 0's: a difference is an error naming both ranks and the
 //   field, before any collective can hang on it.
 // - One GPU per rank on a host: the bootstrap's local rank (OMPI_COMM_WORLD_LOCAL_RANK,
-//   SLURM_LOCALID) selects it, before anything else touches the GPU; more ranks on a host than
-//   visible GPUs is an error.
+//   SLURM_LOCALID) modulo the GPUs it sees selects it, before anything else touches the GPU (a
+//   rank the scheduler gave GPUs of its own sees only those: comm/gpu_placement.h); two ranks on
+//   one GPU (by its PCI bus id) is an error naming them and the fix.
 // - Collectives run on a stream of their own, after the work the GPU's default stream has queued
 //   (an event orders them), and return when they have completed: the reducer's thread waits there
 //   while backward's kernels keep running on the default stream. Host buffers (a step's

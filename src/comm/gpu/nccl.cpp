@@ -5,17 +5,20 @@
 #include <nccl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "comm/gpu_placement.h"
 #include "core/error.h"
 #include "kernels/cuda/cuda.h"
 
@@ -132,6 +135,7 @@ class NcclCommunicator final : public Communicator {
     check_cuda(cudaSetDevice(device_), "cudaSetDevice");
     n.GetVersion(&version_);
     check_ranks_agree();
+    check_one_rank_per_gpu();
     ncclUniqueId id{};
     if (rank_ == 0) check(n.GetUniqueId(&id), "ncclGetUniqueId");
     boot_.broadcast(&id, sizeof id, 0);
@@ -444,6 +448,28 @@ class NcclCommunicator final : public Communicator {
          cudaGetErrorString(e));
   }
 
+  // Every rank's host and GPU, each rank's broadcast in turn: two ranks on one GPU is an error
+  // naming both and the fix (comm/gpu_placement.h), before NCCL meets them.
+  void check_one_rank_per_gpu() {
+    char bus[64] = {};
+    check_cuda(cudaDeviceGetPCIBusId(bus, sizeof bus, device_), "cudaDeviceGetPCIBusId");
+    const std::string mine = str(host_, "\n", bus, "\n", device_, "\n", visible_gpus());
+    std::vector<GpuPlacement> all(static_cast<size_t>(size_));
+    std::vector<char> buf(512);
+    for (int r = 0; r < size_; ++r) {
+      std::fill(buf.begin(), buf.end(), '\0');
+      if (r == rank_) std::strncpy(buf.data(), mine.c_str(), buf.size() - 1);
+      boot_.broadcast(buf.data(), static_cast<int64_t>(buf.size()), r);
+      std::istringstream in(buf.data());
+      GpuPlacement& p = all[static_cast<size_t>(r)];
+      std::getline(in, p.host);
+      std::getline(in, p.bus_id);
+      in >> p.device >> p.visible;
+    }
+    const std::string shared = shared_gpu(all);
+    if (!shared.empty()) fail("rank ", rank_, ": ", shared);
+  }
+
   // Every rank's versions and settings against rank 0's, each rank's line broadcast in turn.
   void check_ranks_agree() {
     const std::vector<std::string> mine = identity(version_);
@@ -502,11 +528,7 @@ int nccl_device_for(const Communicator& bootstrap) {
   if (gpus == 0)
     fail("rank ", bootstrap.rank(), " on host ", host_name(),
          " sees no GPU (nvidia-smi lists them; check CUDA_VISIBLE_DEVICES)");
-  if (bootstrap.local_size() > gpus)
-    fail(bootstrap.local_size(), " ranks on host ", host_name(), " but ", gpus,
-         " GPU(s) visible: one rank per GPU (mpirun --npernode ", gpus,
-         ", or the job's GPUs per node)");
-  return bootstrap.local_rank() % gpus;
+  return gpu_for_local_rank(bootstrap.local_rank(), gpus);
 }
 
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap,
