@@ -189,9 +189,10 @@ PY
           done
         done
         # Where a BERT-Large step's GPU time goes, by operation: the map for what to speed up next.
-        past_budget "the profiled BERT-Large run" || BERTRAIN_CUDA_PROFILE=1 timeout 120 "$PACK/bin/bertrain" bench --device cuda \
-          --model-config configs/bert-large.json --seq-len 128 --max-predictions 20 \
-          --batch-size 32 --precision bf16 --steps 3 --warmup 1 ||
+        past_budget "the profiled BERT-Large run" ||
+          BERTRAIN_CUDA_PROFILE=1 timeout 120 "$PACK/bin/bertrain" bench --device cuda \
+            --model-config configs/bert-large.json --seq-len 128 --max-predictions 20 \
+            --batch-size 32 --precision bf16 --steps 3 --warmup 1 ||
           echo "gpu-check: the profiled BERT-Large run failed (above)"
       fi
       echo "gpu-check: done in ${SECONDS} s"

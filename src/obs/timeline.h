@@ -14,6 +14,12 @@ namespace bertrain::obs {
 
 class Timeline {
  public:
+  struct Event {
+    std::string name;
+    const char* cat;
+    int64_t ts, dur;  // us since the timeline began
+    int tid;
+  };
   bool enabled() const { return enabled_; }
   void enable(int rank) {
     enabled_ = true;
@@ -25,6 +31,10 @@ class Timeline {
         .count();
   }
   void add(const std::string& name, const char* cat, int64_t begin_us, int64_t end_us, int tid = 0);
+  std::vector<Event> events() const {  // this rank's, in the order added
+    std::lock_guard<std::mutex> lock(mu_);
+    return events_;
+  }
   // Writes this rank's events to path (world == 1) or to path.rankN.part; merge() on rank 0
   // after a barrier joins the parts into path.
   void write(const std::string& path, int world) const;
@@ -50,12 +60,6 @@ class Timeline {
   };
 
  private:
-  struct Event {
-    std::string name;
-    const char* cat;
-    int64_t ts, dur;
-    int tid;
-  };
   bool enabled_ = false;
   int rank_ = 0;
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();

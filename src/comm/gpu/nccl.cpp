@@ -239,17 +239,11 @@ class NcclCommunicator final : public Communicator {
   void wait_point(int64_t point) override {
     if (point < 0) return;
     select_device();
-    for (int spin = 0;; ++spin) {
-      const cudaError_t q = cudaEventQuery(points_[point % kPoints]);
-      if (q == cudaSuccess) return;
-      if (q != cudaErrorNotReady) {
-        cudaGetLastError();
-        die(str("the computation before a gradient bucket failed on the GPU: ",
-                cudaGetErrorString(q)),
-            0);
-      }
-      if (spin > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+    const cudaError_t e = cudaEventSynchronize(points_[point % kPoints]);
+    if (e == cudaSuccess) return;
+    cudaGetLastError();
+    die(str("the computation before a gradient bucket failed on the GPU: ", cudaGetErrorString(e)),
+        0);
   }
 
   void scale(float* data, int64_t n, float s) override {
@@ -470,30 +464,27 @@ class NcclCommunicator final : public Communicator {
     if (!shared.empty()) fail("rank ", rank_, ": ", shared);
   }
 
-  // Every rank's versions and settings against rank 0's, each rank's line broadcast in turn.
+  // Every rank's versions and settings against rank 0's, which rank 0 broadcasts.
   void check_ranks_agree() {
     const std::vector<std::string> mine = identity(version_);
     std::string joined;
     for (const auto& l : mine) joined += l + "\n";
     std::vector<char> buf(4096, '\0');
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) std::strncpy(buf.data(), joined.c_str(), buf.size() - 1);
-      boot_.broadcast(buf.data(), static_cast<int64_t>(buf.size()), r);
-      if (r == 0) zero_ = std::string(buf.data());
-      if (r == rank_ && rank_ != 0 && zero_ != joined) {
-        size_t a = 0, b = 0;
-        while (true) {
-          const size_t ea = zero_.find('\n', a), eb = joined.find('\n', b);
-          if (ea == std::string::npos || eb == std::string::npos) break;
-          const std::string x = zero_.substr(a, ea - a), y = joined.substr(b, eb - b);
-          if (x != y)
-            fail("rank ", rank_, " on host ", host_, " has ", y, ", rank 0 has ", x,
-                 ": every rank needs the same NCCL, CUDA and NCCL settings (the job's "
-                 "environment and image)");
-          a = ea + 1;
-          b = eb + 1;
-        }
-      }
+    if (rank_ == 0) std::strncpy(buf.data(), joined.c_str(), buf.size() - 1);
+    boot_.broadcast(buf.data(), static_cast<int64_t>(buf.size()), 0);
+    const std::string zero(buf.data());
+    if (rank_ == 0 || zero == joined) return;
+    size_t a = 0, b = 0;
+    while (true) {
+      const size_t ea = zero.find('\n', a), eb = joined.find('\n', b);
+      if (ea == std::string::npos || eb == std::string::npos) break;
+      const std::string x = zero.substr(a, ea - a), y = joined.substr(b, eb - b);
+      if (x != y)
+        fail("rank ", rank_, " on host ", host_, " has ", y, ", rank 0 has ", x,
+             ": every rank needs the same NCCL, CUDA and NCCL settings (the job's "
+             "environment and image)");
+      a = ea + 1;
+      b = eb + 1;
     }
   }
 
@@ -503,7 +494,6 @@ class NcclCommunicator final : public Communicator {
   const std::string host_;
   const double stall_s_;
   int version_ = 0;
-  std::string zero_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t queued_ = nullptr;
