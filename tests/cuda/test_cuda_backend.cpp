@@ -170,9 +170,17 @@ TEST(CudaBackend, ElementwiseAndRowOpsMatchCpu) {
       }
       cuda::synchronize();
       if (p == Precision::BF16) {
-        // bf16(act(x)): a one-unit difference where the two erf/tanh differ at a rounding edge
+        // bf16(act(x)): a one-unit difference where the two erf/tanh differ at a rounding edge;
+        // in GELU's far negative tail (x < -4, outputs under 1e-5) the CPU's polynomial erf
+        // (absolute error ~1e-7) leaves 1 + erf(x) a few units off after the cancellation, so
+        // there the bound is absolute, 1e-6 (what the emulated device first showed: 5 units at
+        // x = -4.6, where the GPU's erff gives the correctly rounded -8.94e-6)
         const auto o = out16.back();
-        for (int64_t i = 0; i < n; ++i) ASSERT_LE(std::abs(int(o[i]) - int(out16.h[i])), 1) << i;
+        for (int64_t i = 0; i < n; ++i)
+          if (std::abs(bf16_to_f32(o[i]) - bf16_to_f32(out16.h[i])) > 1e-6f)
+            ASSERT_LE(std::abs(int(o[i]) - int(out16.h[i])), 1)
+                << i << " x " << in.h[i] << " gpu " << bf16_to_f32(o[i]) << " cpu "
+                << bf16_to_f32(out16.h[i]);
       } else {
         EXPECT_TRUE(all_close("act", out.back().data(), out.host(), n, 1e-3, 1e-6));
       }

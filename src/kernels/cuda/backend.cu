@@ -128,12 +128,12 @@ void embedding_table_backward(float* table, const kernels::RowRuns& r, const flo
   auto* partial = r.partials > 0
                       ? static_cast<float*>(scratch(kEmbeddingSlot, r.partials * C * sizeof(float)))
                       : nullptr;
-  embedding_chunks_kernel<<<dim3(static_cast<unsigned>(r.num_chunks), y), kThreads>>>(
-      table, partial, r, dout, C);
+  BT_LAUNCH(embedding_chunks_kernel, dim3(static_cast<unsigned>(r.num_chunks), y), kThreads)
+  (table, partial, r, dout, C);
   BT_CUDA_CHECK(cudaGetLastError());
   if (r.num_sums == 0) return;
-  embedding_sums_kernel<<<dim3(static_cast<unsigned>(r.num_sums), y), kThreads>>>(table, partial, r,
-                                                                                  C);
+  BT_LAUNCH(embedding_sums_kernel, dim3(static_cast<unsigned>(r.num_sums), y), kThreads)
+  (table, partial, r, C);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -159,11 +159,12 @@ __global__ void scatter_add_rows_kernel(float* dseq, const float* d, const int32
   }
 }
 
-__global__ void squared_error_kernel(float* dpred, float* sq, const float* pred,
+// Each row's squared error in double, as the CPU backend sums them.
+__global__ void squared_error_kernel(float* dpred, double* sq, const float* pred,
                                      const float* target, int64_t n, float dscale) {
   BT_FOR_EACH(n);
   const float d = pred[i] - target[i];
-  sq[i] = d * d;
+  sq[i] = static_cast<double>(d) * d;
   if (dpred) dpred[i] = dscale * 2.0f * d;
 }
 
@@ -241,7 +242,7 @@ BlockBuffers block_buffers(const AttentionShape& s, int64_t el) {
 template <class K, class... A>
 void launch(K kernel, int64_t n, A... args) {
   if (n == 0) return;
-  kernel<<<blocks_for(n, kThreads), kThreads>>>(args...);
+  BT_LAUNCH(kernel, blocks_for(n, kThreads), kThreads)(args...);
   check_launch();
 }
 
@@ -539,8 +540,8 @@ class CudaBackend final : public kernels::Backend {
     gemm_pairs(g.o, B * NH, NH, products[1]);  // dd
     const int64_t rows = B * NH * T;
     auto backward_rows = [&](auto* out, const auto* probs) {
-      softmax_backward_rows_kernel<<<row_blocks(rows), kRowThreads>>>(out, dd, probs, s, 0, rows,
-                                                                      d.p, d.key, d.offset);
+      BT_LAUNCH(softmax_backward_rows_kernel, row_blocks(rows), kRowThreads)
+      (out, dd, probs, s, 0, rows, d.p, d.key, d.offset);
     };
     if (f16)
       backward_rows(reinterpret_cast<rm::F16Bits*>(ws.attn_probs16),
@@ -569,8 +570,8 @@ class CudaBackend final : public kernels::Backend {
           s, g.el, q, mask, d, b, ctx,
           [&](const PairProduct& m) { gemm_pairs(g.o, s.B * s.NH, s.NH, m); },
           [&](const BlockRows& r) {
-            blocked_rows_forward_kernel<X><<<row_blocks(r.rows()), kRowThreads>>>(
-                r, static_cast<X*>(b.dropped), lse, b.scores);
+            BT_LAUNCH(blocked_rows_forward_kernel<X>, row_blocks(r.rows()), kRowThreads)
+            (r, static_cast<X*>(b.dropped), lse, b.scores);
             check_launch();
           });
     });
@@ -585,8 +586,8 @@ class CudaBackend final : public kernels::Backend {
           s, g.el, q, dc, mask, d, b, dqkv,
           [&](const PairProduct& m) { gemm_pairs(g.o, s.B * s.NH, s.NH, m); },
           [&](const BlockRows& r) {
-            blocked_rows_backward_kernel<X><<<row_blocks(r.rows()), kRowThreads>>>(
-                r, static_cast<X*>(b.dropped), static_cast<X*>(b.ds), b.scores, b.dd, lse);
+            BT_LAUNCH(blocked_rows_backward_kernel<X>, row_blocks(r.rows()), kRowThreads)
+            (r, static_cast<X*>(b.dropped), static_cast<X*>(b.ds), b.scores, b.dd, lse);
             check_launch();
           });
     });
@@ -724,12 +725,12 @@ class CudaBackend final : public kernels::Backend {
                        float dscale) const override {
     const Op op("squared_error");
     if (N == 0) return 0;
-    float* sq = static_cast<float*>(scratch(kSquaredErrorSlot, N * sizeof(float)));
+    double* sq = static_cast<double*>(scratch(kSquaredErrorSlot, N * sizeof(double)));
     launch(squared_error_kernel, N, dpred, sq, pred, target, N, dscale);
-    std::vector<float> h(N);
-    BT_CUDA_CHECK(cudaMemcpy(h.data(), sq, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    std::vector<double> h(N);
+    BT_CUDA_CHECK(cudaMemcpy(h.data(), sq, h.size() * sizeof(double), cudaMemcpyDeviceToHost));
     double sum = 0;
-    for (float x : h) sum += x;
+    for (double x : h) sum += x;
     return sum;
   }
 

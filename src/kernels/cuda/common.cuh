@@ -15,6 +15,12 @@
                        ":", __LINE__);                                                           \
   } while (0)
 
+// A kernel launch: BT_LAUNCH(kernel, grid, block[, shared bytes, stream])(args...). On a GPU the
+// triple chevrons; the emulated device (cuda_emu/, which C++ compilers build) defines its own.
+#ifndef BT_LAUNCH
+#define BT_LAUNCH(kernel, ...) kernel<<<__VA_ARGS__>>>
+#endif
+
 namespace bertrain::cuda {
 inline cudaStream_t as_stream(void* s) {
   return static_cast<cudaStream_t>(s);

@@ -64,53 +64,55 @@ __global__ void dropout_kernel(float* x, int64_t n, float p, float scale, uint64
 void activation_forward(kernels::Activation a, float* out, const float* inp, int64_t n,
                         void* stream) {
   if (n == 0) return;
-  activation_forward_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(a, out,
-                                                                                         inp, n);
+  BT_LAUNCH(activation_forward_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
+  (a, out, inp, n);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
 void activation_backward(kernels::Activation a, float* dinp, const float* inp, const float* dout,
                          int64_t n, void* stream) {
   if (n == 0) return;
-  activation_backward_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(
-      a, dinp, inp, dout, n);
+  BT_LAUNCH(activation_backward_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
+  (a, dinp, inp, dout, n);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
 void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset, void* stream) {
   if (n == 0 || p <= 0.0f) return;
-  dropout_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(
-      x, n, p, 1.0f / (1.0f - p), key, offset);
+  BT_LAUNCH(dropout_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
+  (x, n, p, 1.0f / (1.0f - p), key, offset);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
 void scale(float* x, int64_t n, float s, void* stream) {
   if (n == 0) return;
-  scale_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(x, n, s);
+  BT_LAUNCH(scale_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))(x, n, s);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
 void widen_from_bf16(float* dst, const uint16_t* src, int64_t n, void* stream) {
   if (n == 0) return;
-  widen_bf16_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(dst, src, n);
+  BT_LAUNCH(widen_bf16_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
+  (dst, src, n);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
 void widen_from_f16(float* dst, const uint16_t* src, int64_t n, void* stream) {
   if (n == 0) return;
-  widen_f16_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(dst, src, n);
+  BT_LAUNCH(widen_f16_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))(dst, src, n);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
 void round_to_bf16(uint16_t* dst, const float* src, int64_t n, void* stream) {
   if (n == 0) return;
-  round_bf16_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(dst, src, n);
+  BT_LAUNCH(round_bf16_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
+  (dst, src, n);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
 void round_to_f16(uint16_t* dst, const float* src, int64_t n, void* stream) {
   if (n == 0) return;
-  round_f16_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(dst, src, n);
+  BT_LAUNCH(round_f16_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))(dst, src, n);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -86,11 +86,12 @@ void param_grads(float* dgamma, float* dbeta, const float* dout, const float* in
   constexpr unsigned kThreads = 256;
   const int64_t chunks = column_chunks(N), per = (N + chunks - 1) / chunks;
   auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, 2 * chunks * C * sizeof(float)));
-  layernorm_param_partials_kernel<<<dim3(blocks_for(C, kThreads), static_cast<unsigned>(chunks)),
-                                    kThreads, 0, s>>>(partial, dout, in, mean, rstd, N, C, per);
+  BT_LAUNCH(layernorm_param_partials_kernel,
+            dim3(blocks_for(C, kThreads), static_cast<unsigned>(chunks)), kThreads, 0, s)
+  (partial, dout, in, mean, rstd, N, C, per);
   BT_CUDA_CHECK(cudaGetLastError());
-  layernorm_param_sum_kernel<<<blocks_for(C, kThreads), kThreads, 0, s>>>(dgamma, dbeta, partial,
-                                                                          chunks, C);
+  BT_LAUNCH(layernorm_param_sum_kernel, blocks_for(C, kThreads), kThreads, 0, s)
+  (dgamma, dbeta, partial, chunks, C);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -99,9 +100,8 @@ void param_grads(float* dgamma, float* dbeta, const float* dout, const float* in
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* gamma,
                        const float* beta, int64_t N, int64_t C, float eps, void* stream) {
   if (N == 0) return;
-  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, as_stream(stream)>>>(
-      out, mean, rstd, const_cast<float*>(inp), nullptr, gamma, beta, N, C, eps, 0.0f, 0, 0,
-      nullptr);
+  BT_LAUNCH(layernorm_forward_kernel, row_blocks(N), kRowThreads, 0, as_stream(stream))
+  (out, mean, rstd, const_cast<float*>(inp), nullptr, gamma, beta, N, C, eps, 0.0f, 0, 0, nullptr);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -110,8 +110,8 @@ void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                 int64_t N, int64_t C, float eps, const kernels::Dropout& d,
                                 void* stream) {
   if (N == 0) return;
-  layernorm_forward_kernel<<<row_blocks(N), kRowThreads, 0, as_stream(stream)>>>(
-      out, mean, rstd, x, residual, gamma, beta, N, C, eps, d.p, d.key, d.offset, d.rows);
+  BT_LAUNCH(layernorm_forward_kernel, row_blocks(N), kRowThreads, 0, as_stream(stream))
+  (out, mean, rstd, x, residual, gamma, beta, N, C, eps, d.p, d.key, d.offset, d.rows);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -122,9 +122,9 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
                                  int64_t B, int64_t T, int64_t C, float eps,
                                  const kernels::Dropout& d, void* stream) {
   if (B * T == 0) return;
-  embedding_layernorm_kernel<<<row_blocks(B * T), kRowThreads, 0, as_stream(stream)>>>(
-      out, sum, mean, rstd, ids, segment, positions, word, position, token_type, gamma, beta, B * T,
-      T, C, eps, d.p, d.key, d.offset, d.rows);
+  BT_LAUNCH(embedding_layernorm_kernel, row_blocks(B * T), kRowThreads, 0, as_stream(stream))
+  (out, sum, mean, rstd, ids, segment, positions, word, position, token_type, gamma, beta, B * T, T,
+   C, eps, d.p, d.key, d.offset, d.rows);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -140,9 +140,9 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
                                 const float* mean, const float* rstd, int64_t N, int64_t C,
                                 bool accumulate_dinp, const kernels::Dropout& d, void* stream) {
   if (N == 0) return;
-  layernorm_backward_kernel<<<row_blocks(N), kRowThreads, 0, as_stream(stream)>>>(
-      dinp, ddropped, dout, in, gamma, mean, rstd, N, C, accumulate_dinp, d.p, d.key, d.offset,
-      d.rows);
+  BT_LAUNCH(layernorm_backward_kernel, row_blocks(N), kRowThreads, 0, as_stream(stream))
+  (dinp, ddropped, dout, in, gamma, mean, rstd, N, C, accumulate_dinp, d.p, d.key, d.offset,
+   d.rows);
   BT_CUDA_CHECK(cudaGetLastError());
   param_grads(dgamma, dbeta, dout, in, mean, rstd, N, C, as_stream(stream));
 }

@@ -188,10 +188,11 @@ void column_sums(float* db, const float* dout, int64_t M, int64_t N, cudaStream_
   constexpr unsigned kThreads = 256;
   const int64_t chunks = column_chunks(M), per = (M + chunks - 1) / chunks;
   auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, chunks * N * sizeof(float)));
-  column_partials_kernel<<<dim3(blocks_for(N, kThreads), static_cast<unsigned>(chunks)), kThreads,
-                           0, s>>>(partial, dout, M, N, per);
+  BT_LAUNCH(column_partials_kernel, dim3(blocks_for(N, kThreads), static_cast<unsigned>(chunks)),
+            kThreads, 0, s)
+  (partial, dout, M, N, per);
   BT_CUDA_CHECK(cudaGetLastError());
-  column_sum_kernel<<<blocks_for(N, kThreads), kThreads, 0, s>>>(db, partial, chunks, N);
+  BT_LAUNCH(column_sum_kernel, blocks_for(N, kThreads), kThreads, 0, s)(db, partial, chunks, N);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -221,8 +222,8 @@ void gemm_pairs(Operands o, int64_t pairs, int64_t NH, const PairProduct& p, voi
   const cudaStream_t s = as_stream(stream);
   auto** ptrs = static_cast<void**>(scratch(kAttentionPointersSlot, 3 * pairs * sizeof(void*)));
   constexpr unsigned kThreads = 256;
-  pair_pointers_kernel<<<blocks_for(pairs, kThreads), kThreads, 0, s>>>(ptrs, pairs, NH, p.a, p.b,
-                                                                        p.c);
+  BT_LAUNCH(pair_pointers_kernel, blocks_for(pairs, kThreads), kThreads, 0, s)
+  (ptrs, pairs, NH, p.a, p.b, p.c);
   BT_CUDA_CHECK(cudaGetLastError());
   cublasHandle_t h = blas_handle();
   BT_CUBLAS_CHECK(cublasSetStream(h, s));
@@ -278,8 +279,8 @@ double gemm_tflops(Operands o, int64_t M, int64_t N, int64_t K, double seconds) 
   const size_t el = fp32_storage(o) ? 4 : 2;
   DeviceBuffer a(M * K * el), b(N * K * el), c(M * N * 4);
   constexpr unsigned kThreads = 256;
-  fill_kernel<<<blocks_for(M * K, kThreads), kThreads>>>(o, a.data(), M * K, 1);
-  fill_kernel<<<blocks_for(N * K, kThreads), kThreads>>>(o, b.data(), N * K, 2);
+  BT_LAUNCH(fill_kernel, blocks_for(M * K, kThreads), kThreads)(o, a.data(), M * K, 1);
+  BT_LAUNCH(fill_kernel, blocks_for(N * K, kThreads), kThreads)(o, b.data(), N * K, 2);
   BT_CUDA_CHECK(cudaGetLastError());
   for (int i = 0; i < 3; ++i) linear_forward(o, c.f32(), a.data(), b.data(), nullptr, M, N, K);
   BT_CUDA_CHECK(cudaDeviceSynchronize());

@@ -244,8 +244,8 @@ void attention_softmax_forward(float* probs, float* dropped, const float* scores
                                const kernels::Dropout& d, void* stream) {
   const int64_t rows = s.B * s.NH * s.T;
   if (rows == 0) return;
-  attention_softmax_kernel<<<row_blocks(rows), kRowThreads, 0, as_stream(stream)>>>(
-      probs, dropped, scores, mask, s, d.p, d.key, d.offset);
+  BT_LAUNCH(attention_softmax_kernel, row_blocks(rows), kRowThreads, 0, as_stream(stream))
+  (probs, dropped, scores, mask, s, d.p, d.key, d.offset);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -256,8 +256,8 @@ void attention_softmax_forward_16(bool f16, uint16_t* probs16, uint16_t* dropped
   const int64_t rows = s.B * s.NH * s.T;
   if (rows == 0) return;
   auto run = [&](auto* probs, auto* dropped) {
-    attention_softmax_kernel<<<row_blocks(rows), kRowThreads, 0, as_stream(stream)>>>(
-        probs, dropped, scores, mask, s, d.p, d.key, d.offset);
+    BT_LAUNCH(attention_softmax_kernel, row_blocks(rows), kRowThreads, 0, as_stream(stream))
+    (probs, dropped, scores, mask, s, d.p, d.key, d.offset);
   };
   if (f16)
     run(reinterpret_cast<rm::F16Bits*>(probs16), reinterpret_cast<rm::F16Bits*>(dropped16));
@@ -271,8 +271,8 @@ void attention_softmax_backward(float* ds, const float* dd, const float* probs,
                                 void* stream) {
   const int64_t rows = s.B * s.NH * s.T;
   if (rows == 0) return;
-  attention_softmax_backward_kernel<<<row_blocks(rows), kRowThreads, 0, as_stream(stream)>>>(
-      ds, dd, probs, s, d.p, d.key, d.offset);
+  BT_LAUNCH(attention_softmax_backward_kernel, row_blocks(rows), kRowThreads, 0, as_stream(stream))
+  (ds, dd, probs, s, d.p, d.key, d.offset);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -284,8 +284,8 @@ kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* 
   if (N == 0) return sums;
   const cudaStream_t s = as_stream(stream);
   auto* row_sums = static_cast<float*>(scratch(kCrossEntropySlot, 2 * N * sizeof(float)));
-  cross_entropy_kernel<<<row_blocks(N), kRowThreads, 0, s>>>(
-      dlogits, row_sums, losses, correct, logits, targets, weights, N, V, dscale);
+  BT_LAUNCH(cross_entropy_kernel, row_blocks(N), kRowThreads, 0, s)
+  (dlogits, row_sums, losses, correct, logits, targets, weights, N, V, dscale);
   BT_CUDA_CHECK(cudaGetLastError());
   std::vector<float> h(2 * N);
   BT_CUDA_CHECK(
@@ -303,7 +303,7 @@ void add_sum_squares(double& sum, const float* g, int64_t n, double scale, void*
   const cudaStream_t s = as_stream(stream);
   const unsigned blocks = reduce_blocks(n);
   double* part = partials();
-  sum_squares_kernel<<<blocks, kThreads, 0, s>>>(part, g, n, scale);
+  BT_LAUNCH(sum_squares_kernel, blocks, kThreads, 0, s)(part, g, n, scale);
   BT_CUDA_CHECK(cudaGetLastError());
   for (double x : download_partials(part, blocks, s)) sum += x;
 }
@@ -311,7 +311,8 @@ void add_sum_squares(double& sum, const float* g, int64_t n, double scale, void*
 void adamw_update(const kernels::AdamwStep& a, float* p, uint16_t* p16, const float* g, float* m,
                   float* v, int64_t n, void* stream) {
   if (n == 0) return;
-  adamw_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(a, p, p16, g, m, v, n);
+  BT_LAUNCH(adamw_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
+  (a, p, p16, g, m, v, n);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -321,7 +322,7 @@ void lamb_moments(const kernels::LambStep& a, const float* p, const float* g, fl
   const cudaStream_t s = as_stream(stream);
   const unsigned blocks = reduce_blocks(n);
   double* part = partials();
-  lamb_moments_kernel<<<blocks, kThreads, 0, s>>>(part, a, p, g, m, v, n);
+  BT_LAUNCH(lamb_moments_kernel, blocks, kThreads, 0, s)(part, a, p, g, m, v, n);
   BT_CUDA_CHECK(cudaGetLastError());
   const std::vector<double> h = download_partials(part, 2 * blocks, s);
   for (unsigned b = 0; b < blocks; ++b) {
@@ -333,8 +334,8 @@ void lamb_moments(const kernels::LambStep& a, const float* p, const float* g, fl
 void lamb_apply(const kernels::LambStep& a, float* p, uint16_t* p16, const float* m, const float* v,
                 int64_t n, float step, void* stream) {
   if (n == 0) return;
-  lamb_apply_kernel<<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(a, p, p16, m, v, n,
-                                                                                 step);
+  BT_LAUNCH(lamb_apply_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
+  (a, p, p16, m, v, n, step);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -345,7 +346,8 @@ void add_sum_squares(double& sum, const float* g, const kernels::TensorSpan* t, 
   const Many w = upload(t, count, nullptr, 0, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
-  sum_squares_many_kernel<<<blocks, kThreads, 0, s>>>(w.partials, g, w.spans, w.chunks, scale);
+  BT_LAUNCH(sum_squares_many_kernel, blocks, kThreads, 0, s)
+  (w.partials, g, w.spans, w.chunks, scale);
   BT_CUDA_CHECK(cudaGetLastError());
   for (double x : download_partials(w.partials, blocks, s)) sum += x;
 }
@@ -357,8 +359,8 @@ void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const fl
   const Many w = upload(t, count, a, sizeof(kernels::AdamwStep), s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
-  adamw_many_kernel<<<blocks, kThreads, 0, s>>>(static_cast<const kernels::AdamwStep*>(w.steps), p,
-                                                p16, g, m, v, w.spans, w.chunks);
+  BT_LAUNCH(adamw_many_kernel, blocks, kThreads, 0, s)
+  (static_cast<const kernels::AdamwStep*>(w.steps), p, p16, g, m, v, w.spans, w.chunks);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -371,8 +373,8 @@ void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const floa
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   const auto* steps = static_cast<const kernels::LambStep*>(w.steps);
   if (blocks > 0) {
-    lamb_moments_many_kernel<<<blocks, kThreads, 0, s>>>(w.partials, steps, p, g, m, v, w.spans,
-                                                         w.chunks);
+    BT_LAUNCH(lamb_moments_many_kernel, blocks, kThreads, 0, s)
+    (w.partials, steps, p, g, m, v, w.spans, w.chunks);
     BT_CUDA_CHECK(cudaGetLastError());
     const std::vector<double> h = download_partials(w.partials, 2 * blocks, s);
     for (unsigned b = 0; b < blocks; ++b) {
@@ -386,8 +388,8 @@ void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const floa
   trust(step.data());
   BT_CUDA_CHECK(cudaMemcpyAsync(w.trust, step.data(), step.size() * sizeof(float),
                                 cudaMemcpyHostToDevice, s));
-  lamb_apply_many_kernel<<<blocks, kThreads, 0, s>>>(steps, w.trust, p, p16, m, v, w.spans,
-                                                     w.chunks);
+  BT_LAUNCH(lamb_apply_many_kernel, blocks, kThreads, 0, s)
+  (steps, w.trust, p, p16, m, v, w.spans, w.chunks);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -400,8 +402,8 @@ void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float
   if (blocks == 0) return;
   BT_CUDA_CHECK(cudaMemcpyAsync(w.trust, step, static_cast<size_t>(count) * sizeof(float),
                                 cudaMemcpyHostToDevice, s));
-  lamb_apply_many_kernel<<<blocks, kThreads, 0, s>>>(static_cast<const kernels::LambStep*>(w.steps),
-                                                     w.trust, p, p16, m, v, w.spans, w.chunks);
+  BT_LAUNCH(lamb_apply_many_kernel, blocks, kThreads, 0, s)
+  (static_cast<const kernels::LambStep*>(w.steps), w.trust, p, p16, m, v, w.spans, w.chunks);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

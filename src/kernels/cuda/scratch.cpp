@@ -17,7 +17,7 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
   auto part = [&](ScratchSlot s) -> int64_t& { return l.part[s]; };
   part(kReductionSlot) = 2 * kReduceBlocks * int64_t{sizeof(double)};
   part(kCrossEntropySlot) = 2 * k.loss_rows * int64_t{sizeof(float)};
-  part(kSquaredErrorSlot) = k.loss_rows * int64_t{sizeof(float)};
+  part(kSquaredErrorSlot) = k.loss_rows * int64_t{sizeof(double)};
   if (attention) {
     // (backend.cu's attention: FP32 scores are the kept probabilities themselves, its dropped
     // ones backward's buffer here; BF16's and FP16's dropped probabilities are their 16-bit

@@ -21,7 +21,7 @@ enum ScratchSlot : int {
   kAttentionDroppedSlot,   // [B, NH, T, T] fp32 dropped probabilities (FP32 backward); blocked:
                            // a block's two operand buffers (dropped probabilities, dS)
   kAttentionGradSlot,      // [B, NH, T, T] fp32 probability gradients; blocked: a block's
-  kSquaredErrorSlot,       // a regression's squared errors: a float a row
+  kSquaredErrorSlot,       // a regression's squared errors: a double a row (the CPU's sum)
   kMatmulWorkspaceSlot,    // cuBLASLt's workspace
   kMultiTensorSlot,        // the optimizer's tensors, chunks, steps and partial sums
   kColumnSumsSlot,         // column sums per chunk of rows (bias and LayerNorm gradients)

@@ -1,0 +1,38 @@
+// Inside the emulated device (cuda_emu/README.md): what the runtime, the BLAS and NCCL parts
+// share. A stream's work runs on its device's executor thread, in the stream's order, after the
+// work it depends on (event waits, the legacy default stream's implicit ordering).
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <stdexcept>
+#include <string>
+
+#include "cuda_runtime.h"
+
+namespace cuda_emu {
+
+// An error found while the device runs work (a kernel's thread, a library call): the device's
+// sticky error from then on, as a GPU's launch failure is, with this message.
+struct Fault : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Queues work on a stream (nullptr: the calling thread's current device's legacy stream).
+cudaError_t enqueue(cudaStream_t s, const char* what, std::function<void()> work);
+
+int current_device();
+
+// "" when [p, p + bytes) lies inside one device allocation, else what is wrong (for a message
+// naming the operand `what`).
+std::string device_range_problem(const void* p, size_t bytes, const char* what);
+
+// Sets the calling thread's last error with a detail that cudaGetErrorString appends.
+cudaError_t set_error(cudaError_t e, const std::string& detail);
+
+// Runs a kernel's grid on the calling (executor) thread: every block, its threads as fibers.
+// Throws Fault naming the kernel, block and thread on a barrier or collective misuse.
+void run_grid(const char* name, dim3 grid, dim3 block, const void* closure,
+              void (*body)(const void*));
+
+}  // namespace cuda_emu
