@@ -12,7 +12,8 @@ import resource
 import time
 
 import torch
-from transformers import BertConfig, BertForPreTraining
+import transformers
+from transformers import AutoModelForPreTraining, BertConfig
 
 ap = argparse.ArgumentParser(description=__doc__)
 ap.add_argument("--model-config", required=True)
@@ -30,9 +31,10 @@ torch.manual_seed(0)
 cfg = BertConfig.from_json_file(a.model_config)
 dev = torch.device(a.device)
 gpu = a.device == "cuda"
-if gpu:
-    cfg._attn_implementation = "sdpa"
-model = BertForPreTraining(cfg).train().to(dev)
+# On a GPU, PyTorch's fused attention (SDPA), asked for the supported way (transformers >= 4.36
+# and 5.x: from_config's attn_implementation); the implementation taken is reported.
+model = AutoModelForPreTraining.from_config(cfg, **({"attn_implementation": "sdpa"} if gpu else {}))
+model = model.train().to(dev)
 B, T, P = a.batch_size, a.seq_len, a.max_predictions
 ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
 mask = torch.ones(B, T, dtype=torch.long, device=dev)
@@ -76,7 +78,8 @@ for _ in range(a.steps):
     times.append(time.perf_counter() - t0)
 t = sorted(times)[len(times) // 2]
 out = {"tokens_per_s": B * T / t, "step_ms": t * 1e3, "precision": a.precision,
-       "torch": torch.__version__, "device": a.device,
+       "torch": torch.__version__, "transformers": transformers.__version__,
+       "attention": getattr(model.config, "_attn_implementation", None), "device": a.device,
        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 if gpu:
     out["gpu"] = torch.cuda.get_device_name()

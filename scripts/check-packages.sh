@@ -7,7 +7,7 @@
 #   1. a CMake configure in a scratch directory, under strace (every file it opens or executes:
 #      find_package configs and whatever they pull in, pkg-config files, compiler probes);
 #   2. the compiler's dependency files (*.o.d) of the build directories given (default: build,
-#      and build-fuzz / build-cuda where they exist): every header the build included;
+#      and build-fuzz / build-cuda / build-emu / build-emu-asan where they exist): every header the build included;
 #   3. their link lines (link.txt): every library given by path or as -lNAME.
 # Each file under /usr, /lib, /bin, /sbin or /etc is mapped to its Debian package (dpkg's file
 # lists, merged-/usr aware); files no package owns (the CUDA toolkit under /usr/local, generated
@@ -36,7 +36,7 @@ while (($#)); do
 done
 if ((${#DIRS[@]} == 0)); then
   DIRS=(build)
-  for d in build-fuzz build-cuda; do [ -d "$d" ] && DIRS+=("$d"); done
+  for d in build-fuzz build-cuda build-emu build-emu-asan; do [ -d "$d" ] && DIRS+=("$d"); done
 fi
 WORK=${CHECK_PACKAGES_DIR:-build/check-packages}
 mkdir -p "$WORK"

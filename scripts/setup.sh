@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(
   build-essential cmake pkg-config clang-format
+  libboost-context-dev              # cuda_emu: the emulated GPU's threads as fibers (scripts/test.sh)
   ccache                            # rebuilds of unchanged sources (ASan, CUDA, fuzz builds) from its cache
   libdnnl-dev                       # oneDNN: GEMM (fp32/bf16), post-op fusion
   ocl-icd-opencl-dev opencl-c-headers # read by oneDNN's CMake config (Debian builds it with OpenCL)

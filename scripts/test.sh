@@ -48,6 +48,27 @@ else
   echo "test: nvcc not found; CUDA backend not built"
 fi
 
+# The CUDA code without a GPU (cuda_emu/README.md): the same .cu files built for the emulated
+# device, and every GPU test run on it (each CUDA kernel against the CPU's, the CUDA backend in
+# every precision, BertModel and train::Step on it, NCCL between two emulated GPUs); then again
+# with the kernels and the emulator under AddressSanitizer + UBSan, so an out-of-bounds access in
+# a kernel fails with a stack (all but the two long training runs, whose kernels the others run). BERTRAIN_SKIP_CUDA_EMU=1 skips.
+if [ "${BERTRAIN_SKIP_CUDA_EMU:-0}" != 1 ]; then
+  GPU_TESTS='^(Cuda(Backend|Model)?|Nccl|NcclDeathTest)\.'
+  echo "test: the CUDA kernels on the emulated device (build-emu)"
+  cmake -S . -B build-emu -DCMAKE_BUILD_TYPE=Release -DBERTRAIN_CUDA_EMU=ON -DBERTRAIN_BENCH=OFF \
+    >/dev/null
+  cmake --build build-emu -j"$(nproc)" --target bertrain_tests >/dev/null
+  ctest --test-dir build-emu --output-on-failure -j"$(nproc)" -R "$GPU_TESTS" --timeout 600
+  echo "test: the CUDA kernels on the emulated device under ASan + UBSan (build-emu-asan)"
+  cmake -S . -B build-emu-asan -DCMAKE_BUILD_TYPE=Release -DBERTRAIN_CUDA_EMU=ON \
+    -DBERTRAIN_SANITIZE_KERNELS=ON -DBERTRAIN_BENCH=OFF >/dev/null
+  cmake --build build-emu-asan -j"$(nproc)" --target bertrain_tests >/dev/null
+  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ctest --test-dir build-emu-asan \
+    --output-on-failure -j"$(nproc)" -R "$GPU_TESTS" \
+    -E 'LossCurveTracksTheCpu|ReduceBucketsWhileBackwardRuns' --timeout 600
+fi
+
 # Every Debian package that configure and the builds above read must be installed by setup.sh
 # (a package installed by hand would otherwise hide a missing line until a fresh machine fails).
 # The self-test: the same trace without oneDNN's OpenCL packages in the list must fail (both:

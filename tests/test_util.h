@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -122,8 +123,12 @@ inline model::Batch task_batch(const model::BertConfig& c) {
   return b;
 }
 
+// A file under tests/: where BERTRAIN_TEST_DATA (the environment's) says, for a test binary run
+// away from the checkout it was built in (scripts/gpu-check.sh on the GPU machine), else the
+// checkout's.
 inline std::string data_path(const std::string& rel) {
-  return std::string(BERTRAIN_TEST_DATA) + "/" + rel;
+  const char* dir = std::getenv("BERTRAIN_TEST_DATA");
+  return std::string(dir && *dir ? dir : BERTRAIN_TEST_DATA) + "/" + rel;
 }
 
 // Passes iff every |got - ref| <= atol + rtol * |ref|, with atol = atol_rel * max|ref| (errors

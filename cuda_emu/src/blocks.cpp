@@ -17,6 +17,7 @@
 #include "runtime.h"
 
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define CUDA_EMU_ASAN 1
 #else
@@ -68,7 +69,13 @@ struct PooledStack {
     s.sp = static_cast<char*>(base) + kGuard + kStack;
     return s;
   }
-  void deallocate(ctx::stack_context& s) noexcept { t_stacks.free.push_back(s); }
+  void deallocate(ctx::stack_context& s) noexcept {
+#if CUDA_EMU_ASAN
+    // (the next thread's frames must not meet this one's redzones)
+    __asan_unpoison_memory_region(static_cast<char*>(s.sp) - s.size, s.size);
+#endif
+    t_stacks.free.push_back(s);
+  }
 };
 
 enum class State { Runnable, AtBarrier, AtCollective, Done };

@@ -346,9 +346,15 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
   return ncclSuccess;
 }
 
-// (The communicator's memory is kept: work queued on a stream may still name it.)
+// (The communicator's memory is kept, and reachable: work queued on a stream may still name it.)
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   if (!comm) return ncclInvalidArgument;
+  {
+    static std::mutex mu;
+    static std::vector<std::unique_ptr<ncclComm>> destroyed;
+    std::lock_guard<std::mutex> lock(mu);
+    destroyed.emplace_back(comm);
+  }
   comm->async = ncclInvalidUsage;
   comm->last_error = "the communicator was destroyed";
   return ncclSuccess;

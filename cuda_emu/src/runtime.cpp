@@ -8,7 +8,7 @@
 //         kernel that reads a copy it never waited for reads what was there before;
 //   eager an operation runs as soon as it is ready: the earliest, so a copy into a buffer that
 //         kernels still read, without a wait for them, overwrites it under them.
-#include <sys/mman.h>
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -382,6 +382,17 @@ void launch_kernel(const char* name, dim3 grid, dim3 block, size_t shared, CUstr
   }
   const cudaError_t e = enqueue(stream, name, [=] { run_grid(name, grid, block, c.get(), body); });
   if (e != cudaSuccess) set_error(e, "");
+}
+
+// The emulated NCCL (libnccl.so.2 beside this library) loaded with the runtime, so that the
+// program's dlopen("libnccl.so.2") finds it, whatever its search path would find first (under
+// ASan, dlopen searches from the sanitizer's library, and a CUDA machine's NCCL is in the cache).
+__attribute__((constructor)) void load_emulated_nccl() {
+  Dl_info self{};
+  if (!dladdr(reinterpret_cast<void*>(&load_emulated_nccl), &self) || !self.dli_fname) return;
+  std::string dir = self.dli_fname;
+  dir = dir.substr(0, dir.rfind('/') + 1);
+  ::dlopen((dir + "libnccl.so.2").c_str(), RTLD_NOW | RTLD_GLOBAL);
 }
 
 }  // namespace cuda_emu
