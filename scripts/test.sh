@@ -52,7 +52,9 @@ fi
 # device, and every GPU test run on it (each CUDA kernel against the CPU's, the CUDA backend in
 # every precision, BertModel and train::Step on it, NCCL between two emulated GPUs); then again
 # with the kernels and the emulator under AddressSanitizer + UBSan, so an out-of-bounds access in
-# a kernel fails with a stack (all but the two long training runs, whose kernels the others run). BERTRAIN_SKIP_CUDA_EMU=1 skips.
+# a kernel fails with a stack (all but the two long training runs, whose kernels the others run),
+# and the device running its streams' work as early as it may instead of as late.
+# BERTRAIN_SKIP_CUDA_EMU=1 skips both.
 if [ "${BERTRAIN_SKIP_CUDA_EMU:-0}" != 1 ]; then
   GPU_TESTS='^(Cuda(Backend|Model)?|Nccl|NcclDeathTest)\.'
   echo "test: the CUDA kernels on the emulated device (build-emu)"
@@ -64,7 +66,9 @@ if [ "${BERTRAIN_SKIP_CUDA_EMU:-0}" != 1 ]; then
   cmake -S . -B build-emu-asan -DCMAKE_BUILD_TYPE=Release -DBERTRAIN_CUDA_EMU=ON \
     -DBERTRAIN_SANITIZE_KERNELS=ON -DBERTRAIN_BENCH=OFF >/dev/null
   cmake --build build-emu-asan -j"$(nproc)" --target bertrain_tests >/dev/null
-  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ctest --test-dir build-emu-asan \
+  # (with the other schedule: each operation as early as its stream allows; cuda_emu/README.md)
+  CUDA_EMU_SCHEDULE=eager UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ctest \
+    --test-dir build-emu-asan \
     --output-on-failure -j"$(nproc)" -R "$GPU_TESTS" \
     -E 'LossCurveTracksTheCpu|ReduceBucketsWhileBackwardRuns' --timeout 600
 fi

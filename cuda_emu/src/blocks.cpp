@@ -6,10 +6,13 @@
 // lane missing from a collective, a source lane outside the mask, threads waiting for each other
 // forever) stops the kernel with a Fault naming the kernel, block, threads and why: what a GPU
 // leaves undefined, or hangs on.
+#include <signal.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <boost/context/fiber.hpp>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -426,8 +429,50 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
   return l.result;
 }
 
+namespace {
+
+// A kernel thread that touches an address it may not (a GPU's "illegal address"): the kernel,
+// block and thread named on stderr, then the signal goes on to the handler before ours
+// (AddressSanitizer's report, or the default: the process ends).
+struct sigaction g_previous_segv, g_previous_bus;
+
+void on_fault(int sig, siginfo_t* info, void* context) {
+  if (const Lane* l = t_lane) {
+    char line[512];
+    const int n = std::snprintf(
+        line, sizeof line,
+        "cuda_emu: %s, block (%u,%u,%u), thread %d: invalid memory access at %p (a GPU reports "
+        "an illegal address)\n",
+        t_block ? t_block->name : "?", l->index.block.x, l->index.block.y, l->index.block.z,
+        l->linear, info->si_addr);
+    if (n > 0) (void)!::write(2, line, static_cast<size_t>(std::min<int>(n, sizeof line - 1)));
+  }
+  const struct sigaction& prev = sig == SIGSEGV ? g_previous_segv : g_previous_bus;
+  if (prev.sa_flags & SA_SIGINFO && prev.sa_sigaction) return prev.sa_sigaction(sig, info, context);
+  if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN && prev.sa_handler)
+    return prev.sa_handler(sig);
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+void install_fault_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction a;
+    std::memset(&a, 0, sizeof a);
+    a.sa_sigaction = on_fault;
+    a.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&a.sa_mask);
+    ::sigaction(SIGSEGV, &a, &g_previous_segv);
+    ::sigaction(SIGBUS, &a, &g_previous_bus);
+  });
+}
+
+}  // namespace
+
 void run_grid(const char* name, dim3 grid, dim3 block, const void* closure,
               void (*body)(const void*)) {
+  install_fault_handler();
   std::lock_guard<std::mutex> lock(g_kernel_mu);
   Block b(name, grid, block, closure, body);
   Block* outer = t_block;
