@@ -56,7 +56,7 @@ fi
 # and the device running its streams' work as early as it may instead of as late.
 # BERTRAIN_SKIP_CUDA_EMU=1 skips both.
 if [ "${BERTRAIN_SKIP_CUDA_EMU:-0}" != 1 ]; then
-  GPU_TESTS='^(Cuda(Backend|Model)?|Nccl|NcclDeathTest)\.'
+  GPU_TESTS='^(Cuda(Backend|Model|Emu)?|Nccl|NcclDeathTest)\.'
   echo "test: the CUDA kernels on the emulated device (build-emu)"
   cmake -S . -B build-emu -DCMAKE_BUILD_TYPE=Release -DBERTRAIN_CUDA_EMU=ON -DBERTRAIN_BENCH=OFF \
     >/dev/null

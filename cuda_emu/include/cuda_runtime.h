@@ -77,6 +77,8 @@ cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device);
 cudaError_t cudaDeviceGetPCIBusId(char* bus, int len, int device);
 cudaError_t cudaDeviceSynchronize();
+// Waits for the device, then clears its sticky error (a GPU's context is destroyed).
+cudaError_t cudaDeviceReset();
 cudaError_t cudaMemGetInfo(size_t* free, size_t* total);
 cudaError_t cudaRuntimeGetVersion(int* version);
 cudaError_t cudaDriverGetVersion(int* version);

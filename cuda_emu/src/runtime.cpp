@@ -448,6 +448,17 @@ cudaError_t cudaDeviceSynchronize() {
   return cuda_emu::current_dev().synchronize();
 }
 
+cudaError_t cudaDeviceReset() {
+  if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
+  Device& d = cuda_emu::current_dev();
+  d.synchronize();
+  std::lock_guard<std::mutex> lock(d.mu);
+  d.sticky = cudaSuccess;
+  d.message.clear();
+  cuda_emu::t_last = cudaSuccess;
+  return cudaSuccess;
+}
+
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   Device& d = cuda_emu::current_dev();

@@ -1,0 +1,244 @@
+// The emulated device itself (cuda_emu/README.md), built only with -DBERTRAIN_CUDA_EMU=ON: the
+// built-in indices of a 2-D grid of 2-D blocks, shared memory and barriers, the warp collectives'
+// values, and the misuses a GPU leaves undefined or hangs on, each a launch failure whose
+// message names the kernel, the block and the threads; the streams' order under the late
+// schedule; launch and copy errors. A failed kernel's device is reset (cudaDeviceReset) so the
+// next test starts clean.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+
+template <class T>
+struct Buffer {
+  T* d = nullptr;
+  size_t n;
+  explicit Buffer(size_t count) : n(count) {
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&d), n * sizeof(T)), cudaSuccess);
+  }
+  ~Buffer() { cudaFree(d); }
+  std::vector<T> host() const {
+    std::vector<T> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+// The device's error after the kernels queued so far, its message, and the device reset.
+std::string failure_of_queued_work() {
+  const cudaError_t e = cudaDeviceSynchronize();
+  std::string what = e == cudaSuccess ? "" : cudaGetErrorString(e);
+  EXPECT_EQ(e, cudaErrorLaunchFailure) << what;
+  EXPECT_EQ(cudaDeviceReset(), cudaSuccess);
+  return what;
+}
+
+// out[global thread] = its block and thread indices, and the block's sum of threadIdx.x + y
+// through shared memory and a barrier.
+__global__ void indices_kernel(int* out, int* sums) {
+  __shared__ int part[64];
+  const int t = threadIdx.y * blockDim.x + threadIdx.x;
+  const int b = blockIdx.y * gridDim.x + blockIdx.x;
+  const int g = b * blockDim.x * blockDim.y + t;
+  out[4 * g] = blockIdx.x;
+  out[4 * g + 1] = blockIdx.y;
+  out[4 * g + 2] = threadIdx.x;
+  out[4 * g + 3] = threadIdx.y;
+  part[t] = threadIdx.x + threadIdx.y;
+  __syncthreads();
+  if (t == 0) {
+    int s = 0;
+    for (unsigned k = 0; k < blockDim.x * blockDim.y; ++k) s += part[k];
+    sums[b] = s;
+  }
+}
+
+TEST(CudaEmu, IndicesSharedMemoryAndBarriers) {
+  const dim3 grid(3, 2), block(8, 4);
+  Buffer<int> out(6 * 32 * 4), sums(6);
+  BT_LAUNCH(indices_kernel, grid, block)(out.d, sums.d);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const auto h = out.host();
+  for (int b = 0; b < 6; ++b)
+    for (int t = 0; t < 32; ++t) {
+      const int g = b * 32 + t;
+      ASSERT_EQ(h[4 * g], b % 3) << g;
+      ASSERT_EQ(h[4 * g + 1], b / 3) << g;
+      ASSERT_EQ(h[4 * g + 2], t % 8) << g;
+      ASSERT_EQ(h[4 * g + 3], t / 8) << g;
+    }
+  for (int s : sums.host()) EXPECT_EQ(s, 4 * (0 + 7) * 8 / 2 + 8 * (0 + 3) * 4 / 2);
+}
+
+// Each lane's value is its lane number; out[6 lane + k] = the collectives' results.
+__global__ void collectives_kernel(int* out) {
+  const int lane = threadIdx.x % 32;
+  int* o = out + 6 * threadIdx.x;
+  o[0] = __shfl_xor_sync(kFull, lane, 5);
+  o[1] = __shfl_sync(kFull, lane, 7);
+  o[2] = __shfl_up_sync(kFull, lane, 3);
+  o[3] = __shfl_down_sync(kFull, lane, 3);
+  o[4] = static_cast<int>(__ballot_sync(kFull, lane % 3 == 0));
+  o[5] = __any_sync(kFull, lane == 31) + 2 * __all_sync(kFull, lane < 31);
+}
+
+TEST(CudaEmu, WarpCollectivesHaveTheirSemantics) {
+  Buffer<int> out(64 * 6);
+  BT_LAUNCH(collectives_kernel, 1, 64)(out.d);
+  const auto h = out.host();
+  unsigned ballot = 0;
+  for (int j = 0; j < 32; j += 3) ballot |= 1u << j;
+  for (int t = 0; t < 64; ++t) {
+    const int lane = t % 32;
+    const int* o = h.data() + 6 * t;
+    EXPECT_EQ(o[0], lane ^ 5) << t;
+    EXPECT_EQ(o[1], 7) << t;
+    EXPECT_EQ(o[2], lane >= 3 ? lane - 3 : lane) << t;  // below the warp: its own value
+    EXPECT_EQ(o[3], lane + 3 < 32 ? lane + 3 : lane) << t;
+    EXPECT_EQ(static_cast<unsigned>(o[4]), ballot) << t;
+    EXPECT_EQ(o[5], 1) << t;  // any: lane 31; all: not lane 31
+  }
+}
+
+// Lanes 16..31 return before the shuffle their partners wait in.
+__global__ void early_exit_kernel(float* x) {
+  if (threadIdx.x % 32 >= 16) return;
+  x[threadIdx.x] = __shfl_xor_sync(kFull, x[threadIdx.x], 1);
+}
+
+TEST(CudaEmu, ALaneThatExitsBeforeACollectiveStopsTheKernel) {
+  Buffer<float> x(32);
+  BT_LAUNCH(early_exit_kernel, 1, 32)(x.d);
+  const std::string e = failure_of_queued_work();
+  EXPECT_NE(e.find("early_exit_kernel, block (0,0,0): thread 0 (warp 0, lane 0) waits in "
+                   "__shfl_xor_sync with mask 0xffffffff for thread 16 (warp 0, lane 16), which "
+                   "exited"),
+            std::string::npos)
+      << e;
+}
+
+// Lane 0 reads lane 16, which its mask leaves out.
+__global__ void outside_mask_kernel(float* x) {
+  if (threadIdx.x >= 16) return;
+  x[threadIdx.x] = __shfl_xor_sync(0x0000ffffu, x[threadIdx.x], 16);
+}
+
+TEST(CudaEmu, ASourceLaneOutsideTheMaskStopsTheKernel) {
+  Buffer<float> x(32);
+  BT_LAUNCH(outside_mask_kernel, 1, 32)(x.d);
+  const std::string e = failure_of_queued_work();
+  EXPECT_NE(e.find("reads lane 16, which the mask 0x0000ffff does not name"), std::string::npos)
+      << e;
+}
+
+// Thread 0 returns before the barrier every other thread waits at.
+__global__ void divergent_barrier_kernel(float* x) {
+  if (threadIdx.x == 0) return;
+  x[threadIdx.x] = 1.0f;
+  __syncthreads();
+}
+
+TEST(CudaEmu, ABarrierAThreadNeverReachesStopsTheKernel) {
+  Buffer<float> x(64);
+  BT_LAUNCH(divergent_barrier_kernel, 2, 64)(x.d);
+  const std::string e = failure_of_queued_work();
+  EXPECT_NE(e.find("divergent_barrier_kernel, block (0,0,0): thread 1 (warp 0, lane 1) waits at "
+                   "__syncthreads, which thread 0 (warp 0, lane 0) never reaches"),
+            std::string::npos)
+      << e;
+}
+
+// Even lanes shuffle with the full mask, odd ones with a mask that leaves lane 0 out.
+__global__ void mismatched_masks_kernel(float* x) {
+  const unsigned mask = threadIdx.x % 2 ? 0xfffffffeu : kFull;
+  x[threadIdx.x] = __shfl_xor_sync(mask, x[threadIdx.x], 2);
+}
+
+TEST(CudaEmu, LanesInCollectivesOfDifferentMasksStopTheKernel) {
+  Buffer<float> x(32);
+  BT_LAUNCH(mismatched_masks_kernel, 1, 32)(x.d);
+  const std::string e = failure_of_queued_work();
+  EXPECT_NE(e.find("mismatched_masks_kernel, block (0,0,0): thread 0 (warp 0, lane 0) is in "
+                   "__shfl_xor_sync with mask 0xffffffff while thread 1 (warp 0, lane 1) is in "
+                   "__shfl_xor_sync with mask 0xfffffffe"),
+            std::string::npos)
+      << e;
+}
+
+__global__ void fill_kernel(float* x, float v, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = v;
+}
+
+TEST(CudaEmu, AnInvalidLaunchIsTheLastErrorAndQueuesNothing) {
+  Buffer<float> x(4);
+  BT_LAUNCH(fill_kernel, 1, 2048)(x.d, 1.0f, 4);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // not sticky
+  BT_LAUNCH(fill_kernel, 0, 32)(x.d, 1.0f, 4);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+TEST(CudaEmu, CopiesPastAnAllocationAreRefused) {
+  Buffer<float> x(4);
+  std::vector<float> h(8, 1.0f);
+  EXPECT_EQ(cudaMemcpy(x.d, h.data(), 8 * sizeof(float), cudaMemcpyHostToDevice),
+            cudaErrorInvalidValue);
+  const std::string e = cudaGetErrorString(cudaErrorInvalidValue);
+  EXPECT_NE(e.find("its destination runs 16 bytes past its allocation of 16 bytes"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(cudaMemcpy(h.data(), x.d, 4, cudaMemcpyHostToDevice), cudaErrorInvalidValue);
+  cudaGetLastError();
+}
+
+TEST(CudaEmu, NewDeviceMemoryReadsAsNaN) {
+  Buffer<float> x(3);
+  for (float v : x.host()) EXPECT_TRUE(v != v);
+}
+
+// A kernel on one stream after a copy on another: without an event between them it reads what
+// was there before (the late schedule runs the copy only when something waits for it); with
+// cudaStreamWaitEvent it reads the copy.
+TEST(CudaEmu, StreamsAreOrderedOnlyByWhatTheyWaitFor) {
+  const char* s = std::getenv("CUDA_EMU_SCHEDULE");
+  if (s && std::strcmp(s, "late") != 0)
+    GTEST_SKIP() << "the late schedule's order (set: " << s << ")";
+  Buffer<float> src(1), dst(1);
+  float* pinned = nullptr;
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&pinned), sizeof(float), cudaHostAllocDefault),
+            cudaSuccess);
+  BT_LAUNCH(fill_kernel, 1, 1)(src.d, 0.0f, 1);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaStream_t copies;
+  cudaEvent_t copied;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&copies, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming), cudaSuccess);
+  for (bool wait : {false, true}) {
+    *pinned = wait ? 2.0f : 1.0f;
+    ASSERT_EQ(cudaMemcpyAsync(src.d, pinned, sizeof(float), cudaMemcpyHostToDevice, copies),
+              cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(copied, copies), cudaSuccess);
+    if (wait) {
+      ASSERT_EQ(cudaStreamWaitEvent(nullptr, copied, 0), cudaSuccess);
+    }
+    ASSERT_EQ(cudaMemcpyAsync(dst.d, src.d, sizeof(float), cudaMemcpyDeviceToDevice, nullptr),
+              cudaSuccess);
+    EXPECT_EQ(dst.host()[0], wait ? 2.0f : 0.0f) << (wait ? "waited" : "did not wait");
+    ASSERT_EQ(cudaStreamSynchronize(copies), cudaSuccess);
+    EXPECT_EQ(src.host()[0], wait ? 2.0f : 1.0f);
+  }
+  cudaEventDestroy(copied);
+  cudaStreamDestroy(copies);
+  cudaFreeHost(pinned);
+}
+
+}  // namespace
