@@ -154,9 +154,12 @@ PY
     # on the real memory system), where the toolkit is there.
     CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
     t=$(limit 90 "compute-sanitizer")
-    if [ -z "$CS" ] || ! command -v nvidia-smi >/dev/null; then
-      echo "gpu-check: memcheck not run (${CS:+no GPU here}${CS:-no compute-sanitizer here})"
-      SKIPPED+=("memcheck (${CS:+no GPU here}${CS:-no compute-sanitizer here})")
+    why=""
+    [ -z "$CS" ] && why="no compute-sanitizer here"
+    command -v nvidia-smi >/dev/null || why="no GPU here"
+    if [ -n "$why" ]; then
+      echo "gpu-check: memcheck not run ($why)"
+      SKIPPED+=("memcheck ($why)")
     elif [ "$t" -gt 0 ]; then
       ours timeout "$t" "$CS" --tool memcheck --error-exitcode 9 "$TESTS" \
         --gtest_filter='Cuda.LayerNorm*:Cuda.Attention*:Cuda.CrossEntropy*:Cuda.Optimizer*:CudaBackend.Attention*' \

@@ -1,6 +1,8 @@
 #include "train/step.h"
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <vector>
@@ -15,6 +17,24 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
+
+// A rank's sums over a step's micro-batches, summed over the ranks in one allreduce with the
+// gradients' phase (doubles only: the struct travels as an array).
+struct StepStats {
+  double loss = 0, mlm_correct = 0, mlm_weight = 0, nsp_correct = 0, cls_correct = 0;
+  double examples = 0;
+  double nonfinite_losses = 0;  // micro-batches whose loss was not finite
+  double grad_sum_squares = 0;  // sharded optimizer: the squared gradient norm of this rank's part
+  double real_tokens = 0, computed_tokens = 0, token_slots = 0;
+
+  static constexpr size_t kCount = 11;
+  void allreduce_sum(comm::Communicator& c) {
+    auto a = std::bit_cast<std::array<double, kCount>>(*this);
+    c.allreduce_sum(a.data(), static_cast<int64_t>(kCount));
+    *this = std::bit_cast<StepStats>(a);
+  }
+};
+static_assert(sizeof(StepStats) == StepStats::kCount * sizeof(double));
 }  // namespace
 
 ShardedMasterGather::ShardedMasterGather(const model::BertModel& m, std::vector<int64_t> counts)
@@ -149,10 +169,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
   r.loss_scale = scaler_.scale();
   if (reducer_) reducer_->set_prescale(g.prescale);
   m_.zero_grads();
-  // Per rank: loss sum, MLM hits and weight, NSP and classification hits, examples, whether
-  // some micro-batch's loss was not finite, (sharded) the squared gradient norm of its part, the
-  // real and the computed tokens, the token positions.
-  double stats[11] = {};
+  StepStats stats;
   for (int64_t micro = 0; micro < s_.accumulation; ++micro) {
     model::Batch& batch = batches_[cur_];
     auto t0 = Clock::now();
@@ -176,16 +193,16 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
     m_.backend().synchronize();  // a GPU's phases end when its kernels have run
     r.t_forward += since(t0);
     span("forward", "compute", t0);
-    stats[0] += l.loss;
-    stats[1] += l.mlm_correct;
-    stats[2] += l.mlm_weight;
-    stats[3] += static_cast<double>(l.nsp_correct);
-    stats[4] += static_cast<double>(l.cls_correct);
-    stats[5] += static_cast<double>(batch.B);
-    if (!std::isfinite(l.loss)) stats[6] += 1;
-    stats[8] += static_cast<double>(l.real_tokens);
-    stats[9] += static_cast<double>(l.computed_tokens);
-    stats[10] += static_cast<double>(batch.token_slots());
+    stats.loss += l.loss;
+    stats.mlm_correct += l.mlm_correct;
+    stats.mlm_weight += l.mlm_weight;
+    stats.nsp_correct += static_cast<double>(l.nsp_correct);
+    stats.cls_correct += static_cast<double>(l.cls_correct);
+    stats.examples += static_cast<double>(batch.B);
+    if (!std::isfinite(l.loss)) stats.nonfinite_losses += 1;
+    stats.real_tokens += static_cast<double>(l.real_tokens);
+    stats.computed_tokens += static_cast<double>(l.computed_tokens);
+    stats.token_slots += static_cast<double>(batch.token_slots());
     r.flops += m_.last_step_flops();
     t0 = Clock::now();
     const bool last = micro + 1 == s_.accumulation;
@@ -233,35 +250,37 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
   // Sum over ranks; the step's statistics travel in the same phase.
   auto t0 = Clock::now();
   reduce(g, r);
-  stats[0] /= static_cast<double>(s_.accumulation);
+  stats.loss /= static_cast<double>(s_.accumulation);
   const bool sharded = opt_.sharded();
   m_.bind_kernel_scratch();  // the optimizer's reductions take their partial sums from it
-  if (sharded) stats[7] = opt_.sum_squares(m_.grads(), g.unscale);  // of this rank's part
-  if (world > 1) comm_.allreduce_sum(stats, 11);                    // stats[7] is 0 unsharded
+  if (sharded) stats.grad_sum_squares = opt_.sum_squares(m_.grads(), g.unscale);  // its part
+  if (world > 1) stats.allreduce_sum(comm_);  // (grad_sum_squares: 0 unsharded)
   r.t_comm = since(t0);
   span("allreduce gradients", "communication", t0);
-  r.loss = stats[0] / world;
-  r.mlm_correct = stats[1];
-  r.mlm_weight = stats[2];
-  r.nsp_correct = stats[3];
-  r.cls_correct = stats[4];
-  r.examples = stats[5];
-  r.real_tokens = stats[8];
-  r.computed_tokens = stats[9];
-  r.token_slots = stats[10];
+  r.loss = stats.loss / world;
+  r.mlm_correct = stats.mlm_correct;
+  r.mlm_weight = stats.mlm_weight;
+  r.nsp_correct = stats.nsp_correct;
+  r.cls_correct = stats.cls_correct;
+  r.examples = stats.examples;
+  r.real_tokens = stats.real_tokens;
+  r.computed_tokens = stats.computed_tokens;
+  r.token_slots = stats.token_slots;
 
   // Finite check on every rank (all skip together), then the update.
   t0 = Clock::now();
   // Sharded: the norm of every part, summed with the statistics (the same value on every rank;
   // a NaN or inf anywhere makes it non-finite everywhere).
-  const StepResult measured = sharded ? opt_.result(stats[7]) : opt_.measure(m_.grads(), g.unscale);
+  const StepResult measured =
+      sharded ? opt_.result(stats.grad_sum_squares) : opt_.measure(m_.grads(), g.unscale);
   const bool finite = world > 1 && !sharded ? comm_.all(measured.finite) : measured.finite;
   r.grad_norm = measured.grad_norm;
   // A non-finite loss with finite gradients (an overflowing cross-entropy whose softmax
   // gradient stays bounded) would train on silently in fp32/bf16; fp16's scaler handles both.
-  if (finite && stats[6] > 0 && !scaler_.enabled())
+  if (finite && stats.nonfinite_losses > 0 && !scaler_.enabled())
     fail("step ", step, ": the loss is not finite",
-         world > 1 ? str(" on ", stats[6], " micro-batch(es) of ", world, " ranks") : std::string(),
+         world > 1 ? str(" on ", stats.nonfinite_losses, " micro-batch(es) of ", world, " ranks")
+                   : std::string(),
          "; lower ", setting("lr"), " or raise ", setting("warmup"),
          " and resume from the last good checkpoint", hint);
   r.applied = scaler_.update(finite, step);  // fails after too many skips, or at once in fp32
