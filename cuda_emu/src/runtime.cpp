@@ -246,7 +246,8 @@ Device& device(int i) {
 
 thread_local int t_device = 0;
 thread_local cudaError_t t_last = cudaSuccess;
-thread_local std::string t_detail;
+thread_local std::string t_detail;  // what the thread's latest error of t_detail_code was
+thread_local cudaError_t t_detail_code = cudaSuccess;
 
 Device& current_dev() {
   return device(t_device);
@@ -328,6 +329,7 @@ cudaError_t check_copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
 cudaError_t set_error(cudaError_t e, const std::string& detail) {
   t_last = e;
   t_detail = detail;
+  t_detail_code = e;
   return e;
 }
 
@@ -492,74 +494,37 @@ cudaError_t cudaPeekAtLastError() {
   return d.sticky;
 }
 
+namespace {
+struct ErrorText {
+  cudaError_t code;
+  const char *name, *text;
+};
+constexpr ErrorText kErrors[] = {
+    {cudaSuccess, "cudaSuccess", "no error"},
+    {cudaErrorInvalidValue, "cudaErrorInvalidValue", "invalid argument"},
+    {cudaErrorMemoryAllocation, "cudaErrorMemoryAllocation", "out of memory"},
+    {cudaErrorInvalidConfiguration, "cudaErrorInvalidConfiguration",
+     "invalid configuration argument"},
+    {cudaErrorNoDevice, "cudaErrorNoDevice", "no CUDA-capable device is detected"},
+    {cudaErrorInvalidDevice, "cudaErrorInvalidDevice", "invalid device ordinal"},
+    {cudaErrorInvalidResourceHandle, "cudaErrorInvalidResourceHandle", "invalid resource handle"},
+    {cudaErrorNotReady, "cudaErrorNotReady", "device not ready"},
+    {cudaErrorLaunchFailure, "cudaErrorLaunchFailure", "unspecified launch failure"},
+    {cudaErrorUnknown, "cudaErrorUnknown", "unknown error"},
+};
+const ErrorText& error_text(cudaError_t e) {
+  for (const ErrorText& t : kErrors)
+    if (t.code == e) return t;
+  return kErrors[std::size(kErrors) - 1];
+}
+}  // namespace
+
 const char* cudaGetErrorName(cudaError_t e) {
-  switch (e) {
-    case cudaSuccess:
-      return "cudaSuccess";
-    case cudaErrorInvalidValue:
-      return "cudaErrorInvalidValue";
-    case cudaErrorMemoryAllocation:
-      return "cudaErrorMemoryAllocation";
-    case cudaErrorInvalidConfiguration:
-      return "cudaErrorInvalidConfiguration";
-    case cudaErrorNoDevice:
-      return "cudaErrorNoDevice";
-    case cudaErrorInvalidDevice:
-      return "cudaErrorInvalidDevice";
-    case cudaErrorInvalidResourceHandle:
-      return "cudaErrorInvalidResourceHandle";
-    case cudaErrorNotReady:
-      return "cudaErrorNotReady";
-    case cudaErrorLaunchFailure:
-      return "cudaErrorLaunchFailure";
-    default:
-      return "cudaErrorUnknown";
-  }
+  return error_text(e).name;
 }
 
 const char* cudaGetErrorString(cudaError_t e) {
-  static const char* const texts[] = {"no error",
-                                      "invalid argument",
-                                      "out of memory",
-                                      "invalid configuration argument",
-                                      "no CUDA-capable device",
-                                      "invalid device ordinal",
-                                      "invalid resource handle",
-                                      "device not ready",
-                                      "unspecified launch failure",
-                                      "unknown error"};
-  const char* text = texts[9];
-  switch (e) {
-    case cudaSuccess:
-      text = texts[0];
-      break;
-    case cudaErrorInvalidValue:
-      text = texts[1];
-      break;
-    case cudaErrorMemoryAllocation:
-      text = texts[2];
-      break;
-    case cudaErrorInvalidConfiguration:
-      text = texts[3];
-      break;
-    case cudaErrorNoDevice:
-      text = texts[4];
-      break;
-    case cudaErrorInvalidDevice:
-      text = texts[5];
-      break;
-    case cudaErrorInvalidResourceHandle:
-      text = texts[6];
-      break;
-    case cudaErrorNotReady:
-      text = texts[7];
-      break;
-    case cudaErrorLaunchFailure:
-      text = texts[8];
-      break;
-    default:
-      break;
-  }
+  const char* text = error_text(e).text;
   // With the detail of what failed: the device's fault, or the call's own.
   thread_local std::string out;
   std::string detail;
@@ -567,7 +532,7 @@ const char* cudaGetErrorString(cudaError_t e) {
     Device& d = cuda_emu::current_dev();
     std::lock_guard<std::mutex> lock(d.mu);
     detail = d.message;
-  } else if (e == cuda_emu::t_last || cuda_emu::t_last == cudaSuccess) {
+  } else if (e == cuda_emu::t_detail_code) {
     detail = cuda_emu::t_detail;
   }
   out = detail.empty() ? text : std::string(text) + " (emulated device: " + detail + ")";
