@@ -103,9 +103,10 @@ struct BenchResult {
 
 void add_bench(CLI::App& app) {
   struct Opts {
-    std::string config, head = "pretraining", precision = "fp32", attention = "auto",
-                        recompute = "none", data, padding = "skip", device = "cpu";
-    int64_t batch = 8, seq = 128, preds = 20, pack = 0;
+    ShapeOpts shape{8};
+    std::string precision = "fp32", attention = "auto", recompute = "none", data, padding = "skip",
+                device = "cpu";
+    int64_t pack = 0;
     int steps = 5, warmup = 2, threads = 0;
     bool json = false;
   };
@@ -113,14 +114,7 @@ void add_bench(CLI::App& app) {
   auto* c = app.add_subcommand(
       "bench",
       "Time full training steps (forward, backward, AdamW) on synthetic or prepared batches");
-  c->add_option("--model-config", o->config, "HuggingFace config.json of the model")->required();
-  c->add_option("--batch-size", o->batch, "Sequences per step")->capture_default_str();
-  c->add_option("--seq-len", o->seq, "Tokens per sequence")->capture_default_str();
-  c->add_option("--max-predictions", o->preds, "Masked LM predictions per sequence")
-      ->capture_default_str();
-  c->add_option("--head", o->head,
-                "pretraining, classification, token-classification or question-answering")
-      ->capture_default_str();
+  add_shape_options(c, o->shape, "Sequences per step");
   c->add_option("--data", o->data,
                 "Prepared pretraining TFRecords (glob(s), comma-separated) to take the batches "
                 "from, with their real lengths (default: synthetic batches of full length)");
@@ -152,9 +146,9 @@ void add_bench(CLI::App& app) {
   c->add_flag("--json", o->json, "Print one JSON object per run with the results");
   c->callback([o] {
     set_threads(o->threads);
-    model::BertConfig cfg = model::BertConfig::load(o->config);
-    const model::Head head = parse_head(o->head);
-    const int64_t P = head == model::Head::Pretraining ? o->preds : 0;
+    model::BertConfig cfg = model::BertConfig::load(o->shape.config);
+    const model::Head head = parse_head(o->shape.head);
+    const int64_t P = head == model::Head::Pretraining ? o->shape.preds : 0;
     const train::Precision prec = train::parse_precision(o->precision);
     const bool bf16 = prec == train::Precision::BF16, fp16 = prec == train::Precision::FP16;
     std::vector<Mode> modes;
@@ -173,8 +167,8 @@ void add_bench(CLI::App& app) {
     // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
     // below is the training run's, not this probe's. On a GPU, cuBLASLt's.
     const double peak =
-        obs::measure_gemm_peak_gflops(be, o->batch * o->seq, cfg.intermediate_size, cfg.hidden_size,
-                                      train::kernel_precision(prec), 1.0);
+        obs::measure_gemm_peak_gflops(be, o->shape.batch * o->shape.seq, cfg.intermediate_size,
+                                      cfg.hidden_size, train::kernel_precision(prec), 1.0);
     // What the process holds before the training run exists: the libraries (oneDNN, OpenMP,
     // MPI, protobuf, the C++ runtime) and their own state.
     const double baseline = resident_bytes();
@@ -184,13 +178,15 @@ void add_bench(CLI::App& app) {
     const int warmup =
         o->data.empty() ? o->warmup : (std::max(o->warmup, 1) + o->steps - 1) / o->steps * o->steps;
     const std::vector<model::Batch> batches =
-        o->data.empty() ? std::vector<model::Batch>{synthetic_batch(cfg, o->batch, o->seq, P, 7)}
-                        : data_batches(o->data, o->batch, o->seq, P, cfg, n_batches);
+        o->data.empty()
+            ? std::vector<model::Batch>{synthetic_batch(cfg, o->shape.batch, o->shape.seq, P, 7)}
+            : data_batches(o->data, o->shape.batch, o->shape.seq, P, cfg, n_batches);
 
     // Packed: as many packed batches, each holding more instances than rows.
     const std::vector<model::Batch> packed =
-        o->pack > 0 ? data_batches(o->data, o->batch, o->seq, P, cfg, n_batches, o->pack)
-                    : std::vector<model::Batch>{};
+        o->pack > 0
+            ? data_batches(o->data, o->shape.batch, o->shape.seq, P, cfg, n_batches, o->pack)
+            : std::vector<model::Batch>{};
 
     auto measure = [&](Mode mode) {
       const bool unpadded = mode != Mode::Padded;
@@ -201,12 +197,12 @@ void add_bench(CLI::App& app) {
       // run below adds nothing to it when it runs padded (tests/test_memory.cpp).
       const int64_t unplanned_before = kernels::unplanned_scratch_bytes();
       model::ModelDims dims = train::with_precision(
-          {o->batch, o->seq, P, false, model::parse_attention(o->attention)}, prec);
+          {o->shape.batch, o->shape.seq, P, false, model::parse_attention(o->attention)}, prec);
       apply_recompute(o->recompute, dims);
       dims.unpadded = unpadded;
       if (mode == Mode::Packed) {
-        dims.batch = o->batch * o->pack;
-        dims.pack_rows = o->batch;
+        dims.batch = o->shape.batch * o->pack;
+        dims.pack_rows = o->shape.batch;
       }
       plan::check_device_fits(cfg, head, dims, 2, 1, be);
       model::BertModel m(cfg, head, dims, be);
@@ -265,8 +261,8 @@ void add_bench(CLI::App& app) {
         std::printf(
             "bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %s attention%s, %d+%d "
             "steps\n",
-            o->config.c_str(), describe(cfg).c_str(), (long long)o->batch, (long long)o->seq,
-            omp_get_max_threads(), o->precision.c_str(),
+            o->shape.config.c_str(), describe(cfg).c_str(), (long long)o->shape.batch,
+            (long long)o->shape.seq, omp_get_max_threads(), o->precision.c_str(),
             m.dims().blocked_attention() ? "blocked" : "full",
             m.dims().recompute_layers ? ", layers recomputed" : "", warmup, o->steps);
         std::printf("  %s\n", obs::device_description(be).c_str());
@@ -292,9 +288,9 @@ void add_bench(CLI::App& app) {
       const double tokens = r.real_tokens / r.seconds;
       if (o->json) {
         nlohmann::json j = {
-            {"config", o->config},
-            {"batch", o->batch},
-            {"seq_len", o->seq},
+            {"config", o->shape.config},
+            {"batch", o->shape.batch},
+            {"seq_len", o->shape.seq},
             {"threads", omp_get_max_threads()},
             {"precision", o->precision},
             {"padding", mode_name(r.mode)},

@@ -14,23 +14,15 @@ namespace bertrain::cli {
 
 void add_estimate(CLI::App& app) {
   struct Opts {
-    std::string config, head = "pretraining", budget, precision = "fp32", attention = "auto",
-                        recompute = "none", device = "cpu";
-    int64_t batch = 32, seq = 128, preds = 20;
+    ShapeOpts shape{32};
+    std::string budget, precision = "fp32", attention = "auto", recompute = "none", device = "cpu";
     int slots = 2, ranks = 1;
     bool shard = false, explain = false;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand(
       "estimate", "Print the memory plan of a training run; pick the batch size for a budget");
-  c->add_option("--model-config", o->config, "HuggingFace config.json of the model")->required();
-  c->add_option("--batch-size", o->batch, "Sequences per step per rank")->capture_default_str();
-  c->add_option("--seq-len", o->seq, "Tokens per sequence")->capture_default_str();
-  c->add_option("--max-predictions", o->preds, "Masked LM predictions per sequence")
-      ->capture_default_str();
-  c->add_option("--head", o->head,
-                "pretraining, classification, token-classification or question-answering")
-      ->capture_default_str();
+  add_shape_options(c, o->shape, "Sequences per step per rank");
   c->add_option("--optimizer-slots", o->slots,
                 "fp32 optimizer states per parameter (AdamW/LAMB: 2)")
       ->capture_default_str();
@@ -57,12 +49,12 @@ void add_estimate(CLI::App& app) {
                 "a GPU is visible")
       ->capture_default_str();
   c->callback([o] {
-    model::BertConfig cfg = model::BertConfig::load(o->config);
-    model::Head head = parse_head(o->head);
-    model::ModelDims d =
-        train::with_precision({o->batch, o->seq, head == model::Head::Pretraining ? o->preds : 0,
-                               false, model::parse_attention(o->attention)},
-                              train::parse_precision(o->precision));
+    model::BertConfig cfg = model::BertConfig::load(o->shape.config);
+    model::Head head = parse_head(o->shape.head);
+    model::ModelDims d = train::with_precision(
+        {o->shape.batch, o->shape.seq, head == model::Head::Pretraining ? o->shape.preds : 0, false,
+         model::parse_attention(o->attention)},
+        train::parse_precision(o->precision));
     apply_recompute(o->recompute, d);
     const int shard_world = o->shard ? o->ranks : 1;
     const kernels::Target& target = device_target(o->device);
@@ -76,7 +68,7 @@ void add_estimate(CLI::App& app) {
     model::ParamTable table(cfg, head);
     int64_t nparams = 0;
     for (const auto& p : table.params()) nparams += p.numel();
-    std::printf("model     %s (%s, %s, %.1fM parameters)\n", o->config.c_str(),
+    std::printf("model     %s (%s, %s, %.1fM parameters)\n", o->shape.config.c_str(),
                 describe(cfg).c_str(), model::head_architecture(head), nparams / 1e6);
     std::printf(
         "run       batch %lld x seq %lld, %lld predictions, %s, %d optimizer slots%s, %s "

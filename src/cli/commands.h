@@ -39,6 +39,12 @@ struct DistOptions {
   double stall_timeout = 60;
 };
 void add_dist_options(CLI::App* c);  // --allreduce, --compression, --stall-timeout
+// The process's communicator, made on first use: MPI when an MPI launcher started us (with the
+// --allreduce, --compression and --stall-timeout given), else a single process.
+comm::Communicator& communicator();
+// That communicator if it was made (else null), and its end (MPI_Finalize) before exit.
+comm::Communicator* existing_communicator();
+void release_communicator();
 // The communicator a model's gradients go through: the job's (MPI under mpirun) for a model in
 // host memory; for a model on a GPU with several ranks, NCCL over the job's ranks (comm/nccl.h),
 // made once, before the model allocates (it picks the rank's GPU).
@@ -57,6 +63,15 @@ struct TaskOpts {
 void add_task_options(CLI::App* c, TaskOpts& t);
 
 // Shared option helpers.
+// --model-config, --batch-size, --seq-len, --max-predictions and --head: the model and batch a
+// command plans or times (bench, estimate); the batch's default and help are the command's.
+struct ShapeOpts {
+  explicit ShapeOpts(int64_t default_batch) : batch(default_batch) {}
+  int64_t batch;
+  std::string config, head = "pretraining";
+  int64_t seq = 128, preds = 20;
+};
+void add_shape_options(CLI::App* c, ShapeOpts& s, const char* batch_help);
 // pretraining, classification, token-classification or question-answering
 model::Head parse_head(const std::string& s);
 void add_attention_option(CLI::App* c, std::string& attention);  // --attention auto|full|blocked
