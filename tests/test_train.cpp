@@ -606,6 +606,59 @@ TEST(Train, DocumentedErrors) {
   EXPECT_EQ(file_bytes(good + "/model.safetensors"), before);
 }
 
+// Checkpoint writes cut short by SIGKILL (preemption, the OOM killer) leave their staging
+// directories; the next run in that directory removes those of this host's writers that are gone
+// (a bare pid: an older bertrain's), leaves another host's and a live writer's alone, and says
+// so in its banner, as it says when --resume finds nothing to resume. A first checkpoint that
+// cannot be written says there was none before it instead of naming an empty one.
+TEST(Train, AbandonedCheckpointWritesAreRemovedAndAnEmptyResumeSaysSo) {
+  TrainEnv env;
+  comm::SingleProcess comm;
+  TrainConfig c = env.cfg("abandoned", 2);
+  c.resume = true;
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  waitpid(child, nullptr, 0);  // a pid whose process is gone
+  const std::string dir = c.output, gone = std::to_string(child);
+  const std::vector<std::string> removed = {dir + "/.checkpoint-4.tmp-" + host + "-" + gone,
+                                            dir + "/.checkpoint-3.tmp-" + gone},
+                                 kept = {dir + "/.checkpoint-5.tmp-otherhost-" + gone,
+                                         dir + "/.checkpoint-6.tmp-" + host + "-" +
+                                             std::to_string(getpid())};
+  for (const auto& d : removed) std::filesystem::create_directories(d + "/part");
+  for (const auto& d : kept) std::filesystem::create_directories(d);
+  const std::string banner = Trainer(c, comm).banner();
+  for (const auto& d : removed) {
+    EXPECT_FALSE(std::filesystem::exists(d)) << d;
+    EXPECT_NE(banner.find("removed " + d + ": a checkpoint write whose process is gone"),
+              std::string::npos)
+        << banner;
+  }
+  for (const auto& d : kept) EXPECT_TRUE(std::filesystem::exists(d)) << d;
+  EXPECT_NE(banner.find("--resume: " + dir + " holds no checkpoint yet: starting fresh"),
+            std::string::npos)
+      << banner;
+  // The first checkpoint, its file cut by a file size limit.
+  c = env.cfg("first", 2);
+  struct rlimit old {
+  }, lim{};
+  getrlimit(RLIMIT_FSIZE, &old);
+  lim = old;
+  lim.rlim_cur = 64 * 1024;
+  auto handler = std::signal(SIGXFSZ, SIG_IGN);
+  setrlimit(RLIMIT_FSIZE, &lim);
+  const std::string e = error_of([&] { train(c, comm); });
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, handler);
+  EXPECT_NE(e.find("could not save checkpoint"), std::string::npos) << e;
+  EXPECT_NE(e.find(c.output + " holds no earlier checkpoint (this was its first)"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(e.find("intact ()"), std::string::npos) << e;
+}
+
 // The sharded optimizer's state in a checkpoint loads on any number of ranks: parts saved by 4,
 // 3, 2 ranks or whole, loaded into 1, 2, 3 or 4 parts (every moment lands at its parameter);
 // a missing shard file or another optimizer's state is an error that says which.

@@ -1,5 +1,9 @@
 #include "train/run_state.h"
 
+#include <signal.h>
+
+#include <cerrno>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -228,6 +232,57 @@ void load_optimizer_state(const std::string& dir, Optimizer& opt) {
          opt.total(), " (a shard file is missing)");
 }
 
+namespace {
+
+std::string host_name() {
+  char h[256] = {};
+  ::gethostname(h, sizeof h - 1);
+  return h;
+}
+
+// A staging directory's writer: ".checkpoint-N.tmp-<host>-<pid>" (the name's tail).
+std::string writer_tag(const std::string& host, pid_t pid) {
+  return host + "-" + std::to_string(pid);
+}
+
+// What a failed save leaves: the checkpoint before it, or that there is none.
+std::string previous_checkpoint_line(const std::string& run_dir) {
+  std::string previous;
+  try {
+    previous = resolve_checkpoint(run_dir);
+  } catch (const Error&) {
+  }
+  return previous.empty() ? str("; ", run_dir, " holds no earlier checkpoint (this was its first)")
+                          : str("; the previous checkpoint is intact (", previous, ")");
+}
+
+}  // namespace
+
+std::vector<std::string> remove_abandoned_checkpoint_writes(const std::string& run_dir) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  if (!fs::is_directory(run_dir, ec)) return removed;
+  const std::string here = host_name();
+  for (const auto& e : fs::directory_iterator(run_dir, ec)) {
+    const std::string n = e.path().filename().string();
+    const size_t tmp = n.rfind(".tmp-");
+    if (n.rfind(".checkpoint-", 0) != 0 || tmp == std::string::npos || !e.is_directory()) continue;
+    // This host's writers only (<host>-<pid>; a bare <pid>: an older bertrain's, on this host).
+    const std::string tag = n.substr(tmp + 5);
+    const size_t dash = tag.rfind('-');
+    const std::string host = dash == std::string::npos ? here : tag.substr(0, dash);
+    const std::string pid_text = dash == std::string::npos ? tag : tag.substr(dash + 1);
+    if (host != here || pid_text.empty() ||
+        pid_text.find_first_not_of("0123456789") != std::string::npos)
+      continue;
+    const auto pid = static_cast<pid_t>(std::stol(pid_text));
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;  // still there
+    fs::remove_all(e.path(), ec);
+    if (!ec) removed.push_back(e.path().string());
+  }
+  return removed;
+}
+
 std::string save_checkpoint(const std::string& run_dir, const model::BertModel& m,
                             const Optimizer& opt, const TrainerState& st, int keep,
                             comm::Communicator* comm) {
@@ -239,8 +294,8 @@ std::string save_checkpoint(const std::string& run_dir, const model::BertModel& 
   const std::string final_dir = (fs::path(run_dir) / name).string();
   // Shards: every rank writes into the same staging directory, so its name is the same on all.
   const std::string tmp_dir =
-      (fs::path(run_dir) /
-       ("." + name + ".tmp-" + (shards ? std::string("shards") : std::to_string(::getpid()))))
+      (fs::path(run_dir) / ("." + name + ".tmp-" +
+                            (shards ? std::string("shards") : writer_tag(host_name(), ::getpid()))))
           .string();
   // Every rank learns whether every rank succeeded; the first error is rethrown on its rank
   // and named on the others.
@@ -250,7 +305,7 @@ std::string save_checkpoint(const std::string& run_dir, const model::BertModel& 
     if (lead) fs::remove_all(tmp_dir, ec);
     fail("could not save checkpoint ", final_dir, ": ",
          error.empty() ? str("another rank failed to ", what) : error,
-         "; the previous checkpoint is intact (", resolve_checkpoint(run_dir), ")");
+         previous_checkpoint_line(run_dir));
   };
   if (lead) {
     fs::create_directories(run_dir, ec);

@@ -59,6 +59,11 @@ std::vector<std::string> optimizer_state_files(const std::string& dir);
 std::string save_optimizer_state(const std::string& dir, const Optimizer& opt,
                                  const float* master = nullptr);
 
+// The staging directories of checkpoint writes that never finished (.checkpoint-N.tmp-HOST-PID,
+// whose writer on this host is gone: killed mid-write by SIGKILL, preemption, the OOM killer),
+// removed; returns their paths. Another host's, and a live writer's, are left alone.
+std::vector<std::string> remove_abandoned_checkpoint_writes(const std::string& run_dir);
+
 // The checkpoint directory `path` names: a checkpoint itself, or a run directory (its latest).
 // Empty if a run directory has no checkpoint yet.
 std::string resolve_checkpoint(const std::string& path);

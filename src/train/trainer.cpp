@@ -170,8 +170,9 @@ struct Trainer::State {
   data::PipelinePosition position;
   // Every rank's epoch plans (a resume on another rank count): saved with the positions.
   std::vector<std::vector<data::EpochPlan>> plans_of_rank;
-  std::string regrid_note;  // what such a resume did with the batch and the data (banner)
-  std::string tuning_note;  // what autotune measured and chose, or kept (banner)
+  std::string regrid_note;   // what such a resume did with the batch and the data (banner)
+  std::string startup_note;  // abandoned checkpoint writes removed, a --resume with nothing
+  std::string tuning_note;   // what autotune measured and chose, or kept (banner)
   std::string resumed_from, last_ck;
   std::unique_ptr<data::Pipeline> pipe;
   obs::Timeline tl;
@@ -317,7 +318,13 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
 // (ModelDims::bf16). fp16: it keeps activations in fp16 (ModelDims::fp16), and the dynamic loss
 // scaler skips steps whose loss or gradients left the fp16 range.
 void Trainer::State::resume_or_init() {
+  // Checkpoint writes killed before they finished leave their staging directories: gone now.
+  if (rank == 0)
+    for (const std::string& d : remove_abandoned_checkpoint_writes(cfg.output))
+      startup_note += str("  removed ", d, ": a checkpoint write whose process is gone\n");
   const std::string ck = cfg.resume ? resolve_checkpoint(cfg.output) : "";
+  if (cfg.resume && ck.empty())
+    startup_note += str("  --resume: ", cfg.output, " holds no checkpoint yet: starting fresh\n");
   if (!ck.empty()) {
     TrainerState st = load_checkpoint(ck, m, &opt);
     // On another number of ranks the per-rank batch and the accumulation may change (the
@@ -595,6 +602,7 @@ std::string Trainer::banner() const {
           : std::string(),
       ", input bound ", human_bytes(static_cast<double>(s.pipe->memory_bound_bytes())), "\n");
   out += s.regrid_note;
+  out += s.startup_note;
   out += s.tuning_note;
   out += str("  ", obs::device_description(backend_of(cfg)), "\n");
   if (bf16 && !kernels::bf16_speed_note().empty())
