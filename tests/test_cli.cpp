@@ -30,6 +30,18 @@ RunResult run(const std::string& args) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
 
+// --version names the build (version, commit, build type), the kernels' instruction sets, the
+// CUDA build and the libraries this process runs with, one line each.
+TEST(Cli, VersionNamesTheBuildAndItsLibraries) {
+  RunResult r = run("--version");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  for (const char* want :
+       {"bertrain 0.1.0 (commit ", " build)\n", "\n  kernels  avx512, avx2 and", "this CPU ",
+        "\n  CUDA     ", "\n  oneDNN   ", "\n  MPI      ", "\n  NCCL     "})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << " in\n" << r.out;
+  EXPECT_EQ(r.out.find("unknown (not a git checkout)"), std::string::npos) << r.out;
+}
+
 TEST(Cli, HelpForEverySubcommand) {
   RunResult r = run("--help");
   EXPECT_EQ(r.rc, 0);

@@ -62,6 +62,10 @@ struct TaskOpts {
 };
 void add_task_options(CLI::App* c, TaskOpts& t);
 
+// bertrain --version: version, commit, build type, the kernels' ISAs, the CUDA build, and the
+// oneDNN, MPI and NCCL this process runs with.
+std::string version_text();
+
 // Shared option helpers.
 // --model-config, --batch-size, --seq-len, --max-predictions and --head: the model and batch a
 // command plans or times (bench, estimate); the batch's default and help are the command's.

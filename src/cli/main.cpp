@@ -17,7 +17,9 @@ int main(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"bertrain: pre-train and fine-tune BERT fast on CPUs, on one machine or many."};
   app.require_subcommand(1);
-  app.set_version_flag("--version", "bertrain 0.1.0");
+  app.set_version_flag(
+      "--version", std::function<std::string()>(bertrain::cli::version_text),
+      "Print the version, the commit, the build and the libraries found, and exit");
   bertrain::cli::add_estimate(app);
   bertrain::cli::add_plan(app);
   bertrain::cli::add_init(app);
