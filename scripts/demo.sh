@@ -35,6 +35,9 @@ rm -rf "$OUT"
 mkdir -p "$OUT"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
+echo; echo "== what this binary is: the build, and the libraries it runs with here"
+$BT --version
+
 echo; echo "== 1. prepare: the CLUE corpus sample (2500 Chinese documents), 100 documents held out"
 awk -v RS= -v ORS='\n\n' -v out="$OUT" 'NR <= 2400 {print > out "/train.txt"} NR > 2400 {print > out "/heldout.txt"}' \
   data/corpus/zh_CLUECorpusSmall_bert_sampled.txt
@@ -104,7 +107,8 @@ for p in fp32 bf16; do
   $BT estimate --model-config configs/bert-base.json --batch-size 32 --seq-len 128 --shard-optimizer --ranks 8 \
     --precision $p | grep -E "^run|^  parameters|^  optimizer|^  total"
 done
-echo "-- and on a GPU (no GPU needed to plan one): BERT-Large phase 2 in bf16, what an 80 GiB GPU fits:"
+echo "-- and on a GPU (no GPU needed to plan one; the CUDA kernels themselves run on an emulated device"
+echo "   in the test command, cuda_emu/README.md): BERT-Large phase 2 in bf16, what an 80 GiB GPU fits:"
 $BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512 --max-predictions 80 \
   --precision bf16 --device cuda --memory-budget 80GiB | grep -E "^run|^memory|^  [a-z0-9]+ +[0-9.]+ [KMG]iB$|^budget"
 echo "-- the blocked attention kernel (auto from 512 tokens) keeps only the row log-sum-exp; the full one keeps [B,heads,T,T]:"
