@@ -10,6 +10,7 @@
 
 #include <csignal>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -118,6 +119,21 @@ struct TrainEnv {
     return c;
   }
 };
+
+// f's error with every file it writes limited to `bytes` (a full disk on save, simulated).
+std::string error_with_file_limit(rlim_t bytes, const std::function<void()>& f) {
+  struct rlimit old {
+  }, lim{};
+  getrlimit(RLIMIT_FSIZE, &old);
+  lim = old;
+  lim.rlim_cur = bytes;
+  auto handler = std::signal(SIGXFSZ, SIG_IGN);
+  setrlimit(RLIMIT_FSIZE, &lim);
+  const std::string e = error_of(f);
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, handler);
+  return e;
+}
 
 std::string file_bytes(const std::string& p) {
   std::ifstream in(p, std::ios::binary);
@@ -590,16 +606,7 @@ TEST(Train, DocumentedErrors) {
   bad = c;
   bad.resume = true;
   bad.steps = 6;
-  struct rlimit old {
-  }, lim{};
-  getrlimit(RLIMIT_FSIZE, &old);
-  lim = old;
-  lim.rlim_cur = 64 * 1024;
-  auto handler = std::signal(SIGXFSZ, SIG_IGN);
-  setrlimit(RLIMIT_FSIZE, &lim);
-  e = error_of([&] { train(bad, comm); });
-  setrlimit(RLIMIT_FSIZE, &old);
-  std::signal(SIGXFSZ, handler);
+  e = error_with_file_limit(64 * 1024, [&] { train(bad, comm); });
   EXPECT_NE(e.find("could not save checkpoint"), std::string::npos) << e;
   EXPECT_NE(e.find("the previous checkpoint is intact"), std::string::npos) << e;
   EXPECT_EQ(resolve_checkpoint(c.output), good);
@@ -642,16 +649,7 @@ TEST(Train, AbandonedCheckpointWritesAreRemovedAndAnEmptyResumeSaysSo) {
       << banner;
   // The first checkpoint, its file cut by a file size limit.
   c = env.cfg("first", 2);
-  struct rlimit old {
-  }, lim{};
-  getrlimit(RLIMIT_FSIZE, &old);
-  lim = old;
-  lim.rlim_cur = 64 * 1024;
-  auto handler = std::signal(SIGXFSZ, SIG_IGN);
-  setrlimit(RLIMIT_FSIZE, &lim);
-  const std::string e = error_of([&] { train(c, comm); });
-  setrlimit(RLIMIT_FSIZE, &old);
-  std::signal(SIGXFSZ, handler);
+  const std::string e = error_with_file_limit(64 * 1024, [&] { train(c, comm); });
   EXPECT_NE(e.find("could not save checkpoint"), std::string::npos) << e;
   EXPECT_NE(e.find(c.output + " holds no earlier checkpoint (this was its first)"),
             std::string::npos)
