@@ -189,6 +189,12 @@ struct Device {
     return s->issued;
   }
 
+  // The sequence number of the stream's latest operation.
+  uint64_t tail(Stream* s) {
+    std::lock_guard<std::mutex> lock(mu);
+    return s->issued;
+  }
+
   // Until the stream has run through `seq`: the device's sticky error, if any.
   cudaError_t wait(Stream* s, uint64_t seq) {
     std::unique_lock<std::mutex> lock(mu);
@@ -681,12 +687,7 @@ cudaError_t cudaStreamCreate(cudaStream_t* s) {
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
   if (!s) return set_error(cudaErrorInvalidResourceHandle, "the legacy stream is not destroyed");
   Device& d = *s->s.device;
-  uint64_t issued = 0;
-  {
-    std::lock_guard<std::mutex> lock(d.mu);
-    issued = s->s.issued;
-  }
-  d.wait(&s->s, issued);  // its work completes first, as a GPU's does
+  d.wait(&s->s, d.tail(&s->s));  // its work completes first, as a GPU's does
   {
     std::lock_guard<std::mutex> lock(d.mu);
     d.streams.erase(std::find(d.streams.begin(), d.streams.end(), &s->s));
@@ -698,23 +699,13 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   cuda_emu::Stream* st = cuda_emu::stream_of(s);
-  uint64_t issued = 0;
-  {
-    std::lock_guard<std::mutex> lock(st->device->mu);
-    issued = st->issued;
-  }
-  return st->device->wait(st, issued);
+  return st->device->wait(st, st->device->tail(st));
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t s) {
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   cuda_emu::Stream* st = cuda_emu::stream_of(s);
-  uint64_t issued = 0;
-  {
-    std::lock_guard<std::mutex> lock(st->device->mu);
-    issued = st->issued;
-  }
-  return st->device->query(st, issued);
+  return st->device->query(st, st->device->tail(st));
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
