@@ -254,6 +254,28 @@ class OwnMemoryBackend final : public Backend {
     own(region, "kernel scratch");
     cpu().bind_scratch(region, l);
   }
+  // The device it stands for is the host's: the CPU's facts, ceiling and conversions.
+  int64_t unplanned_scratch_bytes() const override { return cpu().unplanned_scratch_bytes(); }
+  std::string description() const override { return "own memory on " + cpu().description(); }
+  std::string device_name() const override { return cpu().device_name(); }
+  double gemm_peak_gflops(Precision p, int64_t M, int64_t N, int64_t K,
+                          double seconds) const override {
+    return cpu().gemm_peak_gflops(p, M, N, K, seconds);
+  }
+  void round_to_16(Precision p, uint16_t* dst, const float* src, int64_t n,
+                   void* queue) const override {
+    const Open open(*this);
+    cpu().round_to_16(p, dst, src, n, queue);
+  }
+  void widen_from_16(Precision p, float* dst, const uint16_t* src, int64_t n,
+                     void* queue) const override {
+    const Open open(*this);
+    cpu().widen_from_16(p, dst, src, n, queue);
+  }
+  void scale_on(float* x, int64_t n, float s, void* queue) const override {
+    const Open open(*this);
+    cpu().scale_on(x, n, s, queue);
+  }
   void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias, int64_t M,
                       int64_t N, int64_t K, const Workspace& ws) const override {
     const Open open(*this);

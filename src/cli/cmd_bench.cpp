@@ -20,9 +20,6 @@
 #include "core/setting.h"
 #include "data/pipeline.h"
 #include "data/schema.h"
-#include "kernels/cpu/matmul.h"
-#include "kernels/cpu/scratch.h"
-#include "obs/gemm_peak.h"
 #include "plan/memory.h"
 #include "train/optimizer.h"
 #include "train/precision.h"
@@ -150,7 +147,7 @@ void add_bench(CLI::App& app) {
     const model::Head head = parse_head(o->shape.head);
     const int64_t P = head == model::Head::Pretraining ? o->shape.preds : 0;
     const train::Precision prec = train::parse_precision(o->precision);
-    const bool bf16 = prec == train::Precision::BF16, fp16 = prec == train::Precision::FP16;
+    const bool fp16 = prec == train::Precision::FP16;
     std::vector<Mode> modes;
     if (o->padding == "both")
       modes = {Mode::Padded, Mode::Unpadded};
@@ -167,8 +164,8 @@ void add_bench(CLI::App& app) {
     // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
     // below is the training run's, not this probe's. On a GPU, cuBLASLt's.
     const double peak =
-        obs::measure_gemm_peak_gflops(be, o->shape.batch * o->shape.seq, cfg.intermediate_size,
-                                      cfg.hidden_size, train::kernel_precision(prec), 1.0);
+        be.gemm_peak_gflops(train::kernel_precision(prec), o->shape.batch * o->shape.seq,
+                            cfg.intermediate_size, cfg.hidden_size, 1.0);
     // What the process holds before the training run exists: the libraries (oneDNN, OpenMP,
     // MPI, protobuf, the C++ runtime) and their own state.
     const double baseline = resident_bytes();
@@ -195,7 +192,7 @@ void add_bench(CLI::App& app) {
       res.mode = mode;
       // Kernel scratch taken outside a model's plan so far (the probe's GEMM scratchpad): the
       // run below adds nothing to it when it runs padded (tests/test_memory.cpp).
-      const int64_t unplanned_before = kernels::unplanned_scratch_bytes();
+      const int64_t unplanned_before = be.unplanned_scratch_bytes();
       model::ModelDims dims = train::with_precision(
           {o->shape.batch, o->shape.seq, P, false, model::parse_attention(o->attention)}, prec);
       apply_recompute(o->recompute, dims);
@@ -256,7 +253,7 @@ void add_bench(CLI::App& app) {
       if (const auto dm = be.device_memory())
         res.device_used = static_cast<double>(dm->total - dm->free);
       res.allocated = static_cast<double>(m.allocated_bytes() + optimizer.allocated_bytes());
-      res.unplanned = kernels::unplanned_scratch_bytes() - unplanned_before;
+      res.unplanned = be.unplanned_scratch_bytes() - unplanned_before;
       if (!o->json && modes.front() == mode) {
         std::printf(
             "bench: %s (%s), batch %lld x seq %lld, %d threads, %s, %s attention%s, %d+%d "
@@ -265,9 +262,10 @@ void add_bench(CLI::App& app) {
             (long long)o->shape.seq, omp_get_max_threads(), o->precision.c_str(),
             m.dims().blocked_attention() ? "blocked" : "full",
             m.dims().recompute_layers ? ", layers recomputed" : "", warmup, o->steps);
-        std::printf("  %s\n", obs::device_description(be).c_str());
-        if (bf16 && !kernels::bf16_speed_note().empty())
-          std::printf("  %s\n", kernels::bf16_speed_note().c_str());
+        std::printf("  %s\n", kernels::device_line(be).c_str());
+        if (const std::string note = be.precision_note(train::kernel_precision(prec));
+            !note.empty())
+          std::printf("  %s\n", note.c_str());
         std::printf("  data       %s\n",
                     o->data.empty()
                         ? "synthetic, every sequence full length (no padding)"
@@ -298,7 +296,7 @@ void add_bench(CLI::App& app) {
             {"cpu", cpu_model_name()},
             {"device", be.name()},
             {"isa", isa_name(cpu_isa())},
-            {"gemm_isa", kernels::gemm_isa_name()},
+            {"device_description", be.description()},
             {"tokens_per_s", tokens},
             {"computed_tokens_per_s", r.computed_tokens / r.seconds},
             {"real_token_fraction", r.real_tokens / r.padded_tokens},
@@ -308,7 +306,7 @@ void add_bench(CLI::App& app) {
             {"step_ms", step * 1e3},
             {"gflops", gflops},
             {"gemm_peak_gflops", peak},
-            {"gemm_operands", obs::gemm_operands(be, train::kernel_precision(prec))},
+            {"gemm_operands", kernels::gemm_operands(be, train::kernel_precision(prec))},
             {"mfu", gflops / peak},
             {"peak_rss_bytes", r.rss},
             {"baseline_rss_bytes", baseline},
@@ -338,7 +336,7 @@ void add_bench(CLI::App& app) {
       std::printf(
           "  compute    %8.1f GFLOP/s model FLOPs computed; %s GEMM ceiling measured now %.1f "
           "GFLOP/s; utilisation %.0f%%\n",
-          gflops, obs::gemm_operands(be, train::kernel_precision(prec)), peak,
+          gflops, kernels::gemm_operands(be, train::kernel_precision(prec)), peak,
           100.0 * gflops / peak);
       if (gpu)
         std::printf(

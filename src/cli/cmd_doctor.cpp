@@ -16,16 +16,12 @@
 #include "comm/mpi.h"
 #include "core/error.h"
 #include "core/isa.h"
-#include "kernels/cpu/matmul.h"
+#include "kernels/backend.h"
 #include "model/checkpoint.h"
 #include "model/params.h"
 #include "obs/doctor.h"
 #include "obs/report.h"
 #include "train/run_state.h"
-
-#ifdef BERTRAIN_CUDA
-#include "kernels/cuda/cuda.h"
-#endif
 
 namespace bertrain::cli {
 
@@ -52,7 +48,6 @@ double memory_bytes() {
   return 0;
 }
 
-#ifndef BERTRAIN_CUDA
 bool on_path(const std::string& exe) {
   const char* path = std::getenv("PATH");
   if (!path) return false;
@@ -65,7 +60,6 @@ bool on_path(const std::string& exe) {
   }
   return false;
 }
-#endif
 
 // Bytes of one checkpoint (its files) in a run directory, 0 when none.
 double checkpoint_bytes(const std::string& run) {
@@ -79,13 +73,14 @@ double checkpoint_bytes(const std::string& run) {
 
 void environment(comm::Communicator& comm, const std::string& run) {
   std::printf("doctor: this machine\n");
-  line("ok", "cpu", kernels::cpu_description());
+  const kernels::Backend& cpu = kernels::cpu_backend();
+  line("ok", "cpu", cpu.description());
   line("ok", "fp32", "runs everywhere");
-  if (!kernels::gemm_bf16_available())
+  if (!cpu.runs(kernels::Precision::BF16))
     line("warn", "bf16",
          "not available: oneDNN has no bf16 matmul on this CPU (it needs AVX-512); "
          "train with --precision fp32 or fp16");
-  else if (!cpu_has_avx512_bf16())
+  else if (!cpu.precision_note(kernels::Precision::BF16).empty())
     line("warn", "bf16",
          "emulated (no AVX-512 BF16): 0.25-0.4x fp32's speed measured; "
          "--precision fp16 saves the same memory at fp32's speed here");
@@ -154,27 +149,27 @@ void environment(comm::Communicator& comm, const std::string& run) {
                disk < 2 * ck ? ": room for less than two more; free space or lower --keep-last"
                              : ""));
   }
-#ifdef BERTRAIN_CUDA
-  const int gpus = cuda::device_count();
-  line(gpus > 0 ? "ok" : "info", "gpu",
-       gpus > 0 ? str(gpus, " CUDA device(s), the first a ", cuda::device_name())
-                : "no CUDA device visible: training runs on CPUs");
-  if (gpus > 0) {
-    // The ceiling GPU utilisation is measured against, on the first device (as the CPU's above).
-    const int64_t n = 8192;
-    const double bf16 = cuda::gemm_tflops(cuda::Operands::BF16, n, n, n, 0.5),
-                 f32 = cuda::gemm_tflops(cuda::Operands::FP32, n, n, n, 0.5);
-    char rates[96];
-    std::snprintf(rates, sizeof rates, "%.1f TFLOP/s bf16, %.1f fp32", bf16, f32);
-    line("info", "gpu gemm",
-         str(rates, " (cuBLASLt, ", n, "^3, pseudo-random operands, measured now)"));
+  if (kernels::gpu_built()) {
+    const kernels::Backend* gpu = kernels::gpu_backend();
+    line(gpu ? "ok" : "info", "gpu",
+         gpu ? str(kernels::gpu_count(), " CUDA device(s), the first a ", gpu->device_name())
+             : "no CUDA device visible: training runs on CPUs");
+    if (gpu) {
+      // The ceiling GPU utilisation is measured against, on the first device (as the CPU's).
+      const int64_t n = 8192;
+      const double bf16 = gpu->gemm_peak_gflops(kernels::Precision::BF16, n, n, n, 0.5) / 1e3,
+                   f32 = gpu->gemm_peak_gflops(kernels::Precision::FP32, n, n, n, 0.5) / 1e3;
+      char rates[96];
+      std::snprintf(rates, sizeof rates, "%.1f TFLOP/s bf16, %.1f fp32", bf16, f32);
+      line("info", "gpu gemm",
+           str(rates, " (cuBLASLt, ", n, "^3, pseudo-random operands, measured now)"));
+    }
+  } else {
+    line("info", "gpu",
+         on_path("nvidia-smi")
+             ? "nvidia-smi is here, but this build has no CUDA backend (-DBERTRAIN_CUDA=ON)"
+             : "no GPU driver (nvidia-smi) found: training runs on CPUs");
   }
-#else
-  line("info", "gpu",
-       on_path("nvidia-smi")
-           ? "nvidia-smi is here, but this build has no CUDA backend (-DBERTRAIN_CUDA=ON)"
-           : "no GPU driver (nvidia-smi) found: training runs on CPUs");
-#endif
   // The CUDA runtime and driver, NCCL: what a GPU run would load (found through the loader in
   // every build). A driver older than the runtime is the classic "driver version is
   // insufficient" failure.

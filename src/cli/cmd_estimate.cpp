@@ -6,7 +6,6 @@
 #include "comm/mpi.h"
 #include "core/error.h"
 #include "data/pipeline.h"
-#include "obs/gemm_peak.h"
 #include "plan/memory.h"
 #include "train/precision.h"
 
@@ -62,7 +61,7 @@ void add_estimate(CLI::App& app) {
     d = plan::with_master_shard(cfg, head, d, -1, shard_world, target);  // as train/finetune
     d = model::on_backend(d, target);
     MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots, shard_world, target);
-    const kernels::Backend* gpu = device ? visible_gpu() : nullptr;
+    const kernels::Backend* gpu = device ? kernels::gpu_backend() : nullptr;
     const std::optional<kernels::DeviceMemory> gpu_memory =
         gpu ? gpu->device_memory() : std::nullopt;
     model::ParamTable table(cfg, head);
@@ -102,7 +101,7 @@ void add_estimate(CLI::App& app) {
           "keeps %s of the free memory for them); in host memory the input pipeline (%s)\n",
           human_bytes(plan::kDeviceHeadroom).c_str(), human_bytes(input(d.batch)).c_str());
       if (gpu_memory)
-        std::printf("device    %s: %s free of %s\n", obs::device_description(*gpu).c_str(),
+        std::printf("device    %s: %s free of %s\n", kernels::device_line(*gpu).c_str(),
                     human_bytes(static_cast<double>(gpu_memory->free)).c_str(),
                     human_bytes(static_cast<double>(gpu_memory->total)).c_str());
     } else {

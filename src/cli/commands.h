@@ -83,8 +83,6 @@ void add_device_option(CLI::App* c, std::string& device);        // --device cpu
 // The backend --device names (an error says why a GPU cannot be had: no CUDA backend in this
 // build, or no GPU visible).
 const kernels::Backend& device_backend(const std::string& device);
-// The GPU's backend where this build has it and a GPU is visible; else null.
-const kernels::Backend* visible_gpu();
 // What a memory plan for --device plans for (kernels/backend.h, Target): the CPU, or a GPU's
 // backend where one is visible, else the CUDA backend's plan alone (estimate plans a GPU run
 // on a machine without one).

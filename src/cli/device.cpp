@@ -1,13 +1,9 @@
-// --device: which backend the model runs on (kernels/backend.h); what the commands report
-// about it is obs/gemm_peak.h's (its GEMM ceiling, a line naming it).
+// --device: which backend the model runs on (kernels/backend.h's device registry: what this build
+// and this machine have).
 #include <cstdio>
 
 #include "cli/commands.h"
 #include "core/error.h"
-#include "kernels/cuda/scratch.h"
-#ifdef BERTRAIN_CUDA
-#include "kernels/cuda/cuda.h"
-#endif
 
 namespace bertrain::cli {
 
@@ -25,35 +21,25 @@ void check_device(const std::string& device) {
 }
 }  // namespace
 
-const kernels::Backend* visible_gpu() {
-#ifdef BERTRAIN_CUDA
-  if (cuda::device_count() > 0) return &cuda::cuda_backend();
-#endif
-  return nullptr;
-}
-
 const kernels::Target& device_target(const std::string& device) {
   check_device(device);
   if (device == "cpu") return kernels::cpu_backend();
-  if (const kernels::Backend* gpu = visible_gpu()) return *gpu;
-  return device == "cuda" ? cuda::target() : kernels::cpu_backend();
+  if (const kernels::Backend* gpu = kernels::gpu_backend()) return *gpu;
+  return device == "cuda" ? kernels::gpu_target() : kernels::cpu_backend();
 }
 
 const kernels::Backend& device_backend(const std::string& device) {
   check_device(device);
   if (device == "cpu") return kernels::cpu_backend();
-  if (const kernels::Backend* gpu = visible_gpu()) return *gpu;
-#ifdef BERTRAIN_CUDA
-  if (device == "cuda")
+  if (const kernels::Backend* gpu = kernels::gpu_backend()) return *gpu;
+  if (device == "cuda" && kernels::gpu_built())
     fail(
         "--device cuda: no CUDA device is visible here (nvidia-smi lists them; check "
         "CUDA_VISIBLE_DEVICES); run with --device cpu");
-#else
   if (device == "cuda")
     fail(
         "--device cuda: this bertrain is built without the CUDA backend; build it with "
         "CMAKE_ARGS=\"-DBERTRAIN_CUDA=ON\" scripts/setup.sh (needs the CUDA toolkit's nvcc)");
-#endif
   return kernels::cpu_backend();
 }
 

@@ -8,12 +8,10 @@
 #include <memory>
 
 #include "cli/commands.h"
+#include "comm/gpu_placement.h"
 #include "comm/launcher.h"
 #include "comm/mpi.h"
-#ifdef BERTRAIN_CUDA
 #include "comm/nccl.h"
-#include "kernels/cuda/cuda.h"
-#endif
 #include "core/error.h"
 
 namespace bertrain::cli {
@@ -173,7 +171,6 @@ comm::Communicator& gradient_communicator(const kernels::Backend& be, comm::Comm
                      "drop --compression, or pass --allreduce ring to compress between ranks");
     return job;
   }
-#ifdef BERTRAIN_CUDA
   if (g_dist.allreduce != "auto")
     fail("--allreduce chooses the MPI allreduce of host memory; the ", be.name(),
          " backend's gradients go through NCCL, whose algorithms NCCL_ALGO chooses: drop it");
@@ -182,19 +179,10 @@ comm::Communicator& gradient_communicator(const kernels::Backend& be, comm::Comm
     nccl = comm::make_nccl_communicator(job, g_dist.stall_timeout,
                                         comm::parse_wire(g_dist.compression));
   return *nccl;
-#else
-  fail("the ", be.name(), " backend across ", job.size(),
-       " ranks needs NCCL, which comes with the CUDA build (-DBERTRAIN_CUDA=ON)");
-#endif
 }
 
 void use_rank_gpu(const kernels::Backend& be, const comm::Communicator& job) {
-#ifdef BERTRAIN_CUDA
-  if (!be.host_memory() && job.local_size() > 1) cuda::set_device(comm::nccl_device_for(job));
-#else
-  (void)be;
-  (void)job;
-#endif
+  if (!be.host_memory() && job.local_size() > 1) kernels::select_gpu(comm::rank_gpu(job));
 }
 
 void add_dist_options(CLI::App* c) {

@@ -4,12 +4,24 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/host.h"
+#include "kernels/backend.h"
 
 namespace bertrain::comm {
 
 int gpu_for_local_rank(int local_rank, int visible) {
   BT_CHECK(visible > 0, "no GPU visible to choose from");
   return local_rank % visible;
+}
+
+int rank_gpu(const Communicator& job) {
+  const int gpus = kernels::gpu_count();
+  if (gpus == 0)
+    fail("rank ", job.rank(), " on host ", host_name(),
+         kernels::gpu_built()
+             ? " sees no GPU (nvidia-smi lists them; check CUDA_VISIBLE_DEVICES)"
+             : " has no GPU backend: this bertrain is built without CUDA (-DBERTRAIN_CUDA=ON)");
+  return gpu_for_local_rank(job.local_rank(), gpus);
 }
 
 std::string shared_gpu(const std::vector<GpuPlacement>& ranks) {

@@ -38,7 +38,4 @@ std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap,
                                                      double stall_timeout_s = 60.0,
                                                      Wire wire = Wire::F32);
 
-// The GPU a rank of bootstrap uses (its local rank), checked against the GPUs visible.
-int nccl_device_for(const Communicator& bootstrap);
-
 }  // namespace bertrain::comm

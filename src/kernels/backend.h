@@ -156,6 +156,41 @@ class Backend : public Target {
   // sums start again); empty where it is off.
   virtual std::string op_profile(int64_t /*steps*/) const { return {}; }
 
+  // -- the device (what run headers, bench, estimate and doctor say about it) --
+  // What it is: the CPU's model, the kernel bodies in use and oneDNN's ISA (and BERTRAIN_ISA's
+  // cap); a GPU's name and the library its matmuls use. device_line() prefixes the kind.
+  virtual std::string description() const = 0;
+  // The device's own name ("NVIDIA H200"; the CPU's model).
+  virtual std::string device_name() const = 0;
+  // Whether precision p's matmuls run here at all (the CPU's bf16 needs AVX-512: oneDNN has no
+  // bf16 matmul on AVX2), and a note for run headers where they run well below the device's
+  // rate (the CPU's bf16 emulated without AVX-512 BF16, 0.25-0.4x fp32 measured); empty
+  // otherwise.
+  virtual bool runs(Precision /*p*/) const { return true; }
+  virtual std::string precision_note(Precision /*p*/) const { return {}; }
+  // The GEMM ceiling utilisation is reported against: GFLOP/s of the fastest [M,K] x [N,K]^T
+  // product with precision p's matmul operands here (gemm_operands), measured now over
+  // `seconds` (the CPU's oneDNN matmul; a GPU's cuBLASLt on pseudo-random operands, timed with
+  // its events).
+  virtual double gemm_peak_gflops(Precision p, int64_t M, int64_t N, int64_t K,
+                                  double seconds) const = 0;
+  // Bytes of kernel scratch this process took outside a model's plan so far (buffers the
+  // kernels grew of their own when nothing, or too little, was bound): a planned step leaves it
+  // unchanged (bench reports it; tests/test_memory.cpp checks it).
+  virtual int64_t unplanned_scratch_bytes() const = 0;
+
+  // -- a communicator's conversions (16-bit gradients on the wire), on its own queue: a GPU
+  //    stream as void* (null: the kernels' own), so they run beside the kernels; the CPU's run
+  //    now --
+  // dst = src rounded to p's 16 bits (BF16 or FP16; round to nearest even, as core/dtype.h).
+  virtual void round_to_16(Precision p, uint16_t* dst, const float* src, int64_t n,
+                           void* queue) const = 0;
+  // dst = src widened back to fp32 (exact).
+  virtual void widen_from_16(Precision p, float* dst, const uint16_t* src, int64_t n,
+                             void* queue) const = 0;
+  // x *= s (the average's division).
+  virtual void scale_on(float* x, int64_t n, float s, void* queue) const = 0;
+
   // -- kernel scratch (kernels/types.h) --
   // The region of Target::scratch_layout's layout, bound before the model runs kernels
   // (forward, backward, optimizer). Kernels run with nothing bound still work, on buffers of
@@ -304,7 +339,31 @@ class Backend : public Target {
                           const float* step) const;
 };
 
+// -- the devices this build and this machine have (kernels/devices.cpp): every other part
+//    asks here, never in kernels/cpu or kernels/cuda, and never by the build's macros --
+
 // The CPU backend (ISA-dispatched kernels, oneDNN matmuls).
 const Backend& cpu_backend();
+// Whether this build has the GPU backend (-DBERTRAIN_CUDA=ON; or -DBERTRAIN_CUDA_EMU=ON, the
+// emulated device of cuda_emu/).
+bool gpu_built();
+// The GPUs this process sees: 0 without the backend, a driver or a GPU (callers fall back to
+// the CPU or say what is missing, never crash).
+int gpu_count();
+// The GPU backend where gpu_count() > 0; null otherwise.
+const Backend* gpu_backend();
+// The GPU backend as a memory plan sees it, in every build (`estimate --device cuda` plans a GPU
+// run where there is none).
+const Target& gpu_target();
+// The GPU the calling thread's kernels and allocations use from now on (a rank's own on a host
+// of several); an error in a build without the GPU backend.
+void select_gpu(int device);
+
+// The operands of precision p's matmuls on a target: "bf16"; "fp16" in FP16 where it multiplies
+// fp16 (Target::fp16_operands); "fp32" otherwise (the CPU's FP16 computes in fp32).
+const char* gemm_operands(const Target& t, Precision p);
+// A line naming a backend's device for run headers: "cpu        <description>" or
+// "gpu        <description>".
+std::string device_line(const Backend& be);
 
 }  // namespace bertrain::kernels

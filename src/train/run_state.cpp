@@ -14,6 +14,7 @@
 #include <memory>
 
 #include "core/error.h"
+#include "core/host.h"
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
 
@@ -233,12 +234,6 @@ void load_optimizer_state(const std::string& dir, Optimizer& opt) {
 }
 
 namespace {
-
-std::string host_name() {
-  char h[256] = {};
-  ::gethostname(h, sizeof h - 1);
-  return h;
-}
 
 // A staging directory's writer: ".checkpoint-N.tmp-<host>-<pid>" (the name's tail).
 std::string writer_tag(const std::string& host, pid_t pid) {

@@ -18,10 +18,8 @@
 
 #include "core/error.h"
 #include "core/setting.h"
-#include "kernels/cpu/matmul.h"
 #include "model/checkpoint.h"
 #include "obs/events.h"
-#include "obs/gemm_peak.h"
 #include "plan/memory.h"
 #include "train/autotune.h"
 #include "train/loss_scaler.h"
@@ -540,9 +538,9 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
       s.m, s.opt, s.scaler, comm,
       StepSettings{s.cfg.accumulation, cfg.predivide, cfg.overlap, cfg.bucket_mb << 20, cfg.seed},
       &s.tl);
-  s.peak_gflops = obs::measure_gemm_peak_gflops(backend_of(cfg), cfg.batch_size * cfg.seq_len,
-                                                s.mcfg.intermediate_size, s.mcfg.hidden_size,
-                                                kernel_precision(cfg.precision), 0.5);
+  s.peak_gflops = backend_of(cfg).gemm_peak_gflops(
+      kernel_precision(cfg.precision), cfg.batch_size * cfg.seq_len, s.mcfg.intermediate_size,
+      s.mcfg.hidden_size, 0.5);
 }
 
 Trainer::~Trainer() = default;
@@ -604,9 +602,10 @@ std::string Trainer::banner() const {
   out += s.regrid_note;
   out += s.startup_note;
   out += s.tuning_note;
-  out += str("  ", obs::device_description(backend_of(cfg)), "\n");
-  if (bf16 && !kernels::bf16_speed_note().empty())
-    out += str("  ", kernels::bf16_speed_note(), "\n");
+  out += str("  ", kernels::device_line(backend_of(cfg)), "\n");
+  if (const std::string note = backend_of(cfg).precision_note(kernel_precision(cfg.precision));
+      !note.empty())
+    out += str("  ", note, "\n");
   return out;
 }
 
@@ -805,7 +804,7 @@ std::string Trainer::summary() const {
                 "compute: %.1f GFLOP/s of model FLOPs per rank = %.0f%% of the %s GEMM rate "
                 "measured now (%.1f GFLOP/s)\n",
                 achieved, 100.0 * achieved / s.peak_gflops,
-                obs::gemm_operands(backend_of(cfg), kernel_precision(cfg.precision)),
+                kernels::gemm_operands(backend_of(cfg), kernel_precision(cfg.precision)),
                 s.peak_gflops);
   out += line;
   const std::string bottleneck =

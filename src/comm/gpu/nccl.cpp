@@ -20,11 +20,20 @@
 
 #include "comm/gpu_placement.h"
 #include "core/error.h"
-#include "kernels/cuda/cuda.h"
+#include "core/host.h"
+#include "kernels/backend.h"
 
 namespace bertrain::comm {
 
 namespace {
+
+// The GPU backend (kernels/backend.h), whose conversions and scaling run on this communicator's
+// stream for the 16-bit wire.
+const kernels::Backend& gpu() {
+  const kernels::Backend* be = kernels::gpu_backend();
+  BT_CHECK(be, "a NCCL communicator without a visible GPU");
+  return *be;
+}
 
 // The NCCL functions this communicator calls, from libnccl.so.2 loaded at run time.
 struct Nccl {
@@ -92,12 +101,6 @@ std::string settings_line() {
   return out;
 }
 
-std::string host_name() {
-  char h[256] = {};
-  ::gethostname(h, sizeof h - 1);
-  return h;
-}
-
 // What every rank must agree on, one line each: versions and settings.
 std::vector<std::string> identity(int nccl_version) {
   int runtime = 0, driver = 0;
@@ -112,15 +115,6 @@ std::vector<std::string> identity(int nccl_version) {
   return v;
 }
 
-int visible_gpus() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(Communicator& bootstrap, double stall_timeout_s, Wire wire)
@@ -128,7 +122,7 @@ class NcclCommunicator final : public Communicator {
         boot_(bootstrap),
         rank_(bootstrap.rank()),
         size_(bootstrap.size()),
-        device_(nccl_device_for(bootstrap)),
+        device_(rank_gpu(bootstrap)),
         host_(host_name()),
         stall_s_(stall_timeout_s) {
     const Nccl& n = nccl();
@@ -186,11 +180,13 @@ class NcclCommunicator final : public Communicator {
     after_queued_work();
     uint16_t* w = wire_buffer(static_cast<size_t>(n));
     const bool bf16 = wire_ == Wire::BF16;
-    (bf16 ? cuda::round_to_bf16 : cuda::round_to_f16)(w, data, n, stream_);
+    gpu().round_to_16(bf16 ? kernels::Precision::BF16 : kernels::Precision::FP16, w, data, n,
+                      stream_);
     check(nccl().AllReduce(w, w, static_cast<size_t>(n), bf16 ? ncclBfloat16 : ncclFloat16, ncclSum,
                            comm_, stream_),
           "allreduce");
-    (bf16 ? cuda::widen_from_bf16 : cuda::widen_from_f16)(data, w, n, stream_);
+    gpu().widen_from_16(bf16 ? kernels::Precision::BF16 : kernels::Precision::FP16, data, w, n,
+                        stream_);
     wait("allreduce", n * 2);
   }
   void allreduce_sum(double* data, int64_t n) override { allreduce(data, n, ncclFloat64, 8); }
@@ -249,7 +245,7 @@ class NcclCommunicator final : public Communicator {
   void scale(float* data, int64_t n, float s) override {
     select_device();
     after_queued_work();
-    cuda::scale(data, n, s, stream_);
+    gpu().scale_on(data, n, s, stream_);
     wait("scale", 0);
   }
 
@@ -447,7 +443,7 @@ class NcclCommunicator final : public Communicator {
   void check_one_rank_per_gpu() {
     char bus[64] = {};
     check_cuda(cudaDeviceGetPCIBusId(bus, sizeof bus, device_), "cudaDeviceGetPCIBusId");
-    const std::string mine = str(host_, "\n", bus, "\n", device_, "\n", visible_gpus());
+    const std::string mine = str(host_, "\n", bus, "\n", device_, "\n", kernels::gpu_count());
     std::vector<GpuPlacement> all(static_cast<size_t>(size_));
     std::vector<char> buf(512);
     for (int r = 0; r < size_; ++r) {
@@ -512,14 +508,6 @@ class NcclCommunicator final : public Communicator {
 };
 
 }  // namespace
-
-int nccl_device_for(const Communicator& bootstrap) {
-  const int gpus = visible_gpus();
-  if (gpus == 0)
-    fail("rank ", bootstrap.rank(), " on host ", host_name(),
-         " sees no GPU (nvidia-smi lists them; check CUDA_VISIBLE_DEVICES)");
-  return gpu_for_local_rank(bootstrap.local_rank(), gpus);
-}
 
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap,
                                                      double stall_timeout_s, Wire wire) {

@@ -5,11 +5,15 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <new>
+#include <string>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/isa.h"
 #include "core/parallel.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/cross_entropy.h"
@@ -56,6 +60,55 @@ class CpuBackend final : public Backend {
 
   void bind_scratch(void* region, const ScratchLayout& layout) const override {
     kernels::bind_scratch(static_cast<std::byte*>(region), layout);
+  }
+  int64_t unplanned_scratch_bytes() const override { return kernels::unplanned_scratch_bytes(); }
+
+  std::string description() const override { return cpu_description(); }
+  std::string device_name() const override { return cpu_model_name(); }
+  bool runs(Precision p) const override { return p != Precision::BF16 || gemm_bf16_available(); }
+  std::string precision_note(Precision p) const override {
+    return p == Precision::BF16 ? bf16_speed_note() : "";
+  }
+  // The fastest run of the product (a ceiling: noise from the rest of the machine must not lower
+  // it), bf16 operands in BF16, fp32 otherwise (the CPU's FP16 computes in fp32).
+  double gemm_peak_gflops(Precision p, int64_t M, int64_t N, int64_t K,
+                          double seconds) const override {
+    const bool bf16 = p == Precision::BF16;
+    std::vector<float> a(M * K, 0.01f), w(N * K, 0.02f), c(M * N);
+    std::vector<uint16_t> a16(bf16 ? M * K : 0, 0x3c23), w16(bf16 ? N * K : 0, 0x3ca3);
+    auto run = [&] {
+      if (bf16)
+        gemm_bf16(false, true, M, N, K, a16.data(), K, w16.data(), K, c.data(), N, nullptr, false);
+      else
+        kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);
+    };
+    using Clock = std::chrono::steady_clock;
+    auto since = [](Clock::time_point t) {
+      return std::chrono::duration<double>(Clock::now() - t).count();
+    };
+    run();  // create the primitive
+    double best = 1e30;
+    const auto start = Clock::now();
+    do {
+      const auto t0 = Clock::now();
+      run();
+      best = std::min(best, since(t0));
+    } while (since(start) < seconds);
+    return 2.0 * M * N * K / best / 1e9;
+  }
+
+  void round_to_16(Precision p, uint16_t* dst, const float* src, int64_t n,
+                   void* /*queue*/) const override {
+    BT_CHECK(p != Precision::FP32, "round_to_16: fp32 is not a 16-bit precision");
+    (p == Precision::FP16 ? convert_f32_to_f16 : convert_f32_to_bf16)(src, dst, n);
+  }
+  void widen_from_16(Precision p, float* dst, const uint16_t* src, int64_t n,
+                     void* /*queue*/) const override {
+    BT_CHECK(p != Precision::FP32, "widen_from_16: fp32 is not a 16-bit precision");
+    (p == Precision::FP16 ? convert_f16_to_f32 : convert_bf16_to_f32)(src, dst, n);
+  }
+  void scale_on(float* x, int64_t n, float s, void* /*queue*/) const override {
+    scale_inplace(x, n, s);
   }
 
   void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias, int64_t M,

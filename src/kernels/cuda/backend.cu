@@ -417,6 +417,31 @@ class CudaBackend final : public kernels::Backend {
   void bind_scratch(void* region, const kernels::ScratchLayout& layout) const override {
     cuda::bind_scratch(region, layout);
   }
+  int64_t unplanned_scratch_bytes() const override { return cuda::unplanned_scratch_bytes(); }
+
+  std::string description() const override {
+    return cuda::device_name() + " (CUDA backend, cuBLASLt)";
+  }
+  std::string device_name() const override { return cuda::device_name(); }
+  double gemm_peak_gflops(kernels::Precision p, int64_t M, int64_t N, int64_t K,
+                          double seconds) const override {
+    return 1e3 * gemm_tflops(operands_of(p), M, N, K, seconds);
+  }
+
+  void round_to_16(kernels::Precision p, uint16_t* dst, const float* src, int64_t n,
+                   void* queue) const override {
+    BT_CHECK(p != kernels::Precision::FP32, "round_to_16: fp32 is not a 16-bit precision");
+    (p == kernels::Precision::FP16 ? cuda::round_to_f16 : cuda::round_to_bf16)(dst, src, n, queue);
+  }
+  void widen_from_16(kernels::Precision p, float* dst, const uint16_t* src, int64_t n,
+                     void* queue) const override {
+    BT_CHECK(p != kernels::Precision::FP32, "widen_from_16: fp32 is not a 16-bit precision");
+    (p == kernels::Precision::FP16 ? cuda::widen_from_f16 : cuda::widen_from_bf16)(dst, src, n,
+                                                                                   queue);
+  }
+  void scale_on(float* x, int64_t n, float s, void* queue) const override {
+    cuda::scale(x, n, s, queue);
+  }
 
   // 16-bit precisions: the products read the weights' 16-bit copy (the model's, written by the
   // optimizer's update) and the kept 16-bit input, or the input rounded into the workspace.

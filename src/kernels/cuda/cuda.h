@@ -154,6 +154,8 @@ void* scratch(int slot, size_t bytes);
 // The region of a scratch_layout (scratch.h) the calling thread's kernels take their scratch
 // from; null: none.
 void bind_scratch(void* region, const kernels::ScratchLayout& layout);
+// Bytes of the buffers scratch() grew of its own so far (this process, all threads).
+int64_t unplanned_scratch_bytes();
 
 // The optimizer over one tensor (kernels/cpu/optimizer.h); the sums come back to the host
 // (synchronising the stream).

@@ -1,6 +1,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
 
+#include <atomic>
 #include <cstddef>
 
 namespace bertrain::cuda {
@@ -55,6 +56,8 @@ struct Binding {
 // The calling host thread's: it launches the kernels (a process may run a model per GPU, one
 // thread each).
 thread_local Binding g_binding;
+// Bytes of the buffers scratch() grew outside the bound region (unplanned_scratch_bytes).
+std::atomic<int64_t> g_unplanned{0};
 }  // namespace
 
 void bind_scratch(void* region, const kernels::ScratchLayout& layout) {
@@ -70,10 +73,15 @@ void* scratch(int slot, size_t bytes) {
   thread_local DeviceBuffer buffers[kScratchSlots];
   DeviceBuffer& b = buffers[slot];
   if (b.bytes() < bytes) {
+    g_unplanned += static_cast<int64_t>(bytes - b.bytes());
     b = DeviceBuffer();  // cudaFree waits for the kernels still using it
     b = DeviceBuffer(bytes);
   }
   return b.data();
+}
+
+int64_t unplanned_scratch_bytes() {
+  return g_unplanned.load();
 }
 
 void synchronize() {
