@@ -17,6 +17,7 @@
 #include "comm/mpi.h"
 
 using namespace bertrain::comm;
+using bertrain::Precision;
 
 int main(int argc, char** argv) {
   MpiCommunicator comm(&argc, &argv);
@@ -36,15 +37,15 @@ int main(int argc, char** argv) {
   struct Variant {
     const char* name;
     Algorithm a;
-    Wire w;
+    Precision w;
     bool shared;  // buffer from allocate_shared (zero copy), as the trainer's gradients
   };
-  const Variant vs[] = {{"mpi", Algorithm::Mpi, Wire::F32, false},
-                        {"ring", Algorithm::Ring, Wire::F32, false},
-                        {"ring-fp16", Algorithm::Ring, Wire::F16, false},
-                        {"shm-staged", Algorithm::Shm, Wire::F32, false},
-                        {"shm", Algorithm::Shm, Wire::F32, true},
-                        {"hierarchical", Algorithm::Hierarchical, Wire::F32, true}};
+  const Variant vs[] = {{"mpi", Algorithm::Mpi, Precision::FP32, false},
+                        {"ring", Algorithm::Ring, Precision::FP32, false},
+                        {"ring-fp16", Algorithm::Ring, Precision::FP16, false},
+                        {"shm-staged", Algorithm::Shm, Precision::FP32, false},
+                        {"shm", Algorithm::Shm, Precision::FP32, true},
+                        {"hierarchical", Algorithm::Hierarchical, Precision::FP32, true}};
   if (comm.rank() == 0) {
     std::printf("# %d ranks (%d per node); single-thread memcpy %.2f GB/s\n", p, comm.local_size(),
                 memcpy_gbs);

@@ -19,12 +19,11 @@ namespace bertrain::test {
 
 // Each step's loss; `after` (optional) sees the model after each step with its result.
 inline std::vector<double> loss_curve(
-    const kernels::Backend& be, const model::BertConfig& c, kernels::Precision p, int64_t steps,
+    const kernels::Backend& be, const model::BertConfig& c, Precision p, int64_t steps,
     train::OptimizerKind kind = train::OptimizerKind::AdamW,
     const std::function<void(const model::BertModel&, const train::StepReport&)>& after = {}) {
   model::ModelDims d{4, 32, 5};
-  d.bf16 = p == kernels::Precision::BF16;
-  d.fp16 = p == kernels::Precision::FP16;
+  d.precision = p;
   d.attention = model::ModelDims::Attention::Full;
   model::BertModel m(c, model::Head::Pretraining, d, be);
   m.init_params(11);
@@ -32,7 +31,7 @@ inline std::vector<double> loss_curve(
   oc.kind = kind;
   train::Optimizer opt(train::param_slices(m.table()), m.table().total(), oc, be);
   train::LossScaler::Config sc;
-  sc.enabled = d.fp16;
+  sc.enabled = d.fp16();
   train::LossScaler scaler{sc};
   comm::SingleProcess single;
   train::StepSettings ss;

@@ -54,9 +54,8 @@ TEST(DeviceModel, PretrainingPassesOnlyBackendMemoryAndEqualsTheCpuModel) {
     for (bool unpadded : {false, true}) {
       model::ModelDims d{b.B, b.T, b.P};
       d.unpadded = unpadded;
-      d.bf16 = precision == 1;
-      d.fp16 = precision == 2;
-      if (d.bf16 && !gemm_bf16_available()) continue;  // (AVX2 CPUs: bf16 does not run)
+      d.precision = static_cast<Precision>(precision);   // 0 fp32, 1 bf16, 2 fp16
+      if (d.bf16() && !gemm_bf16_available()) continue;  // (AVX2 CPUs: bf16 does not run)
       SCOPED_TRACE(testing::Message() << "precision " << precision << " unpadded " << unpadded);
       expect_same(step(own, c, model::Head::Pretraining, d, b),
                   step(cpu_backend(), c, model::Head::Pretraining, d, b));
@@ -112,7 +111,7 @@ TEST(DeviceModel, TrainingStepsEqualTheCpu) {
   const model::Batch batch = test::random_batch(c, 4, 32, 5);
   auto train = [&](const Backend& be, train::OptimizerKind kind, bool bf16) {
     model::ModelDims d{batch.B, batch.T, batch.P};
-    d.bf16 = bf16;
+    d.precision = bf16 ? Precision::BF16 : Precision::FP32;
     d.unpadded = true;
     model::BertModel m(c, model::Head::Pretraining, d, be);
     m.init_params(11);
@@ -168,8 +167,7 @@ TEST(DeviceModel, StepsStageTheNextBatchDuringBackwardAndEqualTheCpu) {
       const OwnMemoryBackend own;  // (FP16 as the CPU's: fp32 products)
       auto train = [&](const Backend& be, std::vector<int>& reads) {
         model::ModelDims d{4, 32, P};
-        d.bf16 = precision == 1;
-        d.fp16 = precision == 2;
+        d.precision = static_cast<Precision>(precision);  // 0 fp32, 1 bf16, 2 fp16
         d.unpadded = unpadded;
         model::BertModel m(c, model::Head::Pretraining, d, be);
         m.init_params(11);
@@ -273,7 +271,7 @@ TEST(DeviceModel, Fp16OperandsTrackTheCpuAndTheUpdateWritesTheCopy) {
       const model::Batch& b = full ? batch : long_batch;
       const model::BertConfig& cfg = full ? c : c_long;
       model::ModelDims d{b.B, b.T, b.P};
-      d.fp16 = true;
+      d.precision = Precision::FP16;
       d.unpadded = unpadded;
       d.attention = kernel;
       const StepRun dev = step(own, cfg, model::Head::Pretraining, d, b),
@@ -284,7 +282,7 @@ TEST(DeviceModel, Fp16OperandsTrackTheCpuAndTheUpdateWritesTheCopy) {
     }
   // The CPU's FP16 has no copy: its products are fp32.
   model::ModelDims d{4, 32, 5};
-  d.fp16 = true;
+  d.precision = Precision::FP16;
   const model::BertModel host(c, model::Head::Pretraining, d);
   EXPECT_FALSE(host.dims().fp16_operands);
   EXPECT_EQ(host.weights16(), nullptr);
@@ -424,7 +422,7 @@ TEST(DeviceModel, CheckpointsCrossAndHolesAreRefused) {
     EXPECT_EQ(got, std::vector<float>(host.params(), host.params() + host.table().total()));
   }
   model::ModelDims sharded = d;
-  sharded.bf16 = true;
+  sharded.precision = Precision::BF16;
   sharded.master_shard = true;
   sharded.master_begin = 0;
   sharded.master_end = 4096;
@@ -442,9 +440,8 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
   for (int precision = 0; precision < 3; ++precision)
     for (int64_t T : {64, 512}) {
       SCOPED_TRACE(testing::Message() << "precision " << precision << " T " << T);
-      model::ModelDims d{8, T, 10};  // attention auto: blocked at 512 tokens
-      d.bf16 = precision == 1;
-      d.fp16 = precision == 2;
+      model::ModelDims d{8, T, 10};                     // attention auto: blocked at 512 tokens
+      d.precision = static_cast<Precision>(precision);  // 0 fp32, 1 bf16, 2 fp16
       const MemoryPlan gpu =
           model::BertModel::make_plan(c, model::Head::Pretraining, d, cuda::target());
       const MemoryPlan cpu = model::BertModel::make_plan(c, model::Head::Pretraining, d);
@@ -455,13 +452,13 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       // read only forward's fp32 context [8 T, 64].
       const int64_t N = 8 * T, C = 64, I = 256;
       model::ModelDims as_bf16 = d;
-      std::swap(as_bf16.bf16, as_bf16.fp16);
+      if (d.fp16()) as_bf16.precision = Precision::BF16;
       EXPECT_EQ(gpu.group_bytes("fp16"),
-                d.fp16 ? model::BertModel::make_plan(c, model::Head::Pretraining, as_bf16)
-                             .group_bytes("bf16")
-                       : 0u);
+                d.fp16() ? model::BertModel::make_plan(c, model::Head::Pretraining, as_bf16)
+                               .group_bytes("bf16")
+                         : 0u);
       EXPECT_EQ(cpu.group_bytes("fp16"), 0u);
-      EXPECT_EQ(gpu.group_bytes("scratch") + (d.fp16 ? (N * I - N * C) * 4 : 0),
+      EXPECT_EQ(gpu.group_bytes("scratch") + (d.fp16() ? (N * I - N * C) * 4 : 0),
                 cpu.group_bytes("scratch"));
       // A slot for the batch the kernels read and one for the next, copied in beside them.
       EXPECT_EQ(gpu.group_bytes("input"), kInputSlots * model::input_bytes(d));

@@ -28,16 +28,16 @@ model::BertConfig small_config() {
 // hold exactly the estimate's total.
 TEST(MemoryPlan, EstimateEqualsTheArenas) {
   const model::BertConfig cfg = small_config();
-  for (train::Precision p :
-       {train::Precision::FP32, train::Precision::BF16, train::Precision::FP16})
+  for (Precision p : {Precision::FP32, Precision::BF16, Precision::FP16})
     for (auto attention : {model::ModelDims::Attention::Full, model::ModelDims::Attention::Blocked})
       for (model::Head head : {model::Head::Pretraining, model::Head::SequenceClassification}) {
-        const model::ModelDims dims = train::with_precision({4, 64, 10, false, attention}, p);
+        const model::ModelDims dims =
+            train::with_precision({4, 64, 10, Precision::FP32, attention}, p);
         model::BertModel m(cfg, head, dims);
         train::Optimizer opt(train::param_slices(m.table()), m.table().total(), {});
         const MemoryPlan plan = plan::training_plan(cfg, head, dims, 2);
         EXPECT_EQ(m.allocated_bytes() + opt.allocated_bytes(), plan.total_bytes())
-            << train::precision_name(p) << " " << model::attention_name(attention);
+            << precision_name(p) << " " << model::attention_name(attention);
         EXPECT_EQ(opt.allocated_bytes(), plan.group_bytes("optimizer"));
         EXPECT_EQ(m.allocated_bytes(), m.plan().total_bytes());
       }
@@ -73,7 +73,7 @@ TEST(MemoryPlan, ShardedOptimizerStateIsTheLargestPart) {
 // supplied, is the unsharded model's file.
 TEST(MemoryPlan, ShardedMasterHoldsOnlyItsPartOfTheMatmulWeights) {
   const model::BertConfig cfg = test::small_bert(1000, 128, 2, 4, 512, 128);
-  const model::ModelDims dims = train::with_precision({4, 64, 10}, train::Precision::BF16);
+  const model::ModelDims dims = train::with_precision({4, 64, 10}, Precision::BF16);
   model::BertModel ref(cfg, model::Head::Pretraining, dims);
   ref.init_params(7);
   const int64_t total = ref.table().total();
@@ -161,7 +161,7 @@ TEST(MemoryPlan, ShardedMasterHoldsOnlyItsPartOfTheMatmulWeights) {
   // and only where arenas may leave pages unbacked: a GPU's are one device block each, so there
   // the optimizer state alone is sharded (its plan: the whole parameters, a shard of the moments).
   model::ModelDims bf{4, 64, 10};
-  bf.bf16 = true;
+  bf.precision = Precision::BF16;
   EXPECT_TRUE(
       plan::with_master_shard(cfg, model::Head::Pretraining, bf, 0, 2, kernels::cpu_backend())
           .master_shard);
@@ -209,7 +209,7 @@ TEST(MemoryPlan, ExplainPutsTheRuleOfThumbNextToThePlan) {
   EXPECT_NE(e.find("fp32 training keeps fp32 activations"), std::string::npos) << e;
   EXPECT_NE(e.find("the full attention keeps"), std::string::npos) << e;
   // bf16, blocked attention, recomputation, sharding: each named.
-  model::ModelDims d2 = train::with_precision({8, 512, 80}, train::Precision::BF16);
+  model::ModelDims d2 = train::with_precision({8, 512, 80}, Precision::BF16);
   d2.recompute_layers = true;
   const MemoryPlan p2 = plan::training_plan(base, model::Head::Pretraining, d2, 2, 4);
   const std::string e2 = plan::explain_plan(base, model::Head::Pretraining, d2, 2, 4, p2);

@@ -255,7 +255,7 @@ void check_within(ModelDims dims, double bound, const char* what) {
 TEST_P(GoldenAttention, Bf16MatmulsStayWithinBf16Precision) {
   BT_SKIP_WITHOUT_BF16();
   ModelDims d = golden_dims(GetParam());
-  d.bf16 = true;
+  d.precision = Precision::BF16;
   check_within(d, 16.0 * 0x1p-9, "bf16");
 }
 
@@ -265,7 +265,7 @@ TEST_P(GoldenAttention, Bf16MatmulsStayWithinBf16Precision) {
 // at most 8u = 3.9e-3 (measured 5.2e-4, about u). Runs on every CPU (the kernels are fp32).
 TEST_P(GoldenAttention, Fp16StorageStaysWithinFp16Precision) {
   ModelDims d = golden_dims(GetParam());
-  d.fp16 = true;
+  d.precision = Precision::FP16;
   check_within(d, 8.0 * 0x1p-11, "fp16");
 }
 

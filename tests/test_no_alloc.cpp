@@ -80,7 +80,7 @@ TEST(Step, MakesNoHeapAllocation) {
     for (auto kernel : {model::ModelDims::Attention::Full, model::ModelDims::Attention::Blocked})
       for (OptimizerKind kind : {OptimizerKind::AdamW, OptimizerKind::Lamb}) {
         model::BertModel m(cfg, model::Head::Pretraining,
-                           with_precision({4, 48, 6, false, kernel}, p));
+                           with_precision({4, 48, 6, Precision::FP32, kernel}, p));
         m.init_params(5);
         OptimizerConfig oc;
         oc.kind = kind;

@@ -61,8 +61,9 @@ TEST(Recompute, LayerRecomputationGivesTheSameGradientsBitForBit) {
     for (auto attention : {ModelDims::Attention::Full, ModelDims::Attention::Blocked})
       for (int precision = 0; precision < 3; ++precision) {
         if (precision == 1 && !test::bf16_unavailable().empty()) continue;  // bf16: AVX-512
-        ModelDims d{
-            2, 8, head == Head::Pretraining ? 2 : 0, precision == 1, attention, precision == 2};
+        ModelDims d{2, 8, head == Head::Pretraining ? 2 : 0,
+                    static_cast<Precision>(precision),  // 0 fp32, 1 bf16, 2 fp16
+                    attention};
         const StepResult stored = run(head, d);
         d.recompute_layers = true;
         const StepResult recomputed = run(head, d);

@@ -152,8 +152,7 @@ TEST(Unpadded, SixteenBitPrecisionsStayWithinTheirBounds) {
     if (precision == 1 && !test::bf16_unavailable().empty()) continue;  // bf16: AVX-512
     SCOPED_TRACE(precision == 1 ? "bf16" : "fp16");
     ModelDims d;
-    d.bf16 = precision == 1;
-    d.fp16 = precision == 2;
+    d.precision = static_cast<Precision>(precision);  // 0 fp32, 1 bf16, 2 fp16
     const StepResult padded = run(Head::Pretraining, d, b);
     d.unpadded = true;
     const StepResult unpadded = run(Head::Pretraining, d, b);

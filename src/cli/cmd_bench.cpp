@@ -146,8 +146,8 @@ void add_bench(CLI::App& app) {
     model::BertConfig cfg = model::BertConfig::load(o->shape.config);
     const model::Head head = parse_head(o->shape.head);
     const int64_t P = head == model::Head::Pretraining ? o->shape.preds : 0;
-    const train::Precision prec = train::parse_precision(o->precision);
-    const bool fp16 = prec == train::Precision::FP16;
+    const Precision prec = parse_precision(o->precision);
+    const bool fp16 = prec == Precision::FP16;
     std::vector<Mode> modes;
     if (o->padding == "both")
       modes = {Mode::Padded, Mode::Unpadded};
@@ -163,9 +163,8 @@ void add_bench(CLI::App& app) {
     const bool gpu = !be.host_memory();
     // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
     // below is the training run's, not this probe's. On a GPU, cuBLASLt's.
-    const double peak =
-        be.gemm_peak_gflops(train::kernel_precision(prec), o->shape.batch * o->shape.seq,
-                            cfg.intermediate_size, cfg.hidden_size, 1.0);
+    const double peak = be.gemm_peak_gflops(prec, o->shape.batch * o->shape.seq,
+                                            cfg.intermediate_size, cfg.hidden_size, 1.0);
     // What the process holds before the training run exists: the libraries (oneDNN, OpenMP,
     // MPI, protobuf, the C++ runtime) and their own state.
     const double baseline = resident_bytes();
@@ -193,8 +192,8 @@ void add_bench(CLI::App& app) {
       // Kernel scratch taken outside a model's plan so far (the probe's GEMM scratchpad): the
       // run below adds nothing to it when it runs padded (tests/test_memory.cpp).
       const int64_t unplanned_before = be.unplanned_scratch_bytes();
-      model::ModelDims dims = train::with_precision(
-          {o->shape.batch, o->shape.seq, P, false, model::parse_attention(o->attention)}, prec);
+      model::ModelDims dims{o->shape.batch, o->shape.seq, P, prec,
+                            model::parse_attention(o->attention)};
       apply_recompute(o->recompute, dims);
       dims.unpadded = unpadded;
       if (mode == Mode::Packed) {
@@ -263,8 +262,7 @@ void add_bench(CLI::App& app) {
             m.dims().blocked_attention() ? "blocked" : "full",
             m.dims().recompute_layers ? ", layers recomputed" : "", warmup, o->steps);
         std::printf("  %s\n", kernels::device_line(be).c_str());
-        if (const std::string note = be.precision_note(train::kernel_precision(prec));
-            !note.empty())
+        if (const std::string note = be.precision_note(prec); !note.empty())
           std::printf("  %s\n", note.c_str());
         std::printf("  data       %s\n",
                     o->data.empty()
@@ -285,36 +283,35 @@ void add_bench(CLI::App& app) {
       const double gflops = r.flops / r.seconds / 1e9;
       const double tokens = r.real_tokens / r.seconds;
       if (o->json) {
-        nlohmann::json j = {
-            {"config", o->shape.config},
-            {"batch", o->shape.batch},
-            {"seq_len", o->shape.seq},
-            {"threads", omp_get_max_threads()},
-            {"precision", o->precision},
-            {"padding", mode_name(r.mode)},
-            {"instances_per_step", r.instances / o->steps},
-            {"cpu", cpu_model_name()},
-            {"device", be.name()},
-            {"isa", isa_name(cpu_isa())},
-            {"device_description", be.description()},
-            {"tokens_per_s", tokens},
-            {"computed_tokens_per_s", r.computed_tokens / r.seconds},
-            {"real_token_fraction", r.real_tokens / r.padded_tokens},
-            {"forward_ms", r.forward * 1e3},
-            {"backward_ms", r.backward * 1e3},
-            {"optimizer_ms", r.optimizer * 1e3},
-            {"step_ms", step * 1e3},
-            {"gflops", gflops},
-            {"gemm_peak_gflops", peak},
-            {"gemm_operands", kernels::gemm_operands(be, train::kernel_precision(prec))},
-            {"mfu", gflops / peak},
-            {"peak_rss_bytes", r.rss},
-            {"baseline_rss_bytes", baseline},
-            {"plan_bytes", r.planned},
-            {"allocated_bytes", r.allocated},
-            {"device_used_bytes", r.device_used},
-            {"unplanned_scratch_bytes", r.unplanned},
-            {"loss", r.loss}};
+        nlohmann::json j = {{"config", o->shape.config},
+                            {"batch", o->shape.batch},
+                            {"seq_len", o->shape.seq},
+                            {"threads", omp_get_max_threads()},
+                            {"precision", o->precision},
+                            {"padding", mode_name(r.mode)},
+                            {"instances_per_step", r.instances / o->steps},
+                            {"cpu", cpu_model_name()},
+                            {"device", be.name()},
+                            {"isa", isa_name(cpu_isa())},
+                            {"device_description", be.description()},
+                            {"tokens_per_s", tokens},
+                            {"computed_tokens_per_s", r.computed_tokens / r.seconds},
+                            {"real_token_fraction", r.real_tokens / r.padded_tokens},
+                            {"forward_ms", r.forward * 1e3},
+                            {"backward_ms", r.backward * 1e3},
+                            {"optimizer_ms", r.optimizer * 1e3},
+                            {"step_ms", step * 1e3},
+                            {"gflops", gflops},
+                            {"gemm_peak_gflops", peak},
+                            {"gemm_operands", kernels::gemm_operands(be, prec)},
+                            {"mfu", gflops / peak},
+                            {"peak_rss_bytes", r.rss},
+                            {"baseline_rss_bytes", baseline},
+                            {"plan_bytes", r.planned},
+                            {"allocated_bytes", r.allocated},
+                            {"device_used_bytes", r.device_used},
+                            {"unplanned_scratch_bytes", r.unplanned},
+                            {"loss", r.loss}};
         std::printf("%s\n", j.dump().c_str());
         continue;
       }
@@ -336,8 +333,7 @@ void add_bench(CLI::App& app) {
       std::printf(
           "  compute    %8.1f GFLOP/s model FLOPs computed; %s GEMM ceiling measured now %.1f "
           "GFLOP/s; utilisation %.0f%%\n",
-          gflops, kernels::gemm_operands(be, train::kernel_precision(prec)), peak,
-          100.0 * gflops / peak);
+          gflops, kernels::gemm_operands(be, prec), peak, 100.0 * gflops / peak);
       if (gpu)
         std::printf(
             "  memory     GPU: planned %s, allocated from the arenas %s, in use on the device "

@@ -76,11 +76,11 @@ void environment(comm::Communicator& comm, const std::string& run) {
   const kernels::Backend& cpu = kernels::cpu_backend();
   line("ok", "cpu", cpu.description());
   line("ok", "fp32", "runs everywhere");
-  if (!cpu.runs(kernels::Precision::BF16))
+  if (!cpu.runs(Precision::BF16))
     line("warn", "bf16",
          "not available: oneDNN has no bf16 matmul on this CPU (it needs AVX-512); "
          "train with --precision fp32 or fp16");
-  else if (!cpu.precision_note(kernels::Precision::BF16).empty())
+  else if (!cpu.precision_note(Precision::BF16).empty())
     line("warn", "bf16",
          "emulated (no AVX-512 BF16): 0.25-0.4x fp32's speed measured; "
          "--precision fp16 saves the same memory at fp32's speed here");
@@ -157,8 +157,8 @@ void environment(comm::Communicator& comm, const std::string& run) {
     if (gpu) {
       // The ceiling GPU utilisation is measured against, on the first device (as the CPU's).
       const int64_t n = 8192;
-      const double bf16 = gpu->gemm_peak_gflops(kernels::Precision::BF16, n, n, n, 0.5) / 1e3,
-                   f32 = gpu->gemm_peak_gflops(kernels::Precision::FP32, n, n, n, 0.5) / 1e3;
+      const double bf16 = gpu->gemm_peak_gflops(Precision::BF16, n, n, n, 0.5) / 1e3,
+                   f32 = gpu->gemm_peak_gflops(Precision::FP32, n, n, n, 0.5) / 1e3;
       char rates[96];
       std::snprintf(rates, sizeof rates, "%.1f TFLOP/s bf16, %.1f fp32", bf16, f32);
       line("info", "gpu gemm",

@@ -50,10 +50,9 @@ void add_estimate(CLI::App& app) {
   c->callback([o] {
     model::BertConfig cfg = model::BertConfig::load(o->shape.config);
     model::Head head = parse_head(o->shape.head);
-    model::ModelDims d = train::with_precision(
-        {o->shape.batch, o->shape.seq, head == model::Head::Pretraining ? o->shape.preds : 0, false,
-         model::parse_attention(o->attention)},
-        train::parse_precision(o->precision));
+    model::ModelDims d{o->shape.batch, o->shape.seq,
+                       head == model::Head::Pretraining ? o->shape.preds : 0,
+                       parse_precision(o->precision), model::parse_attention(o->attention)};
     apply_recompute(o->recompute, d);
     const int shard_world = o->shard ? o->ranks : 1;
     const kernels::Target& target = device_target(o->device);

@@ -106,7 +106,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
     cfg.backend = &device_backend(o->device);
     cfg.unpadded = parse_padding(o->padding);
     cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
-    cfg.precision = train::parse_precision(o->precision);
+    cfg.precision = parse_precision(o->precision);
     cfg.columns = o->task.columns();
     // MPI under mpirun: data parallel (--batch-size per rank); a GPU's gradients through NCCL.
     cfg.comm = &gradient_communicator(*cfg.backend, comm());
@@ -141,7 +141,7 @@ void add_predict(CLI::App& app) {
   add_device_option(c, o->device);
   c->callback([o] {
     set_threads(o->threads);
-    const train::Precision precision = train::parse_precision(o->precision);
+    const Precision precision = parse_precision(o->precision);
     const kernels::Backend& be = device_backend(o->device);
     const std::string cfg_path = model::checkpoint_config_path(o->checkpoint);
     std::ifstream in(cfg_path);

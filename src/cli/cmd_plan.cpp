@@ -60,7 +60,7 @@ void add_plan(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--allreduce", o->allreduce, "auto, shm, ring, hierarchical or mpi")
       ->capture_default_str();
-  c->add_option("--compression", o->compression, "Wire dtype between hosts: none, fp16, bf16")
+  c->add_option("--compression", o->compression, "Precision dtype between hosts: none, fp16, bf16")
       ->capture_default_str();
   c->add_option("--bucket-mb", o->comm.bucket_mb, "Gradient bucket size (MiB)")
       ->capture_default_str();
@@ -116,11 +116,10 @@ void add_plan(CLI::App& app) {
     }
     const model::ParamTable table(cfg, model::Head::Pretraining);
     const plan::GradientLayout g = plan::gradient_layout(table, cfg.num_hidden_layers);
-    model::ModelDims d = train::with_precision(
-        {o->batch, o->seq, o->preds, false, model::parse_attention(o->attention)},
-        train::parse_precision(o->precision));
+    model::ModelDims d{o->batch, o->seq, o->preds, parse_precision(o->precision),
+                       model::parse_attention(o->attention)};
     apply_recompute(o->recompute, d);
-    o->comm.sharded_master = o->comm.shard_optimizer && d.bf16;
+    o->comm.sharded_master = o->comm.shard_optimizer && d.bf16();
     const double tokens_per_rank = static_cast<double>(o->batch * o->accumulation * o->seq);
     std::printf(
         "plan: %s (%s, %.1fM parameters, %s of fp32 gradients), %lld x %lld tokens x %lld "

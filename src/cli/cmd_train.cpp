@@ -239,7 +239,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
     train::install_signal_handlers();  // first: before any thread exists
     set_threads(o->threads);
     train::TrainConfig cfg = o->cfg;
-    cfg.precision = train::parse_precision(o->precision);
+    cfg.precision = parse_precision(o->precision);
     model::ModelDims d;
     d.attention = model::parse_attention(o->attention);
     apply_recompute(o->recompute, d);
@@ -320,7 +320,7 @@ void add_eval(CLI::App& app, comm::Communicator& (*comm)()) {
     const model::BertConfig cfg = model::BertConfig::load(model::checkpoint_config_path(dir));
     model::ModelDims dims{o->batch, o->seq, o->preds};
     dims.unpadded = true;  // the padded model's metrics, at the real tokens' cost
-    dims = train::with_precision(dims, train::parse_precision(o->precision));
+    dims = train::with_precision(dims, parse_precision(o->precision));
     plan::check_device_fits(cfg, model::Head::Pretraining, dims, 0, 1, be);
     model::BertModel m(cfg, model::Head::Pretraining, dims, be);
     model::load_safetensors_into(m, model::checkpoint_weights_path(dir));

@@ -164,7 +164,7 @@ comm::Communicator& gradient_communicator(const kernels::Backend& be, comm::Comm
   if (job.size() == 1) return job;
   if (be.host_memory()) {
     const auto* mpi = dynamic_cast<const comm::MpiCommunicator*>(&job);
-    if (mpi && comm::parse_wire(g_dist.compression) != comm::Wire::F32 && !mpi->wire_in_use())
+    if (mpi && comm::parse_wire(g_dist.compression) != Precision::FP32 && !mpi->wire_in_use())
       bertrain::fail("--compression ", g_dist.compression,
                      " would do nothing: all ranks are on one node, where the ", g_dist.allreduce,
                      " allreduce reads the other ranks' memory and sends nothing over a wire; "
@@ -191,8 +191,9 @@ void add_dist_options(CLI::App* c) {
        "Allreduce algorithm under mpirun: auto (shm within a node, hierarchical across nodes), "
        "shm, ring, hierarchical or mpi")
       ->capture_default_str();
-  c->add_option("--compression", g_dist.compression,
-                "Wire compression for ring/hierarchical (and NCCL between GPUs): none, fp16, bf16")
+  c->add_option(
+       "--compression", g_dist.compression,
+       "Precision compression for ring/hierarchical (and NCCL between GPUs): none, fp16, bf16")
       ->capture_default_str();
   c->add_option("--stall-timeout", g_dist.stall_timeout,
                 "Abort all ranks when a collective waits this long (s)")

@@ -36,10 +36,10 @@ Algorithm parse_algorithm(const std::string& s) {
   fail(setting("allreduce"), " must be auto, shm, ring, hierarchical or mpi, got '", s, "'");
 }
 
-Wire parse_wire(const std::string& s) {
-  if (s == "none" || s == "fp32") return Wire::F32;
-  if (s == "fp16") return Wire::F16;
-  if (s == "bf16") return Wire::BF16;
+Precision parse_wire(const std::string& s) {
+  if (s == "none" || s == "fp32") return Precision::FP32;
+  if (s == "fp16") return Precision::FP16;
+  if (s == "bf16") return Precision::BF16;
   fail(setting("compression"), " must be none, fp16 or bf16, got '", s, "'");
 }
 
@@ -57,8 +57,8 @@ const char* algorithm_name(Algorithm a) {
   return "?";
 }
 
-const char* wire_name(Wire w) {
-  return w == Wire::F32 ? "none" : w == Wire::F16 ? "fp16" : "bf16";
+const char* wire_name(Precision w) {
+  return w == Precision::FP32 ? "none" : w == Precision::FP16 ? "fp16" : "bf16";
 }
 
 std::string mpi_library_version() {
@@ -545,7 +545,7 @@ void MpiCommunicator::allreduce_mpi(float* data, int64_t n) {
   }
 }
 
-void MpiCommunicator::allreduce_ring(float* data, int64_t n, Wire wire, void* comm_ptr) {
+void MpiCommunicator::allreduce_ring(float* data, int64_t n, Precision wire, void* comm_ptr) {
   int p;
   MPI_Comm_size(*static_cast<MPI_Comm*>(comm_ptr), &p);
   std::vector<int64_t> cuts(p + 1);
@@ -553,8 +553,8 @@ void MpiCommunicator::allreduce_ring(float* data, int64_t n, Wire wire, void* co
   ring(data, cuts, wire, comm_ptr, 1, true, true);
 }
 
-void MpiCommunicator::ring(float* data, const std::vector<int64_t>& cuts, Wire wire, void* comm_ptr,
-                           int own_shift, bool reduce, bool gather) {
+void MpiCommunicator::ring(float* data, const std::vector<int64_t>& cuts, Precision wire,
+                           void* comm_ptr, int own_shift, bool reduce, bool gather) {
   MPI_Comm comm = *static_cast<MPI_Comm*>(comm_ptr);
   int r, p;
   MPI_Comm_rank(comm, &r);
@@ -580,20 +580,20 @@ void MpiCommunicator::ring(float* data, const std::vector<int64_t>& cuts, Wire w
   // The chunk this rank holds reduced after the first phase (and sends first in the second).
   const int own = (r + own_shift) % p;
   auto at = [&](int c) { return ((c % p) + p) % p; };
-  const bool compress = wire != Wire::F32;
+  const bool compress = wire != Precision::FP32;
   impl_->recv.resize(2 * kRingSegment);  // two segments in flight
   if (compress) {
     impl_->wire_send.resize(2 * kRingSegment);
     impl_->wire_recv.resize(2 * kRingSegment);
   }
   auto encode = [&](const float* src, uint16_t* dst, int64_t k) {
-    if (wire == Wire::F16)
+    if (wire == Precision::FP16)
       convert_f32_to_f16(src, dst, k);
     else
       convert_f32_to_bf16(src, dst, k);
   };
   auto decode_add = [&](const uint16_t* src, float* dst, int64_t k) {
-    if (wire == Wire::F16)
+    if (wire == Precision::FP16)
       accumulate_f16(src, dst, k);
     else
       accumulate_bf16(src, dst, k);
@@ -654,7 +654,7 @@ void MpiCommunicator::ring(float* data, const std::vector<int64_t>& cuts, Wire w
           const uint16_t* w = impl_->wire_recv.data() + slot * kRingSegment;
           if (add)
             decode_add(w, rp, k);
-          else if (wire == Wire::F16)
+          else if (wire == Precision::FP16)
             convert_f16_to_f32(w, rp, k);
           else
             convert_bf16_to_f32(w, rp, k);
@@ -679,7 +679,7 @@ void MpiCommunicator::ring(float* data, const std::vector<int64_t>& cuts, Wire w
     for (int64_t o = 0; o < k; o += kRingSegment) {
       const int64_t len = std::min(kRingSegment, k - o);
       encode(op + o, impl_->wire_send.data(), len);
-      if (wire == Wire::F16)
+      if (wire == Precision::FP16)
         convert_f16_to_f32(impl_->wire_send.data(), op + o, len);
       else
         convert_bf16_to_f32(impl_->wire_send.data(), op + o, len);
@@ -919,7 +919,7 @@ void MpiCommunicator::allgather(float* data, int64_t n, std::span<const int64_t>
   if (algo_ == Algorithm::Ring) {
     // Always fp32: the parts are what every rank must hold bit for bit (the parameters).
     MPI_Comm w = MPI_COMM_WORLD;
-    ring(data, cuts_of(counts), Wire::F32, &w, 0, false, true);
+    ring(data, cuts_of(counts), Precision::FP32, &w, 0, false, true);
   } else {
     allgatherv_in_place(data, counts, MPI_FLOAT);
   }

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/precision.h"
 
 namespace bertrain::comm {
 
@@ -38,11 +39,11 @@ enum class Algorithm { Mpi, Ring, Shm, Hierarchical };
 // Each rank's slot in the node's shared window (staging for buffers outside shared memory):
 // memory every MPI rank holds besides its plan (estimate counts it).
 inline constexpr int64_t kShmSlotBytes = int64_t{32} << 20;
-enum class Wire { F32, F16, BF16 };
 Algorithm parse_algorithm(const std::string& s);
-Wire parse_wire(const std::string& s);
+// --compression: none (Precision::FP32), fp16 or bf16: what gradient sums travel and add in.
+Precision parse_wire(const std::string& s);
 const char* algorithm_name(Algorithm a);
-const char* wire_name(Wire w);
+const char* wire_name(Precision w);
 
 // True when this process was started by an MPI launcher (mpirun, srun with PMI, MPIJob).
 bool launched_by_mpi();
@@ -74,7 +75,7 @@ class MpiCommunicator : public Communicator {
   void allgather(uint16_t* data, int64_t n, std::span<const int64_t> counts) override;
 
   void set_algorithm(Algorithm a) { algo_ = a; }
-  void set_wire(Wire w) { wire_ = w; }
+  void set_wire(Precision w) { wire_ = w; }
   // Whether the allreduce sends gradients over a wire that --compression narrows: the ring, and
   // the ring between node leaders of shm/hierarchical once ranks span nodes. Within one node
   // shm reads peers' memory directly and nothing is compressed.
@@ -104,7 +105,7 @@ class MpiCommunicator : public Communicator {
 
   // Individual algorithms (tests and benchmarks call them directly).
   void allreduce_mpi(float* data, int64_t n);
-  void allreduce_ring(float* data, int64_t n, Wire wire, void* comm);  // comm: MPI_Comm*
+  void allreduce_ring(float* data, int64_t n, Precision wire, void* comm);  // comm: MPI_Comm*
   void allreduce_shm(float* data, int64_t n);
   void allreduce_hierarchical(float* data, int64_t n);
   void reduce_scatter_shm(float* data, int64_t n, std::span<const int64_t> counts);
@@ -112,13 +113,13 @@ class MpiCommunicator : public Communicator {
  private:
   // The ring over comm (MPI_Comm*), chunks [cuts[c], cuts[c + 1]): a reduce-scatter leaving
   // chunk (rank + own_shift) % size summed here, then an allgather of the summed chunks.
-  void ring(float* data, const std::vector<int64_t>& cuts, Wire wire, void* comm, int own_shift,
-            bool reduce, bool gather);
+  void ring(float* data, const std::vector<int64_t>& cuts, Precision wire, void* comm,
+            int own_shift, bool reduce, bool gather);
   struct Impl;
   std::unique_ptr<Impl> impl_;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
   Algorithm algo_ = Algorithm::Ring;
-  Wire wire_ = Wire::F32;
+  Precision wire_ = Precision::FP32;
   double stall_timeout_ = 60.0;
   // Watchdog state.
   void enter(const char* what);

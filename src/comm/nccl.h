@@ -26,7 +26,7 @@
 #include <memory>
 
 #include "comm/communicator.h"
-#include "comm/mpi.h"  // Wire
+#include "comm/mpi.h"  // Precision
 
 namespace bertrain::comm {
 
@@ -36,6 +36,6 @@ namespace bertrain::comm {
 // does); statistics, reduce-scatters and gathers stay exact.
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap,
                                                      double stall_timeout_s = 60.0,
-                                                     Wire wire = Wire::F32);
+                                                     Precision wire = Precision::FP32);
 
 }  // namespace bertrain::comm

@@ -4,7 +4,7 @@
 // CUDA backend will fill the same table (cuBLASLt, CUDA kernels), so the model has no precision
 // or device branches of its own.
 //
-// Precision is what the model keeps and what its matmuls read (train/precision.h says it for
+// Precision is what the model keeps and what its matmuls read (core/precision.h says it for
 // users): FP32 everything fp32; BF16 matmuls on bf16 operands (a bf16 copy of the weights and of
 // the kept activations) with fp32 accumulation; FP16 the kept activations stored in fp16, each
 // rounded before forward uses it, the kernels computing in fp32 (the CPU's), or, on a backend

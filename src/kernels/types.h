@@ -5,12 +5,11 @@
 #include <cstdint>
 
 #include "core/host_device.h"
+#include "core/precision.h"
 
 namespace bertrain::kernels {
 
-// What the model keeps and its matmuls read (kernels/backend.h): fp32; bf16 matmul operands
-// with fp32 master weights and accumulation; fp16 storage of the kept activations.
-enum class Precision : uint8_t { FP32, BF16, FP16 };
+// (The precision: core/precision.h, bertrain::Precision, one type for every part.)
 
 enum class Activation { GeluErf, GeluTanh, Relu };
 

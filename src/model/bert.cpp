@@ -66,7 +66,7 @@ const char* attention_name(ModelDims::Attention a) {
 namespace {
 // The plan group of the weights' 16-bit copy and the 16-bit operand scratch.
 std::string copy_group(const ModelDims& d) {
-  return d.bf16 ? "bf16" : "fp16";
+  return d.bf16() ? "bf16" : "fp16";
 }
 }  // namespace
 
@@ -78,7 +78,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   const int64_t BP = head == Head::Pretraining ? R * d.max_predictions : 0;
   const std::string g = "activations";
   // bf16 and fp16 keep the same tensors in 16 bits (of their own format).
-  const bool half = d.bf16 || d.fp16;
+  const bool half = d.bf16() || d.fp16();
   plan.add(g, "emb.sum", f32s(N * C));
   plan.add(g, "emb.mean", f32s(N));
   plan.add(g, "emb.rstd", f32s(N));
@@ -153,10 +153,10 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(s, "grad.dhead1", f32s(std::max(BP, B) * C));
   plan.add(s, "grad.dhead2", f32s(std::max(BP, B) * C));
   if (!d.blocked_attention()) plan.add(s, "attn.work", f32s(R * NH * T * T));
-  if (d.bf16) plan.add(s, "attn.ctx", f32s(N * C));  // fp32 ctx until it is rounded to bf16
+  if (d.bf16()) plan.add(s, "attn.ctx", f32s(N * C));  // fp32 ctx until it is rounded to bf16
   // fp16: forward's fp32 ctx until it is rounded; in backward (fp32 kernels: no fp16 operands)
   // each saved fp16 tensor widened back to fp32 for them, one at a time.
-  if (d.fp16) plan.add(s, "fp16.wide", f32s(d.fp16_operands ? N * C : N * std::max(I, 3 * C)));
+  if (d.fp16()) plan.add(s, "fp16.wide", f32s(d.fp16_operands ? N * C : N * std::max(I, 3 * C)));
   plan.add(s, "grad.dsmall", f32s(std::max({B, NT, NQ}) * std::max<int64_t>(2, cfg.num_labels)));
   if (d.weight_copy()) {  // bf16, or fp16 with fp16 operands: the same tensors in 16 bits
     const std::string g16 = copy_group(d);
@@ -176,7 +176,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
 }
 
 ModelDims on_backend(ModelDims d, const kernels::Target& be) {
-  d.fp16_operands = d.fp16 && be.fp16_operands();
+  d.fp16_operands = d.fp16() && be.fp16_operands();
   return d;
 }
 
@@ -199,7 +199,7 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head,
     linears.push_back({N, 1, C});  // question answering: the start and the end column, no pooler
   }
   kernels::KernelShapes k;
-  k.precision = d.precision();
+  k.precision = d.precision;
   k.linears = linears.data();
   k.num_linears = static_cast<int64_t>(linears.size());
   k.attention = {R, T, C, NH};
@@ -256,13 +256,12 @@ MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDim
   if (dims.max_predictions > dims.seq_len)
     fail(setting("max_predictions"), " ", dims.max_predictions, " exceeds ", setting("seq_len"),
          " ", dims.seq_len);
-  if (dims.bf16 && dims.fp16) fail("a model computes in bf16 or in fp16, not both");
   if (dims.pack_rows < 0 || (dims.pack_rows > 0 && (!dims.unpadded || head != Head::Pretraining ||
                                                     dims.pack_rows > dims.batch)))
     fail("packing runs pretraining unpadded, with at least as many instances as rows (",
          dims.pack_rows, " rows, ", dims.batch, " instances", dims.unpadded ? "" : ", padded", ")");
   if (dims.master_shard &&
-      (!dims.bf16 || dims.master_begin < 0 || dims.master_begin > dims.master_end))
+      (!dims.bf16() || dims.master_begin < 0 || dims.master_begin > dims.master_end))
     fail("a sharded fp32 master needs bf16 compute and a part [", dims.master_begin, ", ",
          dims.master_end, ") of the parameters");
   const ParamTable table(cfg, head);
@@ -288,7 +287,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
       dims_(on_backend(dims, backend)),
       plan_(make_plan(cfg, head, dims_, backend)),
       be_(backend),
-      prec_(dims_.precision()) {
+      prec_(dims_.precision) {
   params_ = make_arena("parameters");
   grads_ = make_arena("gradients");
   acts_arena_ = make_arena("activations");
@@ -328,7 +327,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
     if (!blocked) ws_.attn_probs16 = b16(".attn_probs");
     ws_.attn_dctx16 = b16(".attn_dctx");
   }
-  if (dims_.fp16) ws_.wide = scratch_.f32("fp16.wide");
+  if (dims_.fp16()) ws_.wide = scratch_.f32("fp16.wide");
 
   const Arena& a = acts_arena_;
   act_.emb_sum = a.f32("emb.sum");
@@ -337,7 +336,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   act_.h0 = a.f32("emb.out");
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     const std::string p = layer_prefix(l, dims_);
-    const bool h = dims_.bf16 || dims_.fp16, bf = dims_.bf16, fp = dims_.fp16;
+    const bool h = dims_.bf16() || dims_.fp16(), bf = dims_.bf16(), fp = dims_.fp16();
     auto b16 = [&](const std::string& name) {
       return h ? reinterpret_cast<uint16_t*>(a.f32(name)) : nullptr;
     };

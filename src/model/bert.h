@@ -28,23 +28,22 @@ namespace bertrain::model {
 
 struct ModelDims {
   int64_t batch = 8, seq_len = 128, max_predictions = 20;
-  // Mixed precision: matmuls take bf16 inputs and a bf16 copy of the weights (refreshed from the
-  // fp32 parameters at every forward), accumulate and output fp32; LayerNorm, softmax, losses
-  // and all gradients stay fp32.
-  bool bf16 = false;
+  // The precision (core/precision.h). BF16: matmuls take bf16 inputs and a bf16 copy of the
+  // weights (refreshed from the fp32 parameters at every forward), accumulate and output fp32;
+  // LayerNorm, softmax, losses and all gradients stay fp32.
+  // FP16 stores what backward keeps of QKV, the attention probabilities and context and the FFN
+  // pre- and post-activation in fp16 (the tensors BF16 keeps in bf16, with fp16's 11-bit
+  // significand), each rounded before forward uses it, so backward differentiates exactly what
+  // forward computed. On a CPU the kernels compute in fp32 on the fp32 weights: oneDNN has no
+  // fp16 matmul for CPUs without AVX512-FP16, and an fp16 copy of the weights would only add
+  // memory and error to fp32 matmuls (a GPU's: fp16_operands). Gradients stay fp32.
+  Precision precision = Precision::FP32;
   // The attention core: the full kernel (batched products, [B,NH,T,T] probabilities kept for
   // backward) or the blocked one (row blocks, only the row log-sum-exp kept; kernels/cpu/
   // attention.h). Auto: blocked from 512 tokens, where it runs as fast and the probabilities
   // would be the largest activation.
   enum class Attention { Auto, Full, Blocked } attention = Attention::Auto;
-  // fp16 storage: what backward keeps of QKV, the attention probabilities and context and the
-  // FFN pre- and post-activation is stored in fp16 (the tensors bf16 keeps in bf16, with fp16's
-  // 11-bit significand), each rounded before forward uses it, so backward differentiates exactly
-  // what forward computed. On a CPU the kernels compute in fp32 on the fp32 weights: oneDNN has
-  // no fp16 matmul for CPUs without AVX512-FP16, and an fp16 copy of the weights would only add
-  // memory and error to fp32 matmuls (a GPU's: fp16_operands). Gradients stay fp32.
-  bool fp16 = false;
-  // fp16 on a backend whose matmuls take fp16 operands (kernels::Target::fp16_operands, a GPU's;
+  // FP16 on a backend whose matmuls take fp16 operands (kernels::Target::fp16_operands, a GPU's;
   // set by on_backend, not by users): as bf16 with fp16 for bf16, an fp16 copy of the weights
   // (written by the optimizer's update) and the products' other operands rounded to fp16 (the
   // output gradients under the loss scale), accumulation in fp32.
@@ -84,14 +83,11 @@ struct ModelDims {
   int64_t master_begin = 0, master_end = 0;
   // Rows of seq_len tokens the encoder is planned for.
   int64_t token_rows() const { return pack_rows > 0 ? pack_rows : batch; }
-  kernels::Precision precision() const {
-    return bf16   ? kernels::Precision::BF16
-           : fp16 ? kernels::Precision::FP16
-                  : kernels::Precision::FP32;
-  }
+  bool bf16() const { return precision == Precision::BF16; }
+  bool fp16() const { return precision == Precision::FP16; }
   // Whether the matmuls read a 16-bit copy of the weights and 16-bit operand scratch (bf16, or
   // fp16 with fp16 operands): the plan's group "bf16" or "fp16".
-  bool weight_copy() const { return bf16 || (fp16 && fp16_operands); }
+  bool weight_copy() const { return bf16() || (fp16() && fp16_operands); }
   bool blocked_attention() const {
     return attention == Attention::Blocked || (attention == Attention::Auto && seq_len >= 512);
   }
@@ -190,7 +186,7 @@ class BertModel {
   // once, that the caller already did (the optimizer writes it in its update pass:
   // weight_copy() says where and in which format).
   uint16_t* weights16() const { return w16_; }
-  kernels::WeightCopy weight_copy() const { return {w16_, w16_ && dims_.fp16}; }
+  kernels::WeightCopy weight_copy() const { return {w16_, w16_ && dims_.fp16()}; }
   void weights16_updated() { w16_fresh_ = w16_ != nullptr; }
   // Rounds params()[begin, end) into the 16-bit copy (the parts of the weights another rank
   // updated, for a sharded optimizer); no-op without a copy.
@@ -397,7 +393,7 @@ class BertModel {
   kernels::ScratchLayout kernel_scratch_;  // kernels_arena_'s layout, bound before kernels run
   Acts act_{};
   const kernels::Backend& be_;
-  kernels::Precision prec_;
+  Precision prec_;
   kernels::Workspace ws_;        // the precision paths' scratch, regions of the plan
   uint16_t* w16_ = nullptr;      // the weights' 16-bit copy the matmuls read (weight_copy())
   bool mlm_grad_ready_ = false;  // the training forward left the MLM logits' gradient in place

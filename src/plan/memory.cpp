@@ -38,7 +38,7 @@ int64_t largest_shard(int64_t total, int world) {
 model::ModelDims with_master_shard(const model::BertConfig& cfg, model::Head head,
                                    model::ModelDims dims, int rank, int world,
                                    const kernels::Target& target) {
-  if (!dims.bf16 || world <= 1 || !target.host_memory()) return dims;
+  if (!dims.bf16() || world <= 1 || !target.host_memory()) return dims;
   const int64_t total = model::ParamTable(cfg, head).total();
   auto of_rank = [&](int r) {
     model::ModelDims d = dims;
@@ -151,9 +151,9 @@ std::string explain_plan(const model::BertConfig& cfg, model::Head head, const m
     why +=
         "; layers recomputed in backward: one layer's activations live at a time, plus each "
         "layer's output (the rule keeps every layer's)";
-  if (d.bf16 || d.fp16)
+  if (d.bf16() || d.fp16())
     why += str("; the tensors backward reads from matmuls and attention kept in ",
-               d.bf16 ? "bf16" : "fp16",
+               d.bf16() ? "bf16" : "fp16",
                ", LayerNorm inputs and residual sums in fp32 (the rule: all 16-bit)");
   else
     why += "; fp32 training keeps fp32 activations (4 B where the rule counts 2)";

@@ -91,17 +91,6 @@ int64_t warmup_steps(double warmup, int64_t steps) {
 // slowest step when that is longer).
 constexpr double kStopGraceSeconds = 5.0;
 
-Precision parse_precision(const std::string& s) {
-  if (s == "fp32") return Precision::FP32;
-  if (s == "bf16") return Precision::BF16;
-  if (s == "fp16") return Precision::FP16;
-  fail(setting("precision"), " must be fp32, bf16 or fp16, got '", s, "'");
-}
-
-const char* precision_name(Precision p) {
-  return p == Precision::FP32 ? "fp32" : p == Precision::BF16 ? "bf16" : "fp16";
-}
-
 namespace {
 
 // Sums of step reports over a logging window or the whole run.
@@ -313,8 +302,8 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
 }
 
 // Master weights are fp32: the model's own buffer, params(). bf16: its matmuls use a bf16 copy
-// (ModelDims::bf16). fp16: it keeps activations in fp16 (ModelDims::fp16), and the dynamic loss
-// scaler skips steps whose loss or gradients left the fp16 range.
+// (ModelDims::precision). fp16: it keeps activations in fp16 (ModelDims::precision), and the
+// dynamic loss scaler skips steps whose loss or gradients left the fp16 range.
 void Trainer::State::resume_or_init() {
   // Checkpoint writes killed before they finished leave their staging directories: gone now.
   if (rank == 0)
@@ -538,9 +527,9 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
       s.m, s.opt, s.scaler, comm,
       StepSettings{s.cfg.accumulation, cfg.predivide, cfg.overlap, cfg.bucket_mb << 20, cfg.seed},
       &s.tl);
-  s.peak_gflops = backend_of(cfg).gemm_peak_gflops(
-      kernel_precision(cfg.precision), cfg.batch_size * cfg.seq_len, s.mcfg.intermediate_size,
-      s.mcfg.hidden_size, 0.5);
+  s.peak_gflops =
+      backend_of(cfg).gemm_peak_gflops(cfg.precision, cfg.batch_size * cfg.seq_len,
+                                       s.mcfg.intermediate_size, s.mcfg.hidden_size, 0.5);
 }
 
 Trainer::~Trainer() = default;
@@ -603,8 +592,7 @@ std::string Trainer::banner() const {
   out += s.startup_note;
   out += s.tuning_note;
   out += str("  ", kernels::device_line(backend_of(cfg)), "\n");
-  if (const std::string note = backend_of(cfg).precision_note(kernel_precision(cfg.precision));
-      !note.empty())
+  if (const std::string note = backend_of(cfg).precision_note(cfg.precision); !note.empty())
     out += str("  ", note, "\n");
   return out;
 }
@@ -804,8 +792,7 @@ std::string Trainer::summary() const {
                 "compute: %.1f GFLOP/s of model FLOPs per rank = %.0f%% of the %s GEMM rate "
                 "measured now (%.1f GFLOP/s)\n",
                 achieved, 100.0 * achieved / s.peak_gflops,
-                kernels::gemm_operands(backend_of(cfg), kernel_precision(cfg.precision)),
-                s.peak_gflops);
+                kernels::gemm_operands(backend_of(cfg), cfg.precision), s.peak_gflops);
   out += line;
   const std::string bottleneck =
       pct(t.input) > 10  ? str("input pipeline (raise ", setting("readers"), "/",

@@ -23,7 +23,6 @@ namespace bertrain {
 namespace {
 
 using kernels::Kept;
-using kernels::Precision;
 using test::all_close;
 using test::random_vector;
 

@@ -379,19 +379,17 @@ TEST(Cuda, LinearMatchesCpu) {
              bias = random_vector(N, 3), dout = random_vector(M * N, 4),
              dinp0 = random_vector(M * K, 5), dw0 = random_vector(N * K, 6),
              db0 = random_vector(N, 7);
-  for (auto o : {cuda::Operands::FP32, cuda::Operands::BF16, cuda::Operands::FP16}) {
-    const char* name = o == cuda::Operands::FP32   ? "fp32"
-                       : o == cuda::Operands::BF16 ? "bf16"
-                                                   : "fp16";
+  for (auto o : {Precision::FP32, Precision::BF16, Precision::FP16}) {
+    const char* name = o == Precision::FP32 ? "fp32" : o == Precision::BF16 ? "bf16" : "fp16";
     // The operands as the GPU reads them, widened back to fp32 for the CPU's product.
     auto rounded = [&](const std::vector<float>& x, std::vector<uint16_t>& bits) {
       std::vector<float> r(x.size());
       bits.resize(x.size());
       for (size_t i = 0; i < x.size(); ++i) {
-        if (o == cuda::Operands::BF16) {
+        if (o == Precision::BF16) {
           bits[i] = f32_to_bf16(x[i]);
           r[i] = bf16_to_f32(bits[i]);
-        } else if (o == cuda::Operands::FP16) {
+        } else if (o == Precision::FP16) {
           bits[i] = f32_to_f16(x[i]);
           r[i] = f16_to_f32(bits[i]);
         } else {
@@ -408,7 +406,7 @@ TEST(Cuda, LinearMatchesCpu) {
                              w_r.data(), M, N, K, true);
     for (int64_t r = 0; r < M; ++r)
       for (int64_t c = 0; c < N; ++c) db[c] += dout[r * N + c];
-    const bool f32 = o == cuda::Operands::FP32;
+    const bool f32 = o == Precision::FP32;
     // The weight one element into its buffer, as a tensor of the flat parameter buffer may
     // start: cuBLASLt must not assume aligned operands.
     std::vector<float> w1 = w;

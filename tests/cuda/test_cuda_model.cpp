@@ -52,9 +52,8 @@ TEST(CudaModel, ForwardBackwardEqualsCpu) {
         ModelDims d{b.B, b.T, b.P};
         d.attention = kernel;
         d.unpadded = unpadded;
-        d.bf16 = precision == 1;
-        d.fp16 = precision == 2;
-        if (d.bf16 && !kernels::gemm_bf16_available()) continue;  // no CPU reference here
+        d.precision = static_cast<Precision>(precision);            // 0 fp32, 1 bf16, 2 fp16
+        if (d.bf16() && !kernels::gemm_bf16_available()) continue;  // no CPU reference here
         SCOPED_TRACE(testing::Message() << (full ? "full" : "blocked") << " precision " << precision
                                         << " unpadded " << unpadded);
         const StepRun cpu = step(kernels::cpu_backend(), c, Head::Pretraining, d, b);
@@ -114,11 +113,9 @@ TEST(CudaModel, TaskHeadsEqualCpu) {
 TEST(CudaModel, LossCurveTracksTheCpu) {
   SKIP_WITHOUT_GPU();
   const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
-  const auto cpu = test::loss_curve(kernels::cpu_backend(), c, kernels::Precision::FP32, 300);
-  for (auto p : {kernels::Precision::FP32, kernels::Precision::BF16, kernels::Precision::FP16}) {
-    const char* name = p == kernels::Precision::FP32   ? "fp32"
-                       : p == kernels::Precision::BF16 ? "bf16"
-                                                       : "fp16";
+  const auto cpu = test::loss_curve(kernels::cpu_backend(), c, Precision::FP32, 300);
+  for (auto p : {Precision::FP32, Precision::BF16, Precision::FP16}) {
+    const char* name = p == Precision::FP32 ? "fp32" : p == Precision::BF16 ? "bf16" : "fp16";
     const auto gpu = test::loss_curve(cuda::cuda_backend(), c, p, 300);
     const double worst = test::worst_relative(gpu, cpu);
     std::printf(

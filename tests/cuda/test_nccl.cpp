@@ -58,7 +58,7 @@ class ThreadRank final : public comm::Communicator {
 
 // Runs f(rank, communicator) on `ranks` threads, each with a NCCL communicator of its own GPU.
 void on_gpus(int ranks, const std::function<void(int, comm::Communicator&)>& f,
-             double stall_s = 60.0, comm::Wire wire = comm::Wire::F32) {
+             double stall_s = 60.0, Precision wire = Precision::FP32) {
   ThreadGroup g(ranks);
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r)
@@ -157,7 +157,7 @@ TEST(Nccl, TwoGpusSumGatherAndScatter) {
 TEST(Nccl, TwoGpusSumIn16BitsOnTheWire) {
   SKIP_WITHOUT(2);
   const int64_t n = 5000;
-  for (comm::Wire w : {comm::Wire::F16, comm::Wire::BF16})
+  for (Precision w : {Precision::FP16, Precision::BF16})
     on_gpus(
         2,
         [&](int r, comm::Communicator& c) {

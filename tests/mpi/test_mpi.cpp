@@ -76,7 +76,7 @@ TEST(Allreduce, EveryAlgorithmEqualsMpiAllreduceExactly) {
     for (Algorithm a : {Algorithm::Mpi, Algorithm::Ring, Algorithm::Shm, Algorithm::Hierarchical}) {
       std::vector<float> v = pattern(n, g_comm->rank(), true);
       g_comm->set_algorithm(a);
-      g_comm->set_wire(Wire::F32);
+      g_comm->set_wire(Precision::FP32);
       g_comm->allreduce_sum(v.data(), n);
       ASSERT_EQ(std::memcmp(v.data(), want.data(), n * sizeof(float)), 0)
           << algorithm_name(a) << " n=" << n;
@@ -94,7 +94,7 @@ TEST(Allreduce, SharedBufferZeroCopyEqualsMpiAllreduce) {
   for (int64_t i = 0; i < total; ++i) ASSERT_EQ(buf[i], 0.0f) << "not zeroed at " << i;
   for (Algorithm a : {Algorithm::Shm, Algorithm::Hierarchical}) {
     g_comm->set_algorithm(a);
-    g_comm->set_wire(Wire::F32);
+    g_comm->set_wire(Precision::FP32);
     for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000003}}) {
       for (int64_t off : {int64_t{0}, int64_t{4093}}) {
         const auto v = pattern(total, g_comm->rank(), true);
@@ -130,8 +130,8 @@ TEST(Allreduce, RandomValuesAgreeToRoundingAndAcrossRanks) {
   const int64_t n = 1000003;
   const auto want = reference(n, false);
   for (Algorithm a : {Algorithm::Ring, Algorithm::Shm, Algorithm::Hierarchical}) {
-    for (Wire w : {Wire::F32, Wire::F16, Wire::BF16}) {
-      if (a == Algorithm::Shm && w != Wire::F32) continue;
+    for (Precision w : {Precision::FP32, Precision::FP16, Precision::BF16}) {
+      if (a == Algorithm::Shm && w != Precision::FP32) continue;
       std::vector<float> v = pattern(n, g_comm->rank(), false);
       g_comm->set_algorithm(a);
       g_comm->set_wire(w);
@@ -140,7 +140,7 @@ TEST(Allreduce, RandomValuesAgreeToRoundingAndAcrossRanks) {
       // fp16/bf16 wire: every hop rounds to the wire format (2^-11 / 2^-8 relative), at most
       // `size` roundings of partial sums whose magnitude is bounded by sum|x| ~ size * 4.
       const double p = g_comm->size();
-      const double rel = w == Wire::F32 ? 1.2e-7 : w == Wire::F16 ? 0x1p-11 : 0x1p-8;
+      const double rel = w == Precision::FP32 ? 1.2e-7 : w == Precision::FP16 ? 0x1p-11 : 0x1p-8;
       const double bound = (p + 1) * rel * p * 4.5;
       double worst = 0;
       for (int64_t i = 0; i < n; ++i)
@@ -153,7 +153,7 @@ TEST(Allreduce, RandomValuesAgreeToRoundingAndAcrossRanks) {
           << algorithm_name(a) << " " << wire_name(w);
     }
   }
-  g_comm->set_wire(Wire::F32);
+  g_comm->set_wire(Precision::FP32);
 }
 
 // ZeRO's halves: a reduce-scatter leaves on each rank its part of the sum, exactly as
@@ -178,7 +178,7 @@ TEST(ReduceScatter, EveryAlgorithmGivesEachRankItsPartOfTheSum) {
         for (bool in_shared : {false, true}) {
           if (in_shared && !shared) continue;
           g_comm->set_algorithm(a);
-          g_comm->set_wire(Wire::F32);
+          g_comm->set_wire(Precision::FP32);
           std::vector<float> own = pattern(n, me, true);
           float* v = in_shared ? shared : own.data();
           std::copy(own.begin(), own.end(), v);
@@ -232,7 +232,7 @@ TEST(ShardedOptimizer, EqualsUnshardedOnEveryAlgorithm) {
   };
   auto run = [&](Algorithm a, train::OptimizerKind kind, float clip, bool overlap, bool shard) {
     g_comm->set_algorithm(a);
-    g_comm->set_wire(Wire::F32);
+    g_comm->set_wire(Precision::FP32);
     model::BertModel m(c, model::Head::Pretraining, {B, T, P});
     m.init_params(11);
     const int64_t total = m.table().total();
@@ -333,9 +333,9 @@ TEST(ShardedOptimizer, ShardedMasterEqualsUnshardedOnEveryAlgorithm) {
   enum Mode { kPlain, kShardedOptimizer, kShardedMaster };
   auto run = [&](Algorithm a, train::OptimizerKind kind, float clip, bool overlap, Mode mode) {
     g_comm->set_algorithm(a);
-    g_comm->set_wire(Wire::F32);
+    g_comm->set_wire(Precision::FP32);
     model::ModelDims d{B, T, P};
-    d.bf16 = true;
+    d.precision = Precision::BF16;
     const int64_t total = model::ParamTable(c, model::Head::Pretraining).total();
     if (mode == kShardedMaster) {
       std::tie(d.master_begin, d.master_end) = plan::shard_range(total, me, world);
@@ -414,7 +414,7 @@ TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
   std::mt19937 rng(5);
   random_batch(full, B, T, P, c.vocab_size, rng);
   for (Algorithm a : {Algorithm::Ring, Algorithm::Hierarchical, Algorithm::Shm}) {
-    for (Wire w : {Wire::F32, Wire::F16}) {
+    for (Precision w : {Precision::FP32, Precision::FP16}) {
       g_comm->set_algorithm(a);
       g_comm->set_wire(w);
       model::BertModel one(c, model::Head::Pretraining, {B, T, P}),
@@ -442,14 +442,14 @@ TEST(DataParallel, TwoRanksHalfBatchEqualOneRankFullBatch) {
       // The per-rank loss means average to the full-batch mean (equal weights per half), so
       // only summation order differs: fp32 rounding amplified by 3 Adam steps (updates are
       // ~lr-sized and sign-like) -> 1e-6 of lr-scaled parameters; fp16 wire: 1e-4.
-      const double tol = w == Wire::F32 ? 2e-6 : 2e-4;
+      const double tol = w == Precision::FP32 ? 2e-6 : 2e-4;
       double worst = 0;
       for (int64_t i = 0; i < one.table().total(); ++i)
         worst = std::max(worst, static_cast<double>(std::fabs(one.params()[i] - two.params()[i])));
       EXPECT_LE(worst, tol) << algorithm_name(a) << " " << wire_name(w);
     }
   }
-  g_comm->set_wire(Wire::F32);
+  g_comm->set_wire(Precision::FP32);
 }
 
 // A sentiment fine-tuning config for the ranks of this test: the first `reviews` ChnSentiCorp
@@ -502,7 +502,7 @@ TEST(DataParallel, FinetuneTwoRanksEqualOneRankDoubleBatch) {
     std::snprintf(shared, sizeof shared, "%s", (tmp / "bf16").c_str());
     g_comm->broadcast(shared, sizeof shared, 0);
     train::FinetuneConfig b = f;
-    b.precision = train::Precision::BF16;
+    b.precision = Precision::BF16;
     b.output = std::string(shared) + "/plain";
     const train::FinetuneResult plain = train::finetune(b);
     b.shard_optimizer = true;
@@ -564,7 +564,7 @@ TEST(DataParallel, ShardedMasterNeedsAnOutputEveryRankSees) {
   train::FinetuneConfig f = small_finetune(tmp, 16);
   f.epochs = 1;
   f.batch_size = 4;
-  f.precision = train::Precision::BF16;
+  f.precision = Precision::BF16;
   f.shard_optimizer = true;
   f.output = tmp / "out";
   const std::string e = test::error_of([&] { train::finetune(f); });
@@ -647,7 +647,7 @@ struct DeviceTestWorld {
   const Algorithm was = g_comm->algorithm();
   DeviceTestWorld() {
     g_comm->set_algorithm(Algorithm::Ring);
-    g_comm->set_wire(Wire::F32);
+    g_comm->set_wire(Precision::FP32);
   }
   ~DeviceTestWorld() { g_comm->set_algorithm(was); }
 };
@@ -738,7 +738,7 @@ TEST(DataParallel, ABf16DeviceModelShardsTheOptimizerAndKeepsTheMasterWhole) {
   };
   auto run = [&](const kernels::Backend& be, Communicator& comm) {
     model::ModelDims d{B, T, P};
-    d.bf16 = true;
+    d.precision = Precision::BF16;
     d = plan::with_master_shard(c, model::Head::Pretraining, d, me, world, be);
     model::BertModel m(c, model::Head::Pretraining, d, be);
     m.init_params(11);

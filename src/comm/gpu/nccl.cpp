@@ -117,7 +117,7 @@ std::vector<std::string> identity(int nccl_version) {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(Communicator& bootstrap, double stall_timeout_s, Wire wire)
+  NcclCommunicator(Communicator& bootstrap, double stall_timeout_s, Precision wire)
       : wire_(wire),
         boot_(bootstrap),
         rank_(bootstrap.rank()),
@@ -156,9 +156,10 @@ class NcclCommunicator final : public Communicator {
   int local_size() const override { return boot_.local_size(); }
   bool device_memory() const override { return true; }
   std::string name() const override {
-    return str("NCCL ", version_, ", ", size_, " ranks (GPU ", device_, " on ", host_, " here",
-               wire_ == Wire::F32 ? "" : str("; gradients in ", wire_name(wire_), " on the wire"),
-               ")");
+    return str(
+        "NCCL ", version_, ", ", size_, " ranks (GPU ", device_, " on ", host_, " here",
+        wire_ == Precision::FP32 ? "" : str("; gradients in ", wire_name(wire_), " on the wire"),
+        ")");
   }
   void set_label(const std::string& label) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -174,19 +175,17 @@ class NcclCommunicator final : public Communicator {
   }
 
   void allreduce_sum(float* data, int64_t n) override {
-    if (wire_ == Wire::F32 || !on_device(data)) return allreduce(data, n, ncclFloat32, 4);
+    if (wire_ == Precision::FP32 || !on_device(data)) return allreduce(data, n, ncclFloat32, 4);
     // 16 bits on the wire: rounded on this stream after the queued work, summed, widened back.
     select_device();
     after_queued_work();
     uint16_t* w = wire_buffer(static_cast<size_t>(n));
-    const bool bf16 = wire_ == Wire::BF16;
-    gpu().round_to_16(bf16 ? kernels::Precision::BF16 : kernels::Precision::FP16, w, data, n,
-                      stream_);
+    const bool bf16 = wire_ == Precision::BF16;
+    gpu().round_to_16(bf16 ? Precision::BF16 : Precision::FP16, w, data, n, stream_);
     check(nccl().AllReduce(w, w, static_cast<size_t>(n), bf16 ? ncclBfloat16 : ncclFloat16, ncclSum,
                            comm_, stream_),
           "allreduce");
-    gpu().widen_from_16(bf16 ? kernels::Precision::BF16 : kernels::Precision::FP16, data, w, n,
-                        stream_);
+    gpu().widen_from_16(bf16 ? Precision::BF16 : Precision::FP16, data, w, n, stream_);
     wait("allreduce", n * 2);
   }
   void allreduce_sum(double* data, int64_t n) override { allreduce(data, n, ncclFloat64, 8); }
@@ -484,7 +483,7 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
-  const Wire wire_;
+  const Precision wire_;
   Communicator& boot_;
   const int rank_, size_, device_;
   const std::string host_;
@@ -510,7 +509,7 @@ class NcclCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap,
-                                                     double stall_timeout_s, Wire wire) {
+                                                     double stall_timeout_s, Precision wire) {
   return std::make_unique<NcclCommunicator>(bootstrap, stall_timeout_s, wire);
 }
 

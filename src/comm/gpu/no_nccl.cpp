@@ -7,7 +7,8 @@
 namespace bertrain::comm {
 
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap,
-                                                     double /*stall_timeout_s*/, Wire /*wire*/) {
+                                                     double /*stall_timeout_s*/,
+                                                     Precision /*wire*/) {
   fail("data parallelism across ", bootstrap.size(),
        " GPUs needs NCCL, which comes with the CUDA build: this bertrain is built without it "
        "(CMAKE_ARGS=\"-DBERTRAIN_CUDA=ON\" scripts/setup.sh builds it)");

@@ -25,7 +25,6 @@ using kernels::Activation;
 using kernels::AttentionShape;
 using kernels::Dropout;
 using kernels::Kept;
-using kernels::Precision;
 
 namespace {
 
@@ -246,18 +245,8 @@ void launch(K kernel, int64_t n, A... args) {
   check_launch();
 }
 
-// The products' operands: bf16 bits in BF16, fp16 bits in FP16 (the kept fp16 activations, the
-// weights' fp16 copy, the rest rounded on the way in), plain fp32 in FP32.
-Operands operands_of(Precision p) {
-  switch (p) {
-    case Precision::BF16:
-      return Operands::BF16;
-    case Precision::FP16:
-      return Operands::FP16;
-    default:
-      return Operands::FP32;
-  }
-}
+// The products' operands are the precision's: bf16 bits in BF16, fp16 bits in FP16 (the kept
+// fp16 activations, the weights' fp16 copy, the rest rounded on the way in), plain fp32 in FP32.
 
 // n fp32 values rounded to the 16-bit precision's operands.
 void round_16(Precision p, uint16_t* dst, const float* src, int64_t n) {
@@ -271,10 +260,10 @@ void round_16(Precision p, uint16_t* dst, const float* src, int64_t n) {
 // BF16 and FP16, fp32 values in FP32: `el` bytes).
 struct AttentionDims {
   int64_t n_probs;
-  Operands o;
+  Precision o;
   int64_t el;
   AttentionDims(Precision p, const AttentionShape& s)
-      : n_probs(s.B * s.NH * s.T * s.T), o(operands_of(p)), el(p == Precision::FP32 ? 4 : 2) {}
+      : n_probs(s.B * s.NH * s.T * s.T), o(p), el(p == Precision::FP32 ? 4 : 2) {}
 };
 
 // QKV as attention's products read it: BF16 and FP16 round it into its kept bits first.
@@ -423,21 +412,20 @@ class CudaBackend final : public kernels::Backend {
     return cuda::device_name() + " (CUDA backend, cuBLASLt)";
   }
   std::string device_name() const override { return cuda::device_name(); }
-  double gemm_peak_gflops(kernels::Precision p, int64_t M, int64_t N, int64_t K,
+  double gemm_peak_gflops(Precision p, int64_t M, int64_t N, int64_t K,
                           double seconds) const override {
-    return 1e3 * gemm_tflops(operands_of(p), M, N, K, seconds);
+    return 1e3 * gemm_tflops(p, M, N, K, seconds);
   }
 
-  void round_to_16(kernels::Precision p, uint16_t* dst, const float* src, int64_t n,
+  void round_to_16(Precision p, uint16_t* dst, const float* src, int64_t n,
                    void* queue) const override {
-    BT_CHECK(p != kernels::Precision::FP32, "round_to_16: fp32 is not a 16-bit precision");
-    (p == kernels::Precision::FP16 ? cuda::round_to_f16 : cuda::round_to_bf16)(dst, src, n, queue);
+    BT_CHECK(p != Precision::FP32, "round_to_16: fp32 is not a 16-bit precision");
+    (p == Precision::FP16 ? cuda::round_to_f16 : cuda::round_to_bf16)(dst, src, n, queue);
   }
-  void widen_from_16(kernels::Precision p, float* dst, const uint16_t* src, int64_t n,
+  void widen_from_16(Precision p, float* dst, const uint16_t* src, int64_t n,
                      void* queue) const override {
-    BT_CHECK(p != kernels::Precision::FP32, "widen_from_16: fp32 is not a 16-bit precision");
-    (p == kernels::Precision::FP16 ? cuda::widen_from_f16 : cuda::widen_from_bf16)(dst, src, n,
-                                                                                   queue);
+    BT_CHECK(p != Precision::FP32, "widen_from_16: fp32 is not a 16-bit precision");
+    (p == Precision::FP16 ? cuda::widen_from_f16 : cuda::widen_from_bf16)(dst, src, n, queue);
   }
   void scale_on(float* x, int64_t n, float s, void* queue) const override {
     cuda::scale(x, n, s, queue);
@@ -450,14 +438,14 @@ class CudaBackend final : public kernels::Backend {
                       const kernels::Workspace& ws) const override {
     const Op op("linear_forward");
     if (p == Precision::FP32)
-      return cuda::linear_forward(Operands::FP32, out, in.f32, w.f32, bias, M, N, K);
+      return cuda::linear_forward(Precision::FP32, out, in.f32, w.f32, bias, M, N, K);
     check_copy(w);
     const uint16_t* x = in.bits;
     if (!x) {
       round_16(p, ws.half_a, in.f32, M * K);
       x = ws.half_a;
     }
-    cuda::linear_forward(operands_of(p), out, x, w.bits, bias, M, N, K);
+    cuda::linear_forward(p, out, x, w.bits, bias, M, N, K);
   }
 
   // 16-bit precisions: the output gradient rounded to the operands' format (fp16 under the loss
@@ -467,8 +455,8 @@ class CudaBackend final : public kernels::Backend {
                        const kernels::Workspace& ws) const override {
     const Op op("linear_backward");
     if (p == Precision::FP32)
-      return cuda::linear_backward(Operands::FP32, dinp, dw, db, dout, dout, in.f32, w.f32, M, N, K,
-                                   accumulate_dinp);
+      return cuda::linear_backward(Precision::FP32, dinp, dw, db, dout, dout, in.f32, w.f32, M, N,
+                                   K, accumulate_dinp);
     check_copy(w);
     round_16(p, ws.half_a, dout, M * N);
     const uint16_t* x = in.bits;
@@ -476,8 +464,7 @@ class CudaBackend final : public kernels::Backend {
       round_16(p, ws.half_b, in.f32, M * K);
       x = ws.half_b;
     }
-    cuda::linear_backward(operands_of(p), dinp, dw, db, ws.half_a, dout, x, w.bits, M, N, K,
-                          accumulate_dinp);
+    cuda::linear_backward(p, dinp, dw, db, ws.half_a, dout, x, w.bits, M, N, K, accumulate_dinp);
   }
 
   void keep(Precision p, Kept x, int64_t n) const override {

@@ -49,31 +49,30 @@ class DeviceBuffer {
 
 void synchronize();
 
-// What a linear layer's operands are: fp32, or 16-bit (raw bf16 / fp16 bits) with fp32
-// accumulation and an fp32 result.
-enum class Operands { FP32, BF16, FP16 };
+// A linear layer's operands are the precision's (Precision `o`): fp32, or 16-bit (raw bf16 /
+// fp16 bits) with fp32 accumulation and an fp32 result.
 
 // out[M,N] = in[M,K] . w[N,K]^T + bias[N] (bias may be null), through cuBLASLt (bias in the
 // epilogue); in and w of the operand type.
-void linear_forward(Operands o, float* out, const void* in, const void* w, const float* bias,
+void linear_forward(Precision o, float* out, const void* in, const void* w, const float* bias,
                     int64_t M, int64_t N, int64_t K, void* stream = nullptr);
 // dinp[M,K] = dout . w (or += with accumulate; skipped when null), dw[N,K] += dout^T . in,
 // db[N] += column sums of dout (if non-null). dout in the operand type, dout_f32 its fp32 values
 // (the bias gradient's; the same pointer in fp32).
-void linear_backward(Operands o, float* dinp, float* dw, float* db, const void* dout,
+void linear_backward(Precision o, float* dinp, float* dw, float* db, const void* dout,
                      const float* dout_f32, const void* in, const void* w, int64_t M, int64_t N,
                      int64_t K, bool accumulate_dinp, void* stream = nullptr);
 
 // A product over attention's (sequence, head) pairs (attention_products.h) for `pairs` pairs of
 // NH heads a sequence: one cuBLAS batched call, its pointer arrays made on the GPU (scratch's
 // attention-pointers part).
-void gemm_pairs(Operands o, int64_t pairs, int64_t NH, const PairProduct& p,
+void gemm_pairs(Precision o, int64_t pairs, int64_t NH, const PairProduct& p,
                 void* stream = nullptr);
 
 // The GEMM ceiling on the current GPU, measured now: TFLOP/s of cuBLASLt's [M,K] x [N,K]^T
 // product with these operands on pseudo-random values (zeros run faster), timed with CUDA
 // events over `seconds` after warm-up. What the GPU benchmarks report utilisation against.
-double gemm_tflops(Operands o, int64_t M, int64_t N, int64_t K, double seconds);
+double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds);
 // The device's name, e.g. "NVIDIA H200".
 std::string device_name();
 

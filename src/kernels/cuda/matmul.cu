@@ -35,11 +35,11 @@ namespace rm = kernels::row_math;
 
 namespace {
 
-cudaDataType_t operand_type(Operands o) {
+cudaDataType_t operand_type(Precision o) {
   switch (o) {
-    case Operands::BF16:
+    case Precision::BF16:
       return CUDA_R_16BF;
-    case Operands::FP16:
+    case Precision::FP16:
       return CUDA_R_16F;
     default:
       return CUDA_R_32F;
@@ -49,15 +49,15 @@ cudaDataType_t operand_type(Operands o) {
 // fp32 accumulation throughout (plain fp32 for fp32 operands: no TF32 behind the caller's back).
 constexpr cublasComputeType_t kCompute = CUBLAS_COMPUTE_32F;
 
-__host__ __device__ inline bool fp32_storage(Operands o) {
-  return o == Operands::FP32;
+__host__ __device__ inline bool fp32_storage(Precision o) {
+  return o == Precision::FP32;
 }
 
 // One product: its column-major call (blas_calls.h), whether the epilogue adds a bias, and the
 // alignment of its pointers (cuBLASLt assumes 256 bytes unless told: a tensor of the flat
 // parameter buffer's 16-bit copy may start at any 32 bytes).
 struct Shape {
-  Operands operands;
+  Precision operands;
   ColumnMajorCall g;
   bool bias;
   uint32_t align_a = 256, align_b = 256, align_c = 256;
@@ -217,7 +217,7 @@ cublasHandle_t blas_handle() {
 
 }  // namespace
 
-void gemm_pairs(Operands o, int64_t pairs, int64_t NH, const PairProduct& p, void* stream) {
+void gemm_pairs(Precision o, int64_t pairs, int64_t NH, const PairProduct& p, void* stream) {
   if (pairs == 0 || p.M == 0 || p.N == 0) return;
   const cudaStream_t s = as_stream(stream);
   auto** ptrs = static_cast<void**>(scratch(kAttentionPointersSlot, 3 * pairs * sizeof(void*)));
@@ -238,14 +238,14 @@ void gemm_pairs(Operands o, int64_t pairs, int64_t NH, const PairProduct& p, voi
       CUDA_R_32F, static_cast<int>(g.ldc), static_cast<int>(pairs), kCompute, CUBLAS_GEMM_DEFAULT));
 }
 
-void linear_forward(Operands o, float* out, const void* in, const void* w, const float* bias,
+void linear_forward(Precision o, float* out, const void* in, const void* w, const float* bias,
                     int64_t M, int64_t N, int64_t K, void* stream) {
   if (M == 0 || N == 0) return;
   // out^T (N x M) = w^T (w stored K x N, read transposed) . in^T (stored K x M).
   matmul({o, linear_forward_call(M, N, K), bias != nullptr}, w, in, out, 0.0f, bias, stream);
 }
 
-void linear_backward(Operands o, float* dinp, float* dw, float* db, const void* dout,
+void linear_backward(Precision o, float* dinp, float* dw, float* db, const void* dout,
                      const float* dout_f32, const void* in, const void* w, int64_t M, int64_t N,
                      int64_t K, bool accumulate_dinp, void* stream) {
   if (M == 0) return;
@@ -261,13 +261,13 @@ void linear_backward(Operands o, float* dinp, float* dw, float* db, const void* 
 namespace {
 
 // Values in [-1, 1) from the counter-based hash, in the operand type.
-__global__ void fill_kernel(Operands o, void* x, int64_t n, uint64_t key) {
+__global__ void fill_kernel(Precision o, void* x, int64_t n, uint64_t key) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float v = 2.0f * rng_uniform(key, i) - 1.0f;
   if (fp32_storage(o))
     static_cast<float*>(x)[i] = v;
-  else if (o == Operands::BF16)
+  else if (o == Precision::BF16)
     static_cast<uint16_t*>(x)[i] = f32_to_bf16(v);
   else
     static_cast<uint16_t*>(x)[i] = __half_as_ushort(__float2half_rn(v));
@@ -275,7 +275,7 @@ __global__ void fill_kernel(Operands o, void* x, int64_t n, uint64_t key) {
 
 }  // namespace
 
-double gemm_tflops(Operands o, int64_t M, int64_t N, int64_t K, double seconds) {
+double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds) {
   const size_t el = fp32_storage(o) ? 4 : 2;
   DeviceBuffer a(M * K * el), b(N * K * el), c(M * N * 4);
   constexpr unsigned kThreads = 256;

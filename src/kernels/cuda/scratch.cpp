@@ -8,7 +8,6 @@
 namespace bertrain::cuda {
 
 kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
-  using kernels::Precision;
   kernels::ScratchLayout l;  // one thread, no caller part: the kernels run on the GPU
   const kernels::AttentionShape& a = k.attention;
   const int64_t probs = a.B * a.NH * a.T * a.T * int64_t{sizeof(float)};
