@@ -26,6 +26,7 @@
 #include "train/evaluate.h"
 #include "train/loss_scaler.h"
 #include "train/run_state.h"
+#include "train/session.h"
 #include "train/trainer.h"
 
 namespace bertrain::train {
@@ -79,6 +80,33 @@ TEST(LossScaler, SkipsHalvesGrowsAndGivesUp) {
   LossScaler off;  // fp32: scale 1, a non-finite gradient is an error at once
   EXPECT_EQ(off.scale(), 1.0f);
   EXPECT_THROW(off.update(false, 9), Error);
+}
+
+// The session builds what train, finetune, autotune and bench train from one set of settings:
+// fp16's scaler with the run's --max-skipped-steps, the optimizer over the model's parameters,
+// the same parameters for the same seed, and the step once.
+TEST(Session, BuildsTheModelOptimizerScalerAndStepFromTheSettings) {
+  const model::BertConfig cfg = test::small_bert(64, 16, 1, 2, 32, 16);
+  comm::SingleProcess one;
+  SessionSettings s;
+  s.dims = {2, 8, 2, Precision::FP16};
+  s.max_skipped_steps = 2;
+  Session a(cfg, s, one, 7);
+  EXPECT_TRUE(a.scaler.enabled());
+  EXPECT_EQ(a.scaler.scale(), 65536.0f);
+  EXPECT_FALSE(a.scaler.update(false, 0));
+  EXPECT_FALSE(a.scaler.update(false, 1));
+  EXPECT_THROW(a.scaler.update(false, 2), Error);  // the third skip in a row: past 2
+  EXPECT_EQ(a.opt.m().size(), static_cast<size_t>(a.m.table().total()));
+  EXPECT_FALSE(a.opt.sharded());
+  s.dims.precision = Precision::BF16;
+  if (test::bf16_unavailable().empty()) {
+    Session b(cfg, s, one, 7);
+    EXPECT_FALSE(b.scaler.enabled());  // only fp16 scales the loss
+    EXPECT_EQ(std::memcmp(a.m.params(), b.m.params(), a.m.table().total() * sizeof(float)), 0);
+  }
+  Step& st = a.start({});
+  EXPECT_EQ(&a.step(), &st);
 }
 
 struct TrainEnv {

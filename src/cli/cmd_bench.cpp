@@ -23,6 +23,7 @@
 #include "plan/memory.h"
 #include "train/optimizer.h"
 #include "train/precision.h"
+#include "train/session.h"
 #include "train/step.h"
 
 namespace bertrain::cli {
@@ -147,7 +148,6 @@ void add_bench(CLI::App& app) {
     const model::Head head = parse_head(o->shape.head);
     const int64_t P = head == model::Head::Pretraining ? o->shape.preds : 0;
     const Precision prec = parse_precision(o->precision);
-    const bool fp16 = prec == Precision::FP16;
     std::vector<Mode> modes;
     if (o->padding == "both")
       modes = {Mode::Padded, Mode::Unpadded};
@@ -200,19 +200,18 @@ void add_bench(CLI::App& app) {
         dims.batch = o->shape.batch * o->pack;
         dims.pack_rows = o->shape.batch;
       }
-      plan::check_device_fits(cfg, head, dims, 2, 1, be);
-      model::BertModel m(cfg, head, dims, be);
-      m.init_params(1);
-      train::Optimizer optimizer(train::param_slices(m.table()), m.table().total(), {},
-                                 be);  // AdamW, clipping at 1.0
-      // The training step itself (train/step.h), as train and finetune run it: fp16 with the
-      // scaler's initial loss scale, the gradients unscaled in the optimizer pass.
-      train::LossScaler::Config sc;
-      sc.enabled = fp16;
-      train::LossScaler scaler(sc);
+      // The training session itself (train/session.h), as train and finetune build it: AdamW
+      // with clipping at 1.0; fp16 with the scaler's initial loss scale, the gradients unscaled
+      // in the optimizer pass. (A device's plan is checked against its memory first.)
+      train::SessionSettings ss;
+      ss.head = head;
+      ss.dims = dims;
+      ss.backend = &be;
       comm::SingleProcess single;
-      train::Step train_step(m, optimizer, scaler, single,
-                             train::StepSettings{1, 1.0, false, 0, 1});
+      train::Session session(cfg, ss, single, 1);
+      model::BertModel& m = session.m;
+      const train::Optimizer& optimizer = session.opt;
+      train::Step& train_step = session.start(train::StepSettings{1, 1.0, false, 0, 1});
       std::vector<double> fwd, bwd, upd;
       size_t taken = 0;  // batches read (a GPU's step reads the next one during its backward)
       auto next = [&](model::Batch& batch) {

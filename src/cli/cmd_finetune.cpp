@@ -91,6 +91,9 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
       ->capture_default_str();
   c->add_flag("--shard-optimizer", f.shard_optimizer,
               "Under mpirun: each rank holds 1/ranks of the AdamW state (ZeRO stage 1)");
+  c->add_option("--max-skipped-steps", f.max_skipped_steps,
+                "fp16: consecutive skipped steps before giving up")
+      ->capture_default_str();
   c->add_option("--precision", o->precision,
                 "fp32, bf16 (bf16 matmuls, fp32 master weights) or fp16 (activations kept in "
                 "fp16, dynamic loss scaling)")

@@ -107,18 +107,11 @@ double time_steps(const TrainConfig& cfg, comm::Communicator& comm, const model:
                   const std::vector<model::Batch>& batches, model::ModelDims::Attention attention,
                   int threads, int64_t bucket_mb) {
   omp_set_num_threads(threads);
-  model::ModelDims d = model_dims(cfg, comm.rank(), comm.size());
-  d.attention = attention;
-  model::BertModel m(mc, model::Head::Pretraining, d);
-  m.init_params(cfg.seed);
-  Optimizer opt(
-      param_slices(m.table()), m.table().total(), cfg.optimizer, kernels::cpu_backend(),
-      cfg.shard_optimizer ? shard_of(m.table().total(), comm.rank(), comm.size()) : Shard{});
-  LossScaler::Config sc;
-  sc.enabled = cfg.precision == Precision::FP16;
-  LossScaler scaler(sc);
-  Step step(m, opt, scaler, comm,
-            StepSettings{1, cfg.predivide, cfg.overlap, bucket_mb << 20, cfg.seed});
+  SessionSettings ss = session_settings(cfg, comm.rank(), comm.size());
+  ss.dims.attention = attention;
+  Session session(mc, ss, comm, cfg.seed);
+  Step& step =
+      session.start(StepSettings{1, cfg.predivide, cfg.overlap, bucket_mb << 20, cfg.seed});
   const int n = static_cast<int>(batches.size());
   double timed = 0;
   for (int s = 0; s < 2 * n; ++s) {

@@ -29,6 +29,7 @@
 #include "train/ner.h"
 #include "train/optimizer.h"
 #include "train/run_state.h"
+#include "train/session.h"
 #include "train/step.h"
 
 namespace bertrain::train {
@@ -514,6 +515,269 @@ RegressionMetrics regress(model::BertModel& m, const LabeledSet& s, int64_t batc
   return r;
 }
 
+namespace {
+
+bool is_text_file(const std::string& f) {
+  return f.ends_with(".tsv") || f.ends_with(".txt") || f.ends_with(".json") ||
+         f.ends_with(".jsonl");
+}
+
+// The pretrained model fine-tuning starts from (a run directory, a bertrain checkpoint or a
+// HuggingFace directory), its config and the vocabulary and casing its tokenizer uses.
+struct Pretrained {
+  std::string src, vocab_path;
+  model::BertConfig config;
+  data::Vocab vocab;
+  bool lower = false;
+};
+
+Pretrained load_pretrained(const FinetuneConfig& cfg) {
+  Pretrained p;
+  p.src = resolve_checkpoint(cfg.init_checkpoint);
+  if (p.src.empty()) p.src = cfg.init_checkpoint;
+  p.config = model::BertConfig::load(cfg.model_config.empty() ? model::checkpoint_config_path(p.src)
+                                                              : cfg.model_config);
+  p.vocab_path = cfg.vocab;
+  if (p.vocab_path.empty()) p.vocab_path = model::checkpoint_vocab_path(p.src);
+  if (p.vocab_path.empty())
+    fail(setting("vocab"), " is required (the checkpoint has no vocab.txt)");
+  p.vocab = data::Vocab::load(p.vocab_path);
+  if (p.vocab.size() != p.config.vocab_size)
+    fail("vocabulary ", p.vocab_path, " has ", p.vocab.size(), " tokens, the model ",
+         p.config.vocab_size);
+  p.lower = cfg.lower_case < 0 ? p.vocab.looks_uncased() : cfg.lower_case != 0;
+  return p;
+}
+
+// A task's train and dev sets, read and encoded once: classification or regression rows (a task
+// file, or classification TFRecords), tagged sentences aligned to word pieces (NER), or questions
+// in windows of seq_len tokens (extractive QA).
+struct TaskData {
+  bool tokens = false, qa = false, regression = false;
+  TaggedSet train_tagged, dev_tagged;
+  TokenSet train_tok, dev_tok;
+  QaOptions qo;
+  QaSet train_qa, dev_qa;
+  QaFeatures train_qf, dev_qf;
+  LabeledSet train_set, dev;
+
+  model::Head head() const {
+    return qa       ? model::Head::QuestionAnswering
+           : tokens ? model::Head::TokenClassification
+                    : model::Head::SequenceClassification;
+  }
+  int64_t train_size() const {
+    return static_cast<int64_t>(qa       ? train_qf.features.size()
+                                : tokens ? train_tok.ids.size()
+                                         : train_set.ids.size());
+  }
+  size_t dev_size() const {
+    return qa ? dev_qa.examples.size() : tokens ? dev_tok.ids.size() : dev.ids.size();
+  }
+  // The head's outputs: one for regression, a start and an end for QA (HF's
+  // BertForQuestionAnswering), else a label or tag each.
+  int64_t num_labels() const {
+    return regression ? 1
+           : qa       ? 2
+           : tokens   ? static_cast<int64_t>(train_tok.label_names.size())
+                      : static_cast<int64_t>(train_set.label_names.size());
+  }
+  const std::vector<std::string>& label_names() const {
+    return tokens ? train_tok.label_names : train_set.label_names;
+  }
+  std::string describe(int64_t labels) const {
+    return regression ? "regression (1 output, MSE)"
+           : qa       ? str("extractive QA (", qo.metric, " EM/F1)")
+           : tokens   ? str(labels, " tags (entity tagging)")
+                      : str(labels, " labels");
+  }
+  // The batch of training rows [begin, end) of `rows`.
+  void fill(const std::vector<size_t>& rows, size_t begin, size_t end, int64_t seq_len,
+            model::Batch& batch) const {
+    if (qa)
+      make_qa_batch(train_qf, rows, begin, end, seq_len, batch);
+    else if (tokens)
+      make_token_batch(train_tok, rows, begin, end, seq_len, batch);
+    else
+      make_batch(train_set, rows, begin, end, seq_len, batch);
+  }
+};
+
+void say_skipped(bool say, const std::string& summary) {
+  if (say) std::printf("finetune: %s\n", summary.c_str());
+}
+
+TaskData read_task(const FinetuneConfig& cfg, const data::Tokenizer& tok,
+                   const model::BertConfig& mc, bool say) {
+  TaskData t;
+  t.tokens = cfg.columns.tokens;
+  t.qa = !cfg.columns.qa.empty();
+  if (t.tokens) {
+    t.train_tagged = read_tagged_file(cfg.train);
+    t.train_tok = encode_tagged(t.train_tagged, tok, cfg.seq_len, {});
+    if (t.train_tok.label_names.size() < 2)
+      fail(cfg.train, " has ", t.train_tok.label_names.size(), " tag(s); tagging needs at least 2");
+    if (t.train_tagged.skipped) say_skipped(say, t.train_tagged.skipped_summary(cfg.train));
+    if (!cfg.dev.empty()) {
+      t.dev_tagged = read_tagged_file(cfg.dev);
+      t.dev_tok = encode_tagged(t.dev_tagged, tok, cfg.seq_len, t.train_tok.label_names);
+      if (t.dev_tagged.skipped) say_skipped(say, t.dev_tagged.skipped_summary(cfg.dev));
+    }
+  } else if (t.qa) {
+    t.qo = cfg.qa;
+    t.qo.seq_len = cfg.seq_len;
+    t.qo.metric = cfg.columns.qa;
+    t.qo = resolve_qa_options(t.qo);
+    t.train_qa = read_squad(cfg.train, true);
+    t.train_qf = make_qa_features(t.train_qa, tok, t.qo);
+    if (t.train_qa.skipped) say_skipped(say, t.train_qa.skipped_summary(cfg.train));
+    if (!cfg.dev.empty()) {
+      t.dev_qa = read_squad(cfg.dev, false);
+      t.dev_qf = make_qa_features(t.dev_qa, tok, t.qo);
+      if (t.dev_qa.skipped) say_skipped(say, t.dev_qa.skipped_summary(cfg.dev));
+    }
+    if (say)
+      std::printf(
+          "finetune: %zu questions -> %zu windows of %lld tokens (doc stride %lld, %lld questions "
+          "cut to %lld tokens, %lld answers found away from their answer_start)\n",
+          t.train_qa.examples.size(), t.train_qf.features.size(), (long long)cfg.seq_len,
+          (long long)t.qo.doc_stride, (long long)t.train_qf.truncated_questions,
+          (long long)t.qo.max_query_length, (long long)t.train_qa.moved);
+  } else {
+    t.train_set =
+        is_text_file(cfg.train)
+            ? read_task_file(cfg.train, cfg.columns, tok, cfg.seq_len, {})
+            : read_classification_tfrecords(cfg.train, cfg.seq_len, mc.num_labels, mc.vocab_size);
+    t.regression = t.train_set.regression;
+    if (!t.regression && t.num_labels() < 2)
+      fail(cfg.train, " has ", t.num_labels(), " label(s); classification needs at least 2");
+    if (t.regression && t.train_set.targets.empty())
+      fail(cfg.train, " has no label column to learn from");
+    if (t.train_set.skipped) say_skipped(say, t.train_set.skipped_summary(cfg.train));
+    if (!cfg.dev.empty())
+      t.dev =
+          is_text_file(cfg.dev)
+              ? read_task_file(cfg.dev, cfg.columns, tok, cfg.seq_len, t.train_set.label_names)
+              : read_classification_tfrecords(cfg.dev, cfg.seq_len, t.num_labels(), mc.vocab_size);
+    if (t.dev.skipped) say_skipped(say, t.dev.skipped_summary(cfg.dev));
+  }
+  return t;
+}
+
+// One epoch's dev metrics (accuracy; Pearson, Spearman and MSE for regression; entity F1; QA's
+// exact match and F1): appended to the result, as TensorBoard scalars and as the epoch line's
+// tail. Nothing without a dev set.
+struct DevScores {
+  obs::Scalars values;
+  std::string line;
+};
+
+DevScores score_dev(model::BertModel& m, const TaskData& t, int64_t batch_size,
+                    FinetuneResult& res) {
+  DevScores d;
+  const size_t n = t.dev_size();
+  if (n == 0) return d;
+  if (t.qa) {
+    const std::vector<QaAnswer> answers = predict_answers(m, t.dev_qa, t.dev_qf, t.qo, batch_size);
+    std::vector<std::string> texts;
+    for (const auto& a : answers) texts.push_back(a.text);
+    const QaScores q = qa_scores(t.dev_qa, texts, t.qo.metric);
+    res.dev_exact_match.push_back(q.exact_match);
+    res.dev_qa_f1.push_back(q.f1);
+    d.values = {{"finetune/dev_exact_match", q.exact_match}, {"finetune/dev_qa_f1", q.f1}};
+    char scores[64];
+    std::snprintf(scores, sizeof scores, " | dev EM %.2f, F1 %.2f", q.exact_match, q.f1);
+    d.line = str(scores, " (", t.qo.metric, "; ", n, " questions, ", t.dev_qf.features.size(),
+                 " windows)");
+  } else if (t.tokens) {
+    std::vector<std::vector<std::string>> gold;
+    for (const auto& s : t.dev_tagged.sentences) gold.push_back(s.tags);
+    const EntityScores e =
+        entity_scores(gold, predict_tags(m, t.dev_tagged, t.dev_tok, batch_size));
+    res.dev_f1.push_back(e.f1);
+    d.values = {{"finetune/dev_f1", e.f1},
+                {"finetune/dev_precision", e.precision},
+                {"finetune/dev_recall", e.recall}};
+    d.line = str(" | dev entity F1 ", f4(e.f1), " (precision ", f4(e.precision), ", recall ",
+                 f4(e.recall), "; ", e.gold, " entities in ", n, " sentences)");
+  } else if (t.regression) {
+    const RegressionMetrics r = regress(m, t.dev, batch_size, nullptr);
+    res.dev_pearson.push_back(r.pearson);
+    res.dev_spearman.push_back(r.spearman);
+    res.dev_mse.push_back(r.mse);
+    d.values = {{"finetune/dev_pearson", r.pearson},
+                {"finetune/dev_spearman", r.spearman},
+                {"finetune/dev_mse", r.mse}};
+    d.line = str(" | dev pearson ", f4(r.pearson), ", spearman ", f4(r.spearman), ", mse ",
+                 f4(r.mse), " (", n, " examples)");
+  } else {
+    const double acc = classify(m, t.dev, batch_size, nullptr);
+    res.dev_accuracy.push_back(acc);
+    d.values = {{"finetune/dev_accuracy", acc}};
+    d.line = str(" | dev accuracy ", f4(acc), " (", n, " examples)");
+  }
+  return d;
+}
+
+// The fine-tuned model as a HuggingFace directory: weights (a sharded master: every rank gives
+// its part), config.json with the label names and the settings predict reads new files with,
+// and the vocabulary.
+void save_finetuned(model::BertModel& m, const FinetuneConfig& cfg, const TaskData& t,
+                    const Pretrained& p, comm::Communicator& comm, bool say) {
+  if (cfg.output.empty()) return;
+  if (m.dims().master_shard) save_pretrained_sharded(m, cfg.output, comm);
+  if (comm.rank() != 0) return;
+  if (!m.dims().master_shard) model::save_pretrained(m, cfg.output);
+  const fs::path cfg_path = fs::path(cfg.output) / "config.json";
+  std::ifstream cin(cfg_path);
+  nlohmann::json j = nlohmann::json::parse(cin);
+  if (!t.regression && !t.qa) {  // a regression head keeps HF's LABEL_0 and problem_type
+    const auto& names = t.label_names();
+    nlohmann::json id2label, label2id;
+    for (size_t i = 0; i < names.size(); ++i) {
+      id2label[std::to_string(i)] = names[i];
+      label2id[names[i]] = i;
+    }
+    j["id2label"] = id2label;
+    j["label2id"] = label2id;
+  }
+  j["bertrain"] = {{"lower_case", p.lower}, {"seq_len", cfg.seq_len}};
+  if (t.qa)  // predict builds windows and picks answers the same way
+    j["bertrain"]["qa"] = {{"metric", t.qo.metric},
+                           {"doc_stride", t.qo.doc_stride},
+                           {"max_query_length", t.qo.max_query_length},
+                           {"max_answer_length", t.qo.max_answer_length},
+                           {"n_best", t.qo.n_best}};
+  if (!cfg.columns.empty() || t.regression)  // predict reads new files with the same columns
+    j["bertrain"]["columns"] = {{"text_a", cfg.columns.text_a},
+                                {"text_b", cfg.columns.text_b},
+                                {"label", cfg.columns.label},
+                                {"regression", t.regression}};
+  write_file_atomic(cfg_path.string(), j.dump(2) + "\n");
+  fs::copy_file(p.vocab_path, fs::path(cfg.output) / "vocab.txt",
+                fs::copy_options::overwrite_existing);
+  if (say)
+    std::printf(
+        "finetune: saved %s (%s + vocab.txt; TensorBoard events and metrics.jsonl per epoch)\n",
+        cfg.output.c_str(), model::head_architecture(t.head()));
+}
+
+// What the session trains: the task's head on the pretrained model's shapes, AdamW.
+SessionSettings finetune_session(const FinetuneConfig& cfg, model::Head head) {
+  SessionSettings s;
+  s.head = head;
+  s.dims = model::ModelDims{cfg.batch_size, cfg.seq_len, 0, cfg.precision};
+  s.dims.unpadded = cfg.unpadded;
+  s.backend = cfg.backend;
+  s.optimizer.kind = OptimizerKind::AdamW;
+  s.optimizer.weight_decay = static_cast<float>(cfg.weight_decay);
+  s.shard_optimizer = cfg.shard_optimizer;
+  s.max_skipped_steps = cfg.max_skipped_steps;
+  return s;
+}
+
+}  // namespace
+
 FinetuneResult finetune(const FinetuneConfig& cfg) {
   using Clock = std::chrono::steady_clock;
   // Data parallel under mpirun: every rank reads the sets, takes its share of each step's
@@ -522,121 +786,20 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   comm::Communicator& comm = cfg.comm ? *cfg.comm : single;
   const int rank = comm.rank(), world = comm.size();
   const bool say = !cfg.quiet && rank == 0;
-  // The pretrained model: a run directory, a bertrain checkpoint or a HuggingFace directory.
-  std::string src = resolve_checkpoint(cfg.init_checkpoint);
-  if (src.empty()) src = cfg.init_checkpoint;
-  model::BertConfig mc = model::BertConfig::load(
-      cfg.model_config.empty() ? model::checkpoint_config_path(src) : cfg.model_config);
-  std::string vocab_path = cfg.vocab;
-  if (vocab_path.empty()) vocab_path = model::checkpoint_vocab_path(src);
-  if (vocab_path.empty()) fail(setting("vocab"), " is required (the checkpoint has no vocab.txt)");
-  const data::Vocab vocab = data::Vocab::load(vocab_path);
-  if (vocab.size() != mc.vocab_size)
-    fail("vocabulary ", vocab_path, " has ", vocab.size(), " tokens, the model ", mc.vocab_size);
-  const bool lower = cfg.lower_case < 0 ? vocab.looks_uncased() : cfg.lower_case != 0;
-  const data::Tokenizer tok(vocab, lower);
-  // Train and dev each in their own format: a task file (TSV, JSON lines), or classification
-  // TFRecords.
-  auto is_text = [](const std::string& f) {
-    return f.ends_with(".tsv") || f.ends_with(".txt") || f.ends_with(".json") ||
-           f.ends_with(".jsonl");
-  };
-  // Token classification (NER): tagged sentences, aligned to word pieces.
-  const bool tokens = cfg.columns.tokens;
-  TaggedSet train_tagged, dev_tagged;
-  TokenSet train_tok, dev_tok;
-  if (tokens) {
-    train_tagged = read_tagged_file(cfg.train);
-    train_tok = encode_tagged(train_tagged, tok, cfg.seq_len, {});
-    if (train_tok.label_names.size() < 2)
-      fail(cfg.train, " has ", train_tok.label_names.size(), " tag(s); tagging needs at least 2");
-    if (say && train_tagged.skipped)
-      std::printf("finetune: %s\n", train_tagged.skipped_summary(cfg.train).c_str());
-    if (!cfg.dev.empty()) {
-      dev_tagged = read_tagged_file(cfg.dev);
-      dev_tok = encode_tagged(dev_tagged, tok, cfg.seq_len, train_tok.label_names);
-      if (say && dev_tagged.skipped)
-        std::printf("finetune: %s\n", dev_tagged.skipped_summary(cfg.dev).c_str());
-    }
-  }
-  // Extractive QA: questions on contexts, in windows of seq_len tokens.
-  const bool qa = !cfg.columns.qa.empty();
-  QaOptions qo = cfg.qa;
-  QaSet train_qa, dev_qa;
-  QaFeatures train_qf, dev_qf;
-  if (qa) {
-    qo.seq_len = cfg.seq_len;
-    qo.metric = cfg.columns.qa;
-    qo = resolve_qa_options(qo);
-    train_qa = read_squad(cfg.train, true);
-    train_qf = make_qa_features(train_qa, tok, qo);
-    if (say && train_qa.skipped)
-      std::printf("finetune: %s\n", train_qa.skipped_summary(cfg.train).c_str());
-    if (!cfg.dev.empty()) {
-      dev_qa = read_squad(cfg.dev, false);
-      dev_qf = make_qa_features(dev_qa, tok, qo);
-      if (say && dev_qa.skipped)
-        std::printf("finetune: %s\n", dev_qa.skipped_summary(cfg.dev).c_str());
-    }
-    if (say)
-      std::printf(
-          "finetune: %zu questions -> %zu windows of %lld tokens (doc stride %lld, %lld questions "
-          "cut to %lld tokens, %lld answers found away from their answer_start)\n",
-          train_qa.examples.size(), train_qf.features.size(), (long long)cfg.seq_len,
-          (long long)qo.doc_stride, (long long)train_qf.truncated_questions,
-          (long long)qo.max_query_length, (long long)train_qa.moved);
-  }
-  LabeledSet train_set =
-      tokens || qa ? LabeledSet{}
-      : is_text(cfg.train)
-          ? read_task_file(cfg.train, cfg.columns, tok, cfg.seq_len, {})
-          : read_classification_tfrecords(cfg.train, cfg.seq_len, mc.num_labels, mc.vocab_size);
-  const bool regression = train_set.regression;
-  mc.num_labels = regression ? 1
-                  : qa       ? 2  // HF's BertForQuestionAnswering: a start and an end output
-                  : tokens   ? static_cast<int64_t>(train_tok.label_names.size())
-                             : static_cast<int64_t>(train_set.label_names.size());
-  if (!regression && !tokens && !qa && mc.num_labels < 2)
-    fail(cfg.train, " has ", mc.num_labels, " label(s); classification needs at least 2");
-  if (regression && train_set.targets.empty())
-    fail(cfg.train, " has no label column to learn from");
-  if (say && train_set.skipped)
-    std::printf("finetune: %s\n", train_set.skipped_summary(cfg.train).c_str());
-  LabeledSet dev;
-  if (!cfg.dev.empty() && !tokens && !qa)
-    dev = is_text(cfg.dev)
-              ? read_task_file(cfg.dev, cfg.columns, tok, cfg.seq_len, train_set.label_names)
-              : read_classification_tfrecords(cfg.dev, cfg.seq_len, mc.num_labels, mc.vocab_size);
-  if (say && dev.skipped) std::printf("finetune: %s\n", dev.skipped_summary(cfg.dev).c_str());
-
-  const model::Head head = qa       ? model::Head::QuestionAnswering
-                           : tokens ? model::Head::TokenClassification
-                                    : model::Head::SequenceClassification;
-  model::ModelDims dims{cfg.batch_size, cfg.seq_len, 0};
-  dims.unpadded = cfg.unpadded;
-  dims = with_precision(dims, cfg.precision);
-  const kernels::Backend& be = cfg.backend ? *cfg.backend : kernels::cpu_backend();
-  if (cfg.shard_optimizer) dims = plan::with_master_shard(mc, head, dims, comm.rank(), world, be);
-  plan::check_device_fits(mc, head, dims, 2, cfg.shard_optimizer ? world : 1, be);
-  model::BertModel m(mc, head, dims, be);
-  m.init_params(cfg.seed);
+  const Pretrained pre = load_pretrained(cfg);
+  const data::Tokenizer tok(pre.vocab, pre.lower);
+  const TaskData task = read_task(cfg, tok, pre.config, say);
+  model::BertConfig mc = pre.config;
+  mc.num_labels = task.num_labels();
+  const model::Head head = task.head();
+  Session session(mc, finetune_session(cfg, head), comm, cfg.seed);
+  model::BertModel& m = session.m;
   // A token classifier or a QA model has no pooler: the pretrained one is left out.
   std::vector<std::string> ignored = {"cls."};
   if (!model::has_pooler(head)) ignored.push_back("bert.pooler.");
-  model::LoadReport rep = model::load_checkpoint_into(
-      m, src, {{"classifier.", "qa_outputs.", "bert.pooler."}, ignored});
-  OptimizerConfig oc;
-  oc.kind = OptimizerKind::AdamW;
-  oc.weight_decay = static_cast<float>(cfg.weight_decay);
-  Optimizer opt(param_slices(m.table()), m.table().total(), oc, be,
-                cfg.shard_optimizer ? shard_of(m.table().total(), comm.rank(), world) : Shard{});
-  LossScaler::Config sc;
-  sc.enabled = cfg.precision == Precision::FP16;
-  LossScaler scaler(sc);
-  const int64_t n = static_cast<int64_t>(qa       ? train_qf.features.size()
-                                         : tokens ? train_tok.ids.size()
-                                                  : train_set.ids.size());
-  const size_t dev_n = qa ? dev_qa.examples.size() : tokens ? dev_tok.ids.size() : dev.ids.size();
+  const model::LoadReport rep = model::load_checkpoint_into(
+      m, pre.src, {{"classifier.", "qa_outputs.", "bert.pooler."}, ignored});
+  const int64_t n = task.train_size();
   // Each step takes batch_size examples per rank; with several ranks the epoch's last step
   // wraps around to its first examples (as PyTorch's DistributedSampler pads), so every rank
   // has a full batch.
@@ -648,17 +811,9 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     std::printf(
         "finetune: %s from %s (%zu tensors loaded), %lld train / %zu dev examples, %s, "
         "seq %lld, batch %lld, %lld epochs, adamw lr %.3g, %s\n",
-        cfg.train.c_str(), src.c_str(), rep.loaded.size(), (long long)n, dev_n,
-        regression ? "regression (1 output, MSE)"
-        : qa       ? str("extractive QA (", qo.metric, " EM/F1)").c_str()
-        : tokens   ? str(mc.num_labels, " tags (entity tagging)").c_str()
-                   : str(mc.num_labels, " labels").c_str(),
-        (long long)cfg.seq_len, (long long)cfg.batch_size, (long long)cfg.epochs, cfg.lr,
-        precision_name(cfg.precision));
-  FinetuneResult res;
-  std::vector<size_t> order(n);
-  // A non-finite gradient skips the step in fp16 (the scale halves) and stops fp32/bf16
-  // fine-tuning with a message (LossScaler::update).
+        cfg.train.c_str(), pre.src.c_str(), rep.loaded.size(), (long long)n, task.dev_size(),
+        task.describe(mc.num_labels).c_str(), (long long)cfg.seq_len, (long long)cfg.batch_size,
+        (long long)cfg.epochs, cfg.lr, precision_name(cfg.precision));
   // TensorBoard events and metrics.jsonl per epoch, beside the saved model.
   std::unique_ptr<obs::EventWriter> events;
   std::unique_ptr<obs::MetricsLog> metrics;
@@ -666,27 +821,22 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     events = std::make_unique<obs::EventWriter>(cfg.output, 0);
     metrics = std::make_unique<obs::MetricsLog>(cfg.output, 0);
   }
-  Step one_step(m, opt, scaler, comm, StepSettings{1, 1.0, false, 0, cfg.seed});
+  // A non-finite gradient skips the step in fp16 (the scale halves) and stops fp32/bf16
+  // fine-tuning with a message (LossScaler::update).
+  Step& one_step = session.start(StepSettings{1, 1.0, false, 0, cfg.seed});
+  std::vector<size_t> order(n);
   std::vector<size_t> mine(cfg.batch_size);  // this rank's rows of a step (several ranks)
   // The batch of the step at example i of the order: one process, rows [i, i + batch) (the
   // last step may be shorter); several, this rank's rows of the global batch.
   auto fill = [&](int64_t i, model::Batch& batch) {
-    const std::vector<size_t>* rows = &order;
-    size_t begin = static_cast<size_t>(i), end = static_cast<size_t>(std::min(n, i + global_batch));
-    if (world > 1) {
-      for (int64_t k = 0; k < cfg.batch_size; ++k)
-        mine[k] = order[static_cast<size_t>((i + rank * cfg.batch_size + k) % n)];
-      rows = &mine;
-      begin = 0;
-      end = mine.size();
-    }
-    if (qa)
-      make_qa_batch(train_qf, *rows, begin, end, cfg.seq_len, batch);
-    else if (tokens)
-      make_token_batch(train_tok, *rows, begin, end, cfg.seq_len, batch);
-    else
-      make_batch(train_set, *rows, begin, end, cfg.seq_len, batch);
+    if (world == 1)
+      return task.fill(order, static_cast<size_t>(i),
+                       static_cast<size_t>(std::min(n, i + global_batch)), cfg.seq_len, batch);
+    for (int64_t k = 0; k < cfg.batch_size; ++k)
+      mine[k] = order[static_cast<size_t>((i + rank * cfg.batch_size + k) % n)];
+    task.fill(mine, 0, mine.size(), cfg.seq_len, batch);
   };
+  FinetuneResult res;
   int64_t step = 0;
   for (int64_t epoch = 0; epoch < cfg.epochs; ++epoch) {
     for (int64_t i = 0; i < n; ++i) order[i] = static_cast<size_t>(i);
@@ -705,102 +855,22 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
       loss += r.loss;
     }
     res.train_loss = loss / steps_per_epoch;
-    // Dev metrics: accuracy, or for regression Pearson, Spearman and the mean squared error.
-    obs::Scalars dev_values;
-    std::string dev_line;
-    if (dev_n && qa) {
-      const std::vector<QaAnswer> answers = predict_answers(m, dev_qa, dev_qf, qo, cfg.batch_size);
-      std::vector<std::string> texts;
-      for (const auto& a : answers) texts.push_back(a.text);
-      const QaScores q = qa_scores(dev_qa, texts, qo.metric);
-      res.dev_exact_match.push_back(q.exact_match);
-      res.dev_qa_f1.push_back(q.f1);
-      dev_values = {{"finetune/dev_exact_match", q.exact_match}, {"finetune/dev_qa_f1", q.f1}};
-      char scores[64];
-      std::snprintf(scores, sizeof scores, " | dev EM %.2f, F1 %.2f", q.exact_match, q.f1);
-      dev_line = str(scores, " (", qo.metric, "; ", dev_n, " questions, ", dev_qf.features.size(),
-                     " windows)");
-    } else if (dev_n && tokens) {
-      std::vector<std::vector<std::string>> gold;
-      for (const auto& t : dev_tagged.sentences) gold.push_back(t.tags);
-      const EntityScores e =
-          entity_scores(gold, predict_tags(m, dev_tagged, dev_tok, cfg.batch_size));
-      res.dev_f1.push_back(e.f1);
-      dev_values = {{"finetune/dev_f1", e.f1},
-                    {"finetune/dev_precision", e.precision},
-                    {"finetune/dev_recall", e.recall}};
-      dev_line = str(" | dev entity F1 ", f4(e.f1), " (precision ", f4(e.precision), ", recall ",
-                     f4(e.recall), "; ", e.gold, " entities in ", dev_n, " sentences)");
-    } else if (!dev.ids.empty() && regression) {
-      const RegressionMetrics r = regress(m, dev, cfg.batch_size, nullptr);
-      res.dev_pearson.push_back(r.pearson);
-      res.dev_spearman.push_back(r.spearman);
-      res.dev_mse.push_back(r.mse);
-      dev_values = {{"finetune/dev_pearson", r.pearson},
-                    {"finetune/dev_spearman", r.spearman},
-                    {"finetune/dev_mse", r.mse}};
-      dev_line = str(" | dev pearson ", f4(r.pearson), ", spearman ", f4(r.spearman), ", mse ",
-                     f4(r.mse), " (", dev.ids.size(), " examples)");
-    } else if (!dev.ids.empty()) {
-      const double acc = classify(m, dev, cfg.batch_size, nullptr);
-      res.dev_accuracy.push_back(acc);
-      dev_values = {{"finetune/dev_accuracy", acc}};
-      dev_line = str(" | dev accuracy ", f4(acc), " (", dev.ids.size(), " examples)");
-    }
+    const DevScores dev = score_dev(m, task, cfg.batch_size, res);
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     if (events) {
-      obs::Scalars values = {
-          {"finetune/train_loss", res.train_loss},
-          {"finetune/epoch_seconds", std::chrono::duration<double>(Clock::now() - t0).count()}};
-      values.insert(values.end(), dev_values.begin(), dev_values.end());
+      obs::Scalars values = {{"finetune/train_loss", res.train_loss},
+                             {"finetune/epoch_seconds", seconds}};
+      values.insert(values.end(), dev.values.begin(), dev.values.end());
       events->scalars(step, values);
       metrics->write(step, values, {{"epoch", epoch + 1}});
     }
     if (say) {
-      std::printf("epoch %lld/%lld | train loss %.4f | %.1f s%s", (long long)epoch + 1,
-                  (long long)cfg.epochs, res.train_loss,
-                  std::chrono::duration<double>(Clock::now() - t0).count(), dev_line.c_str());
-      std::printf("\n");
+      std::printf("epoch %lld/%lld | train loss %.4f | %.1f s%s\n", (long long)epoch + 1,
+                  (long long)cfg.epochs, res.train_loss, seconds, dev.line.c_str());
       std::fflush(stdout);
     }
   }
-  // A sharded master: every rank gives its part (into the output, which all ranks must see).
-  if (!cfg.output.empty() && m.dims().master_shard) save_pretrained_sharded(m, cfg.output, comm);
-  if (!cfg.output.empty() && rank == 0) {
-    if (!m.dims().master_shard) model::save_pretrained(m, cfg.output);
-    // Label names and the tokenizer settings travel with the model.
-    const fs::path cfg_path = fs::path(cfg.output) / "config.json";
-    std::ifstream cin(cfg_path);
-    nlohmann::json j = nlohmann::json::parse(cin);
-    if (!regression && !qa) {  // a regression head keeps HF's LABEL_0 and problem_type
-      const auto& names = tokens ? train_tok.label_names : train_set.label_names;
-      nlohmann::json id2label, label2id;
-      for (size_t i = 0; i < names.size(); ++i) {
-        id2label[std::to_string(i)] = names[i];
-        label2id[names[i]] = i;
-      }
-      j["id2label"] = id2label;
-      j["label2id"] = label2id;
-    }
-    j["bertrain"] = {{"lower_case", lower}, {"seq_len", cfg.seq_len}};
-    if (qa)  // predict builds windows and picks answers the same way
-      j["bertrain"]["qa"] = {{"metric", qo.metric},
-                             {"doc_stride", qo.doc_stride},
-                             {"max_query_length", qo.max_query_length},
-                             {"max_answer_length", qo.max_answer_length},
-                             {"n_best", qo.n_best}};
-    if (!cfg.columns.empty() || regression)  // predict reads new files with the same columns
-      j["bertrain"]["columns"] = {{"text_a", cfg.columns.text_a},
-                                  {"text_b", cfg.columns.text_b},
-                                  {"label", cfg.columns.label},
-                                  {"regression", regression}};
-    write_file_atomic(cfg_path.string(), j.dump(2) + "\n");
-    fs::copy_file(vocab_path, fs::path(cfg.output) / "vocab.txt",
-                  fs::copy_options::overwrite_existing);
-    if (say)
-      std::printf(
-          "finetune: saved %s (%s + vocab.txt; TensorBoard events and metrics.jsonl per epoch)\n",
-          cfg.output.c_str(), model::head_architecture(head));
-  }
+  save_finetuned(m, cfg, task, pre, comm, say);
   return res;
 }
 

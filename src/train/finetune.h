@@ -93,7 +93,8 @@ struct FinetuneConfig {
   double lr = 5e-5, warmup = 0.1, weight_decay = 0.01;
   uint64_t seed = 42;
   Precision precision = Precision::FP32;  // fp16: with the dynamic loss scaler, as train
-  bool unpadded = true;  // model::ModelDims::unpadded (question answering always pads)
+  int64_t max_skipped_steps = 20;  // fp16: consecutive skipped steps before giving up, as train
+  bool unpadded = true;            // model::ModelDims::unpadded (question answering always pads)
   bool quiet = false;
   // Data parallel (mpirun): batch_size examples per rank per step, gradients summed by the
   // shared training step; rank 0 prints, logs and saves. Null: one process.

@@ -147,9 +147,10 @@ struct Trainer::State {
   comm::Communicator& comm;
   int rank, world;
   model::BertConfig mcfg;
-  model::BertModel m;
-  Optimizer opt;
-  LossScaler scaler;
+  Session session;  // the model, optimizer, scaler and step (session.h)
+  model::BertModel& m;
+  Optimizer& opt;
+  LossScaler& scaler;
   int64_t warmup;
   LrSchedule sched;
   nlohmann::json settings;
@@ -163,7 +164,7 @@ struct Trainer::State {
   std::string resumed_from, last_ck;
   std::unique_ptr<data::Pipeline> pipe;
   obs::Timeline tl;
-  std::unique_ptr<Step> step;
+  Step* step = nullptr;  // session's, started once the gradients are placed
   double peak_gflops = 0;
   // Rank 0: TensorBoard events and metrics.jsonl in the run directory.
   std::unique_ptr<obs::EventWriter> events;
@@ -179,6 +180,8 @@ struct Trainer::State {
   void check_ranks_agree();
   std::string save(int64_t step_done, const data::PipelinePosition& done_pos);
   void record(int64_t done, int64_t step, const Totals& window, double seconds);
+  void log_window(int64_t done, int64_t step, Totals& window, Clock::time_point& start,
+                  Clock::time_point run_start);
 };
 
 // The logged step's values, to TensorBoard and metrics.jsonl (rank 0). Collective: every rank
@@ -260,17 +263,16 @@ model::ModelDims model_dims(const TrainConfig& c, int rank, int world) {
   return d;
 }
 
-namespace {
-// The model's dims, on a backend with memory of its own checked against the device first (the
-// plan with the optimizer's moments), so a batch too large is named before anything allocates.
-model::ModelDims fitted_dims(const TrainConfig& c, const model::BertConfig& mc, int rank,
-                             int world) {
-  const model::ModelDims d = model_dims(c, rank, world);
-  plan::check_device_fits(mc, model::Head::Pretraining, d, 2, c.shard_optimizer ? world : 1,
-                          backend_of(c));
-  return d;
+SessionSettings session_settings(const TrainConfig& c, int rank, int world) {
+  SessionSettings s;
+  s.head = model::Head::Pretraining;
+  s.dims = model_dims(c, rank, world);
+  s.backend = c.backend;
+  s.optimizer = c.optimizer;
+  s.shard_optimizer = c.shard_optimizer;
+  s.max_skipped_steps = c.max_skipped_steps;
+  return s;
 }
-}  // namespace
 
 Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
     : cfg(c),
@@ -278,15 +280,10 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
       rank(cm.rank()),
       world(cm.size()),
       mcfg(model::BertConfig::load(c.model_config)),
-      m(mcfg, model::Head::Pretraining, fitted_dims(c, mcfg, cm.rank(), cm.size()), backend_of(c)),
-      opt(param_slices(m.table()), m.table().total(), c.optimizer, backend_of(c),
-          c.shard_optimizer ? shard_of(m.table().total(), cm.rank(), cm.size()) : Shard{}),
-      scaler([&] {
-        LossScaler::Config sc;
-        sc.enabled = c.precision == Precision::FP16;
-        sc.max_consecutive_skips = c.max_skipped_steps;
-        return sc;
-      }()),
+      session(mcfg, session_settings(c, cm.rank(), cm.size()), cm, c.seed),
+      m(session.m),
+      opt(session.opt),
+      scaler(session.scaler),
       warmup(warmup_steps(c.warmup, c.steps)),
       sched{c.lr, c.end_lr, c.power, warmup, c.steps} {
   settings = {{"batch_size", cfg.batch_size},
@@ -336,10 +333,8 @@ void Trainer::State::resume_or_init() {
     }
     resumed_from = ck;
   } else if (!cfg.init_checkpoint.empty()) {
-    m.init_params(cfg.seed);  // heads absent from a BertModel checkpoint keep BERT's init
+    // (heads absent from a BertModel checkpoint keep the session's BERT init)
     model::load_checkpoint_into(m, cfg.init_checkpoint, {{"cls.", "bert.pooler."}, {}});
-  } else {
-    m.init_params(cfg.seed);
   }
   last_ck = resumed_from;
 }
@@ -523,8 +518,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
     s.tl.enable(s.rank);
     s.m.set_timeline(&s.tl);
   }
-  s.step = std::make_unique<Step>(
-      s.m, s.opt, s.scaler, comm,
+  s.step = &s.session.start(
       StepSettings{s.cfg.accumulation, cfg.predivide, cfg.overlap, cfg.bucket_mb << 20, cfg.seed},
       &s.tl);
   s.peak_gflops =
@@ -597,11 +591,77 @@ std::string Trainer::banner() const {
   return out;
 }
 
+namespace {
+
+// --trace-input: what each rank trained on, a line per row (step, epoch, FNV-1a of its token ids)
+// in PREFIX.rank-R. A batch read ahead for the next step is held until that step runs.
+class InputTrace {
+ public:
+  InputTrace(const std::string& prefix, int rank) {
+    if (prefix.empty()) return;
+    const std::string path = str(prefix, ".rank-", rank);
+    out_.open(path, std::ios::app);
+    if (!out_) fail("cannot open ", path, " for --trace-input");
+  }
+  void add(const model::Batch& b, int64_t step, uint64_t epoch, bool ahead) {
+    if (!out_.is_open()) return;
+    std::ostringstream lines;
+    for (int64_t r = 0; r < b.B; ++r) {
+      uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the row's token ids
+      for (int64_t t = 0; t < b.T; ++t) {
+        h ^= static_cast<uint32_t>(b.input_ids[r * b.T + t]);
+        h *= 0x100000001b3ull;
+      }
+      lines << step << ' ' << epoch << ' ' << std::hex << h << std::dec << '\n';
+    }
+    if (ahead) {
+      held_ = lines.str();
+    } else {
+      out_ << lines.str();
+      out_.flush();
+    }
+  }
+  // The held batch's lines, now that its step runs.
+  void release() {
+    if (held_.empty()) return;
+    out_ << held_;
+    out_.flush();
+    held_.clear();
+  }
+
+ private:
+  std::ofstream out_;
+  std::string held_;
+};
+
+}  // namespace
+
+// The progress line of a logging window (rank 0), its metrics, and the window started again.
+void Trainer::State::log_window(int64_t done, int64_t step, Totals& window,
+                                Clock::time_point& start, Clock::time_point run_start) {
+  const double dt = since(start);
+  const double eta = since(run_start) / static_cast<double>(done - start_step) *
+                     static_cast<double>(cfg.steps - done);
+  if (rank == 0 && !cfg.quiet) {
+    std::printf(
+        "step %6lld/%lld | loss %.4f | mlm acc %.3f | nsp acc %.3f | lr %.2e | scale %g | %.0f "
+        "tok/s | ETA %s\n",
+        (long long)done, (long long)cfg.steps, window.loss / window.steps,
+        window.mlm_correct / std::max(window.mlm_weight, 1e-9),
+        window.nsp_correct / std::max(window.examples, 1.0), sched.at(step), scaler.scale(),
+        window.real_tokens / std::max(dt, 1e-9), hms(eta).c_str());
+    std::fflush(stdout);
+  }
+  record(done, step, window, dt);
+  res.last_loss = window.loss / window.steps;
+  window = Totals{};
+  start = Clock::now();
+}
+
 TrainResult Trainer::run() {
   State& s = *s_;
   const TrainConfig& cfg = s.cfg;
   const int rank = s.rank, world = s.world;
-  const bool lead = rank == 0 && !cfg.quiet;
   TrainResult& res = s.res;
   // The input position after the last completed step: a step interrupted while it waited for
   // input is not in the checkpoint, and neither are the micro-batches it had read.
@@ -610,37 +670,13 @@ TrainResult Trainer::run() {
   // (Step::holds_next): the step after resumes from it.
   data::PipelinePosition ahead_pos;
   int64_t step = s.start_step;
-  std::ofstream trace;
-  std::string held_trace;  // a batch read ahead: its lines, written once its step runs
-  if (!cfg.trace_input.empty()) {
-    const std::string path = str(cfg.trace_input, ".rank-", rank);
-    trace.open(path, std::ios::app);
-    if (!trace) fail("cannot open ", path, " for --trace-input");
-  }
+  InputTrace trace(cfg.trace_input, rank);
   auto next_batch = [&](model::Batch& b) {
     const bool ahead = s.step->reading_ahead();
     if (ahead) ahead_pos = s.pipe->position();
     try {
       if (!s.pipe->next(b)) fail("the input pipeline ended (it repeats forever; this is a bug)");
-      if (trace.is_open()) {
-        const uint64_t epoch = s.pipe->position().epoch;
-        std::ostringstream lines;
-        for (int64_t r = 0; r < b.B; ++r) {
-          uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the row's token ids
-          for (int64_t t = 0; t < b.T; ++t) {
-            h ^= static_cast<uint32_t>(b.input_ids[r * b.T + t]);
-            h *= 0x100000001b3ull;
-          }
-          lines << (ahead ? step + 1 : step) << ' ' << epoch << ' ' << std::hex << h << std::dec
-                << '\n';
-        }
-        if (ahead) {
-          held_trace = lines.str();
-        } else {
-          trace << lines.str();
-          trace.flush();
-        }
-      }
+      trace.add(b, ahead ? step + 1 : step, s.pipe->position().epoch, ahead);
       return true;
     } catch (const data::Interrupted&) {
       if (world > 1)  // the peers are in this step's collectives: the job cannot stop cleanly
@@ -660,11 +696,7 @@ TrainResult Trainer::run() {
     // A step follows unless this one ends the run or its slice (--stop-after).
     const bool ahead =
         step + 1 < cfg.steps && !(cfg.stop_after > 0 && step + 1 - s.start_step >= cfg.stop_after);
-    if (!held_trace.empty()) {
-      trace << held_trace;
-      trace.flush();
-      held_trace.clear();
-    }
+    trace.release();
     const StepReport r = s.step->run(step, s.sched.at(step), next_batch, hint, ahead);
     if (r.interrupted) {
       res.interrupted = true;
@@ -681,25 +713,8 @@ TrainResult Trainer::run() {
     res.losses.push_back(r.loss);
     const int64_t done = step + 1;
     if (done == s.start_step + 1) res.first_loss = r.loss;
-    if (cfg.log_every > 0 && (done % cfg.log_every == 0 || done == cfg.steps)) {
-      const double dt = since(window_start);
-      const double eta = since(run_start) / static_cast<double>(done - s.start_step) *
-                         static_cast<double>(cfg.steps - done);
-      if (lead) {
-        std::printf(
-            "step %6lld/%lld | loss %.4f | mlm acc %.3f | nsp acc %.3f | lr %.2e | scale %g | %.0f "
-            "tok/s | ETA %s\n",
-            (long long)done, (long long)cfg.steps, window.loss / window.steps,
-            window.mlm_correct / std::max(window.mlm_weight, 1e-9),
-            window.nsp_correct / std::max(window.examples, 1.0), s.sched.at(step), s.scaler.scale(),
-            window.real_tokens / std::max(dt, 1e-9), hms(eta).c_str());
-        std::fflush(stdout);
-      }
-      s.record(done, step, window, dt);
-      res.last_loss = window.loss / window.steps;
-      window = Totals{};
-      window_start = Clock::now();
-    }
+    if (cfg.log_every > 0 && (done % cfg.log_every == 0 || done == cfg.steps))
+      s.log_window(done, step, window, window_start, run_start);
     res.steps_done = done;
     done_pos = s.step->holds_next() ? ahead_pos : s.pipe->position();
     const bool slice_done =

@@ -13,6 +13,7 @@
 #include "model/bert.h"
 #include "train/optimizer.h"
 #include "train/precision.h"
+#include "train/session.h"
 
 namespace bertrain::train {
 
@@ -62,6 +63,9 @@ const kernels::Backend& backend_of(const TrainConfig& c);
 // for rank `rank` of `world` (-1: the one whose parameters hold the most), bf16 with a sharded
 // optimizer: the fp32 master of its part only (plan::with_master_shard).
 model::ModelDims model_dims(const TrainConfig& c, int rank = 0, int world = 1);
+// What a rank of the run trains (train/session.h): model_dims and the optimizer, sharding and
+// fp16 settings.
+SessionSettings session_settings(const TrainConfig& c, int rank = 0, int world = 1);
 
 struct TrainResult {
   int64_t steps_done = 0;
