@@ -189,6 +189,121 @@ TaskColumns resolve_columns(const std::string& path, const TaskColumns& given,
 
 }  // namespace
 
+namespace {
+
+// A task file's data row before encoding: its fields, its line in the file and its index among
+// the data rows.
+struct TaskRow {
+  std::string a, b, label;
+  int64_t line = 0, index = 0;
+};
+// The rows read, the columns they were read by (the task's, or those the file's header or first
+// object names), and whether the file has labels.
+struct TaskRows {
+  std::vector<TaskRow> rows;
+  TaskColumns columns;
+  bool has_label = false;
+};
+
+// A row that cannot be used: counted, its index kept, the first five reasons with file:line.
+void skip_row(LabeledSet& s, const std::string& path, int64_t line, int64_t index,
+              const std::string& why) {
+  ++s.skipped;
+  s.skipped_rows.push_back(index);
+  if (s.skipped_reasons.size() < 5) s.skipped_reasons.push_back(str(path, ":", line, ": ", why));
+}
+
+void strip_line(std::string& l) {
+  if (!l.empty() && l.back() == '\r') l.pop_back();
+  if (l.compare(0, 3, "\xEF\xBB\xBF") == 0) l.erase(0, 3);  // a BOM (MRPC has one)
+}
+
+// JSON lines: one object a row; the first object's keys resolve the columns.
+TaskRows read_jsonl_rows(std::istream& in, const std::string& path, const TaskColumns& columns,
+                         LabeledSet& s) {
+  TaskRows t;
+  TaskColumns& c = t.columns;
+  std::string line;
+  int64_t lineno = 0, index = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    strip_line(line);
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    const int64_t row = index++;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      skip_row(s, path, lineno, row, str("not a JSON object (", e.what(), ")"));
+      continue;
+    }
+    if (!j.is_object()) {
+      skip_row(s, path, lineno, row, "not a JSON object");
+      continue;
+    }
+    if (c.text_a.empty()) {
+      std::vector<std::string> keys;
+      for (const auto& [k, _] : j.items()) keys.push_back(k);
+      c = resolve_columns(path, columns, keys);
+      t.has_label = !c.label.empty() && j.contains(c.label);
+    }
+    std::string missing;
+    for (const std::string* k : {&c.text_a, &c.text_b, t.has_label ? &c.label : nullptr})
+      if (k && !k->empty() && !j.contains(*k) && missing.empty()) missing = *k;
+    if (!missing.empty()) {
+      skip_row(s, path, lineno, row, str("no '", missing, "' key"));
+      continue;
+    }
+    auto field = [&](const std::string& key) {
+      if (key.empty()) return std::string();
+      const auto& v = j[key];
+      return v.is_string() ? v.get<std::string>() : v.dump();
+    };
+    t.rows.push_back(
+        {field(c.text_a), field(c.text_b), t.has_label ? field(c.label) : "", lineno, row});
+  }
+  return t;
+}
+
+// TSV: a header row naming the columns, then a row a line.
+TaskRows read_tsv_rows(std::istream& in, const std::string& path, const TaskColumns& columns,
+                       LabeledSet& s) {
+  TaskRows t;
+  std::string line;
+  if (!std::getline(in, line))
+    fail(path, " is empty (expected a header row naming the columns, e.g. label<TAB>text_a)");
+  int64_t lineno = 1, index = 0;
+  strip_line(line);
+  const auto header = split_tabs(line);
+  t.columns = resolve_columns(path, columns, header);
+  auto col = [&](const std::string& n) {
+    return n.empty()
+               ? -1
+               : static_cast<int>(std::find(header.begin(), header.end(), n) - header.begin());
+  };
+  const int col_a = col(t.columns.text_a), col_b = col(t.columns.text_b);
+  int col_label = col(t.columns.label);
+  if (col_label >= static_cast<int>(header.size())) col_label = -1;  // unlabelled (test) file
+  t.has_label = col_label >= 0;
+  const int need = std::max({col_label, col_a, col_b});
+  while (std::getline(in, line)) {
+    ++lineno;
+    strip_line(line);
+    if (line.empty()) continue;
+    const int64_t row = index++;
+    const auto cols = split_tabs(line);
+    if (static_cast<int>(cols.size()) <= need) {
+      skip_row(s, path, lineno, row, str(cols.size(), " columns, the header has ", header.size()));
+      continue;
+    }
+    t.rows.push_back({cols[col_a], col_b >= 0 ? cols[col_b] : "",
+                      t.has_label ? cols[col_label] : "", lineno, row});
+  }
+  return t;
+}
+
+}  // namespace
+
 LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
                           const data::Tokenizer& tok, int64_t seq_len,
                           std::vector<std::string> label_names) {
@@ -196,94 +311,15 @@ LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
   const bool jsonl = path.ends_with(".json") || path.ends_with(".jsonl");
   // First every data row's fields (a row that cannot be read is skipped and counted), then
   // the labels, then the examples.
-  struct Row {
-    std::string a, b, label;
-    int64_t line = 0, index = 0;  // line in the file; index among its data rows
-  };
-  std::vector<Row> rows;
   LabeledSet s;
+  const TaskRows t =
+      jsonl ? read_jsonl_rows(in, path, columns, s) : read_tsv_rows(in, path, columns, s);
+  const std::vector<TaskRow>& rows = t.rows;
+  const TaskColumns& c = t.columns;
+  const bool has_label = t.has_label;
   auto skip = [&](int64_t line, int64_t index, const std::string& why) {
-    ++s.skipped;
-    s.skipped_rows.push_back(index);
-    if (s.skipped_reasons.size() < 5) s.skipped_reasons.push_back(str(path, ":", line, ": ", why));
+    skip_row(s, path, line, index, why);
   };
-  std::string line;
-  int64_t lineno = 0, index = 0;
-  auto strip = [](std::string& l) {
-    if (!l.empty() && l.back() == '\r') l.pop_back();
-    if (l.compare(0, 3, "\xEF\xBB\xBF") == 0) l.erase(0, 3);  // a BOM (MRPC has one)
-  };
-  TaskColumns c;
-  bool has_label = false;
-  if (jsonl) {
-    while (std::getline(in, line)) {
-      ++lineno;
-      strip(line);
-      if (line.find_first_not_of(" \t") == std::string::npos) continue;
-      const int64_t row = index++;
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(line);
-      } catch (const nlohmann::json::exception& e) {
-        skip(lineno, row, str("not a JSON object (", e.what(), ")"));
-        continue;
-      }
-      if (!j.is_object()) {
-        skip(lineno, row, "not a JSON object");
-        continue;
-      }
-      if (c.text_a.empty()) {
-        std::vector<std::string> keys;
-        for (const auto& [k, _] : j.items()) keys.push_back(k);
-        c = resolve_columns(path, columns, keys);
-        has_label = !c.label.empty() && j.contains(c.label);
-      }
-      std::string missing;
-      for (const std::string* k : {&c.text_a, &c.text_b, has_label ? &c.label : nullptr})
-        if (k && !k->empty() && !j.contains(*k) && missing.empty()) missing = *k;
-      if (!missing.empty()) {
-        skip(lineno, row, str("no '", missing, "' key"));
-        continue;
-      }
-      auto field = [&](const std::string& key) {
-        if (key.empty()) return std::string();
-        const auto& v = j[key];
-        return v.is_string() ? v.get<std::string>() : v.dump();
-      };
-      rows.push_back(
-          {field(c.text_a), field(c.text_b), has_label ? field(c.label) : "", lineno, row});
-    }
-  } else {
-    if (!std::getline(in, line))
-      fail(path, " is empty (expected a header row naming the columns, e.g. label<TAB>text_a)");
-    ++lineno;
-    strip(line);
-    const auto header = split_tabs(line);
-    c = resolve_columns(path, columns, header);
-    auto col = [&](const std::string& n) {
-      return n.empty()
-                 ? -1
-                 : static_cast<int>(std::find(header.begin(), header.end(), n) - header.begin());
-    };
-    const int col_a = col(c.text_a), col_b = col(c.text_b);
-    int col_label = col(c.label);
-    if (col_label >= static_cast<int>(header.size())) col_label = -1;  // unlabelled (test) file
-    has_label = col_label >= 0;
-    const int need = std::max({col_label, col_a, col_b});
-    while (std::getline(in, line)) {
-      ++lineno;
-      strip(line);
-      if (line.empty()) continue;
-      const int64_t row = index++;
-      const auto cols = split_tabs(line);
-      if (static_cast<int>(cols.size()) <= need) {
-        skip(lineno, row, str(cols.size(), " columns, the header has ", header.size()));
-        continue;
-      }
-      rows.push_back({cols[col_a], col_b >= 0 ? cols[col_b] : "", has_label ? cols[col_label] : "",
-                      lineno, row});
-    }
-  }
   auto no_examples = [&] {
     fail(path, " has no usable examples",
          s.skipped ? str(" (", s.skipped, " rows skipped; first: ", s.skipped_reasons[0], ")")

@@ -17,6 +17,7 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
+}  // namespace
 
 // A rank's sums over a step's micro-batches, summed over the ranks in one allreduce with the
 // gradients' phase (doubles only: the struct travels as an array).
@@ -35,7 +36,6 @@ struct StepStats {
   }
 };
 static_assert(sizeof(StepStats) == StepStats::kCount * sizeof(double));
-}  // namespace
 
 ShardedMasterGather::ShardedMasterGather(const model::BertModel& m, std::vector<int64_t> counts)
     : counts_(std::move(counts)), small_counts_(counts_.size(), 0) {
@@ -150,16 +150,15 @@ void Step::reduce(const GradientScale& g, StepReport& r) {
   comm_.set_label("");
 }
 
+void Step::span(const char* name, const char* category, Clock::time_point begin) const {
+  if (!tl_ || !tl_->enabled()) return;
+  const int64_t end = tl_->now_us();
+  tl_->add(name, category, end - static_cast<int64_t>(since(begin) * 1e6), end);
+}
+
 StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const std::string& hint,
                      bool ahead) {
-  const int rank = comm_.rank(), world = comm_.size();
   const auto t_step = Clock::now();
-  auto span = [&](const char* name, const char* cat, Clock::time_point begin) {
-    if (tl_ && tl_->enabled()) {
-      const int64_t end = tl_->now_us();
-      tl_->add(name, cat, end - static_cast<int64_t>(since(begin) * 1e6), end);
-    }
-  };
   StepReport r;
   if (interrupted_ahead_) {
     r.interrupted = true;
@@ -170,90 +169,108 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
   if (reducer_) reducer_->set_prescale(g.prescale);
   m_.zero_grads();
   StepStats stats;
-  for (int64_t micro = 0; micro < s_.accumulation; ++micro) {
-    model::Batch& batch = batches_[cur_];
-    auto t0 = Clock::now();
-    if (held_) {
-      held_ = false;  // read and staged during the backward before
-    } else {
-      if (!next_batch(batch)) {
-        r.interrupted = true;
-        return r;
-      }
-      r.t_input += since(t0);
-      span("input wait", "input", t0);
-    }
-    // Each rank's and micro-batch's own dropout streams: a packed batch's instance count
-    // varies, so it counts its most (the model's planned batch).
-    const int64_t per_batch = batch.packed_rows > 0 ? m_.dims().batch : batch.B;
-    const model::StepOptions so{true, s_.seed, static_cast<uint64_t>(step),
-                                static_cast<uint64_t>((micro * world + rank) * per_batch)};
-    t0 = Clock::now();
-    const model::Losses l = m_.forward(batch, so);
-    m_.backend().synchronize();  // a GPU's phases end when its kernels have run
-    r.t_forward += since(t0);
-    span("forward", "compute", t0);
-    stats.loss += l.loss;
-    stats.mlm_correct += l.mlm_correct;
-    stats.mlm_weight += l.mlm_weight;
-    stats.nsp_correct += static_cast<double>(l.nsp_correct);
-    stats.cls_correct += static_cast<double>(l.cls_correct);
-    stats.examples += static_cast<double>(batch.B);
-    if (!std::isfinite(l.loss)) stats.nonfinite_losses += 1;
-    stats.real_tokens += static_cast<double>(l.real_tokens);
-    stats.computed_tokens += static_cast<double>(l.computed_tokens);
-    stats.token_slots += static_cast<double>(batch.token_slots());
-    r.flops += m_.last_step_flops();
-    t0 = Clock::now();
-    const bool last = micro + 1 == s_.accumulation;
-    if (reducer_ && last)
-      m_.backward(batch, so, g.backward, [&](int64_t layer) { reducer_->layer_done(layer); });
-    else
-      m_.backward(batch, so, g.backward);
-    // The next micro-batch read and staged while the device runs this backward. Where the
-    // device still ran it when the read ended, the read was hidden and the phase's time is its
-    // wall time; else the read is input's time (the device waited for it at most that long).
-    double read = 0;
-    const bool next_here = micro + 1 < s_.accumulation;
-    if (m_.stages_ahead() && (next_here || ahead)) {
-      const auto t_read = Clock::now();
-      model::Batch& next = batches_[1 - cur_];
-      reading_ahead_ = !next_here;
-      const bool got = next_batch(next);
-      reading_ahead_ = false;
-      read = since(t_read);
-      if (m_.backend().busy()) {
-        r.t_input_hidden += read;
-        span("input read ahead", "input", t_read);
-        read = 0;
-      } else {
-        r.t_input += read;
-        span("input wait", "input", t_read);
-      }
-      if (got) {
-        m_.stage(next);
-        cur_ = 1 - cur_;
-        held_ = true;
-      } else if (next_here) {
-        m_.backend().synchronize();
-        r.interrupted = true;
-        return r;
-      } else {
-        interrupted_ahead_ = true;  // this step completes; the next stops at once
-      }
-    }
-    m_.backend().synchronize();
-    r.t_backward += since(t0) - read;
-    span("backward", "compute", t0);
-  }
+  for (int64_t micro = 0; micro < s_.accumulation; ++micro)
+    if (!micro_batch(step, micro, g, next_batch, ahead, stats, r)) return r;
+  sum_over_ranks(g, stats, r);
+  update(step, lr, g, stats, hint, r);
+  r.t_total = since(t_step);
+  span(("step " + std::to_string(step)).c_str(), "step", t_step);
+  return r;
+}
 
-  // Sum over ranks; the step's statistics travel in the same phase.
+bool Step::micro_batch(int64_t step, int64_t micro, const GradientScale& g,
+                       const NextBatch& next_batch, bool ahead, StepStats& stats, StepReport& r) {
+  const int rank = comm_.rank(), world = comm_.size();
+  model::Batch& batch = batches_[cur_];
   auto t0 = Clock::now();
+  if (held_) {
+    held_ = false;  // read and staged during the backward before
+  } else {
+    if (!next_batch(batch)) {
+      r.interrupted = true;
+      return false;
+    }
+    r.t_input += since(t0);
+    span("input wait", "input", t0);
+  }
+  // Each rank's and micro-batch's own dropout streams: a packed batch's instance count varies,
+  // so it counts its most (the model's planned batch).
+  const int64_t per_batch = batch.packed_rows > 0 ? m_.dims().batch : batch.B;
+  const model::StepOptions so{true, s_.seed, static_cast<uint64_t>(step),
+                              static_cast<uint64_t>((micro * world + rank) * per_batch)};
+  t0 = Clock::now();
+  const model::Losses l = m_.forward(batch, so);
+  m_.backend().synchronize();  // a GPU's phases end when its kernels have run
+  r.t_forward += since(t0);
+  span("forward", "compute", t0);
+  stats.loss += l.loss;
+  stats.mlm_correct += l.mlm_correct;
+  stats.mlm_weight += l.mlm_weight;
+  stats.nsp_correct += static_cast<double>(l.nsp_correct);
+  stats.cls_correct += static_cast<double>(l.cls_correct);
+  stats.examples += static_cast<double>(batch.B);
+  if (!std::isfinite(l.loss)) stats.nonfinite_losses += 1;
+  stats.real_tokens += static_cast<double>(l.real_tokens);
+  stats.computed_tokens += static_cast<double>(l.computed_tokens);
+  stats.token_slots += static_cast<double>(batch.token_slots());
+  r.flops += m_.last_step_flops();
+  t0 = Clock::now();
+  const bool last = micro + 1 == s_.accumulation;
+  if (reducer_ && last)
+    m_.backward(batch, so, g.backward, [&](int64_t layer) { reducer_->layer_done(layer); });
+  else
+    m_.backward(batch, so, g.backward);
+  double read = 0;
+  const bool next_here = micro + 1 < s_.accumulation;
+  if (m_.stages_ahead() && (next_here || ahead) && !read_ahead(next_batch, next_here, r, read))
+    return false;
+  m_.backend().synchronize();
+  r.t_backward += since(t0) - read;
+  span("backward", "compute", t0);
+  return true;
+}
+
+// The next micro-batch (this step's, or with next_here false the next step's first) read and
+// staged while the device runs this backward. Where the device still ran it when the read ended,
+// the read was hidden and the phase's time is its wall time; else the read is input's time (the
+// device waited for it at most that long): `read` says how long to take off the backward.
+bool Step::read_ahead(const NextBatch& next_batch, bool next_here, StepReport& r, double& read) {
+  const auto t_read = Clock::now();
+  model::Batch& next = batches_[1 - cur_];
+  reading_ahead_ = !next_here;
+  const bool got = next_batch(next);
+  reading_ahead_ = false;
+  read = since(t_read);
+  if (m_.backend().busy()) {
+    r.t_input_hidden += read;
+    span("input read ahead", "input", t_read);
+    read = 0;
+  } else {
+    r.t_input += read;
+    span("input wait", "input", t_read);
+  }
+  if (got) {
+    m_.stage(next);
+    cur_ = 1 - cur_;
+    held_ = true;
+  } else if (next_here) {
+    m_.backend().synchronize();
+    r.interrupted = true;
+    return false;
+  } else {
+    interrupted_ahead_ = true;  // this step completes; the next stops at once
+  }
+  return true;
+}
+
+// The gradients summed over the ranks; the step's statistics travel in the same phase.
+void Step::sum_over_ranks(const GradientScale& g, StepStats& stats, StepReport& r) {
+  const int world = comm_.size();
+  const auto t0 = Clock::now();
   reduce(g, r);
   stats.loss /= static_cast<double>(s_.accumulation);
-  const bool sharded = opt_.sharded();
   m_.bind_kernel_scratch();  // the optimizer's reductions take their partial sums from it
-  if (sharded) stats.grad_sum_squares = opt_.sum_squares(m_.grads(), g.unscale);  // its part
+  if (opt_.sharded()) stats.grad_sum_squares = opt_.sum_squares(m_.grads(), g.unscale);  // part
   if (world > 1) stats.allreduce_sum(comm_);  // (grad_sum_squares: 0 unsharded)
   r.t_comm = since(t0);
   span("allreduce gradients", "communication", t0);
@@ -266,9 +283,14 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
   r.real_tokens = stats.real_tokens;
   r.computed_tokens = stats.computed_tokens;
   r.token_slots = stats.token_slots;
+}
 
-  // Finite check on every rank (all skip together), then the update.
-  t0 = Clock::now();
+// The finite check on every rank (all skip together), then the update.
+void Step::update(int64_t step, double lr, const GradientScale& g, const StepStats& stats,
+                  const std::string& hint, StepReport& r) {
+  const int world = comm_.size();
+  const bool sharded = opt_.sharded();
+  const auto t0 = Clock::now();
   // Sharded: the norm of every part, summed with the statistics (the same value on every rank;
   // a NaN or inf anywhere makes it non-finite everywhere).
   const StepResult measured =
@@ -288,32 +310,31 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
     // Clipping uses the same global norm on every rank: gradients are identical after the sum.
     opt_.apply(m_.params(), m_.grads(), static_cast<float>(lr), g.unscale, measured,
                m_.weight_copy(), [&](double* v, int64_t n) { comm_.allreduce_sum(v, n); });
-    if (sharded) {
-      // Each rank updated its part: every rank gets every part. With a sharded master, the
-      // bf16 weights and the fp32-read tensors; else the fp32 parameters (exact), whose parts
-      // updated elsewhere each rank rounds into its bf16 copy.
-      const auto t_gather = Clock::now();
-      comm_.set_label("updated parameters");
-      if (m_.dims().master_shard) {
-        master_gather_->run(m_, comm_);
-      } else {
-        comm_.allgather(m_.params(), m_.table().total(), counts_);
-        const Shard& own = opt_.shard();
-        m_.refresh_weights16(0, own.begin);
-        m_.refresh_weights16(own.end, m_.table().total());
-      }
-      comm_.set_label("");
-      r.t_comm += since(t_gather);
-      span("allgather parameters", "communication", t_gather);
-    }
+    if (sharded) gather_parameters(r);
     m_.weights16_updated();
   }
   m_.backend().synchronize();
   r.t_optimizer = since(t0);
   span("optimizer", "optimizer", t0);
-  r.t_total = since(t_step);
-  span(("step " + std::to_string(step)).c_str(), "step", t_step);
-  return r;
+}
+
+// Each rank updated its part: every rank gets every part. With a sharded master, the bf16
+// weights and the fp32-read tensors; else the fp32 parameters (exact), whose parts updated
+// elsewhere each rank rounds into its bf16 copy.
+void Step::gather_parameters(StepReport& r) {
+  const auto t0 = Clock::now();
+  comm_.set_label("updated parameters");
+  if (m_.dims().master_shard) {
+    master_gather_->run(m_, comm_);
+  } else {
+    comm_.allgather(m_.params(), m_.table().total(), counts_);
+    const Shard& own = opt_.shard();
+    m_.refresh_weights16(0, own.begin);
+    m_.refresh_weights16(own.end, m_.table().total());
+  }
+  comm_.set_label("");
+  r.t_comm += since(t0);
+  span("allgather parameters", "communication", t0);
 }
 
 }  // namespace bertrain::train

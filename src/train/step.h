@@ -15,6 +15,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <utility>
@@ -91,6 +92,8 @@ class ShardedMasterGather {
   std::vector<float> packed_;
 };
 
+struct StepStats;  // a rank's sums over a step's micro-batches (step.cpp)
+
 class Step {
  public:
   // next_batch fills the next micro-batch; it returns false when the input was interrupted (the
@@ -123,7 +126,18 @@ class Step {
   const StepSettings& settings() const { return s_; }
 
  private:
+  using Clock = std::chrono::steady_clock;
+  // The pieces of run(), in order (step.cpp says each one's part).
+  bool micro_batch(int64_t step, int64_t micro, const GradientScale& g, const NextBatch& next_batch,
+                   bool ahead, StepStats& stats, StepReport& r);
+  bool read_ahead(const NextBatch& next_batch, bool next_here, StepReport& r, double& read);
+  void sum_over_ranks(const GradientScale& g, StepStats& stats, StepReport& r);
+  void update(int64_t step, double lr, const GradientScale& g, const StepStats& stats,
+              const std::string& hint, StepReport& r);
+  void gather_parameters(StepReport& r);
   void reduce(const GradientScale& g, StepReport& r);
+  // A timeline span from `begin` to now (when the timeline is on).
+  void span(const char* name, const char* category, Clock::time_point begin) const;
 
   model::BertModel& m_;
   Optimizer& opt_;
