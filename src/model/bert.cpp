@@ -681,6 +681,33 @@ void BertModel::stage(const Batch& b) {
   next_for_ = &b;
 }
 
+// One forward or backward pass's shapes and dropout sites: B sequences of T tokens, N rows the
+// encoder runs (the packed rows when unpadded), C hidden, L layers.
+struct BertModel::Pass {
+  const StepOptions& opt;
+  bool up;
+  int64_t B, T, N, C, L;
+  float p_hidden;
+  uint64_t off_tc;  // this micro-batch's offset in the [B, T, C] dropout index space
+  Dropout site(int64_t layer, Site s, float p, uint64_t offset) const {
+    return Dropout{p, rng_key(opt.seed, opt.step, layer, s), offset};
+  }
+};
+
+BertModel::Pass BertModel::pass(const Batch& b, const StepOptions& opt) const {
+  const bool up = unpadded();
+  const int64_t C = cfg_.hidden_size;
+  return Pass{opt,
+              up,
+              b.B,
+              b.T,
+              up ? cur_.packed.rows : b.B * b.T,
+              C,
+              cfg_.num_hidden_layers,
+              opt.training ? cfg_.hidden_dropout_prob : 0.0f,
+              opt.example_offset * b.T * C};
+}
+
 Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   if (next_for_ != &b) prepare(b, next_, 1 - slot_);
   next_for_ = nullptr;
@@ -694,21 +721,11 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   // step keep it current); else it follows the fp32 master.
   if (!w16_fresh_ && !dims_.master_shard) be_.copy_weights(prec_, params(), w16_, table_.total());
   w16_fresh_ = false;
-  const bool up = unpadded();
   ++passes_;  // the outputs copied out before are stale now (backward too)
-  const int64_t B = b.B, T = b.T, N = up ? cur_.packed.rows : B * T, C = cfg_.hidden_size,
-                V = cfg_.vocab_size;
-  int64_t real = up ? cur_.packed.real : 0;
-  if (!up)
-    for (int64_t e = 0; e < B; ++e) real += real_length(b, e);
-  const float eps = cfg_.layer_norm_eps;
-  const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
-  const Activation act = cfg_.activation();
-  const uint64_t off_tc = opt.example_offset * T * C;
-  const int64_t L = cfg_.num_hidden_layers;
-  auto site = [&](int64_t layer, Site s, float p, uint64_t offset) {
-    return Dropout{p, rng_key(opt.seed, opt.step, layer, s), offset};
-  };
+  const Pass p = pass(b, opt);
+  int64_t real = p.up ? cur_.packed.real : 0;
+  if (!p.up)
+    for (int64_t e = 0; e < p.B; ++e) real += real_length(b, e);
 
   const ParamTable& t = table_;
   be_.embedding_layernorm_forward(
@@ -717,124 +734,35 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
       W(t.offset("bert.embeddings.position_embeddings.weight")),
       W(t.offset("bert.embeddings.token_type_embeddings.weight")),
       W(t.offset("bert.embeddings.LayerNorm.weight")),
-      W(t.offset("bert.embeddings.LayerNorm.bias")), up ? 1 : B, up ? N : T, C, eps,
-      on_rows(site(0, kEmbedding, p_hidden, off_tc)));
+      W(t.offset("bert.embeddings.LayerNorm.bias")), p.up ? 1 : p.B, p.up ? p.N : p.T, p.C,
+      cfg_.layer_norm_eps, on_rows(p.site(0, kEmbedding, p.p_hidden, p.off_tc)));
 
   const float* x = act_.h0;
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = 0; l < p.L; ++l) {
     obs::Timeline::Span span(timeline_, str("forward layer ", l), "compute");
     layer_forward(l, x, b, opt);
     x = act_.layers[l].ln2_out;
   }
   seq_out_ = const_cast<float*>(x);
 
-  if (head_ == Head::TokenClassification) {
-    // HF's BertForTokenClassification: classifier(dropout(h)) on every token; the loss is the
-    // mean cross-entropy over the scored tokens (weight 1; HF's ignore_index -100 is weight 0).
-    // Unpadded: the packed rows' labels and weights (dummy rows weigh 0).
-    const int64_t NL = cfg_.num_labels;
-    const int32_t* labels = cur_.in.token_labels;
-    const float* weights = cur_.in.token_weights;
-    be_.copy(act_.tok_drop, x, N * C);
-    dropout_rows(false, act_.tok_drop, nullptr, N, site(L + 1, kTokens, p_hidden, off_tc));
-    be_.linear_forward(prec_, act_.tok_logits, {act_.tok_drop}, Wt(t.offset("classifier.weight")),
-                       W(t.offset("classifier.bias")), N, NL, C, ws_);
-    double scored = 0;
-    for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
-    const CrossEntropySums ce = be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct,
-                                                  act_.tok_logits, labels, weights, N, NL, 0.0f);
-    Losses out;
-    out.real_tokens = real;
-    out.computed_tokens = N;
-    out.loss = scored > 0 ? ce.loss / scored : 0.0;
-    out.tokens_scored = static_cast<int64_t>(scored);
-    out.tokens_correct = static_cast<int64_t>(ce.correct);
-    return out;
-  }
-  if (head_ == Head::QuestionAnswering) {
-    // HF's BertForQuestionAnswering: qa_outputs on every token's final hidden state, no dropout.
-    // Weight row 0 gives the start logits and row 1 the end logits, each one [N] column, so the
-    // batch's start logits are B rows of T and its end logits the next B rows; the loss is
-    // (CE(start) + CE(end)) / 2, each the mean over the batch of a softmax over the T positions.
-    const int64_t w = t.offset("qa_outputs.weight"), bias = t.offset("qa_outputs.bias");
-    be_.linear_forward(prec_, act_.qa_logits, {const_cast<float*>(x)}, Wt(w), W(bias), N, 1, C,
-                       ws_);
-    be_.linear_forward(prec_, act_.qa_logits + N, {const_cast<float*>(x)}, Wt(w + C), W(bias + 1),
-                       N, 1, C, ws_);
-    const CrossEntropySums ce =
-        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.qa_logits,
-                          cur_.in.span_positions, nullptr, 2 * B, T, 0.0f);
-    Losses out;
-    out.real_tokens = real;
-    out.computed_tokens = N;
-    out.loss = ce.loss / (2.0 * B);
-    out.tokens_scored = 2 * B;
-    out.tokens_correct = static_cast<int64_t>(ce.correct);
-    return out;
-  }
-
-  // Pooler: tanh(dense(h[:, 0])).
-  be_.gather_rows(act_.cls_in, x, cur_.in.cls, B, 1, up ? 0 : T, C);
-  be_.linear_forward(prec_, act_.pooled, {act_.cls_in}, Wt(t.offset("bert.pooler.dense.weight")),
-                     W(t.offset("bert.pooler.dense.bias")), B, C, C, ws_);
-  be_.tanh_forward(act_.pooled, act_.pooled, B * C);
-
   Losses out;
   out.real_tokens = real;
-  out.computed_tokens = N;
-  if (head_ == Head::Pretraining) {
-    be_.linear_forward(prec_, act_.nsp_logits, {act_.pooled},
-                       Wt(t.offset("cls.seq_relationship.weight")),
-                       W(t.offset("cls.seq_relationship.bias")), B, 2, C, ws_);
-    const CrossEntropySums nsp =
-        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
-                          cur_.in.nsp_labels, nullptr, B, 2, 0.0f);
-    out.nsp_loss = nsp.loss / B;
-    out.nsp_correct = static_cast<int64_t>(nsp.correct);
-
-    // MLM head on the masked positions only (gather first): BP rows instead of B*T.
-    const int64_t BP = up ? cur_.packed.mlm_rows : B * b.P;
-    be_.gather_rows(act_.mlm_in, x, cur_.in.mlm_positions, up ? 1 : B, up ? BP : b.P, up ? 0 : T,
-                    C);
-    be_.linear_forward(prec_, act_.mlm_pre, {act_.mlm_in},
-                       Wt(t.offset("cls.predictions.transform.dense.weight")),
-                       W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C, ws_);
-    // The head's activation stays fp32 in every precision (nothing of it is kept in 16 bits).
-    be_.activation_forward(Precision::FP32, act, {act_.mlm_act}, {act_.mlm_pre}, BP * C);
-    be_.layernorm_forward(act_.mlm_ln, act_.mlm_mean, act_.mlm_rstd, act_.mlm_act,
-                          W(t.offset("cls.predictions.transform.LayerNorm.weight")),
-                          W(t.offset("cls.predictions.transform.LayerNorm.bias")), BP, C, eps);
-    be_.linear_forward(prec_, act_.mlm_logits, {act_.mlm_ln},
-                       Wt(t.offset("bert.embeddings.word_embeddings.weight")),
-                       W(t.offset("cls.predictions.bias")), BP, V, C, ws_);
-    // Training: the gradient (for loss scale 1) is written over the logits in the same passes
-    // that compute the loss, so backward does not recompute the softmax over the vocabulary.
-    for (int64_t r = 0; r < BP; ++r) out.mlm_weight += mlm_weights(b)[r];
-    const float dscale1 = static_cast<float>(1.0 / (out.mlm_weight + kMlmDenominatorEps));
-    const CrossEntropySums mlm =
-        be_.cross_entropy(opt.training ? act_.mlm_logits : nullptr, act_.row_loss, act_.row_correct,
-                          act_.mlm_logits, cur_.in.mlm_ids, cur_.in.mlm_weights, BP, V, dscale1);
-    mlm_grad_ready_ = opt.training;
-    out.mlm_correct = mlm.correct;
-    out.mlm_loss = mlm.loss / (out.mlm_weight + kMlmDenominatorEps);
-    out.loss = out.mlm_loss + out.nsp_loss;
-  } else {
-    be_.copy(act_.pooled_drop, act_.pooled, B * C);
-    be_.dropout_forward(act_.pooled_drop, B * C,
-                        site(L + 1, kPooler, p_hidden, opt.example_offset * C));
-    const int64_t NL = cfg_.num_labels;
-    be_.linear_forward(prec_, act_.cls_logits, {act_.pooled_drop},
-                       Wt(t.offset("classifier.weight")), W(t.offset("classifier.bias")), B, NL, C,
-                       ws_);
-    if (NL == 1) {  // regression (HF's rule for one label): mean squared error
-      out.loss = be_.squared_error(nullptr, act_.cls_logits, cur_.in.label_values, B, 0.0f) / B;
-    } else {
-      const CrossEntropySums cls =
-          be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
-                            cur_.in.label_ids, nullptr, B, NL, 0.0f);
-      out.loss = cls.loss / B;
-      out.cls_correct = static_cast<int64_t>(cls.correct);
-    }
+  out.computed_tokens = p.N;
+  switch (head_) {
+    case Head::TokenClassification:
+      token_classifier_forward(p, b, x, out);
+      break;
+    case Head::QuestionAnswering:
+      qa_forward(p, x, out);
+      break;
+    case Head::Pretraining:
+      pooler_forward(p, x);
+      pretraining_forward(p, b, x, out);
+      break;
+    case Head::SequenceClassification:
+      pooler_forward(p, x);
+      classifier_forward(p, out);
+      break;
   }
   return out;
 }
@@ -884,149 +812,91 @@ std::pair<int64_t, int64_t> BertModel::layer_range(int64_t l) const {
 void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scale,
                          const std::function<void(int64_t)>& layer_done) {
   ++passes_;
-  const bool up = unpadded();
-  const int64_t B = b.B, T = b.T, N = up ? cur_.packed.rows : B * T, C = cfg_.hidden_size,
-                I = cfg_.intermediate_size, NH = cfg_.num_attention_heads, V = cfg_.vocab_size,
-                L = cfg_.num_hidden_layers;
-  const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
-  const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
-  const Activation act = cfg_.activation();
   bind_kernel_scratch();
-  const uint64_t off_tc = opt.example_offset * T * C;
-  const uint64_t off_probs = opt.example_offset * NH * T * T;
-  auto site = [&](int64_t layer, Site s, float p, uint64_t offset) {
-    return Dropout{p, rng_key(opt.seed, opt.step, layer, s), offset};
-  };
-  const ParamTable& t = table_;
-  const int64_t word = t.offset("bert.embeddings.word_embeddings.weight");
+  const Pass p = pass(b, opt);
   float* dh = act_.dh;  // gradient of the residual stream [N,C]
-  be_.zero(dh, static_cast<int64_t>(f32s(N * C)));
-  // Linear backward in the model's precision, weights by offset.
-  auto lin_bwd = [&](float* dinp, int64_t w_off, int64_t b_off, const float* dout, Kept in,
-                     int64_t M, int64_t Nout, int64_t K, bool accumulate = false) {
-    be_.linear_backward(prec_, dinp, G(w_off), G(b_off), dout, in, Wt(w_off), M, Nout, K,
-                        accumulate, ws_);
-  };
-
-  // ---- heads: produce dpooled (and the MLM rows of dh), or all of dh (token classification) ----
+  be_.zero(dh, static_cast<int64_t>(f32s(p.N * p.C)));
+  // The heads: all of dh (token classification, QA), or the MLM rows of dh and dpooled.
   float* dpooled = act_.dhead2;  // [B,C]
-  if (head_ == Head::TokenClassification) {
-    const int64_t NL = cfg_.num_labels;
-    const int32_t* labels = cur_.in.token_labels;
-    const float* weights = cur_.in.token_weights;
-    double scored = 0;
-    for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
-    float* dlog = act_.dsmall;  // [N,NL]
-    be_.cross_entropy(dlog, nullptr, nullptr, act_.tok_logits, labels, weights, N, NL,
-                      scored > 0 ? static_cast<float>(loss_scale / scored) : 0.0f);
-    lin_bwd(dh, t.offset("classifier.weight"), t.offset("classifier.bias"), dlog, {act_.tok_drop},
-            N, NL, C);
-    dropout_rows(true, dh, dh, N, site(L + 1, kTokens, p_hidden, off_tc));
-  } else if (head_ == Head::QuestionAnswering) {
-    float* dlog = act_.dsmall;  // [2N]: d start logits, then d end logits
-    be_.cross_entropy(dlog, nullptr, nullptr, act_.qa_logits, cur_.in.span_positions, nullptr,
-                      2 * B, T, static_cast<float>(loss_scale / (2.0 * B)));
-    const int64_t w = t.offset("qa_outputs.weight"), bias = t.offset("qa_outputs.bias");
-    const Kept seq{seq_out_};
-    lin_bwd(dh, w, bias, dlog, seq, N, 1, C);
-    lin_bwd(dh, w + C, bias + 1, dlog + N, seq, N, 1, C, /*accumulate=*/true);
-  } else if (head_ == Head::Pretraining) {
-    float* dnsp = act_.dsmall;
-    be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, cur_.in.nsp_labels, nullptr, B, 2,
-                      loss_scale / B);
-    lin_bwd(dpooled, t.offset("cls.seq_relationship.weight"), t.offset("cls.seq_relationship.bias"),
-            dnsp, {act_.pooled}, B, 2, C);
-
-    const int64_t BP = up ? cur_.packed.mlm_rows : B * b.P;
-    float* dlogits = act_.mlm_logits;  // gradient overwrites the logits
-    if (mlm_grad_ready_) {
-      // Forward left the gradient for loss scale 1; scales are powers of two, so scaling here
-      // gives the same bits as computing with the scale.
-      if (loss_scale != 1.0f) be_.scale_inplace(dlogits, BP * V, loss_scale);
-    } else {
-      double wsum = 0;
-      for (int64_t r = 0; r < BP; ++r) wsum += mlm_weights(b)[r];
-      const float dscale = static_cast<float>(loss_scale / (wsum + kMlmDenominatorEps));
-      be_.cross_entropy(dlogits, nullptr, nullptr, act_.mlm_logits, cur_.in.mlm_ids,
-                        cur_.in.mlm_weights, BP, V, dscale);
-    }
-    mlm_grad_ready_ = false;
-    float* d1 = act_.dhead1;  // [BP,C]
-    lin_bwd(d1, word, t.offset("cls.predictions.bias"), dlogits, {act_.mlm_ln}, BP, V, C);
-    float* d2 = act_.dI;  // [BP,C] scratch (dI is free until the encoder backward)
-    be_.layernorm_backward(d2, G(t.offset("cls.predictions.transform.LayerNorm.weight")),
-                           G(t.offset("cls.predictions.transform.LayerNorm.bias")), d1,
-                           act_.mlm_act, W(t.offset("cls.predictions.transform.LayerNorm.weight")),
-                           act_.mlm_mean, act_.mlm_rstd, BP, C);
-    be_.activation_backward(Precision::FP32, act, d2, {act_.mlm_pre}, d2, BP * C);
-    lin_bwd(d1, t.offset("cls.predictions.transform.dense.weight"),
-            t.offset("cls.predictions.transform.dense.bias"), d2, {act_.mlm_in}, BP, C, C);
-    be_.scatter_add_rows(dh, d1, cur_.in.mlm_positions, up ? 1 : B, up ? BP : b.P, up ? 0 : T, C);
-  } else {
-    const int64_t NL = cfg_.num_labels;
-    float* dlog = act_.dsmall;
-    if (NL == 1)
-      be_.squared_error(dlog, act_.cls_logits, cur_.in.label_values, B, loss_scale / B);
-    else
-      be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, cur_.in.label_ids, nullptr, B, NL,
-                        loss_scale / B);
-    lin_bwd(dpooled, t.offset("classifier.weight"), t.offset("classifier.bias"), dlog,
-            {act_.pooled_drop}, B, NL, C);
-    be_.dropout_backward(dpooled, dpooled, B * C,
-                         site(L + 1, kPooler, p_hidden, opt.example_offset * C));
+  switch (head_) {
+    case Head::TokenClassification:
+      token_classifier_backward(p, b, loss_scale, dh);
+      break;
+    case Head::QuestionAnswering:
+      qa_backward(p, loss_scale, dh);
+      break;
+    case Head::Pretraining:
+      pretraining_backward(p, b, loss_scale, dpooled, dh);
+      pooler_backward(p, dpooled, dh);
+      break;
+    case Head::SequenceClassification:
+      classifier_backward(p, loss_scale, dpooled);
+      pooler_backward(p, dpooled, dh);
+      break;
   }
-  if (has_pooler(head_)) {
-    be_.tanh_backward(dpooled, act_.pooled, dpooled, B * C);
-    float* dcls = act_.dhead1;
-    lin_bwd(dcls, t.offset("bert.pooler.dense.weight"), t.offset("bert.pooler.dense.bias"), dpooled,
-            {act_.cls_in}, B, C, C);
-    be_.scatter_add_rows(dh, dcls, cur_.in.cls, B, 1, up ? 0 : T, C);
-  }
-
-  // ---- encoder, last layer first ----
-  float *dA = act_.dA, *dB = act_.dB, *dI = act_.dI;
-  for (int64_t l = L - 1; l >= 0; --l) {
+  // The encoder, last layer first.
+  for (int64_t l = p.L - 1; l >= 0; --l) {
     obs::Timeline::Span span(timeline_, str("backward layer ", l), "compute");
-    const LayerOffsets& o = t.layer(l);
-    const LayerActs& a = act_.layers[l];
-    float* x = l == 0 ? act_.h0 : act_.layers[l - 1].ln2_out;
-    if (dims_.recompute_layers && l != L - 1) {  // the last layer's forward is still in the slot
-      obs::Timeline::Span recompute(timeline_, str("recompute layer ", l), "compute");
-      layer_forward(l, x, b, opt);
-    }
-    // h_out = LN2(ffn_res), ffn_res = drop(inter_act W_out + b) + ln1_out
-    be_.layernorm_dropout_backward(dA, dB, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w),
-                                   a.ln2_mean, a.ln2_rstd, N, C, false,
-                                   on_rows(site(l + 1, kFfnOut, p_hidden, off_tc)));
-    lin_bwd(dI, o.out_w, o.out_b, dB, a.inter_act, N, C, I);
-    be_.activation_backward(prec_, act, dI, a.inter_pre, dI, N * I);
-    lin_bwd(dA, o.inter_w, o.inter_b, dI, {a.ln1_out}, N, I, C,
-            /*accumulate=*/true);  // dA = d ln1_out (residual + FFN path)
-    // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
-    be_.layernorm_dropout_backward(dh, dB, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w),
-                                   a.ln1_mean, a.ln1_rstd, N, C, false,
-                                   on_rows(site(l + 1, kAttnOut, p_hidden, off_tc)));
-    lin_bwd(dA, o.attn_out_w, o.attn_out_b, dB, a.ctx, N, C, C);
-    if (up) {
-      packed_attention(l, false, dI, dA, opt);
-      // The dummy rows: no gradient reaches the QKV weights from them.
-      be_.zero(dI + cur_.packed.real * 3 * C,
-               static_cast<int64_t>(f32s((N - cur_.packed.real) * 3 * C)));
-    } else {
-      be_.attention_backward(prec_, dI, dA, a.qkv, a.saved, cur_.in.mask, {B, T, C, NH},
-                             site(l + 1, kAttnProbs, p_attn, off_probs), ws_);
-    }
-    lin_bwd(dh, o.qkv_w, o.qkv_b, dI, {x}, N, 3 * C, C,
-            /*accumulate=*/true);  // dh = d x (residual + attention path)
+    layer_backward(l, p, b, dh);
     if (layer_done) layer_done(l);
   }
+  embeddings_backward(p, dh);
+}
 
-  // ---- embeddings ----
-  dropout_rows(true, dh, dh, N, site(0, kEmbedding, p_hidden, off_tc));
+void BertModel::linear_backward(float* dinp, int64_t w_off, int64_t b_off, const float* dout,
+                                Kept in, int64_t M, int64_t N, int64_t K, bool accumulate) {
+  be_.linear_backward(prec_, dinp, G(w_off), G(b_off), dout, in, Wt(w_off), M, N, K, accumulate,
+                      ws_);
+}
+
+// One encoder layer's backward: dh (the gradient of its output) becomes that of its input.
+void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* dh) {
+  const int64_t N = p.N, C = p.C, I = cfg_.intermediate_size, NH = cfg_.num_attention_heads;
+  const float p_attn = p.opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
+  const uint64_t off_probs = p.opt.example_offset * NH * p.T * p.T;
+  const LayerOffsets& o = table_.layer(l);
+  const LayerActs& a = act_.layers[l];
+  float *dA = act_.dA, *dB = act_.dB, *dI = act_.dI;
+  float* x = l == 0 ? act_.h0 : act_.layers[l - 1].ln2_out;
+  if (dims_.recompute_layers && l != p.L - 1) {  // the last layer's forward is still in the slot
+    obs::Timeline::Span recompute(timeline_, str("recompute layer ", l), "compute");
+    layer_forward(l, x, b, p.opt);
+  }
+  // h_out = LN2(ffn_res), ffn_res = drop(inter_act W_out + b) + ln1_out
+  be_.layernorm_dropout_backward(dA, dB, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w),
+                                 a.ln2_mean, a.ln2_rstd, N, C, false,
+                                 on_rows(p.site(l + 1, kFfnOut, p.p_hidden, p.off_tc)));
+  linear_backward(dI, o.out_w, o.out_b, dB, a.inter_act, N, C, I);
+  be_.activation_backward(prec_, cfg_.activation(), dI, a.inter_pre, dI, N * I);
+  linear_backward(dA, o.inter_w, o.inter_b, dI, {a.ln1_out}, N, I, C,
+                  /*accumulate=*/true);  // dA = d ln1_out (residual + FFN path)
+  // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
+  be_.layernorm_dropout_backward(dh, dB, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w),
+                                 a.ln1_mean, a.ln1_rstd, N, C, false,
+                                 on_rows(p.site(l + 1, kAttnOut, p.p_hidden, p.off_tc)));
+  linear_backward(dA, o.attn_out_w, o.attn_out_b, dB, a.ctx, N, C, C);
+  if (p.up) {
+    packed_attention(l, false, dI, dA, p.opt);
+    // The dummy rows: no gradient reaches the QKV weights from them.
+    be_.zero(dI + cur_.packed.real * 3 * C,
+             static_cast<int64_t>(f32s((N - cur_.packed.real) * 3 * C)));
+  } else {
+    be_.attention_backward(prec_, dI, dA, a.qkv, a.saved, cur_.in.mask, {p.B, p.T, C, NH},
+                           p.site(l + 1, kAttnProbs, p_attn, off_probs), ws_);
+  }
+  linear_backward(dh, o.qkv_w, o.qkv_b, dI, {x}, N, 3 * C, C,
+                  /*accumulate=*/true);  // dh = d x (residual + attention path)
+}
+
+void BertModel::embeddings_backward(const Pass& p, float* dh) {
+  const ParamTable& t = table_;
+  const int64_t word = t.offset("bert.embeddings.word_embeddings.weight"), C = p.C;
+  float* dA = act_.dA;
+  dropout_rows(true, dh, dh, p.N, p.site(0, kEmbedding, p.p_hidden, p.off_tc));
   be_.layernorm_backward(dA, G(t.offset("bert.embeddings.LayerNorm.weight")),
                          G(t.offset("bert.embeddings.LayerNorm.bias")), dh, act_.emb_sum,
                          W(t.offset("bert.embeddings.LayerNorm.weight")), act_.emb_mean,
-                         act_.emb_rstd, N, C);
+                         act_.emb_rstd, p.N, C);
   // HF's padding_idx: the [PAD] row gets no gradient from the embedding lookup (only the question
   // answering head's softmax over all positions reaches padding; the other heads never do). The
   // row is kept aside and put back: a tied MLM decoder has already added its own gradient to it.
@@ -1034,9 +904,212 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   be_.copy(act_.dhead1, pad_row, C);
   be_.embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
                          G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA,
-                         cur_.in.ids, cur_.in.segments, cur_.in.positions, up ? 1 : B, up ? N : T,
-                         C, be_.host_memory() ? nullptr : &cur_.in.runs);
+                         cur_.in.ids, cur_.in.segments, cur_.in.positions, p.up ? 1 : p.B,
+                         p.up ? p.N : p.T, C, be_.host_memory() ? nullptr : &cur_.in.runs);
   be_.copy(pad_row, act_.dhead1, C);
+}
+
+// ---- the heads, each forward beside its backward ----
+
+// HF's BertForTokenClassification: classifier(dropout(h)) on every token; the loss is the mean
+// cross-entropy over the scored tokens (weight 1; HF's ignore_index -100 is weight 0). Unpadded:
+// the packed rows' labels and weights (dummy rows weigh 0).
+void BertModel::token_classifier_forward(const Pass& p, const Batch& b, const float* x,
+                                         Losses& out) {
+  const int64_t N = p.N, C = p.C, NL = cfg_.num_labels;
+  be_.copy(act_.tok_drop, x, N * C);
+  dropout_rows(false, act_.tok_drop, nullptr, N, p.site(p.L + 1, kTokens, p.p_hidden, p.off_tc));
+  be_.linear_forward(prec_, act_.tok_logits, {act_.tok_drop},
+                     Wt(table_.offset("classifier.weight")), W(table_.offset("classifier.bias")), N,
+                     NL, C, ws_);
+  double scored = 0;
+  for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
+  const CrossEntropySums ce =
+      be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.tok_logits,
+                        cur_.in.token_labels, cur_.in.token_weights, N, NL, 0.0f);
+  out.loss = scored > 0 ? ce.loss / scored : 0.0;
+  out.tokens_scored = static_cast<int64_t>(scored);
+  out.tokens_correct = static_cast<int64_t>(ce.correct);
+}
+
+void BertModel::token_classifier_backward(const Pass& p, const Batch& b, float loss_scale,
+                                          float* dh) {
+  const int64_t N = p.N, NL = cfg_.num_labels;
+  double scored = 0;
+  for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
+  float* dlog = act_.dsmall;  // [N,NL]
+  be_.cross_entropy(dlog, nullptr, nullptr, act_.tok_logits, cur_.in.token_labels,
+                    cur_.in.token_weights, N, NL,
+                    scored > 0 ? static_cast<float>(loss_scale / scored) : 0.0f);
+  linear_backward(dh, table_.offset("classifier.weight"), table_.offset("classifier.bias"), dlog,
+                  {act_.tok_drop}, N, NL, p.C);
+  dropout_rows(true, dh, dh, N, p.site(p.L + 1, kTokens, p.p_hidden, p.off_tc));
+}
+
+// HF's BertForQuestionAnswering: qa_outputs on every token's final hidden state, no dropout.
+// Weight row 0 gives the start logits and row 1 the end logits, each one [N] column, so the
+// batch's start logits are B rows of T and its end logits the next B rows; the loss is
+// (CE(start) + CE(end)) / 2, each the mean over the batch of a softmax over the T positions.
+void BertModel::qa_forward(const Pass& p, const float* x, Losses& out) {
+  const int64_t N = p.N, C = p.C, B = p.B;
+  const int64_t w = table_.offset("qa_outputs.weight"), bias = table_.offset("qa_outputs.bias");
+  be_.linear_forward(prec_, act_.qa_logits, {const_cast<float*>(x)}, Wt(w), W(bias), N, 1, C, ws_);
+  be_.linear_forward(prec_, act_.qa_logits + N, {const_cast<float*>(x)}, Wt(w + C), W(bias + 1), N,
+                     1, C, ws_);
+  const CrossEntropySums ce =
+      be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.qa_logits,
+                        cur_.in.span_positions, nullptr, 2 * B, p.T, 0.0f);
+  out.loss = ce.loss / (2.0 * B);
+  out.tokens_scored = 2 * B;
+  out.tokens_correct = static_cast<int64_t>(ce.correct);
+}
+
+void BertModel::qa_backward(const Pass& p, float loss_scale, float* dh) {
+  const int64_t N = p.N, C = p.C, B = p.B;
+  float* dlog = act_.dsmall;  // [2N]: d start logits, then d end logits
+  be_.cross_entropy(dlog, nullptr, nullptr, act_.qa_logits, cur_.in.span_positions, nullptr, 2 * B,
+                    p.T, static_cast<float>(loss_scale / (2.0 * B)));
+  const int64_t w = table_.offset("qa_outputs.weight"), bias = table_.offset("qa_outputs.bias");
+  const Kept seq{seq_out_};
+  linear_backward(dh, w, bias, dlog, seq, N, 1, C);
+  linear_backward(dh, w + C, bias + 1, dlog + N, seq, N, 1, C, /*accumulate=*/true);
+}
+
+// Pooler: tanh(dense(h[:, 0])).
+void BertModel::pooler_forward(const Pass& p, const float* x) {
+  const int64_t B = p.B, C = p.C;
+  be_.gather_rows(act_.cls_in, x, cur_.in.cls, B, 1, p.up ? 0 : p.T, C);
+  be_.linear_forward(prec_, act_.pooled, {act_.cls_in},
+                     Wt(table_.offset("bert.pooler.dense.weight")),
+                     W(table_.offset("bert.pooler.dense.bias")), B, C, C, ws_);
+  be_.tanh_forward(act_.pooled, act_.pooled, B * C);
+}
+
+void BertModel::pooler_backward(const Pass& p, float* dpooled, float* dh) {
+  const int64_t B = p.B, C = p.C;
+  be_.tanh_backward(dpooled, act_.pooled, dpooled, B * C);
+  float* dcls = act_.dhead1;
+  linear_backward(dcls, table_.offset("bert.pooler.dense.weight"),
+                  table_.offset("bert.pooler.dense.bias"), dpooled, {act_.cls_in}, B, C, C);
+  be_.scatter_add_rows(dh, dcls, cur_.in.cls, B, 1, p.up ? 0 : p.T, C);
+}
+
+// Pretraining: next-sentence prediction on the pooled [CLS], and the masked LM on the masked
+// positions only (gathered first: BP rows instead of B*T), its decoder the word embeddings.
+void BertModel::pretraining_forward(const Pass& p, const Batch& b, const float* x, Losses& out) {
+  const ParamTable& t = table_;
+  const int64_t B = p.B, C = p.C, V = cfg_.vocab_size;
+  be_.linear_forward(prec_, act_.nsp_logits, {act_.pooled},
+                     Wt(t.offset("cls.seq_relationship.weight")),
+                     W(t.offset("cls.seq_relationship.bias")), B, 2, C, ws_);
+  const CrossEntropySums nsp =
+      be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
+                        cur_.in.nsp_labels, nullptr, B, 2, 0.0f);
+  out.nsp_loss = nsp.loss / B;
+  out.nsp_correct = static_cast<int64_t>(nsp.correct);
+
+  const int64_t BP = p.up ? cur_.packed.mlm_rows : B * b.P;
+  be_.gather_rows(act_.mlm_in, x, cur_.in.mlm_positions, p.up ? 1 : B, p.up ? BP : b.P,
+                  p.up ? 0 : p.T, C);
+  be_.linear_forward(prec_, act_.mlm_pre, {act_.mlm_in},
+                     Wt(t.offset("cls.predictions.transform.dense.weight")),
+                     W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C, ws_);
+  // The head's activation stays fp32 in every precision (nothing of it is kept in 16 bits).
+  be_.activation_forward(Precision::FP32, cfg_.activation(), {act_.mlm_act}, {act_.mlm_pre},
+                         BP * C);
+  be_.layernorm_forward(act_.mlm_ln, act_.mlm_mean, act_.mlm_rstd, act_.mlm_act,
+                        W(t.offset("cls.predictions.transform.LayerNorm.weight")),
+                        W(t.offset("cls.predictions.transform.LayerNorm.bias")), BP, C,
+                        cfg_.layer_norm_eps);
+  be_.linear_forward(prec_, act_.mlm_logits, {act_.mlm_ln},
+                     Wt(t.offset("bert.embeddings.word_embeddings.weight")),
+                     W(t.offset("cls.predictions.bias")), BP, V, C, ws_);
+  // Training: the gradient (for loss scale 1) is written over the logits in the same passes
+  // that compute the loss, so backward does not recompute the softmax over the vocabulary.
+  for (int64_t r = 0; r < BP; ++r) out.mlm_weight += mlm_weights(b)[r];
+  const float dscale1 = static_cast<float>(1.0 / (out.mlm_weight + kMlmDenominatorEps));
+  const bool training = p.opt.training;
+  const CrossEntropySums mlm =
+      be_.cross_entropy(training ? act_.mlm_logits : nullptr, act_.row_loss, act_.row_correct,
+                        act_.mlm_logits, cur_.in.mlm_ids, cur_.in.mlm_weights, BP, V, dscale1);
+  mlm_grad_ready_ = training;
+  out.mlm_correct = mlm.correct;
+  out.mlm_loss = mlm.loss / (out.mlm_weight + kMlmDenominatorEps);
+  out.loss = out.mlm_loss + out.nsp_loss;
+}
+
+void BertModel::pretraining_backward(const Pass& p, const Batch& b, float loss_scale,
+                                     float* dpooled, float* dh) {
+  const ParamTable& t = table_;
+  const int64_t B = p.B, C = p.C, V = cfg_.vocab_size;
+  float* dnsp = act_.dsmall;
+  be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, cur_.in.nsp_labels, nullptr, B, 2,
+                    loss_scale / B);
+  linear_backward(dpooled, t.offset("cls.seq_relationship.weight"),
+                  t.offset("cls.seq_relationship.bias"), dnsp, {act_.pooled}, B, 2, C);
+
+  const int64_t BP = p.up ? cur_.packed.mlm_rows : B * b.P;
+  float* dlogits = act_.mlm_logits;  // gradient overwrites the logits
+  if (mlm_grad_ready_) {
+    // Forward left the gradient for loss scale 1; scales are powers of two, so scaling here
+    // gives the same bits as computing with the scale.
+    if (loss_scale != 1.0f) be_.scale_inplace(dlogits, BP * V, loss_scale);
+  } else {
+    double wsum = 0;
+    for (int64_t r = 0; r < BP; ++r) wsum += mlm_weights(b)[r];
+    const float dscale = static_cast<float>(loss_scale / (wsum + kMlmDenominatorEps));
+    be_.cross_entropy(dlogits, nullptr, nullptr, act_.mlm_logits, cur_.in.mlm_ids,
+                      cur_.in.mlm_weights, BP, V, dscale);
+  }
+  mlm_grad_ready_ = false;
+  float* d1 = act_.dhead1;  // [BP,C]
+  linear_backward(d1, t.offset("bert.embeddings.word_embeddings.weight"),
+                  t.offset("cls.predictions.bias"), dlogits, {act_.mlm_ln}, BP, V, C);
+  float* d2 = act_.dI;  // [BP,C] scratch (dI is free until the encoder backward)
+  be_.layernorm_backward(d2, G(t.offset("cls.predictions.transform.LayerNorm.weight")),
+                         G(t.offset("cls.predictions.transform.LayerNorm.bias")), d1, act_.mlm_act,
+                         W(t.offset("cls.predictions.transform.LayerNorm.weight")), act_.mlm_mean,
+                         act_.mlm_rstd, BP, C);
+  be_.activation_backward(Precision::FP32, cfg_.activation(), d2, {act_.mlm_pre}, d2, BP * C);
+  linear_backward(d1, t.offset("cls.predictions.transform.dense.weight"),
+                  t.offset("cls.predictions.transform.dense.bias"), d2, {act_.mlm_in}, BP, C, C);
+  be_.scatter_add_rows(dh, d1, cur_.in.mlm_positions, p.up ? 1 : B, p.up ? BP : b.P, p.up ? 0 : p.T,
+                       C);
+}
+
+// Sequence classification (HF's BertForSequenceClassification): classifier(dropout(pooled));
+// cross-entropy, or for one label (regression) the mean squared error.
+void BertModel::classifier_forward(const Pass& p, Losses& out) {
+  const int64_t B = p.B, C = p.C, NL = cfg_.num_labels;
+  be_.copy(act_.pooled_drop, act_.pooled, B * C);
+  be_.dropout_forward(act_.pooled_drop, B * C,
+                      p.site(p.L + 1, kPooler, p.p_hidden, p.opt.example_offset * C));
+  be_.linear_forward(prec_, act_.cls_logits, {act_.pooled_drop},
+                     Wt(table_.offset("classifier.weight")), W(table_.offset("classifier.bias")), B,
+                     NL, C, ws_);
+  if (NL == 1) {  // regression (HF's rule for one label): mean squared error
+    out.loss = be_.squared_error(nullptr, act_.cls_logits, cur_.in.label_values, B, 0.0f) / B;
+  } else {
+    const CrossEntropySums cls =
+        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
+                          cur_.in.label_ids, nullptr, B, NL, 0.0f);
+    out.loss = cls.loss / B;
+    out.cls_correct = static_cast<int64_t>(cls.correct);
+  }
+}
+
+void BertModel::classifier_backward(const Pass& p, float loss_scale, float* dpooled) {
+  const int64_t B = p.B, C = p.C, NL = cfg_.num_labels;
+  float* dlog = act_.dsmall;
+  if (NL == 1)
+    be_.squared_error(dlog, act_.cls_logits, cur_.in.label_values, B, loss_scale / B);
+  else
+    be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, cur_.in.label_ids, nullptr, B, NL,
+                      loss_scale / B);
+  linear_backward(dpooled, table_.offset("classifier.weight"), table_.offset("classifier.bias"),
+                  dlog, {act_.pooled_drop}, B, NL, C);
+  be_.dropout_backward(dpooled, dpooled, B * C,
+                       p.site(p.L + 1, kPooler, p.p_hidden, p.opt.example_offset * C));
 }
 
 double BertModel::last_step_flops() const {

@@ -354,6 +354,27 @@ class BertModel {
     if (unpadded()) d.rows = cur_.in.padded_row;
     return d;
   }
+  // One pass's shapes and dropout sites (bert.cpp), and the pieces of forward and backward.
+  struct Pass;
+  Pass pass(const Batch& b, const StepOptions& opt) const;
+  void layer_backward(int64_t l, const Pass& p, const Batch& b, float* dh);
+  void embeddings_backward(const Pass& p, float* dh);
+  // A linear layer's backward in the model's precision, its weight and bias by offset.
+  void linear_backward(float* dinp, int64_t w_off, int64_t b_off, const float* dout,
+                       kernels::Kept in, int64_t M, int64_t N, int64_t K, bool accumulate = false);
+  // The heads (bert.cpp, each forward beside its backward): the losses into `out`, the gradient
+  // into dh (the sequence output's rows) or dpooled.
+  void token_classifier_forward(const Pass& p, const Batch& b, const float* x, Losses& out);
+  void token_classifier_backward(const Pass& p, const Batch& b, float loss_scale, float* dh);
+  void qa_forward(const Pass& p, const float* x, Losses& out);
+  void qa_backward(const Pass& p, float loss_scale, float* dh);
+  void pooler_forward(const Pass& p, const float* x);
+  void pooler_backward(const Pass& p, float* dpooled, float* dh);
+  void pretraining_forward(const Pass& p, const Batch& b, const float* x, Losses& out);
+  void pretraining_backward(const Pass& p, const Batch& b, float loss_scale, float* dpooled,
+                            float* dh);
+  void classifier_forward(const Pass& p, Losses& out);
+  void classifier_backward(const Pass& p, float loss_scale, float* dpooled);
   // The attention core of layer l over the packed rows, forward or backward (one call per run).
   void packed_attention(int64_t l, bool forward, float* dqkv, const float* dctx,
                         const StepOptions& opt);
