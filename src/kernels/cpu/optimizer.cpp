@@ -16,6 +16,15 @@
 namespace bertrain::kernels {
 namespace {
 
+// Why the AVX-512 bodies below and the AVX2 ones after them have the same shape (the duplicate
+// pairs a reading of the tree finds here): each is the portable loop's operations, in its order
+// and without FMA where the portable loop has none, on that ISA's vector type, so that every
+// body gives the portable loop's bits (tests/test_optimizer.cpp:
+// AdamWIsa.VectorBodiesEqualPortable, Optimizer.LambVectorBodiesMatchPortable check them against
+// each other in one process). A width-generic wrapper would hide which intrinsic runs, which is
+// what those bit-for-bit guarantees depend on; the element math itself is written once
+// (kernels/row_math.h) and the portable bodies call it.
+
 // sum of (g * s)^2 in double, 8 lanes.
 BT_AVX512 double sum_squares_rows(isa::Avx512, const float* g, int64_t n, double s) {
   __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
