@@ -33,13 +33,13 @@ LossScaler::Config scaler_config(const SessionSettings& s) {
 }  // namespace
 
 Session::Session(const model::BertConfig& mc, const SessionSettings& s, comm::Communicator& comm,
-                 uint64_t seed)
+                 std::optional<uint64_t> init_seed)
     : m(mc, s.head, session_dims(mc, s, comm), backend_of(s)),
       opt(param_slices(m.table()), m.table().total(), s.optimizer, backend_of(s),
           s.shard_optimizer ? shard_of(m.table().total(), comm.rank(), comm.size()) : Shard{}),
       scaler(scaler_config(s)),
       comm_(comm) {
-  m.init_params(seed);
+  if (init_seed) m.init_params(*init_seed);
 }
 
 Session::~Session() = default;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 
 #include "comm/communicator.h"
 #include "model/bert.h"
@@ -32,9 +33,9 @@ class Session {
  public:
   // On a backend with memory of its own the training plan is checked against the device's free
   // memory before anything is allocated (plan::check_device_fits). The parameters are
-  // initialised from `seed`.
+  // initialised from `init_seed`; none: the caller loads them (a resumed run) or initialises them.
   Session(const model::BertConfig& mc, const SessionSettings& s, comm::Communicator& comm,
-          uint64_t seed);
+          std::optional<uint64_t> init_seed);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;

@@ -280,7 +280,7 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
       rank(cm.rank()),
       world(cm.size()),
       mcfg(model::BertConfig::load(c.model_config)),
-      session(mcfg, session_settings(c, cm.rank(), cm.size()), cm, c.seed),
+      session(mcfg, session_settings(c, cm.rank(), cm.size()), cm, std::nullopt),
       m(session.m),
       opt(session.opt),
       scaler(session.scaler),
@@ -333,8 +333,10 @@ void Trainer::State::resume_or_init() {
     }
     resumed_from = ck;
   } else if (!cfg.init_checkpoint.empty()) {
-    // (heads absent from a BertModel checkpoint keep the session's BERT init)
+    m.init_params(cfg.seed);  // heads absent from a BertModel checkpoint keep BERT's init
     model::load_checkpoint_into(m, cfg.init_checkpoint, {{"cls.", "bert.pooler."}, {}});
+  } else {
+    m.init_params(cfg.seed);
   }
   last_ck = resumed_from;
 }

@@ -263,7 +263,7 @@ struct AttentionDims {
   Precision o;
   int64_t el;
   AttentionDims(Precision p, const AttentionShape& s)
-      : n_probs(s.B * s.NH * s.T * s.T), o(p), el(p == Precision::FP32 ? 4 : 2) {}
+      : n_probs(s.B * s.NH * s.T * s.T), o(p), el(precision_bytes(p)) {}
 };
 
 // QKV as attention's products read it: BF16 and FP16 round it into its kept bits first.

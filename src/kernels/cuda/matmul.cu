@@ -276,7 +276,7 @@ __global__ void fill_kernel(Precision o, void* x, int64_t n, uint64_t key) {
 }  // namespace
 
 double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds) {
-  const size_t el = fp32_storage(o) ? 4 : 2;
+  const size_t el = precision_bytes(o);
   DeviceBuffer a(M * K * el), b(N * K * el), c(M * N * 4);
   constexpr unsigned kThreads = 256;
   BT_LAUNCH(fill_kernel, blocks_for(M * K, kThreads), kThreads)(o, a.data(), M * K, 1);
