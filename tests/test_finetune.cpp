@@ -9,19 +9,21 @@
 #include "core/isa.h"
 #include "core/safetensors.h"
 #include "data/example.h"
-#include "data/pretraining.h"
 #include "data/tfrecord.h"
-#include "data/unicode.h"
 #include "model/checkpoint.h"
 #include "own_memory_backend.h"
+#include "prep/pretraining.h"
+#include "prep/unicode.h"
+#include "tasks/ner.h"
+#include "tasks/qa.h"
 #include "test_util.h"
 #include "train/finetune.h"
 #include "train/metrics.h"
-#include "train/ner.h"
-#include "train/qa.h"
+#include "train/predict.h"
 
 namespace bertrain::train {
 namespace {
+using namespace tasks;  // the task files under test
 
 std::string root(const std::string& rel) {
   return test::data_path("../" + rel);
@@ -31,8 +33,8 @@ TEST(Finetune, TsvReadingTokenizesAndTruncatesPairs) {
   test::TempDir tmp;
   std::ofstream(tmp / "pairs.tsv")
       << "label\ttext_a\ttext_b\npos\tthe cat sat on the mat\ta dog\nneg\tx\ty z\n";
-  data::Vocab v = data::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
-  data::Tokenizer tok(v, true);
+  prep::Vocab v = prep::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
+  prep::Tokenizer tok(v, true);
   LabeledSet s = read_tsv(tmp / "pairs.tsv", tok, 8, {});
   ASSERT_EQ(s.ids.size(), 2u);
   EXPECT_EQ(s.label_names, (std::vector<std::string>{"neg", "pos"}));
@@ -73,8 +75,8 @@ FinetuneConfig tiny_run(const test::TempDir& tmp) {
 // --task reads their columns; a pair file read without it is an error, not a silent
 // single-sentence read; column flags name the same columns; unlabelled test files read.
 TEST(Finetune, GlueAndClueFilesReadAsDistributed) {
-  const data::Vocab en = data::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
-  const data::Tokenizer tok(en, true);
+  const prep::Vocab en = prep::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
+  const prep::Tokenizer tok(en, true);
   const std::string dir = test::data_path("data/tasks/");
   const LabeledSet sst =
       read_task_file(dir + "sst2_dev_head40.tsv", task_columns("SST-2"), tok, 64, {});
@@ -106,8 +108,8 @@ TEST(Finetune, GlueAndClueFilesReadAsDistributed) {
   EXPECT_EQ(by_flags.ids, qnli.ids);
   EXPECT_EQ(by_flags.labels, qnli.labels);
 
-  const data::Vocab zh = data::Vocab::load(root("data/vocab/bert-base-chinese-vocab.txt"));
-  const data::Tokenizer tzh(zh, true);
+  const prep::Vocab zh = prep::Vocab::load(root("data/vocab/bert-base-chinese-vocab.txt"));
+  const prep::Tokenizer tzh(zh, true);
   const LabeledSet afqmc =
       read_task_file(dir + "afqmc_dev_head40.json", task_columns("afqmc"), tzh, 64, {});
   ASSERT_EQ(afqmc.ids.size(), 40u);
@@ -130,8 +132,8 @@ TEST(Finetune, DevFormatIsItsOwnNotTheTrainingSets) {
   f.output = tmp / "ft-tsv";
   const FinetuneResult a = finetune(f);
   // The dev TSV as TFRecords.
-  const data::Vocab v = data::Vocab::load(f.vocab);
-  const data::Tokenizer tok(v, true);
+  const prep::Vocab v = prep::Vocab::load(f.vocab);
+  const prep::Tokenizer tok(v, true);
   const LabeledSet dev = read_tsv(f.dev, tok, f.seq_len, {"0", "1"});
   {
     data::TFRecordWriter w(tmp / "dev.tf_record", data::Compression::None);
@@ -177,8 +179,8 @@ TEST(Finetune, LearnsTheTrainingSetAndPredicts) {
   model::BertConfig mc = model::BertConfig::load(tmp / "ft/config.json");
   model::BertModel m(mc, model::Head::SequenceClassification, {16, 32, 0});
   model::load_safetensors_into(m, tmp / "ft/model.safetensors");
-  data::Vocab v = data::Vocab::load(tmp / "ft/vocab.txt");
-  data::Tokenizer tok(v, true);
+  prep::Vocab v = prep::Vocab::load(tmp / "ft/vocab.txt");
+  prep::Tokenizer tok(v, true);
   LabeledSet train_set = read_tsv(f.train, tok, 32, {"0", "1"});
   std::vector<Prediction> preds;
   EXPECT_GT(classify(m, train_set, 16, &preds), 0.85);
@@ -233,6 +235,7 @@ TEST(Finetune, DivergenceStopsWithAMessage) {
 
 namespace bertrain::train {
 namespace {
+using namespace tasks;  // the task files under test
 
 // The claim end to end: a small BERT pretrained by bertrain on the bundled CLUE sample
 // (tests/data/pretrained/zh-h64, made by tools/make_pretrained_fixture.sh: 400 steps, 2 ranks)
@@ -298,8 +301,8 @@ TEST(Metrics, PearsonAndSpearmanEqualScipy) {
 // in the dev rows read as text): scores become regression targets; a label that is not a
 // number is an error naming the line.
 TEST(Finetune, StsbReadsScoresAsRegressionTargets) {
-  data::Vocab v = data::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
-  data::Tokenizer tok(v, true);
+  prep::Vocab v = prep::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
+  prep::Tokenizer tok(v, true);
   const LabeledSet s = read_task_file(test::data_path("data/tasks/stsb_dev_head300.tsv"),
                                       task_columns("stsb"), tok, 64, {});
   ASSERT_EQ(s.ids.size(), 300u);
@@ -322,8 +325,8 @@ TEST(Finetune, StsbReadsScoresAsRegressionTargets) {
 // Rows that cannot be used are counted and reported with file:line, and the rest still line up
 // (labels with their texts); a file with no usable row at all is an error naming the first.
 TEST(Finetune, UnusableRowsAreCountedNotFatalOrMisaligned) {
-  data::Vocab v = data::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
-  data::Tokenizer tok(v, true);
+  prep::Vocab v = prep::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
+  prep::Tokenizer tok(v, true);
   test::TempDir tmp;
   std::ofstream(tmp / "rows.tsv") << "label\ttext_a\ttext_b\n"
                                   << "pos\tgood one\tyes\n"
@@ -364,8 +367,8 @@ TEST(Finetune, UnusableRowsAreCountedNotFatalOrMisaligned) {
 // prepare --task: a task file as classification TFRecords (run_classifier.py's schema) and
 // labels.txt; reading them back gives the text path's examples and label names exactly.
 TEST(Finetune, TaskFileAsClassificationTfRecordsReadsBackTheSame) {
-  data::Vocab v = data::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
-  data::Tokenizer tok(v, true);
+  prep::Vocab v = prep::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
+  prep::Tokenizer tok(v, true);
   const LabeledSet text = read_task_file(test::data_path("data/tasks/qnli_dev_head40.tsv"),
                                          task_columns("qnli"), tok, 64, {});
   test::TempDir tmp;
@@ -456,8 +459,8 @@ TEST(Finetune, CluenerTaggingFindsEntities) {
   model::BertModel m(model::BertConfig::load(tmp / "out/config.json"),
                      model::Head::TokenClassification, {16, 64, 0});
   model::load_safetensors_into(m, tmp / "out/model.safetensors");
-  data::Vocab v = data::Vocab::load(f.vocab);
-  data::Tokenizer tok(v, true);
+  prep::Vocab v = prep::Vocab::load(f.vocab);
+  prep::Tokenizer tok(v, true);
   const TaggedSet dev = read_tagged_file(f.dev);
   const TokenSet t = encode_tagged(dev, tok, 64, names);
   std::vector<std::vector<std::string>> gold;
@@ -531,15 +534,15 @@ TEST(Finetune, CmrcQuestionAnsweringLearnsItsAnswers) {
   // A random span of the median answer length, scored the same way.
   const QaSet s = read_squad(f.dev, false);
   std::vector<std::string> random_spans;
-  data::Rng rng(7);
+  prep::Rng rng(7);
   for (const auto& e : s.examples) {
     std::u32string ctx;
-    data::unicode::decode(e.context, ctx);
+    prep::unicode::decode(e.context, ctx);
     const size_t len = 19;
     const auto at = static_cast<size_t>(
         rng.randint(0, std::max<int64_t>(0, static_cast<int64_t>(ctx.size()) - 20)));
     std::string out;
-    data::unicode::encode(std::u32string_view(ctx).substr(at, len), out);
+    prep::unicode::encode(std::u32string_view(ctx).substr(at, len), out);
     random_spans.push_back(out);
   }
   const double random_f1 = cmrc_scores(s, random_spans).f1;
@@ -554,8 +557,8 @@ TEST(Finetune, CmrcQuestionAnsweringLearnsItsAnswers) {
   model::BertModel m(model::BertConfig::load(tmp / "out/config.json"),
                      model::Head::QuestionAnswering, {32, 128, 0});
   model::load_safetensors_into(m, tmp / "out/model.safetensors");
-  data::Vocab v = data::Vocab::load(f.vocab);
-  data::Tokenizer tok(v, j["bertrain"]["lower_case"].get<bool>());
+  prep::Vocab v = prep::Vocab::load(f.vocab);
+  prep::Tokenizer tok(v, j["bertrain"]["lower_case"].get<bool>());
   QaOptions o;
   o.seq_len = 128;
   o.max_query_length = 32;
@@ -587,8 +590,8 @@ TEST(Finetune, StsbRegressionBeatsTheConstantPredictor) {
   f.quiet = true;
   const FinetuneResult r = finetune(f);
   ASSERT_EQ(r.dev_pearson.size(), 6u);
-  data::Vocab v = data::Vocab::load(f.vocab);
-  data::Tokenizer tok(v, true);
+  prep::Vocab v = prep::Vocab::load(f.vocab);
+  prep::Tokenizer tok(v, true);
   const LabeledSet train = read_task_file(f.train, f.columns, tok, 64, {});
   const LabeledSet dev = read_task_file(f.dev, f.columns, tok, 64, {});
   double mean = 0, constant_mse = 0;
@@ -626,6 +629,7 @@ TEST(Finetune, StsbRegressionBeatsTheConstantPredictor) {
 
 namespace bertrain::train {
 namespace {
+using namespace tasks;  // the task files under test
 
 // Fine-tuning on a backend with memory of its own (what --device cuda gives it): each task head
 // through BertModel's device path (every kernel handed only that memory; the dev metrics read

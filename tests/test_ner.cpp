@@ -7,10 +7,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "tasks/ner.h"
 #include "test_util.h"
-#include "train/ner.h"
 
-namespace bertrain::train {
+namespace bertrain::tasks {
 namespace {
 
 std::string root(const std::string& rel) {
@@ -85,8 +85,8 @@ TEST(Ner, ReadsConllSentencesAndAlignsFirstSubTokens) {
   EXPECT_EQ(t.tags[2], "B-ORG");
   EXPECT_EQ(t.text.substr(0, 24), "CRICKET - LEICESTERSHIRE");
   EXPECT_EQ(t.spans[2], (std::pair<int64_t, int64_t>{10, 24}));
-  data::Vocab v = data::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
-  data::Tokenizer tok(v, true);
+  prep::Vocab v = prep::Vocab::load(root("data/vocab/bert-base-uncased-vocab.txt"));
+  prep::Tokenizer tok(v, true);
   const TokenSet e = encode_tagged(s, tok, 128, {});
   EXPECT_EQ(e.label_names[0], "O");
   const auto& ids = e.ids[0];
@@ -114,4 +114,4 @@ TEST(Ner, ReadsConllSentencesAndAlignsFirstSubTokens) {
 }
 
 }  // namespace
-}  // namespace bertrain::train
+}  // namespace bertrain::tasks

@@ -6,14 +6,15 @@
 #include <omp.h>
 #include <fstream>
 
-#include "data/corpus.h"
 #include "data/example.h"
-#include "data/prepare.h"
 #include "data/schema.h"
+#include "prep/corpus.h"
+#include "prep/prepare.h"
 #include "test_util.h"
 
-namespace bertrain::data {
+namespace bertrain::prep {
 namespace {
+using namespace data;  // what prepare writes: TFRecords of tf.Examples
 
 std::string root(const std::string& rel) {
   return test::data_path("../" + rel);
@@ -218,4 +219,4 @@ TEST(Prepare, BadInputIsAClearError) {
 }
 
 }  // namespace
-}  // namespace bertrain::data
+}  // namespace bertrain::prep

@@ -11,10 +11,10 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "tasks/qa.h"
 #include "test_util.h"
-#include "train/qa.h"
 
-namespace bertrain::train {
+namespace bertrain::tasks {
 namespace {
 
 std::string root_path(const std::string& rel) {
@@ -29,24 +29,24 @@ const nlohmann::json& golden() {
   return g;
 }
 
-const data::Vocab& vocab(const std::string& rel) {
-  static std::map<std::string, data::Vocab> vocabs;
+const prep::Vocab& vocab(const std::string& rel) {
+  static std::map<std::string, prep::Vocab> vocabs;
   auto it = vocabs.find(rel);
-  if (it == vocabs.end()) it = vocabs.emplace(rel, data::Vocab::load(root_path(rel))).first;
+  if (it == vocabs.end()) it = vocabs.emplace(rel, prep::Vocab::load(root_path(rel))).first;
   return it->second;
 }
 
 TEST(Qa, OffsetsMatchHuggingFaceFastTokenizer) {
   size_t texts = 0, mismatches = 0;
   for (const auto& c : golden()["offsets"]) {
-    const data::Tokenizer tok(vocab(c["vocab"]), c["lower_case"].get<bool>());
+    const prep::Tokenizer tok(vocab(c["vocab"]), c["lower_case"].get<bool>());
     const std::string text = c["text"];
     std::vector<int32_t> ids, plain;
-    std::vector<data::CharSpan> offsets;
+    std::vector<prep::CharSpan> offsets;
     tok.encode_with_offsets(text, ids, offsets);
     tok.encode(text, plain);
     EXPECT_EQ(ids, plain) << "encode_with_offsets and encode disagree on: " << text;
-    std::vector<data::CharSpan> want;
+    std::vector<prep::CharSpan> want;
     for (const auto& o : c["offsets"]) want.push_back({o[0].get<int32_t>(), o[1].get<int32_t>()});
     ++texts;
     if ((ids != c["ids"].get<std::vector<int32_t>>() || offsets != want) && ++mismatches <= 3) {
@@ -73,7 +73,7 @@ QaSet first_questions(QaSet s, size_t n) {
 TEST(Qa, FeaturesMatchRunQa) {
   for (const auto& c : golden()["qa"]) {
     SCOPED_TRACE(c["file"].get<std::string>());
-    const data::Tokenizer tok(vocab(c["vocab"]), c["lower_case"].get<bool>());
+    const prep::Tokenizer tok(vocab(c["vocab"]), c["lower_case"].get<bool>());
     const QaSet s = first_questions(read_squad(root_path(c["file"]), true), c["questions"]);
     QaOptions o;
     o.seq_len = c["seq_len"];
@@ -88,7 +88,7 @@ TEST(Qa, FeaturesMatchRunQa) {
       const QaFeature& x = f.features[i];
       const auto& w = want[i];
       std::vector<int32_t> ctx_ids;
-      std::vector<data::CharSpan> ctx_offsets;
+      std::vector<prep::CharSpan> ctx_offsets;
       tok.encode_with_offsets(s.examples[x.example].context, ctx_ids, ctx_offsets);
       const int64_t w0 = w["window"][0], w1 = w["window"][1];
       std::vector<int32_t> ids = {tok.vocab().cls()};
@@ -111,7 +111,7 @@ TEST(Qa, FeaturesMatchRunQa) {
 TEST(Qa, AnswersMatchPostprocessQaPredictions) {
   for (const auto& c : golden()["qa"]) {
     SCOPED_TRACE(c["file"].get<std::string>());
-    const data::Tokenizer tok(vocab(c["vocab"]), c["lower_case"].get<bool>());
+    const prep::Tokenizer tok(vocab(c["vocab"]), c["lower_case"].get<bool>());
     const QaSet s = first_questions(read_squad(root_path(c["file"]), true), c["answer_questions"]);
     QaOptions o;
     o.seq_len = c["seq_len"];
@@ -212,4 +212,4 @@ TEST(Qa, BadInputIsNamed) {
 }
 
 }  // namespace
-}  // namespace bertrain::train
+}  // namespace bertrain::tasks

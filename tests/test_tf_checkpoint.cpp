@@ -253,7 +253,7 @@ TEST(TfCheckpoint, FinetuneStartsFromIt) {
   train::FinetuneConfig f;
   f.init_checkpoint = ckpt(kKeras);
   f.train = data_path("data/tasks/sst2_dev_head40.tsv");
-  f.columns = train::task_columns("sst2");
+  f.columns = tasks::task_columns("sst2");
   f.seq_len = 16;
   f.batch_size = 8;
   f.epochs = 1;

@@ -8,11 +8,11 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "data/unicode.h"
-#include "data/wordpiece.h"
+#include "prep/unicode.h"
+#include "prep/wordpiece.h"
 #include "test_util.h"
 
-namespace bertrain::data {
+namespace bertrain::prep {
 namespace {
 
 std::string root_path(const std::string& rel) {
@@ -96,4 +96,4 @@ TEST(Unicode, DecodingReplacesLikePython) {
 }
 
 }  // namespace
-}  // namespace bertrain::data
+}  // namespace bertrain::prep

@@ -16,11 +16,11 @@
 
 #include "core/isa.h"
 #include "core/safetensors.h"
-#include "data/prepare.h"
 #include "data/tfrecord.h"
 #include "model/checkpoint.h"
 #include "own_memory_backend.h"
 #include "plan/memory.h"
+#include "prep/prepare.h"
 #include "test_util.h"
 #include "train/autotune.h"
 #include "train/evaluate.h"
@@ -114,7 +114,7 @@ struct TrainEnv {
   std::string data, config;
   // short_seq_prob: create_pretraining_data's share of instances with a shorter target length.
   explicit TrainEnv(double short_seq_prob = 0.1) {
-    data::PrepareConfig p;
+    prep::PrepareConfig p;
     p.instance.short_seq_prob = short_seq_prob;
     p.input = root("data/corpus/bert_sample_text.txt") + "," +
               root("data/corpus/gutenberg/shakespeare-caesar.txt");
@@ -124,7 +124,7 @@ struct TrainEnv {
     p.instance.max_predictions = 10;
     p.dupe_factor = 2;
     p.output_shards = 2;
-    data::prepare(p);
+    prep::prepare(p);
     data = dir / "data/*.tfrecord";
     config = dir / "tiny.json";
     std::ofstream(config) << R"({"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2,

@@ -12,14 +12,15 @@
 #include "core/setting.h"
 #include "model/checkpoint.h"
 #include "plan/memory.h"
+#include "tasks/ner.h"
+#include "tasks/qa.h"
 #include "train/finetune.h"
-#include "train/ner.h"
-#include "train/qa.h"
+#include "train/predict.h"
 
 namespace bertrain::cli {
 
-train::TaskColumns TaskOpts::columns() const {
-  train::TaskColumns c = task.empty() ? train::TaskColumns{} : train::task_columns(task);
+tasks::TaskColumns TaskOpts::columns() const {
+  tasks::TaskColumns c = task.empty() ? tasks::TaskColumns{} : tasks::task_columns(task);
   if (!text_a.empty()) c.text_a = text_a;
   if (!text_b.empty()) c.text_b = text_b;
   if (!label.empty()) c.label = label;
@@ -29,7 +30,7 @@ train::TaskColumns TaskOpts::columns() const {
 
 void add_task_options(CLI::App* c, TaskOpts& t) {
   c->add_option("--task", t.task,
-                "Read text files as this task distributes them: " + train::known_tasks());
+                "Read text files as this task distributes them: " + tasks::known_tasks());
   c->add_option("--text-a-column", t.text_a,
                 "Column (TSV header) or key (JSON lines) of the first text");
   c->add_option("--text-b-column", t.text_b, "Column or key of the second text (sentence pairs)");
@@ -158,16 +159,16 @@ void add_predict(CLI::App& app) {
                      : std::to_string(i);
     const auto bt = j.value("bertrain", nlohmann::json::object());
     const int64_t seq = bt.value("seq_len", int64_t{128});
-    const data::Vocab vocab =
-        data::Vocab::load((std::filesystem::path(o->checkpoint) / "vocab.txt").string());
-    const data::Tokenizer tok(vocab, bt.value("lower_case", vocab.looks_uncased()));
+    const prep::Vocab vocab =
+        prep::Vocab::load((std::filesystem::path(o->checkpoint) / "vocab.txt").string());
+    const prep::Tokenizer tok(vocab, bt.value("lower_case", vocab.looks_uncased()));
     const std::string arch =
         j.value("architectures", nlohmann::json::array({""})).at(0).get<std::string>();
     if (arch == "BertForQuestionAnswering") {
       // Extractive QA: one JSON line per question with its answer and where it is in the context;
       // exact match and F1 on stderr when the file has answers.
       const auto q = bt.value("qa", nlohmann::json::object());
-      train::QaOptions qo;
+      tasks::QaOptions qo;
       qo.seq_len = seq;
       qo.metric = q.value("metric", std::string("squad"));
       qo.doc_stride = q.value("doc_stride", int64_t{-1});
@@ -175,19 +176,19 @@ void add_predict(CLI::App& app) {
       qo.max_answer_length = q.value("max_answer_length", qo.max_answer_length);
       qo.n_best = q.value("n_best", qo.n_best);
       if (!o->task.task.empty()) {
-        const train::TaskColumns cols = o->task.columns();
+        const tasks::TaskColumns cols = o->task.columns();
         if (cols.qa.empty()) fail(setting("task"), " ", o->task.task, " is not a QA task");
         qo.metric = cols.qa;
       }
-      qo = train::resolve_qa_options(qo);
-      const train::QaSet s = train::read_squad(o->input, false);
+      qo = tasks::resolve_qa_options(qo);
+      const tasks::QaSet s = tasks::read_squad(o->input, false);
       if (s.skipped) std::fprintf(stderr, "predict: %s\n", s.skipped_summary(o->input).c_str());
-      const train::QaFeatures f = train::make_qa_features(s, tok, qo);
+      const tasks::QaFeatures f = tasks::make_qa_features(s, tok, qo);
       const model::ModelDims dims = train::with_precision({o->batch, seq, 0}, precision);
       plan::check_device_fits(mc, model::Head::QuestionAnswering, dims, 0, 1, be);
       model::BertModel m(mc, model::Head::QuestionAnswering, dims, be);
       model::load_safetensors_into(m, model::checkpoint_weights_path(o->checkpoint));
-      const std::vector<train::QaAnswer> answers = train::predict_answers(m, s, f, qo, o->batch);
+      const std::vector<tasks::QaAnswer> answers = train::predict_answers(m, s, f, qo, o->batch);
       std::vector<std::string> texts;
       bool scored = true;
       for (size_t i = 0; i < answers.size(); ++i) {
@@ -202,7 +203,7 @@ void add_predict(CLI::App& app) {
         scored &= !s.examples[i].answers.empty();
       }
       if (scored) {
-        const train::QaScores r = train::qa_scores(s, texts, qo.metric);
+        const tasks::QaScores r = tasks::qa_scores(s, texts, qo.metric);
         std::fprintf(stderr,
                      "predict: exact match %.2f, F1 %.2f (%s evaluation; %lld questions, %zu "
                      "windows)\n",
@@ -213,9 +214,9 @@ void add_predict(CLI::App& app) {
     if (arch == "BertForTokenClassification") {
       // Entity tagging: one JSON line per sentence with its entities as character spans of the
       // sentence's text (end exclusive) and every word's tag.
-      const train::TaggedSet s = train::read_tagged_file(o->input);
+      const tasks::TaggedSet s = tasks::read_tagged_file(o->input);
       if (s.skipped) std::fprintf(stderr, "predict: %s\n", s.skipped_summary(o->input).c_str());
-      const train::TokenSet t = train::encode_tagged(s, tok, seq, names);
+      const tasks::TokenSet t = tasks::encode_tagged(s, tok, seq, names);
       model::ModelDims dims{o->batch, seq, 0};
       dims.unpadded = true;  // the padded model's tags, at the real tokens' cost
       dims = train::with_precision(dims, precision);
@@ -226,7 +227,7 @@ void add_predict(CLI::App& app) {
       std::vector<std::vector<std::string>> gold;
       for (size_t i = 0; i < s.sentences.size(); ++i) {
         nlohmann::json ents = nlohmann::json::array();
-        for (const auto& e : train::entity_spans(s.sentences[i], tags[i]))
+        for (const auto& e : tasks::entity_spans(s.sentences[i], tags[i]))
           ents.push_back({{"type", e.type}, {"text", e.text}, {"start", e.start}, {"end", e.end}});
         const nlohmann::json line = {
             {"text", s.sentences[i].text}, {"entities", ents}, {"tags", tags[i]}};
@@ -235,7 +236,7 @@ void add_predict(CLI::App& app) {
         if (!s.sentences[i].tags.empty()) gold.push_back(s.sentences[i].tags);
       }
       if (gold.size() == tags.size()) {
-        const train::EntityScores e = train::entity_scores(gold, tags);
+        const tasks::EntityScores e = tasks::entity_scores(gold, tags);
         std::fprintf(stderr,
                      "predict: entity precision %.4f, recall %.4f, F1 %.4f (%lld of %lld entities "
                      "found, %lld predicted; %zu sentences, %lld truncated)\n",
@@ -244,14 +245,14 @@ void add_predict(CLI::App& app) {
       }
       return;
     }
-    train::TaskColumns cols = o->task.columns();
+    tasks::TaskColumns cols = o->task.columns();
     if (cols.empty() && bt.contains("columns")) {
       cols.text_a = bt["columns"].value("text_a", "");
       cols.text_b = bt["columns"].value("text_b", "");
       cols.label = bt["columns"].value("label", "");
     }
     cols.regression = regression;
-    train::LabeledSet s = train::read_task_file(o->input, cols, tok, seq, names);
+    tasks::LabeledSet s = tasks::read_task_file(o->input, cols, tok, seq, names);
     model::ModelDims dims{o->batch, seq, 0};
     dims.unpadded = true;  // the padded model's predictions, at the real tokens' cost
     dims = train::with_precision(dims, precision);

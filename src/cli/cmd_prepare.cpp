@@ -11,8 +11,8 @@
 #include "core/error.h"
 #include "core/setting.h"
 #include "data/pipeline.h"
-#include "data/prepare.h"
-#include "data/wordpiece.h"
+#include "prep/prepare.h"
+#include "prep/wordpiece.h"
 
 namespace bertrain::cli {
 
@@ -43,18 +43,18 @@ void prepare_task(const Opts& o) {
   if (files.size() != 1)
     fail("prepare ", setting("task"), " reads one task file; ", o.cfg.input, " names ",
          files.size());
-  const data::Vocab vocab = data::Vocab::load(o.cfg.vocab);
+  const prep::Vocab vocab = prep::Vocab::load(o.cfg.vocab);
   const int l = parse_lower(o.lower);
   const bool lower = l < 0 ? vocab.looks_uncased() : l != 0;
-  const data::Tokenizer tok(vocab, lower);
-  const train::TaskColumns columns = o.task.columns();
+  const prep::Tokenizer tok(vocab, lower);
+  const tasks::TaskColumns columns = o.task.columns();
   if (columns.tokens || !columns.qa.empty())
     fail("prepare ", setting("task"), " writes classification TFRecords; ", o.task.task,
          " is fine-tuned from its own files (finetune --task ", o.task.task, " --train FILE)");
-  const train::LabeledSet s =
-      train::read_task_file(files[0], columns, tok, o.cfg.instance.seq_len, {});
+  const tasks::LabeledSet s =
+      tasks::read_task_file(files[0], columns, tok, o.cfg.instance.seq_len, {});
   if (s.skipped) std::fprintf(stderr, "prepare: %s\n", s.skipped_summary(files[0]).c_str());
-  const auto paths = train::write_classification_tfrecords(
+  const auto paths = tasks::write_classification_tfrecords(
       s, o.cfg.instance.seq_len, o.cfg.output, o.cfg.output_shards,
       data::resolve_compression(o.compression, ""));
   if (s.regression) {
@@ -80,7 +80,7 @@ void prepare_task(const Opts& o) {
 
 void add_prepare(CLI::App& app) {
   struct Opts {
-    data::PrepareConfig cfg;
+    prep::PrepareConfig cfg;
     std::string format = "auto", compression = "none", lower = "auto";
     int threads = 0;
     double block_mb = 32;
@@ -131,21 +131,21 @@ void add_prepare(CLI::App& app) {
   c->callback([o] {
     set_threads(o->threads);
     if (!o->task.columns().empty() || !o->task.task.empty()) return prepare_task(*o);
-    data::PrepareConfig cfg = o->cfg;
-    cfg.format = data::parse_corpus_format(o->format);
+    prep::PrepareConfig cfg = o->cfg;
+    cfg.format = prep::parse_corpus_format(o->format);
     cfg.compression = data::resolve_compression(o->compression, "");
     cfg.lower_case = parse_lower(o->lower);
     cfg.block_bytes = static_cast<size_t>(o->block_mb * (1 << 20));
     std::fprintf(stderr,
                  "prepare: input %s, vocab %s, format %s, seq %lld, predictions %lld, mask %.2f%s, "
                  "dupe %d, seed %llu, %d shards (%s)\n",
-                 cfg.input.c_str(), cfg.vocab.c_str(), data::corpus_format_name(cfg.format),
+                 cfg.input.c_str(), cfg.vocab.c_str(), prep::corpus_format_name(cfg.format),
                  (long long)cfg.instance.seq_len, (long long)cfg.instance.max_predictions,
                  cfg.instance.masked_lm_prob, cfg.instance.whole_word_mask ? " whole-word" : "",
                  cfg.dupe_factor, (unsigned long long)cfg.seed, cfg.output_shards,
                  data::compression_name(cfg.compression));
     const bool tty = isatty(2);
-    auto report = [tty](const data::PrepareProgress& p) {
+    auto report = [tty](const prep::PrepareProgress& p) {
       const double frac = p.bytes_total ? static_cast<double>(p.bytes_done) / p.bytes_total : 1;
       std::fprintf(
           stderr,
@@ -156,7 +156,7 @@ void add_prepare(CLI::App& app) {
           p.documents / std::max(p.seconds, 1e-9), p.bytes_done / 1e6 / std::max(p.seconds, 1e-9),
           eta(frac > 0 ? p.seconds * (1 - frac) / frac : 0).c_str(), tty ? "" : "\n");
     };
-    data::PrepareReport r = data::prepare(cfg, report);
+    prep::PrepareReport r = prep::prepare(cfg, report);
     if (tty) std::fprintf(stderr, "\n");
     const auto& s = r.stats;
     const double masked = static_cast<double>(s.masked);
@@ -197,9 +197,9 @@ void add_tokenize(CLI::App& app) {
   c->add_option("--lower-case", o->lower, "auto, true or false")->capture_default_str();
   c->add_option("text", o->text, "Text to tokenize (default: each line of stdin)");
   c->callback([o] {
-    const data::Vocab vocab = data::Vocab::load(o->vocab);
+    const prep::Vocab vocab = prep::Vocab::load(o->vocab);
     const int l = parse_lower(o->lower);
-    const data::Tokenizer tok(vocab, l < 0 ? vocab.looks_uncased() : l != 0);
+    const prep::Tokenizer tok(vocab, l < 0 ? vocab.looks_uncased() : l != 0);
     auto show = [&](const std::string& line) {
       std::vector<int32_t> ids;
       tok.encode(line, ids);

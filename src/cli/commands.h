@@ -58,7 +58,7 @@ void use_rank_gpu(const kernels::Backend& be, const comm::Communicator& job);
 struct TaskOpts {
   std::string task, text_a, text_b, label;
   bool regression = false;
-  train::TaskColumns columns() const;
+  tasks::TaskColumns columns() const;
 };
 void add_task_options(CLI::App* c, TaskOpts& t);
 

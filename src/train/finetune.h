@@ -1,8 +1,7 @@
-// Fine-tuning for sequence classification: TSV files (header `label<TAB>text_a[<TAB>text_b]`)
-// tokenized as [CLS] a [SEP] b [SEP] (longest-first truncation, as HuggingFace), or
-// classification TFRecords (input_ids, input_mask, segment_ids, label_ids). Starts from a
-// pretrained checkpoint (bertrain or HuggingFace); reports dev accuracy per epoch; saves a
-// HuggingFace BertForSequenceClassification directory with the vocabulary and label names.
+// Fine-tuning: a pretrained checkpoint (bertrain or HuggingFace) trained on a task's files (read
+// by src/tasks/: classification and regression sets, NER, extractive QA) with the shared training
+// step; the dev set scored per epoch (accuracy; Pearson/Spearman; seqeval's entity F1; SQuAD or
+// CMRC EM/F1); a HuggingFace BertFor<Task> directory saved with the vocabulary and label names.
 #pragma once
 
 #include <string>
@@ -10,84 +9,17 @@
 
 #include "comm/communicator.h"
 #include "data/tfrecord.h"
-#include "data/wordpiece.h"
-#include "model/batch.h"
-#include "model/bert.h"
+#include "kernels/backend.h"
+#include "tasks/qa.h"
+#include "tasks/task_files.h"
 #include "train/precision.h"
-#include "train/qa.h"
 
 namespace bertrain::train {
 
-struct LabeledSet {
-  std::vector<std::vector<int32_t>> ids, segments;  // unpadded token ids / segment ids
-  std::vector<int32_t> labels;                      // -1 when the file has no label column
-  std::vector<std::string> label_names;             // index -> name
-  bool regression = false;     // the label is a number (STS-B's score): one output, MSE loss
-  std::vector<float> targets;  // regression: the label values (empty when the file has none)
-  // Rows that cannot be used (too few columns, not JSON, a missing key, a label that is not a
-  // number or not among the training labels) are skipped, counted and reported, never a crash
-  // or a silent misalignment: their indices among the file's data rows (predict keeps its
-  // output aligned with them) and the first few reasons with file:line.
-  int64_t skipped = 0;
-  std::vector<int64_t> skipped_rows;
-  std::vector<std::string> skipped_reasons;
-  // "N unusable rows of FILE skipped (first: ...)", or "" when none were.
-  std::string skipped_summary(const std::string& file) const;
-};
-
-// Where a task file keeps its texts and label: TSV column names (the header row; no CSV quoting:
-// GLUE's files have unbalanced quotes) or JSON-lines keys. Empty text_b: single sentences; empty
-// label: the file has none (prediction). All empty: found by name (label; text_a, text or
-// sentence; text_b).
-struct TaskColumns {
-  std::string text_a, text_b, label;
-  bool regression = false;  // the label column holds numbers to predict (not class names)
-  bool tokens = false;      // token classification (NER): tagged words, not text columns (ner.h)
-  std::string qa;           // extractive QA (SQuAD JSON, qa.h): its metric, squad or cmrc2018
-  bool empty() const { return text_a.empty() && text_b.empty() && label.empty(); }
-};
-// The columns of a task as distributed: GLUE's sst2, mrpc, qqp, qnli, rte, wnli, mnli, stsb
-// (regression) (TSV) and CLUE's afqmc, tnews, iflytek, cmnli, ocnli (JSON lines); ner (token
-// classification: CLUENER-style .json, CoNLL-style otherwise; ner.h), also as cluener and conll;
-// squad, cmrc2018 and drcd (extractive QA from SQuAD-layout JSON, scored by the official SQuAD
-// v1.1 or CMRC 2018 evaluation; qa.h). Unknown names list the known ones.
-TaskColumns task_columns(const std::string& task);
-// "N unusable <what>s of FILE skipped, not used:" and the reasons kept (shared by the readers).
-std::string skipped_summary(int64_t skipped, const std::vector<std::string>& reasons,
-                            const std::string& file, const char* what);
-std::string known_tasks();
-
-// Reads a task file: JSON lines when it ends in .json or .jsonl, TSV otherwise. `label_names`
-// fixes the label order (from training data or a model); when empty it is built from the file:
-// integers in numeric order, otherwise strings sorted.
-LabeledSet read_task_file(const std::string& path, const TaskColumns& columns,
-                          const data::Tokenizer& tok, int64_t seq_len,
-                          std::vector<std::string> label_names);
-// read_task_file with the columns found by name.
-LabeledSet read_tsv(const std::string& path, const data::Tokenizer& tok, int64_t seq_len,
-                    std::vector<std::string> label_names);
-// Classification TFRecords (one pass). The label names (and their number) come from a
-// labels.txt beside the first file when there is one (prepare --task writes it), else 0..n-1.
-LabeledSet read_classification_tfrecords(const std::string& files, int64_t seq_len,
-                                         int64_t num_labels, int64_t vocab_size);
-// Writes a labelled set as classification TFRecords in Google's run_classifier.py schema
-// (input_ids, input_mask, segment_ids [seq_len], label_ids [1], is_real_example [1]; int64),
-// round-robin over `shards` files dir/part-NNNNN-of-NNNNN.tfrecord (atomically), and the label
-// names to dir/labels.txt. A regression set (STS-B) writes its score as a float label_ids, as
-// ALBERT's classifier_utils does for sts-b, and no labels.txt; reading detects it. Returns the
-// files.
-std::vector<std::string> write_classification_tfrecords(const LabeledSet& s, int64_t seq_len,
-                                                        const std::string& dir, int shards,
-                                                        data::Compression compression);
-
-// Rows [begin, end) of the set (in `order`) as a padded batch.
-void make_batch(const LabeledSet& s, const std::vector<size_t>& order, size_t begin, size_t end,
-                int64_t seq_len, model::Batch& b);
-
 struct FinetuneConfig {
   std::string init_checkpoint, train, dev, output, vocab, model_config;
-  TaskColumns columns;  // of the train and dev text files (TFRecords carry their own)
-  QaOptions qa;         // extractive QA: windows and answers (seq_len and metric set from here)
+  tasks::TaskColumns columns;  // of the train and dev text files (TFRecords carry their own)
+  tasks::QaOptions qa;  // extractive QA: windows and answers (seq_len and metric set from here)
   int lower_case = -1;
   int64_t seq_len = 128, batch_size = 32, epochs = 3;
   double lr = 5e-5, warmup = 0.1, weight_decay = 0.01;
@@ -114,21 +46,5 @@ struct FinetuneResult {
 };
 
 FinetuneResult finetune(const FinetuneConfig& cfg);
-
-struct Prediction {
-  int32_t label;
-  std::vector<float> probs;
-};
-// Accuracy of the model over a set with labels; predictions optional.
-double classify(model::BertModel& m, const LabeledSet& s, int64_t batch_size,
-                std::vector<Prediction>* out);
-
-struct RegressionMetrics {
-  double pearson = 0, spearman = 0, mse = 0;  // NaN / 0 when the set has no targets
-};
-// A regression model (one output) over a set: the metrics against its targets, the predicted
-// values optional.
-RegressionMetrics regress(model::BertModel& m, const LabeledSet& s, int64_t batch_size,
-                          std::vector<float>* out);
 
 }  // namespace bertrain::train

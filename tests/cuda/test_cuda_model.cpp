@@ -11,13 +11,13 @@
 
 #include "comm/communicator.h"
 #include "core/rng.h"
-#include "data/prepare.h"
 #include "golden_check.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cuda/cuda.h"
 #include "loss_curve.h"
 #include "model/bert.h"
 #include "model/checkpoint.h"
+#include "prep/prepare.h"
 #include "test_util.h"
 #include "train/loss_scaler.h"
 #include "train/optimizer.h"
@@ -135,13 +135,13 @@ TEST(CudaModel, LossCurveTracksTheCpu) {
 TEST(CudaModel, ARunMovesBetweenTheGpuAndTheCpu) {
   SKIP_WITHOUT_GPU();
   test::TempDir dir;
-  data::PrepareConfig p;
+  prep::PrepareConfig p;
   p.input = test::data_path("../data/corpus/bert_sample_text.txt");
   p.vocab = test::data_path("../data/vocab/bert-base-uncased-vocab.txt");
   p.output = dir / "data";
   p.instance.seq_len = 64;
   p.instance.max_predictions = 10;
-  data::prepare(p);
+  prep::prepare(p);
   std::ofstream(dir / "tiny.json")
       << R"({"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2,
       "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64})";

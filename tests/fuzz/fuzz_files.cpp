@@ -14,8 +14,8 @@
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "data/tensor_bundle.h"
-#include "data/wordpiece.h"
 #include "model/config.h"
+#include "prep/wordpiece.h"
 
 using namespace bertrain;
 
@@ -44,8 +44,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } catch (const Error&) {
   }
   try {
-    const data::Vocab v = data::Vocab::load(path);
-    const data::Tokenizer tok(v, true);
+    const prep::Vocab v = prep::Vocab::load(path);
+    const prep::Tokenizer tok(v, true);
     std::vector<int32_t> ids;
     tok.encode("Hello, world! 你好 naïve [MASK] unaffable", ids);
   } catch (const Error&) {

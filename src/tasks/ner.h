@@ -11,11 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "data/wordpiece.h"
-#include "model/batch.h"
-#include "model/bert.h"
+#include "prep/wordpiece.h"
 
-namespace bertrain::train {
+namespace bertrain::tasks {
 
 struct TaggedSentence {
   std::vector<std::string> words, tags;  // tags empty when the file has none
@@ -65,16 +63,8 @@ struct TokenSet {
 };
 // `label_names` fixes the tag order (from training data or a model); when empty it is the
 // file's tags, "O" first, then sorted by entity type and tag.
-TokenSet encode_tagged(const TaggedSet& s, const data::Tokenizer& tok, int64_t seq_len,
+TokenSet encode_tagged(const TaggedSet& s, const prep::Tokenizer& tok, int64_t seq_len,
                        std::vector<std::string> label_names);
-
-// Rows [begin, end) of `order` as a padded batch (token labels and weights).
-void make_token_batch(const TokenSet& s, const std::vector<size_t>& order, size_t begin, size_t end,
-                      int64_t seq_len, model::Batch& b);
-
-// Each word's predicted tag: the argmax at its first token ("O" for words without a token).
-std::vector<std::vector<std::string>> predict_tags(model::BertModel& m, const TaggedSet& s,
-                                                   const TokenSet& t, int64_t batch_size);
 
 // The entities of tagged words as spans of the sentence's text (characters, end exclusive).
 struct EntitySpan {
@@ -83,4 +73,4 @@ struct EntitySpan {
 };
 std::vector<EntitySpan> entity_spans(const TaggedSentence& s, const std::vector<std::string>& tags);
 
-}  // namespace bertrain::train
+}  // namespace bertrain::tasks

@@ -1,11 +1,11 @@
-#include "data/wordpiece.h"
+#include "prep/wordpiece.h"
 
 #include <fstream>
 
 #include "core/error.h"
-#include "data/unicode.h"
+#include "prep/unicode.h"
 
-namespace bertrain::data {
+namespace bertrain::prep {
 
 namespace {
 constexpr size_t kMaxWordChars = 100;
@@ -323,4 +323,4 @@ std::vector<std::string> Tokenizer::tokenize(std::string_view text) const {
   return out;
 }
 
-}  // namespace bertrain::data
+}  // namespace bertrain::prep

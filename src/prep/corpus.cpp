@@ -1,4 +1,4 @@
-#include "data/corpus.h"
+#include "prep/corpus.h"
 
 #include <sys/stat.h>
 
@@ -8,9 +8,9 @@
 #include "core/error.h"
 #include "core/setting.h"
 #include "data/storage.h"
-#include "data/unicode.h"
+#include "prep/unicode.h"
 
-namespace bertrain::data {
+namespace bertrain::prep {
 
 CorpusFormat parse_corpus_format(const std::string& s) {
   if (s == "auto") return CorpusFormat::Auto;
@@ -106,7 +106,7 @@ std::vector<std::string> split_sentences(const std::string& s) {
 }
 
 CorpusFormat detect_format(const std::string& path) {
-  std::istringstream in(read_prefix(path, size_t{1} << 20));  // a file or an object
+  std::istringstream in(data::read_prefix(path, size_t{1} << 20));  // a file or an object
   std::string line;
   int lines = 0, unterminated = 0, blank = 0;
   while (lines < 400 && std::getline(in, line)) {
@@ -126,7 +126,7 @@ CorpusFormat detect_format(const std::string& path) {
 }
 
 struct CorpusReader::File {
-  std::unique_ptr<ByteSource> src;
+  std::unique_ptr<data::ByteSource> src;
   std::string buf;
   size_t pos = 0;
   // The next line with its '\n' (none at the end of the file) into `line`; false at the end.
@@ -150,7 +150,7 @@ struct CorpusReader::File {
 CorpusReader::CorpusReader(std::vector<std::string> files, CorpusFormat format,
                            size_t max_doc_sentences)
     : files_(std::move(files)), format_(format), max_doc_sentences_(max_doc_sentences) {
-  for (const auto& f : files_) total_ += file_size(f);
+  for (const auto& f : files_) total_ += data::file_size(f);
 }
 
 CorpusReader::~CorpusReader() = default;
@@ -160,7 +160,7 @@ bool CorpusReader::open_next_file() {
   if (file_index_ >= files_.size()) return false;
   const std::string& path = files_[file_index_];
   file_ = std::make_unique<File>();
-  file_->src = open_raw(path);
+  file_->src = data::open_raw(path);
   file_format_ = format_ == CorpusFormat::Auto ? detect_format(path) : format_;
   return true;
 }
@@ -224,4 +224,4 @@ bool CorpusReader::next_block(std::vector<TextDocument>& out, size_t max_docs, s
   return out.size() > docs_before;
 }
 
-}  // namespace bertrain::data
+}  // namespace bertrain::prep

@@ -1,4 +1,4 @@
-#include "data/pretraining.h"
+#include "prep/pretraining.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 
 #include "core/error.h"
 
-namespace bertrain::data {
+namespace bertrain::prep {
 
 void InstanceStats::add(const InstanceStats& o) {
   instances += o.instances;
@@ -280,4 +280,4 @@ std::string encode_instance(const Instance& inst, const InstanceOptions& opt) {
   return out;
 }
 
-}  // namespace bertrain::data
+}  // namespace bertrain::prep

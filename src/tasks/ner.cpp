@@ -1,4 +1,4 @@
-#include "train/ner.h"
+#include "tasks/ner.h"
 
 #include <algorithm>
 #include <fstream>
@@ -9,10 +9,10 @@
 
 #include "core/error.h"
 #include "data/storage.h"
-#include "data/unicode.h"
-#include "train/finetune.h"
+#include "prep/unicode.h"
+#include "tasks/task_files.h"
 
-namespace bertrain::train {
+namespace bertrain::tasks {
 
 namespace {
 
@@ -53,7 +53,7 @@ bool start_of_chunk(char prev, char tag, const std::string& prev_type, const std
 }  // namespace
 
 std::string TaggedSet::skipped_summary(const std::string& file) const {
-  return train::skipped_summary(skipped, skipped_reasons, file, "sentence");
+  return tasks::skipped_summary(skipped, skipped_reasons, file, "sentence");
 }
 
 TaggedSet read_tagged_file(const std::string& path) {
@@ -84,10 +84,10 @@ TaggedSet read_tagged_file(const std::string& path) {
       TaggedSentence t;
       t.text = j["text"].get<std::string>();
       std::u32string chars;
-      data::unicode::decode(t.text, chars);
+      prep::unicode::decode(t.text, chars);
       for (size_t i = 0; i < chars.size(); ++i) {
         std::string w;
-        data::unicode::append_utf8(chars[i], w);
+        prep::unicode::append_utf8(chars[i], w);
         t.words.push_back(w);
         t.spans.push_back({static_cast<int64_t>(i), static_cast<int64_t>(i) + 1});
       }
@@ -113,7 +113,7 @@ TaggedSet read_tagged_file(const std::string& path) {
                 continue;
               }
               std::string covered;
-              data::unicode::encode(chars.substr(b, e - b + 1), covered);
+              prep::unicode::encode(chars.substr(b, e - b + 1), covered);
               if (covered != name) {
                 why = str("span [", b, ", ", e, "] covers '", covered, "', not '", name, "'");
                 continue;
@@ -157,7 +157,7 @@ TaggedSet read_tagged_file(const std::string& path) {
       }
       // The sentence's text: its words joined by spaces (spans in characters of it).
       std::u32string w;
-      data::unicode::decode(cols[0], w);
+      prep::unicode::decode(cols[0], w);
       if (!t.text.empty()) {
         t.text += ' ';
         ++chars;
@@ -211,7 +211,7 @@ EntityScores entity_scores(const std::vector<std::vector<std::string>>& gold,
   return r;
 }
 
-TokenSet encode_tagged(const TaggedSet& s, const data::Tokenizer& tok, int64_t seq_len,
+TokenSet encode_tagged(const TaggedSet& s, const prep::Tokenizer& tok, int64_t seq_len,
                        std::vector<std::string> label_names) {
   TokenSet out;
   const bool labelled = !s.sentences.empty() && !s.sentences[0].tags.empty();
@@ -264,59 +264,17 @@ TokenSet encode_tagged(const TaggedSet& s, const data::Tokenizer& tok, int64_t s
   return out;
 }
 
-void make_token_batch(const TokenSet& s, const std::vector<size_t>& order, size_t begin, size_t end,
-                      int64_t seq_len, model::Batch& b) {
-  b.resize(static_cast<int64_t>(end - begin), seq_len, 0);
-  for (size_t r = begin; r < end; ++r) {
-    const size_t i = order[r];
-    const int64_t row = static_cast<int64_t>(r - begin) * seq_len;
-    for (size_t t = 0; t < s.ids[i].size(); ++t) {
-      b.input_ids[row + t] = s.ids[i][t];
-      b.input_mask[row + t] = 1;
-      b.token_label_ids[row + t] = std::max(0, s.labels[i][t]);
-      b.token_label_weights[row + t] = s.labels[i][t] >= 0 ? 1.0f : 0.0f;
-    }
-  }
-}
-
-std::vector<std::vector<std::string>> predict_tags(model::BertModel& m, const TaggedSet& s,
-                                                   const TokenSet& t, int64_t batch_size) {
-  const int64_t NL = m.config().num_labels, T = m.dims().seq_len;
-  std::vector<size_t> order(t.ids.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::vector<std::vector<std::string>> out;
-  model::Batch b;
-  for (size_t i = 0; i < order.size(); i += batch_size) {
-    const size_t end = std::min(order.size(), i + static_cast<size_t>(batch_size));
-    make_token_batch(t, order, i, end, T, b);
-    m.forward(b, {});
-    for (size_t r = i; r < end; ++r) {
-      std::vector<std::string> tags(s.sentences[r].words.size(), "O");
-      for (size_t w = 0; w < tags.size(); ++w) {
-        const int64_t tok = t.first_token[r][w];
-        if (tok < 0) continue;
-        const int64_t row = m.sequence_row(static_cast<int64_t>(r - i), tok);
-        if (row < 0) continue;  // past the sentence's tokens (never for a word's first token)
-        const float* l = m.token_logits() + row * NL;
-        tags[w] = t.label_names[std::max_element(l, l + NL) - l];
-      }
-      out.push_back(std::move(tags));
-    }
-  }
-  return out;
-}
-
 std::vector<EntitySpan> entity_spans(const TaggedSentence& s,
                                      const std::vector<std::string>& tags) {
   std::vector<EntitySpan> out;
   std::u32string text;
-  data::unicode::decode(s.text, text);
+  prep::unicode::decode(s.text, text);
   for (const Entity& e : tag_entities(tags)) {
     EntitySpan x{e.type, "", s.spans[e.begin].first, s.spans[e.end].second};
-    data::unicode::encode(text.substr(x.start, x.end - x.start), x.text);
+    prep::unicode::encode(text.substr(x.start, x.end - x.start), x.text);
     out.push_back(std::move(x));
   }
   return out;
 }
 
-}  // namespace bertrain::train
+}  // namespace bertrain::tasks

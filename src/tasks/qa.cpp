@@ -1,4 +1,4 @@
-#include "train/qa.h"
+#include "tasks/qa.h"
 
 #include <algorithm>
 #include <fstream>
@@ -10,12 +10,12 @@
 #include "core/error.h"
 #include "core/setting.h"
 #include "data/storage.h"
-#include "data/unicode.h"
-#include "train/finetune.h"
+#include "prep/unicode.h"
+#include "tasks/task_files.h"
 
-namespace bertrain::train {
+namespace bertrain::tasks {
 
-namespace unicode = data::unicode;
+namespace unicode = prep::unicode;
 
 namespace {
 
@@ -199,7 +199,7 @@ int64_t longest_common_run(const std::vector<std::u32string>& a,
 }  // namespace
 
 std::string QaSet::skipped_summary(const std::string& file) const {
-  return train::skipped_summary(skipped, skipped_reasons, file, "question");
+  return tasks::skipped_summary(skipped, skipped_reasons, file, "question");
 }
 
 QaSet read_squad(const std::string& path, bool training) {
@@ -334,10 +334,10 @@ QaOptions resolve_qa_options(QaOptions o) {
   return o;
 }
 
-QaFeatures make_qa_features(const QaSet& s, const data::Tokenizer& tok, const QaOptions& o) {
+QaFeatures make_qa_features(const QaSet& s, const prep::Tokenizer& tok, const QaOptions& o) {
   QaFeatures out;
   std::vector<int32_t> q, c;
-  std::vector<data::CharSpan> offsets;
+  std::vector<prep::CharSpan> offsets;
   const std::string* last_context = nullptr;
   for (size_t e = 0; e < s.examples.size(); ++e) {
     const QaExample& ex = s.examples[e];
@@ -384,23 +384,6 @@ QaFeatures make_qa_features(const QaSet& s, const data::Tokenizer& tok, const Qa
   return out;
 }
 
-void make_qa_batch(const QaFeatures& f, const std::vector<size_t>& order, size_t begin, size_t end,
-                   int64_t seq_len, model::Batch& b) {
-  const int64_t B = static_cast<int64_t>(end - begin);
-  b.resize(B, seq_len, 0);
-  for (size_t r = begin; r < end; ++r) {
-    const QaFeature& x = f.features[order[r]];
-    const int64_t row = static_cast<int64_t>(r - begin);
-    for (size_t t = 0; t < x.ids.size(); ++t) {
-      b.input_ids[row * seq_len + t] = x.ids[t];
-      b.input_mask[row * seq_len + t] = 1;
-      b.segment_ids[row * seq_len + t] = static_cast<int64_t>(t) >= x.context_begin;
-    }
-    b.span_positions[row] = x.start;
-    b.span_positions[B + row] = x.end;
-  }
-}
-
 std::vector<QaAnswer> best_answers(const QaSet& s, const QaFeatures& f,
                                    const std::vector<std::vector<float>>& start_logits,
                                    const std::vector<std::vector<float>>& end_logits,
@@ -439,26 +422,6 @@ std::vector<QaAnswer> best_answers(const QaSet& s, const QaFeatures& f,
               c.begin, c.end, c.score};
   }
   return out;
-}
-
-std::vector<QaAnswer> predict_answers(model::BertModel& m, const QaSet& s, const QaFeatures& f,
-                                      const QaOptions& o, int64_t batch_size) {
-  const int64_t T = m.dims().seq_len;
-  std::vector<size_t> order(f.features.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::vector<std::vector<float>> starts, ends;
-  model::Batch b;
-  for (size_t i = 0; i < order.size(); i += static_cast<size_t>(batch_size)) {
-    const size_t end = std::min(order.size(), i + static_cast<size_t>(batch_size));
-    make_qa_batch(f, order, i, end, T, b);
-    m.forward(b, {});
-    const float* logits = m.span_logits();  // [B,T] start, then [B,T] end
-    for (int64_t r = 0; r < b.B; ++r) {
-      starts.emplace_back(logits + r * T, logits + (r + 1) * T);
-      ends.emplace_back(logits + (b.B + r) * T, logits + (b.B + r + 1) * T);
-    }
-  }
-  return best_answers(s, f, starts, ends, o);
 }
 
 namespace {
@@ -524,4 +487,4 @@ QaScores qa_scores(const QaSet& s, const std::vector<std::string>& predictions,
   return metric == "cmrc2018" ? cmrc_scores(s, predictions) : squad_scores(s, predictions);
 }
 
-}  // namespace bertrain::train
+}  // namespace bertrain::tasks

@@ -1,4 +1,4 @@
-#include "data/prepare.h"
+#include "prep/prepare.h"
 
 #include <omp.h>
 
@@ -12,7 +12,7 @@
 #include "data/pipeline.h"
 #include "data/storage.h"
 
-namespace bertrain::data {
+namespace bertrain::prep {
 
 PrepareReport prepare(const PrepareConfig& cfg,
                       const std::function<void(const PrepareProgress&)>& progress) {
@@ -29,7 +29,7 @@ PrepareReport prepare(const PrepareConfig& cfg,
   if (cfg.dupe_factor < 1) fail(setting("dupe_factor"), " must be at least 1");
   if (cfg.output_shards < 1) fail(setting("output_shards"), " must be at least 1");
 
-  const std::vector<std::string> files = list_files(cfg.input);
+  const std::vector<std::string> files = data::list_files(cfg.input);
   const Vocab vocab = Vocab::load(cfg.vocab);
   PrepareReport rep;
   rep.files = files.size();
@@ -37,18 +37,18 @@ PrepareReport prepare(const PrepareConfig& cfg,
   const Tokenizer tok(vocab, rep.lower_case);
 
   std::error_code ec;
-  if (!is_remote(cfg.output)) std::filesystem::create_directories(cfg.output, ec);
+  if (!data::is_remote(cfg.output)) std::filesystem::create_directories(cfg.output, ec);
   if (ec) fail("cannot create output directory ", cfg.output, ": ", ec.message());
-  const char* ext = cfg.compression == Compression::Gzip   ? ".tfrecord.gz"
-                    : cfg.compression == Compression::Zlib ? ".tfrecord.zlib"
-                                                           : ".tfrecord";
-  std::vector<std::unique_ptr<TFRecordWriter>> writers;
+  const char* ext = cfg.compression == data::Compression::Gzip   ? ".tfrecord.gz"
+                    : cfg.compression == data::Compression::Zlib ? ".tfrecord.zlib"
+                                                                 : ".tfrecord";
+  std::vector<std::unique_ptr<data::TFRecordWriter>> writers;
   for (int s = 0; s < cfg.output_shards; ++s) {
     char name[64];
     std::snprintf(name, sizeof name, "part-%05d-of-%05d%s", s, cfg.output_shards, ext);
     // A folder or a bucket prefix (s3://bucket/prepared): the shards are staged and uploaded.
     rep.outputs.push_back(cfg.output + (cfg.output.ends_with('/') ? "" : "/") + name);
-    writers.push_back(std::make_unique<TFRecordWriter>(rep.outputs.back(), cfg.compression));
+    writers.push_back(std::make_unique<data::TFRecordWriter>(rep.outputs.back(), cfg.compression));
   }
 
   CorpusReader reader(files, cfg.format, cfg.max_doc_sentences);
@@ -125,4 +125,4 @@ PrepareReport prepare(const PrepareConfig& cfg,
   return rep;
 }
 
-}  // namespace bertrain::data
+}  // namespace bertrain::prep

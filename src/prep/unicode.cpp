@@ -1,10 +1,10 @@
-#include "data/unicode.h"
+#include "prep/unicode.h"
 
 #include <utf8proc.h>
 
 #include <cstdlib>
 
-namespace bertrain::data::unicode {
+namespace bertrain::prep::unicode {
 
 size_t decode(std::string_view s, std::u32string& out) {
   out.clear();
@@ -226,4 +226,4 @@ std::u32string lower(std::u32string_view s) {
   return out;
 }
 
-}  // namespace bertrain::data::unicode
+}  // namespace bertrain::prep::unicode

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-namespace bertrain::data::unicode {
+namespace bertrain::prep::unicode {
 
 // Decodes UTF-8; returns the number of replacement characters inserted for invalid bytes.
 size_t decode(std::string_view s, std::u32string& out);
@@ -33,4 +33,4 @@ bool nfc_stable(std::u32string_view s);
 std::u32string nfd(std::u32string_view s);
 std::u32string lower(std::u32string_view s);  // Python's str.lower(), per character
 
-}  // namespace bertrain::data::unicode
+}  // namespace bertrain::prep::unicode

@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "data/corpus.h"
-#include "data/pretraining.h"
 #include "data/tfrecord.h"
+#include "prep/corpus.h"
+#include "prep/pretraining.h"
 
-namespace bertrain::data {
+namespace bertrain::prep {
 
 struct PrepareConfig {
   std::string input;  // glob(s), comma-separated
@@ -26,7 +26,7 @@ struct PrepareConfig {
   int dupe_factor = 5;
   uint64_t seed = 12345;
   int output_shards = 1;
-  Compression compression = Compression::None;
+  data::Compression compression = data::Compression::None;
   size_t block_bytes = size_t{32} << 20;
   size_t block_docs = 50000;
   size_t max_doc_sentences = 2000;
@@ -48,4 +48,4 @@ struct PrepareReport {
 PrepareReport prepare(const PrepareConfig& cfg,
                       const std::function<void(const PrepareProgress&)>& progress = {});
 
-}  // namespace bertrain::data
+}  // namespace bertrain::prep

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "core/rng.h"
-#include "data/wordpiece.h"
+#include "prep/wordpiece.h"
 
-namespace bertrain::data {
+namespace bertrain::prep {
 
 struct InstanceOptions {
   int64_t seq_len = 128;
@@ -65,4 +65,4 @@ void create_instances_from_document(const std::vector<Document>& docs, size_t do
 // serialized exactly as protobuf serializes it deterministically (keys sorted).
 std::string encode_instance(const Instance& inst, const InstanceOptions& opt);
 
-}  // namespace bertrain::data
+}  // namespace bertrain::prep

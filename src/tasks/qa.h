@@ -13,11 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "data/wordpiece.h"
-#include "model/batch.h"
-#include "model/bert.h"
+#include "prep/wordpiece.h"
 
-namespace bertrain::train {
+namespace bertrain::tasks {
 
 struct QaExample {
   std::string id, question, context;
@@ -57,7 +55,7 @@ struct QaFeature {
   int64_t example = 0;                  // index into QaSet::examples
   std::vector<int32_t> ids;             // [CLS] question [SEP] window [SEP]
   int32_t context_begin = 0;            // position of the window's first token
-  std::vector<data::CharSpan> offsets;  // the window's tokens' characters in the context
+  std::vector<prep::CharSpan> offsets;  // the window's tokens' characters in the context
   int32_t start = 0, end = 0;           // labels: the answer's first and last token, or 0 ([CLS])
 };
 
@@ -65,11 +63,7 @@ struct QaFeatures {
   std::vector<QaFeature> features;
   int64_t truncated_questions = 0;  // questions cut to max_query_length
 };
-QaFeatures make_qa_features(const QaSet& s, const data::Tokenizer& tok, const QaOptions& o);
-
-// Features [begin, end) of `order` as a padded batch (span_positions from the labels).
-void make_qa_batch(const QaFeatures& f, const std::vector<size_t>& order, size_t begin, size_t end,
-                   int64_t seq_len, model::Batch& b);
+QaFeatures make_qa_features(const QaSet& s, const prep::Tokenizer& tok, const QaOptions& o);
 
 struct QaAnswer {
   std::string text;
@@ -82,9 +76,6 @@ std::vector<QaAnswer> best_answers(const QaSet& s, const QaFeatures& f,
                                    const std::vector<std::vector<float>>& start_logits,
                                    const std::vector<std::vector<float>>& end_logits,
                                    const QaOptions& o);
-// Runs the model over the features and picks the answers.
-std::vector<QaAnswer> predict_answers(model::BertModel& m, const QaSet& s, const QaFeatures& f,
-                                      const QaOptions& o, int64_t batch_size);
 
 struct QaScores {
   double exact_match = 0, f1 = 0;  // percent, over every question of the set
@@ -100,4 +91,4 @@ QaScores cmrc_scores(const QaSet& s, const std::vector<std::string>& predictions
 QaScores qa_scores(const QaSet& s, const std::vector<std::string>& predictions,
                    const std::string& metric);
 
-}  // namespace bertrain::train
+}  // namespace bertrain::tasks

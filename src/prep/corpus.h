@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace bertrain::data {
+namespace bertrain::prep {
 
 enum class CorpusFormat { Auto, Bert, Prose };
 CorpusFormat parse_corpus_format(const std::string& s);  // "auto" | "bert" | "prose"
@@ -54,4 +54,4 @@ class CorpusReader {
   uint64_t bytes_ = 0, invalid_ = 0, total_ = 0;
 };
 
-}  // namespace bertrain::data
+}  // namespace bertrain::prep

@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace bertrain::data {
+namespace bertrain::prep {
 
 class Vocab {
   struct Hash {
@@ -76,4 +76,4 @@ class Tokenizer {
   bool lower_;
 };
 
-}  // namespace bertrain::data
+}  // namespace bertrain::prep
