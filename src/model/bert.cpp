@@ -728,14 +728,12 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
     for (int64_t e = 0; e < p.B; ++e) real += real_length(b, e);
 
   const ParamTable& t = table_;
-  be_.embedding_layernorm_forward(
-      act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd, cur_.in.ids, cur_.in.segments,
-      cur_.in.positions, W(t.offset("bert.embeddings.word_embeddings.weight")),
-      W(t.offset("bert.embeddings.position_embeddings.weight")),
-      W(t.offset("bert.embeddings.token_type_embeddings.weight")),
-      W(t.offset("bert.embeddings.LayerNorm.weight")),
-      W(t.offset("bert.embeddings.LayerNorm.bias")), p.up ? 1 : p.B, p.up ? p.N : p.T, p.C,
-      cfg_.layer_norm_eps, on_rows(p.site(0, kEmbedding, p.p_hidden, p.off_tc)));
+  be_.embedding_layernorm_forward(act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd, cur_.in.ids,
+                                  cur_.in.segments, cur_.in.positions, W(t.embeddings().word),
+                                  W(t.embeddings().position), W(t.embeddings().token_type),
+                                  W(t.embeddings().ln_w), W(t.embeddings().ln_b), p.up ? 1 : p.B,
+                                  p.up ? p.N : p.T, p.C, cfg_.layer_norm_eps,
+                                  on_rows(p.site(0, kEmbedding, p.p_hidden, p.off_tc)));
 
   const float* x = act_.h0;
   for (int64_t l = 0; l < p.L; ++l) {
@@ -890,20 +888,17 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
 
 void BertModel::embeddings_backward(const Pass& p, float* dh) {
   const ParamTable& t = table_;
-  const int64_t word = t.offset("bert.embeddings.word_embeddings.weight"), C = p.C;
+  const int64_t word = t.embeddings().word, C = p.C;
   float* dA = act_.dA;
   dropout_rows(true, dh, dh, p.N, p.site(0, kEmbedding, p.p_hidden, p.off_tc));
-  be_.layernorm_backward(dA, G(t.offset("bert.embeddings.LayerNorm.weight")),
-                         G(t.offset("bert.embeddings.LayerNorm.bias")), dh, act_.emb_sum,
-                         W(t.offset("bert.embeddings.LayerNorm.weight")), act_.emb_mean,
-                         act_.emb_rstd, p.N, C);
+  be_.layernorm_backward(dA, G(t.embeddings().ln_w), G(t.embeddings().ln_b), dh, act_.emb_sum,
+                         W(t.embeddings().ln_w), act_.emb_mean, act_.emb_rstd, p.N, C);
   // HF's padding_idx: the [PAD] row gets no gradient from the embedding lookup (only the question
   // answering head's softmax over all positions reaches padding; the other heads never do). The
   // row is kept aside and put back: a tied MLM decoder has already added its own gradient to it.
   float* pad_row = G(word + cfg_.pad_token_id * C);
   be_.copy(act_.dhead1, pad_row, C);
-  be_.embedding_backward(G(word), G(t.offset("bert.embeddings.position_embeddings.weight")),
-                         G(t.offset("bert.embeddings.token_type_embeddings.weight")), dA,
+  be_.embedding_backward(G(word), G(t.embeddings().position), G(t.embeddings().token_type), dA,
                          cur_.in.ids, cur_.in.segments, cur_.in.positions, p.up ? 1 : p.B,
                          p.up ? p.N : p.T, C, be_.host_memory() ? nullptr : &cur_.in.runs);
   be_.copy(pad_row, act_.dhead1, C);
@@ -919,9 +914,8 @@ void BertModel::token_classifier_forward(const Pass& p, const Batch& b, const fl
   const int64_t N = p.N, C = p.C, NL = cfg_.num_labels;
   be_.copy(act_.tok_drop, x, N * C);
   dropout_rows(false, act_.tok_drop, nullptr, N, p.site(p.L + 1, kTokens, p.p_hidden, p.off_tc));
-  be_.linear_forward(prec_, act_.tok_logits, {act_.tok_drop},
-                     Wt(table_.offset("classifier.weight")), W(table_.offset("classifier.bias")), N,
-                     NL, C, ws_);
+  be_.linear_forward(prec_, act_.tok_logits, {act_.tok_drop}, Wt(table_.heads().classifier_w),
+                     W(table_.heads().classifier_b), N, NL, C, ws_);
   double scored = 0;
   for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
   const CrossEntropySums ce =
@@ -941,7 +935,7 @@ void BertModel::token_classifier_backward(const Pass& p, const Batch& b, float l
   be_.cross_entropy(dlog, nullptr, nullptr, act_.tok_logits, cur_.in.token_labels,
                     cur_.in.token_weights, N, NL,
                     scored > 0 ? static_cast<float>(loss_scale / scored) : 0.0f);
-  linear_backward(dh, table_.offset("classifier.weight"), table_.offset("classifier.bias"), dlog,
+  linear_backward(dh, table_.heads().classifier_w, table_.heads().classifier_b, dlog,
                   {act_.tok_drop}, N, NL, p.C);
   dropout_rows(true, dh, dh, N, p.site(p.L + 1, kTokens, p.p_hidden, p.off_tc));
 }
@@ -952,7 +946,7 @@ void BertModel::token_classifier_backward(const Pass& p, const Batch& b, float l
 // (CE(start) + CE(end)) / 2, each the mean over the batch of a softmax over the T positions.
 void BertModel::qa_forward(const Pass& p, const float* x, Losses& out) {
   const int64_t N = p.N, C = p.C, B = p.B;
-  const int64_t w = table_.offset("qa_outputs.weight"), bias = table_.offset("qa_outputs.bias");
+  const int64_t w = table_.heads().qa_w, bias = table_.heads().qa_b;
   be_.linear_forward(prec_, act_.qa_logits, {const_cast<float*>(x)}, Wt(w), W(bias), N, 1, C, ws_);
   be_.linear_forward(prec_, act_.qa_logits + N, {const_cast<float*>(x)}, Wt(w + C), W(bias + 1), N,
                      1, C, ws_);
@@ -969,7 +963,7 @@ void BertModel::qa_backward(const Pass& p, float loss_scale, float* dh) {
   float* dlog = act_.dsmall;  // [2N]: d start logits, then d end logits
   be_.cross_entropy(dlog, nullptr, nullptr, act_.qa_logits, cur_.in.span_positions, nullptr, 2 * B,
                     p.T, static_cast<float>(loss_scale / (2.0 * B)));
-  const int64_t w = table_.offset("qa_outputs.weight"), bias = table_.offset("qa_outputs.bias");
+  const int64_t w = table_.heads().qa_w, bias = table_.heads().qa_b;
   const Kept seq{seq_out_};
   linear_backward(dh, w, bias, dlog, seq, N, 1, C);
   linear_backward(dh, w + C, bias + 1, dlog + N, seq, N, 1, C, /*accumulate=*/true);
@@ -979,9 +973,8 @@ void BertModel::qa_backward(const Pass& p, float loss_scale, float* dh) {
 void BertModel::pooler_forward(const Pass& p, const float* x) {
   const int64_t B = p.B, C = p.C;
   be_.gather_rows(act_.cls_in, x, cur_.in.cls, B, 1, p.up ? 0 : p.T, C);
-  be_.linear_forward(prec_, act_.pooled, {act_.cls_in},
-                     Wt(table_.offset("bert.pooler.dense.weight")),
-                     W(table_.offset("bert.pooler.dense.bias")), B, C, C, ws_);
+  be_.linear_forward(prec_, act_.pooled, {act_.cls_in}, Wt(table_.heads().pooler_w),
+                     W(table_.heads().pooler_b), B, C, C, ws_);
   be_.tanh_forward(act_.pooled, act_.pooled, B * C);
 }
 
@@ -989,8 +982,8 @@ void BertModel::pooler_backward(const Pass& p, float* dpooled, float* dh) {
   const int64_t B = p.B, C = p.C;
   be_.tanh_backward(dpooled, act_.pooled, dpooled, B * C);
   float* dcls = act_.dhead1;
-  linear_backward(dcls, table_.offset("bert.pooler.dense.weight"),
-                  table_.offset("bert.pooler.dense.bias"), dpooled, {act_.cls_in}, B, C, C);
+  linear_backward(dcls, table_.heads().pooler_w, table_.heads().pooler_b, dpooled, {act_.cls_in}, B,
+                  C, C);
   be_.scatter_add_rows(dh, dcls, cur_.in.cls, B, 1, p.up ? 0 : p.T, C);
 }
 
@@ -999,9 +992,8 @@ void BertModel::pooler_backward(const Pass& p, float* dpooled, float* dh) {
 void BertModel::pretraining_forward(const Pass& p, const Batch& b, const float* x, Losses& out) {
   const ParamTable& t = table_;
   const int64_t B = p.B, C = p.C, V = cfg_.vocab_size;
-  be_.linear_forward(prec_, act_.nsp_logits, {act_.pooled},
-                     Wt(t.offset("cls.seq_relationship.weight")),
-                     W(t.offset("cls.seq_relationship.bias")), B, 2, C, ws_);
+  be_.linear_forward(prec_, act_.nsp_logits, {act_.pooled}, Wt(t.heads().nsp_w), W(t.heads().nsp_b),
+                     B, 2, C, ws_);
   const CrossEntropySums nsp =
       be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
                         cur_.in.nsp_labels, nullptr, B, 2, 0.0f);
@@ -1011,19 +1003,15 @@ void BertModel::pretraining_forward(const Pass& p, const Batch& b, const float* 
   const int64_t BP = p.up ? cur_.packed.mlm_rows : B * b.P;
   be_.gather_rows(act_.mlm_in, x, cur_.in.mlm_positions, p.up ? 1 : B, p.up ? BP : b.P,
                   p.up ? 0 : p.T, C);
-  be_.linear_forward(prec_, act_.mlm_pre, {act_.mlm_in},
-                     Wt(t.offset("cls.predictions.transform.dense.weight")),
-                     W(t.offset("cls.predictions.transform.dense.bias")), BP, C, C, ws_);
+  be_.linear_forward(prec_, act_.mlm_pre, {act_.mlm_in}, Wt(t.heads().mlm_dense_w),
+                     W(t.heads().mlm_dense_b), BP, C, C, ws_);
   // The head's activation stays fp32 in every precision (nothing of it is kept in 16 bits).
   be_.activation_forward(Precision::FP32, cfg_.activation(), {act_.mlm_act}, {act_.mlm_pre},
                          BP * C);
   be_.layernorm_forward(act_.mlm_ln, act_.mlm_mean, act_.mlm_rstd, act_.mlm_act,
-                        W(t.offset("cls.predictions.transform.LayerNorm.weight")),
-                        W(t.offset("cls.predictions.transform.LayerNorm.bias")), BP, C,
-                        cfg_.layer_norm_eps);
-  be_.linear_forward(prec_, act_.mlm_logits, {act_.mlm_ln},
-                     Wt(t.offset("bert.embeddings.word_embeddings.weight")),
-                     W(t.offset("cls.predictions.bias")), BP, V, C, ws_);
+                        W(t.heads().mlm_ln_w), W(t.heads().mlm_ln_b), BP, C, cfg_.layer_norm_eps);
+  be_.linear_forward(prec_, act_.mlm_logits, {act_.mlm_ln}, Wt(t.embeddings().word),
+                     W(t.heads().mlm_bias), BP, V, C, ws_);
   // Training: the gradient (for loss scale 1) is written over the logits in the same passes
   // that compute the loss, so backward does not recompute the softmax over the vocabulary.
   for (int64_t r = 0; r < BP; ++r) out.mlm_weight += mlm_weights(b)[r];
@@ -1045,8 +1033,7 @@ void BertModel::pretraining_backward(const Pass& p, const Batch& b, float loss_s
   float* dnsp = act_.dsmall;
   be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, cur_.in.nsp_labels, nullptr, B, 2,
                     loss_scale / B);
-  linear_backward(dpooled, t.offset("cls.seq_relationship.weight"),
-                  t.offset("cls.seq_relationship.bias"), dnsp, {act_.pooled}, B, 2, C);
+  linear_backward(dpooled, t.heads().nsp_w, t.heads().nsp_b, dnsp, {act_.pooled}, B, 2, C);
 
   const int64_t BP = p.up ? cur_.packed.mlm_rows : B * b.P;
   float* dlogits = act_.mlm_logits;  // gradient overwrites the logits
@@ -1063,16 +1050,12 @@ void BertModel::pretraining_backward(const Pass& p, const Batch& b, float loss_s
   }
   mlm_grad_ready_ = false;
   float* d1 = act_.dhead1;  // [BP,C]
-  linear_backward(d1, t.offset("bert.embeddings.word_embeddings.weight"),
-                  t.offset("cls.predictions.bias"), dlogits, {act_.mlm_ln}, BP, V, C);
+  linear_backward(d1, t.embeddings().word, t.heads().mlm_bias, dlogits, {act_.mlm_ln}, BP, V, C);
   float* d2 = act_.dI;  // [BP,C] scratch (dI is free until the encoder backward)
-  be_.layernorm_backward(d2, G(t.offset("cls.predictions.transform.LayerNorm.weight")),
-                         G(t.offset("cls.predictions.transform.LayerNorm.bias")), d1, act_.mlm_act,
-                         W(t.offset("cls.predictions.transform.LayerNorm.weight")), act_.mlm_mean,
-                         act_.mlm_rstd, BP, C);
+  be_.layernorm_backward(d2, G(t.heads().mlm_ln_w), G(t.heads().mlm_ln_b), d1, act_.mlm_act,
+                         W(t.heads().mlm_ln_w), act_.mlm_mean, act_.mlm_rstd, BP, C);
   be_.activation_backward(Precision::FP32, cfg_.activation(), d2, {act_.mlm_pre}, d2, BP * C);
-  linear_backward(d1, t.offset("cls.predictions.transform.dense.weight"),
-                  t.offset("cls.predictions.transform.dense.bias"), d2, {act_.mlm_in}, BP, C, C);
+  linear_backward(d1, t.heads().mlm_dense_w, t.heads().mlm_dense_b, d2, {act_.mlm_in}, BP, C, C);
   be_.scatter_add_rows(dh, d1, cur_.in.mlm_positions, p.up ? 1 : B, p.up ? BP : b.P, p.up ? 0 : p.T,
                        C);
 }
@@ -1084,9 +1067,8 @@ void BertModel::classifier_forward(const Pass& p, Losses& out) {
   be_.copy(act_.pooled_drop, act_.pooled, B * C);
   be_.dropout_forward(act_.pooled_drop, B * C,
                       p.site(p.L + 1, kPooler, p.p_hidden, p.opt.example_offset * C));
-  be_.linear_forward(prec_, act_.cls_logits, {act_.pooled_drop},
-                     Wt(table_.offset("classifier.weight")), W(table_.offset("classifier.bias")), B,
-                     NL, C, ws_);
+  be_.linear_forward(prec_, act_.cls_logits, {act_.pooled_drop}, Wt(table_.heads().classifier_w),
+                     W(table_.heads().classifier_b), B, NL, C, ws_);
   if (NL == 1) {  // regression (HF's rule for one label): mean squared error
     out.loss = be_.squared_error(nullptr, act_.cls_logits, cur_.in.label_values, B, 0.0f) / B;
   } else {
@@ -1106,8 +1088,8 @@ void BertModel::classifier_backward(const Pass& p, float loss_scale, float* dpoo
   else
     be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, cur_.in.label_ids, nullptr, B, NL,
                       loss_scale / B);
-  linear_backward(dpooled, table_.offset("classifier.weight"), table_.offset("classifier.bias"),
-                  dlog, {act_.pooled_drop}, B, NL, C);
+  linear_backward(dpooled, table_.heads().classifier_w, table_.heads().classifier_b, dlog,
+                  {act_.pooled_drop}, B, NL, C);
   be_.dropout_backward(dpooled, dpooled, B * C,
                        p.site(p.L + 1, kPooler, p.p_hidden, p.opt.example_offset * C));
 }

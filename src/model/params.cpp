@@ -14,11 +14,13 @@ const char* head_architecture(Head h) {
                                              : "BertForQuestionAnswering";
 }
 
-void ParamTable::add(const std::string& name, Shape shape, Init init, bool decay, bool matmul) {
+int64_t ParamTable::add(const std::string& name, Shape shape, Init init, bool decay, bool matmul) {
   ParamInfo p{name, std::move(shape), total_, init, decay, matmul};
+  const int64_t offset = total_;
   total_ += (p.numel() + 15) / 16 * 16;  // 64-byte aligned tensors
   index_[name] = params_.size();
   params_.push_back(std::move(p));
+  return offset;
 }
 
 std::pair<int64_t, int64_t> ParamTable::layer_range(int64_t l) const {
@@ -33,11 +35,14 @@ std::pair<int64_t, int64_t> ParamTable::layer_range(int64_t l) const {
 ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head), hidden_(cfg.hidden_size) {
   const int64_t V = cfg.vocab_size, C = cfg.hidden_size, I = cfg.intermediate_size;
   const std::string e = "bert.embeddings.";
-  add(e + "word_embeddings.weight", {V, C}, Init::Normal, true);
-  add(e + "position_embeddings.weight", {cfg.max_position_embeddings, C}, Init::Normal, true);
-  add(e + "token_type_embeddings.weight", {cfg.type_vocab_size, C}, Init::Normal, true);
-  add(e + "LayerNorm.weight", {C}, Init::Ones, false);
-  add(e + "LayerNorm.bias", {C}, Init::Zeros, false);
+  EmbeddingOffsets& eo = embeddings_;
+  eo.word = add(e + "word_embeddings.weight", {V, C}, Init::Normal, true);
+  eo.position =
+      add(e + "position_embeddings.weight", {cfg.max_position_embeddings, C}, Init::Normal, true);
+  eo.token_type =
+      add(e + "token_type_embeddings.weight", {cfg.type_vocab_size, C}, Init::Normal, true);
+  eo.ln_w = add(e + "LayerNorm.weight", {C}, Init::Ones, false);
+  eo.ln_b = add(e + "LayerNorm.bias", {C}, Init::Zeros, false);
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     const std::string p = "bert.encoder.layer." + std::to_string(l) + ".";
     // Adjacent without padding so that [query; key; value] is one [3C, C] matrix and the
@@ -84,24 +89,27 @@ ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head), hidden_(
     add(p + "output.LayerNorm.bias", {C}, Init::Zeros, false);
     layers_.push_back(lo);
   }
+  HeadOffsets& h = heads_;
   if (has_pooler(head)) {
-    add("bert.pooler.dense.weight", {C, C}, Init::Normal, true, true);
-    add("bert.pooler.dense.bias", {C}, Init::Zeros, false);
+    h.pooler_w = add("bert.pooler.dense.weight", {C, C}, Init::Normal, true, true);
+    h.pooler_b = add("bert.pooler.dense.bias", {C}, Init::Zeros, false);
   }
   if (head == Head::Pretraining) {
-    add("cls.predictions.transform.dense.weight", {C, C}, Init::Normal, true, true);
-    add("cls.predictions.transform.dense.bias", {C}, Init::Zeros, false);
-    add("cls.predictions.transform.LayerNorm.weight", {C}, Init::Ones, false);
-    add("cls.predictions.transform.LayerNorm.bias", {C}, Init::Zeros, false);
-    add("cls.predictions.bias", {V}, Init::Zeros, false);
-    add("cls.seq_relationship.weight", {2, C}, Init::Normal, true, true);
-    add("cls.seq_relationship.bias", {2}, Init::Zeros, false);
+    const std::string t = "cls.predictions.transform.";
+    h.mlm_dense_w = add(t + "dense.weight", {C, C}, Init::Normal, true, true);
+    h.mlm_dense_b = add(t + "dense.bias", {C}, Init::Zeros, false);
+    h.mlm_ln_w = add(t + "LayerNorm.weight", {C}, Init::Ones, false);
+    h.mlm_ln_b = add(t + "LayerNorm.bias", {C}, Init::Zeros, false);
+    h.mlm_bias = add("cls.predictions.bias", {V}, Init::Zeros, false);
+    h.nsp_w = add("cls.seq_relationship.weight", {2, C}, Init::Normal, true, true);
+    h.nsp_b = add("cls.seq_relationship.bias", {2}, Init::Zeros, false);
   } else if (head == Head::QuestionAnswering) {
-    add("qa_outputs.weight", {2, C}, Init::Normal, true, true);  // row 0: start, row 1: end
-    add("qa_outputs.bias", {2}, Init::Zeros, false);
+    // row 0: start, row 1: end
+    h.qa_w = add("qa_outputs.weight", {2, C}, Init::Normal, true, true);
+    h.qa_b = add("qa_outputs.bias", {2}, Init::Zeros, false);
   } else {
-    add("classifier.weight", {cfg.num_labels, C}, Init::Normal, true, true);
-    add("classifier.bias", {cfg.num_labels}, Init::Zeros, false);
+    h.classifier_w = add("classifier.weight", {cfg.num_labels, C}, Init::Normal, true, true);
+    h.classifier_b = add("classifier.bias", {cfg.num_labels}, Init::Zeros, false);
   }
 }
 

@@ -48,6 +48,22 @@ struct LayerOffsets {
   int64_t inter_w, inter_b, out_w, out_b, ln2_w, ln2_b;
 };
 
+// Offsets of the embeddings' parameters.
+struct EmbeddingOffsets {
+  int64_t word, position, token_type, ln_w, ln_b;
+};
+
+// Offsets of the heads' parameters; -1 for those the table's head does not have. The MLM
+// decoder's weight is the word embeddings (tied).
+struct HeadOffsets {
+  int64_t pooler_w = -1, pooler_b = -1;                 // Pretraining, SequenceClassification
+  int64_t mlm_dense_w = -1, mlm_dense_b = -1;           // Pretraining: cls.predictions.transform
+  int64_t mlm_ln_w = -1, mlm_ln_b = -1, mlm_bias = -1;  //   its LayerNorm; the decoder's bias
+  int64_t nsp_w = -1, nsp_b = -1;                       //   cls.seq_relationship
+  int64_t classifier_w = -1, classifier_b = -1;         // Sequence/TokenClassification
+  int64_t qa_w = -1, qa_b = -1;                         // QuestionAnswering: qa_outputs
+};
+
 class ParamTable {
  public:
   ParamTable(const BertConfig& cfg, Head head);
@@ -61,6 +77,8 @@ class ParamTable {
   const ParamInfo& at(const std::string& name) const;  // BT_CHECK if absent
   int64_t offset(const std::string& name) const { return at(name).offset; }
   const LayerOffsets& layer(int64_t l) const { return layers_.at(l); }
+  const EmbeddingOffsets& embeddings() const { return embeddings_; }
+  const HeadOffsets& heads() const { return heads_; }
   Head head() const { return head_; }
 
   // Fills the flat buffer with BERT's initialisation: truncated normal (2 std) with
@@ -78,11 +96,14 @@ class ParamTable {
   std::vector<std::pair<int64_t, int64_t>> fp32_read_ranges() const;
 
  private:
-  void add(const std::string& name, Shape shape, Init init, bool decay, bool matmul = false);
+  // Appends a tensor; returns its offset.
+  int64_t add(const std::string& name, Shape shape, Init init, bool decay, bool matmul = false);
   Head head_;
   std::vector<ParamInfo> params_;
   std::map<std::string, size_t> index_;
   std::vector<LayerOffsets> layers_;
+  EmbeddingOffsets embeddings_{};
+  HeadOffsets heads_;
   int64_t total_ = 0, hidden_ = 0;
 };
 
