@@ -26,14 +26,8 @@ class Communicator {
   virtual void barrier() = 0;
   virtual std::string name() const = 0;
   // What the next collectives are for ("gradient bucket 3 (...)"): the stall watchdog names it.
+  // (What a stop request or a failed collective does is the process's policy: incidents.h.)
   virtual void set_label(const std::string&) {}
-  // A stop request (SIGTERM's flag) and how long a collective may still wait once it is raised:
-  // peers that received the same signal finish the step within that time; past it (a peer hangs
-  // or never got the signal) the job ends at once, the last complete checkpoint standing.
-  virtual void set_interrupt(const std::atomic<int>* flag, double grace_s) {}
-  // A file every rank appends its failure messages to (besides stderr): a launcher that is
-  // ending the job after losing a host stops forwarding the ranks' output, the file keeps it.
-  virtual void set_incident_log(const std::string& path) {}
   // Collective: n floats of zeroed memory that the communicator can reduce without copying
   // (an MPI-3 shared-memory window for the shm algorithm), owned by the communicator and valid
   // until it is destroyed; nullptr when the transport has no such memory (or not enough of it:

@@ -15,25 +15,28 @@
 // (real hosts, or tests/cluster's network namespaces); BERTRAIN_LOCAL_SIZE=k pretends every k
 // consecutive ranks share a node (to exercise hierarchical on one host).
 //
-// A stall watchdog thread aborts the whole job (MPI_Abort, non-zero exit on every rank) when a
-// collective waits longer than the stall timeout, naming the collective and the ranks of this
-// node that have not reached it (read from a shared-memory progress table) and, when a ring
-// step waits on a rank of another host, that host and its ranks (dead, hung or cut off).
-// If the launcher cannot be reached to abort (a host's link is down), the rank exits anyway.
+// In Horovod's shape: a thin transport (mpi_transport.h: the communicators, hosts and the node's
+// shared memory), each algorithm a class over it (mpi_algorithms.h), and a stall watchdog of its
+// own (watchdog.h) that aborts the whole job, naming the collective and whom it waits for, when
+// a collective waits longer than the stall timeout. What a stop request or an incident does is
+// the process's policy (incidents.h), not the communicator's.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "comm/communicator.h"
 #include "core/precision.h"
 
 namespace bertrain::comm {
+
+class MpiTransport;
+class StallWatchdog;
+class RingAllreduce;
+class ShmAllreduce;
+class HierarchicalAllreduce;
 
 enum class Algorithm { Mpi, Ring, Shm, Hierarchical };
 // Each rank's slot in the node's shared window (staging for buffers outside shared memory):
@@ -55,15 +58,16 @@ class MpiCommunicator : public Communicator {
   MpiCommunicator(int* argc, char*** argv);
   ~MpiCommunicator() override;
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  int local_rank() const override { return local_rank_; }
-  int local_size() const override { return local_size_; }
+  int rank() const override;
+  int size() const override;
+  int local_rank() const override;
+  int local_size() const override;
   void allreduce_sum(float* data, int64_t n) override;
   void allreduce_sum(double* data, int64_t n) override;
   void broadcast(void* data, int64_t bytes, int root) override;
   void barrier() override;
   std::string name() const override;
+  void set_label(const std::string& label) override;
   float* allocate_shared(int64_t n) override;
   // mpi: MPI_Reduce_scatter / MPI_Allgatherv. ring: the allreduce's two phases with the
   // parts as chunks (compression narrows the reduce-scatter; the allgather stays fp32). shm on
@@ -75,75 +79,27 @@ class MpiCommunicator : public Communicator {
   void allgather(uint16_t* data, int64_t n, std::span<const int64_t> counts) override;
 
   void set_algorithm(Algorithm a) { algo_ = a; }
+  Algorithm algorithm() const { return algo_; }
   void set_wire(Precision w) { wire_ = w; }
   // Whether the allreduce sends gradients over a wire that --compression narrows: the ring, and
   // the ring between node leaders of shm/hierarchical once ranks span nodes. Within one node
   // shm reads peers' memory directly and nothing is compressed.
-  bool wire_in_use() const {
-    return algo_ == Algorithm::Ring ||
-           ((algo_ == Algorithm::Shm || algo_ == Algorithm::Hierarchical) && local_size_ != size_);
-  }
-  void set_stall_timeout(double seconds) { stall_timeout_ = seconds; }
-  void set_interrupt(const std::atomic<int>* flag, double grace_s) override {
-    interrupt_grace_ = grace_s;
-    interrupt_ = flag;
-  }
-  void set_incident_log(const std::string& path) override {
-    std::lock_guard<std::mutex> lock(label_mu_);
-    incident_log_ = path;
-  }
-  void set_label(const std::string& label) override {
-    std::lock_guard<std::mutex> lock(label_mu_);
-    label_ = label;
-  }
-  Algorithm algorithm() const { return algo_; }
-  // The host each rank runs on (its hostname, gathered at start) and a host with its ranks:
-  // "h1 (ranks 2-3)". Failure messages name hosts this way.
-  const std::string& host_of(int rank) const;
-  std::string host_and_ranks(int rank) const;
-  int host_count() const;
-
-  // Individual algorithms (tests and benchmarks call them directly).
-  void allreduce_mpi(float* data, int64_t n);
-  void allreduce_ring(float* data, int64_t n, Precision wire, void* comm);  // comm: MPI_Comm*
-  void allreduce_shm(float* data, int64_t n);
-  void allreduce_hierarchical(float* data, int64_t n);
-  void reduce_scatter_shm(float* data, int64_t n, std::span<const int64_t> counts);
+  bool wire_in_use() const;
+  void set_stall_timeout(double seconds);
 
  private:
-  // The ring over comm (MPI_Comm*), chunks [cuts[c], cuts[c + 1]): a reduce-scatter leaving
-  // chunk (rank + own_shift) % size summed here, then an allgather of the summed chunks.
-  void ring(float* data, const std::vector<int64_t>& cuts, Precision wire, void* comm,
-            int own_shift, bool reduce, bool gather);
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
-  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
+  // The allreduce across nodes: shm within one node, hierarchical across them.
+  bool spans_nodes() const;
+  // The members in construction order (destroyed in reverse: the watchdog stops before the
+  // transport finalizes MPI).
+  std::unique_ptr<MpiTransport> t_;
+  std::unique_ptr<StallWatchdog> watchdog_;
+  std::unique_ptr<RingAllreduce> ring_;
+  std::unique_ptr<ShmAllreduce> shm_;
+  std::unique_ptr<HierarchicalAllreduce> hierarchical_;
+  std::vector<float> part_;  // MPI_Reduce_scatter's result before it moves into place
   Algorithm algo_ = Algorithm::Ring;
   Precision wire_ = Precision::FP32;
-  double stall_timeout_ = 60.0;
-  // Watchdog state.
-  void enter(const char* what);
-  void leave();
-  void watchdog_loop();
-  [[noreturn]] void abort_job(int code);
-  // Hosts with their ranks in rank order, the first four: "h0 (ranks 0-1), h1 (ranks 2-3)"
-  // (others: every host but this rank's).
-  std::string hosts_summary(bool others) const;
-  std::string waited_for(bool* remote) const;
-  // Liveness probe over plain TCP (works when MPI's transport is stuck): see mpi.cpp.
-  void open_probe();
-  std::vector<int> probe_ranks(double timeout_s) const;
-  std::string probe_report(double timeout_s) const;  // remote: the ranks waited for are elsewhere
-  std::atomic<double> in_since_{0};
-  std::atomic<const char*> in_what_{nullptr};
-  std::atomic<int> waiting_on_{-1};  // the world rank a ring step receives from, or -1
-  std::atomic<bool> stop_{false};
-  std::atomic<const std::atomic<int>*> interrupt_{nullptr};
-  std::atomic<double> interrupt_grace_{5.0};
-  std::thread watchdog_;
-  std::mutex label_mu_;
-  std::string label_, incident_log_;     // under label_mu_
-  void report(const std::string& line);  // stderr and the incident log
 };
 
 }  // namespace bertrain::comm

@@ -16,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "comm/incidents.h"
 #include "core/error.h"
 #include "core/setting.h"
 #include "model/checkpoint.h"
@@ -504,8 +505,9 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   // job, its last complete checkpoint standing.
   in.interrupt = &g_stop_signal;
   in.interrupt_grace_s = s.world == 1 ? 0.0 : kStopGraceSeconds;
-  comm.set_interrupt(&g_stop_signal, kStopGraceSeconds);
-  comm.set_incident_log((std::filesystem::path(cfg.output) / "incidents.log").string());
+  comm::Incidents::process().set_interrupt(&g_stop_signal, kStopGraceSeconds);
+  comm::Incidents::process().set_log(
+      (std::filesystem::path(cfg.output) / "incidents.log").string());
   s.pipe = std::make_unique<data::Pipeline>(
       in,
       data::Schema::pretraining(cfg.seq_len, cfg.max_predictions, s.mcfg.vocab_size,
@@ -710,7 +712,8 @@ TrainResult Trainer::run() {
     // slowest step so far (BERT-large steps on CPUs take longer than the 5 s floor).
     slowest_step = std::max(slowest_step, r.t_total);
     if (world > 1)
-      s.comm.set_interrupt(&g_stop_signal, std::max(kStopGraceSeconds, 2 * slowest_step));
+      comm::Incidents::process().set_interrupt(&g_stop_signal,
+                                               std::max(kStopGraceSeconds, 2 * slowest_step));
 
     res.losses.push_back(r.loss);
     const int64_t done = step + 1;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "comm/gpu_placement.h"
+#include "comm/incidents.h"
 #include "core/error.h"
 #include "core/host.h"
 #include "kernels/backend.h"
@@ -164,14 +165,6 @@ class NcclCommunicator final : public Communicator {
   void set_label(const std::string& label) override {
     std::lock_guard<std::mutex> lock(mu_);
     label_ = label;
-  }
-  void set_incident_log(const std::string& path) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    incident_log_ = path;
-  }
-  void set_interrupt(const std::atomic<int>* flag, double grace_s) override {
-    interrupt_ = flag;
-    grace_s_ = grace_s;
   }
 
   void allreduce_sum(float* data, int64_t n) override {
@@ -387,10 +380,10 @@ class NcclCommunicator final : public Communicator {
                 " s): a rank died, hangs, runs another step, or "
                 "cannot be reached over NCCL's transport"),
             bytes);
-      if (interrupt_ && interrupt_->load() != 0) {
+      if (const int sig = Incidents::process().interrupt(); sig != 0) {
         if (stopped_at < 0) stopped_at = waited;
-        if (waited - stopped_at >= grace_s_)
-          die(str("stopped by signal ", interrupt_->load(), " while ", what,
+        if (waited - stopped_at >= Incidents::process().grace_s())
+          die(str("stopped by signal ", sig, " while ", what,
                   " waited for the other ranks: the step cannot finish, so the job ends now; the "
                   "last complete checkpoint stands (continue with resume)"),
               bytes);
@@ -400,11 +393,10 @@ class NcclCommunicator final : public Communicator {
   }
 
   [[noreturn]] void die(const std::string& why, int64_t bytes) {
-    std::string label, log;
+    std::string label;
     {
       std::lock_guard<std::mutex> lock(mu_);
       label = label_;
-      log = incident_log_;
     }
     nccl().CommAbort(comm_);  // no rank stays in a collective with this one gone
     comm_ = nullptr;
@@ -413,13 +405,7 @@ class NcclCommunicator final : public Communicator {
             label.empty() ? "" : " of ", label, bytes > 0 ? str(" (", bytes, " bytes)") : "",
             "; NCCL ", version_, ", ", settings_line(),
             "; ending the job (continue from the last checkpoint with resume)");
-    std::fprintf(stderr, "%s\n", line.c_str());
-    std::fflush(stderr);
-    if (!log.empty())
-      if (FILE* f = std::fopen(log.c_str(), "a")) {
-        std::fprintf(f, "%s\n", line.c_str());
-        std::fclose(f);
-      }
+    Incidents::process().report(line);
     std::_Exit(3);
   }
 
@@ -501,9 +487,7 @@ class NcclCommunicator final : public Communicator {
   void* wire_buffer_ = nullptr;
   size_t wire_elems_ = 0;
   std::mutex mu_;
-  std::string label_, incident_log_;
-  const std::atomic<int>* interrupt_ = nullptr;
-  double grace_s_ = 0;
+  std::string label_;
 };
 
 }  // namespace
