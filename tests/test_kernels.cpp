@@ -237,8 +237,8 @@ TEST(CrossEntropy, LossAndGradient) {
 TEST(Dropout, DeterministicRateAndBackward) {
   const int64_t n = 200000;
   std::vector<float> x(n, 1.0f), y(n, 1.0f);
-  dropout_forward(x.data(), n, 0.1f, 42, 0);
-  dropout_forward(y.data(), n, 0.1f, 42, 0);
+  dropout_forward(x.data(), n, {0.1f, 42, 0});
+  dropout_forward(y.data(), n, {0.1f, 42, 0});
   EXPECT_EQ(x, y);  // same key, same mask
   int64_t zeros = 0;
   for (float v : x) {
@@ -251,13 +251,13 @@ TEST(Dropout, DeterministicRateAndBackward) {
   EXPECT_NEAR(static_cast<double>(zeros), 0.1 * n, 5 * 134.0);
   // A different key gives a different mask; an offset shifts the stream.
   std::vector<float> z(n, 1.0f), s(n - 10, 1.0f);
-  dropout_forward(z.data(), n, 0.1f, 43, 0);
+  dropout_forward(z.data(), n, {0.1f, 43, 0});
   EXPECT_NE(x, z);
-  dropout_forward(s.data(), n - 10, 0.1f, 42, 10);
+  dropout_forward(s.data(), n - 10, {0.1f, 42, 10});
   for (int64_t i = 0; i < n - 10; ++i) ASSERT_EQ(s[i], x[i + 10]);
   // backward applies the same mask and scale
   std::vector<float> dy(n, 2.0f), dx(n);
-  dropout_backward(dx.data(), dy.data(), n, 0.1f, 42, 0);
+  dropout_backward(dx.data(), dy.data(), n, {0.1f, 42, 0});
   for (int64_t i = 0; i < n; ++i) ASSERT_FLOAT_EQ(dx[i], 2.0f * x[i]);
 }
 
@@ -543,7 +543,8 @@ TEST(IsaDispatch, ActivationToBf16EqualsRoundedFp32) {
       std::vector<float> y(n);
       std::vector<uint16_t> y16(n);
       activation_forward(a, y.data(), x.data(), n);
-      activation_forward_bf16(a, y16.data(), x.data(), n);
+      activation_forward(Precision::BF16, a, {nullptr, y16.data()},
+                         {const_cast<float*>(x.data()), nullptr}, n);
       for (int64_t i = 0; i < n; ++i)
         ASSERT_EQ(y16[i], f32_to_bf16(y[i]))
             << "activation " << int(a) << " at " << i << " with " << isa_name(isa);
@@ -597,12 +598,12 @@ TEST(IsaDispatch, Fp16ActivationEqualsTheSeparatePasses) {
       activation_forward(a, y.data(), r.data(), n);
       round_to_f16(y.data(), y.data(), n, y16.data());
       std::vector<float> z = x;
-      activation_forward_f16(a, z.data(), out16.data(), z.data(), in16.data(), n);
+      activation_forward(Precision::FP16, a, {z.data(), out16.data()}, {z.data(), in16.data()}, n);
       ASSERT_EQ(in16, r16) << at;
       ASSERT_EQ(out16, y16) << at;
       for (int64_t i = 0; i < n; ++i) ASSERT_EQ(f32_bits(z[i]), f32_bits(y[i])) << i << " " << at;
       activation_backward(a, dx_ref.data(), r.data(), dy.data(), n);
-      activation_backward_f16(a, dx.data(), in16.data(), dy.data(), n);
+      activation_backward(Precision::FP16, a, dx.data(), {nullptr, in16.data()}, dy.data(), n);
       for (int64_t i = 0; i < n; ++i)
         ASSERT_EQ(f32_bits(dx[i]), f32_bits(dx_ref[i])) << i << " " << at;
     }
@@ -620,14 +621,15 @@ TEST(IsaDispatch, ActivationBackwardFromBf16EqualsFp32AtTheRoundedInput) {
     set_isa_override(isa);
     for (Activation a : {Activation::GeluErf, Activation::GeluTanh, Activation::Relu}) {
       std::vector<uint16_t> y16(n), x16(n);
-      activation_forward_bf16(a, y16.data(), x.data(), n, x16.data());
+      activation_forward(Precision::BF16, a, {nullptr, y16.data()},
+                         {const_cast<float*>(x.data()), x16.data()}, n);
       std::vector<float> xr(n), want(n), got(n);
       for (int64_t i = 0; i < n; ++i) {
         ASSERT_EQ(x16[i], f32_to_bf16(x[i])) << isa_name(isa) << " at " << i;
         xr[i] = bf16_to_f32(x16[i]);
       }
       activation_backward(a, want.data(), xr.data(), dy.data(), n);
-      activation_backward_bf16(a, got.data(), x16.data(), dy.data(), n);
+      activation_backward(Precision::BF16, a, got.data(), {nullptr, x16.data()}, dy.data(), n);
       ASSERT_EQ(got, want) << "activation " << int(a) << " with " << isa_name(isa);
     }
     reset_isa_override();
@@ -648,17 +650,17 @@ TEST(IsaDispatch, FusedResidualLayerNormEqualsSeparateKernels) {
                        db(C, 0.0f);
     if (fused) {
       residual_layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), res.data(),
-                                 gamma.data(), beta.data(), N, C, 1e-12f, p, 9, 100);
+                                 gamma.data(), beta.data(), N, C, 1e-12f, {p, 9, 100});
       layernorm_dropout_backward(dx.data(), dy.data(), dg.data(), db.data(), dout.data(), x.data(),
-                                 gamma.data(), mean.data(), rstd.data(), N, C, false, p, 9, 100);
+                                 gamma.data(), mean.data(), rstd.data(), N, C, false, {p, 9, 100});
     } else {
-      dropout_forward(x.data(), N * C, p, 9, 100);
+      dropout_forward(x.data(), N * C, {p, 9, 100});
       add_inplace(x.data(), res.data(), N * C);
       layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), gamma.data(), beta.data(),
                         N, C, 1e-12f);
       layernorm_backward(dx.data(), dg.data(), db.data(), dout.data(), x.data(), gamma.data(),
                          mean.data(), rstd.data(), N, C);
-      dropout_backward(dy.data(), dx.data(), N * C, p, 9, 100);
+      dropout_backward(dy.data(), dx.data(), N * C, {p, 9, 100});
     }
     for (auto* v : {&out, &mean, &rstd, &dx, &dy, &dg, &db})
       x.insert(x.end(), v->begin(), v->end());
@@ -694,12 +696,12 @@ TEST(IsaDispatch, FusedEmbeddingLayerNormEqualsSeparateKernels) {
     std::vector<float> out2(out.size()), sum2(out.size()), mean2(B * T), rstd2(B * T);
     embedding_layernorm_forward(out.data(), sum.data(), mean.data(), rstd.data(), ids.data(),
                                 seg.data(), nullptr, word.data(), pos.data(), type.data(),
-                                gamma.data(), beta.data(), B, T, C, 1e-12f, 0.2f, 4, 64);
+                                gamma.data(), beta.data(), B, T, C, 1e-12f, {0.2f, 4, 64});
     embedding_forward(sum2.data(), ids.data(), seg.data(), word.data(), pos.data(), type.data(), B,
                       T, C);
     layernorm_forward(out2.data(), mean2.data(), rstd2.data(), sum2.data(), gamma.data(),
                       beta.data(), B * T, C, 1e-12f);
-    dropout_forward(out2.data(), B * T * C, 0.2f, 4, 64);
+    dropout_forward(out2.data(), B * T * C, {0.2f, 4, 64});
     reset_isa_override();
     EXPECT_EQ(sum, sum2);
     EXPECT_EQ(out, out2) << isa_name(isa);
@@ -713,8 +715,8 @@ TEST(IsaDispatch, DropoutVectorBodiesAreBitIdentical) {
   const auto x = random_vector(n, 5);
   const auto r = by_isa([&] {
     std::vector<float> y = x, dx(n);
-    dropout_forward(y.data(), n, 0.1f, 77, 12345);
-    dropout_backward(dx.data(), x.data(), n, 0.1f, 77, 12345);
+    dropout_forward(y.data(), n, {0.1f, 77, 12345});
+    dropout_backward(dx.data(), x.data(), n, {0.1f, 77, 12345});
     y.insert(y.end(), dx.begin(), dx.end());
     return y;
   });

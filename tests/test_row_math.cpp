@@ -97,7 +97,7 @@ TEST_P(RowMath, ResidualLayerNormEqualsCpu) {
              g = random_vector(C, 3), b = random_vector(C, 4);
   std::vector<float> x_ref = y, out_ref(N * C), mean_ref(N), rstd_ref(N);
   residual_layernorm_forward(out_ref.data(), mean_ref.data(), rstd_ref.data(), x_ref.data(),
-                             res.data(), g.data(), b.data(), N, C, eps, p, 7, 50, rows.data());
+                             res.data(), g.data(), b.data(), N, C, eps, {p, 7, 50, rows.data()});
   std::vector<float> x = y, out(N * C), mean(N), rstd(N);
   for_rows(GetParam(), N, [&](int64_t r, const auto& l) {
     row_math::dropout_residual(x.data() + r * C, res.data() + r * C, C, p, 7, 50 + rows[r] * C, l);
@@ -122,7 +122,8 @@ TEST_P(RowMath, EmbeddingLayerNormEqualsCpu) {
   std::vector<float> out_ref(B * T * C), sum_ref(B * T * C), mean_ref(B * T), rstd_ref(B * T);
   embedding_layernorm_forward(out_ref.data(), sum_ref.data(), mean_ref.data(), rstd_ref.data(),
                               ids.data(), seg.data(), positions.data(), word.data(), pos.data(),
-                              type.data(), g.data(), b.data(), B, T, C, eps, p, 9, 3, rows.data());
+                              type.data(), g.data(), b.data(), B, T, C, eps,
+                              {p, 9, 3, rows.data()});
   std::vector<float> out(B * T * C), sum(B * T * C), mean(B * T), rstd(B * T);
   for_rows(GetParam(), B * T, [&](int64_t r, const auto& l) {
     row_math::embedding_sum(sum.data() + r * C, ids[r], seg[r], positions[r], word.data(),
@@ -148,8 +149,8 @@ TEST_P(RowMath, LayerNormDropoutBackwardEqualsCpu) {
   layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), g.data(), b.data(), N, C, eps);
   std::vector<float> dx_ref = dx0, dd_ref(N * C), dg_ref(C, 0.5f), db_ref(C, -0.5f);
   layernorm_dropout_backward(dx_ref.data(), dd_ref.data(), dg_ref.data(), db_ref.data(), dy.data(),
-                             x.data(), g.data(), mean.data(), rstd.data(), N, C, true, p, 4, 17,
-                             rows.data());
+                             x.data(), g.data(), mean.data(), rstd.data(), N, C, true,
+                             {p, 4, 17, rows.data()});
   std::vector<float> dx = dx0, dd(N * C), dg(C, 0.5f), db(C, -0.5f);
   for_rows(GetParam(), N, [&](int64_t r, const auto& l) {
     row_math::layernorm_backward(dx.data() + r * C, dd.data() + r * C, dy.data() + r * C,

@@ -134,4 +134,55 @@ inline float lamb_trust(const LambStep& a, double pn, double un) {
   return 1.0f;
 }
 
+// -- the operands of the backend's operations (backend.h), which its implementations take as they
+//    are --
+
+// A tensor forward keeps for backward, in the model's precision: `f32` the values forward
+// computes with (in 16-bit precisions possibly a scratch buffer, gone by backward), `bits` its
+// 16-bit copy (bf16 or fp16 raw bits by precision; null in fp32). Forward's matmuls read `bits`
+// in BF16 when present (else they round `f32`), `f32` otherwise; backward reads `bits` whenever
+// present (the 16-bit value is what forward used), `f32` otherwise.
+struct Kept {
+  float* f32 = nullptr;
+  uint16_t* bits = nullptr;
+};
+
+// A linear layer's weight: the fp32 master and its 16-bit copy where the matmuls read one
+// (WeightCopy: bf16 bits in BF16; fp16 bits in FP16 with fp16 operands).
+struct Weight {
+  const float* f32 = nullptr;
+  const uint16_t* bits = nullptr;
+};
+
+// Scratch the precision paths need, regions of the model's memory plan (BertModel::make_plan):
+// 16-bit operands rounded on the fly (a: a forward input or an output gradient, b: a backward
+// input; bf16, or fp16 with fp16 operands), the FP16 tensor widened back to fp32 for backward,
+// attention's 16-bit operands (the same), and the full attention kernel's [B,NH,T,T] work
+// buffer.
+struct Workspace {
+  uint16_t *half_a = nullptr, *half_b = nullptr;
+  float* wide = nullptr;
+  uint16_t *attn_probs16 = nullptr, *attn_dctx16 = nullptr;
+  float* attn_work = nullptr;
+};
+
+// What attention keeps for backward: the softmax output (probs in fp32, or probs16 in BF16 /
+// FP16), or, for the blocked (flash-style) kernel, only the row log-sum-exp `lse` [B,NH,T].
+struct AttentionSaved {
+  float* probs = nullptr;
+  uint16_t* probs16 = nullptr;
+  float* lse = nullptr;
+  bool blocked() const { return lse != nullptr; }
+};
+
+// Dropout of one site: element i kept iff rng_uniform(key, offset + i) >= p (core/rng.h, the
+// same on host and device). rows (the row kernels: embedding and the LayerNorm blocks): element
+// (r, c) of a C-wide row is element rows[r] * C + c, so an unpadded model's packed row draws
+// its padded row's mask.
+struct Dropout {
+  float p = 0;
+  uint64_t key = 0, offset = 0;
+  const int32_t* rows = nullptr;
+};
+
 }  // namespace bertrain::kernels

@@ -83,8 +83,8 @@ TEST(Cuda, ActivationsAndDropoutMatchCpu) {
   }
   std::vector<float> ones(n, 1.0f);
   auto d = to_device(ones);
-  kernels::dropout_forward(ones.data(), n, 0.1f, 1234, 77);
-  cuda::dropout_forward(d.f32(), n, 0.1f, 1234, 77);
+  kernels::dropout_forward(ones.data(), n, {0.1f, 1234, 77});
+  cuda::dropout_forward(d.f32(), n, {0.1f, 1234, 77});
   cuda::synchronize();
   EXPECT_EQ(to_host(d, n), ones);  // bit-identical masks on both backends
 }
@@ -128,8 +128,7 @@ TEST(Cuda, FusedLayerNormBlocksMatchCpu) {
   // dropout + residual + LayerNorm
   std::vector<float> x = y, out(N * C), mean(N), rstd(N);
   kernels::residual_layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), res.data(),
-                                      g.data(), b.data(), N, C, eps, hd.p, hd.key, hd.offset,
-                                      hd.rows);
+                                      g.data(), b.data(), N, C, eps, hd);
   cuda::DeviceBuffer out_d(N * C * 4), mean_d(N * 4), rstd_d(N * 4);
   cuda::residual_layernorm_forward(out_d.f32(), mean_d.f32(), rstd_d.f32(), y_d.f32(), res_d.f32(),
                                    g_d.f32(), b_d.f32(), N, C, eps, dd);
@@ -140,8 +139,7 @@ TEST(Cuda, FusedLayerNormBlocksMatchCpu) {
   const auto dx0 = random_vector(N * C, 9);
   std::vector<float> dx = dx0, ddrop(N * C), dg(C, 0.0f), db(C, 0.0f);
   kernels::layernorm_dropout_backward(dx.data(), ddrop.data(), dg.data(), db.data(), dy.data(),
-                                      x.data(), g.data(), mean.data(), rstd.data(), N, C, true,
-                                      hd.p, hd.key, hd.offset, hd.rows);
+                                      x.data(), g.data(), mean.data(), rstd.data(), N, C, true, hd);
   auto dx_d = to_device(dx0), dg_d = to_device(std::vector<float>(C, 0.0f)),
        db_d = to_device(std::vector<float>(C, 0.0f));
   cuda::DeviceBuffer ddrop_d(N * C * 4);
@@ -160,8 +158,7 @@ TEST(Cuda, FusedLayerNormBlocksMatchCpu) {
   std::vector<float> e_out(N * C), e_sum(N * C), e_mean(N), e_rstd(N);
   kernels::embedding_layernorm_forward(e_out.data(), e_sum.data(), e_mean.data(), e_rstd.data(),
                                        ids.data(), seg.data(), nullptr, word.data(), pos.data(),
-                                       type.data(), g.data(), b.data(), B, T, C, eps, hd.p, hd.key,
-                                       hd.offset, hd.rows);
+                                       type.data(), g.data(), b.data(), B, T, C, eps, hd);
   auto ids_d = to_device_as(ids), seg_d = to_device_as(seg), word_d = to_device(word),
        pos_d = to_device(pos), type_d = to_device(type);
   cuda::DeviceBuffer eo_d(N * C * 4), es_d(N * C * 4);
@@ -442,8 +439,8 @@ TEST(Cuda, LinearMatchesCpu) {
   x[3] = 1e-6f;  // an fp16 subnormal
   auto x_d = to_device(x);
   cuda::DeviceBuffer b_d(2000), h_d(2000);
-  cuda::round_to_bf16(static_cast<uint16_t*>(b_d.data()), x_d.f32(), 1000);
-  cuda::round_to_f16(static_cast<uint16_t*>(h_d.data()), x_d.f32(), 1000);
+  cuda::round_to_16(Precision::BF16, static_cast<uint16_t*>(b_d.data()), x_d.f32(), 1000);
+  cuda::round_to_16(Precision::FP16, static_cast<uint16_t*>(h_d.data()), x_d.f32(), 1000);
   cuda::synchronize();
   const auto b = to_host_as<uint16_t>(b_d, 1000), h = to_host_as<uint16_t>(h_d, 1000);
   for (int i = 0; i < 1000; ++i) {

@@ -368,7 +368,7 @@ struct HeadGemm {
     if constexpr (std::is_same_v<X, float>)
       gemm_batched(NH, ta, tb, M, N, K, alpha, A, lda, sa, Bm, ldb, sb, C, ldc, sc, outer);
     else
-      gemm_batched_bf16(NH, ta, tb, M, N, K, alpha, A, lda, sa, Bm, ldb, sb, C, ldc, sc, outer);
+      gemm_batched(NH, ta, tb, M, N, K, alpha, A, lda, sa, Bm, ldb, sb, C, ldc, sc, outer);
   }
 };
 
@@ -509,6 +509,36 @@ AttentionScratch attention_scratch(const AttentionShape& s, bool bf16, bool bloc
   }
   a.caller_gemm = q.bytes();
   return a;
+}
+
+void attention_forward(Precision p, float* ctx, AttentionSaved saved, Kept qkv, const int32_t* mask,
+                       const AttentionShape& s, const Dropout& d, const Workspace& ws) {
+  if (p == Precision::FP16) round_to_f16(qkv.f32, qkv.f32, s.B * s.T * 3 * s.C, qkv.bits);
+  // BF16: the kernels round QKV into qkv.bits themselves and keep the probabilities in bf16.
+  const AttentionBf16 a16{qkv.bits, ws.attn_probs16, ws.attn_dctx16, saved.probs16};
+  const AttentionBf16* bf16 = p == Precision::BF16 ? &a16 : nullptr;
+  if (saved.blocked())
+    return attention_blocked_forward(ctx, saved.lse, qkv.f32, mask, s, d.p, d.key, d.offset, bf16);
+  attention_forward(ctx, saved.probs, ws.attn_work, qkv.f32, mask, s, d.p, d.key, d.offset, bf16,
+                    p == Precision::FP16 ? saved.probs16 : nullptr);
+}
+
+void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv, AttentionSaved saved,
+                        const int32_t* mask, const AttentionShape& s, const Dropout& d,
+                        const Workspace& ws) {
+  const AttentionBf16 a16{qkv.bits, ws.attn_probs16, ws.attn_dctx16, saved.probs16};
+  const AttentionBf16* bf16 = p == Precision::BF16 ? &a16 : nullptr;
+  const float* x = qkv.f32;  // BF16: null, the kernels read a16.qkv (forward's rounding)
+  if (p == Precision::BF16) x = nullptr;
+  if (p == Precision::FP16) {
+    widen_f16(ws.wide, qkv.bits, s.B * s.T * 3 * s.C);
+    x = ws.wide;
+  }
+  if (saved.blocked())
+    return attention_blocked_backward(dqkv, dctx, x, saved.lse, mask, s, d.p, d.key, d.offset,
+                                      bf16);
+  attention_backward(dqkv, ws.attn_work, dctx, x, saved.probs, s, d.p, d.key, d.offset, bf16,
+                     p == Precision::FP16 ? saved.probs16 : nullptr);
 }
 
 }  // namespace bertrain::kernels

@@ -55,6 +55,19 @@ void attention_blocked_backward(float* dqkv, const float* dctx, const float* qkv
                                 const int32_t* mask, const AttentionShape& s, float dropout_p,
                                 uint64_t key, uint64_t offset, const AttentionBf16* bf16 = nullptr);
 
+// Backend::attention_forward / attention_backward (kernels/backend.h) in precision p, the one
+// place the CPU's attention dispatches on it and on the kernel (the blocked one where `saved`
+// keeps only the row log-sum-exp). FP32: the kernels above on fp32 operands. BF16: their bf16
+// operands (qkv.bits: QKV rounded by forward, read by backward; ws's probs and dctx scratch),
+// the probabilities kept in bf16 (saved.probs16). FP16: QKV rounded to fp16 in place first (its
+// bits in qkv.bits, widened into ws.wide for backward), the probabilities kept in fp16, fp32
+// products.
+void attention_forward(Precision p, float* ctx, AttentionSaved saved, Kept qkv, const int32_t* mask,
+                       const AttentionShape& s, const Dropout& d, const Workspace& ws);
+void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv, AttentionSaved saved,
+                        const int32_t* mask, const AttentionShape& s, const Dropout& d,
+                        const Workspace& ws);
+
 // The attention kernels' kernel scratch (scratch.h) for this shape: oneDNN's scratchpad for
 // their products (from the products themselves, matmul.h's GemmScratchQuery) — made by the
 // caller (full kernel) or on every thread (blocked) — and per thread the blocked kernel's

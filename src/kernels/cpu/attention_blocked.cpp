@@ -190,7 +190,7 @@ void block_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* 
 }
 void block_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda,
                 const uint16_t* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, nullptr, accumulate);
+  gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, nullptr, accumulate);
 }
 
 // One thread's row-block buffers (scores s and gradients g in fp32, a and b in the operand type)

@@ -1,5 +1,6 @@
-// The CPU backend: kernels/backend.h's table filled with this directory's kernels (each
-// dispatching on the CPU's ISA) and oneDNN's matmuls. The precision branches live here, once.
+// The CPU backend: kernels/backend.h's table filled with this directory's kernels, which take the
+// interface's own operands and dispatch, each in one place, on the precision and on the CPU's
+// ISA; oneDNN's matmuls.
 #include "kernels/backend.h"
 
 #include <omp.h>
@@ -78,7 +79,7 @@ class CpuBackend final : public Backend {
     std::vector<uint16_t> a16(bf16 ? M * K : 0, 0x3c23), w16(bf16 ? N * K : 0, 0x3ca3);
     auto run = [&] {
       if (bf16)
-        gemm_bf16(false, true, M, N, K, a16.data(), K, w16.data(), K, c.data(), N, nullptr, false);
+        gemm(false, true, M, N, K, a16.data(), K, w16.data(), K, c.data(), N, nullptr, false);
       else
         kernels::linear_forward(c.data(), a.data(), w.data(), nullptr, M, N, K);
     };
@@ -113,98 +114,33 @@ class CpuBackend final : public Backend {
 
   void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias, int64_t M,
                       int64_t N, int64_t K, const Workspace& ws) const override {
-    if (p != Precision::BF16) return kernels::linear_forward(out, in.f32, w.f32, bias, M, N, K);
-    if (in.bits)  // already rounded (a kept tensor): straight to the bf16 GEMM
-      return gemm_bf16(false, true, M, N, K, in.bits, K, w.bits, K, out, N, bias, false);
-    linear_forward_bf16(out, in.f32, w.bits, bias, M, N, K, ws.half_a);
+    kernels::linear_forward(p, out, in, w, bias, M, N, K, ws);
   }
-
   void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
                        Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
                        const Workspace& ws) const override {
-    switch (p) {
-      case Precision::FP32:
-        return kernels::linear_backward(dinp, dw, db, dout, in.f32, w.f32, M, N, K,
-                                        accumulate_dinp);
-      case Precision::BF16:
-        if (in.bits)
-          return linear_backward_bf16_in16(dinp, dw, db, dout, in.bits, w.bits, M, N, K,
-                                           accumulate_dinp, ws.half_a);
-        return linear_backward_bf16(dinp, dw, db, dout, in.f32, w.bits, M, N, K, accumulate_dinp,
-                                    ws.half_a, ws.half_b);
-      case Precision::FP16: {
-        const float* x = in.f32;
-        if (in.bits) {  // the fp16 value forward used, widened for the fp32 kernels
-          widen_f16(ws.wide, in.bits, M * K);
-          x = ws.wide;
-        }
-        return kernels::linear_backward(dinp, dw, db, dout, x, w.f32, M, N, K, accumulate_dinp);
-      }
-    }
+    kernels::linear_backward(p, dinp, dw, db, dout, in, w, M, N, K, accumulate_dinp, ws);
   }
-
-  void keep(Precision p, Kept x, int64_t n) const override {
-    if (p == Precision::BF16) convert_f32_to_bf16(x.f32, x.bits, static_cast<size_t>(n));
-    if (p == Precision::FP16) round_to_f16(x.f32, x.f32, n, x.bits);
-  }
-
+  void keep(Precision p, Kept x, int64_t n) const override { kernels::keep(p, x, n); }
   void copy_weights(Precision p, const float* master, uint16_t* copy, int64_t n) const override {
-    if (p == Precision::BF16) convert_f32_to_bf16(master, copy, static_cast<size_t>(n));
+    kernels::copy_weights(p, master, copy, n);
   }
-
   void attention_forward(Precision p, float* ctx, AttentionSaved saved, Kept qkv,
                          const int32_t* mask, const AttentionShape& s, const Dropout& d,
                          const Workspace& ws) const override {
-    if (p == Precision::FP16) round_to_f16(qkv.f32, qkv.f32, s.B * s.T * 3 * s.C, qkv.bits);
-    // BF16: the kernels round QKV into qkv.bits themselves and keep the probabilities in bf16.
-    const AttentionBf16 a16{qkv.bits, ws.attn_probs16, ws.attn_dctx16, saved.probs16};
-    const AttentionBf16* bf16 = p == Precision::BF16 ? &a16 : nullptr;
-    if (saved.blocked())
-      return attention_blocked_forward(ctx, saved.lse, qkv.f32, mask, s, d.p, d.key, d.offset,
-                                       bf16);
-    kernels::attention_forward(ctx, saved.probs, ws.attn_work, qkv.f32, mask, s, d.p, d.key,
-                               d.offset, bf16, p == Precision::FP16 ? saved.probs16 : nullptr);
+    kernels::attention_forward(p, ctx, saved, qkv, mask, s, d, ws);
   }
-
   void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
                           AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
                           const Dropout& d, const Workspace& ws) const override {
-    const AttentionBf16 a16{qkv.bits, ws.attn_probs16, ws.attn_dctx16, saved.probs16};
-    const AttentionBf16* bf16 = p == Precision::BF16 ? &a16 : nullptr;
-    const float* x = qkv.f32;  // BF16: null, the kernels read a16.qkv (forward's rounding)
-    if (p == Precision::BF16) x = nullptr;
-    if (p == Precision::FP16) {
-      widen_f16(ws.wide, qkv.bits, s.B * s.T * 3 * s.C);
-      x = ws.wide;
-    }
-    if (saved.blocked())
-      return attention_blocked_backward(dqkv, dctx, x, saved.lse, mask, s, d.p, d.key, d.offset,
-                                        bf16);
-    kernels::attention_backward(dqkv, ws.attn_work, dctx, x, saved.probs, s, d.p, d.key, d.offset,
-                                bf16, p == Precision::FP16 ? saved.probs16 : nullptr);
+    kernels::attention_backward(p, dqkv, dctx, qkv, saved, mask, s, d, ws);
   }
-
   void activation_forward(Precision p, Activation a, Kept out, Kept in, int64_t n) const override {
-    switch (p) {
-      case Precision::FP32:
-        return kernels::activation_forward(a, out.f32, in.f32, n);
-      case Precision::BF16:
-        return activation_forward_bf16(a, out.bits, in.f32, n, in.bits);
-      case Precision::FP16:
-        return activation_forward_f16(a, out.f32, out.bits, in.f32, in.bits, n);
-    }
+    kernels::activation_forward(p, a, out, in, n);
   }
-
   void activation_backward(Precision p, Activation a, float* dinp, Kept in, const float* dout,
                            int64_t n) const override {
-    switch (p) {
-      case Precision::FP32:
-        return kernels::activation_backward(a, dinp, in.f32, dout, n);
-      case Precision::BF16:
-        return activation_backward_bf16(a, dinp, in.bits, dout, n);
-      case Precision::FP16:
-        return activation_backward_f16(a, dinp, in.bits, dout, n);
-    }
+    kernels::activation_backward(p, a, dinp, in, dout, n);
   }
 
   void tanh_forward(float* out, const float* in, int64_t n) const override {
@@ -221,8 +157,7 @@ class CpuBackend final : public Backend {
                                    const float* gamma, const float* beta, int64_t B, int64_t T,
                                    int64_t C, float eps, const Dropout& d) const override {
     kernels::embedding_layernorm_forward(out, sum, mean, rstd, ids, segment, positions, word,
-                                         position, token_type, gamma, beta, B, T, C, eps, d.p,
-                                         d.key, d.offset, d.rows);
+                                         position, token_type, gamma, beta, B, T, C, eps, d);
   }
   void embedding_backward(
       float* dword, float* dposition, float* dtoken_type, const float* dout, const int32_t* ids,
@@ -244,24 +179,21 @@ class CpuBackend final : public Backend {
                                   const float* residual, const float* gamma, const float* beta,
                                   int64_t N, int64_t C, float eps,
                                   const Dropout& d) const override {
-    kernels::residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d.p,
-                                        d.key, d.offset, d.rows);
+    kernels::residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
   }
   void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
                                   const float* dout, const float* in, const float* gamma,
                                   const float* mean, const float* rstd, int64_t N, int64_t C,
                                   bool accumulate_dinp, const Dropout& d) const override {
     kernels::layernorm_dropout_backward(dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd,
-                                        N, C, accumulate_dinp, d.p, d.key, d.offset, d.rows);
+                                        N, C, accumulate_dinp, d);
   }
 
   void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
-    BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
-    kernels::dropout_forward(x, n, d.p, d.key, d.offset);
+    kernels::dropout_forward(x, n, d);
   }
   void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const override {
-    BT_CHECK(!d.rows, "dropout_backward: a row map is for the row kernels");
-    kernels::dropout_backward(dx, dy, n, d.p, d.key, d.offset);
+    kernels::dropout_backward(dx, dy, n, d);
   }
   void add_inplace(float* out, const float* a, int64_t n) const override {
     kernels::add_inplace(out, a, n);

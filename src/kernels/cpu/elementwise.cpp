@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/dtype.h"
+#include "core/error.h"
 #include "core/isa.h"
 #include "core/parallel.h"
 #include "core/simd_avx2.h"
@@ -184,6 +185,7 @@ void activation_backward_widened(Activation a, float* dinp, const uint16_t* inp1
     }
   });
 }
+
 }  // namespace
 
 void activation_forward(Activation a, float* out, const float* inp, int64_t n) {
@@ -192,8 +194,16 @@ void activation_forward(Activation a, float* out, const float* inp, int64_t n) {
   });
 }
 
-void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n,
-                             uint16_t* inp16) {
+void activation_backward(Activation a, float* dinp, const float* inp, const float* dout,
+                         int64_t n) {
+  with_isa([&](auto tag) {
+    parallel_chunks(n, [&](int64_t b, int64_t e) { backward_rows(tag, a, dinp, inp, dout, b, e); });
+  });
+}
+
+namespace {
+
+void forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n, uint16_t* inp16) {
   with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < n; b += kBlock)
@@ -202,15 +212,14 @@ void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, in
   });
 }
 
-void activation_backward_bf16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
-                              int64_t n) {
+void backward_bf16(Activation a, float* dinp, const uint16_t* inp16, const float* dout, int64_t n) {
   activation_backward_widened(a, dinp, inp16, dout, n, [](const uint16_t* h, float* x, int64_t k) {
     for (int64_t i = 0; i < k; ++i) x[i] = bf16_to_f32(h[i]);
   });
 }
 
-void activation_forward_f16(Activation a, float* out, uint16_t* out16, const float* inp,
-                            uint16_t* inp16, int64_t n) {
+void forward_f16(Activation a, float* out, uint16_t* out16, const float* inp, uint16_t* inp16,
+                 int64_t n) {
   // Per stack block: the input rounded (bits kept), the activation of the rounded values, the
   // result rounded (bits kept) and widened into out. F16C conversions where the CPU has it.
   with_isa([&](auto tag) {
@@ -227,18 +236,44 @@ void activation_forward_f16(Activation a, float* out, uint16_t* out16, const flo
   });
 }
 
-void activation_backward_f16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
-                             int64_t n) {
+void backward_f16(Activation a, float* dinp, const uint16_t* inp16, const float* dout, int64_t n) {
   activation_backward_widened(a, dinp, inp16, dout, n, [](const uint16_t* h, float* x, int64_t k) {
     convert_f16_to_f32(h, x, static_cast<size_t>(k));
   });
 }
 
-void activation_backward(Activation a, float* dinp, const float* inp, const float* dout,
+}  // namespace
+
+void activation_forward(Precision p, Activation a, Kept out, Kept in, int64_t n) {
+  switch (p) {
+    case Precision::FP32:
+      return activation_forward(a, out.f32, in.f32, n);
+    case Precision::BF16:
+      return forward_bf16(a, out.bits, in.f32, n, in.bits);
+    case Precision::FP16:
+      return forward_f16(a, out.f32, out.bits, in.f32, in.bits, n);
+  }
+}
+
+void activation_backward(Precision p, Activation a, float* dinp, Kept in, const float* dout,
                          int64_t n) {
-  with_isa([&](auto tag) {
-    parallel_chunks(n, [&](int64_t b, int64_t e) { backward_rows(tag, a, dinp, inp, dout, b, e); });
-  });
+  switch (p) {
+    case Precision::FP32:
+      return activation_backward(a, dinp, in.f32, dout, n);
+    case Precision::BF16:
+      return backward_bf16(a, dinp, in.bits, dout, n);
+    case Precision::FP16:
+      return backward_f16(a, dinp, in.bits, dout, n);
+  }
+}
+
+void keep(Precision p, Kept x, int64_t n) {
+  if (p == Precision::BF16) convert_f32_to_bf16(x.f32, x.bits, static_cast<size_t>(n));
+  if (p == Precision::FP16) round_to_f16(x.f32, x.f32, n, x.bits);
+}
+
+void copy_weights(Precision p, const float* master, uint16_t* copy, int64_t n) {
+  if (p == Precision::BF16) convert_f32_to_bf16(master, copy, static_cast<size_t>(n));
 }
 
 void round_to_f16(float* out, const float* x, int64_t n, uint16_t* bits16) {
@@ -280,7 +315,10 @@ void add_inplace(float* out, const float* a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += a[i];
 }
 
-void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset) {
+void dropout_forward(float* x, int64_t n, const Dropout& d) {
+  BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
+  const float p = d.p;
+  const uint64_t key = d.key, offset = d.offset;
   if (p <= 0.0f) return;
   with_isa([&](auto tag) {
     parallel_chunks(n,
@@ -288,8 +326,10 @@ void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset
   });
 }
 
-void dropout_backward(float* dx, const float* dy, int64_t n, float p, uint64_t key,
-                      uint64_t offset) {
+void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) {
+  BT_CHECK(!d.rows, "dropout_backward: a row map is for the row kernels");
+  const float p = d.p;
+  const uint64_t key = d.key, offset = d.offset;
   if (p <= 0.0f) {
     if (dx != dy)
       for (int64_t i = 0; i < n; ++i) dx[i] = dy[i];

@@ -11,24 +11,28 @@
 namespace bertrain::kernels {
 
 void activation_forward(Activation a, float* out, const float* inp, int64_t n);
-// The activation rounded to bf16 (out16: raw bits) in the same pass: the next matmul's operand.
-// inp16 (optional): the input rounded to bf16 as well, what activation_backward_bf16 reads.
-void activation_forward_bf16(Activation a, uint16_t* out16, const float* inp, int64_t n,
-                             uint16_t* inp16 = nullptr);
 // dinp = dout * act'(inp)
 void activation_backward(Activation a, float* dinp, const float* inp, const float* dout, int64_t n);
-// The same at the input's bf16 rounding (bf16 training saves the pre-activation in bf16, as
-// PyTorch's autocast does: half the memory; the derivative moves by about one bf16 rounding).
-void activation_backward_bf16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
-                              int64_t n);
-// fp16 storage, one pass: inp rounded to fp16 (bits in inp16), the activation of the rounded
-// values rounded to fp16 (bits in out16, the value in out; out may alias inp). Equals
-// round_to_f16, activation_forward, round_to_f16 bit for bit.
-void activation_forward_f16(Activation a, float* out, uint16_t* out16, const float* inp,
-                            uint16_t* inp16, int64_t n);
-// The backward at the fp16 input inp16 (activation_backward at the widened values).
-void activation_backward_f16(Activation a, float* dinp, const uint16_t* inp16, const float* dout,
-                             int64_t n);
+
+// Backend::activation_forward / activation_backward (kernels/backend.h) in precision p, the one
+// place the CPU's activations dispatch on it:
+//   FP32  out.f32 = act(in.f32).
+//   BF16  out.bits = act(in.f32) rounded to bf16 in the same pass (the next matmul's operand);
+//         in.bits (optional) gets the input's bf16 rounding, what backward reads (bf16 training
+//         saves the pre-activation in bf16, as PyTorch's autocast does: half the memory; the
+//         derivative moves by about one bf16 rounding).
+//   FP16  one pass: in.f32 rounded to fp16 (bits in in.bits), the activation of the rounded
+//         values rounded to fp16 (bits in out.bits, the value in out.f32; out may alias in);
+//         equals round_to_f16, activation_forward, round_to_f16 bit for bit.
+// Backward: dinp = dout * act'(x) at the kept input: in.f32 in FP32, the 16-bit in.bits
+// widened otherwise.
+void activation_forward(Precision p, Activation a, Kept out, Kept in, int64_t n);
+void activation_backward(Precision p, Activation a, float* dinp, Kept in, const float* dout,
+                         int64_t n);
+// Backend::keep: BF16 writes x's bf16 copy to x.bits; FP16 rounds x.f32 in place and writes
+// the fp16 bits; FP32 does nothing. Backend::copy_weights: BF16's bf16 copy of the master.
+void keep(Precision p, Kept x, int64_t n);
+void copy_weights(Precision p, const float* master, uint16_t* copy, int64_t n);
 
 // fp16 storage (the fp16 model): out = x rounded to fp16, widened back (out may alias x);
 // bits16 (optional) receives the fp16 bits, what the model keeps for backward.
@@ -45,11 +49,11 @@ void add(float* out, const float* a, const float* b, int64_t n);
 // out += a
 void add_inplace(float* out, const float* a, int64_t n);
 
-// x = x * keep / (1 - p), in place. p == 0 is the identity.
-void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset);
-// dx = dy * keep / (1 - p) with the same mask (dx may alias dy).
-void dropout_backward(float* dx, const float* dy, int64_t n, float p, uint64_t key,
-                      uint64_t offset);
+// x = x * keep / (1 - d.p), in place, element i keyed at d.offset + i (d.rows is for the row
+// kernels: an error here). d.p == 0 is the identity.
+void dropout_forward(float* x, int64_t n, const Dropout& d);
+// dx = dy * keep / (1 - d.p) with the same mask (dx may alias dy).
+void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d);
 inline bool dropout_keep(float p, uint64_t key, uint64_t index);
 
 }  // namespace bertrain::kernels

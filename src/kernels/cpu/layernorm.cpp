@@ -139,8 +139,10 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
 
 void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                 const float* residual, const float* gamma, const float* beta,
-                                int64_t N, int64_t C, float eps, float dropout_p, uint64_t key,
-                                uint64_t offset, const int32_t* rows) {
+                                int64_t N, int64_t C, float eps, const Dropout& d) {
+  const float dropout_p = d.p;
+  const uint64_t key = d.key, offset = d.offset;
+  const int32_t* rows = d.rows;
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
@@ -184,8 +186,10 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
                                  const int32_t* ids, const int32_t* segment,
                                  const int32_t* positions, const float* word, const float* position,
                                  const float* token_type, const float* gamma, const float* beta,
-                                 int64_t B, int64_t T, int64_t C, float eps, float dropout_p,
-                                 uint64_t key, uint64_t offset, const int32_t* rows) {
+                                 int64_t B, int64_t T, int64_t C, float eps, const Dropout& d) {
+  const float dropout_p = d.p;
+  const uint64_t key = d.key, offset = d.offset;
+  const int32_t* rows = d.rows;
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
@@ -300,8 +304,10 @@ void ln_backward_row(isa::Portable, float* dx, float* dd, float* pg, float* pb, 
 void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
                                 const float* dout, const float* inp, const float* gamma,
                                 const float* mean, const float* rstd, int64_t N, int64_t C,
-                                bool accumulate_dinp, float dropout_p, uint64_t key,
-                                uint64_t offset, const int32_t* rows) {
+                                bool accumulate_dinp, const Dropout& d) {
+  const float dropout_p = d.p;
+  const uint64_t key = d.key, offset = d.offset;
+  const int32_t* rows = d.rows;
   // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat)), xhat = (x - mean) * rstd
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   const int nthreads = omp_get_max_threads();
@@ -335,7 +341,7 @@ void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* d
                         const float* inp, const float* gamma, const float* mean, const float* rstd,
                         int64_t N, int64_t C, bool accumulate_dinp) {
   layernorm_dropout_backward(dinp, nullptr, dgamma, dbeta, dout, inp, gamma, mean, rstd, N, C,
-                             accumulate_dinp, 0.0f, 0, 0);
+                             accumulate_dinp, Dropout{});
 }
 
 }  // namespace bertrain::kernels

@@ -1,5 +1,7 @@
 #include "kernels/cpu/matmul.h"
 
+#include "kernels/cpu/elementwise.h"
+
 #include <omp.h>
 #include <algorithm>
 #include <chrono>
@@ -264,18 +266,18 @@ int64_t linear_scratch_bytes(bool bf16, int64_t M, int64_t N, int64_t K) {
   uint16_t* h = q.placeholder<uint16_t>();
   for (const float* bias : {static_cast<const float*>(nullptr), static_cast<const float*>(f)}) {
     if (bf16)
-      gemm_bf16(false, true, M, N, K, h, K, h, K, f, N, bias, false);
+      gemm(false, true, M, N, K, h, K, h, K, f, N, bias, false);
     else
       gemm(false, true, M, N, K, f, K, f, K, f, N, bias, false);
   }
   for (const bool acc : {false, true}) {
     if (bf16)
-      gemm_bf16(false, false, M, K, N, h, N, h, K, f, K, nullptr, acc);
+      gemm(false, false, M, K, N, h, N, h, K, f, K, nullptr, acc);
     else
       gemm(false, false, M, K, N, f, N, f, K, f, K, nullptr, acc);
   }
   if (bf16)
-    gemm_bf16(true, false, N, K, M, h, N, h, K, f, K, nullptr, true);
+    gemm(true, false, N, K, M, h, N, h, K, f, K, nullptr, true);
   else
     gemm(true, false, N, K, M, f, N, f, K, f, K, nullptr, true);
   return q.bytes();
@@ -293,42 +295,71 @@ void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t 
            sc, alpha, outer);
 }
 
-void gemm_batched_bf16(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                       float alpha, const uint16_t* A, int64_t lda, int64_t sa, const uint16_t* B,
-                       int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc,
-                       const OuterBatch& outer) {
+void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                  float alpha, const uint16_t* A, int64_t lda, int64_t sa, const uint16_t* B,
+                  int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc,
+                  const OuterBatch& outer) {
   gemm_any(true, trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, nullptr, false, batch, sa, sb,
            sc, alpha, outer);
 }
 
-void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A,
-               int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc,
-               const float* bias, bool accumulate) {
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+          int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc, const float* bias,
+          bool accumulate) {
   gemm_any(true, trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, bias, accumulate);
 }
 
-void linear_forward_bf16(float* out, const float* inp, const uint16_t* weight, const float* bias,
-                         int64_t M, int64_t N, int64_t K, uint16_t* scratch) {
-  convert_f32_to_bf16(inp, scratch, static_cast<size_t>(M * K));
-  gemm_bf16(false, true, M, N, K, scratch, K, weight, K, out, N, bias, false);
-}
+namespace {
 
-void linear_backward_bf16(float* dinp, float* dweight, float* dbias, const float* dout,
-                          const float* inp, const uint16_t* weight, int64_t M, int64_t N, int64_t K,
-                          bool accumulate_dinp, uint16_t* scratch_out, uint16_t* scratch_in) {
-  if (dweight) convert_f32_to_bf16(inp, scratch_in, static_cast<size_t>(M * K));
-  linear_backward_bf16_in16(dinp, dweight, dbias, dout, scratch_in, weight, M, N, K,
-                            accumulate_dinp, scratch_out);
-}
-
-void linear_backward_bf16_in16(float* dinp, float* dweight, float* dbias, const float* dout,
+// BF16's backward from the bf16 input the forward multiplied (inp16 [M,K]): the output gradient
+// rounded to bf16 into `scratch_out` ([M,N]), products on bf16 operands, fp32 results.
+void linear_backward_from_bf16(float* dinp, float* dweight, float* dbias, const float* dout,
                                const uint16_t* inp16, const uint16_t* weight, int64_t M, int64_t N,
                                int64_t K, bool accumulate_dinp, uint16_t* scratch_out) {
   convert_f32_to_bf16(dout, scratch_out, static_cast<size_t>(M * N));
   if (dinp)
-    gemm_bf16(false, false, M, K, N, scratch_out, N, weight, K, dinp, K, nullptr, accumulate_dinp);
-  if (dweight) gemm_bf16(true, false, N, K, M, scratch_out, N, inp16, K, dweight, K, nullptr, true);
+    gemm(false, false, M, K, N, scratch_out, N, weight, K, dinp, K, nullptr, accumulate_dinp);
+  if (dweight) gemm(true, false, N, K, M, scratch_out, N, inp16, K, dweight, K, nullptr, true);
   if (dbias) linear_backward(nullptr, nullptr, dbias, dout, nullptr, nullptr, M, N, K);
+}
+
+}  // namespace
+
+void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias, int64_t M,
+                    int64_t N, int64_t K, const Workspace& ws) {
+  if (p != Precision::BF16) return linear_forward(out, in.f32, w.f32, bias, M, N, K);
+  const uint16_t* in16 = in.bits;  // a kept tensor is rounded already
+  if (!in16) {
+    convert_f32_to_bf16(in.f32, ws.half_a, static_cast<size_t>(M * K));
+    in16 = ws.half_a;
+  }
+  gemm(false, true, M, N, K, in16, K, w.bits, K, out, N, bias, false);
+}
+
+void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
+                     Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
+                     const Workspace& ws) {
+  switch (p) {
+    case Precision::FP32:
+      return linear_backward(dinp, dw, db, dout, in.f32, w.f32, M, N, K, accumulate_dinp);
+    case Precision::BF16: {
+      const uint16_t* in16 = in.bits;
+      if (!in16 && dw) {
+        convert_f32_to_bf16(in.f32, ws.half_b, static_cast<size_t>(M * K));
+        in16 = ws.half_b;
+      }
+      return linear_backward_from_bf16(dinp, dw, db, dout, in16, w.bits, M, N, K, accumulate_dinp,
+                                       ws.half_a);
+    }
+    case Precision::FP16: {
+      const float* x = in.f32;
+      if (in.bits) {  // the fp16 value forward used, widened for the fp32 kernels
+        widen_f16(ws.wide, in.bits, M * K);
+        x = ws.wide;
+      }
+      return linear_backward(dinp, dw, db, dout, x, w.f32, M, N, K, accumulate_dinp);
+    }
+  }
 }
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/types.h"
+
 namespace bertrain::kernels {
 
 // The instruction set oneDNN's JIT uses for the matmuls here (after any BERTRAIN_ISA cap), e.g.
@@ -51,30 +53,27 @@ void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t 
                   int64_t sb, float* C, int64_t ldc, int64_t sc, const OuterBatch& outer = {});
 
 // The same with bf16 operands (raw bits), fp32 accumulation and output.
-void gemm_batched_bf16(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                       float alpha, const uint16_t* A, int64_t lda, int64_t sa, const uint16_t* B,
-                       int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc,
-                       const OuterBatch& outer = {});
+void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                  float alpha, const uint16_t* A, int64_t lda, int64_t sa, const uint16_t* B,
+                  int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc,
+                  const OuterBatch& outer = {});
 
-// bf16 inputs (A, B as raw bf16 bits), fp32 accumulation and output (oneDNN; AVX-512 BF16
-// instructions where the CPU has them, an emulation elsewhere).
-void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A,
-               int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc,
-               const float* bias, bool accumulate);
+// gemm with bf16 operands (A, B as raw bf16 bits), fp32 accumulation and output (oneDNN;
+// AVX-512 BF16 instructions where the CPU has them, an emulation elsewhere).
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+          int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc, const float* bias,
+          bool accumulate);
 
-// Mixed-precision linear layers: the fp32 input (or output gradient) is rounded to bf16 into
-// `scratch` ([M,K] / [M,N] elements), the weight is a bf16 copy of the fp32 master; results and
-// gradients stay fp32.
-void linear_forward_bf16(float* out, const float* inp, const uint16_t* weight, const float* bias,
-                         int64_t M, int64_t N, int64_t K, uint16_t* scratch);
-void linear_backward_bf16(float* dinp, float* dweight, float* dbias, const float* dout,
-                          const float* inp, const uint16_t* weight, int64_t M, int64_t N, int64_t K,
-                          bool accumulate_dinp, uint16_t* scratch_out, uint16_t* scratch_in);
-
-// The same backward when the forward input is already in bf16 (inp16 [M,K]).
-void linear_backward_bf16_in16(float* dinp, float* dweight, float* dbias, const float* dout,
-                               const uint16_t* inp16, const uint16_t* weight, int64_t M, int64_t N,
-                               int64_t K, bool accumulate_dinp, uint16_t* scratch_out);
+// Backend::linear_forward / linear_backward (kernels/backend.h) in precision p, the one place
+// the CPU's linear layers dispatch on it. FP32: the fp32 products above. BF16: products on bf16
+// operands (the kept input's bits, or the input / output gradient rounded into ws.half_a /
+// ws.half_b), the weight's bf16 copy; results and gradients fp32. FP16 (no fp16 matmul on the
+// CPU): fp32 products at the fp16 values (the kept input widened into ws.wide).
+void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias, int64_t M,
+                    int64_t N, int64_t K, const Workspace& ws);
+void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
+                     Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
+                     const Workspace& ws);
 
 // While one is open on a thread, the gemm*() calls there only make (and cache) their oneDNN
 // primitive and record the largest scratchpad it needs (bytes()); nothing is read or written.

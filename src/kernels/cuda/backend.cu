@@ -1,8 +1,10 @@
 // The CUDA backend: kernels/backend.h's table filled with this directory's kernels and cuBLAS /
-// cuBLASLt products, the precision branches as the CPU backend has them (kernels/cpu/backend.cpp)
-// so that a model computes the same thing on either; FP16's products take fp16 operands here
-// (Target::fp16_operands), as BF16's take bf16 ones. Pointers are device memory; kernels run on
-// the default stream, in order.
+// cuBLASLt products, which take the interface's own operands and dispatch on the precision each
+// in one place (matmul.cu, attention.cu, elementwise.cu), as the CPU's do (kernels/cpu/), so that
+// a model computes the same thing on either; FP16's products take fp16 operands here
+// (Target::fp16_operands), as BF16's take bf16 ones. The backend adds its device's memory, input
+// staging, streams and the per-operation profile. Pointers are device memory; kernels run on the
+// default stream, in order.
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -28,52 +30,6 @@ using kernels::Kept;
 
 namespace {
 
-constexpr unsigned kThreads = 256;
-
-#define BT_FOR_EACH(n)                                                           \
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; \
-  if (i >= (n)) return
-
-__device__ inline float widen_f16(uint16_t b) {
-  return __half2float(__ushort_as_half(b));
-}
-__device__ inline uint16_t to_f16(float x) {
-  return __half_as_ushort(__float2half_rn(x));
-}
-
-// FP16 storage: x rounded to fp16 in place, its bits kept.
-__global__ void keep_f16_kernel(float* x, uint16_t* bits, int64_t n) {
-  BT_FOR_EACH(n);
-  const uint16_t b = to_f16(x[i]);
-  if (bits) bits[i] = b;
-  x[i] = widen_f16(b);
-}
-
-// The activation in the kept precision (kernels/backend.h): BF16 writes out16 = bf16(act(x))
-// and in16 = bf16(x); FP16 rounds the input first, then the output (bits and value).
-__global__ void activation_forward_16_kernel(Precision p, Activation a, float* out, uint16_t* out16,
-                                             const float* in, uint16_t* in16, int64_t n) {
-  BT_FOR_EACH(n);
-  if (p == Precision::BF16) {
-    out16[i] = f32_to_bf16(rm::activation(a, in[i]));
-    if (in16) in16[i] = f32_to_bf16(in[i]);
-    return;
-  }
-  const uint16_t xb = to_f16(in[i]);
-  if (in16) in16[i] = xb;
-  const uint16_t yb = to_f16(rm::activation(a, widen_f16(xb)));
-  if (out16) out16[i] = yb;
-  if (out) out[i] = widen_f16(yb);
-}
-
-// dinp = dout * act'(x) at the kept 16-bit input.
-__global__ void activation_backward_16_kernel(Precision p, Activation a, float* dinp,
-                                              const uint16_t* in16, const float* dout, int64_t n) {
-  BT_FOR_EACH(n);
-  const float x = p == Precision::BF16 ? bf16_to_f32(in16[i]) : widen_f16(in16[i]);
-  dinp[i] = rm::activation_grad(a, x, dout[i]);
-}
-
 __global__ void tanh_forward_kernel(float* out, const float* in, int64_t n) {
   BT_FOR_EACH(n);
   out[i] = tanhf(in[i]);
@@ -82,12 +38,6 @@ __global__ void tanh_forward_kernel(float* out, const float* in, int64_t n) {
 __global__ void tanh_backward_kernel(float* dinp, const float* out, const float* dout, int64_t n) {
   BT_FOR_EACH(n);
   dinp[i] = dout[i] * (1.0f - out[i] * out[i]);
-}
-
-__global__ void dropout_backward_kernel(float* dx, const float* dy, int64_t n, float p,
-                                        uint64_t key, uint64_t offset) {
-  BT_FOR_EACH(n);
-  dx[i] = rm::dropout(dy[i], p, rm::keep_scale_of(p), key, offset + i);
 }
 
 __global__ void add_inplace_kernel(float* out, const float* a, int64_t n) {
@@ -167,113 +117,6 @@ __global__ void squared_error_kernel(float* dpred, double* sq, const float* pred
   if (dpred) dpred[i] = dscale * 2.0f * d;
 }
 
-// Backward's dropped probabilities from the kept ones, element e of [B, NH, T, T] keyed as its
-// row: fp32, or 16-bit (rm::Bf16Bits / rm::F16Bits) into the same format.
-template <class H>
-__global__ void attention_dropped_kernel(H* dropped, const H* probs, AttentionShape s, float dp,
-                                         uint64_t key, uint64_t offset) {
-  BT_FOR_EACH(s.B * s.NH * s.T * s.T);
-  const int64_t r = i / s.T, j = i % s.T;
-  const uint64_t idx = offset + s.dropout_row(r / s.T, r % s.T) + j;
-  rm::store(dropped + i, rm::dropout(rm::widen(probs[i]), dp, rm::keep_scale_of(dp), key, idx));
-}
-
-// Rows [first, first + rows) of the softmax backward (one sequence's heads); ds in fp32 or,
-// for 16-bit products, rounded to their format as it is written.
-template <class P, class D>
-__global__ void softmax_backward_rows_kernel(D* ds, const float* dd, const P* probs,
-                                             AttentionShape s, int64_t first, int64_t rows,
-                                             float dp, uint64_t key, uint64_t offset) {
-  const int64_t w = warp_row();
-  if (w >= rows) return;
-  const int64_t r = first + w, T = s.T;
-  rm::attention_softmax_backward(ds + w * T, dd + w * T, probs + r * T, T, dp, key,
-                                 offset + s.dropout_row(r / T, r % T), warp_lanes());
-}
-
-void check_launch() {
-  BT_CUDA_CHECK(cudaGetLastError());
-}
-
-// The blocked kernel's row passes (attention_products.h, BlockRows): a warp per row of the block;
-// X the block operands' type (fp32, rm::Bf16Bits or rm::F16Bits).
-template <class X>
-__global__ void blocked_rows_forward_kernel(BlockRows r, X* dropped, float* lse,
-                                            const float* scores) {
-  const int64_t w = warp_row();
-  if (w >= r.rows()) return;
-  r.forward(w, dropped, lse, scores, warp_lanes());
-}
-template <class X>
-__global__ void blocked_rows_backward_kernel(BlockRows r, X* dropped, X* ds, float* scores,
-                                             float* dd, const float* lse) {
-  const int64_t w = warp_row();
-  if (w >= r.rows()) return;
-  r.backward(w, dropped, ds, scores, dd, lse, warp_lanes());
-}
-
-// f(X*) with a null pointer of the precision's operand type: float, rm::Bf16Bits, rm::F16Bits.
-template <class F>
-void with_operand_type(Precision p, F&& f) {
-  switch (p) {
-    case Precision::BF16:
-      return f(static_cast<rm::Bf16Bits*>(nullptr));
-    case Precision::FP16:
-      return f(static_cast<rm::F16Bits*>(nullptr));
-    default:
-      return f(static_cast<float*>(nullptr));
-  }
-}
-
-// The blocked kernel's buffers, parts of the kernels' scratch (scratch.h plans them): the block's
-// scores and dd in fp32, its two operand buffers in `el`-byte elements.
-BlockBuffers block_buffers(const AttentionShape& s, int64_t el) {
-  const int64_t n = block_values(s), op = block_operand_bytes(s, el);
-  BlockBuffers b;
-  b.scores = static_cast<float*>(scratch(kAttentionScoresSlot, n * int64_t{sizeof(float)}));
-  b.dd = static_cast<float*>(scratch(kAttentionGradSlot, n * int64_t{sizeof(float)}));
-  auto* operands = static_cast<char*>(scratch(kAttentionDroppedSlot, 2 * op));
-  b.dropped = operands;
-  b.ds = operands + op;
-  return b;
-}
-
-template <class K, class... A>
-void launch(K kernel, int64_t n, A... args) {
-  if (n == 0) return;
-  BT_LAUNCH(kernel, blocks_for(n, kThreads), kThreads)(args...);
-  check_launch();
-}
-
-// The products' operands are the precision's: bf16 bits in BF16, fp16 bits in FP16 (the kept
-// fp16 activations, the weights' fp16 copy, the rest rounded on the way in), plain fp32 in FP32.
-
-// n fp32 values rounded to the 16-bit precision's operands.
-void round_16(Precision p, uint16_t* dst, const float* src, int64_t n) {
-  if (p == Precision::BF16)
-    round_to_bf16(dst, src, n);
-  else
-    round_to_f16(dst, src, n);
-}
-
-// Attention's sizes and operands: the products read the precision's elements (16-bit bits in
-// BF16 and FP16, fp32 values in FP32: `el` bytes).
-struct AttentionDims {
-  int64_t n_probs;
-  Precision o;
-  int64_t el;
-  AttentionDims(Precision p, const AttentionShape& s)
-      : n_probs(s.B * s.NH * s.T * s.T), o(p), el(precision_bytes(p)) {}
-};
-
-// QKV as attention's products read it: BF16 and FP16 round it into its kept bits first.
-const void* attention_qkv(Precision p, Kept qkv, const AttentionShape& s) {
-  const int64_t n = s.B * s.T * 3 * s.C;
-  if (p == Precision::BF16) round_to_bf16(qkv.bits, qkv.f32, n);
-  if (p == Precision::FP16) launch(keep_f16_kernel, n, qkv.f32, qkv.bits, n);
-  return p == Precision::FP32 ? static_cast<const void*>(qkv.f32) : qkv.bits;
-}
-
 // The batches' copies into the models' input slots (Backend::upload), on the calling thread's
 // current GPU (one thread may run several GPUs in turn: a test's ranks): on a stream of their
 // own, non-blocking (it does not wait for the legacy default stream the kernels run on), so a
@@ -313,14 +156,6 @@ Uploads& uploads() {
   Uploads& u = d.of[device];
   if (!u.stream) BT_CUDA_CHECK(cudaStreamCreateWithFlags(&u.stream, cudaStreamNonBlocking));
   return u;
-}
-
-// A 16-bit precision's products read the weights' 16-bit copy: a model on this backend plans one
-// (Target::fp16_operands, ModelDims::weight_copy).
-void check_copy(const kernels::Weight& w) {
-  BT_CHECK(w.bits,
-           "a 16-bit product on the GPU reads the weights' 16-bit copy (BertModel plans it: "
-           "ModelDims::weight_copy), and none was given");
 }
 
 class CudaBackend final : public kernels::Backend {
@@ -419,205 +254,57 @@ class CudaBackend final : public kernels::Backend {
 
   void round_to_16(Precision p, uint16_t* dst, const float* src, int64_t n,
                    void* queue) const override {
-    BT_CHECK(p != Precision::FP32, "round_to_16: fp32 is not a 16-bit precision");
-    (p == Precision::FP16 ? cuda::round_to_f16 : cuda::round_to_bf16)(dst, src, n, queue);
+    cuda::round_to_16(p, dst, src, n, queue);
   }
   void widen_from_16(Precision p, float* dst, const uint16_t* src, int64_t n,
                      void* queue) const override {
-    BT_CHECK(p != Precision::FP32, "widen_from_16: fp32 is not a 16-bit precision");
-    (p == Precision::FP16 ? cuda::widen_from_f16 : cuda::widen_from_bf16)(dst, src, n, queue);
+    cuda::widen_from_16(p, dst, src, n, queue);
   }
   void scale_on(float* x, int64_t n, float s, void* queue) const override {
     cuda::scale(x, n, s, queue);
   }
 
-  // 16-bit precisions: the products read the weights' 16-bit copy (the model's, written by the
-  // optimizer's update) and the kept 16-bit input, or the input rounded into the workspace.
   void linear_forward(Precision p, float* out, Kept in, kernels::Weight w, const float* bias,
                       int64_t M, int64_t N, int64_t K,
                       const kernels::Workspace& ws) const override {
     const Op op("linear_forward");
-    if (p == Precision::FP32)
-      return cuda::linear_forward(Precision::FP32, out, in.f32, w.f32, bias, M, N, K);
-    check_copy(w);
-    const uint16_t* x = in.bits;
-    if (!x) {
-      round_16(p, ws.half_a, in.f32, M * K);
-      x = ws.half_a;
-    }
-    cuda::linear_forward(p, out, x, w.bits, bias, M, N, K);
+    cuda::linear_forward(p, out, in, w, bias, M, N, K, ws);
   }
-
-  // 16-bit precisions: the output gradient rounded to the operands' format (fp16 under the loss
-  // scale; the bias gradient sums its fp32 values).
   void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
                        kernels::Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
                        const kernels::Workspace& ws) const override {
     const Op op("linear_backward");
-    if (p == Precision::FP32)
-      return cuda::linear_backward(Precision::FP32, dinp, dw, db, dout, dout, in.f32, w.f32, M, N,
-                                   K, accumulate_dinp);
-    check_copy(w);
-    round_16(p, ws.half_a, dout, M * N);
-    const uint16_t* x = in.bits;
-    if (!x) {
-      round_16(p, ws.half_b, in.f32, M * K);
-      x = ws.half_b;
-    }
-    cuda::linear_backward(p, dinp, dw, db, ws.half_a, dout, x, w.bits, M, N, K, accumulate_dinp);
+    cuda::linear_backward(p, dinp, dw, db, dout, in, w, M, N, K, accumulate_dinp, ws);
   }
-
   void keep(Precision p, Kept x, int64_t n) const override {
     const Op op("keep");
-    if (p == Precision::BF16) round_to_bf16(x.bits, x.f32, n);
-    if (p == Precision::FP16) launch(keep_f16_kernel, n, x.f32, x.bits, n);
+    cuda::keep(p, x, n);
   }
-
   void copy_weights(Precision p, const float* master, uint16_t* copy, int64_t n) const override {
     const Op op("copy_weights");
-    if (p != Precision::FP32) round_16(p, copy, master, n);
+    if (p != Precision::FP32) round_to_16(p, copy, master, n, nullptr);
   }
-
-  // Full attention (the blocked kernel's saved state goes to blocked_forward / _backward below):
-  // the products over every (sequence, head) pair read straight out of the QKV rows, and the
-  // row passes over all rows. FP32 keeps probs; BF16 and FP16 keep
-  // probs16 with 16-bit operands for the products (QKV's kept bits, the dropped probabilities
-  // and dS rounded as the row passes write them, dctx rounded).
   void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
                          const int32_t* mask, const AttentionShape& s, const Dropout& d,
                          const kernels::Workspace& ws) const override {
     const Op op("attention_forward");
-    const AttentionDims g(p, s);
-    const void* q = attention_qkv(p, qkv, s);
-    if (saved.blocked()) return blocked_forward(p, ctx, saved.lse, q, mask, s, d);
-    const int64_t n_probs = g.n_probs;
-    const bool half = p != Precision::FP32;
-    // scores (scaled) in fp32: the kept probs in FP32, a buffer of our own otherwise; what
-    // multiplies V: the dropped probabilities (16-bit in BF16 and FP16), or the probabilities
-    // without dropout
-    float* scores =
-        half ? static_cast<float*>(scratch(kAttentionScoresSlot, n_probs * 4)) : saved.probs;
-    float* dr = !half && d.p > 0.0f ? ws.attn_work : nullptr;
-    const void* dropped = half ? static_cast<const void*>(ws.attn_probs16) : dr ? dr : scores;
-    const auto products = attention_forward_products(s, g.el, q, scores, dropped, ctx);
-    gemm_pairs(g.o, s.B * s.NH, s.NH, products[0]);
-    if (half)  // softmax and the 16-bit rounding in one pass
-      attention_softmax_forward_16(p == Precision::FP16, saved.probs16, ws.attn_probs16, scores,
-                                   mask, s, d);
-    else
-      attention_softmax_forward(scores, dr, scores, mask, s, d);
-    gemm_pairs(g.o, s.B * s.NH, s.NH, products[1]);
+    cuda::attention_forward(p, ctx, saved, qkv, mask, s, d, ws);
   }
-
   void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
                           kernels::AttentionSaved saved, const int32_t* mask,
                           const AttentionShape& s, const Dropout& d,
                           const kernels::Workspace& ws) const override {
     const Op op("attention_backward");
-    const AttentionDims g(p, s);
-    const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_probs = g.n_probs;
-    const bool half = p != Precision::FP32, f16 = p == Precision::FP16;
-    // Q, K, V as forward used them; dctx rounded to the 16-bit operands.
-    const void* q = half ? static_cast<const void*>(qkv.bits) : qkv.f32;
-    const void* dc = dctx;
-    if (half) {
-      round_16(p, ws.attn_dctx16, dctx, B * T * C);
-      dc = ws.attn_dctx16;
-    }
-    if (saved.blocked()) return blocked_backward(p, dqkv, dc, q, saved.lse, mask, s, d);
-    // The dropped probabilities again (forward's are gone with its scratch).
-    const void* dropped = saved.probs;
-    if (half) {
-      if (f16)
-        launch(attention_dropped_kernel<rm::F16Bits>, n_probs,
-               reinterpret_cast<rm::F16Bits*>(ws.attn_probs16),
-               reinterpret_cast<const rm::F16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
-      else
-        launch(attention_dropped_kernel<rm::Bf16Bits>, n_probs,
-               reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16),
-               reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
-      dropped = ws.attn_probs16;
-    } else if (d.p > 0.0f) {
-      float* dr = static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4));
-      launch(attention_dropped_kernel<float>, n_probs, dr, static_cast<const float*>(saved.probs),
-             s, d.p, d.key, d.offset);
-      dropped = dr;
-    }
-    // dd (then ds) for every pair in a [B, NH, T, T] buffer; the 16-bit precisions' ds rounded
-    // over the dropped probabilities once dV has used them.
-    float* dd = static_cast<float*>(scratch(kAttentionGradSlot, n_probs * 4));
-    const void* ds = half ? static_cast<const void*>(ws.attn_probs16) : dd;
-    const auto products = attention_backward_products(s, g.el, q, dropped, dc, dd, ds, dqkv);
-    gemm_pairs(g.o, B * NH, NH, products[0]);  // dV
-    gemm_pairs(g.o, B * NH, NH, products[1]);  // dd
-    const int64_t rows = B * NH * T;
-    auto backward_rows = [&](auto* out, const auto* probs) {
-      BT_LAUNCH(softmax_backward_rows_kernel, row_blocks(rows), kRowThreads)
-      (out, dd, probs, s, 0, rows, d.p, d.key, d.offset);
-    };
-    if (f16)
-      backward_rows(reinterpret_cast<rm::F16Bits*>(ws.attn_probs16),
-                    reinterpret_cast<const rm::F16Bits*>(saved.probs16));
-    else if (half)
-      backward_rows(reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16),
-                    reinterpret_cast<const rm::Bf16Bits*>(saved.probs16));
-    else
-      backward_rows(dd, static_cast<const float*>(saved.probs));
-    check_launch();
-    gemm_pairs(g.o, B * NH, NH, products[2]);  // dQ
-    gemm_pairs(g.o, B * NH, NH, products[3]);  // dK
+    cuda::attention_backward(p, dqkv, dctx, qkv, saved, mask, s, d, ws);
   }
-
-  // The blocked (flash-style) kernel, from 512 tokens: attention_products.h's
-  // blocked_forward_schedule and blocked_backward_schedule (what the host tests run), the block
-  // buffers from the kernels' scratch, only the row log-sum-exp kept. q: QKV as the products read
-  // it; dc: dctx likewise.
-  void blocked_forward(Precision p, float* ctx, float* lse, const void* q, const int32_t* mask,
-                       const AttentionShape& s, const Dropout& d) const {
-    const AttentionDims g(p, s);
-    const BlockBuffers b = block_buffers(s, g.el);
-    with_operand_type(p, [&](auto* type) {
-      using X = std::remove_pointer_t<decltype(type)>;
-      blocked_forward_schedule(
-          s, g.el, q, mask, d, b, ctx,
-          [&](const PairProduct& m) { gemm_pairs(g.o, s.B * s.NH, s.NH, m); },
-          [&](const BlockRows& r) {
-            BT_LAUNCH(blocked_rows_forward_kernel<X>, row_blocks(r.rows()), kRowThreads)
-            (r, static_cast<X*>(b.dropped), lse, b.scores);
-            check_launch();
-          });
-    });
-  }
-  void blocked_backward(Precision p, float* dqkv, const void* dc, const void* q, const float* lse,
-                        const int32_t* mask, const AttentionShape& s, const Dropout& d) const {
-    const AttentionDims g(p, s);
-    const BlockBuffers b = block_buffers(s, g.el);
-    with_operand_type(p, [&](auto* type) {
-      using X = std::remove_pointer_t<decltype(type)>;
-      blocked_backward_schedule(
-          s, g.el, q, dc, mask, d, b, dqkv,
-          [&](const PairProduct& m) { gemm_pairs(g.o, s.B * s.NH, s.NH, m); },
-          [&](const BlockRows& r) {
-            BT_LAUNCH(blocked_rows_backward_kernel<X>, row_blocks(r.rows()), kRowThreads)
-            (r, static_cast<X*>(b.dropped), static_cast<X*>(b.ds), b.scores, b.dd, lse);
-            check_launch();
-          });
-    });
-  }
-
   void activation_forward(Precision p, Activation a, Kept out, Kept in, int64_t n) const override {
     const Op op("activation_forward");
-    if (p == Precision::FP32) return cuda::activation_forward(a, out.f32, in.f32, n);
-    launch(activation_forward_16_kernel, n, p, a, out.f32, out.bits,
-           static_cast<const float*>(in.f32), in.bits, n);
+    cuda::activation_forward(p, a, out, in, n);
   }
-
   void activation_backward(Precision p, Activation a, float* dinp, Kept in, const float* dout,
                            int64_t n) const override {
     const Op op("activation_backward");
-    if (p == Precision::FP32) return cuda::activation_backward(a, dinp, in.f32, dout, n);
-    launch(activation_backward_16_kernel, n, p, a, dinp, static_cast<const uint16_t*>(in.bits),
-           dout, n);
+    cuda::activation_backward(p, a, dinp, in, dout, n);
   }
 
   void tanh_forward(float* out, const float* in, int64_t n) const override {
@@ -681,17 +368,11 @@ class CudaBackend final : public kernels::Backend {
 
   void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
     const Op op("dropout_forward");
-    BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
-    cuda::dropout_forward(x, n, d.p, d.key, d.offset);
+    cuda::dropout_forward(x, n, d);
   }
   void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const override {
     const Op op("dropout_backward");
-    BT_CHECK(!d.rows, "dropout_backward: a row map is for the row kernels");
-    if (d.p <= 0.0f) {
-      if (dx != dy) copy(dx, dy, n);
-      return;
-    }
-    launch(dropout_backward_kernel, n, dx, dy, n, d.p, d.key, d.offset);
+    cuda::dropout_backward(dx, dy, n, d);
   }
   void add_inplace(float* out, const float* a, int64_t n) const override {
     const Op op("add_inplace");

@@ -28,4 +28,29 @@ inline cudaStream_t as_stream(void* s) {
 inline unsigned blocks_for(int64_t n, unsigned threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }
+
+// Element-wise kernels: a thread per element, kElementThreads a block; BT_FOR_EACH(n) opens such
+// a kernel with its element's index i (returning past n), launch / launch_on run one over n
+// elements on the default stream or the given one (nothing when n is 0).
+constexpr unsigned kElementThreads = 256;
+#define BT_FOR_EACH(n)                                                           \
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; \
+  if (i >= (n)) return
+
+inline void check_launch() {
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+template <class K, class... A>
+void launch_on(void* stream, K kernel, int64_t n, A... args) {
+  if (n == 0) return;
+  BT_LAUNCH(kernel, blocks_for(n, kElementThreads), kElementThreads, 0, as_stream(stream))
+  (args...);
+  check_launch();
+}
+
+template <class K, class... A>
+void launch(K kernel, int64_t n, A... args) {
+  launch_on(nullptr, kernel, n, args...);
+}
 }  // namespace bertrain::cuda

@@ -63,6 +63,17 @@ void linear_backward(Precision o, float* dinp, float* dw, float* db, const void*
                      const float* dout_f32, const void* in, const void* w, int64_t M, int64_t N,
                      int64_t K, bool accumulate_dinp, void* stream = nullptr);
 
+// Backend::linear_forward / linear_backward (kernels/backend.h) in precision p, the one place
+// the GPU's linear layers dispatch on it: 16-bit precisions read the weights' 16-bit copy and
+// the kept 16-bit input, or the input rounded into ws.half_b (backward; ws.half_a in forward),
+// the output gradient rounded into ws.half_a (fp16 under the loss scale; the bias gradient sums
+// its fp32 values).
+void linear_forward(Precision p, float* out, kernels::Kept in, kernels::Weight w, const float* bias,
+                    int64_t M, int64_t N, int64_t K, const kernels::Workspace& ws);
+void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout,
+                     kernels::Kept in, kernels::Weight w, int64_t M, int64_t N, int64_t K,
+                     bool accumulate_dinp, const kernels::Workspace& ws);
+
 // A product over attention's (sequence, head) pairs (attention_products.h) for `pairs` pairs of
 // NH heads a sequence: one cuBLAS batched call, its pointer arrays made on the GPU (scratch's
 // attention-pointers part).
@@ -76,12 +87,10 @@ double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds)
 // The device's name, e.g. "NVIDIA H200".
 std::string device_name();
 
-// 16-bit copies (round to nearest even, as core/dtype.h): raw bf16 / fp16 bits.
-void round_to_bf16(uint16_t* dst, const float* src, int64_t n, void* stream = nullptr);
-void round_to_f16(uint16_t* dst, const float* src, int64_t n, void* stream = nullptr);
+// 16-bit copies in precision p (BF16 or FP16; round to nearest even, as core/dtype.h): raw bits.
+void round_to_16(Precision p, uint16_t* dst, const float* src, int64_t n, void* stream = nullptr);
 // And back to fp32 (exact).
-void widen_from_bf16(float* dst, const uint16_t* src, int64_t n, void* stream = nullptr);
-void widen_from_f16(float* dst, const uint16_t* src, int64_t n, void* stream = nullptr);
+void widen_from_16(Precision p, float* dst, const uint16_t* src, int64_t n, void* stream = nullptr);
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* gamma,
                        const float* beta, int64_t N, int64_t C, float eps, void* stream = nullptr);
@@ -114,8 +123,18 @@ void activation_forward(kernels::Activation a, float* out, const float* inp, int
 void activation_backward(kernels::Activation a, float* dinp, const float* inp, const float* dout,
                          int64_t n, void* stream = nullptr);
 
-void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset,
-                     void* stream = nullptr);
+// Backend::activation_forward / activation_backward / keep (kernels/backend.h) in precision p,
+// the one place the GPU's activations and kept tensors dispatch on it.
+void activation_forward(Precision p, kernels::Activation a, kernels::Kept out, kernels::Kept in,
+                        int64_t n, void* stream = nullptr);
+void activation_backward(Precision p, kernels::Activation a, float* dinp, kernels::Kept in,
+                         const float* dout, int64_t n, void* stream = nullptr);
+void keep(Precision p, kernels::Kept x, int64_t n, void* stream = nullptr);
+
+// x = dropout(x), element i keyed at d.offset + i; dx = dropout(dy) with the same mask.
+void dropout_forward(float* x, int64_t n, const kernels::Dropout& d, void* stream = nullptr);
+void dropout_backward(float* dx, const float* dy, int64_t n, const kernels::Dropout& d,
+                      void* stream = nullptr);
 // x *= s (n values).
 void scale(float* x, int64_t n, float s, void* stream = nullptr);
 
@@ -125,10 +144,10 @@ void scale(float* x, int64_t n, float s, void* stream = nullptr);
 void attention_softmax_forward(float* probs, float* dropped, const float* scores,
                                const int32_t* mask, const kernels::AttentionShape& s,
                                const kernels::Dropout& d, void* stream = nullptr);
-// The 16-bit precisions': the probabilities kept in bf16 (fp16 with f16) and the dropped ones
-// made from them, in the same pass (row_math::attention_softmax_16; dropped16 null when
+// The 16-bit precisions': the probabilities kept in p's 16 bits (BF16 or FP16) and the dropped
+// ones made from them, in the same pass (row_math::attention_softmax_16; dropped16 null when
 // d.p = 0).
-void attention_softmax_forward_16(bool f16, uint16_t* probs16, uint16_t* dropped16,
+void attention_softmax_forward_16(Precision p, uint16_t* probs16, uint16_t* dropped16,
                                   const float* scores, const int32_t* mask,
                                   const kernels::AttentionShape& s, const kernels::Dropout& d,
                                   void* stream = nullptr);
@@ -136,6 +155,17 @@ void attention_softmax_forward_16(bool f16, uint16_t* probs16, uint16_t* dropped
 void attention_softmax_backward(float* ds, const float* dd, const float* probs,
                                 const kernels::AttentionShape& s, const kernels::Dropout& d,
                                 void* stream = nullptr);
+
+// Backend::attention_forward / attention_backward (kernels/backend.h) in precision p
+// (attention.cu): the full kernel, or the blocked (flash-style) one where `saved` keeps only the
+// row log-sum-exp; the one place the GPU's attention dispatches on the precision and the kernel.
+void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, kernels::Kept qkv,
+                       const int32_t* mask, const kernels::AttentionShape& s,
+                       const kernels::Dropout& d, const kernels::Workspace& ws);
+void attention_backward(Precision p, float* dqkv, const float* dctx, kernels::Kept qkv,
+                        kernels::AttentionSaved saved, const int32_t* mask,
+                        const kernels::AttentionShape& s, const kernels::Dropout& d,
+                        const kernels::Workspace& ws);
 
 // Softmax cross-entropy of N rows of V logits with its gradient (dlogits may be null or alias
 // logits; weights may be null); losses and correct (optional) receive each row's loss and hit.

@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include "core/dtype.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
@@ -13,7 +14,7 @@ namespace bertrain::cuda {
 
 namespace {
 
-constexpr unsigned kThreads = 256;
+constexpr unsigned kThreads = kElementThreads;
 
 __global__ void activation_forward_kernel(kernels::Activation a, float* out, const float* inp,
                                           int64_t n) {
@@ -59,6 +60,58 @@ __global__ void dropout_kernel(float* x, int64_t n, float p, float scale, uint64
   x[i] = rng_uniform(key, offset + i) >= p ? x[i] * scale : 0.0f;
 }
 
+__device__ inline float widen_half(uint16_t b) {
+  return __half2float(__ushort_as_half(b));
+}
+__device__ inline uint16_t to_half(float x) {
+  return __half_as_ushort(__float2half_rn(x));
+}
+
+__global__ void dropout_backward_kernel(float* dx, const float* dy, int64_t n, float p,
+                                        uint64_t key, uint64_t offset) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n)
+    dx[i] =
+        kernels::row_math::dropout(dy[i], p, kernels::row_math::keep_scale_of(p), key, offset + i);
+}
+
+// FP16 storage: x rounded to fp16 in place, its bits kept.
+__global__ void keep_f16_kernel(float* x, uint16_t* bits, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const uint16_t b = to_half(x[i]);
+  if (bits) bits[i] = b;
+  x[i] = widen_half(b);
+}
+
+// The activation in the kept precision (kernels/backend.h): BF16 writes out16 = bf16(act(x))
+// and in16 = bf16(x); FP16 rounds the input first, then the output (bits and value).
+__global__ void activation_forward_16_kernel(Precision p, kernels::Activation a, float* out,
+                                             uint16_t* out16, const float* in, uint16_t* in16,
+                                             int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  if (p == Precision::BF16) {
+    out16[i] = f32_to_bf16(kernels::row_math::activation(a, in[i]));
+    if (in16) in16[i] = f32_to_bf16(in[i]);
+    return;
+  }
+  const uint16_t xb = to_half(in[i]);
+  if (in16) in16[i] = xb;
+  const uint16_t yb = to_half(kernels::row_math::activation(a, widen_half(xb)));
+  if (out16) out16[i] = yb;
+  if (out) out[i] = widen_half(yb);
+}
+
+// dinp = dout * act'(x) at the kept 16-bit input.
+__global__ void activation_backward_16_kernel(Precision p, kernels::Activation a, float* dinp,
+                                              const uint16_t* in16, const float* dout, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float x = p == Precision::BF16 ? bf16_to_f32(in16[i]) : widen_half(in16[i]);
+  dinp[i] = kernels::row_math::activation_grad(a, x, dout[i]);
+}
+
 }  // namespace
 
 void activation_forward(kernels::Activation a, float* out, const float* inp, int64_t n,
@@ -77,11 +130,41 @@ void activation_backward(kernels::Activation a, float* dinp, const float* inp, c
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
-void dropout_forward(float* x, int64_t n, float p, uint64_t key, uint64_t offset, void* stream) {
-  if (n == 0 || p <= 0.0f) return;
-  BT_LAUNCH(dropout_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
-  (x, n, p, 1.0f / (1.0f - p), key, offset);
-  BT_CUDA_CHECK(cudaGetLastError());
+void activation_forward(Precision p, kernels::Activation a, kernels::Kept out, kernels::Kept in,
+                        int64_t n, void* stream) {
+  if (p == Precision::FP32) return activation_forward(a, out.f32, in.f32, n, stream);
+  launch_on(stream, activation_forward_16_kernel, n, p, a, out.f32, out.bits,
+            static_cast<const float*>(in.f32), in.bits, n);
+}
+
+void activation_backward(Precision p, kernels::Activation a, float* dinp, kernels::Kept in,
+                         const float* dout, int64_t n, void* stream) {
+  if (p == Precision::FP32) return activation_backward(a, dinp, in.f32, dout, n, stream);
+  launch_on(stream, activation_backward_16_kernel, n, p, a, dinp,
+            static_cast<const uint16_t*>(in.bits), dout, n);
+}
+
+void keep(Precision p, kernels::Kept x, int64_t n, void* stream) {
+  if (p == Precision::BF16) round_to_16(p, x.bits, x.f32, n, stream);
+  if (p == Precision::FP16) launch_on(stream, keep_f16_kernel, n, x.f32, x.bits, n);
+}
+
+void dropout_forward(float* x, int64_t n, const kernels::Dropout& d, void* stream) {
+  BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
+  if (d.p <= 0.0f) return;
+  launch_on(stream, dropout_kernel, n, x, n, d.p, 1.0f / (1.0f - d.p), d.key, d.offset);
+}
+
+void dropout_backward(float* dx, const float* dy, int64_t n, const kernels::Dropout& d,
+                      void* stream) {
+  BT_CHECK(!d.rows, "dropout_backward: a row map is for the row kernels");
+  if (d.p <= 0.0f) {
+    if (dx != dy && n > 0)
+      BT_CUDA_CHECK(cudaMemcpyAsync(dx, dy, static_cast<size_t>(n) * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, as_stream(stream)));
+    return;
+  }
+  launch_on(stream, dropout_backward_kernel, n, dx, dy, n, d.p, d.key, d.offset);
 }
 
 void scale(float* x, int64_t n, float s, void* stream) {
@@ -90,30 +173,20 @@ void scale(float* x, int64_t n, float s, void* stream) {
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
-void widen_from_bf16(float* dst, const uint16_t* src, int64_t n, void* stream) {
-  if (n == 0) return;
-  BT_LAUNCH(widen_bf16_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
-  (dst, src, n);
-  BT_CUDA_CHECK(cudaGetLastError());
+void round_to_16(Precision p, uint16_t* dst, const float* src, int64_t n, void* stream) {
+  BT_CHECK(p != Precision::FP32, "round_to_16: fp32 is not a 16-bit precision");
+  if (p == Precision::BF16)
+    launch_on(stream, round_bf16_kernel, n, dst, src, n);
+  else
+    launch_on(stream, round_f16_kernel, n, dst, src, n);
 }
 
-void widen_from_f16(float* dst, const uint16_t* src, int64_t n, void* stream) {
-  if (n == 0) return;
-  BT_LAUNCH(widen_f16_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))(dst, src, n);
-  BT_CUDA_CHECK(cudaGetLastError());
-}
-
-void round_to_bf16(uint16_t* dst, const float* src, int64_t n, void* stream) {
-  if (n == 0) return;
-  BT_LAUNCH(round_bf16_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
-  (dst, src, n);
-  BT_CUDA_CHECK(cudaGetLastError());
-}
-
-void round_to_f16(uint16_t* dst, const float* src, int64_t n, void* stream) {
-  if (n == 0) return;
-  BT_LAUNCH(round_f16_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))(dst, src, n);
-  BT_CUDA_CHECK(cudaGetLastError());
+void widen_from_16(Precision p, float* dst, const uint16_t* src, int64_t n, void* stream) {
+  BT_CHECK(p != Precision::FP32, "widen_from_16: fp32 is not a 16-bit precision");
+  if (p == Precision::BF16)
+    launch_on(stream, widen_bf16_kernel, n, dst, src, n);
+  else
+    launch_on(stream, widen_f16_kernel, n, dst, src, n);
 }
 
 }  // namespace bertrain::cuda

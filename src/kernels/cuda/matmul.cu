@@ -14,6 +14,7 @@
 #include <cuda_fp16.h>
 
 #include "core/dtype.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cuda/blas_calls.h"
 #include "kernels/cuda/common.cuh"
@@ -311,6 +312,45 @@ std::string device_name() {
   cudaDeviceProp p{};
   BT_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
   return p.name;
+}
+
+namespace {
+
+// A 16-bit precision's products read the weights' 16-bit copy: a model on this backend plans one
+// (Target::fp16_operands, ModelDims::weight_copy).
+void check_copy(const kernels::Weight& w) {
+  BT_CHECK(w.bits,
+           "a 16-bit product on the GPU reads the weights' 16-bit copy (BertModel plans it: "
+           "ModelDims::weight_copy), and none was given");
+}
+
+}  // namespace
+
+void linear_forward(Precision p, float* out, kernels::Kept in, kernels::Weight w, const float* bias,
+                    int64_t M, int64_t N, int64_t K, const kernels::Workspace& ws) {
+  if (p == Precision::FP32) return linear_forward(p, out, in.f32, w.f32, bias, M, N, K);
+  check_copy(w);
+  const uint16_t* x = in.bits;
+  if (!x) {
+    round_to_16(p, ws.half_a, in.f32, M * K);
+    x = ws.half_a;
+  }
+  linear_forward(p, out, x, w.bits, bias, M, N, K);
+}
+
+void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout,
+                     kernels::Kept in, kernels::Weight w, int64_t M, int64_t N, int64_t K,
+                     bool accumulate_dinp, const kernels::Workspace& ws) {
+  if (p == Precision::FP32)
+    return linear_backward(p, dinp, dw, db, dout, dout, in.f32, w.f32, M, N, K, accumulate_dinp);
+  check_copy(w);
+  round_to_16(p, ws.half_a, dout, M * N);
+  const uint16_t* x = in.bits;
+  if (!x) {
+    round_to_16(p, ws.half_b, in.f32, M * K);
+    x = ws.half_b;
+  }
+  linear_backward(p, dinp, dw, db, ws.half_a, dout, x, w.bits, M, N, K, accumulate_dinp);
 }
 
 }  // namespace bertrain::cuda

@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/error.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
 #include "kernels/cuda/lanes.cuh"
@@ -249,7 +250,7 @@ void attention_softmax_forward(float* probs, float* dropped, const float* scores
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
-void attention_softmax_forward_16(bool f16, uint16_t* probs16, uint16_t* dropped16,
+void attention_softmax_forward_16(Precision p, uint16_t* probs16, uint16_t* dropped16,
                                   const float* scores, const int32_t* mask,
                                   const kernels::AttentionShape& s, const kernels::Dropout& d,
                                   void* stream) {
@@ -259,7 +260,8 @@ void attention_softmax_forward_16(bool f16, uint16_t* probs16, uint16_t* dropped
     BT_LAUNCH(attention_softmax_kernel, row_blocks(rows), kRowThreads, 0, as_stream(stream))
     (probs, dropped, scores, mask, s, d.p, d.key, d.offset);
   };
-  if (f16)
+  BT_CHECK(p != Precision::FP32, "attention_softmax_forward_16: fp32 is not a 16-bit precision");
+  if (p == Precision::FP16)
     run(reinterpret_cast<rm::F16Bits*>(probs16), reinterpret_cast<rm::F16Bits*>(dropped16));
   else
     run(reinterpret_cast<rm::Bf16Bits*>(probs16), reinterpret_cast<rm::Bf16Bits*>(dropped16));

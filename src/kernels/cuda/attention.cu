@@ -1,0 +1,232 @@
+// Attention's core on the GPU (Backend::attention_forward / attention_backward): the full kernel
+// (the products over every (sequence, head) pair read straight out of the QKV rows, and the row
+// passes over all rows) and the blocked (flash-style) one, in each precision: the one place the
+// GPU's attention dispatches on the precision and the kernel.
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "core/error.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda.h"
+#include "kernels/cuda/lanes.cuh"
+
+namespace bertrain::cuda {
+
+namespace rm = kernels::row_math;
+using kernels::AttentionShape;
+using kernels::Dropout;
+using kernels::Kept;
+
+namespace {
+
+// Backward's dropped probabilities from the kept ones, element e of [B, NH, T, T] keyed as its
+// row: fp32, or 16-bit (rm::Bf16Bits / rm::F16Bits) into the same format.
+template <class H>
+__global__ void attention_dropped_kernel(H* dropped, const H* probs, AttentionShape s, float dp,
+                                         uint64_t key, uint64_t offset) {
+  BT_FOR_EACH(s.B * s.NH * s.T * s.T);
+  const int64_t r = i / s.T, j = i % s.T;
+  const uint64_t idx = offset + s.dropout_row(r / s.T, r % s.T) + j;
+  rm::store(dropped + i, rm::dropout(rm::widen(probs[i]), dp, rm::keep_scale_of(dp), key, idx));
+}
+
+// Rows [first, first + rows) of the softmax backward (one sequence's heads); ds in fp32 or,
+// for 16-bit products, rounded to their format as it is written.
+template <class P, class D>
+__global__ void softmax_backward_rows_kernel(D* ds, const float* dd, const P* probs,
+                                             AttentionShape s, int64_t first, int64_t rows,
+                                             float dp, uint64_t key, uint64_t offset) {
+  const int64_t w = warp_row();
+  if (w >= rows) return;
+  const int64_t r = first + w, T = s.T;
+  rm::attention_softmax_backward(ds + w * T, dd + w * T, probs + r * T, T, dp, key,
+                                 offset + s.dropout_row(r / T, r % T), warp_lanes());
+}
+
+// The blocked kernel's row passes (attention_products.h, BlockRows): a warp per row of the block;
+// X the block operands' type (fp32, rm::Bf16Bits or rm::F16Bits).
+template <class X>
+__global__ void blocked_rows_forward_kernel(BlockRows r, X* dropped, float* lse,
+                                            const float* scores) {
+  const int64_t w = warp_row();
+  if (w >= r.rows()) return;
+  r.forward(w, dropped, lse, scores, warp_lanes());
+}
+template <class X>
+__global__ void blocked_rows_backward_kernel(BlockRows r, X* dropped, X* ds, float* scores,
+                                             float* dd, const float* lse) {
+  const int64_t w = warp_row();
+  if (w >= r.rows()) return;
+  r.backward(w, dropped, ds, scores, dd, lse, warp_lanes());
+}
+
+// f(X*) with a null pointer of the precision's operand type: float, rm::Bf16Bits, rm::F16Bits.
+template <class F>
+void with_operand_type(Precision p, F&& f) {
+  switch (p) {
+    case Precision::BF16:
+      return f(static_cast<rm::Bf16Bits*>(nullptr));
+    case Precision::FP16:
+      return f(static_cast<rm::F16Bits*>(nullptr));
+    default:
+      return f(static_cast<float*>(nullptr));
+  }
+}
+
+// The blocked kernel's buffers, parts of the kernels' scratch (scratch.h plans them): the block's
+// scores and dd in fp32, its two operand buffers in `el`-byte elements.
+BlockBuffers block_buffers(const AttentionShape& s, int64_t el) {
+  const int64_t n = block_values(s), op = block_operand_bytes(s, el);
+  BlockBuffers b;
+  b.scores = static_cast<float*>(scratch(kAttentionScoresSlot, n * int64_t{sizeof(float)}));
+  b.dd = static_cast<float*>(scratch(kAttentionGradSlot, n * int64_t{sizeof(float)}));
+  auto* operands = static_cast<char*>(scratch(kAttentionDroppedSlot, 2 * op));
+  b.dropped = operands;
+  b.ds = operands + op;
+  return b;
+}
+
+// Attention's sizes and operands: the products read the precision's elements (16-bit bits in
+// BF16 and FP16, fp32 values in FP32: `el` bytes).
+struct AttentionDims {
+  int64_t n_probs;
+  Precision o;
+  int64_t el;
+  AttentionDims(Precision p, const AttentionShape& s)
+      : n_probs(s.B * s.NH * s.T * s.T), o(p), el(precision_bytes(p)) {}
+};
+
+// QKV as attention's products read it: BF16 and FP16 round it into its kept bits first.
+const void* attention_qkv(Precision p, Kept qkv, const AttentionShape& s) {
+  const int64_t n = s.B * s.T * 3 * s.C;
+  cuda::keep(p, qkv, n);
+  return p == Precision::FP32 ? static_cast<const void*>(qkv.f32) : qkv.bits;
+}
+
+// The blocked (flash-style) kernel, from 512 tokens: attention_products.h's
+// blocked_forward_schedule and blocked_backward_schedule (what the host tests run), the block
+// buffers from the kernels' scratch, only the row log-sum-exp kept. q: QKV as the products read
+// it; dc: dctx likewise.
+void blocked_forward(Precision p, float* ctx, float* lse, const void* q, const int32_t* mask,
+                     const AttentionShape& s, const Dropout& d) {
+  const AttentionDims g(p, s);
+  const BlockBuffers b = block_buffers(s, g.el);
+  with_operand_type(p, [&](auto* type) {
+    using X = std::remove_pointer_t<decltype(type)>;
+    blocked_forward_schedule(
+        s, g.el, q, mask, d, b, ctx,
+        [&](const PairProduct& m) { gemm_pairs(g.o, s.B * s.NH, s.NH, m); },
+        [&](const BlockRows& r) {
+          BT_LAUNCH(blocked_rows_forward_kernel<X>, row_blocks(r.rows()), kRowThreads)
+          (r, static_cast<X*>(b.dropped), lse, b.scores);
+          check_launch();
+        });
+  });
+}
+void blocked_backward(Precision p, float* dqkv, const void* dc, const void* q, const float* lse,
+                      const int32_t* mask, const AttentionShape& s, const Dropout& d) {
+  const AttentionDims g(p, s);
+  const BlockBuffers b = block_buffers(s, g.el);
+  with_operand_type(p, [&](auto* type) {
+    using X = std::remove_pointer_t<decltype(type)>;
+    blocked_backward_schedule(
+        s, g.el, q, dc, mask, d, b, dqkv,
+        [&](const PairProduct& m) { gemm_pairs(g.o, s.B * s.NH, s.NH, m); },
+        [&](const BlockRows& r) {
+          BT_LAUNCH(blocked_rows_backward_kernel<X>, row_blocks(r.rows()), kRowThreads)
+          (r, static_cast<X*>(b.dropped), static_cast<X*>(b.ds), b.scores, b.dd, lse);
+          check_launch();
+        });
+  });
+}
+
+}  // namespace
+
+// Full attention (the blocked kernel's saved state goes to blocked_forward / _backward below):
+// the products over every (sequence, head) pair read straight out of the QKV rows, and the
+// row passes over all rows. FP32 keeps probs; BF16 and FP16 keep
+// probs16 with 16-bit operands for the products (QKV's kept bits, the dropped probabilities
+// and dS rounded as the row passes write them, dctx rounded).
+void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
+                       const int32_t* mask, const AttentionShape& s, const Dropout& d,
+                       const kernels::Workspace& ws) {
+  const AttentionDims g(p, s);
+  const void* q = attention_qkv(p, qkv, s);
+  if (saved.blocked()) return blocked_forward(p, ctx, saved.lse, q, mask, s, d);
+  const int64_t n_probs = g.n_probs;
+  const bool half = p != Precision::FP32;
+  // scores (scaled) in fp32: the kept probs in FP32, a buffer of our own otherwise; what
+  // multiplies V: the dropped probabilities (16-bit in BF16 and FP16), or the probabilities
+  // without dropout
+  float* scores =
+      half ? static_cast<float*>(scratch(kAttentionScoresSlot, n_probs * 4)) : saved.probs;
+  float* dr = !half && d.p > 0.0f ? ws.attn_work : nullptr;
+  const void* dropped = half ? static_cast<const void*>(ws.attn_probs16) : dr ? dr : scores;
+  const auto products = attention_forward_products(s, g.el, q, scores, dropped, ctx);
+  gemm_pairs(g.o, s.B * s.NH, s.NH, products[0]);
+  if (half)  // softmax and the 16-bit rounding in one pass
+    attention_softmax_forward_16(p, saved.probs16, ws.attn_probs16, scores, mask, s, d);
+  else
+    attention_softmax_forward(scores, dr, scores, mask, s, d);
+  gemm_pairs(g.o, s.B * s.NH, s.NH, products[1]);
+}
+
+void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
+                        kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
+                        const Dropout& d, const kernels::Workspace& ws) {
+  const AttentionDims g(p, s);
+  const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_probs = g.n_probs;
+  const bool half = p != Precision::FP32, f16 = p == Precision::FP16;
+  // Q, K, V as forward used them; dctx rounded to the 16-bit operands.
+  const void* q = half ? static_cast<const void*>(qkv.bits) : qkv.f32;
+  const void* dc = dctx;
+  if (half) {
+    round_to_16(p, ws.attn_dctx16, dctx, B * T * C);
+    dc = ws.attn_dctx16;
+  }
+  if (saved.blocked()) return blocked_backward(p, dqkv, dc, q, saved.lse, mask, s, d);
+  // The dropped probabilities again (forward's are gone with its scratch).
+  const void* dropped = saved.probs;
+  if (half) {
+    if (f16)
+      launch(attention_dropped_kernel<rm::F16Bits>, n_probs,
+             reinterpret_cast<rm::F16Bits*>(ws.attn_probs16),
+             reinterpret_cast<const rm::F16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
+    else
+      launch(attention_dropped_kernel<rm::Bf16Bits>, n_probs,
+             reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16),
+             reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
+    dropped = ws.attn_probs16;
+  } else if (d.p > 0.0f) {
+    float* dr = static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4));
+    launch(attention_dropped_kernel<float>, n_probs, dr, static_cast<const float*>(saved.probs), s,
+           d.p, d.key, d.offset);
+    dropped = dr;
+  }
+  // dd (then ds) for every pair in a [B, NH, T, T] buffer; the 16-bit precisions' ds rounded
+  // over the dropped probabilities once dV has used them.
+  float* dd = static_cast<float*>(scratch(kAttentionGradSlot, n_probs * 4));
+  const void* ds = half ? static_cast<const void*>(ws.attn_probs16) : dd;
+  const auto products = attention_backward_products(s, g.el, q, dropped, dc, dd, ds, dqkv);
+  gemm_pairs(g.o, B * NH, NH, products[0]);  // dV
+  gemm_pairs(g.o, B * NH, NH, products[1]);  // dd
+  const int64_t rows = B * NH * T;
+  auto backward_rows = [&](auto* out, const auto* probs) {
+    BT_LAUNCH(softmax_backward_rows_kernel, row_blocks(rows), kRowThreads)
+    (out, dd, probs, s, 0, rows, d.p, d.key, d.offset);
+  };
+  if (f16)
+    backward_rows(reinterpret_cast<rm::F16Bits*>(ws.attn_probs16),
+                  reinterpret_cast<const rm::F16Bits*>(saved.probs16));
+  else if (half)
+    backward_rows(reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16),
+                  reinterpret_cast<const rm::Bf16Bits*>(saved.probs16));
+  else
+    backward_rows(dd, static_cast<const float*>(saved.probs));
+  check_launch();
+  gemm_pairs(g.o, B * NH, NH, products[2]);  // dQ
+  gemm_pairs(g.o, B * NH, NH, products[3]);  // dK
+}
+
+}  // namespace bertrain::cuda
