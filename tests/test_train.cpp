@@ -685,6 +685,46 @@ TEST(Train, AbandonedCheckpointWritesAreRemovedAndAnEmptyResumeSaysSo) {
   EXPECT_EQ(e.find("intact ()"), std::string::npos) << e;
 }
 
+// One job per run directory: a second job on it stops naming the first (host, pid, command
+// line), and so does a train job; another directory is free. The lock goes with its holder: a
+// clean end leaves nothing to say, a killed holder (its name still in the file) is taken over,
+// saying from whom.
+TEST(Train, ASecondJobOnARunDirectoryStopsNamingTheFirst) {
+  test::TempDir tmp;
+  const std::string dir = tmp / "run";
+  const auto npos = std::string::npos;
+  {
+    RunDirLock first(dir);
+    EXPECT_EQ(first.note(), "");
+    const std::string e = error_of([&] { RunDirLock second(dir); });
+    EXPECT_NE(e.find(dir + " is in use by another job (host "), npos) << e;
+    EXPECT_NE(e.find(", pid " + std::to_string(getpid()) + ", started "), npos) << e;
+    EXPECT_NE(e.find("one job per run directory"), npos) << e;
+    TrainEnv env;
+    comm::SingleProcess comm;
+    TrainConfig c = env.cfg("locked", 2);
+    c.output = dir;
+    const std::string t = error_of([&] { train(c, comm); });
+    EXPECT_NE(t.find(dir + " is in use by another job"), npos) << t;
+    RunDirLock other(tmp / "other");
+  }
+  {
+    RunDirLock again(dir);
+    EXPECT_EQ(again.note(), "");
+  }
+  const pid_t child = fork();
+  if (child == 0) {
+    RunDirLock held(dir);
+    _exit(0);  // no destructor runs, as after a SIGKILL
+  }
+  waitpid(child, nullptr, 0);
+  RunDirLock after(dir);
+  EXPECT_NE(after.note().find("took over " + dir + "/bertrain.lock from a job that is gone (host "),
+            npos)
+      << after.note();
+  EXPECT_NE(after.note().find(", pid " + std::to_string(child) + ", "), npos) << after.note();
+}
+
 // The sharded optimizer's state in a checkpoint loads on any number of ranks: parts saved by 4,
 // 3, 2 ranks or whole, loaded into 1, 2, 3 or 4 parts (every moment lands at its parameter);
 // a missing shard file or another optimizer's state is an error that says which.

@@ -1,6 +1,8 @@
 #include "train/run_state.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 
 #include <cerrno>
 
@@ -8,6 +10,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -16,6 +20,7 @@
 #include "core/error.h"
 #include "core/host.h"
 #include "core/safetensors.h"
+#include "data/storage.h"
 #include "model/checkpoint.h"
 
 namespace bertrain::train {
@@ -457,6 +462,68 @@ TrainerState load_checkpoint(const std::string& dir, model::BertModel& m, Optimi
     opt->set_steps(st.optimizer_steps);
   }
   return st;
+}
+
+namespace {
+
+// This process's command line (/proc/self/cmdline), for the lock file: at most 300 characters.
+std::string own_command() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::string raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::replace(raw.begin(), raw.end(), '\0', ' ');
+  while (!raw.empty() && raw.back() == ' ') raw.pop_back();
+  return raw.size() > 300 ? raw.substr(0, 297) + "..." : raw;
+}
+
+}  // namespace
+
+RunDirLock::RunDirLock(const std::string& run_dir) {
+  if (data::is_remote(run_dir)) return;
+  std::error_code ec;
+  fs::create_directories(run_dir, ec);
+  const std::string path = (fs::path(run_dir) / "bertrain.lock").string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0)
+    fail("cannot open the run directory's lock ", path, ": ", std::strerror(errno), " (is ",
+         run_dir, " writable?)");
+  auto holder = [&] {
+    std::string text(4096, '\0');
+    const ssize_t n = ::pread(fd_, text.data(), text.size(), 0);
+    text.resize(n > 0 ? static_cast<size_t>(n) : 0);
+    while (!text.empty() && (text.back() == '\n' || text.back() == '\0')) text.pop_back();
+    return text;
+  };
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    const std::string who = holder();
+    ::close(fd_);
+    fd_ = -1;
+    if (err != EWOULDBLOCK)
+      fail("cannot lock the run directory ", run_dir, " (", path, "): ", std::strerror(err));
+    fail(run_dir, " is in use by another job (", who.empty() ? "its holder is starting" : who,
+         "): one job per run directory. Use another --output, or stop that job first (its "
+         "lock, ",
+         path, ", goes when it ends)");
+  }
+  // Ours. A lock file with a holder written in it and no flock: a job that is gone.
+  if (const std::string old = holder(); !old.empty())
+    note_ = str("took over ", path, " from a job that is gone (", old, ")");
+  const std::time_t now = std::time(nullptr);
+  char when[64];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
+  const std::string mine = str("host ", host_name(), ", pid ", ::getpid(), ", started ", when, ": ",
+                               own_command(), "\n");
+  if (::ftruncate(fd_, 0) != 0 ||
+      ::pwrite(fd_, mine.data(), mine.size(), 0) != static_cast<ssize_t>(mine.size()))
+    fail("cannot write the run directory's lock ", path, ": ", std::strerror(errno));
+  ::fsync(fd_);
+}
+
+RunDirLock::~RunDirLock() {
+  if (fd_ < 0) return;
+  // Emptied before it is released: a lock file with no holder written in it was left cleanly.
+  [[maybe_unused]] const int rc = ::ftruncate(fd_, 0);
+  ::close(fd_);
 }
 
 }  // namespace bertrain::train

@@ -32,6 +32,26 @@ struct TrainerState {
   nlohmann::json settings;  // batch, seq, precision, optimizer, world size, ... (must match)
 };
 
+// One job per run directory: run_dir/bertrain.lock, held (flock) by the job's rank 0 for the
+// process's life and released by the kernel when it ends, however it ends (a kill, the OOM
+// killer); the file names the holder (host, pid, start time, command line). A second job on the
+// directory stops with an error naming the holder; a lock file whose holder is gone is taken
+// over, said in note(). Local and shared file systems (NFSv4, Lustre and GPFS pass flock
+// between hosts); an object-store prefix (s3://, oss://) takes no lock.
+class RunDirLock {
+ public:
+  explicit RunDirLock(const std::string& run_dir);
+  ~RunDirLock();
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+  // "took over <dir>/bertrain.lock from <holder>, which is gone", or "".
+  const std::string& note() const { return note_; }
+
+ private:
+  int fd_ = -1;
+  std::string note_;
+};
+
 // Writes run_dir/checkpoint-<step>/ and updates run_dir/latest; keeps the newest `keep` (0: all).
 // Returns the checkpoint directory. A sharded optimizer's checkpoint is written by every rank
 // (collective over comm: each rank its own shard, rank 0 the rest), into a directory every rank

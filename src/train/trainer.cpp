@@ -159,9 +159,10 @@ struct Trainer::State {
   data::PipelinePosition position;
   // Every rank's epoch plans (a resume on another rank count): saved with the positions.
   std::vector<std::vector<data::EpochPlan>> plans_of_rank;
-  std::string regrid_note;   // what such a resume did with the batch and the data (banner)
-  std::string startup_note;  // abandoned checkpoint writes removed, a --resume with nothing
-  std::string tuning_note;   // what autotune measured and chose, or kept (banner)
+  std::string regrid_note;           // what such a resume did with the batch and the data (banner)
+  std::unique_ptr<RunDirLock> lock;  // rank 0: the run directory, held for the run
+  std::string startup_note;          // abandoned checkpoint writes removed, a --resume with nothing
+  std::string tuning_note;           // what autotune measured and chose, or kept (banner)
   std::string resumed_from, last_ck;
   std::unique_ptr<data::Pipeline> pipe;
   obs::Timeline tl;
@@ -303,7 +304,12 @@ Trainer::State::State(const TrainConfig& c, comm::Communicator& cm)
 // (ModelDims::precision). fp16: it keeps activations in fp16 (ModelDims::precision), and the
 // dynamic loss scaler skips steps whose loss or gradients left the fp16 range.
 void Trainer::State::resume_or_init() {
-  // Checkpoint writes killed before they finished leave their staging directories: gone now.
+  // One job per run directory; then the staging directories of checkpoint writes killed before
+  // they finished: gone now.
+  if (rank == 0) {
+    lock = std::make_unique<RunDirLock>(cfg.output);
+    if (!lock->note().empty()) startup_note += str("  ", lock->note(), "\n");
+  }
   if (rank == 0)
     for (const std::string& d : remove_abandoned_checkpoint_writes(cfg.output))
       startup_note += str("  removed ", d, ": a checkpoint write whose process is gone\n");
