@@ -309,10 +309,9 @@ void Trainer::State::resume_or_init() {
   if (rank == 0) {
     lock = std::make_unique<RunDirLock>(cfg.output);
     if (!lock->note().empty()) startup_note += str("  ", lock->note(), "\n");
-  }
-  if (rank == 0)
     for (const std::string& d : remove_abandoned_checkpoint_writes(cfg.output))
       startup_note += str("  removed ", d, ": a checkpoint write whose process is gone\n");
+  }
   const std::string ck = cfg.resume ? resolve_checkpoint(cfg.output) : "";
   if (cfg.resume && ck.empty())
     startup_note += str("  --resume: ", cfg.output, " holds no checkpoint yet: starting fresh\n");

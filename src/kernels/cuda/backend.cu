@@ -45,11 +45,6 @@ __global__ void add_inplace_kernel(float* out, const float* a, int64_t n) {
   out[i] += a[i];
 }
 
-__global__ void scale_kernel(float* x, int64_t n, float s) {
-  BT_FOR_EACH(n);
-  x[i] *= s;
-}
-
 // Embedding backward over the tokens grouped by table row (kernels::RowRuns): a block per chunk
 // (blockIdx.x), its channels over threads, then a block per table row of several chunks adding
 // their partial rows in order. Deterministic, no atomics; rows of one chunk get the CPU's sums.
@@ -396,7 +391,7 @@ class CudaBackend final : public kernels::Backend {
   }
   void scale_inplace(float* x, int64_t n, float s) const override {
     const Op op("scale_inplace");
-    launch(scale_kernel, n, x, n, s);
+    cuda::scale(x, n, s);
   }
   void zero(void* p, int64_t bytes) const override {
     const Op op("zero");

@@ -14,8 +14,6 @@ namespace bertrain::cuda {
 
 namespace {
 
-constexpr unsigned kThreads = kElementThreads;
-
 __global__ void activation_forward_kernel(kernels::Activation a, float* out, const float* inp,
                                           int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -116,18 +114,12 @@ __global__ void activation_backward_16_kernel(Precision p, kernels::Activation a
 
 void activation_forward(kernels::Activation a, float* out, const float* inp, int64_t n,
                         void* stream) {
-  if (n == 0) return;
-  BT_LAUNCH(activation_forward_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
-  (a, out, inp, n);
-  BT_CUDA_CHECK(cudaGetLastError());
+  launch_on(stream, activation_forward_kernel, n, a, out, inp, n);
 }
 
 void activation_backward(kernels::Activation a, float* dinp, const float* inp, const float* dout,
                          int64_t n, void* stream) {
-  if (n == 0) return;
-  BT_LAUNCH(activation_backward_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))
-  (a, dinp, inp, dout, n);
-  BT_CUDA_CHECK(cudaGetLastError());
+  launch_on(stream, activation_backward_kernel, n, a, dinp, inp, dout, n);
 }
 
 void activation_forward(Precision p, kernels::Activation a, kernels::Kept out, kernels::Kept in,
@@ -168,9 +160,7 @@ void dropout_backward(float* dx, const float* dy, int64_t n, const kernels::Drop
 }
 
 void scale(float* x, int64_t n, float s, void* stream) {
-  if (n == 0) return;
-  BT_LAUNCH(scale_kernel, blocks_for(n, kThreads), kThreads, 0, as_stream(stream))(x, n, s);
-  BT_CUDA_CHECK(cudaGetLastError());
+  launch_on(stream, scale_kernel, n, x, n, s);
 }
 
 void round_to_16(Precision p, uint16_t* dst, const float* src, int64_t n, void* stream) {
