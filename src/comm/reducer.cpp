@@ -3,16 +3,10 @@
 #include <algorithm>
 #include <chrono>
 
+#include "core/clock.h"
 #include "core/error.h"
 
 namespace bertrain::comm {
-
-namespace {
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-}  // namespace
 
 Reducer::Reducer(Communicator& comm, float* grads, int64_t total,
                  std::vector<std::pair<int64_t, int64_t>> layers, int64_t bucket_bytes,
@@ -98,7 +92,7 @@ void Reducer::loop() {
                "communication", b0, tl_->now_us(), 1);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      busy_s_ += since(t0);
+      busy_s_ += seconds_since(t0);
       ++done_;
     }
     cv_.notify_all();
@@ -113,7 +107,7 @@ double Reducer::finish() {
   bucket_counter_ = 0;
   last_busy_s_ = busy_s_;
   busy_s_ = 0;
-  return since(t0);
+  return seconds_since(t0);
 }
 
 }  // namespace bertrain::comm

@@ -7,17 +7,11 @@
 #include <cmath>
 #include <vector>
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/setting.h"
 
 namespace bertrain::train {
-
-namespace {
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-}  // namespace
 
 // A rank's sums over a step's micro-batches, summed over the ranks in one allreduce with the
 // gradients' phase (doubles only: the struct travels as an array).
@@ -153,7 +147,7 @@ void Step::reduce(const GradientScale& g, StepReport& r) {
 void Step::span(const char* name, const char* category, Clock::time_point begin) const {
   if (!tl_ || !tl_->enabled()) return;
   const int64_t end = tl_->now_us();
-  tl_->add(name, category, end - static_cast<int64_t>(since(begin) * 1e6), end);
+  tl_->add(name, category, end - static_cast<int64_t>(seconds_since(begin) * 1e6), end);
 }
 
 StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const std::string& hint,
@@ -173,7 +167,7 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
     if (!micro_batch(step, micro, g, next_batch, ahead, stats, r)) return r;
   sum_over_ranks(g, stats, r);
   update(step, lr, g, stats, hint, r);
-  r.t_total = since(t_step);
+  r.t_total = seconds_since(t_step);
   span(("step " + std::to_string(step)).c_str(), "step", t_step);
   return r;
 }
@@ -190,7 +184,7 @@ bool Step::micro_batch(int64_t step, int64_t micro, const GradientScale& g,
       r.interrupted = true;
       return false;
     }
-    r.t_input += since(t0);
+    r.t_input += seconds_since(t0);
     span("input wait", "input", t0);
   }
   // Each rank's and micro-batch's own dropout streams: a packed batch's instance count varies,
@@ -201,7 +195,7 @@ bool Step::micro_batch(int64_t step, int64_t micro, const GradientScale& g,
   t0 = Clock::now();
   const model::Losses l = m_.forward(batch, so);
   m_.backend().synchronize();  // a GPU's phases end when its kernels have run
-  r.t_forward += since(t0);
+  r.t_forward += seconds_since(t0);
   span("forward", "compute", t0);
   stats.loss += l.loss;
   stats.mlm_correct += l.mlm_correct;
@@ -225,7 +219,7 @@ bool Step::micro_batch(int64_t step, int64_t micro, const GradientScale& g,
   if (m_.stages_ahead() && (next_here || ahead) && !read_ahead(next_batch, next_here, r, read))
     return false;
   m_.backend().synchronize();
-  r.t_backward += since(t0) - read;
+  r.t_backward += seconds_since(t0) - read;
   span("backward", "compute", t0);
   return true;
 }
@@ -240,7 +234,7 @@ bool Step::read_ahead(const NextBatch& next_batch, bool next_here, StepReport& r
   reading_ahead_ = !next_here;
   const bool got = next_batch(next);
   reading_ahead_ = false;
-  read = since(t_read);
+  read = seconds_since(t_read);
   if (m_.backend().busy()) {
     r.t_input_hidden += read;
     span("input read ahead", "input", t_read);
@@ -272,7 +266,7 @@ void Step::sum_over_ranks(const GradientScale& g, StepStats& stats, StepReport& 
   m_.bind_kernel_scratch();  // the optimizer's reductions take their partial sums from it
   if (opt_.sharded()) stats.grad_sum_squares = opt_.sum_squares(m_.grads(), g.unscale);  // part
   if (world > 1) stats.allreduce_sum(comm_);  // (grad_sum_squares: 0 unsharded)
-  r.t_comm = since(t0);
+  r.t_comm = seconds_since(t0);
   span("allreduce gradients", "communication", t0);
   r.loss = stats.loss / world;
   r.mlm_correct = stats.mlm_correct;
@@ -314,7 +308,7 @@ void Step::update(int64_t step, double lr, const GradientScale& g, const StepSta
     m_.weights16_updated();
   }
   m_.backend().synchronize();
-  r.t_optimizer = since(t0);
+  r.t_optimizer = seconds_since(t0);
   span("optimizer", "optimizer", t0);
 }
 
@@ -333,7 +327,7 @@ void Step::gather_parameters(StepReport& r) {
     m_.refresh_weights16(own.end, m_.table().total());
   }
   comm_.set_label("");
-  r.t_comm += since(t0);
+  r.t_comm += seconds_since(t0);
   span("allgather parameters", "communication", t0);
 }
 

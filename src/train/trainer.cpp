@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "comm/incidents.h"
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/setting.h"
 #include "model/checkpoint.h"
@@ -32,10 +33,6 @@ namespace bertrain::train {
 std::atomic<int> g_stop_signal{0};
 
 namespace {
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
 
 std::string hms(double s) {
   char buf[32];
@@ -648,8 +645,8 @@ class InputTrace {
 // The progress line of a logging window (rank 0), its metrics, and the window started again.
 void Trainer::State::log_window(int64_t done, int64_t step, Totals& window,
                                 Clock::time_point& start, Clock::time_point run_start) {
-  const double dt = since(start);
-  const double eta = since(run_start) / static_cast<double>(done - start_step) *
+  const double dt = seconds_since(start);
+  const double eta = seconds_since(run_start) / static_cast<double>(done - start_step) *
                      static_cast<double>(cfg.steps - done);
   if (rank == 0 && !cfg.quiet) {
     std::printf(
