@@ -15,7 +15,10 @@
 # PACKAGES, a dependency of one (apt-cache depends --recurse --installed), or Priority: required
 # (on every Debian system). Anything else fails the check, named with a file that needed it.
 #
-#   scripts/check-packages.sh [BUILD_DIR...]
+#   scripts/check-packages.sh [BUILD_DIR...]   # all builds against PACKAGES + TEST_PACKAGES
+#   scripts/check-packages.sh --demo            # what `scripts/setup.sh` alone builds (configure
+#     without tests, the library parts and bertrain in build/) against PACKAGES alone: the demo's
+#     first command installs no more than it needs, and no less
 #   scripts/check-packages.sh --reuse --without PKG [--without PKG2]   # the last trace, as if
 #     these were not listed: must fail naming them (the self-test; a package another listed one
 #     depends on stays in the closure, so remove both)
@@ -23,11 +26,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 REUSE=0
+DEMO=0
 WITHOUT=()
 DIRS=()
 while (($#)); do
   case "$1" in
     --reuse) REUSE=1 ;;
+    --demo) DEMO=1 ;;
     --without) WITHOUT+=("$2"); shift ;;
     -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) DIRS+=("$1") ;;
@@ -39,10 +44,19 @@ if ((${#DIRS[@]} == 0)); then
   for d in build-fuzz build-cuda build-emu build-emu-asan; do [ -d "$d" ] && DIRS+=("$d"); done
 fi
 WORK=${CHECK_PACKAGES_DIR:-build/check-packages}
+CONFIGURE_ARGS=()
+if [ "$DEMO" = 1 ]; then
+  DIRS=(build)
+  WORK=$WORK-demo
+  CONFIGURE_ARGS=(-DBERTRAIN_TESTS=OFF -DBERTRAIN_BENCH=OFF)
+fi
 mkdir -p "$WORK"
 
 # --- setup's list (the same lines setup.sh reads) -------------------------------------------
-listed=$(sed -n '/^PACKAGES=(/,/^)/p' scripts/setup.sh | sed 's/#.*//; s/PACKAGES=(//; s/)//' |
+lists='^PACKAGES=[(]'
+[ "$DEMO" = 0 ] && lists='^(TEST_)?PACKAGES=[(]'
+listed=$(awk -v start="$lists" '$0 ~ start {on = 1} on {print} on && /^\)/ {on = 0}' scripts/setup.sh |
+  sed 's/#.*//; s/^[A-Z_]*=(//; s/)//' |
   tr -s ' \t' '\n\n' | grep -E '^[a-z0-9][a-z0-9.+-]+$' | sort -u)
 for w in "${WITHOUT[@]}"; do listed=$(printf '%s\n' "$listed" | grep -vx -- "$w" || true); done
 [ -n "$listed" ] || { echo "check-packages: no PACKAGES list found in scripts/setup.sh" >&2; exit 2; }
@@ -59,8 +73,9 @@ if [ "$REUSE" = 0 ] || [ ! -s "$WORK/files" ]; then
   rm -rf "$WORK/configure"
   # Configure as setup does (plus the CUDA and fuzz projects where they are built), traced.
   strace -f -qq -e trace=open,openat,execve --status=successful -o "$WORK/trace" \
-    cmake -S . -B "$WORK/configure" -DCMAKE_BUILD_TYPE=Release ${CMAKE_ARGS:-} >/dev/null
-  if command -v clang++ >/dev/null; then
+    cmake -S . -B "$WORK/configure" -DCMAKE_BUILD_TYPE=Release "${CONFIGURE_ARGS[@]}" \
+    ${CMAKE_ARGS:-} >/dev/null
+  if command -v clang++ >/dev/null && [ "$DEMO" = 0 ]; then
     strace -f -qq -e trace=open,openat,execve --status=successful -o "$WORK/trace-fuzz" \
       cmake -S tests/fuzz -B "$WORK/configure-fuzz" -DCMAKE_CXX_COMPILER=clang++ >/dev/null
   fi
@@ -68,6 +83,8 @@ if [ "$REUSE" = 0 ] || [ ! -s "$WORK/files" ]; then
     cat "$WORK"/trace* | grep -oE '"/[^"]+"' | tr -d '"'
     for d in "${DIRS[@]}"; do
       [ -d "$d" ] || continue
+      # (--demo: the top level's targets, the parts and bertrain; tests and bench are below)
+      [ "$DEMO" = 1 ] && d=$d/CMakeFiles
       # gcc/clang -MD output: "target: dep dep \" lines.
       find "$d" -name '*.o.d' -print0 | xargs -0 -r cat | tr ' \\' '\n\n' | grep '^/' || true
       find "$d" -name link.txt -print0 | xargs -0 -r cat | tr ' ' '\n' | grep '^/' || true
@@ -113,7 +130,10 @@ if [ -n "$missing" ]; then
   for p in $missing; do
     echo "  $p   (e.g. $(awk -F'\t' -v p="$p" '$2 == p {print $1; exit}' "$WORK/needed"))" >&2
   done
-  echo "fix: add them to PACKAGES in scripts/setup.sh" >&2
+  [ "$DEMO" = 1 ] && echo "fix: add them to PACKAGES in scripts/setup.sh (the demo's list)" >&2
+  [ "$DEMO" = 0 ] && echo "fix: add them to PACKAGES or TEST_PACKAGES in scripts/setup.sh" >&2
   exit 1
 fi
-echo "check-packages: $n_files files read by configure and build come from $n_pkgs Debian packages, all installed by scripts/setup.sh"
+what="configure and build"; by="scripts/setup.sh --tests"
+[ "$DEMO" = 1 ] && { what="the demo's configure and build"; by="scripts/setup.sh (PACKAGES alone)"; }
+echo "check-packages: $n_files files read by $what come from $n_pkgs Debian packages, all installed by $by"

@@ -41,7 +41,11 @@ void add_launch(CLI::App& app) {
       "launch",
       "Run a job description (job.yaml: workers, slots, resources, env, the bertrain command and "
       "its flags) with mpirun, Slurm, a Kubernetes MPIJob or PAI-DLC");
-  c->add_option("job", o->job, "The job spec (YAML; see configs/jobs/)")->required();
+  c->add_option("job", o->job,
+                "The job spec (YAML; see configs/jobs/, installed in /usr/share/bertrain/jobs). "
+                "Containers run its image:, by default " +
+                    launch::default_image() + " (scripts/package.sh --image builds it)")
+      ->required();
   c->add_option("--emit", o->emit,
                 "mpirun (command line + hostfile), slurm (sbatch script), mpijob (Kubernetes "
                 "MPIJob v2beta1 manifest) or dlc (PAI-DLC CreateJob JSON)")
@@ -52,6 +56,8 @@ void add_launch(CLI::App& app) {
   CLI::App* root = &app;
   c->callback([o, root] {
     launch::JobSpec j = launch::read_job(o->job);
+    const std::string version = version_text();
+    j.made_by = version.substr(0, version.find('\n'));  // "bertrain 0.1.0 (commit ..., ...)"
     // The flags must be the command's own: checked against this binary's CLI.
     CLI::App* sub = nullptr;
     for (CLI::App* a : root->get_subcommands([](CLI::App*) { return true; }))
@@ -86,7 +92,8 @@ void add_launch(CLI::App& app) {
     std::vector<std::pair<std::string, std::string>> files;  // name, text
     if (o->emit == "mpirun") {
       files = {{"hostfile", launch::emit_hostfile(j)},
-               {"run.sh", "#!/bin/bash\n" + launch::emit_mpirun(j, "hostfile")}};
+               {"run.sh",
+                "#!/bin/bash\n# made by " + j.made_by + "\n" + launch::emit_mpirun(j, "hostfile")}};
     } else if (o->emit == "slurm") {
       files = {{j.name + ".sbatch", launch::emit_slurm(j)}};
     } else if (o->emit == "mpijob") {

@@ -93,6 +93,14 @@ std::string shell_quote(const std::string& s) {
   return out + "'";
 }
 
+std::string default_image() {
+  return std::string("bertrain:") + BERTRAIN_VERSION;
+}
+
+std::string JobSpec::image_name() const {
+  return image.empty() ? default_image() : image;
+}
+
 std::string JobSpec::bertrain_command(const std::string& binary) const {
   std::string out = shell_quote(binary) + " " + command;
   for (const auto& [flag, value] : flags) {
@@ -220,6 +228,7 @@ std::string emit_mpirun(const JobSpec& j, const std::string& hostfile, const std
 
 std::string emit_slurm(const JobSpec& j) {
   std::string out = "#!/bin/bash\n";
+  if (!j.made_by.empty()) out += "# made by " + j.made_by + "\n";
   out += "#SBATCH --job-name=" + j.name + "\n";
   out += str("#SBATCH --nodes=", j.workers, "\n");
   out += str("#SBATCH --ntasks-per-node=", j.slots_per_worker, "\n");
@@ -251,7 +260,7 @@ std::string emit_mpijob(const JobSpec& j) {
   YAML::Emitter y;
   auto container = [&](const std::string& role, bool launcher) {
     y << YAML::BeginMap << YAML::Key << "name" << YAML::Value << role;
-    y << YAML::Key << "image" << YAML::Value << (j.image.empty() ? "bertrain:latest" : j.image);
+    y << YAML::Key << "image" << YAML::Value << j.image_name();
     if (launcher) {
       // The operator mounts the hostfile and sets OMPI_MCA_orte_default_hostfile.
       // Every item a string (Kubernetes' command is a list of strings: "128", not 128).
@@ -312,7 +321,11 @@ std::string emit_mpijob(const JobSpec& j) {
   y << YAML::Key << "apiVersion" << YAML::Value << "kubeflow.org/v2beta1";
   y << YAML::Key << "kind" << YAML::Value << "MPIJob";
   y << YAML::Key << "metadata" << YAML::Value << YAML::BeginMap << YAML::Key << "name"
-    << YAML::Value << j.name << YAML::EndMap;
+    << YAML::Value << j.name;
+  if (!j.made_by.empty())
+    y << YAML::Key << "annotations" << YAML::Value << YAML::BeginMap << YAML::Key
+      << "bertrain/made-by" << YAML::Value << YAML::DoubleQuoted << j.made_by << YAML::EndMap;
+  y << YAML::EndMap;
   y << YAML::Key << "spec" << YAML::Value << YAML::BeginMap;
   y << YAML::Key << "slotsPerWorker" << YAML::Value << j.slots_per_worker;
   y << YAML::Key << "mpiImplementation" << YAML::Value << "OpenMPI";
@@ -326,9 +339,8 @@ std::string emit_mpijob(const JobSpec& j) {
 }
 
 std::string emit_dlc(const JobSpec& j) {
-  nlohmann::ordered_json spec = {{"Type", "Worker"},
-                                 {"Image", j.image.empty() ? "bertrain:latest" : j.image},
-                                 {"PodCount", j.workers}};
+  nlohmann::ordered_json spec = {
+      {"Type", "Worker"}, {"Image", j.image_name()}, {"PodCount", j.workers}};
   nlohmann::ordered_json res = nlohmann::ordered_json::object();
   if (j.resources.cpu) res["CPU"] = std::to_string(j.resources.cpu);
   if (j.resources.gpu) res["GPU"] = std::to_string(j.resources.gpu);
@@ -338,6 +350,7 @@ std::string emit_dlc(const JobSpec& j) {
   spec["ResourceConfig"] = res;
   nlohmann::ordered_json envs = nlohmann::ordered_json::object();
   for (const auto& [k, v] : j.env) envs[k] = v;
+  if (!j.made_by.empty()) envs["BERTRAIN_MADE_BY"] = j.made_by;  // (the launcher's, not -x'ed)
   // DLC's MPIJob runs the command on the launcher with the workers' hostfile in place.
   std::string cmd = str("mpirun -np ", j.ranks(),
                         " --allow-run-as-root --bind-to none --map-by ppr:", j.slots_per_worker,

@@ -6,7 +6,7 @@
 //   workers: 32                     # hosts / pods
 //   slots_per_worker: 4             # ranks per worker (one per GPU)
 //   resources: {cpu: 48, gpu: 4, gpu_type: V100, memory: 368Gi, shared_memory: 64Gi}
-//   image: registry/bertrain:latest # containers (MPIJob, DLC)
+//   image: registry/bertrain:0.1.0  # containers (MPIJob, DLC); default bertrain:<this version>
 //   hosts: [node-0, node-1]         # mpirun's hostfile (default: worker-0 ... worker-N-1)
 //   env: {NCCL_ALGO: Ring}
 //   command: train                  # a bertrain command
@@ -37,10 +37,16 @@ struct JobSpec {
   std::vector<std::pair<std::string, std::string>> flags;  // flag (without --) and value; "" for
                                                            // a switch
   std::string source;                                      // the file, for messages
+  std::string made_by;  // "bertrain 0.1.0 (commit ..., Release build)": written into the specs
+  // The containers' image: the file's, else the one scripts/package.sh builds of this version.
+  std::string image_name() const;
   int64_t ranks() const { return workers * slots_per_worker; }
   // "bertrain train --model-config ... ": the command every rank runs (shell-quoted).
   std::string bertrain_command(const std::string& binary = "bertrain") const;
 };
+
+// bertrain:<version>: the image scripts/package.sh --image builds from this version's package.
+std::string default_image();
 
 JobSpec read_job(const std::string& path);
 JobSpec parse_job(const std::string& yaml, const std::string& source);

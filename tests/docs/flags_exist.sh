@@ -14,6 +14,10 @@ FOREIGN=(
   "--logdir"          # tensorboard
   "--full"            # tests/faults/run.sh
   "--flag"            # design.md's words about this very test
+  "--tests"           # scripts/setup.sh
+  "--demo"            # scripts/check-packages.sh
+  "--image"           # scripts/package.sh
+  "--install"         # cmake --install
 )
 subs=$("$BT" --help | awk '/^Subcommands:/{f=1; next} f && NF {print $1}')
 [ -n "$subs" ] || { echo "FAIL: no subcommands in '$BT --help'"; exit 1; }
