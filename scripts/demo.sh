@@ -23,7 +23,8 @@
 #   9. two test hosts (network namespaces; as root), one of them killed mid-run: the survivor's
 #      message names it, and the job resumes on the rank left with the global batch kept;
 #  10. training data in object storage: an S3 server (moto, from PyPI) 50 ms away, the input
-#      pipeline's rate from it against local disk, and a model trained from the bucket.
+#      pipeline's rate from it against local disk, and a model trained from the bucket with its
+#      run directory (checkpoints committed, metrics) in the bucket.
 # Outputs go to demo-out/. DEMO_STEPS (default 300) sets the pretraining length.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -168,9 +169,16 @@ echo; echo "== 9. training data in object storage: an S3 server 50 ms away"
   "$BT" bench-input --data "$OUT/data/*.tfrecord" --seconds 3 | grep "examples/s"
   "$BT" bench-input --data "s3://data/clue/*.tfrecord" --s3-endpoint "$PROXY_URL" --seconds 3 |
     grep -E "examples/s|object store"
-  echo "-- the tiny model trained from the bucket (input wait in the step breakdown):"
+  echo "-- the tiny model trained from the bucket into the bucket (--output s3://data/runs/from-s3:"
+  echo "   each checkpoint's files, then its COMMIT object, then latest; input wait in the step breakdown):"
   "$BT" train --model-config "$PWD/configs/bert-tiny-zh.json" --data "s3://data/clue/*.tfrecord" \
-    --s3-endpoint "$PROXY_URL" --output "$OUT/from-s3" --batch-size 16 --seq-len 128 --max-predictions 20 \
-    --steps 60 --lr 5e-3 --optimizer lamb --log-every 30 2>&1 | grep -E "^step|^step time"
+    --s3-endpoint "$PROXY_URL" --output s3://data/runs/from-s3 --stage-dir "$OUT/from-s3" --batch-size 16 \
+    --seq-len 128 --max-predictions 20 --steps 60 --save-every 30 --lr 5e-3 --optimizer lamb --log-every 30 2>&1 |
+    grep -E "^step|^step time"
+  echo "-- what the bucket holds (a reader takes latest, then the COMMIT it names):"
+  "$MOTO_VENV/bin/python" -c "
+import boto3; s3 = boto3.client('s3', endpoint_url='$MOTO_URL', region_name='us-east-1')
+for o in s3.list_objects_v2(Bucket='data', Prefix='runs/from-s3/')['Contents']:
+    print('     %-60s %10d bytes' % (o['Key'], o['Size']))" | grep -v tfevents
 ) 2>&1 | grep -v -i -E "task was destroyed|task: <Task" || echo "(object storage step skipped: no S3 server)"
 echo; echo "demo: done (outputs in $OUT/)"

@@ -403,7 +403,9 @@ TEST(Train, AutotuneChoosesWithoutTouchingTheRun) {
     EXPECT_GT(t.step_ms, 0.0) << t.knob << " " << t.value;
   }
   EXPECT_TRUE(tried.count("attention=full") && tried.count("attention=blocked"));
-  if (threads > 1) EXPECT_TRUE(tried.count("threads=" + std::to_string(threads / 2)));
+  if (threads > 1) {
+    EXPECT_TRUE(tried.count("threads=" + std::to_string(threads / 2)));
+  }
   EXPECT_NE(choice.attention, model::ModelDims::Attention::Auto);
 
   omp_set_num_threads(threads);

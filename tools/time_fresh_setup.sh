@@ -12,11 +12,15 @@ OUT=${1:-/tmp/bertrain-fresh}
 [ "$(id -u)" = 0 ] || { echo "time_fresh_setup: needs root (mmdebstrap, chroot)" >&2; exit 2; }
 rm -rf "$OUT"; mkdir -p "$OUT"
 ROOT=$OUT/root
-umount_all() { for m in dev/shm dev/pts dev sys proc run/netns; do umount -l "$ROOT/$m" 2>/dev/null || true; done; }
+umount_all() {
+  for m in dev/shm dev/pts dev sys proc run/netns ""; do umount -l "$ROOT/$m" 2>/dev/null || true; done
+}
 trap umount_all EXIT
 mmdebstrap --quiet --variant=minbase --mode=root --include=git,ca-certificates,sudo bookworm "$ROOT"
 git clone -q "$PWD" "$ROOT/root/bertrain"
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
+# The root a mount point of its own: `ip netns add` (the demo's test hosts) remounts / there.
+mount --bind "$ROOT" "$ROOT"
 mount -t proc proc "$ROOT/proc"
 mount -t sysfs sys "$ROOT/sys"
 mount --bind /dev "$ROOT/dev"

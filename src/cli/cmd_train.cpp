@@ -10,10 +10,12 @@
 #include "comm/mpi.h"
 #include "core/arena.h"
 #include "core/error.h"
+#include "data/object_store.h"
 #include "model/checkpoint.h"
 #include "obs/events.h"
 #include "plan/memory.h"
 #include "train/evaluate.h"
+#include "train/run_mirror.h"
 #include "train/run_state.h"
 #include "train/trainer.h"
 
@@ -134,7 +136,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
     train::TrainConfig cfg;
     std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail", attention = "auto",
                 recompute = "none", batch = "32", budget, padding = "skip", pack = "0",
-                device = "cpu";
+                device = "cpu", stage_dir;
     int64_t global_batch = 0;
     int threads = 0;
   };
@@ -147,7 +149,15 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   c->add_option("--data", t.input.files,
                 "Training TFRecords: glob(s), comma-separated; s3:// and oss:// too")
       ->required();
-  c->add_option("--output", t.output, "Run directory (checkpoints, latest)")->required();
+  c->add_option("--output", t.output,
+                "Run directory (checkpoints, latest), or an object-store prefix (s3://bucket/run, "
+                "oss://...): checkpoints committed there (parts, then a COMMIT object, then "
+                "latest), metrics and events uploaded as they grow, --resume from there")
+      ->required();
+  c->add_option("--stage-dir", o->stage_dir,
+                "With an s3:// or oss:// --output: the local directory each host writes the run "
+                "into before it is uploaded (default $TMPDIR/bertrain-stage/<scheme>/<bucket>/"
+                "<prefix>)");
   c->add_option("--init-checkpoint", t.init_checkpoint,
                 "Start from these weights (HuggingFace or bertrain checkpoint, or a Google BERT "
                 "TensorFlow checkpoint)");
@@ -239,6 +249,12 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
     train::install_signal_handlers();  // first: before any thread exists
     set_threads(o->threads);
     train::TrainConfig cfg = o->cfg;
+    if (data::is_object_url(cfg.output)) {
+      cfg.publish_to = cfg.output;
+      cfg.output = o->stage_dir.empty() ? train::default_stage_dir(cfg.output) : o->stage_dir;
+    } else if (!o->stage_dir.empty()) {
+      fail("--stage-dir stages an s3:// or oss:// --output; ", cfg.output, " is a directory");
+    }
     cfg.precision = parse_precision(o->precision);
     model::ModelDims d;
     d.attention = model::parse_attention(o->attention);

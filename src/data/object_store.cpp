@@ -406,6 +406,8 @@ struct ObjectStore::Impl {
       curl_easy_setopt(e, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(op.body.size()));
     } else if (op.method == "HEAD") {
       curl_easy_setopt(e, CURLOPT_NOBODY, 1L);
+    } else if (op.method == "DELETE") {
+      curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, "DELETE");
     }
     const std::string date = amz_date(std::time(nullptr));
     sign.push_back({"x-amz-content-sha256", payload_hash});
@@ -714,6 +716,20 @@ void ObjectStore::put(const ObjectUrl& url, std::string body) {
   op->url = url;
   op->body = std::move(body);
   op->what = str("writing ", url.str());
+  impl_->run(op);
+}
+
+std::string ObjectStore::read(const ObjectUrl& url) {
+  const ObjectInfo info = head(url);
+  if (info.size == 0) return "";
+  return get(url, 0, info.size, info.etag).get();
+}
+
+void ObjectStore::remove(const ObjectUrl& url) {
+  Op* op = new Op;
+  op->method = "DELETE";
+  op->url = url;
+  op->what = str("deleting ", url.str());
   impl_->run(op);
 }
 

@@ -69,6 +69,10 @@ class ObjectStore {
   std::future<std::string> get(const ObjectUrl& url, uint64_t begin, uint64_t end,
                                const std::string& etag = "");
   void put(const ObjectUrl& url, std::string body);
+  // The whole object (HEAD, then one read pinned to that version's ETag).
+  std::string read(const ObjectUrl& url);
+  // DELETE; an object that is not there is no error (S3's answer is the same).
+  void remove(const ObjectUrl& url);
 
   ObjectStoreStats stats() const;
   // Summed over the stores in use (none made for asking).

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -25,6 +26,7 @@
 #include "plan/memory.h"
 #include "train/autotune.h"
 #include "train/loss_scaler.h"
+#include "train/run_mirror.h"
 #include "train/run_state.h"
 #include "train/step.h"
 
@@ -158,8 +160,13 @@ struct Trainer::State {
   std::vector<std::vector<data::EpochPlan>> plans_of_rank;
   std::string regrid_note;           // what such a resume did with the batch and the data (banner)
   std::unique_ptr<RunDirLock> lock;  // rank 0: the run directory, held for the run
-  std::string startup_note;          // abandoned checkpoint writes removed, a --resume with nothing
-  std::string tuning_note;           // what autotune measured and chose, or kept (banner)
+  // Rank 0 of a run published to object storage (TrainConfig::publish_to): the uploads run
+  // beside training, one at a time; an upload's error ends the run at the next wait.
+  std::unique_ptr<RunMirror> mirror;
+  std::future<void> upload;
+  std::string published;     // the newest checkpoint committed to the bucket (set by the upload)
+  std::string startup_note;  // abandoned checkpoint writes removed, a --resume with nothing
+  std::string tuning_note;   // what autotune measured and chose, or kept (banner)
   std::string resumed_from, last_ck;
   std::unique_ptr<data::Pipeline> pipe;
   obs::Timeline tl;
@@ -181,7 +188,49 @@ struct Trainer::State {
   void record(int64_t done, int64_t step, const Totals& window, double seconds);
   void log_window(int64_t done, int64_t step, Totals& window, Clock::time_point& start,
                   Clock::time_point run_start);
+  void open_mirror();
+  void wait_upload();
+  void upload_logs();
 };
+
+// The run's object-store directory: each host's first rank fetches the latest committed
+// checkpoint into its staging directory for --resume; rank 0 publishes from then on.
+void Trainer::State::open_mirror() {
+  if (cfg.publish_to.empty()) return;
+  if (cfg.shard_optimizer && comm.local_size() != world)
+    fail("--shard-optimizer with an object-store --output (", cfg.publish_to, ") on ", world,
+         " ranks over several hosts: each host stages its own shards and rank 0 uploads only its "
+         "host's; use a shared file system for --output, or run without --shard-optimizer");
+  if (cfg.resume && comm.local_rank() == 0) {
+    const std::string got = RunMirror(cfg.publish_to, cfg.output).fetch_latest();
+    if (rank == 0 && !got.empty())
+      startup_note += str("  fetched ", got, " from ", cfg.publish_to, " (its latest commit)\n");
+  }
+  comm.barrier();
+  if (rank == 0) mirror = std::make_unique<RunMirror>(cfg.publish_to, cfg.output);
+}
+
+void Trainer::State::wait_upload() {
+  if (!upload.valid()) return;
+  try {
+    upload.get();
+  } catch (const std::exception& e) {
+    fail("publishing the run to ", cfg.publish_to, ": ", e.what(),
+         "; the bucket's latest commit stands (",
+         published.empty() ? std::string("none yet") : published,
+         ": a checkpoint is visible only once complete), and this host's copy of the run is in ",
+         cfg.output, "; continue with ", setting("resume"), " once the store answers");
+  }
+}
+
+// The logs, when no checkpoint is uploading (they follow every checkpoint's upload anyway).
+void Trainer::State::upload_logs() {
+  if (!mirror) return;
+  if (upload.valid() && upload.wait_for(std::chrono::seconds(0)) != std::future_status::ready)
+    return;
+  wait_upload();
+  upload = std::async(std::launch::async, [this] { mirror->sync_logs(false); });
+}
 
 // The logged step's values, to TensorBoard and metrics.jsonl (rank 0). Collective: every rank
 // contributes its mean step time over the window (less its wait for the others), so a slow rank
@@ -309,9 +358,11 @@ void Trainer::State::resume_or_init() {
     for (const std::string& d : remove_abandoned_checkpoint_writes(cfg.output))
       startup_note += str("  removed ", d, ": a checkpoint write whose process is gone\n");
   }
+  open_mirror();
   const std::string ck = cfg.resume ? resolve_checkpoint(cfg.output) : "";
+  const std::string& where = cfg.publish_to.empty() ? cfg.output : cfg.publish_to;
   if (cfg.resume && ck.empty())
-    startup_note += str("  --resume: ", cfg.output, " holds no checkpoint yet: starting fresh\n");
+    startup_note += str("  --resume: ", where, " holds no checkpoint yet: starting fresh\n");
   if (!ck.empty()) {
     TrainerState st = load_checkpoint(ck, m, &opt);
     // On another number of ranks the per-rank batch and the accumulation may change (the
@@ -442,11 +493,22 @@ std::string Trainer::State::save(int64_t step_done, const data::PipelinePosition
                                 ? plans_of_rank[r]
                                 : std::vector<data::EpochPlan>{},
                             static_cast<uint64_t>(pos[3 * r + 2])});
+  // (the previous upload first: keep-last may remove its directory here)
+  if (mirror) wait_upload();
   if (opt.sharded())  // every rank writes its shard
     last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last), &comm);
   else if (rank == 0)
     last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last));
   comm.barrier();
+  if (mirror) {
+    const std::string ck = last_ck;
+    const int keep = static_cast<int>(cfg.keep_last);
+    upload = std::async(std::launch::async, [this, ck, keep] {
+      mirror->publish_checkpoint(ck, keep);
+      published = std::filesystem::path(ck).filename().string();
+      mirror->sync_logs(true);
+    });
+  }
   return last_ck;
 }
 
@@ -574,7 +636,8 @@ std::string Trainer::banner() const {
   out += line;
   out += str(
       "  steps ", s.start_step, "..", cfg.steps, ", save every ", cfg.save_every, " to ",
-      cfg.output, ", ", s.comm.name(), ", ", omp_get_max_threads(), " threads, memory plan ",
+      cfg.publish_to.empty() ? cfg.output : str(cfg.publish_to, " (staged in ", cfg.output, ")"),
+      ", ", s.comm.name(), ", ", omp_get_max_threads(), " threads, memory plan ",
       human_bytes(static_cast<double>(s.m.plan().total_bytes() + s.opt.plan().total_bytes())),
       s.opt.sharded()
           ? str(" (optimizer state sharded: ",
@@ -722,6 +785,7 @@ TrainResult Trainer::run() {
     if (done == s.start_step + 1) res.first_loss = r.loss;
     if (cfg.log_every > 0 && (done % cfg.log_every == 0 || done == cfg.steps))
       s.log_window(done, step, window, window_start, run_start);
+    s.upload_logs();
     res.steps_done = done;
     done_pos = s.step->holds_next() ? ahead_pos : s.pipe->position();
     const bool slice_done =
@@ -739,6 +803,10 @@ TrainResult Trainer::run() {
   if (window.steps > 0) res.last_loss = window.loss / window.steps;
   s.end_step = step;
   res.last_checkpoint = s.save(step, done_pos);
+  if (s.mirror) {  // the last checkpoint committed and the logs uploaded before the run returns
+    s.wait_upload();
+    s.mirror->sync_logs(true);
+  }
   if (s.tl.enabled()) {
     s.tl.write(cfg.timeline, world);
     s.comm.barrier();

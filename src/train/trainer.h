@@ -19,6 +19,9 @@ namespace bertrain::train {
 
 struct TrainConfig {
   std::string model_config, init_checkpoint, data, output;
+  // An object-store run directory (s3://bucket/run, oss://...): `output` is then the local
+  // staging directory the run writes, and rank 0 publishes it there (train/run_mirror.h).
+  std::string publish_to;
   int64_t batch_size = 32;  // per rank, per micro-batch
   int64_t seq_len = 128, max_predictions = 20;
   int64_t steps = 1000, accumulation = 1;

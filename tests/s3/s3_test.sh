@@ -144,4 +144,83 @@ task=(prepare --vocab "$ROOT/data/vocab/bert-base-chinese-vocab.txt" --seq-len 6
 cmp -s "$TMP/task_local/part-00000-of-00001.tfrecord" "$TMP/task_s3/part-00000-of-00001.tfrecord" ||
   fail "the task file read from the store gave other examples"
 echo "ok: a fine-tuning TSV read from the bucket gives the same examples as the file"
+# 11. A run directory in the bucket (train --output s3://...). A BERT small enough that 50
+# checkpoints are quick (hidden 16, one layer; the uncased vocabulary).
+cat > "$TMP/micro.json" <<JSON
+{"architectures": ["BertForPreTraining"], "model_type": "bert", "hidden_size": 16,
+ "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32, "vocab_size": 30522,
+ "max_position_embeddings": 64, "type_vocab_size": 2, "hidden_act": "gelu",
+ "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "layer_norm_eps": 1e-12,
+ "initializer_range": 0.02}
+JSON
+micro=(train --model-config "$TMP/micro.json" --data "$TMP/local/part-*.tfrecord" --batch-size 4
+  --seq-len 64 --max-predictions 10 --log-every 10)
+check_run() { "$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" check-run "$MOTO_URL" data "$1"; }
+# a. 50 checkpoints uploaded through random faults on the uploads (503, 500, a reply cut, an
+# upload cut midway, a connection reset): each retried; none half-visible, none lost.
+"$BT" "${micro[@]}" --steps 50 --save-every 25 --output "$TMP/ref" > "$TMP/log_ref" 2>&1 ||
+  { cat "$TMP/log_ref"; fail "the reference run"; }
+"$MOTO_VENV/bin/python" - "$TMP/faults.json" <<'PY'
+import json, random, sys
+rng = random.Random(7)
+files = ["model.safetensors", "optimizer.safetensors", "trainer_state.json", "config.json", "COMMIT"]
+rules = [{"match": f"PUT /data/runs/f/checkpoint-{n:06d}/{rng.choice(files)}",
+          "action": rng.choice(["503", "500", "cut", "cut-request", "reset"]), "times": 1}
+         for n in range(1, 51) if rng.random() < 0.8]
+rules += [{"match": "PUT /data/runs/f/latest", "action": "503", "times": 3}]
+json.dump(rules, open(sys.argv[1], "w"))
+PY
+rm -f "$TMP/faults.json.log"
+proxy_start --faults "$TMP/faults.json"
+"$BT" "${micro[@]}" --steps 50 --save-every 1 --keep-last 0 --output s3://data/runs/f \
+  --stage-dir "$TMP/stage_f" --s3-endpoint "$PROXY_URL" > "$TMP/log_f" 2>&1 ||
+  { cat "$TMP/log_f"; fail "50 checkpoints to the bucket through faults"; }
+proxy_stop
+for a in 503 500 cut cut-request reset; do grep -q "^$a PUT" "$TMP/faults.json.log" || fail "fault $a never hit an upload"; done
+faults=$(grep -c "PUT" "$TMP/faults.json.log")
+out=$(check_run runs/f) || fail "the bucket's run: $out"
+[[ "$out" == "latest checkpoint-000050 committed 50 "*"orphans 0" ]] || fail "after 50 uploads: $out"
+"$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" get "$MOTO_URL" data runs/f/checkpoint-000050/model.safetensors "$TMP/f50.safetensors"
+cmp -s "$TMP/f50.safetensors" "$TMP/ref/checkpoint-000050/model.safetensors" ||
+  fail "the model committed to the bucket differs from the run's into a directory"
+keys=$("$MOTO_VENV/bin/python" -c "
+import boto3; s3 = boto3.client('s3', endpoint_url='$MOTO_URL', region_name='us-east-1')
+print('\n'.join(o['Key'] for o in s3.list_objects_v2(Bucket='data', Prefix='runs/f/', Delimiter='/')['Contents']))")
+grep -qx "runs/f/metrics.jsonl" <<<"$keys" && grep -q "^runs/f/events.out.tfevents" <<<"$keys" ||
+  fail "metrics.jsonl and the TensorBoard events not uploaded: $keys"
+echo "ok: 50 checkpoints to s3://data/runs/f through $faults injected upload faults: 50 committed, 0 half-visible, 0 lost; the last equals a local run's bit for bit"
+# b. An outage that outlasts the retries mid-checkpoint: the run stops naming the object; the
+# checkpoint before stays `latest`, the cut one has no COMMIT (invisible).
+echo '[{"match": "PUT /data/runs/o/checkpoint-000004/optimizer", "action": "503", "times": 100}]' > "$TMP/faults.json"
+proxy_start --faults "$TMP/faults.json"
+out=$("$BT" "${micro[@]}" --steps 8 --save-every 2 --output s3://data/runs/o --stage-dir "$TMP/stage_o" \
+  --s3-endpoint "$PROXY_URL" --s3-retries 2 2>&1) && fail "a run whose upload kept failing passed"
+proxy_stop
+echo "$out" | grep -q "runs/o/checkpoint-000004/optimizer.safetensors.*still failing after 2 attempts" ||
+  fail "the failed upload: $out"
+out=$(check_run runs/o) || fail "the bucket's run after a failed upload: $out"
+[[ "$out" == "latest checkpoint-000002 committed 1 "* ]] || fail "after a failed upload: $out"
+[[ "$out" == *"orphans 2" ]] || fail "the cut checkpoint's uploaded parts: $out"
+"$BT" "${micro[@]}" --steps 8 --save-every 2 --resume --output s3://data/runs/o --stage-dir "$TMP/stage_o" $S3 \
+  > "$TMP/log_o" 2>&1 || { cat "$TMP/log_o"; fail "resuming after the failed upload"; }
+out2=$(check_run runs/o) || fail "the bucket's run after the resume: $out2"
+[[ "$out2" == "latest checkpoint-000008 committed 3 "*"orphans 0" ]] || fail "after the resume: $out2"
+echo "ok: an upload failing past its retries ends the run naming it; latest stays checkpoint-000002 ($out); resumed, checkpoint-000004 committed anew and keep-last 3 kept 4, 6, 8 ($out2)"
+# c. Resume from the bucket (the first host's staging directory lost) = resume from a directory.
+"$BT" "${micro[@]}" --steps 12 --save-every 6 --stop-after-steps 6 --output "$TMP/rl" > /dev/null 2>&1 || fail "local, first half"
+"$BT" "${micro[@]}" --steps 12 --save-every 6 --resume --output "$TMP/rl" > /dev/null 2>&1 || fail "local, resumed"
+"$BT" "${micro[@]}" --steps 12 --save-every 6 --stop-after-steps 6 --keep-last 1 --output s3://data/runs/r \
+  --stage-dir "$TMP/stage_r1" $S3 > "$TMP/log_r" 2>&1 || { cat "$TMP/log_r"; fail "bucket, first half"; }
+rm -rf "$TMP/stage_r1"
+"$BT" "${micro[@]}" --steps 12 --save-every 6 --resume --keep-last 1 --output s3://data/runs/r \
+  --stage-dir "$TMP/stage_r2" $S3 > "$TMP/log_r" 2>&1 || { cat "$TMP/log_r"; fail "bucket, resumed"; }
+grep -q "fetched .*checkpoint-000006 from s3://data/runs/r" "$TMP/log_r" || { cat "$TMP/log_r"; fail "no fetch said"; }
+"$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" get "$MOTO_URL" data runs/r/checkpoint-000012/model.safetensors "$TMP/r12.safetensors"
+"$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" get "$MOTO_URL" data runs/r/checkpoint-000012/optimizer.safetensors "$TMP/r12o.safetensors"
+cmp -s "$TMP/r12.safetensors" "$TMP/rl/checkpoint-000012/model.safetensors" &&
+  cmp -s "$TMP/r12o.safetensors" "$TMP/rl/checkpoint-000012/optimizer.safetensors" ||
+  fail "resumed from the bucket, the model or optimizer differs from a resume from a directory"
+out=$(check_run runs/r) || fail "the resumed run: $out"
+[[ "$out" == "latest checkpoint-000012 committed 1 "*"orphans 0" ]] || fail "keep-last 1: $out"
+echo "ok: resumed from the bucket with its staging lost = resumed from a directory, bit for bit (model and optimizer); keep-last 1 left one checkpoint ($out)"
 echo "s3: all ok"

@@ -9,10 +9,13 @@ its HTTP through libcurl).
   pipelined, so bandwidth stays what it was: the round trip of a distant store. (What tc netem
   on a link would do; this kernel has no netem.)
 --faults FILE: a JSON list of rules, read again for every request; each
-  {"match": "substring of the request line", "action": "500"|"503"|"cut"|"reset", "times": N}
+  {"match": "substring of the request line", "action": "500"|"503"|"cut"|"cut-request"|"reset",
+   "times": N}
   answers the next N matching requests with that HTTP status (S3's XML error: InternalError,
   SlowDown), or forwards them and cuts the connection halfway through the reply's body ("cut"),
-  or closes the connection before any reply ("reset"). Each hit is appended to FILE + ".log".
+  or forwards half of the request's body and cuts both connections (an upload cut midway:
+  "cut-request"), or closes the connection before any reply ("reset"). Each hit is appended to
+  FILE + ".log".
   With --faults every connection carries one request (the proxy reads each request whole).
 """
 import argparse
@@ -110,6 +113,11 @@ async def handle(creader, cwriter, args):
         # One request per connection: the upstream closes after its reply.
         head = head[:-2] + b"Connection: close\r\n\r\n"
         ureader, uwriter = await asyncio.open_connection(host, int(port))
+        if action == "cut-request":
+            uwriter.write(head + body[: len(body) // 2])
+            await uwriter.drain()
+            uwriter.close()
+            return
         uwriter.write(head + body)
         await uwriter.drain()
         if action == "cut":

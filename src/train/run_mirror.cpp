@@ -1,0 +1,188 @@
+#include "train/run_mirror.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "core/clock.h"
+#include "core/error.h"
+#include "data/object_store.h"
+#include "data/sigv4.h"
+#include "data/storage.h"
+
+namespace bertrain::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot read ", path, " to upload it");
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+data::ObjectStore& store_of(const std::string& url) {
+  return data::ObjectStore::of(data::parse_object_url(url).scheme);
+}
+
+void put(const std::string& url, std::string body) {
+  store_of(url).put(data::parse_object_url(url), std::move(body));
+}
+
+bool is_log(const std::string& name) {
+  return name == "metrics.jsonl" || name == "incidents.log" ||
+         name.rfind("events.out.tfevents.", 0) == 0;
+}
+
+double now_s() {
+  return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+RunMirror::RunMirror(const std::string& url, const std::string& stage) : url_(url), stage_(stage) {
+  while (url_.size() > 1 && url_.back() == '/') url_.pop_back();
+  const data::ObjectUrl u = data::parse_object_url(url_);
+  if (u.key.empty())
+    fail("--output ", url, ": name a prefix in the bucket for the run (", u.scheme, "://", u.bucket,
+         "/runs/my-run), not the bucket alone");
+  fs::create_directories(stage_);
+}
+
+std::string RunMirror::object(const std::string& name) const {
+  return url_ + "/" + name;
+}
+
+void RunMirror::publish_checkpoint(const std::string& dir, int keep) {
+  const std::string name = fs::path(dir).filename().string();
+  // The files first, each whole (one PUT: nothing of it is visible before it is complete) ...
+  nlohmann::ordered_json files = nlohmann::ordered_json::array();
+  std::vector<fs::path> paths;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file()) paths.push_back(e.path());
+  std::sort(paths.begin(), paths.end());
+  for (const fs::path& p : paths) {
+    std::string body = slurp(p.string());
+    files.push_back({{"name", p.filename().string()},
+                     {"size", body.size()},
+                     {"sha256", data::sha256_hex(body)}});
+    put(object(name + "/" + p.filename().string()), std::move(body));
+  }
+  // ... then the commit object that makes them a checkpoint, then `latest`.
+  const nlohmann::ordered_json commit = {{"checkpoint", name}, {"files", files}};
+  put(object(name + "/COMMIT"), commit.dump(1) + "\n");
+  put(object("latest"), name + "\n");
+  prune(name, keep);
+}
+
+// Deletes the committed checkpoints older than the newest `keep` (COMMIT first: a checkpoint
+// half deleted is invisible), and the objects of older checkpoints that were never committed
+// (an upload cut by a crash or an outage: invisible, but bytes in the bucket).
+void RunMirror::prune(const std::string& newest, int keep) {
+  const data::ObjectUrl base = data::parse_object_url(url_);
+  data::ObjectStore& store = data::ObjectStore::of(base.scheme);
+  std::map<std::string, std::vector<std::string>> objects;  // checkpoint -> its keys
+  std::vector<std::string> commits;
+  for (const data::ObjectInfo& o : store.list(base.bucket, base.key + "/checkpoint-")) {
+    const std::string rest = o.key.substr(base.key.size() + 1);  // checkpoint-N/file
+    const size_t slash = rest.find('/');
+    if (slash == std::string::npos) continue;
+    const std::string ck = rest.substr(0, slash);
+    if (rest.substr(slash + 1) == "COMMIT")
+      commits.push_back(ck);
+    else
+      objects[ck].push_back(o.key);
+  }
+  std::sort(commits.begin(), commits.end());
+  std::vector<std::string> drop;
+  for (size_t i = 0; keep > 0 && i + keep < commits.size(); ++i) drop.push_back(commits[i]);
+  for (const auto& [ck, keys] : objects)
+    if (ck < newest && !std::binary_search(commits.begin(), commits.end(), ck)) drop.push_back(ck);
+  for (const std::string& ck : drop) {
+    if (std::binary_search(commits.begin(), commits.end(), ck))
+      store.remove(data::parse_object_url(object(ck + "/COMMIT")));
+    for (const std::string& key : objects[ck]) store.remove({base.scheme, base.bucket, key});
+  }
+}
+
+std::vector<std::string> RunMirror::committed() const {
+  const data::ObjectUrl base = data::parse_object_url(url_);
+  std::vector<std::string> out;
+  for (const data::ObjectInfo& o : store_of(url_).list(base.bucket, base.key + "/checkpoint-")) {
+    const std::string rest = o.key.substr(base.key.size() + 1);  // checkpoint-N/COMMIT
+    const size_t slash = rest.find('/');
+    if (slash != std::string::npos && rest.substr(slash + 1) == "COMMIT")
+      out.push_back(rest.substr(0, slash));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void RunMirror::sync_logs(bool force, double min_interval_s) {
+  if (!force && now_s() - last_sync_ < min_interval_s) return;
+  last_sync_ = now_s();
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(stage_, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_regular_file() || !is_log(name)) continue;
+    const uint64_t size = e.file_size(ec);
+    if (ec || uploaded_sizes_[name] == size) continue;
+    // (S3 has no append: the whole file again; logs are small beside checkpoints)
+    put(object(name), slurp(e.path().string()));
+    uploaded_sizes_[name] = size;
+  }
+}
+
+std::string RunMirror::fetch_latest() {
+  const data::ObjectUrl latest = data::parse_object_url(object("latest"));
+  data::ObjectStore& store = data::ObjectStore::of(latest.scheme);
+  const data::ObjectUrl base = data::parse_object_url(url_);
+  bool any = false;
+  for (const data::ObjectInfo& o : store.list(base.bucket, base.key + "/latest"))
+    any |= o.key == latest.key;
+  if (!any) return "";
+  std::string name = store.read(latest);
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+  nlohmann::json commit;
+  try {
+    commit = nlohmann::json::parse(store.read(data::parse_object_url(object(name + "/COMMIT"))));
+  } catch (const nlohmann::json::exception& e) {
+    fail(object(name + "/COMMIT"), " is not a commit object (", e.what(),
+         "): the bucket's run was not written by bertrain, or was changed by hand");
+  }
+  const fs::path dir = fs::path(stage_) / name;
+  const fs::path tmp = fs::path(stage_) / ("." + name + ".fetch");
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  for (const auto& f : commit.at("files")) {
+    const std::string file = f.at("name");
+    const std::string body = store.read(data::parse_object_url(object(name + "/" + file)));
+    if (body.size() != f.at("size").get<uint64_t>() ||
+        data::sha256_hex(body) != f.at("sha256").get<std::string>())
+      fail(object(name + "/" + file), " is not the file its COMMIT names (", body.size(),
+           " bytes, ", f.at("size").get<uint64_t>(), " committed; or another SHA-256): ",
+           "the checkpoint was changed after it was committed; resume from an older one");
+    std::ofstream out(tmp / file, std::ios::binary);
+    out.write(body.data(), static_cast<std::streamsize>(body.size()));
+    if (!out) fail("cannot write ", (tmp / file).string(), " (the staging directory's disk?)");
+  }
+  fs::remove_all(dir);
+  fs::rename(tmp, dir);
+  std::ofstream(fs::path(stage_) / "latest") << name << "\n";
+  return dir.string();
+}
+
+std::string default_stage_dir(const std::string& url) {
+  const data::ObjectUrl u = data::parse_object_url(url);
+  const char* tmp = std::getenv("TMPDIR");
+  fs::path p = fs::path(tmp && *tmp ? tmp : "/tmp") / "bertrain-stage" / u.scheme / u.bucket;
+  std::string key = u.key;
+  while (!key.empty() && key.back() == '/') key.pop_back();
+  return (p / key).string();
+}
+
+}  // namespace bertrain::train
