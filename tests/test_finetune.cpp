@@ -1,5 +1,6 @@
 // Fine-tuning and prediction on the bundled ChnSentiCorp subset (real Chinese reviews).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
@@ -20,6 +21,7 @@
 #include "train/finetune.h"
 #include "train/metrics.h"
 #include "train/predict.h"
+#include "train/run_state.h"
 
 namespace bertrain::train {
 namespace {
@@ -185,6 +187,17 @@ TEST(Finetune, LearnsTheTrainingSetAndPredicts) {
   std::vector<Prediction> preds;
   EXPECT_GT(classify(m, train_set, 16, &preds), 0.85);
   EXPECT_EQ(preds.size(), 500u);
+}
+
+// Two fine-tuning jobs on one --output: the second stops naming the first (as train does).
+TEST(Finetune, ASecondJobOnAnOutputDirectoryStopsNamingTheFirst) {
+  test::TempDir tmp;
+  FinetuneConfig f = tiny_run(tmp);
+  f.output = tmp / "ft";
+  RunDirLock first(f.output);
+  const std::string e = test::error_of([&] { finetune(f); });
+  EXPECT_NE(e.find(f.output + " is in use by another job (host "), std::string::npos) << e;
+  EXPECT_NE(e.find(", pid " + std::to_string(getpid()) + ", started "), std::string::npos) << e;
 }
 
 // Fine-tuning in bf16 / fp16 (loss scaled) against the same run in fp32: the 16-bit runs really

@@ -158,6 +158,11 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
                 "With an s3:// or oss:// --output: the local directory each host writes the run "
                 "into before it is uploaded (default $TMPDIR/bertrain-stage/<scheme>/<bucket>/"
                 "<prefix>)");
+  c->add_option("--lease-seconds", t.lease_seconds,
+                "With an s3:// or oss:// --output: the run's lease (<output>/bertrain.lock, one "
+                "job per run) lasts this long without renewal; a job that stopped renewing it "
+                "(killed, its host lost) is taken over after it")
+      ->capture_default_str();
   c->add_option("--init-checkpoint", t.init_checkpoint,
                 "Start from these weights (HuggingFace or bertrain checkpoint, or a Google BERT "
                 "TensorFlow checkpoint)");

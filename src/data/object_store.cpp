@@ -203,6 +203,8 @@ struct Op {
   bool ranged = false;
   uint64_t begin = 0, end = 0;
   std::string if_match, body;
+  bool if_none_match = false;    // PUT only where no object is
+  bool precondition_ok = false;  // a 412 is an answer (a conditional PUT not done), not an error
   Done done;
   std::string what;  // "s3://b/k bytes 0-1023" for messages
 
@@ -426,6 +428,7 @@ struct ObjectStore::Impl {
       op.reply.body.reserve(op.end - op.begin);
     }
     if (!op.if_match.empty()) h = curl_slist_append(h, ("If-Match: " + op.if_match).c_str());
+    if (op.if_none_match) h = curl_slist_append(h, "If-None-Match: *");
     h = curl_slist_append(h, "Expect:");  // no 100-continue round trip before a PUT's body
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, h);
     op.easy = e;
@@ -471,6 +474,10 @@ struct ObjectStore::Impl {
                       " asked (a connection cut mid-object)");
         again = true;
       }
+    } else if (status == 412 && op.precondition_ok) {
+      op.done(std::move(op.reply), nullptr);
+      delete &op;
+      return;
     } else {
       const S3Error err = parse_error(op.reply.body);
       failure = str("HTTP ", status, err.code.empty() ? "" : " " + err.code,
@@ -717,6 +724,22 @@ void ObjectStore::put(const ObjectUrl& url, std::string body) {
   op->body = std::move(body);
   op->what = str("writing ", url.str());
   impl_->run(op);
+}
+
+bool ObjectStore::put_if(const ObjectUrl& url, std::string body, bool if_absent,
+                         const std::string& if_match, std::string* etag) {
+  Op* op = new Op;
+  op->method = "PUT";
+  op->url = url;
+  op->body = std::move(body);
+  op->if_none_match = if_absent;
+  op->if_match = if_match;
+  op->precondition_ok = true;
+  op->what = str("writing ", url.str(), if_absent ? " (if absent)" : " (if unchanged)");
+  const Reply r = impl_->run(op);
+  if (r.status == 412) return false;
+  if (etag) *etag = r.etag;
+  return true;
 }
 
 std::string ObjectStore::read(const ObjectUrl& url) {

@@ -69,6 +69,11 @@ class ObjectStore {
   std::future<std::string> get(const ObjectUrl& url, uint64_t begin, uint64_t end,
                                const std::string& etag = "");
   void put(const ObjectUrl& url, std::string body);
+  // A conditional PUT: only where no object is (if_absent: If-None-Match *), or only over the
+  // version whose ETag is if_match. False, and nothing written, when the condition fails (412);
+  // the new object's ETag in *etag otherwise. (AWS S3 and MinIO honour both conditions.)
+  bool put_if(const ObjectUrl& url, std::string body, bool if_absent, const std::string& if_match,
+              std::string* etag = nullptr);
   // The whole object (HEAD, then one read pinned to that version's ETag).
   std::string read(const ObjectUrl& url);
   // DELETE; an object that is not there is no error (S3's answer is the same).

@@ -315,6 +315,12 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   comm::Communicator& comm = cfg.comm ? *cfg.comm : single;
   const int rank = comm.rank(), world = comm.size();
   const bool say = !cfg.quiet && rank == 0;
+  // One job per output directory: rank 0 holds it for the run (train/run_state.h).
+  std::unique_ptr<RunDirLock> lock;
+  if (!cfg.output.empty() && rank == 0) {
+    lock = std::make_unique<RunDirLock>(cfg.output);
+    if (say && !lock->note().empty()) std::printf("finetune: %s\n", lock->note().c_str());
+  }
   const Pretrained pre = load_pretrained(cfg);
   const prep::Tokenizer tok(pre.vocab, pre.lower);
   const TaskData task = read_task(cfg, tok, pre.config, say);

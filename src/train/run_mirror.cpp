@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <vector>
 
 #include "core/clock.h"
@@ -12,6 +14,7 @@
 #include "data/object_store.h"
 #include "data/sigv4.h"
 #include "data/storage.h"
+#include "train/run_state.h"
 
 namespace bertrain::train {
 
@@ -174,6 +177,129 @@ std::string RunMirror::fetch_latest() {
   fs::rename(tmp, dir);
   std::ofstream(fs::path(stage_) / "latest") << name << "\n";
   return dir.string();
+}
+
+namespace {
+
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::string utc(double t) {
+  const std::time_t s = static_cast<std::time_t>(t);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&s));
+  return buf;
+}
+
+}  // namespace
+
+RunLease::RunLease(const std::string& url, double ttl_s) : ttl_s_(ttl_s) {
+  std::string base = url;
+  while (!base.empty() && base.back() == '/') base.pop_back();
+  url_ = base + "/bertrain.lock";
+  holder_ = job_holder();
+  std::random_device rd;
+  nonce_ = data::sha256_hex(str(holder_, rd(), rd(), rd())).substr(0, 16);
+  const data::ObjectUrl u = data::parse_object_url(url_);
+  data::ObjectStore& store = data::ObjectStore::of(u.scheme);
+  std::string current;
+  for (int attempt = 0; attempt < 3 && etag_.empty(); ++attempt) {
+    if (store.put_if(u, body(unix_now() + ttl_s_), true, "", &etag_)) break;
+    // Held, or ours already (a PUT that succeeded but whose reply was lost, then retried).
+    bool exists = false;
+    for (const data::ObjectInfo& o : store.list(u.bucket, u.key)) exists |= o.key == u.key;
+    if (!exists) continue;  // released meanwhile: try again
+    const data::ObjectInfo info = store.head(u);
+    current = store.read(u);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(current);
+    } catch (const nlohmann::json::exception&) {
+      fail(url_, " is not a bertrain lease (", current.substr(0, 80),
+           "): remove it if no job uses the run");
+    }
+    if (j.value("nonce", "") == nonce_) {
+      etag_ = info.etag;
+      break;
+    }
+    const double expires = j.value("expires", 0.0);
+    const std::string who = j.value("holder", std::string("?"));
+    if (expires > unix_now())
+      fail(base, " is in use by another job (", who, "; its lease runs to ", utc(expires),
+           " and is renewed while it runs): one job per run. Use another --output, or stop that "
+           "job first (its lease, ",
+           url_, ", goes when it ends, or ", static_cast<int>(ttl_s_),
+           " s after it stops renewing)");
+    // Expired: its holder is gone. Taken over that version, so only one job can.
+    if (store.put_if(u, body(unix_now() + ttl_s_), false, info.etag, &etag_)) {
+      note_ = str("took over ", url_, " from a job that is gone (", who, "; its lease expired ",
+                  utc(expires), ")");
+      break;
+    }
+  }
+  if (etag_.empty())
+    fail("cannot take the lease ", url_, ": other jobs took and released it 3 times meanwhile");
+  renewer_ = std::thread([this] { renew_loop(); });
+}
+
+std::string RunLease::body(double expires) const {
+  return nlohmann::json{{"holder", holder_}, {"nonce", nonce_}, {"expires", expires}}.dump() + "\n";
+}
+
+void RunLease::renew_loop() {
+  const data::ObjectUrl u = data::parse_object_url(url_);
+  data::ObjectStore& store = data::ObjectStore::of(u.scheme);
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!cv_.wait_for(lock, std::chrono::duration<double>(ttl_s_ / 3), [&] { return stop_; })) {
+    const std::string etag = etag_;
+    lock.unlock();
+    std::string next;
+    bool renewed = false, taken = false;
+    try {
+      renewed = store.put_if(u, body(unix_now() + ttl_s_), false, etag, &next);
+      taken = !renewed;
+    } catch (const std::exception&) {
+      // The store is unreachable: tried again at the next renewal (the lease holds for ttl_s).
+    }
+    lock.lock();
+    if (renewed) etag_ = next;
+    if (taken) {
+      std::string who = "?";
+      try {
+        who = nlohmann::json::parse(store.read(u)).value("holder", who);
+      } catch (const std::exception&) {
+      }
+      lost_to_ = who;
+      lost_ = true;
+      return;
+    }
+  }
+}
+
+void RunLease::check() const {
+  if (!lost_) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  fail(url_, " was taken over by another job (", lost_to_,
+       ") after this one could not renew it for ", static_cast<int>(ttl_s_),
+       " s: stopping, so that two jobs do not write one run. The bucket's latest commit stands");
+}
+
+RunLease::~RunLease() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (renewer_.joinable()) renewer_.join();
+  if (lost_) return;
+  try {  // (only ours: a lease another job took stays)
+    const data::ObjectUrl u = data::parse_object_url(url_);
+    data::ObjectStore& store = data::ObjectStore::of(u.scheme);
+    if (nlohmann::json::parse(store.read(u)).value("nonce", "") == nonce_) store.remove(u);
+  } catch (const std::exception&) {
+    // Unreachable now: the lease expires by itself.
+  }
 }
 
 std::string default_stage_dir(const std::string& url) {

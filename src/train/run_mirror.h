@@ -13,9 +13,13 @@
 // once a later one commits.
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace bertrain::train {
@@ -46,6 +50,36 @@ class RunMirror {
   std::string url_, stage_;
   std::map<std::string, uint64_t> uploaded_sizes_;  // log file -> size at its last upload
   double last_sync_ = -1e30;
+};
+
+// One job per run prefix in a bucket: a lease object, url/bertrain.lock, naming its holder (host,
+// pid, start, command line) and when the lease expires. Taken with a conditional PUT (only where
+// none is), renewed every ttl/3 over the version this job wrote (If-Match), deleted at the end.
+// A second job stops naming the holder; a lease its holder stopped renewing (killed, its host
+// lost) expires after ttl_s and is taken over (over that version: two jobs cannot both take it),
+// said in note(). A job that finds its lease taken (it could not renew for ttl_s, and another
+// job took over) stops at its next checkpoint (check()).
+class RunLease {
+ public:
+  RunLease(const std::string& url, double ttl_s);
+  ~RunLease();
+  RunLease(const RunLease&) = delete;
+  RunLease& operator=(const RunLease&) = delete;
+  const std::string& note() const { return note_; }
+  // Error when the lease was taken by another job.
+  void check() const;
+
+ private:
+  std::string body(double expires) const;
+  void renew_loop();
+  std::string url_, holder_, nonce_, etag_, note_;
+  double ttl_s_;
+  std::atomic<bool> lost_{false};
+  mutable std::mutex mu_;
+  std::string lost_to_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread renewer_;
 };
 
 // Where a run published to `url` is staged on this host: $TMPDIR (else /tmp)/bertrain-stage/

@@ -477,6 +477,13 @@ std::string own_command() {
 
 }  // namespace
 
+std::string job_holder() {
+  const std::time_t now = std::time(nullptr);
+  char when[64];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
+  return str("host ", host_name(), ", pid ", ::getpid(), ", started ", when, ": ", own_command());
+}
+
 RunDirLock::RunDirLock(const std::string& run_dir) {
   if (data::is_remote(run_dir)) return;
   std::error_code ec;
@@ -508,11 +515,7 @@ RunDirLock::RunDirLock(const std::string& run_dir) {
   // Ours. A lock file with a holder written in it and no flock: a job that is gone.
   if (const std::string old = holder(); !old.empty())
     note_ = str("took over ", path, " from a job that is gone (", old, ")");
-  const std::time_t now = std::time(nullptr);
-  char when[64];
-  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
-  const std::string mine = str("host ", host_name(), ", pid ", ::getpid(), ", started ", when, ": ",
-                               own_command(), "\n");
+  const std::string mine = job_holder() + "\n";
   if (::ftruncate(fd_, 0) != 0 ||
       ::pwrite(fd_, mine.data(), mine.size(), 0) != static_cast<ssize_t>(mine.size()))
     fail("cannot write the run directory's lock ", path, ": ", std::strerror(errno));

@@ -38,6 +38,9 @@ struct TrainerState {
 // directory stops with an error naming the holder; a lock file whose holder is gone is taken
 // over, said in note(). Local and shared file systems (NFSv4, Lustre and GPFS pass flock
 // between hosts); an object-store prefix (s3://, oss://) takes no lock.
+// "host h0, pid 123, started 2026-12-03 05:00:00 UTC: bertrain train ...": who holds a run.
+std::string job_holder();
+
 class RunDirLock {
  public:
   explicit RunDirLock(const std::string& run_dir);

@@ -162,6 +162,7 @@ struct Trainer::State {
   std::unique_ptr<RunDirLock> lock;  // rank 0: the run directory, held for the run
   // Rank 0 of a run published to object storage (TrainConfig::publish_to): the uploads run
   // beside training, one at a time; an upload's error ends the run at the next wait.
+  std::unique_ptr<RunLease> lease;  // rank 0: the bucket prefix, held for the run
   std::unique_ptr<RunMirror> mirror;
   std::future<void> upload;
   std::string published;     // the newest checkpoint committed to the bucket (set by the upload)
@@ -201,6 +202,11 @@ void Trainer::State::open_mirror() {
     fail("--shard-optimizer with an object-store --output (", cfg.publish_to, ") on ", world,
          " ranks over several hosts: each host stages its own shards and rank 0 uploads only its "
          "host's; use a shared file system for --output, or run without --shard-optimizer");
+  if (rank == 0) {
+    lease = std::make_unique<RunLease>(cfg.publish_to, cfg.lease_seconds);
+    if (!lease->note().empty()) startup_note += str("  ", lease->note(), "\n");
+  }
+  comm.barrier();
   if (cfg.resume && comm.local_rank() == 0) {
     const std::string got = RunMirror(cfg.publish_to, cfg.output).fetch_latest();
     if (rank == 0 && !got.empty())
@@ -229,7 +235,10 @@ void Trainer::State::upload_logs() {
   if (upload.valid() && upload.wait_for(std::chrono::seconds(0)) != std::future_status::ready)
     return;
   wait_upload();
-  upload = std::async(std::launch::async, [this] { mirror->sync_logs(false); });
+  upload = std::async(std::launch::async, [this] {
+    lease->check();
+    mirror->sync_logs(false);
+  });
 }
 
 // The logged step's values, to TensorBoard and metrics.jsonl (rank 0). Collective: every rank
@@ -504,6 +513,7 @@ std::string Trainer::State::save(int64_t step_done, const data::PipelinePosition
     const std::string ck = last_ck;
     const int keep = static_cast<int>(cfg.keep_last);
     upload = std::async(std::launch::async, [this, ck, keep] {
+      lease->check();
       mirror->publish_checkpoint(ck, keep);
       published = std::filesystem::path(ck).filename().string();
       mirror->sync_logs(true);

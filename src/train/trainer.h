@@ -22,7 +22,8 @@ struct TrainConfig {
   // An object-store run directory (s3://bucket/run, oss://...): `output` is then the local
   // staging directory the run writes, and rank 0 publishes it there (train/run_mirror.h).
   std::string publish_to;
-  int64_t batch_size = 32;  // per rank, per micro-batch
+  double lease_seconds = 120;  // publish_to's lease (RunLease): its time without renewal
+  int64_t batch_size = 32;     // per rank, per micro-batch
   int64_t seq_len = 128, max_predictions = 20;
   int64_t steps = 1000, accumulation = 1;
   Precision precision = Precision::FP32;

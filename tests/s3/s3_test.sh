@@ -223,4 +223,32 @@ cmp -s "$TMP/r12.safetensors" "$TMP/rl/checkpoint-000012/model.safetensors" &&
 out=$(check_run runs/r) || fail "the resumed run: $out"
 [[ "$out" == "latest checkpoint-000012 committed 1 "*"orphans 0" ]] || fail "keep-last 1: $out"
 echo "ok: resumed from the bucket with its staging lost = resumed from a directory, bit for bit (model and optimizer); keep-last 1 left one checkpoint ($out)"
+# d. One job per run prefix: a lease object (runs/l/bertrain.lock). A second job stops naming
+# the first; after the first is killed (no renewal), its lease expires and is taken over.
+"$BT" "${micro[@]}" --steps 1000000 --save-every 100000 --lease-seconds 4 --output s3://data/runs/l \
+  --stage-dir "$TMP/stage_l1" $S3 > "$TMP/log_l1" 2>&1 &
+first=$!
+for _ in $(seq 300); do grep -q "^step" "$TMP/log_l1" && break; sleep 0.1; done
+grep -q "^step" "$TMP/log_l1" || { cat "$TMP/log_l1"; fail "the first job never stepped"; }
+out=$("$BT" "${micro[@]}" --steps 4 --lease-seconds 4 --output s3://data/runs/l --stage-dir "$TMP/stage_l2" $S3 2>&1) &&
+  fail "a second job on the prefix ran"
+echo "$out" | grep -q "s3://data/runs/l is in use by another job (host .*, pid $first, started" ||
+  fail "the second job's message: $out"
+sleep 6  # (renewed every 4/3 s: still held)
+out=$("$BT" "${micro[@]}" --steps 4 --lease-seconds 4 --output s3://data/runs/l --stage-dir "$TMP/stage_l2" $S3 2>&1) &&
+  fail "a second job ran while the first renewed its lease"
+kill -9 "$first"; wait "$first" 2>/dev/null
+t0=$(date +%s.%N)
+for _ in $(seq 40); do
+  out=$("$BT" "${micro[@]}" --steps 4 --lease-seconds 4 --output s3://data/runs/l --stage-dir "$TMP/stage_l2" $S3 2>&1) && break
+  sleep 0.5
+done
+echo "$out" | grep -q "took over s3://data/runs/l/bertrain.lock from a job that is gone (host .*, pid $first" ||
+  fail "the takeover: $out"
+waited=$(echo "$(date +%s.%N) - $t0" | bc | cut -c1-4)
+keys=$("$MOTO_VENV/bin/python" -c "
+import boto3; s3 = boto3.client('s3', endpoint_url='$MOTO_URL', region_name='us-east-1')
+print('\n'.join(o['Key'] for o in s3.list_objects_v2(Bucket='data', Prefix='runs/l/').get('Contents', [])))")
+grep -qx "runs/l/bertrain.lock" <<<"$keys" && fail "the lease was left behind by a job that ended"
+echo "ok: a second job on s3://data/runs/l stopped naming the first (pid $first) while it renewed its lease; killed, its lease was taken over ${waited} s later (lease 4 s); released at the end"
 echo "s3: all ok"
