@@ -712,6 +712,11 @@ std::future<std::string> ObjectStore::get(const ObjectUrl& url, uint64_t begin, 
 }
 
 void ObjectStore::put(const ObjectUrl& url, std::string body) {
+  put_if(url, std::move(body), false, "");
+}
+
+bool ObjectStore::put_if(const ObjectUrl& url, std::string body, bool if_absent,
+                         const std::string& if_match, std::string* etag) {
   // One PUT carries at most 5 GiB (S3's limit); prepare's shards are far smaller.
   if (body.size() > (uint64_t{5} << 30))
     fail(url.str(), ": ", body.size(),
@@ -722,20 +727,13 @@ void ObjectStore::put(const ObjectUrl& url, std::string body) {
   op->method = "PUT";
   op->url = url;
   op->body = std::move(body);
-  op->what = str("writing ", url.str());
-  impl_->run(op);
-}
-
-bool ObjectStore::put_if(const ObjectUrl& url, std::string body, bool if_absent,
-                         const std::string& if_match, std::string* etag) {
-  Op* op = new Op;
-  op->method = "PUT";
-  op->url = url;
-  op->body = std::move(body);
   op->if_none_match = if_absent;
   op->if_match = if_match;
-  op->precondition_ok = true;
-  op->what = str("writing ", url.str(), if_absent ? " (if absent)" : " (if unchanged)");
+  op->precondition_ok = if_absent || !if_match.empty();
+  op->what = str("writing ", url.str(),
+                 if_absent          ? " (if absent)"
+                 : if_match.empty() ? ""
+                                    : " (if unchanged)");
   const Reply r = impl_->run(op);
   if (r.status == 412) return false;
   if (etag) *etag = r.etag;

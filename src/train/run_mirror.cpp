@@ -13,7 +13,6 @@
 #include "core/error.h"
 #include "data/object_store.h"
 #include "data/sigv4.h"
-#include "data/storage.h"
 #include "train/run_state.h"
 
 namespace bertrain::train {
@@ -39,10 +38,6 @@ void put(const std::string& url, std::string body) {
 bool is_log(const std::string& name) {
   return name == "metrics.jsonl" || name == "incidents.log" ||
          name.rfind("events.out.tfevents.", 0) == 0;
-}
-
-double now_s() {
-  return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
@@ -112,22 +107,10 @@ void RunMirror::prune(const std::string& newest, int keep) {
   }
 }
 
-std::vector<std::string> RunMirror::committed() const {
-  const data::ObjectUrl base = data::parse_object_url(url_);
-  std::vector<std::string> out;
-  for (const data::ObjectInfo& o : store_of(url_).list(base.bucket, base.key + "/checkpoint-")) {
-    const std::string rest = o.key.substr(base.key.size() + 1);  // checkpoint-N/COMMIT
-    const size_t slash = rest.find('/');
-    if (slash != std::string::npos && rest.substr(slash + 1) == "COMMIT")
-      out.push_back(rest.substr(0, slash));
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
 void RunMirror::sync_logs(bool force, double min_interval_s) {
-  if (!force && now_s() - last_sync_ < min_interval_s) return;
-  last_sync_ = now_s();
+  if (!force && synced_ && seconds_since(last_sync_) < min_interval_s) return;
+  synced_ = true;
+  last_sync_ = Clock::now();
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(stage_, ec)) {
     const std::string name = e.path().filename().string();

@@ -22,6 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/clock.h"
+
 namespace bertrain::train {
 
 class RunMirror {
@@ -41,15 +43,14 @@ class RunMirror {
   // The latest committed checkpoint fetched into the stage (stage/<name>, stage/latest written);
   // returns its local directory, or "" when the bucket holds none.
   std::string fetch_latest();
-  // Checkpoints committed in the bucket, oldest first (their names).
-  std::vector<std::string> committed() const;
 
  private:
   std::string object(const std::string& name) const;  // url_/name
   void prune(const std::string& newest, int keep);
   std::string url_, stage_;
   std::map<std::string, uint64_t> uploaded_sizes_;  // log file -> size at its last upload
-  double last_sync_ = -1e30;
+  bool synced_ = false;
+  Clock::time_point last_sync_;
 };
 
 // One job per run prefix in a bucket: a lease object, url/bertrain.lock, naming its holder (host,

@@ -206,7 +206,6 @@ void Trainer::State::open_mirror() {
     lease = std::make_unique<RunLease>(cfg.publish_to, cfg.lease_seconds);
     if (!lease->note().empty()) startup_note += str("  ", lease->note(), "\n");
   }
-  comm.barrier();
   if (cfg.resume && comm.local_rank() == 0) {
     const std::string got = RunMirror(cfg.publish_to, cfg.output).fetch_latest();
     if (rank == 0 && !got.empty())
