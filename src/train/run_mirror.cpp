@@ -159,14 +159,25 @@ std::string RunMirror::fetch_latest() {
   fs::remove_all(dir);
   fs::rename(tmp, dir);
   std::ofstream(fs::path(stage_) / "latest") << name << "\n";
+  // The run's logs as the bucket has them, where this stage has less (another host, or a fresh
+  // stage): they grow on from there instead of replacing the bucket's with the new part alone.
+  for (const data::ObjectInfo& o : store.list(base.bucket, base.key + "/")) {
+    const std::string file = o.key.substr(base.key.size() + 1);
+    if (file.find('/') != std::string::npos || !is_log(file)) continue;
+    std::error_code ec;
+    const fs::path local = fs::path(stage_) / file;
+    const uint64_t have = fs::exists(local, ec) ? fs::file_size(local, ec) : 0;
+    if (have >= o.size) continue;
+    const std::string body = store.read(data::parse_object_url(object(file)));
+    std::ofstream out(local, std::ios::binary | std::ios::trunc);
+    out.write(body.data(), static_cast<std::streamsize>(body.size()));
+    if (!out) fail("cannot write ", local.string(), " (the staging directory's disk?)");
+    uploaded_sizes_[file] = body.size();
+  }
   return dir.string();
 }
 
 namespace {
-
-double unix_now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
 
 std::string utc(double t) {
   const std::time_t s = static_cast<std::time_t>(t);
@@ -188,7 +199,7 @@ RunLease::RunLease(const std::string& url, double ttl_s) : ttl_s_(ttl_s) {
   data::ObjectStore& store = data::ObjectStore::of(u.scheme);
   std::string current;
   for (int attempt = 0; attempt < 3 && etag_.empty(); ++attempt) {
-    if (store.put_if(u, body(unix_now() + ttl_s_), true, "", &etag_)) break;
+    if (store.put_if(u, body(unix_seconds() + ttl_s_), true, "", &etag_)) break;
     // Held, or ours already (a PUT that succeeded but whose reply was lost, then retried).
     bool exists = false;
     for (const data::ObjectInfo& o : store.list(u.bucket, u.key)) exists |= o.key == u.key;
@@ -208,14 +219,14 @@ RunLease::RunLease(const std::string& url, double ttl_s) : ttl_s_(ttl_s) {
     }
     const double expires = j.value("expires", 0.0);
     const std::string who = j.value("holder", std::string("?"));
-    if (expires > unix_now())
+    if (expires > unix_seconds())
       fail(base, " is in use by another job (", who, "; its lease runs to ", utc(expires),
            " and is renewed while it runs): one job per run. Use another --output, or stop that "
            "job first (its lease, ",
            url_, ", goes when it ends, or ", static_cast<int>(ttl_s_),
            " s after it stops renewing)");
     // Expired: its holder is gone. Taken over that version, so only one job can.
-    if (store.put_if(u, body(unix_now() + ttl_s_), false, info.etag, &etag_)) {
+    if (store.put_if(u, body(unix_seconds() + ttl_s_), false, info.etag, &etag_)) {
       note_ = str("took over ", url_, " from a job that is gone (", who, "; its lease expired ",
                   utc(expires), ")");
       break;
@@ -240,7 +251,7 @@ void RunLease::renew_loop() {
     std::string next;
     bool renewed = false, taken = false;
     try {
-      renewed = store.put_if(u, body(unix_now() + ttl_s_), false, etag, &next);
+      renewed = store.put_if(u, body(unix_seconds() + ttl_s_), false, etag, &next);
       taken = !renewed;
     } catch (const std::exception&) {
       // The store is unreachable: tried again at the next renewal (the lease holds for ttl_s).

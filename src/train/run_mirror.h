@@ -40,8 +40,9 @@ class RunMirror {
   // Uploads the logs (metrics.jsonl, TensorBoard events, incidents.log) that grew since the last
   // call; at most once per `min_interval_s` unless `force`.
   void sync_logs(bool force, double min_interval_s = 30.0);
-  // The latest committed checkpoint fetched into the stage (stage/<name>, stage/latest written);
-  // returns its local directory, or "" when the bucket holds none.
+  // The latest committed checkpoint fetched into the stage (stage/<name>, stage/latest written),
+  // and the run's logs (metrics.jsonl, incidents.log, events) where the bucket's are longer than
+  // the stage's; returns the checkpoint's local directory, or "" when the bucket holds none.
   std::string fetch_latest();
 
  private:

@@ -1,6 +1,8 @@
 #include "train/trainer.h"
 
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <omp.h>
 #include <pthread.h>
@@ -45,8 +47,8 @@ std::string hms(double s) {
 
 }  // namespace
 
-// SIGTERM and SIGINT are blocked in every thread and taken by one thread of their own that
-// waits for them (sigwait), so no signal is ever delivered asynchronously to a thread that
+// SIGTERM, SIGINT and SIGUSR1 are blocked in every thread and taken by one thread of their own
+// that waits for them (sigwait), so no signal is ever delivered asynchronously to a thread that
 // computes. That is not only tidiness: oneDNN's JIT f32 GEMM kernels (the AVX2 and AVX-512
 // "gemm:jit" paths, taken on AVX2 CPUs and for some shapes elsewhere) point RSP into a heap
 // workspace while they run, and a signal delivered then writes its frame into the heap
@@ -60,6 +62,7 @@ void install_signal_handlers() {
     sigemptyset(&set);
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGUSR1);
     // Threads created from here on inherit the mask: call before any other thread exists.
     pthread_sigmask(SIG_BLOCK, &set, nullptr);
     std::thread([set] {
@@ -169,6 +172,23 @@ struct Trainer::State {
   std::string startup_note;  // abandoned checkpoint writes removed, a --resume with nothing
   std::string tuning_note;   // what autotune measured and chose, or kept (banner)
   std::string resumed_from, last_ck;
+  int resumed_world = 0;   // ranks of the checkpoint resumed (0: none)
+  double last_save_s = 0;  // the last checkpoint's write, seconds (doctor: Young/Daly)
+  // An elastic supervisor's restart or growth (launch/elastic.h's BERTRAIN_ELASTIC_*), recorded
+  // by rank 0 once the first step after it is done.
+  struct ElasticEvent {
+    std::string kind, count, reason;  // kind "" : this run was not restarted by a supervisor
+    double at = 0;                    // unix seconds the supervisor saw the failure
+    double last_step_at = 0;          // unix seconds the last step before it ended (0: unknown)
+    int64_t recomputed = 0;           // steps done past the checkpoint resumed
+  } elastic;
+  // Rank 0: <output>/progress, the last step done and when ("STEP UNIX_SECONDS", rewritten in
+  // place every step): what a restart recomputes, and when the run was last making progress.
+  int progress_fd = -1;
+  void note_progress(int64_t done);
+  ~State() {
+    if (progress_fd >= 0) ::close(progress_fd);
+  }
   std::unique_ptr<data::Pipeline> pipe;
   obs::Timeline tl;
   Step* step = nullptr;  // session's, started once the gradients are placed
@@ -190,6 +210,8 @@ struct Trainer::State {
   void log_window(int64_t done, int64_t step, Totals& window, Clock::time_point& start,
                   Clock::time_point run_start);
   void open_mirror();
+  void read_elastic_event();
+  void record_elastic_event(int64_t first_step);
   void wait_upload();
   void upload_logs();
 };
@@ -213,6 +235,84 @@ void Trainer::State::open_mirror() {
   }
   comm.barrier();
   if (rank == 0) mirror = std::make_unique<RunMirror>(cfg.publish_to, cfg.output);
+}
+
+// Rank 0, before metrics.jsonl drops the rows past the checkpoint resumed and `progress` is
+// rewritten: what the supervisor says of this restart, how many steps it recomputes and when the
+// run last made progress.
+void Trainer::State::read_elastic_event() {
+  const char* kind = std::getenv("BERTRAIN_ELASTIC_KIND");
+  if (!kind || !*kind) return;
+  auto env = [](const char* k) {
+    const char* v = std::getenv(k);
+    return std::string(v ? v : "");
+  };
+  elastic.kind = kind;
+  elastic.count = env("BERTRAIN_ELASTIC_COUNT");
+  elastic.reason = env("BERTRAIN_ELASTIC_REASON");
+  try {
+    elastic.at = std::stod(env("BERTRAIN_ELASTIC_AT")) / 1e3;
+  } catch (const std::exception&) {
+    elastic.at = unix_seconds();
+  }
+  std::ifstream in(std::filesystem::path(cfg.output) / "metrics.jsonl");
+  int64_t last = start_step;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
+    if (!row.is_discarded() && row.contains("step") && !row.contains("event") &&
+        row["step"].is_number_integer())
+      last = std::max(last, row["step"].get<int64_t>());
+  }
+  // The progress file says it to the step (and when the run last made progress); metrics.jsonl
+  // to the log interval where there is none (a stage lost with its host).
+  std::ifstream progress(std::filesystem::path(cfg.output) / "progress");
+  int64_t step = 0;
+  double when = 0;
+  if (progress >> step >> when && step > last) last = step;
+  if (when > 0) elastic.last_step_at = when;
+  elastic.recomputed = last - start_step;
+  comm::Incidents::process().report(
+      str("bertrain: elastic ", elastic.kind, " ", elastic.count, ": ", elastic.reason,
+          "; resumed from ", resumed_from.empty() ? std::string("the start") : resumed_from, " on ",
+          world, world == 1 ? " rank" : " ranks",
+          resumed_world ? str(" (it was written by ", resumed_world, ")") : std::string(), "; ",
+          elastic.recomputed, elastic.recomputed == 1 ? " step" : " steps",
+          " done past it before are done again"));
+}
+
+// The restart as a row of metrics.jsonl and a point in TensorBoard, once its first step is done.
+void Trainer::State::record_elastic_event(int64_t first_step) {
+  if (elastic.kind.empty()) return;
+  const double now = unix_seconds();
+  // The time lost: from the last step before the failure (else from when the supervisor saw
+  // it) to the first step after.
+  const double from = elastic.last_step_at > 0 ? elastic.last_step_at : elastic.at;
+  metrics->write(nlohmann::json{{"step", first_step},
+                                {"event", elastic.kind},
+                                {"count", elastic.count},
+                                {"reason", elastic.reason},
+                                {"world_size", world},
+                                {"from_world_size", resumed_world},
+                                {"resumed_from", resumed_from},
+                                {"failed_at", elastic.at},
+                                {"last_step_at", elastic.last_step_at},
+                                {"first_step_at", now},
+                                {"lost_s", now - from},
+                                {"recomputed_steps", elastic.recomputed},
+                                {"save_every", cfg.save_every},
+                                {"wall_time", now}});
+  events->scalars(first_step, {{"cluster/" + elastic.kind, 1.0}});
+}
+
+void Trainer::State::note_progress(int64_t done) {
+  if (progress_fd < 0) return;
+  char line[48];
+  std::memset(line, ' ', sizeof line);
+  const int n =
+      std::snprintf(line, sizeof line, "%lld %.3f", static_cast<long long>(done), unix_seconds());
+  line[n] = ' ';
+  line[sizeof line - 1] = '\n';
+  [[maybe_unused]] const ssize_t w = ::pwrite(progress_fd, line, sizeof line, 0);
 }
 
 void Trainer::State::wait_upload() {
@@ -289,10 +389,13 @@ void Trainer::State::record(int64_t done, int64_t step, const Totals& w, double 
       {"memory/plan_mib", plan_mib},
       {"memory/peak_rss_mib", rss_mib},
       {"memory/pss_mib", pss_mib},
+      {"cluster/world_size", static_cast<double>(world)},
+      {"time/checkpoint_s", last_save_s},
   };
   events->scalars(done, values);
   metrics->write(done, values,
-                 {{"rank_step_ms", rank_ms},
+                 {{"wall_time", unix_seconds()},
+                  {"rank_step_ms", rank_ms},
                   {"rank_plan_mib", of(1)},
                   {"rank_peak_rss_mib", of(2)},
                   {"rank_pss_mib", of(3)}});
@@ -386,6 +489,7 @@ void Trainer::State::resume_or_init() {
              ", this run has ", settings[k].dump(), " (resume with the same settings)");
     }
     start_step = st.step;
+    resumed_world = static_cast<int>(st.positions.size());
     scaler.restore(st.loss_scale, st.scaler_good, st.scaler_skipped);
     if (regrid) {
       resume_on_other_ranks(st, ck);
@@ -503,11 +607,13 @@ std::string Trainer::State::save(int64_t step_done, const data::PipelinePosition
                             static_cast<uint64_t>(pos[3 * r + 2])});
   // (the previous upload first: keep-last may remove its directory here)
   if (mirror) wait_upload();
+  const auto save_start = Clock::now();
   if (opt.sharded())  // every rank writes its shard
     last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last), &comm);
   else if (rank == 0)
     last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last));
   comm.barrier();
+  last_save_s = seconds_since(save_start);
   if (mirror) {
     const std::string ck = last_ck;
     const int keep = static_cast<int>(cfg.keep_last);
@@ -588,6 +694,9 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
       s.position);
 
   if (s.rank == 0) {
+    s.read_elastic_event();
+    s.progress_fd = ::open((std::filesystem::path(cfg.output) / "progress").c_str(),
+                           O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
     s.events = std::make_unique<obs::EventWriter>(cfg.output, s.start_step);
     s.metrics = std::make_unique<obs::MetricsLog>(cfg.output, s.start_step);
   }
@@ -791,10 +900,14 @@ TrainResult Trainer::run() {
 
     res.losses.push_back(r.loss);
     const int64_t done = step + 1;
-    if (done == s.start_step + 1) res.first_loss = r.loss;
+    if (done == s.start_step + 1) {
+      res.first_loss = r.loss;
+      if (s.metrics) s.record_elastic_event(s.start_step);
+    }
     if (cfg.log_every > 0 && (done % cfg.log_every == 0 || done == cfg.steps))
       s.log_window(done, step, window, window_start, run_start);
     s.upload_logs();
+    s.note_progress(done);
     res.steps_done = done;
     done_pos = s.step->holds_next() ? ahead_pos : s.pipe->position();
     const bool slice_done =

@@ -79,11 +79,13 @@ struct TrainResult {
   bool interrupted = false;
 };
 
-// Set on SIGTERM/SIGINT once install_signal_handlers ran; the loop finishes the current step
-// (or stops waiting for input), checkpoints and returns with interrupted = true.
+// Set on SIGTERM/SIGINT/SIGUSR1 once install_signal_handlers ran; the loop finishes the current
+// step (or stops waiting for input), checkpoints and returns with interrupted = true. (SIGUSR1:
+// mpirun forwards it to every rank, where SIGTERM makes it kill the ranks a second later; the
+// elastic supervisor stops a job with it.)
 extern std::atomic<int> g_stop_signal;
-// Blocks SIGTERM/SIGINT in every thread and receives them on a thread of its own (trainer.cpp
-// says why): call before any other thread is started.
+// Blocks SIGTERM/SIGINT/SIGUSR1 in every thread and receives them on a thread of its own
+// (trainer.cpp says why): call before any other thread is started.
 void install_signal_handlers();
 
 // A pretraining run: the constructor sets it up (model, optimizer, resume or init, the ranks'

@@ -207,12 +207,14 @@ out2=$(check_run runs/o) || fail "the bucket's run after the resume: $out2"
 [[ "$out2" == "latest checkpoint-000008 committed 3 "*"orphans 0" ]] || fail "after the resume: $out2"
 echo "ok: an upload failing past its retries ends the run naming it; latest stays checkpoint-000002 ($out); resumed, checkpoint-000004 committed anew and keep-last 3 kept 4, 6, 8 ($out2)"
 # c. Resume from the bucket (the first host's staging directory lost) = resume from a directory.
-"$BT" "${micro[@]}" --steps 12 --save-every 6 --stop-after-steps 6 --output "$TMP/rl" > /dev/null 2>&1 || fail "local, first half"
-"$BT" "${micro[@]}" --steps 12 --save-every 6 --resume --output "$TMP/rl" > /dev/null 2>&1 || fail "local, resumed"
-"$BT" "${micro[@]}" --steps 12 --save-every 6 --stop-after-steps 6 --keep-last 1 --output s3://data/runs/r \
+# (Logged every 2 steps: both halves have rows in metrics.jsonl.)
+micro_c=("${micro[@]:0:${#micro[@]}-2}" --log-every 2)
+"$BT" "${micro_c[@]}" --steps 12 --save-every 6 --stop-after-steps 6 --output "$TMP/rl" > /dev/null 2>&1 || fail "local, first half"
+"$BT" "${micro_c[@]}" --steps 12 --save-every 6 --resume --output "$TMP/rl" > /dev/null 2>&1 || fail "local, resumed"
+"$BT" "${micro_c[@]}" --steps 12 --save-every 6 --stop-after-steps 6 --keep-last 1 --output s3://data/runs/r \
   --stage-dir "$TMP/stage_r1" $S3 > "$TMP/log_r" 2>&1 || { cat "$TMP/log_r"; fail "bucket, first half"; }
 rm -rf "$TMP/stage_r1"
-"$BT" "${micro[@]}" --steps 12 --save-every 6 --resume --keep-last 1 --output s3://data/runs/r \
+"$BT" "${micro_c[@]}" --steps 12 --save-every 6 --resume --keep-last 1 --output s3://data/runs/r \
   --stage-dir "$TMP/stage_r2" $S3 > "$TMP/log_r" 2>&1 || { cat "$TMP/log_r"; fail "bucket, resumed"; }
 grep -q "fetched .*checkpoint-000006 from s3://data/runs/r" "$TMP/log_r" || { cat "$TMP/log_r"; fail "no fetch said"; }
 "$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" get "$MOTO_URL" data runs/r/checkpoint-000012/model.safetensors "$TMP/r12.safetensors"
@@ -222,7 +224,13 @@ cmp -s "$TMP/r12.safetensors" "$TMP/rl/checkpoint-000012/model.safetensors" &&
   fail "resumed from the bucket, the model or optimizer differs from a resume from a directory"
 out=$(check_run runs/r) || fail "the resumed run: $out"
 [[ "$out" == "latest checkpoint-000012 committed 1 "*"orphans 0" ]] || fail "keep-last 1: $out"
-echo "ok: resumed from the bucket with its staging lost = resumed from a directory, bit for bit (model and optimizer); keep-last 1 left one checkpoint ($out)"
+# The bucket's metrics.jsonl grew on from the first half's rows (fetched with the checkpoint),
+# as the local run's did: not replaced by the resumed half's alone.
+"$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" get "$MOTO_URL" data runs/r/metrics.jsonl "$TMP/r_metrics.jsonl"
+steps() { python3 -c "import json,sys; print(' '.join(str(json.loads(l)['step']) for l in open(sys.argv[1])))" "$1"; }
+[ "$(steps "$TMP/r_metrics.jsonl")" = "$(steps "$TMP/rl/metrics.jsonl")" ] ||
+  fail "the bucket's metrics.jsonl after the resume logs steps $(steps "$TMP/r_metrics.jsonl"), the local run's $(steps "$TMP/rl/metrics.jsonl")"
+echo "ok: resumed from the bucket with its staging lost = resumed from a directory, bit for bit (model and optimizer), metrics.jsonl continued; keep-last 1 left one checkpoint ($out)"
 # d. One job per run prefix: a lease object (runs/l/bertrain.lock). A second job stops naming
 # the first; after the first is killed (no renewal), its lease expires and is taken over.
 "$BT" "${micro[@]}" --steps 1000000 --save-every 100000 --lease-seconds 4 --output s3://data/runs/l \
