@@ -9,6 +9,7 @@
 
 #include "comm/launcher.h"
 #include "core/error.h"
+#include "launch/elastic.h"
 #include "launch/job.h"
 #include "test_util.h"
 
@@ -153,6 +154,78 @@ TEST(Launch, BadSpecsNameTheKey) {
   const JobSpec j =
       parse_job(ok + "flags: {resume: true, overlap: false, data: 'a b/*.tfrecord'}\n", "job.yaml");
   EXPECT_EQ(j.bertrain_command(), "bertrain train --resume --data 'a b/*.tfrecord'");
+}
+
+// An elastic job: the bounds parsed and checked, the same job on fewer hosts carrying its new
+// shape, the supervisor as the MPIJob's launcher, a refusal where it cannot run (Slurm).
+TEST(Launch, ElasticSpecs) {
+  const JobSpec j = read_job(test::data_path("../configs/jobs/bert-base-elastic.yaml"));
+  EXPECT_TRUE(j.elastic.on);
+  EXPECT_EQ(j.elastic.min_workers, 6);
+  EXPECT_EQ(j.elastic.max_workers, 8);
+  EXPECT_EQ(j.elastic.max_restarts, 10);
+  const JobSpec six = j.on_hosts({"gpu-0", "gpu-1", "gpu-2", "gpu-4", "gpu-5", "gpu-6"});
+  EXPECT_EQ(six.ranks(), 48);
+  EXPECT_NE(emit_mpirun(six, "h").find("-np 48 "), std::string::npos);
+  EXPECT_NE(emit_mpirun(six, "h").find("BERTRAIN_JOB=bert-base-elastic ranks=48 per_host=8"),
+            std::string::npos);
+  EXPECT_EQ(emit_hostfile(six).find("gpu-3"), std::string::npos);
+  // The launcher writes the spec and supervises it over the operator's hostfile.
+  const YAML::Node m = YAML::Load(emit_mpijob(j));
+  const YAML::Node cmd =
+      m["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"];
+  ASSERT_EQ(cmd.size(), 3u);
+  const std::string script = cmd[2].as<std::string>();
+  EXPECT_NE(script.find("exec bertrain launch /tmp/bertrain-job.yaml --run --hostfile "
+                        "/etc/mpi/hostfile"),
+            std::string::npos);
+  const std::string spec = script.substr(
+      script.find('\n') + 1, script.find("BERTRAIN_JOB_SPEC\nexec") - script.find('\n') - 1);
+  const JobSpec back = parse_job(spec, "written");
+  EXPECT_EQ(back.elastic.min_workers, 6);
+  EXPECT_EQ(back.flags, j.flags);
+  EXPECT_EQ(
+      m["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["restartPolicy"].as<std::string>(),
+      "Always");
+  EXPECT_NE(emit_dlc(j).find("--run --hostfile /etc/mpi/hostfile"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { emit_slurm(j); }).find("does not run under Slurm yet"),
+            std::string::npos);
+
+  auto error = [](const std::string& yaml) {
+    return test::error_of([&] { parse_job(yaml, "job.yaml"); });
+  };
+  const std::string base = "name: a\nworkers: 4\ncommand: train\n";
+  EXPECT_EQ(error(base + "elastic: {min_workers: 3}\n"), "");
+  EXPECT_NE(error(base + "elastic: {min_workers: 5}\n")
+                .find("elastic.min_workers: 5 is more than the 4 workers"),
+            std::string::npos);
+  EXPECT_NE(error(base + "elastic: {min_worker: 3}\n").find("elastic.min_worker: unknown key"),
+            std::string::npos);
+  EXPECT_NE(error(base + "elastic: {max_restarts: -1}\n").find("elastic.max_restarts"),
+            std::string::npos);
+  EXPECT_NE(error("name: a\ncommand: finetune\nelastic: {}\n")
+                .find("`finetune` cannot be "
+                      "restarted elastically"),
+            std::string::npos);
+}
+
+TEST(Launch, ElasticHostfileAndProbe) {
+  test::TempDir dir;
+  const std::string path = (dir.path / "hosts").string();
+  std::ofstream(path) << "# the allocation\nnode-1 slots=2\nnode-2 slots=2 # spare\n\nnode-1\n";
+  EXPECT_EQ(read_hostfile(path, 2), (std::vector<std::string>{"node-1", "node-2"}));
+  EXPECT_NE(test::error_of([&] {
+              read_hostfile(path, 4);
+            }).find(":2: 'slots=2' but the job runs 4 ranks per worker"),
+            std::string::npos);
+  // A probe through an agent: this host answers without one; another answers when the agent
+  // runs `true` there, and does not when it fails or hangs past the timeout ("slow" would answer
+  // after 30 s).
+  ElasticOptions o;
+  o.probe_timeout_s = 1;
+  o.agent = "sh -c 'case $0 in up) exec \"$@\";; slow) sleep 30;; *) exit 255;; esac'";
+  EXPECT_EQ(answering({"localhost", "up", "down", "slow"}, o),
+            (std::vector<std::string>{"localhost", "up"}));
 }
 
 }  // namespace

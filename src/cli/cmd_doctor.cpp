@@ -221,6 +221,7 @@ void add_doctor(CLI::App& app, comm::Communicator& (*comm)()) {
       for (auto& f : obs::diagnose_timeline(m)) findings.push_back(std::move(f));
     }
     for (auto& f : obs::diagnose_incidents(*run)) findings.push_back(std::move(f));
+    for (auto& f : obs::diagnose_elastic(m)) findings.push_back(std::move(f));
     if (findings.empty())
       std::printf("  ok    no problems found in the run's metrics%s\n",
                   m.trace.empty() ? "" : " and timeline");

@@ -10,6 +10,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "launch/elastic.h"
 #include "launch/job.h"
 
 namespace bertrain::cli {
@@ -33,8 +34,9 @@ void write_out(const std::string& path, const std::string& text) {
 
 void add_launch(CLI::App& app) {
   struct Opts {
-    std::string job, emit = "mpirun", output;
-    bool run = false;
+    std::string job, emit = "mpirun", output, hostfile;
+    bool run = false, elastic = false;
+    double probe_s = 5, probe_timeout_s = 10;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand(
@@ -53,6 +55,19 @@ void add_launch(CLI::App& app) {
   c->add_option("--output", o->output, "Write the files into this directory (default: print)");
   c->add_flag("--run", o->run,
               "Start the job here with mpirun (its hosts, or this host for a one-worker job)");
+  c->add_flag("--elastic", o->elastic,
+              "With --run: supervise the job (restart it from its last checkpoint on the hosts "
+              "that answer when one is lost, grow it when hosts come back); the spec's "
+              "elastic: {min_workers, max_workers, max_restarts} sets the bounds (default 1, "
+              "workers, 3), and implies this flag");
+  c->add_option("--hostfile", o->hostfile,
+                "With --run --elastic: the hosts (Open MPI's hostfile: 'name slots=N' lines), "
+                "re-read at every probe: a host added joins the job (default: the spec's hosts:)");
+  c->add_option("--probe-seconds", o->probe_s, "With --elastic: how often every host is asked")
+      ->capture_default_str();
+  c->add_option("--probe-timeout", o->probe_timeout_s,
+                "With --elastic: seconds a host has to answer before it counts as lost")
+      ->capture_default_str();
   CLI::App* root = &app;
   c->callback([o, root] {
     launch::JobSpec j = launch::read_job(o->job);
@@ -70,6 +85,27 @@ void add_launch(CLI::App& app) {
              "` (see bertrain ", j.command, " --help)");
       if (value.empty() && opt->get_expected_min() > 0)
         fail(j.source, ": flags.", flag, ": needs a value");
+    }
+    if (o->elastic) j.elastic.on = true;
+    if (o->elastic && !o->run)
+      fail(
+          "--elastic supervises a job started here: give --run too (--emit mpijob|dlc of a "
+          "spec with elastic: makes the launcher run the supervisor)");
+    if (!o->hostfile.empty() && !(j.elastic.on && o->run))
+      fail(
+          "--hostfile is re-read by the elastic supervisor: give --elastic (or an elastic: "
+          "section), or list the hosts in the spec");
+    if (j.elastic.on && o->run) {
+      if (j.hosts.empty() && o->hostfile.empty() && j.workers > 1)
+        fail(j.source, ": an elastic job of ", j.workers,
+             " workers needs its hosts: listed, or --hostfile");
+      launch::ElasticOptions eo;
+      eo.binary = self_path();
+      eo.hostfile = o->hostfile;
+      eo.probe_s = o->probe_s;
+      eo.probe_timeout_s = o->probe_timeout_s;
+      launch::run_elastic(j, eo);
+      return;
     }
     if (o->run) {
       if (j.hosts.empty() && j.workers > 1)
@@ -90,7 +126,16 @@ void add_launch(CLI::App& app) {
       return;
     }
     std::vector<std::pair<std::string, std::string>> files;  // name, text
-    if (o->emit == "mpirun") {
+    if (o->emit == "mpirun" && j.elastic.on) {
+      // The supervisor runs mpirun itself: the script runs it on the spec beside it.
+      files = {
+          {"hostfile", launch::emit_hostfile(j)},
+          {"job.yaml", j.text},
+          {"run.sh", "#!/bin/bash\n# made by " + j.made_by +
+                         "\n# the elastic supervisor: mpirun on the hosts of hostfile that "
+                         "answer, restarted and grown as they come and go\ncd \"$(dirname "
+                         "\"$0\")\"\nexec bertrain launch job.yaml --run --hostfile hostfile\n"}};
+    } else if (o->emit == "mpirun") {
       files = {{"hostfile", launch::emit_hostfile(j)},
                {"run.sh",
                 "#!/bin/bash\n# made by " + j.made_by + "\n" + launch::emit_mpirun(j, "hostfile")}};

@@ -113,6 +113,7 @@ std::string JobSpec::bertrain_command(const std::string& binary) const {
 JobSpec parse_job(const std::string& yaml, const std::string& source) {
   JobSpec j;
   j.source = source;
+  j.text = yaml;
   YAML::Node root;
   try {
     root = YAML::Load(yaml);
@@ -122,7 +123,7 @@ JobSpec parse_job(const std::string& yaml, const std::string& source) {
   if (!root.IsMap()) fail(source, ": a job spec is a YAML map (name, workers, command, ...)");
   check_keys(root,
              {"name", "image", "workers", "slots_per_worker", "resources", "hosts", "env",
-              "command", "flags"},
+              "command", "flags", "elastic"},
              j, "");
   if (!root["name"]) fail(where(j, "name"), ": missing (the job's name)");
   j.name = scalar(root["name"], j, "name");
@@ -179,10 +180,38 @@ JobSpec parse_job(const std::string& yaml, const std::string& source) {
       j.flags.emplace_back(k, v == "true" ? "" : v);  // a switch, or a value
     }
   }
+  if (const YAML::Node e = root["elastic"]) {
+    if (!e.IsMap()) fail(where(j, "elastic"), ": must be a map (min_workers, max_workers, ...)");
+    check_keys(e, {"min_workers", "max_workers", "max_restarts"}, j, "elastic.");
+    j.elastic.on = true;
+    if (e["min_workers"])
+      j.elastic.min_workers = count(e["min_workers"], j, "elastic.min_workers", 1);
+    if (e["max_workers"])
+      j.elastic.max_workers = count(e["max_workers"], j, "elastic.max_workers", 1);
+    if (e["max_restarts"])
+      j.elastic.max_restarts = count(e["max_restarts"], j, "elastic.max_restarts", 0);
+    const int64_t most = j.elastic.max_workers ? j.elastic.max_workers : j.workers;
+    if (j.elastic.min_workers > most)
+      fail(where(j, "elastic.min_workers"), ": ", j.elastic.min_workers, " is more than the ", most,
+           j.elastic.max_workers ? " of elastic.max_workers" : " workers");
+    if (j.command != "train")
+      fail(where(j, "elastic"), ": only train resumes from a checkpoint on other hosts; `",
+           j.command, "` cannot be restarted elastically");
+  }
   // Every rank learns the shape it was described with and checks what its launcher started
   // against it (comm/launcher.h).
   j.env.emplace_back("BERTRAIN_JOB",
                      str(j.name, " ranks=", j.ranks(), " per_host=", j.slots_per_worker));
+  return j;
+}
+
+JobSpec JobSpec::on_hosts(const std::vector<std::string>& list) const {
+  JobSpec j = *this;
+  j.hosts = list;
+  j.workers = static_cast<int64_t>(list.size());
+  for (auto& [k, v] : j.env)
+    if (k == "BERTRAIN_JOB")
+      v = str(j.name, " ranks=", j.ranks(), " per_host=", j.slots_per_worker);
   return j;
 }
 
@@ -226,7 +255,20 @@ std::string emit_mpirun(const JobSpec& j, const std::string& hostfile, const std
   return out + " " + j.bertrain_command(binary) + "\n";
 }
 
+std::string elastic_launcher_command(const JobSpec& j, const std::string& path,
+                                     const std::string& hostfile) {
+  std::string text = j.text;
+  if (!text.empty() && text.back() != '\n') text += '\n';
+  return str("cat > ", path, " << 'BERTRAIN_JOB_SPEC'\n", text,
+             "BERTRAIN_JOB_SPEC\nexec bertrain launch ", path, " --run --hostfile ", hostfile);
+}
+
 std::string emit_slurm(const JobSpec& j) {
+  if (j.elastic.on)
+    fail(j.source,
+         ": elastic: the supervisor does not run under Slurm yet (it would restart srun steps "
+         "on the allocation's nodes left); emit the job without elastic: and requeue it with "
+         "sbatch --requeue, or run `bertrain launch --run` with a hostfile of the allocation");
   std::string out = "#!/bin/bash\n";
   if (!j.made_by.empty()) out += "# made by " + j.made_by + "\n";
   out += "#SBATCH --job-name=" + j.name + "\n";
@@ -278,6 +320,10 @@ std::string emit_mpijob(const JobSpec& j) {
         cmd.push_back("--" + flag);
         if (!value.empty()) cmd.push_back(value);
       }
+      // An elastic job: the supervisor instead, over the hostfile the operator mounts.
+      if (j.elastic.on)
+        cmd = {"sh", "-c",
+               elastic_launcher_command(j, "/tmp/bertrain-job.yaml", "/etc/mpi/hostfile")};
       y << YAML::Key << "command" << YAML::Value << YAML::BeginSeq;
       for (const auto& x : cmd) y << YAML::DoubleQuoted << x;
       y << YAML::EndSeq;
@@ -308,6 +354,9 @@ std::string emit_mpijob(const JobSpec& j) {
       << YAML::BeginSeq;
     container(launcher ? "launcher" : "worker", launcher);
     y << YAML::EndSeq;
+    // A lost worker's pod comes back under its name (the operator recreates it; a container
+    // that died is restarted): the elastic supervisor sees it answer and grows the job.
+    if (!launcher && j.elastic.on) y << YAML::Key << "restartPolicy" << YAML::Value << "Always";
     if (!launcher && !j.resources.shared_memory.empty()) {  // /dev/shm for the shm allreduce
       y << YAML::Key << "volumes" << YAML::Value << YAML::BeginSeq << YAML::BeginMap << YAML::Key
         << "name" << YAML::Value << "dshm" << YAML::Key << "emptyDir" << YAML::Value
@@ -333,7 +382,8 @@ std::string emit_mpijob(const JobSpec& j) {
     << YAML::Value << "Running" << YAML::EndMap;
   y << YAML::Key << "mpiReplicaSpecs" << YAML::Value << YAML::BeginMap;
   replica("Launcher", 1, true);
-  replica("Worker", j.workers, false);
+  replica("Worker", j.elastic.on && j.elastic.max_workers ? j.elastic.max_workers : j.workers,
+          false);
   y << YAML::EndMap << YAML::EndMap << YAML::EndMap;
   return std::string(y.c_str()) + "\n";
 }
@@ -357,6 +407,8 @@ std::string emit_dlc(const JobSpec& j) {
                         ":node", lost_host_mca());
   for (const auto& [k, v] : j.env) cmd.append(" -x ").append(k);
   cmd.append(" ").append(j.bertrain_command());
+  if (j.elastic.on)  // DLC's MPIJob mounts the workers' hostfile as the MPI Operator does
+    cmd = elastic_launcher_command(j, "/tmp/bertrain-job.yaml", "/etc/mpi/hostfile");
   const nlohmann::ordered_json body = {{"DisplayName", j.name},
                                        {"JobType", "MPIJob"},
                                        {"JobSpecs", {spec}},

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -171,8 +172,8 @@ std::vector<Finding> diagnose(const std::vector<nlohmann::json>& rows, double me
 std::vector<Finding> diagnose_incidents(const std::string& run_dir) {
   std::ifstream in(std::filesystem::path(run_dir) / "incidents.log");
   std::vector<std::string> lines;
-  for (std::string l; std::getline(in, l);)
-    if (!l.empty()) lines.push_back(l);
+  for (std::string l; std::getline(in, l);)  // (the elastic restarts: diagnose_elastic's)
+    if (!l.empty() && l.rfind("bertrain: elastic ", 0) != 0) lines.push_back(l);
   if (lines.empty()) return {};
   // Hosts the ranks waited for or found gone: every "on host X" / "the ranks on X" after the
   // reporting rank's own "bertrain: rank N on host H:" prefix.
@@ -198,6 +199,61 @@ std::vector<Finding> diagnose_incidents(const std::string& run_dir) {
                "left (the global batch is kept by the accumulation, the unread examples are "
                "re-divided); see ",
                (std::filesystem::path(run_dir) / "incidents.log").string())}};
+}
+
+double daly_interval(double delta_s, double mtbf_s) {
+  if (delta_s >= 2 * mtbf_s) return mtbf_s;
+  const double r = delta_s / (2 * mtbf_s);
+  return std::sqrt(2 * delta_s * mtbf_s) * (1 + std::sqrt(r) / 3 + r / 9) - delta_s;
+}
+
+std::vector<Finding> diagnose_elastic(const RunMetrics& run) {
+  if (run.events.empty()) return {};
+  int restarts = 0, grows = 0;
+  double lost = 0;
+  int64_t redone = 0, save_every = 0;
+  std::string reasons;
+  for (const auto& e : run.events) {
+    const bool grow = e.value("event", "") == "grow";
+    (grow ? grows : restarts) += 1;
+    lost += e.value("lost_s", 0.0);
+    redone += e.value("recomputed_steps", int64_t{0});
+    save_every = e.value("save_every", save_every);
+    if (!grow) reasons += str(reasons.empty() ? "" : "; ", e.value("reason", std::string("?")));
+  }
+  // The failure rate over the run's wall time, the checkpoint's cost and the step's, as logged.
+  double t0 = 1e300, t1 = 0;
+  std::vector<double> saves, steps;
+  for (const auto& r : run.rows) {
+    if (r.contains("wall_time")) {
+      t0 = std::min(t0, r["wall_time"].get<double>());
+      t1 = std::max(t1, r["wall_time"].get<double>());
+    }
+    if (get(r, "time/checkpoint_s") > 0) saves.push_back(get(r, "time/checkpoint_s"));
+    if (get(r, "time/step_ms") > 0) steps.push_back(get(r, "time/step_ms") / 1e3);
+  }
+  const double span = t1 > t0 ? t1 - t0 : 0;
+  std::string what = str(restarts, restarts == 1 ? " restart" : " restarts",
+                         restarts ? " (" + reasons + ")" : std::string(), ", ", grows,
+                         grows == 1 ? " growth" : " growths", ": ", fmt(lost), " s lost (",
+                         fmt(lost / static_cast<double>(run.events.size())),
+                         " s each, from the last step before to the first step after), ", redone,
+                         redone == 1 ? " step" : " steps", " done again");
+  std::string fix = "nothing to change";
+  if (restarts > 0 && span > 0 && !saves.empty() && !steps.empty()) {
+    const double mtbf = span / restarts, delta = median(saves), step = median(steps);
+    const double tau = daly_interval(delta, mtbf);
+    const int64_t every = std::max<int64_t>(1, static_cast<int64_t>(std::llround(tau / step)));
+    what += str("; ", restarts, restarts == 1 ? " failure" : " failures", " in ", fmt(span),
+                " s of training");
+    fix = str("for this failure rate (one per ", fmt(mtbf), " s), a checkpoint costing ",
+              fmt(delta), " s and steps of ", fmt(step * 1e3), " ms, Young/Daly's interval is ",
+              fmt(tau), " s: ", setting("save_every"), " ", every,
+              save_every > 0 ? str(" (now ", save_every, ")") : std::string(),
+              "; the failure rate of a short run is a rough estimate: use the cluster's own "
+              "(hosts x each host's rate)");
+  }
+  return {{"elastic", what, fix}};
 }
 
 std::vector<Finding> diagnose_timeline(const RunMetrics& run, const DiagnoseLimits& lim) {

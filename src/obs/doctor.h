@@ -15,7 +15,7 @@ namespace bertrain::obs {
 struct Finding {
   std::string rule;  // "input-bound", "communication-bound", "straggler", "load-imbalance",
                      // "loss-spike", "fp16-skips", "memory", "late-allreduce" (timeline),
-                     // "incident" (incidents.log)
+                     // "incident" (incidents.log), "elastic" (restarts)
   std::string what;  // the evidence, with numbers
   std::string fix;   // what to change
 };
@@ -40,6 +40,17 @@ std::vector<Finding> diagnose_timeline(const RunMetrics& run, const DiagnoseLimi
 // The run's incidents.log (what ranks saw when a job ended: a stall, a lost host, a signal
 // in a collective): "incident" with the hosts named there, and how to go on.
 std::vector<Finding> diagnose_incidents(const std::string& run_dir);
+
+// An elastic run's restarts and growths (RunMetrics::events): how many, the time each cost (from
+// the failure the supervisor saw to the first step after), the steps done again, and the
+// checkpoint interval that minimises the expected loss for the failure rate measured over the
+// run (Daly's higher-order form of Young's sqrt(2 x checkpoint time x time between failures)).
+std::vector<Finding> diagnose_elastic(const RunMetrics& run);
+// Daly's optimum checkpoint interval in seconds for a checkpoint costing delta_s and a mean time
+// between failures of mtbf_s (J. T. Daly, "A higher order estimate of the optimum checkpoint
+// interval for restart dumps", FGCS 22, 2006, eq. 37): sqrt(2dM)(1 + sqrt(d/2M)/3 + d/18M) - d
+// for d < 2M, else M.
+double daly_interval(double delta_s, double mtbf_s);
 
 // The GPU software stack as the dynamic loader finds it (dlopen, nothing linked, so every build
 // reports it): the CUDA runtime, the CUDA version the driver supports, NCCL. 0 and an empty name

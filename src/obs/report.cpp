@@ -65,7 +65,11 @@ RunMetrics load_run(const std::string& dir) {
     });
     return rows;
   };
-  r.rows = read_rows(path);
+  for (nlohmann::json& row : read_rows(path))
+    (row.contains("event") ? r.events : r.rows).push_back(std::move(row));
+  std::stable_sort(r.events.begin(), r.events.end(), [](const auto& a, const auto& b) {
+    return a.value("wall_time", 0.0) < b.value("wall_time", 0.0);
+  });
   if (r.rows.empty()) fail(path, " has no logged steps yet");
   r.evals = read_rows(fs::path(dir) / "eval.jsonl");
   std::ifstream latest(fs::path(dir) / "latest");
@@ -187,11 +191,26 @@ std::string legend(const std::vector<Series>& all) {
   return s;
 }
 
+// A step marked on a chart: a dashed line, its label above the frame, the text as its tooltip.
+struct Mark {
+  double step;
+  std::string label, text;
+};
+
 std::string line_chart(const std::string& title, const std::string& ylabel,
-                       const std::vector<Series>& all, bool from_zero = false) {
+                       const std::vector<Series>& all, bool from_zero = false,
+                       const std::vector<Mark>& marks = {}) {
   if (all.empty()) return "";
   const Frame f = fit(all, from_zero);
   std::string s = frame_svg(f, title, ylabel);
+  for (const Mark& m : marks) {
+    if (m.step < f.x0 || m.step > f.x1) continue;
+    const std::string x = num(f.px(m.step));
+    s += "<g><title>" + esc(m.text) + "</title><line x1='" + x + "' x2='" + x + "' y1='" +
+         num(Frame::T) + "' y2='" + num(Frame::H - Frame::B) +
+         "' stroke='#555' stroke-dasharray='4 3'/><text x='" + x + "' y='" + num(Frame::T - 3) +
+         "' text-anchor='middle' font-size='10' fill='#555'>" + esc(m.label) + "</text></g>";
+  }
   for (const auto& e : all) {
     std::string pts;
     for (size_t i = 0; i < e.x.size(); ++i)
@@ -330,8 +349,29 @@ std::string render_report(const std::vector<RunMetrics>& runs) {
     h += "<b>" + esc(r.name) + "</b>: " + esc(r.dir) + ", " + std::to_string(r.rows.size()) +
          " logged steps (" + std::to_string(r.rows.front()["step"].get<int64_t>()) + ".." +
          std::to_string(r.rows.back()["step"].get<int64_t>()) + ")<br>";
-  h += "</p><h2>Training</h2><div class='grid'>";
-  h += line_chart("loss", "nats", per_run(runs, "train/loss"));
+  // Elastic restarts and growths, on the loss and world-size curves.
+  std::vector<Mark> marks;
+  for (const auto& r : runs)
+    for (const auto& e : r.events) {
+      const std::string kind = e.value("event", "");
+      marks.push_back(
+          {e.value("step", 0.0), kind == "grow" ? "grow" : "restart",
+           str(runs.size() > 1 ? r.name + ": " : "", kind, " ", e.value("count", ""), " at step ",
+               e.value("step", int64_t{0}), " on ", e.value("world_size", 0), " ranks (was ",
+               e.value("from_world_size", 0), "): ", e.value("reason", ""), "; ",
+               num(e.value("lost_s", 0.0)), " s to the first step after, ",
+               e.value("recomputed_steps", int64_t{0}), " steps done again")});
+    }
+  h += "</p>";
+  if (!marks.empty()) {
+    h += "<h2>Elastic restarts</h2><table><tr><th>what</th></tr>";
+    for (const Mark& m : marks) h += "<tr><td>" + esc(m.text) + "</td></tr>";
+    h += "</table>";
+  }
+  h += "<h2>Training</h2><div class='grid'>";
+  h += line_chart("loss", "nats", per_run(runs, "train/loss"), false, marks);
+  if (!marks.empty())
+    h += line_chart("world size", "ranks", per_run(runs, "cluster/world_size"), true, marks);
   h += line_chart("masked LM accuracy", "accuracy", per_run(runs, "train/mlm_accuracy"), true);
   h += line_chart("next sentence accuracy", "accuracy", per_run(runs, "train/nsp_accuracy"), true);
   h += line_chart("fine-tuning dev accuracy", "accuracy", per_run(runs, "finetune/dev_accuracy"),

@@ -20,7 +20,10 @@ struct TraceSpan {
 
 struct RunMetrics {
   std::string dir, name;
-  std::vector<nlohmann::json> rows;   // metrics.jsonl, in step order
+  std::vector<nlohmann::json> rows;  // metrics.jsonl's logged steps, in step order
+  // metrics.jsonl's elastic restarts and growths ({"event": "restart"|"grow", "step", ...}: the
+  // trainer's record of launch --elastic's restarts), in file order
+  std::vector<nlohmann::json> events;
   std::vector<nlohmann::json> evals;  // eval.jsonl (bertrain eval of the run), in step order
   nlohmann::json settings;            // the latest checkpoint's trainer settings (may be null)
   // The last complete step of rank 0 in dir/timeline.json (train --timeline RUN/timeline.json),

@@ -15,13 +15,15 @@
 #   hosts.sh pids DIR HOST   the processes running on HOST
 #   hosts.sh kill DIR HOST   SIGKILL every process in HOST's namespace (a host that died)
 #   hosts.sh mpirun DIR ARGS...     mpirun from h0 over the hostfile, TCP between the hosts
+#   hosts.sh mca DIR         the same settings as OMPI_MCA_* variables (NAME=VALUE lines), for
+#                            an mpirun started by another program (bertrain launch --elastic)
 #
 # Only addresses inside these namespaces exist; the bridge lives in a namespace of its own, so
 # nothing is added to this machine's network. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN).
 set -euo pipefail
 
 die() { echo "hosts.sh: $*" >&2; exit 1; }
-[ $# -ge 2 ] || die "usage: hosts.sh up|down|exec|shape|cut|restore|pids|kill|mpirun DIR ..."
+[ $# -ge 2 ] || die "usage: hosts.sh up|down|exec|shape|cut|restore|pids|kill|mca|mpirun DIR ..."
 cmd=$1 dir=$2
 shift 2
 
@@ -77,7 +79,10 @@ case "$cmd" in
     cat > "$dir/agent" << AGENT
 #!/bin/sh
 # Open MPI's plm_rsh_agent for the test hosts of $dir: agent HOST CMD...
+# A host whose link is down (cut, or a dead machine: kill + cut) does not answer, as ssh would
+# not: the agent tries the network first.
 host=\$1; shift
+ping -c 1 -W 2 "\$host" > /dev/null 2>&1 || { echo "ssh: connect to host \$host port 22: No route to host" >&2; exit 255; }
 exec "$(realpath "$0")" exec "$(realpath "$dir")" "\$host" sh -c "\$*"
 AGENT
     chmod +x "$dir/agent"
@@ -142,6 +147,13 @@ NFT
   kill)
     ns=$(ns_of "${1:?}")
     ip netns pids "$ns" | xargs -r kill -9
+    ;;
+  mca)
+    echo "OMPI_MCA_plm_rsh_agent=$(realpath "$dir")/agent"
+    echo "OMPI_MCA_plm_rsh_no_tree_spawn=1"
+    echo "OMPI_MCA_btl=tcp,vader,self"
+    echo "OMPI_MCA_btl_tcp_if_include=${subnet}.0/24"
+    echo "OMPI_MCA_oob_tcp_if_include=${subnet}.0/24"
     ;;
   mpirun)
     exec "$0" exec "$dir" h0 mpirun --hostfile "$(realpath "$dir")/hostfile" \

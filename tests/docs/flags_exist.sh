@@ -18,6 +18,7 @@ FOREIGN=(
   "--demo"            # scripts/check-packages.sh
   "--image"           # scripts/package.sh
   "--install"         # cmake --install
+  "--requeue"         # sbatch --requeue
 )
 subs=$("$BT" --help | awk '/^Subcommands:/{f=1; next} f && NF {print $1}')
 [ -n "$subs" ] || { echo "FAIL: no subcommands in '$BT --help'"; exit 1; }
