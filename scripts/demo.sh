@@ -20,8 +20,9 @@
 #      layer recomputation;
 #   8. one job description emitted for mpirun, Slurm, a Kubernetes MPIJob and PAI-DLC, and a
 #      two-rank job started here from its description;
-#   9. two test hosts (network namespaces; as root), one of them killed mid-run: the survivor's
-#      message names it, and the job resumes on the rank left with the global batch kept;
+#   9. an elastic job on two test hosts (network namespaces; as root): one host killed mid-run,
+#      the supervisor restarts the job on the host left (global batch kept), and grows it back
+#      to two when the host returns; the run's record and the doctor's reading of it;
 #  10. training data in object storage: an S3 server (moto, from PyPI) 50 ms away, the input
 #      pipeline's rate from it against local disk, and a model trained from the bucket with its
 #      run directory (checkpoints committed, metrics) in the bucket.
@@ -128,32 +129,49 @@ done
 echo "-- and a two-rank job started here, its optimizer state sharded (configs/jobs/local-2rank.yaml --run):"
 $BT launch configs/jobs/local-2rank.yaml --run 2>&1 | grep -E "^launch|sharded|^step|^bottleneck"
 
-echo; echo "== 8. a host lost mid-run, and the job resumed on the host left"
+echo; echo "== 8. a host lost mid-run: the elastic supervisor restarts the job on the host left, and grows it back"
 lost_args=(train --model-config "$PWD/configs/bert-tiny-zh.json" --data "$PWD/$OUT/data/*.tfrecord" --output "$PWD/$OUT/lost"
   --seq-len 128 --max-predictions 20 --steps 16 --lr 5e-3 --optimizer lamb --log-every 4
   --save-every 2 --stall-timeout 10)
 if [ "$(id -u)" = 0 ] && ip netns add "bt-demo-$$" 2> /dev/null; then
   ip netns del "bt-demo-$$"
-  # Two test hosts (network namespaces, tests/cluster/hosts.sh), one rank each, TCP between them.
+  # Two test hosts (network namespaces, tests/cluster/hosts.sh), one rank each, TCP between them;
+  # `bertrain launch --run` on a spec with elastic: supervises the job from h0.
   tests/cluster/hosts.sh up "$OUT/hosts" 2 > /dev/null
+  mapfile -t addr < <(awk '{print $1}' "$OUT/hosts/hostfile")
+  cat > "$OUT/lost.yaml" << SPEC
+name: lost
+workers: 2
+hosts: [${addr[0]}, ${addr[1]}]
+env: {OMP_NUM_THREADS: "1", OMPI_ALLOW_RUN_AS_ROOT: "1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM: "1"}
+command: train
+elastic: {min_workers: 1, max_workers: 2, max_restarts: 2}
+flags: {model-config: $PWD/configs/bert-tiny-zh.json, data: "$PWD/$OUT/data/*.tfrecord", output: $PWD/$OUT/elastic,
+        seq-len: 128, max-predictions: 20, steps: 120, lr: 5e-3, optimizer: lamb, log-every: 10, save-every: 10,
+        global-batch: 16, batch-size: 8, stall-timeout: 10}
+SPEC
   (
-    for _ in $(seq 600); do [ -e "$OUT/lost/checkpoint-000006" ] && break; sleep 0.1; done
-    tests/cluster/hosts.sh kill "$OUT/hosts" h1
+    for _ in $(seq 600); do [ -e "$OUT/elastic/checkpoint-000020" ] && break; sleep 0.1; done
+    tests/cluster/hosts.sh kill "$OUT/hosts" h1 && tests/cluster/hosts.sh cut "$OUT/hosts" h1
+    for _ in $(seq 600); do grep -q '"event":"restart"' "$OUT/elastic/metrics.jsonl" 2> /dev/null && break; sleep 0.2; done
+    sleep 2
+    tests/cluster/hosts.sh restore "$OUT/hosts" h1
   ) &
-  tests/cluster/hosts.sh mpirun "$OUT/hosts" -np 2 --map-by ppr:1:node --bind-to none -x OMP_NUM_THREADS=1 \
-    "$BT" "${lost_args[@]}" --batch-size 8 2>&1 | grep -E "on 2 hosts|^step" | sed 's/, allreduce.*//' || true
+  tests/cluster/hosts.sh exec "$OUT/hosts" h0 env $(tests/cluster/hosts.sh mca "$OUT/hosts") "$BT" launch "$OUT/lost.yaml" \
+    --run --probe-seconds 1 --probe-timeout 3 2>&1 | grep -E "^elastic|global batch .* kept|^step +(10|30|60|90|120)/" |
+    sed -e 's/: mpirun .*//' -e 's/, allreduce.*//' || true
   wait
   tests/cluster/hosts.sh down "$OUT/hosts"
-  echo "-- h1 killed after checkpoint 6; what the rank on h0 saw ($OUT/lost/incidents.log):"
-  # (mpirun may end rank 0 before its watchdog has written: then the launcher's word is all.)
-  cat "$OUT/lost/incidents.log" 2> /dev/null || echo "(none: mpirun ended rank 0 before its watchdog wrote)"
+  echo "-- what the run recorded ($OUT/elastic/incidents.log and metrics.jsonl; bertrain doctor):"
+  grep "elastic" "$OUT/elastic/incidents.log" | cut -c1-220
+  "$BT" doctor "$OUT/elastic" 2>&1 | grep -A1 -E "^  find  elastic" || true
 else
-  echo "(test hosts need root for network namespaces: 2 ranks on this host instead, stopped at step 6)"
+  echo "(test hosts need root for network namespaces: 2 ranks on this host instead, stopped at step 6,"
+  echo " and resumed by hand on 1 rank with the global batch kept)"
   mpirun -np 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$BT" "${lost_args[@]}" \
     --batch-size 8 --stop-after-steps 6 2>&1 | grep -E "^step"
+  "$BT" "${lost_args[@]}" --resume --batch-size 16 2>&1 | grep -E "resumed|data:|^step|^bottleneck"
 fi
-echo "-- resumed on 1 rank, batch 16 (the global batch kept), the unread examples re-divided:"
-"$BT" "${lost_args[@]}" --resume --batch-size 16 2>&1 | grep -E "resumed|data:|^step|^bottleneck"
 
 echo; echo "== 9. training data in object storage: an S3 server 50 ms away"
 # moto (a reference S3 server that checks request signatures; PyPI, in a venv outside the
