@@ -277,7 +277,7 @@ void Trainer::State::read_elastic_event() {
           world, world == 1 ? " rank" : " ranks",
           resumed_world ? str(" (it was written by ", resumed_world, ")") : std::string(), "; ",
           elastic.recomputed, elastic.recomputed == 1 ? " step" : " steps",
-          " done past it before are done again"));
+          " past it done again"));
 }
 
 // The restart as a row of metrics.jsonl and a point in TensorBoard, once its first step is done.
