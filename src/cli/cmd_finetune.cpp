@@ -10,12 +10,14 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/setting.h"
+#include "data/object_store.h"
 #include "model/checkpoint.h"
 #include "plan/memory.h"
 #include "tasks/ner.h"
 #include "tasks/qa.h"
 #include "train/finetune.h"
 #include "train/predict.h"
+#include "train/run_mirror.h"
 
 namespace bertrain::cli {
 
@@ -45,6 +47,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
     train::FinetuneConfig cfg;
     TaskOpts task;
     std::string lower = "auto", precision = "fp32", padding = "skip", device = "cpu";
+    std::string stage_dir;
     int threads = 0;
   };
   auto o = std::make_shared<Opts>();
@@ -77,7 +80,18 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
       ->capture_default_str();
   c->add_option("--n-best", f.qa.n_best, "QA: start and end candidates per window")
       ->capture_default_str();
-  c->add_option("--output", f.output, "Where to save the fine-tuned model (HuggingFace directory)");
+  c->add_option("--output", f.output,
+                "Where to save the fine-tuned model (HuggingFace directory), or an object-store "
+                "prefix (s3://bucket/models/x, oss://...): metrics and events uploaded after every "
+                "epoch, the model's files at the end, then a COMMIT object naming them");
+  c->add_option(
+      "--stage-dir", o->stage_dir,
+      "With an s3:// or oss:// --output: the local directory the model is written into "
+      "before it is uploaded (default $TMPDIR/bertrain-stage/<scheme>/<bucket>/<prefix>)");
+  c->add_option("--lease-seconds", f.lease_seconds,
+                "With an s3:// or oss:// --output: the job's lease (<output>/bertrain.lock, one "
+                "job per prefix) lasts this long without renewal")
+      ->capture_default_str();
   c->add_option("--vocab", f.vocab, "WordPiece vocabulary (default: vocab.txt of the checkpoint)");
   c->add_option("--lower-case", o->lower, "auto, true or false")->capture_default_str();
   c->add_option("--seq-len", f.seq_len, "Tokens per example")->capture_default_str();
@@ -104,6 +118,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
   add_padding_option(c, o->padding);
   add_device_option(c, o->device);
   add_dist_options(c);
+  add_storage_options(c);
   c->callback([o, comm] {
     set_threads(o->threads);
     train::FinetuneConfig cfg = o->cfg;
@@ -112,6 +127,12 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
     cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
     cfg.precision = parse_precision(o->precision);
     cfg.columns = o->task.columns();
+    if (data::is_object_url(cfg.output)) {
+      cfg.publish_to = cfg.output;
+      cfg.output = o->stage_dir.empty() ? train::default_stage_dir(cfg.output) : o->stage_dir;
+    } else if (!o->stage_dir.empty()) {
+      fail("--stage-dir stages an s3:// or oss:// --output; ", cfg.output, " is a directory");
+    }
     // MPI under mpirun: data parallel (--batch-size per rank); a GPU's gradients through NCCL.
     cfg.comm = &gradient_communicator(*cfg.backend, comm());
     train::finetune(cfg);

@@ -29,6 +29,7 @@
 #include "train/loss_scaler.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
+#include "train/run_mirror.h"
 #include "train/run_state.h"
 #include "train/session.h"
 #include "train/step.h"
@@ -315,9 +316,22 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   comm::Communicator& comm = cfg.comm ? *cfg.comm : single;
   const int rank = comm.rank(), world = comm.size();
   const bool say = !cfg.quiet && rank == 0;
-  // One job per output directory: rank 0 holds it for the run (train/run_state.h).
+  // One job per output directory: rank 0 holds it for the run (train/run_state.h); a bucket
+  // prefix by its lease, and the stage by its lock.
   std::unique_ptr<RunDirLock> lock;
+  std::unique_ptr<RunLease> lease;
+  std::unique_ptr<RunMirror> mirror;
+  if (!cfg.publish_to.empty() && cfg.shard_optimizer && comm.local_size() != world)
+    fail("--shard-optimizer with an object-store --output (", cfg.publish_to, ") on ", world,
+         " ranks over several hosts: the sharded model is assembled from every rank's part in "
+         "one directory; use a shared file system for --output, or run without "
+         "--shard-optimizer");
   if (!cfg.output.empty() && rank == 0) {
+    if (!cfg.publish_to.empty()) {
+      lease = std::make_unique<RunLease>(cfg.publish_to, cfg.lease_seconds);
+      if (say && !lease->note().empty()) std::printf("finetune: %s\n", lease->note().c_str());
+      mirror = std::make_unique<RunMirror>(cfg.publish_to, cfg.output);
+    }
     lock = std::make_unique<RunDirLock>(cfg.output);
     if (say && !lock->note().empty()) std::printf("finetune: %s\n", lock->note().c_str());
   }
@@ -399,6 +413,10 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
       events->scalars(step, values);
       metrics->write(step, values, {{"epoch", epoch + 1}});
     }
+    if (mirror) {  // the epoch's metrics and events to the bucket as they grow
+      lease->check();
+      mirror->sync_logs(true);
+    }
     if (say) {
       std::printf("epoch %lld/%lld | train loss %.4f | %.1f s%s\n", (long long)epoch + 1,
                   (long long)cfg.epochs, res.train_loss, seconds, dev.line.c_str());
@@ -406,6 +424,19 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     }
   }
   save_finetuned(m, cfg, task, pre, comm, say);
+  if (mirror) {
+    lease->check();
+    try {
+      mirror->publish_model({"model.safetensors", "config.json", "vocab.txt"});
+      mirror->sync_logs(true);
+    } catch (const std::exception& e) {
+      fail("publishing the fine-tuned model to ", cfg.publish_to, ": ", e.what(),
+           "; the model is complete in ", cfg.output,
+           " (its COMMIT is not in the bucket: no reader takes the files there for a model)");
+    }
+    if (say)
+      std::printf("finetune: published %s (COMMIT names its files)\n", cfg.publish_to.c_str());
+  }
   return res;
 }
 

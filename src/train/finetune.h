@@ -18,6 +18,11 @@ namespace bertrain::train {
 
 struct FinetuneConfig {
   std::string init_checkpoint, train, dev, output, vocab, model_config;
+  // An object-store prefix (s3://bucket/models/x, oss://...) the model is published to: `output`
+  // is then the local stage. Held by a lease (RunLease) while the job runs; the metrics and
+  // events uploaded after every epoch, the model committed at the end (RunMirror::publish_model).
+  std::string publish_to;
+  double lease_seconds = 120;
   tasks::TaskColumns columns;  // of the train and dev text files (TFRecords carry their own)
   tasks::QaOptions qa;  // extractive QA: windows and answers (seq_len and metric set from here)
   int lower_case = -1;

@@ -77,6 +77,19 @@ void RunMirror::publish_checkpoint(const std::string& dir, int keep) {
   prune(name, keep);
 }
 
+void RunMirror::publish_model(const std::vector<std::string>& names) {
+  const data::ObjectUrl commit_url = data::parse_object_url(object("COMMIT"));
+  store_of(url_).remove(commit_url);
+  nlohmann::ordered_json files = nlohmann::ordered_json::array();
+  for (const std::string& name : names) {
+    std::string body = slurp((fs::path(stage_) / name).string());
+    files.push_back({{"name", name}, {"size", body.size()}, {"sha256", data::sha256_hex(body)}});
+    put(object(name), std::move(body));
+  }
+  const nlohmann::ordered_json commit = {{"model", url_}, {"files", files}};
+  put(object("COMMIT"), commit.dump(1) + "\n");
+}
+
 // Deletes the committed checkpoints older than the newest `keep` (COMMIT first: a checkpoint
 // half deleted is invisible), and the objects of older checkpoints that were never committed
 // (an upload cut by a crash or an outage: invisible, but bytes in the bucket).

@@ -37,6 +37,10 @@ class RunMirror {
   // then deletes the committed checkpoints older than the newest `keep` (0: none deleted) and
   // what older uploads left uncommitted.
   void publish_checkpoint(const std::string& dir, int keep);
+  // A model directory (finetune's output: the stage's `names`) at the prefix itself: its
+  // COMMIT object removed first, the files uploaded, then COMMIT again naming each with its size
+  // and SHA-256: a reader that finds COMMIT finds the model it names, never half of it.
+  void publish_model(const std::vector<std::string>& names);
   // Uploads the logs (metrics.jsonl, TensorBoard events, incidents.log) that grew since the last
   // call; at most once per `min_interval_s` unless `force`.
   void sync_logs(bool force, double min_interval_s = 30.0);

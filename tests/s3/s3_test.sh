@@ -3,7 +3,9 @@
 # proxy (s3proxy.py): listing across pages, ranged reads that equal the local file, a missing
 # object, wrong credentials, 500 and 503 answers and connections cut mid-object (retried, same
 # records), a store that keeps failing (a clear error), prepare from and to a bucket, training
-# from a bucket with exact resume, and a gzip file read through ranged reads.
+# from a bucket with exact resume, and a gzip file read through ranged reads; run directories in
+# a bucket (checkpoints committed through upload faults, resume, the lease) and a fine-tuned model
+# published to one.
 #   tests/s3/s3_test.sh build/bertrain      (exit 77: no moto, e.g. PyPI unreachable)
 set -u
 BT=$(realpath "$1")
@@ -259,4 +261,34 @@ import boto3; s3 = boto3.client('s3', endpoint_url='$MOTO_URL', region_name='us-
 print('\n'.join(o['Key'] for o in s3.list_objects_v2(Bucket='data', Prefix='runs/l/').get('Contents', [])))")
 grep -qx "runs/l/bertrain.lock" <<<"$keys" && fail "the lease was left behind by a job that ended"
 echo "ok: a second job on s3://data/runs/l stopped naming the first (pid $first) while it renewed its lease; killed, its lease was taken over ${waited} s later (lease 4 s); released at the end"
+# e. finetune --output s3://...: the model's files, then a COMMIT naming each (size, SHA-256);
+# the files equal a fine-tuning into a directory, metrics.jsonl is in the bucket.
+"$BT" "${micro[@]}" --steps 4 --output "$TMP/ftbase" > /dev/null 2>&1 || fail "the model to fine-tune"
+head -65 "$ROOT/data/classification/chnsenticorp_small/train.tsv" > "$TMP/ft_train.tsv"
+head -33 "$ROOT/data/classification/chnsenticorp_small/dev.tsv" > "$TMP/ft_dev.tsv"
+ft=(finetune --init-checkpoint "$TMP/ftbase" --vocab "$ROOT/data/vocab/bert-base-uncased-vocab.txt"
+  --train "$TMP/ft_train.tsv" --dev "$TMP/ft_dev.tsv" --epochs 2 --seq-len 64 --batch-size 8 --threads 1)
+"$BT" "${ft[@]}" --output "$TMP/ft_local" > "$TMP/log_ft" 2>&1 || { cat "$TMP/log_ft"; fail "finetune into a directory"; }
+"$BT" "${ft[@]}" --output s3://data/models/ft --stage-dir "$TMP/stage_ft" $S3 > "$TMP/log_ft" 2>&1 ||
+  { cat "$TMP/log_ft"; fail "finetune into the bucket"; }
+grep -q "finetune: published s3://data/models/ft" "$TMP/log_ft" || { cat "$TMP/log_ft"; fail "no publication said"; }
+for f in model.safetensors config.json vocab.txt metrics.jsonl; do
+  "$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" get "$MOTO_URL" data "models/ft/$f" "$TMP/ft_got_$f"
+done
+for f in model.safetensors config.json vocab.txt; do
+  cmp -s "$TMP/ft_got_$f" "$TMP/ft_local/$f" || fail "models/ft/$f differs from the fine-tuning into a directory"
+done
+[ "$(wc -l < "$TMP/ft_got_metrics.jsonl")" = 2 ] || fail "the bucket's metrics.jsonl lacks the 2 epochs"
+"$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" get "$MOTO_URL" data models/ft/COMMIT "$TMP/ft_commit"
+python3 - "$TMP" << 'PY' || fail "the COMMIT object"
+import hashlib, json, sys
+tmp = sys.argv[1]
+c = json.load(open(f"{tmp}/ft_commit"))
+names = [f["name"] for f in c["files"]]
+assert names == ["model.safetensors", "config.json", "vocab.txt"], names
+for f in c["files"]:
+    body = open(f"{tmp}/ft_got_{f['name']}", "rb").read()
+    assert len(body) == f["size"] and hashlib.sha256(body).hexdigest() == f["sha256"], f["name"]
+PY
+echo "ok: finetune into s3://data/models/ft: model, config and vocabulary equal a fine-tuning into a directory, COMMIT names them with their sizes and SHA-256, metrics.jsonl uploaded"
 echo "s3: all ok"
