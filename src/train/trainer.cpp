@@ -276,8 +276,7 @@ void Trainer::State::read_elastic_event() {
           "; resumed from ", resumed_from.empty() ? std::string("the start") : resumed_from, " on ",
           world, world == 1 ? " rank" : " ranks",
           resumed_world ? str(" (it was written by ", resumed_world, ")") : std::string(), "; ",
-          elastic.recomputed, elastic.recomputed == 1 ? " step" : " steps",
-          " past it done again"));
+          elastic.recomputed, elastic.recomputed == 1 ? " step" : " steps", " past it done again"));
 }
 
 // The restart as a row of metrics.jsonl and a point in TensorBoard, once its first step is done.
