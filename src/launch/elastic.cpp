@@ -19,6 +19,7 @@
 
 #include "core/clock.h"
 #include "core/error.h"
+#include "data/object_store.h"
 #include "data/storage.h"
 
 namespace bertrain::launch {
@@ -175,6 +176,22 @@ void run_elastic(const JobSpec& job, const ElasticOptions& o) {
   const std::string output = flag_value(job, "output");
   if (output.empty())
     fail(job.source, ": an elastic job restarts from its checkpoints: flags.output is required");
+  // The supervisor reads the run's `latest` as the ranks do: with the spec's environment
+  // (credentials: the supervisor's own win) and its --s3-* flags.
+  for (const auto& [k, v] : job.env) setenv(k.c_str(), v.c_str(), 0);
+  data::ObjectStoreOverrides store;
+  store.endpoint = flag_value(job, "s3-endpoint");
+  store.region = flag_value(job, "s3-region");
+  store.addressing = flag_value(job, "s3-addressing");
+  try {
+    if (!flag_value(job, "s3-retries").empty())
+      store.max_attempts = std::stoi(flag_value(job, "s3-retries"));
+    if (!flag_value(job, "s3-timeout").empty())
+      store.timeout_s = std::stod(flag_value(job, "s3-timeout"));
+  } catch (const std::exception&) {
+    fail(job.source, ": flags.s3-retries / s3-timeout must be numbers");
+  }
+  data::set_object_store_overrides(store);
   bool has_steps = false;
   const std::string steps_flag = flag_value(job, "steps", &has_steps);
   const int64_t steps = has_steps ? std::stoll(steps_flag) : -1;
@@ -188,6 +205,12 @@ void run_elastic(const JobSpec& job, const ElasticOptions& o) {
   const std::string hostfile = (std::filesystem::temp_directory_path() /
                                 ("bertrain-elastic-hosts-" + std::to_string(getpid())))
                                    .string();
+  // One name for every attempt: a run's lease in a bucket passes from one attempt to the next
+  // (train/run_mirror.h) instead of blocking the restart until it expires.
+  char here[256] = {};
+  gethostname(here, sizeof here - 1);
+  const std::string job_id =
+      str(job.name, "@", here, ":", getpid(), ":", static_cast<int64_t>(unix_seconds()));
   int restarts = 0, grows = 0;
   std::string kind, reason;
   double event_at = 0;
@@ -207,6 +230,7 @@ void run_elastic(const JobSpec& job, const ElasticOptions& o) {
            ") stands; start the job again once hosts answer and it resumes from it");
     }
     JobSpec a = job.on_hosts(hosts);
+    a.env.emplace_back("BERTRAIN_ELASTIC_JOB", job_id);
     bool resume = false;
     flag_value(a, "resume", &resume);
     if (attempt > 0 && !resume) a.flags.emplace_back("resume", "");

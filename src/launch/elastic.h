@@ -16,10 +16,11 @@
 //     at every probe) grows the job: SIGUSR1 to mpirun (forwarded to every rank) makes the
 //     ranks finish the step, checkpoint and exit; the next attempt runs on the larger set. No
 //     step is recomputed and it does not count as a restart.
-//   - Every attempt's ranks get BERTRAIN_ELASTIC_RESTART (the restart's number),
-//     BERTRAIN_ELASTIC_REASON and BERTRAIN_ELASTIC_FAILED_AT (unix seconds, when the
-//     supervisor saw the failure): the trainer writes the restart into incidents.log,
-//     metrics.jsonl and TensorBoard (the doctor reads them).
+//   - Every attempt's ranks get BERTRAIN_ELASTIC_JOB (one name for all attempts: a bucket run's
+//     lease passes from one attempt to the next), and after the first BERTRAIN_ELASTIC_KIND
+//     (restart or grow), _COUNT, _REASON and _AT (unix milliseconds, when the supervisor saw
+//     it): the trainer writes the restart into incidents.log, metrics.jsonl and TensorBoard
+//     (the doctor reads them).
 // SIGTERM/SIGINT to the supervisor stop the job the same way (checkpoint, exit) and end it.
 #pragma once
 

@@ -1,5 +1,7 @@
 #include "train/run_mirror.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <ctime>
@@ -154,7 +156,8 @@ std::string RunMirror::fetch_latest() {
          "): the bucket's run was not written by bertrain, or was changed by hand");
   }
   const fs::path dir = fs::path(stage_) / name;
-  const fs::path tmp = fs::path(stage_) / ("." + name + ".fetch");
+  // (one temporary directory per process: hosts that share a stage fetch side by side)
+  const fs::path tmp = fs::path(stage_) / str(".", name, ".fetch-", ::getpid());
   fs::remove_all(tmp);
   fs::create_directories(tmp);
   for (const auto& f : commit.at("files")) {
@@ -170,7 +173,13 @@ std::string RunMirror::fetch_latest() {
     if (!out) fail("cannot write ", (tmp / file).string(), " (the staging directory's disk?)");
   }
   fs::remove_all(dir);
-  fs::rename(tmp, dir);
+  std::error_code ec;
+  fs::rename(tmp, dir, ec);
+  if (ec) {  // another host on this stage put its copy (the same commit, checked) there first
+    fs::remove_all(tmp);
+    if (!fs::is_directory(dir))
+      fail("cannot move the fetched ", name, " into ", dir.string(), ": ", ec.message());
+  }
   std::ofstream(fs::path(stage_) / "latest") << name << "\n";
   // The run's logs as the bucket has them, where this stage has less (another host, or a fresh
   // stage): they grow on from there instead of replacing the bucket's with the new part alone.
@@ -206,6 +215,7 @@ RunLease::RunLease(const std::string& url, double ttl_s) : ttl_s_(ttl_s) {
   while (!base.empty() && base.back() == '/') base.pop_back();
   url_ = base + "/bertrain.lock";
   holder_ = job_holder();
+  if (const char* job = std::getenv("BERTRAIN_ELASTIC_JOB")) job_ = job;
   std::random_device rd;
   nonce_ = data::sha256_hex(str(holder_, rd(), rd(), rd())).substr(0, 16);
   const data::ObjectUrl u = data::parse_object_url(url_);
@@ -232,6 +242,16 @@ RunLease::RunLease(const std::string& url, double ttl_s) : ttl_s_(ttl_s) {
     }
     const double expires = j.value("expires", 0.0);
     const std::string who = j.value("holder", std::string("?"));
+    // An earlier attempt of the same elastic job (launch/elastic.h names every attempt's job
+    // alike): the supervisor ended it before starting this one, so its lease passes at once
+    // (were it still running somewhere, cut off, its next renewal finds the lease taken and it
+    // stops).
+    if (!job_.empty() && j.value("job", std::string()) == job_ &&
+        store.put_if(u, body(unix_seconds() + ttl_s_), false, info.etag, &etag_)) {
+      note_ =
+          str("took over ", url_, " from an earlier attempt of elastic job ", job_, " (", who, ")");
+      break;
+    }
     if (expires > unix_seconds())
       fail(base, " is in use by another job (", who, "; its lease runs to ", utc(expires),
            " and is renewed while it runs): one job per run. Use another --output, or stop that "
@@ -251,7 +271,9 @@ RunLease::RunLease(const std::string& url, double ttl_s) : ttl_s_(ttl_s) {
 }
 
 std::string RunLease::body(double expires) const {
-  return nlohmann::json{{"holder", holder_}, {"nonce", nonce_}, {"expires", expires}}.dump() + "\n";
+  nlohmann::json j = {{"holder", holder_}, {"nonce", nonce_}, {"expires", expires}};
+  if (!job_.empty()) j["job"] = job_;
+  return j.dump() + "\n";
 }
 
 void RunLease::renew_loop() {

@@ -79,6 +79,7 @@ class RunLease {
   std::string body(double expires) const;
   void renew_loop();
   std::string url_, holder_, nonce_, etag_, note_;
+  std::string job_;  // BERTRAIN_ELASTIC_JOB: the elastic job every attempt of which holds this
   double ttl_s_;
   std::atomic<bool> lost_{false};
   mutable std::mutex mu_;

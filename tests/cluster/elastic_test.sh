@@ -16,6 +16,11 @@
 #      the supervisor restarted from on 3 hosts for the same steps, then on 4 to the end.
 #   6. Hosts killed until fewer than min_workers answer: the supervisor stops naming them and
 #      the checkpoint that stands.
+#   7. Checkpoints in a bucket (moto on a fifth host, h4, which also runs the supervisor as an
+#      MPIJob's launcher pod would): rank 0's host h0 is killed while checkpoint 20 is being
+#      uploaded (its optimizer's PUTs answered 503): the job restarts on h1-h3 from the bucket's
+#      latest commit (10), the lease passing from the dead attempt at once, and finishes; the
+#      bucket holds every checkpoint committed and none half-visible.
 # Skips (77) without root or network namespaces.
 set -euo pipefail
 KEEP=${KEEP:-}
@@ -36,8 +41,9 @@ fail() {
   exit 1
 }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-SLOTS=1 "$HOSTS" up "$CL" 4
+SLOTS=1 "$HOSTS" up "$CL" 5  # h0-h3 the job's; h4 a launcher and object store, as a pod
 mapfile -t ADDR < <(awk '{print $1}' "$CL/hostfile")
+WORKERS=("${ADDR[@]:0:4}")
 "$BT" prepare --input "$ROOT/data/corpus/bert_sample_text.txt" --vocab "$ROOT/data/vocab/bert-base-uncased-vocab.txt" \
   --output "$TMP/data" --seq-len 64 --max-predictions 10 --output-shards 4 > /dev/null 2>&1 || fail "prepare"
 STEPS=70
@@ -83,7 +89,7 @@ wait_for() { # SECONDS CMD...: until CMD succeeds
 }
 
 # 1. h3 dies mid-step, between checkpoints.
-job el "${ADDR[@]}" > "$TMP/el.yaml"
+job el "${WORKERS[@]}" > "$TMP/el.yaml"
 supervise "$TMP/el.yaml" "$TMP/el.log"
 wait_for 120 test -e "$TMP/el/checkpoint-000020" || fail "no checkpoint 20"
 wait_for 60 sh -c "[ \$(tail -n 1 $TMP/el/metrics.jsonl | grep -o '\"step\":[0-9]*' | cut -d: -f2) -ge 27 ]" ||
@@ -140,7 +146,7 @@ grep -h "elastic" "$TMP/doctor.log" || true
 
 # 4. Every example once per epoch. The reference: the same job uninterrupted on 4 ranks, past
 # the epochs the first restart re-divided.
-"$HOSTS" mpirun "$CL" -np 4 --bind-to none -x OMP_NUM_THREADS=1 "$BT" train --model-config "$ROOT/configs/bert-tiny.json" \
+"$HOSTS" mpirun "$CL" -np 4 --host "$(IFS=,; echo "${WORKERS[*]/%/:1}")" --bind-to none -x OMP_NUM_THREADS=1 "$BT" train --model-config "$ROOT/configs/bert-tiny.json" \
   --data "$TMP/data/*.tfrecord" --output "$TMP/ref" --global-batch 24 --batch-size 2 --seq-len 64 --max-predictions 10 \
   --steps $((S1 + 12)) --trace-input "$TMP/ref.trace" > "$TMP/ref.log" 2>&1 || fail "the reference run"
 python3 - "$TMP" "$S1" "$S2" << 'PY' || fail "examples per epoch"
@@ -233,7 +239,7 @@ cmp "$TMP/el/$final/model.safetensors" "$TMP/hand/$final/model.safetensors" ||
 echo "ok: the final model equals, bit for bit, resuming by hand from step $S1 on 3 hosts and from step $S2 on 4"
 
 # 6. Fewer than min_workers: h2 and h3 die; the supervisor restarts once more and stops.
-job low "${ADDR[@]}" > "$TMP/low.yaml"
+job low "${WORKERS[@]}" > "$TMP/low.yaml"
 sed -i "s/steps: $STEPS/steps: 100000/" "$TMP/low.yaml"
 supervise "$TMP/low.yaml" "$TMP/low.log"
 wait_for 120 test -e "$TMP/low/checkpoint-000010" || fail "no checkpoint 10 in the second job"
@@ -244,3 +250,48 @@ sup=""
 grep -q "elastic: 2 of 4 hosts answer (not answering: ${ADDR[2]}, ${ADDR[3]}); the job needs at least 3 (elastic.min_workers): stopping. The last complete checkpoint (checkpoint-" "$TMP/low.log" ||
   fail "the stop does not say why"
 echo "ok: h2 and h3 gone: the supervisor stopped: $(grep -o 'elastic: 2 of 4 hosts answer.*' "$TMP/low.log" | cut -c1-160)..."
+
+# 7. A bucket for the checkpoints, and rank 0's host lost mid-upload.
+source "$ROOT/tests/s3/moto_env.sh"
+if ! (moto_ensure) > /dev/null 2>&1; then
+  echo "SKIP (7. only): no moto venv and no PyPI to make one"
+  exit 0
+fi
+"$HOSTS" restore "$CL" h2 && "$HOSTS" restore "$CL" h3
+S4=${ADDR[4]}
+"$HOSTS" exec "$CL" h4 env INITIAL_NO_AUTH_ACTION_COUNT=3 "$MOTO_VENV/bin/moto_server" -H 127.0.0.1 -p 9000 \
+  > "$TMP/moto.log" 2>&1 &
+in_h4() { "$HOSTS" exec "$CL" h4 "$@"; }
+wait_for 30 in_h4 python3 -c "import socket; socket.create_connection(('127.0.0.1', 9000), 1)" 2> /dev/null ||
+  fail "moto did not start in h4"
+keys=$(in_h4 "$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" setup http://127.0.0.1:9000 data)
+export AWS_ACCESS_KEY_ID=${keys% *} AWS_SECRET_ACCESS_KEY=${keys#* } AWS_REGION=us-east-1  # (check-run's)
+echo '[{"match": "PUT /data/runs/b/checkpoint-000020/optimizer", "action": "503", "times": 6}]' > "$TMP/faults.json"
+in_h4 python3 "$S3_TESTS/s3proxy.py" --listen 9001 --bind "$S4" --upstream 127.0.0.1:9000 --faults "$TMP/faults.json" \
+  > "$TMP/proxy.log" 2>&1 &
+wait_for 30 in_h4 python3 -c "import socket; socket.create_connection(('$S4', 9001), 1)" 2> /dev/null ||
+  fail "the proxy did not start in h4"
+job b "${WORKERS[@]}" | sed -e "s#output: .*#output: s3://data/runs/b#" -e "s#steps: $STEPS#steps: 40#" \
+  -e "s#^env: {#env: {AWS_ACCESS_KEY_ID: \"${keys% *}\", AWS_SECRET_ACCESS_KEY: \"${keys#* }\", AWS_REGION: us-east-1, #" > "$TMP/b.yaml"
+printf '  s3-endpoint: http://%s:9001\n  s3-retries: 12\n  stage-dir: %s\n' "$S4" "$TMP/stage_b" >> "$TMP/b.yaml"
+"$HOSTS" exec "$CL" h4 env $("$HOSTS" mca "$CL") "$BT" launch "$TMP/b.yaml" --run --probe-seconds 1 --probe-timeout 3 \
+  > "$TMP/b.log" 2>&1 &
+sup=$!
+wait_for 120 test -s "$TMP/faults.json.log" || fail "checkpoint 20's upload never began"
+"$HOSTS" kill "$CL" h0
+"$HOSTS" cut "$CL" h0
+at_kill=$(in_h4 "$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" check-run http://127.0.0.1:9000 data runs/b) ||
+  fail "the bucket right after the kill: $at_kill"
+[[ "$at_kill" == "latest checkpoint-000010 committed 1 "* && "$at_kill" != *"orphans 0" ]] ||
+  fail "not killed mid-upload (checkpoint 20 partly uploaded, 10 the latest commit): $at_kill"
+wait $sup || fail "the supervisor of the bucket run did not end well"
+sup=""
+grep -q "attempt 2 on 3 of 4 workers (${WORKERS[1]}, ${WORKERS[2]}, ${WORKERS[3]}), from checkpoint-000010" "$TMP/b.log" ||
+  fail "the restart is not on h1-h3 from the bucket's checkpoint 10"
+grep -q "fetched .*checkpoint-000010 from s3://data/runs/b (its latest commit)" "$TMP/b.log" || fail "no fetch from the bucket"
+grep -q "took over s3://data/runs/b/bertrain.lock from an earlier attempt of elastic job" "$TMP/b.log" ||
+  fail "the lease did not pass to the restart"
+after=$(in_h4 "$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" check-run http://127.0.0.1:9000 data runs/b) ||
+  fail "the bucket after the run: $after"
+[[ "$after" == "latest checkpoint-000040 committed 4 "*"orphans 0" ]] || fail "the bucket after the run: $after"
+echo "ok: h0 (rank 0) killed mid-upload of checkpoint 20 ($at_kill): restarted on h1-h3 from the bucket's checkpoint 10, the lease passed on, finished: $after"

@@ -3,7 +3,7 @@
 bertrain's requests, for tests/s3 and bench/s3_input.sh. Test tooling only (bertrain itself does
 its HTTP through libcurl).
 
-  s3proxy.py --listen PORT --upstream HOST:PORT [--rtt-ms MS] [--faults FILE]
+  s3proxy.py --listen PORT [--bind ADDR] --upstream HOST:PORT [--rtt-ms MS] [--faults FILE]
 
 --rtt-ms: every byte waits MS/2 in each direction (and a new connection one MS, its handshake),
   pipelined, so bandwidth stays what it was: the round trip of a distant store. (What tc netem
@@ -147,11 +147,12 @@ async def handle(creader, cwriter, args):
 async def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--listen", type=int, required=True)
+    ap.add_argument("--bind", default="127.0.0.1", help="the address to listen on")
     ap.add_argument("--upstream", required=True)
     ap.add_argument("--rtt-ms", type=float, default=0)
     ap.add_argument("--faults", default="")
     args = ap.parse_args()
-    server = await asyncio.start_server(lambda r, w: handle(r, w, args), "127.0.0.1", args.listen)
+    server = await asyncio.start_server(lambda r, w: handle(r, w, args), args.bind, args.listen)
     async with server:
         await server.serve_forever()
 
