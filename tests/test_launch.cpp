@@ -188,8 +188,21 @@ TEST(Launch, ElasticSpecs) {
       m["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["restartPolicy"].as<std::string>(),
       "Always");
   EXPECT_NE(emit_dlc(j).find("--run --hostfile /etc/mpi/hostfile"), std::string::npos);
-  EXPECT_NE(test::error_of([&] { emit_slurm(j); }).find("does not run under Slurm yet"),
+  // Under Slurm the allocation survives a lost node and the batch script runs the supervisor,
+  // whose attempts are srun steps on the nodes that answer.
+  const std::string sbatch = emit_slurm(j);
+  EXPECT_NE(sbatch.find("#SBATCH --no-kill\n"), std::string::npos) << sbatch;
+  EXPECT_NE(sbatch.find("exec bertrain launch \"$spec\" --run\n"), std::string::npos) << sbatch;
+  EXPECT_NE(sbatch.find("elastic: {min_workers: 6, max_workers: 8, max_restarts: 10}"),
             std::string::npos);
+  EXPECT_EQ(
+      emit_srun_step(six, "bertrain")
+          .rfind("env OMP_NUM_THREADS=8 'BERTRAIN_JOB=bert-base-elastic ranks=48 per_host=8' srun "
+                 "--nodes=6 --nodelist=gpu-0,gpu-1,gpu-2,gpu-4,gpu-5,gpu-6 --ntasks-per-node=8 "
+                 "--mpi=pmix --kill-on-bad-exit=1 bertrain train --model-config ",
+                 0),
+      0u)
+      << emit_srun_step(six, "bertrain");
 
   auto error = [](const std::string& yaml) {
     return test::error_of([&] { parse_job(yaml, "job.yaml"); });

@@ -96,10 +96,19 @@ void add_launch(CLI::App& app) {
           "--hostfile is re-read by the elastic supervisor: give --elastic (or an elastic: "
           "section), or list the hosts in the spec");
     if (j.elastic.on && o->run) {
-      if (j.hosts.empty() && o->hostfile.empty() && j.workers > 1)
+      // Inside a Slurm allocation without a hostfile: its nodes, srun steps.
+      const char* slurm_job = std::getenv("SLURM_JOB_ID");
+      const bool slurm = o->hostfile.empty() && slurm_job && *slurm_job;
+      if (!slurm && j.hosts.empty() && o->hostfile.empty() && j.workers > 1)
         fail(j.source, ": an elastic job of ", j.workers,
-             " workers needs its hosts: listed, or --hostfile");
+             " workers needs its hosts: listed, or --hostfile, or a Slurm allocation to run in");
+      if (slurm && !j.hosts.empty())
+        std::fprintf(stderr,
+                     "launch: in Slurm allocation %s: its nodes, not the spec's hosts: (those "
+                     "are mpirun's)\n",
+                     slurm_job);
       launch::ElasticOptions eo;
+      eo.slurm = slurm;
       eo.binary = self_path();
       eo.hostfile = o->hostfile;
       eo.probe_s = o->probe_s;

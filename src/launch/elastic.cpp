@@ -26,9 +26,10 @@ namespace bertrain::launch {
 
 namespace {
 
-std::atomic<int> g_signal{0};
+std::atomic<int> g_signal{0}, g_signals{0};  // the last signal, how many
 void on_signal(int sig) {
   g_signal.store(sig);
+  g_signals.fetch_add(1);
 }
 
 void say(const std::string& line) {
@@ -110,6 +111,25 @@ int64_t step_of(const std::string& checkpoint) {
   }
 }
 
+// The nodes of this Slurm allocation, in its order (SLURM_JOB_NODELIST expanded by scontrol).
+std::vector<std::string> slurm_nodes() {
+  const char* list = std::getenv("SLURM_JOB_NODELIST");
+  if (!list || !*list)
+    fail("elastic under Slurm: SLURM_JOB_NODELIST is not set (run it in sbatch)");
+  std::FILE* p = ::popen(str("scontrol show hostnames ", shell_quote(list)).c_str(), "r");
+  if (!p) fail("cannot run scontrol show hostnames");
+  std::vector<std::string> nodes;
+  char line[512];
+  while (std::fgets(line, sizeof line, p)) {
+    std::string n = line;
+    while (!n.empty() && (n.back() == '\n' || n.back() == ' ')) n.pop_back();
+    if (!n.empty()) nodes.push_back(n);
+  }
+  if (::pclose(p) != 0 || nodes.empty())
+    fail("scontrol show hostnames ", list, " failed: the allocation's nodes are unknown");
+  return nodes;
+}
+
 std::string status_text(int status) {
   if (WIFEXITED(status)) return str("status ", WEXITSTATUS(status));
   if (WIFSIGNALED(status)) return str("signal ", WTERMSIG(status));
@@ -147,11 +167,15 @@ std::vector<std::string> answering(const std::vector<std::string>& hosts, const 
   }
   std::vector<pid_t> pids(hosts.size(), 0);
   const int timeout = std::max(1, static_cast<int>(o.probe_timeout_s + 0.5));
-  for (size_t i = 0; i < hosts.size(); ++i)
-    if (!is_this_host(hosts[i]))
-      pids[i] = spawn(str("exec timeout -k 2 ", timeout, " ", agent, " ", shell_quote(hosts[i]),
-                          " true < /dev/null > /dev/null 2>&1"),
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    const std::string ask =
+        o.slurm ? str("srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=",
+                      shell_quote(hosts[i]), " --quiet true")
+                : str(agent, " ", shell_quote(hosts[i]), " true");
+    if (o.slurm || !is_this_host(hosts[i]))
+      pids[i] = spawn(str("exec timeout -k 2 ", timeout, " ", ask, " < /dev/null > /dev/null 2>&1"),
                       false);
+  }
   std::vector<std::string> up;
   for (size_t i = 0; i < hosts.size(); ++i) {
     int status = 0;
@@ -170,6 +194,7 @@ void run_elastic(const JobSpec& job, const ElasticOptions& o) {
   const Elastic& e = job.elastic;
   const int64_t most = e.max_workers ? e.max_workers : job.workers;
   auto listed = [&] {
+    if (o.slurm) return slurm_nodes();
     if (!o.hostfile.empty()) return read_hostfile(o.hostfile, job.slots_per_worker);
     return job.hosts.empty() ? std::vector<std::string>{"localhost"} : job.hosts;
   };
@@ -215,7 +240,10 @@ void run_elastic(const JobSpec& job, const ElasticOptions& o) {
   std::string kind, reason;
   double event_at = 0;
   say(str("job ", job.name, ": ", e.min_workers, "..", most, " workers of ", job.slots_per_worker,
-          " ranks, at most ", e.max_restarts, " restarts; probing hosts every ", o.probe_s, " s"));
+          " ranks, at most ", e.max_restarts, " restarts; probing hosts every ", o.probe_s, " s",
+          o.slurm ? str("; Slurm allocation ", std::getenv("SLURM_JOB_ID"),
+                        ": srun steps on its nodes that answer")
+                  : std::string("; mpirun")));
   for (int attempt = 0;; ++attempt) {
     const std::vector<std::string> all = listed();
     std::vector<std::string> hosts = answering(all, o);
@@ -246,7 +274,7 @@ void run_elastic(const JobSpec& job, const ElasticOptions& o) {
       hf << emit_hostfile(a);
       if (!hf) fail("cannot write ", hostfile);
     }
-    std::string cmd = emit_mpirun(a, hostfile, o.binary);
+    std::string cmd = o.slurm ? emit_srun_step(a, o.binary) : emit_mpirun(a, hostfile, o.binary);
     cmd.pop_back();
     say(str("attempt ", attempt + 1, " on ", hosts.size(), " of ", all.size(), " workers (",
             joined(hosts), ")", ck.empty() ? std::string() : ", from " + ck, ": ", cmd));
@@ -260,9 +288,14 @@ void run_elastic(const JobSpec& job, const ElasticOptions& o) {
       if (r == pid) break;
       if (g_signal.load() && !stopping) {
         say(str("signal ", g_signal.load(),
-                ": asking the job to finish its step, checkpoint and stop (SIGUSR1)"));
+                ": asking the job to finish its step, checkpoint and stop (SIGUSR1; a second "
+                "signal ends it at once)"));
         kill(pid, SIGUSR1);
         stopping = true;
+      }
+      if (g_signals.load() > 1 && !termed) {
+        kill(pid, SIGTERM);
+        termed = true;
       }
       // A lost host: mpirun usually notices its daemon gone and ends the job by itself (a
       // SIGTERM in the middle of that abort crashes Open MPI 4.1's mpirun); after 5 s it is

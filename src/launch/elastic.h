@@ -1,6 +1,7 @@
 // The elastic supervisor (`bertrain launch JOB --run` with an `elastic:` section, or
-// `--elastic`): starts the job with mpirun on the hosts that answer, watches it, and restarts
-// it without a person when a host is lost, and grows it when hosts come back.
+// `--elastic`): starts the job with mpirun on the hosts that answer (in a Slurm allocation: srun
+// steps on its nodes), watches it, and restarts it without a person when a host is lost, and
+// grows it when hosts come back.
 //
 //   - Every `probe_s` it asks each host to run `true` (through Open MPI's launch agent:
 //     OMPI_MCA_plm_rsh_agent, else ssh in batch mode), in parallel, each within
@@ -21,7 +22,8 @@
 //     (restart or grow), _COUNT, _REASON and _AT (unix milliseconds, when the supervisor saw
 //     it): the trainer writes the restart into incidents.log, metrics.jsonl and TensorBoard
 //     (the doctor reads them).
-// SIGTERM/SIGINT to the supervisor stop the job the same way (checkpoint, exit) and end it.
+// SIGTERM/SIGINT to the supervisor stop the job the same way (checkpoint, exit) and end it; a
+// second one ends it at once (SIGTERM to mpirun or srun).
 #pragma once
 
 #include <string>
@@ -36,6 +38,12 @@ struct ElasticOptions {
   std::string hostfile;             // re-read at every probe ("": the spec's hosts)
   double probe_s = 5, probe_timeout_s = 10;
   std::string agent;  // "": OMPI_MCA_plm_rsh_agent, else ssh -o BatchMode=yes
+  // Inside a Slurm allocation (SLURM_JOB_ID set, no hostfile): the hosts are the allocation's
+  // nodes (scontrol show hostnames), a host is asked with a one-task step that overlaps the
+  // job's (srun --overlap -w HOST true), and each attempt is an srun step on the nodes that
+  // answer (--mpi=pmix, --kill-on-bad-exit); the allocation must survive a node's loss
+  // (sbatch --no-kill, as launch --emit slurm writes for an elastic spec).
+  bool slurm = false;
 };
 
 // Hosts of an Open MPI hostfile ("name [slots=N]" per line, '#' comments); slots other than the

@@ -263,16 +263,23 @@ std::string elastic_launcher_command(const JobSpec& j, const std::string& path,
              "BERTRAIN_JOB_SPEC\nexec bertrain launch ", path, " --run --hostfile ", hostfile);
 }
 
+std::string emit_srun_step(const JobSpec& j, const std::string& binary) {
+  std::string out = "env";
+  for (const auto& [k, v] : j.env) out += " " + shell_quote(k + "=" + v);
+  std::string nodes;
+  for (const auto& h : j.hosts) nodes += (nodes.empty() ? "" : ",") + h;
+  out += str(" srun --nodes=", j.workers, " --nodelist=", shell_quote(nodes),
+             " --ntasks-per-node=", j.slots_per_worker, " --mpi=pmix --kill-on-bad-exit=1 ",
+             j.bertrain_command(binary));
+  return out + "\n";
+}
+
 std::string emit_slurm(const JobSpec& j) {
-  if (j.elastic.on)
-    fail(j.source,
-         ": elastic: the supervisor does not run under Slurm yet (it would restart srun steps "
-         "on the allocation's nodes left); emit the job without elastic: and requeue it with "
-         "sbatch --requeue, or run `bertrain launch --run` with a hostfile of the allocation");
   std::string out = "#!/bin/bash\n";
   if (!j.made_by.empty()) out += "# made by " + j.made_by + "\n";
   out += "#SBATCH --job-name=" + j.name + "\n";
-  out += str("#SBATCH --nodes=", j.workers, "\n");
+  out += str("#SBATCH --nodes=",
+             j.elastic.on && j.elastic.max_workers ? j.elastic.max_workers : j.workers, "\n");
   out += str("#SBATCH --ntasks-per-node=", j.slots_per_worker, "\n");
   if (j.resources.cpu)
     out +=
@@ -285,6 +292,8 @@ std::string emit_slurm(const JobSpec& j) {
         str("#SBATCH --gres=gpu:", j.resources.gpu_type.empty() ? "" : j.resources.gpu_type + ":",
             j.resources.gpu, "\n");
   out += "#SBATCH --output=" + j.name + "-%j.out\n";
+  if (j.elastic.on)  // a node lost leaves the allocation running: the supervisor goes on
+    out += "#SBATCH --no-kill\n";
   out += "set -euo pipefail\n";
   bool threads_set = false;
   for (const auto& [k, v] : j.env) {
@@ -293,6 +302,15 @@ std::string emit_slurm(const JobSpec& j) {
   }
   // The spec's thread count wins; otherwise one thread per CPU Slurm gives a task.
   if (!threads_set) out += "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}\n";
+  if (j.elastic.on) {
+    // The supervisor in the allocation: srun steps on the nodes that answer, restarted and
+    // grown as they come and go.
+    std::string text = j.text;
+    if (!text.empty() && text.back() != '\n') text += '\n';
+    out += "spec=$(mktemp)\ncat > \"$spec\" << 'BERTRAIN_JOB_SPEC'\n" + text +
+           "BERTRAIN_JOB_SPEC\nexec bertrain launch \"$spec\" --run\n";
+    return out;
+  }
   // One task per rank, placed by Slurm; Open MPI's ranks come from PMIx.
   out += "srun --mpi=pmix " + j.bertrain_command() + "\n";
   return out;

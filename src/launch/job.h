@@ -68,6 +68,9 @@ JobSpec parse_job(const std::string& yaml, const std::string& source);
 std::string emit_mpirun(const JobSpec& j, const std::string& hostfile,
                         const std::string& binary = "bertrain");
 std::string emit_hostfile(const JobSpec& j);
+// One srun step of the job on its hosts (a Slurm allocation's nodes): the spec's environment
+// exported, --mpi=pmix, --kill-on-bad-exit (the elastic supervisor's attempt under Slurm).
+std::string emit_srun_step(const JobSpec& j, const std::string& binary = "bertrain");
 std::string emit_slurm(const JobSpec& j);  // an sbatch script (srun --mpi=pmix)
 // YAML. An elastic job's launcher runs the supervisor (`bertrain launch --run` on the spec,
 // written out by the command, over the operator's /etc/mpi/hostfile); its workers are

@@ -19,6 +19,11 @@ FOREIGN=(
   "--image"           # scripts/package.sh
   "--install"         # cmake --install
   "--requeue"         # sbatch --requeue
+  "--no-kill"         # sbatch --no-kill
+  "--overlap"         # srun --overlap
+  "--kill-on-bad-exit" # srun --kill-on-bad-exit
+  "--nodelist"        # srun --nodelist
+  "--nodes"           # srun --nodes
 )
 subs=$("$BT" --help | awk '/^Subcommands:/{f=1; next} f && NF {print $1}')
 [ -n "$subs" ] || { echo "FAIL: no subcommands in '$BT --help'"; exit 1; }

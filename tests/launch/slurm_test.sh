@@ -3,8 +3,10 @@
 # slurmd (Debian's slurm-wlm, munge) are started on this machine with a configuration of their
 # own in a temporary directory, the 2-rank training job is submitted with sbatch, squeue shows
 # it, srun --mpi=pmix starts the ranks (which check their Slurm variables against MPI and the
-# job spec), and the job must complete with exit code 0 and a checkpoint. Skips (exit 77) when
-# not root or Slurm/munge are not installed. The daemons are stopped whatever happens.
+# job spec), and the job must complete with exit code 0 and a checkpoint. Then an elastic spec's
+# script runs the supervisor in the allocation, which restarts the srun step after a rank is
+# killed. Skips (exit 77) when not root or Slurm/munge are not installed. The daemons are stopped
+# whatever happens.
 #   tests/launch/slurm_test.sh BERTRAIN
 set -u
 BT=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
@@ -120,4 +122,48 @@ grep -q "MPI, 2 ranks" "$out" || fail "the job did not train on 2 ranks"
 [ -f "$TMP/job/run/checkpoint-000004/model.safetensors" ] || fail "no checkpoint"
 grep -q "JobId=$id .*JobState=COMPLETED" "$TMP/jobcomp.txt" || fail "not in the completion log"
 grep "^step" "$out" | tail -1
+
+# An elastic spec: the sbatch script (--no-kill) runs the supervisor in the allocation, each
+# attempt an srun step on the nodes that answer (asked with overlapping one-task steps). A rank
+# killed mid-run: the step fails, the node still answers and a checkpoint was written since the
+# step began, so the supervisor restarts it from that checkpoint and the job completes. (One
+# node here: a node's loss itself is tests/cluster/elastic_test.sh's, with mpirun.)
+cat > "$TMP/job/slurm-elastic.yaml" << EOJ
+name: slurm-elastic
+workers: 1
+slots_per_worker: 2
+env:
+  OMP_NUM_THREADS: "1"
+command: train
+elastic: {min_workers: 1, max_restarts: 2}
+flags:
+  model-config: $ROOT/configs/bert-tiny.json
+  data: $ROOT/tests/data/tfrecord/bert_pretrain_sample_text.tfrecord
+  output: $TMP/job/erun
+  batch-size: 4
+  seq-len: 128
+  max-predictions: 20
+  steps: 200
+  save-every: 10
+  log-every: 10
+  stall-timeout: 10
+EOJ
+"$BT" launch "$TMP/job/slurm-elastic.yaml" --emit slurm --output "$TMP/job" > /dev/null || fail "launch --emit slurm (elastic)"
+grep -q -- "--no-kill" "$TMP/job/slurm-elastic.sbatch" || fail "the elastic script lacks --no-kill"
+id=$(PATH="$(dirname "$BT"):$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 sbatch --parsable slurm-elastic.sbatch) \
+  || fail "sbatch refused the elastic script"
+for _ in $(seq 600); do [ -e "$TMP/job/erun/checkpoint-000020" ] && break; sleep 0.1; done
+pkill -9 -n -f "bertrain train .*$TMP/job/erun" || fail "no rank of the elastic job to kill"
+for _ in $(seq 240); do
+  state=$(scontrol show job "$id" 2> /dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
+  case "$state" in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) break ;; esac
+  sleep 1
+done
+out="$TMP/job/slurm-elastic-$id.out"
+[ "$state" = COMPLETED ] || fail "elastic job $id ended $state"
+grep -q "Slurm allocation $id: srun steps on its nodes that answer" "$out" || fail "the supervisor did not use the allocation"
+grep -q "restart 1 of 2: the job ended with .* with every host answering" "$out" || fail "no restart after the killed rank"
+grep -q "attempt 2 on 1 of 1 workers ($HOST), from checkpoint-" "$out" || fail "no second srun step"
+[ -f "$TMP/job/erun/checkpoint-000200/model.safetensors" ] || fail "the elastic job did not reach step 200"
+echo "slurm: elastic job $id: a rank killed, $(grep -m1 -o 'restart 1 of 2: [^;]*' "$out"), $(grep -m1 -o 'the job ended well after .*' "$out")"
 echo ok
