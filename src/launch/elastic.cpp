@@ -19,6 +19,7 @@
 
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/host.h"
 #include "data/object_store.h"
 #include "data/storage.h"
 
@@ -55,9 +56,7 @@ std::vector<std::string> minus(const std::vector<std::string>& a,
 }
 
 bool is_this_host(const std::string& h) {
-  char name[256] = {};
-  gethostname(name, sizeof name - 1);
-  return h == "localhost" || h.rfind("127.", 0) == 0 || h == name;
+  return h == "localhost" || h.rfind("127.", 0) == 0 || h == host_name();
 }
 
 // /bin/sh -c cmd in a process group of its own (a terminal's Ctrl-C reaches the supervisor
@@ -232,10 +231,8 @@ void run_elastic(const JobSpec& job, const ElasticOptions& o) {
                                    .string();
   // One name for every attempt: a run's lease in a bucket passes from one attempt to the next
   // (train/run_mirror.h) instead of blocking the restart until it expires.
-  char here[256] = {};
-  gethostname(here, sizeof here - 1);
   const std::string job_id =
-      str(job.name, "@", here, ":", getpid(), ":", static_cast<int64_t>(unix_seconds()));
+      str(job.name, "@", host_name(), ":", getpid(), ":", static_cast<int64_t>(unix_seconds()));
   int restarts = 0, grows = 0;
   std::string kind, reason;
   double event_at = 0;

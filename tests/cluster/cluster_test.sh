@@ -14,17 +14,7 @@
 #   4. A host's link is cut (ip link down): the job ends within --stall-timeout plus the
 #      launcher's keepalive, naming the host.
 # Skips (77) without root or network namespaces.
-set -euo pipefail
-KEEP=${KEEP:-}
-BT=$(realpath "$1")
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-HOSTS="$ROOT/tests/cluster/hosts.sh"
-[ "$(id -u)" = 0 ] || { echo "SKIP: needs root for network namespaces"; exit 77; }
-ip netns add bt-probe-$$ 2> /dev/null && ip netns del bt-probe-$$ ||
-  { echo "SKIP: cannot create network namespaces here"; exit 77; }
-command -v mpirun > /dev/null || { echo "SKIP: no mpirun"; exit 77; }
-TMP=$(mktemp -d)
-CL="$TMP/cluster"
+source "$(dirname "$0")/common.sh"
 trap '"$HOSTS" down "$CL" 2> /dev/null || true; [ -n "$KEEP" ] || rm -rf "$TMP"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

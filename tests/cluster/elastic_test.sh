@@ -22,17 +22,7 @@
 #      latest commit (10), the lease passing from the dead attempt at once, and finishes; the
 #      bucket holds every checkpoint committed and none half-visible.
 # Skips (77) without root or network namespaces.
-set -euo pipefail
-KEEP=${KEEP:-}
-BT=$(realpath "$1")
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-HOSTS="$ROOT/tests/cluster/hosts.sh"
-[ "$(id -u)" = 0 ] || { echo "SKIP: needs root for network namespaces"; exit 77; }
-ip netns add bt-probe-$$ 2> /dev/null && ip netns del bt-probe-$$ ||
-  { echo "SKIP: cannot create network namespaces here"; exit 77; }
-command -v mpirun > /dev/null || { echo "SKIP: no mpirun"; exit 77; }
-TMP=$(mktemp -d)
-CL="$TMP/cluster"
+source "$(dirname "$0")/common.sh"
 sup=""
 trap '[ -n "$sup" ] && kill -9 $sup 2> /dev/null; "$HOSTS" down "$CL" 2> /dev/null || true; [ -n "$KEEP" ] || rm -rf "$TMP"' EXIT
 fail() {
