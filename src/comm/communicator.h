@@ -9,6 +9,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace bertrain::comm {
 
@@ -19,10 +20,25 @@ class Communicator {
   virtual int size() const = 0;
   virtual int local_rank() const { return rank(); }
   virtual int local_size() const { return size(); }
+  // This rank's node (the ranks local_rank counts), 0 .. nodes - 1 in the order of the nodes'
+  // first ranks.
+  virtual int node() const { return 0; }
   // Sum over ranks, in place.
   virtual void allreduce_sum(float* data, int64_t n) = 0;
   virtual void allreduce_sum(double* data, int64_t n) = 0;
   virtual void broadcast(void* data, int64_t bytes, int root) = 0;
+  // `bytes` of rank `from`'s buffer into rank `to`'s, host memory. Every rank calls it, like a
+  // collective; the other ranks' `data` is not touched (may be null). The default broadcasts
+  // from `from` (the others into scratch); MPI sends point to point.
+  virtual void pass(void* data, int64_t bytes, int from, int to) {
+    if (from == to) return;
+    std::vector<char> scratch;
+    if (rank() != from && rank() != to) {
+      scratch.resize(static_cast<size_t>(bytes));
+      data = scratch.data();
+    }
+    broadcast(data, bytes, from);
+  }
   virtual void barrier() = 0;
   virtual std::string name() const = 0;
   // What the next collectives are for ("gradient bucket 3 (...)"): the stall watchdog names it.

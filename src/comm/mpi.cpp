@@ -85,6 +85,9 @@ int MpiCommunicator::local_rank() const {
 int MpiCommunicator::local_size() const {
   return t_->local_size();
 }
+int MpiCommunicator::node() const {
+  return t_->node_index();
+}
 void MpiCommunicator::set_label(const std::string& label) {
   watchdog_->set_label(label);
 }
@@ -231,6 +234,23 @@ void MpiCommunicator::broadcast(void* data, int64_t bytes, int root) {
   for (int64_t off = 0; off < bytes; off += int64_t{1} << 30) {
     const int c = static_cast<int>(std::min<int64_t>(bytes - off, int64_t{1} << 30));
     mpi_check(MPI_Bcast(p + off, c, MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast");
+  }
+  watchdog_->leave();
+}
+
+void MpiCommunicator::pass(void* data, int64_t bytes, int from, int to) {
+  const int me = rank();
+  if (from == to || (me != from && me != to)) return;
+  watchdog_->enter("pass");
+  constexpr int kTag = 11;  // (the ring's messages go on communicators of their own)
+  char* p = static_cast<char*>(data);
+  for (int64_t off = 0; off < bytes; off += int64_t{1} << 30) {
+    const int c = static_cast<int>(std::min<int64_t>(bytes - off, int64_t{1} << 30));
+    if (me == from)
+      mpi_check(MPI_Send(p + off, c, MPI_BYTE, to, kTag, MPI_COMM_WORLD), "MPI_Send");
+    else
+      mpi_check(MPI_Recv(p + off, c, MPI_BYTE, from, kTag, MPI_COMM_WORLD, MPI_STATUS_IGNORE),
+                "MPI_Recv");
   }
   watchdog_->leave();
 }

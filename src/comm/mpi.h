@@ -62,9 +62,11 @@ class MpiCommunicator : public Communicator {
   int size() const override;
   int local_rank() const override;
   int local_size() const override;
+  int node() const override;
   void allreduce_sum(float* data, int64_t n) override;
   void allreduce_sum(double* data, int64_t n) override;
   void broadcast(void* data, int64_t bytes, int root) override;
+  void pass(void* data, int64_t bytes, int from, int to) override;  // MPI_Send / MPI_Recv
   void barrier() override;
   std::string name() const override;
   void set_label(const std::string& label) override;

@@ -57,6 +57,8 @@ MpiTransport::MpiTransport(int* argc, char*** argv) {
   }
   mpi_check(MPI_Comm_split(MPI_COMM_WORLD, local_rank_ == 0 ? 0 : MPI_UNDEFINED, rank_, &leaders_),
             "MPI_Comm_split(leaders)");
+  if (leaders_ != MPI_COMM_NULL) MPI_Comm_rank(leaders_, &node_index_);
+  mpi_check(MPI_Bcast(&node_index_, 1, MPI_INT, 0, node_), "MPI_Bcast(node index)");
   float* base = nullptr;
   mpi_check(MPI_Win_allocate_shared(kShmSlotBytes, sizeof(float), MPI_INFO_NULL, node_, &base,
                                     &slot_win_),

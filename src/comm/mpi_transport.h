@@ -28,7 +28,8 @@ class MpiTransport {
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
   MPI_Comm node() const { return node_; }
-  MPI_Comm leaders() const { return leaders_; }  // MPI_COMM_NULL on ranks that lead no node
+  int node_index() const { return node_index_; }  // the nodes numbered in their first ranks' order
+  MPI_Comm leaders() const { return leaders_; }   // MPI_COMM_NULL on ranks that lead no node
 
   // The host each rank runs on (its hostname, gathered at start) and a host with its ranks:
   // "h1 (ranks 2-3)". Failure messages name hosts this way.
@@ -57,7 +58,7 @@ class MpiTransport {
   void node_fence(MPI_Win win) const;
 
  private:
-  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, node_index_ = 0;
   bool owns_mpi_ = false;
   MPI_Comm node_ = MPI_COMM_NULL, leaders_ = MPI_COMM_NULL;
   std::vector<std::string> hosts_;  // per world rank

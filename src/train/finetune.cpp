@@ -321,11 +321,6 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   std::unique_ptr<RunDirLock> lock;
   std::unique_ptr<RunLease> lease;
   std::unique_ptr<RunMirror> mirror;
-  if (!cfg.publish_to.empty() && cfg.shard_optimizer && comm.local_size() != world)
-    fail("--shard-optimizer with an object-store --output (", cfg.publish_to, ") on ", world,
-         " ranks over several hosts: the sharded model is assembled from every rank's part in "
-         "one directory; use a shared file system for --output, or run without "
-         "--shard-optimizer");
   if (!cfg.output.empty() && rank == 0) {
     if (!cfg.publish_to.empty()) {
       lease = std::make_unique<RunLease>(cfg.publish_to, cfg.lease_seconds);

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "core/clock.h"
@@ -57,26 +58,96 @@ std::string RunMirror::object(const std::string& name) const {
   return url_ + "/" + name;
 }
 
-void RunMirror::publish_checkpoint(const std::string& dir, int keep) {
-  const std::string name = fs::path(dir).filename().string();
-  // The files first, each whole (one PUT: nothing of it is visible before it is complete) ...
-  nlohmann::ordered_json files = nlohmann::ordered_json::array();
+namespace {
+
+// The files of `dir` under url/name/, each whole (one PUT: nothing of it is visible before it
+// is complete); returns them with their sizes and digests.
+std::vector<nlohmann::ordered_json> upload_files(const std::string& url, const std::string& dir,
+                                                 const std::string& name) {
   std::vector<fs::path> paths;
   for (const auto& e : fs::directory_iterator(dir))
     if (e.is_regular_file()) paths.push_back(e.path());
   std::sort(paths.begin(), paths.end());
+  std::vector<nlohmann::ordered_json> files;
   for (const fs::path& p : paths) {
     std::string body = slurp(p.string());
     files.push_back({{"name", p.filename().string()},
                      {"size", body.size()},
                      {"sha256", data::sha256_hex(body)}});
-    put(object(name + "/" + p.filename().string()), std::move(body));
+    put(url + "/" + name + "/" + p.filename().string(), std::move(body));
   }
+  return files;
+}
+
+}  // namespace
+
+void RunMirror::publish_checkpoint(const std::string& dir, int keep, const HostParts& parts) {
+  const std::string name = fs::path(dir).filename().string();
+  // The files first, this host's and the other hosts' ...
+  std::vector<nlohmann::ordered_json> all = upload_files(url_, dir, name);
+  std::vector<std::string> manifests;
+  for (const nlohmann::ordered_json& f : wait_for_parts(name, parts, manifests)) all.push_back(f);
+  std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
+    return a.at("name").template get<std::string>() < b.at("name").template get<std::string>();
+  });
+  nlohmann::ordered_json files = nlohmann::ordered_json::array();
+  for (auto& f : all) files.push_back(std::move(f));
   // ... then the commit object that makes them a checkpoint, then `latest`.
   const nlohmann::ordered_json commit = {{"checkpoint", name}, {"files", files}};
   put(object(name + "/COMMIT"), commit.dump(1) + "\n");
   put(object("latest"), name + "\n");
+  // (the manifests served: the commit names the hosts' files)
+  const data::ObjectUrl base = data::parse_object_url(url_);
+  for (const std::string& key : manifests) store_of(url_).remove({base.scheme, base.bucket, key});
   prune(name, keep);
+}
+
+void RunMirror::publish_shards(const std::string& dir, const std::string& name,
+                               const std::string& attempt, int first_rank) {
+  nlohmann::ordered_json files = nlohmann::ordered_json::array();
+  for (auto& f : upload_files(url_, dir, name)) files.push_back(std::move(f));
+  char manifest[32];
+  std::snprintf(manifest, sizeof manifest, "PARTS-rank-%05d", first_rank);
+  const nlohmann::ordered_json j = {{"attempt", attempt}, {"files", files}};
+  put(object(name + "/" + manifest), j.dump(1) + "\n");
+}
+
+std::vector<nlohmann::ordered_json> RunMirror::wait_for_parts(const std::string& name,
+                                                              const HostParts& parts,
+                                                              std::vector<std::string>& manifests) {
+  std::vector<nlohmann::ordered_json> files;
+  if (parts.hosts <= 0) return files;
+  const data::ObjectUrl base = data::parse_object_url(url_);
+  data::ObjectStore& store = data::ObjectStore::of(base.scheme);
+  const std::string prefix = base.key + "/" + name + "/PARTS-";
+  std::map<std::string, bool> read;  // manifest key -> ours
+  const auto start = Clock::now();
+  for (int ours = 0;;) {
+    for (const data::ObjectInfo& o : store.list(base.bucket, prefix)) {
+      if (read.count(o.key)) continue;
+      manifests.push_back(o.key);
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(store.read({base.scheme, base.bucket, o.key}));
+      } catch (const nlohmann::json::exception& e) {
+        fail(url_, "/", o.key.substr(base.key.size() + 1), " is not a shard manifest (", e.what(),
+             ")");
+      }
+      read[o.key] = j.value("attempt", "") == parts.attempt;
+      if (!read[o.key]) continue;  // an earlier job's, at the same step
+      ++ours;
+      for (const auto& f : j.at("files"))
+        files.push_back(
+            {{"name", f.at("name")}, {"size", f.at("size")}, {"sha256", f.at("sha256")}});
+    }
+    if (ours >= parts.hosts) return files;
+    if (seconds_since(start) > parts.timeout_s)
+      fail("the shards of ", parts.hosts - ours, " of the other ", parts.hosts, " hosts of ", name,
+           " did not reach ", url_, "/", name, "/ within ", static_cast<int>(parts.timeout_s),
+           " s (each host's first rank uploads its ranks' shards, then PARTS-rank-R): the "
+           "checkpoint is not committed; is a host unable to reach the store?");
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
 }
 
 void RunMirror::publish_model(const std::vector<std::string>& names) {
@@ -156,29 +227,54 @@ std::string RunMirror::fetch_latest() {
          "): the bucket's run was not written by bertrain, or was changed by hand");
   }
   const fs::path dir = fs::path(stage_) / name;
-  // (one temporary directory per process: hosts that share a stage fetch side by side)
-  const fs::path tmp = fs::path(stage_) / str(".", name, ".fetch-", ::getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  for (const auto& f : commit.at("files")) {
-    const std::string file = f.at("name");
-    const std::string body = store.read(data::parse_object_url(object(name + "/" + file)));
-    if (body.size() != f.at("size").get<uint64_t>() ||
-        data::sha256_hex(body) != f.at("sha256").get<std::string>())
-      fail(object(name + "/" + file), " is not the file its COMMIT names (", body.size(),
-           " bytes, ", f.at("size").get<uint64_t>(), " committed; or another SHA-256): ",
-           "the checkpoint was changed after it was committed; resume from an older one");
-    std::ofstream out(tmp / file, std::ios::binary);
-    out.write(body.data(), static_cast<std::streamsize>(body.size()));
-    if (!out) fail("cannot write ", (tmp / file).string(), " (the staging directory's disk?)");
-  }
-  fs::remove_all(dir);
-  std::error_code ec;
-  fs::rename(tmp, dir, ec);
-  if (ec) {  // another host on this stage put its copy (the same commit, checked) there first
+  // A stage that holds this commit already (another host on a shared stage fetched it, or this
+  // host staged it) keeps it; checked file by file, size and digest.
+  auto holds_commit = [&](const fs::path& d) {
+    for (const auto& f : commit.at("files")) {
+      std::error_code ec;
+      const fs::path p = d / f.at("name").get<std::string>();
+      if (fs::file_size(p, ec) != f.at("size").get<uint64_t>() || ec) return false;
+      std::ifstream in(p, std::ios::binary);
+      const std::string body((std::istreambuf_iterator<char>(in)), {});
+      if (data::sha256_hex(body) != f.at("sha256").get<std::string>()) return false;
+    }
+    return true;
+  };
+  if (!holds_commit(dir)) {
+    // (one temporary directory per process: hosts that share a stage fetch side by side)
+    const fs::path tmp = fs::path(stage_) / str(".", name, ".fetch-", ::getpid());
     fs::remove_all(tmp);
-    if (!fs::is_directory(dir))
-      fail("cannot move the fetched ", name, " into ", dir.string(), ": ", ec.message());
+    fs::create_directories(tmp);
+    for (const auto& f : commit.at("files")) {
+      const std::string file = f.at("name");
+      const std::string body = store.read(data::parse_object_url(object(name + "/" + file)));
+      if (body.size() != f.at("size").get<uint64_t>() ||
+          data::sha256_hex(body) != f.at("sha256").get<std::string>())
+        fail(object(name + "/" + file), " is not the file its COMMIT names (", body.size(),
+             " bytes, ", f.at("size").get<uint64_t>(), " committed; or another SHA-256): ",
+             "the checkpoint was changed after it was committed; resume from an older one");
+      std::ofstream out(tmp / file, std::ios::binary);
+      out.write(body.data(), static_cast<std::streamsize>(body.size()));
+      if (!out) fail("cannot write ", (tmp / file).string(), " (the staging directory's disk?)");
+    }
+    // Into place. A directory there that holds the commit is another host's copy (a shared
+    // stage), kept: removing it could pull it from under that host's ranks. One that does not
+    // (an older or partial one) is moved aside first, by one process only (rename).
+    std::error_code ec;
+    fs::rename(tmp, dir, ec);
+    if (ec && !holds_commit(dir)) {
+      const fs::path aside = fs::path(stage_) / str(".", name, ".stale-", ::getpid());
+      std::error_code ignored;
+      fs::rename(dir, aside, ignored);
+      fs::remove_all(aside, ignored);
+      fs::rename(tmp, dir, ec);
+    }
+    if (ec) {
+      std::error_code ignored;
+      fs::remove_all(tmp, ignored);
+      if (!holds_commit(dir))
+        fail("cannot move the fetched ", name, " into ", dir.string(), ": ", ec.message());
+    }
   }
   std::ofstream(fs::path(stage_) / "latest") << name << "\n";
   // The run's logs as the bucket has them, where this stage has less (another host, or a fresh

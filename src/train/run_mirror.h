@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +27,15 @@
 
 namespace bertrain::train {
 
+// The other hosts' shards of a checkpoint staged per host (save_checkpoint's host_shards):
+// each such host uploads its own, then a manifest url/checkpoint-N/PARTS-rank-R (R: the
+// host's first rank) naming them with size and SHA-256 and the job's `attempt`.
+struct HostParts {
+  int hosts = 0;        // manifests to wait for (the hosts besides rank 0's)
+  std::string attempt;  // this job's (a manifest of an earlier job at this step is not ours)
+  double timeout_s = 900;
+};
+
 class RunMirror {
  public:
   // `url`: s3://bucket/prefix or oss://...; `stage`: the local directory the run writes.
@@ -33,10 +43,13 @@ class RunMirror {
   const std::string& url() const { return url_; }
   const std::string& stage() const { return stage_; }
 
-  // Uploads checkpoint directory `dir` (one of the stage's), commits it, points `latest` at it,
-  // then deletes the committed checkpoints older than the newest `keep` (0: none deleted) and
-  // what older uploads left uncommitted.
-  void publish_checkpoint(const std::string& dir, int keep);
+  // Uploads checkpoint directory `dir` (one of the stage's), waits for `parts` (their files join
+  // the commit), commits it, points `latest` at it, then deletes the committed checkpoints older
+  // than the newest `keep` (0: none deleted) and what older uploads left uncommitted.
+  void publish_checkpoint(const std::string& dir, int keep, const HostParts& parts = {});
+  // This host's part of checkpoint `name`: the files of `dir`, then their manifest (HostParts).
+  void publish_shards(const std::string& dir, const std::string& name, const std::string& attempt,
+                      int first_rank);
   // A model directory (finetune's output: the stage's `names`) at the prefix itself: its
   // COMMIT object removed first, the files uploaded, then COMMIT again naming each with its size
   // and SHA-256: a reader that finds COMMIT finds the model it names, never half of it.
@@ -51,6 +64,11 @@ class RunMirror {
 
  private:
   std::string object(const std::string& name) const;  // url_/name
+  // The files of parts.hosts manifests of checkpoint `name` carrying parts.attempt; `manifests`:
+  // the keys of every manifest seen (an earlier job's too), to delete once committed.
+  std::vector<nlohmann::ordered_json> wait_for_parts(const std::string& name,
+                                                     const HostParts& parts,
+                                                     std::vector<std::string>& manifests);
   void prune(const std::string& newest, int keep);
   std::string url_, stage_;
   std::map<std::string, uint64_t> uploaded_sizes_;  // log file -> size at its last upload

@@ -83,6 +83,58 @@ void save_assembled(const model::BertModel& m, const std::string& dir,
   });
 }
 
+std::string master_part_file(const std::string& dir, int rank, int world) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, ".master.rank-%05d-of-%05d.safetensors", rank, world);
+  return (fs::path(dir) / buf).string();
+}
+
+void write_master_part(const std::string& path, const float* data, int64_t begin, int64_t end,
+                       int64_t total) {
+  write_safetensors(path, {{"master", DType::F32, {end - begin}, data, nullptr}},
+                    {{"format", "bertrain-master-part"},
+                     {"begin", std::to_string(begin)},
+                     {"end", std::to_string(end)},
+                     {"total", std::to_string(total)}});
+}
+
+// `files` names each rank's fp32 master part as rank 0 would read it (its optimizer shard, or a
+// part file). The parts rank 0 does not see (written into another host's directory) come to it
+// over comm from their owners, each written as master_part_file(dir, r, world), which `files`
+// then names on rank 0. Collective. Rank 0: returns the files it wrote (for the caller to
+// remove); a write that failed is in `error`, and the passes go on so every rank ends together.
+std::vector<std::string> pass_unseen_master_parts(const model::BertModel& m,
+                                                  comm::Communicator& comm,
+                                                  std::vector<std::string>& files,
+                                                  const std::string& dir, std::string& error) {
+  const int rank = comm.rank(), world = comm.size();
+  std::vector<uint8_t> unseen(world, 0);
+  if (rank == 0)
+    for (int r = 1; r < world; ++r) unseen[r] = !fs::exists(files[r]);
+  comm.broadcast(unseen.data(), world, 0);
+  const model::ModelDims& d = m.dims();
+  std::vector<std::string> written;
+  for (int r = 1; r < world; ++r) {
+    if (!unseen[r]) continue;
+    int64_t range[2] = {d.master_begin, d.master_end};
+    comm.broadcast(range, sizeof range, r);
+    std::vector<float> part(rank == 0 ? static_cast<size_t>(range[1] - range[0]) : 0);
+    void* data = rank == 0   ? part.data()
+                 : rank == r ? const_cast<float*>(m.params() + d.master_begin)  // only read
+                             : nullptr;
+    comm.pass(data, (range[1] - range[0]) * static_cast<int64_t>(sizeof(float)), r, 0);
+    if (rank != 0 || !error.empty()) continue;
+    try {
+      files[r] = master_part_file(dir, r, world);
+      write_master_part(files[r], part.data(), range[0], range[1], m.table().total());
+      written.push_back(files[r]);
+    } catch (const std::exception& e) {
+      error = str("rank ", r, "'s part of the weights, passed to rank 0: ", e.what());
+    }
+  }
+  return written;
+}
+
 }  // namespace
 
 void save_pretrained_sharded(const model::BertModel& m, const std::string& dir,
@@ -91,11 +143,7 @@ void save_pretrained_sharded(const model::BertModel& m, const std::string& dir,
   BT_CHECK(d.master_shard, "save_pretrained_sharded: the model's master is not sharded");
   const int rank = comm.rank(), world = comm.size();
   const int64_t total = m.table().total();
-  auto part = [&](int r) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, ".master.rank-%05d-of-%05d.safetensors", r, world);
-    return (fs::path(dir) / buf).string();
-  };
+  auto part = [&](int r) { return master_part_file(dir, r, world); };
   std::string error;
   auto agree = [&](const char* what) {
     if (comm.all(error.empty())) return;
@@ -107,32 +155,23 @@ void save_pretrained_sharded(const model::BertModel& m, const std::string& dir,
   try {
     std::error_code ec;
     fs::create_directories(dir, ec);
-    const int64_t n = d.master_end - d.master_begin;
-    write_safetensors(part(rank),
-                      {{"master", DType::F32, {n}, m.params() + d.master_begin, nullptr}},
-                      {{"format", "bertrain-master-part"},
-                       {"begin", std::to_string(d.master_begin)},
-                       {"end", std::to_string(d.master_end)},
-                       {"total", std::to_string(total)}});
+    write_master_part(part(rank), m.params() + d.master_begin, d.master_begin, d.master_end, total);
   } catch (const std::exception& e) {
     error = str("rank ", rank, ": ", e.what());
   }
   agree("write its part of the weights");
-  if (rank == 0) try {
-      std::vector<std::string> files;
-      for (int r = 0; r < world; ++r) {
-        if (!fs::exists(part(r)))
-          fail("rank ", r, "'s part of the weights is not in ", dir,
-               " as rank 0 sees it: with --shard-optimizer in bf16 the output must be a "
-               "directory every rank sees (a shared file system)");
-        files.push_back(part(r));
-      }
+  // A directory of each host's own (no shared file system): the other hosts' parts travel.
+  std::vector<std::string> files;
+  for (int r = 0; r < world; ++r) files.push_back(part(r));
+  const std::vector<std::string> passed = pass_unseen_master_parts(m, comm, files, dir, error);
+  if (rank == 0 && error.empty()) try {
       save_assembled(m, dir, files, total);
     } catch (const std::exception& e) {
       error = e.what();
     }
-  agree("assemble the model");
   std::error_code ec;
+  for (const std::string& f : passed) fs::remove(f, ec);
+  agree("assemble the model");
   fs::remove(part(rank), ec);
 }
 
@@ -285,17 +324,24 @@ std::vector<std::string> remove_abandoned_checkpoint_writes(const std::string& r
 
 std::string save_checkpoint(const std::string& run_dir, const model::BertModel& m,
                             const Optimizer& opt, const TrainerState& st, int keep,
-                            comm::Communicator* comm) {
+                            comm::Communicator* comm, std::string* host_shards) {
   const bool shards = opt.sharded();
   BT_CHECK(!shards || comm, "a sharded optimizer's checkpoint is saved by every rank (comm)");
-  const bool lead = !shards || comm->rank() == 0;
+  const bool per_host = shards && host_shards;
+  if (host_shards) host_shards->clear();
+  // root commits; lead makes the staging directory (root, or per host each host's first rank)
+  const bool root = !shards || comm->rank() == 0;
+  const bool lead = per_host ? comm->local_rank() == 0 : root;
   std::error_code ec;
   const std::string name = checkpoint_name(st.step);
   const std::string final_dir = (fs::path(run_dir) / name).string();
-  // Shards: every rank writes into the same staging directory, so its name is the same on all.
+  // Shards: every rank (per host: every rank of the host) writes into the same staging
+  // directory, so its name is the same on all.
   const std::string tmp_dir =
-      (fs::path(run_dir) / ("." + name + ".tmp-" +
-                            (shards ? std::string("shards") : writer_tag(host_name(), ::getpid()))))
+      (fs::path(run_dir) /
+       ("." + name + ".tmp-" +
+        (shards ? (per_host ? "shards-node-" + std::to_string(comm->node()) : std::string("shards"))
+                : writer_tag(host_name(), ::getpid()))))
           .string();
   // Every rank learns whether every rank succeeded; the first error is rethrown on its rank
   // and named on the others.
@@ -324,8 +370,16 @@ std::string save_checkpoint(const std::string& run_dir, const model::BertModel& 
     }
     agree("write its optimizer shard");
   }
-  if (lead) try {
-      if (shards) {
+  // Per host: the fp32 master parts of the other hosts' ranks come to rank 0 for the model.
+  std::vector<std::string> master_files, passed;
+  if (master_shard) {
+    for (int r = 0; r < opt.shard().world; ++r)
+      master_files.push_back((fs::path(tmp_dir) / shard_file(r, opt.shard().world)).string());
+    if (per_host) passed = pass_unseen_master_parts(m, *comm, master_files, tmp_dir, error);
+  }
+  if (per_host && lead && !root && error.empty()) *host_shards = tmp_dir;
+  if (root && error.empty()) try {
+      if (shards && !per_host) {
         // Rank 0 sees every shard, or the directory is not shared by the ranks.
         for (int r = 0; r < opt.shard().world; ++r)
           if (!fs::exists(fs::path(tmp_dir) / shard_file(r, opt.shard().world)))
@@ -335,10 +389,8 @@ std::string save_checkpoint(const std::string& run_dir, const model::BertModel& 
       }
       if (master_shard) {
         // The matmul weights this rank does not hold in fp32 come from the ranks' shards.
-        std::vector<std::string> files;
-        for (int r = 0; r < opt.shard().world; ++r)
-          files.push_back((fs::path(tmp_dir) / shard_file(r, opt.shard().world)).string());
-        save_assembled(m, tmp_dir, files, opt.total());
+        save_assembled(m, tmp_dir, master_files, opt.total());
+        for (const std::string& f : passed) fs::remove(f);
       } else {
         model::save_pretrained(m, tmp_dir);
       }
@@ -379,7 +431,7 @@ std::string save_checkpoint(const std::string& run_dir, const model::BertModel& 
       error = e.what();
     }
   agree("commit the checkpoint");
-  if (lead && keep > 0) {
+  if (root && keep > 0) {
     std::vector<std::string> all;
     for (const auto& e : fs::directory_iterator(run_dir))
       if (e.is_directory() && e.path().filename().string().rfind("checkpoint-", 0) == 0)

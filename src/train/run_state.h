@@ -59,14 +59,20 @@ class RunDirLock {
 // Returns the checkpoint directory. A sharded optimizer's checkpoint is written by every rank
 // (collective over comm: each rank its own shard, rank 0 the rest), into a directory every rank
 // sees; an unsharded one by rank 0 alone (comm may be null).
+// `host_shards` (sharded; non-null on every rank): each host stages its own run_dir instead (a
+// run published to a bucket from several hosts, RunMirror). Rank 0's checkpoint then holds the
+// model, the state and its host's shards (a sharded master's model assembled from parts the
+// other hosts pass over comm); on each other host the first rank gets in *host_shards the
+// directory of its host's ranks' shards, to upload (RunMirror::publish_shards) and remove.
 std::string save_checkpoint(const std::string& run_dir, const model::BertModel& m,
                             const Optimizer& opt, const TrainerState& st, int keep,
-                            comm::Communicator* comm = nullptr);
+                            comm::Communicator* comm = nullptr, std::string* host_shards = nullptr);
 
 // A model with a sharded fp32 master (ModelDims::master_shard) saved as save_pretrained saves
 // a whole one, by all ranks: each writes its part into dir, rank 0 assembles
-// model.safetensors and config.json from the parts, then removes them. Collective; dir must be
-// a directory every rank sees (the error says so when rank 0 does not see a part).
+// model.safetensors and config.json from the parts, then removes them. Collective. The parts
+// rank 0 does not see in dir (each host its own directory, no shared file system) come to it
+// over comm.
 void save_pretrained_sharded(const model::BertModel& m, const std::string& dir,
                              comm::Communicator& comm);
 

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <future>
 #include <mutex>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -167,7 +168,14 @@ struct Trainer::State {
   // beside training, one at a time; an upload's error ends the run at the next wait.
   std::unique_ptr<RunLease> lease;  // rank 0: the bucket prefix, held for the run
   std::unique_ptr<RunMirror> mirror;
-  std::future<void> upload;
+  // A sharded run over several hosts: each host stages its own run directory and its first rank
+  // uploads its ranks' shards of each checkpoint (shards_mirror) for rank 0 to commit. attempt:
+  // rank 0's token for this job, in every host's manifest.
+  std::unique_ptr<RunMirror> shards_mirror;
+  int hosts = 1;
+  bool per_host = false;
+  std::string attempt;
+  std::future<void> upload;  // rank 0's (or a host's shards'), one at a time
   std::string published;     // the newest checkpoint committed to the bucket (set by the upload)
   std::string startup_note;  // abandoned checkpoint writes removed, a --resume with nothing
   std::string tuning_note;   // what autotune measured and chose, or kept (banner)
@@ -220,10 +228,21 @@ struct Trainer::State {
 // checkpoint into its staging directory for --resume; rank 0 publishes from then on.
 void Trainer::State::open_mirror() {
   if (cfg.publish_to.empty()) return;
-  if (cfg.shard_optimizer && comm.local_size() != world)
-    fail("--shard-optimizer with an object-store --output (", cfg.publish_to, ") on ", world,
-         " ranks over several hosts: each host stages its own shards and rank 0 uploads only its "
-         "host's; use a shared file system for --output, or run without --shard-optimizer");
+  double first = comm.local_rank() == 0 ? 1.0 : 0.0;
+  comm.allreduce_sum(&first, 1);
+  hosts = static_cast<int>(first);
+  per_host = opt.sharded() && hosts > 1;
+  if (per_host) {
+    char token[17] = {};
+    if (rank == 0) {
+      std::random_device rd;
+      std::snprintf(token, sizeof token, "%08x%08x", rd(), rd());
+    }
+    comm.broadcast(token, sizeof token, 0);
+    attempt = token;
+    if (rank != 0 && comm.local_rank() == 0)
+      shards_mirror = std::make_unique<RunMirror>(cfg.publish_to, cfg.output);
+  }
   if (rank == 0) {
     lease = std::make_unique<RunLease>(cfg.publish_to, cfg.lease_seconds);
     if (!lease->note().empty()) startup_note += str("  ", lease->note(), "\n");
@@ -605,20 +624,35 @@ std::string Trainer::State::save(int64_t step_done, const data::PipelinePosition
                                 : std::vector<data::EpochPlan>{},
                             static_cast<uint64_t>(pos[3 * r + 2])});
   // (the previous upload first: keep-last may remove its directory here)
-  if (mirror) wait_upload();
+  wait_upload();
   const auto save_start = Clock::now();
-  if (opt.sharded())  // every rank writes its shard
-    last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last), &comm);
+  std::string host_shards;  // per host: this host's shards, on its first rank
+  if (opt.sharded())        // every rank writes its shard
+    last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last), &comm,
+                              per_host ? &host_shards : nullptr);
   else if (rank == 0)
     last_ck = save_checkpoint(cfg.output, m, opt, st, static_cast<int>(cfg.keep_last));
   comm.barrier();
   last_save_s = seconds_since(save_start);
+  if (shards_mirror && !host_shards.empty()) {
+    const std::string name = std::filesystem::path(last_ck).filename().string();
+    upload = std::async(std::launch::async, [this, host_shards, name] {
+      shards_mirror->publish_shards(host_shards, name, attempt, rank);
+      std::error_code ec;  // (uploaded: the bucket holds them for rank 0 to commit)
+      std::filesystem::remove_all(host_shards, ec);
+    });
+  }
   if (mirror) {
     const std::string ck = last_ck;
     const int keep = static_cast<int>(cfg.keep_last);
-    upload = std::async(std::launch::async, [this, ck, keep] {
+    HostParts parts;
+    if (per_host) {
+      parts.hosts = hosts - 1;
+      parts.attempt = attempt;
+    }
+    upload = std::async(std::launch::async, [this, ck, keep, parts] {
       lease->check();
-      mirror->publish_checkpoint(ck, keep);
+      mirror->publish_checkpoint(ck, keep, parts);
       published = std::filesystem::path(ck).filename().string();
       mirror->sync_logs(true);
     });
@@ -924,10 +958,10 @@ TrainResult Trainer::run() {
   if (window.steps > 0) res.last_loss = window.loss / window.steps;
   s.end_step = step;
   res.last_checkpoint = s.save(step, done_pos);
-  if (s.mirror) {  // the last checkpoint committed and the logs uploaded before the run returns
-    s.wait_upload();
-    s.mirror->sync_logs(true);
-  }
+  // The last checkpoint committed (its shards uploaded) and the logs uploaded before the run
+  // returns.
+  s.wait_upload();
+  if (s.mirror) s.mirror->sync_logs(true);
   if (s.tl.enabled()) {
     s.tl.write(cfg.timeline, world);
     s.comm.barrier();

@@ -291,4 +291,60 @@ for f in c["files"]:
     assert len(body) == f["size"] and hashlib.sha256(body).hexdigest() == f["sha256"], f["name"]
 PY
 echo "ok: finetune into s3://data/models/ft: model, config and vocabulary equal a fine-tuning into a directory, COMMIT names them with their sizes and SHA-256, metrics.jsonl uploaded"
+# f. --shard-optimizer over two hosts publishing to a bucket. BERTRAIN_LOCAL_SIZE=2 makes ranks
+# 0-1 and 2-3 two hosts, and each host gets a staging directory of its own (two machines'
+# disks): each host's first rank uploads its ranks' optimizer shards with a manifest that rank 0's
+# commit waits for; in bf16 the other host's fp32 master parts come to rank 0 over MPI for
+# model.safetensors. The checkpoint, a resume from the bucket on 2 ranks, and a fine-tuning into
+# a bucket each equal the same run on one directory all ranks share, bit for bit.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 BERTRAIN_LOCAL_SIZE=2
+mpx=(-x OMP_NUM_THREADS -x BERTRAIN_LOCAL_SIZE -x AWS_ACCESS_KEY_ID -x AWS_SECRET_ACCESS_KEY -x AWS_REGION)
+ranks() { # NP ARGS...: NP ranks (two hosts of two for 4) sharing every directory
+  local np=$1
+  shift
+  timeout 300 mpirun --oversubscribe --bind-to none "${mpx[@]}" -np "$np" "$BT" "$@"
+}
+two_hosts() { # STAGE0 STAGE1 ARGS...: ranks 0-1 stage in STAGE0, ranks 2-3 in STAGE1
+  local a=$1 b=$2
+  shift 2
+  timeout 300 mpirun --oversubscribe --bind-to none "${mpx[@]}" -np 2 "$BT" "$@" --stage-dir "$a" $S3 \
+    : "${mpx[@]}" -np 2 "$BT" "$@" --stage-dir "$b" $S3
+}
+prec=bf16
+"$BT" bench --model-config "$ROOT/configs/bert-tiny.json" --batch-size 2 --seq-len 16 --max-predictions 2 \
+  --steps 1 --warmup 0 --precision bf16 > /dev/null 2> "$TMP/bf16_probe" || prec=fp32  # (AVX2: no bf16 matmul)
+sh=(train --model-config "$ROOT/configs/bert-tiny.json" --data "$TMP/local/part-*.tfrecord" --batch-size 2
+  --global-batch 8 --seq-len 64 --max-predictions 10 --log-every 5 --save-every 5 --threads 1
+  --shard-optimizer --precision $prec)
+two_hosts "$TMP/sh_a" "$TMP/sh_b" "${sh[@]}" --steps 10 --output s3://data/runs/sh > "$TMP/log_sh" 2>&1 ||
+  { cat "$TMP/log_sh"; fail "sharded over two hosts into the bucket"; }
+ranks 4 "${sh[@]}" --steps 10 --output "$TMP/sh_local" > "$TMP/log_shl" 2>&1 ||
+  { cat "$TMP/log_shl"; fail "sharded over two hosts into one directory"; }
+out=$(check_run runs/sh) || fail "the sharded run's bucket: $out"
+[[ "$out" == "latest checkpoint-000010 committed 2 "*" orphans 0" ]] || fail "the sharded run's bucket: $out"
+ck=checkpoint-000010
+for f in model.safetensors trainer_state.json optimizer.rank-0000{0,1,2,3}-of-00004.safetensors; do
+  "$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" get "$MOTO_URL" data "runs/sh/$ck/$f" "$TMP/sh_got" ||
+    fail "runs/sh/$ck/$f is not in the bucket"
+  cmp -s "$TMP/sh_got" "$TMP/sh_local/$ck/$f" || fail "runs/sh/$ck/$f differs from the run into one directory"
+done
+[ ! -e "$TMP/sh_a/$ck/optimizer.rank-00002-of-00004.safetensors" ] && [ -z "$(ls -A "$TMP/sh_b")" ] ||
+  fail "host 1's shards are not its own to upload: $(ls "$TMP/sh_a/$ck" "$TMP/sh_b")"
+ranks 2 "${sh[@]}" --steps 15 --resume --output s3://data/runs/sh --stage-dir "$TMP/sh_c" $S3 > "$TMP/log_shc" 2>&1 ||
+  { cat "$TMP/log_shc"; fail "resume of the sharded run from the bucket on 2 ranks"; }
+grep -q "fetched .*$ck from s3://data/runs/sh" "$TMP/log_shc" || { cat "$TMP/log_shc"; fail "no fetch from the bucket"; }
+ranks 2 "${sh[@]}" --steps 15 --resume --output "$TMP/sh_local" > "$TMP/log_shl" 2>&1 ||
+  { cat "$TMP/log_shl"; fail "resume of the sharded run from its directory on 2 ranks"; }
+cmp -s "$TMP/sh_c/checkpoint-000015/model.safetensors" "$TMP/sh_local/checkpoint-000015/model.safetensors" ||
+  fail "the resume from the bucket differs from the resume from the directory"
+ftsh=(finetune --init-checkpoint "$TMP/sh_local/$ck" --vocab "$ROOT/data/vocab/bert-base-uncased-vocab.txt"
+  --train "$TMP/ft_train.tsv" --dev "$TMP/ft_dev.tsv" --epochs 1 --seq-len 64 --batch-size 8 --threads 1
+  --shard-optimizer --precision $prec)
+two_hosts "$TMP/ftsh_a" "$TMP/ftsh_b" "${ftsh[@]}" --output s3://data/models/ftsh > "$TMP/log_ftsh" 2>&1 ||
+  { cat "$TMP/log_ftsh"; fail "sharded fine-tuning over two hosts into the bucket"; }
+ranks 4 "${ftsh[@]}" --output "$TMP/ftsh_local" > "$TMP/log_ftshl" 2>&1 ||
+  { cat "$TMP/log_ftshl"; fail "sharded fine-tuning into one directory"; }
+"$MOTO_VENV/bin/python" "$S3_TESTS/moto_store.py" get "$MOTO_URL" data models/ftsh/model.safetensors "$TMP/ftsh_got"
+cmp -s "$TMP/ftsh_got" "$TMP/ftsh_local/model.safetensors" || fail "the sharded fine-tuning in the bucket differs"
+echo "ok: --shard-optimizer ($prec) over two hosts of two ranks, each its own staging directory: each host uploaded its shards, rank 0 committed all 4 ($out); checkpoint, a resume from the bucket on 2 ranks and a fine-tuning into the bucket equal the runs on one shared directory bit for bit"
 echo "s3: all ok"

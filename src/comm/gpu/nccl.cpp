@@ -155,6 +155,7 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return size_; }
   int local_rank() const override { return boot_.local_rank(); }
   int local_size() const override { return boot_.local_size(); }
+  int node() const override { return boot_.node(); }
   bool device_memory() const override { return true; }
   std::string name() const override {
     return str(
@@ -190,6 +191,10 @@ class NcclCommunicator final : public Communicator {
   }
 
   void barrier() override { boot_.barrier(); }
+  // (host memory: over the MPI communicator that bootstrapped this one)
+  void pass(void* data, int64_t bytes, int from, int to) override {
+    boot_.pass(data, bytes, from, to);
+  }
 
   void reduce_scatter_sum(float* data, int64_t n, std::span<const int64_t> counts) override {
     const bool even = equal_parts(n, counts);
