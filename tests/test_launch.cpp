@@ -198,7 +198,8 @@ TEST(Launch, ElasticSpecs) {
   EXPECT_EQ(
       emit_srun_step(six, "bertrain")
           .rfind("env OMP_NUM_THREADS=8 'BERTRAIN_JOB=bert-base-elastic ranks=48 per_host=8' srun "
-                 "--nodes=6 --nodelist=gpu-0,gpu-1,gpu-2,gpu-4,gpu-5,gpu-6 --ntasks-per-node=8 "
+                 "--nodes=6 --nodelist=gpu-0,gpu-1,gpu-2,gpu-4,gpu-5,gpu-6 --ntasks=48 "
+                 "--ntasks-per-node=8 --overlap "
                  "--mpi=pmix --kill-on-bad-exit=1 bertrain train --model-config ",
                  0),
       0u)

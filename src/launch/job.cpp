@@ -268,9 +268,14 @@ std::string emit_srun_step(const JobSpec& j, const std::string& binary) {
   for (const auto& [k, v] : j.env) out += " " + shell_quote(k + "=" + v);
   std::string nodes;
   for (const auto& h : j.hosts) nodes += (nodes.empty() ? "" : ",") + h;
-  out += str(" srun --nodes=", j.workers, " --nodelist=", shell_quote(nodes),
-             " --ntasks-per-node=", j.slots_per_worker, " --mpi=pmix --kill-on-bad-exit=1 ",
-             j.bertrain_command(binary));
+  // --ntasks too: the allocation's SLURM_NTASKS would otherwise ask the whole job's tasks of the
+  // nodes left. --overlap: a step that ran on a lost node stays "running" in Slurm until that
+  // node answers (it cannot acknowledge the kill) and holds its CPUs on the nodes left, where
+  // its processes are gone; the next step shares them instead of waiting for it forever.
+  out +=
+      str(" srun --nodes=", j.workers, " --nodelist=", shell_quote(nodes),
+          " --ntasks=", j.workers * j.slots_per_worker, " --ntasks-per-node=", j.slots_per_worker,
+          " --overlap --mpi=pmix --kill-on-bad-exit=1 ", j.bertrain_command(binary));
   return out + "\n";
 }
 

@@ -1,4 +1,4 @@
-# Sourced by the tests on test hosts (cluster_test.sh, elastic_test.sh): BT (the binary, $1),
+# Sourced by the tests on test hosts (cluster_test.sh, elastic_test.sh, slurm_nodes_test.sh): BT (the binary, $1),
 # ROOT, HOSTS (hosts.sh), KEEP; skips (77) without root, network namespaces or mpirun; TMP (a
 # new directory) and CL (its test hosts' directory). The caller sets its own EXIT trap.
 set -euo pipefail

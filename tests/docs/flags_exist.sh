@@ -24,6 +24,7 @@ FOREIGN=(
   "--kill-on-bad-exit" # srun --kill-on-bad-exit
   "--nodelist"        # srun --nodelist
   "--nodes"           # srun --nodes
+  "--ntasks"          # srun --ntasks
 )
 subs=$("$BT" --help | awk '/^Subcommands:/{f=1; next} f && NF {print $1}')
 [ -n "$subs" ] || { echo "FAIL: no subcommands in '$BT --help'"; exit 1; }

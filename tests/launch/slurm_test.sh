@@ -33,43 +33,17 @@ fail() {
 HOST=$(hostname -s)
 PORT=$((20000 + RANDOM % 20000))
 mkdir -p "$TMP/state" "$TMP/spool" "$TMP/job"
-# munge: a key of its own, its own socket.
-dd if=/dev/urandom of="$TMP/munge.key" bs=1024 count=1 2> /dev/null
-chmod 400 "$TMP/munge.key"
-munged --force -S "$TMP/munge.sock" --key-file "$TMP/munge.key" --pid-file "$TMP/munged.pid" \
-  --log-file "$TMP/munged.log" --seed-file "$TMP/munge.seed" || fail "munged did not start"
-PIDS+=("$(cat "$TMP/munged.pid")")
+source "$ROOT/tests/launch/slurm_env.sh"
+munge_start || fail "munged did not start"
 CPUS=$(nproc)
 MEM=$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2))
 cat > "$TMP/slurm.conf" << EOC
 ClusterName=bertrain-test
 SlurmctldHost=$HOST
-SlurmUser=root
-SlurmdUser=root
-SlurmctldPort=$PORT
-SlurmdPort=$((PORT + 1))
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$TMP/munge.sock
-StateSaveLocation=$TMP/state
 SlurmdSpoolDir=$TMP/spool
-SlurmctldPidFile=$TMP/slurmctld.pid
 SlurmdPidFile=$TMP/slurmd.pid
-SlurmctldLogFile=$TMP/slurmctld.log
 SlurmdLogFile=$TMP/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-MpiDefault=none
-SchedulerType=sched/builtin
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/filetxt
-JobCompLoc=$TMP/jobcomp.txt
-MinJobAge=600
-SlurmdParameters=config_overrides
+$(slurm_conf_common $PORT)
 NodeName=$HOST CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 EOC
@@ -127,7 +101,7 @@ grep "^step" "$out" | tail -1
 # attempt an srun step on the nodes that answer (asked with overlapping one-task steps). A rank
 # killed mid-run: the step fails, the node still answers and a checkpoint was written since the
 # step began, so the supervisor restarts it from that checkpoint and the job completes. (One
-# node here: a node's loss itself is tests/cluster/elastic_test.sh's, with mpirun.)
+# node here: a node's loss is tests/cluster/slurm_nodes_test.sh's.)
 cat > "$TMP/job/slurm-elastic.yaml" << EOJ
 name: slurm-elastic
 workers: 1
