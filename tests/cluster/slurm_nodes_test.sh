@@ -12,10 +12,10 @@ for tool in munged slurmctld slurmd sbatch scontrol sinfo srun; do
   command -v "$tool" > /dev/null || { echo "SKIP: $tool not installed (scripts/setup.sh installs slurm-wlm and munge)"; exit 77; }
 done
 PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2> /dev/null; done
+cleanup() { # (the daemons on the test hosts go with them)
+  for p in "${PIDS[@]}"; do kill "$p" 2> /dev/null || true; done
   "$HOSTS" down "$CL" 2> /dev/null || true
-  for p in "${PIDS[@]}"; do kill -9 "$p" 2> /dev/null; done
+  for p in "${PIDS[@]}"; do kill -9 "$p" 2> /dev/null || true; done
   [ -n "$KEEP" ] || rm -rf "$TMP"
 }
 trap cleanup EXIT
