@@ -119,11 +119,7 @@ t0=$(date +%s.%N)
 at=$(last_step)
 "$HOSTS" kill "$CL" h2
 "$HOSTS" cut "$CL" h2
-for _ in $(seq 300); do
-  state=$(on h3 scontrol show job "$id" 2> /dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
-  case "$state" in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) break ;; esac
-  sleep 1
-done
+state=$(slurm_job_end "$id" on h3)
 out="$TMP/job/nodes-$id.out"
 [ "$state" = COMPLETED ] || fail "job $id ended $state"
 grep -q "attempt 2 on 2 of 3 workers (h0, h1), from checkpoint-" "$out" || fail "no restart on h0-h1"

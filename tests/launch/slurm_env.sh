@@ -5,6 +5,8 @@
 #   slurm_conf_common PORT   the slurm.conf lines both use: root daemons on PORT and PORT+1,
 #                            munge, plugins that need neither cgroups nor accounting, the
 #                            controller's state and logs under $TMP
+#   slurm_job_end ID [CMD...]  waits (up to 5 min) for job ID to end, scontrol run through CMD
+#                            (a test host's, say); prints the state it ended in
 munge_start() {
   dd if=/dev/urandom of="$TMP/munge.key" bs=1024 count=1 2> /dev/null
   chmod 400 "$TMP/munge.key"
@@ -39,4 +41,15 @@ JobCompLoc=$TMP/jobcomp.txt
 MinJobAge=600
 SlurmdParameters=config_overrides
 EOC
+}
+
+slurm_job_end() {
+  local id=$1 state=""
+  shift
+  for _ in $(seq 300); do
+    state=$("$@" scontrol show job "$id" 2> /dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
+    case "$state" in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) break ;; esac
+    sleep 1
+  done
+  echo "$state"
 }

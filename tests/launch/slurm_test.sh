@@ -84,11 +84,7 @@ id=$(PATH="$(dirname "$BT"):$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_RO
   || fail "sbatch refused the script"
 echo "slurm: submitted job $id"
 squeue -h -j "$id" -o '%i %j %T %D node(s) %C CPUs' || fail "squeue does not know job $id"
-for _ in $(seq 240); do
-  state=$(scontrol show job "$id" 2> /dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
-  case "$state" in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) break ;; esac
-  sleep 1
-done
+state=$(slurm_job_end "$id")
 echo "slurm: $(scontrol show job "$id" | grep -oE 'JobState=[A-Z_]+|ExitCode=[0-9:]+|NumTasks=[0-9]+' | tr '\n' ' ')"
 [ "$state" = COMPLETED ] || fail "job $id ended $state"
 out="$TMP/job/slurm-2rank-$id.out"
@@ -128,11 +124,7 @@ id=$(PATH="$(dirname "$BT"):$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_RO
   || fail "sbatch refused the elastic script"
 for _ in $(seq 600); do [ -e "$TMP/job/erun/checkpoint-000020" ] && break; sleep 0.1; done
 pkill -9 -n -f "bertrain train .*$TMP/job/erun" || fail "no rank of the elastic job to kill"
-for _ in $(seq 240); do
-  state=$(scontrol show job "$id" 2> /dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
-  case "$state" in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) break ;; esac
-  sleep 1
-done
+state=$(slurm_job_end "$id")
 out="$TMP/job/slurm-elastic-$id.out"
 [ "$state" = COMPLETED ] || fail "elastic job $id ended $state"
 grep -q "Slurm allocation $id: srun steps on its nodes that answer" "$out" || fail "the supervisor did not use the allocation"
