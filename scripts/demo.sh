@@ -116,6 +116,14 @@ $BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512
 echo "-- the blocked attention kernel (auto from 512 tokens) keeps only the row log-sum-exp; the full one keeps [B,heads,T,T]:"
 $BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512 --max-predictions 80 \
   --precision bf16 --device cuda --memory-budget 80GiB --attention full | grep -E "^run|^  total|^budget"
+echo "-- what a step asks of a GPU: kernel launches and host synchronisations (docs/gpus.md; the goal of a CUDA"
+echo "   graph is no host synchronisation inside a step), counted by bench --device cuda:"
+if [ -x build-emu/bertrain ]; then
+  build-emu/bertrain bench --device cuda --model-config configs/bert-tiny.json --batch-size 4 --seq-len 32 \
+    --max-predictions 5 --steps 2 --warmup 1 --padding compute | grep -E "^  gpu|^  device"
+else
+  echo "   (on the emulated device once scripts/test.sh has built it: build-emu/bertrain bench --device cuda ...)"
+fi
 
 echo; echo "== 7. one job description for every launcher: BERT-Large on 32 hosts x 4 GPUs"
 for emit in mpirun slurm mpijob dlc; do $BT launch configs/jobs/bert-large-128.yaml --emit $emit --output "$OUT/jobs"; done

@@ -13,7 +13,7 @@
 #                                 1. the host tests of the code the GPU shares (RowMath,
 #                                    DeviceModel, DeviceMemory, BlasCalls, Reducer, GpuPlacement);
 #                                 2. every GPU test, each in a process of its own (Cuda.*,
-#                                    CudaBackend.*, CudaModel.*, Nccl*);
+#                                    CudaBackend.*, CudaModel.*, CudaCounts.*, Nccl*);
 #                                 3. compute-sanitizer memcheck on a few kernel tests, if present;
 #                                 4. `bertrain doctor`'s GEMM ceiling beside PyTorch's;
 #                                 5. BERT-Large 128 tokens bf16 against PyTorch (bench --device

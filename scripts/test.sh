@@ -53,7 +53,7 @@ if [ -n "$NVCC" ] && [ "${BERTRAIN_SKIP_CUDA:-0}" != 1 ]; then
   cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DBERTRAIN_CUDA=ON -DBERTRAIN_BENCH=OFF \
     -DCMAKE_CUDA_COMPILER="$NVCC" >/dev/null
   cmake --build build-cuda -j"$(nproc)"
-  ctest --test-dir build-cuda --output-on-failure -R '^(Cuda(Backend|Model)?|Nccl|NcclDeathTest)\.' --timeout 600
+  ctest --test-dir build-cuda --output-on-failure -R '^(Cuda(Backend|Model|Counts)?|Nccl|NcclDeathTest)\.' --timeout 600
 else
   echo "test: nvcc not found; CUDA backend not built"
 fi
@@ -66,7 +66,7 @@ fi
 # and the device running its streams' work as early as it may instead of as late.
 # BERTRAIN_SKIP_CUDA_EMU=1 skips both.
 if [ "${BERTRAIN_SKIP_CUDA_EMU:-0}" != 1 ]; then
-  GPU_TESTS='^(Cuda(Backend|Model|Emu)?|Nccl|NcclDeathTest)\.'
+  GPU_TESTS='^(Cuda(Backend|Model|Emu|Counts)?|Nccl|NcclDeathTest)\.'
   echo "test: the CUDA kernels on the emulated device (build-emu)"
   cmake -S . -B build-emu -DCMAKE_BUILD_TYPE=Release -DBERTRAIN_CUDA_EMU=ON -DBERTRAIN_BENCH=OFF \
     >/dev/null

@@ -482,7 +482,9 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
         EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 0 ? probs : 0);
         EXPECT_EQ(l.part[cuda::kAttentionGradSlot], probs);
       }
-      EXPECT_EQ(l.part[cuda::kAttentionPointersSlot], 3 * 8 * 4 * 8);  // 3 a (sequence, head)
+      // 3 pointers a (sequence, head) pair and product: the full kernel's backward makes its 4
+      // products' at once, the blocked kernel's one at a time.
+      EXPECT_EQ(l.part[cuda::kAttentionPointersSlot], (T == 512 ? 1 : 4) * 3 * 8 * 4 * 8);
       EXPECT_EQ(l.part[cuda::kReductionSlot], 2 * 1024 * 8);
       EXPECT_EQ(l.part[cuda::kCrossEntropySlot], 2 * 8 * T * 4);
       const model::ParamTable table(c, model::Head::Pretraining);  // the optimizer's tensors
@@ -492,6 +494,9 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       // Column sums' partials: the widest bias gradient (the intermediate layer's 256 columns)
       // over its 8 x T rows in chunks of 64, more than LayerNorm's two of 64 columns.
       EXPECT_EQ(l.part[cuda::kColumnSumsSlot], (8 * T / 64) * 256 * 4);
+      // Their tickets (column_tickets.cuh): one a tile of 256 columns of the widest bias, the
+      // masked-LM decoder's over the vocabulary of 300: 2.
+      EXPECT_EQ(l.part[cuda::kColumnTicketsSlot], 2 * 4);
       // Embedding backward's partial rows: at most 2 per 64 of the 8 x T tokens, 64 columns.
       EXPECT_EQ(l.part[cuda::kEmbeddingSlot], 2 * (8 * T / 64) * 64 * 4);
       EXPECT_EQ(gpu.group_bytes("kernels"), static_cast<size_t>(l.total()));

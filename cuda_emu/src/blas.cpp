@@ -197,7 +197,9 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cubla
       cuda_emu::gemm(ta_, tb_, m, n, k, al, a, b, be, static_cast<float*>(C[i]), ldc, nullptr);
     }
   });
-  return e == cudaSuccess ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
+  if (e != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+  cuda_emu::count_library_call(__func__);
+  return CUBLAS_STATUS_SUCCESS;
 }
 
 // cuBLASLt.
@@ -347,5 +349,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
       cuda_emu::check_extent(Matrix{bias, CUDA_R_32F, m, 1, m}, "cublasLtMatmul", "the bias");
     cuda_emu::gemm(ta, tb, m, n, k, al, ma, mb, be, static_cast<float*>(D), ldd, bias);
   });
-  return e == cudaSuccess ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
+  if (e != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+  cuda_emu::count_library_call(__func__);
+  return CUBLAS_STATUS_SUCCESS;
 }

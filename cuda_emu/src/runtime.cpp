@@ -389,7 +389,35 @@ void launch_kernel(const char* name, dim3 grid, dim3 block, size_t shared, CUstr
     return;
   }
   const cudaError_t e = enqueue(stream, name, [=] { run_grid(name, grid, block, c.get(), body); });
-  if (e != cudaSuccess) set_error(e, "");
+  if (e != cudaSuccess)
+    set_error(e, "");
+  else
+    count_kernel(name);
+}
+
+namespace {
+std::atomic<int64_t> g_kernels{0}, g_library_calls{0}, g_host_waits{0};
+// CUDA_EMU_TRACE=1: each counted event on stderr as it is issued (cuda_emu/README.md).
+const bool g_trace = [] {
+  const char* e = std::getenv("CUDA_EMU_TRACE");
+  return e && *e && std::string(e) != "0";
+}();
+}  // namespace
+
+void count_kernel(const char* name) {
+  ++g_kernels;
+  if (g_trace) std::fprintf(stderr, "cuda_emu: kernel %s\n", name);
+}
+void count_library_call(const char* name) {
+  ++g_library_calls;
+  if (g_trace) std::fprintf(stderr, "cuda_emu: library %s\n", name);
+}
+void count_host_wait(const char* call) {
+  ++g_host_waits;
+  if (g_trace) std::fprintf(stderr, "cuda_emu: host wait %s\n", call);
+}
+Counts counts() {
+  return {g_kernels.load(), g_library_calls.load(), g_host_waits.load()};
 }
 
 // The emulated NCCL (libnccl.so.2 beside this library) loaded with the runtime, so that the
@@ -452,6 +480,7 @@ cudaError_t cudaDeviceGetPCIBusId(char* bus, int len, int d) {
 }
 
 cudaError_t cudaDeviceSynchronize() {
+  cuda_emu::count_host_wait(__func__);
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   return cuda_emu::current_dev().synchronize();
 }
@@ -568,6 +597,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 }
 
 cudaError_t cudaFree(void* p) {
+  cuda_emu::count_host_wait(__func__);
   if (!p) return cudaSuccess;
   int dev = -1;
   size_t bytes = 0;
@@ -601,6 +631,7 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
 }
 
 cudaError_t cudaFreeHost(void* p) {
+  cuda_emu::count_host_wait(__func__);
   if (!p) return cudaSuccess;
   {
     std::lock_guard<std::mutex> lock(cuda_emu::g_memory_mu);
@@ -627,14 +658,18 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
   return cudaSuccess;
 }
 
-// Pageable host memory as CUDA treats it: a copy from it is staged when issued (the caller may
-// reuse its buffer on return), a copy into it returns when done; page-locked memory
+// Pageable host memory as CUDA treats it: a copy from it waits for the stream, then is staged
+// (the caller may reuse its buffer on return), a copy into it returns when done; page-locked memory
 // (cudaHostAlloc) is copied when the stream gets there.
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t s) {
   if (cudaError_t e = cuda_emu::check_copy(dst, src, bytes, kind, "cudaMemcpyAsync")) return e;
   if (bytes == 0) return cudaSuccess;
   if (!cuda_emu::is_device(src) && !cuda_emu::is_pinned(src, bytes)) {
+    // CUDA's API synchronisation behaviour: a copy from pageable memory may first wait for the
+    // stream before it stages the data; the emulator does (and counts it as a host wait).
+    cuda_emu::count_host_wait(__func__);
+    if (cudaError_t e = cuda_emu::stream_synchronize(s)) return e;
     auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
                                                       static_cast<const char*>(src) + bytes);
     return cuda_emu::enqueue(s, "cudaMemcpyAsync",
@@ -643,8 +678,10 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   if (cudaError_t e =
           cuda_emu::enqueue(s, "cudaMemcpyAsync", [=] { std::memcpy(dst, src, bytes); }))
     return e;
-  if (!cuda_emu::is_device(dst) && !cuda_emu::is_pinned(dst, bytes))
-    return cudaStreamSynchronize(s);
+  if (!cuda_emu::is_device(dst) && !cuda_emu::is_pinned(dst, bytes)) {
+    cuda_emu::count_host_wait(__func__);
+    return cuda_emu::stream_synchronize(s);
+  }
   return cudaSuccess;
 }
 
@@ -654,7 +691,8 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
   if (cudaError_t e =
           cuda_emu::enqueue(nullptr, "cudaMemcpy", [=] { std::memcpy(dst, src, bytes); }))
     return e;
-  return cudaStreamSynchronize(nullptr);
+  cuda_emu::count_host_wait(__func__);
+  return cuda_emu::stream_synchronize(nullptr);
 }
 
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
@@ -666,7 +704,8 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
 
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
   if (cudaError_t e = cudaMemsetAsync(p, value, bytes, nullptr)) return e;
-  return cudaStreamSynchronize(nullptr);
+  cuda_emu::count_host_wait(__func__);
+  return cuda_emu::stream_synchronize(nullptr);
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
@@ -685,6 +724,7 @@ cudaError_t cudaStreamCreate(cudaStream_t* s) {
 }
 
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  cuda_emu::count_host_wait(__func__);
   if (!s) return set_error(cudaErrorInvalidResourceHandle, "the legacy stream is not destroyed");
   Device& d = *s->s.device;
   d.wait(&s->s, d.tail(&s->s));  // its work completes first, as a GPU's does
@@ -697,6 +737,11 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  cuda_emu::count_host_wait(__func__);
+  return cuda_emu::stream_synchronize(s);
+}
+
+cudaError_t cuda_emu::stream_synchronize(cudaStream_t s) {
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   cuda_emu::Stream* st = cuda_emu::stream_of(s);
   return st->device->wait(st, st->device->tail(st));
@@ -765,6 +810,7 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  cuda_emu::count_host_wait(__func__);
   if (!e) return set_error(cudaErrorInvalidResourceHandle, "a null event");
   if (!e->stream) return cudaSuccess;
   return e->stream->device->wait(e->stream, e->seq);

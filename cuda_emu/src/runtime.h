@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda_emu/counts.h"
 #include "cuda_runtime.h"
 
 namespace cuda_emu {
@@ -22,6 +23,15 @@ struct Fault : std::runtime_error {
 cudaError_t enqueue(cudaStream_t s, const char* what, std::function<void()> work);
 
 int current_device();
+
+// The counts of counts.h: a kernel queued, a library product queued, a host wait (in the call
+// named); with CUDA_EMU_TRACE=1 each is also written to stderr.
+void count_kernel(const char* name);
+void count_library_call(const char* name);
+void count_host_wait(const char* call);
+
+// cudaStreamSynchronize without counting a host wait (for the calls that count their own).
+cudaError_t stream_synchronize(cudaStream_t s);
 
 // "" when [p, p + bytes) lies inside one device allocation, else what is wrong (for a message
 // naming the operand `what`).

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "cli/commands.h"
 #include "comm/communicator.h"
@@ -95,6 +96,8 @@ struct BenchResult {
   double device_used = 0;  // a GPU's memory in use at the end (the CUDA context's included)
   int64_t unplanned = 0;
   std::string op_profile;  // the device's time by operation (Backend::op_profile), if on
+  // A device's kernel launches and host synchronisations per timed step (Backend::device_counts).
+  std::optional<double> launches, host_syncs;
 };
 
 }  // namespace
@@ -218,8 +221,12 @@ void add_bench(CLI::App& app) {
         batch = bs[taken++ % bs.size()];
         return true;
       };
+      std::optional<kernels::DeviceCounts> counted;
       for (int s = 0; s < warmup + o->steps; ++s) {
-        if (s == warmup) be.op_profile(1);  // (the warm-up's operations left out)
+        if (s == warmup) {
+          be.op_profile(1);  // (the warm-up's operations left out)
+          counted = be.device_counts();
+        }
         const model::Batch& b = bs[static_cast<size_t>(s) % bs.size()];
         const train::StepReport r = train_step.run(s, 1e-5, next, "", s + 1 < warmup + o->steps);
         res.loss = r.loss;
@@ -239,6 +246,10 @@ void add_bench(CLI::App& app) {
         return v[v.size() / 2];
       };
       res.op_profile = be.op_profile(o->steps);
+      if (const auto now = be.device_counts(); now && counted) {
+        res.launches = static_cast<double>(now->launches - counted->launches) / o->steps;
+        res.host_syncs = static_cast<double>(now->host_syncs - counted->host_syncs) / o->steps;
+      }
       res.forward = median(fwd);
       res.backward = median(bwd);
       res.optimizer = median(upd);
@@ -311,6 +322,10 @@ void add_bench(CLI::App& app) {
                             {"device_used_bytes", r.device_used},
                             {"unplanned_scratch_bytes", r.unplanned},
                             {"loss", r.loss}};
+        if (r.launches) {
+          j["launches_per_step"] = *r.launches;
+          j["host_syncs_per_step"] = *r.host_syncs;
+        }
         std::printf("%s\n", j.dump().c_str());
         continue;
       }
@@ -346,6 +361,11 @@ void add_bench(CLI::App& app) {
             human_bytes(r.rss).c_str(), human_bytes(baseline).c_str(),
             human_bytes(r.rss - baseline).c_str(), human_bytes(r.planned).c_str(),
             human_bytes(r.allocated).c_str());
+      if (r.launches)
+        std::printf(
+            "  device     %.0f kernel launches a step (a cuBLAS/cuBLASLt product counted as "
+            "one), %.0f host synchronisations a step\n",
+            *r.launches, *r.host_syncs);
       std::printf("  loss       %.4f (%s)\n", r.loss,
                   o->data.empty() ? "synthetic data; sanity only" : "untrained model");
       if (!r.op_profile.empty())

@@ -58,6 +58,13 @@ struct DeviceMemory {
   size_t free = 0, total = 0;
 };
 
+// What a process gave its device so far (a GPU's: cuda::device_counts): kernel launches (a
+// library's product counted as one) and host synchronisations (calls in which the host waited
+// for the device). What stands between a step and a CUDA graph: bench prints them per step.
+struct DeviceCounts {
+  int64_t launches = 0, host_syncs = 0;
+};
+
 class Backend : public Target {
  public:
   // -- memory --
@@ -107,6 +114,9 @@ class Backend : public Target {
   // device time of each operation since the last call, per step of `steps`, as a table (the
   // sums start again); empty where it is off.
   virtual std::string op_profile(int64_t /*steps*/) const { return {}; }
+  // The launches and host synchronisations this process gave the device so far (DeviceCounts);
+  // nothing where kernels are calls on the host (the CPU's).
+  virtual std::optional<DeviceCounts> device_counts() const { return std::nullopt; }
 
   // -- the device (what run headers, bench, estimate and doctor say about it) --
   // What it is: the CPU's model, the kernel bodies in use and oneDNN's ISA (and BERTRAIN_ISA's
@@ -244,9 +254,11 @@ class Backend : public Target {
 
   // -- loss --
   // Softmax cross-entropy of N rows over V classes, fused with its gradient (dlogits may be
-  // null or alias logits): kernels/cpu/cross_entropy.h. Returns sum_i weight[i] * loss[i] and
-  // sum_i weight[i] * [argmax of row i == target] (weight 1 where weights is null); `correct`
-  // (N values) is the backend's buffer for the per-row hits, null when the sums are not wanted.
+  // null or alias logits): kernels/cpu/cross_entropy.h. Where `losses` (N values, the backend's
+  // buffer for the per-row losses) is given, returns sum_i weight[i] * loss[i] and
+  // sum_i weight[i] * [argmax of row i == target] (weight 1 where weights is null; `correct`,
+  // the per-row hits' buffer, null when the hits are not wanted). A gradient-only call (losses
+  // null) returns zero sums: on a GPU the sums are a host synchronisation it then does not make.
   virtual CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                          const float* logits, const int32_t* targets,
                                          const float* weights, int64_t N, int64_t V,

@@ -101,10 +101,14 @@ Launch<F> make_launch(const char* name, F kernel, dim3 grid, dim3 block, size_t 
 #define gridDim (::cuda_emu::current().grid_dim)
 inline constexpr int warpSize = 32;
 
-// kernel<<<grid, block, shared, stream>>>(args) on a GPU (kernels/cuda/common.cuh).
-#define BT_LAUNCH(kernel, ...) \
-  ::cuda_emu::make_launch(     \
+// kernel<<<grid, block, shared, stream>>>(args) on a GPU; bertrain's BT_LAUNCH
+// (kernels/cuda/common.cuh) counts the launch and then makes this one.
+#define CUDA_EMU_LAUNCH(kernel, ...) \
+  ::cuda_emu::make_launch(           \
       #kernel, [=](auto... a_) { kernel(a_...); }, __VA_ARGS__)
+#ifndef BT_LAUNCH
+#define BT_LAUNCH CUDA_EMU_LAUNCH
+#endif
 
 inline void __syncthreads() {
   ::cuda_emu::syncthreads();
@@ -175,6 +179,9 @@ T atomicCAS(T* p, T compare, T v) {
   if (old == compare) *p = v;
   return old;
 }
+
+// Memory fences: one block runs at a time, so its writes are visible to every later block.
+inline void __threadfence() {}
 
 inline float __int_as_float(int x) {
   float f;

@@ -215,8 +215,10 @@ class CpuBackend final : public Backend {
                                  const float* logits, const int32_t* targets, const float* weights,
                                  int64_t N, int64_t V, float dscale) const override {
     CrossEntropySums s;
-    s.loss = cross_entropy_forward_backward(dlogits, losses, correct, logits, targets, weights, N,
-                                            V, dscale);
+    const double loss = cross_entropy_forward_backward(dlogits, losses, correct, logits, targets,
+                                                       weights, N, V, dscale);
+    if (!losses) return s;  // (a gradient-only call: no sums, as on a GPU)
+    s.loss = loss;
     if (correct)
       for (int64_t i = 0; i < N; ++i) s.correct += (weights ? weights[i] : 1.0) * correct[i];
     return s;

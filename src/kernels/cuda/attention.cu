@@ -164,12 +164,13 @@ void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, K
   float* dr = !half && d.p > 0.0f ? ws.attn_work : nullptr;
   const void* dropped = half ? static_cast<const void*>(ws.attn_probs16) : dr ? dr : scores;
   const auto products = attention_forward_products(s, g.el, q, scores, dropped, ctx);
-  gemm_pairs(g.o, s.B * s.NH, s.NH, products[0]);
+  const PairPointers at = pair_pointers(s.B * s.NH, s.NH, products.data(), 2);
+  gemm_pairs(g.o, at, 0, products[0]);
   if (half)  // softmax and the 16-bit rounding in one pass
     attention_softmax_forward_16(p, saved.probs16, ws.attn_probs16, scores, mask, s, d);
   else
     attention_softmax_forward(scores, dr, scores, mask, s, d);
-  gemm_pairs(g.o, s.B * s.NH, s.NH, products[1]);
+  gemm_pairs(g.o, at, 1, products[1]);
 }
 
 void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
@@ -209,8 +210,9 @@ void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
   float* dd = static_cast<float*>(scratch(kAttentionGradSlot, n_probs * 4));
   const void* ds = half ? static_cast<const void*>(ws.attn_probs16) : dd;
   const auto products = attention_backward_products(s, g.el, q, dropped, dc, dd, ds, dqkv);
-  gemm_pairs(g.o, B * NH, NH, products[0]);  // dV
-  gemm_pairs(g.o, B * NH, NH, products[1]);  // dd
+  const PairPointers at = pair_pointers(B * NH, NH, products.data(), 4);
+  gemm_pairs(g.o, at, 0, products[0]);  // dV
+  gemm_pairs(g.o, at, 1, products[1]);  // dd
   const int64_t rows = B * NH * T;
   auto backward_rows = [&](auto* out, const auto* probs) {
     BT_LAUNCH(softmax_backward_rows_kernel, row_blocks(rows), kRowThreads)
@@ -225,8 +227,8 @@ void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
   else
     backward_rows(dd, static_cast<const float*>(saved.probs));
   check_launch();
-  gemm_pairs(g.o, B * NH, NH, products[2]);  // dQ
-  gemm_pairs(g.o, B * NH, NH, products[3]);  // dK
+  gemm_pairs(g.o, at, 2, products[2]);  // dQ
+  gemm_pairs(g.o, at, 3, products[3]);  // dK
 }
 
 }  // namespace bertrain::cuda

@@ -27,6 +27,10 @@ struct PairOperand {
   }
 };
 
+// The most products whose pointer arrays are made at once (cuda.h, pair_pointers): backward's
+// four.
+constexpr int64_t kMaxPairProducts = 4;
+
 // Row-major C_k = alpha op(A_k) op(B_k) for every pair k (fp32 C; overwritten, or added to with
 // accumulate).
 struct PairProduct {

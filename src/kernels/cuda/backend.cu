@@ -142,7 +142,10 @@ Uploads& uploads() {
           cudaEventDestroy(s.copied);
           cudaEventDestroy(s.released);
         }
-        if (u.stream) cudaStreamDestroy(u.stream);
+        if (u.stream) {
+          count_host_sync();
+          cudaStreamDestroy(u.stream);
+        }
       }
     }
   } d;
@@ -170,19 +173,21 @@ class CudaBackend final : public kernels::Backend {
            human_bytes(static_cast<double>(free_bytes)), " of ",
            human_bytes(static_cast<double>(total)), " free (", cudaGetErrorString(e), ")");
     }
-    BT_CUDA_CHECK(cudaMemset(p, 0, bytes));
+    BT_CUDA_WAIT(cudaMemset(p, 0, bytes));
     return p;
   }
   void release(void* p) const override {
-    if (p) cudaFree(p);
+    if (!p) return;
+    count_host_sync();
+    cudaFree(p);
   }
   void to_device(void* dst, const void* src, size_t bytes) const override {
     const Op op("to_device");
-    BT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    BT_CUDA_WAIT(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
   }
   void to_host(void* dst, const void* src, size_t bytes) const override {
     const Op op("to_host");
-    BT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+    BT_CUDA_WAIT(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
   }
   void* allocate_host(size_t bytes) const override {
     void* p = nullptr;
@@ -192,7 +197,11 @@ class CudaBackend final : public kernels::Backend {
            cudaGetErrorString(e), "): raise the memory lock limit (ulimit -l) or free host memory");
     return p;
   }
-  void release_host(void* p) const override { cudaFreeHost(p); }
+  void release_host(void* p) const override {
+    if (!p) return;
+    count_host_sync();
+    cudaFreeHost(p);
+  }
   // The input slots (uploads() above): the host waits only in wait_upload.
   void upload(void* slot, const void* src, size_t bytes) const override {
     Uploads& u = uploads();
@@ -208,12 +217,23 @@ class CudaBackend final : public kernels::Backend {
     BT_CUDA_CHECK(cudaEventRecord(uploads().slot(slot).released, nullptr));
   }
   void wait_upload(const void* slot) const override {
-    BT_CUDA_CHECK(cudaEventSynchronize(uploads().slot(slot).copied));
+    const cudaEvent_t copied = uploads().slot(slot).copied;
+    const cudaError_t e = cudaEventQuery(copied);  // (a copy long done: no blocking call)
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) BT_CUDA_CHECK(e);
+    BT_CUDA_WAIT(cudaEventSynchronize(copied));
   }
   // The kernels' stream only (the legacy default stream; the copy and NCCL streams are
   // non-blocking): a step's backward phase ends when its kernels have run, not when the gradient
   // bucket NCCL is reducing beside them has (that wait is the reducer's: exposed communication).
-  void synchronize() const override { BT_CUDA_CHECK(cudaStreamSynchronize(nullptr)); }
+  // (Where the stream has already run everything, say after forward's loss read, the query
+  // says so and the host does not block.)
+  void synchronize() const override {
+    const cudaError_t e = cudaStreamQuery(nullptr);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) BT_CUDA_CHECK(e);
+    BT_CUDA_WAIT(cudaStreamSynchronize(nullptr));
+  }
   bool busy() const override {
     const cudaError_t e = cudaStreamQuery(nullptr);
     if (e == cudaErrorNotReady) return true;
@@ -221,6 +241,9 @@ class CudaBackend final : public kernels::Backend {
     return false;
   }
   std::string op_profile(int64_t steps) const override { return profile_table(steps); }
+  std::optional<kernels::DeviceCounts> device_counts() const override {
+    return cuda::device_counts();
+  }
 
   std::optional<kernels::DeviceMemory> device_memory() const override {
     kernels::DeviceMemory m;
@@ -404,7 +427,8 @@ class CudaBackend final : public kernels::Backend {
                                           float dscale) const override {
     const Op op("cross_entropy");
     kernels::CrossEntropySums s =
-        cuda::cross_entropy(dlogits, losses, correct, logits, targets, weights, N, V, dscale);
+        cuda::cross_entropy(dlogits, losses, correct, logits, targets, weights, N, V, dscale,
+                            nullptr, /*sums=*/losses != nullptr);
     if (!correct) s.correct = 0;  // as the CPU: the hits only where asked for
     return s;
   }
@@ -416,7 +440,7 @@ class CudaBackend final : public kernels::Backend {
     double* sq = static_cast<double*>(scratch(kSquaredErrorSlot, N * sizeof(double)));
     launch(squared_error_kernel, N, dpred, sq, pred, target, N, dscale);
     std::vector<double> h(N);
-    BT_CUDA_CHECK(cudaMemcpy(h.data(), sq, h.size() * sizeof(double), cudaMemcpyDeviceToHost));
+    BT_CUDA_WAIT(cudaMemcpy(h.data(), sq, h.size() * sizeof(double), cudaMemcpyDeviceToHost));
     double sum = 0;
     for (double x : h) sum += x;
     return sum;

@@ -15,13 +15,31 @@
                        ":", __LINE__);                                                           \
   } while (0)
 
-// A kernel launch: BT_LAUNCH(kernel, grid, block[, shared bytes, stream])(args...). On a GPU the
-// triple chevrons; the emulated device (cuda_emu/, which C++ compilers build) defines its own.
-#ifndef BT_LAUNCH
-#define BT_LAUNCH(kernel, ...) kernel<<<__VA_ARGS__>>>
+// A kernel launch: BT_LAUNCH(kernel, grid, block[, shared bytes, stream])(args...), counted
+// (device_counts). On a GPU the triple chevrons; the emulated device (cuda_emu/, which C++
+// compilers build) has its own.
+#ifdef CUDA_EMU_LAUNCH
+#define BT_KERNEL_LAUNCH(kernel, ...) CUDA_EMU_LAUNCH(kernel, __VA_ARGS__)
+#else
+#define BT_KERNEL_LAUNCH(kernel, ...) kernel<<<__VA_ARGS__>>>
 #endif
+#undef BT_LAUNCH
+#define BT_LAUNCH(kernel, ...) \
+  ::bertrain::cuda::count_launch(), BT_KERNEL_LAUNCH(kernel, __VA_ARGS__)
+
+// A call in which the host waits for the device (a synchronisation, a blocking copy, a free),
+// counted (device_counts): BT_CUDA_WAIT(cudaStreamSynchronize(s)).
+#define BT_CUDA_WAIT(call)               \
+  do {                                   \
+    ::bertrain::cuda::count_host_sync(); \
+    BT_CUDA_CHECK(call);                 \
+  } while (0)
 
 namespace bertrain::cuda {
+// The counts of device_counts (cuda.h): a kernel or library product queued, a host wait.
+void count_launch();
+void count_host_sync();
+
 inline cudaStream_t as_stream(void* s) {
   return static_cast<cudaStream_t>(s);
 }

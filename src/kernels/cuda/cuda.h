@@ -49,6 +49,14 @@ class DeviceBuffer {
 
 void synchronize();
 
+// What this process gave its GPUs so far (every thread): kernel launches, each cuBLAS or cuBLASLt
+// product counted as one (on a GPU it is one kernel or more), and host synchronisations (a
+// call in which the host waited for the device: a stream, event or device synchronisation, a
+// blocking copy or memset, a free). Counted by bertrain's CUDA code as it issues them; on the
+// emulated device, tests check them against the emulator's own counts (cuda_emu/counts.h).
+// `bench --device cuda` prints them per step.
+kernels::DeviceCounts device_counts();
+
 // A linear layer's operands are the precision's (Precision `o`): fp32, or 16-bit (raw bf16 /
 // fp16 bits) with fp32 accumulation and an fp32 result.
 
@@ -78,6 +86,17 @@ void linear_backward(Precision p, float* dinp, float* dw, float* db, const float
 // NH heads a sequence: one cuBLAS batched call, its pointer arrays made on the GPU (scratch's
 // attention-pointers part).
 void gemm_pairs(Precision o, int64_t pairs, int64_t NH, const PairProduct& p,
+                void* stream = nullptr);
+// The pointer arrays of `count` (at most kMaxPairProducts) such products made in one launch
+// (scratch's attention-pointers part, valid until the next call), and product j of them run:
+// a pass's products share one launch for their pointers (forward's two, backward's four).
+struct PairPointers {
+  void** base = nullptr;
+  int64_t pairs = 0, count = 0;
+};
+PairPointers pair_pointers(int64_t pairs, int64_t NH, const PairProduct* p, int64_t count,
+                           void* stream = nullptr);
+void gemm_pairs(Precision o, const PairPointers& at, int64_t j, const PairProduct& p,
                 void* stream = nullptr);
 
 // The GEMM ceiling on the current GPU, measured now: TFLOP/s of cuBLASLt's [M,K] x [N,K]^T
@@ -169,11 +188,12 @@ void attention_backward(Precision p, float* dqkv, const float* dctx, kernels::Ke
 
 // Softmax cross-entropy of N rows of V logits with its gradient (dlogits may be null or alias
 // logits; weights may be null); losses and correct (optional) receive each row's loss and hit.
-// Returns the weighted loss and hit sums (synchronises the stream).
+// Returns the weighted loss and hit sums (synchronises the stream), or with `sums` false zero
+// sums without waiting (a gradient-only call).
 kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                         const float* logits, const int32_t* targets,
                                         const float* weights, int64_t N, int64_t V, float dscale,
-                                        void* stream = nullptr);
+                                        void* stream = nullptr, bool sums = true);
 
 // Device memory for kernels that need more than their operands (slot: which part, scratch.h):
 // the bound region's part (bind_scratch: the model's plan) when it holds `bytes`, else a buffer

@@ -24,12 +24,18 @@ DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
 }
 
 DeviceBuffer::~DeviceBuffer() {
-  if (ptr_) cudaFree(ptr_);
+  if (ptr_) {
+    count_host_sync();
+    cudaFree(ptr_);
+  }
 }
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   if (this != &o) {
-    if (ptr_) cudaFree(ptr_);
+    if (ptr_) {
+      count_host_sync();
+      cudaFree(ptr_);
+    }
     ptr_ = o.ptr_;
     bytes_ = o.bytes_;
     o.ptr_ = nullptr;
@@ -40,12 +46,12 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 
 void DeviceBuffer::upload(const void* host, size_t bytes) {
   BT_CHECK(bytes <= bytes_, "upload of ", bytes, " bytes into a buffer of ", bytes_);
-  BT_CUDA_CHECK(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
+  BT_CUDA_WAIT(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
 }
 
 void DeviceBuffer::download(void* host, size_t bytes) const {
   BT_CHECK(bytes <= bytes_, "download of ", bytes, " bytes from a buffer of ", bytes_);
-  BT_CUDA_CHECK(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost));
+  BT_CUDA_WAIT(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost));
 }
 
 namespace {
@@ -76,6 +82,7 @@ void* scratch(int slot, size_t bytes) {
     g_unplanned += static_cast<int64_t>(bytes - b.bytes());
     b = DeviceBuffer();  // cudaFree waits for the kernels still using it
     b = DeviceBuffer(bytes);
+    BT_CUDA_WAIT(cudaMemset(b.data(), 0, bytes));  // (as the plan's: column tickets start at 0)
   }
   return b.data();
 }
@@ -85,7 +92,23 @@ int64_t unplanned_scratch_bytes() {
 }
 
 void synchronize() {
-  BT_CUDA_CHECK(cudaDeviceSynchronize());
+  BT_CUDA_WAIT(cudaDeviceSynchronize());
+}
+
+namespace {
+std::atomic<int64_t> g_launches{0}, g_host_syncs{0};
+}  // namespace
+
+void count_launch() {
+  g_launches.fetch_add(1, std::memory_order_relaxed);
+}
+
+void count_host_sync() {
+  g_host_syncs.fetch_add(1, std::memory_order_relaxed);
+}
+
+kernels::DeviceCounts device_counts() {
+  return {g_launches.load(), g_host_syncs.load()};
 }
 
 }  // namespace bertrain::cuda

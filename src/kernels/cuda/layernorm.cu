@@ -2,6 +2,7 @@
 // CPU tests check (kernels/row_math.h): plain LayerNorm, dropout + residual + LayerNorm, the
 // embedding sum + LayerNorm + dropout, and their backward. The parameter gradients come from a
 // column kernel over all rows (deterministic: no atomics).
+#include "kernels/cuda/column_tickets.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
 #include "kernels/cuda/lanes.cuh"
@@ -55,43 +56,38 @@ __global__ void layernorm_backward_kernel(float* dinp, float* ddropped, const fl
 }
 
 // Chunk blockIdx.y of the rows (`per` rows each), a column per thread: its partial sums into
-// partial[chunk * C + c] (dgamma) and partial[(chunks + chunk) * C + c] (dbeta).
-__global__ void layernorm_param_partials_kernel(float* partial, const float* dout, const float* in,
-                                                const float* mean, const float* rstd, int64_t N,
-                                                int64_t C, int64_t per) {
+// partial[chunk * C + c] (dgamma) and partial[(chunks + chunk) * C + c] (dbeta); the tile's last
+// block adds the chunks in order onto dgamma and dbeta (column_tickets.cuh).
+__global__ void layernorm_param_grads_kernel(float* dgamma, float* dbeta, float* partial,
+                                             unsigned* tickets, const float* dout, const float* in,
+                                             const float* mean, const float* rstd, int64_t N,
+                                             int64_t C, int64_t per) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
   const int64_t chunk = blockIdx.y, chunks = gridDim.y;
-  float* g = partial + chunk * C;
-  float* b = partial + (chunks + chunk) * C;
-  g[c] = 0.0f;
-  b[c] = 0.0f;
-  const int64_t end = (chunk + 1) * per < N ? (chunk + 1) * per : N;
-  rm::layernorm_param_grads(g, b, dout, in, mean, rstd, chunk * per, end, C, c);
-}
-
-// dgamma, dbeta += the chunks' partial sums, in chunk order.
-__global__ void layernorm_param_sum_kernel(float* dgamma, float* dbeta, const float* partial,
-                                           int64_t chunks, int64_t C) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  rm::column_sum(dgamma, partial, 0, chunks, C, c);
-  rm::column_sum(dbeta, partial + chunks * C, 0, chunks, C, c);
+  if (c < C) {
+    float* g = partial + chunk * C;
+    float* b = partial + (chunks + chunk) * C;
+    g[c] = 0.0f;
+    b[c] = 0.0f;
+    const int64_t end = (chunk + 1) * per < N ? (chunk + 1) * per : N;
+    rm::layernorm_param_grads(g, b, dout, in, mean, rstd, chunk * per, end, C, c);
+  }
+  if (last_chunk_of_tile(tickets) && c < C) {
+    add_chunks(dgamma, partial, chunks, C, c);
+    add_chunks(dbeta, partial + chunks * C, chunks, C, c);
+  }
 }
 
 // Over chunks of rows in parallel (a column per thread over all N rows would leave most of the
-// GPU idle: C threads), then the chunks added in order.
+// GPU idle: C threads), then the chunks added in order, in one launch.
 void param_grads(float* dgamma, float* dbeta, const float* dout, const float* in, const float* mean,
                  const float* rstd, int64_t N, int64_t C, cudaStream_t s) {
-  constexpr unsigned kThreads = 256;
   const int64_t chunks = column_chunks(N), per = (N + chunks - 1) / chunks;
+  const unsigned tiles = blocks_for(C, kColumnTile);
   auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, 2 * chunks * C * sizeof(float)));
-  BT_LAUNCH(layernorm_param_partials_kernel,
-            dim3(blocks_for(C, kThreads), static_cast<unsigned>(chunks)), kThreads, 0, s)
-  (partial, dout, in, mean, rstd, N, C, per);
-  BT_CUDA_CHECK(cudaGetLastError());
-  BT_LAUNCH(layernorm_param_sum_kernel, blocks_for(C, kThreads), kThreads, 0, s)
-  (dgamma, dbeta, partial, chunks, C);
+  BT_LAUNCH(layernorm_param_grads_kernel, dim3(tiles, static_cast<unsigned>(chunks)), kColumnTile,
+            0, s)
+  (dgamma, dbeta, partial, column_tickets(tiles), dout, in, mean, rstd, N, C, per);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cuda/blas_calls.h"
+#include "kernels/cuda/column_tickets.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
 #include "kernels/row_math.h"
@@ -160,51 +161,53 @@ void matmul(Shape s, const void* A, const void* B, float* C, float beta, const f
     BT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                    sizeof(bias)));
   const float alpha = 1.0f;
+  count_launch();
   BT_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c,
                                  &p.algo, scratch(kMatmulWorkspaceSlot, kMatmulWorkspaceBytes),
                                  kMatmulWorkspaceBytes, as_stream(stream)));
 }
 
 // Chunk blockIdx.y of dout[M,N]'s rows (`per` rows each), a column per thread: its sums into
-// partial[chunk * N + c].
-__global__ void column_partials_kernel(float* partial, const float* dout, int64_t M, int64_t N,
-                                       int64_t per) {
+// partial[chunk * N + c]; the tile's last block adds the chunks in order onto db
+// (column_tickets.cuh).
+__global__ void column_sums_kernel(float* db, float* partial, unsigned* tickets, const float* dout,
+                                   int64_t M, int64_t N, int64_t per) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= N) return;
-  const int64_t chunk = blockIdx.y, end = (chunk + 1) * per < M ? (chunk + 1) * per : M;
-  float* out = partial + chunk * N;
-  out[c] = 0.0f;
-  rm::column_sum(out, dout, chunk * per, end, N, c);
-}
-
-// db[c] += the chunks' partial sums, in chunk order.
-__global__ void column_sum_kernel(float* db, const float* partial, int64_t chunks, int64_t N) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c < N) rm::column_sum(db, partial, 0, chunks, N, c);
+  const int64_t chunk = blockIdx.y, chunks = gridDim.y;
+  if (c < N) {
+    const int64_t end = (chunk + 1) * per < M ? (chunk + 1) * per : M;
+    float* out = partial + chunk * N;
+    out[c] = 0.0f;
+    rm::column_sum(out, dout, chunk * per, end, N, c);
+  }
+  if (last_chunk_of_tile(tickets) && c < N) add_chunks(db, partial, chunks, N, c);
 }
 
 // db[N] += column sums of dout[M,N]: chunks of rows in parallel, then the chunks in order
-// (deterministic; scratch.h, column_chunks).
+// (deterministic; scratch.h, column_chunks), one launch.
 void column_sums(float* db, const float* dout, int64_t M, int64_t N, cudaStream_t s) {
-  constexpr unsigned kThreads = 256;
   const int64_t chunks = column_chunks(M), per = (M + chunks - 1) / chunks;
+  const unsigned tiles = blocks_for(N, kColumnTile);
   auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, chunks * N * sizeof(float)));
-  BT_LAUNCH(column_partials_kernel, dim3(blocks_for(N, kThreads), static_cast<unsigned>(chunks)),
-            kThreads, 0, s)
-  (partial, dout, M, N, per);
-  BT_CUDA_CHECK(cudaGetLastError());
-  BT_LAUNCH(column_sum_kernel, blocks_for(N, kThreads), kThreads, 0, s)(db, partial, chunks, N);
+  BT_LAUNCH(column_sums_kernel, dim3(tiles, static_cast<unsigned>(chunks)), kColumnTile, 0, s)
+  (db, partial, column_tickets(tiles), dout, M, N, per);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
-// The pairs' matrices: pointers [0, n) of A, [n, 2n) of B, [2n, 3n) of C.
-__global__ void pair_pointers_kernel(void** out, int64_t n, int64_t NH, PairOperand a,
-                                     PairOperand b, PairOperand c) {
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (k >= n) return;
-  out[k] = const_cast<void*>(a.of(k, NH));
-  out[n + k] = const_cast<void*>(b.of(k, NH));
-  out[2 * n + k] = const_cast<void*>(c.of(k, NH));
+// The pairs' matrices of up to kMaxPairProducts products at once: product j's pointers at
+// out + 3 n j, [0, n) of A, [n, 2n) of B, [2n, 3n) of C.
+struct PairOperands {
+  PairOperand a[kMaxPairProducts], b[kMaxPairProducts], c[kMaxPairProducts];
+};
+__global__ void pair_pointers_kernel(void** out, int64_t n, int64_t count, int64_t NH,
+                                     PairOperands o) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n * count) return;
+  const int64_t j = i / n, k = i % n;
+  void** at = out + 3 * n * j;
+  at[k] = const_cast<void*>(o.a[j].of(k, NH));
+  at[n + k] = const_cast<void*>(o.b[j].of(k, NH));
+  at[2 * n + k] = const_cast<void*>(o.c[j].of(k, NH));
 }
 
 cublasHandle_t blas_handle() {
@@ -218,25 +221,50 @@ cublasHandle_t blas_handle() {
 
 }  // namespace
 
-void gemm_pairs(Precision o, int64_t pairs, int64_t NH, const PairProduct& p, void* stream) {
-  if (pairs == 0 || p.M == 0 || p.N == 0) return;
-  const cudaStream_t s = as_stream(stream);
-  auto** ptrs = static_cast<void**>(scratch(kAttentionPointersSlot, 3 * pairs * sizeof(void*)));
+PairPointers pair_pointers(int64_t pairs, int64_t NH, const PairProduct* p, int64_t count,
+                           void* stream) {
+  BT_CHECK(count >= 1 && count <= kMaxPairProducts, "pair_pointers: ", count, " products");
+  PairPointers at{
+      static_cast<void**>(scratch(kAttentionPointersSlot, 3 * count * pairs * sizeof(void*))),
+      pairs, count};
+  if (pairs == 0) return at;
+  PairOperands o{};
+  for (int64_t j = 0; j < count; ++j) {
+    o.a[j] = p[j].a;
+    o.b[j] = p[j].b;
+    o.c[j] = p[j].c;
+  }
   constexpr unsigned kThreads = 256;
-  BT_LAUNCH(pair_pointers_kernel, blocks_for(pairs, kThreads), kThreads, 0, s)
-  (ptrs, pairs, NH, p.a, p.b, p.c);
+  BT_LAUNCH(pair_pointers_kernel, blocks_for(pairs * count, kThreads), kThreads, 0,
+            as_stream(stream))
+  (at.base, pairs, count, NH, o);
   BT_CUDA_CHECK(cudaGetLastError());
+  return at;
+}
+
+void gemm_pairs(Precision o, const PairPointers& at, int64_t j, const PairProduct& p,
+                void* stream) {
+  BT_CHECK(j >= 0 && j < at.count, "gemm_pairs: product ", j, " of ", at.count);
+  const int64_t pairs = at.pairs;
+  if (pairs == 0 || p.M == 0 || p.N == 0) return;
+  void** ptrs = at.base + 3 * pairs * j;
   cublasHandle_t h = blas_handle();
-  BT_CUBLAS_CHECK(cublasSetStream(h, s));
+  BT_CUBLAS_CHECK(cublasSetStream(h, as_stream(stream)));
   // Column-major C^T = op(B)^T op(A)^T (blas_calls.h): the product's B pointers first.
   const ColumnMajorCall g = pair_call(p);
   const cudaDataType_t t = operand_type(o);
   const float beta = p.accumulate ? 1.0f : 0.0f;
+  count_launch();
   BT_CUBLAS_CHECK(cublasGemmBatchedEx(
       h, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
       static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(g.k), &p.alpha, ptrs + pairs,
       t, static_cast<int>(g.lda), ptrs, t, static_cast<int>(g.ldb), &beta, ptrs + 2 * pairs,
       CUDA_R_32F, static_cast<int>(g.ldc), static_cast<int>(pairs), kCompute, CUBLAS_GEMM_DEFAULT));
+}
+
+void gemm_pairs(Precision o, int64_t pairs, int64_t NH, const PairProduct& p, void* stream) {
+  if (pairs == 0 || p.M == 0 || p.N == 0) return;
+  gemm_pairs(o, pair_pointers(pairs, NH, &p, 1, stream), 0, p, stream);
 }
 
 void linear_forward(Precision o, float* out, const void* in, const void* w, const float* bias,
@@ -284,7 +312,7 @@ double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds)
   BT_LAUNCH(fill_kernel, blocks_for(N * K, kThreads), kThreads)(o, b.data(), N * K, 2);
   BT_CUDA_CHECK(cudaGetLastError());
   for (int i = 0; i < 3; ++i) linear_forward(o, c.f32(), a.data(), b.data(), nullptr, M, N, K);
-  BT_CUDA_CHECK(cudaDeviceSynchronize());
+  BT_CUDA_WAIT(cudaDeviceSynchronize());
   cudaEvent_t start, stop;
   BT_CUDA_CHECK(cudaEventCreate(&start));
   BT_CUDA_CHECK(cudaEventCreate(&stop));
@@ -295,7 +323,7 @@ double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds)
     for (int i = 0; i < batch; ++i)
       linear_forward(o, c.f32(), a.data(), b.data(), nullptr, M, N, K);
     BT_CUDA_CHECK(cudaEventRecord(stop));
-    BT_CUDA_CHECK(cudaEventSynchronize(stop));
+    BT_CUDA_WAIT(cudaEventSynchronize(stop));
     float ms = 0;
     BT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     elapsed_ms += ms;

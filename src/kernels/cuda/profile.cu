@@ -85,7 +85,7 @@ class Profile {
   void fold() {  // (mu_ held)
     for (const Span& s : pending_) {
       float ms = 0;
-      BT_CUDA_CHECK(cudaEventSynchronize(s.b));
+      BT_CUDA_WAIT(cudaEventSynchronize(s.b));
       BT_CUDA_CHECK(cudaEventElapsedTime(&ms, s.a, s.b));
       Total& t = totals_[s.name];
       t.ms += ms;

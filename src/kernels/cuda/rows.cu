@@ -181,9 +181,9 @@ unsigned reduce_blocks(int64_t n) {
 // The per-block partial sums of one reduction, added on the host in block order.
 std::vector<double> download_partials(const double* partial, size_t count, cudaStream_t s) {
   std::vector<double> h(count);
-  BT_CUDA_CHECK(
+  // (into pageable memory: returns when the stream has run through the copy)
+  BT_CUDA_WAIT(
       cudaMemcpyAsync(h.data(), partial, count * sizeof(double), cudaMemcpyDeviceToHost, s));
-  BT_CUDA_CHECK(cudaStreamSynchronize(s));
   return h;
 }
 
@@ -200,6 +200,48 @@ struct Many {
 
 size_t aligned(size_t b) {
   return (b + 255) / 256 * 256;
+}
+
+// The tables cross from page-locked memory (a copy from pageable memory may make the host wait
+// for the stream): two buffers of the calling thread's in turn, each written again only once
+// the copy from it has run (its event, found done by a query: the pass before last is long
+// finished), so a step's optimizer passes upload without a host synchronisation.
+struct PinnedTables {
+  char* host = nullptr;
+  size_t bytes = 0;
+  cudaEvent_t copied = nullptr;
+};
+thread_local PinnedTables t_tables[2];
+thread_local int t_turn = 0;
+
+char* pinned_tables(size_t bytes) {
+  PinnedTables& b = t_tables[t_turn];
+  if (b.copied) {
+    const cudaError_t e = cudaEventQuery(b.copied);
+    if (e == cudaErrorNotReady)
+      BT_CUDA_WAIT(cudaEventSynchronize(b.copied));
+    else
+      BT_CUDA_CHECK(e);
+  } else {
+    BT_CUDA_CHECK(cudaEventCreateWithFlags(&b.copied, cudaEventDisableTiming));
+  }
+  if (b.bytes < bytes) {
+    if (b.host) {
+      count_host_sync();
+      cudaFreeHost(b.host);
+    }
+    void* p = nullptr;
+    BT_CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(bytes, 4096), cudaHostAllocDefault));
+    b.host = static_cast<char*>(p);
+    b.bytes = std::max<size_t>(bytes, 4096);
+  }
+  return b.host;
+}
+
+// After the copy from pinned_tables' buffer: its event, and the other buffer's turn.
+void tables_copied(cudaStream_t s) {
+  BT_CUDA_CHECK(cudaEventRecord(t_tables[t_turn].copied, s));
+  t_turn ^= 1;
 }
 
 Many upload(const kernels::TensorSpan* t, int64_t count, const void* steps, size_t step_bytes,
@@ -219,12 +261,14 @@ Many upload(const kernels::TensorSpan* t, int64_t count, const void* steps, size
   auto* base = static_cast<char*>(scratch(
       kMultiTensorSlot, std::max<size_t>(spans_b + chunks_b + steps_b + trust_b + partial_b,
                                          static_cast<size_t>(multi_tensor_bytes(values, count)))));
-  thread_local std::vector<char> host;
-  host.assign(spans_b + chunks_b + steps_b, 0);
-  std::memcpy(host.data(), t, n * sizeof(kernels::TensorSpan));
-  std::memcpy(host.data() + spans_b, w.host_chunks.data(), w.host_chunks.size() * sizeof(Chunk));
-  if (steps) std::memcpy(host.data() + spans_b + chunks_b, steps, n * step_bytes);
-  BT_CUDA_CHECK(cudaMemcpyAsync(base, host.data(), host.size(), cudaMemcpyHostToDevice, s));
+  const size_t table_b = spans_b + chunks_b + steps_b;
+  char* host = pinned_tables(table_b);
+  std::memset(host, 0, table_b);
+  std::memcpy(host, t, n * sizeof(kernels::TensorSpan));
+  std::memcpy(host + spans_b, w.host_chunks.data(), w.host_chunks.size() * sizeof(Chunk));
+  if (steps) std::memcpy(host + spans_b + chunks_b, steps, n * step_bytes);
+  BT_CUDA_CHECK(cudaMemcpyAsync(base, host, table_b, cudaMemcpyHostToDevice, s));
+  tables_copied(s);
   w.spans = reinterpret_cast<const kernels::TensorSpan*>(base);
   w.chunks = reinterpret_cast<const Chunk*>(base + spans_b);
   w.steps = base + spans_b + chunks_b;
@@ -281,7 +325,7 @@ void attention_softmax_backward(float* ds, const float* dd, const float* probs,
 kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                         const float* logits, const int32_t* targets,
                                         const float* weights, int64_t N, int64_t V, float dscale,
-                                        void* stream) {
+                                        void* stream, bool want_sums) {
   kernels::CrossEntropySums sums;
   if (N == 0) return sums;
   const cudaStream_t s = as_stream(stream);
@@ -289,10 +333,11 @@ kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* 
   BT_LAUNCH(cross_entropy_kernel, row_blocks(N), kRowThreads, 0, s)
   (dlogits, row_sums, losses, correct, logits, targets, weights, N, V, dscale);
   BT_CUDA_CHECK(cudaGetLastError());
+  if (!want_sums) return sums;
   std::vector<float> h(2 * N);
-  BT_CUDA_CHECK(
+  // (into pageable memory: returns when the stream has run through the copy)
+  BT_CUDA_WAIT(
       cudaMemcpyAsync(h.data(), row_sums, h.size() * sizeof(float), cudaMemcpyDeviceToHost, s));
-  BT_CUDA_CHECK(cudaStreamSynchronize(s));
   for (int64_t i = 0; i < N; ++i) {
     sums.loss += h[2 * i];
     sums.correct += h[2 * i + 1];
@@ -388,8 +433,9 @@ void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const floa
   thread_local std::vector<float> step;
   step.assign(static_cast<size_t>(count), 0.0f);
   trust(step.data());
-  BT_CUDA_CHECK(cudaMemcpyAsync(w.trust, step.data(), step.size() * sizeof(float),
-                                cudaMemcpyHostToDevice, s));
+  // (from pageable memory: the host may wait for the stream first)
+  BT_CUDA_WAIT(cudaMemcpyAsync(w.trust, step.data(), step.size() * sizeof(float),
+                               cudaMemcpyHostToDevice, s));
   BT_LAUNCH(lamb_apply_many_kernel, blocks, kThreads, 0, s)
   (steps, w.trust, p, p16, m, v, w.spans, w.chunks);
   BT_CUDA_CHECK(cudaGetLastError());
@@ -402,8 +448,9 @@ void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float
   const Many w = upload(t, count, a, sizeof(kernels::LambStep), s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
-  BT_CUDA_CHECK(cudaMemcpyAsync(w.trust, step, static_cast<size_t>(count) * sizeof(float),
-                                cudaMemcpyHostToDevice, s));
+  // (from pageable memory: the host may wait for the stream first)
+  BT_CUDA_WAIT(cudaMemcpyAsync(w.trust, step, static_cast<size_t>(count) * sizeof(float),
+                               cudaMemcpyHostToDevice, s));
   BT_LAUNCH(lamb_apply_many_kernel, blocks, kThreads, 0, s)
   (static_cast<const kernels::LambStep*>(w.steps), w.trust, p, p16, m, v, w.spans, w.chunks);
   BT_CUDA_CHECK(cudaGetLastError());

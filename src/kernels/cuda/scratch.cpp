@@ -31,13 +31,18 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
     part(kAttentionGradSlot) = block_values(a) * int64_t{sizeof(float)};
     part(kAttentionDroppedSlot) = 2 * block_operand_bytes(a, el);
   }
-  if (a.B > 0) part(kAttentionPointersSlot) = 3 * a.B * a.NH * int64_t{sizeof(void*)};
+  if (a.B > 0)  // (the full kernel's backward makes its four products' arrays at once)
+    part(kAttentionPointersSlot) =
+        3 * (attention ? kMaxPairProducts : 1) * a.B * a.NH * int64_t{sizeof(void*)};
   part(kMatmulWorkspaceSlot) = k.num_linears > 0 ? static_cast<int64_t>(kMatmulWorkspaceBytes) : 0;
   part(kMultiTensorSlot) = multi_tensor_bytes(k.parameters, k.tensors);
   int64_t columns = 2 * column_chunks(k.tokens) * k.layernorm_width;  // (LayerNorm's)
   for (int64_t i = 0; i < k.num_linears; ++i)                         // a bias gradient's
     columns = std::max(columns, column_chunks(k.linears[i].M) * k.linears[i].N);
   part(kColumnSumsSlot) = columns * int64_t{sizeof(float)};
+  int64_t widest = k.layernorm_width;
+  for (int64_t i = 0; i < k.num_linears; ++i) widest = std::max(widest, k.linears[i].N);
+  part(kColumnTicketsSlot) = (widest + kColumnTile - 1) / kColumnTile * int64_t{sizeof(unsigned)};
   part(kEmbeddingSlot) =
       kernels::max_partials(k.tokens) * k.layernorm_width * int64_t{sizeof(float)};
   return l;

@@ -26,7 +26,10 @@ enum ScratchSlot : int {
   kMultiTensorSlot,        // the optimizer's tensors, chunks, steps and partial sums
   kColumnSumsSlot,         // column sums per chunk of rows (bias and LayerNorm gradients)
   kEmbeddingSlot,          // embedding backward's partial rows (kernels::max_partials)
-  kAttentionPointersSlot,  // attention's products: 3 pointers a (sequence, head) pair
+  kAttentionPointersSlot,  // attention's products: 3 pointers a (sequence, head) pair and
+                           // product (4 products at once: kMaxPairProducts)
+  kColumnTicketsSlot,      // the one-launch column sums' tickets (column_tickets.cuh): one a
+                           // tile of 256 columns, zero between launches
   kScratchSlots
 };
 static_assert(kScratchSlots <= kernels::ScratchLayout::kParts);
@@ -36,10 +39,12 @@ constexpr size_t kMatmulWorkspaceBytes = size_t{32} << 20;
 
 // Sums down the columns of [rows, columns] (a linear layer's bias gradient, LayerNorm's
 // parameter gradients): rows in chunks of at least kColumnRows, at most kColumnChunks chunks, a
-// block of columns per chunk writing its partial sums (LayerNorm: 2 floats a column); a second
-// pass adds the chunks in order (deterministic, no atomics). A column per thread over all the
+// block of columns per chunk writing its partial sums (LayerNorm: 2 floats a column); the last
+// block of each column tile to finish adds the chunks in order (deterministic, one launch:
+// column_tickets.cuh). A column per thread over all the
 // rows would leave most of a GPU idle: a few thousand threads, each walking thousands of rows.
 constexpr int64_t kColumnRows = 64, kColumnChunks = 256;
+constexpr int64_t kColumnTile = 256;  // columns a block (a thread each)
 int64_t column_chunks(int64_t rows);
 
 // The optimizer's passes over many tensors (Backend's TensorSpan operations): each span cut into
