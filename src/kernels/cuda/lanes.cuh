@@ -32,6 +32,48 @@ struct WarpLanes {
   }
 };
 
+// A block of Threads (whole warps) as row_math's lanes, a row per block: for rows too wide for a
+// warp (the masked-LM cross-entropy's 30522 columns: a warp per row leaves most of a GPU idle at
+// a few thousand rows). A combination is the warps' shuffles, then the warps' totals in warp
+// order through shared memory, so every lane ends with the same total, summed in the same order
+// every time. Every thread of the block takes part in every combination (no early return).
+template <unsigned Threads>
+struct BlockLanes {
+  static_assert(Threads % 32 == 0 && Threads <= 1024);
+  int lane;
+  static constexpr int count = Threads;
+  __device__ float sum(float v) const {
+    __shared__ float part[Threads / 32];
+    v = WarpLanes{lane % 32}.sum(v);
+    __syncthreads();  // (the previous combination's readers are done with part)
+    if (lane % 32 == 0) part[lane / 32] = v;
+    __syncthreads();
+    float t = part[0];
+    for (unsigned w = 1; w < Threads / 32; ++w) t += part[w];
+    return t;
+  }
+  __device__ float max(float v) const {
+    __shared__ float part[Threads / 32];
+    v = WarpLanes{lane % 32}.max(v);
+    __syncthreads();
+    if (lane % 32 == 0) part[lane / 32] = v;
+    __syncthreads();
+    float t = part[0];
+    for (unsigned w = 1; w < Threads / 32; ++w) t = fmaxf(t, part[w]);
+    return t;
+  }
+  __device__ int64_t min(int64_t v) const {
+    __shared__ int64_t part[Threads / 32];
+    v = WarpLanes{lane % 32}.min(v);
+    __syncthreads();
+    if (lane % 32 == 0) part[lane / 32] = v;
+    __syncthreads();
+    int64_t t = part[0];
+    for (unsigned w = 1; w < Threads / 32; ++w) t = part[w] < t ? part[w] : t;
+    return t;
+  }
+};
+
 // This thread's row (one per warp; rows >= N return) and its lanes.
 __device__ inline int64_t warp_row() {
   return static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;

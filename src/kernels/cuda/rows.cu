@@ -49,12 +49,13 @@ __global__ void attention_softmax_backward_kernel(float* ds, const float* dd, co
 }
 
 // row_sums[2i] = weight * loss, row_sums[2i + 1] = weight * hit; losses, correct optional.
-__global__ void cross_entropy_kernel(float* dlogits, float* row_sums, float* losses,
-                                     int32_t* correct, const float* logits, const int32_t* targets,
-                                     const float* weights, int64_t N, int64_t V, float dscale) {
-  const int64_t i = warp_row();
-  if (i >= N) return;
-  const WarpLanes l = warp_lanes();
+// Row i of the cross-entropy on lanes l: its loss and hit into row_sums (weighted), losses and
+// correct.
+template <class Lanes>
+__device__ void cross_entropy_row(const Lanes& l, int64_t i, float* dlogits, float* row_sums,
+                                  float* losses, int32_t* correct, const float* logits,
+                                  const int32_t* targets, const float* weights, int64_t V,
+                                  float dscale) {
   const float w = weights ? weights[i] : 1.0f;
   const rm::CrossEntropyRow row = rm::cross_entropy(dlogits ? dlogits + i * V : nullptr,
                                                     logits + i * V, targets[i], w, V, dscale, l);
@@ -64,6 +65,29 @@ __global__ void cross_entropy_kernel(float* dlogits, float* row_sums, float* los
     if (losses) losses[i] = row.loss;
     if (correct) correct[i] = row.hit;
   }
+}
+
+// A warp per row (narrow rows: next-sentence, classes, answer positions).
+__global__ void cross_entropy_kernel(float* dlogits, float* row_sums, float* losses,
+                                     int32_t* correct, const float* logits, const int32_t* targets,
+                                     const float* weights, int64_t N, int64_t V, float dscale) {
+  const int64_t i = warp_row();
+  if (i >= N) return;
+  cross_entropy_row(warp_lanes(), i, dlogits, row_sums, losses, correct, logits, targets, weights,
+                    V, dscale);
+}
+
+// A block per row, from kWideRow columns (the masked LM's vocabulary): a warp per row would
+// leave most of a GPU idle at a few thousand rows; the gradient written in the same pass.
+constexpr int64_t kWideRow = 1024;
+constexpr unsigned kWideRowThreads = 256;
+__global__ void cross_entropy_wide_kernel(float* dlogits, float* row_sums, float* losses,
+                                          int32_t* correct, const float* logits,
+                                          const int32_t* targets, const float* weights, int64_t V,
+                                          float dscale) {
+  const BlockLanes<kWideRowThreads> l{static_cast<int>(threadIdx.x)};
+  cross_entropy_row(l, blockIdx.x, dlogits, row_sums, losses, correct, logits, targets, weights, V,
+                    dscale);
 }
 
 constexpr unsigned kThreads = 256;
@@ -330,8 +354,11 @@ kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* 
   if (N == 0) return sums;
   const cudaStream_t s = as_stream(stream);
   auto* row_sums = static_cast<float*>(scratch(kCrossEntropySlot, 2 * N * sizeof(float)));
-  BT_LAUNCH(cross_entropy_kernel, row_blocks(N), kRowThreads, 0, s)
-  (dlogits, row_sums, losses, correct, logits, targets, weights, N, V, dscale);
+  if (V >= kWideRow)
+    BT_LAUNCH(cross_entropy_wide_kernel, static_cast<unsigned>(N), kWideRowThreads, 0, s)
+  (dlogits, row_sums, losses, correct, logits, targets, weights, V, dscale);
+  else BT_LAUNCH(cross_entropy_kernel, row_blocks(N), kRowThreads, 0, s)(
+      dlogits, row_sums, losses, correct, logits, targets, weights, N, V, dscale);
   BT_CUDA_CHECK(cudaGetLastError());
   if (!want_sums) return sums;
   std::vector<float> h(2 * N);
