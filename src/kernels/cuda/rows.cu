@@ -231,15 +231,29 @@ size_t aligned(size_t b) {
 // the copy from it has run (its event, found done by a query: the pass before last is long
 // finished), so a step's optimizer passes upload without a host synchronisation.
 struct PinnedTables {
-  char* host = nullptr;
-  size_t bytes = 0;
-  cudaEvent_t copied = nullptr;
+  struct Buffer {
+    char* host = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t copied = nullptr;
+  } buffer[2];
+  int turn = 0;
+  PinnedTables() = default;
+  PinnedTables(const PinnedTables&) = delete;
+  PinnedTables& operator=(const PinnedTables&) = delete;
+  ~PinnedTables() {  // (the thread's end)
+    for (Buffer& b : buffer) {
+      if (b.host) {
+        count_host_sync();
+        cudaFreeHost(b.host);
+      }
+      if (b.copied) cudaEventDestroy(b.copied);
+    }
+  }
 };
-thread_local PinnedTables t_tables[2];
-thread_local int t_turn = 0;
+thread_local PinnedTables t_tables;
 
 char* pinned_tables(size_t bytes) {
-  PinnedTables& b = t_tables[t_turn];
+  PinnedTables::Buffer& b = t_tables.buffer[t_tables.turn];
   if (b.copied) {
     const cudaError_t e = cudaEventQuery(b.copied);
     if (e == cudaErrorNotReady)
@@ -264,8 +278,8 @@ char* pinned_tables(size_t bytes) {
 
 // After the copy from pinned_tables' buffer: its event, and the other buffer's turn.
 void tables_copied(cudaStream_t s) {
-  BT_CUDA_CHECK(cudaEventRecord(t_tables[t_turn].copied, s));
-  t_turn ^= 1;
+  BT_CUDA_CHECK(cudaEventRecord(t_tables.buffer[t_tables.turn].copied, s));
+  t_tables.turn ^= 1;
 }
 
 Many upload(const kernels::TensorSpan* t, int64_t count, const void* steps, size_t step_bytes,
