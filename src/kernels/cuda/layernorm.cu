@@ -1,7 +1,7 @@
 // LayerNorm and the fused blocks around it on the GPU, one warp per row running the row math the
 // CPU tests check (kernels/row_math.h): plain LayerNorm, dropout + residual + LayerNorm, the
 // embedding sum + LayerNorm + dropout, and their backward. The parameter gradients come from a
-// column kernel over all rows (deterministic: no atomics).
+// column kernel over all rows (deterministic: chunks of rows added in order, column_tickets.cuh).
 #include "kernels/cuda/column_tickets.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"

@@ -48,9 +48,8 @@ __global__ void attention_softmax_backward_kernel(float* ds, const float* dd, co
                                  offset + s.dropout_row(bh, i), warp_lanes());
 }
 
-// row_sums[2i] = weight * loss, row_sums[2i + 1] = weight * hit; losses, correct optional.
-// Row i of the cross-entropy on lanes l: its loss and hit into row_sums (weighted), losses and
-// correct.
+// Row i of the cross-entropy on lanes l: row_sums[2i] = weight * loss, row_sums[2i + 1] =
+// weight * hit; losses[i] and correct[i] where given.
 template <class Lanes>
 __device__ void cross_entropy_row(const Lanes& l, int64_t i, float* dlogits, float* row_sums,
                                   float* losses, int32_t* correct, const float* logits,
