@@ -224,13 +224,7 @@ struct Bench {
 };
 
 Bench run_bench(const std::string& args) {
-  const std::string cmd = std::string(BERTRAIN_BINARY) + " bench --json " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-  EXPECT_EQ(pclose(p), 0) << out;
-  const nlohmann::json j = nlohmann::json::parse(out.substr(out.find('{')));
+  const nlohmann::json j = test::bench_json(args);
   return {j.at("peak_rss_bytes"), j.at("baseline_rss_bytes"), j.at("plan_bytes"),
           j.at("allocated_bytes"), j.at("unplanned_scratch_bytes")};
 }

@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +17,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/isa.h"
@@ -25,6 +29,19 @@
 #include "model/config.h"
 
 namespace bertrain::test {
+
+#ifdef BERTRAIN_BINARY
+// `bertrain bench --json <args>` run as a user runs it: its JSON line (the command must succeed).
+inline nlohmann::json bench_json(const std::string& args) {
+  const std::string cmd = std::string(BERTRAIN_BINARY) + " bench --json " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  EXPECT_EQ(pclose(p), 0) << out;
+  return nlohmann::json::parse(out.substr(out.find('{')));
+}
+#endif
 
 // A small BERT of the given sizes (everything else BERT's defaults).
 inline model::BertConfig small_bert(int64_t vocab, int64_t hidden, int64_t layers, int64_t heads,

@@ -7,9 +7,7 @@
 // padded and with the padding skipped on sequences of several lengths. Skips without a GPU.
 #include <gtest/gtest.h>
 
-#include <array>
 #include <cstdio>
-#include <nlohmann/json.hpp>
 #include <string>
 
 #include "comm/communicator.h"
@@ -126,22 +124,15 @@ TEST(CudaCounts, LaunchesPerLayerAndHostSyncsPerStep) {
 // as the 2-layer model above) and its host synchronisations.
 TEST(CudaCounts, BenchPrintsThem) {
   SKIP_WITHOUT_GPU();
-  const std::string cmd = std::string(BERTRAIN_BINARY) + " bench --device cuda --model-config " +
-                          BERTRAIN_TEST_DATA + "/../configs/bert-tiny.json --batch-size 4 " +
-                          "--seq-len 32 --max-predictions 5 --steps 2 --warmup 1 --padding " +
-                          "compute --json 2>/dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-  ASSERT_EQ(pclose(p), 0) << out;
-  const nlohmann::json j = nlohmann::json::parse(out.substr(out.find('{')));
-  ASSERT_TRUE(j.contains("launches_per_step")) << out;
+  const nlohmann::json j = test::bench_json(
+      std::string("--device cuda --model-config ") + BERTRAIN_TEST_DATA +
+      "/../configs/bert-tiny.json --batch-size 4 --seq-len 32 --max-predictions 5 --steps 2 " +
+      "--warmup 1 --padding compute");
+  ASSERT_TRUE(j.contains("launches_per_step")) << j.dump();
   const Counted two = count_steps(2, false, 2);
-  EXPECT_EQ(j["launches_per_step"].get<double>(), two.launches) << out;
-  EXPECT_LE(j["host_syncs_per_step"].get<double>(), 5) << out;  // (as above: at most)
-  EXPECT_GE(j["host_syncs_per_step"].get<double>(), 3) << out;  // the loss reads and the norm
+  EXPECT_EQ(j["launches_per_step"].get<double>(), two.launches) << j.dump();
+  EXPECT_LE(j["host_syncs_per_step"].get<double>(), 5) << j.dump();  // (as above: at most)
+  EXPECT_GE(j["host_syncs_per_step"].get<double>(), 3) << j.dump();  // the loss reads and the norm
 }
 
 }  // namespace

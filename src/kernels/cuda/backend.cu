@@ -218,10 +218,8 @@ class CudaBackend final : public kernels::Backend {
   }
   void wait_upload(const void* slot) const override {
     const cudaEvent_t copied = uploads().slot(slot).copied;
-    const cudaError_t e = cudaEventQuery(copied);  // (a copy long done: no blocking call)
-    if (e == cudaSuccess) return;
-    if (e != cudaErrorNotReady) BT_CUDA_CHECK(e);
-    BT_CUDA_WAIT(cudaEventSynchronize(copied));
+    if (!done(cudaEventQuery(copied)))  // (a copy long done: no blocking call)
+      BT_CUDA_WAIT(cudaEventSynchronize(copied));
   }
   // The kernels' stream only (the legacy default stream; the copy and NCCL streams are
   // non-blocking): a step's backward phase ends when its kernels have run, not when the gradient
@@ -229,17 +227,9 @@ class CudaBackend final : public kernels::Backend {
   // (Where the stream has already run everything, say after forward's loss read, the query
   // says so and the host does not block.)
   void synchronize() const override {
-    const cudaError_t e = cudaStreamQuery(nullptr);
-    if (e == cudaSuccess) return;
-    if (e != cudaErrorNotReady) BT_CUDA_CHECK(e);
-    BT_CUDA_WAIT(cudaStreamSynchronize(nullptr));
+    if (!done(cudaStreamQuery(nullptr))) BT_CUDA_WAIT(cudaStreamSynchronize(nullptr));
   }
-  bool busy() const override {
-    const cudaError_t e = cudaStreamQuery(nullptr);
-    if (e == cudaErrorNotReady) return true;
-    BT_CUDA_CHECK(e);
-    return false;
-  }
+  bool busy() const override { return !done(cudaStreamQuery(nullptr)); }
   std::string op_profile(int64_t steps) const override { return profile_table(steps); }
   std::optional<kernels::DeviceCounts> device_counts() const override {
     return cuda::device_counts();

@@ -40,6 +40,15 @@ namespace bertrain::cuda {
 void count_launch();
 void count_host_sync();
 
+// Whether a query (cudaStreamQuery, cudaEventQuery) found the work done: false while it still
+// runs, a bertrain::Error on an error. A host wait behind it is made only where it is false.
+inline bool done(cudaError_t query) {
+  if (query == cudaErrorNotReady) return false;
+  if (query != cudaSuccess)
+    ::bertrain::fail("CUDA error ", cudaGetErrorString(query), " in a stream or event query");
+  return true;
+}
+
 inline cudaStream_t as_stream(void* s) {
   return static_cast<cudaStream_t>(s);
 }

@@ -42,34 +42,31 @@ struct BlockLanes {
   static_assert(Threads % 32 == 0 && Threads <= 1024);
   int lane;
   static constexpr int count = Threads;
-  __device__ float sum(float v) const {
-    __shared__ float part[Threads / 32];
-    v = WarpLanes{lane % 32}.sum(v);
-    __syncthreads();  // (the previous combination's readers are done with part)
-    if (lane % 32 == 0) part[lane / 32] = v;
-    __syncthreads();
-    float t = part[0];
-    for (unsigned w = 1; w < Threads / 32; ++w) t += part[w];
-    return t;
-  }
-  __device__ float max(float v) const {
-    __shared__ float part[Threads / 32];
-    v = WarpLanes{lane % 32}.max(v);
-    __syncthreads();
-    if (lane % 32 == 0) part[lane / 32] = v;
-    __syncthreads();
-    float t = part[0];
-    for (unsigned w = 1; w < Threads / 32; ++w) t = fmaxf(t, part[w]);
-    return t;
-  }
+  __device__ float sum(float v) const { return across_warps(WarpLanes{lane % 32}.sum(v), Add{}); }
+  __device__ float max(float v) const { return across_warps(WarpLanes{lane % 32}.max(v), Max{}); }
   __device__ int64_t min(int64_t v) const {
-    __shared__ int64_t part[Threads / 32];
-    v = WarpLanes{lane % 32}.min(v);
+    return across_warps(WarpLanes{lane % 32}.min(v), Min{});
+  }
+
+ private:
+  struct Add {
+    __device__ float operator()(float a, float b) const { return a + b; }
+  };
+  struct Max {
+    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  };
+  struct Min {
+    __device__ int64_t operator()(int64_t a, int64_t b) const { return b < a ? b : a; }
+  };
+  // The warps' totals (each warp's lanes hold its own) combined in warp order.
+  template <class T, class Op>
+  __device__ T across_warps(T warp_total, Op op) const {
+    __shared__ T part[Threads / 32];
+    __syncthreads();  // (the previous combination's readers are done with part)
+    if (lane % 32 == 0) part[lane / 32] = warp_total;
     __syncthreads();
-    if (lane % 32 == 0) part[lane / 32] = v;
-    __syncthreads();
-    int64_t t = part[0];
-    for (unsigned w = 1; w < Threads / 32; ++w) t = part[w] < t ? part[w] : t;
+    T t = part[0];
+    for (unsigned w = 1; w < Threads / 32; ++w) t = op(t, part[w]);
     return t;
   }
 };

@@ -254,11 +254,7 @@ thread_local PinnedTables t_tables;
 char* pinned_tables(size_t bytes) {
   PinnedTables::Buffer& b = t_tables.buffer[t_tables.turn];
   if (b.copied) {
-    const cudaError_t e = cudaEventQuery(b.copied);
-    if (e == cudaErrorNotReady)
-      BT_CUDA_WAIT(cudaEventSynchronize(b.copied));
-    else
-      BT_CUDA_CHECK(e);
+    if (!done(cudaEventQuery(b.copied))) BT_CUDA_WAIT(cudaEventSynchronize(b.copied));
   } else {
     BT_CUDA_CHECK(cudaEventCreateWithFlags(&b.copied, cudaEventDisableTiming));
   }
