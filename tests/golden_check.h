@@ -134,6 +134,27 @@ inline void check_pretraining(const kernels::Backend& be, ModelDims d) {
   m.zero_grads();
   m.backward(b, {});
   check_grads(m, g);
+
+  // The same sums kept on the device over two forwards (a step of two micro-batches) and read
+  // once: the losses and hits added (the CPU's bit for bit: the same doubles added in the same
+  // order; a GPU's rows summed in a tree on the device, not in row order on the host).
+  StepOptions dev;
+  dev.device_sums = true;
+  for (int micro = 0; micro < 2; ++micro) {
+    const Losses kept = m.forward(b, dev);
+    EXPECT_EQ(kept.loss, 0.0) << "forward's Losses with the sums on the device";
+    EXPECT_EQ(kept.mlm_weight, l.mlm_weight);
+  }
+  m.read_step_sums();
+  const StepSums s = m.step_sums();
+  const double once = l.mlm_loss + l.nsp_loss;
+  EXPECT_NEAR(s.loss, 2 * once, be.host_memory() ? 0.0 : 1e-12 * once);
+  EXPECT_EQ(s.mlm_correct, 2 * l.mlm_correct);
+  EXPECT_EQ(s.nsp_correct, 2.0 * static_cast<double>(l.nsp_correct));
+  EXPECT_EQ(s.cls_correct, 0.0);
+  EXPECT_EQ(s.nonfinite, 0.0);
+  m.read_step_sums();  // read, the device's sums start again from zero
+  EXPECT_EQ(m.step_sums().loss, 0.0);
 }
 
 }  // namespace bertrain::model::golden

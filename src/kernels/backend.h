@@ -107,6 +107,22 @@ class Backend : public Target {
   // Whether kernels issued so far are still running (a GPU's, queued behind the host); a CPU's
   // have run when they return.
   virtual bool busy() const { return false; }
+  // Phase marks: mark() is a point in the device's queue (a GPU's timing event, recorded
+  // behind the kernels issued so far; the CPU's: the host clock now, its kernels having run),
+  // seconds_between(a, b) the device's time from mark a to mark b, the host waiting for b if it
+  // has not passed yet (a GPU's event synchronisation). A phase timed this way needs no
+  // synchronize at its end. A GPU keeps the last kMarks marks: older ones are an error.
+  static constexpr int64_t kMarks = 64;
+  virtual int64_t mark() const;
+  virtual double seconds_between(int64_t a, int64_t b) const;
+  // A copy from the backend's memory into page-locked host memory (allocate_host) queued behind
+  // the kernels issued so far (a GPU's: asynchronous); wait_to_host() returns once every such
+  // copy has landed (without blocking where the device is already past them). The default
+  // copies at once.
+  virtual void to_host_async(void* dst, const void* src, size_t bytes) const {
+    to_host(dst, src, bytes);
+  }
+  virtual void wait_to_host() const {}
   // The device's memory, for a backend with memory of its own (a GPU's: what a run checks its
   // plan against before it allocates); nothing for host memory (the CPU's budget is the host's).
   virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
@@ -263,6 +279,12 @@ class Backend : public Target {
                                          const float* logits, const int32_t* targets,
                                          const float* weights, int64_t N, int64_t V,
                                          float dscale) const = 0;
+  // The same, its sums added where `into` says (types.h SumsInto) instead of returned: on a GPU
+  // a small kernel after it, no host synchronisation. The default (host memory, or any backend
+  // through to_host/to_device) adds cross_entropy's returned sums.
+  virtual void cross_entropy_into(const SumsInto& into, float* dlogits, float* losses,
+                                  int32_t* correct, const float* logits, const int32_t* targets,
+                                  const float* weights, int64_t N, int64_t V, float dscale) const;
 
   // Squared error of N predictions (a regression head, HF's MSELoss summed): returns
   // sum_i (pred[i] - target[i])^2 and, when dpred is not null, writes

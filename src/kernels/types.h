@@ -97,6 +97,17 @@ struct CrossEntropySums {
   double loss = 0, correct = 0;
 };
 
+// Where Backend::cross_entropy_into adds its sums, in the backend's memory (doubles; null: not
+// wanted): *loss += the weighted loss / loss_divisor, *hits += the weighted hits, *nonfinite += 1
+// where the weighted loss is not finite. A step's statistics stay on the device this way and
+// cross to the host once (BertModel::step_sums).
+struct SumsInto {
+  double* loss = nullptr;
+  double loss_divisor = 1.0;
+  double* hits = nullptr;
+  double* nonfinite = nullptr;
+};
+
 // torch.optim.AdamW with g * gscale: p = p * decay - step_size * m / (sqrt(v) / sqrt_bc2 + eps)
 // where decay = 1 - lr * wd, step_size = lr / bc1.
 // The update also writes the parameters' 16-bit copy where one is given (p16): bf16 bits, or fp16
@@ -129,8 +140,8 @@ struct TensorSpan {
   int64_t offset, state, n;
 };
 
-inline float lamb_trust(const LambStep& a, double pn, double un) {
-  if (a.wd != 0.0f && pn > 0 && un > 0) return static_cast<float>(std::sqrt(pn) / std::sqrt(un));
+BT_HOST_DEVICE inline float lamb_trust(const LambStep& a, double pn, double un) {
+  if (a.wd != 0.0f && pn > 0 && un > 0) return static_cast<float>(sqrt(pn) / sqrt(un));
   return 1.0f;
 }
 

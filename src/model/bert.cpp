@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstring>
 
 #include "core/error.h"
@@ -145,6 +146,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(g, "head.qa_logits", f32s(2 * NQ));
   plan.add(g, "head.row_loss", f32s(std::max({BP, 2 * B, NT})));
   plan.add(g, "head.row_correct", f32s(std::max({BP, 2 * B, NT})));
+  plan.add(g, "head.step_sums", StepSums::kCount * sizeof(double));
   const std::string s = "scratch";
   plan.add(s, "grad.dh", f32s(N * C));
   plan.add(s, "grad.dA", f32s(N * C));
@@ -380,6 +382,17 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   act_.qa_logits = a.f32("head.qa_logits");
   act_.row_loss = a.f32("head.row_loss");
   act_.row_correct = reinterpret_cast<int32_t*>(a.f32("head.row_correct"));
+  act_.step_sums = reinterpret_cast<double*>(a.f32("head.step_sums"));
+  static_assert(sizeof(StepSums) == StepSums::kCount * sizeof(double));
+  step_sums_host_ = std::shared_ptr<StepSums>(
+      new (be_.allocate_host(sizeof(StepSums))) StepSums{}, [be = &be_](StepSums* p) {
+        try {
+          be->wait_to_host();     // (a copy into it may still run)
+        } catch (const Error&) {  // the device's error is reported
+        }
+        be->release_host(p);
+      });
+  be_.zero(act_.step_sums, sizeof(StepSums));
   const Arena& s = scratch_;
   act_.dh = s.f32("grad.dh");
   act_.dA = s.f32("grad.dA");
@@ -906,6 +919,32 @@ void BertModel::embeddings_backward(const Pass& p, float* dh) {
 
 // ---- the heads, each forward beside its backward ----
 
+// A head's cross-entropy over N rows: its sums returned, or with StepOptions::device_sums
+// added to the step's on the device (the loss / divisor to StepSums::loss, the hits to `hits`,
+// a non-finite loss counted) and zero sums returned.
+CrossEntropySums BertModel::head_loss(const Pass& p, double divisor, double* hits, float* dlogits,
+                                      const float* logits, const int32_t* targets,
+                                      const float* weights, int64_t N, int64_t V, float dscale) {
+  if (!p.opt.device_sums)
+    return be_.cross_entropy(dlogits, act_.row_loss, act_.row_correct, logits, targets, weights, N,
+                             V, dscale);
+  static_assert(offsetof(StepSums, nonfinite) == 4 * sizeof(double));
+  const kernels::SumsInto into{act_.step_sums, divisor, hits, act_.step_sums + 4};
+  be_.cross_entropy_into(into, dlogits, act_.row_loss, act_.row_correct, logits, targets, weights,
+                         N, V, dscale);
+  return {};
+}
+
+void BertModel::read_step_sums() {
+  be_.to_host_async(step_sums_host_.get(), act_.step_sums, sizeof(StepSums));
+  be_.zero(act_.step_sums, sizeof(StepSums));
+}
+
+StepSums BertModel::step_sums() const {
+  be_.wait_to_host();
+  return *step_sums_host_;
+}
+
 // HF's BertForTokenClassification: classifier(dropout(h)) on every token; the loss is the mean
 // cross-entropy over the scored tokens (weight 1; HF's ignore_index -100 is weight 0). Unpadded:
 // the packed rows' labels and weights (dummy rows weigh 0).
@@ -919,8 +958,8 @@ void BertModel::token_classifier_forward(const Pass& p, const Batch& b, const fl
   double scored = 0;
   for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
   const CrossEntropySums ce =
-      be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.tok_logits,
-                        cur_.in.token_labels, cur_.in.token_weights, N, NL, 0.0f);
+      head_loss(p, scored > 0 ? scored : 1.0, nullptr, nullptr, act_.tok_logits,
+                cur_.in.token_labels, cur_.in.token_weights, N, NL, 0.0f);
   out.loss = scored > 0 ? ce.loss / scored : 0.0;
   out.tokens_scored = static_cast<int64_t>(scored);
   out.tokens_correct = static_cast<int64_t>(ce.correct);
@@ -950,9 +989,8 @@ void BertModel::qa_forward(const Pass& p, const float* x, Losses& out) {
   be_.linear_forward(prec_, act_.qa_logits, {const_cast<float*>(x)}, Wt(w), W(bias), N, 1, C, ws_);
   be_.linear_forward(prec_, act_.qa_logits + N, {const_cast<float*>(x)}, Wt(w + C), W(bias + 1), N,
                      1, C, ws_);
-  const CrossEntropySums ce =
-      be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.qa_logits,
-                        cur_.in.span_positions, nullptr, 2 * B, p.T, 0.0f);
+  const CrossEntropySums ce = head_loss(p, 2.0 * B, nullptr, nullptr, act_.qa_logits,
+                                        cur_.in.span_positions, nullptr, 2 * B, p.T, 0.0f);
   out.loss = ce.loss / (2.0 * B);
   out.tokens_scored = 2 * B;
   out.tokens_correct = static_cast<int64_t>(ce.correct);
@@ -994,9 +1032,8 @@ void BertModel::pretraining_forward(const Pass& p, const Batch& b, const float* 
   const int64_t B = p.B, C = p.C, V = cfg_.vocab_size;
   be_.linear_forward(prec_, act_.nsp_logits, {act_.pooled}, Wt(t.heads().nsp_w), W(t.heads().nsp_b),
                      B, 2, C, ws_);
-  const CrossEntropySums nsp =
-      be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.nsp_logits,
-                        cur_.in.nsp_labels, nullptr, B, 2, 0.0f);
+  const CrossEntropySums nsp = head_loss(p, static_cast<double>(B), &act_.step_sums[2], nullptr,
+                                         act_.nsp_logits, cur_.in.nsp_labels, nullptr, B, 2, 0.0f);
   out.nsp_loss = nsp.loss / B;
   out.nsp_correct = static_cast<int64_t>(nsp.correct);
 
@@ -1017,9 +1054,9 @@ void BertModel::pretraining_forward(const Pass& p, const Batch& b, const float* 
   for (int64_t r = 0; r < BP; ++r) out.mlm_weight += mlm_weights(b)[r];
   const float dscale1 = static_cast<float>(1.0 / (out.mlm_weight + kMlmDenominatorEps));
   const bool training = p.opt.training;
-  const CrossEntropySums mlm =
-      be_.cross_entropy(training ? act_.mlm_logits : nullptr, act_.row_loss, act_.row_correct,
-                        act_.mlm_logits, cur_.in.mlm_ids, cur_.in.mlm_weights, BP, V, dscale1);
+  const CrossEntropySums mlm = head_loss(p, out.mlm_weight + kMlmDenominatorEps, &act_.step_sums[1],
+                                         training ? act_.mlm_logits : nullptr, act_.mlm_logits,
+                                         cur_.in.mlm_ids, cur_.in.mlm_weights, BP, V, dscale1);
   mlm_grad_ready_ = training;
   out.mlm_correct = mlm.correct;
   out.mlm_loss = mlm.loss / (out.mlm_weight + kMlmDenominatorEps);
@@ -1073,8 +1110,8 @@ void BertModel::classifier_forward(const Pass& p, Losses& out) {
     out.loss = be_.squared_error(nullptr, act_.cls_logits, cur_.in.label_values, B, 0.0f) / B;
   } else {
     const CrossEntropySums cls =
-        be_.cross_entropy(nullptr, act_.row_loss, act_.row_correct, act_.cls_logits,
-                          cur_.in.label_ids, nullptr, B, NL, 0.0f);
+        head_loss(p, static_cast<double>(B), &act_.step_sums[3], nullptr, act_.cls_logits,
+                  cur_.in.label_ids, nullptr, B, NL, 0.0f);
     out.loss = cls.loss / B;
     out.cls_correct = static_cast<int64_t>(cls.correct);
   }

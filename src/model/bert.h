@@ -101,6 +101,19 @@ struct StepOptions {
   uint64_t seed = 0;      // dropout stream (with step and layer)
   uint64_t step = 0;
   uint64_t example_offset = 0;  // global index of this batch's first example (data parallel)
+  // The loss sums stay where the kernels compute them: added to the model's StepSums on the
+  // device (no host synchronisation), read once a step (BertModel::read_step_sums). forward's
+  // Losses then carries only what the host knows (the token counts and the MLM weight).
+  bool device_sums = false;
+};
+
+// The sums forward added with StepOptions::device_sums since they were last read (doubles, in
+// this order, in the backend's memory: region "head.step_sums").
+struct StepSums {
+  double loss = 0;  // the micro-batches' losses (Losses::loss each) added
+  double mlm_correct = 0, nsp_correct = 0, cls_correct = 0;
+  double nonfinite = 0;  // loss terms (the MLM's, the NSP's, a classifier's) not finite
+  static constexpr int kCount = 5;
 };
 
 struct Losses {
@@ -210,6 +223,12 @@ class BertModel {
   }
 
   Losses forward(const Batch& b, const StepOptions& opt);
+  // The StepSums forward added with device_sums: read_step_sums() queues their copy to the host
+  // behind the kernels issued so far and starts the device's sums again from zero; step_sums()
+  // returns that copy, the host waiting for it only if it has not landed (a GPU: once the
+  // device has run up to it, so a synchronisation made after read_step_sums brings it along).
+  void read_step_sums();
+  StepSums step_sums() const;
   // The next batch made ready while the kernels still run this one's: its arrays packed and,
   // on a backend with memory of its own, grouped and copied into the other input slot beside
   // the kernels (Backend::upload); forward(b) then starts from them. b must stay as it is until
@@ -287,6 +306,7 @@ class BertModel {
     float *mlm_in, *mlm_pre, *mlm_act, *mlm_ln, *mlm_mean, *mlm_rstd, *mlm_logits;
     float* row_loss;
     int32_t* row_correct;
+    double* step_sums;  // StepSums
     // backward scratch
     float *dh, *dA, *dB, *dI, *dhead1, *dhead2, *dsmall;
   };
@@ -356,6 +376,9 @@ class BertModel {
   }
   // One pass's shapes and dropout sites (bert.cpp), and the pieces of forward and backward.
   struct Pass;
+  kernels::CrossEntropySums head_loss(const Pass& p, double divisor, double* hits, float* dlogits,
+                                      const float* logits, const int32_t* targets,
+                                      const float* weights, int64_t N, int64_t V, float dscale);
   Pass pass(const Batch& b, const StepOptions& opt) const;
   void layer_backward(int64_t l, const Pass& p, const Batch& b, float* dh);
   void embeddings_backward(const Pass& p, float* dh);
@@ -409,6 +432,8 @@ class BertModel {
   // (kernels::kInputSlots), each with its part of the host staging memory
   // (Backend::allocate_host).
   Arena input_arena_;
+  // read_step_sums' copy (Backend::allocate_host; released after the staging memory).
+  std::shared_ptr<StepSums> step_sums_host_;
   std::shared_ptr<void> staging_;
   std::array<std::byte*, kernels::kInputSlots> input_slot_{}, staging_slot_{};
   kernels::ScratchLayout kernel_scratch_;  // kernels_arena_'s layout, bound before kernels run

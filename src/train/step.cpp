@@ -162,9 +162,14 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
   r.loss_scale = scaler_.scale();
   if (reducer_) reducer_->set_prescale(g.prescale);
   m_.zero_grads();
+  phases_.clear();
   StepStats stats;
   for (int64_t micro = 0; micro < s_.accumulation; ++micro)
-    if (!micro_batch(step, micro, g, next_batch, ahead, stats, r)) return r;
+    if (!micro_batch(step, micro, g, next_batch, ahead, stats, r)) {
+      m_.read_step_sums();  // (the sums of the micro-batches that ran: dropped)
+      return r;
+    }
+  m_.read_step_sums();  // (lands with the next synchronisation: collect waits only if not)
   sum_over_ranks(g, stats, r);
   update(step, lr, g, stats, hint, r);
   r.t_total = seconds_since(t_step);
@@ -191,54 +196,73 @@ bool Step::micro_batch(int64_t step, int64_t micro, const GradientScale& g,
   // so it counts its most (the model's planned batch).
   const int64_t per_batch = batch.packed_rows > 0 ? m_.dims().batch : batch.B;
   const model::StepOptions so{true, s_.seed, static_cast<uint64_t>(step),
-                              static_cast<uint64_t>((micro * world + rank) * per_batch)};
-  t0 = Clock::now();
+                              static_cast<uint64_t>((micro * world + rank) * per_batch),
+                              /*device_sums=*/true};
+  const kernels::Backend& be = m_.backend();
+  Phases ph;
+  ph.host_begin_us = tl_ && tl_->enabled() ? tl_->now_us() : 0;
+  ph.forward = be.mark();
   const model::Losses l = m_.forward(batch, so);
-  m_.backend().synchronize();  // a GPU's phases end when its kernels have run
-  r.t_forward += seconds_since(t0);
-  span("forward", "compute", t0);
+  ph.backward = be.mark();
+  // The loss sums are the device's (collect); what the host computed (a regression head's
+  // squared error) is added here.
   stats.loss += l.loss;
-  stats.mlm_correct += l.mlm_correct;
-  stats.mlm_weight += l.mlm_weight;
-  stats.nsp_correct += static_cast<double>(l.nsp_correct);
-  stats.cls_correct += static_cast<double>(l.cls_correct);
-  stats.examples += static_cast<double>(batch.B);
   if (!std::isfinite(l.loss)) stats.nonfinite_losses += 1;
+  stats.mlm_weight += l.mlm_weight;
+  stats.examples += static_cast<double>(batch.B);
   stats.real_tokens += static_cast<double>(l.real_tokens);
   stats.computed_tokens += static_cast<double>(l.computed_tokens);
   stats.token_slots += static_cast<double>(batch.token_slots());
   r.flops += m_.last_step_flops();
-  t0 = Clock::now();
   const bool last = micro + 1 == s_.accumulation;
   if (reducer_ && last)
     m_.backward(batch, so, g.backward, [&](int64_t layer) { reducer_->layer_done(layer); });
   else
     m_.backward(batch, so, g.backward);
-  double read = 0;
+  ph.end = be.mark();
+  phases_.push_back(ph);
   const bool next_here = micro + 1 < s_.accumulation;
-  if (m_.stages_ahead() && (next_here || ahead) && !read_ahead(next_batch, next_here, r, read))
+  if (m_.stages_ahead() && (next_here || ahead) && !read_ahead(next_batch, next_here, r))
     return false;
-  m_.backend().synchronize();
-  r.t_backward += seconds_since(t0) - read;
-  span("backward", "compute", t0);
+  // Several ranks: the exposed communication is what the reducer waits for after backward.
+  if (world > 1 && last) be.synchronize();
+  // A GPU keeps the last Backend::kMarks marks: a long accumulation times its phases early.
+  if (static_cast<int64_t>(phases_.size()) * 3 + 8 > kernels::Backend::kMarks) time_phases(r);
   return true;
+}
+
+// The device's time in each forward and backward of the step so far, from their marks (the
+// host waits for the last one only if the device has not passed it), and their timeline spans:
+// each forward from the moment it was issued, its backward after it.
+void Step::time_phases(StepReport& r) {
+  const kernels::Backend& be = m_.backend();
+  for (const Phases& ph : phases_) {
+    const double fwd = be.seconds_between(ph.forward, ph.backward);
+    const double bwd = be.seconds_between(ph.backward, ph.end);
+    r.t_forward += fwd;
+    r.t_backward += bwd;
+    if (!tl_ || !tl_->enabled()) continue;
+    const int64_t f_end = ph.host_begin_us + static_cast<int64_t>(fwd * 1e6);
+    tl_->add("forward", "compute", ph.host_begin_us, f_end);
+    tl_->add("backward", "compute", f_end, f_end + static_cast<int64_t>(bwd * 1e6));
+  }
+  phases_.clear();
 }
 
 // The next micro-batch (this step's, or with next_here false the next step's first) read and
 // staged while the device runs this backward. Where the device still ran it when the read ended,
-// the read was hidden and the phase's time is its wall time; else the read is input's time (the
-// device waited for it at most that long): `read` says how long to take off the backward.
-bool Step::read_ahead(const NextBatch& next_batch, bool next_here, StepReport& r, double& read) {
+// the read was hidden (behind the backward's device time); else the read is input's time (the
+// device waited for it at most that long).
+bool Step::read_ahead(const NextBatch& next_batch, bool next_here, StepReport& r) {
   const auto t_read = Clock::now();
   model::Batch& next = batches_[1 - cur_];
   reading_ahead_ = !next_here;
   const bool got = next_batch(next);
   reading_ahead_ = false;
-  read = seconds_since(t_read);
+  const double read = seconds_since(t_read);
   if (m_.backend().busy()) {
     r.t_input_hidden += read;
     span("input read ahead", "input", t_read);
-    read = 0;
   } else {
     r.t_input += read;
     span("input wait", "input", t_read);
@@ -262,13 +286,31 @@ void Step::sum_over_ranks(const GradientScale& g, StepStats& stats, StepReport& 
   const int world = comm_.size();
   const auto t0 = Clock::now();
   reduce(g, r);
-  stats.loss /= static_cast<double>(s_.accumulation);
   m_.bind_kernel_scratch();  // the optimizer's reductions take their partial sums from it
   if (opt_.sharded()) stats.grad_sum_squares = opt_.sum_squares(m_.grads(), g.unscale);  // part
-  if (world > 1) stats.allreduce_sum(comm_);  // (grad_sum_squares: 0 unsharded)
+  if (world > 1) {
+    collect(stats, r);
+    stats.allreduce_sum(comm_);  // (grad_sum_squares: 0 unsharded)
+  }
   r.t_comm = seconds_since(t0);
   span("allreduce gradients", "communication", t0);
-  r.loss = stats.loss / world;
+}
+
+// The device's loss sums (BertModel::step_sums, read at the end of the micro-batches) added to
+// the rank's statistics, and the phases' device times: by now the device has passed both, or
+// the host waits here once.
+void Step::collect(StepStats& stats, StepReport& r) {
+  const model::StepSums s = m_.step_sums();
+  stats.loss += s.loss;
+  stats.mlm_correct += s.mlm_correct;
+  stats.nsp_correct += s.nsp_correct;
+  stats.cls_correct += s.cls_correct;
+  stats.nonfinite_losses += s.nonfinite;
+  time_phases(r);
+}
+
+void Step::report(const StepStats& stats, StepReport& r) const {
+  r.loss = stats.loss / static_cast<double>(s_.accumulation) / comm_.size();
   r.mlm_correct = stats.mlm_correct;
   r.mlm_weight = stats.mlm_weight;
   r.nsp_correct = stats.nsp_correct;
@@ -280,15 +322,19 @@ void Step::sum_over_ranks(const GradientScale& g, StepStats& stats, StepReport& 
 }
 
 // The finite check on every rank (all skip together), then the update.
-void Step::update(int64_t step, double lr, const GradientScale& g, const StepStats& stats,
+void Step::update(int64_t step, double lr, const GradientScale& g, StepStats& stats,
                   const std::string& hint, StepReport& r) {
   const int world = comm_.size();
   const bool sharded = opt_.sharded();
   const auto t0 = Clock::now();
+  const kernels::Backend& be = m_.backend();
+  const int64_t begin = be.mark();
   // Sharded: the norm of every part, summed with the statistics (the same value on every rank;
   // a NaN or inf anywhere makes it non-finite everywhere).
   const StepResult measured =
       sharded ? opt_.result(stats.grad_sum_squares) : opt_.measure(m_.grads(), g.unscale);
+  if (world == 1) collect(stats, r);  // (the norm's read brought them along)
+  report(stats, r);
   const bool finite = world > 1 && !sharded ? comm_.all(measured.finite) : measured.finite;
   r.grad_norm = measured.grad_norm;
   // A non-finite loss with finite gradients (an overflowing cross-entropy whose softmax
@@ -307,8 +353,9 @@ void Step::update(int64_t step, double lr, const GradientScale& g, const StepSta
     if (sharded) gather_parameters(r);
     m_.weights16_updated();
   }
-  m_.backend().synchronize();
-  r.t_optimizer = seconds_since(t0);
+  const int64_t end = be.mark();
+  be.synchronize();
+  r.t_optimizer = be.seconds_between(begin, end);
   span("optimizer", "optimizer", t0);
 }
 

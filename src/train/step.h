@@ -64,7 +64,8 @@ struct StepReport {
   // Seconds of this rank: waiting for input, forward, backward, exposed communication (gradient
   // sum and the step's statistics), optimizer; hidden = communication that ran behind backward;
   // input_hidden = input read ahead while the device still ran backward (Step::run: part of
-  // backward's time, which the device set).
+  // backward's time, which the device set). Forward, backward and optimizer are the device's
+  // time between phase marks (Backend::mark: a GPU's events; the CPU's clock).
   double t_input = 0, t_forward = 0, t_backward = 0, t_comm = 0, t_optimizer = 0, t_hidden = 0;
   double t_input_hidden = 0;
   double t_total = 0;
@@ -130,9 +131,12 @@ class Step {
   // The pieces of run(), in order (step.cpp says each one's part).
   bool micro_batch(int64_t step, int64_t micro, const GradientScale& g, const NextBatch& next_batch,
                    bool ahead, StepStats& stats, StepReport& r);
-  bool read_ahead(const NextBatch& next_batch, bool next_here, StepReport& r, double& read);
+  bool read_ahead(const NextBatch& next_batch, bool next_here, StepReport& r);
   void sum_over_ranks(const GradientScale& g, StepStats& stats, StepReport& r);
-  void update(int64_t step, double lr, const GradientScale& g, const StepStats& stats,
+  void collect(StepStats& stats, StepReport& r);
+  void report(const StepStats& stats, StepReport& r) const;
+  void time_phases(StepReport& r);
+  void update(int64_t step, double lr, const GradientScale& g, StepStats& stats,
               const std::string& hint, StepReport& r);
   void gather_parameters(StepReport& r);
   void reduce(const GradientScale& g, StepReport& r);
@@ -153,6 +157,13 @@ class Step {
   // and staged for the coming micro-batch). interrupted_ahead_: the read ahead of the next
   // step's first micro-batch was interrupted, so that step stops at once.
   std::array<model::Batch, 2> batches_;
+  // A micro-batch's phases as the device ran them (Backend::mark): forward from `forward` to
+  // `backward`, backward from there to `end`; timed once the device has passed them
+  // (time_phases). host_begin_us: the timeline's clock when the forward was issued.
+  struct Phases {
+    int64_t forward = 0, backward = 0, end = 0, host_begin_us = 0;
+  };
+  std::vector<Phases> phases_;
   int cur_ = 0;
   bool held_ = false, reading_ahead_ = false, interrupted_ahead_ = false;
 };

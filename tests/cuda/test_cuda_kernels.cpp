@@ -302,7 +302,8 @@ TEST(Cuda, OptimizerMatchesCpu) {
 // The optimizer over many tensors at once (a block per chunk of 64 Ki values, a span longer than a
 // chunk, an empty one, the state offset from the values as a shard's) against the CPU backend's
 // one tensor at a time: the same element functions, so the same bits; the norms are double sums
-// in another order (rtol 1e-12), and LAMB's trust ratios come from them.
+// in another order (rtol 1e-12), and LAMB's trust ratios come from them (the one-pass update's
+// on the device, with no host synchronisation; the two-pass update's on the host).
 TEST(Cuda, OptimizerOverManyTensorsMatchesCpu) {
   SKIP_WITHOUT_GPU();
   // Values (p, g) from 1000 on, their state (m, v) from 0: a shard's layout.

@@ -103,6 +103,18 @@ TEST(CudaModel, TaskHeadsEqualCpu) {
     EXPECT_NEAR(gpu.losses.loss, cpu.losses.loss, 1e-4 * std::fabs(cpu.losses.loss));
     EXPECT_TRUE(
         test::all_close("grads", gpu.grads.data(), cpu.grads.data(), cpu.grads.size(), 1e-4, 1e-4));
+    // The head's loss and hits added on the device (StepOptions::device_sums) equal forward's
+    // returned ones (the rows summed in a tree on the device instead of in order on the host).
+    BertModel m(c, head, d, cuda::cuda_backend());
+    m.init_params(5);
+    const model::Losses l = m.forward(b, {});
+    model::StepOptions dev;
+    dev.device_sums = true;
+    m.forward(b, dev);
+    m.read_step_sums();
+    const model::StepSums s = m.step_sums();
+    EXPECT_NEAR(s.loss, l.loss, 1e-12 * std::fabs(l.loss));
+    EXPECT_EQ(s.cls_correct, static_cast<double>(l.cls_correct));
   }
 }
 

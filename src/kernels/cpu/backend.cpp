@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <new>
 #include <string>
@@ -304,6 +305,33 @@ void* Backend::allocate_host(size_t bytes) const {
 
 void Backend::release_host(void* p) const {
   ::operator delete (p, std::align_val_t{256});
+}
+
+void Backend::cross_entropy_into(const SumsInto& into, float* dlogits, float* losses,
+                                 int32_t* correct, const float* logits, const int32_t* targets,
+                                 const float* weights, int64_t N, int64_t V, float dscale) const {
+  const CrossEntropySums s =
+      cross_entropy(dlogits, losses, correct, logits, targets, weights, N, V, dscale);
+  auto add = [&](double* to, double v) {
+    if (!to) return;
+    double h = 0;
+    to_host(&h, to, sizeof h);
+    h += v;
+    to_device(to, &h, sizeof h);
+  };
+  add(into.loss, s.loss / into.loss_divisor);
+  add(into.hits, s.correct);
+  if (!std::isfinite(s.loss)) add(into.nonfinite, 1.0);
+}
+
+int64_t Backend::mark() const {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+double Backend::seconds_between(int64_t a, int64_t b) const {
+  return static_cast<double>(b - a) * 1e-9;
 }
 
 void Backend::add_sum_squares(double& sum, const float* g, const TensorSpan* t, int64_t count,

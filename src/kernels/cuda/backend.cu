@@ -156,6 +156,23 @@ Uploads& uploads() {
   return u;
 }
 
+// The calling thread's phase marks (Backend::mark: a ring of timing events, mark i in
+// event[i % kMarks]) and the event behind its last to_host_async.
+struct HostSide {
+  cudaEvent_t marks[kernels::Backend::kMarks] = {};
+  int64_t next = 0;
+  cudaEvent_t copied = nullptr;
+  HostSide() = default;
+  HostSide(const HostSide&) = delete;
+  HostSide& operator=(const HostSide&) = delete;
+  ~HostSide() {  // (the thread's end)
+    for (cudaEvent_t e : marks)
+      if (e) cudaEventDestroy(e);
+    if (copied) cudaEventDestroy(copied);
+  }
+};
+thread_local HostSide t_host_side;
+
 class CudaBackend final : public kernels::Backend {
  public:
   const char* name() const override { return "cuda"; }
@@ -230,6 +247,35 @@ class CudaBackend final : public kernels::Backend {
     if (!done(cudaStreamQuery(nullptr))) BT_CUDA_WAIT(cudaStreamSynchronize(nullptr));
   }
   bool busy() const override { return !done(cudaStreamQuery(nullptr)); }
+  int64_t mark() const override {
+    HostSide& h = t_host_side;
+    cudaEvent_t& e = h.marks[h.next % kMarks];
+    if (!e) BT_CUDA_CHECK(cudaEventCreate(&e));
+    BT_CUDA_CHECK(cudaEventRecord(e, nullptr));
+    return h.next++;
+  }
+  double seconds_between(int64_t a, int64_t b) const override {
+    const HostSide& h = t_host_side;
+    for (int64_t m : {a, b})
+      BT_CHECK(m >= 0 && m < h.next && h.next - m <= kMarks, "seconds_between: mark ", m,
+               " is not one of this thread's last ", kMarks, " (", h.next, " made)");
+    cudaEvent_t end = h.marks[b % kMarks];
+    if (!done(cudaEventQuery(end))) BT_CUDA_WAIT(cudaEventSynchronize(end));
+    float ms = 0;
+    BT_CUDA_CHECK(cudaEventElapsedTime(&ms, h.marks[a % kMarks], end));
+    return 1e-3 * ms;
+  }
+  void to_host_async(void* dst, const void* src, size_t bytes) const override {
+    const Op op("to_host_async");
+    HostSide& h = t_host_side;
+    if (!h.copied) BT_CUDA_CHECK(cudaEventCreateWithFlags(&h.copied, cudaEventDisableTiming));
+    BT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, nullptr));
+    BT_CUDA_CHECK(cudaEventRecord(h.copied, nullptr));
+  }
+  void wait_to_host() const override {
+    const HostSide& h = t_host_side;
+    if (h.copied && !done(cudaEventQuery(h.copied))) BT_CUDA_WAIT(cudaEventSynchronize(h.copied));
+  }
   std::string op_profile(int64_t steps) const override { return profile_table(steps); }
   std::optional<kernels::DeviceCounts> device_counts() const override {
     return cuda::device_counts();
@@ -423,6 +469,15 @@ class CudaBackend final : public kernels::Backend {
     return s;
   }
 
+  void cross_entropy_into(const kernels::SumsInto& into, float* dlogits, float* losses,
+                          int32_t* correct, const float* logits, const int32_t* targets,
+                          const float* weights, int64_t N, int64_t V, float dscale) const override {
+    const Op op("cross_entropy");
+    kernels::SumsInto to = into;
+    if (!correct) to.hits = nullptr;  // (as the CPU: the hits only where asked for)
+    cuda::cross_entropy_into(to, dlogits, losses, correct, logits, targets, weights, N, V, dscale);
+  }
+
   double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
                        float dscale) const override {
     const Op op("squared_error");
@@ -471,17 +526,14 @@ class CudaBackend final : public kernels::Backend {
   void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
                    float* v, const kernels::TensorSpan* t, int64_t count) const override {
     const Op op("lamb_update (all tensors)");
-    std::vector<double> pn(static_cast<size_t>(count), 0.0), un(static_cast<size_t>(count), 0.0);
-    cuda::lamb_update(a, p, p16, g, m, v, t, count, pn.data(), un.data(), [&](float* step) {
-      for (int64_t i = 0; i < count; ++i)
-        step[i] = a[i].lr * kernels::lamb_trust(a[i], pn[i], un[i]);
-    });
+    cuda::lamb_update(a, p, p16, g, m, v, t, count, nullptr, nullptr, /*apply=*/true);
   }
   void lamb_moments(const kernels::LambStep* a, const float* p, const float* g, float* m, float* v,
                     const kernels::TensorSpan* t, int64_t count, double* pn,
                     double* un) const override {
     const Op op("lamb_moments (all tensors)");
-    cuda::lamb_update(a, const_cast<float*>(p), nullptr, g, m, v, t, count, pn, un, {});
+    cuda::lamb_update(a, const_cast<float*>(p), nullptr, g, m, v, t, count, pn, un,
+                      /*apply=*/false);
   }
   void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float* m,
                   const float* v, const kernels::TensorSpan* t, int64_t count,

@@ -10,7 +10,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <string>
 
 #include "kernels/backend.h"
@@ -194,6 +193,12 @@ kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* 
                                         const float* logits, const int32_t* targets,
                                         const float* weights, int64_t N, int64_t V, float dscale,
                                         void* stream = nullptr, bool sums = true);
+// The same, its sums added on the device where `into` says (kernels::SumsInto): one more
+// kernel, no waiting.
+void cross_entropy_into(const kernels::SumsInto& into, float* dlogits, float* losses,
+                        int32_t* correct, const float* logits, const int32_t* targets,
+                        const float* weights, int64_t N, int64_t V, float dscale,
+                        void* stream = nullptr);
 
 // Device memory for kernels that need more than their operands (slot: which part, scratch.h):
 // the bound region's part (bind_scratch: the model's plan) when it holds `bytes`, else a buffer
@@ -217,16 +222,17 @@ void lamb_apply(const kernels::LambStep& a, float* p, uint16_t* p16, const float
                 int64_t n, float step, void* stream = nullptr);
 
 // The same over many tensors of flat buffers (kernels/backend.h, TensorSpan), one pass each
-// (scratch.h: a block per chunk). add_sum_squares synchronises once; lamb_update once: pn, un
-// receive each span's norms (+=), then `trust` (when given) writes each span's step (lr x trust
-// ratio) for the update pass.
+// (scratch.h: a block per chunk). add_sum_squares synchronises once. lamb_update with `apply`:
+// the moments, each span's trust ratio and step (lr x trust) on the device, the update pass:
+// no synchronisation (pn, un unused); without: the moments only, pn and un receiving each span's
+// norms (+=: one synchronisation), for a tensor updated in parts on several ranks.
 void add_sum_squares(double& sum, const float* g, const kernels::TensorSpan* t, int64_t count,
                      double scale, void* stream = nullptr);
 void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
                   float* v, const kernels::TensorSpan* t, int64_t count, void* stream = nullptr);
 void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
                  float* v, const kernels::TensorSpan* t, int64_t count, double* pn, double* un,
-                 const std::function<void(float* step)>& trust, void* stream = nullptr);
+                 bool apply, void* stream = nullptr);
 void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float* m, const float* v,
                 const kernels::TensorSpan* t, int64_t count, const float* step,
                 void* stream = nullptr);

@@ -4,7 +4,6 @@
 // partial values, added on the host in double in a fixed order.
 #include <algorithm>
 #include <cstring>
-#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -164,6 +163,20 @@ __global__ void lamb_moments_many_kernel(double* partial, const kernels::LambSte
   block_sum(un, partial + 2 * blockIdx.x + 1);
 }
 
+// LAMB's step per span on the device: thread i adds span i's chunks' partial norms in chunk
+// order (the order the host added them in: the same bits) and writes lr x trust ratio.
+__global__ void lamb_trust_kernel(float* trust, const kernels::LambStep* steps,
+                                  const double* partial, const int64_t* first, int64_t count) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  double pn = 0.0, un = 0.0;
+  for (int64_t b = first[i]; b < first[i + 1]; ++b) {
+    pn += partial[2 * b];
+    un += partial[2 * b + 1];
+  }
+  trust[i] = steps[i].lr * kernels::lamb_trust(steps[i], pn, un);
+}
+
 __global__ void lamb_apply_many_kernel(const kernels::LambStep* steps, const float* trust, float* p,
                                        uint16_t* p16, const float* m, const float* v,
                                        const kernels::TensorSpan* spans, const Chunk* chunks) {
@@ -211,11 +224,13 @@ std::vector<double> download_partials(const double* partial, size_t count, cudaS
 }
 
 // A multi-tensor pass's arguments in the scratch (scratch.h, kMultiTensorSlot): the spans, their
-// chunks, one step per span; then room for a trust ratio per span and two partials per chunk.
+// chunks, one step per span, each span's first chunk (and the end); then room for a trust ratio
+// per span and two partials per chunk.
 struct Many {
   const kernels::TensorSpan* spans = nullptr;
   const Chunk* chunks = nullptr;
   const void* steps = nullptr;
+  const int64_t* first = nullptr;
   float* trust = nullptr;
   double* partials = nullptr;
   std::vector<Chunk> host_chunks;
@@ -281,32 +296,37 @@ Many upload(const kernels::TensorSpan* t, int64_t count, const void* steps, size
             cudaStream_t s) {
   Many w;
   int64_t values = 0;
+  std::vector<int64_t> first;
   for (int64_t i = 0; i < count; ++i) {
     values += t[i].n;
+    first.push_back(static_cast<int64_t>(w.host_chunks.size()));
     for (int64_t b = 0; b < t[i].n; b += kChunk)
       w.host_chunks.push_back({i, b, std::min(kChunk, t[i].n - b)});
   }
+  first.push_back(static_cast<int64_t>(w.host_chunks.size()));
   const size_t n = static_cast<size_t>(count);
   const size_t spans_b = aligned(n * sizeof(kernels::TensorSpan)),
                chunks_b = aligned(w.host_chunks.size() * sizeof(Chunk)),
-               steps_b = aligned(n * step_bytes), trust_b = aligned(n * 4),
-               partial_b = 2 * w.host_chunks.size() * sizeof(double);
+               steps_b = aligned(n * step_bytes), first_b = aligned((n + 1) * sizeof(int64_t)),
+               trust_b = aligned(n * 4), partial_b = 2 * w.host_chunks.size() * sizeof(double);
+  const size_t table_b = spans_b + chunks_b + steps_b + first_b;
   auto* base = static_cast<char*>(scratch(
-      kMultiTensorSlot, std::max<size_t>(spans_b + chunks_b + steps_b + trust_b + partial_b,
+      kMultiTensorSlot, std::max<size_t>(table_b + trust_b + partial_b,
                                          static_cast<size_t>(multi_tensor_bytes(values, count)))));
-  const size_t table_b = spans_b + chunks_b + steps_b;
   char* host = pinned_tables(table_b);
   std::memset(host, 0, table_b);
   std::memcpy(host, t, n * sizeof(kernels::TensorSpan));
   std::memcpy(host + spans_b, w.host_chunks.data(), w.host_chunks.size() * sizeof(Chunk));
   if (steps) std::memcpy(host + spans_b + chunks_b, steps, n * step_bytes);
+  std::memcpy(host + spans_b + chunks_b + steps_b, first.data(), first.size() * sizeof(int64_t));
   BT_CUDA_CHECK(cudaMemcpyAsync(base, host, table_b, cudaMemcpyHostToDevice, s));
   tables_copied(s);
   w.spans = reinterpret_cast<const kernels::TensorSpan*>(base);
   w.chunks = reinterpret_cast<const Chunk*>(base + spans_b);
   w.steps = base + spans_b + chunks_b;
-  w.trust = reinterpret_cast<float*>(base + spans_b + chunks_b + steps_b);
-  w.partials = reinterpret_cast<double*>(base + spans_b + chunks_b + steps_b + trust_b);
+  w.first = reinterpret_cast<const int64_t*>(base + spans_b + chunks_b + steps_b);
+  w.trust = reinterpret_cast<float*>(base + table_b);
+  w.partials = reinterpret_cast<double*>(base + table_b + trust_b);
   return w;
 }
 
@@ -355,13 +375,12 @@ void attention_softmax_backward(float* ds, const float* dd, const float* probs,
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
-kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
-                                        const float* logits, const int32_t* targets,
-                                        const float* weights, int64_t N, int64_t V, float dscale,
-                                        void* stream, bool want_sums) {
-  kernels::CrossEntropySums sums;
-  if (N == 0) return sums;
-  const cudaStream_t s = as_stream(stream);
+namespace {
+
+// The rows' cross-entropy; returns the scratch of their weighted losses and hits (2 per row).
+float* cross_entropy_rows(float* dlogits, float* losses, int32_t* correct, const float* logits,
+                          const int32_t* targets, const float* weights, int64_t N, int64_t V,
+                          float dscale, cudaStream_t s) {
   auto* row_sums = static_cast<float*>(scratch(kCrossEntropySlot, 2 * N * sizeof(float)));
   if (V >= kWideRow)
     BT_LAUNCH(cross_entropy_wide_kernel, static_cast<unsigned>(N), kWideRowThreads, 0, s)
@@ -369,6 +388,51 @@ kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* 
   else BT_LAUNCH(cross_entropy_kernel, row_blocks(N), kRowThreads, 0, s)(
       dlogits, row_sums, losses, correct, logits, targets, weights, N, V, dscale);
   BT_CUDA_CHECK(cudaGetLastError());
+  return row_sums;
+}
+
+// One block adds the rows' sums (each thread a stride of rows, then a fixed tree: the same
+// bits every run) into `into`'s doubles.
+__global__ void add_row_sums_kernel(const float* row_sums, int64_t N, kernels::SumsInto into) {
+  double loss = 0.0, hits = 0.0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
+    loss += row_sums[2 * i];
+    hits += row_sums[2 * i + 1];
+  }
+  __shared__ double total[2];
+  block_sum(loss, total);
+  __syncthreads();
+  block_sum(hits, total + 1);
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const double l = total[0] / into.loss_divisor;
+  if (into.loss) *into.loss += l;
+  if (into.hits) *into.hits += total[1];
+  if (into.nonfinite && !isfinite(l)) *into.nonfinite += 1.0;
+}
+
+}  // namespace
+
+void cross_entropy_into(const kernels::SumsInto& into, float* dlogits, float* losses,
+                        int32_t* correct, const float* logits, const int32_t* targets,
+                        const float* weights, int64_t N, int64_t V, float dscale, void* stream) {
+  if (N == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  const float* row_sums =
+      cross_entropy_rows(dlogits, losses, correct, logits, targets, weights, N, V, dscale, s);
+  BT_LAUNCH(add_row_sums_kernel, 1, kThreads, 0, s)(row_sums, N, into);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
+                                        const float* logits, const int32_t* targets,
+                                        const float* weights, int64_t N, int64_t V, float dscale,
+                                        void* stream, bool want_sums) {
+  kernels::CrossEntropySums sums;
+  if (N == 0) return sums;
+  const cudaStream_t s = as_stream(stream);
+  const float* row_sums =
+      cross_entropy_rows(dlogits, losses, correct, logits, targets, weights, N, V, dscale, s);
   if (!want_sums) return sums;
   std::vector<float> h(2 * N);
   // (into pageable memory: returns when the stream has run through the copy)
@@ -449,29 +513,27 @@ void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const fl
 
 void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
                  float* v, const kernels::TensorSpan* t, int64_t count, double* pn, double* un,
-                 const std::function<void(float* step)>& trust, void* stream) {
+                 bool apply, void* stream) {
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
   const Many w = upload(t, count, a, sizeof(kernels::LambStep), s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   const auto* steps = static_cast<const kernels::LambStep*>(w.steps);
-  if (blocks > 0) {
-    BT_LAUNCH(lamb_moments_many_kernel, blocks, kThreads, 0, s)
-    (w.partials, steps, p, g, m, v, w.spans, w.chunks);
-    BT_CUDA_CHECK(cudaGetLastError());
+  if (blocks == 0) return;
+  BT_LAUNCH(lamb_moments_many_kernel, blocks, kThreads, 0, s)
+  (w.partials, steps, p, g, m, v, w.spans, w.chunks);
+  BT_CUDA_CHECK(cudaGetLastError());
+  if (!apply) {  // the moments only: the norms to the host
     const std::vector<double> h = download_partials(w.partials, 2 * blocks, s);
     for (unsigned b = 0; b < blocks; ++b) {
       pn[w.host_chunks[b].tensor] += h[2 * b];
       un[w.host_chunks[b].tensor] += h[2 * b + 1];
     }
+    return;
   }
-  if (!trust || blocks == 0) return;  // (no trust: the moments only)
-  thread_local std::vector<float> step;
-  step.assign(static_cast<size_t>(count), 0.0f);
-  trust(step.data());
-  // (from pageable memory: the host may wait for the stream first)
-  BT_CUDA_WAIT(cudaMemcpyAsync(w.trust, step.data(), step.size() * sizeof(float),
-                               cudaMemcpyHostToDevice, s));
+  BT_LAUNCH(lamb_trust_kernel, blocks_for(count, kThreads), kThreads, 0, s)
+  (w.trust, steps, w.partials, w.first, count);
+  BT_CUDA_CHECK(cudaGetLastError());
   BT_LAUNCH(lamb_apply_many_kernel, blocks, kThreads, 0, s)
   (steps, w.trust, p, p16, m, v, w.spans, w.chunks);
   BT_CUDA_CHECK(cudaGetLastError());

@@ -56,8 +56,11 @@ int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors) {
   if (tensors == 0) return 0;
   const int64_t chunks = parameters / kChunk + tensors;  // each span's last chunk may be short
   const int64_t step = std::max(sizeof(kernels::AdamwStep), sizeof(kernels::LambStep));
-  return tensors * (int64_t{sizeof(kernels::TensorSpan)} + step + int64_t{sizeof(float)}) +
-         chunks * (int64_t{sizeof(Chunk)} + 2 * int64_t{sizeof(double)}) + 4 * 256;  // alignment
+  // (and each span's first chunk, one more: where its chunks end)
+  return tensors * (int64_t{sizeof(kernels::TensorSpan)} + step + int64_t{sizeof(float)} +
+                    int64_t{sizeof(int64_t)}) +
+         int64_t{sizeof(int64_t)} +
+         chunks * (int64_t{sizeof(Chunk)} + 2 * int64_t{sizeof(double)}) + 5 * 256;  // alignment
 }
 
 namespace {

@@ -55,7 +55,8 @@ struct Chunk {
   int64_t tensor, begin, n;  // values [begin, begin + n) of span `tensor`
 };
 // Bytes of the multi-tensor scratch for `tensors` spans over `parameters` values: the spans, the
-// chunks, a step (AdamW's or LAMB's) and a trust ratio per span, two partial sums per chunk.
+// chunks, a step (AdamW's or LAMB's), a first chunk and a trust ratio per span, two partial sums
+// per chunk.
 int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors);
 
 // The scratch the CUDA kernels use for a model's shapes.
