@@ -211,6 +211,12 @@ class Backend : public Target {
   // dinp = dout * act'(in) at the kept input (dinp may alias dout).
   virtual void activation_backward(Precision p, Activation a, float* dinp, Kept in,
                                    const float* dout, int64_t n) const = 0;
+  // The same over M rows of N, fused with the bias gradient of the linear layer whose output
+  // `in` is: db[N] += dinp's column sums (linear_backward's, bit for bit; its call then takes no
+  // db). A GPU computes both in one pass over the rows (the FFN's dGELU and its bias gradient:
+  // one launch, dinp read once less); the default calls the two.
+  virtual void activation_bias_backward(Precision p, Activation a, float* dinp, float* db, Kept in,
+                                        const float* dout, int64_t M, int64_t N) const;
   virtual void tanh_forward(float* out, const float* in, int64_t n) const = 0;
   virtual void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n) const = 0;
 

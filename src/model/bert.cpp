@@ -856,8 +856,8 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
 
 void BertModel::linear_backward(float* dinp, int64_t w_off, int64_t b_off, const float* dout,
                                 Kept in, int64_t M, int64_t N, int64_t K, bool accumulate) {
-  be_.linear_backward(prec_, dinp, G(w_off), G(b_off), dout, in, Wt(w_off), M, N, K, accumulate,
-                      ws_);
+  be_.linear_backward(prec_, dinp, G(w_off), b_off == kBiasDone ? nullptr : G(b_off), dout, in,
+                      Wt(w_off), M, N, K, accumulate, ws_);
 }
 
 // One encoder layer's backward: dh (the gradient of its output) becomes that of its input.
@@ -878,8 +878,9 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
                                  a.ln2_mean, a.ln2_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kFfnOut, p.p_hidden, p.off_tc)));
   linear_backward(dI, o.out_w, o.out_b, dB, a.inter_act, N, C, I);
-  be_.activation_backward(prec_, cfg_.activation(), dI, a.inter_pre, dI, N * I);
-  linear_backward(dA, o.inter_w, o.inter_b, dI, {a.ln1_out}, N, I, C,
+  // dGELU with the intermediate layer's bias gradient (one pass over dI on a GPU).
+  be_.activation_bias_backward(prec_, cfg_.activation(), dI, G(o.inter_b), a.inter_pre, dI, N, I);
+  linear_backward(dA, o.inter_w, kBiasDone, dI, {a.ln1_out}, N, I, C,
                   /*accumulate=*/true);  // dA = d ln1_out (residual + FFN path)
   // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
   be_.layernorm_dropout_backward(dh, dB, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w),

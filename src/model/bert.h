@@ -382,7 +382,9 @@ class BertModel {
   Pass pass(const Batch& b, const StepOptions& opt) const;
   void layer_backward(int64_t l, const Pass& p, const Batch& b, float* dh);
   void embeddings_backward(const Pass& p, float* dh);
-  // A linear layer's backward in the model's precision, its weight and bias by offset.
+  // A linear layer's backward in the model's precision, its weight and bias by offset (the bias
+  // kBiasDone: its gradient added already, by activation_bias_backward).
+  static constexpr int64_t kBiasDone = -1;
   void linear_backward(float* dinp, int64_t w_off, int64_t b_off, const float* dout,
                        kernels::Kept in, int64_t M, int64_t N, int64_t K, bool accumulate = false);
   // The heads (bert.cpp, each forward beside its backward): the losses into `out`, the gradient

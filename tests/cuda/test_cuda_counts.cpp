@@ -98,10 +98,11 @@ TEST(CudaCounts, EveryLaunchAndHostWaitIsCounted) {
 }
 
 // Launches per encoder layer (forward + backward) and host synchronisations per step, printed.
-// The bounds are today's counts, so a change that adds launches or waits fails here: padded 35
+// The bounds are today's counts, so a change that adds launches or waits fails here: padded 34
 // a layer (12 cuBLASLt products, attention's 6 batched products and a pointer-array kernel for
-// each pass's, 2 softmax row passes, 4 bias gradients, 6 LayerNorm: forward, backward and the
-// parameter gradients of two, 3 element-wise), 57 with the padding skipped on 3 runs of equal
+// each pass's, 2 softmax row passes, 3 bias gradients and the FFN's dGELU with its own, 6
+// LayerNorm: forward, backward and the parameter gradients of two, 2 element-wise), 56 with the
+// padding skipped on 3 runs of equal
 // lengths (attention's 10 once per run, 2 more element-wise), 2 host synchronisations a step:
 // the gradient norm's read (the step's loss sums, added on the device and copied to pinned
 // memory behind the backward, and the phases' timing events land with it) and the end of the
@@ -119,7 +120,7 @@ TEST(CudaCounts, LaunchesPerLayerAndHostSyncsPerStep) {
         "synchronisations a step\n",
         unpadded ? "padding skipped (lengths 32, 24, 24, 17)" : "padded", per_layer, two.launches,
         two.host_syncs);
-    EXPECT_LE(per_layer, unpadded ? 57 : 35) << "launches a layer";
+    EXPECT_LE(per_layer, unpadded ? 56 : 34) << "launches a layer";
     // (At most: a wait behind a query, the input slot's or a phase end's, is made only where the
     // device has not finished yet, which depends on timing on a GPU and the eager schedule.)
     EXPECT_LE(two.host_syncs, 2) << "host synchronisations a step";

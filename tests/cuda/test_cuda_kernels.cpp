@@ -103,6 +103,48 @@ std::vector<T> to_host_as(const cuda::DeviceBuffer& b, size_t n) {
   return v;
 }
 
+// The FFN's dGELU fused with its bias gradient (one launch) against the two it replaces on the
+// GPU (activation_backward, then linear_backward's column sums: Backend's default), bit for
+// bit, in every precision (fp32 input, the kept bf16 or fp16 bits), over rows and columns that
+// leave partial chunks and tiles, dinp aliasing dout as the model calls it; and against the CPU
+// backend's (a column summed in one run: fp32 rounding of sums of 700 terms, rtol 1e-5).
+TEST(Cuda, ActivationBiasBackwardMatchesTheTwoItFuses) {
+  SKIP_WITHOUT_GPU();
+  const int64_t M = 700, N = 300;
+  const auto x = random_vector(M * N, 5, 2.0f), dy = random_vector(M * N, 6),
+             b0 = random_vector(N, 7);
+  const kernels::Backend& gpu = cuda::cuda_backend();
+  const kernels::Backend& cpu = kernels::cpu_backend();
+  for (int precision = 0; precision < 3; ++precision) {
+    const auto p = static_cast<Precision>(precision);
+    std::vector<uint16_t> bits(M * N);
+    for (int64_t i = 0; i < M * N; ++i)
+      bits[i] = p == Precision::FP16 ? f32_to_f16(x[i]) : f32_to_bf16(x[i]);
+    std::vector<float> wide(x);  // the kept input as a 16-bit precision's backward reads it
+    if (p != Precision::FP32)
+      for (int64_t i = 0; i < M * N; ++i)
+        wide[i] = p == Precision::FP16 ? f16_to_f32(bits[i]) : bf16_to_f32(bits[i]);
+    const auto xd = to_device(x), bits_d = to_device_as(bits);
+    const kernels::Kept in{xd.f32(),
+                           p == Precision::FP32 ? nullptr : static_cast<uint16_t*>(bits_d.data())};
+    auto fused = to_device(dy), two = to_device(dy), db_fused = to_device(b0),
+         db_two = to_device(b0);
+    gpu.activation_bias_backward(p, kernels::Activation::GeluErf, fused.f32(), db_fused.f32(), in,
+                                 fused.f32(), M, N);
+    gpu.kernels::Backend::activation_bias_backward(p, kernels::Activation::GeluErf, two.f32(),
+                                                   db_two.f32(), in, two.f32(), M, N);
+    cuda::synchronize();
+    SCOPED_TRACE(testing::Message() << "precision " << precision);
+    EXPECT_EQ(to_host(fused, M * N), to_host(two, M * N));
+    EXPECT_EQ(to_host(db_fused, N), to_host(db_two, N));
+    std::vector<float> dx(dy), db(b0);
+    cpu.activation_bias_backward(Precision::FP32, kernels::Activation::GeluErf, dx.data(),
+                                 db.data(), {wide.data()}, dx.data(), M, N);
+    EXPECT_TRUE(all_close("dinp", to_host(fused, M * N).data(), dx.data(), M * N, 1e-5, 1e-6));
+    EXPECT_TRUE(all_close("db", to_host(db_fused, N).data(), db.data(), N, 1e-5, 1e-5));
+  }
+}
+
 // The fused residual, embedding and backward LayerNorm blocks against the CPU kernels: masks
 // bit for bit (dropout zeros in the same places), values within fp32 rounding of the row sums
 // (the CPU sums in double: rtol 1e-5 / atol 1e-5 of the max, as the row math's host test).

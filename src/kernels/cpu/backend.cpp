@@ -324,6 +324,14 @@ void Backend::cross_entropy_into(const SumsInto& into, float* dlogits, float* lo
   if (!std::isfinite(s.loss)) add(into.nonfinite, 1.0);
 }
 
+void Backend::activation_bias_backward(Precision p, Activation a, float* dinp, float* db, Kept in,
+                                       const float* dout, int64_t M, int64_t N) const {
+  activation_backward(p, a, dinp, in, dout, M * N);
+  // (fp32's bias gradient alone: the column sums every precision's linear_backward adds)
+  linear_backward(Precision::FP32, nullptr, nullptr, db, dinp, Kept{}, Weight{}, M, N, 0, false,
+                  Workspace{});
+}
+
 int64_t Backend::mark() const {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())

@@ -361,6 +361,12 @@ class CudaBackend final : public kernels::Backend {
     cuda::activation_backward(p, a, dinp, in, dout, n);
   }
 
+  void activation_bias_backward(Precision p, Activation a, float* dinp, float* db, Kept in,
+                                const float* dout, int64_t M, int64_t N) const override {
+    const Op op("activation_bias_backward");
+    cuda::activation_bias_backward(p, a, dinp, db, in, dout, M, N);
+  }
+
   void tanh_forward(float* out, const float* in, int64_t n) const override {
     const Op op("tanh_forward");
     launch(tanh_forward_kernel, n, out, in, n);

@@ -147,6 +147,11 @@ void activation_forward(Precision p, kernels::Activation a, kernels::Kept out, k
                         int64_t n, void* stream = nullptr);
 void activation_backward(Precision p, kernels::Activation a, float* dinp, kernels::Kept in,
                          const float* dout, int64_t n, void* stream = nullptr);
+// activation_backward over M rows of N and db[N] += dinp's column sums, in one launch (the
+// grid, chunks and order of linear_backward's column sums: the same bits).
+void activation_bias_backward(Precision p, kernels::Activation a, float* dinp, float* db,
+                              kernels::Kept in, const float* dout, int64_t M, int64_t N,
+                              void* stream = nullptr);
 void keep(Precision p, kernels::Kept x, int64_t n, void* stream = nullptr);
 
 // x = dropout(x), element i keyed at d.offset + i; dx = dropout(dy) with the same mask.

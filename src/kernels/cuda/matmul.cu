@@ -194,6 +194,35 @@ void column_sums(float* db, const float* dout, int64_t M, int64_t N, cudaStream_
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
+// activation_bias_backward (cuda.h): column_sums_kernel's grid, each thread's column read row
+// by row as dout x act'(in) (in fp32, or the kept 16-bit bits: In uint16_t, p says which), written
+// to dinp and summed in the same order.
+template <typename In>
+__global__ void activation_bias_backward_kernel(Precision p, kernels::Activation a, float* dinp,
+                                                float* db, float* partial, unsigned* tickets,
+                                                const In* in, const float* dout, int64_t M,
+                                                int64_t N, int64_t per) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t chunk = blockIdx.y, chunks = gridDim.y;
+  if (c < N) {
+    const int64_t end = (chunk + 1) * per < M ? (chunk + 1) * per : M;
+    float s = 0.0f;
+    for (int64_t r = chunk * per; r < end; ++r) {
+      const int64_t i = r * N + c;
+      float x;
+      if constexpr (sizeof(In) == 4)
+        x = in[i];
+      else
+        x = p == Precision::BF16 ? bf16_to_f32(in[i]) : __half2float(__ushort_as_half(in[i]));
+      const float g = rm::activation_grad(a, x, dout[i]);
+      dinp[i] = g;
+      s += g;
+    }
+    partial[chunk * N + c] = s;
+  }
+  if (last_chunk_of_tile(tickets) && c < N) add_chunks(db, partial, chunks, N, c);
+}
+
 // The pairs' matrices of up to kMaxPairProducts products at once: product j's pointers at
 // out + 3 n j, [0, n) of A, [n, 2n) of B, [2n, 3n) of C.
 struct PairOperands {
@@ -283,7 +312,7 @@ void linear_backward(Precision o, float* dinp, float* dw, float* db, const void*
     matmul({o, linear_dinp_call(M, N, K), false}, w, dout, dinp, accumulate_dinp ? 1.0f : 0.0f,
            nullptr, stream);
   // dw^T (K x N) += in^T (stored K x M) . dout (stored N x M, read transposed).
-  matmul({o, linear_dw_call(M, N, K), false}, in, dout, dw, 1.0f, nullptr, stream);
+  if (dw) matmul({o, linear_dw_call(M, N, K), false}, in, dout, dw, 1.0f, nullptr, stream);
   if (db) column_sums(db, dout_f32, M, N, as_stream(stream));
 }
 
@@ -303,6 +332,23 @@ __global__ void fill_kernel(Precision o, void* x, int64_t n, uint64_t key) {
 }
 
 }  // namespace
+
+void activation_bias_backward(Precision p, kernels::Activation a, float* dinp, float* db,
+                              kernels::Kept in, const float* dout, int64_t M, int64_t N,
+                              void* stream) {
+  if (M == 0 || N == 0) return;
+  const int64_t chunks = column_chunks(M), per = (M + chunks - 1) / chunks;
+  const unsigned tiles = blocks_for(N, kColumnTile);
+  auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, chunks * N * sizeof(float)));
+  const dim3 grid(tiles, static_cast<unsigned>(chunks));
+  const cudaStream_t s = as_stream(stream);
+  if (p == Precision::FP32)
+    BT_LAUNCH(activation_bias_backward_kernel<float>, grid, kColumnTile, 0, s)
+  (p, a, dinp, db, partial, column_tickets(tiles), in.f32, dout, M, N, per);
+  else BT_LAUNCH(activation_bias_backward_kernel<uint16_t>, grid, kColumnTile, 0, s)(
+      p, a, dinp, db, partial, column_tickets(tiles), in.bits, dout, M, N, per);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
 
 double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds) {
   const size_t el = precision_bytes(o);
