@@ -42,11 +42,25 @@ using ncclComm_t = ncclComm*;
 struct ncclUniqueId {
   char internal[128];
 };
+// A communicator's configuration: NCCL's first four fields (the one read here is `blocking`;
+// 0 makes ncclCommInitRankConfig return ncclInProgress at once, the communicator becoming ready
+// when every rank has joined: ncclCommGetAsyncError says when).
+#define NCCL_CONFIG_UNDEF_INT (-2147483647 - 1)
+struct ncclConfig_t {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  int blocking;
+};
+#define NCCL_CONFIG_INITIALIZER \
+  { sizeof(ncclConfig_t), 0xcafebeef, NCCL_VERSION_CODE, NCCL_CONFIG_UNDEF_INT }
 
 extern "C" {
 ncclResult_t ncclGetVersion(int* version);
 ncclResult_t ncclGetUniqueId(ncclUniqueId* id);
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank);
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank,
+                                    ncclConfig_t* config);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* error);

@@ -8,12 +8,14 @@
 // every rank shares.
 #include <algorithm>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "nccl.h"
@@ -213,6 +215,16 @@ struct ncclComm {
 namespace cuda_emu {
 namespace {
 
+// Destroyed and aborted communicators, kept (work queued on a stream may still name them).
+void keep_communicator(ncclComm* c) {
+  static std::mutex mu;
+  static std::vector<std::unique_ptr<ncclComm>> kept;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& k : kept)
+    if (k.get() == c) return;  // (aborted, then destroyed)
+  kept.emplace_back(c);
+}
+
 // This rank's part of a collective, on its device's executor.
 void run(ncclComm* c, const Call& mine) {
   Clique& q = *c->clique;
@@ -318,6 +330,16 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
 }
 
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+  ncclConfig_t blocking = NCCL_CONFIG_INITIALIZER;
+  return ncclCommInitRankConfig(comm, nranks, id, rank, &blocking);
+}
+
+// With config->blocking 0: the communicator at once, ncclInProgress until every rank has joined
+// (a thread waits for them), or until an abort. CUDA_EMU_NCCL_ABSENT_RANK=r (tests): rank r of
+// every clique never joins (a rank that died before its initialisation), so the others never
+// become ready.
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank,
+                                    ncclConfig_t* config) {
   *comm = nullptr;
   if (std::strcmp(id.internal, "cuda_emu") != 0 || nranks < 1 || rank < 0 || rank >= nranks)
     return ncclInvalidArgument;
@@ -331,6 +353,28 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
     q = slot;
   }
   if (q->size != nranks) return ncclInvalidArgument;
+  const char* absent = std::getenv("CUDA_EMU_NCCL_ABSENT_RANK");
+  const bool joins = !absent || std::atoi(absent) != rank;
+  if (config && config->blocking == 0) {
+    auto* c = new ncclComm;
+    c->clique = q;
+    c->rank = rank;
+    c->device = cuda_emu::current_device();
+    c->async = ncclInProgress;
+    std::lock_guard<std::mutex> lock(q->mu);
+    if (joins) {
+      ++q->joined;
+      q->cv.notify_all();
+      std::thread([c, q, nranks] {
+        std::unique_lock<std::mutex> held(q->mu);
+        q->cv.wait(held, [&] { return q->joined >= nranks || q->aborted; });
+        if (!q->aborted) c->async = ncclSuccess;
+      }).detach();
+    }
+    *comm = c;
+    return ncclInProgress;
+  }
+  if (!joins) return ncclSystemError;
   {
     // Every rank joins before any returns, as NCCL's initialisation does.
     std::unique_lock<std::mutex> lock(q->mu);
@@ -349,25 +393,20 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
 // (The communicator's memory is kept, and reachable: work queued on a stream may still name it.)
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   if (!comm) return ncclInvalidArgument;
-  {
-    static std::mutex mu;
-    static std::vector<std::unique_ptr<ncclComm>> destroyed;
-    std::lock_guard<std::mutex> lock(mu);
-    destroyed.emplace_back(comm);
-  }
+  cuda_emu::keep_communicator(comm);
   comm->async = ncclInvalidUsage;
   comm->last_error = "the communicator was destroyed";
   return ncclSuccess;
 }
 
+// (The communicator is kept, reachable, as a destroyed one is: its caller drops it.)
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
   if (!comm) return ncclSuccess;
-  {
-    std::lock_guard<std::mutex> lock(comm->clique->mu);
-    comm->clique->aborted = true;
-    comm->clique->abort_reason = "rank " + std::to_string(comm->rank) + " called ncclCommAbort";
-    comm->clique->cv.notify_all();
-  }
+  cuda_emu::keep_communicator(comm);
+  std::lock_guard<std::mutex> lock(comm->clique->mu);
+  comm->clique->aborted = true;
+  comm->clique->abort_reason = "rank " + std::to_string(comm->rank) + " called ncclCommAbort";
+  comm->clique->cv.notify_all();
   comm->async = ncclRemoteError;
   return ncclSuccess;
 }

@@ -9,6 +9,7 @@
 
 #include <barrier>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -283,6 +284,38 @@ TEST(NcclDeathTest, ARankThatNeverJoinsEndsTheJobWithAMessage) {
       testing::ExitedWithCode(3),
       "rank 0 on host .* \\(GPU 0\\): allreduce has not completed in .* of gradient bucket 3 .* "
       "NCCL_SOCKET_IFNAME=");
+}
+
+// NCCL's initialisation waits for every rank: a rank that never joins it (died after the id's
+// broadcast; the emulator's CUDA_EMU_NCCL_ABSENT_RANK) ends the others within the stall timeout,
+// the communicator aborted, with the rank, GPU, ranks and settings named: not a hang.
+TEST(Nccl, ARankThatNeverInitialisesEndsTheOthersWithAMessage) {
+  SKIP_WITHOUT(2);
+#if !__has_include("cuda_emu/counts.h")
+  GTEST_SKIP() << "a rank kept out of NCCL's initialisation is the emulator's (build-emu)";
+#else
+  ::setenv("CUDA_EMU_NCCL_ABSENT_RANK", "1", 1);
+  std::vector<std::string> errors(2);
+  ThreadGroup g(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      ThreadRank boot(g, r);
+      // (the absent rank waits longer: rank 0's timeout comes first, its abort ends rank 1's wait)
+      errors[r] = test::error_of([&] { comm::make_nccl_communicator(boot, r == 0 ? 1.0 : 60.0); });
+    });
+  for (auto& t : threads) t.join();
+  ::unsetenv("CUDA_EMU_NCCL_ABSENT_RANK");
+  EXPECT_NE(errors[0].find("rank 0 on host "), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("(GPU 0): NCCL's initialisation of 2 ranks has not completed in 1 s "
+                           "(stall_timeout 1 s): a rank died before joining"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[0].find("NCCL_SOCKET_IFNAME="), std::string::npos) << errors[0];
+  std::printf("rank 0: %s\nrank 1: %s\n", errors[0].c_str(), errors[1].c_str());
+  EXPECT_NE(errors[1].find("rank 1 on host "), std::string::npos)
+      << "the absent rank is not left waiting either: " << errors[1];
+#endif
 }
 
 }  // namespace

@@ -41,6 +41,7 @@ struct Nccl {
   decltype(&::ncclGetVersion) GetVersion;
   decltype(&::ncclGetUniqueId) GetUniqueId;
   decltype(&::ncclCommInitRank) CommInitRank;
+  decltype(&::ncclCommInitRankConfig) CommInitRankConfig;  // null before NCCL 2.14
   decltype(&::ncclCommDestroy) CommDestroy;
   decltype(&::ncclCommAbort) CommAbort;
   decltype(&::ncclCommGetAsyncError) CommGetAsyncError;
@@ -71,6 +72,8 @@ const Nccl& nccl() {
     load(f.GetVersion, "ncclGetVersion");
     load(f.GetUniqueId, "ncclGetUniqueId");
     load(f.CommInitRank, "ncclCommInitRank");
+    f.CommInitRankConfig =
+        reinterpret_cast<decltype(f.CommInitRankConfig)>(::dlsym(h, "ncclCommInitRankConfig"));
     load(f.CommDestroy, "ncclCommDestroy");
     load(f.CommAbort, "ncclCommAbort");
     load(f.CommGetAsyncError, "ncclCommGetAsyncError");
@@ -134,7 +137,7 @@ class NcclCommunicator final : public Communicator {
     ncclUniqueId id{};
     if (rank_ == 0) check(n.GetUniqueId(&id), "ncclGetUniqueId");
     boot_.broadcast(&id, sizeof id, 0);
-    check(n.CommInitRank(&comm_, size_, id, rank_), "ncclCommInitRank");
+    init(id);
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     check_cuda(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming), "cudaEventCreate");
     for (cudaEvent_t& e : points_)
@@ -412,6 +415,57 @@ class NcclCommunicator final : public Communicator {
             "; ending the job (continue from the last checkpoint with resume)");
     Incidents::process().report(line);
     std::_Exit(3);
+  }
+
+  // NCCL's initialisation, which waits for every rank: non-blocking where NCCL has it (2.14 on:
+  // ncclCommInitRankConfig), polled like a collective, so a rank that died after the id's
+  // broadcast, or one NCCL cannot reach, ends this one within the stall timeout with the ranks
+  // and settings named instead of a hang (the communicator aborted). Older NCCL blocks.
+  void init(const ncclUniqueId& id) {
+    const Nccl& n = nccl();
+    if (!n.CommInitRankConfig)
+      return check(n.CommInitRank(&comm_, size_, id, rank_), "ncclCommInitRank");
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t r = n.CommInitRankConfig(&comm_, size_, id, rank_, &config);
+    // (a failed initialisation's communicator aborted: its resources freed, no rank left in it)
+    auto abandon = [&] {
+      if (comm_) n.CommAbort(comm_);
+      comm_ = nullptr;
+    };
+    if (r != ncclInProgress && r != ncclSuccess) {
+      const std::string why = str(n.GetErrorString(r));
+      abandon();
+      fail("rank ", rank_, " on host ", host_, " (GPU ", device_,
+           "): ncclCommInitRankConfig: NCCL error ", why, "; NCCL ", version_, ", ",
+           settings_line(), "; NCCL_DEBUG=INFO prints what NCCL tried");
+    }
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    for (int spin = 0;; ++spin) {
+      ncclResult_t state = ncclInProgress;
+      n.CommGetAsyncError(comm_, &state);
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress) {
+        const std::string last = n.GetLastError(comm_);
+        const std::string why = str(n.GetErrorString(state), last.empty() ? "" : " (" + last + ")");
+        abandon();
+        fail("rank ", rank_, " on host ", host_, " (GPU ", device_, "): NCCL's initialisation of ",
+             size_, " ranks failed: ", why,
+             " (another rank gave up, or NCCL cannot reach it over its transport); NCCL ", version_,
+             ", ", settings_line(), "; NCCL_DEBUG=INFO prints what NCCL tried");
+      }
+      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+      if (stall_s_ > 0 && waited > stall_s_) {
+        abandon();
+        fail("rank ", rank_, " on host ", host_, " (GPU ", device_, "): NCCL's initialisation of ",
+             size_, " ranks has not completed in ", static_cast<int64_t>(waited),
+             " s (stall_timeout ", stall_s_,
+             " s): a rank died before joining, or NCCL cannot reach it over its transport; NCCL ",
+             version_, ", ", settings_line(), "; NCCL_DEBUG=INFO prints what NCCL tried");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(spin < 1000 ? 10 : 1000));
+    }
   }
 
   void check(ncclResult_t r, const char* what) {
