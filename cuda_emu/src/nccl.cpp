@@ -284,9 +284,15 @@ void run(ncclComm* c, const Call& mine) {
   if (!out.empty()) std::memcpy(mine.recv, out.data(), out.size());
 }
 
+// CUDA_EMU_NCCL_REFUSE=1 (tests): every collective refused, as NCCL refuses one it cannot
+// enqueue (ncclSystemError, the reason in ncclGetLastError).
 ncclResult_t issue(ncclComm* c, Call call, cudaStream_t stream) {
   if (!c) return ncclInvalidArgument;
   if (c->async != ncclSuccess) return c->async;
+  if (const char* refuse = std::getenv("CUDA_EMU_NCCL_REFUSE"); refuse && refuse[0] == '1') {
+    c->last_error = "refused (CUDA_EMU_NCCL_REFUSE=1)";
+    return ncclSystemError;
+  }
   const size_t el = type_bytes(call.type), n = call.count;
   const size_t in = call.kind == Kind::ReduceScatter ? n * static_cast<size_t>(c->clique->size) : n;
   const size_t out = call.kind == Kind::AllGather ? n * static_cast<size_t>(c->clique->size) : n;

@@ -286,6 +286,29 @@ TEST(NcclDeathTest, ARankThatNeverJoinsEndsTheJobWithAMessage) {
       "NCCL_SOCKET_IFNAME=");
 }
 
+// A collective NCCL refuses to enqueue (the emulator's CUDA_EMU_NCCL_REFUSE) ends the rank as
+// a failed one does: the communicator aborted, the rank, GPU, label and settings named, exit 3.
+TEST(NcclDeathTest, ACollectiveNcclRefusesEndsTheJobWithAMessage) {
+  SKIP_WITHOUT(1);
+#if !__has_include("cuda_emu/counts.h")
+  GTEST_SKIP() << "a refused collective is the emulator's (build-emu)";
+#else
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process: CUDA does not survive fork
+  EXPECT_EXIT(
+      {
+        comm::SingleProcess one;
+        auto c = comm::make_nccl_communicator(one);
+        ::setenv("CUDA_EMU_NCCL_REFUSE", "1", 1);
+        cuda::DeviceBuffer d(4096);
+        c->set_label("gradient bucket 2");
+        c->allreduce_sum(d.f32(), 1024);
+      },
+      testing::ExitedWithCode(3),
+      "rank 0 on host .* \\(GPU 0\\): allreduce could not be enqueued: NCCL error .* \\(refused "
+      "\\(CUDA_EMU_NCCL_REFUSE=1\\)\\) of gradient bucket 2 \\(4096 bytes\\).*NCCL_SOCKET_IFNAME=");
+#endif
+}
+
 // NCCL's initialisation waits for every rank: a rank that never joins it (died after the id's
 // broadcast; the emulator's CUDA_EMU_NCCL_ABSENT_RANK) ends the others within the stall timeout,
 // the communicator aborted, with the rank, GPU, ranks and settings named: not a hang.

@@ -179,9 +179,9 @@ class NcclCommunicator final : public Communicator {
     uint16_t* w = wire_buffer(static_cast<size_t>(n));
     const bool bf16 = wire_ == Precision::BF16;
     gpu().round_to_16(bf16 ? Precision::BF16 : Precision::FP16, w, data, n, stream_);
-    check(nccl().AllReduce(w, w, static_cast<size_t>(n), bf16 ? ncclBfloat16 : ncclFloat16, ncclSum,
-                           comm_, stream_),
-          "allreduce");
+    enqueued(nccl().AllReduce(w, w, static_cast<size_t>(n), bf16 ? ncclBfloat16 : ncclFloat16,
+                              ncclSum, comm_, stream_),
+             "allreduce", n * 2);
     gpu().widen_from_16(bf16 ? Precision::BF16 : Precision::FP16, data, w, n, stream_);
     wait("allreduce", n * 2);
   }
@@ -264,7 +264,7 @@ class NcclCommunicator final : public Communicator {
     } else {
       after_queued_work();
     }
-    check(enqueue(d), what);
+    enqueued(enqueue(d), what, bytes);
     if (host)
       check_cuda(
           cudaMemcpyAsync(data, d, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, stream_),
@@ -466,6 +466,16 @@ class NcclCommunicator final : public Communicator {
       }
       std::this_thread::sleep_for(std::chrono::microseconds(spin < 1000 ? 10 : 1000));
     }
+  }
+
+  // A collective NCCL refused to enqueue ends the rank as a failed one does (die): the
+  // communicator aborted, so no peer stays in a collective with this rank gone.
+  void enqueued(ncclResult_t r, const char* what, int64_t bytes) {
+    if (r == ncclSuccess) return;
+    const std::string last = nccl().GetLastError(comm_);
+    die(str(what, " could not be enqueued: NCCL error ", nccl().GetErrorString(r),
+            last.empty() ? "" : " (" + last + ")"),
+        bytes);
   }
 
   void check(ncclResult_t r, const char* what) {
