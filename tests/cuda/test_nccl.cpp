@@ -286,6 +286,27 @@ TEST(NcclDeathTest, ARankThatNeverJoinsEndsTheJobWithAMessage) {
       "NCCL_SOCKET_IFNAME=");
 }
 
+// The same for a collective on host memory (a step's statistics): its copies go through
+// page-locked memory, so the host is not stuck in a copy behind the collective and the watchdog
+// ends it (a copy into pageable memory would block until the other rank came, 30 s later).
+TEST(NcclDeathTest, ARankThatNeverJoinsAHostCollectiveEndsTheJobWithAMessage) {
+  SKIP_WITHOUT(2);
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      on_gpus(
+          2,
+          [](int r, comm::Communicator& c) {
+            if (r == 1) std::this_thread::sleep_for(std::chrono::seconds(30));
+            std::vector<double> stats(11, 1.0);
+            c.set_label("the step's statistics");
+            c.allreduce_sum(stats.data(), static_cast<int64_t>(stats.size()));
+          },
+          2.0),
+      testing::ExitedWithCode(3),
+      "rank 0 on host .* \\(GPU 0\\): allreduce has not completed in .* of the step's statistics "
+      "\\(88 bytes\\)");
+}
+
 // A collective NCCL refuses to enqueue (the emulator's CUDA_EMU_NCCL_REFUSE) ends the rank as
 // a failed one does: the communicator aborted, the rank, GPU, label and settings named, exit 3.
 TEST(NcclDeathTest, ACollectiveNcclRefusesEndsTheJobWithAMessage) {

@@ -147,6 +147,7 @@ class NcclCommunicator final : public Communicator {
   ~NcclCommunicator() override {
     if (comm_) nccl().CommDestroy(comm_);
     if (staging_) cudaFree(staging_);
+    if (pinned_) cudaFreeHost(pinned_);
     if (wire_buffer_) cudaFree(wire_buffer_);
     if (queued_) cudaEventDestroy(queued_);
     for (cudaEvent_t e : points_)
@@ -253,13 +254,17 @@ class NcclCommunicator final : public Communicator {
   template <class Enqueue>
   void run(const char* what, void* data, int64_t bytes, Enqueue enqueue) {
     select_device();
-    // Host memory (a step's statistics and flags) crosses through the staging buffer.
+    // Host memory (a step's statistics and flags) crosses through the staging buffer, by way of
+    // page-locked memory: a copy into pageable memory would block the host until the stream ran
+    // the collective, so a collective that never completes would hang it there, out of the
+    // watchdog's reach (wait).
     const bool host = !on_device(data);
     void* d = data;
     if (host) {
       d = staging(static_cast<size_t>(bytes));
+      std::memcpy(pinned(static_cast<size_t>(bytes)), data, static_cast<size_t>(bytes));
       check_cuda(
-          cudaMemcpyAsync(d, data, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_),
+          cudaMemcpyAsync(d, pinned_, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_),
           "cudaMemcpyAsync");
     } else {
       after_queued_work();
@@ -267,9 +272,10 @@ class NcclCommunicator final : public Communicator {
     enqueued(enqueue(d), what, bytes);
     if (host)
       check_cuda(
-          cudaMemcpyAsync(data, d, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, stream_),
+          cudaMemcpyAsync(pinned_, d, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, stream_),
           "cudaMemcpyAsync");
     wait(what, bytes);
+    if (host) std::memcpy(data, pinned_, static_cast<size_t>(bytes));
   }
 
   void allreduce(void* data, int64_t n, ncclDataType_t type, int64_t el) {
@@ -350,6 +356,19 @@ class NcclCommunicator final : public Communicator {
       wire_elems_ = n;
     }
     return static_cast<uint16_t*>(wire_buffer_);
+  }
+
+  // Page-locked host memory the host buffers cross through (run), grown when needed (the
+  // stream has run every copy from it: each collective is waited for).
+  void* pinned(size_t bytes) {
+    if (bytes > pinned_bytes_) {
+      if (pinned_) cudaFreeHost(pinned_);
+      pinned_ = nullptr;
+      check_cuda(cudaHostAlloc(&pinned_, bytes, cudaHostAllocDefault),
+                 "cudaHostAlloc (the host buffers' staging)");
+      pinned_bytes_ = bytes;
+    }
+    return pinned_;
   }
 
   void* staging(size_t bytes) {
@@ -552,6 +571,8 @@ class NcclCommunicator final : public Communicator {
   std::atomic<int64_t> next_point_{0};
   int64_t ready_ = -1;  // the issuing thread's ready point (ready_after), or -1
   void* staging_ = nullptr;
+  void* pinned_ = nullptr;
+  size_t pinned_bytes_ = 0;
   size_t staging_bytes_ = 0;
   void* wire_buffer_ = nullptr;
   size_t wire_elems_ = 0;
