@@ -167,60 +167,66 @@ void matmul(Shape s, const void* A, const void* B, float* C, float beta, const f
                                  kMatmulWorkspaceBytes, as_stream(stream)));
 }
 
-// Chunk blockIdx.y of dout[M,N]'s rows (`per` rows each), a column per thread: its sums into
-// partial[chunk * N + c]; the tile's last block adds the chunks in order onto db
-// (column_tickets.cuh).
-__global__ void column_sums_kernel(float* db, float* partial, unsigned* tickets, const float* dout,
+// Chunk blockIdx.y of the [M,N] values' rows (`per` rows each), a column per thread: their sums
+// in row order into partial[chunk * N + c]; the tile's last block adds the chunks in order onto
+// db (column_tickets.cuh). value(i) gives element i (a matrix's, or one computed and written as
+// it is read: activation_bias_backward's).
+template <class Value>
+__global__ void column_sums_kernel(float* db, float* partial, unsigned* tickets, Value value,
                                    int64_t M, int64_t N, int64_t per) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t chunk = blockIdx.y, chunks = gridDim.y;
   if (c < N) {
     const int64_t end = (chunk + 1) * per < M ? (chunk + 1) * per : M;
-    float* out = partial + chunk * N;
-    out[c] = 0.0f;
-    rm::column_sum(out, dout, chunk * per, end, N, c);
-  }
-  if (last_chunk_of_tile(tickets) && c < N) add_chunks(db, partial, chunks, N, c);
-}
-
-// db[N] += column sums of dout[M,N]: chunks of rows in parallel, then the chunks in order
-// (deterministic; scratch.h, column_chunks), one launch.
-void column_sums(float* db, const float* dout, int64_t M, int64_t N, cudaStream_t s) {
-  const int64_t chunks = column_chunks(M), per = (M + chunks - 1) / chunks;
-  const unsigned tiles = blocks_for(N, kColumnTile);
-  auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, chunks * N * sizeof(float)));
-  BT_LAUNCH(column_sums_kernel, dim3(tiles, static_cast<unsigned>(chunks)), kColumnTile, 0, s)
-  (db, partial, column_tickets(tiles), dout, M, N, per);
-  BT_CUDA_CHECK(cudaGetLastError());
-}
-
-// activation_bias_backward (cuda.h): column_sums_kernel's grid, each thread's column read row
-// by row as dout x act'(in) (in fp32, or the kept 16-bit bits: In uint16_t, p says which), written
-// to dinp and summed in the same order.
-template <typename In>
-__global__ void activation_bias_backward_kernel(Precision p, kernels::Activation a, float* dinp,
-                                                float* db, float* partial, unsigned* tickets,
-                                                const In* in, const float* dout, int64_t M,
-                                                int64_t N, int64_t per) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t chunk = blockIdx.y, chunks = gridDim.y;
-  if (c < N) {
-    const int64_t end = (chunk + 1) * per < M ? (chunk + 1) * per : M;
     float s = 0.0f;
-    for (int64_t r = chunk * per; r < end; ++r) {
-      const int64_t i = r * N + c;
-      float x;
-      if constexpr (sizeof(In) == 4)
-        x = in[i];
-      else
-        x = p == Precision::BF16 ? bf16_to_f32(in[i]) : __half2float(__ushort_as_half(in[i]));
-      const float g = rm::activation_grad(a, x, dout[i]);
-      dinp[i] = g;
-      s += g;
-    }
+    for (int64_t r = chunk * per; r < end; ++r) s += value(r * N + c);
     partial[chunk * N + c] = s;
   }
   if (last_chunk_of_tile(tickets) && c < N) add_chunks(db, partial, chunks, N, c);
+}
+
+// A matrix's elements.
+struct Elements {
+  const float* x;
+  __device__ float operator()(int64_t i) const { return x[i]; }
+};
+
+// dinp[i] = dout[i] x act'(in[i]) (in: fp32, or the kept 16-bit bits, In uint16_t with p saying
+// which), written and returned.
+template <typename In>
+struct ActivationGrad {
+  Precision p;
+  kernels::Activation a;
+  float* dinp;
+  const In* in;
+  const float* dout;
+  __device__ float operator()(int64_t i) const {
+    float x;
+    if constexpr (sizeof(In) == 4)
+      x = in[i];
+    else
+      x = p == Precision::BF16 ? bf16_to_f32(in[i]) : __half2float(__ushort_as_half(in[i]));
+    const float g = rm::activation_grad(a, x, dout[i]);
+    dinp[i] = g;
+    return g;
+  }
+};
+
+// db[N] += column sums of value's [M,N] elements: chunks of rows in parallel, then the chunks in
+// order (deterministic; scratch.h, column_chunks), one launch.
+template <class Value>
+void column_sums_of(float* db, Value value, int64_t M, int64_t N, cudaStream_t s) {
+  const int64_t chunks = column_chunks(M), per = (M + chunks - 1) / chunks;
+  const unsigned tiles = blocks_for(N, kColumnTile);
+  auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, chunks * N * sizeof(float)));
+  BT_LAUNCH(column_sums_kernel<Value>, dim3(tiles, static_cast<unsigned>(chunks)), kColumnTile, 0,
+            s)
+  (db, partial, column_tickets(tiles), value, M, N, per);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
+void column_sums(float* db, const float* dout, int64_t M, int64_t N, cudaStream_t s) {
+  column_sums_of(db, Elements{dout}, M, N, s);
 }
 
 // The pairs' matrices of up to kMaxPairProducts products at once: product j's pointers at
@@ -337,17 +343,11 @@ void activation_bias_backward(Precision p, kernels::Activation a, float* dinp, f
                               kernels::Kept in, const float* dout, int64_t M, int64_t N,
                               void* stream) {
   if (M == 0 || N == 0) return;
-  const int64_t chunks = column_chunks(M), per = (M + chunks - 1) / chunks;
-  const unsigned tiles = blocks_for(N, kColumnTile);
-  auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, chunks * N * sizeof(float)));
-  const dim3 grid(tiles, static_cast<unsigned>(chunks));
   const cudaStream_t s = as_stream(stream);
   if (p == Precision::FP32)
-    BT_LAUNCH(activation_bias_backward_kernel<float>, grid, kColumnTile, 0, s)
-  (p, a, dinp, db, partial, column_tickets(tiles), in.f32, dout, M, N, per);
-  else BT_LAUNCH(activation_bias_backward_kernel<uint16_t>, grid, kColumnTile, 0, s)(
-      p, a, dinp, db, partial, column_tickets(tiles), in.bits, dout, M, N, per);
-  BT_CUDA_CHECK(cudaGetLastError());
+    column_sums_of(db, ActivationGrad<float>{p, a, dinp, in.f32, dout}, M, N, s);
+  else
+    column_sums_of(db, ActivationGrad<uint16_t>{p, a, dinp, in.bits, dout}, M, N, s);
 }
 
 double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds) {
