@@ -7,8 +7,11 @@
 // same kernels on the same values).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 
 #include "comm/communicator.h"
@@ -139,6 +142,105 @@ TEST(DeviceModel, TrainingStepsEqualTheCpu) {
       if (bf16 && !gemm_bf16_available()) continue;
       SCOPED_TRACE(testing::Message() << train::optimizer_name(kind) << (bf16 ? " bf16" : ""));
       EXPECT_EQ(train(own, kind, bf16), train(cpu_backend(), kind, bf16));
+    }
+}
+
+// Deferred steps (StepSettings::defer, what train and bench run): on a backend with memory of
+// its own the norm, finite check and clipping are the device's (Optimizer::gate, apply_gated)
+// and nothing is read until settle(). Five steps, AdamW and LAMB (clipping at 1.0 active: the
+// first steps' norms are above it), fp32 and bf16: the parameters equal the eager steps' on the
+// CPU bit for bit (the same sums in the same order, the same factor from the same doubles), and
+// settle() returns every step's report in order with the eager run's loss (the OpenMP sums'
+// order aside: 1e-12), norm and hits. Then a parameter made NaN: the next two steps change no
+// other parameter (the gate skips them on the device) and settle() fails naming the first.
+TEST(DeviceModel, DeferredStepsEqualTheEagerOnesAndFailWhereTheyDiverge) {
+  const OwnMemoryBackend own;
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  const model::Batch batch = test::random_batch(c, 4, 32, 5);
+  auto next = [&](model::Batch& b) {
+    b = batch;
+    return true;
+  };
+  for (auto kind : {train::OptimizerKind::AdamW, train::OptimizerKind::Lamb})
+    for (bool bf16 : {false, true}) {
+      if (bf16 && !gemm_bf16_available()) continue;
+      SCOPED_TRACE(testing::Message() << train::optimizer_name(kind) << (bf16 ? " bf16" : ""));
+      struct Run {
+        std::unique_ptr<model::BertModel> m;
+        std::unique_ptr<train::Optimizer> opt;
+        train::LossScaler scaler{train::LossScaler::Config{}};
+        comm::SingleProcess single;
+        std::unique_ptr<train::Step> step;
+        std::vector<float> params() const {
+          std::vector<float> p(static_cast<size_t>(m->table().total()));
+          m->backend().to_host(p.data(), m->params(), p.size() * sizeof(float));
+          return p;
+        }
+      };
+      auto start = [&](const Backend& be, bool defer, Run& r) {
+        model::ModelDims d{batch.B, batch.T, batch.P};
+        d.precision = bf16 ? Precision::BF16 : Precision::FP32;
+        d.unpadded = true;
+        r.m = std::make_unique<model::BertModel>(c, model::Head::Pretraining, d, be);
+        r.m->init_params(11);
+        train::OptimizerConfig oc;
+        oc.kind = kind;
+        r.opt = std::make_unique<train::Optimizer>(train::param_slices(r.m->table()),
+                                                   r.m->table().total(), oc, be);
+        train::StepSettings ss;
+        ss.seed = 9;
+        ss.defer = defer;
+        r.step = std::make_unique<train::Step>(*r.m, *r.opt, r.scaler, r.single, ss);
+      };
+      Run eager, deferred;
+      start(cpu_backend(), true, eager);  // (host memory: never deferred)
+      start(own, true, deferred);
+      EXPECT_FALSE(eager.step->deferring());
+      ASSERT_TRUE(deferred.step->deferring());
+      std::vector<train::StepReport> want;
+      for (int64_t k = 0; k < 5; ++k) {
+        want.push_back(eager.step->run(k, 1e-3, next, "", k + 1 < 5));
+        const train::StepReport r = deferred.step->run(k, 1e-3, next, "", k + 1 < 5);
+        EXPECT_TRUE(r.pending);
+        EXPECT_EQ(r.examples, 4);
+      }
+      EXPECT_GT(want[0].grad_norm, 1.0) << "clipping is what this checks";
+      const std::vector<train::StepReport> got = deferred.step->settle();
+      ASSERT_EQ(got.size(), 5u);
+      for (size_t k = 0; k < got.size(); ++k) {
+        EXPECT_EQ(got[k].step, static_cast<int64_t>(k));
+        EXPECT_FALSE(got[k].pending);
+        EXPECT_TRUE(got[k].applied);
+        EXPECT_NEAR(got[k].loss, want[k].loss, 1e-12 * std::fabs(want[k].loss)) << k;
+        EXPECT_NEAR(got[k].grad_norm, want[k].grad_norm, 1e-12 * want[k].grad_norm) << k;
+        EXPECT_EQ(got[k].mlm_correct, want[k].mlm_correct) << k;
+        EXPECT_EQ(got[k].nsp_correct, want[k].nsp_correct) << k;
+        EXPECT_GT(got[k].t_total, 0.0) << k;
+      }
+      EXPECT_TRUE(deferred.step->settle().empty());
+      EXPECT_EQ(deferred.params(), eager.params());
+
+      // A NaN weight: the steps it spoils change nothing; the read names the first of them.
+      // (a LayerNorm weight: read in fp32, whatever the precision)
+      const auto& ps = deferred.m->table().params();
+      const auto w = std::find_if(ps.begin(), ps.end(), [](const model::ParamInfo& p) {
+        return p.name.find("LayerNorm.weight") != std::string::npos;
+      });
+      ASSERT_NE(w, ps.end());
+      const float nan = std::nanf("");
+      own.to_device(deferred.m->params() + w->offset, &nan, sizeof nan);
+      const std::vector<float> before = deferred.params();
+      for (int64_t k = 5; k < 7; ++k) EXPECT_TRUE(deferred.step->run(k, 1e-3, next, "").pending);
+      try {
+        deferred.step->settle();
+        ADD_FAILURE() << "a step with non-finite gradients was settled";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("step 5: gradients are not finite"), std::string::npos)
+            << e.what();
+      }
+      const std::vector<float> after = deferred.params();
+      ASSERT_EQ(after.size(), before.size());
+      EXPECT_EQ(std::memcmp(after.data(), before.data(), after.size() * sizeof(float)), 0);
     }
 }
 

@@ -175,7 +175,8 @@ TEST(MemoryPlan, ShardedMasterHoldsOnlyItsPartOfTheMatmulWeights) {
   EXPECT_EQ(gpu.group_bytes("optimizer"),
             static_cast<size_t>(
                 2 * 4 *
-                plan::largest_shard(model::ParamTable(cfg, model::Head::Pretraining).total(), 4)));
+                plan::largest_shard(model::ParamTable(cfg, model::Head::Pretraining).total(), 4)) +
+                kAlign);  // (and the step's gate)
 }
 
 // What a run holds besides its arenas (the input pipeline's bound, the MPI window slot) counts

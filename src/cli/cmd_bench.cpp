@@ -214,7 +214,9 @@ void add_bench(CLI::App& app) {
       train::Session session(cfg, ss, single, 1);
       model::BertModel& m = session.m;
       const train::Optimizer& optimizer = session.opt;
-      train::Step& train_step = session.start(train::StepSettings{1, 1.0, false, 0, 1});
+      // (deferred as train runs it: a GPU's steps read at the end, not one by one)
+      train::Step& train_step =
+          session.start(train::StepSettings{1, 1.0, false, 0, 1, /*defer=*/true});
       std::vector<double> fwd, bwd, upd;
       size_t taken = 0;  // batches read (a GPU's step reads the next one during its backward)
       auto next = [&](model::Batch& batch) {
@@ -222,34 +224,42 @@ void add_bench(CLI::App& app) {
         return true;
       };
       std::optional<kernels::DeviceCounts> counted;
+      std::vector<train::StepReport> reports;
+      auto settle = [&] {
+        for (const train::StepReport& r : train_step.settle()) reports.push_back(r);
+      };
       for (int s = 0; s < warmup + o->steps; ++s) {
         if (s == warmup) {
+          settle();          // (the warm-up's read left out of the counts)
           be.op_profile(1);  // (the warm-up's operations left out)
           counted = be.device_counts();
         }
-        const model::Batch& b = bs[static_cast<size_t>(s) % bs.size()];
         const train::StepReport r = train_step.run(s, 1e-5, next, "", s + 1 < warmup + o->steps);
+        if (!r.pending) reports.push_back(r);
+      }
+      settle();  // (counted: the read a run makes once per logged window, here once)
+      for (const train::StepReport& r : reports) {
         res.loss = r.loss;
-        if (s < warmup) continue;
+        if (r.step < warmup) continue;
         fwd.push_back(r.t_forward);
         bwd.push_back(r.t_backward);
         upd.push_back(r.t_optimizer);
         res.seconds += r.t_forward + r.t_backward + r.t_optimizer;
         res.real_tokens += r.real_tokens;
         res.computed_tokens += r.computed_tokens;
-        res.padded_tokens += static_cast<double>(b.token_slots());
-        res.instances += static_cast<double>(b.B);
+        res.padded_tokens += r.token_slots;
+        res.instances += r.examples;
         res.flops += r.flops;
       }
       auto median = [](std::vector<double> v) {
         std::sort(v.begin(), v.end());
         return v[v.size() / 2];
       };
-      res.op_profile = be.op_profile(o->steps);
       if (const auto now = be.device_counts(); now && counted) {
         res.launches = static_cast<double>(now->launches - counted->launches) / o->steps;
         res.host_syncs = static_cast<double>(now->host_syncs - counted->host_syncs) / o->steps;
       }
+      res.op_profile = be.op_profile(o->steps);
       res.forward = median(fwd);
       res.backward = median(bwd);
       res.optimizer = median(upd);
@@ -364,8 +374,9 @@ void add_bench(CLI::App& app) {
       if (r.launches)
         std::printf(
             "  device     %.0f kernel launches a step (a cuBLAS/cuBLASLt product counted as "
-            "one), %.0f host synchronisations a step\n",
-            *r.launches, *r.host_syncs);
+            "one), %.0f host synchronisations in %d steps (%.2f a step: the steps' results read "
+            "at the end, as train reads them once a logged window)\n",
+            *r.launches, *r.host_syncs * o->steps, o->steps, *r.host_syncs);
       std::printf("  loss       %.4f (%s)\n", r.loss,
                   o->data.empty() ? "synthetic data; sanity only" : "untrained model");
       if (!r.op_profile.empty())

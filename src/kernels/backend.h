@@ -60,9 +60,13 @@ struct DeviceMemory {
 
 // What a process gave its device so far (a GPU's: cuda::device_counts): kernel launches (a
 // library's product counted as one) and host synchronisations (calls in which the host waited
-// for the device). What stands between a step and a CUDA graph: bench prints them per step.
+// for the device: for its results, or to free memory). What stands between a step and a CUDA
+// graph: bench prints them per step. Apart: waits for host memory the device still copies from
+// (an input slot's staging, the optimizer's tables) where the host ran ahead of the device by
+// the depth of that memory (two batches): back-pressure, which a host no faster than its
+// device never meets.
 struct DeviceCounts {
-  int64_t launches = 0, host_syncs = 0;
+  int64_t launches = 0, host_syncs = 0, ahead_waits = 0;
 };
 
 class Backend : public Target {
@@ -112,7 +116,7 @@ class Backend : public Target {
   // seconds_between(a, b) the device's time from mark a to mark b, the host waiting for b if it
   // has not passed yet (a GPU's event synchronisation). A phase timed this way needs no
   // synchronize at its end. A GPU keeps the last kMarks marks: older ones are an error.
-  static constexpr int64_t kMarks = 64;
+  static constexpr int64_t kMarks = 512;
   virtual int64_t mark() const;
   virtual double seconds_between(int64_t a, int64_t b) const;
   // A copy from the backend's memory into page-locked host memory (allocate_host) queued behind
@@ -319,10 +323,21 @@ class Backend : public Target {
   //    (Pointers and counts: this header is compiled as CUDA C++17 too.)
   virtual void add_sum_squares(double& sum, const float* g, const TensorSpan* t, int64_t count,
                                double scale) const;
+  // With a gate (types.h GradientGate, in the backend's memory: gate_gradients wrote it), each
+  // step's gscale is the gate's factor and nothing is updated when the gate says so; the host
+  // does not read it (a GPU's kernels do). Without (null), the steps as given.
   virtual void adamw_update(const AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
-                            float* v, const TensorSpan* t, int64_t count) const;
+                            float* v, const TensorSpan* t, int64_t count,
+                            const GradientGate* gate) const;
   virtual void lamb_update(const LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
-                           float* v, const TensorSpan* t, int64_t count) const;
+                           float* v, const TensorSpan* t, int64_t count,
+                           const GradientGate* gate) const;
+  // The step's gate from the gradients g x unscale over the spans, their squared norm summed as
+  // add_sum_squares sums it, written to `gate` in the backend's memory (a GPU's: the sum and the
+  // decision on the device, no host synchronisation). The default sums through add_sum_squares
+  // and copies the gate there.
+  virtual void gate_gradients(GradientGate* gate, const float* g, const TensorSpan* t,
+                              int64_t count, float unscale, float max_norm) const;
   // pn[i] and un[i] += span i's squared norms.
   virtual void lamb_moments(const LambStep* a, const float* p, const float* g, float* m, float* v,
                             const TensorSpan* t, int64_t count, double* pn, double* un) const;

@@ -145,6 +145,29 @@ BT_HOST_DEVICE inline float lamb_trust(const LambStep& a, double pn, double un) 
   return 1.0f;
 }
 
+// A step's update decided where the gradients are (Backend::gate_gradients; a GPU's: no host
+// synchronisation): the squared norm of the unscaled gradients, whether every gradient is finite
+// (apply 0: every update pass given the gate leaves parameters and moments as they were), and
+// the factor the update multiplies each gradient by, unscale x PyTorch's clip_grad_norm_
+// coefficient max_norm / (norm + 1e-6) where the norm exceeds max_norm (max_norm 0: no clipping).
+// The update passes take the factor as their steps' gscale.
+struct GradientGate {
+  double sum_squares = 0;
+  float factor = 1.0f;
+  int32_t apply = 1;
+};
+
+BT_HOST_DEVICE inline GradientGate gradient_gate(double sum_squares, float unscale,
+                                                 float max_norm) {
+  GradientGate g;
+  g.sum_squares = sum_squares;
+  g.apply = sum_squares - sum_squares == 0.0 ? 1 : 0;  // (finite: inf - inf and NaN are NaN)
+  const double norm = sqrt(sum_squares);
+  const double clip = g.apply && max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
+  g.factor = static_cast<float>(static_cast<double>(unscale) * clip);
+  return g;
+}
+
 // -- the operands of the backend's operations (backend.h), which its implementations take as they
 //    are --
 

@@ -936,8 +936,8 @@ CrossEntropySums BertModel::head_loss(const Pass& p, double divisor, double* hit
   return {};
 }
 
-void BertModel::read_step_sums() {
-  be_.to_host_async(step_sums_host_.get(), act_.step_sums, sizeof(StepSums));
+void BertModel::read_step_sums(StepSums* into) {
+  be_.to_host_async(into ? into : step_sums_host_.get(), act_.step_sums, sizeof(StepSums));
   be_.zero(act_.step_sums, sizeof(StepSums));
 }
 

@@ -227,7 +227,9 @@ class BertModel {
   // behind the kernels issued so far and starts the device's sums again from zero; step_sums()
   // returns that copy, the host waiting for it only if it has not landed (a GPU: once the
   // device has run up to it, so a synchronisation made after read_step_sums brings it along).
-  void read_step_sums();
+  // With `into` (page-locked host memory: Backend::allocate_host) the copy goes there instead,
+  // landed once Backend::wait_to_host returns (train::Step keeps several steps' sums so).
+  void read_step_sums(StepSums* into = nullptr);
   StepSums step_sums() const;
   // The next batch made ready while the kernels still run this one's: its arrays packed and,
   // on a backend with memory of its own, grouped and copied into the other input slot beside

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "core/error.h"
+#include "kernels/types.h"
 
 namespace bertrain::plan {
 
@@ -18,6 +19,7 @@ void plan_optimizer_state(MemoryPlan& plan, int64_t parameters, int slots) {
              : s == 1 ? "optimizer.v"
                       : "optimizer.slot" + std::to_string(s),
              bytes);
+  plan.add("optimizer", "optimizer.gate", sizeof(kernels::GradientGate));
 }
 
 std::pair<int64_t, int64_t> shard_range(int64_t total, int rank, int world) {

@@ -12,7 +12,8 @@
 namespace bertrain::plan {
 
 // The optimizer's state: `slots` fp32 values per parameter (AdamW and LAMB: 2, the moments
-// m and v), group "optimizer", regions optimizer.m, optimizer.v (then optimizer.slotN).
+// m and v), group "optimizer", regions optimizer.m, optimizer.v (then optimizer.slotN), and the
+// step's gate (optimizer.gate: kernels::GradientGate, which the update reads where it runs).
 // train::Optimizer allocates from exactly this.
 void plan_optimizer_state(MemoryPlan& plan, int64_t parameters, int slots);
 

@@ -366,8 +366,9 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     metrics = std::make_unique<obs::MetricsLog>(cfg.output, 0);
   }
   // A non-finite gradient skips the step in fp16 (the scale halves) and stops fp32/bf16
-  // fine-tuning with a message (LossScaler::update).
-  Step& one_step = session.start(StepSettings{1, 1.0, false, 0, cfg.seed});
+  // fine-tuning with a message (LossScaler::update). On one GPU the steps' results are read once
+  // an epoch (StepSettings::defer: no host synchronisation between).
+  Step& one_step = session.start(StepSettings{1, 1.0, false, 0, cfg.seed, /*defer=*/true});
   std::vector<size_t> order(n);
   std::vector<size_t> mine(cfg.batch_size);  // this rank's rows of a step (several ranks)
   // The batch of the step at example i of the order: one process, rows [i, i + batch) (the
@@ -396,8 +397,9 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
             return true;
           },
           "", i + global_batch < n);
-      loss += r.loss;
+      if (!r.pending) loss += r.loss;
     }
+    for (const StepReport& r : one_step.settle()) loss += r.loss;
     res.train_loss = loss / steps_per_epoch;
     const DevScores dev = score_dev(m, task, cfg.batch_size, res);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();

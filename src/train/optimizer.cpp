@@ -58,6 +58,7 @@ Optimizer::Optimizer(std::vector<ParamSlice> slices, int64_t total, const Optimi
     state_ = Arena(plan_, "optimizer", static_cast<std::byte*>(p));
   }
   m_ = state_.f32("optimizer.m");
+  gate_ = reinterpret_cast<kernels::GradientGate*>(state_.f32("optimizer.gate"));
   v_ = state_.f32("optimizer.v");
   pieces_ = pieces();
   for (const Piece& q : pieces_) spans_.push_back({q.offset, q.offset - shard_.begin, q.numel});
@@ -101,11 +102,28 @@ StepResult Optimizer::result(double sum) const {
 void Optimizer::apply(float* params, const float* grads, float lr, float inv_scale,
                       const StepResult& r, kernels::WeightCopy copy,
                       const SumOverRanks& sum_over_ranks) {
+  // (kernels::gradient_gate's factor: the same float from the same doubles)
+  update(params, grads, lr, static_cast<float>(inv_scale * r.clip_coef), nullptr, copy,
+         sum_over_ranks);
+}
+
+void Optimizer::gate(const float* grads, float inv_scale) {
+  BT_CHECK(!sharded(), "Optimizer::gate: a sharded optimizer's norm needs every rank's part");
+  be_->gate_gradients(gate_, grads, spans_.data(), count(), inv_scale, cfg_.max_grad_norm);
+}
+
+void Optimizer::apply_gated(float* params, const float* grads, float lr, kernels::WeightCopy copy) {
+  BT_CHECK(!sharded(), "Optimizer::apply_gated: sharded optimizers apply with the ranks' norm");
+  update(params, grads, lr, 1.0f, gate_, copy, {});
+}
+
+void Optimizer::update(float* params, const float* grads, float lr, float gscale,
+                       const kernels::GradientGate* gate, kernels::WeightCopy copy,
+                       const SumOverRanks& sum_over_ranks) {
   ++steps_;
   const float b1 = cfg_.beta1, b2 = cfg_.beta2, eps = cfg_.eps;
   const double bc1 = 1.0 - std::pow(static_cast<double>(b1), static_cast<double>(steps_));
   const double bc2 = 1.0 - std::pow(static_cast<double>(b2), static_cast<double>(steps_));
-  const float gscale = static_cast<float>(inv_scale * r.clip_coef);
   auto lamb_step = [&](const ParamSlice& s) {
     const float wd = s.decay ? cfg_.weight_decay : 0.0f;
     return kernels::LambStep{
@@ -125,13 +143,14 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
                    1.0f - lr * wd,
                    copy.f16};
     }
-    be_->adamw_update(adamw_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count());
+    be_->adamw_update(adamw_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count(),
+                      gate);
     return;
   }
   // LAMB: u = m_hat / (sqrt(v_hat) + eps) + wd * p; p -= lr * trust * u
   for (size_t i = 0; i < pieces_.size(); ++i) lamb_[i] = lamb_step(slices_[pieces_[i].slice]);
   if (!sharded()) {
-    be_->lamb_update(lamb_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count());
+    be_->lamb_update(lamb_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count(), gate);
     return;
   }
   // A tensor may be split between ranks: its trust ratio needs the norms of all its parts.

@@ -84,6 +84,16 @@ class Optimizer {
   StepResult step(float* params, const float* grads, float lr, float inv_scale,
                   kernels::WeightCopy copy = {});
 
+  // measure and apply decided where the gradients are, the host reading nothing (a GPU's: no
+  // synchronisation): gate() writes the step's gate (kernels::GradientGate: the norm, whether
+  // every gradient is finite, the factor of unscaling and clipping) in the backend's memory,
+  // apply_gated() updates as apply() would with measure()'s result, or leaves everything as it
+  // was where a gradient is not finite (the step count still advances: the caller stops on a
+  // non-finite step, as Step does unless the loss scaler skips it). Unsharded only.
+  void gate(const float* grads, float inv_scale);
+  void apply_gated(float* params, const float* grads, float lr, kernels::WeightCopy copy = {});
+  const kernels::GradientGate* device_gate() const { return gate_; }
+
   int64_t steps() const { return steps_; }
   void set_steps(int64_t s) { steps_ = s; }
   const Shard& shard() const { return shard_; }
@@ -105,6 +115,10 @@ class Optimizer {
     int64_t slice, offset, numel;
   };
   std::vector<Piece> pieces() const;
+  // The update of apply() with gradient factor gscale, or with the gate's (apply_gated).
+  void update(float* params, const float* grads, float lr, float gscale,
+              const kernels::GradientGate* gate, kernels::WeightCopy copy,
+              const SumOverRanks& sum_over_ranks);
   std::vector<ParamSlice> slices_;
   Shard shard_;
   // The pieces (fixed by the shard) as the backend's tensor spans, and each step's per-tensor
@@ -121,6 +135,7 @@ class Optimizer {
   int64_t total_;
   MemoryPlan plan_;
   std::shared_ptr<void> device_state_;  // the state's block, a backend with memory of its own
+  kernels::GradientGate* gate_;         // gate()'s: the plan's optimizer.gate
   Arena state_;
   float *m_, *v_;
   int64_t steps_ = 0;

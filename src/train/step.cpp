@@ -5,6 +5,8 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "core/clock.h"
@@ -30,6 +32,23 @@ struct StepStats {
   }
 };
 static_assert(sizeof(StepStats) == StepStats::kCount * sizeof(double));
+
+// What a deferred step's device results come back into (page-locked host memory, a ring).
+struct StepRecord {
+  model::StepSums sums;
+  kernels::GradientGate gate;
+};
+constexpr int64_t kRecords = 128;
+
+// A deferred step: what the host knew when it issued it, and where the rest lands.
+struct PendingStep {
+  int64_t step = 0;
+  StepStats stats;
+  StepReport r;
+  std::vector<Step::Phases> phases;
+  int64_t optimizer_begin = 0, optimizer_end = 0, record = 0;
+  std::string hint;
+};
 
 ShardedMasterGather::ShardedMasterGather(const model::BertModel& m, std::vector<int64_t> counts)
     : counts_(std::move(counts)), small_counts_(counts_.size(), 0) {
@@ -108,7 +127,14 @@ Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, comm::Commun
   }
 }
 
-Step::~Step() = default;
+Step::~Step() {
+  if (!pending_.empty()) m_.backend().wait_to_host();  // (the copies into records_ land first)
+}
+
+bool Step::deferring() const {
+  return s_.defer && !m_.backend().host_memory() && comm_.size() == 1 && !opt_.sharded() &&
+         !scaler_.enabled();
+}
 
 GradientScale Step::scale() const {
   const double world = comm_.size(), loss_scale = scaler_.scale();
@@ -158,6 +184,13 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
     r.interrupted = true;
     return r;
   }
+  r.step = step;
+  const bool defer = deferring();
+  // A deferred step keeps 3 marks a micro-batch and 2 for its update until it is read.
+  const int64_t marks = 3 * s_.accumulation + 2;
+  if (defer && (static_cast<int64_t>(pending_.size()) == kRecords ||
+                pending_marks_ + marks > kernels::Backend::kMarks))
+    settle_pending();
   const GradientScale g = scale();
   r.loss_scale = scaler_.scale();
   if (reducer_) reducer_->set_prescale(g.prescale);
@@ -169,6 +202,19 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
       m_.read_step_sums();  // (the sums of the micro-batches that ran: dropped)
       return r;
     }
+  if (defer) {
+    if (!records_) {
+      const kernels::Backend* be = &m_.backend();
+      records_ = std::shared_ptr<void>(be->allocate_host(kRecords * sizeof(StepRecord)),
+                                       [be](void* p) { be->release_host(p); });
+    }
+    m_.read_step_sums(&static_cast<StepRecord*>(records_.get())[next_record_].sums);
+    update_deferred(step, lr, g, stats, hint, r);
+    r.t_total = seconds_since(t_step);
+    pending_.back().r.t_total = r.t_total;
+    span(("step " + std::to_string(step)).c_str(), "step", t_step);
+    return r;
+  }
   m_.read_step_sums();  // (lands with the next synchronisation: collect waits only if not)
   sum_over_ranks(g, stats, r);
   update(step, lr, g, stats, hint, r);
@@ -321,6 +367,90 @@ void Step::report(const StepStats& stats, StepReport& r) const {
   r.token_slots = stats.token_slots;
 }
 
+// A deferred step's update, nothing read: the gate and the gated update on the device, the
+// record's copy queued behind them.
+void Step::update_deferred(int64_t step, double lr, const GradientScale& g, const StepStats& stats,
+                           const std::string& hint, StepReport& r) {
+  const auto t0 = Clock::now();
+  const kernels::Backend& be = m_.backend();
+  m_.bind_kernel_scratch();  // the gate's partial sums come from it
+  PendingStep p;
+  p.optimizer_begin = be.mark();
+  opt_.gate(m_.grads(), g.unscale);
+  opt_.apply_gated(m_.params(), m_.grads(), static_cast<float>(lr), m_.weight_copy());
+  m_.weights16_updated();
+  p.optimizer_end = be.mark();
+  auto* record = static_cast<StepRecord*>(records_.get()) + next_record_;
+  be.to_host_async(&record->gate, opt_.device_gate(), sizeof(kernels::GradientGate));
+  p.step = step;
+  p.stats = stats;
+  r.pending = true;  // (what the host knows: report() completes it at settle_pending)
+  r.mlm_weight = stats.mlm_weight;
+  r.examples = stats.examples;
+  r.real_tokens = stats.real_tokens;
+  r.computed_tokens = stats.computed_tokens;
+  r.token_slots = stats.token_slots;
+  p.r = r;
+  p.phases = std::move(phases_);
+  phases_.clear();
+  p.record = next_record_;
+  p.hint = hint;
+  pending_marks_ += 3 * static_cast<int64_t>(p.phases.size()) + 2;
+  pending_.push_back(std::move(p));
+  next_record_ = (next_record_ + 1) % kRecords;
+  span("optimizer (issued)", "optimizer", t0);
+}
+
+// The deferred steps' results, the host waiting once (for the last record's copy: every earlier
+// one, and every mark the steps made, is before it in the device's queue).
+void Step::settle_pending() {
+  if (pending_.empty()) return;
+  const kernels::Backend& be = m_.backend();
+  be.wait_to_host();
+  const auto* records = static_cast<const StepRecord*>(records_.get());
+  for (PendingStep& p : pending_) {
+    const StepRecord& rec = records[p.record];
+    StepReport& r = p.r;
+    p.stats.loss += rec.sums.loss;
+    p.stats.mlm_correct += rec.sums.mlm_correct;
+    p.stats.nsp_correct += rec.sums.nsp_correct;
+    p.stats.cls_correct += rec.sums.cls_correct;
+    p.stats.nonfinite_losses += rec.sums.nonfinite;
+    const int64_t first = p.phases.empty() ? p.optimizer_begin : p.phases.front().forward;
+    phases_ = std::move(p.phases);
+    time_phases(r);
+    r.t_optimizer = be.seconds_between(p.optimizer_begin, p.optimizer_end);
+    // The step's time: its input wait and the device's from its first mark to its last.
+    r.t_total = r.t_input + be.seconds_between(first, p.optimizer_end);
+    report(p.stats, r);
+    r.grad_norm = std::sqrt(rec.gate.sum_squares);
+    r.pending = false;
+    judge(p.step, rec.gate.apply != 0, p.stats, p.hint, r);
+    settled_.push_back(r);
+  }
+  pending_.clear();
+  pending_marks_ = 0;
+}
+
+std::vector<StepReport> Step::settle() {
+  settle_pending();
+  return std::exchange(settled_, {});
+}
+
+void Step::judge(int64_t step, bool finite, const StepStats& stats, const std::string& hint,
+                 StepReport& r) {
+  const int world = comm_.size();
+  // A non-finite loss with finite gradients (an overflowing cross-entropy whose softmax
+  // gradient stays bounded) would train on silently in fp32/bf16; fp16's scaler handles both.
+  if (finite && stats.nonfinite_losses > 0 && !scaler_.enabled())
+    fail("step ", step, ": the loss is not finite",
+         world > 1 ? str(" on ", stats.nonfinite_losses, " micro-batch(es) of ", world, " ranks")
+                   : std::string(),
+         "; lower ", setting("lr"), " or raise ", setting("warmup"),
+         " and resume from the last good checkpoint", hint);
+  r.applied = scaler_.update(finite, step);  // fails after too many skips, or at once in fp32
+}
+
 // The finite check on every rank (all skip together), then the update.
 void Step::update(int64_t step, double lr, const GradientScale& g, StepStats& stats,
                   const std::string& hint, StepReport& r) {
@@ -337,15 +467,7 @@ void Step::update(int64_t step, double lr, const GradientScale& g, StepStats& st
   report(stats, r);
   const bool finite = world > 1 && !sharded ? comm_.all(measured.finite) : measured.finite;
   r.grad_norm = measured.grad_norm;
-  // A non-finite loss with finite gradients (an overflowing cross-entropy whose softmax
-  // gradient stays bounded) would train on silently in fp32/bf16; fp16's scaler handles both.
-  if (finite && stats.nonfinite_losses > 0 && !scaler_.enabled())
-    fail("step ", step, ": the loss is not finite",
-         world > 1 ? str(" on ", stats.nonfinite_losses, " micro-batch(es) of ", world, " ranks")
-                   : std::string(),
-         "; lower ", setting("lr"), " or raise ", setting("warmup"),
-         " and resume from the last good checkpoint", hint);
-  r.applied = scaler_.update(finite, step);  // fails after too many skips, or at once in fp32
+  judge(step, finite, stats, hint, r);
   if (r.applied) {
     // Clipping uses the same global norm on every rank: gradients are identical after the sum.
     opt_.apply(m_.params(), m_.grads(), static_cast<float>(lr), g.unscale, measured,

@@ -36,6 +36,12 @@ struct StepSettings {
   bool overlap = true;       // several ranks: reduce buckets while backward runs
   int64_t bucket_bytes = int64_t{64} << 20;
   uint64_t seed = 0;  // dropout streams (with the step, layer and example)
+  // The step's results read later, where that spares the device a host synchronisation: on a
+  // backend with memory of its own (a GPU), one rank, an unsharded optimizer and no loss scaler,
+  // run() returns a pending report and the norm, the finite check, clipping and the losses stay
+  // on the device until settle() (Step::run says how). Else (and by default) each step is read
+  // when it ends.
+  bool defer = false;
 };
 
 // The factors of one step (see the header comment).
@@ -47,9 +53,13 @@ struct GradientScale {
 
 // What one step did, summed over micro-batches and ranks (identical on every rank).
 struct StepReport {
+  int64_t step = -1;         // the step counter run() was given
   bool interrupted = false;  // the input was interrupted (stop signal): nothing was applied
-  bool applied = false;      // false: skipped by the loss scaler (non-finite gradients)
-  double loss = 0;           // mean over micro-batches and ranks
+  // Deferred (StepSettings::defer): only the host's fields (examples, tokens, flops, t_input)
+  // are set; settle() returns the whole report.
+  bool pending = false;
+  bool applied = false;  // false: skipped by the loss scaler (non-finite gradients)
+  double loss = 0;       // mean over micro-batches and ranks
   double mlm_correct = 0, mlm_weight = 0, nsp_correct = 0, cls_correct = 0;
   double examples = 0;  // sequences in the step, all ranks
   // Token rows of the step, all ranks: the real tokens and those the encoder computed (with
@@ -93,7 +103,8 @@ class ShardedMasterGather {
   std::vector<float> packed_;
 };
 
-struct StepStats;  // a rank's sums over a step's micro-batches (step.cpp)
+struct StepStats;    // a rank's sums over a step's micro-batches (step.cpp)
+struct PendingStep;  // a deferred step not yet read (step.cpp)
 
 class Step {
  public:
@@ -115,8 +126,17 @@ class Step {
   // the device overlaps them. With `ahead` (a step follows this one) the next step's first
   // micro-batch too: next_batch is then called once during this step for the next one
   // (reading_ahead() is true during that call, and holds_next() after the step).
+  // Deferred (deferring()): the step's norm, finite check and clipping run on the device
+  // (Optimizer::gate, apply_gated: a non-finite step changes nothing there), its loss sums and
+  // gate are copied behind it into page-locked memory, its phases end at marks, and the host
+  // waits for none of them: run() returns a pending report. settle() waits once for all the
+  // pending steps and returns their reports in step order; a non-finite step fails there, naming
+  // its step. (run() settles on its own when the marks or records kept would run out: the
+  // reports wait in settle()'s list.)
   StepReport run(int64_t step, double lr, const NextBatch& next_batch, const std::string& hint = "",
                  bool ahead = false);
+  std::vector<StepReport> settle();
+  bool deferring() const;
   bool reading_ahead() const { return reading_ahead_; }
   // Whether the next step's first micro-batch is already read (the input position after this
   // step is then the one before that read).
@@ -138,6 +158,12 @@ class Step {
   void time_phases(StepReport& r);
   void update(int64_t step, double lr, const GradientScale& g, StepStats& stats,
               const std::string& hint, StepReport& r);
+  void update_deferred(int64_t step, double lr, const GradientScale& g, const StepStats& stats,
+                       const std::string& hint, StepReport& r);
+  // The finite check's verdict on the step (fails where training cannot go on), r.applied.
+  void judge(int64_t step, bool finite, const StepStats& stats, const std::string& hint,
+             StepReport& r);
+  void settle_pending();  // into settled_
   void gather_parameters(StepReport& r);
   void reduce(const GradientScale& g, StepReport& r);
   // A timeline span from `begin` to now (when the timeline is on).
@@ -160,10 +186,17 @@ class Step {
   // A micro-batch's phases as the device ran them (Backend::mark): forward from `forward` to
   // `backward`, backward from there to `end`; timed once the device has passed them
   // (time_phases). host_begin_us: the timeline's clock when the forward was issued.
+  friend struct PendingStep;
   struct Phases {
     int64_t forward = 0, backward = 0, end = 0, host_begin_us = 0;
   };
   std::vector<Phases> phases_;
+  // Deferred steps not yet read, their records (loss sums and gate, in page-locked memory, a
+  // ring of kRecords), the marks they hold, and the reports settled on run()'s own.
+  std::vector<PendingStep> pending_;
+  std::shared_ptr<void> records_;
+  int64_t next_record_ = 0, pending_marks_ = 0;
+  std::vector<StepReport> settled_;
   int cur_ = 0;
   bool held_ = false, reading_ahead_ = false, interrupted_ahead_ = false;
 };

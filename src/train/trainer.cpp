@@ -738,7 +738,8 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
     s.m.set_timeline(&s.tl);
   }
   s.step = &s.session.start(
-      StepSettings{s.cfg.accumulation, cfg.predivide, cfg.overlap, cfg.bucket_mb << 20, cfg.seed},
+      StepSettings{s.cfg.accumulation, cfg.predivide, cfg.overlap, cfg.bucket_mb << 20, cfg.seed,
+                   /*defer=*/true},
       &s.tl);
   s.peak_gflops =
       backend_of(cfg).gemm_peak_gflops(cfg.precision, cfg.batch_size * cfg.seq_len,
@@ -907,6 +908,16 @@ TrainResult Trainer::run() {
     }
   };
   Totals window;
+  // A step's report into the sums, once it is read (StepReport::pending: at settle()).
+  auto take = [&](const StepReport& r) {
+    s.totals.add(r);
+    window.add(r);
+    res.losses.push_back(r.loss);
+    if (r.step == s.start_step) res.first_loss = r.loss;
+  };
+  auto settle = [&] {
+    for (const StepReport& r : s.step->settle()) take(r);
+  };
   const auto run_start = Clock::now();
   auto window_start = Clock::now();
   double slowest_step = 0;
@@ -922,8 +933,7 @@ TrainResult Trainer::run() {
       res.interrupted = true;
       break;
     }
-    s.totals.add(r);
-    window.add(r);
+    if (!r.pending) take(r);
     // Peers finish a step within about a step's time of each other: the stop grace follows the
     // slowest step so far (BERT-large steps on CPUs take longer than the 5 s floor).
     slowest_step = std::max(slowest_step, r.t_total);
@@ -931,14 +941,14 @@ TrainResult Trainer::run() {
       comm::Incidents::process().set_interrupt(&g_stop_signal,
                                                std::max(kStopGraceSeconds, 2 * slowest_step));
 
-    res.losses.push_back(r.loss);
     const int64_t done = step + 1;
-    if (done == s.start_step + 1) {
-      res.first_loss = r.loss;
-      if (s.metrics) s.record_elastic_event(s.start_step);
-    }
-    if (cfg.log_every > 0 && (done % cfg.log_every == 0 || done == cfg.steps))
-      s.log_window(done, step, window, window_start, run_start);
+    if (done == s.start_step + 1 && s.metrics) s.record_elastic_event(s.start_step);
+    const bool log = cfg.log_every > 0 && (done % cfg.log_every == 0 || done == cfg.steps);
+    const bool save = cfg.save_every > 0 && done % cfg.save_every == 0 && done != cfg.steps;
+    // Deferred steps (a GPU's) are read where a log or a checkpoint needs them: a step that
+    // diverged fails before its checkpoint is written.
+    if (log || save) settle();
+    if (log) s.log_window(done, step, window, window_start, run_start);
     s.upload_logs();
     s.note_progress(done);
     res.steps_done = done;
@@ -952,9 +962,9 @@ TrainResult Trainer::run() {
       ++step;
       break;
     }
-    if (cfg.save_every > 0 && done % cfg.save_every == 0 && done != cfg.steps)
-      s.save(done, done_pos);
+    if (save) s.save(done, done_pos);
   }
+  settle();
   if (window.steps > 0) res.last_loss = window.loss / window.steps;
   s.end_step = step;
   res.last_checkpoint = s.save(step, done_pos);

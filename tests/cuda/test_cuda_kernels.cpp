@@ -372,11 +372,15 @@ TEST(Cuda, OptimizerOverManyTensorsMatchesCpu) {
     auto& [p, m, v, p16, p_d, m_d, v_d, p16_d] = st;
     uint16_t* p16_dev = st.p16_dev();
     if (which == 0) {
-      cpu.adamw_update(aw.data(), p.data(), p16.data(), g.data(), m.data(), v.data(), tensors, T);
-      gpu.adamw_update(aw.data(), p_d.f32(), p16_dev, g_d.f32(), m_d.f32(), v_d.f32(), tensors, T);
+      cpu.adamw_update(aw.data(), p.data(), p16.data(), g.data(), m.data(), v.data(), tensors, T,
+                       nullptr);
+      gpu.adamw_update(aw.data(), p_d.f32(), p16_dev, g_d.f32(), m_d.f32(), v_d.f32(), tensors, T,
+                       nullptr);
     } else if (which == 1) {
-      cpu.lamb_update(lb.data(), p.data(), p16.data(), g.data(), m.data(), v.data(), tensors, T);
-      gpu.lamb_update(lb.data(), p_d.f32(), p16_dev, g_d.f32(), m_d.f32(), v_d.f32(), tensors, T);
+      cpu.lamb_update(lb.data(), p.data(), p16.data(), g.data(), m.data(), v.data(), tensors, T,
+                      nullptr);
+      gpu.lamb_update(lb.data(), p_d.f32(), p16_dev, g_d.f32(), m_d.f32(), v_d.f32(), tensors, T,
+                      nullptr);
     } else {  // the sharded LAMB's two passes
       std::vector<double> pn(T), un(T), pn_d(T), un_d(T);
       cpu.lamb_moments(lb.data(), p.data(), g.data(), m.data(), v.data(), tensors, T, pn.data(),
@@ -406,6 +410,96 @@ TEST(Cuda, OptimizerOverManyTensorsMatchesCpu) {
   cpu.add_sum_squares(sum, g.data(), spans.data(), T, 0.5);
   gpu.add_sum_squares(sum_d, g_d.f32(), spans.data(), T, 0.5);
   EXPECT_NEAR(sum_d, sum, 1e-12 * sum);
+}
+
+// The gated passes (types.h GradientGate: the norm, the finite check and clipping decided on
+// the device, read by the update kernels, nothing read by the host) against the CPU backend's
+// measure-then-update: the gate's sum in the host's chunk order (the same bits as the GPU's
+// add_sum_squares), the factor from the same doubles, so AdamW and LAMB with clipping active
+// (norm > 1) and without (max_norm 0) give the same parameters, moments and 16-bit copies bit
+// for bit; a NaN gradient makes the gate skip and leaves all of them as they were. The tables
+// cross once: a second pass over the same spans copies nothing to the device (no host wait in
+// a lagging queue either).
+TEST(Cuda, GatedOptimizerEqualsTheMeasuredOne) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<kernels::TensorSpan> spans = {
+      {0, 0, 150000}, {150000, 150000, 7}, {150007, 150007, 1000}};
+  const int64_t n = 151007, T = 3;
+  const auto p0 = random_vector(n, 1), m0 = random_vector(n, 3, 0.1f);
+  auto v0 = random_vector(n, 4, 0.1f);
+  for (auto& x : v0) x = x * x;
+  const kernels::Backend& cpu = kernels::cpu_backend();
+  const kernels::Backend& gpu = cuda::cuda_backend();
+  cuda::DeviceBuffer gate_d(sizeof(kernels::GradientGate));
+  int passes = 0;
+  auto* gate = static_cast<kernels::GradientGate*>(gate_d.data());
+  for (float max_norm : {1.0f, 0.0f})
+    for (bool lamb : {false, true})
+      for (bool nan : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "max_norm " << max_norm << (lamb ? " lamb" : " adamw")
+                                        << (nan ? " NaN gradient" : ""));
+        auto g = random_vector(n, 2);
+        if (nan) g[150003] = std::nanf("");
+        const auto g_d = to_device(g);
+        const float unscale = 0.5f;
+        // The measured path's norm: the GPU's chunk sums added on the host (the CPU's, in
+        // another order, within 1e-12).
+        double sum = 0, cpu_sum = 0;
+        gpu.add_sum_squares(sum, g_d.f32(), spans.data(), T, unscale);
+        cpu.add_sum_squares(cpu_sum, g.data(), spans.data(), T, unscale);
+        if (!nan) {
+          EXPECT_NEAR(sum, cpu_sum, 1e-12 * cpu_sum);
+        }
+        const kernels::GradientGate want = kernels::gradient_gate(sum, unscale, max_norm);
+        std::vector<kernels::AdamwStep> aw(T, {1.0f, 0.9f, 0.999f, 1e-3f, 0.3f, 1e-6f, 0.9999f});
+        std::vector<kernels::LambStep> lb(T, {1.0f, 0.9f, 0.999f, 1.2f, 1.1f, 1e-6f, 0.01f, 1e-3f});
+        aw[1].decay = 1.0f;
+        lb[1].wd = 0.0f;
+        OptimizerState st(p0, m0, v0);
+        auto& [p, m, v, p16, p_d, m_d, v_d, p16_d] = st;
+        if (want.apply) {  // the CPU: measured, then the steps with the factor
+          for (auto& a : aw) a.gscale = want.factor;
+          for (auto& a : lb) a.gscale = want.factor;
+          if (lamb)
+            cpu.lamb_update(lb.data(), p.data(), p16.data(), g.data(), m.data(), v.data(),
+                            spans.data(), T, nullptr);
+          else
+            cpu.adamw_update(aw.data(), p.data(), p16.data(), g.data(), m.data(), v.data(),
+                             spans.data(), T, nullptr);
+        }
+        if (!nan && max_norm > 0) {
+          EXPECT_LT(want.factor, 0.5f * 0.1f) << "clipping is active";
+        }
+        for (auto& a : aw) a.gscale = 7.0f;  // (the gate's factor replaces it)
+        for (auto& a : lb) a.gscale = 7.0f;
+        const kernels::DeviceCounts before = cuda::device_counts();
+        gpu.gate_gradients(gate, g_d.f32(), spans.data(), T, unscale, max_norm);
+        if (lamb) {
+          gpu.lamb_update(lb.data(), p_d.f32(), st.p16_dev(), g_d.f32(), m_d.f32(), v_d.f32(),
+                          spans.data(), T, gate);
+        } else {
+          gpu.adamw_update(aw.data(), p_d.f32(), st.p16_dev(), g_d.f32(), m_d.f32(), v_d.f32(),
+                           spans.data(), T, gate);
+        }
+        // (after the first pass, which sizes the scratch: a blocking allocation)
+        if (passes++ > 0) {
+          EXPECT_EQ(cuda::device_counts().host_syncs, before.host_syncs) << "the host waited";
+        }
+        kernels::GradientGate got;
+        gpu.to_host(&got, gate, sizeof got);
+        EXPECT_EQ(got.apply, want.apply);
+        if (!nan) {
+          EXPECT_EQ(got.sum_squares, sum);
+          EXPECT_EQ(got.factor, want.factor);
+        }
+        EXPECT_EQ(to_host(p_d, n), p);
+        EXPECT_EQ(to_host(m_d, n), m);
+        EXPECT_EQ(to_host(v_d, n), v);
+        if (!nan) {
+          const std::vector<uint16_t> got16 = to_host_as<uint16_t>(p16_d, n);
+          EXPECT_EQ(got16, p16);
+        }
+      }
 }
 
 // cuBLASLt's linear layers against the CPU's fp32 products. 16-bit operands: the oracle is the

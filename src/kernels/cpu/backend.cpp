@@ -347,18 +347,56 @@ void Backend::add_sum_squares(double& sum, const float* g, const TensorSpan* t, 
   for (int64_t i = 0; i < count; ++i) add_sum_squares(sum, g + t[i].offset, t[i].n, scale);
 }
 
+namespace {
+
+// An update over the spans (Backend::adamw_update, lamb_update): each span's step as given
+// without a gate; with one, read from the backend's memory: nothing when it skips the update,
+// else each step's gscale its factor.
+template <class StepArgs, class Update>
+void gated_update(const Backend& be, const StepArgs* a, int64_t count, const GradientGate* gate,
+                  const Update& update) {
+  GradientGate h;
+  if (gate && be.host_memory())
+    h = *gate;
+  else if (gate)
+    be.to_host(&h, gate, sizeof h);
+  if (!h.apply) return;
+  for (int64_t i = 0; i < count; ++i) {
+    StepArgs s = a[i];
+    if (gate) s.gscale = h.factor;
+    update(i, s);
+  }
+}
+
+}  // namespace
+
 void Backend::adamw_update(const AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
-                           float* v, const TensorSpan* t, int64_t count) const {
-  for (int64_t i = 0; i < count; ++i)
-    adamw_update(a[i], p + t[i].offset, p16 ? p16 + t[i].offset : nullptr, g + t[i].offset,
+                           float* v, const TensorSpan* t, int64_t count,
+                           const GradientGate* gate) const {
+  gated_update(*this, a, count, gate, [&](int64_t i, const AdamwStep& s) {
+    adamw_update(s, p + t[i].offset, p16 ? p16 + t[i].offset : nullptr, g + t[i].offset,
                  m + t[i].state, v + t[i].state, t[i].n);
+  });
 }
 
 void Backend::lamb_update(const LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
-                          float* v, const TensorSpan* t, int64_t count) const {
-  for (int64_t i = 0; i < count; ++i)
-    lamb_update(a[i], p + t[i].offset, p16 ? p16 + t[i].offset : nullptr, g + t[i].offset,
+                          float* v, const TensorSpan* t, int64_t count,
+                          const GradientGate* gate) const {
+  gated_update(*this, a, count, gate, [&](int64_t i, const LambStep& s) {
+    lamb_update(s, p + t[i].offset, p16 ? p16 + t[i].offset : nullptr, g + t[i].offset,
                 m + t[i].state, v + t[i].state, t[i].n);
+  });
+}
+
+void Backend::gate_gradients(GradientGate* gate, const float* g, const TensorSpan* t, int64_t count,
+                             float unscale, float max_norm) const {
+  double sum = 0;
+  add_sum_squares(sum, g, t, count, unscale);
+  const GradientGate h = gradient_gate(sum, unscale, max_norm);
+  if (host_memory())
+    *gate = h;
+  else
+    to_device(gate, &h, sizeof h);
 }
 
 void Backend::lamb_moments(const LambStep* a, const float* p, const float* g, float* m, float* v,

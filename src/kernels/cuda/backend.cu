@@ -195,7 +195,7 @@ class CudaBackend final : public kernels::Backend {
   }
   void release(void* p) const override {
     if (!p) return;
-    count_host_sync();
+    count_free();
     cudaFree(p);
   }
   void to_device(void* dst, const void* src, size_t bytes) const override {
@@ -236,7 +236,7 @@ class CudaBackend final : public kernels::Backend {
   void wait_upload(const void* slot) const override {
     const cudaEvent_t copied = uploads().slot(slot).copied;
     if (!done(cudaEventQuery(copied)))  // (a copy long done: no blocking call)
-      BT_CUDA_WAIT(cudaEventSynchronize(copied));
+      BT_CUDA_WAIT_AHEAD(cudaEventSynchronize(copied));
   }
   // The kernels' stream only (the legacy default stream; the copy and NCCL streams are
   // non-blocking): a step's backward phase ends when its kernels have run, not when the gradient
@@ -524,15 +524,22 @@ class CudaBackend final : public kernels::Backend {
     const Op op("add_sum_squares (all tensors)");
     cuda::add_sum_squares(sum, g, t, count, scale);
   }
+  void gate_gradients(kernels::GradientGate* gate, const float* g, const kernels::TensorSpan* t,
+                      int64_t count, float unscale, float max_norm) const override {
+    const Op op("gate_gradients (all tensors)");
+    cuda::gate_gradients(gate, g, t, count, unscale, max_norm);
+  }
   void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
-                    float* v, const kernels::TensorSpan* t, int64_t count) const override {
+                    float* v, const kernels::TensorSpan* t, int64_t count,
+                    const kernels::GradientGate* gate) const override {
     const Op op("adamw_update (all tensors)");
-    cuda::adamw_update(a, p, p16, g, m, v, t, count);
+    cuda::adamw_update(a, p, p16, g, m, v, t, count, gate);
   }
   void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
-                   float* v, const kernels::TensorSpan* t, int64_t count) const override {
+                   float* v, const kernels::TensorSpan* t, int64_t count,
+                   const kernels::GradientGate* gate) const override {
     const Op op("lamb_update (all tensors)");
-    cuda::lamb_update(a, p, p16, g, m, v, t, count, nullptr, nullptr, /*apply=*/true);
+    cuda::lamb_update(a, p, p16, g, m, v, t, count, nullptr, nullptr, /*apply=*/true, gate);
   }
   void lamb_moments(const kernels::LambStep* a, const float* p, const float* g, float* m, float* v,
                     const kernels::TensorSpan* t, int64_t count, double* pn,

@@ -35,10 +35,25 @@
     BT_CUDA_CHECK(call);                 \
   } while (0)
 
+// A wait for host memory the device still copies from, the host ahead of it (DeviceCounts::
+// ahead_waits): BT_CUDA_WAIT_AHEAD(cudaEventSynchronize(copied)).
+#define BT_CUDA_WAIT_AHEAD(call)          \
+  do {                                    \
+    ::bertrain::cuda::count_ahead_wait(); \
+    BT_CUDA_CHECK(call);                  \
+  } while (0)
+
 namespace bertrain::cuda {
-// The counts of device_counts (cuda.h): a kernel or library product queued, a host wait.
+// The counts of device_counts (cuda.h): a kernel or library product queued, a host wait, a wait
+// of the host ahead.
 void count_launch();
 void count_host_sync();
+void count_ahead_wait();
+// Device memory freed (cudaFree, a host synchronisation: counted): what a record of device
+// memory's contents kept by address (rows.cu, the optimizer's tables) must not outlive. The
+// generation counts the frees so far.
+void count_free();
+uint64_t memory_generation();
 
 // Whether a query (cudaStreamQuery, cudaEventQuery) found the work done: false while it still
 // runs, a bertrain::Error on an error. A host wait behind it is made only where it is false.

@@ -227,17 +227,23 @@ void lamb_apply(const kernels::LambStep& a, float* p, uint16_t* p16, const float
                 int64_t n, float step, void* stream = nullptr);
 
 // The same over many tensors of flat buffers (kernels/backend.h, TensorSpan), one pass each
-// (scratch.h: a block per chunk). add_sum_squares synchronises once. lamb_update with `apply`:
+// (scratch.h: a block per chunk; the spans' tables cross to the device only when they change,
+// the steps are the kernels' arguments). add_sum_squares synchronises once; gate_gradients
+// not at all (the sum and the gate in a kernel after the chunks'). lamb_update with `apply`:
 // the moments, each span's trust ratio and step (lr x trust) on the device, the update pass:
 // no synchronisation (pn, un unused); without: the moments only, pn and un receiving each span's
-// norms (+=: one synchronisation), for a tensor updated in parts on several ranks.
+// norms (+=: one synchronisation), for a tensor updated in parts on several ranks. A gate
+// (types.h GradientGate, device memory) gives the steps' gscale and may skip the update.
 void add_sum_squares(double& sum, const float* g, const kernels::TensorSpan* t, int64_t count,
                      double scale, void* stream = nullptr);
+void gate_gradients(kernels::GradientGate* gate, const float* g, const kernels::TensorSpan* t,
+                    int64_t count, float unscale, float max_norm, void* stream = nullptr);
 void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
-                  float* v, const kernels::TensorSpan* t, int64_t count, void* stream = nullptr);
+                  float* v, const kernels::TensorSpan* t, int64_t count,
+                  const kernels::GradientGate* gate = nullptr, void* stream = nullptr);
 void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
                  float* v, const kernels::TensorSpan* t, int64_t count, double* pn, double* un,
-                 bool apply, void* stream = nullptr);
+                 bool apply, const kernels::GradientGate* gate = nullptr, void* stream = nullptr);
 void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float* m, const float* v,
                 const kernels::TensorSpan* t, int64_t count, const float* step,
                 void* stream = nullptr);

@@ -25,7 +25,7 @@ DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
 
 DeviceBuffer::~DeviceBuffer() {
   if (ptr_) {
-    count_host_sync();
+    count_free();
     cudaFree(ptr_);
   }
 }
@@ -33,7 +33,7 @@ DeviceBuffer::~DeviceBuffer() {
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   if (this != &o) {
     if (ptr_) {
-      count_host_sync();
+      count_free();
       cudaFree(ptr_);
     }
     ptr_ = o.ptr_;
@@ -96,8 +96,22 @@ void synchronize() {
 }
 
 namespace {
-std::atomic<int64_t> g_launches{0}, g_host_syncs{0};
+std::atomic<int64_t> g_launches{0}, g_host_syncs{0}, g_ahead_waits{0};
+std::atomic<uint64_t> g_frees{0};
 }  // namespace
+
+void count_ahead_wait() {
+  g_ahead_waits.fetch_add(1, std::memory_order_relaxed);
+}
+
+void count_free() {
+  count_host_sync();
+  g_frees.fetch_add(1, std::memory_order_relaxed);
+}
+
+uint64_t memory_generation() {
+  return g_frees.load(std::memory_order_relaxed);
+}
 
 void count_launch() {
   g_launches.fetch_add(1, std::memory_order_relaxed);
@@ -108,7 +122,7 @@ void count_host_sync() {
 }
 
 kernels::DeviceCounts device_counts() {
-  return {g_launches.load(), g_host_syncs.load()};
+  return {g_launches.load(), g_host_syncs.load(), g_ahead_waits.load()};
 }
 
 }  // namespace bertrain::cuda

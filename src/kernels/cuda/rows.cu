@@ -132,24 +132,55 @@ __global__ void sum_squares_many_kernel(double* partial, const float* g,
   block_sum(acc, partial + blockIdx.x);
 }
 
-__global__ void adamw_many_kernel(const kernels::AdamwStep* steps, float* p, uint16_t* p16,
+// A pass's steps (AdamW's or LAMB's) by value, a kernel argument: the optimizer's differ only in
+// weight decay, so a step kind a span (Many::kind) and no table of steps to upload each step.
+constexpr int kStepKinds = 8;
+template <class StepArgs>
+struct StepKinds {
+  StepArgs kind[kStepKinds];
+  int count = 0;
+};
+
+// Span i's step, its gscale the gate's factor where there is a gate (types.h GradientGate).
+template <class StepArgs>
+__device__ StepArgs span_step(const StepKinds<StepArgs>& steps, const int32_t* kind, int64_t i,
+                              const kernels::GradientGate* gate) {
+  StepArgs a = steps.kind[kind[i]];
+  if (gate) a.gscale = gate->factor;
+  return a;
+}
+
+// The gate from the chunks' partial sums, added in chunk order (the host's order: the same
+// bits as add_sum_squares).
+__global__ void gate_kernel(kernels::GradientGate* gate, const double* partial, int64_t count,
+                            float unscale, float max_norm) {
+  double sum = 0.0;
+  for (int64_t b = 0; b < count; ++b) sum += partial[b];
+  *gate = kernels::gradient_gate(sum, unscale, max_norm);
+}
+
+__global__ void adamw_many_kernel(StepKinds<kernels::AdamwStep> steps, const int32_t* kind,
+                                  const kernels::GradientGate* gate, float* p, uint16_t* p16,
                                   const float* g, float* m, float* v,
                                   const kernels::TensorSpan* spans, const Chunk* chunks) {
+  if (gate && !gate->apply) return;
   const Chunk c = chunks[blockIdx.x];
   const kernels::TensorSpan t = spans[c.tensor];
-  const kernels::AdamwStep a = steps[c.tensor];
+  const kernels::AdamwStep a = span_step(steps, kind, c.tensor, gate);
   for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x)
     rm::adamw(a, p + t.offset, p16 ? p16 + t.offset : nullptr, g + t.offset, m + t.state,
               v + t.state, c.begin + i);
 }
 
 // partial[2 b] = sum of p^2 over chunk b, partial[2 b + 1] = sum of u^2.
-__global__ void lamb_moments_many_kernel(double* partial, const kernels::LambStep* steps,
+__global__ void lamb_moments_many_kernel(double* partial, StepKinds<kernels::LambStep> steps,
+                                         const int32_t* kind, const kernels::GradientGate* gate,
                                          const float* p, const float* g, float* m, float* v,
                                          const kernels::TensorSpan* spans, const Chunk* chunks) {
+  if (gate && !gate->apply) return;
   const Chunk c = chunks[blockIdx.x];
   const kernels::TensorSpan t = spans[c.tensor];
-  const kernels::LambStep a = steps[c.tensor];
+  const kernels::LambStep a = span_step(steps, kind, c.tensor, gate);
   const float* P = p + t.offset;
   double pn = 0.0, un = 0.0;
   for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x) {
@@ -165,8 +196,9 @@ __global__ void lamb_moments_many_kernel(double* partial, const kernels::LambSte
 
 // LAMB's step per span on the device: thread i adds span i's chunks' partial norms in chunk
 // order (the order the host added them in: the same bits) and writes lr x trust ratio.
-__global__ void lamb_trust_kernel(float* trust, const kernels::LambStep* steps,
-                                  const double* partial, const int64_t* first, int64_t count) {
+__global__ void lamb_trust_kernel(float* trust, StepKinds<kernels::LambStep> steps,
+                                  const int32_t* kind, const double* partial, const int64_t* first,
+                                  int64_t count) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= count) return;
   double pn = 0.0, un = 0.0;
@@ -174,15 +206,19 @@ __global__ void lamb_trust_kernel(float* trust, const kernels::LambStep* steps,
     pn += partial[2 * b];
     un += partial[2 * b + 1];
   }
-  trust[i] = steps[i].lr * kernels::lamb_trust(steps[i], pn, un);
+  const kernels::LambStep& a = steps.kind[kind[i]];
+  trust[i] = a.lr * kernels::lamb_trust(a, pn, un);
 }
 
-__global__ void lamb_apply_many_kernel(const kernels::LambStep* steps, const float* trust, float* p,
-                                       uint16_t* p16, const float* m, const float* v,
+// (trust: each span's lr x trust ratio; the gate, where given, only says whether to move)
+__global__ void lamb_apply_many_kernel(StepKinds<kernels::LambStep> steps, const int32_t* kind,
+                                       const kernels::GradientGate* gate, const float* trust,
+                                       float* p, uint16_t* p16, const float* m, const float* v,
                                        const kernels::TensorSpan* spans, const Chunk* chunks) {
+  if (gate && !gate->apply) return;
   const Chunk c = chunks[blockIdx.x];
   const kernels::TensorSpan t = spans[c.tensor];
-  const kernels::LambStep a = steps[c.tensor];
+  const kernels::LambStep a = steps.kind[kind[c.tensor]];
   for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x)
     rm::lamb_apply(a, p + t.offset, p16 ? p16 + t.offset : nullptr, m + t.state, v + t.state,
                    c.begin + i, trust[c.tensor]);
@@ -224,13 +260,13 @@ std::vector<double> download_partials(const double* partial, size_t count, cudaS
 }
 
 // A multi-tensor pass's arguments in the scratch (scratch.h, kMultiTensorSlot): the spans, their
-// chunks, one step per span, each span's first chunk (and the end); then room for a trust ratio
-// per span and two partials per chunk.
+// chunks, each span's first chunk (and the end) and step kind; then room for a trust ratio per
+// span and two partials per chunk.
 struct Many {
   const kernels::TensorSpan* spans = nullptr;
   const Chunk* chunks = nullptr;
-  const void* steps = nullptr;
   const int64_t* first = nullptr;
+  const int32_t* kind = nullptr;
   float* trust = nullptr;
   double* partials = nullptr;
   std::vector<Chunk> host_chunks;
@@ -240,10 +276,10 @@ size_t aligned(size_t b) {
   return (b + 255) / 256 * 256;
 }
 
-// The tables cross from page-locked memory (a copy from pageable memory may make the host wait
-// for the stream): two buffers of the calling thread's in turn, each written again only once
-// the copy from it has run (its event, found done by a query: the pass before last is long
-// finished), so a step's optimizer passes upload without a host synchronisation.
+// Tables cross from page-locked memory (a copy from pageable memory may make the host wait for
+// the stream): two buffers of the calling thread's in turn, each written again only once the
+// copy from it has run (its event; a query finds it done unless the device is a table change
+// behind).
 struct PinnedTables {
   struct Buffer {
     char* host = nullptr;
@@ -251,6 +287,11 @@ struct PinnedTables {
     cudaEvent_t copied = nullptr;
   } buffer[2];
   int turn = 0;
+  // What the calling thread last copied into the device's tables, and where: an optimizer's are
+  // the same every step, so they cross once (while that memory is not freed: memory_generation).
+  std::vector<char> sent;
+  const char* sent_to = nullptr;
+  uint64_t sent_generation = 0;
   PinnedTables() = default;
   PinnedTables(const PinnedTables&) = delete;
   PinnedTables& operator=(const PinnedTables&) = delete;
@@ -269,7 +310,7 @@ thread_local PinnedTables t_tables;
 char* pinned_tables(size_t bytes) {
   PinnedTables::Buffer& b = t_tables.buffer[t_tables.turn];
   if (b.copied) {
-    if (!done(cudaEventQuery(b.copied))) BT_CUDA_WAIT(cudaEventSynchronize(b.copied));
+    if (!done(cudaEventQuery(b.copied))) BT_CUDA_WAIT_AHEAD(cudaEventSynchronize(b.copied));
   } else {
     BT_CUDA_CHECK(cudaEventCreateWithFlags(&b.copied, cudaEventDisableTiming));
   }
@@ -286,13 +327,58 @@ char* pinned_tables(size_t bytes) {
   return b.host;
 }
 
-// After the copy from pinned_tables' buffer: its event, and the other buffer's turn.
-void tables_copied(cudaStream_t s) {
-  BT_CUDA_CHECK(cudaEventRecord(t_tables.buffer[t_tables.turn].copied, s));
-  t_tables.turn ^= 1;
+// The tables `host` at `device`, copied unless their first `needed` bytes are there already.
+void send_tables(char* device, const std::vector<char>& host, size_t needed, cudaStream_t s) {
+  PinnedTables& t = t_tables;
+  if (t.sent_to == device && t.sent_generation == memory_generation() &&
+      t.sent.size() == host.size() && std::memcmp(t.sent.data(), host.data(), needed) == 0)
+    return;
+  char* pinned = pinned_tables(host.size());
+  std::memcpy(pinned, host.data(), host.size());
+  BT_CUDA_CHECK(cudaMemcpyAsync(device, pinned, host.size(), cudaMemcpyHostToDevice, s));
+  BT_CUDA_CHECK(cudaEventRecord(t.buffer[t.turn].copied, s));
+  t.turn ^= 1;
+  t.sent = host;
+  t.sent_to = device;
+  t.sent_generation = memory_generation();
 }
 
-Many upload(const kernels::TensorSpan* t, int64_t count, const void* steps, size_t step_bytes,
+// Each span's step kind (kind[i] into the returned kinds), as exact bits: an optimizer's steps
+// differ in weight decay only.
+template <class StepArgs>
+bool same_step(const StepArgs& a, const StepArgs& b);
+template <>
+bool same_step(const kernels::AdamwStep& a, const kernels::AdamwStep& b) {
+  const float x[] = {a.gscale, a.beta1, a.beta2, a.step_size, a.sqrt_bc2, a.eps, a.decay};
+  const float y[] = {b.gscale, b.beta1, b.beta2, b.step_size, b.sqrt_bc2, b.eps, b.decay};
+  return std::memcmp(x, y, sizeof x) == 0 && a.f16_copy == b.f16_copy;
+}
+template <>
+bool same_step(const kernels::LambStep& a, const kernels::LambStep& b) {
+  const float x[] = {a.gscale, a.beta1, a.beta2, a.ibc1, a.ibc2, a.eps, a.wd, a.lr};
+  const float y[] = {b.gscale, b.beta1, b.beta2, b.ibc1, b.ibc2, b.eps, b.wd, b.lr};
+  return std::memcmp(x, y, sizeof x) == 0 && a.f16_copy == b.f16_copy;
+}
+template <class StepArgs>
+StepKinds<StepArgs> step_kinds(const StepArgs* a, int64_t count, std::vector<int32_t>& kind) {
+  StepKinds<StepArgs> k;
+  kind.assign(static_cast<size_t>(count), 0);
+  for (int64_t i = 0; a && i < count; ++i) {
+    int j = 0;
+    while (j < k.count && !same_step(k.kind[j], a[i])) ++j;
+    if (j == k.count) {
+      BT_CHECK(k.count < kStepKinds, "the CUDA optimizer passes take at most ", kStepKinds,
+               " different steps over their tensors, ", count, " tensors had more");
+      k.kind[k.count++] = a[i];
+    }
+    kind[static_cast<size_t>(i)] = j;
+  }
+  return k;
+}
+
+// The pass's tables in the scratch; `kind` each span's step kind (step_kinds), null for a pass
+// without steps (the kinds there, whichever they are, serve).
+Many upload(const kernels::TensorSpan* t, int64_t count, const std::vector<int32_t>* kind,
             cudaStream_t s) {
   Many w;
   int64_t values = 0;
@@ -307,24 +393,22 @@ Many upload(const kernels::TensorSpan* t, int64_t count, const void* steps, size
   const size_t n = static_cast<size_t>(count);
   const size_t spans_b = aligned(n * sizeof(kernels::TensorSpan)),
                chunks_b = aligned(w.host_chunks.size() * sizeof(Chunk)),
-               steps_b = aligned(n * step_bytes), first_b = aligned((n + 1) * sizeof(int64_t)),
+               first_b = aligned((n + 1) * sizeof(int64_t)), kind_b = aligned(n * 4),
                trust_b = aligned(n * 4), partial_b = 2 * w.host_chunks.size() * sizeof(double);
-  const size_t table_b = spans_b + chunks_b + steps_b + first_b;
+  const size_t table_b = spans_b + chunks_b + first_b + kind_b;
   auto* base = static_cast<char*>(scratch(
       kMultiTensorSlot, std::max<size_t>(table_b + trust_b + partial_b,
                                          static_cast<size_t>(multi_tensor_bytes(values, count)))));
-  char* host = pinned_tables(table_b);
-  std::memset(host, 0, table_b);
-  std::memcpy(host, t, n * sizeof(kernels::TensorSpan));
-  std::memcpy(host + spans_b, w.host_chunks.data(), w.host_chunks.size() * sizeof(Chunk));
-  if (steps) std::memcpy(host + spans_b + chunks_b, steps, n * step_bytes);
-  std::memcpy(host + spans_b + chunks_b + steps_b, first.data(), first.size() * sizeof(int64_t));
-  BT_CUDA_CHECK(cudaMemcpyAsync(base, host, table_b, cudaMemcpyHostToDevice, s));
-  tables_copied(s);
+  std::vector<char> host(table_b, 0);
+  std::memcpy(host.data(), t, n * sizeof(kernels::TensorSpan));
+  std::memcpy(host.data() + spans_b, w.host_chunks.data(), w.host_chunks.size() * sizeof(Chunk));
+  std::memcpy(host.data() + spans_b + chunks_b, first.data(), first.size() * sizeof(int64_t));
+  if (kind) std::memcpy(host.data() + spans_b + chunks_b + first_b, kind->data(), n * 4);
+  send_tables(base, host, kind ? table_b : table_b - kind_b, s);
   w.spans = reinterpret_cast<const kernels::TensorSpan*>(base);
   w.chunks = reinterpret_cast<const Chunk*>(base + spans_b);
-  w.steps = base + spans_b + chunks_b;
-  w.first = reinterpret_cast<const int64_t*>(base + spans_b + chunks_b + steps_b);
+  w.first = reinterpret_cast<const int64_t*>(base + spans_b + chunks_b);
+  w.kind = reinterpret_cast<const int32_t*>(base + spans_b + chunks_b + first_b);
   w.trust = reinterpret_cast<float*>(base + table_b);
   w.partials = reinterpret_cast<double*>(base + table_b + trust_b);
   return w;
@@ -490,7 +574,7 @@ void add_sum_squares(double& sum, const float* g, const kernels::TensorSpan* t, 
                      double scale, void* stream) {
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
-  const Many w = upload(t, count, nullptr, 0, s);
+  const Many w = upload(t, count, nullptr, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   BT_LAUNCH(sum_squares_many_kernel, blocks, kThreads, 0, s)
@@ -499,29 +583,45 @@ void add_sum_squares(double& sum, const float* g, const kernels::TensorSpan* t, 
   for (double x : download_partials(w.partials, blocks, s)) sum += x;
 }
 
+void gate_gradients(kernels::GradientGate* gate, const float* g, const kernels::TensorSpan* t,
+                    int64_t count, float unscale, float max_norm, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  const Many w = upload(t, count, nullptr, s);
+  const auto blocks = static_cast<unsigned>(w.host_chunks.size());
+  if (blocks > 0) BT_LAUNCH(sum_squares_many_kernel, blocks, kThreads, 0, s)
+  (w.partials, g, w.spans, w.chunks, static_cast<double>(unscale));
+  BT_CUDA_CHECK(cudaGetLastError());
+  BT_LAUNCH(gate_kernel, 1, 1, 0, s)(gate, w.partials, blocks, unscale, max_norm);
+  BT_CUDA_CHECK(cudaGetLastError());
+}
+
 void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
-                  float* v, const kernels::TensorSpan* t, int64_t count, void* stream) {
+                  float* v, const kernels::TensorSpan* t, int64_t count,
+                  const kernels::GradientGate* gate, void* stream) {
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
-  const Many w = upload(t, count, a, sizeof(kernels::AdamwStep), s);
+  std::vector<int32_t> kind;
+  const StepKinds<kernels::AdamwStep> steps = step_kinds(a, count, kind);
+  const Many w = upload(t, count, &kind, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   BT_LAUNCH(adamw_many_kernel, blocks, kThreads, 0, s)
-  (static_cast<const kernels::AdamwStep*>(w.steps), p, p16, g, m, v, w.spans, w.chunks);
+  (steps, w.kind, gate, p, p16, g, m, v, w.spans, w.chunks);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
 void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
                  float* v, const kernels::TensorSpan* t, int64_t count, double* pn, double* un,
-                 bool apply, void* stream) {
+                 bool apply, const kernels::GradientGate* gate, void* stream) {
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
-  const Many w = upload(t, count, a, sizeof(kernels::LambStep), s);
+  std::vector<int32_t> kind;
+  const StepKinds<kernels::LambStep> steps = step_kinds(a, count, kind);
+  const Many w = upload(t, count, &kind, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
-  const auto* steps = static_cast<const kernels::LambStep*>(w.steps);
   if (blocks == 0) return;
   BT_LAUNCH(lamb_moments_many_kernel, blocks, kThreads, 0, s)
-  (w.partials, steps, p, g, m, v, w.spans, w.chunks);
+  (w.partials, steps, w.kind, gate, p, g, m, v, w.spans, w.chunks);
   BT_CUDA_CHECK(cudaGetLastError());
   if (!apply) {  // the moments only: the norms to the host
     const std::vector<double> h = download_partials(w.partials, 2 * blocks, s);
@@ -532,10 +632,10 @@ void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const floa
     return;
   }
   BT_LAUNCH(lamb_trust_kernel, blocks_for(count, kThreads), kThreads, 0, s)
-  (w.trust, steps, w.partials, w.first, count);
+  (w.trust, steps, w.kind, w.partials, w.first, count);
   BT_CUDA_CHECK(cudaGetLastError());
   BT_LAUNCH(lamb_apply_many_kernel, blocks, kThreads, 0, s)
-  (steps, w.trust, p, p16, m, v, w.spans, w.chunks);
+  (steps, w.kind, gate, w.trust, p, p16, m, v, w.spans, w.chunks);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -543,14 +643,16 @@ void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float
                 const kernels::TensorSpan* t, int64_t count, const float* step, void* stream) {
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
-  const Many w = upload(t, count, a, sizeof(kernels::LambStep), s);
+  std::vector<int32_t> kind;
+  const StepKinds<kernels::LambStep> steps = step_kinds(a, count, kind);
+  const Many w = upload(t, count, &kind, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   // (from pageable memory: the host may wait for the stream first)
   BT_CUDA_WAIT(cudaMemcpyAsync(w.trust, step, static_cast<size_t>(count) * sizeof(float),
                                cudaMemcpyHostToDevice, s));
   BT_LAUNCH(lamb_apply_many_kernel, blocks, kThreads, 0, s)
-  (static_cast<const kernels::LambStep*>(w.steps), w.trust, p, p16, m, v, w.spans, w.chunks);
+  (steps, w.kind, nullptr, w.trust, p, p16, m, v, w.spans, w.chunks);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

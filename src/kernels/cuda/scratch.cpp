@@ -55,10 +55,10 @@ int64_t column_chunks(int64_t rows) {
 int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors) {
   if (tensors == 0) return 0;
   const int64_t chunks = parameters / kChunk + tensors;  // each span's last chunk may be short
-  const int64_t step = std::max(sizeof(kernels::AdamwStep), sizeof(kernels::LambStep));
-  // (and each span's first chunk, one more: where its chunks end)
-  return tensors * (int64_t{sizeof(kernels::TensorSpan)} + step + int64_t{sizeof(float)} +
-                    int64_t{sizeof(int64_t)}) +
+  // (a step kind, a trust ratio and a first chunk a span; one more first chunk: where the
+  // chunks end)
+  return tensors * (int64_t{sizeof(kernels::TensorSpan)} + int64_t{sizeof(int32_t)} +
+                    int64_t{sizeof(float)} + int64_t{sizeof(int64_t)}) +
          int64_t{sizeof(int64_t)} +
          chunks * (int64_t{sizeof(Chunk)} + 2 * int64_t{sizeof(double)}) + 5 * 256;  // alignment
 }

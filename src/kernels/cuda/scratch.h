@@ -49,14 +49,14 @@ int64_t column_chunks(int64_t rows);
 
 // The optimizer's passes over many tensors (Backend's TensorSpan operations): each span cut into
 // chunks of at most kChunk values, a block per chunk, one partial sum (two for LAMB's norms) per
-// chunk added on the host in chunk order.
+// chunk added in chunk order (on the host, or by the gate's and trust ratios' kernels).
 constexpr int64_t kChunk = int64_t{1} << 16;
 struct Chunk {
   int64_t tensor, begin, n;  // values [begin, begin + n) of span `tensor`
 };
 // Bytes of the multi-tensor scratch for `tensors` spans over `parameters` values: the spans, the
-// chunks, a step (AdamW's or LAMB's), a first chunk and a trust ratio per span, two partial sums
-// per chunk.
+// chunks, a step kind (rows.cu: the steps themselves are the kernels' arguments), a first chunk
+// and a trust ratio per span, two partial sums per chunk.
 int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors);
 
 // The scratch the CUDA kernels use for a model's shapes.
