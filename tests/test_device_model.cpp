@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include "comm/communicator.h"
 #include "core/dtype.h"
@@ -242,6 +243,50 @@ TEST(DeviceModel, DeferredStepsEqualTheEagerOnesAndFailWhereTheyDiverge) {
       ASSERT_EQ(after.size(), before.size());
       EXPECT_EQ(std::memcmp(after.data(), before.data(), after.size() * sizeof(float)), 0);
     }
+}
+
+// More deferred steps than a read keeps: 5 steps of 50 micro-batches make 152 marks each, so
+// the 512 kept hold 3; run() reads those on its own before the fourth and keeps their reports,
+// and settle() returns every step's, in order, with the same losses and parameters as the eager
+// steps (a tiny model: a layer of 16, 2 x 8 tokens).
+TEST(DeviceModel, DeferredStepsPastTheRingsAreReadOnTheirOwn) {
+  const OwnMemoryBackend own;
+  const model::BertConfig c = test::small_bert(300, 16, 1, 2, 32, 16);
+  const model::Batch batch = test::random_batch(c, 2, 8, 5);
+  auto next = [&](model::Batch& b) {
+    b = batch;
+    return true;
+  };
+  const int64_t steps = 5, accumulation = 50;
+  auto train = [&](const Backend& be, std::vector<double>& losses) {
+    model::ModelDims d{batch.B, batch.T, batch.P};
+    model::BertModel m(c, model::Head::Pretraining, d, be);
+    m.init_params(11);
+    train::Optimizer opt(train::param_slices(m.table()), m.table().total(), {}, be);
+    train::LossScaler scaler{train::LossScaler::Config{}};
+    comm::SingleProcess single;
+    train::StepSettings ss;
+    ss.accumulation = accumulation;
+    ss.defer = true;
+    train::Step step(m, opt, scaler, single, ss);
+    for (int64_t k = 0; k < steps; ++k) {
+      const train::StepReport r = step.run(k, 1e-3, next, "", k + 1 < steps);
+      if (!r.pending) losses.push_back(r.loss);
+    }
+    for (const train::StepReport& r : step.settle()) {
+      EXPECT_EQ(r.step, static_cast<int64_t>(losses.size()));
+      losses.push_back(r.loss);
+    }
+    std::vector<float> p(static_cast<size_t>(m.table().total()));
+    be.to_host(p.data(), m.params(), p.size() * sizeof(float));
+    return p;
+  };
+  std::vector<double> eager, deferred;
+  EXPECT_EQ(train(own, deferred), train(cpu_backend(), eager));
+  ASSERT_EQ(deferred.size(), static_cast<size_t>(steps));
+  ASSERT_EQ(eager.size(), static_cast<size_t>(steps));
+  for (size_t k = 0; k < eager.size(); ++k)
+    EXPECT_NEAR(deferred[k], eager[k], 1e-12 * std::fabs(eager[k])) << k;
 }
 
 // On a backend with memory of its own (a GPU's) a step reads and stages each micro-batch after

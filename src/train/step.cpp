@@ -38,7 +38,8 @@ struct StepRecord {
   model::StepSums sums;
   kernels::GradientGate gate;
 };
-constexpr int64_t kRecords = 128;
+// (a step makes at least 5 marks, so no more than this many wait for a read; run() checks both)
+constexpr int64_t kRecords = kernels::Backend::kMarks / 5;
 
 // A deferred step: what the host knew when it issued it, and where the rest lands.
 struct PendingStep {

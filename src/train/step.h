@@ -2,6 +2,8 @@
 //   zero gradients -> per micro-batch: input, forward, backward (the reducer hears of each
 //   finished layer on the last one) -> reduce across ranks -> finite check (all ranks) and loss
 //   scaler -> optimizer (unscale, clip, update, 16-bit weight copy) .
+// Deferred (StepSettings::defer, one GPU): the finite check, clipping and the update's skip are
+// the device's (kernels::GradientGate) and the host reads the step's results later, at settle().
 // With a sharded optimizer (ZeRO stage 1: Optimizer's Shard) the sum across ranks is a
 // reduce-scatter (each rank receives the sum of its part), the norm and finite check add the
 // parts' squared norms, each rank updates its part, and an allgather gives every rank all the
