@@ -295,26 +295,41 @@ class OwnMemoryBackend final : public Backend {
     }
     cpu().linear_forward(p, out, in, w, bias, M, N, K, ws);
   }
-  void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
+  void linear_backward(Precision p, float* dinp, float* dw, float* db, KeptIn dout, Kept in,
                        Weight w, int64_t M, int64_t N, int64_t K, bool acc,
                        const Workspace& ws) const override {
     const Open open(*this);
     for (const void* x : {static_cast<const void*>(dinp), static_cast<const void*>(dw),
-                          static_cast<const void*>(db), static_cast<const void*>(dout)})
+                          static_cast<const void*>(db), static_cast<const void*>(dout.f32),
+                          static_cast<const void*>(dout.bits)})
       own(x, "linear backward operand");
     own(in, "linear backward input");
+    // A 16-bit copy of dout is its values rounded (what the products read instead of rounding).
+    if (dout.bits) expect_rounded(p, dout.bits, dout.f32, M * N, "linear backward's dout");
     if (fp16_products(p, w, ws)) {  // the bias gradient from the fp32 output gradient
-      const auto d = fp16_values(nullptr, dout, M * N), x = fp16_values(in.bits, in.f32, M * K),
-                 wv = fp16_values(w.bits, nullptr, N * K);
+      const auto d = fp16_values(dout.bits, dout.f32, M * N),
+                 x = fp16_values(in.bits, in.f32, M * K), wv = fp16_values(w.bits, nullptr, N * K);
       cpu().linear_backward(Precision::FP32, dinp, dw, nullptr, d.data(),
                             Kept{const_cast<float*>(x.data())}, Weight{wv.data()}, M, N, K, acc,
                             ws);
       if (db)
         for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = 0; n < N; ++n) db[n] += dout[m * N + n];
+          for (int64_t n = 0; n < N; ++n) db[n] += dout.f32[m * N + n];
       return;
     }
     cpu().linear_backward(p, dinp, dw, db, dout, in, w, M, N, K, acc, ws);
+  }
+  // Fails the test where bits are not x rounded to p's 16 bits.
+  static void expect_rounded(Precision p, const uint16_t* bits, const float* x, int64_t n,
+                             const char* what) {
+    if (p == Precision::FP32) return;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t want = p == Precision::BF16 ? f32_to_bf16(x[i]) : f32_to_f16(x[i]);
+      if (bits[i] != want) {
+        ADD_FAILURE() << what << ": its 16-bit copy is not its values rounded at " << i;
+        return;
+      }
+    }
   }
   // Whether a linear layer multiplies fp16 operands here; then its weight has the fp16 copy and
   // the operand scratch is planned (as a GPU's products need them).
@@ -489,15 +504,16 @@ class OwnMemoryBackend final : public Backend {
     own(d.rows, "dropout rows");
     cpu().residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
   }
-  void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
-                                  const float* dout, const float* in, const float* gamma,
-                                  const float* mean, const float* rstd, int64_t N, int64_t C,
-                                  bool acc, const Dropout& d) const override {
+  void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
+                                  float* dbeta, const float* dout, const float* in,
+                                  const float* gamma, const float* mean, const float* rstd,
+                                  int64_t N, int64_t C, bool acc, const Dropout& d) const override {
     const Open open(*this);
     own(dinp, "residual block dinp");
+    own(ddropped.bits, "residual block ddropped bits");
     own(d.rows, "dropout rows");
-    cpu().layernorm_dropout_backward(dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd, N,
-                                     C, acc, d);
+    cpu().layernorm_dropout_backward(p, dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd,
+                                     N, C, acc, d);
   }
   void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
     const Open open(*this);

@@ -183,10 +183,12 @@ class Backend : public Target {
   // out[M,N] = in[M,K] . w[N,K]^T + bias[N] (bias may be null).
   virtual void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias,
                               int64_t M, int64_t N, int64_t K, const Workspace& ws) const = 0;
-  // dinp[M,K] (= or += with accumulate_dinp), dw[N,K] += dout^T . in, db[N] += column sums.
-  virtual void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout,
-                               Kept in, Weight w, int64_t M, int64_t N, int64_t K,
-                               bool accumulate_dinp, const Workspace& ws) const = 0;
+  // dinp[M,K] (= or += with accumulate_dinp), dw[N,K] += dout^T . in, db[N] += column sums
+  // (of dout.f32). In a 16-bit precision the products read dout.bits where its producer wrote
+  // them (KeptIn), else dout.f32 rounded.
+  virtual void linear_backward(Precision p, float* dinp, float* dw, float* db, KeptIn dout, Kept in,
+                               Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
+                               const Workspace& ws) const = 0;
 
   // -- precision --
   // x (n values) to the kept precision: BF16 writes its bf16 copy to bits; FP16 rounds x in
@@ -218,8 +220,9 @@ class Backend : public Target {
   // The same over M rows of N, fused with the bias gradient of the linear layer whose output
   // `in` is: db[N] += dinp's column sums (linear_backward's, bit for bit; its call then takes no
   // db). A GPU computes both in one pass over the rows (the FFN's dGELU and its bias gradient:
-  // one launch, dinp read once less); the default calls the two.
-  virtual void activation_bias_backward(Precision p, Activation a, float* dinp, float* db, Kept in,
+  // one launch, dinp read once less); the default calls the two. Where dinp.bits is given (a
+  // 16-bit precision), dinp rounded is written there too (KeptIn: what the next product reads).
+  virtual void activation_bias_backward(Precision p, Activation a, Kept dinp, float* db, Kept in,
                                         const float* dout, int64_t M, int64_t N) const;
   virtual void tanh_forward(float* out, const float* in, int64_t n) const = 0;
   virtual void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n) const = 0;
@@ -253,11 +256,12 @@ class Backend : public Target {
                                           const float* beta, int64_t N, int64_t C, float eps,
                                           const Dropout& d) const = 0;
   // Its backward: dinp (= or +=) the gradient of x (and of the residual), ddropped that of the
-  // projection's output (through the dropout).
-  virtual void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
-                                          const float* dout, const float* in, const float* gamma,
-                                          const float* mean, const float* rstd, int64_t N,
-                                          int64_t C, bool accumulate_dinp,
+  // projection's output (through the dropout), and where ddropped.bits is given (p a 16-bit
+  // precision) that rounded in the same pass (KeptIn: what the projection's backward reads).
+  virtual void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
+                                          float* dbeta, const float* dout, const float* in,
+                                          const float* gamma, const float* mean, const float* rstd,
+                                          int64_t N, int64_t C, bool accumulate_dinp,
                                           const Dropout& d) const = 0;
 
   // -- elementwise --

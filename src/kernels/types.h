@@ -176,9 +176,24 @@ BT_HOST_DEVICE inline GradientGate gradient_gate(double sum_squares, float unsca
 // 16-bit copy (bf16 or fp16 raw bits by precision; null in fp32). Forward's matmuls read `bits`
 // in BF16 when present (else they round `f32`), `f32` otherwise; backward reads `bits` whenever
 // present (the 16-bit value is what forward used), `f32` otherwise.
+// (A plain pointer converts to one without a copy.)
 struct Kept {
   float* f32 = nullptr;
   uint16_t* bits = nullptr;
+  Kept() = default;
+  Kept(float* values, uint16_t* copy = nullptr) : f32(values), bits(copy) {}
+};
+
+// An operand read in fp32 and, where its producer wrote one in the same pass, its 16-bit copy:
+// `bits` is `f32` rounded to the precision's 16-bit operands (bf16 in BF16; fp16 in FP16 where
+// the products take fp16 operands), which a product reads instead of rounding `f32` again (the
+// 16-bit dataflow: a GPU's output gradients). A plain pointer converts to one without.
+struct KeptIn {
+  const float* f32 = nullptr;
+  const uint16_t* bits = nullptr;
+  KeptIn() = default;
+  KeptIn(const float* values, const uint16_t* copy = nullptr) : f32(values), bits(copy) {}
+  KeptIn(const Kept& k) : f32(k.f32), bits(k.bits) {}
 };
 
 // A linear layer's weight: the fp32 master and its 16-bit copy where the matmuls read one

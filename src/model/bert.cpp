@@ -854,7 +854,7 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scal
   embeddings_backward(p, dh);
 }
 
-void BertModel::linear_backward(float* dinp, int64_t w_off, int64_t b_off, const float* dout,
+void BertModel::linear_backward(float* dinp, int64_t w_off, int64_t b_off, kernels::KeptIn dout,
                                 Kept in, int64_t M, int64_t N, int64_t K, bool accumulate) {
   be_.linear_backward(prec_, dinp, G(w_off), b_off == kBiasDone ? nullptr : G(b_off), dout, in,
                       Wt(w_off), M, N, K, accumulate, ws_);
@@ -873,20 +873,23 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
     obs::Timeline::Span recompute(timeline_, str("recompute layer ", l), "compute");
     layer_forward(l, x, b, p.opt);
   }
+  // The output gradients the 16-bit products read are rounded by their producers, into the
+  // operand scratch the products would round them into (none in fp32: half_a is null).
+  const Kept dB16{dB, ws_.half_a}, dI16{dI, ws_.half_a};
   // h_out = LN2(ffn_res), ffn_res = drop(inter_act W_out + b) + ln1_out
-  be_.layernorm_dropout_backward(dA, dB, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w),
+  be_.layernorm_dropout_backward(prec_, dA, dB16, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w),
                                  a.ln2_mean, a.ln2_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kFfnOut, p.p_hidden, p.off_tc)));
-  linear_backward(dI, o.out_w, o.out_b, dB, a.inter_act, N, C, I);
+  linear_backward(dI, o.out_w, o.out_b, dB16, a.inter_act, N, C, I);
   // dGELU with the intermediate layer's bias gradient (one pass over dI on a GPU).
-  be_.activation_bias_backward(prec_, cfg_.activation(), dI, G(o.inter_b), a.inter_pre, dI, N, I);
-  linear_backward(dA, o.inter_w, kBiasDone, dI, {a.ln1_out}, N, I, C,
+  be_.activation_bias_backward(prec_, cfg_.activation(), dI16, G(o.inter_b), a.inter_pre, dI, N, I);
+  linear_backward(dA, o.inter_w, kBiasDone, dI16, {a.ln1_out}, N, I, C,
                   /*accumulate=*/true);  // dA = d ln1_out (residual + FFN path)
   // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
-  be_.layernorm_dropout_backward(dh, dB, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res, W(o.ln1_w),
-                                 a.ln1_mean, a.ln1_rstd, N, C, false,
+  be_.layernorm_dropout_backward(prec_, dh, dB16, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res,
+                                 W(o.ln1_w), a.ln1_mean, a.ln1_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kAttnOut, p.p_hidden, p.off_tc)));
-  linear_backward(dA, o.attn_out_w, o.attn_out_b, dB, a.ctx, N, C, C);
+  linear_backward(dA, o.attn_out_w, o.attn_out_b, dB16, a.ctx, N, C, C);
   if (p.up) {
     packed_attention(l, false, dI, dA, p.opt);
     // The dummy rows: no gradient reaches the QKV weights from them.

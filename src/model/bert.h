@@ -387,7 +387,7 @@ class BertModel {
   // A linear layer's backward in the model's precision, its weight and bias by offset (the bias
   // kBiasDone: its gradient added already, by activation_bias_backward).
   static constexpr int64_t kBiasDone = -1;
-  void linear_backward(float* dinp, int64_t w_off, int64_t b_off, const float* dout,
+  void linear_backward(float* dinp, int64_t w_off, int64_t b_off, kernels::KeptIn dout,
                        kernels::Kept in, int64_t M, int64_t N, int64_t K, bool accumulate = false);
   // The heads (bert.cpp, each forward beside its backward): the losses into `out`, the gradient
   // into dh (the sequence output's rows) or dpooled.

@@ -40,7 +40,7 @@ struct Counted {
 // one of warm-up, on the CUDA backend; deferred or each read as it ends.
 Counted count_steps(int64_t layers, bool unpadded, int steps,
                     train::OptimizerKind optimizer = train::OptimizerKind::AdamW,
-                    bool defer = false) {
+                    bool defer = false, Precision precision = Precision::FP32) {
   const model::BertConfig c = test::small_bert(300, 64, layers, 4, 256, 64);
   model::Batch b = test::random_batch(c, 4, 32, 5);
   // Sequences of 32, 24, 24 and 17 tokens: three runs of equal length when the padding is skipped.
@@ -53,6 +53,7 @@ Counted count_steps(int64_t layers, bool unpadded, int steps,
   train::SessionSettings ss;
   ss.dims = model::ModelDims{b.B, b.T, b.P};
   ss.dims.unpadded = unpadded;
+  ss.dims.precision = precision;
   ss.backend = &cuda::cuda_backend();
   ss.optimizer.kind = optimizer;
   comm::SingleProcess single;
@@ -142,6 +143,15 @@ TEST(CudaCounts, LaunchesPerLayerAndHostSyncsPerStep) {
     EXPECT_LE(two.host_syncs, 2) << "host synchronisations a step";
     EXPECT_LE(three.host_syncs, 2) << "host synchronisations that grow with depth";
   }
+  // bf16: 8 launches a layer more, each rounding a matmul operand the producer wrote in fp32:
+  // the inputs of the QKV and intermediate products (forward and backward), the attention
+  // context, Q/K/V and dctx; the output gradients' rounding is their producers' (the 16-bit
+  // dataflow: 3 a layer fewer than the 45 before).
+  const Counted bf2 = count_steps(2, false, 2, train::OptimizerKind::AdamW, false, Precision::BF16),
+                bf3 = count_steps(3, false, 2, train::OptimizerKind::AdamW, false, Precision::BF16);
+  std::printf("padded, bf16: %.0f launches a layer (forward + backward)\n",
+              bf3.launches - bf2.launches);
+  EXPECT_LE(bf3.launches - bf2.launches, 42) << "bf16 launches a layer";
   // LAMB's trust ratios are the device's too (no read of the norms, no upload of the steps).
   const Counted lamb = count_steps(2, false, 2, train::OptimizerKind::Lamb);
   std::printf("padded, LAMB: %.0f launches a step of 2 layers, %.0f host synchronisations a step\n",

@@ -129,14 +129,27 @@ TEST(Cuda, ActivationBiasBackwardMatchesTheTwoItFuses) {
                            p == Precision::FP32 ? nullptr : static_cast<uint16_t*>(bits_d.data())};
     auto fused = to_device(dy), two = to_device(dy), db_fused = to_device(b0),
          db_two = to_device(b0);
-    gpu.activation_bias_backward(p, kernels::Activation::GeluErf, fused.f32(), db_fused.f32(), in,
-                                 fused.f32(), M, N);
-    gpu.kernels::Backend::activation_bias_backward(p, kernels::Activation::GeluErf, two.f32(),
-                                                   db_two.f32(), in, two.f32(), M, N);
+    // (16-bit precisions: dinp's 16-bit copy too, rounded as it is written / after)
+    cuda::DeviceBuffer fused16(M * N * 2), two16(M * N * 2);
+    auto copy = [&](cuda::DeviceBuffer& b) {
+      return p == Precision::FP32 ? nullptr : static_cast<uint16_t*>(b.data());
+    };
+    gpu.activation_bias_backward(p, kernels::Activation::GeluErf, {fused.f32(), copy(fused16)},
+                                 db_fused.f32(), in, fused.f32(), M, N);
+    gpu.kernels::Backend::activation_bias_backward(p, kernels::Activation::GeluErf,
+                                                   {two.f32(), copy(two16)}, db_two.f32(), in,
+                                                   two.f32(), M, N);
     cuda::synchronize();
     SCOPED_TRACE(testing::Message() << "precision " << precision);
     EXPECT_EQ(to_host(fused, M * N), to_host(two, M * N));
     EXPECT_EQ(to_host(db_fused, N), to_host(db_two, N));
+    if (p != Precision::FP32) {
+      const std::vector<float> g = to_host(fused, M * N);
+      const std::vector<uint16_t> got = to_host_as<uint16_t>(fused16, M * N);
+      EXPECT_EQ(got, to_host_as<uint16_t>(two16, M * N));
+      for (int64_t i = 0; i < M * N; ++i)
+        ASSERT_EQ(got[i], p == Precision::FP16 ? f32_to_f16(g[i]) : f32_to_bf16(g[i])) << i;
+    }
     std::vector<float> dx(dy), db(b0);
     cpu.activation_bias_backward(Precision::FP32, kernels::Activation::GeluErf, dx.data(),
                                  db.data(), {wide.data()}, dx.data(), M, N);
@@ -184,13 +197,17 @@ TEST(Cuda, FusedLayerNormBlocksMatchCpu) {
                                       x.data(), g.data(), mean.data(), rstd.data(), N, C, true, hd);
   auto dx_d = to_device(dx0), dg_d = to_device(std::vector<float>(C, 0.0f)),
        db_d = to_device(std::vector<float>(C, 0.0f));
-  cuda::DeviceBuffer ddrop_d(N * C * 4);
-  cuda::layernorm_dropout_backward(dx_d.f32(), ddrop_d.f32(), dg_d.f32(), db_d.f32(), dy_d.f32(),
-                                   y_d.f32(), g_d.f32(), mean_d.f32(), rstd_d.f32(), N, C, true,
-                                   dd);
+  cuda::DeviceBuffer ddrop_d(N * C * 4), ddrop16_d(N * C * 2);
+  // (bf16: ddropped's copy rounded in the same pass, what the projection's backward reads)
+  cuda::layernorm_dropout_backward(Precision::BF16, dx_d.f32(),
+                                   {ddrop_d.f32(), static_cast<uint16_t*>(ddrop16_d.data())},
+                                   dg_d.f32(), db_d.f32(), dy_d.f32(), y_d.f32(), g_d.f32(),
+                                   mean_d.f32(), rstd_d.f32(), N, C, true, dd);
   cuda::synchronize();
   EXPECT_TRUE(all_close("dx", to_host(dx_d, N * C).data(), dx.data(), N * C, 1e-5, 1e-5));
   const auto ddrop_g = to_host(ddrop_d, N * C);
+  const auto ddrop16 = to_host_as<uint16_t>(ddrop16_d, N * C);
+  for (int64_t i = 0; i < N * C; ++i) ASSERT_EQ(ddrop16[i], f32_to_bf16(ddrop_g[i])) << i;
   EXPECT_TRUE(all_close("ddropped", ddrop_g.data(), ddrop.data(), N * C, 1e-5, 1e-5));
   for (int64_t i = 0; i < N * C; ++i) ASSERT_EQ(ddrop_g[i] == 0.0f, ddrop[i] == 0.0f) << i;
   EXPECT_TRUE(all_close("dgamma", to_host(dg_d, C).data(), dg.data(), C, 1e-4, 1e-5));

@@ -117,7 +117,7 @@ class CpuBackend final : public Backend {
                       int64_t N, int64_t K, const Workspace& ws) const override {
     kernels::linear_forward(p, out, in, w, bias, M, N, K, ws);
   }
-  void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
+  void linear_backward(Precision p, float* dinp, float* dw, float* db, KeptIn dout, Kept in,
                        Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
                        const Workspace& ws) const override {
     kernels::linear_backward(p, dinp, dw, db, dout, in, w, M, N, K, accumulate_dinp, ws);
@@ -182,12 +182,15 @@ class CpuBackend final : public Backend {
                                   const Dropout& d) const override {
     kernels::residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
   }
-  void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
-                                  const float* dout, const float* in, const float* gamma,
-                                  const float* mean, const float* rstd, int64_t N, int64_t C,
-                                  bool accumulate_dinp, const Dropout& d) const override {
-    kernels::layernorm_dropout_backward(dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd,
-                                        N, C, accumulate_dinp, d);
+  void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
+                                  float* dbeta, const float* dout, const float* in,
+                                  const float* gamma, const float* mean, const float* rstd,
+                                  int64_t N, int64_t C, bool accumulate_dinp,
+                                  const Dropout& d) const override {
+    kernels::layernorm_dropout_backward(dinp, ddropped.f32, dgamma, dbeta, dout, in, gamma, mean,
+                                        rstd, N, C, accumulate_dinp, d);
+    if (ddropped.bits && p != Precision::FP32)
+      round_to_16(p, ddropped.bits, ddropped.f32, N * C, nullptr);
   }
 
   void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
@@ -324,12 +327,13 @@ void Backend::cross_entropy_into(const SumsInto& into, float* dlogits, float* lo
   if (!std::isfinite(s.loss)) add(into.nonfinite, 1.0);
 }
 
-void Backend::activation_bias_backward(Precision p, Activation a, float* dinp, float* db, Kept in,
+void Backend::activation_bias_backward(Precision p, Activation a, Kept dinp, float* db, Kept in,
                                        const float* dout, int64_t M, int64_t N) const {
-  activation_backward(p, a, dinp, in, dout, M * N);
+  activation_backward(p, a, dinp.f32, in, dout, M * N);
   // (fp32's bias gradient alone: the column sums every precision's linear_backward adds)
-  linear_backward(Precision::FP32, nullptr, nullptr, db, dinp, Kept{}, Weight{}, M, N, 0, false,
+  linear_backward(Precision::FP32, nullptr, nullptr, db, dinp.f32, Kept{}, Weight{}, M, N, 0, false,
                   Workspace{});
+  if (dinp.bits && p != Precision::FP32) round_to_16(p, dinp.bits, dinp.f32, M * N, nullptr);
 }
 
 int64_t Backend::mark() const {

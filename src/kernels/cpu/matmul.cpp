@@ -313,14 +313,18 @@ namespace {
 
 // BF16's backward from the bf16 input the forward multiplied (inp16 [M,K]): the output gradient
 // rounded to bf16 into `scratch_out` ([M,N]), products on bf16 operands, fp32 results.
-void linear_backward_from_bf16(float* dinp, float* dweight, float* dbias, const float* dout,
+// (dout's bf16 copy where its producer wrote one, else dout rounded into scratch_out)
+void linear_backward_from_bf16(float* dinp, float* dweight, float* dbias, KeptIn dout,
                                const uint16_t* inp16, const uint16_t* weight, int64_t M, int64_t N,
                                int64_t K, bool accumulate_dinp, uint16_t* scratch_out) {
-  convert_f32_to_bf16(dout, scratch_out, static_cast<size_t>(M * N));
-  if (dinp)
-    gemm(false, false, M, K, N, scratch_out, N, weight, K, dinp, K, nullptr, accumulate_dinp);
-  if (dweight) gemm(true, false, N, K, M, scratch_out, N, inp16, K, dweight, K, nullptr, true);
-  if (dbias) linear_backward(nullptr, nullptr, dbias, dout, nullptr, nullptr, M, N, K);
+  const uint16_t* d16 = dout.bits;
+  if (!d16) {
+    convert_f32_to_bf16(dout.f32, scratch_out, static_cast<size_t>(M * N));
+    d16 = scratch_out;
+  }
+  if (dinp) gemm(false, false, M, K, N, d16, N, weight, K, dinp, K, nullptr, accumulate_dinp);
+  if (dweight) gemm(true, false, N, K, M, d16, N, inp16, K, dweight, K, nullptr, true);
+  if (dbias) linear_backward(nullptr, nullptr, dbias, dout.f32, nullptr, nullptr, M, N, K);
 }
 
 }  // namespace
@@ -336,12 +340,11 @@ void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bia
   gemm(false, true, M, N, K, in16, K, w.bits, K, out, N, bias, false);
 }
 
-void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
-                     Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
-                     const Workspace& ws) {
+void linear_backward(Precision p, float* dinp, float* dw, float* db, KeptIn dout, Kept in, Weight w,
+                     int64_t M, int64_t N, int64_t K, bool accumulate_dinp, const Workspace& ws) {
   switch (p) {
     case Precision::FP32:
-      return linear_backward(dinp, dw, db, dout, in.f32, w.f32, M, N, K, accumulate_dinp);
+      return linear_backward(dinp, dw, db, dout.f32, in.f32, w.f32, M, N, K, accumulate_dinp);
     case Precision::BF16: {
       const uint16_t* in16 = in.bits;
       if (!in16 && dw) {
@@ -357,7 +360,7 @@ void linear_backward(Precision p, float* dinp, float* dw, float* db, const float
         widen_f16(ws.wide, in.bits, M * K);
         x = ws.wide;
       }
-      return linear_backward(dinp, dw, db, dout, x, w.f32, M, N, K, accumulate_dinp);
+      return linear_backward(dinp, dw, db, dout.f32, x, w.f32, M, N, K, accumulate_dinp);
     }
   }
 }

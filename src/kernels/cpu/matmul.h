@@ -71,9 +71,8 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uin
 // CPU): fp32 products at the fp16 values (the kept input widened into ws.wide).
 void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias, int64_t M,
                     int64_t N, int64_t K, const Workspace& ws);
-void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
-                     Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
-                     const Workspace& ws);
+void linear_backward(Precision p, float* dinp, float* dw, float* db, KeptIn dout, Kept in, Weight w,
+                     int64_t M, int64_t N, int64_t K, bool accumulate_dinp, const Workspace& ws);
 
 // While one is open on a thread, the gemm*() calls there only make (and cache) their oneDNN
 // primitive and record the largest scratchpad it needs (bytes()); nothing is read or written.

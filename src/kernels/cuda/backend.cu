@@ -324,9 +324,9 @@ class CudaBackend final : public kernels::Backend {
     const Op op("linear_forward");
     cuda::linear_forward(p, out, in, w, bias, M, N, K, ws);
   }
-  void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout, Kept in,
-                       kernels::Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
-                       const kernels::Workspace& ws) const override {
+  void linear_backward(Precision p, float* dinp, float* dw, float* db, kernels::KeptIn dout,
+                       Kept in, kernels::Weight w, int64_t M, int64_t N, int64_t K,
+                       bool accumulate_dinp, const kernels::Workspace& ws) const override {
     const Op op("linear_backward");
     cuda::linear_backward(p, dinp, dw, db, dout, in, w, M, N, K, accumulate_dinp, ws);
   }
@@ -361,7 +361,7 @@ class CudaBackend final : public kernels::Backend {
     cuda::activation_backward(p, a, dinp, in, dout, n);
   }
 
-  void activation_bias_backward(Precision p, Activation a, float* dinp, float* db, Kept in,
+  void activation_bias_backward(Precision p, Activation a, Kept dinp, float* db, Kept in,
                                 const float* dout, int64_t M, int64_t N) const override {
     const Op op("activation_bias_backward");
     cuda::activation_bias_backward(p, a, dinp, db, in, dout, M, N);
@@ -417,13 +417,14 @@ class CudaBackend final : public kernels::Backend {
     const Op op("residual_layernorm_forward");
     cuda::residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
   }
-  void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
-                                  const float* dout, const float* in, const float* gamma,
-                                  const float* mean, const float* rstd, int64_t N, int64_t C,
-                                  bool accumulate_dinp, const Dropout& d) const override {
+  void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
+                                  float* dbeta, const float* dout, const float* in,
+                                  const float* gamma, const float* mean, const float* rstd,
+                                  int64_t N, int64_t C, bool accumulate_dinp,
+                                  const Dropout& d) const override {
     const Op op("layernorm_dropout_backward");
-    cuda::layernorm_dropout_backward(dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd, N,
-                                     C, accumulate_dinp, d);
+    cuda::layernorm_dropout_backward(p, dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd,
+                                     N, C, accumulate_dinp, d);
   }
 
   void dropout_forward(float* x, int64_t n, const Dropout& d) const override {

@@ -2,9 +2,12 @@
 // the call, file and line as a bertrain::Error.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "core/dtype.h"
 #include "core/error.h"
+#include "core/precision.h"
 #include "kernels/cuda/scratch.h"
 
 #define BT_CUDA_CHECK(call)                                                                      \
@@ -44,6 +47,12 @@
   } while (0)
 
 namespace bertrain::cuda {
+// v rounded to p's 16-bit operand (round to nearest even): bf16 bits in BF16, fp16 bits in FP16
+// (round_to_16's rounding, where a producer writes the 16-bit copy itself).
+__device__ inline uint16_t to_16(Precision p, float v) {
+  return p == Precision::BF16 ? f32_to_bf16(v) : __half_as_ushort(__float2half_rn(v));
+}
+
 // The counts of device_counts (cuda.h): a kernel or library product queued, a host wait, a wait
 // of the host ahead.
 void count_launch();

@@ -77,7 +77,7 @@ void linear_backward(Precision o, float* dinp, float* dw, float* db, const void*
 // its fp32 values).
 void linear_forward(Precision p, float* out, kernels::Kept in, kernels::Weight w, const float* bias,
                     int64_t M, int64_t N, int64_t K, const kernels::Workspace& ws);
-void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout,
+void linear_backward(Precision p, float* dinp, float* dw, float* db, kernels::KeptIn dout,
                      kernels::Kept in, kernels::Weight w, int64_t M, int64_t N, int64_t K,
                      bool accumulate_dinp, const kernels::Workspace& ws);
 
@@ -128,12 +128,12 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
                                  const float* token_type, const float* gamma, const float* beta,
                                  int64_t B, int64_t T, int64_t C, float eps,
                                  const kernels::Dropout& d, void* stream = nullptr);
-// The residual block's backward: dinp (= or +=), ddropped = dropout(dinp) (may be null),
-// dgamma and dbeta (+=).
-void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
-                                const float* dout, const float* in, const float* gamma,
-                                const float* mean, const float* rstd, int64_t N, int64_t C,
-                                bool accumulate_dinp, const kernels::Dropout& d,
+// The residual block's backward: dinp (= or +=), ddropped = dropout(dinp) (may be null; with
+// bits, in a 16-bit p, also rounded there in the same pass), dgamma and dbeta (+=).
+void layernorm_dropout_backward(Precision p, float* dinp, kernels::Kept ddropped, float* dgamma,
+                                float* dbeta, const float* dout, const float* in,
+                                const float* gamma, const float* mean, const float* rstd, int64_t N,
+                                int64_t C, bool accumulate_dinp, const kernels::Dropout& d,
                                 void* stream = nullptr);
 
 void activation_forward(kernels::Activation a, float* out, const float* inp, int64_t n,
@@ -148,8 +148,9 @@ void activation_forward(Precision p, kernels::Activation a, kernels::Kept out, k
 void activation_backward(Precision p, kernels::Activation a, float* dinp, kernels::Kept in,
                          const float* dout, int64_t n, void* stream = nullptr);
 // activation_backward over M rows of N and db[N] += dinp's column sums, in one launch (the
-// grid, chunks and order of linear_backward's column sums: the same bits).
-void activation_bias_backward(Precision p, kernels::Activation a, float* dinp, float* db,
+// grid, chunks and order of linear_backward's column sums: the same bits); dinp.bits, where
+// given, receives dinp rounded to p's 16 bits as it is written.
+void activation_bias_backward(Precision p, kernels::Activation a, kernels::Kept dinp, float* db,
                               kernels::Kept in, const float* dout, int64_t M, int64_t N,
                               void* stream = nullptr);
 void keep(Precision p, kernels::Kept x, int64_t n, void* stream = nullptr);

@@ -43,12 +43,12 @@ __global__ void widen_f16_kernel(float* dst, const uint16_t* src, int64_t n) {
 
 __global__ void round_bf16_kernel(uint16_t* dst, const float* src, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) dst[i] = f32_to_bf16(src[i]);
+  if (i < n) dst[i] = to_16(Precision::BF16, src[i]);
 }
 
 __global__ void round_f16_kernel(uint16_t* dst, const float* src, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) dst[i] = __half_as_ushort(__float2half_rn(src[i]));
+  if (i < n) dst[i] = to_16(Precision::FP16, src[i]);
 }
 
 __global__ void dropout_kernel(float* x, int64_t n, float p, float scale, uint64_t key,

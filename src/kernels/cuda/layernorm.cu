@@ -43,16 +43,21 @@ __global__ void embedding_layernorm_kernel(float* out, float* sum, float* mean, 
   rm::dropout_row(out + i * C, C, p, key, row_index0(offset, rows, i, C), l);
 }
 
-__global__ void layernorm_backward_kernel(float* dinp, float* ddropped, const float* dout,
-                                          const float* in, const float* gamma, const float* mean,
-                                          const float* rstd, int64_t N, int64_t C, bool accumulate,
-                                          float p, uint64_t key, uint64_t offset,
-                                          const int32_t* rows) {
+// (ddropped16: ddropped rounded to `o`'s 16 bits, each lane the columns it wrote; may be null)
+__global__ void layernorm_backward_kernel(float* dinp, float* ddropped, uint16_t* ddropped16,
+                                          Precision o, const float* dout, const float* in,
+                                          const float* gamma, const float* mean, const float* rstd,
+                                          int64_t N, int64_t C, bool accumulate, float p,
+                                          uint64_t key, uint64_t offset, const int32_t* rows) {
   const int64_t i = warp_row();
   if (i >= N) return;
+  const WarpLanes l = warp_lanes();
   rm::layernorm_backward(dinp + i * C, ddropped ? ddropped + i * C : nullptr, dout + i * C,
                          in + i * C, gamma, mean[i], rstd[i], C, accumulate, p, key,
-                         row_index0(offset, rows, i, C), warp_lanes());
+                         row_index0(offset, rows, i, C), l);
+  if (ddropped16)
+    for (int64_t c = l.lane; c < C; c += l.count)
+      ddropped16[i * C + c] = to_16(o, ddropped[i * C + c]);
 }
 
 // Chunk blockIdx.y of the rows (`per` rows each), a column per thread: its partial sums into
@@ -127,18 +132,20 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
 void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
                         const float* inp, const float* gamma, const float* mean, const float* rstd,
                         int64_t N, int64_t C, void* stream) {
-  layernorm_dropout_backward(dinp, nullptr, dgamma, dbeta, dout, inp, gamma, mean, rstd, N, C,
-                             false, kernels::Dropout{}, stream);
+  layernorm_dropout_backward(Precision::FP32, dinp, kernels::Kept{}, dgamma, dbeta, dout, inp,
+                             gamma, mean, rstd, N, C, false, kernels::Dropout{}, stream);
 }
 
-void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, float* dbeta,
-                                const float* dout, const float* in, const float* gamma,
-                                const float* mean, const float* rstd, int64_t N, int64_t C,
-                                bool accumulate_dinp, const kernels::Dropout& d, void* stream) {
+void layernorm_dropout_backward(Precision p, float* dinp, kernels::Kept ddropped, float* dgamma,
+                                float* dbeta, const float* dout, const float* in,
+                                const float* gamma, const float* mean, const float* rstd, int64_t N,
+                                int64_t C, bool accumulate_dinp, const kernels::Dropout& d,
+                                void* stream) {
   if (N == 0) return;
+  uint16_t* bits = p != Precision::FP32 && ddropped.f32 ? ddropped.bits : nullptr;
   BT_LAUNCH(layernorm_backward_kernel, row_blocks(N), kRowThreads, 0, as_stream(stream))
-  (dinp, ddropped, dout, in, gamma, mean, rstd, N, C, accumulate_dinp, d.p, d.key, d.offset,
-   d.rows);
+  (dinp, ddropped.f32, bits, p, dout, in, gamma, mean, rstd, N, C, accumulate_dinp, d.p, d.key,
+   d.offset, d.rows);
   BT_CUDA_CHECK(cudaGetLastError());
   param_grads(dgamma, dbeta, dout, in, mean, rstd, N, C, as_stream(stream));
 }

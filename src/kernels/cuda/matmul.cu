@@ -192,12 +192,13 @@ struct Elements {
 };
 
 // dinp[i] = dout[i] x act'(in[i]) (in: fp32, or the kept 16-bit bits, In uint16_t with p saying
-// which), written and returned.
+// which), written (and rounded into dinp16 where given) and returned.
 template <typename In>
 struct ActivationGrad {
   Precision p;
   kernels::Activation a;
   float* dinp;
+  uint16_t* dinp16;
   const In* in;
   const float* dout;
   __device__ float operator()(int64_t i) const {
@@ -208,6 +209,7 @@ struct ActivationGrad {
       x = p == Precision::BF16 ? bf16_to_f32(in[i]) : __half2float(__ushort_as_half(in[i]));
     const float g = rm::activation_grad(a, x, dout[i]);
     dinp[i] = g;
+    if (dinp16) dinp16[i] = to_16(p, g);
     return g;
   }
 };
@@ -339,15 +341,15 @@ __global__ void fill_kernel(Precision o, void* x, int64_t n, uint64_t key) {
 
 }  // namespace
 
-void activation_bias_backward(Precision p, kernels::Activation a, float* dinp, float* db,
+void activation_bias_backward(Precision p, kernels::Activation a, kernels::Kept dinp, float* db,
                               kernels::Kept in, const float* dout, int64_t M, int64_t N,
                               void* stream) {
   if (M == 0 || N == 0) return;
   const cudaStream_t s = as_stream(stream);
   if (p == Precision::FP32)
-    column_sums_of(db, ActivationGrad<float>{p, a, dinp, in.f32, dout}, M, N, s);
+    column_sums_of(db, ActivationGrad<float>{p, a, dinp.f32, nullptr, in.f32, dout}, M, N, s);
   else
-    column_sums_of(db, ActivationGrad<uint16_t>{p, a, dinp, in.bits, dout}, M, N, s);
+    column_sums_of(db, ActivationGrad<uint16_t>{p, a, dinp.f32, dinp.bits, in.bits, dout}, M, N, s);
 }
 
 double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds) {
@@ -412,19 +414,24 @@ void linear_forward(Precision p, float* out, kernels::Kept in, kernels::Weight w
   linear_forward(p, out, x, w.bits, bias, M, N, K);
 }
 
-void linear_backward(Precision p, float* dinp, float* dw, float* db, const float* dout,
+void linear_backward(Precision p, float* dinp, float* dw, float* db, kernels::KeptIn dout,
                      kernels::Kept in, kernels::Weight w, int64_t M, int64_t N, int64_t K,
                      bool accumulate_dinp, const kernels::Workspace& ws) {
   if (p == Precision::FP32)
-    return linear_backward(p, dinp, dw, db, dout, dout, in.f32, w.f32, M, N, K, accumulate_dinp);
+    return linear_backward(p, dinp, dw, db, dout.f32, dout.f32, in.f32, w.f32, M, N, K,
+                           accumulate_dinp);
   check_copy(w);
-  round_to_16(p, ws.half_a, dout, M * N);
+  const uint16_t* d = dout.bits;  // (its producer's copy: no rounding pass)
+  if (!d) {
+    round_to_16(p, ws.half_a, dout.f32, M * N);
+    d = ws.half_a;
+  }
   const uint16_t* x = in.bits;
   if (!x) {
     round_to_16(p, ws.half_b, in.f32, M * K);
     x = ws.half_b;
   }
-  linear_backward(p, dinp, dw, db, ws.half_a, dout, x, w.bits, M, N, K, accumulate_dinp);
+  linear_backward(p, dinp, dw, db, d, dout.f32, x, w.bits, M, N, K, accumulate_dinp);
 }
 
 }  // namespace bertrain::cuda
