@@ -127,13 +127,7 @@ TEST(DeviceModel, TrainingStepsEqualTheCpu) {
     train::StepSettings ss;
     ss.seed = 9;
     train::Step step(m, opt, scaler, single, ss);
-    for (int64_t k = 0; k < 3; ++k)
-      EXPECT_TRUE(step.run(k, 1e-3,
-                           [&](model::Batch& b) {
-                             b = batch;
-                             return true;
-                           })
-                      .applied);
+    for (int64_t k = 0; k < 3; ++k) EXPECT_TRUE(step.run(k, 1e-3, test::same_batch(batch)).applied);
     std::vector<float> p(static_cast<size_t>(m.table().total()));
     be.to_host(p.data(), m.params(), p.size() * sizeof(float));
     return p;
@@ -158,10 +152,7 @@ TEST(DeviceModel, DeferredStepsEqualTheEagerOnesAndFailWhereTheyDiverge) {
   const OwnMemoryBackend own;
   const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
   const model::Batch batch = test::random_batch(c, 4, 32, 5);
-  auto next = [&](model::Batch& b) {
-    b = batch;
-    return true;
-  };
+  const auto next = test::same_batch(batch);
   for (auto kind : {train::OptimizerKind::AdamW, train::OptimizerKind::Lamb})
     for (bool bf16 : {false, true}) {
       if (bf16 && !gemm_bf16_available()) continue;
@@ -253,10 +244,7 @@ TEST(DeviceModel, DeferredStepsPastTheRingsAreReadOnTheirOwn) {
   const OwnMemoryBackend own;
   const model::BertConfig c = test::small_bert(300, 16, 1, 2, 32, 16);
   const model::Batch batch = test::random_batch(c, 2, 8, 5);
-  auto next = [&](model::Batch& b) {
-    b = batch;
-    return true;
-  };
+  const auto next = test::same_batch(batch);
   const int64_t steps = 5, accumulation = 50;
   auto train = [&](const Backend& be, std::vector<double>& losses) {
     model::ModelDims d{batch.B, batch.T, batch.P};
@@ -669,11 +657,7 @@ TEST(DeviceMemory, TrainingStepsHoldExactlyThePlan) {
       train::LossScaler scaler{train::LossScaler::Config{}};
       comm::SingleProcess single;
       train::Step step(m, opt, scaler, single, train::StepSettings{});
-      for (int64_t k = 0; k < 2; ++k)
-        step.run(k, 1e-3, [&](model::Batch& b) {
-          b = batch;
-          return true;
-        });
+      for (int64_t k = 0; k < 2; ++k) step.run(k, 1e-3, test::same_batch(batch));
       planned = plan::training_plan(c, model::Head::Pretraining, m.dims(), 2, 1, own).total_bytes();
       EXPECT_EQ(m.allocated_bytes() + opt.allocated_bytes(), planned);
     }

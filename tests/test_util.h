@@ -99,6 +99,14 @@ inline BackendStep backend_step(const kernels::Backend& be, const model::BertCon
   return r;
 }
 
+// A batch source (train::Step's next_batch) handing out `batch` every time; `batch` outlives it.
+inline std::function<bool(model::Batch&)> same_batch(const model::Batch& batch) {
+  return [&batch](model::Batch& b) {
+    b = batch;
+    return true;
+  };
+}
+
 // Sequences [b0, b0 + n) of a pretraining batch (a rank's part of the global batch).
 inline model::Batch slice_batch(const model::Batch& full, int64_t b0, int64_t n) {
   const int64_t T = full.T, P = full.P;

@@ -287,11 +287,6 @@ struct PinnedTables {
     cudaEvent_t copied = nullptr;
   } buffer[2];
   int turn = 0;
-  // What the calling thread last copied into the device's tables, and where: an optimizer's are
-  // the same every step, so they cross once (while that memory is not freed: memory_generation).
-  std::vector<char> sent;
-  const char* sent_to = nullptr;
-  uint64_t sent_generation = 0;
   PinnedTables() = default;
   PinnedTables(const PinnedTables&) = delete;
   PinnedTables& operator=(const PinnedTables&) = delete;
@@ -327,20 +322,14 @@ char* pinned_tables(size_t bytes) {
   return b.host;
 }
 
-// The tables `host` at `device`, copied unless their first `needed` bytes are there already.
-void send_tables(char* device, const std::vector<char>& host, size_t needed, cudaStream_t s) {
+// The tables `host` copied to `device`.
+void send_tables(char* device, const std::vector<char>& host, cudaStream_t s) {
   PinnedTables& t = t_tables;
-  if (t.sent_to == device && t.sent_generation == memory_generation() &&
-      t.sent.size() == host.size() && std::memcmp(t.sent.data(), host.data(), needed) == 0)
-    return;
   char* pinned = pinned_tables(host.size());
   std::memcpy(pinned, host.data(), host.size());
   BT_CUDA_CHECK(cudaMemcpyAsync(device, pinned, host.size(), cudaMemcpyHostToDevice, s));
   BT_CUDA_CHECK(cudaEventRecord(t.buffer[t.turn].copied, s));
   t.turn ^= 1;
-  t.sent = host;
-  t.sent_to = device;
-  t.sent_generation = memory_generation();
 }
 
 // Each span's step kind (kind[i] into the returned kinds), as exact bits: an optimizer's steps
@@ -376,35 +365,65 @@ StepKinds<StepArgs> step_kinds(const StepArgs* a, int64_t count, std::vector<int
   return k;
 }
 
-// The pass's tables in the scratch; `kind` each span's step kind (step_kinds), null for a pass
-// without steps (the kinds there, whichever they are, serve).
-Many upload(const kernels::TensorSpan* t, int64_t count, const std::vector<int32_t>* kind,
-            cudaStream_t s) {
+// What the calling thread last uploaded, and where: an optimizer's tables are the same every
+// step, so they are built and cross once (while the spans, the kinds and the scratch stay, and
+// no device memory is freed: memory_generation).
+struct UploadedTables {
+  std::vector<kernels::TensorSpan> spans;
+  std::vector<int32_t> kind;  // empty: uploaded without kinds
+  const char* to = nullptr;
+  uint64_t generation = 0;
   Many w;
-  int64_t values = 0;
-  std::vector<int64_t> first;
+  bool holds(const kernels::TensorSpan* t, int64_t count, const std::vector<int32_t>* k,
+             const char* base) const {
+    return to == base && generation == memory_generation() &&
+           spans.size() == static_cast<size_t>(count) &&
+           std::memcmp(spans.data(), t, spans.size() * sizeof(kernels::TensorSpan)) == 0 &&
+           (!k || kind == *k);
+  }
+};
+thread_local UploadedTables t_uploaded;
+
+// The pass's tables in the scratch; `kind` each span's step kind (step_kinds), null for a pass
+// without steps (the kinds there, whichever they are, serve). The reference lasts until the
+// thread's next upload.
+const Many& upload(const kernels::TensorSpan* t, int64_t count, const std::vector<int32_t>* kind,
+                   cudaStream_t s) {
+  int64_t values = 0, chunks = 0;
   for (int64_t i = 0; i < count; ++i) {
     values += t[i].n;
+    chunks += (t[i].n + kChunk - 1) / kChunk;
+  }
+  const size_t n = static_cast<size_t>(count), c = static_cast<size_t>(chunks);
+  const size_t spans_b = aligned(n * sizeof(kernels::TensorSpan)),
+               chunks_b = aligned(c * sizeof(Chunk)), first_b = aligned((n + 1) * sizeof(int64_t)),
+               kind_b = aligned(n * 4), trust_b = aligned(n * 4),
+               partial_b = 2 * c * sizeof(double);
+  const size_t table_b = spans_b + chunks_b + first_b + kind_b;
+  auto* base = static_cast<char*>(scratch(
+      kMultiTensorSlot, std::max<size_t>(table_b + trust_b + partial_b,
+                                         static_cast<size_t>(multi_tensor_bytes(values, count)))));
+  UploadedTables& u = t_uploaded;
+  if (u.holds(t, count, kind, base)) return u.w;
+  Many& w = u.w;
+  w.host_chunks.clear();
+  std::vector<int64_t> first;
+  for (int64_t i = 0; i < count; ++i) {
     first.push_back(static_cast<int64_t>(w.host_chunks.size()));
     for (int64_t b = 0; b < t[i].n; b += kChunk)
       w.host_chunks.push_back({i, b, std::min(kChunk, t[i].n - b)});
   }
   first.push_back(static_cast<int64_t>(w.host_chunks.size()));
-  const size_t n = static_cast<size_t>(count);
-  const size_t spans_b = aligned(n * sizeof(kernels::TensorSpan)),
-               chunks_b = aligned(w.host_chunks.size() * sizeof(Chunk)),
-               first_b = aligned((n + 1) * sizeof(int64_t)), kind_b = aligned(n * 4),
-               trust_b = aligned(n * 4), partial_b = 2 * w.host_chunks.size() * sizeof(double);
-  const size_t table_b = spans_b + chunks_b + first_b + kind_b;
-  auto* base = static_cast<char*>(scratch(
-      kMultiTensorSlot, std::max<size_t>(table_b + trust_b + partial_b,
-                                         static_cast<size_t>(multi_tensor_bytes(values, count)))));
   std::vector<char> host(table_b, 0);
   std::memcpy(host.data(), t, n * sizeof(kernels::TensorSpan));
-  std::memcpy(host.data() + spans_b, w.host_chunks.data(), w.host_chunks.size() * sizeof(Chunk));
+  std::memcpy(host.data() + spans_b, w.host_chunks.data(), c * sizeof(Chunk));
   std::memcpy(host.data() + spans_b + chunks_b, first.data(), first.size() * sizeof(int64_t));
   if (kind) std::memcpy(host.data() + spans_b + chunks_b + first_b, kind->data(), n * 4);
-  send_tables(base, host, kind ? table_b : table_b - kind_b, s);
+  send_tables(base, host, s);
+  u.spans.assign(t, t + count);
+  u.kind = kind ? *kind : std::vector<int32_t>{};
+  u.to = base;
+  u.generation = memory_generation();
   w.spans = reinterpret_cast<const kernels::TensorSpan*>(base);
   w.chunks = reinterpret_cast<const Chunk*>(base + spans_b);
   w.first = reinterpret_cast<const int64_t*>(base + spans_b + chunks_b);
@@ -574,7 +593,7 @@ void add_sum_squares(double& sum, const float* g, const kernels::TensorSpan* t, 
                      double scale, void* stream) {
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
-  const Many w = upload(t, count, nullptr, s);
+  const Many& w = upload(t, count, nullptr, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   BT_LAUNCH(sum_squares_many_kernel, blocks, kThreads, 0, s)
@@ -586,7 +605,7 @@ void add_sum_squares(double& sum, const float* g, const kernels::TensorSpan* t, 
 void gate_gradients(kernels::GradientGate* gate, const float* g, const kernels::TensorSpan* t,
                     int64_t count, float unscale, float max_norm, void* stream) {
   const cudaStream_t s = as_stream(stream);
-  const Many w = upload(t, count, nullptr, s);
+  const Many& w = upload(t, count, nullptr, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks > 0) BT_LAUNCH(sum_squares_many_kernel, blocks, kThreads, 0, s)
   (w.partials, g, w.spans, w.chunks, static_cast<double>(unscale));
@@ -602,7 +621,7 @@ void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const fl
   const cudaStream_t s = as_stream(stream);
   std::vector<int32_t> kind;
   const StepKinds<kernels::AdamwStep> steps = step_kinds(a, count, kind);
-  const Many w = upload(t, count, &kind, s);
+  const Many& w = upload(t, count, &kind, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   BT_LAUNCH(adamw_many_kernel, blocks, kThreads, 0, s)
@@ -617,7 +636,7 @@ void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const floa
   const cudaStream_t s = as_stream(stream);
   std::vector<int32_t> kind;
   const StepKinds<kernels::LambStep> steps = step_kinds(a, count, kind);
-  const Many w = upload(t, count, &kind, s);
+  const Many& w = upload(t, count, &kind, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   BT_LAUNCH(lamb_moments_many_kernel, blocks, kThreads, 0, s)
@@ -645,7 +664,7 @@ void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float
   const cudaStream_t s = as_stream(stream);
   std::vector<int32_t> kind;
   const StepKinds<kernels::LambStep> steps = step_kinds(a, count, kind);
-  const Many w = upload(t, count, &kind, s);
+  const Many& w = upload(t, count, &kind, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   // (from pageable memory: the host may wait for the stream first)
