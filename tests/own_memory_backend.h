@@ -375,10 +375,16 @@ class OwnMemoryBackend final : public Backend {
       return convert_f32_to_f16(master, copy, static_cast<size_t>(n));
     cpu().copy_weights(p, master, copy, n);
   }
-  void attention_forward(Precision p, float* ctx, AttentionSaved saved, Kept qkv,
+  void attention_forward(Precision p, Kept kept_ctx, AttentionSaved saved, Kept qkv,
                          const int32_t* mask, const AttentionShape& s, const Dropout& d,
                          const Workspace& ws) const override {
     const Open open(*this);
+    own(kept_ctx.bits, "ctx bits");
+    attention_core(p, kept_ctx.f32, saved, qkv, mask, s, d, ws);
+    if (kept_ctx.bits) cpu().keep(p, kept_ctx, s.B * s.T * s.C);
+  }
+  void attention_core(Precision p, float* ctx, AttentionSaved saved, Kept qkv, const int32_t* mask,
+                      const AttentionShape& s, const Dropout& d, const Workspace& ws) const {
     own(ctx, "ctx");
     own(qkv, "qkv");
     own(mask, "attention mask");
@@ -495,14 +501,15 @@ class OwnMemoryBackend final : public Backend {
     own(dinp, "layernorm dinp");
     cpu().layernorm_backward(dinp, dgamma, dbeta, dout, in, gamma, mean, rstd, N, C);
   }
-  void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
+  void residual_layernorm_forward(Precision p, Kept out, float* mean, float* rstd, float* x,
                                   const float* residual, const float* gamma, const float* beta,
                                   int64_t N, int64_t C, float eps,
                                   const Dropout& d) const override {
     const Open open(*this);
     own(x, "residual block x");
+    own(out.bits, "residual block output bits");
     own(d.rows, "dropout rows");
-    cpu().residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
+    cpu().residual_layernorm_forward(p, out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
   }
   void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
                                   float* dbeta, const float* dout, const float* in,

@@ -567,26 +567,31 @@ TEST(DeviceModel, CheckpointsCrossAndHolesAreRefused) {
 }
 
 // The plan of a run on a GPU, made without one (cuda::target(): what `estimate --device cuda`
-// prints): the CPU plan's model groups (the same attention kernel: full at 64 tokens, blocked at
-// 512), the CUDA kernels' scratch instead of the CPU's, and the batch arrays staged in device
-// memory.
+// prints): the CPU plan's model groups for the same attention kernel (auto picks full at 64
+// tokens in fp32, blocked at 512, and blocked in bf16 and fp16 at every length on a GPU, where
+// it runs fused), the CUDA kernels' scratch instead of the CPU's, and the batch arrays staged
+// in device memory.
 TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
   model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 512);
   for (int precision = 0; precision < 3; ++precision)
     for (int64_t T : {64, 512}) {
       SCOPED_TRACE(testing::Message() << "precision " << precision << " T " << T);
-      model::ModelDims d{8, T, 10};                     // attention auto: blocked at 512 tokens
+      model::ModelDims d{8, T, 10};
       d.precision = static_cast<Precision>(precision);  // 0 fp32, 1 bf16, 2 fp16
+      const bool fused = precision != 0;
+      EXPECT_EQ(model::on_backend(d, cuda::target()).blocked_attention(), fused || T == 512);
+      model::ModelDims on_cpu = d;
+      on_cpu.attention = model::on_backend(d, cuda::target()).attention;
       const MemoryPlan gpu =
           model::BertModel::make_plan(c, model::Head::Pretraining, d, cuda::target());
-      const MemoryPlan cpu = model::BertModel::make_plan(c, model::Head::Pretraining, d);
+      const MemoryPlan cpu = model::BertModel::make_plan(c, model::Head::Pretraining, on_cpu);
       for (const char* g : {"parameters", "gradients", "activations", "bf16"})
         EXPECT_EQ(gpu.group_bytes(g), cpu.group_bytes(g)) << g;
       // FP16 multiplies fp16 operands on a GPU: BF16's group in fp16 (the weights' copy and the
       // operands rounded on the way in), and of the widened tensors the CPU's fp32 kernels
       // read only forward's fp32 context [8 T, 64].
       const int64_t N = 8 * T, C = 64, I = 256;
-      model::ModelDims as_bf16 = d;
+      model::ModelDims as_bf16 = on_cpu;
       if (d.fp16()) as_bf16.precision = Precision::BF16;
       EXPECT_EQ(gpu.group_bytes("fp16"),
                 d.fp16() ? model::BertModel::make_plan(c, model::Head::Pretraining, as_bf16)
@@ -601,13 +606,18 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       // cuBLASLt's workspace; full attention: [B, NH, T, T] fp32 scores in 16 bits, backward's
       // dropped probabilities in fp32, the probabilities' fp32 gradients; blocked: a block of 128
       // query rows of each for every (sequence, head): fp32 scores and gradients, and two
-      // operand buffers (the dropped probabilities, dS) in the products' elements; the
-      // reductions' partial sums; a loss and a hit for each of the most rows a loss sees.
+      // operand buffers (the dropped probabilities, dS) in the products' elements; fused: a
+      // float a row, (sequence, head) pair (its D); the reductions' partial sums; a loss and a
+      // hit for each of the most rows a loss sees.
       const ScratchLayout l =
           model::plan_kernel_scratch(c, model::Head::Pretraining, d, cuda::target());
       const int64_t probs = 8 * 4 * T * T * 4, block = 8 * 4 * 128 * T * 4;
       EXPECT_EQ(l.part[cuda::kMatmulWorkspaceSlot], int64_t{32} << 20);
-      if (T == 512) {
+      if (fused) {
+        EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], 0);
+        EXPECT_EQ(l.part[cuda::kAttentionGradSlot], 8 * 4 * T * 4);
+        EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], 0);
+      } else if (T == 512) {
         EXPECT_TRUE(d.blocked_attention());
         EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], block);
         EXPECT_EQ(l.part[cuda::kAttentionGradSlot], block);
@@ -619,7 +629,8 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       }
       // 3 pointers a (sequence, head) pair and product: the full kernel's backward makes its 4
       // products' at once, the blocked kernel's one at a time.
-      EXPECT_EQ(l.part[cuda::kAttentionPointersSlot], (T == 512 ? 1 : 4) * 3 * 8 * 4 * 8);
+      EXPECT_EQ(l.part[cuda::kAttentionPointersSlot],
+                fused ? 0 : (T == 512 ? 1 : 4) * 3 * 8 * 4 * 8);
       EXPECT_EQ(l.part[cuda::kReductionSlot], 2 * 1024 * 8);
       EXPECT_EQ(l.part[cuda::kCrossEntropySlot], 2 * 8 * T * 4);
       const model::ParamTable table(c, model::Head::Pretraining);  // the optimizer's tensors

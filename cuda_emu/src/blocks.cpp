@@ -408,6 +408,13 @@ void syncthreads() {
   t_block->yield(l);
 }
 
+void kernel_fault(const char* why) {
+  Lane& l = *t_lane;
+  l.fault = why;
+  l.state = State::Done;
+  t_block->yield(l);
+}
+
 uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg, int width) {
   Lane& l = *t_lane;
   const int lane = l.linear % 32;

@@ -279,8 +279,8 @@ void add_bench(CLI::App& app) {
             "steps\n",
             o->shape.config.c_str(), describe(cfg).c_str(), (long long)o->shape.batch,
             (long long)o->shape.seq, omp_get_max_threads(), o->precision.c_str(),
-            m.dims().blocked_attention() ? "blocked" : "full",
-            m.dims().recompute_layers ? ", layers recomputed" : "", warmup, o->steps);
+            m.attention_kernel(), m.dims().recompute_layers ? ", layers recomputed" : "", warmup,
+            o->steps);
         std::printf("  %s\n", kernels::device_line(be).c_str());
         if (const std::string note = be.precision_note(prec); !note.empty())
           std::printf("  %s\n", note.c_str());

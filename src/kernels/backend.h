@@ -44,6 +44,11 @@ class Target {
   // and 16-bit operand scratch, as in BF16. Otherwise (the CPU: oneDNN has no fp16 matmul
   // without AVX512-FP16) FP16's kernels compute in fp32 on the fp32 weights.
   virtual bool fp16_operands() const { return false; }
+  // Whether attention at this precision and sequence length is best run blocked (the row
+  // log-sum-exp kept, backward recomputing the scores) whatever the length: a GPU's fused
+  // kernel, which never writes the [B, NH, T, T] probabilities. --attention auto then picks the
+  // blocked kernel (the CPU's choice: full below 512 tokens).
+  virtual bool prefers_blocked_attention(Precision, int64_t /*seq_len*/) const { return false; }
   // What the kernels need besides their operands for the shapes a model runs; the model plans
   // layout.total() bytes (group "kernels") and binds them (Backend::bind_scratch).
   virtual ScratchLayout scratch_layout(const KernelShapes& shapes) const = 0;
@@ -200,10 +205,16 @@ class Backend : public Target {
 
   // -- attention core (between the QKV and the output projection) --
   // ctx[B,T,C] from qkv[B,T,3C] (Q, K, V column blocks; FP16: qkv rounded in place first, its
-  // bits kept) with BERT's additive mask from mask[B,T]; dropout on the probabilities.
-  virtual void attention_forward(Precision p, float* ctx, AttentionSaved saved, Kept qkv,
+  // bits kept) with BERT's additive mask from mask[B,T]; dropout on the probabilities. ctx is
+  // left kept (keep's contract) where ctx.bits is given: what the output projection reads.
+  virtual void attention_forward(Precision p, Kept ctx, AttentionSaved saved, Kept qkv,
                                  const int32_t* mask, const AttentionShape& s, const Dropout& d,
                                  const Workspace& ws) const = 0;
+  // Whether attention_forward / _backward take variable lengths (AttentionShape::starts) for
+  // this precision and shape (its longest sequence T) with the row log-sum-exp kept: one call
+  // for a batch of sequences of any lengths (a GPU's fused kernel). Otherwise a caller runs
+  // sequences of equal length a call each.
+  virtual bool attention_takes_starts(Precision, const AttentionShape&) const { return false; }
   // dqkv[B,T,3C] (=) from dctx; qkv and saved as forward left them.
   virtual void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
                                   AttentionSaved saved, const int32_t* mask,
@@ -250,8 +261,10 @@ class Backend : public Target {
   virtual void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
                                   const float* in, const float* gamma, const float* mean,
                                   const float* rstd, int64_t N, int64_t C) const = 0;
-  // x = dropout(x) + residual (in place), out = LayerNorm(x).
-  virtual void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
+  // x = dropout(x) + residual (in place), out = LayerNorm(x); where out.bits is given (p a 16-bit
+  // precision) out rounded there in the same pass (round_to_16's rounding: the copy the next
+  // product reads as its input, Kept.bits, instead of rounding it in a pass of its own).
+  virtual void residual_layernorm_forward(Precision p, Kept out, float* mean, float* rstd, float* x,
                                           const float* residual, const float* gamma,
                                           const float* beta, int64_t N, int64_t C, float eps,
                                           const Dropout& d) const = 0;

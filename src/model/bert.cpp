@@ -179,6 +179,9 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
 
 ModelDims on_backend(ModelDims d, const kernels::Target& be) {
   d.fp16_operands = d.fp16() && be.fp16_operands();
+  if (d.attention == ModelDims::Attention::Auto &&
+      be.prefers_blocked_attention(d.precision, d.seq_len))
+    d.attention = ModelDims::Attention::Blocked;
   return d;
 }
 
@@ -224,7 +227,7 @@ size_t input_bytes(const ModelDims& d) {
   // stage_inputs' arrays, 4-byte elements: 7 of token rows (ids, segments, mask, token labels and
   // weights, the packed positions and padded rows; at most the padded batch's or the planned
   // rows), 3 of predictions (positions, ids, weights), 4 of sequences (the NSP labels, label ids
-  // and values, the [CLS] rows) and the QA spans (2 a sequence).
+  // and values, the [CLS] rows), the QA spans (2 a sequence) and the sequences' starts (1 more).
   const int64_t B = d.batch, rows = std::max(B, d.token_rows()) * d.seq_len,
                 P = B * d.max_predictions;
   auto arr = [](int64_t n) { return align_up(static_cast<size_t>(n) * 4, 256); };
@@ -232,7 +235,7 @@ size_t input_bytes(const ModelDims& d) {
   // chunk per row at most (4 values each), a sum per kEmbeddingChunk tokens at most (3 values).
   const int64_t chunks = std::max<int64_t>(1, rows), sums = rows / kernels::kEmbeddingChunk + 1;
   const size_t runs = arr(rows) + arr(4 * chunks) + arr(3 * sums);
-  return 7 * arr(rows) + 3 * arr(P) + 4 * arr(B) + arr(2 * B) + 3 * runs;
+  return 7 * arr(rows) + 3 * arr(P) + 4 * arr(B) + arr(2 * B) + arr(B + 1) + 3 * runs;
 }
 
 std::vector<std::pair<size_t, size_t>> master_holes(const ParamTable& table, int64_t begin,
@@ -425,7 +428,7 @@ void BertModel::stage_inputs(const Batch& b, Staged& st, int slot) {
     size_t bytes;
     const void** at;
   };
-  std::array<Source, 24> sources;  // (no allocation in a step: tests/test_no_alloc.cpp)
+  std::array<Source, 25> sources;  // (no allocation in a step: tests/test_no_alloc.cpp)
   size_t count = 0;
   auto use = [&](const auto& v, auto& field) {
     field = v.data();
@@ -444,11 +447,12 @@ void BertModel::stage_inputs(const Batch& b, Staged& st, int slot) {
   use(compact_mlm() ? pk.mlm_weights : b.masked_lm_weights, in.mlm_weights);
   use(up ? pk.token_labels : b.token_label_ids, in.token_labels);
   use(up ? pk.token_weights : b.token_label_weights, in.token_weights);
-  in.positions = in.padded_row = in.cls = nullptr;
+  in.positions = in.padded_row = in.cls = in.starts = nullptr;
   if (up) {
     use(pk.positions, in.positions);
     use(pk.padded_row, in.padded_row);
     use(pk.cls, in.cls);
+    use(pk.starts, in.starts);
   }
   if (be_.host_memory()) return;
   // The tokens grouped by embedding table row: the kernels sum each row's gradients in parallel.
@@ -539,6 +543,12 @@ void BertModel::write_param(const ParamInfo& p, const std::function<void(float*)
   if (e > b) std::copy(whole.data() + (b - p.offset), whole.data() + (e - p.offset), params() + b);
 }
 
+const char* BertModel::attention_kernel() const {
+  if (!dims_.blocked_attention()) return "full";
+  const AttentionShape s{1, dims_.seq_len, cfg_.hidden_size, cfg_.num_attention_heads};
+  return be_.attention_takes_starts(prec_, s) ? "fused" : "blocked";
+}
+
 void BertModel::zero_grads() {
   be_.zero(grads_.base(), static_cast<int64_t>(grads_.bytes()));
 }
@@ -559,6 +569,8 @@ void BertModel::pack(const Batch& b, Packed& pk) const {
       pk.runs.push_back({e, 1});
   }
   pk.real = r;
+  pk.starts.assign(pk.start.begin(), pk.start.end());
+  pk.starts.push_back(static_cast<int32_t>(r));
   const int64_t budget = dims_.pack_rows > 0 ? dims_.pack_rows * dims_.seq_len : B * T;
   if (r > budget)
     fail("the batch's ", B, " sequences hold ", r, " real tokens, more than the ", budget,
@@ -652,6 +664,16 @@ void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const flo
   const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
   const uint64_t key = rng_key(opt.seed, opt.step, l + 1, kAttnProbs);
   const LayerActs& a = act_.layers[l];
+  // One call for every sequence, each over its length, where the backend takes them.
+  const AttentionShape all{pk.B, T, C, NH, T, cur_.in.starts, pk.rows};
+  if (a.saved.blocked() && be_.attention_takes_starts(prec_, all)) {
+    const Dropout d{p_attn, key, opt.example_offset * NH * T * T};
+    if (forward)
+      be_.attention_forward(prec_, a.ctx, a.saved, a.qkv, cur_.in.mask, all, d, ws_);
+    else
+      be_.attention_backward(prec_, dqkv, dctx, a.qkv, a.saved, cur_.in.mask, all, d, ws_);
+    return;
+  }
   int64_t saved = 0;  // values of the probabilities (or the log-sum-exp) the runs before used
   for (const auto& [first, count] : pk.runs) {
     const int64_t L = pk.len[first], r0 = pk.start[first];
@@ -666,7 +688,8 @@ void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const flo
     const Dropout d{p_attn, key, (opt.example_offset + first) * NH * T * T};
     const int32_t* mask = cur_.in.mask + r0;
     if (forward)
-      be_.attention_forward(prec_, a.ctx.f32 + r0 * C, sv, qkv, mask, s, d, ws_);
+      be_.attention_forward(prec_, {a.ctx.f32 + r0 * C, a.ctx.bits ? a.ctx.bits + r0 * C : nullptr},
+                            sv, qkv, mask, s, d, ws_);
     else
       be_.attention_backward(prec_, dqkv + r0 * 3 * C, dctx + r0 * C, qkv, sv, mask, s, d, ws_);
   }
@@ -792,28 +815,35 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
   };
   const LayerOffsets& o = table_.layer(l);
   const LayerActs& a = act_.layers[l];
-  be_.linear_forward(prec_, a.qkv.f32, {const_cast<float*>(x)}, Wt(o.qkv_w), W(o.qkv_b), N, 3 * C,
-                     C, ws_);
+  // x's 16-bit copy where the LayerNorm that wrote x left it (the previous layer's, just now).
+  uint16_t* x16 = x16_of_ == x ? ws_.half_b : nullptr;
+  x16_of_ = nullptr;
+  be_.linear_forward(prec_, a.qkv.f32, {const_cast<float*>(x), x16}, Wt(o.qkv_w), W(o.qkv_b), N,
+                     3 * C, C, ws_);
   if (up) {
     packed_attention(l, true, nullptr, nullptr, opt);
-    // The dummy rows past the real tokens take no part in attention: zeros, not stale values.
-    be_.zero(a.ctx.f32 + cur_.packed.real * C,
-             static_cast<int64_t>(f32s((N - cur_.packed.real) * C)));
+    // The dummy rows past the real tokens take no part in attention: zeros, not stale values
+    // (and their kept bits: +0 in bf16 and fp16).
+    const int64_t real = cur_.packed.real, dummy = (N - real) * C;
+    be_.zero(a.ctx.f32 + real * C, static_cast<int64_t>(f32s(dummy)));
+    if (a.ctx.bits) be_.zero(a.ctx.bits + real * C, dummy * int64_t{sizeof(uint16_t)});
   } else {
-    be_.attention_forward(prec_, a.ctx.f32, a.saved, a.qkv, cur_.in.mask, {B, T, C, NH},
+    be_.attention_forward(prec_, a.ctx, a.saved, a.qkv, cur_.in.mask, {B, T, C, NH},
                           site(kAttnProbs, p_attn, off_probs), ws_);
   }
-  be_.keep(prec_, a.ctx, N * C);
   be_.linear_forward(prec_, a.attn_res, a.ctx, Wt(o.attn_out_w), W(o.attn_out_b), N, C, C, ws_);
-  be_.residual_layernorm_forward(a.ln1_out, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
+  // The LayerNorms write their output's 16-bit copy (none in fp32) into the backward-input
+  // scratch, unused in forward: the next product's input.
+  const Kept ln1{a.ln1_out, ws_.half_b};
+  be_.residual_layernorm_forward(prec_, ln1, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
                                  W(o.ln1_b), N, C, eps, on_rows(site(kAttnOut, p_hidden, off_tc)));
-  be_.linear_forward(prec_, a.inter_pre.f32, {a.ln1_out}, Wt(o.inter_w), W(o.inter_b), N, I, C,
-                     ws_);
+  be_.linear_forward(prec_, a.inter_pre.f32, ln1, Wt(o.inter_w), W(o.inter_b), N, I, C, ws_);
   be_.activation_forward(prec_, cfg_.activation(), a.inter_act, a.inter_pre, N * I);
   be_.linear_forward(prec_, a.ffn_res, a.inter_act, Wt(o.out_w), W(o.out_b), N, C, I, ws_);
-  be_.residual_layernorm_forward(a.ln2_out, a.ln2_mean, a.ln2_rstd, a.ffn_res, a.ln1_out,
-                                 W(o.ln2_w), W(o.ln2_b), N, C, eps,
+  be_.residual_layernorm_forward(prec_, {a.ln2_out, ws_.half_b}, a.ln2_mean, a.ln2_rstd, a.ffn_res,
+                                 a.ln1_out, W(o.ln2_w), W(o.ln2_b), N, C, eps,
                                  on_rows(site(kFfnOut, p_hidden, off_tc)));
+  if (ws_.half_b) x16_of_ = a.ln2_out;  // (the next layer's input)
 }
 
 std::pair<int64_t, int64_t> BertModel::layer_range(int64_t l) const {
@@ -869,6 +899,7 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   const LayerActs& a = act_.layers[l];
   float *dA = act_.dA, *dB = act_.dB, *dI = act_.dI;
   float* x = l == 0 ? act_.h0 : act_.layers[l - 1].ln2_out;
+  x16_of_ = nullptr;  // (backward's products round their inputs into half_b)
   if (dims_.recompute_layers && l != p.L - 1) {  // the last layer's forward is still in the slot
     obs::Timeline::Span recompute(timeline_, str("recompute layer ", l), "compute");
     layer_forward(l, x, b, p.opt);

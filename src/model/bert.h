@@ -177,6 +177,9 @@ class BertModel {
   const kernels::Backend& backend() const { return be_; }
   const ParamTable& table() const { return table_; }
   const ModelDims& dims() const { return dims_; }
+  // The attention kernel the model runs: "full", "blocked", or "fused" (blocked, as one kernel
+  // forward and two backward on a GPU: Backend::attention_takes_starts).
+  const char* attention_kernel() const;
   const MemoryPlan& plan() const { return plan_; }
   // Bytes this model holds in its arenas: plan().total_bytes(), allocated (tests prove it).
   size_t allocated_bytes() const {
@@ -327,6 +330,9 @@ class BertModel {
                   *padded_row = nullptr, *cls = nullptr, *mlm_positions = nullptr,
                   *mlm_ids = nullptr, *token_labels = nullptr, *span_positions = nullptr,
                   *nsp_labels = nullptr, *label_ids = nullptr;
+    // Unpadded: each sequence's first packed row, then the rows' end (B + 1; attention with
+    // variable lengths, Backend::attention_takes_starts).
+    const int32_t* starts = nullptr;
     const float *mlm_weights = nullptr, *token_weights = nullptr, *label_values = nullptr;
     // Not host memory: the tokens grouped by embedding table row (embedding backward's).
     kernels::EmbeddingRuns runs;
@@ -343,6 +349,7 @@ class BertModel {
     int64_t B = 0, T = 0, P = 0, real = 0, rows = 0;  // B, T, P: the last batch's, padded too
     int64_t mlm_rows = 0;                             // rows of the MLM head
     std::vector<int64_t> start, len;
+    std::vector<int32_t> starts;  // start, then the real rows' end (KernelInputs::starts)
     std::vector<std::pair<int64_t, int64_t>> runs;
     std::vector<int32_t> ids, segments, positions, mask, padded_row, cls, mlm, token_labels;
     std::vector<float> token_weights;
@@ -448,6 +455,9 @@ class BertModel {
   uint16_t* w16_ = nullptr;      // the weights' 16-bit copy the matmuls read (weight_copy())
   bool mlm_grad_ready_ = false;  // the training forward left the MLM logits' gradient in place
   bool w16_fresh_ = false;       // weights16() already equals params() rounded
+  // The tensor whose 16-bit copy ws_.half_b holds: the last layer's output, written by its
+  // LayerNorm for the next layer's first product; null once anything else may have used it.
+  const float* x16_of_ = nullptr;
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
 };

@@ -782,8 +782,7 @@ std::string Trainer::banner() const {
             "and attention on fp16 operands, fp32 accumulation; dynamic loss scaling)"
           : " (fp32 weights and optimizer; activations kept in fp16 for backward, kernels "
             "compute in fp32; dynamic loss scaling)",
-      s.m.dims().blocked_attention() ? "blocked" : "full",
-      s.m.dims().recompute_layers ? ", layers recomputed in backward" : "",
+      s.m.attention_kernel(), s.m.dims().recompute_layers ? ", layers recomputed in backward" : "",
       (unsigned long long)cfg.seed);
   out += line;
   out += str(

@@ -16,6 +16,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cuda/cuda.h"
+#include "kernels/cuda/scratch.h"
 #include "kernels/embedding_runs.h"
 #include "test_util.h"
 
@@ -97,6 +98,45 @@ TEST(CudaBackend, LinearLayersMatchCpuInEveryPrecision) {
     EXPECT_TRUE(all_close("db", db.back().data(), db.host(), N, 2e-5, 2e-5));
     EXPECT_EQ(in16.back(), in16.h);  // the same rounding of the same values
   }
+}
+
+// The 16-bit dataflow's LayerNorm outputs: residual_layernorm_forward given out.bits writes out
+// rounded there in the same pass, bit for bit round_to_16's, out, mean and rstd unchanged, on
+// the GPU and on the CPU, in bf16 and fp16; what linear_forward then reads instead of rounding
+// its input (the model's next product). 70 rows of 96 with dropout on.
+TEST(CudaBackend, ResidualLayerNormWritesItsOutputsCopy) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 70, C = 96;
+  const kernels::Dropout d{0.1f, 3, 7, nullptr};
+  for (Precision p : {Precision::BF16, Precision::FP16})
+    for (const kernels::Backend* be : {&cpu(), &gpu()}) {
+      SCOPED_TRACE(testing::Message() << name_of(p) << (be == &gpu() ? " gpu" : " cpu"));
+      const bool g = be == &gpu();
+      Twin<float> gamma(random_vector(C, 3)), beta(random_vector(C, 4)),
+          residual(random_vector(N * C, 5));
+      struct Out {
+        std::vector<float> out, mean, rstd;
+        std::vector<uint16_t> bits;
+      };
+      auto run = [&](bool copy) {
+        Twin<float> x(random_vector(N * C, 6)), out(N * C), mean(N), rstd(N);
+        Twin<uint16_t> bits(N * C);
+        auto P = [&](auto& t) { return g ? t.dev() : t.host(); };
+        be->residual_layernorm_forward(p, {P(out), copy ? P(bits) : nullptr}, P(mean), P(rstd),
+                                       P(x), P(residual), P(gamma), P(beta), N, C, 1e-12f, d);
+        if (!copy) be->round_to_16(p, P(bits), P(out), N * C, nullptr);
+        if (g) {
+          cuda::synchronize();
+          return Out{out.back(), mean.back(), rstd.back(), bits.back()};
+        }
+        return Out{out.h, mean.h, rstd.h, bits.h};
+      };
+      const Out with = run(true), rounded = run(false);
+      EXPECT_EQ(with.bits, rounded.bits);
+      EXPECT_EQ(with.out, rounded.out);
+      EXPECT_EQ(with.mean, rounded.mean);
+      EXPECT_EQ(with.rstd, rounded.rstd);
+    }
 }
 
 // The 16-bit dataflow's output gradients: linear_backward given dout's 16-bit copy (KeptIn, what
@@ -185,6 +225,133 @@ TEST(CudaBackend, AttentionMatchesCpuInEveryPrecision) {
         EXPECT_TRUE(all_close("probs", probs.back().data(), probs.host(), n_p, 2e-5, 1e-7));
       if (p != Precision::FP32) EXPECT_EQ(qkv16.back(), qkv16.h);  // QKV rounded the same way
     }
+}
+
+// The fused attention (cuda/fused_attention.cu) against the blocked kernel's products, its
+// reference, both on this device in BF16 and FP16 (no CPU bf16 needed): a padded sequence and
+// dropout, head sizes 16 (a tile) and 64 (4 tiles), 40 tokens (a partial tile) and 150 (the
+// reference's two blocks). Tolerances: a few units of the format, the two rounding the dropped
+// probabilities and dS to 16 bits after products summed in another order; the row
+// log-sum-exp's error is its scores' (rtol 1e-5 of the max, a 16-bit QK^T summed otherwise).
+// The fused forward rounds QKV as it reads it and writes its kept bits (equal to keep's), and
+// writes ctx's 16-bit copy (keep's contract: FP16's fp32 ctx the rounded value). Launches: one
+// kernel forward (the products' version rounds QKV and ctx in launches of their own), 2
+// backward.
+TEST(CudaBackend, FusedAttentionMatchesTheBlockedProducts) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    kernels::AttentionShape s;
+  };
+  for (const Case c : {Case{{2, 40, 64, 4}}, Case{{2, 150, 128, 2}}})
+    for (Precision p : {Precision::BF16, Precision::FP16}) {
+      const kernels::AttentionShape s = c.s;
+      SCOPED_TRACE(testing::Message() << name_of(p) << " T " << s.T << " head " << s.C / s.NH);
+      ASSERT_TRUE(cuda::fused_attention_runs(p, s));
+      const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_qkv = B * T * 3 * C;
+      std::vector<int32_t> mask_h(B * T, 1);
+      for (int64_t t = T - 9; t < T; ++t) mask_h[T + t] = 0;
+      const kernels::Dropout d{0.1f, 5, 11, nullptr};
+      Twin<int32_t> mask(mask_h);
+      const std::vector<float> qkv_h = random_vector(n_qkv, 1),
+                               dctx_h = random_vector(B * T * C, 2);
+      struct Out {
+        std::vector<float> ctx, dqkv, lse;
+        std::vector<uint16_t> qkv16, ctx16;
+        int64_t forward_launches, backward_launches;
+      };
+      auto run = [&](bool fused) {
+        cuda::set_fused_attention(fused);
+        Twin<float> qkv(qkv_h), ctx(B * T * C), dctx(dctx_h), dqkv(n_qkv), lse(B * NH * T);
+        Twin<uint16_t> qkv16(n_qkv), dctx16(B * T * C), ctx16(B * T * C);
+        kernels::AttentionSaved saved;
+        saved.lse = lse.dev();
+        kernels::Workspace ws;
+        ws.attn_dctx16 = dctx16.dev();
+        const int64_t l0 = cuda::device_counts().launches;
+        gpu().attention_forward(p, {ctx.dev(), ctx16.dev()}, saved, {qkv.dev(), qkv16.dev()},
+                                mask.dev(), s, d, ws);
+        const int64_t l1 = cuda::device_counts().launches;
+        gpu().attention_backward(p, dqkv.dev(), dctx.dev(), {qkv.dev(), qkv16.dev()}, saved,
+                                 mask.dev(), s, d, ws);
+        const int64_t l2 = cuda::device_counts().launches;
+        cuda::synchronize();
+        cuda::set_fused_attention(true);
+        return Out{ctx.back(),   dqkv.back(), lse.back(), qkv16.back(),
+                   ctx16.back(), l1 - l0,     l2 - l1};
+      };
+      const Out fused = run(true), reference = run(false);
+      EXPECT_EQ(fused.qkv16, reference.qkv16);
+      for (size_t i = 0; i < fused.ctx.size(); ++i) {
+        const float v = fused.ctx[i];
+        ASSERT_EQ(fused.ctx16[i], p == Precision::BF16 ? f32_to_bf16(v) : f32_to_f16(v)) << i;
+        if (p == Precision::FP16) ASSERT_EQ(v, f16_to_f32(fused.ctx16[i])) << i;
+      }
+      const double t = tol(p);
+      EXPECT_TRUE(all_close("ctx", fused.ctx.data(), reference.ctx.data(), fused.ctx.size(), t, t));
+      EXPECT_TRUE(
+          all_close("dqkv", fused.dqkv.data(), reference.dqkv.data(), fused.dqkv.size(), t, t));
+      EXPECT_TRUE(
+          all_close("lse", fused.lse.data(), reference.lse.data(), fused.lse.size(), 1e-5, 1e-5));
+      EXPECT_EQ(fused.forward_launches, 1);
+      EXPECT_EQ(fused.backward_launches, 2);
+      EXPECT_GT(reference.backward_launches, fused.backward_launches);
+    }
+}
+
+// Variable lengths (AttentionShape::starts): 4 sequences of 40, 17, 33 and 40 tokens packed
+// into 130 rows (a mask 0 inside one), in one call, equal bit for bit to a call per sequence
+// (the same tiles and row passes over the same values), dropout keyed as the padded batch's.
+TEST(CudaBackend, FusedAttentionTakesVariableLengthsInOneCall) {
+  SKIP_WITHOUT_GPU();
+  const int64_t T = 40, C = 128, NH = 2;
+  const std::vector<int64_t> len = {40, 17, 33, 40};
+  const int64_t B = static_cast<int64_t>(len.size());
+  std::vector<int32_t> starts_h = {0};
+  for (int64_t l : len) starts_h.push_back(starts_h.back() + static_cast<int32_t>(l));
+  const int64_t rows = starts_h.back() + 6;  // (rows past the last sequence: untouched)
+  std::vector<int32_t> mask_h(rows, 1);
+  mask_h[starts_h[2] + 5] = 0;
+  const kernels::Dropout d{0.1f, 5, 11, nullptr};
+  for (Precision p : {Precision::BF16, Precision::FP16}) {
+    SCOPED_TRACE(name_of(p));
+    const kernels::AttentionShape all{B, T, C, NH, T, nullptr, rows};
+    ASSERT_TRUE(gpu().attention_takes_starts(p, all));
+    Twin<int32_t> mask(mask_h), starts(starts_h);
+    struct Out {
+      std::vector<float> ctx, dqkv, lse;
+    };
+    auto run = [&](bool one_call) {
+      Twin<float> qkv(random_vector(rows * 3 * C, 1)), ctx(random_vector(rows * C, 3)),
+          dctx(random_vector(rows * C, 2)), dqkv(random_vector(rows * 3 * C, 4)),
+          lse(random_vector(rows * NH, 5));
+      Twin<uint16_t> qkv16(rows * 3 * C);
+      const kernels::Workspace ws;
+      auto call = [&](int64_t first, int64_t count, int64_t L, const int32_t* st) {
+        const int64_t r0 = starts_h[first];
+        kernels::AttentionShape s{count, L, C, NH, T, st, st ? rows : 0};
+        const kernels::Dropout at{d.p, d.key, d.offset + first * NH * T * T, nullptr};
+        kernels::AttentionSaved saved;
+        saved.lse = lse.dev() + NH * r0;
+        const Kept x{qkv.dev() + r0 * 3 * C, qkv16.dev() + r0 * 3 * C};
+        gpu().attention_forward(p, ctx.dev() + r0 * C, saved, x, mask.dev() + r0, s, at, ws);
+        gpu().attention_backward(p, dqkv.dev() + r0 * 3 * C, dctx.dev() + r0 * C, x, saved,
+                                 mask.dev() + r0, s, at, ws);
+      };
+      if (one_call) {
+        const int64_t l0 = cuda::device_counts().launches;
+        call(0, B, T, starts.dev());
+        EXPECT_EQ(cuda::device_counts().launches - l0, 3) << "3 kernels";
+      } else {
+        for (int64_t b = 0; b < B; ++b) call(b, 1, len[b], nullptr);
+      }
+      cuda::synchronize();
+      return Out{ctx.back(), dqkv.back(), lse.back()};
+    };
+    const Out one = run(true), each = run(false);
+    EXPECT_EQ(one.ctx, each.ctx);
+    EXPECT_EQ(one.dqkv, each.dqkv);
+    EXPECT_EQ(one.lse, each.lse);
+  }
 }
 
 // The 16-bit activations, the elementwise ops, the row gathers and the regression loss.

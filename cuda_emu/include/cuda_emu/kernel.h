@@ -49,6 +49,10 @@ void syncthreads();
 enum class Collective : int { ShflXor, Shfl, ShflUp, ShflDown, Ballot, Any, All, SyncWarp };
 uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg, int width);
 
+// A misuse the kernel's own code finds (a header's check, as a GPU's hardware would trap): the
+// calling thread stops and the kernel fails with `why` (a string that outlives the kernel).
+void kernel_fault(const char* why);
+
 template <class T>
 T shuffle(Collective kind, unsigned mask, T v, int arg, int width) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>,

@@ -126,10 +126,11 @@ class CpuBackend final : public Backend {
   void copy_weights(Precision p, const float* master, uint16_t* copy, int64_t n) const override {
     kernels::copy_weights(p, master, copy, n);
   }
-  void attention_forward(Precision p, float* ctx, AttentionSaved saved, Kept qkv,
-                         const int32_t* mask, const AttentionShape& s, const Dropout& d,
+  void attention_forward(Precision p, Kept ctx, AttentionSaved saved, Kept qkv, const int32_t* mask,
+                         const AttentionShape& s, const Dropout& d,
                          const Workspace& ws) const override {
-    kernels::attention_forward(p, ctx, saved, qkv, mask, s, d, ws);
+    kernels::attention_forward(p, ctx.f32, saved, qkv, mask, s, d, ws);
+    if (ctx.bits) keep(p, ctx, s.B * s.T * s.C);
   }
   void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
                           AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
@@ -176,11 +177,13 @@ class CpuBackend final : public Backend {
                           int64_t N, int64_t C) const override {
     kernels::layernorm_backward(dinp, dgamma, dbeta, dout, in, gamma, mean, rstd, N, C);
   }
-  void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
+  void residual_layernorm_forward(Precision p, Kept out, float* mean, float* rstd, float* x,
                                   const float* residual, const float* gamma, const float* beta,
                                   int64_t N, int64_t C, float eps,
                                   const Dropout& d) const override {
-    kernels::residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
+    kernels::residual_layernorm_forward(out.f32, mean, rstd, x, residual, gamma, beta, N, C, eps,
+                                        d);
+    if (out.bits && p != Precision::FP32) round_to_16(p, out.bits, out.f32, N * C, nullptr);
   }
   void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
                                   float* dbeta, const float* dout, const float* in,

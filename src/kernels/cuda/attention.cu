@@ -99,7 +99,7 @@ struct AttentionDims {
 
 // QKV as attention's products read it: BF16 and FP16 round it into its kept bits first.
 const void* attention_qkv(Precision p, Kept qkv, const AttentionShape& s) {
-  const int64_t n = s.B * s.T * 3 * s.C;
+  const int64_t n = (s.starts ? s.rows : s.B * s.T) * 3 * s.C;
   cuda::keep(p, qkv, n);
   return p == Precision::FP32 ? static_cast<const void*>(qkv.f32) : qkv.bits;
 }
@@ -148,9 +148,24 @@ void blocked_backward(Precision p, float* dqkv, const void* dc, const void* q, c
 // row passes over all rows. FP32 keeps probs; BF16 and FP16 keep
 // probs16 with 16-bit operands for the products (QKV's kept bits, the dropped probabilities
 // and dS rounded as the row passes write them, dctx rounded).
-void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
+void attention_products_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
+                                const int32_t* mask, const AttentionShape& s, const Dropout& d,
+                                const kernels::Workspace& ws);
+
+void attention_forward(Precision p, Kept kept_ctx, kernels::AttentionSaved saved, Kept qkv,
                        const int32_t* mask, const AttentionShape& s, const Dropout& d,
                        const kernels::Workspace& ws) {
+  if (saved.blocked() && fused_attention_runs(p, s))  // (QKV and ctx kept as they are written)
+    return fused_attention_forward(p, kept_ctx, saved.lse, qkv, mask, s, d);
+  BT_CHECK(!s.starts, "attention_forward: variable lengths need the fused kernel");
+  attention_products_forward(p, kept_ctx.f32, saved, qkv, mask, s, d, ws);
+  if (kept_ctx.bits) cuda::keep(p, kept_ctx, s.B * s.T * s.C);
+}
+
+// The products' attention (full, or blocked where `saved` keeps the row log-sum-exp).
+void attention_products_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
+                                const int32_t* mask, const AttentionShape& s, const Dropout& d,
+                                const kernels::Workspace& ws) {
   const AttentionDims g(p, s);
   const void* q = attention_qkv(p, qkv, s);
   if (saved.blocked()) return blocked_forward(p, ctx, saved.lse, q, mask, s, d);
@@ -176,6 +191,9 @@ void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, K
 void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
                         kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
                         const Dropout& d, const kernels::Workspace& ws) {
+  if (saved.blocked() && fused_attention_runs(p, s))  // (dctx rounded as it is read)
+    return fused_attention_backward(p, dqkv, dctx, qkv.bits, saved.lse, mask, s, d);
+  BT_CHECK(!s.starts, "attention_backward: variable lengths need the fused kernel");
   const AttentionDims g(p, s);
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_probs = g.n_probs;
   const bool half = p != Precision::FP32, f16 = p == Precision::FP16;

@@ -338,11 +338,17 @@ class CudaBackend final : public kernels::Backend {
     const Op op("copy_weights");
     if (p != Precision::FP32) round_to_16(p, copy, master, n, nullptr);
   }
-  void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
+  void attention_forward(Precision p, Kept ctx, kernels::AttentionSaved saved, Kept qkv,
                          const int32_t* mask, const AttentionShape& s, const Dropout& d,
                          const kernels::Workspace& ws) const override {
     const Op op("attention_forward");
     cuda::attention_forward(p, ctx, saved, qkv, mask, s, d, ws);
+  }
+  bool prefers_blocked_attention(Precision p, int64_t seq_len) const override {
+    return cuda::fused_attention_length(p, seq_len);
+  }
+  bool attention_takes_starts(Precision p, const kernels::AttentionShape& s) const override {
+    return cuda::fused_attention_runs(p, s);
   }
   void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
                           kernels::AttentionSaved saved, const int32_t* mask,
@@ -410,12 +416,12 @@ class CudaBackend final : public kernels::Backend {
     const Op op("layernorm_backward");
     cuda::layernorm_backward(dinp, dgamma, dbeta, dout, in, gamma, mean, rstd, N, C);
   }
-  void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
+  void residual_layernorm_forward(Precision p, Kept out, float* mean, float* rstd, float* x,
                                   const float* residual, const float* gamma, const float* beta,
                                   int64_t N, int64_t C, float eps,
                                   const Dropout& d) const override {
     const Op op("residual_layernorm_forward");
-    cuda::residual_layernorm_forward(out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
+    cuda::residual_layernorm_forward(p, out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
   }
   void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
                                   float* dbeta, const float* dout, const float* in,

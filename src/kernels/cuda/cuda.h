@@ -121,6 +121,11 @@ void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                 const float* residual, const float* gamma, const float* beta,
                                 int64_t N, int64_t C, float eps, const kernels::Dropout& d,
                                 void* stream = nullptr);
+// The same with out's 16-bit copy written in the pass where out.bits is given (p 16-bit).
+void residual_layernorm_forward(Precision p, kernels::Kept out, float* mean, float* rstd, float* x,
+                                const float* residual, const float* gamma, const float* beta,
+                                int64_t N, int64_t C, float eps, const kernels::Dropout& d,
+                                void* stream = nullptr);
 // out = dropout(LayerNorm(word[id] + position[t] + token_type[segment])), the sum kept.
 void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
                                  const int32_t* ids, const int32_t* segment,
@@ -183,13 +188,26 @@ void attention_softmax_backward(float* ds, const float* dd, const float* probs,
 // Backend::attention_forward / attention_backward (kernels/backend.h) in precision p
 // (attention.cu): the full kernel, or the blocked (flash-style) one where `saved` keeps only the
 // row log-sum-exp; the one place the GPU's attention dispatches on the precision and the kernel.
-void attention_forward(Precision p, float* ctx, kernels::AttentionSaved saved, kernels::Kept qkv,
-                       const int32_t* mask, const kernels::AttentionShape& s,
+void attention_forward(Precision p, kernels::Kept ctx, kernels::AttentionSaved saved,
+                       kernels::Kept qkv, const int32_t* mask, const kernels::AttentionShape& s,
                        const kernels::Dropout& d, const kernels::Workspace& ws);
 void attention_backward(Precision p, float* dqkv, const float* dctx, kernels::Kept qkv,
                         kernels::AttentionSaved saved, const int32_t* mask,
                         const kernels::AttentionShape& s, const kernels::Dropout& d,
                         const kernels::Workspace& ws);
+
+// The fused attention (fused_attention.cu): the blocked algorithm (the row log-sum-exp kept) in
+// one kernel forward and two backward, variable lengths through AttentionShape::starts, where
+// fused_attention_runs (scratch.h). attention_forward and _backward run it there and the blocked
+// kernel's products otherwise. Forward reads QKV in fp32, rounds it as it stages it and writes
+// its kept bits, and writes ctx with its 16-bit copy where ctx.bits is given (keep's contract);
+// backward reads the kept bits, lse [NH rows] and dctx in fp32 (rounded as it is read).
+void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels::Kept qkv,
+                             const int32_t* mask, const kernels::AttentionShape& s,
+                             const kernels::Dropout& d);
+void fused_attention_backward(Precision p, float* dqkv, const float* dctx, const uint16_t* qkv,
+                              const float* lse, const int32_t* mask,
+                              const kernels::AttentionShape& s, const kernels::Dropout& d);
 
 // Softmax cross-entropy of N rows of V logits with its gradient (dlogits may be null or alias
 // logits; weights may be null); losses and correct (optional) receive each row's loss and hit.

@@ -13,18 +13,21 @@ namespace rm = kernels::row_math;
 
 namespace {
 
-// Optionally x = dropout(x) + residual in place first (residual non-null).
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, float* x,
-                                         const float* residual, const float* gamma,
-                                         const float* beta, int64_t N, int64_t C, float eps,
-                                         float p, uint64_t key, uint64_t offset,
-                                         const int32_t* rows) {
+// Optionally x = dropout(x) + residual in place first (residual non-null); out16 (may be null)
+// out rounded to `o`'s 16 bits, each lane the columns it wrote.
+__global__ void layernorm_forward_kernel(float* out, uint16_t* out16, Precision o, float* mean,
+                                         float* rstd, float* x, const float* residual,
+                                         const float* gamma, const float* beta, int64_t N,
+                                         int64_t C, float eps, float p, uint64_t key,
+                                         uint64_t offset, const int32_t* rows) {
   const int64_t i = warp_row();
   if (i >= N) return;
   const WarpLanes l = warp_lanes();
   if (residual)
     rm::dropout_residual(x + i * C, residual + i * C, C, p, key, row_index0(offset, rows, i, C), l);
   rm::layernorm(out + i * C, mean + i, rstd + i, x + i * C, gamma, beta, C, eps, l);
+  if (out16)
+    for (int64_t c = l.lane; c < C; c += l.count) out16[i * C + c] = to_16(o, out[i * C + c]);
 }
 
 __global__ void embedding_layernorm_kernel(float* out, float* sum, float* mean, float* rstd,
@@ -102,7 +105,8 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
                        const float* beta, int64_t N, int64_t C, float eps, void* stream) {
   if (N == 0) return;
   BT_LAUNCH(layernorm_forward_kernel, row_blocks(N), kRowThreads, 0, as_stream(stream))
-  (out, mean, rstd, const_cast<float*>(inp), nullptr, gamma, beta, N, C, eps, 0.0f, 0, 0, nullptr);
+  (out, nullptr, Precision::FP32, mean, rstd, const_cast<float*>(inp), nullptr, gamma, beta, N, C,
+   eps, 0.0f, 0, 0, nullptr);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -110,9 +114,18 @@ void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                 const float* residual, const float* gamma, const float* beta,
                                 int64_t N, int64_t C, float eps, const kernels::Dropout& d,
                                 void* stream) {
+  residual_layernorm_forward(Precision::FP32, kernels::Kept{out}, mean, rstd, x, residual, gamma,
+                             beta, N, C, eps, d, stream);
+}
+
+void residual_layernorm_forward(Precision p, kernels::Kept out, float* mean, float* rstd, float* x,
+                                const float* residual, const float* gamma, const float* beta,
+                                int64_t N, int64_t C, float eps, const kernels::Dropout& d,
+                                void* stream) {
   if (N == 0) return;
+  uint16_t* bits = p != Precision::FP32 ? out.bits : nullptr;
   BT_LAUNCH(layernorm_forward_kernel, row_blocks(N), kRowThreads, 0, as_stream(stream))
-  (out, mean, rstd, x, residual, gamma, beta, N, C, eps, d.p, d.key, d.offset, d.rows);
+  (out.f32, bits, p, mean, rstd, x, residual, gamma, beta, N, C, eps, d.p, d.key, d.offset, d.rows);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

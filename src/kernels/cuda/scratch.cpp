@@ -1,6 +1,8 @@
 #include "kernels/cuda/scratch.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels/cuda/attention_products.h"
 #include "kernels/embedding_runs.h"
@@ -12,6 +14,7 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
   const kernels::AttentionShape& a = k.attention;
   const int64_t probs = a.B * a.NH * a.T * a.T * int64_t{sizeof(float)};
   const bool attention = a.B > 0 && !k.blocked_attention;
+  const bool fused = a.B > 0 && k.blocked_attention && fused_attention_runs(k.precision, a);
   const int64_t el = k.precision == Precision::FP32 ? 4 : 2;
   auto part = [&](ScratchSlot s) -> int64_t& { return l.part[s]; };
   part(kReductionSlot) = 2 * kReduceBlocks * int64_t{sizeof(double)};
@@ -24,6 +27,9 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
     part(kAttentionScoresSlot) = k.precision == Precision::FP32 ? 0 : probs;
     part(kAttentionDroppedSlot) = k.precision == Precision::FP32 ? probs : 0;
     part(kAttentionGradSlot) = probs;
+  } else if (fused) {
+    // The fused kernels' (fused_attention.cu): each row's D = sum P g, dQ's for dK's and dV's.
+    part(kAttentionGradSlot) = a.B * a.NH * a.T * int64_t{sizeof(float)};
   } else if (a.B > 0) {
     // The blocked kernel's block buffers (attention_products.h): scores and dd in fp32, the two
     // operand buffers (the dropped probabilities, dS) in the products' elements.
@@ -31,7 +37,7 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
     part(kAttentionGradSlot) = block_values(a) * int64_t{sizeof(float)};
     part(kAttentionDroppedSlot) = 2 * block_operand_bytes(a, el);
   }
-  if (a.B > 0)  // (the full kernel's backward makes its four products' arrays at once)
+  if (a.B > 0 && !fused)  // (the full kernel's backward makes its four products' arrays at once)
     part(kAttentionPointersSlot) =
         3 * (attention ? kMaxPairProducts : 1) * a.B * a.NH * int64_t{sizeof(void*)};
   part(kMatmulWorkspaceSlot) = k.num_linears > 0 ? static_cast<int64_t>(kMatmulWorkspaceBytes) : 0;
@@ -64,11 +70,41 @@ int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors) {
 }
 
 namespace {
+int g_fused = -1;  // set_fused_attention's; -1: the environment's
+}  // namespace
+
+bool fused_attention_enabled() {
+  if (g_fused >= 0) return g_fused != 0;
+  static const bool env = [] {
+    const char* v = std::getenv("BT_CUDA_FUSED_ATTENTION");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return env;
+}
+
+void set_fused_attention(bool on) {
+  g_fused = on ? 1 : 0;
+}
+
+bool fused_attention_length(Precision p, int64_t T) {
+  return fused_attention_enabled() && p != Precision::FP32 && T <= kFusedAttentionTokens;
+}
+
+bool fused_attention_runs(Precision p, const kernels::AttentionShape& s) {
+  const int64_t head = s.NH > 0 ? s.C / s.NH : 0;
+  return fused_attention_length(p, s.T) &&
+         (head == 16 || head == 32 || head == 64 || head == 128) && head * s.NH == s.C;
+}
+
+namespace {
 class CudaTarget final : public kernels::Target {
  public:
   const char* name() const override { return "cuda"; }
   bool host_memory() const override { return false; }
   bool fp16_operands() const override { return true; }
+  bool prefers_blocked_attention(Precision p, int64_t seq_len) const override {
+    return fused_attention_length(p, seq_len);
+  }
   kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& s) const override {
     return cuda::scratch_layout(s);
   }

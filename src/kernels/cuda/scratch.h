@@ -65,4 +65,15 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& shapes);
 // The CUDA backend's target (cuda_backend() is one too, where the build has it).
 const kernels::Target& target();
 
+// Where the fused attention (fused_attention.cu) runs: BF16 and FP16, head sizes 16, 32, 64 and
+// 128, at most kFusedAttentionTokens tokens; and not with BT_CUDA_FUSED_ATTENTION=0 in the
+// environment (the blocked kernel's products then, the reference), which set_fused_attention
+// overrides (tests). fused_attention_length: at this precision and length for a head size it
+// takes (what --attention auto asks: the GPU runs blocked wherever it runs fused).
+constexpr int64_t kFusedAttentionTokens = 512;
+bool fused_attention_enabled();
+void set_fused_attention(bool on);
+bool fused_attention_length(Precision p, int64_t T);
+bool fused_attention_runs(Precision p, const kernels::AttentionShape& s);
+
 }  // namespace bertrain::cuda

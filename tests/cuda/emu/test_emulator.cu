@@ -4,8 +4,11 @@
 // message names the kernel, the block and the threads; the streams' order under the late
 // schedule; launch and copy errors. A failed kernel's device is reset (cudaDeviceReset) so the
 // next test starts clean.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
+#include <mma.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -105,6 +108,64 @@ TEST(CudaEmu, WarpCollectivesHaveTheirSemantics) {
     EXPECT_EQ(static_cast<unsigned>(o[4]), ballot) << t;
     EXPECT_EQ(o[5], 1) << t;  // any: lane 31; all: not lane 31
   }
+}
+
+// d = a b + c through warp matrix fragments (<mma.h>): a row-major, b column-major (b's
+// element (k, n) at b[n * 16 + k]), c and d row-major fp32; `offset` elements into a (a
+// misaligned operand when not a multiple of 16).
+template <class T>
+__global__ void wmma_kernel(float* d, const T* a, const T* b, const float* c, int offset) {
+  namespace w = nvcuda::wmma;
+  w::fragment<w::matrix_a, 16, 16, 16, T, w::row_major> fa;
+  w::fragment<w::matrix_b, 16, 16, 16, T, w::col_major> fb;
+  w::fragment<w::accumulator, 16, 16, 16, float> acc;
+  w::load_matrix_sync(fa, a + offset, 16);
+  w::load_matrix_sync(fb, b, 16);
+  w::load_matrix_sync(acc, c, 16, w::mem_row_major);
+  w::mma_sync(acc, fa, fb, acc);
+  w::store_matrix_sync(d, acc, 16, w::mem_row_major);
+}
+
+// The emulated tensor-core product: each output c + sum over k in order of a b, the 16-bit
+// operands widened, in fp32 (what a GPU's m16n16k16 computes, up to its own order), for bf16 and
+// fp16; and an operand that is not 256-bit aligned stops the kernel, as the hardware faults.
+TEST(CudaEmu, WarpMatrixProductsAndTheirAlignment) {
+  auto check = [](auto zero, auto to_16, auto to_float) {
+    using T = decltype(zero);
+    std::vector<T> a(256), b(256);
+    std::vector<float> c(256);
+    for (int i = 0; i < 256; ++i) {
+      a[i] = to_16(static_cast<float>((i * 37) % 19) / 7.0f - 1.0f);
+      b[i] = to_16(static_cast<float>((i * 11) % 23) / 9.0f - 1.2f);
+      c[i] = static_cast<float>(i % 5) - 2.0f;
+    }
+    Buffer<T> da(256 + 16), db(256);
+    Buffer<float> dc(256), dd(256);
+    EXPECT_EQ(cudaMemcpy(da.d, a.data(), 256 * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(db.d, b.data(), 256 * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(dc.d, c.data(), 256 * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    BT_LAUNCH(wmma_kernel<T>, 1, 32)(dd.d, da.d, db.d, dc.d, 0);
+    const std::vector<float> got = dd.host();
+    for (int m = 0; m < 16; ++m)
+      for (int n = 0; n < 16; ++n) {
+        float want = c[m * 16 + n];
+        for (int k = 0; k < 16; ++k)
+          want = want + to_float(a[m * 16 + k]) * to_float(b[n * 16 + k]);
+        EXPECT_EQ(got[m * 16 + n], want) << m << "," << n;
+      }
+    BT_LAUNCH(wmma_kernel<T>, 1, 32)(dd.d, da.d, db.d, dc.d, 1);
+    const std::string e = failure_of_queued_work();
+    EXPECT_NE(e.find("wmma_kernel<T>, block (0,0,0): thread 0 (warp 0, lane 0)"), std::string::npos)
+        << e;
+    EXPECT_NE(e.find("a wmma load or store at a pointer not 256-bit aligned"), std::string::npos)
+        << e;
+  };
+  check(
+      __nv_bfloat16{}, [](float x) { return __float2bfloat16_rn(x); },
+      [](__nv_bfloat16 x) { return __bfloat162float(x); });
+  check(
+      __half{}, [](float x) { return __float2half_rn(x); },
+      [](__half x) { return __half2float(x); });
 }
 
 // Lanes 16..31 return before the shuffle their partners wait in.

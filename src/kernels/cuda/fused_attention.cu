@@ -1,0 +1,486 @@
+// The fused attention kernels (cuda.h, fused_attention_forward / _backward): the blocked
+// (flash-style) algorithm of kernels/cpu/attention_blocked.cpp in three launches a layer, the
+// scores never in global memory, for BF16 and FP16 with head sizes a multiple of 16 up to 128 and
+// at most 512 tokens. The products on tensor cores (warp matrix operations, m16n16k16: 16-bit
+// operands, fp32 accumulation), each block one warp and a tile of 16 rows:
+//   forward      a block per 16 query rows of a (sequence, head): S = scale Q K^T for the whole
+//                rows into shared memory, the row pass (row_math's attention_softmax_lse: the
+//                same operations in the same order), the dropped probabilities rounded to the
+//                operand in place, ctx = P V; the row log-sum-exp kept.
+//   dQ           a block per 16 query rows: S and dd = dO V^T again, 32 keys at a time; first
+//                each row's D = sum_j P_j g_j (attention_softmax_backward_lse's dot, each lane
+//                adding its columns in order), kept for the next kernel; then dS = P (g - D)
+//                rounded, dQ = scale dS K.
+//   dK, dV       a block per 16 keys: over the query tiles, S, dd, P, g and dS again (the same
+//                operations on the same values: the same bits as dQ's), dV += dropped^T dO,
+//                dK += scale dS^T Q.
+// Variable lengths directly: AttentionShape::starts (the sequences' first rows, as
+// FlashAttention's cumulative offsets) makes one launch run every sequence of a packed or
+// unpadded batch, each over its own length; without it sequence b is rows [b T, b T + T).
+// QKV (forward) and dO (dctx) are read in fp32 and rounded to the operand as they are staged:
+// the forward's blocks write QKV's kept bits (each its rows of its head) and the context with
+// its 16-bit copy, so no rounding launch is left around attention.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
+#include <type_traits>
+
+#include "core/error.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda.h"
+#include "kernels/cuda/lanes.cuh"
+
+namespace bertrain::cuda {
+
+namespace rm = kernels::row_math;
+using kernels::AttentionShape;
+using kernels::Dropout;
+namespace wmma = nvcuda::wmma;
+
+namespace {
+
+constexpr int kTile = 16;     // rows of a block's tile, and the fragments' side
+constexpr int kChunk32 = 32;  // dQ's keys at a time (a lane a column)
+constexpr int kMaxT = static_cast<int>(kFusedAttentionTokens);
+constexpr int kMaxHead = 128;           // the largest head size (fused_attention_runs)
+constexpr int kRowValues = kMaxT / 32;  // a row's values a lane holds in the forward row pass
+
+// The tensor cores' element type of an operand's bits.
+template <class X>
+struct Element;
+template <>
+struct Element<rm::Bf16Bits> {
+  using type = __nv_bfloat16;
+};
+template <>
+struct Element<rm::F16Bits> {
+  using type = __half;
+};
+
+template <class X>
+using FragA =
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, typename Element<X>::type, wmma::row_major>;
+template <class X>
+using FragAT =
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, typename Element<X>::type, wmma::col_major>;
+template <class X>
+using FragB =
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, typename Element<X>::type, wmma::row_major>;
+template <class X>
+using FragBT =
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, typename Element<X>::type, wmma::col_major>;
+using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+template <class X>
+__device__ const typename Element<X>::type* el(const X* p) {
+  return reinterpret_cast<const typename Element<X>::type*>(p);
+}
+
+// Sequence b's rows and length.
+struct Sequence {
+  int64_t start, L;
+};
+__device__ Sequence sequence(const AttentionShape& s, int64_t b) {
+  if (s.starts) return {s.starts[b], s.starts[b + 1] - s.starts[b]};
+  return {b * s.T, s.T};
+}
+
+// What a block needs of its (sequence, head): the QKV rows' Q, K and V of the head, the row
+// log-sum-exp and D of its rows, the mask and dropout of its row i.
+struct Head {
+  AttentionShape s;
+  Sequence q;
+  int64_t b, h, HD, C3;
+  __device__ Head(const AttentionShape& shape, int64_t b_, int64_t h_)
+      : s(shape), q(sequence(shape, b_)), b(b_), h(h_), HD(shape.C / shape.NH), C3(3 * shape.C) {}
+  // Row 0 of part (0 Q, 1 K, 2 V) of the head in a [rows, 3C] tensor.
+  template <class T>
+  __device__ T* part(T* qkv, int p) const {
+    return qkv + q.start * C3 + p * s.C + h * HD;
+  }
+  __device__ int64_t row_value(int64_t i) const { return s.NH * q.start + h * q.L + i; }
+  __device__ const int32_t* mask(const int32_t* m) const { return m + q.start; }
+  __device__ uint64_t index0(const Dropout& d, int64_t i) const {
+    return d.offset + s.dropout_row(b * s.NH + h, i);
+  }
+};
+
+// A block's (sequence, head), the first row of its tile (the 16 of blockIdx.x: queries, or keys
+// for dK and dV), its lane, and the products' scale and dropout's keep factor.
+struct Block : Head {
+  int64_t first;
+  int lane;
+  float scale, keep;
+  __device__ Block(const AttentionShape& shape, const Dropout& d)
+      : Head(shape, blockIdx.z, blockIdx.y),
+        first(static_cast<int64_t>(blockIdx.x) * kTile),
+        lane(static_cast<int>(threadIdx.x)),
+        scale(1.0f / sqrtf(static_cast<float>(HD))),
+        keep(rm::keep_scale_of(d.p)) {}
+  __device__ bool idle() const { return first >= q.L; }
+  // Row 0 of the head's columns in a [rows, C] tensor (the context, dctx).
+  template <class T>
+  __device__ T* rows(T* t) const {
+    return t + q.start * s.C + h * HD;
+  }
+};
+
+// Rows [first, first + n) of a head's part (row stride ld) into dst [n, HD]; rows at or past L
+// zero. fp32 sources are rounded to the operand X as they are written.
+template <class X>
+__device__ void stage(X* dst, const X* src, int64_t ld, int64_t first, int n, int64_t L, int64_t HD,
+                      int lane) {
+  __syncwarp();  // (the tile's last readers are done)
+  for (int64_t e = lane; e < n * HD; e += 32) {
+    const int64_t r = first + e / HD;
+    dst[e] = r < L ? src[r * ld + e % HD] : X{0};
+  }
+  __syncwarp();
+}
+template <class X>
+__device__ void stage(X* dst, const float* src, int64_t ld, int64_t first, int n, int64_t L,
+                      int64_t HD, int lane) {
+  __syncwarp();
+  for (int64_t e = lane; e < n * HD; e += 32) {
+    const int64_t r = first + e / HD;
+    rm::store(dst + e, r < L ? src[r * ld + e % HD] : 0.0f);
+  }
+  __syncwarp();
+}
+
+// A staged tile's rows [first, first + 16) (those before L) to a head's part of the kept bits
+// (row stride ld): QKV's 16-bit copy, written by the block that staged them from fp32.
+template <class X>
+__device__ void keep_rows(X* dst, int64_t ld, const X* tile, int64_t first, int64_t L, int64_t HD,
+                          int lane) {
+  for (int64_t e = lane; e < kTile * HD; e += 32) {
+    const int64_t r = first + e / HD;
+    if (r < L) dst[r * ld + e % HD] = tile[e];
+  }
+}
+
+// A 16 x 16 product tile of a (16 x HD) and b^T (b: 16 x HD, both row-major with stride HD),
+// times scale, into out (row stride ld).
+template <class X>
+__device__ void product_abt(float* out, int64_t ld, const X* a, const X* b, int64_t HD,
+                            float scale) {
+  Acc acc;
+  wmma::fill_fragment(acc, 0.0f);
+  for (int64_t k = 0; k < HD; k += 16) {
+    FragA<X> fa;
+    FragBT<X> fb;
+    wmma::load_matrix_sync(fa, el(a) + k, static_cast<unsigned>(HD));
+    wmma::load_matrix_sync(fb, el(b) + k, static_cast<unsigned>(HD));
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
+  for (int e = 0; e < acc.num_elements; ++e) acc.x[e] = scale * acc.x[e];
+  wmma::store_matrix_sync(out, acc, static_cast<unsigned>(ld), wmma::mem_row_major);
+}
+
+// The accumulators' rows (row-major [16, HD] through `tile`, fp32) times scale, those before L,
+// into a head's part (row stride ld) from row first; where `bits` is given also rounded to the
+// operand X there (keep's contract: FP16 writes the rounded value in fp32 too).
+template <int NT, class X = rm::Bf16Bits>
+__device__ void write_rows(float* dst, int64_t ld, int64_t first, int64_t L, Acc (&acc)[NT],
+                           float* tile, float scale, int lane, X* bits = nullptr) {
+  const int64_t HD = NT * 16;
+  __syncwarp();
+  for (int n = 0; n < NT; ++n)
+    wmma::store_matrix_sync(tile + n * 16, acc[n], static_cast<unsigned>(HD), wmma::mem_row_major);
+  __syncwarp();
+  for (int64_t e = lane; e < kTile * HD; e += 32) {
+    const int64_t r = first + e / HD, at = r * ld + e % HD;
+    if (r >= L) continue;
+    const float v = scale * tile[e];
+    if (!bits) {
+      dst[at] = v;
+      continue;
+    }
+    rm::store(bits + at, v);
+    dst[at] = std::is_same_v<X, rm::F16Bits> ? rm::widen(bits[at]) : v;
+  }
+}
+
+template <class X, int NT>
+__global__ void __launch_bounds__(32)
+    fused_forward_kernel(float* ctx, X* ctx16, float* lse, const float* qkv, X* qkv16,
+                         const int32_t* mask, AttentionShape s, Dropout d) {
+  constexpr int HD = NT * 16;
+  const Block hd(s, d);
+  if (hd.idle()) return;
+  const int64_t i0 = hd.first, L = hd.q.L;
+  const int lane = hd.lane;
+  // The tile's scores [16, ld] (fp32); each row then holds its dropped probabilities as
+  // operands in its first half (row stride 2 ld elements); at the end the context [16, HD].
+  alignas(32) __shared__ float sc[kTile * kMaxT];
+  alignas(32) __shared__ X qs[kTile * kMaxHead];
+  alignas(32) __shared__ X kv[kTile * kMaxHead];
+  const int64_t tiles = (L + kTile - 1) / kTile, ld = tiles * kTile;
+  const float scale = hd.scale;
+  // Q, K and V rounded as they are staged; this block writes the kept bits of its rows.
+  stage(qs, hd.part(qkv, 0), hd.C3, i0, kTile, L, HD, lane);
+  keep_rows(hd.part(qkv16, 0), hd.C3, qs, i0, L, HD, lane);
+  for (int64_t t = 0; t < tiles; ++t) {
+    stage(kv, hd.part(qkv, 1), hd.C3, t * kTile, kTile, L, HD, lane);
+    if (t * kTile == i0) keep_rows(hd.part(qkv16, 1), hd.C3, kv, i0, L, HD, lane);
+    product_abt(sc + t * kTile, ld, qs, kv, HD, scale);
+  }
+  __syncwarp();
+  // The row pass: row_math::attention_softmax_lse, the row's values held by its lanes so the
+  // operands can be written over the scores.
+  const WarpLanes l{lane};
+  const int32_t* m = hd.mask(mask);
+  const float ks = hd.keep;
+  for (int r = 0; r < kTile; ++r) {
+    const int64_t i = i0 + r;
+    float* row = sc + r * ld;
+    X* ops = reinterpret_cast<X*>(row);
+    float v[kRowValues];
+    if (i < L) {
+      const auto [mx, sum] = rm::masked_exp_sum(row, m, L, l);
+      const float inv = 1.0f / sum;
+      const uint64_t index0 = hd.index0(d, i);
+      int c = 0;
+      for (int64_t j = lane; j < L; j += 32, ++c)
+        v[c] = rm::dropout(expf(rm::masked(row, m, j) - mx) * inv, d.p, ks, d.key, index0 + j);
+      if (lane == 0) lse[hd.row_value(i)] = mx + logf(sum);
+    }
+    __syncwarp();  // (every lane has read the row)
+    int c = 0;
+    for (int64_t j = lane; j < ld; j += 32, ++c) rm::store(ops + j, i < L && j < L ? v[c] : 0.0f);
+  }
+  // ctx = P V, 16 keys at a time.
+  Acc o[NT];
+  for (int n = 0; n < NT; ++n) wmma::fill_fragment(o[n], 0.0f);
+  for (int64_t t = 0; t < tiles; ++t) {
+    stage(kv, hd.part(qkv, 2), hd.C3, t * kTile, kTile, L, HD, lane);
+    if (t * kTile == i0) keep_rows(hd.part(qkv16, 2), hd.C3, kv, i0, L, HD, lane);
+    FragA<X> p;
+    wmma::load_matrix_sync(p, el(reinterpret_cast<const X*>(sc)) + t * kTile,
+                           static_cast<unsigned>(2 * ld));
+    for (int n = 0; n < NT; ++n) {
+      FragB<X> v;
+      wmma::load_matrix_sync(v, el(kv) + n * 16, HD);
+      wmma::mma_sync(o[n], p, v, o[n]);
+    }
+  }
+  write_rows<NT>(hd.rows(ctx), s.C, i0, L, o, sc, 1.0f, lane, ctx16 ? hd.rows(ctx16) : nullptr);
+}
+
+// P, g = dropout(dd) and the keep factor of score (r, j) of a tile: row_math's
+// attention_softmax_backward_lse, element by element.
+struct BackwardElement {
+  float P, g, k;
+};
+__device__ inline BackwardElement backward_element(float score, float dd, const int32_t* m,
+                                                   int64_t j, float lse, const Dropout& d, float ks,
+                                                   uint64_t index0) {
+  const float P = expf(score + (m[j] ? 0.0f : -10000.0f) - lse);
+  const float k = rm::dropout(1.0f, d.p, ks, d.key, index0 + j);
+  return {P, dd * k, k};
+}
+
+template <class X, int NT>
+__global__ void __launch_bounds__(32)
+    fused_dq_kernel(float* dqkv, float* dsum, const float* dctx, const X* qkv, const float* lse,
+                    const int32_t* mask, AttentionShape s, Dropout d) {
+  constexpr int HD = NT * 16;
+  const Block hd(s, d);
+  if (hd.idle()) return;
+  const int64_t i0 = hd.first, L = hd.q.L;
+  const int lane = hd.lane;
+  alignas(32) __shared__ X qs[kTile * kMaxHead];
+  alignas(32) __shared__ X dos[kTile * kMaxHead];
+  alignas(32) __shared__ X ks_[kChunk32 * kMaxHead];
+  alignas(32) __shared__ X vs[kChunk32 * kMaxHead];
+  alignas(32) __shared__ float st[kTile * kChunk32];
+  alignas(32) __shared__ float gt[kTile * kChunk32];
+  alignas(32) __shared__ X ds[kTile * kChunk32];
+  alignas(32) __shared__ float out[kTile * kMaxHead];
+  const float scale = hd.scale, keep = hd.keep;
+  const int32_t* m = hd.mask(mask);
+  stage(qs, hd.part(qkv, 0), hd.C3, i0, kTile, L, HD, lane);
+  stage(dos, hd.rows(dctx), s.C, i0, kTile, L, HD, lane);
+  float row_lse[kTile], dot[kTile];
+  for (int r = 0; r < kTile; ++r) {
+    row_lse[r] = i0 + r < L ? lse[hd.row_value(i0 + r)] : 0.0f;
+    dot[r] = 0.0f;
+  }
+  // S and dd of keys [j0, j0 + 32): st and gt [16, 32].
+  auto scores = [&](int64_t j0) {
+    stage(ks_, hd.part(qkv, 1), hd.C3, j0, kChunk32, L, HD, lane);
+    stage(vs, hd.part(qkv, 2), hd.C3, j0, kChunk32, L, HD, lane);
+    for (int half = 0; half < 2; ++half) {
+      product_abt(st + half * 16, kChunk32, qs, ks_ + half * 16 * HD, HD, scale);
+      product_abt(gt + half * 16, kChunk32, dos, vs + half * 16 * HD, HD, 1.0f);
+    }
+    __syncwarp();
+  };
+  for (int64_t j0 = 0; j0 < L; j0 += kChunk32) {  // D: each lane its column, in order
+    scores(j0);
+    const int64_t j = j0 + lane;
+    if (j < L)
+      for (int r = 0; r < kTile; ++r)
+        if (i0 + r < L) {
+          const BackwardElement e =
+              backward_element(st[r * kChunk32 + lane], gt[r * kChunk32 + lane], m, j, row_lse[r],
+                               d, keep, hd.index0(d, i0 + r));
+          dot[r] += e.P * e.g;
+        }
+  }
+  const WarpLanes l{lane};
+  for (int r = 0; r < kTile; ++r) {
+    dot[r] = l.sum(dot[r]);
+    if (lane == 0 && i0 + r < L) dsum[hd.row_value(i0 + r)] = dot[r];
+  }
+  Acc dq[NT];
+  for (int n = 0; n < NT; ++n) wmma::fill_fragment(dq[n], 0.0f);
+  for (int64_t j0 = 0; j0 < L; j0 += kChunk32) {
+    scores(j0);
+    const int64_t j = j0 + lane;
+    for (int r = 0; r < kTile; ++r) {
+      float v = 0.0f;
+      if (j < L && i0 + r < L) {
+        const BackwardElement e = backward_element(st[r * kChunk32 + lane], gt[r * kChunk32 + lane],
+                                                   m, j, row_lse[r], d, keep, hd.index0(d, i0 + r));
+        v = e.P * (e.g - dot[r]);
+      }
+      rm::store(ds + r * kChunk32 + lane, v);
+    }
+    __syncwarp();
+    for (int half = 0; half < 2; ++half) {
+      FragA<X> a;
+      wmma::load_matrix_sync(a, el(ds) + half * 16, kChunk32);
+      for (int n = 0; n < NT; ++n) {
+        FragB<X> k;
+        wmma::load_matrix_sync(k, el(ks_) + half * 16 * HD + n * 16, HD);
+        wmma::mma_sync(dq[n], a, k, dq[n]);
+      }
+    }
+  }
+  write_rows<NT>(hd.part(dqkv, 0), hd.C3, i0, L, dq, out, scale, lane);
+}
+
+template <class X, int NT>
+__global__ void __launch_bounds__(32)
+    fused_dkv_kernel(float* dqkv, const float* dsum, const float* dctx, const X* qkv,
+                     const float* lse, const int32_t* mask, AttentionShape s, Dropout d) {
+  constexpr int HD = NT * 16;
+  const Block hd(s, d);
+  if (hd.idle()) return;
+  const int64_t j0 = hd.first, L = hd.q.L;
+  const int lane = hd.lane;
+  alignas(32) __shared__ X kt[kTile * kMaxHead];
+  alignas(32) __shared__ X vt[kTile * kMaxHead];
+  alignas(32) __shared__ X qs[kTile * kMaxHead];
+  alignas(32) __shared__ X dos[kTile * kMaxHead];
+  alignas(32) __shared__ float st[kTile * kTile];
+  alignas(32) __shared__ float gt[kTile * kTile];
+  alignas(32) __shared__ X dropped[kTile * kTile];
+  alignas(32) __shared__ X ds[kTile * kTile];
+  alignas(32) __shared__ float out[kTile * kMaxHead];
+  const float scale = hd.scale, keep = hd.keep;
+  const int32_t* m = hd.mask(mask);
+  stage(kt, hd.part(qkv, 1), hd.C3, j0, kTile, L, HD, lane);
+  stage(vt, hd.part(qkv, 2), hd.C3, j0, kTile, L, HD, lane);
+  Acc dk[NT], dv[NT];
+  for (int n = 0; n < NT; ++n) {
+    wmma::fill_fragment(dk[n], 0.0f);
+    wmma::fill_fragment(dv[n], 0.0f);
+  }
+  for (int64_t i0 = 0; i0 < L; i0 += kTile) {
+    stage(qs, hd.part(qkv, 0), hd.C3, i0, kTile, L, HD, lane);
+    stage(dos, hd.rows(dctx), s.C, i0, kTile, L, HD, lane);
+    product_abt(st, kTile, qs, kt, HD, scale);
+    product_abt(gt, kTile, dos, vt, HD, 1.0f);
+    __syncwarp();
+    for (int e = lane; e < kTile * kTile; e += 32) {
+      const int64_t i = i0 + e / kTile, j = j0 + e % kTile;
+      float p = 0.0f, g = 0.0f;
+      if (i < L && j < L) {
+        const BackwardElement x =
+            backward_element(st[e], gt[e], m, j, lse[hd.row_value(i)], d, keep, hd.index0(d, i));
+        p = x.P * x.k;
+        g = x.P * (x.g - dsum[hd.row_value(i)]);
+      }
+      rm::store(dropped + e, p);
+      rm::store(ds + e, g);
+    }
+    __syncwarp();
+    FragAT<X> pt, dst;  // dropped^T and dS^T: [keys, queries]
+    wmma::load_matrix_sync(pt, el(dropped), kTile);
+    wmma::load_matrix_sync(dst, el(ds), kTile);
+    for (int n = 0; n < NT; ++n) {
+      FragB<X> o, q;
+      wmma::load_matrix_sync(o, el(dos) + n * 16, HD);
+      wmma::load_matrix_sync(q, el(qs) + n * 16, HD);
+      wmma::mma_sync(dv[n], pt, o, dv[n]);
+      wmma::mma_sync(dk[n], dst, q, dk[n]);
+    }
+  }
+  write_rows<NT>(hd.part(dqkv, 1), hd.C3, j0, L, dk, out, scale, lane);
+  write_rows<NT>(hd.part(dqkv, 2), hd.C3, j0, L, dv, out, 1.0f, lane);
+}
+
+// f(X*, NT) with the precision's operand type and the head's 16-column tiles.
+template <class F>
+void with_fused_types(Precision p, int64_t head, F&& f) {
+  auto tiles = [&](auto* x) {
+    switch (head / 16) {
+      case 1:
+        return f(x, std::integral_constant<int, 1>{});
+      case 2:
+        return f(x, std::integral_constant<int, 2>{});
+      case 4:
+        return f(x, std::integral_constant<int, 4>{});
+      case 8:
+        return f(x, std::integral_constant<int, 8>{});
+      default:
+        fail("the fused attention takes head sizes 16, 32, 64 and 128, not ", head);
+    }
+  };
+  if (p == Precision::BF16) return tiles(static_cast<rm::Bf16Bits*>(nullptr));
+  return tiles(static_cast<rm::F16Bits*>(nullptr));
+}
+
+dim3 tile_grid(const AttentionShape& s) {
+  return dim3(static_cast<unsigned>((s.T + kTile - 1) / kTile), static_cast<unsigned>(s.NH),
+              static_cast<unsigned>(s.B));
+}
+
+}  // namespace
+
+void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels::Kept qkv,
+                             const int32_t* mask, const AttentionShape& s, const Dropout& d) {
+  if (s.B == 0) return;
+  with_fused_types(p, s.C / s.NH, [&](auto* x, auto nt) {
+    using X = std::remove_pointer_t<decltype(x)>;
+    const auto attention_forward_fused = fused_forward_kernel<X, decltype(nt)::value>;
+    BT_LAUNCH(attention_forward_fused, tile_grid(s), 32)
+    (ctx.f32, reinterpret_cast<X*>(ctx.bits), lse, qkv.f32, reinterpret_cast<X*>(qkv.bits), mask, s,
+     d);
+  });
+  check_launch();
+}
+
+void fused_attention_backward(Precision p, float* dqkv, const float* dctx, const uint16_t* qkv,
+                              const float* lse, const int32_t* mask, const AttentionShape& s,
+                              const Dropout& d) {
+  if (s.B == 0) return;
+  const int64_t rows = s.starts ? s.rows : s.B * s.T;
+  float* dsum =
+      static_cast<float*>(scratch(kAttentionGradSlot, rows * s.NH * int64_t{sizeof(float)}));
+  with_fused_types(p, s.C / s.NH, [&](auto* x, auto nt) {
+    using X = std::remove_pointer_t<decltype(x)>;
+    const auto* q = reinterpret_cast<const X*>(qkv);
+    const auto attention_dq_fused = fused_dq_kernel<X, decltype(nt)::value>;
+    const auto attention_dkv_fused = fused_dkv_kernel<X, decltype(nt)::value>;
+    BT_LAUNCH(attention_dq_fused, tile_grid(s), 32)(dqkv, dsum, dctx, q, lse, mask, s, d);
+    BT_LAUNCH(attention_dkv_fused, tile_grid(s), 32)
+    (dqkv, dsum, dctx, q, lse, mask, s, d);
+  });
+  check_launch();
+}
+
+}  // namespace bertrain::cuda
