@@ -113,7 +113,7 @@ echo "-- and on a GPU (no GPU needed to plan one; the CUDA kernels themselves ru
 echo "   in the test command, cuda_emu/README.md): BERT-Large phase 2 in bf16, what an 80 GiB GPU fits:"
 $BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512 --max-predictions 80 \
   --precision bf16 --device cuda --memory-budget 80GiB | grep -E "^run|^memory|^  [a-z0-9]+ +[0-9.]+ [KMG]iB$|^budget"
-echo "-- the blocked attention kernel (auto from 512 tokens) keeps only the row log-sum-exp; the full one keeps [B,heads,T,T]:"
+echo "-- the blocked attention kernel (auto from 512 tokens; on a GPU in bf16 at every length, fused) keeps only the row log-sum-exp; the full one keeps [B,heads,T,T]:"
 $BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512 --max-predictions 80 \
   --precision bf16 --device cuda --memory-budget 80GiB --attention full | grep -E "^run|^  total|^budget"
 echo "-- what a step asks of a GPU: kernel launches and host synchronisations (docs/gpus.md; none between"
