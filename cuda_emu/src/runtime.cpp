@@ -51,6 +51,7 @@ struct Stream {
   Device* device = nullptr;
   bool legacy = false, blocking = true;
   std::deque<Op> ops;
+  bool destroyed = false;
   uint64_t issued = 0, demanded = 0;
   std::atomic<uint64_t> completed{0};
 };
@@ -95,7 +96,8 @@ struct Device {
   std::mutex mu;
   std::condition_variable cv;
   CUstream_st legacy;
-  std::vector<Stream*> streams;
+  std::vector<Stream*> streams;                       // live ones, the legacy stream first
+  std::vector<std::unique_ptr<CUstream_st>> retired;  // destroyed ones (see cudaStreamDestroy)
   cudaError_t sticky = cudaSuccess;
   std::string message;
   size_t next = 0;  // round-robin start of the eager schedule
@@ -357,8 +359,17 @@ std::string device_range_problem(const void* p, size_t bytes, const char* what) 
   return "";
 }
 
+// A call's refusal of a handle cudaStreamDestroy has retired (as a GPU's use of a freed handle is
+// an error), or success.
+cudaError_t refuse_destroyed(const Stream* st, const char* what) {
+  return st->destroyed ? set_error(cudaErrorInvalidResourceHandle,
+                                   std::string(what) + " on a destroyed stream")
+                       : cudaSuccess;
+}
+
 cudaError_t enqueue(cudaStream_t s, const char* what, std::function<void()> work) {
   Stream* st = stream_of(s);
+  if (cudaError_t e = refuse_destroyed(st, what)) return e;
   Device& d = *st->device;
   std::lock_guard<std::mutex> lock(d.mu);
   if (d.sticky != cudaSuccess) return d.sticky;
@@ -389,10 +400,10 @@ void launch_kernel(const char* name, dim3 grid, dim3 block, size_t shared, CUstr
     return;
   }
   const cudaError_t e = enqueue(stream, name, [=] { run_grid(name, grid, block, c.get(), body); });
-  if (e != cudaSuccess)
-    set_error(e, "");
-  else
+  if (e == cudaSuccess)
     count_kernel(name);
+  else if (t_last != e)  // the device's sticky error: enqueue left the thread's as it was
+    set_error(e, "");
 }
 
 namespace {
@@ -726,13 +737,16 @@ cudaError_t cudaStreamCreate(cudaStream_t* s) {
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
   cuda_emu::count_host_wait(__func__);
   if (!s) return set_error(cudaErrorInvalidResourceHandle, "the legacy stream is not destroyed");
+  if (s->s.destroyed) return set_error(cudaErrorInvalidResourceHandle, "a destroyed stream");
   Device& d = *s->s.device;
   d.wait(&s->s, d.tail(&s->s));  // its work completes first, as a GPU's does
-  {
-    std::lock_guard<std::mutex> lock(d.mu);
-    d.streams.erase(std::find(d.streams.begin(), d.streams.end(), &s->s));
-  }
-  delete s;
+  // Kept, off the device's list: events recorded on it, other streams' waits for it and another
+  // thread's device synchronize still refer to it, and resolve at once, as a GPU's do (its work
+  // is complete). A later use of the handle is an error.
+  std::lock_guard<std::mutex> lock(d.mu);
+  d.streams.erase(std::find(d.streams.begin(), d.streams.end(), &s->s));
+  s->s.destroyed = true;
+  d.retired.emplace_back(s);
   return cudaSuccess;
 }
 
@@ -744,18 +758,21 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
 cudaError_t cuda_emu::stream_synchronize(cudaStream_t s) {
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   cuda_emu::Stream* st = cuda_emu::stream_of(s);
+  if (cudaError_t e = cuda_emu::refuse_destroyed(st, "cudaStreamSynchronize")) return e;
   return st->device->wait(st, st->device->tail(st));
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t s) {
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   cuda_emu::Stream* st = cuda_emu::stream_of(s);
+  if (cudaError_t e = cuda_emu::refuse_destroyed(st, "cudaStreamQuery")) return e;
   return st->device->query(st, st->device->tail(st));
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   if (!e) return set_error(cudaErrorInvalidResourceHandle, "a null event");
   cuda_emu::Stream* st = cuda_emu::stream_of(s);
+  if (cudaError_t r = cuda_emu::refuse_destroyed(st, "cudaStreamWaitEvent")) return r;
   Device& d = *st->device;
   std::lock_guard<std::mutex> lock(d.mu);
   if (d.sticky != cudaSuccess) return d.sticky;
@@ -791,6 +808,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   if (!e) return set_error(cudaErrorInvalidResourceHandle, "a null event");
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   cuda_emu::Stream* st = cuda_emu::stream_of(s);
+  if (cudaError_t r = cuda_emu::refuse_destroyed(st, "cudaEventRecord")) return r;
   Device& d = *st->device;
   std::lock_guard<std::mutex> lock(d.mu);
   if (d.sticky != cudaSuccess) return d.sticky;

@@ -10,9 +10,11 @@
 #include <gtest/gtest.h>
 #include <mma.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -300,6 +302,38 @@ TEST(CudaEmu, StreamsAreOrderedOnlyByWhatTheyWaitFor) {
   cudaEventDestroy(copied);
   cudaStreamDestroy(copies);
   cudaFreeHost(pinned);
+}
+
+// A destroyed stream's work, events and the waits for it stay valid while other threads use the
+// device (the race a two-rank NCCL test's teardown once hit: one rank's cudaFreeHost synchronizing
+// the device whose stream the other rank destroyed), and its handle is refused afterwards.
+TEST(CudaEmu, AStreamDestroyedWhileOthersUseTheDeviceStaysResolvable) {
+  Buffer<float> x(256);
+  std::atomic<bool> stop{false};
+  std::thread syncer([&] {
+    while (!stop.load()) EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  });
+  cudaEvent_t done;
+  ASSERT_EQ(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), cudaSuccess);
+  for (int k = 0; k < 200; ++k) {
+    cudaStream_t s;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    BT_LAUNCH(fill_kernel, 1, 256, 0, s)(x.d, float(k), 256);
+    ASSERT_EQ(cudaEventRecord(done, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamWaitEvent(nullptr, done, 0), cudaSuccess);
+    ASSERT_EQ(cudaStreamDestroy(s), cudaSuccess);
+    ASSERT_EQ(cudaEventQuery(done), cudaSuccess) << "its work completed as it was destroyed";
+    ASSERT_EQ(cudaEventSynchronize(done), cudaSuccess);
+    if (k == 199) {
+      EXPECT_EQ(cudaStreamQuery(s), cudaErrorInvalidResourceHandle);
+      EXPECT_EQ(cudaStreamDestroy(s), cudaErrorInvalidResourceHandle);
+      EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidResourceHandle);
+    }
+  }
+  stop = true;
+  syncer.join();
+  EXPECT_EQ(x.host()[255], 199.0f);
+  cudaEventDestroy(done);
 }
 
 }  // namespace
