@@ -579,21 +579,26 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       model::ModelDims d{8, T, 10};
       d.precision = static_cast<Precision>(precision);  // 0 fp32, 1 bf16, 2 fp16
       const bool fused = precision != 0;
-      EXPECT_EQ(model::on_backend(d, cuda::target()).blocked_attention(), fused || T == 512);
+      const model::ModelDims on_gpu = model::on_backend(d, c, cuda::target());
+      EXPECT_EQ(on_gpu.blocked_attention(), fused || T == 512);
+      EXPECT_EQ(on_gpu.fused_attention, fused);  // head 16, T <= 512
       model::ModelDims on_cpu = d;
-      on_cpu.attention = model::on_backend(d, cuda::target()).attention;
+      on_cpu.attention = on_gpu.attention;
       const MemoryPlan gpu =
           model::BertModel::make_plan(c, model::Head::Pretraining, d, cuda::target());
       const MemoryPlan cpu = model::BertModel::make_plan(c, model::Head::Pretraining, on_cpu);
-      for (const char* g : {"parameters", "gradients", "activations", "bf16"})
+      for (const char* g : {"parameters", "gradients", "activations"})
         EXPECT_EQ(gpu.group_bytes(g), cpu.group_bytes(g)) << g;
       // FP16 multiplies fp16 operands on a GPU: BF16's group in fp16 (the weights' copy and the
       // operands rounded on the way in), and of the widened tensors the CPU's fp32 kernels
-      // read only forward's fp32 context [8 T, 64].
+      // read only forward's fp32 context [8 T, 64]. The fused kernel rounds dctx [8 T, 64] as
+      // it reads it: no 16-bit copy of it planned.
       const int64_t N = 8 * T, C = 64, I = 256;
+      const size_t dctx16 = fused ? N * C * 2 : 0;
       model::ModelDims as_bf16 = on_cpu;
       if (d.fp16()) as_bf16.precision = Precision::BF16;
-      EXPECT_EQ(gpu.group_bytes("fp16"),
+      EXPECT_EQ(gpu.group_bytes("bf16") + (d.bf16() ? dctx16 : 0), cpu.group_bytes("bf16"));
+      EXPECT_EQ(gpu.group_bytes("fp16") + (d.fp16() ? dctx16 : 0),
                 d.fp16() ? model::BertModel::make_plan(c, model::Head::Pretraining, as_bf16)
                                .group_bytes("bf16")
                          : 0u);

@@ -58,7 +58,7 @@ void add_estimate(CLI::App& app) {
     const kernels::Target& target = device_target(o->device);
     const bool device = !target.host_memory();
     d = plan::with_master_shard(cfg, head, d, -1, shard_world, target);  // as train/finetune
-    d = model::on_backend(d, target);
+    d = model::on_backend(d, cfg, target);
     MemoryPlan plan = plan::training_plan(cfg, head, d, o->slots, shard_world, target);
     const kernels::Backend* gpu = device ? kernels::gpu_backend() : nullptr;
     const std::optional<kernels::DeviceMemory> gpu_memory =

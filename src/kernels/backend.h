@@ -49,6 +49,12 @@ class Target {
   // kernel, which never writes the [B, NH, T, T] probabilities. --attention auto then picks the
   // blocked kernel (the CPU's choice: full below 512 tokens).
   virtual bool prefers_blocked_attention(Precision, int64_t /*seq_len*/) const { return false; }
+  // Whether blocked attention (the row log-sum-exp kept) of this precision and shape (its
+  // longest sequence T) runs as one fused kernel forward (a GPU's): it takes variable lengths
+  // (AttentionShape::starts), a batch of sequences of any lengths in one call, and rounds dctx
+  // to 16 bits as it reads it (no Workspace::attn_dctx16). Otherwise a caller runs sequences
+  // of equal length a call each.
+  virtual bool fused_attention(Precision, const AttentionShape&) const { return false; }
   // What the kernels need besides their operands for the shapes a model runs; the model plans
   // layout.total() bytes (group "kernels") and binds them (Backend::bind_scratch).
   virtual ScratchLayout scratch_layout(const KernelShapes& shapes) const = 0;
@@ -210,11 +216,6 @@ class Backend : public Target {
   virtual void attention_forward(Precision p, Kept ctx, AttentionSaved saved, Kept qkv,
                                  const int32_t* mask, const AttentionShape& s, const Dropout& d,
                                  const Workspace& ws) const = 0;
-  // Whether attention_forward / _backward take variable lengths (AttentionShape::starts) for
-  // this precision and shape (its longest sequence T) with the row log-sum-exp kept: one call
-  // for a batch of sequences of any lengths (a GPU's fused kernel). Otherwise a caller runs
-  // sequences of equal length a call each.
-  virtual bool attention_takes_starts(Precision, const AttentionShape&) const { return false; }
   // dqkv[B,T,3C] (=) from dctx; qkv and saved as forward left them.
   virtual void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
                                   AttentionSaved saved, const int32_t* mask,

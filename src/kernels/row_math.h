@@ -170,9 +170,13 @@ BT_HOST_DEVICE inline void layernorm_param_grads(float* dgamma, float* dbeta, co
 // Attention's mask + softmax + dropout over one row of T scores (already scaled by 1/sqrt(head
 // size)): s_j + (mask_j ? 0 : -10000), probs = softmax (kept for backward; may alias scores),
 // dropped = dropout(probs) keyed index0 + j (what multiplies V; may be null when p = 0).
-// Score j with BERT's additive mask.
+// A score of key j with BERT's additive mask.
+BT_HOST_DEVICE inline float masked_score(float score, const int32_t* mask, int64_t j) {
+  return score + (mask[j] ? 0.0f : -10000.0f);
+}
+// Score j of a row with BERT's additive mask.
 BT_HOST_DEVICE inline float masked(const float* scores, const int32_t* mask, int64_t j) {
-  return scores[j] + (mask[j] ? 0.0f : -10000.0f);
+  return masked_score(scores[j], mask, j);
 }
 // The row's largest masked score, over every lane.
 template <class Lanes>

@@ -20,7 +20,7 @@ enum class Activation { GeluErf, GeluTanh, Relu };
 struct AttentionShape {
   int64_t B, T, C, NH;
   int64_t dropout_T = 0;
-  // Variable lengths (a backend whose attention_takes_starts says so): sequence b is rows
+  // Variable lengths (a backend whose fused_attention says so): sequence b is rows
   // [starts[b], starts[b + 1]) of the QKV and context rows (backend memory, B + 1 values, each
   // length at most T; its mask row and dropout those of its rows), `rows` rows in all; its row
   // log-sum-exp from NH starts[b] on. Null: sequence b is rows [b T, b T + T).

@@ -170,25 +170,29 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
     plan.add(g16, g16 + ".scratch_a", static_cast<size_t>(a) * h);
     plan.add(g16, g16 + ".scratch_b",
              static_cast<size_t>(std::max(N * std::max(C, I), BP * C)) * h);
-    // Attention's matmul operands: the dropped probabilities (then dS), dctx (QKV: per layer).
+    // Attention's matmul operands: the dropped probabilities (then dS), dctx (QKV: per layer;
+    // the fused kernel rounds dctx as it reads it).
     if (!d.blocked_attention())
       plan.add(g16, g16 + ".attn_probs", static_cast<size_t>(R * NH * T * T) * h);
-    plan.add(g16, g16 + ".attn_dctx", static_cast<size_t>(N * C) * h);
+    if (!d.fused_attention) plan.add(g16, g16 + ".attn_dctx", static_cast<size_t>(N * C) * h);
   }
 }
 
-ModelDims on_backend(ModelDims d, const kernels::Target& be) {
+ModelDims on_backend(ModelDims d, const BertConfig& cfg, const kernels::Target& be) {
   d.fp16_operands = d.fp16() && be.fp16_operands();
   if (d.attention == ModelDims::Attention::Auto &&
       be.prefers_blocked_attention(d.precision, d.seq_len))
     d.attention = ModelDims::Attention::Blocked;
+  const kernels::AttentionShape s{d.token_rows(), d.seq_len, cfg.hidden_size,
+                                  cfg.num_attention_heads};
+  d.fused_attention = d.blocked_attention() && be.fused_attention(d.precision, s);
   return d;
 }
 
 kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head,
                                            const ModelDims& requested,
                                            const kernels::Target& target) {
-  const ModelDims d = on_backend(requested, target);
+  const ModelDims d = on_backend(requested, cfg, target);
   const int64_t B = d.batch, T = d.seq_len, R = d.token_rows(), N = R * T, C = cfg.hidden_size,
                 I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = cfg.vocab_size;
   // The products forward and backward make (bert.cpp's linear_forward calls), once per shape.
@@ -252,7 +256,7 @@ std::vector<std::pair<size_t, size_t>> master_holes(const ParamTable& table, int
 
 MemoryPlan BertModel::make_plan(const BertConfig& cfg, Head head, const ModelDims& requested,
                                 const kernels::Target& target) {
-  const ModelDims dims = on_backend(requested, target);
+  const ModelDims dims = on_backend(requested, cfg, target);
   if (dims.seq_len > cfg.max_position_embeddings)
     fail(setting("seq_len"), " ", dims.seq_len, " exceeds the model's max_position_embeddings ",
          cfg.max_position_embeddings);
@@ -289,7 +293,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
     : cfg_(cfg),
       head_(head),
       table_(cfg, head),
-      dims_(on_backend(dims, backend)),
+      dims_(on_backend(dims, cfg, backend)),
       plan_(make_plan(cfg, head, dims_, backend)),
       be_(backend),
       prec_(dims_.precision) {
@@ -330,7 +334,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
     ws_.half_a = b16(".scratch_a");
     ws_.half_b = b16(".scratch_b");
     if (!blocked) ws_.attn_probs16 = b16(".attn_probs");
-    ws_.attn_dctx16 = b16(".attn_dctx");
+    if (!dims_.fused_attention) ws_.attn_dctx16 = b16(".attn_dctx");
   }
   if (dims_.fp16()) ws_.wide = scratch_.f32("fp16.wide");
 
@@ -545,8 +549,7 @@ void BertModel::write_param(const ParamInfo& p, const std::function<void(float*)
 
 const char* BertModel::attention_kernel() const {
   if (!dims_.blocked_attention()) return "full";
-  const AttentionShape s{1, dims_.seq_len, cfg_.hidden_size, cfg_.num_attention_heads};
-  return be_.attention_takes_starts(prec_, s) ? "fused" : "blocked";
+  return dims_.fused_attention ? "fused" : "blocked";
 }
 
 void BertModel::zero_grads() {
@@ -555,22 +558,18 @@ void BertModel::zero_grads() {
 
 void BertModel::pack(const Batch& b, Packed& pk) const {
   const int64_t B = b.B, T = b.T, P = b.P;
-  pk.start.resize(B);
-  pk.len.resize(B);
+  pk.starts.assign(1, 0);
   pk.runs.clear();
   int64_t r = 0;
   for (int64_t e = 0; e < B; ++e) {
-    pk.start[e] = r;
-    pk.len[e] = real_length(b, e);
-    r += pk.len[e];
-    if (e > 0 && pk.len[e] == pk.len[e - 1])
+    r += real_length(b, e);
+    pk.starts.push_back(static_cast<int32_t>(r));  // int32, as the kernels' row indices
+    if (e > 0 && pk.len(e) == pk.len(e - 1))
       ++pk.runs.back().second;
     else
       pk.runs.push_back({e, 1});
   }
   pk.real = r;
-  pk.starts.assign(pk.start.begin(), pk.start.end());
-  pk.starts.push_back(static_cast<int32_t>(r));
   const int64_t budget = dims_.pack_rows > 0 ? dims_.pack_rows * dims_.seq_len : B * T;
   if (r > budget)
     fail("the batch's ", B, " sequences hold ", r, " real tokens, more than the ", budget,
@@ -583,8 +582,8 @@ void BertModel::pack(const Batch& b, Packed& pk) const {
   pk.mask.assign(pk.rows, 0);
   pk.padded_row.assign(pk.rows, 0);
   for (int64_t e = 0; e < B; ++e)
-    for (int64_t t = 0; t < pk.len[e]; ++t) {
-      const int64_t row = pk.start[e] + t;
+    for (int64_t t = 0; t < pk.len(e); ++t) {
+      const int64_t row = pk.start(e) + t;
       pk.padded_row[row] = static_cast<int32_t>(e * T + t);
       pk.ids[row] = b.input_ids[e * T + t];
       pk.segments[row] = b.segment_ids[e * T + t];
@@ -595,20 +594,20 @@ void BertModel::pack(const Batch& b, Packed& pk) const {
     pk.token_labels.assign(pk.rows, 0);
     pk.token_weights.assign(pk.rows, 0.0f);
     for (int64_t e = 0; e < B; ++e)
-      for (int64_t t = 0; t < pk.len[e]; ++t) {
-        pk.token_labels[pk.start[e] + t] = b.token_label_ids[e * T + t];
-        pk.token_weights[pk.start[e] + t] = b.token_label_weights[e * T + t];
+      for (int64_t t = 0; t < pk.len(e); ++t) {
+        pk.token_labels[pk.start(e) + t] = b.token_label_ids[e * T + t];
+        pk.token_weights[pk.start(e) + t] = b.token_label_weights[e * T + t];
       }
   }
   pk.cls.resize(B);
-  for (int64_t e = 0; e < B; ++e) pk.cls[e] = static_cast<int32_t>(pk.start[e]);
+  for (int64_t e = 0; e < B; ++e) pk.cls[e] = static_cast<int32_t>(pk.start(e));
   // A masked position past the real length has weight 0 (real_length): its loss is multiplied
   // by 0, so any row of the sequence serves; its first.
   pk.mlm.resize(B * P);
   for (int64_t e = 0; e < B; ++e)
     for (int64_t j = 0; j < P; ++j) {
       const int64_t t = b.masked_lm_positions[e * P + j];
-      pk.mlm[e * P + j] = static_cast<int32_t>(pk.start[e] + (t < pk.len[e] ? t : 0));
+      pk.mlm[e * P + j] = static_cast<int32_t>(pk.start(e) + (t < pk.len(e) ? t : 0));
     }
   pk.mlm_rows = B * P;
   if (!compact_mlm()) return;
@@ -649,12 +648,12 @@ void BertModel::dropout_rows(bool backward, float* x, const float* dy, int64_t N
   };
   if (!unpadded()) return run(0, N, d.offset);
   for (int64_t e = 0; e < cur_.packed.B; ++e)
-    run(cur_.packed.start[e], cur_.packed.len[e], d.offset + static_cast<uint64_t>(e * T * C));
+    run(cur_.packed.start(e), cur_.packed.len(e), d.offset + static_cast<uint64_t>(e * T * C));
 }
 
 int64_t BertModel::sequence_row(int64_t b, int64_t t) const {
   if (!unpadded()) return b * cur_.packed.T + t;
-  return t < cur_.packed.len[b] ? cur_.packed.start[b] + t : -1;
+  return t < cur_.packed.len(b) ? cur_.packed.start(b) + t : -1;
 }
 
 void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const float* dctx,
@@ -666,7 +665,7 @@ void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const flo
   const LayerActs& a = act_.layers[l];
   // One call for every sequence, each over its length, where the backend takes them.
   const AttentionShape all{pk.B, T, C, NH, T, cur_.in.starts, pk.rows};
-  if (a.saved.blocked() && be_.attention_takes_starts(prec_, all)) {
+  if (dims_.fused_attention) {
     const Dropout d{p_attn, key, opt.example_offset * NH * T * T};
     if (forward)
       be_.attention_forward(prec_, a.ctx, a.saved, a.qkv, cur_.in.mask, all, d, ws_);
@@ -676,7 +675,7 @@ void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const flo
   }
   int64_t saved = 0;  // values of the probabilities (or the log-sum-exp) the runs before used
   for (const auto& [first, count] : pk.runs) {
-    const int64_t L = pk.len[first], r0 = pk.start[first];
+    const int64_t L = pk.len(first), r0 = pk.start(first);
     const AttentionShape s{count, L, C, NH, T};
     AttentionSaved sv = a.saved;
     if (sv.lse) sv.lse += saved;
@@ -1172,7 +1171,7 @@ double BertModel::last_step_flops() const {
   const double C = cfg_.hidden_size, I = cfg_.intermediate_size, V = cfg_.vocab_size,
                L = cfg_.num_hidden_layers, N = static_cast<double>(pk.rows);
   double squares = 0;
-  for (int64_t e = 0; e < pk.B; ++e) squares += static_cast<double>(pk.len[e]) * pk.len[e];
+  for (int64_t e = 0; e < pk.B; ++e) squares += static_cast<double>(pk.len(e)) * pk.len(e);
   const double per_layer = 2 * N * (3 * C * C + C * C + 2 * C * I) + 2 * 2 * squares * C;
   double head = 2.0 * pk.B * C * C;
   if (head_ == Head::Pretraining) head += 2.0 * pk.mlm_rows * (C * C + C * V);

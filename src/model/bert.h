@@ -48,6 +48,11 @@ struct ModelDims {
   // (written by the optimizer's update) and the products' other operands rounded to fp16 (the
   // output gradients under the loss scale), accumulation in fp32.
   bool fp16_operands = false;
+  // Blocked attention that runs as one fused kernel on the backend (kernels::Target::
+  // fused_attention, a GPU's in bf16 and fp16; set by on_backend, not by users): a batch of
+  // packed sequences in one call, and no 16-bit dctx scratch planned (the kernel rounds dctx as
+  // it reads it).
+  bool fused_attention = false;
   // Layer recomputation: an encoder layer keeps only its output (the next layer's input); its
   // activations live in one slot shared by all layers, and backward recomputes each layer's
   // forward from its input first (dropout masks regenerated from the same counter RNG, so the
@@ -143,7 +148,7 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head, con
 
 // The dims as they run on `be`: FP16's products on fp16 operands where it multiplies them
 // (what BertModel and its plan do).
-ModelDims on_backend(ModelDims d, const kernels::Target& be);
+ModelDims on_backend(ModelDims d, const BertConfig& cfg, const kernels::Target& be);
 
 // Bytes of the batch arrays a model's kernels read for dims d (ids, masks, labels, the packed
 // rows' indices; each 256-byte aligned): on a backend with memory of its own they are copied
@@ -178,7 +183,7 @@ class BertModel {
   const ParamTable& table() const { return table_; }
   const ModelDims& dims() const { return dims_; }
   // The attention kernel the model runs: "full", "blocked", or "fused" (blocked, as one kernel
-  // forward and two backward on a GPU: Backend::attention_takes_starts).
+  // forward and two backward on a GPU: ModelDims::fused_attention).
   const char* attention_kernel() const;
   const MemoryPlan& plan() const { return plan_; }
   // Bytes this model holds in its arenas: plan().total_bytes(), allocated (tests prove it).
@@ -331,7 +336,7 @@ class BertModel {
                   *mlm_ids = nullptr, *token_labels = nullptr, *span_positions = nullptr,
                   *nsp_labels = nullptr, *label_ids = nullptr;
     // Unpadded: each sequence's first packed row, then the rows' end (B + 1; attention with
-    // variable lengths, Backend::attention_takes_starts).
+    // variable lengths, ModelDims::fused_attention).
     const int32_t* starts = nullptr;
     const float *mlm_weights = nullptr, *token_weights = nullptr, *label_values = nullptr;
     // Not host memory: the tokens grouped by embedding table row (embedding backward's).
@@ -348,8 +353,10 @@ class BertModel {
   struct Packed {
     int64_t B = 0, T = 0, P = 0, real = 0, rows = 0;  // B, T, P: the last batch's, padded too
     int64_t mlm_rows = 0;                             // rows of the MLM head
-    std::vector<int64_t> start, len;
-    std::vector<int32_t> starts;  // start, then the real rows' end (KernelInputs::starts)
+    // Each sequence's first packed row, then the real rows' end (B + 1; KernelInputs::starts).
+    std::vector<int32_t> starts;
+    int64_t start(int64_t e) const { return starts[e]; }
+    int64_t len(int64_t e) const { return starts[e + 1] - starts[e]; }
     std::vector<std::pair<int64_t, int64_t>> runs;
     std::vector<int32_t> ids, segments, positions, mask, padded_row, cls, mlm, token_labels;
     std::vector<float> token_weights;

@@ -315,7 +315,7 @@ TEST(CudaBackend, FusedAttentionTakesVariableLengthsInOneCall) {
   for (Precision p : {Precision::BF16, Precision::FP16}) {
     SCOPED_TRACE(name_of(p));
     const kernels::AttentionShape all{B, T, C, NH, T, nullptr, rows};
-    ASSERT_TRUE(gpu().attention_takes_starts(p, all));
+    ASSERT_TRUE(gpu().fused_attention(p, all));
     Twin<int32_t> mask(mask_h), starts(starts_h);
     struct Out {
       std::vector<float> ctx, dqkv, lse;

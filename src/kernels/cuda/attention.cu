@@ -201,6 +201,10 @@ void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
   const void* q = half ? static_cast<const void*>(qkv.bits) : qkv.f32;
   const void* dc = dctx;
   if (half) {
+    BT_CHECK(ws.attn_dctx16,
+             "attention_backward: the blocked products need dctx's 16-bit "
+             "scratch, which a model plans only where the fused kernel does not "
+             "run (BT_CUDA_FUSED_ATTENTION changed after the model was built?)");
     round_to_16(p, ws.attn_dctx16, dctx, B * T * C);
     dc = ws.attn_dctx16;
   }

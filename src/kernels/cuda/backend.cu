@@ -347,7 +347,7 @@ class CudaBackend final : public kernels::Backend {
   bool prefers_blocked_attention(Precision p, int64_t seq_len) const override {
     return cuda::fused_attention_length(p, seq_len);
   }
-  bool attention_takes_starts(Precision p, const kernels::AttentionShape& s) const override {
+  bool fused_attention(Precision p, const kernels::AttentionShape& s) const override {
     return cuda::fused_attention_runs(p, s);
   }
   void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,

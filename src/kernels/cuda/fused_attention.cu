@@ -276,7 +276,7 @@ struct BackwardElement {
 __device__ inline BackwardElement backward_element(float score, float dd, const int32_t* m,
                                                    int64_t j, float lse, const Dropout& d, float ks,
                                                    uint64_t index0) {
-  const float P = expf(score + (m[j] ? 0.0f : -10000.0f) - lse);
+  const float P = expf(rm::masked_score(score, m, j) - lse);
   const float k = rm::dropout(1.0f, d.p, ks, d.key, index0 + j);
   return {P, dd * k, k};
 }

@@ -105,6 +105,9 @@ class CudaTarget final : public kernels::Target {
   bool prefers_blocked_attention(Precision p, int64_t seq_len) const override {
     return fused_attention_length(p, seq_len);
   }
+  bool fused_attention(Precision p, const kernels::AttentionShape& s) const override {
+    return fused_attention_runs(p, s);
+  }
   kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& s) const override {
     return cuda::scratch_layout(s);
   }
