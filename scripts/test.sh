@@ -8,6 +8,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
+# Each stage's wall time as it ends (the whole run should stay well under 30 minutes on 2 cores).
+lap_start=$SECONDS
+lap() {
+  echo "test: [time] $1: $((SECONDS - lap_start)) s (run so far: $((SECONDS / 60)) min $((SECONDS % 60)) s)"
+  lap_start=$SECONDS
+}
 # On a fresh clone: the README's first command timed as a new user meets it, compiling cold
 # (ccache recompiles and stores anew; what follows reuses it): scripts/setup.sh, the packages and
 # the bertrain binary the demo runs. (An existing build directory would time nothing.)
@@ -16,10 +22,13 @@ if [ ! -e "$BUILD_DIR" ]; then
   CCACHE_RECACHE=1 scripts/setup.sh > /dev/null
   echo "test: scripts/setup.sh on a fresh clone, compiling cold: $(($(date +%s) - t0)) s on $(nproc) cores" |
     tee "$BUILD_DIR/setup-seconds.txt"
+  lap "setup on a fresh clone"
 fi
 scripts/setup.sh --tests
 scripts/format.sh --check
+lap "setup --tests and format"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j"$(nproc)" --timeout 600
+lap "ctest ($BUILD_DIR)"
 
 # A short coverage-guided fuzz of the parsers (records, checkpoints, configs, vocabularies)
 # under ASan/UBSan (clang's libFuzzer).
@@ -35,6 +44,7 @@ if command -v clang++ >/dev/null && [ "${BERTRAIN_SKIP_FUZZ:-0}" != 1 ]; then
   build-fuzz/fuzz_files -max_total_time="${BERTRAIN_FUZZ_SECONDS:-30}" -max_len=8192 \
     -artifact_prefix=build-fuzz/ build-fuzz/corpus_files tests/fuzz/corpus_files 2>&1 | tail -1
   echo "fuzz: checkpoint, config and vocab parsers, no crash in ${BERTRAIN_FUZZ_SECONDS:-30} s"
+  lap "fuzz"
 fi
 
 # The fault-injection suite once more on an AddressSanitizer + UBSan build of bertrain (our code
@@ -45,6 +55,7 @@ if [ "${BERTRAIN_SKIP_ASAN:-0}" != 1 ]; then
     -DBERTRAIN_SANITIZE=ON -DBERTRAIN_TESTS=OFF -DBERTRAIN_BENCH=OFF >/dev/null
   cmake --build build-asan -j"$(nproc)" --target bertrain >/dev/null
   FAULT_KINDS="sigterm diskfull ckpt input" tests/faults/run.sh build-asan/bertrain
+  lap "faults under ASan"
 fi
 
 NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
@@ -54,6 +65,7 @@ if [ -n "$NVCC" ] && [ "${BERTRAIN_SKIP_CUDA:-0}" != 1 ]; then
     -DCMAKE_CUDA_COMPILER="$NVCC" >/dev/null
   cmake --build build-cuda -j"$(nproc)"
   ctest --test-dir build-cuda --output-on-failure -R '^(Cuda(Backend|Model|Counts)?|Nccl|NcclDeathTest)\.' --timeout 600
+  lap "CUDA build (nvcc) and its tests"
 else
   echo "test: nvcc not found; CUDA backend not built"
 fi
@@ -72,6 +84,7 @@ if [ "${BERTRAIN_SKIP_CUDA_EMU:-0}" != 1 ]; then
     >/dev/null
   cmake --build build-emu -j"$(nproc)" --target bertrain_tests >/dev/null
   ctest --test-dir build-emu --output-on-failure -j"$(nproc)" -R "$GPU_TESTS" --timeout 600
+  lap "emulated device"
   echo "test: the CUDA kernels on the emulated device under ASan + UBSan (build-emu-asan)"
   cmake -S . -B build-emu-asan -DCMAKE_BUILD_TYPE=Release -DBERTRAIN_CUDA_EMU=ON \
     -DBERTRAIN_SANITIZE_KERNELS=ON -DBERTRAIN_BENCH=OFF >/dev/null
@@ -81,6 +94,7 @@ if [ "${BERTRAIN_SKIP_CUDA_EMU:-0}" != 1 ]; then
     --test-dir build-emu-asan \
     --output-on-failure -j"$(nproc)" -R "$GPU_TESTS" \
     -E 'LossCurveTracksTheCpu|ReduceBucketsWhileBackwardRuns' --timeout 600
+  lap "emulated device under ASan"
 fi
 
 # The Debian package installed into a clean Debian 12 root and used there, purged; the container
@@ -91,6 +105,7 @@ if [ "${BERTRAIN_SKIP_PACKAGE:-0}" != 1 ]; then
   tests/package/package_test.sh || rc=$?
   [ "$rc" = 77 ] && echo "test: package test skipped (above)"
   [ "$rc" = 0 ] || [ "$rc" = 77 ] || exit "$rc"
+  lap "package"
 fi
 
 # Every Debian package that configure and the builds above read must be installed by setup.sh
@@ -105,3 +120,4 @@ if scripts/check-packages.sh --reuse --without ocl-icd-opencl-dev --without open
   exit 1
 fi
 echo "check-packages: self-test ok (without the OpenCL packages in the list it fails)"
+lap "check-packages"
