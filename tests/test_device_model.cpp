@@ -587,13 +587,16 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       const MemoryPlan gpu =
           model::BertModel::make_plan(c, model::Head::Pretraining, d, cuda::target());
       const MemoryPlan cpu = model::BertModel::make_plan(c, model::Head::Pretraining, on_cpu);
-      for (const char* g : {"parameters", "gradients", "activations"})
-        EXPECT_EQ(gpu.group_bytes(g), cpu.group_bytes(g)) << g;
       // FP16 multiplies fp16 operands on a GPU: BF16's group in fp16 (the weights' copy and the
-      // operands rounded on the way in), and of the widened tensors the CPU's fp32 kernels
-      // read only forward's fp32 context [8 T, 64]. The fused kernel rounds dctx [8 T, 64] as
-      // it reads it: no 16-bit copy of it planned.
+      // operands rounded on the way in), the two LayerNorm outputs' fp16 copies [8 T, 64] of
+      // each of the 2 layers kept for backward, and of the widened tensors the CPU's fp32
+      // kernels read only forward's fp32 context [8 T, 64]. The fused kernel rounds dctx
+      // [8 T, 64] as it reads it: no 16-bit copy of it planned.
       const int64_t N = 8 * T, C = 64, I = 256;
+      for (const char* g : {"parameters", "gradients"})
+        EXPECT_EQ(gpu.group_bytes(g), cpu.group_bytes(g)) << g;
+      EXPECT_EQ(gpu.group_bytes("activations"),
+                cpu.group_bytes("activations") + (d.fp16() ? 2 * 2 * N * C * 2 : 0));
       const size_t dctx16 = fused ? N * C * 2 : 0;
       model::ModelDims as_bf16 = on_cpu;
       if (d.fp16()) as_bf16.precision = Precision::BF16;

@@ -110,6 +110,9 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
       add("ctx", f32s(N * C));
     add("attn_res", f32s(N * C));
     add("ln1_out", f32s(N * C));
+    // Where the matmuls read 16 bits, the LayerNorm outputs' copies the LayerNorms write: the
+    // next products' inputs, forward and (for the weight gradients) backward.
+    if (d.weight_copy()) add("ln1_out16", f32s(N * C) / 2);
     add("ln1_mean", f32s(N));
     add("ln1_rstd", f32s(N));
     if (half)
@@ -124,6 +127,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
     add("ln2_mean", f32s(N));
     add("ln2_rstd", f32s(N));
     plan.add(g, "layer" + std::to_string(l) + ".ln2_out", f32s(N * C));  // the next one's input
+    if (d.weight_copy()) plan.add(g, "layer" + std::to_string(l) + ".ln2_out16", f32s(N * C) / 2);
   }
   plan.add(g, "head.cls_in", f32s(B * C));
   plan.add(g, "head.pooled", f32s(B * C));
@@ -346,6 +350,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     const std::string p = layer_prefix(l, dims_);
     const bool h = dims_.bf16() || dims_.fp16(), bf = dims_.bf16(), fp = dims_.fp16();
+    const bool copies = dims_.weight_copy();
     auto b16 = [&](const std::string& name) {
       return h ? reinterpret_cast<uint16_t*>(a.f32(name)) : nullptr;
     };
@@ -364,10 +369,14 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
       la.saved.probs = a.f32(p + "probs");
     la.attn_res = a.f32(p + "attn_res");
     la.ln1_out = a.f32(p + "ln1_out");
+    la.ln1_out16 = copies ? reinterpret_cast<uint16_t*>(a.f32(p + "ln1_out16")) : nullptr;
     la.ln1_mean = a.f32(p + "ln1_mean");
     la.ln1_rstd = a.f32(p + "ln1_rstd");
     la.ffn_res = a.f32(p + "ffn_res");
     la.ln2_out = a.f32("layer" + std::to_string(l) + ".ln2_out");
+    la.ln2_out16 =
+        copies ? reinterpret_cast<uint16_t*>(a.f32("layer" + std::to_string(l) + ".ln2_out16"))
+               : nullptr;
     la.ln2_mean = a.f32(p + "ln2_mean");
     la.ln2_rstd = a.f32(p + "ln2_rstd");
     act_.layers.push_back(la);
@@ -814,9 +823,7 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
   };
   const LayerOffsets& o = table_.layer(l);
   const LayerActs& a = act_.layers[l];
-  // x's 16-bit copy where the LayerNorm that wrote x left it (the previous layer's, just now).
-  uint16_t* x16 = x16_of_ == x ? ws_.half_b : nullptr;
-  x16_of_ = nullptr;
+  uint16_t* x16 = input16(l);
   be_.linear_forward(prec_, a.qkv.f32, {const_cast<float*>(x), x16}, Wt(o.qkv_w), W(o.qkv_b), N,
                      3 * C, C, ws_);
   if (up) {
@@ -831,18 +838,21 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
                           site(kAttnProbs, p_attn, off_probs), ws_);
   }
   be_.linear_forward(prec_, a.attn_res, a.ctx, Wt(o.attn_out_w), W(o.attn_out_b), N, C, C, ws_);
-  // The LayerNorms write their output's 16-bit copy (none in fp32) into the backward-input
-  // scratch, unused in forward: the next product's input.
-  const Kept ln1{a.ln1_out, ws_.half_b};
+  // The LayerNorms write their output's 16-bit copy (none where the matmuls read fp32): the
+  // next product's input, and backward's.
+  const Kept ln1{a.ln1_out, a.ln1_out16};
   be_.residual_layernorm_forward(prec_, ln1, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
                                  W(o.ln1_b), N, C, eps, on_rows(site(kAttnOut, p_hidden, off_tc)));
   be_.linear_forward(prec_, a.inter_pre.f32, ln1, Wt(o.inter_w), W(o.inter_b), N, I, C, ws_);
   be_.activation_forward(prec_, cfg_.activation(), a.inter_act, a.inter_pre, N * I);
   be_.linear_forward(prec_, a.ffn_res, a.inter_act, Wt(o.out_w), W(o.out_b), N, C, I, ws_);
-  be_.residual_layernorm_forward(prec_, {a.ln2_out, ws_.half_b}, a.ln2_mean, a.ln2_rstd, a.ffn_res,
+  be_.residual_layernorm_forward(prec_, {a.ln2_out, a.ln2_out16}, a.ln2_mean, a.ln2_rstd, a.ffn_res,
                                  a.ln1_out, W(o.ln2_w), W(o.ln2_b), N, C, eps,
                                  on_rows(site(kFfnOut, p_hidden, off_tc)));
-  if (ws_.half_b) x16_of_ = a.ln2_out;  // (the next layer's input)
+}
+
+uint16_t* BertModel::input16(int64_t l) const {
+  return l > 0 ? act_.layers[l - 1].ln2_out16 : nullptr;
 }
 
 std::pair<int64_t, int64_t> BertModel::layer_range(int64_t l) const {
@@ -898,7 +908,6 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   const LayerActs& a = act_.layers[l];
   float *dA = act_.dA, *dB = act_.dB, *dI = act_.dI;
   float* x = l == 0 ? act_.h0 : act_.layers[l - 1].ln2_out;
-  x16_of_ = nullptr;  // (backward's products round their inputs into half_b)
   if (dims_.recompute_layers && l != p.L - 1) {  // the last layer's forward is still in the slot
     obs::Timeline::Span recompute(timeline_, str("recompute layer ", l), "compute");
     layer_forward(l, x, b, p.opt);
@@ -913,7 +922,7 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   linear_backward(dI, o.out_w, o.out_b, dB16, a.inter_act, N, C, I);
   // dGELU with the intermediate layer's bias gradient (one pass over dI on a GPU).
   be_.activation_bias_backward(prec_, cfg_.activation(), dI16, G(o.inter_b), a.inter_pre, dI, N, I);
-  linear_backward(dA, o.inter_w, kBiasDone, dI16, {a.ln1_out}, N, I, C,
+  linear_backward(dA, o.inter_w, kBiasDone, dI16, {a.ln1_out, a.ln1_out16}, N, I, C,
                   /*accumulate=*/true);  // dA = d ln1_out (residual + FFN path)
   // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
   be_.layernorm_dropout_backward(prec_, dh, dB16, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res,
@@ -929,7 +938,7 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
     be_.attention_backward(prec_, dI, dA, a.qkv, a.saved, cur_.in.mask, {p.B, p.T, C, NH},
                            p.site(l + 1, kAttnProbs, p_attn, off_probs), ws_);
   }
-  linear_backward(dh, o.qkv_w, o.qkv_b, dI, {x}, N, 3 * C, C,
+  linear_backward(dh, o.qkv_w, o.qkv_b, dI, {x, input16(l)}, N, 3 * C, C,
                   /*accumulate=*/true);  // dh = d x (residual + attention path)
 }
 

@@ -307,6 +307,8 @@ class BertModel {
     kernels::AttentionSaved saved;  // probabilities (fp32 / 16-bit) or the row log-sum-exp
     float *attn_res, *ln1_out, *ln1_mean, *ln1_rstd;
     float *ffn_res, *ln2_out, *ln2_mean, *ln2_rstd;
+    // The LayerNorm outputs' 16-bit copies where the matmuls read 16 bits (else null).
+    uint16_t *ln1_out16, *ln2_out16;
   };
   struct Acts {
     float *emb_sum, *emb_mean, *emb_rstd, *h0;
@@ -419,6 +421,9 @@ class BertModel {
   // The attention core of layer l over the packed rows, forward or backward (one call per run).
   void packed_attention(int64_t l, bool forward, float* dqkv, const float* dctx,
                         const StepOptions& opt);
+  // Layer l's input's 16-bit copy: the previous layer's output's (null for the first layer,
+  // whose products round the embeddings' output, and where the matmuls read fp32).
+  uint16_t* input16(int64_t l) const;
   const float* W(int64_t off) const { return params() + off; }
   // A weight for the matmuls: the fp32 master and its 16-bit copy, if any.
   kernels::Weight Wt(int64_t off) const { return {params() + off, w16_ ? w16_ + off : nullptr}; }
@@ -462,9 +467,6 @@ class BertModel {
   uint16_t* w16_ = nullptr;      // the weights' 16-bit copy the matmuls read (weight_copy())
   bool mlm_grad_ready_ = false;  // the training forward left the MLM logits' gradient in place
   bool w16_fresh_ = false;       // weights16() already equals params() rounded
-  // The tensor whose 16-bit copy ws_.half_b holds: the last layer's output, written by its
-  // LayerNorm for the next layer's first product; null once anything else may have used it.
-  const float* x16_of_ = nullptr;
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
 };
