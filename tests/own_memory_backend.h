@@ -512,15 +512,15 @@ class OwnMemoryBackend final : public Backend {
     cpu().residual_layernorm_forward(p, out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
   }
   void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
-                                  float* dbeta, const float* dout, const float* in,
+                                  float* dbeta, float* dbias, const float* dout, const float* in,
                                   const float* gamma, const float* mean, const float* rstd,
                                   int64_t N, int64_t C, bool acc, const Dropout& d) const override {
     const Open open(*this);
     own(dinp, "residual block dinp");
     own(ddropped.bits, "residual block ddropped bits");
     own(d.rows, "dropout rows");
-    cpu().layernorm_dropout_backward(p, dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd,
-                                     N, C, acc, d);
+    cpu().layernorm_dropout_backward(p, dinp, ddropped, dgamma, dbeta, dbias, dout, in, gamma, mean,
+                                     rstd, N, C, acc, d);
   }
   void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
     const Open open(*this);

@@ -737,7 +737,7 @@ cudaError_t cudaStreamCreate(cudaStream_t* s) {
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
   cuda_emu::count_host_wait(__func__);
   if (!s) return set_error(cudaErrorInvalidResourceHandle, "the legacy stream is not destroyed");
-  if (s->s.destroyed) return set_error(cudaErrorInvalidResourceHandle, "a destroyed stream");
+  if (cudaError_t e = cuda_emu::refuse_destroyed(&s->s, "cudaStreamDestroy")) return e;
   Device& d = *s->s.device;
   d.wait(&s->s, d.tail(&s->s));  // its work completes first, as a GPU's does
   // Kept, off the device's list: events recorded on it, other streams' waits for it and another

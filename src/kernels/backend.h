@@ -236,6 +236,9 @@ class Backend : public Target {
   // 16-bit precision), dinp rounded is written there too (KeptIn: what the next product reads).
   virtual void activation_bias_backward(Precision p, Activation a, Kept dinp, float* db, Kept in,
                                         const float* dout, int64_t M, int64_t N) const;
+  // db[N] += dout[M,N]'s column sums: linear_backward's bias gradient alone (what the defaults
+  // of the fused calls above and below add).
+  void bias_gradient(float* db, const float* dout, int64_t M, int64_t N) const;
   virtual void tanh_forward(float* out, const float* in, int64_t n) const = 0;
   virtual void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n) const = 0;
 
@@ -272,11 +275,14 @@ class Backend : public Target {
   // Its backward: dinp (= or +=) the gradient of x (and of the residual), ddropped that of the
   // projection's output (through the dropout), and where ddropped.bits is given (p a 16-bit
   // precision) that rounded in the same pass (KeptIn: what the projection's backward reads).
+  // dbias (may be null; needs ddropped): the projection's bias gradient, += ddropped's column
+  // sums (linear_backward's, bit for bit; its call then takes no db): a GPU sums it in the
+  // launch that sums dgamma and dbeta.
   virtual void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
-                                          float* dbeta, const float* dout, const float* in,
-                                          const float* gamma, const float* mean, const float* rstd,
-                                          int64_t N, int64_t C, bool accumulate_dinp,
-                                          const Dropout& d) const = 0;
+                                          float* dbeta, float* dbias, const float* dout,
+                                          const float* in, const float* gamma, const float* mean,
+                                          const float* rstd, int64_t N, int64_t C,
+                                          bool accumulate_dinp, const Dropout& d) const = 0;
 
   // -- elementwise --
   virtual void dropout_forward(float* x, int64_t n, const Dropout& d) const = 0;

@@ -227,6 +227,10 @@ struct AttentionSaved {
   float* probs = nullptr;
   uint16_t* probs16 = nullptr;
   float* lse = nullptr;
+  // The fused kernels' (a GPU's, blocked in a 16-bit precision): the context's 16-bit copy, which
+  // forward writes (the context's own kept bits where the caller keeps them: the same pointer)
+  // and backward reads (each row's D = dO . O).
+  uint16_t* ctx16 = nullptr;
   bool blocked() const { return lse != nullptr; }
 };
 

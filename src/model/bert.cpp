@@ -354,6 +354,10 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
     auto b16 = [&](const std::string& name) {
       return h ? reinterpret_cast<uint16_t*>(a.f32(name)) : nullptr;
     };
+    // (the LayerNorm outputs' copies, planned where the products read a weights' copy)
+    auto copy16 = [&](const std::string& name) {
+      return copies ? reinterpret_cast<uint16_t*>(a.f32(name)) : nullptr;
+    };
     // bf16/fp16: fp32 QKV / pre-activation (fp16: and GELU's output, in place), briefly.
     float* gemm_out = scratch_.f32("grad.dI");
     LayerActs la;
@@ -361,22 +365,21 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
     la.ctx = {bf ? scratch_.f32("attn.ctx") : fp ? ws_.wide : a.f32(p + "ctx"), b16(p + "ctx16")};
     la.inter_pre = {h ? gemm_out : a.f32(p + "inter_pre"), b16(p + "inter_pre16")};
     la.inter_act = {bf ? nullptr : fp ? gemm_out : a.f32(p + "inter_act"), b16(p + "inter_act16")};
-    if (blocked)
+    if (blocked) {
       la.saved.lse = a.f32(p + "lse");
-    else if (h)
+      la.saved.ctx16 = la.ctx.bits;  // (the fused kernels' D = dO . O reads the kept context)
+    } else if (h)
       la.saved.probs16 = b16(p + "probs16");
     else
       la.saved.probs = a.f32(p + "probs");
     la.attn_res = a.f32(p + "attn_res");
     la.ln1_out = a.f32(p + "ln1_out");
-    la.ln1_out16 = copies ? reinterpret_cast<uint16_t*>(a.f32(p + "ln1_out16")) : nullptr;
+    la.ln1_out16 = copy16(p + "ln1_out16");
     la.ln1_mean = a.f32(p + "ln1_mean");
     la.ln1_rstd = a.f32(p + "ln1_rstd");
     la.ffn_res = a.f32(p + "ffn_res");
     la.ln2_out = a.f32("layer" + std::to_string(l) + ".ln2_out");
-    la.ln2_out16 =
-        copies ? reinterpret_cast<uint16_t*>(a.f32("layer" + std::to_string(l) + ".ln2_out16"))
-               : nullptr;
+    la.ln2_out16 = copy16("layer" + std::to_string(l) + ".ln2_out16");
     la.ln2_mean = a.f32(p + "ln2_mean");
     la.ln2_rstd = a.f32(p + "ln2_rstd");
     act_.layers.push_back(la);
@@ -690,6 +693,7 @@ void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const flo
     if (sv.lse) sv.lse += saved;
     if (sv.probs) sv.probs += saved;
     if (sv.probs16) sv.probs16 += saved;
+    if (sv.ctx16) sv.ctx16 += r0 * C;
     saved += count * NH * L * (sv.blocked() ? 1 : L);
     const Kept qkv{a.qkv.f32 + r0 * 3 * C, a.qkv.bits ? a.qkv.bits + r0 * 3 * C : nullptr};
     // The run's probabilities draw the padded model's dropout: its sequences' [NH,T,T] blocks.
@@ -916,19 +920,20 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   // operand scratch the products would round them into (none in fp32: half_a is null).
   const Kept dB16{dB, ws_.half_a}, dI16{dI, ws_.half_a};
   // h_out = LN2(ffn_res), ffn_res = drop(inter_act W_out + b) + ln1_out
-  be_.layernorm_dropout_backward(prec_, dA, dB16, G(o.ln2_w), G(o.ln2_b), dh, a.ffn_res, W(o.ln2_w),
-                                 a.ln2_mean, a.ln2_rstd, N, C, false,
+  // (with the output projection's bias gradient: one pass over the rows on a GPU)
+  be_.layernorm_dropout_backward(prec_, dA, dB16, G(o.ln2_w), G(o.ln2_b), G(o.out_b), dh, a.ffn_res,
+                                 W(o.ln2_w), a.ln2_mean, a.ln2_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kFfnOut, p.p_hidden, p.off_tc)));
-  linear_backward(dI, o.out_w, o.out_b, dB16, a.inter_act, N, C, I);
+  linear_backward(dI, o.out_w, kBiasDone, dB16, a.inter_act, N, C, I);
   // dGELU with the intermediate layer's bias gradient (one pass over dI on a GPU).
   be_.activation_bias_backward(prec_, cfg_.activation(), dI16, G(o.inter_b), a.inter_pre, dI, N, I);
   linear_backward(dA, o.inter_w, kBiasDone, dI16, {a.ln1_out, a.ln1_out16}, N, I, C,
                   /*accumulate=*/true);  // dA = d ln1_out (residual + FFN path)
   // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
-  be_.layernorm_dropout_backward(prec_, dh, dB16, G(o.ln1_w), G(o.ln1_b), dA, a.attn_res,
-                                 W(o.ln1_w), a.ln1_mean, a.ln1_rstd, N, C, false,
+  be_.layernorm_dropout_backward(prec_, dh, dB16, G(o.ln1_w), G(o.ln1_b), G(o.attn_out_b), dA,
+                                 a.attn_res, W(o.ln1_w), a.ln1_mean, a.ln1_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kAttnOut, p.p_hidden, p.off_tc)));
-  linear_backward(dA, o.attn_out_w, o.attn_out_b, dB16, a.ctx, N, C, C);
+  linear_backward(dA, o.attn_out_w, kBiasDone, dB16, a.ctx, N, C, C);
   if (p.up) {
     packed_attention(l, false, dI, dA, p.opt);
     // The dummy rows: no gradient reaches the QKV weights from them.

@@ -201,8 +201,8 @@ TEST(Cuda, FusedLayerNormBlocksMatchCpu) {
   // (bf16: ddropped's copy rounded in the same pass, what the projection's backward reads)
   cuda::layernorm_dropout_backward(Precision::BF16, dx_d.f32(),
                                    {ddrop_d.f32(), static_cast<uint16_t*>(ddrop16_d.data())},
-                                   dg_d.f32(), db_d.f32(), dy_d.f32(), y_d.f32(), g_d.f32(),
-                                   mean_d.f32(), rstd_d.f32(), N, C, true, dd);
+                                   dg_d.f32(), db_d.f32(), nullptr, dy_d.f32(), y_d.f32(),
+                                   g_d.f32(), mean_d.f32(), rstd_d.f32(), N, C, true, dd);
   cuda::synchronize();
   EXPECT_TRUE(all_close("dx", to_host(dx_d, N * C).data(), dx.data(), N * C, 1e-5, 1e-5));
   const auto ddrop_g = to_host(ddrop_d, N * C);

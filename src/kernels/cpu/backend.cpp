@@ -186,12 +186,15 @@ class CpuBackend final : public Backend {
     if (out.bits && p != Precision::FP32) round_to_16(p, out.bits, out.f32, N * C, nullptr);
   }
   void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
-                                  float* dbeta, const float* dout, const float* in,
+                                  float* dbeta, float* dbias, const float* dout, const float* in,
                                   const float* gamma, const float* mean, const float* rstd,
                                   int64_t N, int64_t C, bool accumulate_dinp,
                                   const Dropout& d) const override {
+    BT_CHECK(!dbias || ddropped.f32,
+             "layernorm_dropout_backward: a bias gradient without ddropped");
     kernels::layernorm_dropout_backward(dinp, ddropped.f32, dgamma, dbeta, dout, in, gamma, mean,
                                         rstd, N, C, accumulate_dinp, d);
+    if (dbias) bias_gradient(dbias, ddropped.f32, N, C);
     if (ddropped.bits && p != Precision::FP32)
       round_to_16(p, ddropped.bits, ddropped.f32, N * C, nullptr);
   }
@@ -333,10 +336,14 @@ void Backend::cross_entropy_into(const SumsInto& into, float* dlogits, float* lo
 void Backend::activation_bias_backward(Precision p, Activation a, Kept dinp, float* db, Kept in,
                                        const float* dout, int64_t M, int64_t N) const {
   activation_backward(p, a, dinp.f32, in, dout, M * N);
-  // (fp32's bias gradient alone: the column sums every precision's linear_backward adds)
-  linear_backward(Precision::FP32, nullptr, nullptr, db, dinp.f32, Kept{}, Weight{}, M, N, 0, false,
-                  Workspace{});
+  bias_gradient(db, dinp.f32, M, N);
   if (dinp.bits && p != Precision::FP32) round_to_16(p, dinp.bits, dinp.f32, M * N, nullptr);
+}
+
+void Backend::bias_gradient(float* db, const float* dout, int64_t M, int64_t N) const {
+  // (fp32's bias gradient alone: the column sums every precision's linear_backward adds)
+  linear_backward(Precision::FP32, nullptr, nullptr, db, KeptIn{dout}, Kept{}, Weight{}, M, N, 0,
+                  false, Workspace{});
 }
 
 int64_t Backend::mark() const {

@@ -155,8 +155,12 @@ void attention_products_forward(Precision p, float* ctx, kernels::AttentionSaved
 void attention_forward(Precision p, Kept kept_ctx, kernels::AttentionSaved saved, Kept qkv,
                        const int32_t* mask, const AttentionShape& s, const Dropout& d,
                        const kernels::Workspace& ws) {
-  if (saved.blocked() && fused_attention_runs(p, s))  // (QKV and ctx kept as they are written)
-    return fused_attention_forward(p, kept_ctx, saved.lse, qkv, mask, s, d);
+  if (saved.blocked() && fused_attention_runs(p, s)) {  // (QKV and ctx kept as they are written)
+    BT_CHECK(saved.ctx16 && (!kept_ctx.bits || kept_ctx.bits == saved.ctx16),
+             "attention_forward: the fused kernel writes the context's 16-bit copy where its "
+             "backward reads it (AttentionSaved::ctx16: the context's kept bits, where kept)");
+    return fused_attention_forward(p, {kept_ctx.f32, saved.ctx16}, saved.lse, qkv, mask, s, d);
+  }
   BT_CHECK(!s.starts, "attention_forward: variable lengths need the fused kernel");
   attention_products_forward(p, kept_ctx.f32, saved, qkv, mask, s, d, ws);
   if (kept_ctx.bits) cuda::keep(p, kept_ctx, s.B * s.T * s.C);
@@ -192,7 +196,7 @@ void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
                         kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
                         const Dropout& d, const kernels::Workspace& ws) {
   if (saved.blocked() && fused_attention_runs(p, s))  // (dctx rounded as it is read)
-    return fused_attention_backward(p, dqkv, dctx, qkv.bits, saved.lse, mask, s, d);
+    return fused_attention_backward(p, dqkv, dctx, qkv.bits, saved.ctx16, saved.lse, mask, s, d);
   BT_CHECK(!s.starts, "attention_backward: variable lengths need the fused kernel");
   const AttentionDims g(p, s);
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_probs = g.n_probs;

@@ -344,11 +344,12 @@ class CudaBackend final : public kernels::Backend {
     const Op op("attention_forward");
     cuda::attention_forward(p, ctx, saved, qkv, mask, s, d, ws);
   }
+  // (the target's answers: scratch.cpp)
   bool prefers_blocked_attention(Precision p, int64_t seq_len) const override {
-    return cuda::fused_attention_length(p, seq_len);
+    return cuda::target().prefers_blocked_attention(p, seq_len);
   }
   bool fused_attention(Precision p, const kernels::AttentionShape& s) const override {
-    return cuda::fused_attention_runs(p, s);
+    return cuda::target().fused_attention(p, s);
   }
   void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
                           kernels::AttentionSaved saved, const int32_t* mask,
@@ -424,13 +425,13 @@ class CudaBackend final : public kernels::Backend {
     cuda::residual_layernorm_forward(p, out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
   }
   void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
-                                  float* dbeta, const float* dout, const float* in,
+                                  float* dbeta, float* dbias, const float* dout, const float* in,
                                   const float* gamma, const float* mean, const float* rstd,
                                   int64_t N, int64_t C, bool accumulate_dinp,
                                   const Dropout& d) const override {
     const Op op("layernorm_dropout_backward");
-    cuda::layernorm_dropout_backward(p, dinp, ddropped, dgamma, dbeta, dout, in, gamma, mean, rstd,
-                                     N, C, accumulate_dinp, d);
+    cuda::layernorm_dropout_backward(p, dinp, ddropped, dgamma, dbeta, dbias, dout, in, gamma, mean,
+                                     rstd, N, C, accumulate_dinp, d);
   }
 
   void dropout_forward(float* x, int64_t n, const Dropout& d) const override {

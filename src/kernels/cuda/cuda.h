@@ -134,9 +134,10 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
                                  int64_t B, int64_t T, int64_t C, float eps,
                                  const kernels::Dropout& d, void* stream = nullptr);
 // The residual block's backward: dinp (= or +=), ddropped = dropout(dinp) (may be null; with
-// bits, in a 16-bit p, also rounded there in the same pass), dgamma and dbeta (+=).
+// bits, in a 16-bit p, also rounded there in the same pass), dgamma and dbeta (+=), and dbias
+// (may be null; needs ddropped) += ddropped's column sums in the same launch as dgamma's.
 void layernorm_dropout_backward(Precision p, float* dinp, kernels::Kept ddropped, float* dgamma,
-                                float* dbeta, const float* dout, const float* in,
+                                float* dbeta, float* dbias, const float* dout, const float* in,
                                 const float* gamma, const float* mean, const float* rstd, int64_t N,
                                 int64_t C, bool accumulate_dinp, const kernels::Dropout& d,
                                 void* stream = nullptr);
@@ -197,16 +198,17 @@ void attention_backward(Precision p, float* dqkv, const float* dctx, kernels::Ke
                         const kernels::Workspace& ws);
 
 // The fused attention (fused_attention.cu): the blocked algorithm (the row log-sum-exp kept) in
-// one kernel forward and two backward, variable lengths through AttentionShape::starts, where
+// one kernel forward and one backward, variable lengths through AttentionShape::starts, where
 // fused_attention_runs (scratch.h). attention_forward and _backward run it there and the blocked
 // kernel's products otherwise. Forward reads QKV in fp32, rounds it as it stages it and writes
 // its kept bits, and writes ctx with its 16-bit copy where ctx.bits is given (keep's contract);
-// backward reads the kept bits, lse [NH rows] and dctx in fp32 (rounded as it is read).
+// backward reads the kept bits, that copy of ctx (ctx16), lse [NH rows] and dctx in fp32
+// (rounded as it is read).
 void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels::Kept qkv,
                              const int32_t* mask, const kernels::AttentionShape& s,
                              const kernels::Dropout& d);
 void fused_attention_backward(Precision p, float* dqkv, const float* dctx, const uint16_t* qkv,
-                              const float* lse, const int32_t* mask,
+                              const uint16_t* ctx16, const float* lse, const int32_t* mask,
                               const kernels::AttentionShape& s, const kernels::Dropout& d);
 
 // Softmax cross-entropy of N rows of V logits with its gradient (dlogits may be null or alias

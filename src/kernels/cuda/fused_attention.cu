@@ -1,19 +1,22 @@
 // The fused attention kernels (cuda.h, fused_attention_forward / _backward): the blocked
-// (flash-style) algorithm of kernels/cpu/attention_blocked.cpp in three launches a layer, the
-// scores never in global memory, for BF16 and FP16 with head sizes a multiple of 16 up to 128 and
-// at most 512 tokens. The products on tensor cores (warp matrix operations, m16n16k16: 16-bit
-// operands, fp32 accumulation), each block one warp and a tile of 16 rows:
+// (flash-style) algorithm of kernels/cpu/attention_blocked.cpp in two launches a layer (one
+// forward, one backward), the scores never in global memory, for BF16 and FP16 with head sizes a
+// multiple of 16 up to 128 and at most 512 tokens. The products on tensor cores (warp matrix
+// operations, m16n16k16: 16-bit operands, fp32 accumulation), each block one warp and a tile of
+// 16 rows:
 //   forward      a block per 16 query rows of a (sequence, head): S = scale Q K^T for the whole
 //                rows into shared memory, the row pass (row_math's attention_softmax_lse: the
 //                same operations in the same order), the dropped probabilities rounded to the
 //                operand in place, ctx = P V; the row log-sum-exp kept.
-//   dQ           a block per 16 query rows: S and dd = dO V^T again, 32 keys at a time; first
-//                each row's D = sum_j P_j g_j (attention_softmax_backward_lse's dot, each lane
-//                adding its columns in order), kept for the next kernel; then dS = P (g - D)
-//                rounded, dQ = scale dS K.
-//   dK, dV       a block per 16 keys: over the query tiles, S, dd, P, g and dS again (the same
-//                operations on the same values: the same bits as dQ's), dV += dropped^T dO,
-//                dK += scale dS^T Q.
+//   backward     two kinds of block side by side. dQ: a block per 16 query rows, S and
+//                dd = dO V^T again, 32 keys at a time, dS = P (g - D) rounded, dQ = scale dS K.
+//                dK, dV: a block per 16 keys, over the query tiles, S, dd, P, g and dS again
+//                (the same operations on the same values: the same bits as dQ's),
+//                dV += dropped^T dO, dK += scale dS^T Q. Each row's D = sum_j P_j g_j is
+//                computed as dO . O (FlashAttention-2's identity: O = dropped P V), from the
+//                context's kept 16-bit copy, by whichever block needs it, so neither kind waits
+//                for the other (the CPU's blocked kernel sums P g: the two differ by the
+//                context's rounding).
 // Variable lengths directly: AttentionShape::starts (the sequences' first rows, as
 // FlashAttention's cumulative offsets) makes one launch run every sequence of a packed or
 // unpadded batch, each over its own length; without it sequence b is rows [b T, b T + T).
@@ -106,15 +109,15 @@ struct Head {
   }
 };
 
-// A block's (sequence, head), the first row of its tile (the 16 of blockIdx.x: queries, or keys
-// for dK and dV), its lane, and the products' scale and dropout's keep factor.
+// A block's (sequence, head), the first row of its tile (16 rows a tile: queries, or keys for dK
+// and dV; blockIdx.x's unless given), its lane, and the products' scale and dropout's keep factor.
 struct Block : Head {
   int64_t first;
   int lane;
   float scale, keep;
-  __device__ Block(const AttentionShape& shape, const Dropout& d)
+  __device__ Block(const AttentionShape& shape, const Dropout& d, int64_t tile = blockIdx.x)
       : Head(shape, blockIdx.z, blockIdx.y),
-        first(static_cast<int64_t>(blockIdx.x) * kTile),
+        first(tile * kTile),
         lane(static_cast<int>(threadIdx.x)),
         scale(1.0f / sqrtf(static_cast<float>(HD))),
         keep(rm::keep_scale_of(d.p)) {}
@@ -281,34 +284,65 @@ __device__ inline BackwardElement backward_element(float score, float dd, const 
   return {P, dd * k, k};
 }
 
+// D of rows [first, first + 16) of the block's head: dO . O over the head's columns (dctx in
+// fp32, the context's kept 16-bit copy), each lane adding its columns in order, then the warp's
+// sum; 0 past L. Equal to sum_j P_j g_j (attention_softmax_backward_lse's dot: O = dropped P V)
+// up to the context's rounding, and the same bits in both roles of the backward kernel.
+template <class X>
+__device__ void row_dots(float (&dot)[kTile], const Block& hd, const float* dctx, const X* ctx16,
+                         int64_t first) {
+  const WarpLanes l{hd.lane};
+  const float* g = hd.rows(dctx);
+  const X* o = hd.rows(ctx16);
+  for (int r = 0; r < kTile; ++r) {
+    const int64_t i = first + r;
+    float v = 0.0f;
+    if (i < hd.q.L)
+      for (int64_t c = hd.lane; c < hd.HD; c += 32)
+        v += g[i * hd.s.C + c] * rm::widen(o[i * hd.s.C + c]);
+    dot[r] = l.sum(v);
+  }
+}
+
+// Shared memory carved into a role's arrays (each at 32 bytes: the fragments' alignment).
+struct Carve {
+  unsigned char* at;
+  template <class T>
+  __device__ T* take(int64_t n) {
+    T* p = reinterpret_cast<T*>(at);
+    at += (n * static_cast<int64_t>(sizeof(T)) + 31) / 32 * 32;
+    return p;
+  }
+};
+
+// The dQ role: a block's 16 query rows. S and dd = dO V^T again, 32 keys at a time; dS = P (g - D)
+// rounded, dQ = scale dS K.
 template <class X, int NT>
-__global__ void __launch_bounds__(32)
-    fused_dq_kernel(float* dqkv, float* dsum, const float* dctx, const X* qkv, const float* lse,
-                    const int32_t* mask, AttentionShape s, Dropout d) {
+__device__ void dq_tile(const Block& hd, Carve sh, float* dqkv, const float* dctx, const X* qkv,
+                        const X* ctx16, const float* lse, const int32_t* mask, const Dropout& d) {
   constexpr int HD = NT * 16;
-  const Block hd(s, d);
-  if (hd.idle()) return;
+  const AttentionShape& s = hd.s;
   const int64_t i0 = hd.first, L = hd.q.L;
   const int lane = hd.lane;
-  alignas(32) __shared__ X qs[kTile * kMaxHead];
-  alignas(32) __shared__ X dos[kTile * kMaxHead];
-  alignas(32) __shared__ X ks_[kChunk32 * kMaxHead];
-  alignas(32) __shared__ X vs[kChunk32 * kMaxHead];
-  alignas(32) __shared__ float st[kTile * kChunk32];
-  alignas(32) __shared__ float gt[kTile * kChunk32];
-  alignas(32) __shared__ X ds[kTile * kChunk32];
-  alignas(32) __shared__ float out[kTile * kMaxHead];
+  X* qs = sh.take<X>(kTile * HD);
+  X* dos = sh.take<X>(kTile * HD);
+  X* ks_ = sh.take<X>(kChunk32 * HD);
+  X* vs = sh.take<X>(kChunk32 * HD);
+  float* st = sh.take<float>(kTile * kChunk32);
+  float* gt = sh.take<float>(kTile * kChunk32);
+  X* ds = sh.take<X>(kTile * kChunk32);
+  float* out = sh.take<float>(kTile * HD);
   const float scale = hd.scale, keep = hd.keep;
   const int32_t* m = hd.mask(mask);
   stage(qs, hd.part(qkv, 0), hd.C3, i0, kTile, L, HD, lane);
   stage(dos, hd.rows(dctx), s.C, i0, kTile, L, HD, lane);
   float row_lse[kTile], dot[kTile];
-  for (int r = 0; r < kTile; ++r) {
-    row_lse[r] = i0 + r < L ? lse[hd.row_value(i0 + r)] : 0.0f;
-    dot[r] = 0.0f;
-  }
-  // S and dd of keys [j0, j0 + 32): st and gt [16, 32].
-  auto scores = [&](int64_t j0) {
+  for (int r = 0; r < kTile; ++r) row_lse[r] = i0 + r < L ? lse[hd.row_value(i0 + r)] : 0.0f;
+  row_dots(dot, hd, dctx, ctx16, i0);
+  Acc dq[NT];
+  for (int n = 0; n < NT; ++n) wmma::fill_fragment(dq[n], 0.0f);
+  for (int64_t j0 = 0; j0 < L; j0 += kChunk32) {
+    // S and dd of keys [j0, j0 + 32): st and gt [16, 32].
     stage(ks_, hd.part(qkv, 1), hd.C3, j0, kChunk32, L, HD, lane);
     stage(vs, hd.part(qkv, 2), hd.C3, j0, kChunk32, L, HD, lane);
     for (int half = 0; half < 2; ++half) {
@@ -316,28 +350,6 @@ __global__ void __launch_bounds__(32)
       product_abt(gt + half * 16, kChunk32, dos, vs + half * 16 * HD, HD, 1.0f);
     }
     __syncwarp();
-  };
-  for (int64_t j0 = 0; j0 < L; j0 += kChunk32) {  // D: each lane its column, in order
-    scores(j0);
-    const int64_t j = j0 + lane;
-    if (j < L)
-      for (int r = 0; r < kTile; ++r)
-        if (i0 + r < L) {
-          const BackwardElement e =
-              backward_element(st[r * kChunk32 + lane], gt[r * kChunk32 + lane], m, j, row_lse[r],
-                               d, keep, hd.index0(d, i0 + r));
-          dot[r] += e.P * e.g;
-        }
-  }
-  const WarpLanes l{lane};
-  for (int r = 0; r < kTile; ++r) {
-    dot[r] = l.sum(dot[r]);
-    if (lane == 0 && i0 + r < L) dsum[hd.row_value(i0 + r)] = dot[r];
-  }
-  Acc dq[NT];
-  for (int n = 0; n < NT; ++n) wmma::fill_fragment(dq[n], 0.0f);
-  for (int64_t j0 = 0; j0 < L; j0 += kChunk32) {
-    scores(j0);
     const int64_t j = j0 + lane;
     for (int r = 0; r < kTile; ++r) {
       float v = 0.0f;
@@ -362,24 +374,25 @@ __global__ void __launch_bounds__(32)
   write_rows<NT>(hd.part(dqkv, 0), hd.C3, i0, L, dq, out, scale, lane);
 }
 
+// The dK, dV role: a block's 16 keys, over the query tiles: S, dd, P, g, D and dS again (the same
+// operations on the same values: the same bits as the dQ role's), dV += dropped^T dO,
+// dK += scale dS^T Q.
 template <class X, int NT>
-__global__ void __launch_bounds__(32)
-    fused_dkv_kernel(float* dqkv, const float* dsum, const float* dctx, const X* qkv,
-                     const float* lse, const int32_t* mask, AttentionShape s, Dropout d) {
+__device__ void dkv_tile(const Block& hd, Carve sh, float* dqkv, const float* dctx, const X* qkv,
+                         const X* ctx16, const float* lse, const int32_t* mask, const Dropout& d) {
   constexpr int HD = NT * 16;
-  const Block hd(s, d);
-  if (hd.idle()) return;
+  const AttentionShape& s = hd.s;
   const int64_t j0 = hd.first, L = hd.q.L;
   const int lane = hd.lane;
-  alignas(32) __shared__ X kt[kTile * kMaxHead];
-  alignas(32) __shared__ X vt[kTile * kMaxHead];
-  alignas(32) __shared__ X qs[kTile * kMaxHead];
-  alignas(32) __shared__ X dos[kTile * kMaxHead];
-  alignas(32) __shared__ float st[kTile * kTile];
-  alignas(32) __shared__ float gt[kTile * kTile];
-  alignas(32) __shared__ X dropped[kTile * kTile];
-  alignas(32) __shared__ X ds[kTile * kTile];
-  alignas(32) __shared__ float out[kTile * kMaxHead];
+  X* kt = sh.take<X>(kTile * HD);
+  X* vt = sh.take<X>(kTile * HD);
+  X* qs = sh.take<X>(kTile * HD);
+  X* dos = sh.take<X>(kTile * HD);
+  float* st = sh.take<float>(kTile * kTile);
+  float* gt = sh.take<float>(kTile * kTile);
+  X* dropped = sh.take<X>(kTile * kTile);
+  X* ds = sh.take<X>(kTile * kTile);
+  float* out = sh.take<float>(kTile * HD);
   const float scale = hd.scale, keep = hd.keep;
   const int32_t* m = hd.mask(mask);
   stage(kt, hd.part(qkv, 1), hd.C3, j0, kTile, L, HD, lane);
@@ -392,6 +405,8 @@ __global__ void __launch_bounds__(32)
   for (int64_t i0 = 0; i0 < L; i0 += kTile) {
     stage(qs, hd.part(qkv, 0), hd.C3, i0, kTile, L, HD, lane);
     stage(dos, hd.rows(dctx), s.C, i0, kTile, L, HD, lane);
+    float dot[kTile];
+    row_dots(dot, hd, dctx, ctx16, i0);
     product_abt(st, kTile, qs, kt, HD, scale);
     product_abt(gt, kTile, dos, vt, HD, 1.0f);
     __syncwarp();
@@ -402,7 +417,7 @@ __global__ void __launch_bounds__(32)
         const BackwardElement x =
             backward_element(st[e], gt[e], m, j, lse[hd.row_value(i)], d, keep, hd.index0(d, i));
         p = x.P * x.k;
-        g = x.P * (x.g - dsum[hd.row_value(i)]);
+        g = x.P * (x.g - dot[e / kTile]);
       }
       rm::store(dropped + e, p);
       rm::store(ds + e, g);
@@ -421,6 +436,32 @@ __global__ void __launch_bounds__(32)
   }
   write_rows<NT>(hd.part(dqkv, 1), hd.C3, j0, L, dk, out, scale, lane);
   write_rows<NT>(hd.part(dqkv, 2), hd.C3, j0, L, dv, out, 1.0f, lane);
+}
+
+// The backward in one launch: blockIdx.x below the tiles of T a dQ block (16 query rows), from
+// there a dK, dV block (16 keys). The roles share nothing (each computes the D it needs), so they
+// run side by side; their shared memory is one buffer, the larger role's size.
+constexpr int64_t kDqSharedBytes = 2 * kTile * kMaxHead * 2 + 2 * kChunk32 * kMaxHead * 2 +
+                                   2 * kTile * kChunk32 * 4 + kTile * kChunk32 * 2 +
+                                   kTile * kMaxHead * 4;
+constexpr int64_t kDkvSharedBytes =
+    4 * kTile * kMaxHead * 2 + 2 * kTile * kTile * 4 + 2 * kTile * kTile * 2 + kTile * kMaxHead * 4;
+constexpr int64_t kBackwardSharedBytes =
+    kDqSharedBytes > kDkvSharedBytes ? kDqSharedBytes : kDkvSharedBytes;
+
+template <class X, int NT>
+__global__ void __launch_bounds__(32)
+    fused_backward_kernel(float* dqkv, const float* dctx, const X* qkv, const X* ctx16,
+                          const float* lse, const int32_t* mask, AttentionShape s, Dropout d) {
+  alignas(128) __shared__ unsigned char shared[kBackwardSharedBytes];
+  const int64_t tiles = gridDim.x / 2, x = blockIdx.x;
+  const bool dq = x < tiles;
+  const Block hd(s, d, dq ? x : x - tiles);
+  if (hd.idle()) return;
+  if (dq)
+    dq_tile<X, NT>(hd, Carve{shared}, dqkv, dctx, qkv, ctx16, lse, mask, d);
+  else
+    dkv_tile<X, NT>(hd, Carve{shared}, dqkv, dctx, qkv, ctx16, lse, mask, d);
 }
 
 // f(X*, NT) with the precision's operand type and the head's 16-column tiles.
@@ -465,20 +506,20 @@ void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels
 }
 
 void fused_attention_backward(Precision p, float* dqkv, const float* dctx, const uint16_t* qkv,
-                              const float* lse, const int32_t* mask, const AttentionShape& s,
-                              const Dropout& d) {
+                              const uint16_t* ctx16, const float* lse, const int32_t* mask,
+                              const AttentionShape& s, const Dropout& d) {
   if (s.B == 0) return;
-  const int64_t rows = s.starts ? s.rows : s.B * s.T;
-  float* dsum =
-      static_cast<float*>(scratch(kAttentionGradSlot, rows * s.NH * int64_t{sizeof(float)}));
+  BT_CHECK(ctx16,
+           "the fused attention's backward reads the context's 16-bit copy its forward wrote "
+           "(AttentionSaved::ctx16), and none was given");
   with_fused_types(p, s.C / s.NH, [&](auto* x, auto nt) {
     using X = std::remove_pointer_t<decltype(x)>;
-    const auto* q = reinterpret_cast<const X*>(qkv);
-    const auto attention_dq_fused = fused_dq_kernel<X, decltype(nt)::value>;
-    const auto attention_dkv_fused = fused_dkv_kernel<X, decltype(nt)::value>;
-    BT_LAUNCH(attention_dq_fused, tile_grid(s), 32)(dqkv, dsum, dctx, q, lse, mask, s, d);
-    BT_LAUNCH(attention_dkv_fused, tile_grid(s), 32)
-    (dqkv, dsum, dctx, q, lse, mask, s, d);
+    const auto attention_backward_fused = fused_backward_kernel<X, decltype(nt)::value>;
+    dim3 grid = tile_grid(s);
+    grid.x *= 2;  // (the dQ blocks, then the dK, dV blocks)
+    BT_LAUNCH(attention_backward_fused, grid, 32)
+    (dqkv, dctx, reinterpret_cast<const X*>(qkv), reinterpret_cast<const X*>(ctx16), lse, mask, s,
+     d);
   });
   check_launch();
 }

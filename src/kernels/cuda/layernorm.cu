@@ -1,7 +1,8 @@
 // LayerNorm and the fused blocks around it on the GPU, one warp per row running the row math the
 // CPU tests check (kernels/row_math.h): plain LayerNorm, dropout + residual + LayerNorm, the
-// embedding sum + LayerNorm + dropout, and their backward. The parameter gradients come from a
-// column kernel over all rows (deterministic: chunks of rows added in order, column_tickets.cuh).
+// embedding sum + LayerNorm + dropout, and their backward. The parameter gradients (and the
+// projection's bias gradient before a residual block) come from a column kernel over all rows
+// (deterministic: chunks of rows added in order, column_tickets.cuh).
 #include "kernels/cuda/column_tickets.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
@@ -64,12 +65,15 @@ __global__ void layernorm_backward_kernel(float* dinp, float* ddropped, uint16_t
 }
 
 // Chunk blockIdx.y of the rows (`per` rows each), a column per thread: its partial sums into
-// partial[chunk * C + c] (dgamma) and partial[(chunks + chunk) * C + c] (dbeta); the tile's last
-// block adds the chunks in order onto dgamma and dbeta (column_tickets.cuh).
-__global__ void layernorm_param_grads_kernel(float* dgamma, float* dbeta, float* partial,
-                                             unsigned* tickets, const float* dout, const float* in,
-                                             const float* mean, const float* rstd, int64_t N,
-                                             int64_t C, int64_t per) {
+// partial[chunk * C + c] (dgamma), partial[(chunks + chunk) * C + c] (dbeta) and, where dbias is
+// given, partial[(2 chunks + chunk) * C + c] (ddropped's: the projection's bias gradient); the
+// tile's last block adds the chunks in order onto them (column_tickets.cuh). The bias gradient's
+// chunks and order are column_sums' (matmul.cu): linear_backward's, bit for bit.
+__global__ void layernorm_param_grads_kernel(float* dgamma, float* dbeta, float* dbias,
+                                             float* partial, unsigned* tickets, const float* dout,
+                                             const float* in, const float* mean, const float* rstd,
+                                             const float* ddropped, int64_t N, int64_t C,
+                                             int64_t per) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t chunk = blockIdx.y, chunks = gridDim.y;
   if (c < C) {
@@ -77,25 +81,34 @@ __global__ void layernorm_param_grads_kernel(float* dgamma, float* dbeta, float*
     float* b = partial + (chunks + chunk) * C;
     g[c] = 0.0f;
     b[c] = 0.0f;
-    const int64_t end = (chunk + 1) * per < N ? (chunk + 1) * per : N;
-    rm::layernorm_param_grads(g, b, dout, in, mean, rstd, chunk * per, end, C, c);
+    const int64_t r0 = chunk * per, end = r0 + per < N ? r0 + per : N;
+    rm::layernorm_param_grads(g, b, dout, in, mean, rstd, r0, end, C, c);
+    if (dbias) {
+      float* d = partial + (2 * chunks + chunk) * C;
+      d[c] = 0.0f;
+      rm::column_sum(d, ddropped, r0, end, C, c);
+    }
   }
   if (last_chunk_of_tile(tickets) && c < C) {
     add_chunks(dgamma, partial, chunks, C, c);
     add_chunks(dbeta, partial + chunks * C, chunks, C, c);
+    if (dbias) add_chunks(dbias, partial + 2 * chunks * C, chunks, C, c);
   }
 }
 
 // Over chunks of rows in parallel (a column per thread over all N rows would leave most of the
-// GPU idle: C threads), then the chunks added in order, in one launch.
-void param_grads(float* dgamma, float* dbeta, const float* dout, const float* in, const float* mean,
-                 const float* rstd, int64_t N, int64_t C, cudaStream_t s) {
+// GPU idle: C threads), then the chunks added in order, in one launch; dbias (may be null): the
+// column sums of ddropped in the same launch.
+void param_grads(float* dgamma, float* dbeta, float* dbias, const float* dout, const float* in,
+                 const float* mean, const float* rstd, const float* ddropped, int64_t N, int64_t C,
+                 cudaStream_t s) {
   const int64_t chunks = column_chunks(N), per = (N + chunks - 1) / chunks;
   const unsigned tiles = blocks_for(C, kColumnTile);
-  auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, 2 * chunks * C * sizeof(float)));
+  const int64_t sums = dbias ? 3 : 2;
+  auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, sums * chunks * C * sizeof(float)));
   BT_LAUNCH(layernorm_param_grads_kernel, dim3(tiles, static_cast<unsigned>(chunks)), kColumnTile,
             0, s)
-  (dgamma, dbeta, partial, column_tickets(tiles), dout, in, mean, rstd, N, C, per);
+  (dgamma, dbeta, dbias, partial, column_tickets(tiles), dout, in, mean, rstd, ddropped, N, C, per);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -145,12 +158,12 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
 void layernorm_backward(float* dinp, float* dgamma, float* dbeta, const float* dout,
                         const float* inp, const float* gamma, const float* mean, const float* rstd,
                         int64_t N, int64_t C, void* stream) {
-  layernorm_dropout_backward(Precision::FP32, dinp, kernels::Kept{}, dgamma, dbeta, dout, inp,
-                             gamma, mean, rstd, N, C, false, kernels::Dropout{}, stream);
+  layernorm_dropout_backward(Precision::FP32, dinp, kernels::Kept{}, dgamma, dbeta, nullptr, dout,
+                             inp, gamma, mean, rstd, N, C, false, kernels::Dropout{}, stream);
 }
 
 void layernorm_dropout_backward(Precision p, float* dinp, kernels::Kept ddropped, float* dgamma,
-                                float* dbeta, const float* dout, const float* in,
+                                float* dbeta, float* dbias, const float* dout, const float* in,
                                 const float* gamma, const float* mean, const float* rstd, int64_t N,
                                 int64_t C, bool accumulate_dinp, const kernels::Dropout& d,
                                 void* stream) {
@@ -160,7 +173,8 @@ void layernorm_dropout_backward(Precision p, float* dinp, kernels::Kept ddropped
   (dinp, ddropped.f32, bits, p, dout, in, gamma, mean, rstd, N, C, accumulate_dinp, d.p, d.key,
    d.offset, d.rows);
   BT_CUDA_CHECK(cudaGetLastError());
-  param_grads(dgamma, dbeta, dout, in, mean, rstd, N, C, as_stream(stream));
+  BT_CHECK(!dbias || ddropped.f32, "layernorm_dropout_backward: a bias gradient without ddropped");
+  param_grads(dgamma, dbeta, dbias, dout, in, mean, rstd, ddropped.f32, N, C, as_stream(stream));
 }
 
 }  // namespace bertrain::cuda

@@ -231,6 +231,19 @@ void column_sums(float* db, const float* dout, int64_t M, int64_t N, cudaStream_
   column_sums_of(db, Elements{dout}, M, N, s);
 }
 
+// A matrix's elements, each rounded into bits (p's 16 bits) as it is read: the rounding pass of
+// a product's operand that sums the bias gradient too.
+struct RoundedElements {
+  Precision p;
+  const float* x;
+  uint16_t* bits;
+  __device__ float operator()(int64_t i) const {
+    const float v = x[i];
+    bits[i] = to_16(p, v);
+    return v;
+  }
+};
+
 // The pairs' matrices of up to kMaxPairProducts products at once: product j's pointers at
 // out + 3 n j, [0, n) of A, [n, 2n) of B, [2n, 3n) of C.
 struct PairOperands {
@@ -423,7 +436,12 @@ void linear_backward(Precision p, float* dinp, float* dw, float* db, kernels::Ke
   check_copy(w);
   const uint16_t* d = dout.bits;  // (its producer's copy: no rounding pass)
   if (!d) {
-    round_to_16(p, ws.half_a, dout.f32, M * N);
+    if (db && M > 0 && N > 0) {  // the rounding pass sums the bias gradient as it reads dout
+      column_sums_of(db, RoundedElements{p, dout.f32, ws.half_a}, M, N, nullptr);
+      db = nullptr;
+    } else {
+      round_to_16(p, ws.half_a, dout.f32, M * N);
+    }
     d = ws.half_a;
   }
   const uint16_t* x = in.bits;

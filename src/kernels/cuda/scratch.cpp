@@ -27,10 +27,7 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
     part(kAttentionScoresSlot) = k.precision == Precision::FP32 ? 0 : probs;
     part(kAttentionDroppedSlot) = k.precision == Precision::FP32 ? probs : 0;
     part(kAttentionGradSlot) = probs;
-  } else if (fused) {
-    // The fused kernels' (fused_attention.cu): each row's D = sum P g, dQ's for dK's and dV's.
-    part(kAttentionGradSlot) = a.B * a.NH * a.T * int64_t{sizeof(float)};
-  } else if (a.B > 0) {
+  } else if (a.B > 0 && !fused) {  // (the fused kernels need no scratch: fused_attention.cu)
     // The blocked kernel's block buffers (attention_products.h): scores and dd in fp32, the two
     // operand buffers (the dropped probabilities, dS) in the products' elements.
     part(kAttentionScoresSlot) = block_values(a) * int64_t{sizeof(float)};
@@ -42,8 +39,9 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
         3 * (attention ? kMaxPairProducts : 1) * a.B * a.NH * int64_t{sizeof(void*)};
   part(kMatmulWorkspaceSlot) = k.num_linears > 0 ? static_cast<int64_t>(kMatmulWorkspaceBytes) : 0;
   part(kMultiTensorSlot) = multi_tensor_bytes(k.parameters, k.tensors);
-  int64_t columns = 2 * column_chunks(k.tokens) * k.layernorm_width;  // (LayerNorm's)
-  for (int64_t i = 0; i < k.num_linears; ++i)                         // a bias gradient's
+  // (LayerNorm's: dgamma, dbeta and the bias gradient of the projection before it)
+  int64_t columns = 3 * column_chunks(k.tokens) * k.layernorm_width;
+  for (int64_t i = 0; i < k.num_linears; ++i)  // a bias gradient's
     columns = std::max(columns, column_chunks(k.linears[i].M) * k.linears[i].N);
   part(kColumnSumsSlot) = columns * int64_t{sizeof(float)};
   int64_t widest = k.layernorm_width;
