@@ -614,16 +614,16 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
       // cuBLASLt's workspace; full attention: [B, NH, T, T] fp32 scores in 16 bits, backward's
       // dropped probabilities in fp32, the probabilities' fp32 gradients; blocked: a block of 128
       // query rows of each for every (sequence, head): fp32 scores and gradients, and two
-      // operand buffers (the dropped probabilities, dS) in the products' elements; fused: a
-      // float a row, (sequence, head) pair (its D); the reductions' partial sums; a loss and a
-      // hit for each of the most rows a loss sees.
+      // operand buffers (the dropped probabilities, dS) in the products' elements; fused: none
+      // (each row's D is computed where it is needed); the reductions' partial sums; a loss and
+      // a hit for each of the most rows a loss sees.
       const ScratchLayout l =
           model::plan_kernel_scratch(c, model::Head::Pretraining, d, cuda::target());
       const int64_t probs = 8 * 4 * T * T * 4, block = 8 * 4 * 128 * T * 4;
       EXPECT_EQ(l.part[cuda::kMatmulWorkspaceSlot], int64_t{32} << 20);
       if (fused) {
         EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], 0);
-        EXPECT_EQ(l.part[cuda::kAttentionGradSlot], 8 * 4 * T * 4);
+        EXPECT_EQ(l.part[cuda::kAttentionGradSlot], 0);
         EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], 0);
       } else if (T == 512) {
         EXPECT_TRUE(d.blocked_attention());
@@ -646,11 +646,15 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
           l.part[cuda::kMultiTensorSlot],
           cuda::multi_tensor_bytes(table.total(), static_cast<int64_t>(table.params().size())));
       // Column sums' partials: the widest bias gradient (the intermediate layer's 256 columns)
-      // over its 8 x T rows in chunks of 64, more than LayerNorm's two of 64 columns.
-      EXPECT_EQ(l.part[cuda::kColumnSumsSlot], (8 * T / 64) * 256 * 4);
+      // over its 8 x T rows in chunks of 64, more than LayerNorm's three of 64 columns; where
+      // attention runs fused, more: its backward's QKV bias gradient, a row of 3 x 64 partial
+      // sums for every tile of 16 rows of the 8 sequences.
+      EXPECT_EQ(l.part[cuda::kColumnSumsSlot],
+                fused ? 8 * (T / 16) * 192 * 4 : (8 * T / 64) * 256 * 4);
       // Their tickets (column_tickets.cuh): one a tile of 256 columns of the widest bias, the
-      // masked-LM decoder's over the vocabulary of 300: 2.
-      EXPECT_EQ(l.part[cuda::kColumnTicketsSlot], 2 * 4);
+      // masked-LM decoder's over the vocabulary of 300: 2; fused, one for each head's Q, K and V
+      // columns: 12.
+      EXPECT_EQ(l.part[cuda::kColumnTicketsSlot], (fused ? 12 : 2) * 4);
       // Embedding backward's partial rows: at most 2 per 64 of the 8 x T tokens, 64 columns.
       EXPECT_EQ(l.part[cuda::kEmbeddingSlot], 2 * (8 * T / 64) * 64 * 4);
       EXPECT_EQ(gpu.group_bytes("kernels"), static_cast<size_t>(l.total()));

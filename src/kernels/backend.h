@@ -221,6 +221,16 @@ class Backend : public Target {
                                   AttentionSaved saved, const int32_t* mask,
                                   const AttentionShape& s, const Dropout& d,
                                   const Workspace& ws) const = 0;
+  // The same, with the QKV projection's bias gradient: dbias[3C] (may be null) += dqkv's column
+  // sums (its linear_backward then takes no db), and where dqkv.bits is given (a 16-bit
+  // precision) dqkv rounded there too (KeptIn: what that backward reads). A GPU's fused kernel
+  // writes both as it writes dqkv (one launch; the bias summed in another order than
+  // linear_backward's, within fp32 rounding); the default calls attention_backward, then sums
+  // and rounds.
+  virtual void attention_bias_backward(Precision p, Kept dqkv, float* dbias, const float* dctx,
+                                       Kept qkv, AttentionSaved saved, const int32_t* mask,
+                                       const AttentionShape& s, const Dropout& d,
+                                       const Workspace& ws) const;
 
   // -- activations (out / in kept in the precision: BF16 writes out.bits and in.bits, FP16
   //    rounds both and writes their bits; FP32 reads in.f32 and writes out.f32) --

@@ -44,6 +44,7 @@ struct KernelShapes {
   const LinearShape* linears = nullptr;
   int64_t num_linears = 0;
   AttentionShape attention{0, 0, 0, 0};
+  int64_t sequences = 0;  // the most sequences attention runs over (a packed batch's: past B)
   bool blocked_attention = false;
   int64_t layernorm_width = 0;  // the widest LayerNorm row (the hidden size)
   int64_t tokens = 0;           // the most tokens a pass runs (embedding, LayerNorm rows)

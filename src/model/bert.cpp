@@ -216,6 +216,7 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head,
   k.linears = linears.data();
   k.num_linears = static_cast<int64_t>(linears.size());
   k.attention = {R, T, C, NH};
+  k.sequences = B;
   k.blocked_attention = d.blocked_attention();
   k.layernorm_width = C;
   k.tokens = N;
@@ -668,8 +669,8 @@ int64_t BertModel::sequence_row(int64_t b, int64_t t) const {
   return t < cur_.packed.len(b) ? cur_.packed.start(b) + t : -1;
 }
 
-void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const float* dctx,
-                                 const StepOptions& opt) {
+void BertModel::packed_attention(int64_t l, bool forward, Kept dqkv, float* dbias,
+                                 const float* dctx, const StepOptions& opt) {
   const Packed& pk = cur_.packed;
   const int64_t C = cfg_.hidden_size, NH = cfg_.num_attention_heads, T = pk.T;
   const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
@@ -682,7 +683,8 @@ void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const flo
     if (forward)
       be_.attention_forward(prec_, a.ctx, a.saved, a.qkv, cur_.in.mask, all, d, ws_);
     else
-      be_.attention_backward(prec_, dqkv, dctx, a.qkv, a.saved, cur_.in.mask, all, d, ws_);
+      be_.attention_bias_backward(prec_, dqkv, dbias, dctx, a.qkv, a.saved, cur_.in.mask, all, d,
+                                  ws_);
     return;
   }
   int64_t saved = 0;  // values of the probabilities (or the log-sum-exp) the runs before used
@@ -703,8 +705,14 @@ void BertModel::packed_attention(int64_t l, bool forward, float* dqkv, const flo
       be_.attention_forward(prec_, {a.ctx.f32 + r0 * C, a.ctx.bits ? a.ctx.bits + r0 * C : nullptr},
                             sv, qkv, mask, s, d, ws_);
     else
-      be_.attention_backward(prec_, dqkv + r0 * 3 * C, dctx + r0 * C, qkv, sv, mask, s, d, ws_);
+      be_.attention_backward(prec_, dqkv.f32 + r0 * 3 * C, dctx + r0 * C, qkv, sv, mask, s, d, ws_);
   }
+  if (forward) return;
+  // The runs' rows at once (a pass each, not one a run): the bias gradient and the 16-bit copy.
+  const int64_t n = pk.real * 3 * C;
+  if (dbias) be_.bias_gradient(dbias, dqkv.f32, pk.real, 3 * C);
+  if (dqkv.bits && prec_ != Precision::FP32)
+    be_.round_to_16(prec_, dqkv.bits, dqkv.f32, n, nullptr);
 }
 
 void BertModel::prepare(const Batch& b, Staged& st, int slot) {
@@ -831,7 +839,7 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
   be_.linear_forward(prec_, a.qkv.f32, {const_cast<float*>(x), x16}, Wt(o.qkv_w), W(o.qkv_b), N,
                      3 * C, C, ws_);
   if (up) {
-    packed_attention(l, true, nullptr, nullptr, opt);
+    packed_attention(l, true, Kept{}, nullptr, nullptr, opt);
     // The dummy rows past the real tokens take no part in attention: zeros, not stale values
     // (and their kept bits: +0 in bf16 and fp16).
     const int64_t real = cur_.packed.real, dummy = (N - real) * C;
@@ -934,16 +942,19 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
                                  a.attn_res, W(o.ln1_w), a.ln1_mean, a.ln1_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kAttnOut, p.p_hidden, p.off_tc)));
   linear_backward(dA, o.attn_out_w, kBiasDone, dB16, a.ctx, N, C, C);
+  // dQKV with QKV's bias gradient and its 16-bit copy (the fused kernel's own, on a GPU)
   if (p.up) {
-    packed_attention(l, false, dI, dA, p.opt);
+    packed_attention(l, false, dI16, G(o.qkv_b), dA, p.opt);
     // The dummy rows: no gradient reaches the QKV weights from them.
-    be_.zero(dI + cur_.packed.real * 3 * C,
-             static_cast<int64_t>(f32s((N - cur_.packed.real) * 3 * C)));
+    const int64_t dummies = (N - cur_.packed.real) * 3 * C, first = cur_.packed.real * 3 * C;
+    be_.zero(dI + first, static_cast<int64_t>(f32s(dummies)));
+    if (dI16.bits) be_.zero(dI16.bits + first, dummies * int64_t{sizeof(uint16_t)});
   } else {
-    be_.attention_backward(prec_, dI, dA, a.qkv, a.saved, cur_.in.mask, {p.B, p.T, C, NH},
-                           p.site(l + 1, kAttnProbs, p_attn, off_probs), ws_);
+    be_.attention_bias_backward(prec_, dI16, G(o.qkv_b), dA, a.qkv, a.saved, cur_.in.mask,
+                                {p.B, p.T, C, NH}, p.site(l + 1, kAttnProbs, p_attn, off_probs),
+                                ws_);
   }
-  linear_backward(dh, o.qkv_w, o.qkv_b, dI, {x, input16(l)}, N, 3 * C, C,
+  linear_backward(dh, o.qkv_w, kBiasDone, dI16, {x, input16(l)}, N, 3 * C, C,
                   /*accumulate=*/true);  // dh = d x (residual + attention path)
 }
 

@@ -419,8 +419,8 @@ class BertModel {
   void classifier_forward(const Pass& p, Losses& out);
   void classifier_backward(const Pass& p, float loss_scale, float* dpooled);
   // The attention core of layer l over the packed rows, forward or backward (one call per run).
-  void packed_attention(int64_t l, bool forward, float* dqkv, const float* dctx,
-                        const StepOptions& opt);
+  void packed_attention(int64_t l, bool forward, kernels::Kept dqkv, float* dbias,
+                        const float* dctx, const StepOptions& opt);
   // Layer l's input's 16-bit copy: the previous layer's output's (null for the first layer,
   // whose products round the embeddings' output, and where the matmuls read fp32).
   uint16_t* input16(int64_t l) const;

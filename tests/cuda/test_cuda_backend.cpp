@@ -406,6 +406,70 @@ TEST(CudaBackend, FusedAttentionTakesVariableLengthsInOneCall) {
   }
 }
 
+// QKV's bias gradient and dQKV's 16-bit copy with attention's backward (attention_bias_backward):
+// the fused kernel writes both as it writes dqkv (one launch; dqkv's fp32 values bit for bit as
+// without them, the copy each value rounded, the bias its column sums within fp32 summation
+// order: rtol 1e-5), for padded sequences and variable lengths (the rows between sequences left
+// out), twice in a row (the tickets back at zero: the second call adds the same); the products'
+// version rounds and sums in one pass more.
+TEST(CudaBackend, AttentionBackwardWritesQkvsBiasGradientAndCopy) {
+  SKIP_WITHOUT_GPU();
+  const int64_t C = 64, NH = 4, T = 40;
+  const std::vector<int32_t> starts_h = {0, 40, 57, 90};  // lengths 40, 17, 33; 6 rows after
+  for (bool varlen : {false, true})
+    for (bool fused : {true, false}) {
+      if (varlen && !fused) continue;  // (variable lengths are the fused kernel's)
+      const Precision p = Precision::BF16;
+      SCOPED_TRACE(testing::Message()
+                   << (varlen ? "variable lengths " : "padded ") << (fused ? "fused" : "products"));
+      const int64_t B = varlen ? 3 : 2, rows = varlen ? starts_h.back() + 6 : B * T;
+      Twin<int32_t> starts(starts_h);
+      kernels::AttentionShape s{B, T, C, NH};
+      if (varlen) {
+        s.starts = starts.dev();
+        s.rows = rows;
+      }
+      std::vector<int32_t> mask_h(rows, 1);
+      mask_h[rows - 9] = 0;
+      const kernels::Dropout d{0.1f, 5, 11, nullptr};
+      Twin<int32_t> mask(mask_h);
+      Twin<float> qkv(random_vector(rows * 3 * C, 1)), ctx(rows * C),
+          dctx(random_vector(rows * C, 2)), lse(rows * NH), plain(rows * 3 * C), dqkv(rows * 3 * C),
+          dbias(random_vector(3 * C, 3));
+      Twin<uint16_t> qkv16(rows * 3 * C), ctx16(rows * C), dctx16(rows * C), dqkv16(rows * 3 * C);
+      cuda::set_fused_attention(fused);
+      kernels::AttentionSaved saved;
+      saved.lse = lse.dev();
+      saved.ctx16 = ctx16.dev();
+      kernels::Workspace ws;
+      ws.attn_dctx16 = dctx16.dev();
+      const Kept x{qkv.dev(), qkv16.dev()};
+      gpu().attention_forward(p, {ctx.dev(), ctx16.dev()}, saved, x, mask.dev(), s, d, ws);
+      gpu().attention_backward(p, plain.dev(), dctx.dev(), x, saved, mask.dev(), s, d, ws);
+      const int64_t l0 = cuda::device_counts().launches;
+      for (int call = 0; call < 2; ++call)
+        gpu().attention_bias_backward(p, {dqkv.dev(), dqkv16.dev()}, dbias.dev(), dctx.dev(), x,
+                                      saved, mask.dev(), s, d, ws);
+      const int64_t launches = cuda::device_counts().launches - l0;
+      cuda::synchronize();
+      cuda::set_fused_attention(true);
+      const std::vector<float> got = dqkv.back(), bias = dbias.back();
+      const std::vector<uint16_t> bits = dqkv16.back();
+      EXPECT_EQ(got, plain.back());
+      const int64_t used = varlen ? starts_h.back() : rows;
+      for (int64_t i = 0; i < used * 3 * C; ++i) ASSERT_EQ(bits[i], f32_to_bf16(got[i])) << i;
+      std::vector<float> want(3 * C);
+      for (int64_t c = 0; c < 3 * C; ++c) {
+        double sum = 0.0;
+        for (int64_t r = 0; r < used; ++r) sum += got[r * 3 * C + c];
+        want[c] = static_cast<float>(dbias.h[c] + 2.0 * sum);
+      }
+      EXPECT_TRUE(all_close("dbias", bias.data(), want.data(), 3 * C, 1e-5, 1e-5));
+      // (the products' backward: its launches, then one pass for the bias and the copy, a call)
+      if (fused) EXPECT_EQ(launches, 2) << "one launch a call";
+    }
+}
+
 // The 16-bit activations, the elementwise ops, the row gathers and the regression loss.
 TEST(CudaBackend, ElementwiseAndRowOpsMatchCpu) {
   SKIP_WITHOUT_GPU();

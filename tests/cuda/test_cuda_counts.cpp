@@ -145,9 +145,10 @@ TEST(CudaCounts, LaunchesPerLayerAndHostSyncsPerStep) {
   // the LayerNorms write their outputs' 16-bit copies, kept for backward (the next products'
   // inputs both ways), and the output gradients' rounding is their producers' (the 16-bit
   // dataflow); the output projections' bias gradients summed with their LayerNorm's parameter
-  // gradients, QKV's as its output gradient is rounded. 45 a layer before the dataflow, 42
-  // before the fused attention, 31 before the LayerNorms' copies, 29 before they were kept, 27
-  // before the bias gradients joined other passes, 24 before attention's backward was one kernel.
+  // gradients, QKV's and dQKV's 16-bit copy by the attention's backward kernel as it writes
+  // dQKV. 45 a layer before the dataflow, 42 before the fused attention, 31 before the
+  // LayerNorms' copies, 29 before they were kept, 27 before the bias gradients joined other
+  // passes, 24 before attention's backward was one kernel, 23 before it wrote QKV's.
   // With the padding skipped the same: one call for every sequence, each over its length.
   for (bool unpadded : {false, true}) {
     const Counted bf2 = count_steps(2, unpadded, 2, train::OptimizerKind::AdamW, false,
@@ -156,7 +157,7 @@ TEST(CudaCounts, LaunchesPerLayerAndHostSyncsPerStep) {
                                     Precision::BF16);
     std::printf("%s, bf16: %.0f launches a layer (forward + backward)\n",
                 unpadded ? "padding skipped" : "padded", bf3.launches - bf2.launches);
-    EXPECT_LE(bf3.launches - bf2.launches, 23) << "bf16 launches a layer";
+    EXPECT_LE(bf3.launches - bf2.launches, 22) << "bf16 launches a layer";
   }
   // LAMB's trust ratios are the device's too (no read of the norms, no upload of the steps).
   const Counted lamb = count_steps(2, false, 2, train::OptimizerKind::Lamb);

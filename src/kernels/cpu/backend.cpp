@@ -340,6 +340,20 @@ void Backend::activation_bias_backward(Precision p, Activation a, Kept dinp, flo
   if (dinp.bits && p != Precision::FP32) round_to_16(p, dinp.bits, dinp.f32, M * N, nullptr);
 }
 
+void Backend::attention_bias_backward(Precision p, Kept dqkv, float* dbias, const float* dctx,
+                                      Kept qkv, AttentionSaved saved, const int32_t* mask,
+                                      const AttentionShape& s, const Dropout& d,
+                                      const Workspace& ws) const {
+  attention_backward(p, dqkv.f32, dctx, qkv, saved, mask, s, d, ws);
+  if (!dbias && !dqkv.bits) return;
+  BT_CHECK(!s.starts,
+           "attention_bias_backward: variable lengths (AttentionShape::starts) leave rows "
+           "between the sequences, which only a fused kernel's own sums skip");
+  const int64_t M = s.B * s.T, N = 3 * s.C;
+  if (dbias) bias_gradient(dbias, dqkv.f32, M, N);
+  if (dqkv.bits && p != Precision::FP32) round_to_16(p, dqkv.bits, dqkv.f32, M * N, nullptr);
+}
+
 void Backend::bias_gradient(float* db, const float* dout, int64_t M, int64_t N) const {
   // (fp32's bias gradient alone: the column sums every precision's linear_backward adds)
   linear_backward(Precision::FP32, nullptr, nullptr, db, KeptIn{dout}, Kept{}, Weight{}, M, N, 0,

@@ -192,12 +192,30 @@ void attention_products_forward(Precision p, float* ctx, kernels::AttentionSaved
   gemm_pairs(g.o, at, 1, products[1]);
 }
 
-void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
+namespace {
+void products_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
+                       kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
+                       const Dropout& d, const kernels::Workspace& ws);
+}  // namespace
+
+void attention_backward(Precision p, Kept dqkv, float* dbias, const float* dctx, Kept qkv,
                         kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
                         const Dropout& d, const kernels::Workspace& ws) {
   if (saved.blocked() && fused_attention_runs(p, s))  // (dctx rounded as it is read)
-    return fused_attention_backward(p, dqkv, dctx, qkv.bits, saved.ctx16, saved.lse, mask, s, d);
+    return fused_attention_backward(p, dqkv, dbias, dctx, qkv.bits, saved.ctx16, saved.lse, mask, s,
+                                    d);
   BT_CHECK(!s.starts, "attention_backward: variable lengths need the fused kernel");
+  products_backward(p, dqkv.f32, dctx, qkv, saved, mask, s, d, ws);
+  // (the 16-bit copy and the bias gradient in one pass over dqkv)
+  rounded_column_sums(p, dbias, dqkv.f32, p != Precision::FP32 ? dqkv.bits : nullptr, s.B * s.T,
+                      3 * s.C);
+}
+
+namespace {
+// The blocked kernel's products, or the full kernel's: dqkv (=).
+void products_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
+                       kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
+                       const Dropout& d, const kernels::Workspace& ws) {
   const AttentionDims g(p, s);
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_probs = g.n_probs;
   const bool half = p != Precision::FP32, f16 = p == Precision::FP16;
@@ -256,5 +274,6 @@ void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
   gemm_pairs(g.o, at, 2, products[2]);  // dQ
   gemm_pairs(g.o, at, 3, products[3]);  // dK
 }
+}  // namespace
 
 }  // namespace bertrain::cuda

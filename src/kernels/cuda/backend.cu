@@ -356,7 +356,14 @@ class CudaBackend final : public kernels::Backend {
                           const AttentionShape& s, const Dropout& d,
                           const kernels::Workspace& ws) const override {
     const Op op("attention_backward");
-    cuda::attention_backward(p, dqkv, dctx, qkv, saved, mask, s, d, ws);
+    cuda::attention_backward(p, Kept{dqkv}, nullptr, dctx, qkv, saved, mask, s, d, ws);
+  }
+  void attention_bias_backward(Precision p, Kept dqkv, float* dbias, const float* dctx, Kept qkv,
+                               kernels::AttentionSaved saved, const int32_t* mask,
+                               const AttentionShape& s, const Dropout& d,
+                               const kernels::Workspace& ws) const override {
+    const Op op("attention_bias_backward");
+    cuda::attention_backward(p, dqkv, dbias, dctx, qkv, saved, mask, s, d, ws);
   }
   void activation_forward(Precision p, Activation a, Kept out, Kept in, int64_t n) const override {
     const Op op("activation_forward");

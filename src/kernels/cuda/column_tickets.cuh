@@ -13,18 +13,23 @@
 namespace bertrain::cuda {
 
 // Every thread of the block calls it after writing its partial sums: true in the block that
-// took its tile's last ticket (it then reads every chunk's partials through volatile loads and
-// adds them); that block has put the ticket back to zero for the next launch.
-__device__ inline bool last_chunk_of_tile(unsigned* tickets) {
+// took the last of `count` tickets (it then reads every block's partials through volatile loads
+// and adds them); that block has put the ticket back to zero for the next launch.
+__device__ inline bool last_ticket(unsigned* ticket, unsigned count) {
   __shared__ bool last;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    last = atomicAdd(tickets + blockIdx.x, 1u) == gridDim.y - 1;
-    if (last) tickets[blockIdx.x] = 0;  // (every other block of the tile has taken its ticket)
+    last = atomicAdd(ticket, 1u) == count - 1;
+    if (last) *ticket = 0;  // (every other block has taken its ticket)
   }
   __syncthreads();
   return last;
+}
+
+// A grid of (column tiles, chunks of rows): whether this block is its tile's last.
+__device__ inline bool last_chunk_of_tile(unsigned* tickets) {
+  return last_ticket(tickets + blockIdx.x, gridDim.y);
 }
 
 // out[c] += the chunks' partials partial[k * stride + c] added in order (as row_math's

@@ -69,6 +69,10 @@ void linear_forward(Precision o, float* out, const void* in, const void* w, cons
 void linear_backward(Precision o, float* dinp, float* dw, float* db, const void* dout,
                      const float* dout_f32, const void* in, const void* w, int64_t M, int64_t N,
                      int64_t K, bool accumulate_dinp, void* stream = nullptr);
+// db[N] (may be null) += x[M,N]'s column sums (column_sums' chunks and order: linear_backward's
+// bits) and bits (may be null; a 16-bit p) = x rounded, in one pass over x.
+void rounded_column_sums(Precision p, float* db, const float* x, uint16_t* bits, int64_t M,
+                         int64_t N, void* stream = nullptr);
 
 // Backend::linear_forward / linear_backward (kernels/backend.h) in precision p, the one place
 // the GPU's linear layers dispatch on it: 16-bit precisions read the weights' 16-bit copy and
@@ -186,14 +190,16 @@ void attention_softmax_backward(float* ds, const float* dd, const float* probs,
                                 const kernels::AttentionShape& s, const kernels::Dropout& d,
                                 void* stream = nullptr);
 
-// Backend::attention_forward / attention_backward (kernels/backend.h) in precision p
+// Backend::attention_forward / attention_bias_backward (kernels/backend.h) in precision p
 // (attention.cu): the full kernel, or the blocked (flash-style) one where `saved` keeps only the
 // row log-sum-exp; the one place the GPU's attention dispatches on the precision and the kernel.
+// Backward's dbias and dqkv.bits (each may be null): the fused kernel's own, else one pass over
+// dqkv (rounded_column_sums).
 void attention_forward(Precision p, kernels::Kept ctx, kernels::AttentionSaved saved,
                        kernels::Kept qkv, const int32_t* mask, const kernels::AttentionShape& s,
                        const kernels::Dropout& d, const kernels::Workspace& ws);
-void attention_backward(Precision p, float* dqkv, const float* dctx, kernels::Kept qkv,
-                        kernels::AttentionSaved saved, const int32_t* mask,
+void attention_backward(Precision p, kernels::Kept dqkv, float* dbias, const float* dctx,
+                        kernels::Kept qkv, kernels::AttentionSaved saved, const int32_t* mask,
                         const kernels::AttentionShape& s, const kernels::Dropout& d,
                         const kernels::Workspace& ws);
 
@@ -207,9 +213,13 @@ void attention_backward(Precision p, float* dqkv, const float* dctx, kernels::Ke
 void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels::Kept qkv,
                              const int32_t* mask, const kernels::AttentionShape& s,
                              const kernels::Dropout& d);
-void fused_attention_backward(Precision p, float* dqkv, const float* dctx, const uint16_t* qkv,
-                              const uint16_t* ctx16, const float* lse, const int32_t* mask,
-                              const kernels::AttentionShape& s, const kernels::Dropout& d);
+// Backward's dqkv.bits and dbias (each may be null): dqkv rounded, and += its column sums over
+// the sequences' rows (partial sums a tile of 16 rows, added in order by the last block of each
+// head's Q, K or V columns: column_tickets.cuh).
+void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, const float* dctx,
+                              const uint16_t* qkv, const uint16_t* ctx16, const float* lse,
+                              const int32_t* mask, const kernels::AttentionShape& s,
+                              const kernels::Dropout& d);
 
 // Softmax cross-entropy of N rows of V logits with its gradient (dlogits may be null or alias
 // logits; weights may be null); losses and correct (optional) receive each row's loss and hit.

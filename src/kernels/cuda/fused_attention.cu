@@ -17,6 +17,8 @@
 //                context's kept 16-bit copy, by whichever block needs it, so neither kind waits
 //                for the other (the CPU's blocked kernel sums P g: the two differ by the
 //                context's rounding).
+//                Where asked, each block also rounds what it writes into dQKV's 16-bit copy
+//                (what QKV's backward reads) and sums its columns for QKV's bias gradient.
 // Variable lengths directly: AttentionShape::starts (the sequences' first rows, as
 // FlashAttention's cumulative offsets) makes one launch run every sequence of a packed or
 // unpadded batch, each over its own length; without it sequence b is rows [b T, b T + T).
@@ -30,6 +32,7 @@
 #include <type_traits>
 
 #include "core/error.h"
+#include "kernels/cuda/column_tickets.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda.h"
 #include "kernels/cuda/lanes.cuh"
@@ -183,10 +186,12 @@ __device__ void product_abt(float* out, int64_t ld, const X* a, const X* b, int6
 
 // The accumulators' rows (row-major [16, HD] through `tile`, fp32) times scale, those before L,
 // into a head's part (row stride ld) from row first; where `bits` is given also rounded to the
-// operand X there (keep's contract: FP16 writes the rounded value in fp32 too).
+// operand X there (with `keep`, keep's contract: FP16 writes the rounded value in fp32 too).
+// `tile` keeps the accumulators (tile_column_sums).
 template <int NT, class X = rm::Bf16Bits>
 __device__ void write_rows(float* dst, int64_t ld, int64_t first, int64_t L, Acc (&acc)[NT],
-                           float* tile, float scale, int lane, X* bits = nullptr) {
+                           float* tile, float scale, int lane, X* bits = nullptr,
+                           bool keep = true) {
   const int64_t HD = NT * 16;
   __syncwarp();
   for (int n = 0; n < NT; ++n)
@@ -201,7 +206,21 @@ __device__ void write_rows(float* dst, int64_t ld, int64_t first, int64_t L, Acc
       continue;
     }
     rm::store(bits + at, v);
-    dst[at] = std::is_same_v<X, rm::F16Bits> ? rm::widen(bits[at]) : v;
+    dst[at] = keep && std::is_same_v<X, rm::F16Bits> ? rm::widen(bits[at]) : v;
+  }
+}
+
+// The column sums of the rows write_rows wrote (scale times `tile`'s accumulators, the rows
+// before L in order) into partial[HD]: a tile's partial sums of the bias gradient.
+template <int NT>
+__device__ void tile_column_sums(float* partial, const float* tile, float scale, int64_t first,
+                                 int64_t L, int lane) {
+  constexpr int HD = NT * 16;
+  __syncwarp();
+  for (int c = lane; c < HD; c += 32) {
+    float v = 0.0f;
+    for (int r = 0; r < kTile && first + r < L; ++r) v += scale * tile[r * HD + c];
+    partial[c] = v;
   }
 }
 
@@ -318,8 +337,9 @@ struct Carve {
 // The dQ role: a block's 16 query rows. S and dd = dO V^T again, 32 keys at a time; dS = P (g - D)
 // rounded, dQ = scale dS K.
 template <class X, int NT>
-__device__ void dq_tile(const Block& hd, Carve sh, float* dqkv, const float* dctx, const X* qkv,
-                        const X* ctx16, const float* lse, const int32_t* mask, const Dropout& d) {
+__device__ void dq_tile(const Block& hd, Carve sh, float* dqkv, X* dqkv16, float* prow,
+                        const float* dctx, const X* qkv, const X* ctx16, const float* lse,
+                        const int32_t* mask, const Dropout& d) {
   constexpr int HD = NT * 16;
   const AttentionShape& s = hd.s;
   const int64_t i0 = hd.first, L = hd.q.L;
@@ -371,15 +391,18 @@ __device__ void dq_tile(const Block& hd, Carve sh, float* dqkv, const float* dct
       }
     }
   }
-  write_rows<NT>(hd.part(dqkv, 0), hd.C3, i0, L, dq, out, scale, lane);
+  write_rows<NT>(hd.part(dqkv, 0), hd.C3, i0, L, dq, out, scale, lane,
+                 dqkv16 ? hd.part(dqkv16, 0) : nullptr, false);
+  if (prow) tile_column_sums<NT>(prow + hd.h * HD, out, scale, i0, L, lane);
 }
 
 // The dK, dV role: a block's 16 keys, over the query tiles: S, dd, P, g, D and dS again (the same
 // operations on the same values: the same bits as the dQ role's), dV += dropped^T dO,
 // dK += scale dS^T Q.
 template <class X, int NT>
-__device__ void dkv_tile(const Block& hd, Carve sh, float* dqkv, const float* dctx, const X* qkv,
-                         const X* ctx16, const float* lse, const int32_t* mask, const Dropout& d) {
+__device__ void dkv_tile(const Block& hd, Carve sh, float* dqkv, X* dqkv16, float* prow,
+                         const float* dctx, const X* qkv, const X* ctx16, const float* lse,
+                         const int32_t* mask, const Dropout& d) {
   constexpr int HD = NT * 16;
   const AttentionShape& s = hd.s;
   const int64_t j0 = hd.first, L = hd.q.L;
@@ -434,13 +457,20 @@ __device__ void dkv_tile(const Block& hd, Carve sh, float* dqkv, const float* dc
       wmma::mma_sync(dk[n], dst, q, dk[n]);
     }
   }
-  write_rows<NT>(hd.part(dqkv, 1), hd.C3, j0, L, dk, out, scale, lane);
-  write_rows<NT>(hd.part(dqkv, 2), hd.C3, j0, L, dv, out, 1.0f, lane);
+  write_rows<NT>(hd.part(dqkv, 1), hd.C3, j0, L, dk, out, scale, lane,
+                 dqkv16 ? hd.part(dqkv16, 1) : nullptr, false);
+  if (prow) tile_column_sums<NT>(prow + s.C + hd.h * HD, out, scale, j0, L, lane);
+  write_rows<NT>(hd.part(dqkv, 2), hd.C3, j0, L, dv, out, 1.0f, lane,
+                 dqkv16 ? hd.part(dqkv16, 2) : nullptr, false);
+  if (prow) tile_column_sums<NT>(prow + 2 * s.C + hd.h * HD, out, 1.0f, j0, L, lane);
 }
 
 // The backward in one launch: blockIdx.x below the tiles of T a dQ block (16 query rows), from
 // there a dK, dV block (16 keys). The roles share nothing (each computes the D it needs), so they
-// run side by side; their shared memory is one buffer, the larger role's size.
+// run side by side; their shared memory is one buffer, the larger role's size. Where dbias is
+// given, each block writes its tile's column sums of what it wrote (zeros where its tile is past
+// the sequence) into partial row b * tiles + tile, and the last block of a head's Q, K or V
+// columns adds those rows in order onto dbias (column_tickets.cuh): deterministic, one launch.
 constexpr int64_t kDqSharedBytes = 2 * kTile * kMaxHead * 2 + 2 * kChunk32 * kMaxHead * 2 +
                                    2 * kTile * kChunk32 * 4 + kTile * kChunk32 * 2 +
                                    kTile * kMaxHead * 4;
@@ -451,17 +481,32 @@ constexpr int64_t kBackwardSharedBytes =
 
 template <class X, int NT>
 __global__ void __launch_bounds__(32)
-    fused_backward_kernel(float* dqkv, const float* dctx, const X* qkv, const X* ctx16,
-                          const float* lse, const int32_t* mask, AttentionShape s, Dropout d) {
+    fused_backward_kernel(float* dqkv, X* dqkv16, float* dbias, float* partial, unsigned* tickets,
+                          const float* dctx, const X* qkv, const X* ctx16, const float* lse,
+                          const int32_t* mask, AttentionShape s, Dropout d) {
+  constexpr int HD = NT * 16;
   alignas(128) __shared__ unsigned char shared[kBackwardSharedBytes];
   const int64_t tiles = gridDim.x / 2, x = blockIdx.x;
   const bool dq = x < tiles;
-  const Block hd(s, d, dq ? x : x - tiles);
-  if (hd.idle()) return;
-  if (dq)
-    dq_tile<X, NT>(hd, Carve{shared}, dqkv, dctx, qkv, ctx16, lse, mask, d);
-  else
-    dkv_tile<X, NT>(hd, Carve{shared}, dqkv, dctx, qkv, ctx16, lse, mask, d);
+  const int64_t tile = dq ? x : x - tiles;
+  const Block hd(s, d, tile);
+  float* prow = dbias ? partial + (hd.b * tiles + tile) * hd.C3 : nullptr;
+  const int first_part = dq ? 0 : 1, parts = dq ? 1 : 2;
+  if (!hd.idle()) {
+    if (dq)
+      dq_tile<X, NT>(hd, Carve{shared}, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
+    else
+      dkv_tile<X, NT>(hd, Carve{shared}, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
+  } else if (prow) {
+    for (int k = first_part; k < first_part + parts; ++k)
+      for (int c = hd.lane; c < HD; c += 32) prow[k * s.C + hd.h * HD + c] = 0.0f;
+  }
+  if (!dbias) return;
+  const unsigned blocks = gridDim.z * static_cast<unsigned>(tiles);  // (a column's partial rows)
+  for (int k = first_part; k < first_part + parts; ++k)
+    if (last_ticket(tickets + k * s.NH + hd.h, blocks))
+      for (int c = hd.lane; c < HD; c += 32)
+        add_chunks(dbias, partial, blocks, hd.C3, k * s.C + hd.h * HD + c);
 }
 
 // f(X*, NT) with the precision's operand type and the head's 16-column tiles.
@@ -505,21 +550,29 @@ void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels
   check_launch();
 }
 
-void fused_attention_backward(Precision p, float* dqkv, const float* dctx, const uint16_t* qkv,
-                              const uint16_t* ctx16, const float* lse, const int32_t* mask,
-                              const AttentionShape& s, const Dropout& d) {
+void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, const float* dctx,
+                              const uint16_t* qkv, const uint16_t* ctx16, const float* lse,
+                              const int32_t* mask, const AttentionShape& s, const Dropout& d) {
   if (s.B == 0) return;
   BT_CHECK(ctx16,
            "the fused attention's backward reads the context's 16-bit copy its forward wrote "
            "(AttentionSaved::ctx16), and none was given");
+  const int64_t tiles = (s.T + kTile - 1) / kTile;
+  float* partial = nullptr;
+  unsigned* tickets = nullptr;
+  if (dbias) {
+    partial = static_cast<float*>(scratch(
+        kColumnSumsSlot, fused_attention_tiles(s.B, s.T) * 3 * s.C * int64_t{sizeof(float)}));
+    tickets = column_tickets(3 * s.NH);
+  }
   with_fused_types(p, s.C / s.NH, [&](auto* x, auto nt) {
     using X = std::remove_pointer_t<decltype(x)>;
     const auto attention_backward_fused = fused_backward_kernel<X, decltype(nt)::value>;
     dim3 grid = tile_grid(s);
-    grid.x *= 2;  // (the dQ blocks, then the dK, dV blocks)
+    grid.x = static_cast<unsigned>(2 * tiles);  // (the dQ blocks, then the dK, dV blocks)
     BT_LAUNCH(attention_backward_fused, grid, 32)
-    (dqkv, dctx, reinterpret_cast<const X*>(qkv), reinterpret_cast<const X*>(ctx16), lse, mask, s,
-     d);
+    (dqkv.f32, reinterpret_cast<X*>(dqkv.bits), dbias, partial, tickets, dctx,
+     reinterpret_cast<const X*>(qkv), reinterpret_cast<const X*>(ctx16), lse, mask, s, d);
   });
   check_launch();
 }

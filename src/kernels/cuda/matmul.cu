@@ -244,6 +244,22 @@ struct RoundedElements {
   }
 };
 
+}  // namespace
+
+void rounded_column_sums(Precision p, float* db, const float* x, uint16_t* bits, int64_t M,
+                         int64_t N, void* stream) {
+  if (M == 0 || N == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  if (bits && p != Precision::FP32 && db)
+    column_sums_of(db, RoundedElements{p, x, bits}, M, N, s);
+  else if (db)
+    column_sums(db, x, M, N, s);
+  else if (bits && p != Precision::FP32)
+    round_to_16(p, bits, x, M * N, stream);
+}
+
+namespace {
+
 // The pairs' matrices of up to kMaxPairProducts products at once: product j's pointers at
 // out + 3 n j, [0, n) of A, [n, 2n) of B, [2n, 3n) of C.
 struct PairOperands {
@@ -435,13 +451,9 @@ void linear_backward(Precision p, float* dinp, float* dw, float* db, kernels::Ke
                            accumulate_dinp);
   check_copy(w);
   const uint16_t* d = dout.bits;  // (its producer's copy: no rounding pass)
-  if (!d) {
-    if (db && M > 0 && N > 0) {  // the rounding pass sums the bias gradient as it reads dout
-      column_sums_of(db, RoundedElements{p, dout.f32, ws.half_a}, M, N, nullptr);
-      db = nullptr;
-    } else {
-      round_to_16(p, ws.half_a, dout.f32, M * N);
-    }
+  if (!d) {                       // (the rounding pass sums the bias gradient as it reads dout)
+    rounded_column_sums(p, db, dout.f32, ws.half_a, M, N, nullptr);
+    db = nullptr;
     d = ws.half_a;
   }
   const uint16_t* x = in.bits;

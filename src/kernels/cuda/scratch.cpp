@@ -43,10 +43,16 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
   int64_t columns = 3 * column_chunks(k.tokens) * k.layernorm_width;
   for (int64_t i = 0; i < k.num_linears; ++i)  // a bias gradient's
     columns = std::max(columns, column_chunks(k.linears[i].M) * k.linears[i].N);
+  // (the fused attention's backward: QKV's bias gradient, a row of partial sums a tile of rows
+  // of every sequence, a ticket a head's Q, K or V columns)
+  if (fused)
+    columns = std::max(columns, fused_attention_tiles(std::max(a.B, k.sequences), a.T) * 3 * a.C);
   part(kColumnSumsSlot) = columns * int64_t{sizeof(float)};
   int64_t widest = k.layernorm_width;
   for (int64_t i = 0; i < k.num_linears; ++i) widest = std::max(widest, k.linears[i].N);
-  part(kColumnTicketsSlot) = (widest + kColumnTile - 1) / kColumnTile * int64_t{sizeof(unsigned)};
+  int64_t tickets = (widest + kColumnTile - 1) / kColumnTile;
+  if (fused) tickets = std::max(tickets, 3 * a.NH);
+  part(kColumnTicketsSlot) = tickets * int64_t{sizeof(unsigned)};
   part(kEmbeddingSlot) =
       kernels::max_partials(k.tokens) * k.layernorm_width * int64_t{sizeof(float)};
   return l;
@@ -86,6 +92,10 @@ void set_fused_attention(bool on) {
 
 bool fused_attention_length(Precision p, int64_t T) {
   return fused_attention_enabled() && p != Precision::FP32 && T <= kFusedAttentionTokens;
+}
+
+int64_t fused_attention_tiles(int64_t sequences, int64_t T) {
+  return sequences * ((T + 15) / 16);
 }
 
 bool fused_attention_runs(Precision p, const kernels::AttentionShape& s) {

@@ -75,5 +75,8 @@ bool fused_attention_enabled();
 void set_fused_attention(bool on);
 bool fused_attention_length(Precision p, int64_t T);
 bool fused_attention_runs(Precision p, const kernels::AttentionShape& s);
+// The fused backward's tiles of 16 rows over `sequences` sequences of at most T tokens: its rows
+// of partial sums of QKV's bias gradient.
+int64_t fused_attention_tiles(int64_t sequences, int64_t T);
 
 }  // namespace bertrain::cuda
