@@ -183,7 +183,7 @@ class BertModel {
   const ParamTable& table() const { return table_; }
   const ModelDims& dims() const { return dims_; }
   // The attention kernel the model runs: "full", "blocked", or "fused" (blocked, as one kernel
-  // forward and two backward on a GPU: ModelDims::fused_attention).
+  // forward and one backward on a GPU: ModelDims::fused_attention).
   const char* attention_kernel() const;
   const MemoryPlan& plan() const { return plan_; }
   // Bytes this model holds in its arenas: plan().total_bytes(), allocated (tests prove it).
