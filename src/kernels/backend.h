@@ -249,6 +249,10 @@ class Backend : public Target {
   // db[N] += dout[M,N]'s column sums: linear_backward's bias gradient alone (what the defaults
   // of the fused calls above and below add).
   void bias_gradient(float* db, const float* dout, int64_t M, int64_t N) const;
+  // The tail those defaults share: db[N] (may be null) += x.f32[M,N]'s column sums
+  // (bias_gradient's, bit for bit), and where x.bits is given (a 16-bit p) x rounded there. The
+  // default calls bias_gradient, then round_to_16; a GPU does both in one pass over x.
+  virtual void rounded_column_sums(Precision p, float* db, Kept x, int64_t M, int64_t N) const;
   virtual void tanh_forward(float* out, const float* in, int64_t n) const = 0;
   virtual void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n) const = 0;
 

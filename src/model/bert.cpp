@@ -709,10 +709,7 @@ void BertModel::packed_attention(int64_t l, bool forward, Kept dqkv, float* dbia
   }
   if (forward) return;
   // The runs' rows at once (a pass each, not one a run): the bias gradient and the 16-bit copy.
-  const int64_t n = pk.real * 3 * C;
-  if (dbias) be_.bias_gradient(dbias, dqkv.f32, pk.real, 3 * C);
-  if (dqkv.bits && prec_ != Precision::FP32)
-    be_.round_to_16(prec_, dqkv.bits, dqkv.f32, n, nullptr);
+  be_.rounded_column_sums(prec_, dbias, dqkv, pk.real, 3 * C);
 }
 
 void BertModel::prepare(const Batch& b, Staged& st, int slot) {

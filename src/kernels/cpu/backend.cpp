@@ -194,9 +194,7 @@ class CpuBackend final : public Backend {
              "layernorm_dropout_backward: a bias gradient without ddropped");
     kernels::layernorm_dropout_backward(dinp, ddropped.f32, dgamma, dbeta, dout, in, gamma, mean,
                                         rstd, N, C, accumulate_dinp, d);
-    if (dbias) bias_gradient(dbias, ddropped.f32, N, C);
-    if (ddropped.bits && p != Precision::FP32)
-      round_to_16(p, ddropped.bits, ddropped.f32, N * C, nullptr);
+    rounded_column_sums(p, dbias, ddropped, N, C);
   }
 
   void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
@@ -336,8 +334,7 @@ void Backend::cross_entropy_into(const SumsInto& into, float* dlogits, float* lo
 void Backend::activation_bias_backward(Precision p, Activation a, Kept dinp, float* db, Kept in,
                                        const float* dout, int64_t M, int64_t N) const {
   activation_backward(p, a, dinp.f32, in, dout, M * N);
-  bias_gradient(db, dinp.f32, M, N);
-  if (dinp.bits && p != Precision::FP32) round_to_16(p, dinp.bits, dinp.f32, M * N, nullptr);
+  rounded_column_sums(p, db, dinp, M, N);
 }
 
 void Backend::attention_bias_backward(Precision p, Kept dqkv, float* dbias, const float* dctx,
@@ -349,15 +346,18 @@ void Backend::attention_bias_backward(Precision p, Kept dqkv, float* dbias, cons
   BT_CHECK(!s.starts,
            "attention_bias_backward: variable lengths (AttentionShape::starts) leave rows "
            "between the sequences, which only a fused kernel's own sums skip");
-  const int64_t M = s.B * s.T, N = 3 * s.C;
-  if (dbias) bias_gradient(dbias, dqkv.f32, M, N);
-  if (dqkv.bits && p != Precision::FP32) round_to_16(p, dqkv.bits, dqkv.f32, M * N, nullptr);
+  rounded_column_sums(p, dbias, dqkv, s.B * s.T, 3 * s.C);
 }
 
 void Backend::bias_gradient(float* db, const float* dout, int64_t M, int64_t N) const {
   // (fp32's bias gradient alone: the column sums every precision's linear_backward adds)
   linear_backward(Precision::FP32, nullptr, nullptr, db, KeptIn{dout}, Kept{}, Weight{}, M, N, 0,
                   false, Workspace{});
+}
+
+void Backend::rounded_column_sums(Precision p, float* db, Kept x, int64_t M, int64_t N) const {
+  if (db) bias_gradient(db, x.f32, M, N);
+  if (x.bits && p != Precision::FP32) round_to_16(p, x.bits, x.f32, M * N, nullptr);
 }
 
 int64_t Backend::mark() const {

@@ -141,32 +141,11 @@ void blocked_backward(Precision p, float* dqkv, const void* dc, const void* q, c
   });
 }
 
-}  // namespace
-
-// Full attention (the blocked kernel's saved state goes to blocked_forward / _backward below):
-// the products over every (sequence, head) pair read straight out of the QKV rows, and the
-// row passes over all rows. FP32 keeps probs; BF16 and FP16 keep
-// probs16 with 16-bit operands for the products (QKV's kept bits, the dropped probabilities
-// and dS rounded as the row passes write them, dctx rounded).
-void attention_products_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
-                                const int32_t* mask, const AttentionShape& s, const Dropout& d,
-                                const kernels::Workspace& ws);
-
-void attention_forward(Precision p, Kept kept_ctx, kernels::AttentionSaved saved, Kept qkv,
-                       const int32_t* mask, const AttentionShape& s, const Dropout& d,
-                       const kernels::Workspace& ws) {
-  if (saved.blocked() && fused_attention_runs(p, s)) {  // (QKV and ctx kept as they are written)
-    BT_CHECK(saved.ctx16 && (!kept_ctx.bits || kept_ctx.bits == saved.ctx16),
-             "attention_forward: the fused kernel writes the context's 16-bit copy where its "
-             "backward reads it (AttentionSaved::ctx16: the context's kept bits, where kept)");
-    return fused_attention_forward(p, {kept_ctx.f32, saved.ctx16}, saved.lse, qkv, mask, s, d);
-  }
-  BT_CHECK(!s.starts, "attention_forward: variable lengths need the fused kernel");
-  attention_products_forward(p, kept_ctx.f32, saved, qkv, mask, s, d, ws);
-  if (kept_ctx.bits) cuda::keep(p, kept_ctx, s.B * s.T * s.C);
-}
-
-// The products' attention (full, or blocked where `saved` keeps the row log-sum-exp).
+// The products' attention, full or blocked (where `saved` keeps the row log-sum-exp:
+// blocked_forward / _backward above). Full: the products over every (sequence, head) pair read
+// straight out of the QKV rows, and the row passes over all rows. FP32 keeps probs; BF16 and
+// FP16 keep probs16 with 16-bit operands for the products (QKV's kept bits, the dropped
+// probabilities and dS rounded as the row passes write them, dctx rounded).
 void attention_products_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
                                 const int32_t* mask, const AttentionShape& s, const Dropout& d,
                                 const kernels::Workspace& ws) {
@@ -192,26 +171,6 @@ void attention_products_forward(Precision p, float* ctx, kernels::AttentionSaved
   gemm_pairs(g.o, at, 1, products[1]);
 }
 
-namespace {
-void products_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
-                       kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
-                       const Dropout& d, const kernels::Workspace& ws);
-}  // namespace
-
-void attention_backward(Precision p, Kept dqkv, float* dbias, const float* dctx, Kept qkv,
-                        kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
-                        const Dropout& d, const kernels::Workspace& ws) {
-  if (saved.blocked() && fused_attention_runs(p, s))  // (dctx rounded as it is read)
-    return fused_attention_backward(p, dqkv, dbias, dctx, qkv.bits, saved.ctx16, saved.lse, mask, s,
-                                    d);
-  BT_CHECK(!s.starts, "attention_backward: variable lengths need the fused kernel");
-  products_backward(p, dqkv.f32, dctx, qkv, saved, mask, s, d, ws);
-  // (the 16-bit copy and the bias gradient in one pass over dqkv)
-  rounded_column_sums(p, dbias, dqkv.f32, p != Precision::FP32 ? dqkv.bits : nullptr, s.B * s.T,
-                      3 * s.C);
-}
-
-namespace {
 // The blocked kernel's products, or the full kernel's: dqkv (=).
 void products_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
                        kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
@@ -275,5 +234,32 @@ void products_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
   gemm_pairs(g.o, at, 3, products[3]);  // dK
 }
 }  // namespace
+
+void attention_forward(Precision p, Kept kept_ctx, kernels::AttentionSaved saved, Kept qkv,
+                       const int32_t* mask, const AttentionShape& s, const Dropout& d,
+                       const kernels::Workspace& ws) {
+  if (saved.blocked() && fused_attention_runs(p, s)) {  // (QKV and ctx kept as they are written)
+    BT_CHECK(saved.ctx16 && (!kept_ctx.bits || kept_ctx.bits == saved.ctx16),
+             "attention_forward: the fused kernel writes the context's 16-bit copy where its "
+             "backward reads it (AttentionSaved::ctx16: the context's kept bits, where kept)");
+    return fused_attention_forward(p, {kept_ctx.f32, saved.ctx16}, saved.lse, qkv, mask, s, d);
+  }
+  BT_CHECK(!s.starts, "attention_forward: variable lengths need the fused kernel");
+  attention_products_forward(p, kept_ctx.f32, saved, qkv, mask, s, d, ws);
+  if (kept_ctx.bits) cuda::keep(p, kept_ctx, s.B * s.T * s.C);
+}
+
+void attention_backward(Precision p, Kept dqkv, float* dbias, const float* dctx, Kept qkv,
+                        kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
+                        const Dropout& d, const kernels::Workspace& ws) {
+  if (saved.blocked() && fused_attention_runs(p, s))  // (dctx rounded as it is read)
+    return fused_attention_backward(p, dqkv, dbias, dctx, qkv.bits, saved.ctx16, saved.lse, mask, s,
+                                    d);
+  BT_CHECK(!s.starts, "attention_backward: variable lengths need the fused kernel");
+  products_backward(p, dqkv.f32, dctx, qkv, saved, mask, s, d, ws);
+  // (the 16-bit copy and the bias gradient in one pass over dqkv)
+  rounded_column_sums(p, dbias, dqkv.f32, p != Precision::FP32 ? dqkv.bits : nullptr, s.B * s.T,
+                      3 * s.C);
+}
 
 }  // namespace bertrain::cuda

@@ -381,6 +381,11 @@ class CudaBackend final : public kernels::Backend {
     cuda::activation_bias_backward(p, a, dinp, db, in, dout, M, N);
   }
 
+  void rounded_column_sums(Precision p, float* db, Kept x, int64_t M, int64_t N) const override {
+    const Op op("rounded_column_sums");
+    cuda::rounded_column_sums(p, db, x.f32, p != Precision::FP32 ? x.bits : nullptr, M, N);
+  }
+
   void tanh_forward(float* out, const float* in, int64_t n) const override {
     const Op op("tanh_forward");
     launch(tanh_forward_kernel, n, out, in, n);

@@ -323,35 +323,87 @@ __device__ void row_dots(float (&dot)[kTile], const Block& hd, const float* dctx
   }
 }
 
-// Shared memory carved into a role's arrays (each at 32 bytes: the fragments' alignment).
+// Shared memory carved into a role's arrays, each at 32 bytes (the fragments' alignment).
+__host__ __device__ constexpr int64_t carved(int64_t bytes) {
+  return (bytes + 31) / 32 * 32;
+}
 struct Carve {
   unsigned char* at;
   template <class T>
   __device__ T* take(int64_t n) {
     T* p = reinterpret_cast<T*>(at);
-    at += (n * static_cast<int64_t>(sizeof(T)) + 31) / 32 * 32;
+    at += carved(n * static_cast<int64_t>(sizeof(T)));
     return p;
   }
+};
+// The same carve counting bytes only: a role's size (shared_bytes) comes from its arrays' list.
+struct CarveCount {
+  int64_t used = 0;
+  template <class T>
+  __host__ __device__ constexpr T* take(int64_t n) {
+    used += carved(n * static_cast<int64_t>(sizeof(T)));
+    return nullptr;
+  }
+};
+template <class Arrays>
+__host__ __device__ constexpr int64_t shared_bytes() {
+  CarveCount c;
+  const Arrays a(c);
+  return c.used;
+}
+
+// The dQ role's arrays: the query tile, its dO rows, 32 keys' K and V, S and dd of those keys,
+// dS rounded, the output tile.
+template <class X, int HD>
+struct DqArrays {
+  X *qs, *dos, *ks, *vs;
+  float *st, *gt;
+  X* ds;
+  float* out;
+  template <class C>
+  __host__ __device__ constexpr explicit DqArrays(C& c)
+      : qs(c.template take<X>(kTile * HD)),
+        dos(c.template take<X>(kTile * HD)),
+        ks(c.template take<X>(kChunk32 * HD)),
+        vs(c.template take<X>(kChunk32 * HD)),
+        st(c.template take<float>(kTile * kChunk32)),
+        gt(c.template take<float>(kTile * kChunk32)),
+        ds(c.template take<X>(kTile * kChunk32)),
+        out(c.template take<float>(kTile * HD)) {}
+};
+
+// The dK, dV role's arrays: the key tile's K and V, a query tile and its dO rows, S and dd of the
+// 16 x 16 pairs, the dropped probabilities and dS rounded, the output tile.
+template <class X, int HD>
+struct DkvArrays {
+  X *kt, *vt, *qs, *dos;
+  float *st, *gt;
+  X *dropped, *ds;
+  float* out;
+  template <class C>
+  __host__ __device__ constexpr explicit DkvArrays(C& c)
+      : kt(c.template take<X>(kTile * HD)),
+        vt(c.template take<X>(kTile * HD)),
+        qs(c.template take<X>(kTile * HD)),
+        dos(c.template take<X>(kTile * HD)),
+        st(c.template take<float>(kTile * kTile)),
+        gt(c.template take<float>(kTile * kTile)),
+        dropped(c.template take<X>(kTile * kTile)),
+        ds(c.template take<X>(kTile * kTile)),
+        out(c.template take<float>(kTile * HD)) {}
 };
 
 // The dQ role: a block's 16 query rows. S and dd = dO V^T again, 32 keys at a time; dS = P (g - D)
 // rounded, dQ = scale dS K.
 template <class X, int NT>
-__device__ void dq_tile(const Block& hd, Carve sh, float* dqkv, X* dqkv16, float* prow,
+__device__ void dq_tile(const Block& hd, Carve& sh, float* dqkv, X* dqkv16, float* prow,
                         const float* dctx, const X* qkv, const X* ctx16, const float* lse,
                         const int32_t* mask, const Dropout& d) {
   constexpr int HD = NT * 16;
   const AttentionShape& s = hd.s;
   const int64_t i0 = hd.first, L = hd.q.L;
   const int lane = hd.lane;
-  X* qs = sh.take<X>(kTile * HD);
-  X* dos = sh.take<X>(kTile * HD);
-  X* ks_ = sh.take<X>(kChunk32 * HD);
-  X* vs = sh.take<X>(kChunk32 * HD);
-  float* st = sh.take<float>(kTile * kChunk32);
-  float* gt = sh.take<float>(kTile * kChunk32);
-  X* ds = sh.take<X>(kTile * kChunk32);
-  float* out = sh.take<float>(kTile * HD);
+  const auto [qs, dos, ks_, vs, st, gt, ds, out] = DqArrays<X, HD>(sh);
   const float scale = hd.scale, keep = hd.keep;
   const int32_t* m = hd.mask(mask);
   stage(qs, hd.part(qkv, 0), hd.C3, i0, kTile, L, HD, lane);
@@ -400,22 +452,14 @@ __device__ void dq_tile(const Block& hd, Carve sh, float* dqkv, X* dqkv16, float
 // operations on the same values: the same bits as the dQ role's), dV += dropped^T dO,
 // dK += scale dS^T Q.
 template <class X, int NT>
-__device__ void dkv_tile(const Block& hd, Carve sh, float* dqkv, X* dqkv16, float* prow,
+__device__ void dkv_tile(const Block& hd, Carve& sh, float* dqkv, X* dqkv16, float* prow,
                          const float* dctx, const X* qkv, const X* ctx16, const float* lse,
                          const int32_t* mask, const Dropout& d) {
   constexpr int HD = NT * 16;
   const AttentionShape& s = hd.s;
   const int64_t j0 = hd.first, L = hd.q.L;
   const int lane = hd.lane;
-  X* kt = sh.take<X>(kTile * HD);
-  X* vt = sh.take<X>(kTile * HD);
-  X* qs = sh.take<X>(kTile * HD);
-  X* dos = sh.take<X>(kTile * HD);
-  float* st = sh.take<float>(kTile * kTile);
-  float* gt = sh.take<float>(kTile * kTile);
-  X* dropped = sh.take<X>(kTile * kTile);
-  X* ds = sh.take<X>(kTile * kTile);
-  float* out = sh.take<float>(kTile * HD);
+  const auto [kt, vt, qs, dos, st, gt, dropped, ds, out] = DkvArrays<X, HD>(sh);
   const float scale = hd.scale, keep = hd.keep;
   const int32_t* m = hd.mask(mask);
   stage(kt, hd.part(qkv, 1), hd.C3, j0, kTile, L, HD, lane);
@@ -471,21 +515,15 @@ __device__ void dkv_tile(const Block& hd, Carve sh, float* dqkv, X* dqkv16, floa
 // given, each block writes its tile's column sums of what it wrote (zeros where its tile is past
 // the sequence) into partial row b * tiles + tile, and the last block of a head's Q, K or V
 // columns adds those rows in order onto dbias (column_tickets.cuh): deterministic, one launch.
-constexpr int64_t kDqSharedBytes = 2 * kTile * kMaxHead * 2 + 2 * kChunk32 * kMaxHead * 2 +
-                                   2 * kTile * kChunk32 * 4 + kTile * kChunk32 * 2 +
-                                   kTile * kMaxHead * 4;
-constexpr int64_t kDkvSharedBytes =
-    4 * kTile * kMaxHead * 2 + 2 * kTile * kTile * 4 + 2 * kTile * kTile * 2 + kTile * kMaxHead * 4;
-constexpr int64_t kBackwardSharedBytes =
-    kDqSharedBytes > kDkvSharedBytes ? kDqSharedBytes : kDkvSharedBytes;
-
 template <class X, int NT>
 __global__ void __launch_bounds__(32)
     fused_backward_kernel(float* dqkv, X* dqkv16, float* dbias, float* partial, unsigned* tickets,
                           const float* dctx, const X* qkv, const X* ctx16, const float* lse,
                           const int32_t* mask, AttentionShape s, Dropout d) {
   constexpr int HD = NT * 16;
-  alignas(128) __shared__ unsigned char shared[kBackwardSharedBytes];
+  constexpr int64_t dq_bytes = shared_bytes<DqArrays<X, HD>>(),
+                    dkv_bytes = shared_bytes<DkvArrays<X, HD>>();
+  alignas(128) __shared__ unsigned char shared[dq_bytes > dkv_bytes ? dq_bytes : dkv_bytes];
   const int64_t tiles = gridDim.x / 2, x = blockIdx.x;
   const bool dq = x < tiles;
   const int64_t tile = dq ? x : x - tiles;
@@ -493,10 +531,11 @@ __global__ void __launch_bounds__(32)
   float* prow = dbias ? partial + (hd.b * tiles + tile) * hd.C3 : nullptr;
   const int first_part = dq ? 0 : 1, parts = dq ? 1 : 2;
   if (!hd.idle()) {
+    Carve sh{shared};
     if (dq)
-      dq_tile<X, NT>(hd, Carve{shared}, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
+      dq_tile<X, NT>(hd, sh, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
     else
-      dkv_tile<X, NT>(hd, Carve{shared}, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
+      dkv_tile<X, NT>(hd, sh, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
   } else if (prow) {
     for (int k = first_part; k < first_part + parts; ++k)
       for (int c = hd.lane; c < HD; c += 32) prow[k * s.C + hd.h * HD + c] = 0.0f;
