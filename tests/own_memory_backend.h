@@ -569,14 +569,14 @@ class OwnMemoryBackend final : public Backend {
   }
   CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                  const float* logits, const int32_t* targets, const float* weights,
-                                 int64_t N, int64_t V, float dscale) const override {
+                                 int64_t N, Classes c, float dscale) const override {
     const Open open(*this);
     own(logits, "logits");
     own(targets, "targets");
     own(weights, "weights");
     own(losses, "row losses");
     own(correct, "row hits");
-    return cpu().cross_entropy(dlogits, losses, correct, logits, targets, weights, N, V, dscale);
+    return cpu().cross_entropy(dlogits, losses, correct, logits, targets, weights, N, c, dscale);
   }
   double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
                        float dscale) const override {

@@ -460,9 +460,12 @@ TEST_P(RowMath, BlockedAttention16BitEqualsTheReference) {
 }
 
 // Cross-entropy with its gradient in place of the logits, weights (one 0), and ties for the
-// maximum in different lanes' columns: the first maximum decides the hit, as on the CPU.
+// maximum in different lanes' columns: the first maximum decides the hit, as on the CPU. The rows
+// are padded (1000 classes in rows of 1024, as the model pads its vocabulary): the padding holds
+// values larger than any logit, which must be neither a class nor the maximum, and its gradient
+// is written 0.
 TEST_P(RowMath, CrossEntropyEqualsCpu) {
-  const int64_t N = 6, V = 1000;
+  const int64_t N = 6, V = 1000, S = 1024;
   auto logits = random_vector(N * V, 1, 3.0f);
   const std::vector<int32_t> targets = {5, 999, 0, 77, 64, 3};
   const std::vector<float> weights = {1.0f, 0.5f, 0.0f, 2.0f, 1.0f, 1.0f};
@@ -474,11 +477,12 @@ TEST_P(RowMath, CrossEntropyEqualsCpu) {
   const double total_ref =
       cross_entropy_forward_backward(d_ref.data(), loss_ref.data(), hit_ref.data(), logits.data(),
                                      targets.data(), weights.data(), N, V, 0.25f);
-  std::vector<float> d = logits, loss(N);  // the gradient overwrites the logits
+  std::vector<float> d(N * S, 99.0f), loss(N);  // the gradient overwrites the logits
+  for (int64_t r = 0; r < N; ++r) std::copy_n(logits.data() + r * V, V, d.data() + r * S);
   std::vector<int32_t> hit(N);
   for_rows(GetParam(), N, [&](int64_t r, const auto& l) {
-    const auto row = row_math::cross_entropy(d.data() + r * V, d.data() + r * V, targets[r],
-                                             weights[r], V, 0.25f, l);
+    const auto row = row_math::cross_entropy(d.data() + r * S, d.data() + r * S, targets[r],
+                                             weights[r], V, S, 0.25f, l);
     if (l.lane == 0) {
       loss[r] = row.loss;
       hit[r] = row.hit;
@@ -490,7 +494,44 @@ TEST_P(RowMath, CrossEntropyEqualsCpu) {
   EXPECT_EQ(hit, (std::vector<int32_t>{0, 0, 0, 1, 0, 1}));
   EXPECT_TRUE(all_close("loss", loss.data(), loss_ref.data(), N, 1e-5, 1e-6));
   EXPECT_NEAR(total, total_ref, 1e-5 * std::fabs(total_ref));
-  EXPECT_TRUE(all_close("dlogits", d.data(), d_ref.data(), d.size(), 1e-5, 1e-5));
+  std::vector<float> real(N * V), padding;
+  for (int64_t r = 0; r < N; ++r) {
+    std::copy_n(d.data() + r * S, V, real.data() + r * V);
+    padding.insert(padding.end(), d.data() + r * S + V, d.data() + (r + 1) * S);
+  }
+  EXPECT_TRUE(all_close("dlogits", real.data(), d_ref.data(), real.size(), 1e-5, 1e-5));
+  EXPECT_EQ(padding, std::vector<float>(N * (S - V), 0.0f));
+}
+
+// The CPU's cross-entropy on padded rows (Classes{V, stride}) gives the compact rows' bits: the
+// padding (here larger than every logit) is read by nothing, and its gradient is written 0.
+TEST(CrossEntropy, PaddedRowsGiveTheCompactRowsBits) {
+  const int64_t N = 5, V = 30522, S = 30528;
+  const auto logits = random_vector(N * V, 7, 3.0f);
+  const std::vector<int32_t> targets = {0, 30521, 17, 4096, 30000};
+  const std::vector<float> weights = {1.0f, 1.0f, 0.5f, 0.0f, 2.0f};
+  std::vector<float> d_ref(logits), loss_ref(N);
+  std::vector<int32_t> hit_ref(N);
+  const double total_ref =
+      cross_entropy_forward_backward(d_ref.data(), loss_ref.data(), hit_ref.data(), d_ref.data(),
+                                     targets.data(), weights.data(), N, V, 0.125f);
+  std::vector<float> d(N * S, 1e4f), loss(N);
+  for (int64_t r = 0; r < N; ++r) std::copy_n(logits.data() + r * V, V, d.data() + r * S);
+  std::vector<int32_t> hit(N);
+  const double total =
+      cross_entropy_forward_backward(d.data(), loss.data(), hit.data(), d.data(), targets.data(),
+                                     weights.data(), N, Classes{V, S}, 0.125f);
+  EXPECT_EQ(total, total_ref);
+  EXPECT_EQ(loss, loss_ref);
+  EXPECT_EQ(hit, hit_ref);
+  for (int64_t r = 0; r < N; ++r) {
+    EXPECT_EQ(std::vector<float>(d.data() + r * S, d.data() + r * S + V),
+              std::vector<float>(d_ref.data() + r * V, d_ref.data() + (r + 1) * V))
+        << "row " << r;
+    EXPECT_EQ(std::vector<float>(d.data() + r * S + V, d.data() + (r + 1) * S),
+              std::vector<float>(S - V, 0.0f))
+        << "row " << r << "'s padding";
+  }
 }
 
 }  // namespace

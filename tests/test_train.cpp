@@ -183,6 +183,68 @@ TEST(Train, LowersTheMaskedLmLossOnRealText) {
   EXPECT_LT(last, first - 2.5) << "first " << first << ", last " << last;
 }
 
+// The model stores the vocabulary padded to a multiple of 64 (model::vocab_rows: 300 -> 320 here):
+// the word embeddings and the decoder's bias have room for the padded rows, every tensor keeps
+// its real shape (checkpoints, the optimizer), and after training steps (LAMB, weight decay on)
+// the padding of the parameters and of the gradients is still zero: no token reaches it and its
+// logits are no class. (The finite-difference gradient checks run a vocabulary of 23 in rows of
+// 64; TfCheckpoint compares mlm_logits(), rows of the real vocabulary, for 30522 in 30528.)
+TEST(Train, TheVocabularyIsPaddedTo64RowsAndItsPaddingStaysZero) {
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  EXPECT_EQ(model::vocab_rows(c), 320);
+  model::BertModel m(c, model::Head::Pretraining, {4, 32, 5});
+  const model::ParamTable& t = m.table();
+  const int64_t C = c.hidden_size;
+  auto padding_of = [&](const std::string& name, int64_t stored) {
+    const model::ParamInfo& p = t.at(name);
+    EXPECT_EQ(p.shape[0], c.vocab_size) << name;
+    const int64_t next = p.offset + stored;  // the padding ends before the next tensor
+    for (const model::ParamInfo& q : t.params())
+      if (q.offset > p.offset) EXPECT_GE(q.offset, next) << name << " overlaps " << q.name;
+    return std::pair{p.end(), next};
+  };
+  const auto word = padding_of("bert.embeddings.word_embeddings.weight", 320 * C);
+  const auto bias = padding_of("cls.predictions.bias", 320);
+  m.init_params(5);
+  train::OptimizerConfig oc;
+  oc.kind = train::OptimizerKind::Lamb;
+  train::Optimizer opt(train::param_slices(t), t.total(), oc, kernels::cpu_backend());
+  train::LossScaler scaler{train::LossScaler::Config{}};
+  comm::SingleProcess single;
+  train::Step step(m, opt, scaler, single, train::StepSettings{});
+  for (int64_t k = 0; k < 3; ++k)
+    EXPECT_TRUE(step.run(k, 1e-2, test::same_batch(test::learnable_batch(c, k))).applied);
+  for (const auto& [b, e] : {word, bias})
+    for (int64_t i = b; i < e; ++i) {
+      ASSERT_EQ(m.params()[i], 0.0f) << "parameter padding at " << i - b;
+      ASSERT_EQ(m.grads()[i], 0.0f) << "gradient padding at " << i - b;
+    }
+  bool trained = false;  // (the real rows did train)
+  for (int64_t i = word.first - C; i < word.first; ++i) trained |= m.grads()[i] != 0.0f;
+  EXPECT_TRUE(trained);
+}
+
+// Optimizer state written before the vocabulary was padded (no "layout" in its metadata, its
+// moments laid out for a parameter buffer without the padding) is refused with the way on: the
+// weights, through --init-checkpoint. A file of the current layout loads.
+TEST(Train, OptimizerStateOfTheUnpaddedLayoutSaysHowToGoOn) {
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  const model::ParamTable t(c, model::Head::Pretraining);
+  train::Optimizer opt(train::param_slices(t), t.total(), {}, kernels::cpu_backend());
+  test::TempDir dir;
+  train::save_optimizer_state(dir.path.string(), opt);
+  EXPECT_NO_THROW(train::load_optimizer_state(dir.path.string(), opt));
+  const int64_t unpadded = t.total() - (model::vocab_rows(c) - c.vocab_size) * c.hidden_size;
+  const std::vector<float> zeros(static_cast<size_t>(unpadded), 0.0f);
+  write_safetensors(
+      (dir.path / "optimizer.safetensors").string(),
+      {{"m", DType::F32, {unpadded}, zeros.data()}, {"v", DType::F32, {unpadded}, zeros.data()}},
+      {{"format", "bertrain-optimizer"}, {"optimizer", train::optimizer_name(opt.config().kind)}});
+  const std::string err = error_of([&] { train::load_optimizer_state(dir.path.string(), opt); });
+  EXPECT_NE(err.find("before bertrain padded the vocabulary"), std::string::npos) << err;
+  EXPECT_NE(err.find("--init-checkpoint " + dir.path.string()), std::string::npos) << err;
+}
+
 // The trainer on a backend with memory of its own (what --device cuda gives it): the model, its
 // gradients and the optimizer's moments in that memory, every kernel handed only that memory
 // (OwnMemoryBackend fails the test otherwise), checkpoints written and read through to_host /

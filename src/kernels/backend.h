@@ -317,22 +317,23 @@ class Backend : public Target {
   virtual void zero(void* p, int64_t bytes) const = 0;
 
   // -- loss --
-  // Softmax cross-entropy of N rows over V classes, fused with its gradient (dlogits may be
-  // null or alias logits): kernels/cpu/cross_entropy.h. Where `losses` (N values, the backend's
-  // buffer for the per-row losses) is given, returns sum_i weight[i] * loss[i] and
-  // sum_i weight[i] * [argmax of row i == target] (weight 1 where weights is null; `correct`,
-  // the per-row hits' buffer, null when the hits are not wanted). A gradient-only call (losses
-  // null) returns zero sums: on a GPU the sums are a host synchronisation it then does not make.
+  // Softmax cross-entropy of N rows over c.V classes (rows of c.stride values: types.h Classes),
+  // fused with its gradient (dlogits may be null or alias logits; its padding columns written 0):
+  // kernels/cpu/cross_entropy.h. Where `losses` (N values, the backend's buffer for the per-row
+  // losses) is given, returns sum_i weight[i] * loss[i] and sum_i weight[i] * [argmax of row i ==
+  // target] (weight 1 where weights is null; `correct`, the per-row hits' buffer, null when the
+  // hits are not wanted). A gradient-only call (losses null) returns zero sums: on a GPU the sums
+  // are a host synchronisation it then does not make.
   virtual CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                          const float* logits, const int32_t* targets,
-                                         const float* weights, int64_t N, int64_t V,
+                                         const float* weights, int64_t N, Classes c,
                                          float dscale) const = 0;
   // The same, its sums added where `into` says (types.h SumsInto) instead of returned: on a GPU
   // a small kernel after it, no host synchronisation. The default (host memory, or any backend
   // through to_host/to_device) adds cross_entropy's returned sums.
   virtual void cross_entropy_into(const SumsInto& into, float* dlogits, float* losses,
                                   int32_t* correct, const float* logits, const int32_t* targets,
-                                  const float* weights, int64_t N, int64_t V, float dscale) const;
+                                  const float* weights, int64_t N, Classes c, float dscale) const;
 
   // Squared error of N predictions (a regression head, HF's MSELoss summed): returns
   // sum_i (pred[i] - target[i])^2 and, when dpred is not null, writes

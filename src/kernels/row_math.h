@@ -328,14 +328,16 @@ BT_HOST_DEVICE void attention_softmax_backward_lse(X* dropped, X* ds, float* sco
 
 // Softmax cross-entropy of one row of V logits with its gradient (kernels/cpu/cross_entropy.h):
 // loss = logsumexp(x) - x[target]; hit = the first maximum is the target; when d is given,
-// d = (softmax(x) - onehot(target)) * weight * dscale (d may alias x).
+// d = (softmax(x) - onehot(target)) * weight * dscale (d may alias x), and d[V, stride) = 0 (the
+// row's padding: types.h Classes).
 struct CrossEntropyRow {
   float loss;
   bool hit;
 };
 template <class Lanes>
 BT_HOST_DEVICE CrossEntropyRow cross_entropy(float* d, const float* x, int32_t target, float weight,
-                                             int64_t V, float dscale, const Lanes& l) {
+                                             int64_t V, int64_t stride, float dscale,
+                                             const Lanes& l) {
   float mx = -INFINITY;
   int64_t arg = INT64_MAX;
   for (int64_t v = l.lane; v < V; v += l.count)
@@ -356,6 +358,7 @@ BT_HOST_DEVICE CrossEntropyRow cross_entropy(float* d, const float* x, int32_t t
     const float g = weight * dscale, inv = 1.0f / sum;
     for (int64_t v = l.lane; v < V; v += l.count)
       d[v] = expf(x[v] - row_max) * inv * g - (v == target ? g : 0.0f);
+    for (int64_t v = V + l.lane; v < stride; v += l.count) d[v] = 0.0f;
   }
   return {loss, arg == target};
 }

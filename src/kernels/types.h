@@ -99,6 +99,15 @@ struct EmbeddingRuns {
   RowRuns word, position, token_type;
 };
 
+// A cross-entropy's rows: V classes in rows of `stride` values (stride >= V). The model's masked
+// LM pads its vocabulary to a multiple of 64 (BertModel::vocab_rows): the columns past V are
+// padding, never a class, and their gradient is written 0. From a count alone: rows of V.
+struct Classes {
+  int64_t V, stride;
+  Classes(int64_t v) : V(v), stride(v) {}  // NOLINT(google-explicit-constructor): rows of V
+  Classes(int64_t v, int64_t s) : V(v), stride(s) {}
+};
+
 // What Backend::cross_entropy returns: the weighted loss and the weighted count of hits.
 struct CrossEntropySums {
   double loss = 0, correct = 0;

@@ -75,7 +75,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   // B: sequences (the heads); R rows of T tokens (the encoder; R = B unless packed, and a
   // packed batch's attention squares sum to at most R T^2: sum L_i^2 <= T sum L_i <= R T^2).
   const int64_t B = d.batch, T = d.seq_len, R = d.token_rows(), N = R * T, C = cfg.hidden_size,
-                I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = cfg.vocab_size;
+                I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = vocab_rows(cfg);
   const int64_t BP = head == Head::Pretraining ? R * d.max_predictions : 0;
   const std::string g = "activations";
   // bf16 and fp16 keep the same tensors in 16 bits (of their own format).
@@ -198,7 +198,7 @@ kernels::ScratchLayout plan_kernel_scratch(const BertConfig& cfg, Head head,
                                            const kernels::Target& target) {
   const ModelDims d = on_backend(requested, cfg, target);
   const int64_t B = d.batch, T = d.seq_len, R = d.token_rows(), N = R * T, C = cfg.hidden_size,
-                I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = cfg.vocab_size;
+                I = cfg.intermediate_size, NH = cfg.num_attention_heads, V = vocab_rows(cfg);
   // The products forward and backward make (bert.cpp's linear_forward calls), once per shape.
   std::vector<kernels::LinearShape> linears = {{N, 3 * C, C}, {N, C, C}, {N, I, C}, {N, C, I}};
   if (head == Head::Pretraining) {
@@ -516,6 +516,20 @@ const float* BertModel::host_output(const float* p, int64_t n) const {
   if (made_after != passes_ || copy.size() != static_cast<size_t>(n)) {
     copy.resize(static_cast<size_t>(n));
     be_.to_host(copy.data(), p, copy.size() * sizeof(float));
+    made_after = passes_;
+  }
+  return copy.data();
+}
+
+const float* BertModel::mlm_logits() const {
+  const int64_t rows = compact_mlm() ? cur_.packed.mlm_rows : cur_.packed.B * cur_.packed.P,
+                V = cfg_.vocab_size, Vr = vocab_rows(cfg_);
+  const float* padded = host_output(act_.mlm_logits, rows * Vr);
+  if (V == Vr || !padded) return padded;
+  auto& [made_after, copy] = mlm_logits_;
+  if (made_after != passes_ || copy.size() != static_cast<size_t>(rows * V)) {
+    copy.resize(static_cast<size_t>(rows * V));
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(padded + r * Vr, V, copy.data() + r * V);
     made_after = passes_;
   }
   return copy.data();
@@ -980,14 +994,15 @@ void BertModel::embeddings_backward(const Pass& p, float* dh) {
 // a non-finite loss counted) and zero sums returned.
 CrossEntropySums BertModel::head_loss(const Pass& p, double divisor, double* hits, float* dlogits,
                                       const float* logits, const int32_t* targets,
-                                      const float* weights, int64_t N, int64_t V, float dscale) {
+                                      const float* weights, int64_t N, kernels::Classes c,
+                                      float dscale) {
   if (!p.opt.device_sums)
     return be_.cross_entropy(dlogits, act_.row_loss, act_.row_correct, logits, targets, weights, N,
-                             V, dscale);
+                             c, dscale);
   static_assert(offsetof(StepSums, nonfinite) == 4 * sizeof(double));
   const kernels::SumsInto into{act_.step_sums, divisor, hits, act_.step_sums + 4};
   be_.cross_entropy_into(into, dlogits, act_.row_loss, act_.row_correct, logits, targets, weights,
-                         N, V, dscale);
+                         N, c, dscale);
   return {};
 }
 
@@ -1085,7 +1100,7 @@ void BertModel::pooler_backward(const Pass& p, float* dpooled, float* dh) {
 // positions only (gathered first: BP rows instead of B*T), its decoder the word embeddings.
 void BertModel::pretraining_forward(const Pass& p, const Batch& b, const float* x, Losses& out) {
   const ParamTable& t = table_;
-  const int64_t B = p.B, C = p.C, V = cfg_.vocab_size;
+  const int64_t B = p.B, C = p.C, V = cfg_.vocab_size, Vr = vocab_rows(cfg_);
   be_.linear_forward(prec_, act_.nsp_logits, {act_.pooled}, Wt(t.heads().nsp_w), W(t.heads().nsp_b),
                      B, 2, C, ws_);
   const CrossEntropySums nsp = head_loss(p, static_cast<double>(B), &act_.step_sums[2], nullptr,
@@ -1103,16 +1118,18 @@ void BertModel::pretraining_forward(const Pass& p, const Batch& b, const float* 
                          BP * C);
   be_.layernorm_forward(act_.mlm_ln, act_.mlm_mean, act_.mlm_rstd, act_.mlm_act,
                         W(t.heads().mlm_ln_w), W(t.heads().mlm_ln_b), BP, C, cfg_.layer_norm_eps);
+  // The decoder's rows of the padded vocabulary (vocab_rows): the logits' padding is 0, no class.
   be_.linear_forward(prec_, act_.mlm_logits, {act_.mlm_ln}, Wt(t.embeddings().word),
-                     W(t.heads().mlm_bias), BP, V, C, ws_);
+                     W(t.heads().mlm_bias), BP, Vr, C, ws_);
   // Training: the gradient (for loss scale 1) is written over the logits in the same passes
   // that compute the loss, so backward does not recompute the softmax over the vocabulary.
   for (int64_t r = 0; r < BP; ++r) out.mlm_weight += mlm_weights(b)[r];
   const float dscale1 = static_cast<float>(1.0 / (out.mlm_weight + kMlmDenominatorEps));
   const bool training = p.opt.training;
-  const CrossEntropySums mlm = head_loss(p, out.mlm_weight + kMlmDenominatorEps, &act_.step_sums[1],
-                                         training ? act_.mlm_logits : nullptr, act_.mlm_logits,
-                                         cur_.in.mlm_ids, cur_.in.mlm_weights, BP, V, dscale1);
+  const CrossEntropySums mlm =
+      head_loss(p, out.mlm_weight + kMlmDenominatorEps, &act_.step_sums[1],
+                training ? act_.mlm_logits : nullptr, act_.mlm_logits, cur_.in.mlm_ids,
+                cur_.in.mlm_weights, BP, kernels::Classes{V, Vr}, dscale1);
   mlm_grad_ready_ = training;
   out.mlm_correct = mlm.correct;
   out.mlm_loss = mlm.loss / (out.mlm_weight + kMlmDenominatorEps);
@@ -1122,7 +1139,7 @@ void BertModel::pretraining_forward(const Pass& p, const Batch& b, const float* 
 void BertModel::pretraining_backward(const Pass& p, const Batch& b, float loss_scale,
                                      float* dpooled, float* dh) {
   const ParamTable& t = table_;
-  const int64_t B = p.B, C = p.C, V = cfg_.vocab_size;
+  const int64_t B = p.B, C = p.C, V = cfg_.vocab_size, Vr = vocab_rows(cfg_);
   float* dnsp = act_.dsmall;
   be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, cur_.in.nsp_labels, nullptr, B, 2,
                     loss_scale / B);
@@ -1133,17 +1150,18 @@ void BertModel::pretraining_backward(const Pass& p, const Batch& b, float loss_s
   if (mlm_grad_ready_) {
     // Forward left the gradient for loss scale 1; scales are powers of two, so scaling here
     // gives the same bits as computing with the scale.
-    if (loss_scale != 1.0f) be_.scale_inplace(dlogits, BP * V, loss_scale);
+    if (loss_scale != 1.0f) be_.scale_inplace(dlogits, BP * Vr, loss_scale);
   } else {
     double wsum = 0;
     for (int64_t r = 0; r < BP; ++r) wsum += mlm_weights(b)[r];
     const float dscale = static_cast<float>(loss_scale / (wsum + kMlmDenominatorEps));
     be_.cross_entropy(dlogits, nullptr, nullptr, act_.mlm_logits, cur_.in.mlm_ids,
-                      cur_.in.mlm_weights, BP, V, dscale);
+                      cur_.in.mlm_weights, BP, kernels::Classes{V, Vr}, dscale);
   }
   mlm_grad_ready_ = false;
   float* d1 = act_.dhead1;  // [BP,C]
-  linear_backward(d1, t.embeddings().word, t.heads().mlm_bias, dlogits, {act_.mlm_ln}, BP, V, C);
+  // dW's padding rows and db's padding get the padding's zero gradient.
+  linear_backward(d1, t.embeddings().word, t.heads().mlm_bias, dlogits, {act_.mlm_ln}, BP, Vr, C);
   float* d2 = act_.dI;  // [BP,C] scratch (dI is free until the encoder backward)
   be_.layernorm_backward(d2, G(t.heads().mlm_ln_w), G(t.heads().mlm_ln_b), d1, act_.mlm_act,
                          W(t.heads().mlm_ln_w), act_.mlm_mean, act_.mlm_rstd, BP, C);

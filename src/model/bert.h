@@ -271,11 +271,8 @@ class BertModel {
   }
   // Padded: [B*P,V]; unpadded: a row per weighted prediction (weight != 0), in batch order (the
   // slots without weight, create_pretraining_data's padding of the predictions, are skipped).
-  const float* mlm_logits() const {
-    return host_output(
-        act_.mlm_logits,
-        (compact_mlm() ? cur_.packed.mlm_rows : cur_.packed.B * cur_.packed.P) * cfg_.vocab_size);
-  }
+  // Rows of the real vocabulary (the model's padding columns, vocab_rows, left out).
+  const float* mlm_logits() const;
   const float* nsp_logits() const { return host_output(act_.nsp_logits, cur_.packed.B * 2); }
   const float* cls_logits() const {  // [B,num_labels]
     return host_output(act_.cls_logits, cur_.packed.B * cfg_.num_labels);
@@ -396,7 +393,8 @@ class BertModel {
   struct Pass;
   kernels::CrossEntropySums head_loss(const Pass& p, double divisor, double* hits, float* dlogits,
                                       const float* logits, const int32_t* targets,
-                                      const float* weights, int64_t N, int64_t V, float dscale);
+                                      const float* weights, int64_t N, kernels::Classes c,
+                                      float dscale);
   Pass pass(const Batch& b, const StepOptions& opt) const;
   void layer_backward(int64_t l, const Pass& p, const Batch& b, float* dh);
   void embeddings_backward(const Pass& p, float* dh);
@@ -450,6 +448,7 @@ class BertModel {
   // host_output's copies, each with the pass (forward or backward) it was made after.
   uint64_t passes_ = 0;
   mutable std::unordered_map<const float*, std::pair<uint64_t, std::vector<float>>> outputs_;
+  mutable std::pair<uint64_t, std::vector<float>> mlm_logits_;  // (mlm_logits' rows of V)
   Arena params_, grads_, acts_arena_, scratch_, w16_arena_, kernels_arena_;
   // The staged batch arrays (a backend with memory of its own): the plan's input region a slot
   // (kernels::kInputSlots), each with its part of the host staging memory

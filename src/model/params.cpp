@@ -1,5 +1,6 @@
 #include "model/params.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -14,10 +15,11 @@ const char* head_architecture(Head h) {
                                              : "BertForQuestionAnswering";
 }
 
-int64_t ParamTable::add(const std::string& name, Shape shape, Init init, bool decay, bool matmul) {
+int64_t ParamTable::add(const std::string& name, Shape shape, Init init, bool decay, bool matmul,
+                        int64_t stored) {
   ParamInfo p{name, std::move(shape), total_, init, decay, matmul};
   const int64_t offset = total_;
-  total_ += (p.numel() + 15) / 16 * 16;  // 64-byte aligned tensors
+  total_ += (std::max(p.numel(), stored) + 15) / 16 * 16;  // 64-byte aligned tensors
   index_[name] = params_.size();
   params_.push_back(std::move(p));
   return offset;
@@ -33,10 +35,11 @@ std::pair<int64_t, int64_t> ParamTable::layer_range(int64_t l) const {
 }
 
 ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head), hidden_(cfg.hidden_size) {
-  const int64_t V = cfg.vocab_size, C = cfg.hidden_size, I = cfg.intermediate_size;
+  const int64_t V = cfg.vocab_size, C = cfg.hidden_size, I = cfg.intermediate_size,
+                Vr = vocab_rows(cfg);
   const std::string e = "bert.embeddings.";
   EmbeddingOffsets& eo = embeddings_;
-  eo.word = add(e + "word_embeddings.weight", {V, C}, Init::Normal, true);
+  eo.word = add(e + "word_embeddings.weight", {V, C}, Init::Normal, true, false, Vr * C);
   eo.position =
       add(e + "position_embeddings.weight", {cfg.max_position_embeddings, C}, Init::Normal, true);
   eo.token_type =
@@ -100,7 +103,7 @@ ParamTable::ParamTable(const BertConfig& cfg, Head head) : head_(head), hidden_(
     h.mlm_dense_b = add(t + "dense.bias", {C}, Init::Zeros, false);
     h.mlm_ln_w = add(t + "LayerNorm.weight", {C}, Init::Ones, false);
     h.mlm_ln_b = add(t + "LayerNorm.bias", {C}, Init::Zeros, false);
-    h.mlm_bias = add("cls.predictions.bias", {V}, Init::Zeros, false);
+    h.mlm_bias = add("cls.predictions.bias", {V}, Init::Zeros, false, false, Vr);
     h.nsp_w = add("cls.seq_relationship.weight", {2, C}, Init::Normal, true, true);
     h.nsp_b = add("cls.seq_relationship.bias", {2}, Init::Zeros, false);
   } else if (head == Head::QuestionAnswering) {

@@ -28,6 +28,16 @@ inline bool has_pooler(Head h) {
 
 enum class Init { Normal, Zeros, Ones };
 
+// The word embeddings' rows as the model stores them: the vocabulary padded to a multiple of 64,
+// so that the masked LM's logits and its decoder's operands have rows a GPU's matrix units and
+// copies read whole (30522 -> 30528). The padding rows (and the decoder bias's padding) stay zero:
+// no token id reaches them, their logits are no class (kernels::Classes) and their gradient is
+// zero. Checkpoints, the optimizer and every tensor's shape keep the real vocabulary.
+constexpr int64_t kVocabMultiple = 64;
+inline int64_t vocab_rows(const BertConfig& cfg) {
+  return (cfg.vocab_size + kVocabMultiple - 1) / kVocabMultiple * kVocabMultiple;
+}
+
 struct ParamInfo {
   std::string name;
   Shape shape;
@@ -72,7 +82,9 @@ class ParamTable {
   std::pair<int64_t, int64_t> layer_range(int64_t l) const;
 
   const std::vector<ParamInfo>& params() const { return params_; }
-  int64_t total() const { return total_; }  // floats, each tensor padded to 16 floats
+  // Floats, each tensor padded to 16 floats (the word embeddings and the decoder's bias to the
+  // padded vocabulary's rows first).
+  int64_t total() const { return total_; }
   const ParamInfo* find(const std::string& name) const;
   const ParamInfo& at(const std::string& name) const;  // BT_CHECK if absent
   int64_t offset(const std::string& name) const { return at(name).offset; }
@@ -96,8 +108,10 @@ class ParamTable {
   std::vector<std::pair<int64_t, int64_t>> fp32_read_ranges() const;
 
  private:
-  // Appends a tensor; returns its offset.
-  int64_t add(const std::string& name, Shape shape, Init init, bool decay, bool matmul = false);
+  // Appends a tensor with room for `stored` floats (at least its own; the padded vocabulary's);
+  // returns its offset.
+  int64_t add(const std::string& name, Shape shape, Init init, bool decay, bool matmul = false,
+              int64_t stored = 0);
   Head head_;
   std::vector<ParamInfo> params_;
   std::map<std::string, size_t> index_;

@@ -181,8 +181,10 @@ std::string save_optimizer_state(const std::string& dir, const Optimizer& opt,
   const std::string path =
       (fs::path(dir) / (opt.sharded() ? shard_file(sh.rank, sh.world) : "optimizer.safetensors"))
           .string();
+  // layout: the flat buffer's, ParamTable's (the vocabulary padded to 64 rows since "vocab64").
   std::map<std::string, std::string> meta = {{"format", "bertrain-optimizer"},
-                                             {"optimizer", optimizer_name(opt.config().kind)}};
+                                             {"optimizer", optimizer_name(opt.config().kind)},
+                                             {"layout", "vocab64"}};
   if (opt.sharded()) {
     meta["begin"] = std::to_string(sh.begin);
     meta["end"] = std::to_string(sh.end);
@@ -247,6 +249,10 @@ void load_optimizer_state(const std::string& dir, Optimizer& opt) {
     const int64_t b = field("begin", 0), e = field("end", total);
     const SafeTensorInfo* m = r.find("m");
     const SafeTensorInfo* v = r.find("v");
+    if (!meta.count("layout") && m && (total != opt.total() || shape_numel(m->shape) != e - b))
+      fail(path, " was written before bertrain padded the vocabulary inside the model: its ",
+           "moments are laid out for another parameter buffer. Resume from its weights with ",
+           "--init-checkpoint ", dir, " (the optimizer's moments start again)");
     if (total != opt.total() || !m || !v || m->dtype != DType::F32 || v->dtype != DType::F32 ||
         shape_numel(m->shape) != e - b || shape_numel(v->shape) != e - b || b < 0 || e > total ||
         b > e)

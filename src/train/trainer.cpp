@@ -755,7 +755,10 @@ std::string Trainer::banner() const {
   const bool bf16 = cfg.precision == Precision::BF16;
   std::string out =
       str("train: ", cfg.model_config, " (L", mc.num_hidden_layers, " H", mc.hidden_size, " A",
-          mc.num_attention_heads, " I", mc.intermediate_size, " V", mc.vocab_size, "), ",
+          mc.num_attention_heads, " I", mc.intermediate_size, " V", mc.vocab_size,
+          model::vocab_rows(mc) != mc.vocab_size ? str(" in ", model::vocab_rows(mc), " rows")
+                                                 : std::string(),
+          "), ",
           s.resumed_from.empty() ? (cfg.init_checkpoint.empty() ? std::string("fresh init")
                                                                 : "from " + cfg.init_checkpoint)
                                  : "resumed from " + s.resumed_from,

@@ -266,25 +266,29 @@ TEST(Cuda, AttentionRowPassesMatchHost) {
   EXPECT_TRUE(all_close("ds", to_host(dd_d, R * T).data(), ds.data(), R * T, 1e-5, 1e-6));
 }
 
+// Rows padded as the model pads its vocabulary (30522 classes in rows of 30528), the padding
+// larger than any logit: neither a class nor the maximum, its gradient written 0.
 TEST(Cuda, CrossEntropyMatchesCpu) {
   SKIP_WITHOUT_GPU();
-  const int64_t N = 80, V = 30522;
-  const auto logits = random_vector(N * V, 1, 3.0f);
+  const int64_t N = 80, V = 30522, S = 30528;
+  auto logits = random_vector(N * S, 1, 3.0f);
+  for (int64_t i = 0; i < N; ++i) std::fill_n(logits.data() + i * S + V, S - V, 1e4f);
   std::vector<int32_t> targets(N);
   std::vector<float> weights(N);
   for (int64_t i = 0; i < N; ++i) {
     targets[i] = static_cast<int32_t>((i * 7919) % V);
     weights[i] = i % 5 == 0 ? 0.0f : 1.0f;
   }
-  std::vector<float> d(N * V), loss(N);
+  std::vector<float> d(N * S, -1.0f), loss(N);
   std::vector<int32_t> hit(N);
+  const kernels::Classes c{V, S};
   const double total = kernels::cross_entropy_forward_backward(
-      d.data(), loss.data(), hit.data(), logits.data(), targets.data(), weights.data(), N, V, 0.5f);
+      d.data(), loss.data(), hit.data(), logits.data(), targets.data(), weights.data(), N, c, 0.5f);
   auto x_d = to_device(logits), t_d = to_device_as(targets), w_d = to_device(weights);
   cuda::DeviceBuffer loss_d(N * 4), hit_d(N * 4);
   const auto got =
       cuda::cross_entropy(x_d.f32(), loss_d.f32(), static_cast<int32_t*>(hit_d.data()), x_d.f32(),
-                          static_cast<const int32_t*>(t_d.data()), w_d.f32(), N, V, 0.5f);
+                          static_cast<const int32_t*>(t_d.data()), w_d.f32(), N, c, 0.5f);
   EXPECT_EQ(to_host_as<int32_t>(hit_d, N), hit);
   EXPECT_TRUE(all_close("losses", to_host(loss_d, N).data(), loss.data(), N, 1e-5, 1e-6));
   double hits = 0;
@@ -292,7 +296,12 @@ TEST(Cuda, CrossEntropyMatchesCpu) {
   // fp32 row sums of 30522 exponentials against the CPU's double: rtol 1e-5.
   EXPECT_NEAR(got.loss, total, 1e-5 * std::fabs(total));
   EXPECT_EQ(got.correct, hits);
-  EXPECT_TRUE(all_close("dlogits", to_host(x_d, N * V).data(), d.data(), N * V, 1e-5, 1e-5));
+  const auto got_d = to_host(x_d, N * S);
+  EXPECT_TRUE(all_close("dlogits", got_d.data(), d.data(), N * S, 1e-5, 1e-5));
+  for (int64_t i = 0; i < N; ++i)
+    EXPECT_EQ(std::vector<float>(got_d.data() + i * S + V, got_d.data() + (i + 1) * S),
+              std::vector<float>(S - V, 0.0f))
+        << "row " << i << "'s padding";
 }
 
 // An optimizer test's state: parameters, their bf16 copy and the moments on the host (what the

@@ -221,10 +221,10 @@ class CpuBackend final : public Backend {
 
   CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                  const float* logits, const int32_t* targets, const float* weights,
-                                 int64_t N, int64_t V, float dscale) const override {
+                                 int64_t N, Classes c, float dscale) const override {
     CrossEntropySums s;
     const double loss = cross_entropy_forward_backward(dlogits, losses, correct, logits, targets,
-                                                       weights, N, V, dscale);
+                                                       weights, N, c, dscale);
     if (!losses) return s;  // (a gradient-only call: no sums, as on a GPU)
     s.loss = loss;
     if (correct)
@@ -316,9 +316,9 @@ void Backend::release_host(void* p) const {
 
 void Backend::cross_entropy_into(const SumsInto& into, float* dlogits, float* losses,
                                  int32_t* correct, const float* logits, const int32_t* targets,
-                                 const float* weights, int64_t N, int64_t V, float dscale) const {
+                                 const float* weights, int64_t N, Classes c, float dscale) const {
   const CrossEntropySums s =
-      cross_entropy(dlogits, losses, correct, logits, targets, weights, N, V, dscale);
+      cross_entropy(dlogits, losses, correct, logits, targets, weights, N, c, dscale);
   auto add = [&](double* to, double v) {
     if (!to) return;
     double h = 0;

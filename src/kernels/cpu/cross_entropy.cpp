@@ -1,5 +1,6 @@
 #include "kernels/cpu/cross_entropy.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/isa.h"
@@ -153,15 +154,16 @@ double loss_row(isa::Portable, float* d, float* loss_out, int32_t* correct, cons
 
 double cross_entropy_forward_backward(float* dlogits, float* losses, int32_t* correct,
                                       const float* logits, const int32_t* targets,
-                                      const float* weights, int64_t N, int64_t V, float dscale) {
+                                      const float* weights, int64_t N, Classes c, float dscale) {
   double total = 0.0;
   with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static) reduction(+ : total)
     for (int64_t i = 0; i < N; ++i) {
       const float w = weights ? weights[i] : 1.0f;
-      total +=
-          w * loss_row(tag, dlogits ? dlogits + i * V : nullptr, losses ? losses + i : nullptr,
-                       correct ? correct + i : nullptr, logits + i * V, targets[i], w, V, dscale);
+      float* d = dlogits ? dlogits + i * c.stride : nullptr;
+      total += w * loss_row(tag, d, losses ? losses + i : nullptr, correct ? correct + i : nullptr,
+                            logits + i * c.stride, targets[i], w, c.V, dscale);
+      if (d) std::fill(d + c.V, d + c.stride, 0.0f);
     }
   });
   return total;

@@ -485,11 +485,11 @@ class CudaBackend final : public kernels::Backend {
 
   kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                           const float* logits, const int32_t* targets,
-                                          const float* weights, int64_t N, int64_t V,
+                                          const float* weights, int64_t N, kernels::Classes c,
                                           float dscale) const override {
     const Op op("cross_entropy");
     kernels::CrossEntropySums s =
-        cuda::cross_entropy(dlogits, losses, correct, logits, targets, weights, N, V, dscale,
+        cuda::cross_entropy(dlogits, losses, correct, logits, targets, weights, N, c, dscale,
                             nullptr, /*sums=*/losses != nullptr);
     if (!correct) s.correct = 0;  // as the CPU: the hits only where asked for
     return s;
@@ -497,11 +497,12 @@ class CudaBackend final : public kernels::Backend {
 
   void cross_entropy_into(const kernels::SumsInto& into, float* dlogits, float* losses,
                           int32_t* correct, const float* logits, const int32_t* targets,
-                          const float* weights, int64_t N, int64_t V, float dscale) const override {
+                          const float* weights, int64_t N, kernels::Classes c,
+                          float dscale) const override {
     const Op op("cross_entropy");
     kernels::SumsInto to = into;
     if (!correct) to.hits = nullptr;  // (as the CPU: the hits only where asked for)
-    cuda::cross_entropy_into(to, dlogits, losses, correct, logits, targets, weights, N, V, dscale);
+    cuda::cross_entropy_into(to, dlogits, losses, correct, logits, targets, weights, N, c, dscale);
   }
 
   double squared_error(float* dpred, const float* pred, const float* target, int64_t N,

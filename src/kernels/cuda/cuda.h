@@ -221,19 +221,20 @@ void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, con
                               const int32_t* mask, const kernels::AttentionShape& s,
                               const kernels::Dropout& d);
 
-// Softmax cross-entropy of N rows of V logits with its gradient (dlogits may be null or alias
-// logits; weights may be null); losses and correct (optional) receive each row's loss and hit.
+// Softmax cross-entropy of N rows over c.V classes (rows of c.stride logits: kernels::Classes)
+// with its gradient (dlogits may be null or alias logits, its padding written 0; weights may be
+// null); losses and correct (optional) receive each row's loss and hit.
 // Returns the weighted loss and hit sums (synchronises the stream), or with `sums` false zero
 // sums without waiting (a gradient-only call).
 kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                         const float* logits, const int32_t* targets,
-                                        const float* weights, int64_t N, int64_t V, float dscale,
-                                        void* stream = nullptr, bool sums = true);
+                                        const float* weights, int64_t N, kernels::Classes c,
+                                        float dscale, void* stream = nullptr, bool sums = true);
 // The same, its sums added on the device where `into` says (kernels::SumsInto): one more
 // kernel, no waiting.
 void cross_entropy_into(const kernels::SumsInto& into, float* dlogits, float* losses,
                         int32_t* correct, const float* logits, const int32_t* targets,
-                        const float* weights, int64_t N, int64_t V, float dscale,
+                        const float* weights, int64_t N, kernels::Classes c, float dscale,
                         void* stream = nullptr);
 
 // Device memory for kernels that need more than their operands (slot: which part, scratch.h):

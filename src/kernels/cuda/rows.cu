@@ -52,11 +52,12 @@ __global__ void attention_softmax_backward_kernel(float* ds, const float* dd, co
 template <class Lanes>
 __device__ void cross_entropy_row(const Lanes& l, int64_t i, float* dlogits, float* row_sums,
                                   float* losses, int32_t* correct, const float* logits,
-                                  const int32_t* targets, const float* weights, int64_t V,
+                                  const int32_t* targets, const float* weights, kernels::Classes c,
                                   float dscale) {
   const float w = weights ? weights[i] : 1.0f;
-  const rm::CrossEntropyRow row = rm::cross_entropy(dlogits ? dlogits + i * V : nullptr,
-                                                    logits + i * V, targets[i], w, V, dscale, l);
+  const rm::CrossEntropyRow row =
+      rm::cross_entropy(dlogits ? dlogits + i * c.stride : nullptr, logits + i * c.stride,
+                        targets[i], w, c.V, c.stride, dscale, l);
   if (l.lane == 0) {
     row_sums[2 * i] = w * row.loss;
     row_sums[2 * i + 1] = row.hit ? w : 0.0f;
@@ -68,11 +69,12 @@ __device__ void cross_entropy_row(const Lanes& l, int64_t i, float* dlogits, flo
 // A warp per row (narrow rows: next-sentence, classes, answer positions).
 __global__ void cross_entropy_kernel(float* dlogits, float* row_sums, float* losses,
                                      int32_t* correct, const float* logits, const int32_t* targets,
-                                     const float* weights, int64_t N, int64_t V, float dscale) {
+                                     const float* weights, int64_t N, kernels::Classes c,
+                                     float dscale) {
   const int64_t i = warp_row();
   if (i >= N) return;
   cross_entropy_row(warp_lanes(), i, dlogits, row_sums, losses, correct, logits, targets, weights,
-                    V, dscale);
+                    c, dscale);
 }
 
 // A block per row, from kWideRow columns (the masked LM's vocabulary): a warp per row would
@@ -81,10 +83,10 @@ constexpr int64_t kWideRow = 1024;
 constexpr unsigned kWideRowThreads = 256;
 __global__ void cross_entropy_wide_kernel(float* dlogits, float* row_sums, float* losses,
                                           int32_t* correct, const float* logits,
-                                          const int32_t* targets, const float* weights, int64_t V,
-                                          float dscale) {
+                                          const int32_t* targets, const float* weights,
+                                          kernels::Classes c, float dscale) {
   const BlockLanes<kWideRowThreads> l{static_cast<int>(threadIdx.x)};
-  cross_entropy_row(l, blockIdx.x, dlogits, row_sums, losses, correct, logits, targets, weights, V,
+  cross_entropy_row(l, blockIdx.x, dlogits, row_sums, losses, correct, logits, targets, weights, c,
                     dscale);
 }
 
@@ -482,14 +484,14 @@ namespace {
 
 // The rows' cross-entropy; returns the scratch of their weighted losses and hits (2 per row).
 float* cross_entropy_rows(float* dlogits, float* losses, int32_t* correct, const float* logits,
-                          const int32_t* targets, const float* weights, int64_t N, int64_t V,
-                          float dscale, cudaStream_t s) {
+                          const int32_t* targets, const float* weights, int64_t N,
+                          kernels::Classes c, float dscale, cudaStream_t s) {
   auto* row_sums = static_cast<float*>(scratch(kCrossEntropySlot, 2 * N * sizeof(float)));
-  if (V >= kWideRow)
+  if (c.V >= kWideRow)
     BT_LAUNCH(cross_entropy_wide_kernel, static_cast<unsigned>(N), kWideRowThreads, 0, s)
-  (dlogits, row_sums, losses, correct, logits, targets, weights, V, dscale);
+  (dlogits, row_sums, losses, correct, logits, targets, weights, c, dscale);
   else BT_LAUNCH(cross_entropy_kernel, row_blocks(N), kRowThreads, 0, s)(
-      dlogits, row_sums, losses, correct, logits, targets, weights, N, V, dscale);
+      dlogits, row_sums, losses, correct, logits, targets, weights, N, c, dscale);
   BT_CUDA_CHECK(cudaGetLastError());
   return row_sums;
 }
@@ -518,24 +520,25 @@ __global__ void add_row_sums_kernel(const float* row_sums, int64_t N, kernels::S
 
 void cross_entropy_into(const kernels::SumsInto& into, float* dlogits, float* losses,
                         int32_t* correct, const float* logits, const int32_t* targets,
-                        const float* weights, int64_t N, int64_t V, float dscale, void* stream) {
+                        const float* weights, int64_t N, kernels::Classes c, float dscale,
+                        void* stream) {
   if (N == 0) return;
   const cudaStream_t s = as_stream(stream);
   const float* row_sums =
-      cross_entropy_rows(dlogits, losses, correct, logits, targets, weights, N, V, dscale, s);
+      cross_entropy_rows(dlogits, losses, correct, logits, targets, weights, N, c, dscale, s);
   BT_LAUNCH(add_row_sums_kernel, 1, kThreads, 0, s)(row_sums, N, into);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
 kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                         const float* logits, const int32_t* targets,
-                                        const float* weights, int64_t N, int64_t V, float dscale,
-                                        void* stream, bool want_sums) {
+                                        const float* weights, int64_t N, kernels::Classes c,
+                                        float dscale, void* stream, bool want_sums) {
   kernels::CrossEntropySums sums;
   if (N == 0) return sums;
   const cudaStream_t s = as_stream(stream);
   const float* row_sums =
-      cross_entropy_rows(dlogits, losses, correct, logits, targets, weights, N, V, dscale, s);
+      cross_entropy_rows(dlogits, losses, correct, logits, targets, weights, N, c, dscale, s);
   if (!want_sums) return sums;
   std::vector<float> h(2 * N);
   // (into pageable memory: returns when the stream has run through the copy)
