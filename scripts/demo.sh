@@ -117,12 +117,14 @@ echo "-- the blocked attention kernel (auto from 512 tokens; on a GPU in bf16 at
 $BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512 --max-predictions 80 \
   --precision bf16 --device cuda --memory-budget 80GiB --attention full | grep -E "^run|^  total|^budget"
 echo "-- what a step asks of a GPU: kernel launches and host synchronisations (docs/gpus.md; none between"
-echo "   logged steps: the norm, finite check and clipping stay on the GPU; in bf16 the attention is fused:"
-echo "   2 kernels a layer, every sequence length of the batch in one launch; 22 launches a layer in all),"
-echo "   counted by bench --device cuda:"
+echo "   logged steps: the norm, finite check, clipping and fp16's loss scale stay on the GPU; in bf16/fp16"
+echo "   the attention is fused: 2 kernels a layer, every sequence length of the batch in one launch; 22"
+echo "   launches a layer in all), counted by bench --device cuda:"
 if [ -x build-emu/bertrain ]; then
-  build-emu/bertrain bench --device cuda --model-config configs/bert-tiny.json --batch-size 4 --seq-len 32 \
-    --max-predictions 5 --steps 2 --warmup 1 --precision bf16 | grep -E "^bench|^  gpu|^  device"
+  for p in bf16 fp16; do
+    build-emu/bertrain bench --device cuda --model-config configs/bert-tiny.json --batch-size 4 --seq-len 32 \
+      --max-predictions 5 --steps 2 --warmup 1 --precision $p | grep -E "^bench|^  gpu|^  device"
+  done
 else
   echo "   (on the emulated device once scripts/test.sh has built it: build-emu/bertrain bench --device cuda ...)"
 fi

@@ -557,9 +557,10 @@ class OwnMemoryBackend final : public Backend {
     own(positions, "scattered positions");
     cpu().scatter_add_rows(dseq, d, positions, B, P, T, C);
   }
-  void scale_inplace(float* x, int64_t n, float s) const override {
+  void scale_inplace(float* x, int64_t n, Multiplier s) const override {
     const Open open(*this);
     own(x, "scaled");
+    own(s.times, "scale factor");
     cpu().scale_inplace(x, n, s);
   }
   void zero(void* p, int64_t bytes) const override {
@@ -569,20 +570,22 @@ class OwnMemoryBackend final : public Backend {
   }
   CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                  const float* logits, const int32_t* targets, const float* weights,
-                                 int64_t N, Classes c, float dscale) const override {
+                                 int64_t N, Classes c, Multiplier dscale) const override {
     const Open open(*this);
     own(logits, "logits");
     own(targets, "targets");
     own(weights, "weights");
     own(losses, "row losses");
     own(correct, "row hits");
+    own(dscale.times, "gradient factor");
     return cpu().cross_entropy(dlogits, losses, correct, logits, targets, weights, N, c, dscale);
   }
   double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
-                       float dscale) const override {
+                       Multiplier dscale) const override {
     const Open open(*this);
     own(pred, "predictions");
     own(target, "regression targets");
+    own(dscale.times, "gradient factor");
     return cpu().squared_error(dpred, pred, target, N, dscale);
   }
   void add_sum_squares(double& sum, const float* g, int64_t n, double scale) const override {

@@ -140,6 +140,35 @@ TEST(DeviceModel, TrainingStepsEqualTheCpu) {
     }
 }
 
+// A pretraining model (initialised from seed 11), its optimizer, loss scaler and step on a
+// backend: the deferred-step tests' runs (deferred where the backend has memory of its own).
+struct DeferredRun {
+  std::unique_ptr<model::BertModel> m;
+  std::unique_ptr<train::Optimizer> opt;
+  std::unique_ptr<train::LossScaler> scaler;
+  comm::SingleProcess single;
+  std::unique_ptr<train::Step> step;
+  DeferredRun(const Backend& be, const model::BertConfig& c, const model::ModelDims& d,
+              train::OptimizerKind kind, const train::LossScaler::Config& sc = {}) {
+    m = std::make_unique<model::BertModel>(c, model::Head::Pretraining, d, be);
+    m->init_params(11);
+    train::OptimizerConfig oc;
+    oc.kind = kind;
+    opt = std::make_unique<train::Optimizer>(train::param_slices(m->table()), m->table().total(),
+                                             oc, be);
+    scaler = std::make_unique<train::LossScaler>(sc);
+    train::StepSettings ss;
+    ss.seed = 9;
+    ss.defer = true;
+    step = std::make_unique<train::Step>(*m, *opt, *scaler, single, ss);
+  }
+  std::vector<float> params() const {
+    std::vector<float> p(static_cast<size_t>(m->table().total()));
+    m->backend().to_host(p.data(), m->params(), p.size() * sizeof(float));
+    return p;
+  }
+};
+
 // Deferred steps (StepSettings::defer, what train and bench run): on a backend with memory of
 // its own the norm, finite check and clipping are the device's (Optimizer::gate, apply_gated)
 // and nothing is read until settle(). Five steps, AdamW and LAMB (clipping at 1.0 active: the
@@ -157,36 +186,11 @@ TEST(DeviceModel, DeferredStepsEqualTheEagerOnesAndFailWhereTheyDiverge) {
     for (bool bf16 : {false, true}) {
       if (bf16 && !gemm_bf16_available()) continue;
       SCOPED_TRACE(testing::Message() << train::optimizer_name(kind) << (bf16 ? " bf16" : ""));
-      struct Run {
-        std::unique_ptr<model::BertModel> m;
-        std::unique_ptr<train::Optimizer> opt;
-        train::LossScaler scaler{train::LossScaler::Config{}};
-        comm::SingleProcess single;
-        std::unique_ptr<train::Step> step;
-        std::vector<float> params() const {
-          std::vector<float> p(static_cast<size_t>(m->table().total()));
-          m->backend().to_host(p.data(), m->params(), p.size() * sizeof(float));
-          return p;
-        }
-      };
-      auto start = [&](const Backend& be, bool defer, Run& r) {
-        model::ModelDims d{batch.B, batch.T, batch.P};
-        d.precision = bf16 ? Precision::BF16 : Precision::FP32;
-        d.unpadded = true;
-        r.m = std::make_unique<model::BertModel>(c, model::Head::Pretraining, d, be);
-        r.m->init_params(11);
-        train::OptimizerConfig oc;
-        oc.kind = kind;
-        r.opt = std::make_unique<train::Optimizer>(train::param_slices(r.m->table()),
-                                                   r.m->table().total(), oc, be);
-        train::StepSettings ss;
-        ss.seed = 9;
-        ss.defer = defer;
-        r.step = std::make_unique<train::Step>(*r.m, *r.opt, r.scaler, r.single, ss);
-      };
-      Run eager, deferred;
-      start(cpu_backend(), true, eager);  // (host memory: never deferred)
-      start(own, true, deferred);
+      model::ModelDims d{batch.B, batch.T, batch.P};
+      d.precision = bf16 ? Precision::BF16 : Precision::FP32;
+      d.unpadded = true;
+      DeferredRun eager(cpu_backend(), c, d, kind);  // (host memory: never deferred)
+      DeferredRun deferred(own, c, d, kind);
       EXPECT_FALSE(eager.step->deferring());
       ASSERT_TRUE(deferred.step->deferring());
       std::vector<train::StepReport> want;
@@ -234,6 +238,77 @@ TEST(DeviceModel, DeferredStepsEqualTheEagerOnesAndFailWhereTheyDiverge) {
       ASSERT_EQ(after.size(), before.size());
       EXPECT_EQ(std::memcmp(after.data(), before.data(), after.size() * sizeof(float)), 0);
     }
+}
+
+// fp16's loss scale on the device: deferred steps with the loss scaler on (kernels::GradientGate
+// carries the scale and the update count; backward's factor reads the scale where it runs) equal
+// the eager steps on the CPU bit for bit, through a growth and a skip. The scale starts at 1024
+// and grows after 2 good steps; step 2's gradients are made NaN (a LayerNorm weight, restored
+// after it), so it is skipped and the scale backs off: scales 1024, 1024, 2048, 1024, 1024, 2048.
+// The skipped step is not an update (AdamW's and LAMB's bias corrections after it count 5 of
+// 6), and settle() reports each step's scale and skip as the eager run did; the loss scaler's
+// state after settle() (its replay of the device's decisions) is the eager one's.
+TEST(DeviceModel, DeferredFp16StepsKeepTheLossScaleOnTheDevice) {
+  const OwnMemoryBackend own;
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  const model::Batch batch = test::random_batch(c, 4, 32, 5);
+  const auto next = test::same_batch(batch);
+  train::LossScaler::Config sc;
+  sc.enabled = true;
+  sc.init = 1024.0f;
+  sc.growth_interval = 2;
+  for (auto kind : {train::OptimizerKind::AdamW, train::OptimizerKind::Lamb}) {
+    SCOPED_TRACE(train::optimizer_name(kind));
+    model::ModelDims d{batch.B, batch.T, batch.P};
+    d.precision = Precision::FP16;
+    DeferredRun eager(cpu_backend(), c, d, kind, sc);  // (host memory: never deferred)
+    DeferredRun deferred(own, c, d, kind, sc);
+    ASSERT_FALSE(eager.step->deferring());
+    ASSERT_TRUE(deferred.step->deferring());
+    const auto& ps = eager.m->table().params();
+    const auto w = std::find_if(ps.begin(), ps.end(), [](const model::ParamInfo& p) {
+      return p.name.find("LayerNorm.weight") != std::string::npos;
+    });
+    ASSERT_NE(w, ps.end());
+    std::vector<train::StepReport> want;
+    const int64_t steps = 6, spoiled = 2;
+    for (int64_t k = 0; k < steps; ++k) {
+      const float nan = std::nanf("");
+      float kept = 0;
+      if (k == spoiled) {
+        kept = eager.m->params()[w->offset];
+        eager.m->params()[w->offset] = nan;
+        own.to_device(deferred.m->params() + w->offset, &nan, sizeof nan);
+      }
+      want.push_back(eager.step->run(k, 1e-3, next, "", k + 1 < steps));
+      EXPECT_TRUE(deferred.step->run(k, 1e-3, next, "", k + 1 < steps).pending);
+      if (k == spoiled) {
+        eager.m->params()[w->offset] = kept;
+        own.to_device(deferred.m->params() + w->offset, &kept, sizeof kept);
+      }
+    }
+    const std::vector<train::StepReport> got = deferred.step->settle();
+    ASSERT_EQ(got.size(), static_cast<size_t>(steps));
+    const float scales[] = {1024, 1024, 2048, 1024, 1024, 2048};
+    for (int64_t k = 0; k < steps; ++k) {
+      SCOPED_TRACE(k);
+      EXPECT_EQ(want[k].loss_scale, scales[k]);
+      EXPECT_EQ(got[k].loss_scale, scales[k]);
+      EXPECT_EQ(got[k].applied, k != spoiled);
+      EXPECT_EQ(want[k].applied, k != spoiled);
+      if (k != spoiled) {
+        EXPECT_NEAR(got[k].loss, want[k].loss, 1e-12 * std::fabs(want[k].loss));
+        EXPECT_NEAR(got[k].grad_norm, want[k].grad_norm, 1e-12 * want[k].grad_norm);
+      }
+    }
+    EXPECT_EQ(deferred.params(), eager.params());
+    EXPECT_EQ(deferred.opt->steps(), steps - 1);
+    EXPECT_EQ(eager.opt->steps(), steps - 1);
+    EXPECT_EQ(deferred.scaler->scale(), eager.scaler->scale());
+    EXPECT_EQ(deferred.scaler->good_steps(), eager.scaler->good_steps());
+    EXPECT_EQ(deferred.scaler->skipped(), 1);
+    EXPECT_EQ(eager.scaler->skipped(), 1);
+  }
 }
 
 // More deferred steps than a read keeps: 5 steps of 50 micro-batches make 152 marks each, so
@@ -333,7 +408,9 @@ TEST(DeviceModel, StepsStageTheNextBatchDuringBackwardAndEqualTheCpu) {
             EXPECT_EQ(r.t_input_hidden, 0.0);
           } else {
             EXPECT_GT(r.t_input_hidden, 0.0) << k;
-            if (k > 0) EXPECT_EQ(r.t_input, 0.0) << k;
+            if (k > 0) {
+              EXPECT_EQ(r.t_input, 0.0) << k;
+            }
           }
         }
         EXPECT_EQ(taken, batches.size());

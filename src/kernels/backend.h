@@ -313,7 +313,8 @@ class Backend : public Target {
   // Its backward: that row of dseq += d[r] (positions may repeat within a sequence).
   virtual void scatter_add_rows(float* dseq, const float* d, const int32_t* positions, int64_t B,
                                 int64_t P, int64_t T, int64_t C) const = 0;
-  virtual void scale_inplace(float* x, int64_t n, float s) const = 0;
+  // x *= s (types.h Multiplier: a factor in the backend's memory is read where the kernel runs).
+  virtual void scale_inplace(float* x, int64_t n, Multiplier s) const = 0;
   virtual void zero(void* p, int64_t bytes) const = 0;
 
   // -- loss --
@@ -323,23 +324,25 @@ class Backend : public Target {
   // losses) is given, returns sum_i weight[i] * loss[i] and sum_i weight[i] * [argmax of row i ==
   // target] (weight 1 where weights is null; `correct`, the per-row hits' buffer, null when the
   // hits are not wanted). A gradient-only call (losses null) returns zero sums: on a GPU the sums
-  // are a host synchronisation it then does not make.
+  // are a host synchronisation it then does not make. The gradient is of dscale x the loss
+  // (types.h Multiplier: fp16's loss scale may be a factor in the backend's memory).
   virtual CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                          const float* logits, const int32_t* targets,
                                          const float* weights, int64_t N, Classes c,
-                                         float dscale) const = 0;
+                                         Multiplier dscale) const = 0;
   // The same, its sums added where `into` says (types.h SumsInto) instead of returned: on a GPU
   // a small kernel after it, no host synchronisation. The default (host memory, or any backend
   // through to_host/to_device) adds cross_entropy's returned sums.
   virtual void cross_entropy_into(const SumsInto& into, float* dlogits, float* losses,
                                   int32_t* correct, const float* logits, const int32_t* targets,
-                                  const float* weights, int64_t N, Classes c, float dscale) const;
+                                  const float* weights, int64_t N, Classes c,
+                                  Multiplier dscale) const;
 
   // Squared error of N predictions (a regression head, HF's MSELoss summed): returns
   // sum_i (pred[i] - target[i])^2 and, when dpred is not null, writes
   // dpred[i] = dscale * 2 * (pred[i] - target[i]).
   virtual double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
-                               float dscale) const = 0;
+                               Multiplier dscale) const = 0;
 
   // -- optimizer (one parameter tensor; kernels/cpu/optimizer.h) --
   virtual void add_sum_squares(double& sum, const float* g, int64_t n, double scale) const = 0;
@@ -363,18 +366,20 @@ class Backend : public Target {
   virtual void add_sum_squares(double& sum, const float* g, const TensorSpan* t, int64_t count,
                                double scale) const;
   // With a gate (types.h GradientGate, in the backend's memory: gate_gradients wrote it), each
-  // step's gscale is the gate's factor and nothing is updated when the gate says so; the host
-  // does not read it (a GPU's kernels do). Without (null), the steps as given.
+  // step's gscale is the gate's factor, its bias corrections those of the gate's update count
+  // (types.h gated), and nothing is updated when the gate says so; the host does not read it (a
+  // GPU's kernels do). Without (null), the steps as given.
   virtual void adamw_update(const AdamwStep* a, float* p, uint16_t* p16, const float* g, float* m,
                             float* v, const TensorSpan* t, int64_t count,
                             const GradientGate* gate) const;
   virtual void lamb_update(const LambStep* a, float* p, uint16_t* p16, const float* g, float* m,
                            float* v, const TensorSpan* t, int64_t count,
                            const GradientGate* gate) const;
-  // The step's gate from the gradients g x unscale over the spans, their squared norm summed as
-  // add_sum_squares sums it, written to `gate` in the backend's memory (a GPU's: the sum and the
-  // decision on the device, no host synchronisation). The default sums through add_sum_squares
-  // and copies the gate there.
+  // The step's gate (types.h next_gate) from the one in `gate` (the backend's memory) and the
+  // gradients g x unscale / its loss scale over the spans, their squared norm summed as
+  // add_sum_squares sums it, written over it: the decision, the update count and the loss scale
+  // on (a GPU's: on the device, no host synchronisation). The default sums through
+  // add_sum_squares and copies the gates across.
   virtual void gate_gradients(GradientGate* gate, const float* g, const TensorSpan* t,
                               int64_t count, float unscale, float max_norm) const;
   // pn[i] and un[i] += span i's squared norms.

@@ -108,6 +108,21 @@ struct Classes {
   Classes(int64_t v, int64_t s) : V(v), stride(s) {}
 };
 
+// A factor a kernel multiplies by: `by`, times *times where given (a value in the backend's
+// memory the kernel reads where it runs: fp16's loss scale kept on the device, LossScale). From a
+// plain float: that value. The host never reads *times.
+struct Multiplier {
+  float by = 1.0f;
+  const float* times = nullptr;
+  Multiplier() = default;
+  Multiplier(float f) : by(f) {}  // NOLINT(google-explicit-constructor): that value
+  Multiplier(float f, const float* t) : by(f), times(t) {}
+  // This factor / d (by divided, in double, as the host's factors are).
+  Multiplier over(double d) const { return {static_cast<float>(by / d), times}; }
+  bool is_one() const { return !times && by == 1.0f; }
+  BT_HOST_DEVICE float value() const { return times ? by * *times : by; }
+};
+
 // What Backend::cross_entropy returns: the weighted loss and the weighted count of hits.
 struct CrossEntropySums {
   double loss = 0, correct = 0;
@@ -131,6 +146,7 @@ struct SumsInto {
 struct AdamwStep {
   float gscale, beta1, beta2, step_size, sqrt_bc2, eps, decay;
   bool f16_copy = false;
+  float lr = 0;  // (step_size's: bias_correct)
 };
 
 // LAMB with g * gscale: u = m / bc1 / (sqrt(v / bc2) + eps) + wd p (ibc = 1 / bc), then
@@ -161,16 +177,70 @@ BT_HOST_DEVICE inline float lamb_trust(const LambStep& a, double pn, double un) 
   return 1.0f;
 }
 
+// Update number t's (1-based) bias corrections, bc_k = 1 - beta_k^t, into a step's arguments:
+// AdamW's step_size = lr / bc1 and sqrt_bc2, LAMB's 1 / bc1 and 1 / bc2 (in double, then
+// rounded). The host's steps and a gate's (gated, on the device) come from here. (A GPU's pow
+// differs from the host's by at most 2 units in the last place of the double, far below the
+// float the factor is rounded to.)
+BT_HOST_DEVICE inline void bias_correct(AdamwStep& a, int64_t t) {
+  const double bc1 = 1.0 - pow(static_cast<double>(a.beta1), static_cast<double>(t));
+  const double bc2 = 1.0 - pow(static_cast<double>(a.beta2), static_cast<double>(t));
+  a.step_size = static_cast<float>(a.lr / bc1);
+  a.sqrt_bc2 = static_cast<float>(sqrt(bc2));
+}
+BT_HOST_DEVICE inline void bias_correct(LambStep& a, int64_t t) {
+  const double bc1 = 1.0 - pow(static_cast<double>(a.beta1), static_cast<double>(t));
+  const double bc2 = 1.0 - pow(static_cast<double>(a.beta2), static_cast<double>(t));
+  a.ibc1 = static_cast<float>(1.0 / bc1);
+  a.ibc2 = static_cast<float>(1.0 / bc2);
+}
+
+// fp16's dynamic loss scale (train::LossScaler; PyTorch's GradScaler rule, as its
+// _amp_update_scale_): a step whose gradients are all finite counts toward growth, and after
+// growth_interval of them in a row the scale grows; a step with any inf/NaN is skipped and the
+// scale backs off (not below min_scale). Where the step is decided on the device (GradientGate)
+// the scale lives there and the host replays the same rule when it reads the steps.
+// Disabled (fp32, bf16): the scale stays 1.
+struct LossScale {
+  float scale = 1.0f;
+  int32_t good = 0;     // finite steps in a row since the scale last changed
+  int32_t bad = 0;      // non-finite steps in a row
+  int32_t enabled = 0;  // 0: the scale stays 1
+  float growth = 2.0f, backoff = 0.5f, min_scale = 1.0f;
+  int32_t growth_interval = 2000;
+};
+
+BT_HOST_DEVICE inline void next_loss_scale(LossScale& s, bool finite) {
+  if (finite) {
+    s.bad = 0;
+    if (s.enabled && ++s.good >= s.growth_interval) {
+      s.scale *= s.growth;
+      s.good = 0;
+    }
+    return;
+  }
+  ++s.bad;
+  s.good = 0;
+  if (s.enabled) s.scale = fmaxf(s.min_scale, s.scale * s.backoff);
+}
+
 // A step's update decided where the gradients are (Backend::gate_gradients; a GPU's: no host
 // synchronisation): the squared norm of the unscaled gradients, whether every gradient is finite
 // (apply 0: every update pass given the gate leaves parameters and moments as they were), and
 // the factor the update multiplies each gradient by, unscale x PyTorch's clip_grad_norm_
 // coefficient max_norm / (norm + 1e-6) where the norm exceeds max_norm (max_norm 0: no clipping).
 // The update passes take the factor as their steps' gscale.
+// The gate also keeps what passes from step to step where the steps are decided: the updates
+// applied (the bias corrections count them: a skipped step is not one) and the loss scale
+// (LossScale, which the gradients of the next step's backward carry). gate_gradients reads them
+// and writes the next ones (next_gate); the host writes them only to start from its own.
 struct GradientGate {
   double sum_squares = 0;
   float factor = 1.0f;
   int32_t apply = 1;
+  float loss_scale = 1.0f;  // the scale this step's gradients carry (the scale before the update)
+  int64_t steps = 0;        // updates applied, this one included
+  LossScale scale;          // the scale for the next step's backward
 };
 
 BT_HOST_DEVICE inline GradientGate gradient_gate(double sum_squares, float unscale,
@@ -182,6 +252,33 @@ BT_HOST_DEVICE inline GradientGate gradient_gate(double sum_squares, float unsca
   const double clip = g.apply && max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
   g.factor = static_cast<float>(static_cast<double>(unscale) * clip);
   return g;
+}
+
+// The unscaling factor of gradients that carry loss scale s: unscale / s (the host's factor,
+// rounded from double the same way; unscale itself when s is 1).
+BT_HOST_DEVICE inline float unscale_by(float unscale, const LossScale& s) {
+  return static_cast<float>(static_cast<double>(unscale) / static_cast<double>(s.scale));
+}
+
+// The gate of the step after `prev`: the gradients' squared norm `sum_squares` (of the gradients
+// x unscale_by(unscale, prev.scale)), the update counted where applied, the scale's rule run.
+BT_HOST_DEVICE inline GradientGate next_gate(const GradientGate& prev, double sum_squares,
+                                             float unscale, float max_norm) {
+  GradientGate g = gradient_gate(sum_squares, unscale_by(unscale, prev.scale), max_norm);
+  g.loss_scale = prev.scale.scale;
+  g.steps = prev.steps + g.apply;
+  g.scale = prev.scale;
+  next_loss_scale(g.scale, g.apply != 0);
+  return g;
+}
+
+// A step's arguments under a gate: its gscale the gate's factor, its bias corrections those of
+// the gate's update count.
+template <class StepArgs>
+BT_HOST_DEVICE inline StepArgs gated(StepArgs a, const GradientGate& g) {
+  a.gscale = g.factor;
+  bias_correct(a, g.steps);
+  return a;
 }
 
 // -- the operands of the backend's operations (backend.h), which its implementations take as they

@@ -882,7 +882,7 @@ std::pair<int64_t, int64_t> BertModel::layer_range(int64_t l) const {
   return table_.layer_range(l);
 }
 
-void BertModel::backward(const Batch& b, const StepOptions& opt, float loss_scale,
+void BertModel::backward(const Batch& b, const StepOptions& opt, kernels::Multiplier loss_scale,
                          const std::function<void(int64_t)>& layer_done) {
   ++passes_;
   bind_kernel_scratch();
@@ -1036,15 +1036,15 @@ void BertModel::token_classifier_forward(const Pass& p, const Batch& b, const fl
   out.tokens_correct = static_cast<int64_t>(ce.correct);
 }
 
-void BertModel::token_classifier_backward(const Pass& p, const Batch& b, float loss_scale,
-                                          float* dh) {
+void BertModel::token_classifier_backward(const Pass& p, const Batch& b,
+                                          kernels::Multiplier loss_scale, float* dh) {
   const int64_t N = p.N, NL = cfg_.num_labels;
   double scored = 0;
   for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
   float* dlog = act_.dsmall;  // [N,NL]
   be_.cross_entropy(dlog, nullptr, nullptr, act_.tok_logits, cur_.in.token_labels,
                     cur_.in.token_weights, N, NL,
-                    scored > 0 ? static_cast<float>(loss_scale / scored) : 0.0f);
+                    scored > 0 ? loss_scale.over(scored) : kernels::Multiplier(0.0f));
   linear_backward(dh, table_.heads().classifier_w, table_.heads().classifier_b, dlog,
                   {act_.tok_drop}, N, NL, p.C);
   dropout_rows(true, dh, dh, N, p.site(p.L + 1, kTokens, p.p_hidden, p.off_tc));
@@ -1067,11 +1067,11 @@ void BertModel::qa_forward(const Pass& p, const float* x, Losses& out) {
   out.tokens_correct = static_cast<int64_t>(ce.correct);
 }
 
-void BertModel::qa_backward(const Pass& p, float loss_scale, float* dh) {
+void BertModel::qa_backward(const Pass& p, kernels::Multiplier loss_scale, float* dh) {
   const int64_t N = p.N, C = p.C, B = p.B;
   float* dlog = act_.dsmall;  // [2N]: d start logits, then d end logits
   be_.cross_entropy(dlog, nullptr, nullptr, act_.qa_logits, cur_.in.span_positions, nullptr, 2 * B,
-                    p.T, static_cast<float>(loss_scale / (2.0 * B)));
+                    p.T, loss_scale.over(2.0 * B));
   const int64_t w = table_.heads().qa_w, bias = table_.heads().qa_b;
   const Kept seq{seq_out_};
   linear_backward(dh, w, bias, dlog, seq, N, 1, C);
@@ -1136,13 +1136,13 @@ void BertModel::pretraining_forward(const Pass& p, const Batch& b, const float* 
   out.loss = out.mlm_loss + out.nsp_loss;
 }
 
-void BertModel::pretraining_backward(const Pass& p, const Batch& b, float loss_scale,
+void BertModel::pretraining_backward(const Pass& p, const Batch& b, kernels::Multiplier loss_scale,
                                      float* dpooled, float* dh) {
   const ParamTable& t = table_;
   const int64_t B = p.B, C = p.C, V = cfg_.vocab_size, Vr = vocab_rows(cfg_);
   float* dnsp = act_.dsmall;
   be_.cross_entropy(dnsp, nullptr, nullptr, act_.nsp_logits, cur_.in.nsp_labels, nullptr, B, 2,
-                    loss_scale / B);
+                    loss_scale.over(static_cast<double>(B)));
   linear_backward(dpooled, t.heads().nsp_w, t.heads().nsp_b, dnsp, {act_.pooled}, B, 2, C);
 
   const int64_t BP = p.up ? cur_.packed.mlm_rows : B * b.P;
@@ -1150,13 +1150,13 @@ void BertModel::pretraining_backward(const Pass& p, const Batch& b, float loss_s
   if (mlm_grad_ready_) {
     // Forward left the gradient for loss scale 1; scales are powers of two, so scaling here
     // gives the same bits as computing with the scale.
-    if (loss_scale != 1.0f) be_.scale_inplace(dlogits, BP * Vr, loss_scale);
+    if (!loss_scale.is_one()) be_.scale_inplace(dlogits, BP * Vr, loss_scale);
   } else {
     double wsum = 0;
     for (int64_t r = 0; r < BP; ++r) wsum += mlm_weights(b)[r];
-    const float dscale = static_cast<float>(loss_scale / (wsum + kMlmDenominatorEps));
     be_.cross_entropy(dlogits, nullptr, nullptr, act_.mlm_logits, cur_.in.mlm_ids,
-                      cur_.in.mlm_weights, BP, kernels::Classes{V, Vr}, dscale);
+                      cur_.in.mlm_weights, BP, kernels::Classes{V, Vr},
+                      loss_scale.over(wsum + kMlmDenominatorEps));
   }
   mlm_grad_ready_ = false;
   float* d1 = act_.dhead1;  // [BP,C]
@@ -1191,14 +1191,15 @@ void BertModel::classifier_forward(const Pass& p, Losses& out) {
   }
 }
 
-void BertModel::classifier_backward(const Pass& p, float loss_scale, float* dpooled) {
+void BertModel::classifier_backward(const Pass& p, kernels::Multiplier loss_scale, float* dpooled) {
   const int64_t B = p.B, C = p.C, NL = cfg_.num_labels;
   float* dlog = act_.dsmall;
   if (NL == 1)
-    be_.squared_error(dlog, act_.cls_logits, cur_.in.label_values, B, loss_scale / B);
+    be_.squared_error(dlog, act_.cls_logits, cur_.in.label_values, B,
+                      loss_scale.over(static_cast<double>(B)));
   else
     be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, cur_.in.label_ids, nullptr, B, NL,
-                      loss_scale / B);
+                      loss_scale.over(static_cast<double>(B)));
   linear_backward(dpooled, table_.heads().classifier_w, table_.heads().classifier_b, dlog,
                   {act_.pooled_drop}, B, NL, C);
   be_.dropout_backward(dpooled, dpooled, B * C,

@@ -248,7 +248,9 @@ class BertModel {
   bool stages_ahead() const { return !be_.host_memory(); }
   // Gradients of loss_scale * loss, accumulated into grads(). Needs the preceding forward, on
   // the same batch (its kernels read the arrays that forward chose and staged: KernelInputs).
-  void backward(const Batch& b, const StepOptions& opt, float loss_scale = 1.0f,
+  // The scale may be a factor in the backend's memory (kernels::Multiplier: fp16's loss scale
+  // kept on the device), which the heads' kernels read where they run.
+  void backward(const Batch& b, const StepOptions& opt, kernels::Multiplier loss_scale = 1.0f,
                 const std::function<void(int64_t)>& layer_done = {});
   // Gradient offsets [begin, end) of encoder layer l: final once backward reports layer l done
   // (layers are contiguous in the flat buffer). Everything else is final when backward returns.
@@ -406,16 +408,17 @@ class BertModel {
   // The heads (bert.cpp, each forward beside its backward): the losses into `out`, the gradient
   // into dh (the sequence output's rows) or dpooled.
   void token_classifier_forward(const Pass& p, const Batch& b, const float* x, Losses& out);
-  void token_classifier_backward(const Pass& p, const Batch& b, float loss_scale, float* dh);
+  void token_classifier_backward(const Pass& p, const Batch& b, kernels::Multiplier loss_scale,
+                                 float* dh);
   void qa_forward(const Pass& p, const float* x, Losses& out);
-  void qa_backward(const Pass& p, float loss_scale, float* dh);
+  void qa_backward(const Pass& p, kernels::Multiplier loss_scale, float* dh);
   void pooler_forward(const Pass& p, const float* x);
   void pooler_backward(const Pass& p, float* dpooled, float* dh);
   void pretraining_forward(const Pass& p, const Batch& b, const float* x, Losses& out);
-  void pretraining_backward(const Pass& p, const Batch& b, float loss_scale, float* dpooled,
-                            float* dh);
+  void pretraining_backward(const Pass& p, const Batch& b, kernels::Multiplier loss_scale,
+                            float* dpooled, float* dh);
   void classifier_forward(const Pass& p, Losses& out);
-  void classifier_backward(const Pass& p, float loss_scale, float* dpooled);
+  void classifier_backward(const Pass& p, kernels::Multiplier loss_scale, float* dpooled);
   // The attention core of layer l over the packed rows, forward or backward (one call per run).
   void packed_attention(int64_t l, bool forward, kernels::Kept dqkv, float* dbias,
                         const float* dctx, const StepOptions& opt);

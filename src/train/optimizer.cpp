@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "core/error.h"
@@ -59,6 +60,7 @@ Optimizer::Optimizer(std::vector<ParamSlice> slices, int64_t total, const Optimi
   }
   m_ = state_.f32("optimizer.m");
   gate_ = reinterpret_cast<kernels::GradientGate*>(state_.f32("optimizer.gate"));
+  write_gate(carried_);  // no update applied, loss scale 1
   v_ = state_.f32("optimizer.v");
   pieces_ = pieces();
   for (const Piece& q : pieces_) spans_.push_back({q.offset, q.offset - shard_.begin, q.numel});
@@ -107,9 +109,40 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
          sum_over_ranks);
 }
 
+void Optimizer::write_gate(const kernels::GradientGate& g) {
+  if (be_->host_memory())
+    *gate_ = g;
+  else
+    be_->to_device(gate_, &g, sizeof g);
+  carried_ = g;
+}
+
+void Optimizer::set_steps(int64_t s) {
+  BT_CHECK(gated_in_flight_ == 0, "Optimizer::set_steps: ", gated_in_flight_,
+           " gated step(s) not read yet");
+  steps_ = s;
+}
+
+void Optimizer::start_gate(const kernels::LossScale& scale) {
+  if (gated_in_flight_ > 0 ||
+      (carried_.steps == steps_ && std::memcmp(&carried_.scale, &scale, sizeof scale) == 0))
+    return;
+  kernels::GradientGate g;
+  g.steps = steps_;
+  g.scale = scale;
+  write_gate(g);
+}
+
 void Optimizer::gate(const float* grads, float inv_scale) {
   BT_CHECK(!sharded(), "Optimizer::gate: a sharded optimizer's norm needs every rank's part");
+  ++gated_in_flight_;
   be_->gate_gradients(gate_, grads, spans_.data(), count(), inv_scale, cfg_.max_grad_norm);
+}
+
+void Optimizer::gate_read(const kernels::GradientGate& last) {
+  carried_ = last;
+  steps_ = last.steps;
+  gated_in_flight_ = 0;
 }
 
 void Optimizer::apply_gated(float* params, const float* grads, float lr, kernels::WeightCopy copy) {
@@ -122,26 +155,19 @@ void Optimizer::update(float* params, const float* grads, float lr, float gscale
                        const SumOverRanks& sum_over_ranks) {
   ++steps_;
   const float b1 = cfg_.beta1, b2 = cfg_.beta2, eps = cfg_.eps;
-  const double bc1 = 1.0 - std::pow(static_cast<double>(b1), static_cast<double>(steps_));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(b2), static_cast<double>(steps_));
+  // (bias corrections of update steps_; under a gate the device's count replaces it: gated)
   auto lamb_step = [&](const ParamSlice& s) {
     const float wd = s.decay ? cfg_.weight_decay : 0.0f;
-    return kernels::LambStep{
-        gscale, b1, b2,      static_cast<float>(1.0 / bc1), static_cast<float>(1.0 / bc2), eps,
-        wd,     lr, copy.f16};
+    kernels::LambStep a{gscale, b1, b2, 0.0f, 0.0f, eps, wd, lr, copy.f16};
+    kernels::bias_correct(a, steps_);
+    return a;
   };
   if (cfg_.kind == OptimizerKind::AdamW) {
     // torch.optim.AdamW: p *= 1 - lr*wd; p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
     for (size_t i = 0; i < pieces_.size(); ++i) {
       const float wd = slices_[pieces_[i].slice].decay ? cfg_.weight_decay : 0.0f;
-      adamw_[i] = {gscale,
-                   b1,
-                   b2,
-                   static_cast<float>(lr / bc1),
-                   static_cast<float>(std::sqrt(bc2)),
-                   eps,
-                   1.0f - lr * wd,
-                   copy.f16};
+      adamw_[i] = {gscale, b1, b2, 0.0f, 0.0f, eps, 1.0f - lr * wd, copy.f16, lr};
+      kernels::bias_correct(adamw_[i], steps_);
     }
     be_->adamw_update(adamw_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count(),
                       gate);

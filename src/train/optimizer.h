@@ -86,16 +86,25 @@ class Optimizer {
 
   // measure and apply decided where the gradients are, the host reading nothing (a GPU's: no
   // synchronisation): gate() writes the step's gate (kernels::GradientGate: the norm, whether
-  // every gradient is finite, the factor of unscaling and clipping) in the backend's memory,
-  // apply_gated() updates as apply() would with measure()'s result, or leaves everything as it
-  // was where a gradient is not finite (the step count still advances: the caller stops on a
-  // non-finite step, as Step does unless the loss scaler skips it). Unsharded only.
+  // every gradient is finite, the factor of unscaling and clipping, the updates applied and the
+  // loss scale on) in the backend's memory, apply_gated() updates as apply() would with
+  // measure()'s result, or leaves everything as it was where a gradient is not finite. The
+  // gradients carry the gate's loss scale (inv_scale does not count it). Unsharded only.
+  // start_gate() before a step's backward: where no gated step is in flight (unread: gate_read)
+  // and the gate carries another count than steps() or another scale than `scale` (the first
+  // gated step, a resume), the gate starts from them; else it goes on from its own.
+  void start_gate(const kernels::LossScale& scale);
   void gate(const float* grads, float inv_scale);
   void apply_gated(float* params, const float* grads, float lr, kernels::WeightCopy copy = {});
   const kernels::GradientGate* device_gate() const { return gate_; }
+  // The host read the gate of the last gated step issued (its copy of device_gate()): every
+  // gated step is read, and steps() becomes the gate's count (skipped steps not counted).
+  void gate_read(const kernels::GradientGate& last);
 
+  // Updates applied (bias corrections count them). A gated step counts when issued and is
+  // taken back if its gate skipped it, when read (gate_read).
   int64_t steps() const { return steps_; }
-  void set_steps(int64_t s) { steps_ = s; }
+  void set_steps(int64_t s);
   const Shard& shard() const { return shard_; }
   bool sharded() const { return shard_.world > 1; }
   // The moments of shard().begin .. end, in the optimizer group of the memory plan
@@ -136,6 +145,11 @@ class Optimizer {
   MemoryPlan plan_;
   std::shared_ptr<void> device_state_;  // the state's block, a backend with memory of its own
   kernels::GradientGate* gate_;         // gate()'s: the plan's optimizer.gate
+  // What the gate carries as far as the host knows (steps, scale), and the gated steps issued
+  // since the host last read one.
+  kernels::GradientGate carried_;
+  int64_t gated_in_flight_ = 0;
+  void write_gate(const kernels::GradientGate& g);
   Arena state_;
   float *m_, *v_;
   int64_t steps_ = 0;

@@ -133,15 +133,17 @@ Step::~Step() {
 }
 
 bool Step::deferring() const {
-  return s_.defer && !m_.backend().host_memory() && comm_.size() == 1 && !opt_.sharded() &&
-         !scaler_.enabled();
+  return s_.defer && !m_.backend().host_memory() && comm_.size() == 1 && !opt_.sharded();
 }
 
 GradientScale Step::scale() const {
-  const double world = comm_.size(), loss_scale = scaler_.scale();
+  // Deferred, the loss scale is the gate's on the device (1 here: the factors read it there).
+  const bool on_device = deferring() && scaler_.enabled();
+  const double world = comm_.size(), loss_scale = on_device ? 1.0 : scaler_.scale();
   const double pre = world > 1 ? s_.predivide : 1.0;
   GradientScale g;
   g.backward = static_cast<float>(loss_scale / static_cast<double>(s_.accumulation));
+  if (on_device) g.backward.times = &opt_.device_gate()->scale.scale;
   g.prescale = static_cast<float>(1.0 / pre);
   g.unscale = static_cast<float>(pre / (loss_scale * world));
   return g;
@@ -192,8 +194,9 @@ StepReport Step::run(int64_t step, double lr, const NextBatch& next_batch, const
   if (defer && (static_cast<int64_t>(pending_.size()) == kRecords ||
                 pending_marks_ + marks > kernels::Backend::kMarks))
     settle_pending();
+  if (defer) opt_.start_gate(scaler_.state());  // (before backward reads the gate's scale)
   const GradientScale g = scale();
-  r.loss_scale = scaler_.scale();
+  r.loss_scale = scaler_.scale();  // (deferred: the device's, at settle)
   if (reducer_) reducer_->set_prescale(g.prescale);
   m_.zero_grads();
   phases_.clear();
@@ -377,7 +380,7 @@ void Step::update_deferred(int64_t step, double lr, const GradientScale& g, cons
   m_.bind_kernel_scratch();  // the gate's partial sums come from it
   PendingStep p;
   p.optimizer_begin = be.mark();
-  opt_.gate(m_.grads(), g.unscale);
+  opt_.gate(m_.grads(), g.unscale);  // (the loss scale: the gate's own)
   opt_.apply_gated(m_.params(), m_.grads(), static_cast<float>(lr), m_.weight_copy());
   m_.weights16_updated();
   p.optimizer_end = be.mark();
@@ -426,9 +429,14 @@ void Step::settle_pending() {
     report(p.stats, r);
     r.grad_norm = std::sqrt(rec.gate.sum_squares);
     r.pending = false;
+    // The device ran the scaler's rule from the scaler's state: the host's replay (judge) agrees.
+    BT_CHECK(rec.gate.loss_scale == scaler_.scale(), "step ", p.step, ": the device's loss scale ",
+             rec.gate.loss_scale, " is not the loss scaler's ", scaler_.scale());
+    r.loss_scale = rec.gate.loss_scale;
     judge(p.step, rec.gate.apply != 0, p.stats, p.hint, r);
     settled_.push_back(r);
   }
+  opt_.gate_read(records[pending_.back().record].gate);
   pending_.clear();
   pending_marks_ = 0;
 }

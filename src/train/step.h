@@ -2,8 +2,9 @@
 //   zero gradients -> per micro-batch: input, forward, backward (the reducer hears of each
 //   finished layer on the last one) -> reduce across ranks -> finite check (all ranks) and loss
 //   scaler -> optimizer (unscale, clip, update, 16-bit weight copy) .
-// Deferred (StepSettings::defer, one GPU): the finite check, clipping and the update's skip are
-// the device's (kernels::GradientGate) and the host reads the step's results later, at settle().
+// Deferred (StepSettings::defer, one GPU): the finite check, clipping, the update's skip and
+// fp16's loss scale are the device's (kernels::GradientGate) and the host reads the step's
+// results later, at settle(), where the loss scaler replays the device's decisions.
 // With a sharded optimizer (ZeRO stage 1: Optimizer's Shard) the sum across ranks is a
 // reduce-scatter (each rank receives the sum of its part), the norm and finite check add the
 // parts' squared norms, each rank updates its part, and an allgather gives every rank all the
@@ -39,16 +40,18 @@ struct StepSettings {
   int64_t bucket_bytes = int64_t{64} << 20;
   uint64_t seed = 0;  // dropout streams (with the step, layer and example)
   // The step's results read later, where that spares the device a host synchronisation: on a
-  // backend with memory of its own (a GPU), one rank, an unsharded optimizer and no loss scaler,
-  // run() returns a pending report and the norm, the finite check, clipping and the losses stay
-  // on the device until settle() (Step::run says how). Else (and by default) each step is read
-  // when it ends.
+  // backend with memory of its own (a GPU), one rank and an unsharded optimizer, run() returns a
+  // pending report and the norm, the finite check, clipping, fp16's loss scale and the losses
+  // stay on the device until settle() (Step::run says how). Else (and by default) each step is
+  // read when it ends.
   bool defer = false;
 };
 
-// The factors of one step (see the header comment).
+// The factors of one step (see the header comment). Deferred with a loss scaler, the loss scale
+// is the device's: backward's factor reads it there (1 / accumulation x the gate's scale) and
+// unscale leaves it to the gate (kernels::next_gate divides by it).
 struct GradientScale {
-  float backward = 1.0f;  // loss scale / accumulation: what backward multiplies the loss by
+  kernels::Multiplier backward = 1.0f;  // loss scale / accumulation: backward's loss factor
   float prescale = 1.0f;  // 1 / predivide, applied before the sum over ranks (1: not applied)
   float unscale = 1.0f;   // predivide / (loss scale * world): the optimizer's factor
 };
@@ -128,13 +131,14 @@ class Step {
   // the device overlaps them. With `ahead` (a step follows this one) the next step's first
   // micro-batch too: next_batch is then called once during this step for the next one
   // (reading_ahead() is true during that call, and holds_next() after the step).
-  // Deferred (deferring()): the step's norm, finite check and clipping run on the device
-  // (Optimizer::gate, apply_gated: a non-finite step changes nothing there), its loss sums and
-  // gate are copied behind it into page-locked memory, its phases end at marks, and the host
-  // waits for none of them: run() returns a pending report. settle() waits once for all the
-  // pending steps and returns their reports in step order; a non-finite step fails there, naming
-  // its step. (run() settles on its own when the marks or records kept would run out: the
-  // reports wait in settle()'s list.)
+  // Deferred (deferring()): the step's norm, finite check, clipping and loss scale run on the
+  // device (Optimizer::gate, apply_gated: a non-finite step changes nothing there but the loss
+  // scale), its loss sums and gate are copied behind it into page-locked memory, its phases end
+  // at marks, and the host waits for none of them: run() returns a pending report. settle()
+  // waits once for all the pending steps and returns their reports in step order; the loss
+  // scaler replays each step's verdict there (a non-finite step in fp32/bf16, or too many
+  // skipped in fp16, fails there, naming its step). (run() settles on its own when the marks or
+  // records kept would run out: the reports wait in settle()'s list.)
   StepReport run(int64_t step, double lr, const NextBatch& next_batch, const std::string& hint = "",
                  bool ahead = false);
   std::vector<StepReport> settle();
@@ -144,7 +148,7 @@ class Step {
   // step is then the one before that read).
   bool holds_next() const { return held_; }
 
-  GradientScale scale() const;  // for the scaler's current loss scale
+  GradientScale scale() const;  // for the scaler's current loss scale (or the device's)
   const comm::Reducer* reducer() const { return reducer_.get(); }
   const StepSettings& settings() const { return s_; }
 

@@ -173,7 +173,7 @@ TEST(CudaCounts, LaunchesPerLayerAndHostSyncsPerStep) {
 // and LAMB, padded and not. The emulator runs the device's work only when the host waits
 // (cuda_emu/README.md): there the host, never waiting, runs ahead until an input slot's staging
 // is still being copied from, at most one such wait a step (back-pressure, not a read: a GPU
-// keeping up with the host never makes it).
+// keeping up with the host never makes it). fp16 too, its loss scale on the device.
 TEST(CudaCounts, NoHostSyncBetweenLoggedSteps) {
   SKIP_WITHOUT_GPU();
   for (auto optimizer : {train::OptimizerKind::AdamW, train::OptimizerKind::Lamb})
@@ -191,6 +191,17 @@ TEST(CudaCounts, NoHostSyncBetweenLoggedSteps) {
       const Counted eager = count_steps(2, unpadded, 4, optimizer, false);
       EXPECT_EQ(r.launches, eager.launches + 1) << train::optimizer_name(optimizer);
     }
+  // fp16 with its loss scaler: the scale is the gate's on the device too (backward's loss
+  // factor reads it there, the gate divides it out and runs the scaler's rule), so fp16's steps
+  // defer as bf16's do.
+  const Counted f16 = count_steps(2, false, 4, train::OptimizerKind::Lamb, true, Precision::FP16);
+  std::printf("LAMB, fp16, deferred: %.0f host synchronisations a step, %.0f when read\n",
+              f16.host_syncs, f16.settle_syncs);
+  EXPECT_EQ(f16.host_syncs, 0) << "fp16";
+  EXPECT_EQ(f16.settle_syncs, 1) << "fp16";
+  const Counted f16_eager =
+      count_steps(2, false, 4, train::OptimizerKind::Lamb, false, Precision::FP16);
+  EXPECT_EQ(f16.launches, f16_eager.launches + 1) << "fp16";
 }
 
 // `bench --device cuda` prints these counts: a 2-layer model's launches a step (bert-tiny, padded,

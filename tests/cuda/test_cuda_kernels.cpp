@@ -302,6 +302,19 @@ TEST(Cuda, CrossEntropyMatchesCpu) {
     EXPECT_EQ(std::vector<float>(got_d.data() + i * S + V, got_d.data() + (i + 1) * S),
               std::vector<float>(S - V, 0.0f))
         << "row " << i << "'s padding";
+  // A factor read where the kernel runs (kernels::Multiplier: fp16's loss scale on the device):
+  // 0.125 x 4 in device memory gives the gradient of the host's 0.5 bit for bit, and scaling
+  // by 0.5 x 4 there doubles it exactly.
+  const auto four = to_device(std::vector<float>{4.0f});
+  auto x2_d = to_device(logits);
+  cuda::cross_entropy(x2_d.f32(), nullptr, nullptr, x2_d.f32(),
+                      static_cast<const int32_t*>(t_d.data()), w_d.f32(), N, c,
+                      kernels::Multiplier(0.125f, four.f32()), nullptr, /*sums=*/false);
+  EXPECT_EQ(to_host(x2_d, N * S), got_d);
+  cuda::scale(x2_d.f32(), N * S, kernels::Multiplier(0.5f, four.f32()));
+  std::vector<float> doubled = got_d;
+  for (float& x : doubled) x *= 2.0f;
+  EXPECT_EQ(to_host(x2_d, N * S), doubled);
 }
 
 // An optimizer test's state: parameters, their bf16 copy and the moments on the host (what the
@@ -443,9 +456,12 @@ TEST(Cuda, OptimizerOverManyTensorsMatchesCpu) {
 // measure-then-update: the gate's sum in the host's chunk order (the same bits as the GPU's
 // add_sum_squares), the factor from the same doubles, so AdamW and LAMB with clipping active
 // (norm > 1) and without (max_norm 0) give the same parameters, moments and 16-bit copies bit
-// for bit; a NaN gradient makes the gate skip and leaves all of them as they were. The tables
-// cross once: a second pass over the same spans copies nothing to the device (no host wait in
-// a lagging queue either).
+// for bit; a NaN gradient makes the gate skip and leaves all of them as they were. The gate
+// carries fp16's loss scale and the update count from the gate before (types.h next_gate): the
+// gradients carry scale 1024, which the gate divides out, and the bias corrections are those of
+// update 5 after 4; the scale's rule runs (finite: one good step; NaN: backed off to 512, the
+// count kept). The tables cross once: a second pass over the same spans copies nothing to the
+// device (no host wait in a lagging queue either).
 TEST(Cuda, GatedOptimizerEqualsTheMeasuredOne) {
   SKIP_WITHOUT_GPU();
   const std::vector<kernels::TensorSpan> spans = {
@@ -468,24 +484,38 @@ TEST(Cuda, GatedOptimizerEqualsTheMeasuredOne) {
         if (nan) g[150003] = std::nanf("");
         const auto g_d = to_device(g);
         const float unscale = 0.5f;
+        kernels::GradientGate before_gate;  // 4 updates applied, loss scale 1024
+        before_gate.steps = 4;
+        before_gate.scale.scale = 1024.0f;
+        before_gate.scale.enabled = 1;
+        gpu.to_device(gate, &before_gate, sizeof before_gate);
+        const float unscaled = kernels::unscale_by(unscale, before_gate.scale);
+        EXPECT_EQ(unscaled, 0.5f / 1024);
         // The measured path's norm: the GPU's chunk sums added on the host (the CPU's, in
         // another order, within 1e-12).
         double sum = 0, cpu_sum = 0;
-        gpu.add_sum_squares(sum, g_d.f32(), spans.data(), T, unscale);
-        cpu.add_sum_squares(cpu_sum, g.data(), spans.data(), T, unscale);
+        gpu.add_sum_squares(sum, g_d.f32(), spans.data(), T, unscaled);
+        cpu.add_sum_squares(cpu_sum, g.data(), spans.data(), T, unscaled);
         if (!nan) {
           EXPECT_NEAR(sum, cpu_sum, 1e-12 * cpu_sum);
         }
-        const kernels::GradientGate want = kernels::gradient_gate(sum, unscale, max_norm);
+        const kernels::GradientGate want = kernels::gradient_gate(sum, unscaled, max_norm);
         std::vector<kernels::AdamwStep> aw(T, {1.0f, 0.9f, 0.999f, 1e-3f, 0.3f, 1e-6f, 0.9999f});
         std::vector<kernels::LambStep> lb(T, {1.0f, 0.9f, 0.999f, 1.2f, 1.1f, 1e-6f, 0.01f, 1e-3f});
+        for (auto& a : aw) a.lr = 1e-3f;
         aw[1].decay = 1.0f;
         lb[1].wd = 0.0f;
         OptimizerState st(p0, m0, v0);
         auto& [p, m, v, p16, p_d, m_d, v_d, p16_d] = st;
-        if (want.apply) {  // the CPU: measured, then the steps with the factor
-          for (auto& a : aw) a.gscale = want.factor;
-          for (auto& a : lb) a.gscale = want.factor;
+        if (want.apply) {  // the CPU: measured, then the steps with the factor, update 5
+          for (auto& a : aw) {
+            a.gscale = want.factor;
+            kernels::bias_correct(a, 5);
+          }
+          for (auto& a : lb) {
+            a.gscale = want.factor;
+            kernels::bias_correct(a, 5);
+          }
           if (lamb)
             cpu.lamb_update(lb.data(), p.data(), p16.data(), g.data(), m.data(), v.data(),
                             spans.data(), T, nullptr);
@@ -518,6 +548,11 @@ TEST(Cuda, GatedOptimizerEqualsTheMeasuredOne) {
           EXPECT_EQ(got.sum_squares, sum);
           EXPECT_EQ(got.factor, want.factor);
         }
+        EXPECT_EQ(got.loss_scale, 1024.0f);
+        EXPECT_EQ(got.steps, nan ? 4 : 5);
+        EXPECT_EQ(got.scale.scale, nan ? 512.0f : 1024.0f);
+        EXPECT_EQ(got.scale.good, nan ? 0 : 1);
+        EXPECT_EQ(got.scale.bad, nan ? 1 : 0);
         EXPECT_EQ(to_host(p_d, n), p);
         EXPECT_EQ(to_host(m_d, n), m);
         EXPECT_EQ(to_host(v_d, n), v);

@@ -206,9 +206,10 @@ class CpuBackend final : public Backend {
   void add_inplace(float* out, const float* a, int64_t n) const override {
     kernels::add_inplace(out, a, n);
   }
-  void scale_inplace(float* x, int64_t n, float s) const override {
+  void scale_inplace(float* x, int64_t n, Multiplier s) const override {
+    const float f = s.value();
 #pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; ++i) x[i] *= s;
+    for (int64_t i = 0; i < n; ++i) x[i] *= f;
   }
   void zero(void* p, int64_t bytes) const override {
     // Every thread clears its share (BERT-base gradients: 420 MiB every step, 9 ms on one thread
@@ -221,10 +222,10 @@ class CpuBackend final : public Backend {
 
   CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                  const float* logits, const int32_t* targets, const float* weights,
-                                 int64_t N, Classes c, float dscale) const override {
+                                 int64_t N, Classes c, Multiplier dscale) const override {
     CrossEntropySums s;
     const double loss = cross_entropy_forward_backward(dlogits, losses, correct, logits, targets,
-                                                       weights, N, c, dscale);
+                                                       weights, N, c, dscale.value());
     if (!losses) return s;  // (a gradient-only call: no sums, as on a GPU)
     s.loss = loss;
     if (correct)
@@ -233,12 +234,13 @@ class CpuBackend final : public Backend {
   }
 
   double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
-                       float dscale) const override {
+                       Multiplier dscale) const override {
     double sum = 0;
+    const float f = dscale.value();
     for (int64_t i = 0; i < N; ++i) {
       const float d = pred[i] - target[i];
       sum += static_cast<double>(d) * d;
-      if (dpred) dpred[i] = dscale * 2.0f * d;
+      if (dpred) dpred[i] = f * 2.0f * d;
     }
     return sum;
   }
@@ -316,7 +318,8 @@ void Backend::release_host(void* p) const {
 
 void Backend::cross_entropy_into(const SumsInto& into, float* dlogits, float* losses,
                                  int32_t* correct, const float* logits, const int32_t* targets,
-                                 const float* weights, int64_t N, Classes c, float dscale) const {
+                                 const float* weights, int64_t N, Classes c,
+                                 Multiplier dscale) const {
   const CrossEntropySums s =
       cross_entropy(dlogits, losses, correct, logits, targets, weights, N, c, dscale);
   auto add = [&](double* to, double v) {
@@ -379,7 +382,7 @@ namespace {
 
 // An update over the spans (Backend::adamw_update, lamb_update): each span's step as given
 // without a gate; with one, read from the backend's memory: nothing when it skips the update,
-// else each step's gscale its factor.
+// else each step under it (types.h gated: the gate's factor and update count).
 template <class StepArgs, class Update>
 void gated_update(const Backend& be, const StepArgs* a, int64_t count, const GradientGate* gate,
                   const Update& update) {
@@ -389,11 +392,7 @@ void gated_update(const Backend& be, const StepArgs* a, int64_t count, const Gra
   else if (gate)
     be.to_host(&h, gate, sizeof h);
   if (!h.apply) return;
-  for (int64_t i = 0; i < count; ++i) {
-    StepArgs s = a[i];
-    if (gate) s.gscale = h.factor;
-    update(i, s);
-  }
+  for (int64_t i = 0; i < count; ++i) update(i, gate ? gated(a[i], h) : a[i]);
 }
 
 }  // namespace
@@ -418,9 +417,14 @@ void Backend::lamb_update(const LambStep* a, float* p, uint16_t* p16, const floa
 
 void Backend::gate_gradients(GradientGate* gate, const float* g, const TensorSpan* t, int64_t count,
                              float unscale, float max_norm) const {
+  GradientGate prev;
+  if (host_memory())
+    prev = *gate;
+  else
+    to_host(&prev, gate, sizeof prev);
   double sum = 0;
-  add_sum_squares(sum, g, t, count, unscale);
-  const GradientGate h = gradient_gate(sum, unscale, max_norm);
+  add_sum_squares(sum, g, t, count, unscale_by(unscale, prev.scale));
+  const GradientGate h = next_gate(prev, sum, unscale, max_norm);
   if (host_memory())
     *gate = h;
   else

@@ -105,11 +105,11 @@ __global__ void scatter_add_rows_kernel(float* dseq, const float* d, const int32
 
 // Each row's squared error in double, as the CPU backend sums them.
 __global__ void squared_error_kernel(float* dpred, double* sq, const float* pred,
-                                     const float* target, int64_t n, float dscale) {
+                                     const float* target, int64_t n, kernels::Multiplier dscale) {
   BT_FOR_EACH(n);
   const float d = pred[i] - target[i];
   sq[i] = static_cast<double>(d) * d;
-  if (dpred) dpred[i] = dscale * 2.0f * d;
+  if (dpred) dpred[i] = dscale.value() * 2.0f * d;
 }
 
 // The batches' copies into the models' input slots (Backend::upload), on the calling thread's
@@ -474,7 +474,7 @@ class CudaBackend final : public kernels::Backend {
     const Op op("scatter_add_rows");
     launch(scatter_add_rows_kernel, B * C, dseq, d, positions, B, P, T, C);
   }
-  void scale_inplace(float* x, int64_t n, float s) const override {
+  void scale_inplace(float* x, int64_t n, kernels::Multiplier s) const override {
     const Op op("scale_inplace");
     cuda::scale(x, n, s);
   }
@@ -486,7 +486,7 @@ class CudaBackend final : public kernels::Backend {
   kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                           const float* logits, const int32_t* targets,
                                           const float* weights, int64_t N, kernels::Classes c,
-                                          float dscale) const override {
+                                          kernels::Multiplier dscale) const override {
     const Op op("cross_entropy");
     kernels::CrossEntropySums s =
         cuda::cross_entropy(dlogits, losses, correct, logits, targets, weights, N, c, dscale,
@@ -498,7 +498,7 @@ class CudaBackend final : public kernels::Backend {
   void cross_entropy_into(const kernels::SumsInto& into, float* dlogits, float* losses,
                           int32_t* correct, const float* logits, const int32_t* targets,
                           const float* weights, int64_t N, kernels::Classes c,
-                          float dscale) const override {
+                          kernels::Multiplier dscale) const override {
     const Op op("cross_entropy");
     kernels::SumsInto to = into;
     if (!correct) to.hits = nullptr;  // (as the CPU: the hits only where asked for)
@@ -506,7 +506,7 @@ class CudaBackend final : public kernels::Backend {
   }
 
   double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
-                       float dscale) const override {
+                       kernels::Multiplier dscale) const override {
     const Op op("squared_error");
     if (N == 0) return 0;
     double* sq = static_cast<double*>(scratch(kSquaredErrorSlot, N * sizeof(double)));

@@ -170,7 +170,7 @@ void dropout_forward(float* x, int64_t n, const kernels::Dropout& d, void* strea
 void dropout_backward(float* dx, const float* dy, int64_t n, const kernels::Dropout& d,
                       void* stream = nullptr);
 // x *= s (n values).
-void scale(float* x, int64_t n, float s, void* stream = nullptr);
+void scale(float* x, int64_t n, kernels::Multiplier s, void* stream = nullptr);
 
 // Attention's row passes over [B, NH, T, T] (the products around them are strided batched
 // GEMMs): probs = softmax(scores + mask) (probs may alias scores), dropped = dropout(probs)
@@ -229,13 +229,14 @@ void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, con
 kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                         const float* logits, const int32_t* targets,
                                         const float* weights, int64_t N, kernels::Classes c,
-                                        float dscale, void* stream = nullptr, bool sums = true);
+                                        kernels::Multiplier dscale, void* stream = nullptr,
+                                        bool sums = true);
 // The same, its sums added on the device where `into` says (kernels::SumsInto): one more
 // kernel, no waiting.
 void cross_entropy_into(const kernels::SumsInto& into, float* dlogits, float* losses,
                         int32_t* correct, const float* logits, const int32_t* targets,
-                        const float* weights, int64_t N, kernels::Classes c, float dscale,
-                        void* stream = nullptr);
+                        const float* weights, int64_t N, kernels::Classes c,
+                        kernels::Multiplier dscale, void* stream = nullptr);
 
 // Device memory for kernels that need more than their operands (slot: which part, scratch.h):
 // the bound region's part (bind_scratch: the model's plan) when it holds `bytes`, else a buffer

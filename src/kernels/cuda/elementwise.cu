@@ -26,9 +26,9 @@ __global__ void activation_backward_kernel(kernels::Activation a, float* dinp, c
   if (i < n) dinp[i] = kernels::row_math::activation_grad(a, inp[i], dout[i]);
 }
 
-__global__ void scale_kernel(float* x, int64_t n, float s) {
+__global__ void scale_kernel(float* x, int64_t n, kernels::Multiplier s) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) x[i] *= s;
+  if (i < n) x[i] *= s.value();
 }
 
 __global__ void widen_bf16_kernel(float* dst, const uint16_t* src, int64_t n) {
@@ -159,7 +159,7 @@ void dropout_backward(float* dx, const float* dy, int64_t n, const kernels::Drop
   launch_on(stream, dropout_backward_kernel, n, dx, dy, n, d.p, d.key, d.offset);
 }
 
-void scale(float* x, int64_t n, float s, void* stream) {
+void scale(float* x, int64_t n, kernels::Multiplier s, void* stream) {
   launch_on(stream, scale_kernel, n, x, n, s);
 }
 

@@ -53,11 +53,11 @@ template <class Lanes>
 __device__ void cross_entropy_row(const Lanes& l, int64_t i, float* dlogits, float* row_sums,
                                   float* losses, int32_t* correct, const float* logits,
                                   const int32_t* targets, const float* weights, kernels::Classes c,
-                                  float dscale) {
+                                  kernels::Multiplier dscale) {
   const float w = weights ? weights[i] : 1.0f;
   const rm::CrossEntropyRow row =
       rm::cross_entropy(dlogits ? dlogits + i * c.stride : nullptr, logits + i * c.stride,
-                        targets[i], w, c.V, c.stride, dscale, l);
+                        targets[i], w, c.V, c.stride, dscale.value(), l);
   if (l.lane == 0) {
     row_sums[2 * i] = w * row.loss;
     row_sums[2 * i + 1] = row.hit ? w : 0.0f;
@@ -70,7 +70,7 @@ __device__ void cross_entropy_row(const Lanes& l, int64_t i, float* dlogits, flo
 __global__ void cross_entropy_kernel(float* dlogits, float* row_sums, float* losses,
                                      int32_t* correct, const float* logits, const int32_t* targets,
                                      const float* weights, int64_t N, kernels::Classes c,
-                                     float dscale) {
+                                     kernels::Multiplier dscale) {
   const int64_t i = warp_row();
   if (i >= N) return;
   cross_entropy_row(warp_lanes(), i, dlogits, row_sums, losses, correct, logits, targets, weights,
@@ -84,7 +84,7 @@ constexpr unsigned kWideRowThreads = 256;
 __global__ void cross_entropy_wide_kernel(float* dlogits, float* row_sums, float* losses,
                                           int32_t* correct, const float* logits,
                                           const int32_t* targets, const float* weights,
-                                          kernels::Classes c, float dscale) {
+                                          kernels::Classes c, kernels::Multiplier dscale) {
   const BlockLanes<kWideRowThreads> l{static_cast<int>(threadIdx.x)};
   cross_entropy_row(l, blockIdx.x, dlogits, row_sums, losses, correct, logits, targets, weights, c,
                     dscale);
@@ -123,9 +123,11 @@ __global__ void adamw_kernel(kernels::AdamwStep a, float* p, uint16_t* p16, cons
 // The multi-tensor passes (scratch.h): block b runs chunk b of span chunks[b].tensor.
 __global__ void sum_squares_many_kernel(double* partial, const float* g,
                                         const kernels::TensorSpan* spans, const Chunk* chunks,
-                                        double scale) {
+                                        double scale, const kernels::GradientGate* by = nullptr) {
   const Chunk c = chunks[blockIdx.x];
   const float* x = g + spans[c.tensor].offset + c.begin;
+  // (a gate's: the gradients carry its loss scale, unscaled by it as next_gate does)
+  if (by) scale = kernels::unscale_by(static_cast<float>(scale), by->scale);
   double acc = 0.0;
   for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x) {
     const double y = static_cast<double>(x[i]) * scale;
@@ -143,22 +145,22 @@ struct StepKinds {
   int count = 0;
 };
 
-// Span i's step, its gscale the gate's factor where there is a gate (types.h GradientGate).
+// Span i's step, under the gate where there is one (types.h gated: its gscale and bias
+// corrections).
 template <class StepArgs>
 __device__ StepArgs span_step(const StepKinds<StepArgs>& steps, const int32_t* kind, int64_t i,
                               const kernels::GradientGate* gate) {
-  StepArgs a = steps.kind[kind[i]];
-  if (gate) a.gscale = gate->factor;
-  return a;
+  const StepArgs& a = steps.kind[kind[i]];
+  return gate ? kernels::gated(a, *gate) : a;
 }
 
-// The gate from the chunks' partial sums, added in chunk order (the host's order: the same
-// bits as add_sum_squares).
+// The next gate (types.h next_gate) from the chunks' partial sums, added in chunk order (the
+// host's order: the same bits as add_sum_squares).
 __global__ void gate_kernel(kernels::GradientGate* gate, const double* partial, int64_t count,
                             float unscale, float max_norm) {
   double sum = 0.0;
   for (int64_t b = 0; b < count; ++b) sum += partial[b];
-  *gate = kernels::gradient_gate(sum, unscale, max_norm);
+  *gate = kernels::next_gate(*gate, sum, unscale, max_norm);
 }
 
 __global__ void adamw_many_kernel(StepKinds<kernels::AdamwStep> steps, const int32_t* kind,
@@ -220,7 +222,7 @@ __global__ void lamb_apply_many_kernel(StepKinds<kernels::LambStep> steps, const
   if (gate && !gate->apply) return;
   const Chunk c = chunks[blockIdx.x];
   const kernels::TensorSpan t = spans[c.tensor];
-  const kernels::LambStep a = steps.kind[kind[c.tensor]];
+  const kernels::LambStep a = span_step(steps, kind, c.tensor, gate);
   for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x)
     rm::lamb_apply(a, p + t.offset, p16 ? p16 + t.offset : nullptr, m + t.state, v + t.state,
                    c.begin + i, trust[c.tensor]);
@@ -485,7 +487,7 @@ namespace {
 // The rows' cross-entropy; returns the scratch of their weighted losses and hits (2 per row).
 float* cross_entropy_rows(float* dlogits, float* losses, int32_t* correct, const float* logits,
                           const int32_t* targets, const float* weights, int64_t N,
-                          kernels::Classes c, float dscale, cudaStream_t s) {
+                          kernels::Classes c, kernels::Multiplier dscale, cudaStream_t s) {
   auto* row_sums = static_cast<float*>(scratch(kCrossEntropySlot, 2 * N * sizeof(float)));
   if (c.V >= kWideRow)
     BT_LAUNCH(cross_entropy_wide_kernel, static_cast<unsigned>(N), kWideRowThreads, 0, s)
@@ -520,8 +522,8 @@ __global__ void add_row_sums_kernel(const float* row_sums, int64_t N, kernels::S
 
 void cross_entropy_into(const kernels::SumsInto& into, float* dlogits, float* losses,
                         int32_t* correct, const float* logits, const int32_t* targets,
-                        const float* weights, int64_t N, kernels::Classes c, float dscale,
-                        void* stream) {
+                        const float* weights, int64_t N, kernels::Classes c,
+                        kernels::Multiplier dscale, void* stream) {
   if (N == 0) return;
   const cudaStream_t s = as_stream(stream);
   const float* row_sums =
@@ -533,7 +535,7 @@ void cross_entropy_into(const kernels::SumsInto& into, float* dlogits, float* lo
 kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,
                                         const float* logits, const int32_t* targets,
                                         const float* weights, int64_t N, kernels::Classes c,
-                                        float dscale, void* stream, bool want_sums) {
+                                        kernels::Multiplier dscale, void* stream, bool want_sums) {
   kernels::CrossEntropySums sums;
   if (N == 0) return sums;
   const cudaStream_t s = as_stream(stream);
@@ -611,7 +613,7 @@ void gate_gradients(kernels::GradientGate* gate, const float* g, const kernels::
   const Many& w = upload(t, count, nullptr, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks > 0) BT_LAUNCH(sum_squares_many_kernel, blocks, kThreads, 0, s)
-  (w.partials, g, w.spans, w.chunks, static_cast<double>(unscale));
+  (w.partials, g, w.spans, w.chunks, static_cast<double>(unscale), gate);
   BT_CUDA_CHECK(cudaGetLastError());
   BT_LAUNCH(gate_kernel, 1, 1, 0, s)(gate, w.partials, blocks, unscale, max_norm);
   BT_CUDA_CHECK(cudaGetLastError());
