@@ -10,9 +10,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <ucontext.h>
+
+#include <algorithm>
+#include <atomic>
 #include <boost/context/fiber.hpp>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -443,7 +448,47 @@ namespace {
 // (AddressSanitizer's report, or the default: the process ends).
 struct sigaction g_previous_segv, g_previous_bus;
 
+// Touch counting (counts.h): the running kernel's device's paged allocations, each page's state
+// (bit 0 read, bit 1 written), while g_tracking is set.
+struct Tracked {
+  char* begin;
+  size_t bytes;
+  size_t first;  // its first page's index in g_page_state
+};
+std::atomic<bool> g_counting{false}, g_tracking{false};
+std::mutex g_touch_mu;  // one counted kernel at a time; guards what follows
+std::vector<Tracked> g_tracked;
+std::vector<uint8_t> g_page_state;
+std::map<std::string, Touched> g_touched;
+
+// Whether the fault at `addr` was a tracked page's, handled: the page counted and given back
+// (read: readable; written: readable and writable).
+bool count_touch(void* addr, void* context) {
+  if (!g_tracking.load(std::memory_order_acquire)) return false;
+  char* a = static_cast<char*>(addr);
+  auto it = std::upper_bound(g_tracked.begin(), g_tracked.end(), a,
+                             [](char* x, const Tracked& t) { return x < t.begin; });
+  if (it == g_tracked.begin()) return false;
+  --it;
+  if (a >= it->begin + it->bytes) return false;
+  const size_t page = static_cast<size_t>(a - it->begin) / kTouchPage;
+  char* start = it->begin + page * kTouchPage;
+  uint8_t& state = g_page_state[it->first + page];
+#if defined(__x86_64__)
+  // (the page fault's error code: bit 1 set for a write)
+  const bool write = static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_ERR] & 2;
+#else
+  (void)context;
+  const bool write = true;  // (unknown: counted as both)
+  state |= 1;
+#endif
+  state |= write ? 2 : 1;
+  ::mprotect(start, kTouchPage, write ? PROT_READ | PROT_WRITE : PROT_READ);
+  return true;
+}
+
 void on_fault(int sig, siginfo_t* info, void* context) {
+  if (sig == SIGSEGV && count_touch(info->si_addr, context)) return;
   if (const Lane* l = t_lane) {
     char line[512];
     const int n = std::snprintf(
@@ -476,6 +521,57 @@ void install_fault_handler() {
 }
 
 }  // namespace
+
+bool touch_counting() {
+  return g_counting.load();
+}
+
+void set_touch_counting(bool on) {
+  install_fault_handler();
+  g_counting.store(on);
+}
+
+std::map<std::string, Touched> touched() {
+  std::lock_guard<std::mutex> lock(g_touch_mu);
+  return g_touched;
+}
+
+void reset_touched() {
+  std::lock_guard<std::mutex> lock(g_touch_mu);
+  g_touched.clear();
+}
+
+void count_touches(int device, const char* name, const std::function<void()>& run) {
+  if (!g_counting.load()) return run();
+  std::vector<std::pair<char*, size_t>> allocations = paged_allocations(device);
+  std::lock_guard<std::mutex> lock(g_touch_mu);
+  std::sort(allocations.begin(), allocations.end());
+  g_tracked.clear();
+  size_t pages = 0;
+  for (const auto& [p, bytes] : allocations) {
+    g_tracked.push_back({p, bytes, pages});
+    pages += bytes / kTouchPage;
+  }
+  g_page_state.assign(pages, 0);
+  for (const Tracked& t : g_tracked) ::mprotect(t.begin, t.bytes, PROT_NONE);
+  g_tracking.store(true, std::memory_order_release);
+  struct GiveBack {  // however the kernel ends
+    ~GiveBack() {
+      g_tracking.store(false, std::memory_order_release);
+      for (const Tracked& t : g_tracked) ::mprotect(t.begin, t.bytes, PROT_READ | PROT_WRITE);
+    }
+  };
+  Touched& k = g_touched[name];
+  ++k.launches;
+  {
+    const GiveBack give_back;
+    run();
+  }
+  for (uint8_t s : g_page_state) {
+    k.pages_read += s & 1;
+    k.pages_written += s >> 1 & 1;
+  }
+}
 
 void run_grid(const char* name, dim3 grid, dim3 block, const void* closure,
               void (*body)(const void*)) {

@@ -269,8 +269,12 @@ Stream* stream_of(cudaStream_t s) {
 // pointers from host ones.
 struct Allocation {
   size_t bytes;
-  int device;  // -1: page-locked host memory
+  int device;          // -1: page-locked host memory
+  bool paged = false;  // made while touch counting was on: page-aligned, whole pages
 };
+size_t whole_pages(size_t bytes) {
+  return (bytes + kTouchPage - 1) / kTouchPage * kTouchPage;
+}
 std::mutex g_memory_mu;
 std::map<uintptr_t, Allocation> g_memory;
 
@@ -345,6 +349,15 @@ int current_device() {
   return t_device;
 }
 
+std::vector<std::pair<char*, size_t>> paged_allocations(int device) {
+  std::vector<std::pair<char*, size_t>> out;
+  std::lock_guard<std::mutex> lock(g_memory_mu);
+  for (const auto& [p, a] : g_memory)
+    if (a.paged && a.device == device)
+      out.push_back({reinterpret_cast<char*>(p), whole_pages(a.bytes)});
+  return out;
+}
+
 std::string device_range_problem(const void* p, size_t bytes, const char* what) {
   std::lock_guard<std::mutex> lock(g_memory_mu);
   const auto* a = find(p);
@@ -399,7 +412,11 @@ void launch_kernel(const char* name, dim3 grid, dim3 block, size_t shared, CUstr
     set_error(cudaErrorInvalidConfiguration, std::string(name) + " launched with " + why);
     return;
   }
-  const cudaError_t e = enqueue(stream, name, [=] { run_grid(name, grid, block, c.get(), body); });
+  Stream* st = stream_of(stream);
+  const int dev = st->device->index;
+  const cudaError_t e = enqueue(stream, name, [=] {
+    count_touches(dev, name, [&] { run_grid(name, grid, block, c.get(), body); });
+  });
   if (e == cudaSuccess)
     count_kernel(name);
   else if (t_last != e)  // the device's sticky error: enqueue left the thread's as it was
@@ -597,10 +614,13 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
                                                       std::to_string(d.total - d.allocated) +
                                                       " free of " + std::to_string(d.total) +
                                                       " (CUDA_EMU_MEMORY_GIB)");
-    if (posix_memalign(p, 256, bytes) != 0)
+    // (counting touches: whole pages of its own, so that a page is one allocation's)
+    const bool paged = cuda_emu::touch_counting();
+    const size_t held = paged ? cuda_emu::whole_pages(bytes) : bytes;
+    if (posix_memalign(p, paged ? cuda_emu::kTouchPage : 256, held) != 0)
       return set_error(cudaErrorMemoryAllocation, "the host has no memory for the device's");
     d.allocated += bytes;
-    cuda_emu::g_memory[reinterpret_cast<uintptr_t>(*p)] = {bytes, d.index};
+    cuda_emu::g_memory[reinterpret_cast<uintptr_t>(*p)] = {bytes, d.index, paged};
   }
   // New device memory holds no zeros to rely on: all ones (fp32 and 16-bit NaN) until written.
   std::memset(*p, 0xff, bytes);

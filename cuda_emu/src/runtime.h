@@ -7,6 +7,8 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cuda_emu/counts.h"
 #include "cuda_runtime.h"
@@ -39,6 +41,13 @@ std::string device_range_problem(const void* p, size_t bytes, const char* what);
 
 // Sets the calling thread's last error with a detail that cudaGetErrorString appends.
 cudaError_t set_error(cudaError_t e, const std::string& detail);
+
+// Touch counting (counts.h set_touch_counting): whether it is on, the allocations of `device`
+// made while it was (page-aligned, whole pages: [begin, begin + bytes)), and a kernel's run
+// with them counted (blocks.cpp; `run` runs the grid, the pages given back however it ends).
+bool touch_counting();
+std::vector<std::pair<char*, size_t>> paged_allocations(int device);
+void count_touches(int device, const char* name, const std::function<void()>& run);
 
 // Runs a kernel's grid on the calling (executor) thread: every block, its threads as fibers.
 // Throws Fault naming the kernel, block and thread on a barrier or collective misuse.

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -202,6 +204,113 @@ TEST(CudaCounts, NoHostSyncBetweenLoggedSteps) {
   const Counted f16_eager =
       count_steps(2, false, 4, train::OptimizerKind::Lamb, false, Precision::FP16);
   EXPECT_EQ(f16.launches, f16_eager.launches + 1) << "fp16";
+}
+
+#ifdef BT_EMULATED_DEVICE
+// The device memory each kernel of a step touches, counted by the emulator page by page
+// (cuda_emu/counts.h touch counting): one step of a model of `layers` after one of warm-up.
+// `update` (where given): the pages AdamW's arrays span, the update's model (see below).
+struct UpdatePages {
+  int64_t read = 0, written = 0, gradients = 0;
+};
+std::map<std::string, cuda_emu::Touched> touched_in_a_step(int64_t layers, Precision precision,
+                                                           UpdatePages* update = nullptr) {
+  cuda_emu::set_touch_counting(true);  // (before the session allocates: whole pages)
+  const model::BertConfig c = test::small_bert(300, 256, layers, 4, 1024, 128);
+  const model::Batch b = test::random_batch(c, 4, 128, 20);
+  train::SessionSettings ss;
+  ss.dims = model::ModelDims{b.B, b.T, b.P};
+  ss.dims.precision = precision;
+  ss.backend = &cuda::cuda_backend();
+  ss.optimizer.kind = train::OptimizerKind::AdamW;
+  comm::SingleProcess single;
+  train::Session session(c, ss, single, 1);
+  train::StepSettings settings;
+  settings.defer = true;
+  train::Step& step = session.start(settings);
+  const auto next = test::same_batch(b);
+  step.run(0, 1e-4, next, "", true);
+  step.settle();
+  cuda_emu::reset_touched();
+  step.run(1, 1e-4, next, "", false);
+  step.settle();
+  std::map<std::string, cuda_emu::Touched> t = cuda_emu::touched();
+  cuda_emu::set_touch_counting(false);
+  if (update) {
+    // The pages an array of `bytes`-sized elements at `base` spans over the optimizer's tensors.
+    const std::vector<train::ParamSlice>& slices = session.opt.slices();
+    auto pages = [&](std::set<uintptr_t>& in, const void* base, int64_t bytes) {
+      for (const train::ParamSlice& sl : slices) {
+        const auto b =
+            reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(sl.offset * bytes);
+        const auto e = b + static_cast<uintptr_t>(sl.numel * bytes);
+        for (uintptr_t q = b / cuda_emu::kTouchPage; q <= (e - 1) / cuda_emu::kTouchPage; ++q)
+          in.insert(q);
+      }
+    };
+    // (arrays may share a page where one ends and the next begins: a page counts once)
+    const model::BertModel& m = session.m;
+    std::set<uintptr_t> read, written, gradients;
+    for (auto* in : {&read, &written}) {
+      pages(*in, m.params(), 4);
+      pages(*in, session.opt.m().data(), 4);
+      pages(*in, session.opt.v().data(), 4);
+    }
+    pages(read, m.grads(), 4);
+    pages(written, m.weight_copy().bits, 2);
+    pages(gradients, m.grads(), 4);
+    *update = {static_cast<int64_t>(read.size()), static_cast<int64_t>(written.size()),
+               static_cast<int64_t>(gradients.size())};
+  }
+  return t;
+}
+#endif
+
+// The bytes a step's kernels move, as the emulator counts the pages they touch: the start of
+// issue 44's traffic model. The update's and the gate's are modelled here, page for page: AdamW
+// reads the parameters, gradients and both moments over the optimizer's tensors and writes the
+// parameters, the moments and the bf16 copy (16 bytes read and 14 written a parameter; the
+// vocabulary's padding rows are no tensor's and are not touched): the pages written are the
+// model's exactly, the pages read the model's and at most 3 more (the pass's tensor tables and
+// the gate, whose addresses the model does not know); the gate's sum reads the gradients (and
+// its tables) and writes its chunks' partial sums. The step's per-layer table (3 layers less 2)
+// is printed for the model to come. Emulated device only (a GPU's would need a profiler).
+TEST(CudaCounts, TheBytesTheUpdateTouchesAreItsModel) {
+  SKIP_WITHOUT_GPU();
+#ifndef BT_EMULATED_DEVICE
+  GTEST_SKIP() << "the emulator counts the pages kernels touch (build-emu)";
+#else
+  UpdatePages model;
+  const auto two = touched_in_a_step(2, Precision::BF16, &model);
+  const auto three = touched_in_a_step(3, Precision::BF16);
+  const cuda_emu::Touched& adamw = two.at("adamw_many_kernel");
+  EXPECT_EQ(adamw.launches, 1);
+  // (reads: and the pages of the pass's tensor tables, spans and chunks, and of the gate)
+  EXPECT_GE(adamw.pages_read, model.read);
+  EXPECT_LE(adamw.pages_read, model.read + 3);
+  EXPECT_EQ(adamw.pages_written, model.written);
+  const cuda_emu::Touched& sum = two.at("sum_squares_many_kernel");
+  EXPECT_GE(sum.pages_read, model.gradients);
+  EXPECT_LE(sum.pages_read, model.gradients + 2);
+  EXPECT_LE(sum.pages_written, 2) << "the chunks' partial sums (a few KiB; a page boundary)";
+  double read = 0, written = 0;
+  std::printf(
+      "bf16, 4 x 128 tokens, hidden 256: KiB a layer (forward + backward), read / written\n");
+  for (const auto& [name, t3] : three) {
+    const auto it = two.find(name);
+    const cuda_emu::Touched t2 = it == two.end() ? cuda_emu::Touched{} : it->second;
+    const double r = 4.0 * static_cast<double>(t3.pages_read - t2.pages_read),
+                 w = 4.0 * static_cast<double>(t3.pages_written - t2.pages_written);
+    if (t3.launches == t2.launches) continue;
+    std::printf("  %-40s %3lld launches %8.0f %8.0f\n", name.c_str(),
+                static_cast<long long>(t3.launches - t2.launches), r, w);
+    read += r;
+    written += w;
+  }
+  std::printf("  %-40s              %8.0f %8.0f\n", "all kernels", read, written);
+  EXPECT_GT(read, 0);
+  EXPECT_GT(written, 0);
+#endif
 }
 
 // `bench --device cuda` prints these counts: a 2-layer model's launches a step (bert-tiny, padded,

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
 
 namespace cuda_emu {
 
@@ -19,5 +21,23 @@ struct Counts {
 
 // The process's counts so far (every thread, every device).
 Counts counts();
+
+// The device memory kernels touch, by kernel name, in pages of kTouchPage bytes: what a model of
+// the kernels' traffic is checked against. While touch counting is on, device memory is
+// allocated in whole pages, and each kernel runs with the pages of its device's allocations
+// made since counting began taken from it: the first read and the first write of each page
+// fault, are counted and give the page back (a page read, then written, counts as both; one
+// written first counts as written only: what is read after that is not seen). Copies, memsets
+// and library products are not kernels and are not counted. Meant for one device at a time (a
+// fault in a page of the running kernel's device counts for that kernel, whoever touched it)
+// and for counting only: every touched page costs a fault.
+constexpr int64_t kTouchPage = 4096;
+struct Touched {
+  int64_t launches = 0;
+  int64_t pages_read = 0, pages_written = 0;
+};
+void set_touch_counting(bool on);
+std::map<std::string, Touched> touched();  // since the last reset_touched()
+void reset_touched();
 
 }  // namespace cuda_emu

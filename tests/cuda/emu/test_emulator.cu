@@ -3,12 +3,15 @@
 // values, and the misuses a GPU leaves undefined or hangs on, each a launch failure whose
 // message names the kernel, the block and the threads; the streams' order under the late
 // schedule; launch and copy errors. A failed kernel's device is reset (cudaDeviceReset) so the
-// next test starts clean.
+// next test starts clean. Touch counting: the pages of device memory each kernel reads and
+// writes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <mma.h>
+
+#include "cuda_emu/counts.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -334,6 +337,58 @@ TEST(CudaEmu, AStreamDestroyedWhileOthersUseTheDeviceStaysResolvable) {
   syncer.join();
   EXPECT_EQ(x.host()[255], 199.0f);
   cudaEventDestroy(done);
+}
+
+__global__ void doubled_kernel(float* y, const float* x, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = 2.0f * x[i];
+}
+
+__global__ void scale_in_place_kernel(float* x, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] *= 2.0f;
+}
+
+// Touch counting (cuda_emu/counts.h): the pages each kernel reads and writes, by its name. 1 MiB
+// buffers are 256 pages: y = 2x reads x's 256 and writes y's 256; over the first 1000 floats
+// only, one page of each (1000 x 4 bytes < 4096); in place, x's 256 pages read and written; a
+// buffer allocated before counting began is not counted; a fill writes without reading. The
+// values are the kernels' as ever, and counting off counts nothing.
+TEST(CudaEmu, TouchCountingCountsThePagesEachKernelReadsAndWrites) {
+  Buffer<float> before(1 << 18);
+  cuda_emu::set_touch_counting(true);
+  cuda_emu::reset_touched();
+  const int n = 1 << 18;  // 1 MiB of floats
+  {
+    Buffer<float> x(n), y(n);
+    BT_LAUNCH(fill_kernel, n / 256, 256)(x.d, 1.5f, n);
+    BT_LAUNCH(doubled_kernel, n / 256, 256)(y.d, x.d, n);
+    BT_LAUNCH(doubled_kernel, 4, 256)(y.d, x.d, 1000);
+    BT_LAUNCH(scale_in_place_kernel, n / 256, 256)(x.d, n);
+    BT_LAUNCH(fill_kernel, n / 256, 256)(before.d, 2.0f, n);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(y.host()[n - 1], 3.0f);
+    EXPECT_EQ(x.host()[0], 3.0f);
+    const std::map<std::string, cuda_emu::Touched> t = cuda_emu::touched();
+    ASSERT_EQ(t.count("doubled_kernel"), 1u);
+    const cuda_emu::Touched& d = t.at("doubled_kernel");
+    EXPECT_EQ(d.launches, 2);
+    EXPECT_EQ(d.pages_read, 256 + 1);
+    EXPECT_EQ(d.pages_written, 256 + 1);
+    const cuda_emu::Touched& s = t.at("scale_in_place_kernel");
+    EXPECT_EQ(s.pages_read, 256);
+    EXPECT_EQ(s.pages_written, 256);
+    const cuda_emu::Touched& f = t.at("fill_kernel");
+    EXPECT_EQ(f.launches, 2);
+    EXPECT_EQ(f.pages_read, 0);
+    EXPECT_EQ(f.pages_written, 256) << "x's; `before` was allocated before counting began";
+  }
+  cuda_emu::set_touch_counting(false);
+  cuda_emu::reset_touched();
+  Buffer<float> z(n);
+  BT_LAUNCH(fill_kernel, n / 256, 256)(z.d, 1.0f, n);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(cuda_emu::touched().empty());
 }
 
 }  // namespace
