@@ -479,8 +479,8 @@ bool count_touch(void* addr, void* context) {
   const bool write = static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_ERR] & 2;
 #else
   (void)context;
-  const bool write = true;  // (unknown: counted as both)
-  state |= 1;
+  const bool write = true;
+  state |= 1;  // (read or write unknown: counted as both)
 #endif
   state |= write ? 2 : 1;
   ::mprotect(start, kTouchPage, write ? PROT_READ | PROT_WRITE : PROT_READ);

@@ -110,7 +110,8 @@ struct Classes {
 
 // A factor a kernel multiplies by: `by`, times *times where given (a value in the backend's
 // memory the kernel reads where it runs: fp16's loss scale kept on the device, LossScale). From a
-// plain float: that value. The host never reads *times.
+// plain float: that value. Only the backend's kernels read *times (the caller passes the
+// pointer; on the CPU, whose memory is the host's, the kernel reads it there).
 struct Multiplier {
   float by = 1.0f;
   const float* times = nullptr;
