@@ -32,14 +32,22 @@ namespace bertrain::test {
 
 #ifdef BERTRAIN_BINARY
 // `bertrain bench --json <args>` run as a user runs it: its JSON line (the command must succeed).
+// The binary the build made, or $BERTRAIN_BIN where it was moved (scripts/gpu-check.sh's pack).
 inline nlohmann::json bench_json(const std::string& args) {
-  const std::string cmd = std::string(BERTRAIN_BINARY) + " bench --json " + args + " 2>&1";
+  const char* moved = std::getenv("BERTRAIN_BIN");
+  const std::string cmd =
+      std::string(moved && *moved ? moved : BERTRAIN_BINARY) + " bench --json " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   std::string out;
   std::array<char, 4096> buf{};
   while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
   EXPECT_EQ(pclose(p), 0) << out;
-  return nlohmann::json::parse(out.substr(out.find('{')));
+  const size_t json = out.find('{');
+  if (json == std::string::npos) {
+    ADD_FAILURE() << cmd << " printed no JSON: " << out;
+    return nlohmann::json::object();
+  }
+  return nlohmann::json::parse(out.substr(json));
 }
 #endif
 
