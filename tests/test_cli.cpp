@@ -65,14 +65,15 @@ TEST(Cli, EstimatePrintsPlanAndBatchForBudget) {
 
 // --device cuda plans a GPU run where there is no GPU: the arenas in device memory with the
 // CUDA kernels' scratch (cuBLASLt's 32 MiB workspace among it) and the staged batch, full
-// attention; the largest batch for a GPU's memory.
+// attention at 512 tokens in bf16 (the GPU's auto; the CPU's is blocked there); the largest
+// batch for a GPU's memory.
 TEST(Cli, EstimatePlansAGpuRunWithoutAGpu) {
   const std::string base = "estimate --model-config " + data_path("../configs/bert-base.json") +
                            " --batch-size 8 --precision bf16 --seq-len 512 --max-predictions 80";
   RunResult r = run(base + " --device cuda --memory-budget 16GiB");
   ASSERT_EQ(r.rc, 0) << r.out;
   for (const char* want :
-       {"blocked attention", "memory plan per rank, in the cuda device's memory", "  input   ",
+       {"full attention", "memory plan per rank, in the cuda device's memory", "  input   ",
         "besides the plan: the CUDA context", "largest batch size that fits is"})
     EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
   r = run(base + " --device cuda --explain");
@@ -90,7 +91,10 @@ TEST(Cli, EstimatePlansAGpuRunWithoutAGpu) {
   // unbacked pages for a sharded fp32 master), on the CPU the master too.
   r = run(base + " --device cuda --shard-optimizer --ranks 8");
   ASSERT_EQ(r.rc, 0) << r.out;
-  EXPECT_NE(r.out.find("sharded over 8 ranks, blocked attention"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("sharded over 8 ranks, full attention"), std::string::npos) << r.out;
+  r = run(base + " --device cuda --attention blocked");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("blocked attention"), std::string::npos) << r.out;
   r = run(base + " --shard-optimizer --ranks 8");
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("sharded over 8 ranks with the fp32 master weights"), std::string::npos)
@@ -316,7 +320,7 @@ TEST(Cli, BenchOnPreparedDataSkipsThePadding) {
   EXPECT_GT(runs[1]["computed_tokens_per_s"].get<double>(), runs[1]["tokens_per_s"].get<double>());
   r = run(args + " --padding none");
   EXPECT_EQ(r.rc, 1);
-  EXPECT_NE(r.out.find("--padding must be skip or compute, got 'none'"), std::string::npos)
+  EXPECT_NE(r.out.find("--padding must be auto, skip or compute, got 'none'"), std::string::npos)
       << r.out;
   r = run(args + " --head classification");
   EXPECT_EQ(r.rc, 1);

@@ -645,97 +645,102 @@ TEST(DeviceModel, CheckpointsCrossAndHolesAreRefused) {
 
 // The plan of a run on a GPU, made without one (cuda::target(): what `estimate --device cuda`
 // prints): the CPU plan's model groups for the same attention kernel (auto picks full at 64
-// tokens in fp32, blocked at 512, and blocked in bf16 and fp16 at every length on a GPU, where
-// it runs fused), the CUDA kernels' scratch instead of the CPU's, and the batch arrays staged
-// in device memory.
+// tokens in fp32, blocked at 512, and full in bf16 and fp16 at every length up to 512 on a GPU;
+// blocked asked for runs fused there in bf16 and fp16), the CUDA kernels' scratch instead of the
+// CPU's, and the batch arrays staged in device memory.
 TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
+  using Attention = model::ModelDims::Attention;
   model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 512);
   for (int precision = 0; precision < 3; ++precision)
-    for (int64_t T : {64, 512}) {
-      SCOPED_TRACE(testing::Message() << "precision " << precision << " T " << T);
-      model::ModelDims d{8, T, 10};
-      d.precision = static_cast<Precision>(precision);  // 0 fp32, 1 bf16, 2 fp16
-      const bool fused = precision != 0;
-      const model::ModelDims on_gpu = model::on_backend(d, c, cuda::target());
-      EXPECT_EQ(on_gpu.blocked_attention(), fused || T == 512);
-      EXPECT_EQ(on_gpu.fused_attention, fused);  // head 16, T <= 512
-      model::ModelDims on_cpu = d;
-      on_cpu.attention = on_gpu.attention;
-      const MemoryPlan gpu =
-          model::BertModel::make_plan(c, model::Head::Pretraining, d, cuda::target());
-      const MemoryPlan cpu = model::BertModel::make_plan(c, model::Head::Pretraining, on_cpu);
-      // FP16 multiplies fp16 operands on a GPU: BF16's group in fp16 (the weights' copy and the
-      // operands rounded on the way in), the two LayerNorm outputs' fp16 copies [8 T, 64] of
-      // each of the 2 layers kept for backward, and of the widened tensors the CPU's fp32
-      // kernels read only forward's fp32 context [8 T, 64]. The fused kernel rounds dctx
-      // [8 T, 64] as it reads it: no 16-bit copy of it planned.
-      const int64_t N = 8 * T, C = 64, I = 256;
-      for (const char* g : {"parameters", "gradients"})
-        EXPECT_EQ(gpu.group_bytes(g), cpu.group_bytes(g)) << g;
-      EXPECT_EQ(gpu.group_bytes("activations"),
-                cpu.group_bytes("activations") + (d.fp16() ? 2 * 2 * N * C * 2 : 0));
-      const size_t dctx16 = fused ? N * C * 2 : 0;
-      model::ModelDims as_bf16 = on_cpu;
-      if (d.fp16()) as_bf16.precision = Precision::BF16;
-      EXPECT_EQ(gpu.group_bytes("bf16") + (d.bf16() ? dctx16 : 0), cpu.group_bytes("bf16"));
-      EXPECT_EQ(gpu.group_bytes("fp16") + (d.fp16() ? dctx16 : 0),
-                d.fp16() ? model::BertModel::make_plan(c, model::Head::Pretraining, as_bf16)
-                               .group_bytes("bf16")
-                         : 0u);
-      EXPECT_EQ(cpu.group_bytes("fp16"), 0u);
-      EXPECT_EQ(gpu.group_bytes("scratch") + (d.fp16() ? (N * I - N * C) * 4 : 0),
-                cpu.group_bytes("scratch"));
-      // A slot for the batch the kernels read and one for the next, copied in beside them.
-      EXPECT_EQ(gpu.group_bytes("input"), kInputSlots * model::input_bytes(d));
-      EXPECT_EQ(cpu.group_bytes("input"), 0u);
-      // cuBLASLt's workspace; full attention: [B, NH, T, T] fp32 scores in 16 bits, backward's
-      // dropped probabilities in fp32, the probabilities' fp32 gradients; blocked: a block of 128
-      // query rows of each for every (sequence, head): fp32 scores and gradients, and two
-      // operand buffers (the dropped probabilities, dS) in the products' elements; fused: none
-      // (each row's D is computed where it is needed); the reductions' partial sums; a loss and
-      // a hit for each of the most rows a loss sees.
-      const ScratchLayout l =
-          model::plan_kernel_scratch(c, model::Head::Pretraining, d, cuda::target());
-      const int64_t probs = 8 * 4 * T * T * 4, block = 8 * 4 * 128 * T * 4;
-      EXPECT_EQ(l.part[cuda::kMatmulWorkspaceSlot], int64_t{32} << 20);
-      if (fused) {
-        EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], 0);
-        EXPECT_EQ(l.part[cuda::kAttentionGradSlot], 0);
-        EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], 0);
-      } else if (T == 512) {
-        EXPECT_TRUE(d.blocked_attention());
-        EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], block);
-        EXPECT_EQ(l.part[cuda::kAttentionGradSlot], block);
-        EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 0 ? 2 * block : block);
-      } else {
-        EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], precision == 0 ? 0 : probs);
-        EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 0 ? probs : 0);
-        EXPECT_EQ(l.part[cuda::kAttentionGradSlot], probs);
+    for (int64_t T : {64, 512})
+      for (Attention asked : {Attention::Auto, Attention::Blocked}) {
+        if (precision == 0 && asked == Attention::Blocked) continue;
+        SCOPED_TRACE(testing::Message() << "precision " << precision << " T " << T << " "
+                                        << model::attention_name(asked));
+        model::ModelDims d{8, T, 10};
+        d.precision = static_cast<Precision>(precision);  // 0 fp32, 1 bf16, 2 fp16
+        d.attention = asked;
+        const bool blocked = asked == Attention::Blocked || (precision == 0 && T == 512),
+                   fused = blocked && precision != 0;  // head 16, T <= 512
+        const model::ModelDims on_gpu = model::on_backend(d, c, cuda::target());
+        EXPECT_EQ(on_gpu.blocked_attention(), blocked);
+        EXPECT_EQ(on_gpu.fused_attention, fused);
+        model::ModelDims on_cpu = d;
+        on_cpu.attention = on_gpu.attention;
+        const MemoryPlan gpu =
+            model::BertModel::make_plan(c, model::Head::Pretraining, d, cuda::target());
+        const MemoryPlan cpu = model::BertModel::make_plan(c, model::Head::Pretraining, on_cpu);
+        // FP16 multiplies fp16 operands on a GPU: BF16's group in fp16 (the weights' copy and the
+        // operands rounded on the way in), the two LayerNorm outputs' fp16 copies [8 T, 64] of
+        // each of the 2 layers kept for backward, and of the widened tensors the CPU's fp32
+        // kernels read only forward's fp32 context [8 T, 64]. The fused kernel rounds dctx
+        // [8 T, 64] as it reads it: no 16-bit copy of it planned.
+        const int64_t N = 8 * T, C = 64, I = 256;
+        for (const char* g : {"parameters", "gradients"})
+          EXPECT_EQ(gpu.group_bytes(g), cpu.group_bytes(g)) << g;
+        EXPECT_EQ(gpu.group_bytes("activations"),
+                  cpu.group_bytes("activations") + (d.fp16() ? 2 * 2 * N * C * 2 : 0));
+        const size_t dctx16 = fused ? N * C * 2 : 0;
+        model::ModelDims as_bf16 = on_cpu;
+        if (d.fp16()) as_bf16.precision = Precision::BF16;
+        EXPECT_EQ(gpu.group_bytes("bf16") + (d.bf16() ? dctx16 : 0), cpu.group_bytes("bf16"));
+        EXPECT_EQ(gpu.group_bytes("fp16") + (d.fp16() ? dctx16 : 0),
+                  d.fp16() ? model::BertModel::make_plan(c, model::Head::Pretraining, as_bf16)
+                                 .group_bytes("bf16")
+                           : 0u);
+        EXPECT_EQ(cpu.group_bytes("fp16"), 0u);
+        EXPECT_EQ(gpu.group_bytes("scratch") + (d.fp16() ? (N * I - N * C) * 4 : 0),
+                  cpu.group_bytes("scratch"));
+        // A slot for the batch the kernels read and one for the next, copied in beside them.
+        EXPECT_EQ(gpu.group_bytes("input"), kInputSlots * model::input_bytes(d));
+        EXPECT_EQ(cpu.group_bytes("input"), 0u);
+        // cuBLASLt's workspace; full attention: [B, NH, T, T] fp32 scores in 16 bits, backward's
+        // dropped probabilities in fp32, the probabilities' fp32 gradients; blocked: a block of 128
+        // query rows of each for every (sequence, head): fp32 scores and gradients, and two
+        // operand buffers (the dropped probabilities, dS) in the products' elements; fused: none
+        // (each row's D is computed where it is needed); the reductions' partial sums; a loss and
+        // a hit for each of the most rows a loss sees.
+        const ScratchLayout l =
+            model::plan_kernel_scratch(c, model::Head::Pretraining, d, cuda::target());
+        const int64_t probs = 8 * 4 * T * T * 4, block = 8 * 4 * 128 * T * 4;
+        EXPECT_EQ(l.part[cuda::kMatmulWorkspaceSlot], int64_t{32} << 20);
+        if (fused) {
+          EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], 0);
+          EXPECT_EQ(l.part[cuda::kAttentionGradSlot], 0);
+          EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], 0);
+        } else if (blocked) {
+          EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], block);
+          EXPECT_EQ(l.part[cuda::kAttentionGradSlot], block);
+          EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 0 ? 2 * block : block);
+        } else {
+          EXPECT_EQ(l.part[cuda::kAttentionScoresSlot], precision == 0 ? 0 : probs);
+          EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 0 ? probs : 0);
+          EXPECT_EQ(l.part[cuda::kAttentionGradSlot], probs);
+        }
+        // 3 pointers a (sequence, head) pair and product: the full kernel's backward makes its 4
+        // products' at once, the blocked kernel's one at a time.
+        EXPECT_EQ(l.part[cuda::kAttentionPointersSlot],
+                  fused ? 0 : (blocked ? 1 : 4) * 3 * 8 * 4 * 8);
+        EXPECT_EQ(l.part[cuda::kReductionSlot], 2 * 1024 * 8);
+        EXPECT_EQ(l.part[cuda::kCrossEntropySlot], 2 * 8 * T * 4);
+        const model::ParamTable table(c, model::Head::Pretraining);  // the optimizer's tensors
+        EXPECT_EQ(
+            l.part[cuda::kMultiTensorSlot],
+            cuda::multi_tensor_bytes(table.total(), static_cast<int64_t>(table.params().size())));
+        // Column sums' partials: the widest bias gradient (the intermediate layer's 256 columns)
+        // over its 8 x T rows in chunks of 64, more than LayerNorm's three of 64 columns; where
+        // attention runs fused, more: its backward's QKV bias gradient, a row of 3 x 64 partial
+        // sums for every tile of 16 rows of the 8 sequences.
+        EXPECT_EQ(l.part[cuda::kColumnSumsSlot],
+                  fused ? 8 * (T / 16) * 192 * 4 : (8 * T / 64) * 256 * 4);
+        // Their tickets (column_tickets.cuh): one a tile of 256 columns of the widest bias, the
+        // masked-LM decoder's over the vocabulary of 300: 2; fused, one for each head's Q, K and V
+        // columns: 12.
+        EXPECT_EQ(l.part[cuda::kColumnTicketsSlot], (fused ? 12 : 2) * 4);
+        // Embedding backward's partial rows: at most 2 per 64 of the 8 x T tokens, 64 columns.
+        EXPECT_EQ(l.part[cuda::kEmbeddingSlot], 2 * (8 * T / 64) * 64 * 4);
+        EXPECT_EQ(gpu.group_bytes("kernels"), static_cast<size_t>(l.total()));
       }
-      // 3 pointers a (sequence, head) pair and product: the full kernel's backward makes its 4
-      // products' at once, the blocked kernel's one at a time.
-      EXPECT_EQ(l.part[cuda::kAttentionPointersSlot],
-                fused ? 0 : (T == 512 ? 1 : 4) * 3 * 8 * 4 * 8);
-      EXPECT_EQ(l.part[cuda::kReductionSlot], 2 * 1024 * 8);
-      EXPECT_EQ(l.part[cuda::kCrossEntropySlot], 2 * 8 * T * 4);
-      const model::ParamTable table(c, model::Head::Pretraining);  // the optimizer's tensors
-      EXPECT_EQ(
-          l.part[cuda::kMultiTensorSlot],
-          cuda::multi_tensor_bytes(table.total(), static_cast<int64_t>(table.params().size())));
-      // Column sums' partials: the widest bias gradient (the intermediate layer's 256 columns)
-      // over its 8 x T rows in chunks of 64, more than LayerNorm's three of 64 columns; where
-      // attention runs fused, more: its backward's QKV bias gradient, a row of 3 x 64 partial
-      // sums for every tile of 16 rows of the 8 sequences.
-      EXPECT_EQ(l.part[cuda::kColumnSumsSlot],
-                fused ? 8 * (T / 16) * 192 * 4 : (8 * T / 64) * 256 * 4);
-      // Their tickets (column_tickets.cuh): one a tile of 256 columns of the widest bias, the
-      // masked-LM decoder's over the vocabulary of 300: 2; fused, one for each head's Q, K and V
-      // columns: 12.
-      EXPECT_EQ(l.part[cuda::kColumnTicketsSlot], (fused ? 12 : 2) * 4);
-      // Embedding backward's partial rows: at most 2 per 64 of the 8 x T tokens, 64 columns.
-      EXPECT_EQ(l.part[cuda::kEmbeddingSlot], 2 * (8 * T / 64) * 64 * 4);
-      EXPECT_EQ(gpu.group_bytes("kernels"), static_cast<size_t>(l.total()));
-    }
 }
 
 // Everything a model, its optimizer and a training step hold on a device is the plan's: the

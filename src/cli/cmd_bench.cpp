@@ -105,7 +105,7 @@ struct BenchResult {
 void add_bench(CLI::App& app) {
   struct Opts {
     ShapeOpts shape{8};
-    std::string precision = "fp32", attention = "auto", recompute = "none", data, padding = "skip",
+    std::string precision = "fp32", attention = "auto", recompute = "none", data, padding = "auto",
                 device = "cpu";
     int64_t pack = 0;
     int steps = 5, warmup = 2, threads = 0;
@@ -138,7 +138,8 @@ void add_bench(CLI::App& app) {
   add_device_option(c, o->device);
   c->get_option("--padding")
       ->description(
-          "skip (each sequence on its real tokens), compute (padded to --seq-len) or both: the "
+          "auto (skip, but on a GPU compute unless the attention runs fused), skip (each "
+          "sequence on its real tokens), compute (padded to --seq-len) or both: the "
           "two on the same batches, one after the other, and their ratio");
   c->add_option("--pack", o->pack,
                 "With --data: one more run on packed batches (--batch-size rows of --seq-len "
@@ -151,18 +152,20 @@ void add_bench(CLI::App& app) {
     const model::Head head = parse_head(o->shape.head);
     const int64_t P = head == model::Head::Pretraining ? o->shape.preds : 0;
     const Precision prec = parse_precision(o->precision);
+    const kernels::Backend& be = device_backend(o->device);
     std::vector<Mode> modes;
     if (o->padding == "both")
       modes = {Mode::Padded, Mode::Unpadded};
     else
-      modes = {parse_padding(o->padding) ? Mode::Unpadded : Mode::Padded};
+      modes = {parse_padding(o->padding, be, model::parse_attention(o->attention), prec)
+                   ? Mode::Unpadded
+                   : Mode::Padded};
     if (!o->data.empty() && head != model::Head::Pretraining)
       fail(setting("data"), " takes pretraining records: it needs ", setting("head"),
            " pretraining");
     if (o->pack < 0 || (o->pack > 0 && o->data.empty()))
       fail(setting("pack"), " packs prepared records: it needs ", setting("data"), " and N > 0");
     if (o->pack > 0) modes.push_back(Mode::Packed);
-    const kernels::Backend& be = device_backend(o->device);
     const bool gpu = !be.host_memory();
     // The GEMM ceiling first: its operands are freed before the model exists, so the peak RSS
     // below is the training run's, not this probe's. On a GPU, cuBLASLt's.

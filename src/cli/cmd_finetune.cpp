@@ -46,7 +46,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     train::FinetuneConfig cfg;
     TaskOpts task;
-    std::string lower = "auto", precision = "fp32", padding = "skip", device = "cpu";
+    std::string lower = "auto", precision = "fp32", padding = "auto", device = "cpu";
     std::string stage_dir;
     int threads = 0;
   };
@@ -123,9 +123,10 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
     set_threads(o->threads);
     train::FinetuneConfig cfg = o->cfg;
     cfg.backend = &device_backend(o->device);
-    cfg.unpadded = parse_padding(o->padding);
     cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
     cfg.precision = parse_precision(o->precision);
+    cfg.unpadded =
+        parse_padding(o->padding, *cfg.backend, model::ModelDims::Attention::Auto, cfg.precision);
     cfg.columns = o->task.columns();
     if (data::is_object_url(cfg.output)) {
       cfg.publish_to = cfg.output;

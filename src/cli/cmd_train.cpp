@@ -135,7 +135,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   struct Opts {
     train::TrainConfig cfg;
     std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail", attention = "auto",
-                recompute = "none", batch = "32", budget, padding = "skip", pack = "0",
+                recompute = "none", batch = "32", budget, padding = "auto", pack = "0",
                 device = "cpu", stage_dir;
     int64_t global_batch = 0;
     int threads = 0;
@@ -266,7 +266,6 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
     apply_recompute(o->recompute, d);
     cfg.attention = d.attention;
     cfg.recompute_layers = d.recompute_layers;
-    cfg.unpadded = parse_padding(o->padding);
     if (o->pack == "auto") {
       if (!cfg.autotune)
         fail("--pack auto is chosen by --autotune: add --autotune, or give the instances a row");
@@ -283,6 +282,9 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
         fail("--pack must be a number of instances a row (0: no packing) or auto, got '", o->pack,
              "'");
     }
+    // (Packing runs unpadded: --padding auto skips the padding where it packs.)
+    cfg.unpadded = (cfg.input.pack_per_row > 0 && o->padding == "auto") ||
+                   parse_padding(o->padding, device_target(o->device), d.attention, cfg.precision);
     if (cfg.input.pack_per_row > 0 && !cfg.unpadded)
       fail(
           "--pack runs unpadded (each instance on its own tokens): it does not go with "

@@ -59,14 +59,20 @@ void add_padding_option(CLI::App* c, std::string& padding) {
   c->add_option("--padding", padding,
                 "skip: each sequence runs on its real tokens (pretraining, sequence and token "
                 "classification; question answering always computes the padding, which its loss "
-                "reads); compute: every sequence padded to --seq-len, as HF runs it")
+                "reads); compute: every sequence padded to --seq-len, as HF runs it; auto: skip, "
+                "but on a GPU compute unless the attention runs fused (--attention blocked in "
+                "bf16 or fp16), where the full kernel would run a call per length")
       ->capture_default_str();
 }
 
-bool parse_padding(const std::string& padding) {
+bool parse_padding(const std::string& padding, const kernels::Target& target,
+                   model::ModelDims::Attention attention, Precision precision) {
   if (padding == "skip") return true;
   if (padding == "compute") return false;
-  fail("--padding must be skip or compute, got '", padding, "'");
+  if (padding == "auto")
+    return target.host_memory() ||
+           (attention == model::ModelDims::Attention::Blocked && precision != Precision::FP32);
+  fail("--padding must be auto, skip or compute, got '", padding, "'");
 }
 
 void apply_recompute(const std::string& recompute, model::ModelDims& d) {

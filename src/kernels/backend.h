@@ -44,11 +44,13 @@ class Target {
   // and 16-bit operand scratch, as in BF16. Otherwise (the CPU: oneDNN has no fp16 matmul
   // without AVX512-FP16) FP16's kernels compute in fp32 on the fp32 weights.
   virtual bool fp16_operands() const { return false; }
-  // Whether attention at this precision and sequence length is best run blocked (the row
-  // log-sum-exp kept, backward recomputing the scores) whatever the length: a GPU's fused
-  // kernel, which never writes the [B, NH, T, T] probabilities. --attention auto then picks the
-  // blocked kernel (the CPU's choice: full below 512 tokens).
-  virtual bool prefers_blocked_attention(Precision, int64_t /*seq_len*/) const { return false; }
+  // Whether attention at this precision and sequence length runs fastest as the full kernel
+  // (the [B, NH, T, T] probabilities kept) whatever the length: a GPU's, where the full
+  // kernel's batched products run on the tensor cores and the fused blocked kernel's arithmetic
+  // on the CUDA cores (measured on an H200: docs/gpus.md). --attention auto then picks the full
+  // kernel (the CPU's choice: blocked from 512 tokens); --attention blocked still runs the fused
+  // one.
+  virtual bool prefers_full_attention(Precision, int64_t /*seq_len*/) const { return false; }
   // Whether blocked attention (the row log-sum-exp kept) of this precision and shape (its
   // longest sequence T) runs as one fused kernel forward (a GPU's): it takes variable lengths
   // (AttentionShape::starts), a batch of sequences of any lengths in one call, and rounds dctx

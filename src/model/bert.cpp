@@ -185,8 +185,8 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
 ModelDims on_backend(ModelDims d, const BertConfig& cfg, const kernels::Target& be) {
   d.fp16_operands = d.fp16() && be.fp16_operands();
   if (d.attention == ModelDims::Attention::Auto &&
-      be.prefers_blocked_attention(d.precision, d.seq_len))
-    d.attention = ModelDims::Attention::Blocked;
+      be.prefers_full_attention(d.precision, d.seq_len))
+    d.attention = ModelDims::Attention::Full;
   const kernels::AttentionShape s{d.token_rows(), d.seq_len, cfg.hidden_size,
                                   cfg.num_attention_heads};
   d.fused_attention = d.blocked_attention() && be.fused_attention(d.precision, s);

@@ -41,7 +41,8 @@ struct ModelDims {
   // The attention core: the full kernel (batched products, [B,NH,T,T] probabilities kept for
   // backward) or the blocked one (row blocks, only the row log-sum-exp kept; kernels/cpu/
   // attention.h). Auto: blocked from 512 tokens, where it runs as fast and the probabilities
-  // would be the largest activation.
+  // would be the largest activation; full where the backend prefers it (on_backend: a GPU's in
+  // bf16 and fp16, kernels::Target::prefers_full_attention).
   enum class Attention { Auto, Full, Blocked } attention = Attention::Auto;
   // FP16 on a backend whose matmuls take fp16 operands (kernels::Target::fp16_operands, a GPU's;
   // set by on_backend, not by users): as bf16 with fp16 for bf16, an fp16 copy of the weights

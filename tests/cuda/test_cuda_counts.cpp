@@ -42,7 +42,8 @@ struct Counted {
 // one of warm-up, on the CUDA backend; deferred or each read as it ends.
 Counted count_steps(int64_t layers, bool unpadded, int steps,
                     train::OptimizerKind optimizer = train::OptimizerKind::AdamW,
-                    bool defer = false, Precision precision = Precision::FP32) {
+                    bool defer = false, Precision precision = Precision::FP32,
+                    model::ModelDims::Attention attention = model::ModelDims::Attention::Auto) {
   const model::BertConfig c = test::small_bert(300, 64, layers, 4, 256, 64);
   model::Batch b = test::random_batch(c, 4, 32, 5);
   // Sequences of 32, 24, 24 and 17 tokens: three runs of equal length when the padding is skipped.
@@ -56,6 +57,7 @@ Counted count_steps(int64_t layers, bool unpadded, int steps,
   ss.dims = model::ModelDims{b.B, b.T, b.P};
   ss.dims.unpadded = unpadded;
   ss.dims.precision = precision;
+  ss.dims.attention = attention;
   ss.backend = &cuda::cuda_backend();
   ss.optimizer.kind = optimizer;
   comm::SingleProcess single;
@@ -142,25 +144,38 @@ TEST(CudaCounts, LaunchesPerLayerAndHostSyncsPerStep) {
     EXPECT_LE(two.host_syncs, 2) << "host synchronisations a step";
     EXPECT_LE(three.host_syncs, 2) << "host synchronisations that grow with depth";
   }
-  // bf16: the fused attention (2 kernels where fp32 runs attention's 10; QKV's kept bits and
-  // ctx's 16-bit copy written by the forward kernel, dctx rounded as the backward one reads it);
-  // the LayerNorms write their outputs' 16-bit copies, kept for backward (the next products'
-  // inputs both ways), and the output gradients' rounding is their producers' (the 16-bit
-  // dataflow); the output projections' bias gradients summed with their LayerNorm's parameter
-  // gradients, QKV's and dQKV's 16-bit copy by the attention's backward kernel as it writes
-  // dQKV. 45 a layer before the dataflow, 42 before the fused attention, 31 before the
+  // bf16, attention blocked (fused; --attention auto runs the full kernel in bf16 on a GPU, its
+  // products on the tensor cores): the fused attention (2 kernels where fp32 runs attention's 10;
+  // QKV's kept bits and ctx's 16-bit copy written by the forward kernel, dctx rounded as the
+  // backward one reads it); the LayerNorms write their outputs' 16-bit copies, kept for backward
+  // (the next products' inputs both ways), and the output gradients' rounding is their producers'
+  // (the 16-bit dataflow); the output projections' bias gradients summed with their LayerNorm's
+  // parameter gradients, QKV's and dQKV's 16-bit copy by the attention's backward kernel as it
+  // writes dQKV. 45 a layer before the dataflow, 42 before the fused attention, 31 before the
   // LayerNorms' copies, 29 before they were kept, 27 before the bias gradients joined other
   // passes, 24 before attention's backward was one kernel, 23 before it wrote QKV's.
   // With the padding skipped the same: one call for every sequence, each over its length.
   for (bool unpadded : {false, true}) {
+    const auto blocked = model::ModelDims::Attention::Blocked;
     const Counted bf2 = count_steps(2, unpadded, 2, train::OptimizerKind::AdamW, false,
-                                    Precision::BF16),
+                                    Precision::BF16, blocked),
                   bf3 = count_steps(3, unpadded, 2, train::OptimizerKind::AdamW, false,
-                                    Precision::BF16);
-    std::printf("%s, bf16: %.0f launches a layer (forward + backward)\n",
+                                    Precision::BF16, blocked);
+    std::printf("%s, bf16, fused attention: %.0f launches a layer (forward + backward)\n",
                 unpadded ? "padding skipped" : "padded", bf3.launches - bf2.launches);
     EXPECT_LE(bf3.launches - bf2.launches, 22) << "bf16 launches a layer";
   }
+  // bf16 as --attention auto runs it on a GPU: the full kernel (its batched products on the
+  // tensor cores, 3.6x the fused kernel's speed on an H200: docs/gpus.md), padded (--padding
+  // auto's choice there): 35 a layer, the fused attention's 2 kernels replaced by the products
+  // and row passes.
+  const Counted full2 =
+                    count_steps(2, false, 2, train::OptimizerKind::AdamW, false, Precision::BF16),
+                full3 =
+                    count_steps(3, false, 2, train::OptimizerKind::AdamW, false, Precision::BF16);
+  std::printf("padded, bf16, full attention: %.0f launches a layer (forward + backward)\n",
+              full3.launches - full2.launches);
+  EXPECT_LE(full3.launches - full2.launches, 35) << "bf16 launches a layer, full attention";
   // LAMB's trust ratios are the device's too (no read of the norms, no upload of the steps).
   const Counted lamb = count_steps(2, false, 2, train::OptimizerKind::Lamb);
   std::printf("padded, LAMB: %.0f launches a step of 2 layers, %.0f host synchronisations a step\n",

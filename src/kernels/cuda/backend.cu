@@ -345,8 +345,8 @@ class CudaBackend final : public kernels::Backend {
     cuda::attention_forward(p, ctx, saved, qkv, mask, s, d, ws);
   }
   // (the target's answers: scratch.cpp)
-  bool prefers_blocked_attention(Precision p, int64_t seq_len) const override {
-    return cuda::target().prefers_blocked_attention(p, seq_len);
+  bool prefers_full_attention(Precision p, int64_t seq_len) const override {
+    return cuda::target().prefers_full_attention(p, seq_len);
   }
   bool fused_attention(Precision p, const kernels::AttentionShape& s) const override {
     return cuda::target().fused_attention(p, s);

@@ -94,6 +94,10 @@ bool fused_attention_length(Precision p, int64_t T) {
   return fused_attention_enabled() && p != Precision::FP32 && T <= kFusedAttentionTokens;
 }
 
+bool full_attention_preferred(Precision p, int64_t T) {
+  return p != Precision::FP32 && T <= kFusedAttentionTokens;
+}
+
 int64_t fused_attention_tiles(int64_t sequences, int64_t T) {
   return sequences * ((T + 15) / 16);
 }
@@ -110,8 +114,8 @@ class CudaTarget final : public kernels::Target {
   const char* name() const override { return "cuda"; }
   bool host_memory() const override { return false; }
   bool fp16_operands() const override { return true; }
-  bool prefers_blocked_attention(Precision p, int64_t seq_len) const override {
-    return fused_attention_length(p, seq_len);
+  bool prefers_full_attention(Precision p, int64_t seq_len) const override {
+    return full_attention_preferred(p, seq_len);
   }
   bool fused_attention(Precision p, const kernels::AttentionShape& s) const override {
     return fused_attention_runs(p, s);
