@@ -46,8 +46,8 @@ class Target {
   virtual bool fp16_operands() const { return false; }
   // Whether attention at this precision and sequence length runs fastest as the full kernel
   // (the [B, NH, T, T] probabilities kept) whatever the length: a GPU's, where the full
-  // kernel's batched products run on the tensor cores and the fused blocked kernel's arithmetic
-  // on the CUDA cores (measured on an H200: docs/gpus.md). --attention auto then picks the full
+  // kernel's batched products are cuBLAS's and the fused blocked kernel is a first one (a warp a
+  // block; measured 3.6x slower on an H200: docs/gpus.md). --attention auto then picks the full
   // kernel (the CPU's choice: blocked from 512 tokens); --attention blocked still runs the fused
   // one.
   virtual bool prefers_full_attention(Precision, int64_t /*seq_len*/) const { return false; }
