@@ -276,6 +276,7 @@ TEST(Cli, BenchRunsAStep) {
                     " --batch-size 2 --seq-len 16 --max-predictions 3 --steps 1 --warmup 0 --json");
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("\"tokens_per_s\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"padding\":\"skip\""), std::string::npos) << r.out;  // --padding auto, CPU
   // fp16 runs everywhere (fp32 kernels); the loss stays finite under the loss scale.
   r = run("bench --model-config " + data_path("../configs/bert-tiny.json") +
           " --batch-size 2 --seq-len 16 --max-predictions 3 --steps 1 --warmup 0 --precision fp16");

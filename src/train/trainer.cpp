@@ -774,7 +774,7 @@ std::string Trainer::banner() const {
   std::snprintf(
       line, sizeof line,
       "  %s lr %.3g (warmup %lld, decay power %.1f to %.3g), wd %.3g, clip %.3g, %s%s, %s "
-      "attention%s, seed %llu\n",
+      "attention%s, padding %s, seed %llu\n",
       optimizer_name(cfg.optimizer.kind), cfg.lr, (long long)s.warmup, cfg.power, cfg.end_lr,
       cfg.optimizer.weight_decay, cfg.optimizer.max_grad_norm, precision_name(cfg.precision),
       cfg.precision == Precision::FP32 ? ""
@@ -786,7 +786,7 @@ std::string Trainer::banner() const {
           : " (fp32 weights and optimizer; activations kept in fp16 for backward, kernels "
             "compute in fp32; dynamic loss scaling)",
       s.m.attention_kernel(), s.m.dims().recompute_layers ? ", layers recomputed in backward" : "",
-      (unsigned long long)cfg.seed);
+      s.m.dims().unpadded ? "skipped" : "computed", (unsigned long long)cfg.seed);
   out += line;
   out += str(
       "  steps ", s.start_step, "..", cfg.steps, ", save every ", cfg.save_every, " to ",

@@ -341,6 +341,15 @@ TEST(CudaCounts, BenchPrintsThem) {
   EXPECT_EQ(j["launches_per_step"].get<double>(), two.launches) << j.dump();
   // Deferred steps: the one read at the end over the 2 steps.
   EXPECT_EQ(j["host_syncs_per_step"].get<double>(), 0.5) << j.dump();
+  // --padding auto on a GPU: computed where the attention runs full (auto's in bf16: a call per
+  // run of equal lengths otherwise), skipped where it runs fused (one call for every length).
+  for (const char* attention : {"auto", "blocked"}) {
+    const nlohmann::json a = test::bench_json(
+        std::string("--device cuda --model-config ") + BERTRAIN_TEST_DATA +
+        "/../configs/bert-tiny.json --batch-size 4 --seq-len 32 --max-predictions 5 --steps 1 " +
+        "--warmup 0 --precision bf16 --attention " + attention);
+    EXPECT_EQ(a["padding"], std::string(attention) == "auto" ? "compute" : "skip") << a.dump();
+  }
 }
 
 }  // namespace
