@@ -179,7 +179,7 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cubla
       compute != CUBLAS_COMPUTE_32F)
     return CUBLAS_STATUS_NOT_SUPPORTED;
   const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
-  const cudaError_t e = cuda_emu::enqueue(h->stream, "cublasGemmBatchedEx", [=] {
+  const auto gemm_batched = [=] {
     const char* call = "cublasGemmBatchedEx";
     for (const auto* array :
          {static_cast<const void*>(A), static_cast<const void*>(B), static_cast<const void*>(C)}) {
@@ -196,6 +196,10 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cubla
       cuda_emu::check_extent(c, call, "C");
       cuda_emu::gemm(ta_, tb_, m, n, k, al, a, b, be, static_cast<float*>(C[i]), ldc, nullptr);
     }
+  };
+  const int dev = cuda_emu::current_device();
+  const cudaError_t e = cuda_emu::enqueue(h->stream, "cublasGemmBatchedEx", [=] {
+    cuda_emu::count_touches(dev, "cublasGemmBatchedEx", [&] { gemm_batched(); });
   });
   if (e != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
   cuda_emu::count_library_call(__func__);
@@ -341,13 +345,16 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
   const Matrix ma{A, a->type, a->rows, a->cols, a->ld}, mb{B, b->type, b->rows, b->cols, b->ld},
       md{D, CUDA_R_32F, d->rows, d->cols, d->ld};
   const int64_t ldd = d->ld;
+  const int dev = cuda_emu::current_device();
   const cudaError_t e = cuda_emu::enqueue(stream, "cublasLtMatmul", [=] {
     cuda_emu::check_extent(ma, "cublasLtMatmul", "A");
     cuda_emu::check_extent(mb, "cublasLtMatmul", "B");
     cuda_emu::check_extent(md, "cublasLtMatmul", "D");
     if (bias)
       cuda_emu::check_extent(Matrix{bias, CUDA_R_32F, m, 1, m}, "cublasLtMatmul", "the bias");
-    cuda_emu::gemm(ta, tb, m, n, k, al, ma, mb, be, static_cast<float*>(D), ldd, bias);
+    cuda_emu::count_touches(dev, "cublasLtMatmul", [&] {
+      cuda_emu::gemm(ta, tb, m, n, k, al, ma, mb, be, static_cast<float*>(D), ldd, bias);
+    });
   });
   if (e != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
   cuda_emu::count_library_call(__func__);

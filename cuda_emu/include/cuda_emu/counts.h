@@ -27,8 +27,9 @@ Counts counts();
 // allocated in whole pages, and each kernel runs with the pages of its device's allocations
 // made since counting began taken from it: the first read and the first write of each page
 // fault, are counted and give the page back (a page read, then written, counts as both; one
-// written first counts as written only: what is read after that is not seen). Copies, memsets
-// and library products are not kernels and are not counted. Meant for one device at a time (a
+// written first counts as written only: what is read after that is not seen). Library products
+// count as kernels do, under their call's name (cublasLtMatmul, cublasGemmBatchedEx); copies and
+// memsets are not counted. Meant for one device at a time (a
 // fault in a page of the running kernel's device counts for that kernel, whoever touched it)
 // and for counting only: every touched page costs a fault.
 constexpr int64_t kTouchPage = 4096;

@@ -194,18 +194,18 @@ void products_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
   const void* dropped = saved.probs;
   if (half) {
     if (f16)
-      launch(attention_dropped_kernel<rm::F16Bits>, n_probs,
-             reinterpret_cast<rm::F16Bits*>(ws.attn_probs16),
-             reinterpret_cast<const rm::F16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
+      BT_EACH(attention_dropped_kernel<rm::F16Bits>, n_probs,
+              reinterpret_cast<rm::F16Bits*>(ws.attn_probs16),
+              reinterpret_cast<const rm::F16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
     else
-      launch(attention_dropped_kernel<rm::Bf16Bits>, n_probs,
-             reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16),
-             reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
+      BT_EACH(attention_dropped_kernel<rm::Bf16Bits>, n_probs,
+              reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16),
+              reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
     dropped = ws.attn_probs16;
   } else if (d.p > 0.0f) {
     float* dr = static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4));
-    launch(attention_dropped_kernel<float>, n_probs, dr, static_cast<const float*>(saved.probs), s,
-           d.p, d.key, d.offset);
+    BT_EACH(attention_dropped_kernel<float>, n_probs, dr, static_cast<const float*>(saved.probs), s,
+            d.p, d.key, d.offset);
     dropped = dr;
   }
   // dd (then ds) for every pair in a [B, NH, T, T] buffer; the 16-bit precisions' ds rounded

@@ -388,11 +388,11 @@ class CudaBackend final : public kernels::Backend {
 
   void tanh_forward(float* out, const float* in, int64_t n) const override {
     const Op op("tanh_forward");
-    launch(tanh_forward_kernel, n, out, in, n);
+    BT_EACH(tanh_forward_kernel, n, out, in, n);
   }
   void tanh_backward(float* dinp, const float* out, const float* dout, int64_t n) const override {
     const Op op("tanh_backward");
-    launch(tanh_backward_kernel, n, dinp, out, dout, n);
+    BT_EACH(tanh_backward_kernel, n, dinp, out, dout, n);
   }
 
   void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
@@ -456,7 +456,7 @@ class CudaBackend final : public kernels::Backend {
   }
   void add_inplace(float* out, const float* a, int64_t n) const override {
     const Op op("add_inplace");
-    launch(add_inplace_kernel, n, out, a, n);
+    BT_EACH(add_inplace_kernel, n, out, a, n);
   }
   void copy(float* dst, const float* src, int64_t n) const override {
     const Op op("copy");
@@ -467,12 +467,12 @@ class CudaBackend final : public kernels::Backend {
   void gather_rows(float* out, const float* seq, const int32_t* positions, int64_t B, int64_t P,
                    int64_t T, int64_t C) const override {
     const Op op("gather_rows");
-    launch(gather_rows_kernel, B * P * C, out, seq, positions, B, P, T, C);
+    BT_EACH(gather_rows_kernel, B * P * C, out, seq, positions, B, P, T, C);
   }
   void scatter_add_rows(float* dseq, const float* d, const int32_t* positions, int64_t B, int64_t P,
                         int64_t T, int64_t C) const override {
     const Op op("scatter_add_rows");
-    launch(scatter_add_rows_kernel, B * C, dseq, d, positions, B, P, T, C);
+    BT_EACH(scatter_add_rows_kernel, B * C, dseq, d, positions, B, P, T, C);
   }
   void scale_inplace(float* x, int64_t n, kernels::Multiplier s) const override {
     const Op op("scale_inplace");
@@ -510,7 +510,7 @@ class CudaBackend final : public kernels::Backend {
     const Op op("squared_error");
     if (N == 0) return 0;
     double* sq = static_cast<double*>(scratch(kSquaredErrorSlot, N * sizeof(double)));
-    launch(squared_error_kernel, N, dpred, sq, pred, target, N, dscale);
+    BT_EACH(squared_error_kernel, N, dpred, sq, pred, target, N, dscale);
     std::vector<double> h(N);
     BT_CUDA_WAIT(cudaMemcpy(h.data(), sq, h.size() * sizeof(double), cudaMemcpyDeviceToHost));
     double sum = 0;

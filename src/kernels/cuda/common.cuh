@@ -23,8 +23,14 @@
 // compilers build) has its own.
 #ifdef CUDA_EMU_LAUNCH
 #define BT_KERNEL_LAUNCH(kernel, ...) CUDA_EMU_LAUNCH(kernel, __VA_ARGS__)
+// (a kernel passed on by value, launched under the name it was given: the emulator's counts and
+// traces name kernels)
+#define BT_KERNEL_LAUNCH_NAMED(name, kernel, ...) \
+  ::cuda_emu::make_launch(                        \
+      name, [=](auto... a_) { kernel(a_...); }, __VA_ARGS__)
 #else
 #define BT_KERNEL_LAUNCH(kernel, ...) kernel<<<__VA_ARGS__>>>
+#define BT_KERNEL_LAUNCH_NAMED(name, kernel, ...) kernel<<<__VA_ARGS__>>>
 #endif
 #undef BT_LAUNCH
 #define BT_LAUNCH(kernel, ...) \
@@ -81,27 +87,29 @@ inline unsigned blocks_for(int64_t n, unsigned threads) {
 }
 
 // Element-wise kernels: a thread per element, kElementThreads a block; BT_FOR_EACH(n) opens such
-// a kernel with its element's index i (returning past n), launch / launch_on run one over n
-// elements on the default stream or the given one (nothing when n is 0).
+// a kernel with its element's index i (returning past n), BT_EACH(kernel, n, args...) /
+// BT_EACH_ON(stream, kernel, n, args...) run one over n elements on the default stream or the
+// given one (nothing when n is 0), under the kernel's own name (the emulator's counts and
+// traces, the traffic model's rows: plan/traffic.h).
 constexpr unsigned kElementThreads = 256;
 #define BT_FOR_EACH(n)                                                           \
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; \
   if (i >= (n)) return
+#define BT_EACH_ON(stream, kernel, n, ...) \
+  ::bertrain::cuda::launch_on(#kernel, stream, kernel, n, __VA_ARGS__)
+#define BT_EACH(kernel, n, ...) BT_EACH_ON(nullptr, kernel, n, __VA_ARGS__)
 
 inline void check_launch() {
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
 template <class K, class... A>
-void launch_on(void* stream, K kernel, int64_t n, A... args) {
+void launch_on([[maybe_unused]] const char* name, void* stream, K kernel, int64_t n, A... args) {
   if (n == 0) return;
-  BT_LAUNCH(kernel, blocks_for(n, kElementThreads), kElementThreads, 0, as_stream(stream))
+  count_launch();
+  BT_KERNEL_LAUNCH_NAMED(name, kernel, blocks_for(n, kElementThreads), kElementThreads, 0,
+                         as_stream(stream))
   (args...);
   check_launch();
-}
-
-template <class K, class... A>
-void launch(K kernel, int64_t n, A... args) {
-  launch_on(nullptr, kernel, n, args...);
 }
 }  // namespace bertrain::cuda

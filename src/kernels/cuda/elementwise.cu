@@ -114,37 +114,37 @@ __global__ void activation_backward_16_kernel(Precision p, kernels::Activation a
 
 void activation_forward(kernels::Activation a, float* out, const float* inp, int64_t n,
                         void* stream) {
-  launch_on(stream, activation_forward_kernel, n, a, out, inp, n);
+  BT_EACH_ON(stream, activation_forward_kernel, n, a, out, inp, n);
 }
 
 void activation_backward(kernels::Activation a, float* dinp, const float* inp, const float* dout,
                          int64_t n, void* stream) {
-  launch_on(stream, activation_backward_kernel, n, a, dinp, inp, dout, n);
+  BT_EACH_ON(stream, activation_backward_kernel, n, a, dinp, inp, dout, n);
 }
 
 void activation_forward(Precision p, kernels::Activation a, kernels::Kept out, kernels::Kept in,
                         int64_t n, void* stream) {
   if (p == Precision::FP32) return activation_forward(a, out.f32, in.f32, n, stream);
-  launch_on(stream, activation_forward_16_kernel, n, p, a, out.f32, out.bits,
-            static_cast<const float*>(in.f32), in.bits, n);
+  BT_EACH_ON(stream, activation_forward_16_kernel, n, p, a, out.f32, out.bits,
+             static_cast<const float*>(in.f32), in.bits, n);
 }
 
 void activation_backward(Precision p, kernels::Activation a, float* dinp, kernels::Kept in,
                          const float* dout, int64_t n, void* stream) {
   if (p == Precision::FP32) return activation_backward(a, dinp, in.f32, dout, n, stream);
-  launch_on(stream, activation_backward_16_kernel, n, p, a, dinp,
-            static_cast<const uint16_t*>(in.bits), dout, n);
+  BT_EACH_ON(stream, activation_backward_16_kernel, n, p, a, dinp,
+             static_cast<const uint16_t*>(in.bits), dout, n);
 }
 
 void keep(Precision p, kernels::Kept x, int64_t n, void* stream) {
   if (p == Precision::BF16) round_to_16(p, x.bits, x.f32, n, stream);
-  if (p == Precision::FP16) launch_on(stream, keep_f16_kernel, n, x.f32, x.bits, n);
+  if (p == Precision::FP16) BT_EACH_ON(stream, keep_f16_kernel, n, x.f32, x.bits, n);
 }
 
 void dropout_forward(float* x, int64_t n, const kernels::Dropout& d, void* stream) {
   BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
   if (d.p <= 0.0f) return;
-  launch_on(stream, dropout_kernel, n, x, n, d.p, 1.0f / (1.0f - d.p), d.key, d.offset);
+  BT_EACH_ON(stream, dropout_kernel, n, x, n, d.p, 1.0f / (1.0f - d.p), d.key, d.offset);
 }
 
 void dropout_backward(float* dx, const float* dy, int64_t n, const kernels::Dropout& d,
@@ -156,27 +156,27 @@ void dropout_backward(float* dx, const float* dy, int64_t n, const kernels::Drop
                                     cudaMemcpyDeviceToDevice, as_stream(stream)));
     return;
   }
-  launch_on(stream, dropout_backward_kernel, n, dx, dy, n, d.p, d.key, d.offset);
+  BT_EACH_ON(stream, dropout_backward_kernel, n, dx, dy, n, d.p, d.key, d.offset);
 }
 
 void scale(float* x, int64_t n, kernels::Multiplier s, void* stream) {
-  launch_on(stream, scale_kernel, n, x, n, s);
+  BT_EACH_ON(stream, scale_kernel, n, x, n, s);
 }
 
 void round_to_16(Precision p, uint16_t* dst, const float* src, int64_t n, void* stream) {
   BT_CHECK(p != Precision::FP32, "round_to_16: fp32 is not a 16-bit precision");
   if (p == Precision::BF16)
-    launch_on(stream, round_bf16_kernel, n, dst, src, n);
+    BT_EACH_ON(stream, round_bf16_kernel, n, dst, src, n);
   else
-    launch_on(stream, round_f16_kernel, n, dst, src, n);
+    BT_EACH_ON(stream, round_f16_kernel, n, dst, src, n);
 }
 
 void widen_from_16(Precision p, float* dst, const uint16_t* src, int64_t n, void* stream) {
   BT_CHECK(p != Precision::FP32, "widen_from_16: fp32 is not a 16-bit precision");
   if (p == Precision::BF16)
-    launch_on(stream, widen_bf16_kernel, n, dst, src, n);
+    BT_EACH_ON(stream, widen_bf16_kernel, n, dst, src, n);
   else
-    launch_on(stream, widen_f16_kernel, n, dst, src, n);
+    BT_EACH_ON(stream, widen_f16_kernel, n, dst, src, n);
 }
 
 }  // namespace bertrain::cuda
