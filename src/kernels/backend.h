@@ -235,7 +235,8 @@ class Backend : public Target {
                                        const Workspace& ws) const;
 
   // -- activations (out / in kept in the precision: BF16 writes out.bits and in.bits, FP16
-  //    rounds both and writes their bits; FP32 reads in.f32 and writes out.f32) --
+  //    rounds both and writes their bits, and out.f32 the rounded output where given (a model
+  //    whose products read 16-bit operands gives none); FP32 reads in.f32 and writes out.f32) --
   virtual void activation_forward(Precision p, Activation a, Kept out, Kept in,
                                   int64_t n) const = 0;
   // dinp = dout * act'(in) at the kept input (dinp may alias dout).

@@ -359,13 +359,18 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
     auto copy16 = [&](const std::string& name) {
       return copies ? reinterpret_cast<uint16_t*>(a.f32(name)) : nullptr;
     };
-    // bf16/fp16: fp32 QKV / pre-activation (fp16: and GELU's output, in place), briefly.
+    // bf16/fp16: fp32 QKV / pre-activation (fp16 whose products read fp32, a CPU's: and GELU's
+    // output, in place), briefly. Where the products read 16-bit operands nothing reads GELU's
+    // fp32 output: none is written.
     float* gemm_out = scratch_.f32("grad.dI");
     LayerActs la;
     la.qkv = {h ? gemm_out : a.f32(p + "qkv"), b16(p + "qkv16")};
     la.ctx = {bf ? scratch_.f32("attn.ctx") : fp ? ws_.wide : a.f32(p + "ctx"), b16(p + "ctx16")};
     la.inter_pre = {h ? gemm_out : a.f32(p + "inter_pre"), b16(p + "inter_pre16")};
-    la.inter_act = {bf ? nullptr : fp ? gemm_out : a.f32(p + "inter_act"), b16(p + "inter_act16")};
+    la.inter_act = {copies ? nullptr
+                    : fp   ? gemm_out
+                           : a.f32(p + "inter_act"),
+                    b16(p + "inter_act16")};
     if (blocked) {
       la.saved.lse = a.f32(p + "lse");
       la.saved.ctx16 = la.ctx.bits;  // (the fused kernels' D = dO . O reads the kept context)

@@ -221,7 +221,8 @@ void backward_bf16(Activation a, float* dinp, const uint16_t* inp16, const float
 void forward_f16(Activation a, float* out, uint16_t* out16, const float* inp, uint16_t* inp16,
                  int64_t n) {
   // Per stack block: the input rounded (bits kept), the activation of the rounded values, the
-  // result rounded (bits kept) and widened into out. F16C conversions where the CPU has it.
+  // result rounded (bits kept) and widened into out where given (products reading fp32, a
+  // CPU's; fp16 operands read the bits alone). F16C conversions where the CPU has it.
   with_isa([&](auto tag) {
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < n; b += kBlock) {
@@ -231,7 +232,7 @@ void forward_f16(Activation a, float* out, uint16_t* out16, const float* inp, ui
       convert_f16_to_f32(inp16 + b, x, k);
       forward_rows(tag, a, y, x, 0, static_cast<int64_t>(k));
       convert_f32_to_f16(y, out16 + b, k);
-      convert_f16_to_f32(out16 + b, out + b, k);
+      if (out) convert_f16_to_f32(out16 + b, out + b, k);
     }
   });
 }
