@@ -101,6 +101,35 @@ TEST(Cli, EstimatePlansAGpuRunWithoutAGpu) {
       << r.out;
 }
 
+// --device cuda --explain adds the traffic model (plan/traffic.h; checked kernel by kernel
+// against the emulated device in CudaCounts.TheBytesEachKernelTouchesAreTheModels): BERT-Large's
+// step at 128 tokens in bf16, its kernels with their launches, bytes and products, the step's
+// totals (893 launches: 35 a layer and the embeddings', heads' and update's 53; an H200 counted
+// 894 on real data, whose [MASK] row adds an embedding_sums_kernel launch) and the time
+// they predict on an H200. A head it does not model says so.
+TEST(Cli, EstimateExplainsTheGpuStepsTraffic) {
+  const std::string base = "estimate --model-config " + data_path("../configs/bert-large.json") +
+                           " --batch-size 32 --precision bf16 --device cuda --explain";
+  RunResult r = run(base + " --optimizer adamw");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  for (const char* want :
+       {"GPU traffic model (bf16)", "cublasLtMatmul", "attention_softmax_kernel",
+        "layernorm_backward_kernel", "adamw_many_kernel", "cudaMemsetAsync",
+        "step: 893 launches (memsets apart)", "predicted on cuBLASLt measured on an H200"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  r = run(base + " --attention blocked");  // (fused, and train's LAMB)
+  ASSERT_EQ(r.rc, 0) << r.out;
+  for (const char* want : {"attention_forward_fused", "attention_backward_fused",
+                           "lamb_moments_many_kernel", "lamb_apply_many_kernel"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  EXPECT_EQ(r.out.find("attention_softmax_kernel"), std::string::npos) << r.out;
+  r = run(base + " --head classification");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("traffic model: covers the pretraining step's"), std::string::npos) << r.out;
+  r = run(base + " --optimizer sgd");
+  EXPECT_NE(r.out.find("--optimizer must be lamb or adamw, got 'sgd'"), std::string::npos) << r.out;
+}
+
 TEST(Cli, ErrorsAreOneLineWithTheCause) {
   RunResult r = run("estimate --model-config /nonexistent.json");
   EXPECT_EQ(r.rc, 1);

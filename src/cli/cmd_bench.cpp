@@ -22,6 +22,7 @@
 #include "data/pipeline.h"
 #include "data/schema.h"
 #include "plan/memory.h"
+#include "plan/traffic.h"
 #include "train/optimizer.h"
 #include "train/precision.h"
 #include "train/session.h"
@@ -98,6 +99,9 @@ struct BenchResult {
   std::string op_profile;  // the device's time by operation (Backend::op_profile), if on
   // A device's kernel launches and host synchronisations per timed step (Backend::device_counts).
   std::optional<double> launches, host_syncs;
+  // On a GPU where the traffic model applies (plan/traffic.h): its launches, the bytes of the
+  // kernels that are not products, and the products' time at the GEMM ceiling measured now.
+  std::optional<double> model_launches, non_gemm_bytes, gemm_seconds;
 };
 
 }  // namespace
@@ -262,6 +266,12 @@ void add_bench(CLI::App& app) {
         res.launches = static_cast<double>(now->launches - counted->launches) / o->steps;
         res.host_syncs = static_cast<double>(now->host_syncs - counted->host_syncs) / o->steps;
       }
+      if (gpu && plan::traffic_not_modelled(head, m.dims()).empty()) {
+        const plan::StepTraffic t = plan::cuda_step_traffic(cfg, head, m.dims(), /*lamb=*/false);
+        res.model_launches = static_cast<double>(t.launches());
+        res.non_gemm_bytes = t.non_gemm_bytes();
+        res.gemm_seconds = t.flops() / (peak * 1e9);
+      }
       res.op_profile = be.op_profile(o->steps);
       res.forward = median(fwd);
       res.backward = median(bwd);
@@ -339,6 +349,11 @@ void add_bench(CLI::App& app) {
           j["launches_per_step"] = *r.launches;
           j["host_syncs_per_step"] = *r.host_syncs;
         }
+        if (r.non_gemm_bytes) {
+          j["model_launches_per_step"] = *r.model_launches;
+          j["non_gemm_bytes_per_step"] = *r.non_gemm_bytes;
+          j["gemm_ms_at_ceiling"] = *r.gemm_seconds * 1e3;
+        }
         std::printf("%s\n", j.dump().c_str());
         continue;
       }
@@ -380,6 +395,17 @@ void add_bench(CLI::App& app) {
             "one), %.0f host synchronisations in %d steps (%.2f a step: the steps' results read "
             "at the end, as train reads them once a logged window)\n",
             *r.launches, *r.host_syncs * o->steps, o->steps, *r.host_syncs);
+      if (r.non_gemm_bytes) {
+        // What the kernels besides the products move (the traffic model's compulsory bytes),
+        // and the rate they moved it at if the products ran at the ceiling measured above.
+        const double rest = step - *r.gemm_seconds;
+        std::printf(
+            "  traffic    the model (estimate --device cuda --explain): %.0f launches, %.2f GB a "
+            "step besides the products; the products at the ceiling above take %.2f ms, the "
+            "other %.2f ms of the step move those bytes at %s/s\n",
+            *r.model_launches, *r.non_gemm_bytes / 1e9, *r.gemm_seconds * 1e3, rest * 1e3,
+            rest > 0 ? human_bytes(*r.non_gemm_bytes / rest).c_str() : "(no time left)");
+      }
       std::printf("  loss       %.4f (%s)\n", r.loss,
                   o->data.empty() ? "synthetic data; sanity only" : "untrained model");
       if (!r.op_profile.empty())

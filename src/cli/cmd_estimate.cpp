@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "data/pipeline.h"
 #include "plan/memory.h"
+#include "plan/traffic.h"
 #include "train/precision.h"
 
 namespace bertrain::cli {
@@ -14,7 +15,8 @@ namespace bertrain::cli {
 void add_estimate(CLI::App& app) {
   struct Opts {
     ShapeOpts shape{32};
-    std::string budget, precision = "fp32", attention = "auto", recompute = "none", device = "cpu";
+    std::string budget, precision = "fp32", attention = "auto", recompute = "none", device = "cpu",
+                        optimizer = "lamb";
     int slots = 2, ranks = 1;
     bool shard = false, explain = false;
   };
@@ -32,7 +34,13 @@ void add_estimate(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   c->add_flag("--explain", o->explain,
               "Also print the rule of thumb (16 B per parameter, Korthikanti et al.'s "
-              "activations) next to the plan, and why they differ");
+              "activations) next to the plan, and why they differ; with --device cuda also the "
+              "traffic model: each kernel's launches, bytes and products in a step, and the step "
+              "time they predict on an H200");
+  c->add_option("--optimizer", o->optimizer,
+                "lamb or adamw: the update's kernels in the traffic model (train's default: lamb, "
+                "bench's: adamw)")
+      ->capture_default_str();
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
   c->add_option("--precision", o->precision,
@@ -117,8 +125,20 @@ void add_estimate(CLI::App& app) {
       std::printf("  total          %12s\n",
                   human_bytes(static_cast<double>(plan.total_bytes()) + outside(d.batch)).c_str());
     }
+    if (o->optimizer != "lamb" && o->optimizer != "adamw")
+      fail("--optimizer must be lamb or adamw, got '", o->optimizer, "'");
     if (o->explain)
       std::printf("%s", plan::explain_plan(cfg, head, d, o->slots, shard_world, plan).c_str());
+    if (o->explain && device) {
+      const std::string why = plan::traffic_not_modelled(head, d);
+      if (why.empty())
+        std::printf("%s", plan::explain_traffic(
+                              plan::cuda_step_traffic(cfg, head, d, o->optimizer == "lamb"),
+                              plan::h200_roofline(d.precision), d.precision)
+                              .c_str());
+      else
+        std::printf("traffic model: covers %s\n", why.c_str());
+    }
     if (!o->budget.empty() || gpu_memory) {
       const double budget =
           !o->budget.empty() ? parse_bytes(o->budget) : plan::device_budget(*gpu_memory);

@@ -40,10 +40,10 @@ void add_shape_options(CLI::App* c, ShapeOpts& s, const char* batch_help) {
 
 void add_attention_option(CLI::App* c, std::string& attention) {
   c->add_option("--attention", attention,
-                "auto, full or blocked attention kernel (auto: blocked from 512 tokens, and on a "
-                "GPU in bf16/fp16 at every length, where it runs fused: 2 kernels a layer, every "
-                "sequence length in one launch; blocked keeps only the row log-sum-exp, no "
-                "[B,heads,T,T] probabilities)")
+                "auto, full or blocked attention kernel (auto: blocked from 512 tokens, but on a "
+                "GPU in bf16/fp16 full up to 512, its products on the tensor cores; blocked keeps "
+                "only the row log-sum-exp, no [B,heads,T,T] probabilities, and on a GPU in "
+                "bf16/fp16 runs fused: 2 kernels a layer, every sequence length in one launch)")
       ->capture_default_str();
 }
 

@@ -74,6 +74,22 @@ struct ScratchLayout {
   int64_t total() const { return rounded(caller) + threads * stride(); }
 };
 
+// Column sums on a GPU (a linear layer's bias gradient, LayerNorm's parameter gradients; the
+// CUDA backend's kernels/cuda/scratch.h): rows in chunks of at least kColumnRows, at most
+// kColumnChunks chunks, kColumnTile columns a block, each chunk's partial sums written and then
+// added in order. The fused attention's backward sums QKV's bias gradient in tiles of
+// kFusedAttentionTile rows of each sequence. What the scratch plan and the traffic model
+// (plan/traffic.h) count.
+constexpr int64_t kColumnRows = 64, kColumnChunks = 256, kColumnTile = 256;
+inline int64_t column_chunks(int64_t rows) {
+  const int64_t c = (rows + kColumnRows - 1) / kColumnRows;
+  return c < 1 ? 1 : c > kColumnChunks ? kColumnChunks : c;
+}
+constexpr int64_t kFusedAttentionTile = 16;
+inline int64_t fused_attention_tiles(int64_t sequences, int64_t T) {
+  return sequences * ((T + kFusedAttentionTile - 1) / kFusedAttentionTile);
+}
+
 // Embedding backward's token rows grouped by the table row they add to, for a backend whose
 // threads each sum one table row's gradients (a GPU's, which has no order among atomics; built on
 // the host with the batch: kernels/embedding_runs.h). `order` lists the token rows by table

@@ -16,6 +16,7 @@
 #include "comm/communicator.h"
 #include "kernels/cuda/cuda.h"
 #include "model/bert.h"
+#include "plan/traffic.h"
 #include "test_util.h"
 #include "train/session.h"
 
@@ -228,14 +229,18 @@ TEST(CudaCounts, NoHostSyncBetweenLoggedSteps) {
 struct UpdatePages {
   int64_t read = 0, written = 0, gradients = 0;
 };
-std::map<std::string, cuda_emu::Touched> touched_in_a_step(int64_t layers, Precision precision,
-                                                           UpdatePages* update = nullptr) {
+// `config` / `dims` (where given): the model's config and its dims as the backend runs them.
+std::map<std::string, cuda_emu::Touched> touched_in_a_step(
+    int64_t layers, Precision precision, UpdatePages* update = nullptr,
+    model::ModelDims::Attention attention = model::ModelDims::Attention::Auto,
+    model::BertConfig* config = nullptr, model::ModelDims* dims = nullptr) {
   cuda_emu::set_touch_counting(true);  // (before the session allocates: whole pages)
   const model::BertConfig c = test::small_bert(300, 256, layers, 4, 1024, 128);
   const model::Batch b = test::random_batch(c, 4, 128, 20);
   train::SessionSettings ss;
   ss.dims = model::ModelDims{b.B, b.T, b.P};
   ss.dims.precision = precision;
+  ss.dims.attention = attention;
   ss.backend = &cuda::cuda_backend();
   ss.optimizer.kind = train::OptimizerKind::AdamW;
   comm::SingleProcess single;
@@ -251,6 +256,8 @@ std::map<std::string, cuda_emu::Touched> touched_in_a_step(int64_t layers, Preci
   step.settle();
   std::map<std::string, cuda_emu::Touched> t = cuda_emu::touched();
   cuda_emu::set_touch_counting(false);
+  if (config) *config = c;
+  if (dims) *dims = session.m.dims();
   if (update) {
     // The pages an array of `bytes`-sized elements at `base` spans over the optimizer's tensors.
     const std::vector<train::ParamSlice>& slices = session.opt.slices();
@@ -281,15 +288,14 @@ std::map<std::string, cuda_emu::Touched> touched_in_a_step(int64_t layers, Preci
 }
 #endif
 
-// The bytes a step's kernels move, as the emulator counts the pages they touch: the start of
-// issue 44's traffic model. The update's and the gate's are modelled here, page for page: AdamW
-// reads the parameters, gradients and both moments over the optimizer's tensors and writes the
+// The update's bytes page for page over the optimizer's own tensors (the traffic model,
+// plan/traffic.h, counts its arrays whole: TheBytesEachKernelTouchesAreTheModels): AdamW reads
+// the parameters, gradients and both moments over the optimizer's tensors and writes the
 // parameters, the moments and the bf16 copy (16 bytes read and 14 written a parameter; the
-// vocabulary's padding rows are no tensor's and are not touched): the pages written are the
-// model's exactly, the pages read the model's and at most 3 more (the pass's tensor tables and
-// the gate, whose addresses the model does not know); the gate's sum reads the gradients (and
-// its tables) and writes its chunks' partial sums. The step's per-layer table (3 layers less 2)
-// is printed for the model to come. Emulated device only (a GPU's would need a profiler).
+// vocabulary's padding rows are no tensor's and are not touched): the pages written are these
+// exactly, the pages read these and at most 3 more (the pass's tensor tables and the gate, whose
+// addresses are not known here); the gate's sum reads the gradients (and its tables) and writes
+// its chunks' partial sums. Emulated device only (a GPU's would need a profiler).
 TEST(CudaCounts, TheBytesTheUpdateTouchesAreItsModel) {
   SKIP_WITHOUT_GPU();
 #ifndef BT_EMULATED_DEVICE
@@ -297,7 +303,6 @@ TEST(CudaCounts, TheBytesTheUpdateTouchesAreItsModel) {
 #else
   UpdatePages model;
   const auto two = touched_in_a_step(2, Precision::BF16, &model);
-  const auto three = touched_in_a_step(3, Precision::BF16);
   const cuda_emu::Touched& adamw = two.at("adamw_many_kernel");
   EXPECT_EQ(adamw.launches, 1);
   // (reads: and the pages of the pass's tensor tables, spans and chunks, and of the gate)
@@ -308,28 +313,94 @@ TEST(CudaCounts, TheBytesTheUpdateTouchesAreItsModel) {
   EXPECT_GE(sum.pages_read, model.gradients);
   EXPECT_LE(sum.pages_read, model.gradients + 2);
   EXPECT_LE(sum.pages_written, 2) << "the chunks' partial sums (a few KiB; a page boundary)";
-  double read = 0, written = 0;
-  std::printf(
-      "bf16, 4 x 128 tokens, hidden 256: KiB a layer (forward + backward), read / written\n");
-  for (const auto& [name, t3] : three) {
-    const auto it = two.find(name);
-    const cuda_emu::Touched t2 = it == two.end() ? cuda_emu::Touched{} : it->second;
-    const double r = 4.0 * static_cast<double>(t3.pages_read - t2.pages_read),
-                 w = 4.0 * static_cast<double>(t3.pages_written - t2.pages_written);
-    if (t3.launches == t2.launches) continue;
-    std::printf("  %-40s %3lld launches %8.0f %8.0f\n", name.c_str(),
-                static_cast<long long>(t3.launches - t2.launches), r, w);
-    read += r;
-    written += w;
+#endif
+}
+
+// The traffic model (plan/traffic.h, `estimate --device cuda --explain`) against the pages each
+// kernel touches on the emulated device, kernel by kernel over a whole step (a model of 2 and
+// one of 3 layers: embeddings, layers, heads, update): bf16 and fp16 with the full attention (a
+// GPU's --attention auto) and with the fused one, fp32. Each kernel's launches are the model's
+// exactly (a layer's too: 3 layers less 2), and the pages it reads and writes (4 KiB each) lie
+// between the model's floor and extent within 2 pages an array a launch (an array in an arena
+// may start and end inside a page another array shares). The floor and the extent differ where
+// a kernel reads a slice of an array (Q, K or V out of the QKV rows: the slice's bytes, the
+// array's pages) or gathers rows (the heads' masked positions). Emulated device only.
+TEST(CudaCounts, TheBytesEachKernelTouchesAreTheModels) {
+  SKIP_WITHOUT_GPU();
+#ifndef BT_EMULATED_DEVICE
+  GTEST_SKIP() << "the emulator counts the pages kernels touch (build-emu)";
+#else
+  using A = model::ModelDims::Attention;
+  struct Case {
+    Precision p;
+    A attention;
+  };
+  const double page = static_cast<double>(cuda_emu::kTouchPage);
+  auto emu = [](const std::map<std::string, cuda_emu::Touched>& m, const std::string& kernel) {
+    const auto it = m.find(kernel);
+    return it == m.end() ? cuda_emu::Touched{} : it->second;
+  };
+  for (const Case& k : {Case{Precision::BF16, A::Auto}, Case{Precision::BF16, A::Blocked},
+                        Case{Precision::FP16, A::Auto}, Case{Precision::FP32, A::Auto}}) {
+    std::map<int64_t, std::map<std::string, cuda_emu::Touched> > touched;
+    std::map<int64_t, plan::StepTraffic> model;
+    std::string name;
+    for (int64_t layers : {2, 3}) {
+      model::BertConfig c;
+      model::ModelDims d;
+      touched[layers] = touched_in_a_step(layers, k.p, nullptr, k.attention, &c, &d);
+      model[layers] = plan::cuda_step_traffic(c, model::Head::Pretraining, d, /*lamb=*/false);
+      name = std::string(precision_name(k.p)) + (d.fused_attention ? ", fused attention" : "");
+      // The whole step, by kernel (memsets are not kernels).
+      std::map<std::string, plan::KernelTraffic> step;
+      auto add = [&](const plan::KernelTraffic& t, int64_t times) {
+        plan::KernelTraffic& s = step[t.kernel];
+        const auto x = static_cast<double>(times);
+        s.launches += t.launches * times;
+        s.read_floor += t.read_floor * x;
+        s.read_extent += t.read_extent * x;
+        s.written_floor += t.written_floor * x;
+        s.written_extent += t.written_extent * x;
+        s.arrays += t.arrays * times;
+      };
+      for (const plan::KernelTraffic& t : model[layers].layer) add(t, layers);
+      for (const plan::KernelTraffic& t : model[layers].rest)
+        if (t.part != "memset") add(t, 1);
+      for (const auto& [kernel, a] : touched[layers]) add(plan::KernelTraffic{kernel}, 0);
+      std::printf(
+          "%s, %lld layers, 4 x 128 tokens, hidden 256: KiB a step, the model's floor - "
+          "extent / the emulator's pages\n",
+          name.c_str(), static_cast<long long>(layers));
+      for (const auto& [kernel, t] : step) {
+        const cuda_emu::Touched a = emu(touched[layers], kernel);
+        const double read = page * static_cast<double>(a.pages_read),
+                     written = page * static_cast<double>(a.pages_written);
+        std::printf(
+            "  %-40s %4lld launches  read %6.0f - %6.0f / %6.0f  written %6.0f - %6.0f / "
+            "%6.0f\n",
+            kernel.c_str(), static_cast<long long>(a.launches), t.read_floor / 1024,
+            t.read_extent / 1024, read / 1024, t.written_floor / 1024, t.written_extent / 1024,
+            written / 1024);
+        const std::string what = name + ", " + std::to_string(layers) + " layers: " + kernel;
+        EXPECT_EQ(t.launches, a.launches) << what;
+        const double slack = 2 * page * static_cast<double>(t.arrays);
+        EXPECT_GE(read, t.read_floor - slack) << what << " read";
+        EXPECT_LE(read, t.read_extent + slack) << what << " read";
+        EXPECT_GE(written, t.written_floor - slack) << what << " written";
+        EXPECT_LE(written, t.written_extent + slack) << what << " written";
+      }
+    }
+    // A layer's launches: the difference.
+    for (const plan::KernelTraffic& t : model[2].layer)
+      EXPECT_EQ(t.launches, emu(touched[3], t.kernel).launches - emu(touched[2], t.kernel).launches)
+          << name << ": " << t.kernel << " a layer";
   }
-  std::printf("  %-40s              %8.0f %8.0f\n", "all kernels", read, written);
-  EXPECT_GT(read, 0);
-  EXPECT_GT(written, 0);
 #endif
 }
 
 // `bench --device cuda` prints these counts: a 2-layer model's launches a step (bert-tiny, padded,
-// as the 2-layer model above) and its host synchronisations.
+// as the 2-layer model above) and its host synchronisations, and the traffic model's launches
+// and bytes beside them.
 TEST(CudaCounts, BenchPrintsThem) {
   SKIP_WITHOUT_GPU();
   const nlohmann::json j = test::bench_json(
@@ -341,6 +412,11 @@ TEST(CudaCounts, BenchPrintsThem) {
   EXPECT_EQ(j["launches_per_step"].get<double>(), two.launches) << j.dump();
   // Deferred steps: the one read at the end over the 2 steps.
   EXPECT_EQ(j["host_syncs_per_step"].get<double>(), 0.5) << j.dump();
+  // Beside them the traffic model's (plan/traffic.h): its launches are the counted ones.
+  ASSERT_TRUE(j.contains("model_launches_per_step")) << j.dump();
+  EXPECT_EQ(j["model_launches_per_step"].get<double>(), two.launches) << j.dump();
+  EXPECT_GT(j["non_gemm_bytes_per_step"].get<double>(), 0) << j.dump();
+  EXPECT_GT(j["gemm_ms_at_ceiling"].get<double>(), 0) << j.dump();
   // --padding auto on a GPU: computed where the attention runs full (auto's in bf16: a call per
   // run of equal lengths otherwise), skipped where it runs fused (one call for every length).
   for (const char* attention : {"auto", "blocked"}) {

@@ -46,8 +46,9 @@ namespace wmma = nvcuda::wmma;
 
 namespace {
 
-constexpr int kTile = 16;     // rows of a block's tile, and the fragments' side
-constexpr int kChunk32 = 32;  // dQ's keys at a time (a lane a column)
+constexpr int kTile =
+    static_cast<int>(kernels::kFusedAttentionTile);  // a tile's rows, a fragment's side
+constexpr int kChunk32 = 32;                         // dQ's keys at a time (a lane a column)
 constexpr int kMaxT = static_cast<int>(kFusedAttentionTokens);
 constexpr int kMaxHead = 128;           // the largest head size (fused_attention_runs)
 constexpr int kRowValues = kMaxT / 32;  // a row's values a lane holds in the forward row pass

@@ -58,10 +58,6 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
   return l;
 }
 
-int64_t column_chunks(int64_t rows) {
-  return std::clamp<int64_t>((rows + kColumnRows - 1) / kColumnRows, 1, kColumnChunks);
-}
-
 int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors) {
   if (tensors == 0) return 0;
   const int64_t chunks = parameters / kChunk + tensors;  // each span's last chunk may be short
@@ -96,10 +92,6 @@ bool fused_attention_length(Precision p, int64_t T) {
 
 bool full_attention_preferred(Precision p, int64_t T) {
   return p != Precision::FP32 && T <= kFusedAttentionTokens;
-}
-
-int64_t fused_attention_tiles(int64_t sequences, int64_t T) {
-  return sequences * ((T + 15) / 16);
 }
 
 bool fused_attention_runs(Precision p, const kernels::AttentionShape& s) {

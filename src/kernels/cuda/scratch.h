@@ -39,13 +39,14 @@ constexpr size_t kMatmulWorkspaceBytes = size_t{32} << 20;
 
 // Sums down the columns of [rows, columns] (a linear layer's bias gradient, LayerNorm's
 // parameter gradients): rows in chunks of at least kColumnRows, at most kColumnChunks chunks, a
-// block of columns per chunk writing its partial sums (LayerNorm: 2 floats a column); the last
-// block of each column tile to finish adds the chunks in order (deterministic, one launch:
-// column_tickets.cuh). A column per thread over all the
-// rows would leave most of a GPU idle: a few thousand threads, each walking thousands of rows.
-constexpr int64_t kColumnRows = 64, kColumnChunks = 256;
-constexpr int64_t kColumnTile = 256;  // columns a block (a thread each)
-int64_t column_chunks(int64_t rows);
+// block of kColumnTile columns per chunk writing its partial sums (LayerNorm: 2 floats a column);
+// the last block of each column tile to finish adds the chunks in order (deterministic, one
+// launch: column_tickets.cuh). A column per thread over all the rows would leave most of a GPU
+// idle: a few thousand threads, each walking thousands of rows. (kernels/types.h: the numbers.)
+using kernels::column_chunks;
+using kernels::kColumnChunks;
+using kernels::kColumnRows;
+using kernels::kColumnTile;
 
 // The optimizer's passes over many tensors (Backend's TensorSpan operations): each span cut into
 // chunks of at most kChunk values, a block per chunk, one partial sum (two for LAMB's norms) per
@@ -82,7 +83,7 @@ bool fused_attention_runs(Precision p, const kernels::AttentionShape& s);
 // (docs/gpus.md). FP32, and longer sequences, keep the CPU's rule (blocked from 512 tokens).
 bool full_attention_preferred(Precision p, int64_t T);
 // The fused backward's tiles of 16 rows over `sequences` sequences of at most T tokens: its rows
-// of partial sums of QKV's bias gradient.
-int64_t fused_attention_tiles(int64_t sequences, int64_t T);
+// of partial sums of QKV's bias gradient (kernels/types.h).
+using kernels::fused_attention_tiles;
 
 }  // namespace bertrain::cuda
