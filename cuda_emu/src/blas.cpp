@@ -1,9 +1,10 @@
 // The emulated device's cuBLAS and cuBLASLt (cuda_emu/README.md): each product a reference GEMM
 // with BLAS's column-major semantics (C = alpha op(A) op(B) + beta C; beta = 0 never reads C),
-// fp32, bf16 or fp16 operands widened to fp32 and summed in fp32 along k in order, queued on the
-// stream. The operands' extents (ld x columns) are checked against their allocations when the
-// stream runs the call, and the pointers against the alignments the algorithm was chosen for:
-// what compute-sanitizer, or wrong results, would show on a GPU.
+// fp32, bf16 or fp16 operands widened to fp32 and summed in fp32 along k in order, the output in
+// fp32 or rounded to the operands' 16-bit type (to nearest even), queued on the stream. The
+// operands' extents (ld x columns) are checked against their allocations when the stream runs the
+// call, and the pointers against the alignments the algorithm was chosen for: what
+// compute-sanitizer, or wrong results, would show on a GPU.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -79,11 +80,28 @@ void check_extent(const Matrix& m, const char* call, const char* name) {
   if (!why.empty()) throw Fault(std::string(call) + ": " + why);
 }
 
-// C (m x n, fp32, ldc) = alpha op(A) op(B) + beta C (+ bias[i] on row i): the operands widened
-// to compact fp32 (op applied), their product by oneDNN's sgemm (fp32 accumulation; one thread,
-// as the tests run), then BLAS's alpha, beta and the epilogue here.
+// v rounded to a 16-bit output type, to nearest even (as cuBLAS's epilogue converts).
+uint16_t narrow(float v, cudaDataType_t t) {
+  if (t == CUDA_R_16BF) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return uint16_t((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+  }
+  const _Float16 h = static_cast<_Float16>(v);
+  uint16_t b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+
+// C (m x n, ldc; fp32, or a 16-bit type rounded to nearest even) = alpha op(A) op(B) + beta C
+// (+ bias[i] on row i): the operands widened to compact fp32 (op applied), their product by
+// oneDNN's sgemm (fp32 accumulation; one thread, as the tests run), then BLAS's alpha, beta and
+// the epilogue here in fp32, and the output's rounding.
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Matrix& A,
-          const Matrix& B, float beta, float* C, int64_t ldc, const float* bias) {
+          const Matrix& B, float beta, void* C, cudaDataType_t c_type, int64_t ldc,
+          const float* bias) {
   if (m == 0 || n == 0) return;
   std::vector<float> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(k * n)),
       ab(static_cast<size_t>(m * n), 0.0f);
@@ -98,13 +116,16 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
                    dnnl_success)
     throw Fault("the reference GEMM (oneDNN's sgemm) failed");
   for (int64_t j = 0; j < n; ++j) {
-    float* c = C + j * ldc;
     const float* x = ab.data() + j * m;
     for (int64_t i = 0; i < m; ++i) {
+      const int64_t at = i + j * ldc;
       float v = alpha * x[i];
-      if (beta != 0.0f) v += beta * c[i];
+      if (beta != 0.0f) v += beta * widen(C, at, c_type);
       if (bias) v += bias[i];
-      c[i] = v;
+      if (c_type == CUDA_R_32F)
+        static_cast<float*>(C)[at] = v;
+      else
+        static_cast<uint16_t*>(C)[at] = narrow(v, c_type);
     }
   }
 }
@@ -175,8 +196,9 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cubla
   if (m < 0 || n < 0 || k < 0 || batch < 0 || lda < std::max<int64_t>(1, a_rows) ||
       ldb < std::max<int64_t>(1, b_rows) || ldc < std::max(1, m))
     return CUBLAS_STATUS_INVALID_VALUE;
-  if (a_type != b_type || !cuda_emu::operand_type(a_type) || c_type != CUDA_R_32F ||
-      compute != CUBLAS_COMPUTE_32F)
+  // (C in fp32, or in the 16-bit operands' type)
+  if (a_type != b_type || !cuda_emu::operand_type(a_type) ||
+      (c_type != CUDA_R_32F && c_type != a_type) || compute != CUBLAS_COMPUTE_32F)
     return CUBLAS_STATUS_NOT_SUPPORTED;
   const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
   const auto gemm_batched = [=] {
@@ -190,11 +212,11 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cubla
     for (int i = 0; i < batch; ++i) {
       const Matrix a{A[i], a_type, a_rows, ta_ ? m : k, lda},
           b{B[i], b_type, b_rows, tb_ ? k : n, ldb};
-      const Matrix c{C[i], CUDA_R_32F, m, n, ldc};
+      const Matrix c{C[i], c_type, m, n, ldc};
       cuda_emu::check_extent(a, call, "A");
       cuda_emu::check_extent(b, call, "B");
       cuda_emu::check_extent(c, call, "C");
-      cuda_emu::gemm(ta_, tb_, m, n, k, al, a, b, be, static_cast<float*>(C[i]), ldc, nullptr);
+      cuda_emu::gemm(ta_, tb_, m, n, k, al, a, b, be, C[i], c_type, ldc, nullptr);
     }
   };
   const int dev = cuda_emu::current_device();
@@ -298,7 +320,8 @@ bool product_shape(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMa
   k = ta ? a->rows : a->cols;
   return (ta ? a->cols : a->rows) == m && (tb ? b->cols : b->rows) == k &&
          (tb ? b->rows : b->cols) == n && c->rows == m && c->cols == n && a->type == b->type &&
-         cuda_emu::operand_type(a->type) && c->type == CUDA_R_32F && d->type == CUDA_R_32F;
+         cuda_emu::operand_type(a->type) && c->type == d->type &&
+         (d->type == CUDA_R_32F || d->type == a->type);  // (D in fp32 or the operands' type)
 }
 }  // namespace
 
@@ -343,7 +366,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
   const float* bias = op->epilogue == CUBLASLT_EPILOGUE_BIAS ? op->bias : nullptr;
   if (op->epilogue == CUBLASLT_EPILOGUE_BIAS && !bias) return CUBLAS_STATUS_INVALID_VALUE;
   const Matrix ma{A, a->type, a->rows, a->cols, a->ld}, mb{B, b->type, b->rows, b->cols, b->ld},
-      md{D, CUDA_R_32F, d->rows, d->cols, d->ld};
+      md{D, d->type, d->rows, d->cols, d->ld};
   const int64_t ldd = d->ld;
   const int dev = cuda_emu::current_device();
   const cudaError_t e = cuda_emu::enqueue(stream, "cublasLtMatmul", [=] {
@@ -353,7 +376,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
     if (bias)
       cuda_emu::check_extent(Matrix{bias, CUDA_R_32F, m, 1, m}, "cublasLtMatmul", "the bias");
     cuda_emu::count_touches(dev, "cublasLtMatmul", [&] {
-      cuda_emu::gemm(ta, tb, m, n, k, al, ma, mb, be, static_cast<float*>(D), ldd, bias);
+      cuda_emu::gemm(ta, tb, m, n, k, al, ma, mb, be, D, md.type, ldd, bias);
     });
   });
   if (e != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;

@@ -57,6 +57,10 @@ class Target {
   // to 16 bits as it reads it (no Workspace::attn_dctx16). Otherwise a caller runs sequences
   // of equal length a call each.
   virtual bool fused_attention(Precision, const AttentionShape&) const { return false; }
+  // Whether a product's output can be written in a 16-bit precision's bits alone
+  // (Backend::linear_forward_16: a GPU's cuBLASLt rounds it in its epilogue), where the next
+  // products read only those bits: no fp32 output written, read and rounded.
+  virtual bool writes_16bit_outputs() const { return false; }
   // What the kernels need besides their operands for the shapes a model runs; the model plans
   // layout.total() bytes (group "kernels") and binds them (Backend::bind_scratch).
   virtual ScratchLayout scratch_layout(const KernelShapes& shapes) const = 0;
@@ -196,6 +200,11 @@ class Backend : public Target {
   // out[M,N] = in[M,K] . w[N,K]^T + bias[N] (bias may be null).
   virtual void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias,
                               int64_t M, int64_t N, int64_t K, const Workspace& ws) const = 0;
+  // The same in a 16-bit p with the output's bits alone written into out16 (the fp32 output
+  // rounded to nearest even, by the product itself): where Target::writes_16bit_outputs; the
+  // default fails.
+  virtual void linear_forward_16(Precision p, uint16_t* out16, Kept in, Weight w, const float* bias,
+                                 int64_t M, int64_t N, int64_t K, const Workspace& ws) const;
   // dinp[M,K] (= or += with accumulate_dinp), dw[N,K] += dout^T . in, db[N] += column sums
   // (of dout.f32). In a 16-bit precision the products read dout.bits where its producer wrote
   // them (KeptIn), else dout.f32 rounded.

@@ -190,6 +190,8 @@ ModelDims on_backend(ModelDims d, const BertConfig& cfg, const kernels::Target& 
   const kernels::AttentionShape s{d.token_rows(), d.seq_len, cfg.hidden_size,
                                   cfg.num_attention_heads};
   d.fused_attention = d.blocked_attention() && be.fused_attention(d.precision, s);
+  d.qkv16_output = be.writes_16bit_outputs() && d.weight_copy() && !d.blocked_attention() &&
+                   !d.unpadded && d.pack_rows == 0;
   return d;
 }
 
@@ -852,8 +854,14 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
   const LayerOffsets& o = table_.layer(l);
   const LayerActs& a = act_.layers[l];
   uint16_t* x16 = input16(l);
-  be_.linear_forward(prec_, a.qkv.f32, {const_cast<float*>(x), x16}, Wt(o.qkv_w), W(o.qkv_b), N,
-                     3 * C, C, ws_);
+  // (its 16-bit copy alone where the attention reads only that: ModelDims::qkv16_output)
+  const Kept qkv = dims_.qkv16_output ? Kept{nullptr, a.qkv.bits} : a.qkv;
+  if (dims_.qkv16_output)
+    be_.linear_forward_16(prec_, qkv.bits, {const_cast<float*>(x), x16}, Wt(o.qkv_w), W(o.qkv_b), N,
+                          3 * C, C, ws_);
+  else
+    be_.linear_forward(prec_, qkv.f32, {const_cast<float*>(x), x16}, Wt(o.qkv_w), W(o.qkv_b), N,
+                       3 * C, C, ws_);
   if (up) {
     packed_attention(l, true, Kept{}, nullptr, nullptr, opt);
     // The dummy rows past the real tokens take no part in attention: zeros, not stale values
@@ -862,7 +870,7 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
     be_.zero(a.ctx.f32 + real * C, static_cast<int64_t>(f32s(dummy)));
     if (a.ctx.bits) be_.zero(a.ctx.bits + real * C, dummy * int64_t{sizeof(uint16_t)});
   } else {
-    be_.attention_forward(prec_, a.ctx, a.saved, a.qkv, cur_.in.mask, {B, T, C, NH},
+    be_.attention_forward(prec_, a.ctx, a.saved, qkv, cur_.in.mask, {B, T, C, NH},
                           site(kAttnProbs, p_attn, off_probs), ws_);
   }
   be_.linear_forward(prec_, a.attn_res, a.ctx, Wt(o.attn_out_w), W(o.attn_out_b), N, C, C, ws_);

@@ -54,6 +54,11 @@ struct ModelDims {
   // packed sequences in one call, and no 16-bit dctx scratch planned (the kernel rounds dctx as
   // it reads it).
   bool fused_attention = false;
+  // QKV's product writes its 16-bit copy alone, no fp32 output (Target::writes_16bit_outputs, a
+  // GPU's; set by on_backend, not by users): 16-bit operands and the full attention over padded
+  // rows, whose products read only the copy (the fused kernel reads QKV's fp32 values and
+  // rounds them itself; sequences a call each round theirs a call each).
+  bool qkv16_output = false;
   // Layer recomputation: an encoder layer keeps only its output (the next layer's input); its
   // activations live in one slot shared by all layers, and backward recomputes each layer's
   // forward from its input first (dropout masks regenerated from the same counter RNG, so the

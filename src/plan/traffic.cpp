@@ -94,7 +94,7 @@ constexpr double kF = 4;  // an fp32 value's bytes
 // The step's dimensions as the kernels see them.
 struct Dims {
   Precision p;
-  bool half, fp16, fused;
+  bool half, fp16, fused, qkv16_output;
   double h;  // the products' operand bytes: 2 in bf16 and fp16, 4 in fp32
   double R, T, N, C, I, NH, S, head, BP, Vr, P;
   double dropout_attn;
@@ -109,6 +109,7 @@ Dims dims_of(const model::BertConfig& cfg, model::Head head, const model::ModelD
   g.half = d.precision != Precision::FP32;
   g.fp16 = d.precision == Precision::FP16;
   g.fused = d.fused_attention;
+  g.qkv16_output = d.qkv16_output;
   g.h = g.half ? 2 : 4;
   g.R = static_cast<double>(d.token_rows());
   g.T = static_cast<double>(d.seq_len);
@@ -151,14 +152,15 @@ void column_pass(std::vector<Use>& reads, std::vector<Use>& writes, double rows,
   writes.push_back(whole("tickets", tiles * 4));
 }
 
-// A product on cuBLASLt, [M, K] x [K, Nn] (the weight's 16-bit copy or fp32 values), fp32
-// output written, or added to (beta 1: read too).
+// A product on cuBLASLt, [M, K] x [K, Nn] (the weight's 16-bit copy or fp32 values), its output
+// (fp32, or out_bytes 2: the operands' 16-bit type) written, or added to (beta 1: read too).
 void product(Kernels& k, const Dims& g, double M, double Nn, double K, const std::string& a,
-             const std::string& b, const std::string& out, bool accumulate, bool bias = false) {
+             const std::string& b, const std::string& out, bool accumulate, bool bias = false,
+             double out_bytes = kF) {
   std::vector<Use> reads = {whole(a, M * K * g.h), whole(b, K * Nn * g.h)};
   if (bias) reads.push_back(whole("bias", Nn * kF));
-  if (accumulate) reads.push_back(whole(out, M * Nn * kF));
-  k.run("cublasLtMatmul", reads, {whole(out, M * Nn * kF)}, 2 * M * Nn * K);
+  if (accumulate) reads.push_back(whole(out, M * Nn * out_bytes));
+  k.run("cublasLtMatmul", reads, {whole(out, M * Nn * out_bytes)}, 2 * M * Nn * K);
 }
 
 // A linear layer's forward (y = x W + b) on an fp32 input of the heads: rounded first where the
@@ -193,16 +195,21 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
   const std::string qkvh = g.half ? "qkv16" : "qkv", ctxh = g.half ? "ctx16" : "ctx";
   // ---- forward
   if (first && g.half) k.run(g.round_kernel, {whole("x", N * C * kF)}, {whole("x16", N * C * h)});
-  product(k, g, N, 3 * C, C, "x16", "W_qkv", "qkv", false, true);
+  if (g.qkv16_output)  // (its 16-bit copy alone: ModelDims::qkv16_output)
+    product(k, g, N, 3 * C, C, "x16", "W_qkv", "qkv16", false, true, h);
+  else
+    product(k, g, N, 3 * C, C, "x16", "W_qkv", "qkv", false, true);
   if (g.fused) {
     k.run("attention_forward_fused", {whole("qkv", N * 3 * C * kF), whole("mask", mask)},
           {whole("qkv16", N * 3 * C * h), whole("ctx", N * C * kF), whole("ctx16", N * C * h),
            whole("lse", lse)});
   } else {
-    if (g.fp16)  // (fp16: the fp32 values become the rounded ones too)
+    // QKV rounded (fp16: the fp32 values become the rounded ones too), unless its product wrote
+    // the 16-bit copy
+    if (g.fp16 && !g.qkv16_output)
       k.run(g.keep_kernel, {whole("qkv", N * 3 * C * kF)},
             {whole("qkv16", N * 3 * C * h), whole("qkv", N * 3 * C * kF)});
-    else if (g.half)
+    else if (g.half && !g.qkv16_output)
       k.run(g.keep_kernel, {whole("qkv", N * 3 * C * kF)}, {whole("qkv16", N * 3 * C * h)});
     k.run("pair_pointers_kernel", {}, {whole("pointers", 2 * pointers)});
     k.run("cublasGemmBatchedEx",
@@ -213,15 +220,11 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
     std::vector<Use> writes = {whole("probs", S * h)};
     if (dropped) writes.push_back(whole("dropped", S * h));
     k.run("attention_softmax_kernel", {whole("scores", S * kF), whole("mask", mask)}, writes);
+    // (16-bit operands: the context's 16-bit copy written by the product itself)
     k.run("cublasGemmBatchedEx",
           {whole(dropped ? "dropped" : "probs", S * h), slice(qkvh, N * C * h, N * 3 * C * h),
            whole("pointers", pointers)},
-          {whole("ctx", N * C * kF)}, 2 * S * g.head);
-    if (g.fp16)
-      k.run(g.keep_kernel, {whole("ctx", N * C * kF)},
-            {whole("ctx16", N * C * h), whole("ctx", N * C * kF)});
-    else if (g.half)
-      k.run(g.keep_kernel, {whole("ctx", N * C * kF)}, {whole("ctx16", N * C * h)});
+          {whole(ctxh, N * C * (g.half ? h : kF))}, 2 * S * g.head);
   }
   product(k, g, N, C, C, ctxh, "W_o", "attn_res", false, true);
   const auto layernorm_forward = [&](const std::string& x, const std::string& residual,

@@ -100,6 +100,50 @@ TEST(CudaBackend, LinearLayersMatchCpuInEveryPrecision) {
   }
 }
 
+// A product's 16-bit output written by the product itself (Backend::linear_forward_16, what
+// QKV's forward uses with the full attention: ModelDims::qkv16_output): the fp32 output's bits
+// rounded to nearest even, as linear_forward then round_to_16 give them, in bf16 and fp16, with
+// the bias and without, from an fp32 input (rounded first) or its kept bits. On the emulated
+// device bit for bit (one reference GEMM for both); on a GPU cuBLASLt may pick another algorithm
+// for the 16-bit output, whose other summation order may round an element the other way: one
+// unit in the last place at most. The CPU backend writes no 16-bit outputs and says so.
+TEST(CudaBackend, LinearForward16IsTheFp32OutputRounded) {
+  SKIP_WITHOUT_GPU();
+  const int64_t M = 70, N = 48, K = 96;
+  for (Precision p : {Precision::BF16, Precision::FP16})
+    for (bool with_bias : {true, false})
+      for (bool kept : {true, false}) {
+        SCOPED_TRACE(testing::Message() << name_of(p) << " bias " << with_bias << " kept " << kept);
+        Twin<float> in(random_vector(M * K, 1)), w(random_vector(N * K, 2, 0.1f)),
+            bias(random_vector(N, 3)), out(M * N), wide(M * K);
+        Twin<uint16_t> w16(N * K), in16(M * K), a16(M * K), b16(M * K), want(M * N), got(M * N);
+        gpu().copy_weights(p, w.dev(), w16.dev(), N * K);
+        if (kept) gpu().round_to_16(p, in16.dev(), in.dev(), M * K, nullptr);
+        const Kept x{in.dev(), kept ? in16.dev() : nullptr};
+        const kernels::Weight wt{w.dev(), w16.dev()};
+        const kernels::Workspace ws{a16.dev(), b16.dev(), wide.dev()};
+        const float* b = with_bias ? bias.dev() : nullptr;
+        gpu().linear_forward(p, out.dev(), x, wt, b, M, N, K, ws);
+        gpu().round_to_16(p, want.dev(), out.dev(), M * N, nullptr);
+        gpu().linear_forward_16(p, got.dev(), x, wt, b, M, N, K, ws);
+        cuda::synchronize();
+        const std::vector<uint16_t> g = got.back(), e = want.back();
+#if __has_include("cuda_emu/counts.h")  // (the emulated device)
+        EXPECT_EQ(g, e);
+#else
+        for (size_t i = 0; i < g.size(); ++i)
+          ASSERT_LE(std::abs(int{g[i]} - int{e[i]}), 1) << "element " << i;
+#endif
+      }
+  EXPECT_TRUE(gpu().writes_16bit_outputs());
+  EXPECT_FALSE(cpu().writes_16bit_outputs());
+  const std::string e = test::error_of([] {
+    cpu().linear_forward_16(Precision::BF16, nullptr, Kept{}, kernels::Weight{}, nullptr, 1, 1, 1,
+                            kernels::Workspace{});
+  });
+  EXPECT_NE(e.find("the cpu backend writes no 16-bit product outputs"), std::string::npos) << e;
+}
+
 // The 16-bit dataflow's LayerNorm outputs: residual_layernorm_forward given out.bits writes out
 // rounded there in the same pass, bit for bit round_to_16's, out, mean and rstd unchanged, on
 // the GPU and on the CPU, in bf16 and fp16; what linear_forward then reads instead of rounding
@@ -275,6 +319,52 @@ TEST(CudaBackend, AttentionMatchesCpuInEveryPrecision) {
         EXPECT_TRUE(all_close("probs", probs.back().data(), probs.host(), n_p, 2e-5, 1e-7));
       if (p != Precision::FP32) EXPECT_EQ(qkv16.back(), qkv16.h);  // QKV rounded the same way
     }
+}
+
+// The full attention's 16-bit context and QKV (the 16-bit dataflow with QKV's product writing its
+// copy alone, ModelDims::qkv16_output): given the context's copy (ctx.bits), the context
+// product writes it directly, rounded as keep rounds the fp32 context, and its fp32 values are
+// left as they were; given QKV's bits without its fp32 values, attention reads the bits as they
+// are (nothing rounded again). The same bits as the fp32 path's on the emulated device; on a GPU
+// cuBLAS may sum in another order for a 16-bit output: one unit in the last place at most.
+TEST(CudaBackend, FullAttentionWritesTheContextsCopyAndReadsQkvsBits) {
+  SKIP_WITHOUT_GPU();
+  for (Precision p : {Precision::BF16, Precision::FP16}) {
+    SCOPED_TRACE(name_of(p));
+    const kernels::AttentionShape s{2, 40, 64, 4};
+    const int64_t n_qkv = s.B * s.T * 3 * s.C, n_c = s.B * s.T * s.C, n_p = s.B * s.NH * s.T * s.T;
+    Twin<int32_t> mask(std::vector<int32_t>(s.B * s.T, 1));
+    const kernels::Dropout d{0.1f, 5, 11, nullptr};
+    struct Run {
+      std::vector<float> ctx;
+      std::vector<uint16_t> ctx16;
+    };
+    auto run = [&](bool copy, bool bits_only) {
+      Twin<float> qkv(random_vector(n_qkv, 1)), ctx(std::vector<float>(n_c, 7.0f)), wide(n_qkv);
+      Twin<uint16_t> qkv16(n_qkv), probs16(n_p), scratch16(n_p), ctx16(n_c);
+      kernels::AttentionSaved saved;
+      saved.probs16 = probs16.dev();
+      kernels::Workspace ws;
+      ws.attn_probs16 = scratch16.dev();
+      ws.wide = wide.dev();
+      if (bits_only) gpu().keep(p, Kept{qkv.dev(), qkv16.dev()}, n_qkv);
+      const Kept x{bits_only ? nullptr : qkv.dev(), qkv16.dev()};
+      gpu().attention_forward(p, Kept{ctx.dev(), copy ? ctx16.dev() : nullptr}, saved, x,
+                              mask.dev(), s, d, ws);
+      if (!copy) gpu().keep(p, Kept{ctx.dev(), ctx16.dev()}, n_c);
+      cuda::synchronize();
+      return Run{ctx.back(), ctx16.back()};
+    };
+    const Run direct = run(true, false), rounded = run(false, false), bits = run(true, true);
+    EXPECT_EQ(direct.ctx, std::vector<float>(n_c, 7.0f)) << "the fp32 context is not written";
+#if __has_include("cuda_emu/counts.h")  // (the emulated device)
+    EXPECT_EQ(direct.ctx16, rounded.ctx16);
+#else
+    for (int64_t i = 0; i < n_c; ++i)
+      ASSERT_LE(std::abs(int{direct.ctx16[i]} - int{rounded.ctx16[i]}), 1) << "element " << i;
+#endif
+    EXPECT_EQ(bits.ctx16, direct.ctx16);
+  }
 }
 
 // The fused attention (cuda/fused_attention.cu) against the blocked kernel's products, its

@@ -97,10 +97,11 @@ struct AttentionDims {
       : n_probs(s.B * s.NH * s.T * s.T), o(p), el(precision_bytes(p)) {}
 };
 
-// QKV as attention's products read it: BF16 and FP16 round it into its kept bits first.
+// QKV as attention's products read it: BF16 and FP16 round it into its kept bits first (unless
+// its product wrote the bits alone: no fp32 values given).
 const void* attention_qkv(Precision p, Kept qkv, const AttentionShape& s) {
   const int64_t n = (s.starts ? s.rows : s.B * s.T) * 3 * s.C;
-  cuda::keep(p, qkv, n);
+  if (qkv.f32) cuda::keep(p, qkv, n);
   return p == Precision::FP32 ? static_cast<const void*>(qkv.f32) : qkv.bits;
 }
 
@@ -145,13 +146,19 @@ void blocked_backward(Precision p, float* dqkv, const void* dc, const void* q, c
 // blocked_forward / _backward above). Full: the products over every (sequence, head) pair read
 // straight out of the QKV rows, and the row passes over all rows. FP32 keeps probs; BF16 and
 // FP16 keep probs16 with 16-bit operands for the products (QKV's kept bits, the dropped
-// probabilities and dS rounded as the row passes write them, dctx rounded).
-void attention_products_forward(Precision p, float* ctx, kernels::AttentionSaved saved, Kept qkv,
+// probabilities and dS rounded as the row passes write them, dctx rounded). The full kernel's
+// context product writes the context's 16-bit copy directly where one is kept (BF16, FP16: its
+// fp32 values are left unwritten; nothing on the GPU reads them), else the fp32 context.
+void attention_products_forward(Precision p, Kept ctx, kernels::AttentionSaved saved, Kept qkv,
                                 const int32_t* mask, const AttentionShape& s, const Dropout& d,
                                 const kernels::Workspace& ws) {
   const AttentionDims g(p, s);
   const void* q = attention_qkv(p, qkv, s);
-  if (saved.blocked()) return blocked_forward(p, ctx, saved.lse, q, mask, s, d);
+  if (saved.blocked()) {
+    blocked_forward(p, ctx.f32, saved.lse, q, mask, s, d);
+    if (ctx.bits) cuda::keep(p, ctx, s.B * s.T * s.C);
+    return;
+  }
   const int64_t n_probs = g.n_probs;
   const bool half = p != Precision::FP32;
   // scores (scaled) in fp32: the kept probs in FP32, a buffer of our own otherwise; what
@@ -161,7 +168,9 @@ void attention_products_forward(Precision p, float* ctx, kernels::AttentionSaved
       half ? static_cast<float*>(scratch(kAttentionScoresSlot, n_probs * 4)) : saved.probs;
   float* dr = !half && d.p > 0.0f ? ws.attn_work : nullptr;
   const void* dropped = half ? static_cast<const void*>(ws.attn_probs16) : dr ? dr : scores;
-  const auto products = attention_forward_products(s, g.el, q, scores, dropped, ctx);
+  const bool ctx16 = half && ctx.bits;
+  const auto products = attention_forward_products(
+      s, g.el, q, scores, dropped, ctx16 ? static_cast<void*>(ctx.bits) : ctx.f32, ctx16 ? 2 : 4);
   const PairPointers at = pair_pointers(s.B * s.NH, s.NH, products.data(), 2);
   gemm_pairs(g.o, at, 0, products[0]);
   if (half)  // softmax and the 16-bit rounding in one pass
@@ -245,8 +254,7 @@ void attention_forward(Precision p, Kept kept_ctx, kernels::AttentionSaved saved
     return fused_attention_forward(p, {kept_ctx.f32, saved.ctx16}, saved.lse, qkv, mask, s, d);
   }
   BT_CHECK(!s.starts, "attention_forward: variable lengths need the fused kernel");
-  attention_products_forward(p, kept_ctx.f32, saved, qkv, mask, s, d, ws);
-  if (kept_ctx.bits) cuda::keep(p, kept_ctx, s.B * s.T * s.C);
+  attention_products_forward(p, kept_ctx, saved, qkv, mask, s, d, ws);
 }
 
 void attention_backward(Precision p, Kept dqkv, float* dbias, const float* dctx, Kept qkv,

@@ -30,15 +30,16 @@ struct Layout {
 
 std::array<PairProduct, 2> attention_forward_products(const kernels::AttentionShape& s,
                                                       int64_t bytes, const void* qkv, float* scores,
-                                                      const void* dropped, float* ctx) {
+                                                      const void* dropped, void* ctx,
+                                                      int64_t ctx_bytes) {
   const Layout l(s);
   const float scale = 1.0f / std::sqrt(static_cast<float>(l.HD));
   const int64_t T = l.T, HD = l.HD;
   return {{
       {false, true, T, T, HD, scale, l.qkv(qkv, 0, bytes), l.qkv(qkv, 1, bytes), l.probs(scores, 4),
        l.C3, l.C3, T},
-      {false, false, T, HD, T, 1.0f, l.probs(dropped, bytes), l.qkv(qkv, 2, bytes), l.rows(ctx, 4),
-       T, l.C3, l.C},
+      {false, false, T, HD, T, 1.0f, l.probs(dropped, bytes), l.qkv(qkv, 2, bytes),
+       l.rows(ctx, ctx_bytes), T, l.C3, l.C},
   }};
 }
 

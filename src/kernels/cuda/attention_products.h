@@ -31,8 +31,8 @@ struct PairOperand {
 // four.
 constexpr int64_t kMaxPairProducts = 4;
 
-// Row-major C_k = alpha op(A_k) op(B_k) for every pair k (fp32 C; overwritten, or added to with
-// accumulate).
+// Row-major C_k = alpha op(A_k) op(B_k) for every pair k (fp32 C, or the 16-bit operands' type
+// where c.bytes is 2; overwritten, or added to with accumulate).
 struct PairProduct {
   bool trans_a, trans_b;
   int64_t M, N, K;
@@ -43,11 +43,12 @@ struct PairProduct {
 };
 
 // Forward: scores = scale Q K^T into `scores` [B, NH, T, T] (fp32), then ctx = dropped V into
-// the context rows (fp32). qkv and dropped hold elements of `bytes` (the products' operands:
-// bf16 bits or fp32 values).
+// the context rows (elements of ctx_bytes: fp32, or 2 for the operands' 16-bit type). qkv and
+// dropped hold elements of `bytes` (the products' operands: bf16 bits or fp32 values).
 std::array<PairProduct, 2> attention_forward_products(const kernels::AttentionShape& s,
                                                       int64_t bytes, const void* qkv, float* scores,
-                                                      const void* dropped, float* ctx);
+                                                      const void* dropped, void* ctx,
+                                                      int64_t ctx_bytes = 4);
 // Backward: dV = dropped^T dctx and dd = dctx V^T (into dd [B, NH, T, T], fp32; the softmax
 // backward's input), then from ds (dd's pass, `bytes` elements) dQ = scale ds K and
 // dK = scale ds^T Q, all into dqkv [B, T, 3C] (fp32).

@@ -1,5 +1,6 @@
-// Linear layers through cuBLASLt: fp32, bf16 or fp16 operands, fp32 accumulation and output, the
-// bias added in the matmul's epilogue. Row-major tensors are cuBLAS's column-major transposes, so
+// Linear layers through cuBLASLt: fp32, bf16 or fp16 operands, fp32 accumulation and output (or
+// a 16-bit output in the operands' type, rounded by the epilogue: linear_forward_16), the bias
+// added in the matmul's epilogue. Row-major tensors are cuBLAS's column-major transposes, so
 // out[M,N] = in[M,K] . w[N,K]^T is the column-major out^T = w^T . in^T with w read transposed.
 // A product's descriptors and the algorithm cuBLASLt's heuristic picks are made once per shape
 // (per host thread) and reused, as the oneDNN primitives are on the CPU. fp32 runs in plain fp32
@@ -62,9 +63,10 @@ struct Shape {
   Precision operands;
   ColumnMajorCall g;
   bool bias;
+  bool out16 = false;  // C and D in the operands' 16-bit type, not fp32
   uint32_t align_a = 256, align_b = 256, align_c = 256;
   auto key() const {
-    return std::tie(operands, g.trans_a, g.trans_b, bias, g.m, g.n, g.k, g.lda, g.ldb, g.ldc,
+    return std::tie(operands, g.trans_a, g.trans_b, bias, out16, g.m, g.n, g.k, g.lda, g.ldb, g.ldc,
                     align_a, align_b, align_c);
   }
   bool operator<(const Shape& o) const { return key() < o.key(); }
@@ -128,7 +130,7 @@ const Product& product(Context& ctx, const Shape& s) {
   // Stored (column-major) sizes: A is m x k, or k x m read transposed; B likewise.
   BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, t, g.a_rows(), g.a_cols(), g.lda));
   BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, t, g.b_rows(), g.b_cols(), g.ldb));
-  BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, g.m, g.n, g.ldc));
+  BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, s.out16 ? t : CUDA_R_32F, g.m, g.n, g.ldc));
   cublasLtMatmulPreference_t pref;
   BT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const size_t ws = kMatmulWorkspaceBytes;
@@ -150,7 +152,7 @@ const Product& product(Context& ctx, const Shape& s) {
   return ctx.products.emplace(s, p).first->second;
 }
 
-void matmul(Shape s, const void* A, const void* B, float* C, float beta, const float* bias,
+void matmul(Shape s, const void* A, const void* B, void* C, float beta, const float* bias,
             void* stream) {
   s.align_a = alignment(A);
   s.align_b = alignment(B);
@@ -320,12 +322,15 @@ void gemm_pairs(Precision o, const PairPointers& at, int64_t j, const PairProduc
   const ColumnMajorCall g = pair_call(p);
   const cudaDataType_t t = operand_type(o);
   const float beta = p.accumulate ? 1.0f : 0.0f;
+  // (C in fp32, or in the operands' 16-bit type where its elements are 2 bytes: the context)
+  const cudaDataType_t c_type = p.c.bytes == 4 ? CUDA_R_32F : t;
+  BT_CHECK(p.c.bytes == 4 || !fp32_storage(o), "gemm_pairs: a 16-bit output of fp32 operands");
   count_launch();
   BT_CUBLAS_CHECK(cublasGemmBatchedEx(
       h, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
       static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(g.k), &p.alpha, ptrs + pairs,
-      t, static_cast<int>(g.lda), ptrs, t, static_cast<int>(g.ldb), &beta, ptrs + 2 * pairs,
-      CUDA_R_32F, static_cast<int>(g.ldc), static_cast<int>(pairs), kCompute, CUBLAS_GEMM_DEFAULT));
+      t, static_cast<int>(g.lda), ptrs, t, static_cast<int>(g.ldb), &beta, ptrs + 2 * pairs, c_type,
+      static_cast<int>(g.ldc), static_cast<int>(pairs), kCompute, CUBLAS_GEMM_DEFAULT));
 }
 
 void gemm_pairs(Precision o, int64_t pairs, int64_t NH, const PairProduct& p, void* stream) {
@@ -441,6 +446,22 @@ void linear_forward(Precision p, float* out, kernels::Kept in, kernels::Weight w
     x = ws.half_a;
   }
   linear_forward(p, out, x, w.bits, bias, M, N, K);
+}
+
+void linear_forward_16(Precision p, uint16_t* out, kernels::Kept in, kernels::Weight w,
+                       const float* bias, int64_t M, int64_t N, int64_t K,
+                       const kernels::Workspace& ws, void* stream) {
+  BT_CHECK(p != Precision::FP32, "linear_forward_16: fp32 operands write fp32 outputs");
+  if (M == 0 || N == 0) return;
+  check_copy(w);
+  const uint16_t* x = in.bits;
+  if (!x) {
+    round_to_16(p, ws.half_a, in.f32, M * K, stream);
+    x = ws.half_a;
+  }
+  Shape s{p, linear_forward_call(M, N, K), bias != nullptr};
+  s.out16 = true;
+  matmul(s, w.bits, x, out, 0.0f, bias, stream);
 }
 
 void linear_backward(Precision p, float* dinp, float* dw, float* db, kernels::KeptIn dout,

@@ -112,6 +112,7 @@ class CudaTarget final : public kernels::Target {
   bool fused_attention(Precision p, const kernels::AttentionShape& s) const override {
     return fused_attention_runs(p, s);
   }
+  bool writes_16bit_outputs() const override { return true; }
   kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& s) const override {
     return cuda::scratch_layout(s);
   }
