@@ -23,8 +23,8 @@ struct cublasLtContext {};
 struct cublasLtMatmulDescOpaque {
   cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
-  const float* bias = nullptr;
-  cudaDataType_t bias_type = CUDA_R_32F;
+  const void* bias = nullptr;
+  int32_t bias_type = -1;  // (cuBLASLt's default: D's type)
 };
 struct cublasLtMatrixLayoutOpaque {
   cudaDataType_t type;
@@ -96,12 +96,12 @@ uint16_t narrow(float v, cudaDataType_t t) {
 }
 
 // C (m x n, ldc; fp32, or a 16-bit type rounded to nearest even) = alpha op(A) op(B) + beta C
-// (+ bias[i] on row i): the operands widened to compact fp32 (op applied), their product by
-// oneDNN's sgemm (fp32 accumulation; one thread, as the tests run), then BLAS's alpha, beta and
-// the epilogue here in fp32, and the output's rounding.
+// (+ bias[i] on row i, of C's type widened): the operands widened to compact fp32 (op applied),
+// their product by oneDNN's sgemm (fp32 accumulation; one thread, as the tests run), then
+// BLAS's alpha, beta and the epilogue here in fp32, and the output's rounding.
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Matrix& A,
           const Matrix& B, float beta, void* C, cudaDataType_t c_type, int64_t ldc,
-          const float* bias) {
+          const void* bias) {
   if (m == 0 || n == 0) return;
   std::vector<float> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(k * n)),
       ab(static_cast<size_t>(m * n), 0.0f);
@@ -121,7 +121,7 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
       const int64_t at = i + j * ldc;
       float v = alpha * x[i];
       if (beta != 0.0f) v += beta * widen(C, at, c_type);
-      if (bias) v += bias[i];
+      if (bias) v += widen(bias, i, c_type);
       if (c_type == CUDA_R_32F)
         static_cast<float*>(C)[at] = v;
       else
@@ -274,7 +274,7 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
       ok = read_attribute(d->bias, buf, bytes);
       break;
     case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE:
-      ok = read_attribute(d->bias_type, buf, bytes) && d->bias_type == CUDA_R_32F;
+      ok = read_attribute(d->bias_type, buf, bytes);
       break;
   }
   return ok ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_INVALID_VALUE;
@@ -321,7 +321,10 @@ bool product_shape(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMa
   return (ta ? a->cols : a->rows) == m && (tb ? b->cols : b->rows) == k &&
          (tb ? b->rows : b->cols) == n && c->rows == m && c->cols == n && a->type == b->type &&
          cuda_emu::operand_type(a->type) && c->type == d->type &&
-         (d->type == CUDA_R_32F || d->type == a->type);  // (D in fp32 or the operands' type)
+         (d->type == CUDA_R_32F || d->type == a->type) &&  // (D in fp32 or the operands' type)
+         // (a bias of D's type, as cuBLASLt documents it outside its integer and fp8 kernels)
+         (op->epilogue != CUBLASLT_EPILOGUE_BIAS || op->bias_type == -1 ||
+          op->bias_type == static_cast<int32_t>(d->type));
 }
 }  // namespace
 
@@ -363,7 +366,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
     }
   const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
   const bool ta = op->ta != CUBLAS_OP_N, tb = op->tb != CUBLAS_OP_N;
-  const float* bias = op->epilogue == CUBLASLT_EPILOGUE_BIAS ? op->bias : nullptr;
+  const void* bias = op->epilogue == CUBLASLT_EPILOGUE_BIAS ? op->bias : nullptr;
   if (op->epilogue == CUBLASLT_EPILOGUE_BIAS && !bias) return CUBLAS_STATUS_INVALID_VALUE;
   const Matrix ma{A, a->type, a->rows, a->cols, a->ld}, mb{B, b->type, b->rows, b->cols, b->ld},
       md{D, d->type, d->rows, d->cols, d->ld};
@@ -373,8 +376,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t op, const v
     cuda_emu::check_extent(ma, "cublasLtMatmul", "A");
     cuda_emu::check_extent(mb, "cublasLtMatmul", "B");
     cuda_emu::check_extent(md, "cublasLtMatmul", "D");
-    if (bias)
-      cuda_emu::check_extent(Matrix{bias, CUDA_R_32F, m, 1, m}, "cublasLtMatmul", "the bias");
+    if (bias) cuda_emu::check_extent(Matrix{bias, md.type, m, 1, m}, "cublasLtMatmul", "the bias");
     cuda_emu::count_touches(dev, "cublasLtMatmul", [&] {
       cuda_emu::gemm(ta, tb, m, n, k, al, ma, mb, be, D, md.type, ldd, bias);
     });

@@ -200,11 +200,14 @@ class Backend : public Target {
   // out[M,N] = in[M,K] . w[N,K]^T + bias[N] (bias may be null).
   virtual void linear_forward(Precision p, float* out, Kept in, Weight w, const float* bias,
                               int64_t M, int64_t N, int64_t K, const Workspace& ws) const = 0;
-  // The same in a 16-bit p with the output's bits alone written into out16 (the fp32 output
-  // rounded to nearest even, by the product itself): where Target::writes_16bit_outputs; the
-  // default fails.
-  virtual void linear_forward_16(Precision p, uint16_t* out16, Kept in, Weight w, const float* bias,
-                                 int64_t M, int64_t N, int64_t K, const Workspace& ws) const;
+  // The same in a 16-bit p with the output's bits alone written into out16, rounded to nearest
+  // even by the product itself, the bias its 16-bit copy (bias16, the weights' copy's: a GPU's
+  // product adds a bias of its output's type; its rounding, at most half a unit of the bias in
+  // the format, comes before the output's), where Target::writes_16bit_outputs; the default
+  // fails.
+  virtual void linear_forward_16(Precision p, uint16_t* out16, Kept in, Weight w,
+                                 const uint16_t* bias16, int64_t M, int64_t N, int64_t K,
+                                 const Workspace& ws) const;
   // dinp[M,K] (= or += with accumulate_dinp), dw[N,K] += dout^T . in, db[N] += column sums
   // (of dout.f32). In a 16-bit precision the products read dout.bits where its producer wrote
   // them (KeptIn), else dout.f32 rounded.
@@ -255,7 +258,9 @@ class Backend : public Target {
   // `in` is: db[N] += dinp's column sums (linear_backward's, bit for bit; its call then takes no
   // db). A GPU computes both in one pass over the rows (the FFN's dGELU and its bias gradient:
   // one launch, dinp read once less); the default calls the two. Where dinp.bits is given (a
-  // 16-bit precision), dinp rounded is written there too (KeptIn: what the next product reads).
+  // 16-bit precision), dinp rounded is written there too (KeptIn: what the next product reads);
+  // on a backend that writes 16-bit outputs (writes_16bit_outputs) dinp.f32 may be null, where
+  // only the bits are read next: then they alone are written.
   virtual void activation_bias_backward(Precision p, Activation a, Kept dinp, float* db, Kept in,
                                         const float* dout, int64_t M, int64_t N) const;
   // db[N] += dout[M,N]'s column sums: linear_backward's bias gradient alone (what the defaults

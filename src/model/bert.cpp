@@ -857,8 +857,8 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
   // (its 16-bit copy alone where the attention reads only that: ModelDims::qkv16_output)
   const Kept qkv = dims_.qkv16_output ? Kept{nullptr, a.qkv.bits} : a.qkv;
   if (dims_.qkv16_output)
-    be_.linear_forward_16(prec_, qkv.bits, {const_cast<float*>(x), x16}, Wt(o.qkv_w), W(o.qkv_b), N,
-                          3 * C, C, ws_);
+    be_.linear_forward_16(prec_, qkv.bits, {const_cast<float*>(x), x16}, Wt(o.qkv_w),
+                          Wt(o.qkv_b).bits, N, 3 * C, C, ws_);
   else
     be_.linear_forward(prec_, qkv.f32, {const_cast<float*>(x), x16}, Wt(o.qkv_w), W(o.qkv_b), N,
                        3 * C, C, ws_);
@@ -957,8 +957,12 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
                                  W(o.ln2_w), a.ln2_mean, a.ln2_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kFfnOut, p.p_hidden, p.off_tc)));
   linear_backward(dI, o.out_w, kBiasDone, dB16, a.inter_act, N, C, I);
-  // dGELU with the intermediate layer's bias gradient (one pass over dI on a GPU).
-  be_.activation_bias_backward(prec_, cfg_.activation(), dI16, G(o.inter_b), a.inter_pre, dI, N, I);
+  // dGELU with the intermediate layer's bias gradient (one pass over dI on a GPU; there, where the
+  // products read 16-bit operands, only dI's 16-bit copy is written: nothing reads its fp32 values)
+  const bool bits_only = dims_.weight_copy() && be_.writes_16bit_outputs();
+  be_.activation_bias_backward(prec_, cfg_.activation(),
+                               bits_only ? Kept{nullptr, dI16.bits} : dI16, G(o.inter_b),
+                               a.inter_pre, dI, N, I);
   linear_backward(dA, o.inter_w, kBiasDone, dI16, {a.ln1_out, a.ln1_out16}, N, I, C,
                   /*accumulate=*/true);  // dA = d ln1_out (residual + FFN path)
   // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x

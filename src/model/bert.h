@@ -57,7 +57,9 @@ struct ModelDims {
   // QKV's product writes its 16-bit copy alone, no fp32 output (Target::writes_16bit_outputs, a
   // GPU's; set by on_backend, not by users): 16-bit operands and the full attention over padded
   // rows, whose products read only the copy (the fused kernel reads QKV's fp32 values and
-  // rounds them itself; sequences a call each round theirs a call each).
+  // rounds them itself; sequences a call each round theirs a call each). The product adds the
+  // bias's 16-bit copy (cuBLASLt's bias is of its output's type): QKV differs from the CPU's by
+  // that rounding of the bias, at most half a unit of the bias in the format, before its own.
   bool qkv16_output = false;
   // Layer recomputation: an encoder layer keeps only its output (the next layer's input); its
   // activations live in one slot shared by all layers, and backward recomputes each layer's

@@ -101,12 +101,13 @@ TEST(CudaBackend, LinearLayersMatchCpuInEveryPrecision) {
 }
 
 // A product's 16-bit output written by the product itself (Backend::linear_forward_16, what
-// QKV's forward uses with the full attention: ModelDims::qkv16_output): the fp32 output's bits
-// rounded to nearest even, as linear_forward then round_to_16 give them, in bf16 and fp16, with
-// the bias and without, from an fp32 input (rounded first) or its kept bits. On the emulated
-// device bit for bit (one reference GEMM for both); on a GPU cuBLASLt may pick another algorithm
-// for the 16-bit output, whose other summation order may round an element the other way: one
-// unit in the last place at most. The CPU backend writes no 16-bit outputs and says so.
+// QKV's forward uses with the full attention: ModelDims::qkv16_output): the fp32 output rounded
+// to nearest even, as linear_forward then round_to_16 give it, with the bias's 16-bit copy (a
+// 16-bit output's bias is of its type in cuBLASLt), in bf16 and fp16, with the bias and without,
+// from an fp32 input (rounded first) or its kept bits. On the emulated device bit for bit (one
+// reference GEMM for both); on a GPU cuBLASLt may pick another algorithm for the 16-bit output,
+// whose other summation order may round an element the other way: one unit in the last place
+// at most. The CPU backend writes no 16-bit outputs and says so.
 TEST(CudaBackend, LinearForward16IsTheFp32OutputRounded) {
   SKIP_WITHOUT_GPU();
   const int64_t M = 70, N = 48, K = 96;
@@ -116,16 +117,21 @@ TEST(CudaBackend, LinearForward16IsTheFp32OutputRounded) {
         SCOPED_TRACE(testing::Message() << name_of(p) << " bias " << with_bias << " kept " << kept);
         Twin<float> in(random_vector(M * K, 1)), w(random_vector(N * K, 2, 0.1f)),
             bias(random_vector(N, 3)), out(M * N), wide(M * K);
-        Twin<uint16_t> w16(N * K), in16(M * K), a16(M * K), b16(M * K), want(M * N), got(M * N);
+        Twin<uint16_t> w16(N * K), in16(M * K), a16(M * K), b16(M * K), want(M * N), got(M * N),
+            bias16(N);
+        Twin<float> bias_rounded(N);
         gpu().copy_weights(p, w.dev(), w16.dev(), N * K);
+        gpu().round_to_16(p, bias16.dev(), bias.dev(), N, nullptr);
+        gpu().widen_from_16(p, bias_rounded.dev(), bias16.dev(), N, nullptr);
         if (kept) gpu().round_to_16(p, in16.dev(), in.dev(), M * K, nullptr);
         const Kept x{in.dev(), kept ? in16.dev() : nullptr};
         const kernels::Weight wt{w.dev(), w16.dev()};
         const kernels::Workspace ws{a16.dev(), b16.dev(), wide.dev()};
-        const float* b = with_bias ? bias.dev() : nullptr;
-        gpu().linear_forward(p, out.dev(), x, wt, b, M, N, K, ws);
+        gpu().linear_forward(p, out.dev(), x, wt, with_bias ? bias_rounded.dev() : nullptr, M, N, K,
+                             ws);
         gpu().round_to_16(p, want.dev(), out.dev(), M * N, nullptr);
-        gpu().linear_forward_16(p, got.dev(), x, wt, b, M, N, K, ws);
+        gpu().linear_forward_16(p, got.dev(), x, wt, with_bias ? bias16.dev() : nullptr, M, N, K,
+                                ws);
         cuda::synchronize();
         const std::vector<uint16_t> g = got.back(), e = want.back();
 #if __has_include("cuda_emu/counts.h")  // (the emulated device)

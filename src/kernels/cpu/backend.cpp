@@ -334,8 +334,8 @@ void Backend::cross_entropy_into(const SumsInto& into, float* dlogits, float* lo
   if (!std::isfinite(s.loss)) add(into.nonfinite, 1.0);
 }
 
-void Backend::linear_forward_16(Precision, uint16_t*, Kept, Weight, const float*, int64_t, int64_t,
-                                int64_t, const Workspace&) const {
+void Backend::linear_forward_16(Precision, uint16_t*, Kept, Weight, const uint16_t*, int64_t,
+                                int64_t, int64_t, const Workspace&) const {
   fail("linear_forward_16: the ", name(),
        " backend writes no 16-bit product outputs (Target::writes_16bit_outputs)");
 }

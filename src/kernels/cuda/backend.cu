@@ -325,10 +325,10 @@ class CudaBackend final : public kernels::Backend {
     cuda::linear_forward(p, out, in, w, bias, M, N, K, ws);
   }
   void linear_forward_16(Precision p, uint16_t* out16, Kept in, kernels::Weight w,
-                         const float* bias, int64_t M, int64_t N, int64_t K,
+                         const uint16_t* bias16, int64_t M, int64_t N, int64_t K,
                          const kernels::Workspace& ws) const override {
     const Op op("linear_forward");
-    cuda::linear_forward_16(p, out16, in, w, bias, M, N, K, ws);
+    cuda::linear_forward_16(p, out16, in, w, bias16, M, N, K, ws);
   }
   bool writes_16bit_outputs() const override { return cuda::target().writes_16bit_outputs(); }
   void linear_backward(Precision p, float* dinp, float* dw, float* db, kernels::KeptIn dout,

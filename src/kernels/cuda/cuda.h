@@ -85,10 +85,10 @@ void linear_backward(Precision p, float* dinp, float* dw, float* db, kernels::Ke
                      kernels::Kept in, kernels::Weight w, int64_t M, int64_t N, int64_t K,
                      bool accumulate_dinp, const kernels::Workspace& ws);
 // Backend::linear_forward_16: linear_forward in a 16-bit p with the output written in p's 16
-// bits alone (cuBLASLt's epilogue adds the bias in fp32 and rounds that to nearest even once: the
-// fp32 output rounded, up to the algorithm cuBLASLt picks for a 16-bit output), no fp32 output.
+// bits alone, no fp32 output: cuBLASLt's epilogue adds the bias (its 16-bit copy: a 16-bit
+// output takes a bias of its own type) in fp32 and rounds the sum to nearest even once.
 void linear_forward_16(Precision p, uint16_t* out, kernels::Kept in, kernels::Weight w,
-                       const float* bias, int64_t M, int64_t N, int64_t K,
+                       const uint16_t* bias, int64_t M, int64_t N, int64_t K,
                        const kernels::Workspace& ws, void* stream = nullptr);
 
 // A product over attention's (sequence, head) pairs (attention_products.h) for `pairs` pairs of

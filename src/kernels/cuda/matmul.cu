@@ -118,15 +118,15 @@ const Product& product(Context& ctx, const Shape& s) {
       cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   BT_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-  if (s.bias) {
+  const cudaDataType_t t = operand_type(s.operands);
+  if (s.bias) {  // (of the output's type: cuBLASLt's rule outside its integer and fp8 kernels)
     const cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_BIAS;
-    const cudaDataType_t bt = CUDA_R_32F;
+    const cudaDataType_t bt = s.out16 ? t : CUDA_R_32F;
     BT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
     BT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
   }
-  const cudaDataType_t t = operand_type(s.operands);
   // Stored (column-major) sizes: A is m x k, or k x m read transposed; B likewise.
   BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, t, g.a_rows(), g.a_cols(), g.lda));
   BT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, t, g.b_rows(), g.b_cols(), g.ldb));
@@ -152,7 +152,7 @@ const Product& product(Context& ctx, const Shape& s) {
   return ctx.products.emplace(s, p).first->second;
 }
 
-void matmul(Shape s, const void* A, const void* B, void* C, float beta, const float* bias,
+void matmul(Shape s, const void* A, const void* B, void* C, float beta, const void* bias,
             void* stream) {
   s.align_a = alignment(A);
   s.align_b = alignment(B);
@@ -210,7 +210,7 @@ struct ActivationGrad {
     else
       x = p == Precision::BF16 ? bf16_to_f32(in[i]) : __half2float(__ushort_as_half(in[i]));
     const float g = rm::activation_grad(a, x, dout[i]);
-    dinp[i] = g;
+    if (dinp) dinp[i] = g;
     if (dinp16) dinp16[i] = to_16(p, g);
     return g;
   }
@@ -449,7 +449,7 @@ void linear_forward(Precision p, float* out, kernels::Kept in, kernels::Weight w
 }
 
 void linear_forward_16(Precision p, uint16_t* out, kernels::Kept in, kernels::Weight w,
-                       const float* bias, int64_t M, int64_t N, int64_t K,
+                       const uint16_t* bias, int64_t M, int64_t N, int64_t K,
                        const kernels::Workspace& ws, void* stream) {
   BT_CHECK(p != Precision::FP32, "linear_forward_16: fp32 operands write fp32 outputs");
   if (M == 0 || N == 0) return;

@@ -4,7 +4,8 @@
 // message names the kernel, the block and the threads; the streams' order under the late
 // schedule; launch and copy errors. A failed kernel's device is reset (cudaDeviceReset) so the
 // next test starts clean. Touch counting: the pages of device memory each kernel reads and
-// writes.
+// writes. cuBLASLt's 16-bit outputs and the type of their bias.
+#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -389,6 +390,68 @@ TEST(CudaEmu, TouchCountingCountsThePagesEachKernelReadsAndWrites) {
   BT_LAUNCH(fill_kernel, n / 256, 256)(z.d, 1.0f, n);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(cuda_emu::touched().empty());
+}
+
+// cuBLASLt with a 16-bit output (D of the bf16 operands' type): the fp32 sum with the bias added,
+// rounded to nearest even; the bias of the output's type (cuBLASLt's rule outside its integer and
+// fp8 kernels: an fp32 bias with a bf16 output finds no algorithm, as on a GPU).
+TEST(CudaEmu, CublasLtWrites16BitOutputsWithABiasOfTheirType) {
+  auto bf16 = [](float v) {  // (exact for these values)
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return static_cast<uint16_t>(u >> 16);
+  };
+  // Column-major D (2 x 2) = A (2 x 1) . B (1 x 2) + bias: A = [1, 1 + 2^-7], B = [1, 2],
+  // bias = [2^-8, 2^-8]: D's first column 1 + 2^-8 and 1 + 3 2^-8, halfway between bf16's
+  // neighbours (2^-7 apart in [1, 2)): to the even ones, 1 and 1 + 2^-6; the second 2 + 2^-8 and
+  // 2 + 2^-6 + 2^-8 (2^-6 apart in [2, 4)): 2 and 2 + 2^-6.
+  Buffer<uint16_t> a(2), b(2), bias(2), d(4);
+  const uint16_t ha[] = {bf16(1.0f), bf16(1.0078125f)}, hb[] = {bf16(1.0f), bf16(2.0f)},
+                 hbias[] = {bf16(0.00390625f), bf16(0.00390625f)};
+  ASSERT_EQ(cudaMemcpy(a.d, ha, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(b.d, hb, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(bias.d, hbias, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  cublasLtHandle_t h;
+  ASSERT_EQ(cublasLtCreate(&h), CUBLAS_STATUS_SUCCESS);
+  cublasLtMatmulDesc_t op;
+  ASSERT_EQ(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), CUBLAS_STATUS_SUCCESS);
+  const cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_BIAS;
+  const void* bias_ptr = bias.d;
+  ASSERT_EQ(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof e),
+            CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr,
+                                           sizeof bias_ptr),
+            CUBLAS_STATUS_SUCCESS);
+  cublasLtMatrixLayout_t la, lb, ld;
+  ASSERT_EQ(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, 2, 1, 2), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, 1, 2, 1), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, 2, 2, 2), CUBLAS_STATUS_SUCCESS);
+  cublasLtMatmulPreference_t pref;
+  ASSERT_EQ(cublasLtMatmulPreferenceCreate(&pref), CUBLAS_STATUS_SUCCESS);
+  cublasLtMatmulHeuristicResult_t r{};
+  int found = 0;
+  const float one = 1.0f, zero = 0.0f;
+  // The bias type left at its default (D's type): bf16.
+  ASSERT_EQ(cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, 1, &r, &found),
+            CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(found, 1);
+  ASSERT_EQ(cublasLtMatmul(h, op, &one, a.d, la, b.d, lb, &zero, d.d, ld, d.d, ld, &r.algo, nullptr,
+                           0, nullptr),
+            CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> want = {bf16(1.0f), bf16(1.015625f), bf16(2.0f), bf16(2.015625f)};
+  EXPECT_EQ(d.host(), want) << "halfway sums round to the even neighbour";
+  // An fp32 bias with the bf16 output: no algorithm.
+  const cudaDataType_t f32 = CUDA_R_32F;
+  ASSERT_EQ(
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &f32, sizeof f32),
+      CUBLAS_STATUS_SUCCESS);
+  EXPECT_NE(cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, 1, &r, &found),
+            CUBLAS_STATUS_SUCCESS);
+  cublasLtMatmulPreferenceDestroy(pref);
+  for (cublasLtMatrixLayout_t l : {la, lb, ld}) cublasLtMatrixLayoutDestroy(l);
+  cublasLtMatmulDescDestroy(op);
+  cublasLtDestroy(h);
 }
 
 }  // namespace
