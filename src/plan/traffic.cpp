@@ -158,7 +158,7 @@ void product(Kernels& k, const Dims& g, double M, double Nn, double K, const std
              const std::string& b, const std::string& out, bool accumulate, bool bias = false,
              double out_bytes = kF) {
   std::vector<Use> reads = {whole(a, M * K * g.h), whole(b, K * Nn * g.h)};
-  if (bias) reads.push_back(whole("bias", Nn * kF));
+  if (bias) reads.push_back(whole("bias", Nn * out_bytes));  // (a 16-bit output's: 16-bit)
   if (accumulate) reads.push_back(whole(out, M * Nn * out_bytes));
   k.run("cublasLtMatmul", reads, {whole(out, M * Nn * out_bytes)}, 2 * M * Nn * K);
 }
@@ -265,11 +265,11 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
   layernorm_backward("dh", "ffn_res", "dA");
   product(k, g, N, I, C, dBh, "W_o2", "dI", false);
   product(k, g, I, C, N, g.half ? "act16" : "act", dBh, "dW_o2", true);
-  {  // dGELU with the intermediate bias gradient, and dI's 16-bit copy
+  {  // dGELU with the intermediate bias gradient: dI's 16-bit copy alone in 16 bits (nothing
+     // reads its fp32 values there), dI in fp32
     std::vector<Use> reads = {whole(g.half ? "pre16" : "pre", N * I * (g.half ? h : kF)),
                               whole("dI", N * I * kF)};
-    std::vector<Use> writes = {whole("dI", N * I * kF)};
-    if (g.half) writes.push_back(whole("dI16", N * I * h));
+    std::vector<Use> writes = {g.half ? whole("dI16", N * I * h) : whole("dI", N * I * kF)};
     column_pass(reads, writes, N, I, 1, {"db_i"});
     k.run("column_sums_kernel<Value>", reads, writes);
   }
@@ -560,7 +560,7 @@ std::string explain_traffic(const StepTraffic& t, const Roofline& r, Precision p
   const auto row = [&](const KernelTraffic& k, double times) {
     const double s = predicted_seconds(k, r) * times;
     std::snprintf(
-        line, sizeof line, "  %-40s %-10s %6lld %10.1f %10.1f %9.1f %9.3f %-6s\n", k.kernel.c_str(),
+        line, sizeof line, "  %-40s %-10s %6lld %10.1f %10.1f %9.1f %9.3f %s\n", k.kernel.c_str(),
         k.part.c_str(), static_cast<long long>(k.launches * times), k.read * times / 1e6,
         k.written * times / 1e6, k.flops * times / 1e9, s * 1e3,
         k.flops / r.flops_per_s >= (k.read + k.written) / r.bytes_per_s ? "flops" : "bytes");
