@@ -152,6 +152,21 @@ void column_pass(std::vector<Use>& reads, std::vector<Use>& writes, double rows,
   writes.push_back(whole("tickets", tiles * 4));
 }
 
+// A LayerNorm's backward without dropout or a 16-bit copy (the heads', the embeddings'): the rows
+// (dinp from dout, the input and its statistics), then the parameter gradients' column sums.
+void layernorm_backward(Kernels& k, double rows, double C, const std::string& dout,
+                        const std::string& in, const std::string& dinp) {
+  k.run("layernorm_backward_kernel",
+        {whole(dout, rows * C * kF), whole(in, rows * C * kF), whole("gamma", C * kF),
+         whole("mean", 2 * rows * kF)},
+        {whole(dinp, rows * C * kF)});
+  std::vector<Use> reads = {whole(dout, rows * C * kF), whole(in, rows * C * kF),
+                            whole("mean", 2 * rows * kF)},
+                   writes;
+  column_pass(reads, writes, rows, C, 2, {"dgamma", "dbeta"});
+  k.run("layernorm_param_grads_kernel", reads, writes);
+}
+
 // A product on cuBLASLt, [M, K] x [K, Nn] (the weight's 16-bit copy or fp32 values), its output
 // (fp32, or out_bytes 2: the operands' 16-bit type) written, or added to (beta 1: read too).
 void product(Kernels& k, const Dims& g, double M, double Nn, double K, const std::string& a,
@@ -432,17 +447,7 @@ StepTraffic cuda_step_traffic(const model::BertConfig& cfg, model::Head head,
   if (g.fp16)  // (the loss scale, on the device, multiplies forward's gradient of the logits)
     k.run("scale_kernel", {whole("dlogits", BP * Vr * kF)}, {whole("dlogits", BP * Vr * kF)});
   head_linear_backward(k, g, BP, Vr, C, true);
-  k.run("layernorm_backward_kernel",
-        {whole("dout", BP * C * kF), whole("in", BP * C * kF), whole("gamma", C * kF),
-         whole("mean", 2 * BP * kF)},
-        {whole("dinp", BP * C * kF)});
-  {
-    std::vector<Use> reads = {whole("dout", BP * C * kF), whole("in", BP * C * kF),
-                              whole("mean", 2 * BP * kF)},
-                     writes;
-    column_pass(reads, writes, BP, C, 2, {"dgamma", "dbeta"});
-    k.run("layernorm_param_grads_kernel", reads, writes);
-  }
+  layernorm_backward(k, BP, C, "dout", "in", "dinp");
   k.run("activation_backward_kernel", {whole("pre", BP * C * kF), whole("d", BP * C * kF)},
         {whole("d", BP * C * kF)});
   head_linear_backward(k, g, BP, C, C, true);
@@ -459,17 +464,7 @@ StepTraffic cuda_step_traffic(const model::BertConfig& cfg, model::Head head,
   // table's chunks read every token's gradient row)
   k.set_part("embeddings");
   k.run("dropout_backward_kernel", {whole("dh", N * C * kF)}, {whole("dh", N * C * kF)});
-  k.run("layernorm_backward_kernel",
-        {whole("dh", N * C * kF), whole("sum", N * C * kF), whole("gamma", C * kF),
-         whole("mean", 2 * N * kF)},
-        {whole("dA", N * C * kF)});
-  {
-    std::vector<Use> reads = {whole("dh", N * C * kF), whole("sum", N * C * kF),
-                              whole("mean", 2 * N * kF)},
-                     writes;
-    column_pass(reads, writes, N, C, 2, {"dgamma", "dbeta"});
-    k.run("layernorm_param_grads_kernel", reads, writes);
-  }
+  layernorm_backward(k, N, C, "dh", "sum", "dA");
   // Each table's pass reads every token's gradient row and adds into the rows it uses, a row's
   // tokens in chunks of kEmbeddingChunk: a row of more chunks gets partial rows, which a second
   // launch adds (the token types' two rows, from 2 x 64 tokens; a position's from 64 sequences;
