@@ -120,7 +120,7 @@ $BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512
 echo "-- what a step asks of a GPU: kernel launches and host synchronisations (docs/gpus.md; none between"
 echo "   logged steps: the norm, finite check, clipping and fp16's loss scale stay on the GPU), counted by"
 echo "   bench --device cuda; with the fused attention (--attention blocked: 2 kernels a layer, every sequence"
-echo "   length of the batch in one launch) 22 launches a layer in all:"
+echo "   length of the batch in one launch) 20 launches a layer in all:"
 if [ -x build-emu/bertrain ]; then
   for a in auto blocked; do
     build-emu/bertrain bench --device cuda --model-config configs/bert-tiny.json --batch-size 4 --seq-len 32 \

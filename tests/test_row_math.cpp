@@ -178,7 +178,7 @@ TEST(RowMathColumns, BiasGradientInChunksEqualsCpu) {
   std::vector<float> dw(N * K), db_ref = db0;
   linear_backward(nullptr, dw.data(), db_ref.data(), dout.data(), in.data(), w.data(), M, N, K);
   const int64_t chunks = cuda::column_chunks(M), per = (M + chunks - 1) / chunks;
-  ASSERT_EQ(chunks, 16);
+  ASSERT_EQ(chunks, 32);  // (of 32 rows: kColumnRows)
   std::vector<float> partial(chunks * N, 0.0f), db = db0;
   for (int64_t k = 0; k < chunks; ++k)
     for (int64_t c = 0; c < N; ++c)

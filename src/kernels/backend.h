@@ -305,10 +305,10 @@ class Backend : public Target {
                                           const Dropout& d) const = 0;
   // Its backward: dinp (= or +=) the gradient of x (and of the residual), ddropped that of the
   // projection's output (through the dropout), and where ddropped.bits is given (p a 16-bit
-  // precision) that rounded in the same pass (KeptIn: what the projection's backward reads).
-  // dbias (may be null; needs ddropped): the projection's bias gradient, += ddropped's column
-  // sums (linear_backward's, bit for bit; its call then takes no db): a GPU sums it in the
-  // launch that sums dgamma and dbeta.
+  // precision) that rounded in the same pass (KeptIn: what the projection's backward reads; on
+  // a backend that writes_16bit_outputs, ddropped.f32 may be null: the copy alone). dbias (may
+  // be null; needs ddropped): the projection's bias gradient, += ddropped's column sums
+  // (linear_backward's, bit for bit; its call then takes no db): a GPU's in the same launch.
   virtual void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
                                           float* dbeta, float* dbias, const float* dout,
                                           const float* in, const float* gamma, const float* mean,

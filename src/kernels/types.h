@@ -80,7 +80,9 @@ struct ScratchLayout {
 // added in order. The fused attention's backward sums QKV's bias gradient in tiles of
 // kFusedAttentionTile rows of each sequence. What the scratch plan and the traffic model
 // (plan/traffic.h) count.
-constexpr int64_t kColumnRows = 64, kColumnChunks = 256, kColumnTile = 256;
+// (32 rows: BERT's 4096-row batches in 128 chunks, a block each where LayerNorm's backward sums
+// its parameter gradients in its rows' launch, about an H200's 132 multiprocessors)
+constexpr int64_t kColumnRows = 32, kColumnChunks = 256, kColumnTile = 256;
 inline int64_t column_chunks(int64_t rows) {
   const int64_t c = (rows + kColumnRows - 1) / kColumnRows;
   return c < 1 ? 1 : c > kColumnChunks ? kColumnChunks : c;

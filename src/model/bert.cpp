@@ -951,22 +951,25 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   // The output gradients the 16-bit products read are rounded by their producers, into the
   // operand scratch the products would round them into (none in fp32: half_a is null).
   const Kept dB16{dB, ws_.half_a}, dI16{dI, ws_.half_a};
+  // Where the products read 16-bit operands on a GPU, the output gradients' 16-bit copies alone
+  // are written (nothing reads their fp32 values: the bias gradients are summed as they are made).
+  const bool bits_only = dims_.weight_copy() && be_.writes_16bit_outputs();
+  const Kept dB_made = bits_only ? Kept{nullptr, dB16.bits} : dB16;
   // h_out = LN2(ffn_res), ffn_res = drop(inter_act W_out + b) + ln1_out
-  // (with the output projection's bias gradient: one pass over the rows on a GPU)
-  be_.layernorm_dropout_backward(prec_, dA, dB16, G(o.ln2_w), G(o.ln2_b), G(o.out_b), dh, a.ffn_res,
-                                 W(o.ln2_w), a.ln2_mean, a.ln2_rstd, N, C, false,
+  // (with the output projection's bias gradient: one launch over the rows on a GPU)
+  be_.layernorm_dropout_backward(prec_, dA, dB_made, G(o.ln2_w), G(o.ln2_b), G(o.out_b), dh,
+                                 a.ffn_res, W(o.ln2_w), a.ln2_mean, a.ln2_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kFfnOut, p.p_hidden, p.off_tc)));
   linear_backward(dI, o.out_w, kBiasDone, dB16, a.inter_act, N, C, I);
-  // dGELU with the intermediate layer's bias gradient (one pass over dI on a GPU; there, where the
-  // products read 16-bit operands, only dI's 16-bit copy is written: nothing reads its fp32 values)
-  const bool bits_only = dims_.weight_copy() && be_.writes_16bit_outputs();
+  // dGELU with the intermediate layer's bias gradient (one pass over dI on a GPU; bits_only: dI's
+  // 16-bit copy alone)
   be_.activation_bias_backward(prec_, cfg_.activation(),
                                bits_only ? Kept{nullptr, dI16.bits} : dI16, G(o.inter_b),
                                a.inter_pre, dI, N, I);
   linear_backward(dA, o.inter_w, kBiasDone, dI16, {a.ln1_out, a.ln1_out16}, N, I, C,
                   /*accumulate=*/true);  // dA = d ln1_out (residual + FFN path)
   // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
-  be_.layernorm_dropout_backward(prec_, dh, dB16, G(o.ln1_w), G(o.ln1_b), G(o.attn_out_b), dA,
+  be_.layernorm_dropout_backward(prec_, dh, dB_made, G(o.ln1_w), G(o.ln1_b), G(o.attn_out_b), dA,
                                  a.attn_res, W(o.ln1_w), a.ln1_mean, a.ln1_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kAttnOut, p.p_hidden, p.off_tc)));
   linear_backward(dA, o.attn_out_w, kBiasDone, dB16, a.ctx, N, C, C);

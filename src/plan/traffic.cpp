@@ -136,12 +136,13 @@ Dims dims_of(const model::BertConfig& cfg, model::Head head, const model::ModelD
 }
 
 // A column-sum pass's partial sums and tickets (matmul.cu's column_sums_of, layernorm.cu's
-// param_grads): `sums` rows of chunks x `columns` written, then read back by each tile's last
-// block, which adds them onto the gradients (read and written).
+// backward): `sums` rows of chunks x `columns` written, then read back by each tile's last
+// block, which adds them onto the gradients (read and written). `tiles`: a ticket each (0: one a
+// kColumnTile columns; LayerNorm's backward takes one for all its columns).
 void column_pass(std::vector<Use>& reads, std::vector<Use>& writes, double rows, double columns,
-                 int sums, const std::vector<std::string>& gradients) {
+                 int sums, const std::vector<std::string>& gradients, double tiles = 0) {
   const double chunks = static_cast<double>(kernels::column_chunks(static_cast<int64_t>(rows)));
-  const double tiles = std::ceil(columns / static_cast<double>(kernels::kColumnTile));
+  if (tiles == 0) tiles = std::ceil(columns / static_cast<double>(kernels::kColumnTile));
   writes.push_back(whole("partial", sums * chunks * columns * kF));
   reads.push_back(read_back("partial", sums * chunks * columns * kF));
   for (const std::string& g : gradients) {
@@ -156,15 +157,11 @@ void column_pass(std::vector<Use>& reads, std::vector<Use>& writes, double rows,
 // (dinp from dout, the input and its statistics), then the parameter gradients' column sums.
 void layernorm_backward(Kernels& k, double rows, double C, const std::string& dout,
                         const std::string& in, const std::string& dinp) {
-  k.run("layernorm_backward_kernel",
-        {whole(dout, rows * C * kF), whole(in, rows * C * kF), whole("gamma", C * kF),
-         whole("mean", 2 * rows * kF)},
-        {whole(dinp, rows * C * kF)});
   std::vector<Use> reads = {whole(dout, rows * C * kF), whole(in, rows * C * kF),
-                            whole("mean", 2 * rows * kF)},
-                   writes;
-  column_pass(reads, writes, rows, C, 2, {"dgamma", "dbeta"});
-  k.run("layernorm_param_grads_kernel", reads, writes);
+                            whole("gamma", C * kF), whole("mean", 2 * rows * kF)},
+                   writes = {whole(dinp, rows * C * kF)};
+  column_pass(reads, writes, rows, C, 2, {"dgamma", "dbeta"}, 1);
+  k.run("layernorm_backward_kernel", reads, writes);
 }
 
 // A product on cuBLASLt, [M, K] x [K, Nn] (the weight's 16-bit copy or fp32 values), its output
@@ -265,17 +262,15 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
   const std::string dBh = g.half ? "dB16" : "dB", dIh = g.half ? "dI16" : "dI";
   const auto layernorm_backward = [&](const std::string& dout, const std::string& in,
                                       const std::string& dinp) {
-    std::vector<Use> writes = {whole(dinp, N * C * kF), whole("dB", N * C * kF)};
-    if (g.half) writes.push_back(whole("dB16", N * C * h));
-    k.run("layernorm_backward_kernel",
-          {whole(dout, N * C * kF), whole(in, N * C * kF), whole("gamma", C * kF),
-           whole("mean", N * kF), whole("rstd", N * kF)},
-          writes);
-    std::vector<Use> reads = {whole(dout, N * C * kF), whole(in, N * C * kF), whole("mean", N * kF),
-                              whole("rstd", N * kF), whole("dB", N * C * kF)};
-    std::vector<Use> out;
-    column_pass(reads, out, N, C, 3, {"dgamma", "dbeta", "dbias"});
-    k.run("layernorm_param_grads_kernel", reads, out);
+    // (one launch: the rows, then the parameter gradients and the projection's bias gradient
+    // over the rows each block has just read and written; each array counted once. The output
+    // gradient dB: its 16-bit copy alone in 16 bits, as dGELU's)
+    std::vector<Use> writes = {whole(dinp, N * C * kF),
+                               g.half ? whole("dB16", N * C * h) : whole("dB", N * C * kF)};
+    std::vector<Use> reads = {whole(dout, N * C * kF), whole(in, N * C * kF),
+                              whole("gamma", C * kF), whole("mean", N * kF), whole("rstd", N * kF)};
+    column_pass(reads, writes, N, C, 3, {"dgamma", "dbeta", "dbias"}, 1);
+    k.run("layernorm_backward_kernel", reads, writes);
   };
   layernorm_backward("dh", "ffn_res", "dA");
   product(k, g, N, I, C, dBh, "W_o2", "dI", false);

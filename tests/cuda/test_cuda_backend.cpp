@@ -233,10 +233,11 @@ TEST(CudaBackend, LinearBackwardReadsTheOutputGradientsCopy) {
   }
 }
 
-// The residual block's backward given the projection's bias gradient (dbias) sums it in the
-// launch that sums dgamma and dbeta: every output bit for bit as the call without it followed by
-// linear_backward's column sums of ddropped, one launch fewer; and as the CPU's within fp32
-// summation order (rtol 2e-5). 300 rows: five chunks of rows (scratch.h, column_chunks).
+// The residual block's backward given the projection's bias gradient (dbias) sums it in its one
+// launch (the rows, dgamma and dbeta): every output bit for bit as the call without it followed
+// by linear_backward's column sums of ddropped, one launch fewer; and as the CPU's within fp32
+// summation order (rtol 2e-5). 300 rows: ten chunks of 30 (scratch.h, column_chunks), a block
+// each, the last to finish adding them.
 TEST(CudaBackend, ResidualBackwardSumsTheProjectionsBiasGradient) {
   SKIP_WITHOUT_GPU();
   const int64_t N = 300, C = 96;
@@ -272,6 +273,48 @@ TEST(CudaBackend, ResidualBackwardSumsTheProjectionsBiasGradient) {
   EXPECT_EQ(fused.launches + 1, apart.launches);
   EXPECT_TRUE(all_close("dbias", fused.dbias.data(), host.dbias.data(), C, 2e-5, 2e-5));
   EXPECT_TRUE(all_close("dgamma", fused.dgamma.data(), host.dgamma.data(), C, 2e-5, 2e-5));
+}
+
+// Where the products read 16-bit operands the model asks the residual block's backward for the
+// output gradient's 16-bit copy alone (Kept{nullptr, bits}: nothing reads its fp32 values on a
+// GPU): the copy, dinp, dgamma, dbeta and the bias gradient (summed from the dropout's gradient
+// recomputed from dinp) bit for bit as the call that writes ddropped in fp32 too, in one launch
+// each, bf16 and fp16, over chunks of 32 rows and a short last one (300 rows, dinp accumulated).
+TEST(CudaBackend, ResidualBackwardWritesTheOutputGradientsCopyAlone) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 300, C = 80;
+  const kernels::Dropout d{0.1f, 7, 23, nullptr};
+  Twin<float> dout(random_vector(N * C, 1)), in(random_vector(N * C, 2)),
+      gamma(random_vector(C, 3)), mean(random_vector(N, 4)), rstd(std::vector<float>(N, 0.8f));
+  for (Precision p : {Precision::BF16, Precision::FP16}) {
+    SCOPED_TRACE(name_of(p));
+    struct Grads {
+      std::vector<float> dinp, dgamma, dbeta, dbias;
+      std::vector<uint16_t> bits;
+      int64_t launches;
+    };
+    auto backward = [&](bool fp32_too) {
+      Twin<float> dinp(random_vector(N * C, 5)), ddropped(N * C), dgamma(random_vector(C, 6)),
+          dbeta(random_vector(C, 7)), dbias(random_vector(C, 8));
+      Twin<uint16_t> bits(N * C);
+      const int64_t before = cuda::device_counts().launches;
+      gpu().layernorm_dropout_backward(
+          p, dinp.dev(), Kept{fp32_too ? ddropped.dev() : nullptr, bits.dev()}, dgamma.dev(),
+          dbeta.dev(), dbias.dev(), dout.dev(), in.dev(), gamma.dev(), mean.dev(), rstd.dev(), N, C,
+          /*accumulate_dinp=*/true, d);
+      const int64_t launches = cuda::device_counts().launches - before;
+      cuda::synchronize();
+      return Grads{dinp.back(), dgamma.back(), dbeta.back(), dbias.back(), bits.back(), launches};
+    };
+    const Grads both = backward(true), alone = backward(false);
+    EXPECT_EQ(alone.bits, both.bits);
+    EXPECT_EQ(alone.dinp, both.dinp);
+    EXPECT_EQ(alone.dgamma, both.dgamma);
+    EXPECT_EQ(alone.dbeta, both.dbeta);
+    EXPECT_EQ(alone.dbias, both.dbias);
+    EXPECT_EQ(both.launches, 1);
+    EXPECT_EQ(alone.launches, 1);
+  }
 }
 
 // Attention forward and backward, with a padded sequence and dropout: the full kernel, and the

@@ -1,7 +1,7 @@
 // LayerNorm and the fused blocks around it on the GPU, one warp per row running the row math the
 // CPU tests check (kernels/row_math.h): plain LayerNorm, dropout + residual + LayerNorm, the
-// embedding sum + LayerNorm + dropout, and their backward. The parameter gradients (and the
-// projection's bias gradient before a residual block) come from a column kernel over all rows
+// embedding sum + LayerNorm + dropout, and their backward. Backward sums the parameter gradients
+// (and the projection's bias gradient before a residual block) in the rows' launch
 // (deterministic: chunks of rows added in order, column_tickets.cuh).
 #include "kernels/cuda/column_tickets.cuh"
 #include "kernels/cuda/common.cuh"
@@ -47,69 +47,74 @@ __global__ void embedding_layernorm_kernel(float* out, float* sum, float* mean, 
   rm::dropout_row(out + i * C, C, p, key, row_index0(offset, rows, i, C), l);
 }
 
-// (ddropped16: ddropped rounded to `o`'s 16 bits, each lane the columns it wrote; may be null)
-__global__ void layernorm_backward_kernel(float* dinp, float* ddropped, uint16_t* ddropped16,
-                                          Precision o, const float* dout, const float* in,
-                                          const float* gamma, const float* mean, const float* rstd,
-                                          int64_t N, int64_t C, bool accumulate, float p,
-                                          uint64_t key, uint64_t offset, const int32_t* rows) {
-  const int64_t i = warp_row();
-  if (i >= N) return;
-  const WarpLanes l = warp_lanes();
-  rm::layernorm_backward(dinp + i * C, ddropped ? ddropped + i * C : nullptr, dout + i * C,
-                         in + i * C, gamma, mean[i], rstd[i], C, accumulate, p, key,
-                         row_index0(offset, rows, i, C), l);
-  if (ddropped16)
-    for (int64_t c = l.lane; c < C; c += l.count)
-      ddropped16[i * C + c] = to_16(o, ddropped[i * C + c]);
-}
+// A LayerNorm's backward in one launch, the parameter gradients in the rows' pass: block k takes
+// chunk k of the rows (column_chunks: `per` rows each), its warps a row each in turn (dinp, and
+// ddropped, its dropout's gradient: the projection's output gradient; ddropped16 its copy rounded
+// to `o`'s 16 bits, may be null), then, after the block's barrier (what its warps wrote is the
+// block's to read), its threads a column each over the chunk's rows in order: the partial sums
+// of dgamma into partial[chunk * C + c], of dbeta into partial[(chunks + chunk) * C + c] and,
+// where dbias is given, of ddropped into partial[(2 chunks + chunk) * C + c]. The last block to
+// finish (column_tickets.cuh: a ticket a launch) adds the chunks in order onto the gradients.
+// The chunks and their order are column_sums' (matmul.cu): dbias is linear_backward's bias
+// gradient of ddropped bit for bit.
+// - The column pass reads the rows the block has just read and written (its chunk's 32 rows,
+//   more past 8192 rows: from the L2 cache on a GPU).
+// - The last block's tail adds 3 x chunks x C partial sums alone (1.5 MB at BERT-Large's 4096
+//   rows, 128 chunks): the price of one launch, where NVIDIA's Apex LayerNorm takes a second
+//   kernel for the columns (issue 44 counts launches; no GPU has timed the two yet).
+// - ddropped null with ddropped16 given: the copy alone is written (where nothing reads
+//   ddropped's fp32 values), dbias summing the dropout's gradient recomputed from dinp (the same
+//   values, the same bits).
+// 32 warps: a row each of a 32-row chunk, then a column each of BERT-Large's 1024.
+constexpr unsigned kBackwardThreads = 1024;
 
-// Chunk blockIdx.y of the rows (`per` rows each), a column per thread: its partial sums into
-// partial[chunk * C + c] (dgamma), partial[(chunks + chunk) * C + c] (dbeta) and, where dbias is
-// given, partial[(2 chunks + chunk) * C + c] (ddropped's: the projection's bias gradient); the
-// tile's last block adds the chunks in order onto them (column_tickets.cuh). The bias gradient's
-// chunks and order are column_sums' (matmul.cu): linear_backward's, bit for bit.
-__global__ void layernorm_param_grads_kernel(float* dgamma, float* dbeta, float* dbias,
-                                             float* partial, unsigned* tickets, const float* dout,
-                                             const float* in, const float* mean, const float* rstd,
-                                             const float* ddropped, int64_t N, int64_t C,
-                                             int64_t per) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t chunk = blockIdx.y, chunks = gridDim.y;
-  if (c < C) {
-    float* g = partial + chunk * C;
-    float* b = partial + (chunks + chunk) * C;
+__global__ void __launch_bounds__(kBackwardThreads)
+    layernorm_backward_kernel(float* dinp, float* ddropped, uint16_t* ddropped16, Precision o,
+                              float* dgamma, float* dbeta, float* dbias, float* partial,
+                              unsigned* ticket, const float* dout, const float* in,
+                              const float* gamma, const float* mean, const float* rstd, int64_t N,
+                              int64_t C, int64_t per, bool accumulate, float p, uint64_t key,
+                              uint64_t offset, const int32_t* rows) {
+  const int64_t chunk = blockIdx.x, chunks = gridDim.x;
+  const int64_t r0 = chunk * per, end = r0 + per < N ? r0 + per : N;
+  const int64_t warps = blockDim.x / 32;
+  const WarpLanes l = warp_lanes();
+  const float ks = rm::keep_scale_of(p);
+  // (the dropout's gradient of dinp's element c of row r: what ddropped holds)
+  const auto dropped = [&](int64_t r, int64_t c) {
+    return rm::dropout(dinp[r * C + c], p, ks, key, row_index0(offset, rows, r, C) + c);
+  };
+  for (int64_t i = r0 + threadIdx.x / 32; i < end; i += warps) {
+    rm::layernorm_backward(dinp + i * C, ddropped ? ddropped + i * C : nullptr, dout + i * C,
+                           in + i * C, gamma, mean[i], rstd[i], C, accumulate, p, key,
+                           row_index0(offset, rows, i, C), l);
+    if (ddropped16)  // (each lane the columns it wrote)
+      for (int64_t c = l.lane; c < C; c += l.count)
+        ddropped16[i * C + c] = to_16(o, ddropped ? ddropped[i * C + c] : dropped(i, c));
+  }
+  __syncthreads();
+  float* g = partial + chunk * C;
+  float* b = partial + (chunks + chunk) * C;
+  float* d = partial + (2 * chunks + chunk) * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     g[c] = 0.0f;
     b[c] = 0.0f;
-    const int64_t r0 = chunk * per, end = r0 + per < N ? r0 + per : N;
     rm::layernorm_param_grads(g, b, dout, in, mean, rstd, r0, end, C, c);
-    if (dbias) {
-      float* d = partial + (2 * chunks + chunk) * C;
+    if (dbias && ddropped) {
       d[c] = 0.0f;
       rm::column_sum(d, ddropped, r0, end, C, c);
+    } else if (dbias) {  // (column_sum's order)
+      float sum = 0.0f;
+      for (int64_t r = r0; r < end; ++r) sum += dropped(r, c);
+      d[c] = sum;
     }
   }
-  if (last_chunk_of_tile(tickets) && c < C) {
+  if (!last_ticket(ticket, static_cast<unsigned>(chunks))) return;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     add_chunks(dgamma, partial, chunks, C, c);
     add_chunks(dbeta, partial + chunks * C, chunks, C, c);
     if (dbias) add_chunks(dbias, partial + 2 * chunks * C, chunks, C, c);
   }
-}
-
-// Over chunks of rows in parallel (a column per thread over all N rows would leave most of the
-// GPU idle: C threads), then the chunks added in order, in one launch; dbias (may be null): the
-// column sums of ddropped in the same launch.
-void param_grads(float* dgamma, float* dbeta, float* dbias, const float* dout, const float* in,
-                 const float* mean, const float* rstd, const float* ddropped, int64_t N, int64_t C,
-                 cudaStream_t s) {
-  const int64_t chunks = column_chunks(N), per = (N + chunks - 1) / chunks;
-  const unsigned tiles = blocks_for(C, kColumnTile);
-  const int64_t sums = dbias ? 3 : 2;
-  auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, sums * chunks * C * sizeof(float)));
-  BT_LAUNCH(layernorm_param_grads_kernel, dim3(tiles, static_cast<unsigned>(chunks)), kColumnTile,
-            0, s)
-  (dgamma, dbeta, dbias, partial, column_tickets(tiles), dout, in, mean, rstd, ddropped, N, C, per);
-  BT_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
@@ -168,13 +173,17 @@ void layernorm_dropout_backward(Precision p, float* dinp, kernels::Kept ddropped
                                 int64_t C, bool accumulate_dinp, const kernels::Dropout& d,
                                 void* stream) {
   if (N == 0) return;
-  uint16_t* bits = p != Precision::FP32 && ddropped.f32 ? ddropped.bits : nullptr;
-  BT_LAUNCH(layernorm_backward_kernel, row_blocks(N), kRowThreads, 0, as_stream(stream))
-  (dinp, ddropped.f32, bits, p, dout, in, gamma, mean, rstd, N, C, accumulate_dinp, d.p, d.key,
-   d.offset, d.rows);
+  uint16_t* bits = p != Precision::FP32 ? ddropped.bits : nullptr;
+  BT_CHECK(!dbias || ddropped.f32 || bits,
+           "layernorm_dropout_backward: a bias gradient without ddropped or its 16-bit copy");
+  const int64_t chunks = column_chunks(N), per = (N + chunks - 1) / chunks;
+  const int64_t sums = dbias ? 3 : 2;
+  auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, sums * chunks * C * sizeof(float)));
+  BT_LAUNCH(layernorm_backward_kernel, static_cast<unsigned>(chunks), kBackwardThreads, 0,
+            as_stream(stream))
+  (dinp, ddropped.f32, bits, p, dgamma, dbeta, dbias, partial, column_tickets(1), dout, in, gamma,
+   mean, rstd, N, C, per, accumulate_dinp, d.p, d.key, d.offset, d.rows);
   BT_CUDA_CHECK(cudaGetLastError());
-  BT_CHECK(!dbias || ddropped.f32, "layernorm_dropout_backward: a bias gradient without ddropped");
-  param_grads(dgamma, dbeta, dbias, dout, in, mean, rstd, ddropped.f32, N, C, as_stream(stream));
 }
 
 }  // namespace bertrain::cuda
