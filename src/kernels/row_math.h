@@ -396,18 +396,30 @@ BT_HOST_DEVICE inline float activation_grad(Activation a, float x, float dout) {
 // -- optimizer elements (torch.optim.AdamW; LAMB as apex FusedLAMB: kernels/types.h). The CPU's
 //    reference loops run these; its vector bodies do the same operations in the same order. --
 
-// Adam's moments of element i from the scaled gradient.
+// Adam's moments of one element from the scaled gradient (the _values forms: on values a pass
+// loads and stores itself, the GPU's multi-tensor kernels; the same operations).
+BT_HOST_DEVICE inline void adam_moment_values(float gi, float b1, float b2, float& m, float& v) {
+  m = b1 * m + (1.0f - b1) * gi;
+  v = b2 * v + (1.0f - b2) * gi * gi;
+}
 BT_HOST_DEVICE inline void adam_moments(float gi, float b1, float b2, float* m, float* v,
                                         int64_t i) {
-  m[i] = b1 * m[i] + (1.0f - b1) * gi;
-  v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
+  adam_moment_values(gi, b1, b2, m[i], v[i]);
 }
 
+// A weight's 16-bit copy (the products' operand) of its fp32 value.
+BT_HOST_DEVICE inline uint16_t weight_copy_16(bool f16, float p) {
+  return f16 ? f32_to_f16(p) : f32_to_bf16(p);
+}
+
+BT_HOST_DEVICE inline void adamw_values(const AdamwStep& a, float g, float& p, float& m, float& v) {
+  adam_moment_values(g * a.gscale, a.beta1, a.beta2, m, v);
+  p = p * a.decay - a.step_size * m / (sqrtf(v) / a.sqrt_bc2 + a.eps);
+}
 BT_HOST_DEVICE inline void adamw(const AdamwStep& a, float* p, uint16_t* p16, const float* g,
                                  float* m, float* v, int64_t i) {
-  adam_moments(g[i] * a.gscale, a.beta1, a.beta2, m, v, i);
-  p[i] = p[i] * a.decay - a.step_size * m[i] / (sqrtf(v[i]) / a.sqrt_bc2 + a.eps);
-  if (p16) p16[i] = a.f16_copy ? f32_to_f16(p[i]) : f32_to_bf16(p[i]);
+  adamw_values(a, g[i], p[i], m[i], v[i]);
+  if (p16) p16[i] = weight_copy_16(a.f16_copy, p[i]);
 }
 
 // LAMB's update direction of element i: m / bc1 / (sqrt(v / bc2) + eps) + wd p.
@@ -427,7 +439,7 @@ BT_HOST_DEVICE inline float lamb_moments(const LambStep& a, const float* p, cons
 BT_HOST_DEVICE inline void lamb_apply(const LambStep& a, float* p, uint16_t* p16, const float* m,
                                       const float* v, int64_t i, float step) {
   p[i] -= step * lamb_direction(a, p[i], m[i], v[i]);
-  if (p16) p16[i] = a.f16_copy ? f32_to_f16(p[i]) : f32_to_bf16(p[i]);
+  if (p16) p16[i] = weight_copy_16(a.f16_copy, p[i]);
 }
 
 }  // namespace bertrain::kernels::row_math

@@ -120,7 +120,25 @@ __global__ void adamw_kernel(kernels::AdamwStep a, float* p, uint16_t* p16, cons
   if (i < n) rm::adamw(a, p, p16, g, m, v, i);
 }
 
-// The multi-tensor passes (scratch.h): block b runs chunk b of span chunks[b].tensor.
+// The multi-tensor passes (scratch.h): block b runs chunk b of span chunks[b].tensor, a
+// thread its elements i, i + blockDim.x, ... of the chunk's [0, n) in that order, kIlp of them
+// a turn: load(i, k) puts element i's values into the turn's slot k, for every slot before
+// use(i, k) reads any (the turn's loads in flight together: with one element's at a time, a
+// memory-bound pass leaves much of a GPU's memory bandwidth idle; NVIDIA's Apex multi-tensor
+// kernels take 4 too). Each element's operations and each thread's order of them are the
+// one-at-a-time loop's: the same bits. (A pass's arrays never overlap.)
+constexpr int kIlp = 4;
+template <class Load, class Use>
+__device__ void chunk_turns(int64_t n, Load load, Use use) {
+  const int64_t stride = blockDim.x;
+  for (int64_t i0 = threadIdx.x; i0 < n; i0 += kIlp * stride) {
+    for (int k = 0; k < kIlp; ++k)
+      if (i0 + k * stride < n) load(i0 + k * stride, k);
+    for (int k = 0; k < kIlp; ++k)
+      if (i0 + k * stride < n) use(i0 + k * stride, k);
+  }
+}
+
 __global__ void sum_squares_many_kernel(double* partial, const float* g,
                                         const kernels::TensorSpan* spans, const Chunk* chunks,
                                         double scale, const kernels::GradientGate* by = nullptr) {
@@ -129,10 +147,13 @@ __global__ void sum_squares_many_kernel(double* partial, const float* g,
   // (a gate's: the gradients carry its loss scale, unscaled by it as next_gate does)
   if (by) scale = kernels::unscale_by(static_cast<float>(scale), by->scale);
   double acc = 0.0;
-  for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x) {
-    const double y = static_cast<double>(x[i]) * scale;
-    acc += y * y;
-  }
+  float rx[kIlp];
+  chunk_turns(
+      c.n, [&](int64_t i, int k) { rx[k] = x[i]; },
+      [&](int64_t, int k) {
+        const double y = static_cast<double>(rx[k]) * scale;
+        acc += y * y;
+      });
   block_sum(acc, partial + blockIdx.x);
 }
 
@@ -163,6 +184,30 @@ __global__ void gate_kernel(kernels::GradientGate* gate, const double* partial, 
   *gate = kernels::next_gate(*gate, sum, unscale, max_norm);
 }
 
+// A chunk's values, gradients and moments (from element c.begin of a span) and a turn's
+// registers of them: Adam's moments and what reads them (AdamW, LAMB's first pass).
+struct MomentTurn {
+  const float *P, *G;
+  float *M, *V;
+  float p[kIlp], g[kIlp], m[kIlp], v[kIlp];
+  __device__ MomentTurn(const float* p0, const float* g0, float* m0, float* v0,
+                        const kernels::TensorSpan& t, const Chunk& c)
+      : P(p0 + t.offset + c.begin),
+        G(g0 + t.offset + c.begin),
+        M(m0 + t.state + c.begin),
+        V(v0 + t.state + c.begin) {}
+  __device__ void load(int64_t i, int k) {
+    g[k] = G[i];
+    p[k] = P[i];
+    m[k] = M[i];
+    v[k] = V[i];
+  }
+  __device__ void store_moments(int64_t i, int k) {
+    M[i] = m[k];
+    V[i] = v[k];
+  }
+};
+
 __global__ void adamw_many_kernel(StepKinds<kernels::AdamwStep> steps, const int32_t* kind,
                                   const kernels::GradientGate* gate, float* p, uint16_t* p16,
                                   const float* g, float* m, float* v,
@@ -171,9 +216,17 @@ __global__ void adamw_many_kernel(StepKinds<kernels::AdamwStep> steps, const int
   const Chunk c = chunks[blockIdx.x];
   const kernels::TensorSpan t = spans[c.tensor];
   const kernels::AdamwStep a = span_step(steps, kind, c.tensor, gate);
-  for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x)
-    rm::adamw(a, p + t.offset, p16 ? p16 + t.offset : nullptr, g + t.offset, m + t.state,
-              v + t.state, c.begin + i);
+  float* P = p + t.offset + c.begin;
+  uint16_t* P16 = p16 ? p16 + t.offset + c.begin : nullptr;
+  MomentTurn r(p, g, m, v, t, c);
+  chunk_turns(
+      c.n, [&](int64_t i, int k) { r.load(i, k); },
+      [&](int64_t i, int k) {
+        rm::adamw_values(a, r.g[k], r.p[k], r.m[k], r.v[k]);
+        r.store_moments(i, k);
+        P[i] = r.p[k];
+        if (P16) P16[i] = rm::weight_copy_16(a.f16_copy, r.p[k]);
+      });
 }
 
 // partial[2 b] = sum of p^2 over chunk b, partial[2 b + 1] = sum of u^2.
@@ -185,14 +238,17 @@ __global__ void lamb_moments_many_kernel(double* partial, StepKinds<kernels::Lam
   const Chunk c = chunks[blockIdx.x];
   const kernels::TensorSpan t = spans[c.tensor];
   const kernels::LambStep a = span_step(steps, kind, c.tensor, gate);
-  const float* P = p + t.offset;
   double pn = 0.0, un = 0.0;
-  for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x) {
-    const int64_t j = c.begin + i;
-    const float u = rm::lamb_moments(a, P, g + t.offset, m + t.state, v + t.state, j);
-    pn += static_cast<double>(P[j]) * P[j];
-    un += static_cast<double>(u) * u;
-  }
+  MomentTurn r(p, g, m, v, t, c);
+  chunk_turns(
+      c.n, [&](int64_t i, int k) { r.load(i, k); },
+      [&](int64_t i, int k) {  // (rm::lamb_moments on the values)
+        rm::adam_moment_values(r.g[k] * a.gscale, a.beta1, a.beta2, r.m[k], r.v[k]);
+        r.store_moments(i, k);
+        const float u = rm::lamb_direction(a, r.p[k], r.m[k], r.v[k]);
+        pn += static_cast<double>(r.p[k]) * r.p[k];
+        un += static_cast<double>(u) * u;
+      });
   block_sum(pn, partial + 2 * blockIdx.x);
   __syncthreads();
   block_sum(un, partial + 2 * blockIdx.x + 1);
@@ -223,9 +279,24 @@ __global__ void lamb_apply_many_kernel(StepKinds<kernels::LambStep> steps, const
   const Chunk c = chunks[blockIdx.x];
   const kernels::TensorSpan t = spans[c.tensor];
   const kernels::LambStep a = span_step(steps, kind, c.tensor, gate);
-  for (int64_t i = threadIdx.x; i < c.n; i += blockDim.x)
-    rm::lamb_apply(a, p + t.offset, p16 ? p16 + t.offset : nullptr, m + t.state, v + t.state,
-                   c.begin + i, trust[c.tensor]);
+  const float step = trust[c.tensor];
+  float* P = p + t.offset + c.begin;
+  uint16_t* P16 = p16 ? p16 + t.offset + c.begin : nullptr;
+  const float* M = m + t.state + c.begin;
+  const float* V = v + t.state + c.begin;
+  float rp[kIlp], rm_[kIlp], rv[kIlp];
+  chunk_turns(
+      c.n,
+      [&](int64_t i, int k) {
+        rp[k] = P[i];
+        rm_[k] = M[i];
+        rv[k] = V[i];
+      },
+      [&](int64_t i, int k) {  // (rm::lamb_apply on the values)
+        rp[k] -= step * rm::lamb_direction(a, rp[k], rm_[k], rv[k]);
+        P[i] = rp[k];
+        if (P16) P16[i] = rm::weight_copy_16(a.f16_copy, rp[k]);
+      });
 }
 
 // partial[block] = sum of p^2, partial[gridDim.x + block] = sum of u^2.
