@@ -214,6 +214,13 @@ class Backend : public Target {
   virtual void linear_backward(Precision p, float* dinp, float* dw, float* db, KeptIn dout, Kept in,
                                Weight w, int64_t M, int64_t N, int64_t K, bool accumulate_dinp,
                                const Workspace& ws) const = 0;
+  // The same with dinp (=) written in a 16-bit p's bits alone (dinp16, no fp32 dinp: the product
+  // rounds its fp32 sums once, as round_to_16 would), where Target::writes_16bit_outputs and the
+  // next products read only those bits (the attention's output projection: dctx for the full
+  // kernel's products); the default fails.
+  virtual void linear_backward_16(Precision p, uint16_t* dinp16, float* dw, float* db, KeptIn dout,
+                                  Kept in, Weight w, int64_t M, int64_t N, int64_t K,
+                                  const Workspace& ws) const;
 
   // -- precision --
   // x (n values) to the kept precision: BF16 writes its bf16 copy to bits; FP16 rounds x in
@@ -240,9 +247,11 @@ class Backend : public Target {
   // precision) dqkv rounded there too (KeptIn: what that backward reads). A GPU's fused kernel
   // writes both as it writes dqkv (one launch; the bias summed in another order than
   // linear_backward's, within fp32 rounding); the default calls attention_backward, then sums
-  // and rounds.
-  virtual void attention_bias_backward(Precision p, Kept dqkv, float* dbias, const float* dctx,
-                                       Kept qkv, AttentionSaved saved, const int32_t* mask,
+  // and rounds. dctx.bits: dctx's 16-bit copy made already (linear_backward_16, the output
+  // projection's product writing it), read by the full kernel's products instead of a rounding
+  // of dctx.f32 (which may be null then; the fused kernel reads dctx.f32).
+  virtual void attention_bias_backward(Precision p, Kept dqkv, float* dbias, KeptIn dctx, Kept qkv,
+                                       AttentionSaved saved, const int32_t* mask,
                                        const AttentionShape& s, const Dropout& d,
                                        const Workspace& ws) const;
 

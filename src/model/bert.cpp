@@ -972,7 +972,17 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   be_.layernorm_dropout_backward(prec_, dh, dB_made, G(o.ln1_w), G(o.ln1_b), G(o.attn_out_b), dA,
                                  a.attn_res, W(o.ln1_w), a.ln1_mean, a.ln1_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kAttnOut, p.p_hidden, p.off_tc)));
-  linear_backward(dA, o.attn_out_w, kBiasDone, dB16, a.ctx, N, C, C);
+  // The context's gradient: where QKV's and the context's products write their 16-bit copies
+  // (ModelDims::qkv16_output: the full kernel's products on a GPU), the output projection's
+  // product writes dctx's copy alone, what the attention's products read (no rounding pass).
+  kernels::KeptIn dctx{dA};
+  if (dims_.qkv16_output) {
+    be_.linear_backward_16(prec_, ws_.attn_dctx16, G(o.attn_out_w), nullptr, dB16, a.ctx,
+                           Wt(o.attn_out_w), N, C, C, ws_);
+    dctx = {nullptr, ws_.attn_dctx16};
+  } else {
+    linear_backward(dA, o.attn_out_w, kBiasDone, dB16, a.ctx, N, C, C);
+  }
   // dQKV with QKV's bias gradient and its 16-bit copy (the fused kernel's own, on a GPU)
   if (p.up) {
     packed_attention(l, false, dI16, G(o.qkv_b), dA, p.opt);
@@ -981,7 +991,7 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
     be_.zero(dI + first, static_cast<int64_t>(f32s(dummies)));
     if (dI16.bits) be_.zero(dI16.bits + first, dummies * int64_t{sizeof(uint16_t)});
   } else {
-    be_.attention_bias_backward(prec_, dI16, G(o.qkv_b), dA, a.qkv, a.saved, cur_.in.mask,
+    be_.attention_bias_backward(prec_, dI16, G(o.qkv_b), dctx, a.qkv, a.saved, cur_.in.mask,
                                 {p.B, p.T, C, NH}, p.site(l + 1, kAttnProbs, p_attn, off_probs),
                                 ws_);
   }

@@ -60,6 +60,9 @@ struct ModelDims {
   // rounds them itself; sequences a call each round theirs a call each). The product adds the
   // bias's 16-bit copy (cuBLASLt's bias is of its output's type): QKV differs from the CPU's by
   // that rounding of the bias, at most half a unit of the bias in the format, before its own.
+  // Backward the same way: the output projection's product writes dctx's 16-bit copy alone
+  // (Backend::linear_backward_16), which the attention's products read (the same bits as
+  // rounding fp32 values: no difference there).
   bool qkv16_output = false;
   // Layer recomputation: an encoder layer keeps only its output (the next layer's input); its
   // activations live in one slot shared by all layers, and backward recomputes each layer's

@@ -286,7 +286,10 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
   product(k, g, N, C, I, dIh, "W_i", "dA", true);
   product(k, g, C, I, N, g.half ? "ln116" : "ln1", dIh, "dW_i", true);
   layernorm_backward("dA", "attn_res", "dh");
-  product(k, g, N, C, C, dBh, "W_o", "dA", false);
+  if (g.qkv16_output)  // (dctx's 16-bit copy alone, what the attention's products read)
+    product(k, g, N, C, C, dBh, "W_o", "dctx16", false, false, h);
+  else
+    product(k, g, N, C, C, dBh, "W_o", "dA", false);
   product(k, g, C, C, N, ctxh, dBh, "dW_o", true);
   const std::string dqkvh = g.half ? "dqkv16" : "dqkv";
   if (g.fused) {
@@ -305,7 +308,8 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
     k.run("attention_backward_fused", reads, writes);
   } else {
     const std::string dctx = g.half ? "dctx16" : "dA";
-    if (g.half) k.run(g.round_kernel, {whole("dA", N * C * kF)}, {whole("dctx16", N * C * h)});
+    if (g.half && !g.qkv16_output)
+      k.run(g.round_kernel, {whole("dA", N * C * kF)}, {whole("dctx16", N * C * h)});
     const bool dropped = g.half || g.dropout_attn > 0;
     if (dropped) k.run(g.dropped_kernel, {whole("probs", S * h)}, {whole("dropped", S * h)});
     const std::string p = dropped ? "dropped" : "probs";

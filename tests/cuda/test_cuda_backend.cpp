@@ -150,6 +150,54 @@ TEST(CudaBackend, LinearForward16IsTheFp32OutputRounded) {
   EXPECT_NE(e.find("the cpu backend writes no 16-bit product outputs"), std::string::npos) << e;
 }
 
+// Backward's 16-bit dinp written by its product (Backend::linear_backward_16, what the attention's
+// output projection uses where QKV's and the context's products write their copies: dctx for the
+// full kernel's products): linear_backward's fp32 dinp rounded to nearest even, dw the same
+// (accumulated), in bf16 and fp16, from dout's kept copy or its fp32 values (rounded first, the
+// rounding pass summing db). Bit for bit on the emulated device; on a GPU within a unit in the
+// last place (cuBLASLt may pick another algorithm for the 16-bit output). The CPU backend says
+// it writes no 16-bit outputs.
+TEST(CudaBackend, LinearBackward16IsTheFp32DinpRounded) {
+  SKIP_WITHOUT_GPU();
+  const int64_t M = 70, N = 48, K = 96;
+  for (Precision p : {Precision::BF16, Precision::FP16})
+    for (bool kept : {true, false}) {
+      SCOPED_TRACE(testing::Message() << name_of(p) << " kept " << kept);
+      Twin<float> in(random_vector(M * K, 1)), w(random_vector(N * K, 2, 0.1f)),
+          dout(random_vector(M * N, 3)), dinp(M * K);
+      Twin<uint16_t> w16(N * K), in16(M * K), dout16(M * N), a16(M * std::max(N, K)), b16(M * K),
+          want(M * K), got(M * K);
+      gpu().copy_weights(p, w.dev(), w16.dev(), N * K);
+      gpu().round_to_16(p, in16.dev(), in.dev(), M * K, nullptr);
+      if (kept) gpu().round_to_16(p, dout16.dev(), dout.dev(), M * N, nullptr);
+      const kernels::Weight wt{w.dev(), w16.dev()};
+      const kernels::Workspace ws{a16.dev(), b16.dev(), nullptr};
+      const kernels::KeptIn d{dout.dev(), kept ? dout16.dev() : nullptr};
+      Twin<float> dw_a(random_vector(N * K, 4)), dw_b(random_vector(N * K, 4)),
+          db_a(random_vector(N, 5)), db_b(random_vector(N, 5));
+      gpu().linear_backward(p, dinp.dev(), dw_a.dev(), kept ? nullptr : db_a.dev(), d,
+                            Kept{in.dev(), in16.dev()}, wt, M, N, K, false, ws);
+      gpu().round_to_16(p, want.dev(), dinp.dev(), M * K, nullptr);
+      gpu().linear_backward_16(p, got.dev(), dw_b.dev(), kept ? nullptr : db_b.dev(), d,
+                               Kept{in.dev(), in16.dev()}, wt, M, N, K, ws);
+      cuda::synchronize();
+      EXPECT_EQ(dw_b.back(), dw_a.back());
+      EXPECT_EQ(db_b.back(), db_a.back());
+      const std::vector<uint16_t> g = got.back(), e = want.back();
+#if __has_include("cuda_emu/counts.h")  // (the emulated device)
+      EXPECT_EQ(g, e);
+#else
+      for (size_t i = 0; i < g.size(); ++i)
+        ASSERT_LE(std::abs(int{g[i]} - int{e[i]}), 1) << "element " << i;
+#endif
+    }
+  const std::string e = test::error_of([] {
+    cpu().linear_backward_16(Precision::BF16, nullptr, nullptr, nullptr, kernels::KeptIn{}, Kept{},
+                             kernels::Weight{}, 1, 1, 1, kernels::Workspace{});
+  });
+  EXPECT_NE(e.find("the cpu backend writes no 16-bit product outputs"), std::string::npos) << e;
+}
+
 // The 16-bit dataflow's LayerNorm outputs: residual_layernorm_forward given out.bits writes out
 // rounded there in the same pass, bit for bit round_to_16's, out, mean and rstd unchanged, on
 // the GPU and on the CPU, in bf16 and fp16; what linear_forward then reads instead of rounding
@@ -413,6 +461,52 @@ TEST(CudaBackend, FullAttentionWritesTheContextsCopyAndReadsQkvsBits) {
       ASSERT_LE(std::abs(int{direct.ctx16[i]} - int{rounded.ctx16[i]}), 1) << "element " << i;
 #endif
     EXPECT_EQ(bits.ctx16, direct.ctx16);
+  }
+}
+
+// The full attention's backward given dctx's 16-bit copy alone (KeptIn{nullptr, bits}: what
+// the output projection's linear_backward_16 writes where ModelDims::qkv16_output) reads it as
+// its products' operand: dQKV, its copy and QKV's bias gradient bit for bit as from dctx's fp32
+// values rounded by the backward itself, one launch fewer (that rounding's), bf16 and fp16.
+TEST(CudaBackend, FullAttentionBackwardReadsDctxsCopy) {
+  SKIP_WITHOUT_GPU();
+  for (Precision p : {Precision::BF16, Precision::FP16}) {
+    SCOPED_TRACE(name_of(p));
+    const kernels::AttentionShape s{2, 40, 64, 4};
+    const int64_t n_qkv = s.B * s.T * 3 * s.C, n_c = s.B * s.T * s.C, n_p = s.B * s.NH * s.T * s.T;
+    Twin<int32_t> mask(std::vector<int32_t>(s.B * s.T, 1));
+    const kernels::Dropout d{0.1f, 5, 11, nullptr};
+    Twin<float> qkv(random_vector(n_qkv, 1)), ctx(n_c), wide(n_qkv), dctx(random_vector(n_c, 2));
+    Twin<uint16_t> qkv16(n_qkv), probs16(n_p), scratch16(n_p), ctx16(n_c), dctx16(n_c), made16(n_c);
+    kernels::AttentionSaved saved;
+    saved.probs16 = probs16.dev();
+    kernels::Workspace ws;
+    ws.attn_probs16 = scratch16.dev();
+    ws.attn_dctx16 = dctx16.dev();
+    ws.wide = wide.dev();
+    gpu().attention_forward(p, Kept{ctx.dev(), ctx16.dev()}, saved, Kept{qkv.dev(), qkv16.dev()},
+                            mask.dev(), s, d, ws);
+    gpu().round_to_16(p, made16.dev(), dctx.dev(), n_c, nullptr);
+    struct Grads {
+      std::vector<float> dqkv, dbias;
+      std::vector<uint16_t> dqkv16;
+      int64_t launches;
+    };
+    auto backward = [&](kernels::KeptIn dc) {
+      Twin<float> dqkv(n_qkv), dbias(random_vector(3 * s.C, 3));
+      Twin<uint16_t> dqkv16(n_qkv);
+      const int64_t before = cuda::device_counts().launches;
+      gpu().attention_bias_backward(p, Kept{dqkv.dev(), dqkv16.dev()}, dbias.dev(), dc,
+                                    Kept{qkv.dev(), qkv16.dev()}, saved, mask.dev(), s, d, ws);
+      const int64_t launches = cuda::device_counts().launches - before;
+      cuda::synchronize();
+      return Grads{dqkv.back(), dbias.back(), dqkv16.back(), launches};
+    };
+    const Grads rounded = backward(dctx.dev()), copy = backward({nullptr, made16.dev()});
+    EXPECT_EQ(copy.dqkv, rounded.dqkv);
+    EXPECT_EQ(copy.dqkv16, rounded.dqkv16);
+    EXPECT_EQ(copy.dbias, rounded.dbias);
+    EXPECT_EQ(copy.launches + 1, rounded.launches);
   }
 }
 

@@ -346,11 +346,19 @@ void Backend::activation_bias_backward(Precision p, Activation a, Kept dinp, flo
   rounded_column_sums(p, db, dinp, M, N);
 }
 
-void Backend::attention_bias_backward(Precision p, Kept dqkv, float* dbias, const float* dctx,
-                                      Kept qkv, AttentionSaved saved, const int32_t* mask,
+void Backend::linear_backward_16(Precision, uint16_t*, float*, float*, KeptIn, Kept, Weight,
+                                 int64_t, int64_t, int64_t, const Workspace&) const {
+  fail("linear_backward_16: the ", name(),
+       " backend writes no 16-bit product outputs (Target::writes_16bit_outputs)");
+}
+
+void Backend::attention_bias_backward(Precision p, Kept dqkv, float* dbias, KeptIn dctx, Kept qkv,
+                                      AttentionSaved saved, const int32_t* mask,
                                       const AttentionShape& s, const Dropout& d,
                                       const Workspace& ws) const {
-  attention_backward(p, dqkv.f32, dctx, qkv, saved, mask, s, d, ws);
+  BT_CHECK(dctx.f32, "attention_bias_backward: the ", name(),
+           " backend reads dctx's fp32 values (given only its 16-bit copy)");
+  attention_backward(p, dqkv.f32, dctx.f32, qkv, saved, mask, s, d, ws);
   if (!dbias && !dqkv.bits) return;
   BT_CHECK(!s.starts,
            "attention_bias_backward: variable lengths (AttentionShape::starts) leave rows "

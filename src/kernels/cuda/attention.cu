@@ -181,21 +181,23 @@ void attention_products_forward(Precision p, Kept ctx, kernels::AttentionSaved s
 }
 
 // The blocked kernel's products, or the full kernel's: dqkv (=).
-void products_backward(Precision p, float* dqkv, const float* dctx, Kept qkv,
+void products_backward(Precision p, float* dqkv, kernels::KeptIn dctx, Kept qkv,
                        kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
                        const Dropout& d, const kernels::Workspace& ws) {
   const AttentionDims g(p, s);
   const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_probs = g.n_probs;
   const bool half = p != Precision::FP32, f16 = p == Precision::FP16;
-  // Q, K, V as forward used them; dctx rounded to the 16-bit operands.
+  // Q, K, V as forward used them; dctx rounded to the 16-bit operands (unless its copy is made).
   const void* q = half ? static_cast<const void*>(qkv.bits) : qkv.f32;
-  const void* dc = dctx;
-  if (half) {
+  const void* dc = dctx.f32;
+  if (half && dctx.bits) {
+    dc = dctx.bits;
+  } else if (half) {
     BT_CHECK(ws.attn_dctx16,
              "attention_backward: the blocked products need dctx's 16-bit "
              "scratch, which a model plans only where the fused kernel does not "
              "run (BT_CUDA_FUSED_ATTENTION changed after the model was built?)");
-    round_to_16(p, ws.attn_dctx16, dctx, B * T * C);
+    round_to_16(p, ws.attn_dctx16, dctx.f32, B * T * C);
     dc = ws.attn_dctx16;
   }
   if (saved.blocked()) return blocked_backward(p, dqkv, dc, q, saved.lse, mask, s, d);
@@ -257,12 +259,16 @@ void attention_forward(Precision p, Kept kept_ctx, kernels::AttentionSaved saved
   attention_products_forward(p, kept_ctx, saved, qkv, mask, s, d, ws);
 }
 
-void attention_backward(Precision p, Kept dqkv, float* dbias, const float* dctx, Kept qkv,
+void attention_backward(Precision p, Kept dqkv, float* dbias, kernels::KeptIn dctx, Kept qkv,
                         kernels::AttentionSaved saved, const int32_t* mask, const AttentionShape& s,
                         const Dropout& d, const kernels::Workspace& ws) {
-  if (saved.blocked() && fused_attention_runs(p, s))  // (dctx rounded as it is read)
-    return fused_attention_backward(p, dqkv, dbias, dctx, qkv.bits, saved.ctx16, saved.lse, mask, s,
-                                    d);
+  BT_CHECK(dctx.f32 || (dctx.bits && p != Precision::FP32),
+           "attention_backward: no dctx (neither its fp32 values nor a 16-bit copy)");
+  if (saved.blocked() && fused_attention_runs(p, s)) {  // (dctx rounded as it is read)
+    BT_CHECK(dctx.f32, "attention_backward: the fused kernel reads dctx's fp32 values");
+    return fused_attention_backward(p, dqkv, dbias, dctx.f32, qkv.bits, saved.ctx16, saved.lse,
+                                    mask, s, d);
+  }
   BT_CHECK(!s.starts, "attention_backward: variable lengths need the fused kernel");
   products_backward(p, dqkv.f32, dctx, qkv, saved, mask, s, d, ws);
   // (the 16-bit copy and the bias gradient in one pass over dqkv)

@@ -337,6 +337,12 @@ class CudaBackend final : public kernels::Backend {
     const Op op("linear_backward");
     cuda::linear_backward(p, dinp, dw, db, dout, in, w, M, N, K, accumulate_dinp, ws);
   }
+  void linear_backward_16(Precision p, uint16_t* dinp16, float* dw, float* db, kernels::KeptIn dout,
+                          Kept in, kernels::Weight w, int64_t M, int64_t N, int64_t K,
+                          const kernels::Workspace& ws) const override {
+    const Op op("linear_backward");
+    cuda::linear_backward_16(p, dinp16, dw, db, dout, in, w, M, N, K, ws);
+  }
   void keep(Precision p, Kept x, int64_t n) const override {
     const Op op("keep");
     cuda::keep(p, x, n);
@@ -365,7 +371,7 @@ class CudaBackend final : public kernels::Backend {
     const Op op("attention_backward");
     cuda::attention_backward(p, Kept{dqkv}, nullptr, dctx, qkv, saved, mask, s, d, ws);
   }
-  void attention_bias_backward(Precision p, Kept dqkv, float* dbias, const float* dctx, Kept qkv,
+  void attention_bias_backward(Precision p, Kept dqkv, float* dbias, kernels::KeptIn dctx, Kept qkv,
                                kernels::AttentionSaved saved, const int32_t* mask,
                                const AttentionShape& s, const Dropout& d,
                                const kernels::Workspace& ws) const override {

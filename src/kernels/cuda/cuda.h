@@ -90,6 +90,11 @@ void linear_backward(Precision p, float* dinp, float* dw, float* db, kernels::Ke
 void linear_forward_16(Precision p, uint16_t* out, kernels::Kept in, kernels::Weight w,
                        const uint16_t* bias, int64_t M, int64_t N, int64_t K,
                        const kernels::Workspace& ws, void* stream = nullptr);
+// Backend::linear_backward_16: linear_backward in a 16-bit p with dinp (=) written in p's 16
+// bits alone by the product's epilogue (its fp32 sums rounded to nearest even once).
+void linear_backward_16(Precision p, uint16_t* dinp16, float* dw, float* db, kernels::KeptIn dout,
+                        kernels::Kept in, kernels::Weight w, int64_t M, int64_t N, int64_t K,
+                        const kernels::Workspace& ws);
 
 // A product over attention's (sequence, head) pairs (attention_products.h) for `pairs` pairs of
 // NH heads a sequence: one cuBLAS batched call, its pointer arrays made on the GPU (scratch's
@@ -200,11 +205,13 @@ void attention_softmax_backward(float* ds, const float* dd, const float* probs,
 // (attention.cu): the full kernel, or the blocked (flash-style) one where `saved` keeps only the
 // row log-sum-exp; the one place the GPU's attention dispatches on the precision and the kernel.
 // Backward's dbias and dqkv.bits (each may be null): the fused kernel's own, else one pass over
-// dqkv (rounded_column_sums).
+// dqkv (rounded_column_sums); dctx.bits (may be null): dctx's 16-bit copy, made by the output
+// projection's product (linear_backward_16), which the full and blocked kernels' products read
+// instead of rounding dctx.f32; the fused kernel rounds dctx.f32 as it reads it.
 void attention_forward(Precision p, kernels::Kept ctx, kernels::AttentionSaved saved,
                        kernels::Kept qkv, const int32_t* mask, const kernels::AttentionShape& s,
                        const kernels::Dropout& d, const kernels::Workspace& ws);
-void attention_backward(Precision p, kernels::Kept dqkv, float* dbias, const float* dctx,
+void attention_backward(Precision p, kernels::Kept dqkv, float* dbias, kernels::KeptIn dctx,
                         kernels::Kept qkv, kernels::AttentionSaved saved, const int32_t* mask,
                         const kernels::AttentionShape& s, const kernels::Dropout& d,
                         const kernels::Workspace& ws);

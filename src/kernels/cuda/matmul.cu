@@ -464,6 +464,30 @@ void linear_forward_16(Precision p, uint16_t* out, kernels::Kept in, kernels::We
   matmul(s, w.bits, x, out, 0.0f, bias, stream);
 }
 
+namespace {
+
+// A 16-bit linear_backward's operands: dout's copy (its producer's, or rounded here, the rounding
+// pass summing db as it reads dout: db then null) and the input's.
+struct Operands16 {
+  const uint16_t *d, *x;
+};
+Operands16 operands_16(Precision p, float*& db, kernels::KeptIn dout, kernels::Kept in, int64_t M,
+                       int64_t N, int64_t K, const kernels::Workspace& ws) {
+  Operands16 o{dout.bits, in.bits};
+  if (!o.d) {
+    rounded_column_sums(p, db, dout.f32, ws.half_a, M, N, nullptr);
+    db = nullptr;
+    o.d = ws.half_a;
+  }
+  if (!o.x) {
+    round_to_16(p, ws.half_b, in.f32, M * K);
+    o.x = ws.half_b;
+  }
+  return o;
+}
+
+}  // namespace
+
 void linear_backward(Precision p, float* dinp, float* dw, float* db, kernels::KeptIn dout,
                      kernels::Kept in, kernels::Weight w, int64_t M, int64_t N, int64_t K,
                      bool accumulate_dinp, const kernels::Workspace& ws) {
@@ -471,18 +495,22 @@ void linear_backward(Precision p, float* dinp, float* dw, float* db, kernels::Ke
     return linear_backward(p, dinp, dw, db, dout.f32, dout.f32, in.f32, w.f32, M, N, K,
                            accumulate_dinp);
   check_copy(w);
-  const uint16_t* d = dout.bits;  // (its producer's copy: no rounding pass)
-  if (!d) {                       // (the rounding pass sums the bias gradient as it reads dout)
-    rounded_column_sums(p, db, dout.f32, ws.half_a, M, N, nullptr);
-    db = nullptr;
-    d = ws.half_a;
-  }
-  const uint16_t* x = in.bits;
-  if (!x) {
-    round_to_16(p, ws.half_b, in.f32, M * K);
-    x = ws.half_b;
-  }
-  linear_backward(p, dinp, dw, db, d, dout.f32, x, w.bits, M, N, K, accumulate_dinp);
+  const Operands16 o = operands_16(p, db, dout, in, M, N, K, ws);
+  linear_backward(p, dinp, dw, db, o.d, dout.f32, o.x, w.bits, M, N, K, accumulate_dinp);
+}
+
+void linear_backward_16(Precision p, uint16_t* dinp16, float* dw, float* db, kernels::KeptIn dout,
+                        kernels::Kept in, kernels::Weight w, int64_t M, int64_t N, int64_t K,
+                        const kernels::Workspace& ws) {
+  BT_CHECK(p != Precision::FP32, "linear_backward_16: fp32 operands write fp32 outputs");
+  if (M == 0) return;
+  check_copy(w);
+  const Operands16 o = operands_16(p, db, dout, in, M, N, K, ws);
+  // dinp16^T (K x M) = w (stored K x N) . dout^T (stored N x M), in p's 16 bits
+  Shape s{p, linear_dinp_call(M, N, K), false};
+  s.out16 = true;
+  matmul(s, w.bits, o.d, dinp16, 0.0f, nullptr, nullptr);
+  linear_backward(p, nullptr, dw, db, o.d, dout.f32, o.x, w.bits, M, N, K, false);
 }
 
 }  // namespace bertrain::cuda
