@@ -137,12 +137,11 @@ Dims dims_of(const model::BertConfig& cfg, model::Head head, const model::ModelD
 
 // A column-sum pass's partial sums and tickets (matmul.cu's column_sums_of, layernorm.cu's
 // backward): `sums` rows of chunks x `columns` written, then read back by each tile's last
-// block, which adds them onto the gradients (read and written). `tiles`: a ticket each (0: one a
-// kColumnTile columns; LayerNorm's backward takes one for all its columns).
+// block, which adds them onto the gradients (read and written).
 void column_pass(std::vector<Use>& reads, std::vector<Use>& writes, double rows, double columns,
-                 int sums, const std::vector<std::string>& gradients, double tiles = 0) {
+                 int sums, const std::vector<std::string>& gradients) {
   const double chunks = static_cast<double>(kernels::column_chunks(static_cast<int64_t>(rows)));
-  if (tiles == 0) tiles = std::ceil(columns / static_cast<double>(kernels::kColumnTile));
+  const double tiles = std::ceil(columns / static_cast<double>(kernels::kColumnTile));
   writes.push_back(whole("partial", sums * chunks * columns * kF));
   reads.push_back(read_back("partial", sums * chunks * columns * kF));
   for (const std::string& g : gradients) {
@@ -160,7 +159,7 @@ void layernorm_backward(Kernels& k, double rows, double C, const std::string& do
   std::vector<Use> reads = {whole(dout, rows * C * kF), whole(in, rows * C * kF),
                             whole("gamma", C * kF), whole("mean", 2 * rows * kF)},
                    writes = {whole(dinp, rows * C * kF)};
-  column_pass(reads, writes, rows, C, 2, {"dgamma", "dbeta"}, 1);
+  column_pass(reads, writes, rows, C, 2, {"dgamma", "dbeta"});
   k.run("layernorm_backward_kernel", reads, writes);
 }
 
@@ -269,7 +268,7 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
                                g.half ? whole("dB16", N * C * h) : whole("dB", N * C * kF)};
     std::vector<Use> reads = {whole(dout, N * C * kF), whole(in, N * C * kF),
                               whole("gamma", C * kF), whole("mean", N * kF), whole("rstd", N * kF)};
-    column_pass(reads, writes, N, C, 3, {"dgamma", "dbeta", "dbias"}, 1);
+    column_pass(reads, writes, N, C, 3, {"dgamma", "dbeta", "dbias"});
     k.run("layernorm_backward_kernel", reads, writes);
   };
   layernorm_backward("dh", "ffn_res", "dA");

@@ -54,14 +54,16 @@ __global__ void embedding_layernorm_kernel(float* out, float* sum, float* mean, 
 // block's to read), its threads a column each over the chunk's rows in order: the partial sums
 // of dgamma into partial[chunk * C + c], of dbeta into partial[(chunks + chunk) * C + c] and,
 // where dbias is given, of ddropped into partial[(2 chunks + chunk) * C + c]. The last block to
-// finish (column_tickets.cuh: a ticket a launch) adds the chunks in order onto the gradients.
+// finish with a tile of columns (column_tickets.cuh: a ticket a tile) adds the tile's chunks in
+// order onto the gradients.
 // The chunks and their order are column_sums' (matmul.cu): dbias is linear_backward's bias
 // gradient of ddropped bit for bit.
 // - The column pass reads the rows the block has just read and written (its chunk's 32 rows,
 //   more past 8192 rows: from the L2 cache on a GPU).
-// - The last block's tail adds 3 x chunks x C partial sums alone (1.5 MB at BERT-Large's 4096
-//   rows, 128 chunks): the price of one launch, where NVIDIA's Apex LayerNorm takes a second
-//   kernel for the columns (issue 44 counts launches; no GPU has timed the two yet).
+// - The tail adds 3 x chunks x C partial sums (1.5 MB at BERT-Large's 4096 rows, 128 chunks),
+//   a tile's by one block: up to 4 blocks at once for 1024 columns, where blocks finish
+//   together; the price of one launch, where NVIDIA's Apex LayerNorm takes a second kernel for
+//   the columns (issue 44 counts launches; no GPU has timed the two yet).
 // - ddropped null with ddropped16 given: the copy alone is written (where nothing reads
 //   ddropped's fp32 values), dbias summing the dropout's gradient recomputed from dinp (the same
 //   values, the same bits).
@@ -71,7 +73,7 @@ constexpr unsigned kBackwardThreads = 1024;
 __global__ void __launch_bounds__(kBackwardThreads)
     layernorm_backward_kernel(float* dinp, float* ddropped, uint16_t* ddropped16, Precision o,
                               float* dgamma, float* dbeta, float* dbias, float* partial,
-                              unsigned* ticket, const float* dout, const float* in,
+                              unsigned* tickets, const float* dout, const float* in,
                               const float* gamma, const float* mean, const float* rstd, int64_t N,
                               int64_t C, int64_t per, bool accumulate, float p, uint64_t key,
                               uint64_t offset, const int32_t* rows) {
@@ -109,11 +111,20 @@ __global__ void __launch_bounds__(kBackwardThreads)
       d[c] = sum;
     }
   }
-  if (!last_ticket(ticket, static_cast<unsigned>(chunks))) return;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    add_chunks(dgamma, partial, chunks, C, c);
-    add_chunks(dbeta, partial + chunks * C, chunks, C, c);
-    if (dbias) add_chunks(dbias, partial + 2 * chunks * C, chunks, C, c);
+  // The tail, a tile of kColumnTile columns at a time: the block takes every tile's ticket, from
+  // tile (chunk mod tiles) on, so that blocks finishing together take the last tickets of
+  // different tiles, and adds the chunks of each tile whose last ticket it took (a thread a
+  // (gradient, column) pair).
+  const int64_t tiles = (C + kColumnTile - 1) / kColumnTile, grads = dbias ? 3 : 2;
+  for (int64_t j = 0; j < tiles; ++j) {
+    const int64_t tile = (chunk + j) % tiles;
+    if (!last_ticket(tickets + tile, static_cast<unsigned>(chunks))) continue;
+    const int64_t c0 = tile * kColumnTile, width = C - c0 < kColumnTile ? C - c0 : kColumnTile;
+    for (int64_t q = threadIdx.x; q < grads * width; q += blockDim.x) {
+      const int64_t which = q / width, c = c0 + q % width;
+      float* out = which == 0 ? dgamma : which == 1 ? dbeta : dbias;
+      add_chunks(out, partial + which * chunks * C, chunks, C, c);
+    }
   }
 }
 
@@ -181,8 +192,9 @@ void layernorm_dropout_backward(Precision p, float* dinp, kernels::Kept ddropped
   auto* partial = static_cast<float*>(scratch(kColumnSumsSlot, sums * chunks * C * sizeof(float)));
   BT_LAUNCH(layernorm_backward_kernel, static_cast<unsigned>(chunks), kBackwardThreads, 0,
             as_stream(stream))
-  (dinp, ddropped.f32, bits, p, dgamma, dbeta, dbias, partial, column_tickets(1), dout, in, gamma,
-   mean, rstd, N, C, per, accumulate_dinp, d.p, d.key, d.offset, d.rows);
+  (dinp, ddropped.f32, bits, p, dgamma, dbeta, dbias, partial,
+   column_tickets(blocks_for(C, kColumnTile)), dout, in, gamma, mean, rstd, N, C, per,
+   accumulate_dinp, d.p, d.key, d.offset, d.rows);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
