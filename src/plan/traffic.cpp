@@ -93,7 +93,6 @@ constexpr double kF = 4;  // an fp32 value's bytes
 
 // The step's dimensions as the kernels see them.
 struct Dims {
-  Precision p;
   bool half, fp16, fused, qkv16_output;
   double h;  // the products' operand bytes: 2 in bf16 and fp16, 4 in fp32
   double R, T, N, C, I, NH, S, head, BP, Vr, P;
@@ -105,7 +104,6 @@ struct Dims {
 
 Dims dims_of(const model::BertConfig& cfg, model::Head head, const model::ModelDims& d) {
   Dims g;
-  g.p = d.precision;
   g.half = d.precision != Precision::FP32;
   g.fp16 = d.precision == Precision::FP16;
   g.fused = d.fused_attention;
