@@ -104,7 +104,7 @@ TEST(Cli, EstimatePlansAGpuRunWithoutAGpu) {
 // --device cuda --explain adds the traffic model (plan/traffic.h; checked kernel by kernel
 // against the emulated device in CudaCounts.TheBytesEachKernelTouchesAreTheModels): BERT-Large's
 // step at 128 tokens in bf16, its kernels with their launches, bytes and products, the step's
-// totals (771 launches: 30 a layer and the embeddings', heads' and update's 51; an H200 counted
+// totals (723 launches: 28 a layer and the embeddings', heads' and update's 51; an H200 counted
 // 894 on real data with 35 a layer, and the [MASK] row of real data adds an
 // embedding_sums_kernel launch) and the time they predict on an H200. A head it does not model
 // says so.
@@ -116,7 +116,7 @@ TEST(Cli, EstimateExplainsTheGpuStepsTraffic) {
   for (const char* want :
        {"GPU traffic model (bf16)", "cublasLtMatmul", "attention_softmax_kernel",
         "layernorm_backward_kernel", "adamw_many_kernel", "cudaMemsetAsync",
-        "step: 771 launches (memsets apart)", "predicted on cuBLASLt measured on an H200"})
+        "step: 723 launches (memsets apart)", "predicted on cuBLASLt measured on an H200"})
     EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
   r = run(base + " --attention blocked");  // (fused, and train's LAMB)
   ASSERT_EQ(r.rc, 0) << r.out;

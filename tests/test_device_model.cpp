@@ -717,10 +717,9 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
           EXPECT_EQ(l.part[cuda::kAttentionDroppedSlot], precision == 0 ? probs : 0);
           EXPECT_EQ(l.part[cuda::kAttentionGradSlot], probs);
         }
-        // 3 pointers a (sequence, head) pair and product: the full kernel's backward makes its 4
-        // products' at once, the blocked kernel's one at a time.
-        EXPECT_EQ(l.part[cuda::kAttentionPointersSlot],
-                  fused ? 0 : (blocked ? 1 : 4) * 3 * 8 * 4 * 8);
+        // 3 pointers a (sequence, head) pair and product, 4 products a table (the full kernel's
+        // backward makes its 4 products' at once), 64 tables kept (cuda.h, pair_pointers).
+        EXPECT_EQ(l.part[cuda::kAttentionPointersSlot], fused ? 0 : 64 * 4 * 3 * 8 * 4 * 8);
         EXPECT_EQ(l.part[cuda::kReductionSlot], 2 * 1024 * 8);
         EXPECT_EQ(l.part[cuda::kCrossEntropySlot], 2 * 8 * T * 4);
         const model::ParamTable table(c, model::Head::Pretraining);  // the optimizer's tensors

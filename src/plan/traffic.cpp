@@ -220,7 +220,7 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
             {whole("qkv16", N * 3 * C * h), whole("qkv", N * 3 * C * kF)});
     else if (g.half && !g.qkv16_output)
       k.run(g.keep_kernel, {whole("qkv", N * 3 * C * kF)}, {whole("qkv16", N * 3 * C * h)});
-    k.run("pair_pointers_kernel", {}, {whole("pointers", 2 * pointers)});
+    // (the batched products' pointer tables: made in the first step, kept: pair_pointers)
     k.run("cublasGemmBatchedEx",
           {slice(qkvh, N * C * h, N * 3 * C * h), slice(qkvh, N * C * h, N * 3 * C * h),
            whole("pointers", pointers)},
@@ -310,7 +310,6 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
     const bool dropped = g.half || g.dropout_attn > 0;
     if (dropped) k.run(g.dropped_kernel, {whole("probs", S * h)}, {whole("dropped", S * h)});
     const std::string p = dropped ? "dropped" : "probs";
-    k.run("pair_pointers_kernel", {}, {whole("pointers", 4 * pointers)});
     const double qkv_extent = N * 3 * C * h, dqkv_extent = N * 3 * C * kF;
     const Use ptrs = whole("pointers", pointers);
     k.run("cublasGemmBatchedEx", {whole(p, S * h), whole(dctx, N * C * h), ptrs},  // dV

@@ -9,7 +9,8 @@
 // writes once (an in-place update in both), as a GPU moves them when its caches keep what a
 // kernel reads again (the fused attention's K and V tiles, a product's operand tiles); an
 // operand read as a strided slice (Q, K or V out of the QKV rows) counts its slice's bytes.
-// Memsets (zeroing the gradients and dh) are rows of their own, not kernels.
+// Memsets (zeroing the gradients and dh) are rows of their own, not kernels. A step after the
+// first: the full attention's pointer tables (cuda.h, pair_pointers) are made once and kept.
 #pragma once
 
 #include <string>

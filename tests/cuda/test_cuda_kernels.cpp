@@ -1,5 +1,6 @@
 // CUDA kernels against the CPU kernels (the oracle). Built with -DBERTRAIN_CUDA=ON; every test
 // skips when no GPU is present, so the CUDA build passes on CPU-only CI.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -11,6 +12,7 @@
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/optimizer.h"
+#include "kernels/cuda/attention_products.h"
 #include "kernels/cuda/cuda.h"
 #include "kernels/row_math.h"
 #include "test_util.h"
@@ -561,6 +563,66 @@ TEST(Cuda, GatedOptimizerEqualsTheMeasuredOne) {
           EXPECT_EQ(got16, p16);
         }
       }
+}
+
+// The attention products' pointer tables (cuda.h, pair_pointers) are kept: the same pairs, heads
+// and operands again find their table (no launch, the same pointers); other operands make
+// another; a new scratch binding, or tables of another size, make them again; with more than
+// kPairTables tables the least recently used is remade. Every table read back holds what
+// PairOperand::of gives.
+TEST(Cuda, PairPointerTablesAreKept) {
+  SKIP_WITHOUT_GPU();
+  kernels::ScratchLayout own;  // (a binding of this test's own)
+  own.caller = 128;
+  cuda::bind_scratch(nullptr, own);
+  const auto product = [](uintptr_t base) {
+    cuda::PairProduct p{};
+    p.a = {reinterpret_cast<const void*>(base), 4096, 64, 2};
+    p.b = {reinterpret_cast<const void*>(base + 0x100000), 4096, 64, 2};
+    p.c = {reinterpret_cast<const void*>(base + 0x200000), 2048, 32, 4};
+    return p;
+  };
+  const auto made = [](int64_t pairs, int64_t NH, const std::vector<cuda::PairProduct>& p) {
+    const int64_t before = cuda::device_counts().launches;
+    const cuda::PairPointers at =
+        cuda::pair_pointers(pairs, NH, p.data(), static_cast<int64_t>(p.size()));
+    const int64_t launches = cuda::device_counts().launches - before;
+    std::vector<const void*> got(3 * p.size() * pairs);
+    cuda::synchronize();
+    EXPECT_EQ(cudaMemcpy(got.data(), at.base, got.size() * sizeof(void*), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (size_t j = 0; j < p.size(); ++j)
+      for (int64_t k = 0; k < pairs; ++k) {
+        const size_t at_j = 3 * pairs * j;
+        EXPECT_EQ(got[at_j + k], p[j].a.of(k, NH)) << j << " " << k;
+        EXPECT_EQ(got[at_j + pairs + k], p[j].b.of(k, NH)) << j << " " << k;
+        EXPECT_EQ(got[at_j + 2 * pairs + k], p[j].c.of(k, NH)) << j << " " << k;
+      }
+    return std::pair<void**, int64_t>{at.base, launches};
+  };
+  const std::vector<cuda::PairProduct> forward = {product(0x10000000), product(0x11000000)},
+                                       other = {product(0x10000000), product(0x12000000)};
+  const auto first = made(6, 3, forward);
+  EXPECT_EQ(first.second, 1);
+  EXPECT_EQ(made(6, 3, forward), std::make_pair(first.first, int64_t{0}));
+  const auto second = made(6, 3, other);
+  EXPECT_EQ(second.second, 1);
+  EXPECT_NE(second.first, first.first);
+  EXPECT_EQ(made(6, 3, forward).second, 0);
+  EXPECT_EQ(made(6, 2, forward).second, 1) << "other heads: other pointers";
+  cuda::bind_scratch(nullptr, own);
+  EXPECT_EQ(made(6, 3, forward).second, 0) << "the same binding again (a model's every pass)";
+  kernels::ScratchLayout other_layout;
+  other_layout.caller = 64;
+  cuda::bind_scratch(nullptr, other_layout);
+  EXPECT_EQ(made(6, 3, forward).second, 1) << "another binding keeps no table";
+  EXPECT_EQ(made(4, 2, forward).second, 1);
+  EXPECT_EQ(made(6, 3, forward).second, 1) << "tables of another size overlap: made again";
+  // kPairTables more tables: the first, the least recently used, is made again.
+  for (int64_t i = 1; i <= cuda::kPairTables; ++i)
+    EXPECT_EQ(made(6, 3, {product(0x20000000 + i * 0x1000000)}).second, 1);
+  EXPECT_EQ(made(6, 3, forward).second, 1);
+  EXPECT_EQ(made(6, 3, {product(0x20000000 + cuda::kPairTables * 0x1000000)}).second, 0);
 }
 
 // cuBLASLt's linear layers against the CPU's fp32 products. 16-bit operands: the oracle is the

@@ -30,6 +30,10 @@ struct PairOperand {
 // The most products whose pointer arrays are made at once (cuda.h, pair_pointers): backward's
 // four.
 constexpr int64_t kMaxPairProducts = 4;
+// The pointer tables kept (cuda.h, pair_pointers), each of 3 x kMaxPairProducts pointers a
+// pair: two a layer (forward's, backward's), so BERT-Large's 24 layers make none after the
+// first step.
+constexpr int64_t kPairTables = 64;
 
 // Row-major C_k = alpha op(A_k) op(B_k) for every pair k (fp32 C, or the 16-bit operands' type
 // where c.bytes is 2; overwritten, or added to with accumulate).

@@ -102,8 +102,12 @@ void linear_backward_16(Precision p, uint16_t* dinp16, float* dw, float* db, ker
 void gemm_pairs(Precision o, int64_t pairs, int64_t NH, const PairProduct& p,
                 void* stream = nullptr);
 // The pointer arrays of `count` (at most kMaxPairProducts) such products made in one launch
-// (scratch's attention-pointers part, valid until the next call), and product j of them run:
-// a pass's products share one launch for their pointers (forward's two, backward's four).
+// (scratch's attention-pointers part), and product j of them run: a pass's products share one
+// launch for their pointers (forward's two, backward's four). The part keeps kPairTables tables
+// (attention_products.h): the same pairs, heads and operands as a table made since the scratch
+// was bound find that table, no launch (a model's arenas keep their addresses, so a step after
+// the first makes none); else the least recently used table is made again. Valid until
+// kPairTables other tables are made (what the stream runs before then reads it as it was).
 struct PairPointers {
   void** base = nullptr;
   int64_t pairs = 0, count = 0;
@@ -259,6 +263,10 @@ void* scratch(int slot, size_t bytes);
 // The region of a scratch_layout (scratch.h) the calling thread's kernels take their scratch
 // from; null: none.
 void bind_scratch(void* region, const kernels::ScratchLayout& layout);
+// Which binding the calling thread's scratch is: a number bind_scratch changes when it binds
+// another region or layout (a model binds its own before each pass: the same; freed, it binds
+// none). What scratch keeps from call to call, the attention's pointer tables, is a binding's.
+uint64_t scratch_binding();
 // Bytes of the buffers scratch() grew of its own so far (this process, all threads).
 int64_t unplanned_scratch_bytes();
 

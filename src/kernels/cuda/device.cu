@@ -58,6 +58,7 @@ namespace {
 struct Binding {
   std::byte* base = nullptr;
   kernels::ScratchLayout layout;
+  uint64_t generation = 0;  // how many times bind_scratch changed the binding
 };
 // The calling host thread's: it launches the kernels (a process may run a model per GPU, one
 // thread each).
@@ -67,7 +68,17 @@ std::atomic<int64_t> g_unplanned{0};
 }  // namespace
 
 void bind_scratch(void* region, const kernels::ScratchLayout& layout) {
-  g_binding = {static_cast<std::byte*>(region), layout};
+  const Binding& b = g_binding;
+  bool same =
+      b.base == region && b.layout.threads == layout.threads && b.layout.caller == layout.caller;
+  for (int i = 0; i < kernels::ScratchLayout::kParts; ++i)
+    same = same && b.layout.part[i] == layout.part[i];
+  // (a model binds its region before each pass: the same binding; a model freed binds none)
+  g_binding = {static_cast<std::byte*>(region), layout, same ? b.generation : b.generation + 1};
+}
+
+uint64_t scratch_binding() {
+  return g_binding.generation;
 }
 
 void* scratch(int slot, size_t bytes) {

@@ -289,19 +289,62 @@ cublasHandle_t blas_handle() {
 
 }  // namespace
 
+namespace {
+
+bool same(const PairOperand& x, const PairOperand& y) {
+  return x.base == y.base && x.per_sequence == y.per_sequence && x.per_head == y.per_head &&
+         x.bytes == y.bytes;
+}
+
+// The tables the calling thread made (pair_pointers): what each holds, made in which binding of
+// the scratch and part, at which stride (tables of another stride would overlap: one stride at a
+// time), and when last used.
+struct PairTable {
+  uint64_t binding = 0;
+  void** part = nullptr;
+  int64_t stride = 0, pairs = 0, NH = 0, count = 0;
+  PairOperands o{};
+  uint64_t used = 0;  // 0: none made
+  bool holds(uint64_t bound, void** at, int64_t s, int64_t n, int64_t heads, int64_t k,
+             const PairOperands& x) const {
+    if (used == 0 || binding != bound || part != at || stride != s || pairs != n || NH != heads ||
+        count != k)
+      return false;
+    for (int64_t j = 0; j < k; ++j)
+      if (!same(o.a[j], x.a[j]) || !same(o.b[j], x.b[j]) || !same(o.c[j], x.c[j])) return false;
+    return true;
+  }
+};
+thread_local PairTable t_tables[kPairTables];
+thread_local uint64_t t_uses = 0;
+
+}  // namespace
+
 PairPointers pair_pointers(int64_t pairs, int64_t NH, const PairProduct* p, int64_t count,
                            void* stream) {
   BT_CHECK(count >= 1 && count <= kMaxPairProducts, "pair_pointers: ", count, " products");
-  PairPointers at{
-      static_cast<void**>(scratch(kAttentionPointersSlot, 3 * count * pairs * sizeof(void*))),
-      pairs, count};
-  if (pairs == 0) return at;
+  const int64_t stride = 3 * kMaxPairProducts * pairs;  // (pointers a table)
+  auto* part = static_cast<void**>(
+      scratch(kAttentionPointersSlot, kPairTables * stride * int64_t{sizeof(void*)}));
+  if (pairs == 0) return {part, pairs, count};
   PairOperands o{};
   for (int64_t j = 0; j < count; ++j) {
     o.a[j] = p[j].a;
     o.b[j] = p[j].b;
     o.c[j] = p[j].c;
   }
+  const uint64_t bound = scratch_binding();
+  PairTable* oldest = &t_tables[0];
+  for (PairTable& t : t_tables) {
+    if (t.holds(bound, part, stride, pairs, NH, count, o)) {
+      t.used = ++t_uses;
+      return {part + (&t - t_tables) * stride, pairs, count};
+    }
+    if (t.binding != bound || t.part != part || t.stride != stride) t.used = 0;  // (overlapping)
+    if (t.used < oldest->used) oldest = &t;
+  }
+  *oldest = PairTable{bound, part, stride, pairs, NH, count, o, ++t_uses};
+  const PairPointers at{part + (oldest - t_tables) * stride, pairs, count};
   constexpr unsigned kThreads = 256;
   BT_LAUNCH(pair_pointers_kernel, blocks_for(pairs * count, kThreads), kThreads, 0,
             as_stream(stream))

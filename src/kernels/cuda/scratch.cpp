@@ -34,9 +34,9 @@ kernels::ScratchLayout scratch_layout(const kernels::KernelShapes& k) {
     part(kAttentionGradSlot) = block_values(a) * int64_t{sizeof(float)};
     part(kAttentionDroppedSlot) = 2 * block_operand_bytes(a, el);
   }
-  if (a.B > 0 && !fused)  // (the full kernel's backward makes its four products' arrays at once)
+  if (a.B > 0 && !fused)  // (kPairTables tables kept, each for up to four products' arrays)
     part(kAttentionPointersSlot) =
-        3 * (attention ? kMaxPairProducts : 1) * a.B * a.NH * int64_t{sizeof(void*)};
+        kPairTables * 3 * kMaxPairProducts * a.B * a.NH * int64_t{sizeof(void*)};
   part(kMatmulWorkspaceSlot) = k.num_linears > 0 ? static_cast<int64_t>(kMatmulWorkspaceBytes) : 0;
   part(kMultiTensorSlot) = multi_tensor_bytes(k.parameters, k.tensors);
   // (LayerNorm's: dgamma, dbeta and the bias gradient of the projection before it)
