@@ -429,16 +429,24 @@ BT_HOST_DEVICE inline float lamb_direction(const LambStep& a, float p, float m, 
 
 // LAMB's first pass on element i: the moments, and the direction (returned; its square and
 // p's go into the tensor's norms).
+BT_HOST_DEVICE inline float lamb_moment_values(const LambStep& a, float g, float p, float& m,
+                                               float& v) {
+  adam_moment_values(g * a.gscale, a.beta1, a.beta2, m, v);
+  return lamb_direction(a, p, m, v);
+}
 BT_HOST_DEVICE inline float lamb_moments(const LambStep& a, const float* p, const float* g,
                                          float* m, float* v, int64_t i) {
-  adam_moments(g[i] * a.gscale, a.beta1, a.beta2, m, v, i);
-  return lamb_direction(a, p[i], m[i], v[i]);
+  return lamb_moment_values(a, g[i], p[i], m[i], v[i]);
 }
 
 // LAMB's second pass on element i: p -= step * u (step = lr x the tensor's trust ratio).
+BT_HOST_DEVICE inline void lamb_apply_value(const LambStep& a, float& p, float m, float v,
+                                            float step) {
+  p -= step * lamb_direction(a, p, m, v);
+}
 BT_HOST_DEVICE inline void lamb_apply(const LambStep& a, float* p, uint16_t* p16, const float* m,
                                       const float* v, int64_t i, float step) {
-  p[i] -= step * lamb_direction(a, p[i], m[i], v[i]);
+  lamb_apply_value(a, p[i], m[i], v[i], step);
   if (p16) p16[i] = weight_copy_16(a.f16_copy, p[i]);
 }
 

@@ -242,10 +242,9 @@ __global__ void lamb_moments_many_kernel(double* partial, StepKinds<kernels::Lam
   MomentTurn r(p, g, m, v, t, c);
   chunk_turns(
       c.n, [&](int64_t i, int k) { r.load(i, k); },
-      [&](int64_t i, int k) {  // (rm::lamb_moments on the values)
-        rm::adam_moment_values(r.g[k] * a.gscale, a.beta1, a.beta2, r.m[k], r.v[k]);
+      [&](int64_t i, int k) {
+        const float u = rm::lamb_moment_values(a, r.g[k], r.p[k], r.m[k], r.v[k]);
         r.store_moments(i, k);
-        const float u = rm::lamb_direction(a, r.p[k], r.m[k], r.v[k]);
         pn += static_cast<double>(r.p[k]) * r.p[k];
         un += static_cast<double>(u) * u;
       });
@@ -292,8 +291,8 @@ __global__ void lamb_apply_many_kernel(StepKinds<kernels::LambStep> steps, const
         rm_[k] = M[i];
         rv[k] = V[i];
       },
-      [&](int64_t i, int k) {  // (rm::lamb_apply on the values)
-        rp[k] -= step * rm::lamb_direction(a, rp[k], rm_[k], rv[k]);
+      [&](int64_t i, int k) {
+        rm::lamb_apply_value(a, rp[k], rm_[k], rv[k], step);
         P[i] = rp[k];
         if (P16) P16[i] = rm::weight_copy_16(a.f16_copy, rp[k]);
       });
