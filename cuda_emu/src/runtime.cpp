@@ -24,6 +24,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "runtime.h"
@@ -47,11 +48,25 @@ struct Op {
   const char* what = "";
 };
 
+// A stream capture in progress (cudaStreamBeginCapture): the work issued to the stream, in order,
+// or why the capture was invalidated (guarded by g_capture_mu).
+struct Node {
+  const char* what = "";
+  std::function<void()> work;
+};
+struct Capture {
+  std::vector<Node> nodes;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+  std::thread::id thread;
+  std::string invalid;  // why a call invalidated it; "" while valid
+};
+
 struct Stream {
   Device* device = nullptr;
   bool legacy = false, blocking = true;
   std::deque<Op> ops;
   bool destroyed = false;
+  std::shared_ptr<Capture> capture;  // while capturing (g_capture_mu)
   uint64_t issued = 0, demanded = 0;
   std::atomic<uint64_t> completed{0};
 };
@@ -67,7 +82,15 @@ struct CUevent_st {
   cuda_emu::Stream* stream = nullptr;  // the latest record's
   uint64_t seq = 0;
   bool timing = true;
-  double ms = 0;  // when the latest record ran
+  double ms = 0;                                // when the latest record ran
+  std::shared_ptr<cuda_emu::Capture> captured;  // recorded into this capture (g_capture_mu)
+};
+
+struct CUgraph_st {
+  std::vector<cuda_emu::Node> nodes;
+};
+struct CUgraphExec_st {
+  std::shared_ptr<const std::vector<cuda_emu::Node>> nodes;
 };
 
 namespace cuda_emu {
@@ -336,6 +359,21 @@ cudaError_t check_copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
                                               " bytes " + kind_name(kind) + ": " + why);
 }
 
+// The streams capturing now, every device's.
+std::mutex g_capture_mu;
+std::vector<Stream*> g_capturing;
+
+const char* mode_name(cudaStreamCaptureMode m) {
+  return m == cudaStreamCaptureModeGlobal        ? "global"
+         : m == cudaStreamCaptureModeThreadLocal ? "thread-local"
+                                                 : "relaxed";
+}
+
+// Invalidates the capture with why (g_capture_mu held); the first reason is kept.
+void invalidate(Capture& c, const std::string& why) {
+  if (c.invalid.empty()) c.invalid = why;
+}
+
 }  // namespace
 
 cudaError_t set_error(cudaError_t e, const std::string& detail) {
@@ -380,9 +418,64 @@ cudaError_t refuse_destroyed(const Stream* st, const char* what) {
                        : cudaSuccess;
 }
 
+// A call a capture forbids ("potentially unsafe": it allocates, frees or waits for the device):
+// refused with cudaErrorStreamCaptureUnsupported, and each capture it breaks invalidated, while
+// the calling thread captures (not in relaxed mode) or another thread captures in global mode.
+cudaError_t refuse_in_capture(const char* call) {
+  std::lock_guard<std::mutex> lock(g_capture_mu);
+  const std::thread::id self = std::this_thread::get_id();
+  std::string which;
+  for (Stream* st : g_capturing) {
+    Capture& c = *st->capture;
+    const bool mine = c.thread == self;
+    if (mine ? c.mode == cudaStreamCaptureModeRelaxed : c.mode != cudaStreamCaptureModeGlobal)
+      continue;
+    invalidate(c, std::string(call) + " while " + (mine ? "this" : "another") +
+                      " thread's stream captured (" + mode_name(c.mode) + " mode)");
+    which = c.invalid;
+  }
+  if (which.empty()) return cudaSuccess;
+  return set_error(cudaErrorStreamCaptureUnsupported,
+                   std::string(call) + " is not allowed while a stream captures: " + which);
+}
+
+namespace {
+// A capturing stream's refusal of a call that would wait for it (a synchronize or a query of the
+// stream, a copy that stages pageable memory), or of work on the legacy stream while a blocking
+// stream of its device captures (which would order the two): the capture invalidated.
+cudaError_t refuse_capturing(Stream* st, const char* call) {
+  std::lock_guard<std::mutex> lock(g_capture_mu);
+  if (st->capture) {
+    invalidate(*st->capture, std::string(call) + " on the capturing stream");
+    return set_error(cudaErrorStreamCaptureUnsupported,
+                     std::string(call) + " on a capturing stream: " + st->capture->invalid);
+  }
+  if (!st->legacy) return cudaSuccess;
+  for (Stream* c : g_capturing)
+    if (c->device == st->device && c->blocking) {
+      invalidate(*c->capture,
+                 std::string(call) + " on the legacy stream while a blocking stream captured");
+      return set_error(cudaErrorStreamCaptureImplicit, c->capture->invalid);
+    }
+  return cudaSuccess;
+}
+}  // namespace
+
 cudaError_t enqueue(cudaStream_t s, const char* what, std::function<void()> work) {
   Stream* st = stream_of(s);
   if (cudaError_t e = refuse_destroyed(st, what)) return e;
+  {
+    // Captured: recorded for the graph's launches, in the order issued.
+    std::lock_guard<std::mutex> lock(g_capture_mu);
+    if (Capture* c = st->capture.get()) {
+      if (!c->invalid.empty())
+        return set_error(cudaErrorStreamCaptureInvalidated,
+                         std::string(what) + " on an invalidated capture: " + c->invalid);
+      c->nodes.push_back({what, std::move(work)});
+      return cudaSuccess;
+    }
+  }
+  if (cudaError_t e = refuse_capturing(st, what)) return e;
   Device& d = *st->device;
   std::lock_guard<std::mutex> lock(d.mu);
   if (d.sticky != cudaSuccess) return d.sticky;
@@ -424,7 +517,7 @@ void launch_kernel(const char* name, dim3 grid, dim3 block, size_t shared, CUstr
 }
 
 namespace {
-std::atomic<int64_t> g_kernels{0}, g_library_calls{0}, g_host_waits{0};
+std::atomic<int64_t> g_kernels{0}, g_library_calls{0}, g_host_waits{0}, g_graph_launches{0};
 // CUDA_EMU_TRACE=1: each counted event on stderr as it is issued (cuda_emu/README.md).
 const bool g_trace = [] {
   const char* e = std::getenv("CUDA_EMU_TRACE");
@@ -440,12 +533,16 @@ void count_library_call(const char* name) {
   ++g_library_calls;
   if (g_trace) std::fprintf(stderr, "cuda_emu: library %s\n", name);
 }
+void count_graph_launch() {
+  ++g_graph_launches;
+  if (g_trace) std::fprintf(stderr, "cuda_emu: graph launch\n");
+}
 void count_host_wait(const char* call) {
   ++g_host_waits;
   if (g_trace) std::fprintf(stderr, "cuda_emu: host wait %s\n", call);
 }
 Counts counts() {
-  return {g_kernels.load(), g_library_calls.load(), g_host_waits.load()};
+  return {g_kernels.load(), g_library_calls.load(), g_host_waits.load(), g_graph_launches.load()};
 }
 
 // The emulated NCCL (libnccl.so.2 beside this library) loaded with the runtime, so that the
@@ -508,6 +605,7 @@ cudaError_t cudaDeviceGetPCIBusId(char* bus, int len, int d) {
 }
 
 cudaError_t cudaDeviceSynchronize() {
+  if (cudaError_t e = cuda_emu::refuse_in_capture(__func__)) return e;
   cuda_emu::count_host_wait(__func__);
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   return cuda_emu::current_dev().synchronize();
@@ -605,6 +703,7 @@ const char* cudaGetErrorString(cudaError_t e) {
 cudaError_t cudaMalloc(void** p, size_t bytes) {
   *p = nullptr;
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
+  if (cudaError_t e = cuda_emu::refuse_in_capture(__func__)) return e;
   if (bytes == 0) return cudaSuccess;
   Device& d = cuda_emu::current_dev();
   {
@@ -628,8 +727,9 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 }
 
 cudaError_t cudaFree(void* p) {
-  cuda_emu::count_host_wait(__func__);
   if (!p) return cudaSuccess;
+  if (cudaError_t e = cuda_emu::refuse_in_capture(__func__)) return e;
+  cuda_emu::count_host_wait(__func__);
   int dev = -1;
   size_t bytes = 0;
   {
@@ -650,6 +750,7 @@ cudaError_t cudaFree(void* p) {
 }
 
 cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) {
+  if (cudaError_t e = cuda_emu::refuse_in_capture(__func__)) return e;
   if (posix_memalign(p, 4096, std::max<size_t>(bytes, 1)) != 0)
     return set_error(cudaErrorMemoryAllocation, "page-locked host memory");
   std::lock_guard<std::mutex> lock(cuda_emu::g_memory_mu);
@@ -662,8 +763,9 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
 }
 
 cudaError_t cudaFreeHost(void* p) {
-  cuda_emu::count_host_wait(__func__);
   if (!p) return cudaSuccess;
+  if (cudaError_t e = cuda_emu::refuse_in_capture(__func__)) return e;
+  cuda_emu::count_host_wait(__func__);
   {
     std::lock_guard<std::mutex> lock(cuda_emu::g_memory_mu);
     auto it = cuda_emu::g_memory.find(reinterpret_cast<uintptr_t>(p));
@@ -696,6 +798,13 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
                             cudaStream_t s) {
   if (cudaError_t e = cuda_emu::check_copy(dst, src, bytes, kind, "cudaMemcpyAsync")) return e;
   if (bytes == 0) return cudaSuccess;
+  const bool pageable = (!cuda_emu::is_device(src) && !cuda_emu::is_pinned(src, bytes)) ||
+                        (!cuda_emu::is_device(dst) && !cuda_emu::is_pinned(dst, bytes));
+  if (pageable) {  // (the host waits for the stream: no capture can hold the copy)
+    if (cudaError_t e = cuda_emu::refuse_capturing(cuda_emu::stream_of(s),
+                                                   "cudaMemcpyAsync of pageable host memory"))
+      return e;
+  }
   if (!cuda_emu::is_device(src) && !cuda_emu::is_pinned(src, bytes)) {
     // CUDA's API synchronisation behaviour: a copy from pageable memory may first wait for the
     // stream before it stages the data; the emulator does (and counts it as a host wait).
@@ -717,6 +826,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  if (cudaError_t e = cuda_emu::refuse_in_capture(__func__)) return e;
   if (cudaError_t e = cuda_emu::check_copy(dst, src, bytes, kind, "cudaMemcpy")) return e;
   if (bytes == 0) return cudaSuccess;
   if (cudaError_t e =
@@ -734,6 +844,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
 }
 
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+  if (cudaError_t e = cuda_emu::refuse_in_capture(__func__)) return e;
   if (cudaError_t e = cudaMemsetAsync(p, value, bytes, nullptr)) return e;
   cuda_emu::count_host_wait(__func__);
   return cuda_emu::stream_synchronize(nullptr);
@@ -758,6 +869,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   cuda_emu::count_host_wait(__func__);
   if (!s) return set_error(cudaErrorInvalidResourceHandle, "the legacy stream is not destroyed");
   if (cudaError_t e = cuda_emu::refuse_destroyed(&s->s, "cudaStreamDestroy")) return e;
+  if (cudaError_t e = cuda_emu::refuse_capturing(&s->s, "cudaStreamDestroy")) return e;
   Device& d = *s->s.device;
   d.wait(&s->s, d.tail(&s->s));  // its work completes first, as a GPU's does
   // Kept, off the device's list: events recorded on it, other streams' waits for it and another
@@ -779,6 +891,7 @@ cudaError_t cuda_emu::stream_synchronize(cudaStream_t s) {
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   cuda_emu::Stream* st = cuda_emu::stream_of(s);
   if (cudaError_t e = cuda_emu::refuse_destroyed(st, "cudaStreamSynchronize")) return e;
+  if (cudaError_t e = cuda_emu::refuse_capturing(st, "cudaStreamSynchronize")) return e;
   return st->device->wait(st, st->device->tail(st));
 }
 
@@ -786,6 +899,7 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   cuda_emu::Stream* st = cuda_emu::stream_of(s);
   if (cudaError_t e = cuda_emu::refuse_destroyed(st, "cudaStreamQuery")) return e;
+  if (cudaError_t e = cuda_emu::refuse_capturing(st, "cudaStreamQuery")) return e;
   return st->device->query(st, st->device->tail(st));
 }
 
@@ -793,6 +907,26 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   if (!e) return set_error(cudaErrorInvalidResourceHandle, "a null event");
   cuda_emu::Stream* st = cuda_emu::stream_of(s);
   if (cudaError_t r = cuda_emu::refuse_destroyed(st, "cudaStreamWaitEvent")) return r;
+  {
+    // In a capture: a wait for an event recorded into the same capture is its order already; a
+    // wait for one recorded outside it would tie the graph to that work (isolation), and a wait
+    // joining another stream to the capture (a fork or join) is not emulated.
+    std::lock_guard<std::mutex> lock(cuda_emu::g_capture_mu);
+    if (e->captured && st->capture == e->captured) return cudaSuccess;
+    if (e->captured) {
+      cuda_emu::invalidate(*e->captured, "a wait on another stream for an event of the capture");
+      return set_error(cudaErrorStreamCaptureUnsupported,
+                       "cudaStreamWaitEvent: another stream joining a capture (a fork or join) is "
+                       "not emulated (cuda_emu/README.md)");
+    }
+    if (st->capture) {
+      cuda_emu::invalidate(*st->capture, "a wait for an event recorded outside the capture");
+      return set_error(cudaErrorStreamCaptureIsolation,
+                       "cudaStreamWaitEvent: the capturing stream waits for an event recorded "
+                       "outside the capture");
+    }
+  }
+  if (cudaError_t r = cuda_emu::refuse_capturing(st, "cudaStreamWaitEvent")) return r;
   Device& d = *st->device;
   std::lock_guard<std::mutex> lock(d.mu);
   if (d.sticky != cudaSuccess) return d.sticky;
@@ -829,6 +963,13 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
   cuda_emu::Stream* st = cuda_emu::stream_of(s);
   if (cudaError_t r = cuda_emu::refuse_destroyed(st, "cudaEventRecord")) return r;
+  {
+    // Recorded into a capture: an event only that capture's waits may use.
+    std::lock_guard<std::mutex> lock(cuda_emu::g_capture_mu);
+    e->captured = st->capture;
+    if (e->captured) return cudaSuccess;
+  }
+  if (cudaError_t r = cuda_emu::refuse_capturing(st, "cudaEventRecord")) return r;
   Device& d = *st->device;
   std::lock_guard<std::mutex> lock(d.mu);
   if (d.sticky != cudaSuccess) return d.sticky;
@@ -841,15 +982,29 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   return cudaSuccess;
 }
 
+namespace cuda_emu {
+namespace {
+// An event recorded into a capture is the capture's: the host cannot wait for it or time it.
+cudaError_t refuse_captured(cudaEvent_t e, const char* call) {
+  std::lock_guard<std::mutex> lock(g_capture_mu);
+  return e->captured ? set_error(cudaErrorCapturedEvent,
+                                 std::string(call) + " of an event recorded into a capture")
+                     : cudaSuccess;
+}
+}  // namespace
+}  // namespace cuda_emu
+
 cudaError_t cudaEventQuery(cudaEvent_t e) {
   if (!e) return set_error(cudaErrorInvalidResourceHandle, "a null event");
+  if (cudaError_t r = cuda_emu::refuse_captured(e, __func__)) return r;
   if (!e->stream) return cudaSuccess;
   return e->stream->device->query(e->stream, e->seq);
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
-  cuda_emu::count_host_wait(__func__);
   if (!e) return set_error(cudaErrorInvalidResourceHandle, "a null event");
+  if (cudaError_t r = cuda_emu::refuse_captured(e, __func__)) return r;
+  cuda_emu::count_host_wait(__func__);
   if (!e->stream) return cudaSuccess;
   return e->stream->device->wait(e->stream, e->seq);
 }
@@ -857,9 +1012,90 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
   if (!start || !end || !start->timing || !end->timing)
     return set_error(cudaErrorInvalidResourceHandle, "an event without timing");
+  if (cudaError_t r = cuda_emu::refuse_captured(start, __func__)) return r;
+  if (cudaError_t r = cuda_emu::refuse_captured(end, __func__)) return r;
   if (!start->stream || !end->stream || start->stream->completed.load() < start->seq ||
       end->stream->completed.load() < end->seq)
     return set_error(cudaErrorNotReady, "an event not yet complete");
   *ms = static_cast<float>(end->ms - start->ms);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+  if (cuda_emu::count_devices() == 0) return cuda_emu::no_device();
+  if (!s)
+    return set_error(cudaErrorStreamCaptureUnsupported,
+                     "cudaStreamBeginCapture: the legacy stream cannot capture");
+  if (cudaError_t e = cuda_emu::refuse_destroyed(&s->s, __func__)) return e;
+  std::lock_guard<std::mutex> lock(cuda_emu::g_capture_mu);
+  if (s->s.capture)
+    return set_error(cudaErrorInvalidValue, "cudaStreamBeginCapture: the stream captures already");
+  s->s.capture = std::make_shared<cuda_emu::Capture>();
+  s->s.capture->mode = mode;
+  s->s.capture->thread = std::this_thread::get_id();
+  cuda_emu::g_capturing.push_back(&s->s);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
+  *graph = nullptr;
+  if (!s) return set_error(cudaErrorInvalidValue, "cudaStreamEndCapture: the legacy stream");
+  std::lock_guard<std::mutex> lock(cuda_emu::g_capture_mu);
+  std::shared_ptr<cuda_emu::Capture> c = s->s.capture;
+  if (!c)
+    return set_error(cudaErrorInvalidValue, "cudaStreamEndCapture: the stream is not capturing");
+  if (c->mode != cudaStreamCaptureModeRelaxed && c->thread != std::this_thread::get_id())
+    return set_error(cudaErrorStreamCaptureWrongThread,
+                     "cudaStreamEndCapture from a thread other than the one that began it");
+  s->s.capture.reset();
+  auto& all = cuda_emu::g_capturing;
+  all.erase(std::find(all.begin(), all.end(), &s->s));
+  if (!c->invalid.empty())
+    return set_error(cudaErrorStreamCaptureInvalidated,
+                     "the capture was invalidated: " + c->invalid);
+  *graph = new CUgraph_st{std::move(c->nodes)};
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  cuda_emu::Stream* st = cuda_emu::stream_of(s);
+  std::lock_guard<std::mutex> lock(cuda_emu::g_capture_mu);
+  *status = !st->capture                   ? cudaStreamCaptureStatusNone
+            : st->capture->invalid.empty() ? cudaStreamCaptureStatusActive
+                                           : cudaStreamCaptureStatusInvalidated;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  if (!graph) return set_error(cudaErrorInvalidValue, "cudaGraphInstantiate of a null graph");
+  *exec = new CUgraphExec_st{std::make_shared<const std::vector<cuda_emu::Node>>(graph->nodes)};
+  return cudaSuccess;
+}
+
+// The graph's work queued as one operation of the stream: its nodes in the order they were
+// captured (a kernel that fails names itself, as it does launched alone).
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  if (!exec) return set_error(cudaErrorInvalidValue, "cudaGraphLaunch of a null graph");
+  {
+    std::lock_guard<std::mutex> lock(cuda_emu::g_capture_mu);
+    if (cuda_emu::stream_of(s)->capture)
+      return set_error(cudaErrorStreamCaptureUnsupported,
+                       "cudaGraphLaunch into a capture (a child graph) is not emulated");
+  }
+  std::shared_ptr<const std::vector<cuda_emu::Node>> nodes = exec->nodes;
+  const cudaError_t e = cuda_emu::enqueue(s, "cudaGraphLaunch", [nodes] {
+    for (const cuda_emu::Node& n : *nodes) n.work();
+  });
+  if (e == cudaSuccess) cuda_emu::count_graph_launch();
+  return e;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  delete graph;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  delete exec;  // (a launch queued holds its nodes)
   return cudaSuccess;
 }

@@ -27,10 +27,11 @@ cudaError_t enqueue(cudaStream_t s, const char* what, std::function<void()> work
 int current_device();
 
 // The counts of counts.h: a kernel queued, a library product queued, a host wait (in the call
-// named); with CUDA_EMU_TRACE=1 each is also written to stderr.
+// named), a graph launch; with CUDA_EMU_TRACE=1 each is also written to stderr.
 void count_kernel(const char* name);
 void count_library_call(const char* name);
 void count_host_wait(const char* call);
+void count_graph_launch();
 
 // cudaStreamSynchronize without counting a host wait (for the calls that count their own).
 cudaError_t stream_synchronize(cudaStream_t s);
@@ -38,6 +39,11 @@ cudaError_t stream_synchronize(cudaStream_t s);
 // "" when [p, p + bytes) lies inside one device allocation, else what is wrong (for a message
 // naming the operand `what`).
 std::string device_range_problem(const void* p, size_t bytes, const char* what);
+
+// Stream capture's refusal of a call a capture forbids (it allocates, frees or waits for the
+// device) while one is in progress that the call breaks: cudaSuccess, or the error with each
+// capture it broke invalidated (runtime.cpp).
+cudaError_t refuse_in_capture(const char* call);
 
 // Sets the calling thread's last error with a detail that cudaGetErrorString appends.
 cudaError_t set_error(cudaError_t e, const std::string& detail);

@@ -17,6 +17,9 @@ struct Counts {
   // or out of pageable memory (CUDA may wait for the stream before staging the latter; the
   // emulator does), cudaFree, cudaFreeHost, cudaStreamDestroy (whether or not work was pending).
   int64_t host_waits = 0;
+  // Graph launches queued (cudaGraphLaunch). A kernel or product issued to a capturing stream
+  // counts above when captured; its graph's launches run it without counting it again.
+  int64_t graph_launches = 0;
 };
 
 // The process's counts so far (every thread, every device).

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -348,6 +349,154 @@ __global__ void doubled_kernel(float* y, const float* x, int n) {
 __global__ void scale_in_place_kernel(float* x, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) x[i] *= 2.0f;
+}
+
+// Stream capture: the work issued to a capturing stream is recorded, not run (the buffer keeps
+// its value); each launch of the instantiated graph runs it in order, a copy from page-locked
+// memory reading the host's value at the launch, the kernels' arguments those of the capture.
+// The kernels count once, when captured; each launch counts as a graph launch.
+TEST(CudaEmu, AStreamCaptureRecordsWorkThatEachGraphLaunchRuns) {
+  Buffer<float> x(4);
+  float* pinned = nullptr;
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&pinned), sizeof(float), cudaHostAllocDefault),
+            cudaSuccess);
+  BT_LAUNCH(fill_kernel, 1, 4)(x.d, 1.0f, 4);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+  const cuda_emu::Counts before = cuda_emu::counts();
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  cudaStreamCaptureStatus status;
+  ASSERT_EQ(cudaStreamIsCapturing(s, &status), cudaSuccess);
+  EXPECT_EQ(status, cudaStreamCaptureStatusActive);
+  ASSERT_EQ(cudaMemcpyAsync(x.d + 3, pinned, sizeof(float), cudaMemcpyHostToDevice, s),
+            cudaSuccess);
+  BT_LAUNCH(scale_in_place_kernel, 1, 4, 0, s)(x.d, 4);
+  BT_LAUNCH(scale_in_place_kernel, 1, 4, 0, s)(x.d, 3);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  ASSERT_EQ(cudaStreamIsCapturing(s, &status), cudaSuccess);
+  EXPECT_EQ(status, cudaStreamCaptureStatusNone);
+  EXPECT_EQ(x.host(), std::vector<float>(4, 1.0f)) << "captured work does not run";
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);  // (the executable graph keeps its work)
+  for (float v : {5.0f, 7.0f}) {
+    *pinned = v;
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  }
+  EXPECT_EQ(x.host(), (std::vector<float>{16.0f, 16.0f, 16.0f, 14.0f}));
+  const cuda_emu::Counts after = cuda_emu::counts();
+  EXPECT_EQ(after.kernels - before.kernels, 2);
+  EXPECT_EQ(after.graph_launches - before.graph_launches, 2);
+  ASSERT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  cudaStreamDestroy(s);
+  cudaFreeHost(pinned);
+}
+
+// What a capture forbids, each refused with CUDA's error and the capture invalidated (its end
+// says which call broke it): an allocation, a synchronisation or query of the capturing stream,
+// work on the legacy stream (which would order itself with the blocking stream), a copy of
+// pageable memory (the host would wait for the stream), a wait for an event recorded outside the
+// capture. An event recorded in the capture is the capture's: the host cannot query it.
+TEST(CudaEmu, ACaptureRefusesWhatAGraphCannotHold) {
+  Buffer<float> x(4);
+  std::vector<float> pageable(4, 3.0f);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+  cudaEvent_t outside, inside;
+  ASSERT_EQ(cudaEventCreateWithFlags(&outside, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&inside, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(outside, nullptr), cudaSuccess);
+  struct Case {
+    const char* name;
+    std::function<cudaError_t()> call;
+    cudaError_t error;
+    const char* reason;
+  };
+  const Case cases[] = {
+      {"cudaMalloc",
+       [] {
+         void* p = nullptr;
+         return cudaMalloc(&p, 16);
+       },
+       cudaErrorStreamCaptureUnsupported, "cudaMalloc while this thread's stream captured"},
+      {"cudaStreamSynchronize", [&] { return cudaStreamSynchronize(s); },
+       cudaErrorStreamCaptureUnsupported, "cudaStreamSynchronize on the capturing stream"},
+      {"cudaStreamQuery", [&] { return cudaStreamQuery(s); }, cudaErrorStreamCaptureUnsupported,
+       "cudaStreamQuery on the capturing stream"},
+      {"the legacy stream",
+       [&] {
+         BT_LAUNCH(fill_kernel, 1, 4)(x.d, 2.0f, 4);
+         return cudaGetLastError();
+       },
+       cudaErrorStreamCaptureImplicit, "fill_kernel on the legacy stream"},
+      {"cudaMemcpy", [&] { return cudaMemcpy(x.d, pageable.data(), 16, cudaMemcpyHostToDevice); },
+       cudaErrorStreamCaptureUnsupported, "cudaMemcpy while this thread's stream captured"},
+      {"a pageable copy",
+       [&] { return cudaMemcpyAsync(x.d, pageable.data(), 16, cudaMemcpyHostToDevice, s); },
+       cudaErrorStreamCaptureUnsupported, "cudaMemcpyAsync of pageable host memory"},
+      {"an outside event", [&] { return cudaStreamWaitEvent(s, outside, 0); },
+       cudaErrorStreamCaptureIsolation, "a wait for an event recorded outside the capture"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+    BT_LAUNCH(fill_kernel, 1, 4, 0, s)(x.d, 1.0f, 4);
+    EXPECT_EQ(c.call(), c.error);
+    cudaGetLastError();
+    cudaStreamCaptureStatus status;
+    ASSERT_EQ(cudaStreamIsCapturing(s, &status), cudaSuccess);
+    EXPECT_EQ(status, cudaStreamCaptureStatusInvalidated);
+    BT_LAUNCH(fill_kernel, 1, 4, 0, s)(x.d, 1.0f, 4);
+    EXPECT_EQ(cudaGetLastError(), cudaErrorStreamCaptureInvalidated);
+    cudaGraph_t graph;
+    EXPECT_EQ(cudaStreamEndCapture(s, &graph), cudaErrorStreamCaptureInvalidated);
+    EXPECT_EQ(graph, nullptr);
+    const std::string why = cudaGetErrorString(cudaErrorStreamCaptureInvalidated);
+    EXPECT_NE(why.find(c.reason), std::string::npos) << why;
+  }
+  // An event of the capture: its own stream may wait for it, the host may not query it.
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(inside, s), cudaSuccess);
+  EXPECT_EQ(cudaStreamWaitEvent(s, inside, 0), cudaSuccess);
+  EXPECT_EQ(cudaEventQuery(inside), cudaErrorCapturedEvent);
+  EXPECT_EQ(cudaEventSynchronize(inside), cudaErrorCapturedEvent);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  cudaGraphDestroy(graph);
+  EXPECT_EQ(cudaStreamBeginCapture(nullptr, cudaStreamCaptureModeGlobal),
+            cudaErrorStreamCaptureUnsupported)
+      << "the legacy stream cannot capture";
+  cudaGetLastError();
+  for (float v : x.host()) EXPECT_TRUE(v != v) << "nothing captured or refused ran";
+  ASSERT_EQ(cudaEventRecord(inside, s), cudaSuccess);  // recorded outside again: the host's
+  EXPECT_EQ(cudaEventSynchronize(inside), cudaSuccess);
+  cudaEventDestroy(outside);
+  cudaEventDestroy(inside);
+  cudaStreamDestroy(s);
+}
+
+// A kernel that fails inside a graph's launch fails as it does alone: the device's sticky error,
+// its message naming the kernel.
+TEST(CudaEmu, AKernelThatFailsInAGraphNamesItself) {
+  Buffer<float> x(32);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  BT_LAUNCH(fill_kernel, 1, 32, 0, s)(x.d, 1.0f, 32);
+  BT_LAUNCH(early_exit_kernel, 1, 32, 0, s)(x.d);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  EXPECT_NE(failure_of_queued_work().find("early_exit_kernel"), std::string::npos);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
 }
 
 // Touch counting (cuda_emu/counts.h): the pages each kernel reads and writes, by its name. 1 MiB
