@@ -181,6 +181,9 @@ class Backend : public Target {
   // -- a communicator's conversions (16-bit gradients on the wire), on its own queue: a GPU
   //    stream as void* (null: the kernels' own), so they run beside the kernels; the CPU's run
   //    now --
+  // The kernels' own queue (a GPU's stream, as void*; null where kernels are calls on the host):
+  // what a communicator's queue waits for before it reads what the kernels wrote.
+  virtual void* queue() const { return nullptr; }
   // dst = src rounded to p's 16 bits (BF16 or FP16; round to nearest even, as core/dtype.h).
   virtual void round_to_16(Precision p, uint16_t* dst, const float* src, int64_t n,
                            void* queue) const = 0;

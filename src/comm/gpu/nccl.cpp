@@ -223,13 +223,13 @@ class NcclCommunicator final : public Communicator {
     gather(data, n, counts, ncclFloat16, 2);  // (bits moved, never added)
   }
 
-  // A ready point: an event recorded on the calling thread's default stream (the compute
-  // stream), from a ring of kPoints. One recorded again before its wait was issued (more than
+  // A ready point: an event recorded on the kernels' stream (Backend::queue), from a ring of
+  // kPoints. One recorded again before its wait was issued (more than
   // kPoints points ahead) is a later point of the same stream: the wait is longer, never short.
   int64_t ready_point() override {
     select_device();
     const int64_t k = next_point_.fetch_add(1);
-    check_cuda(cudaEventRecord(points_[k % kPoints], nullptr), "cudaEventRecord");
+    check_cuda(cudaEventRecord(points_[k % kPoints], kernels_queue()), "cudaEventRecord");
     return k;
   }
   void ready_after(int64_t point) override { ready_ = point; }
@@ -328,15 +328,17 @@ class NcclCommunicator final : public Communicator {
   }
 
   void select_device() { check_cuda(cudaSetDevice(device_), "cudaSetDevice"); }
+  // The kernels' stream on this communicator's GPU (select_device first).
+  static cudaStream_t kernels_queue() { return static_cast<cudaStream_t>(gpu().queue()); }
 
-  // The collective's stream waits for what the calling thread's default stream has queued (the
-  // gradients it reads were written there), or, after ready_after(point), for that point only.
+  // The collective's stream waits for what the kernels' stream has queued (the gradients it reads
+  // were written there), or, after ready_after(point), for that point only.
   void after_queued_work() {
     if (ready_ >= 0) {
       check_cuda(cudaStreamWaitEvent(stream_, points_[ready_ % kPoints], 0), "cudaStreamWaitEvent");
       return;
     }
-    check_cuda(cudaEventRecord(queued_, nullptr), "cudaEventRecord");
+    check_cuda(cudaEventRecord(queued_, kernels_queue()), "cudaEventRecord");
     check_cuda(cudaStreamWaitEvent(stream_, queued_, 0), "cudaStreamWaitEvent");
   }
 

@@ -119,7 +119,8 @@ void blocked_forward(Precision p, float* ctx, float* lse, const void* q, const i
         s, g.el, q, mask, d, b, ctx,
         [&](const PairProduct& m) { gemm_pairs(g.o, s.B * s.NH, s.NH, m); },
         [&](const BlockRows& r) {
-          BT_LAUNCH(blocked_rows_forward_kernel<X>, row_blocks(r.rows()), kRowThreads)
+          BT_LAUNCH(blocked_rows_forward_kernel<X>, row_blocks(r.rows()), kRowThreads, 0,
+                    compute_stream())
           (r, static_cast<X*>(b.dropped), lse, b.scores);
           check_launch();
         });
@@ -135,7 +136,8 @@ void blocked_backward(Precision p, float* dqkv, const void* dc, const void* q, c
         s, g.el, q, dc, mask, d, b, dqkv,
         [&](const PairProduct& m) { gemm_pairs(g.o, s.B * s.NH, s.NH, m); },
         [&](const BlockRows& r) {
-          BT_LAUNCH(blocked_rows_backward_kernel<X>, row_blocks(r.rows()), kRowThreads)
+          BT_LAUNCH(blocked_rows_backward_kernel<X>, row_blocks(r.rows()), kRowThreads, 0,
+                    compute_stream())
           (r, static_cast<X*>(b.dropped), static_cast<X*>(b.ds), b.scores, b.dd, lse);
           check_launch();
         });
@@ -229,7 +231,7 @@ void products_backward(Precision p, float* dqkv, kernels::KeptIn dctx, Kept qkv,
   gemm_pairs(g.o, at, 1, products[1]);  // dd
   const int64_t rows = B * NH * T;
   auto backward_rows = [&](auto* out, const auto* probs) {
-    BT_LAUNCH(softmax_backward_rows_kernel, row_blocks(rows), kRowThreads)
+    BT_LAUNCH(softmax_backward_rows_kernel, row_blocks(rows), kRowThreads, 0, compute_stream())
     (out, dd, probs, s, 0, rows, d.p, d.key, d.offset);
   };
   if (f16)

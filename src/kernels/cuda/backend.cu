@@ -4,7 +4,7 @@
 // a model computes the same thing on either; FP16's products take fp16 operands here
 // (Target::fp16_operands), as BF16's take bf16 ones. The backend adds its device's memory, input
 // staging, streams and the per-operation profile. Pointers are device memory; kernels run on the
-// default stream, in order.
+// kernels' stream (compute_stream), in order.
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -72,11 +72,13 @@ void embedding_table_backward(float* table, const kernels::RowRuns& r, const flo
   auto* partial = r.partials > 0
                       ? static_cast<float*>(scratch(kEmbeddingSlot, r.partials * C * sizeof(float)))
                       : nullptr;
-  BT_LAUNCH(embedding_chunks_kernel, dim3(static_cast<unsigned>(r.num_chunks), y), kThreads)
+  BT_LAUNCH(embedding_chunks_kernel, dim3(static_cast<unsigned>(r.num_chunks), y), kThreads, 0,
+            compute_stream())
   (table, partial, r, dout, C);
   BT_CUDA_CHECK(cudaGetLastError());
   if (r.num_sums == 0) return;
-  BT_LAUNCH(embedding_sums_kernel, dim3(static_cast<unsigned>(r.num_sums), y), kThreads)
+  BT_LAUNCH(embedding_sums_kernel, dim3(static_cast<unsigned>(r.num_sums), y), kThreads, 0,
+            compute_stream())
   (table, partial, r, C);
   BT_CUDA_CHECK(cudaGetLastError());
 }
@@ -114,8 +116,8 @@ __global__ void squared_error_kernel(float* dpred, double* sq, const float* pred
 
 // The batches' copies into the models' input slots (Backend::upload), on the calling thread's
 // current GPU (one thread may run several GPUs in turn: a test's ranks): on a stream of their
-// own, non-blocking (it does not wait for the legacy default stream the kernels run on), so a
-// copy runs beside the kernels. Each slot has two events: its last copy (kernels issued after
+// own, non-blocking (it does not wait for the legacy default stream), so a copy runs beside the
+// kernels. Each slot has two events: its last copy (kernels issued after
 // use_input wait for it) and its last release (its next copy waits for it). An event waited for
 // before its first record counts as complete.
 struct InputSlot {
@@ -228,30 +230,32 @@ class CudaBackend final : public kernels::Backend {
     BT_CUDA_CHECK(cudaEventRecord(s.copied, u.stream));
   }
   void use_input(const void* slot) const override {
-    BT_CUDA_CHECK(cudaStreamWaitEvent(nullptr, uploads().slot(slot).copied, 0));
+    BT_CUDA_CHECK(cudaStreamWaitEvent(compute_stream(), uploads().slot(slot).copied, 0));
   }
   void release_input(const void* slot) const override {
-    BT_CUDA_CHECK(cudaEventRecord(uploads().slot(slot).released, nullptr));
+    BT_CUDA_CHECK(cudaEventRecord(uploads().slot(slot).released, compute_stream()));
   }
   void wait_upload(const void* slot) const override {
     const cudaEvent_t copied = uploads().slot(slot).copied;
     if (!done(cudaEventQuery(copied)))  // (a copy long done: no blocking call)
       BT_CUDA_WAIT_AHEAD(cudaEventSynchronize(copied));
   }
-  // The kernels' stream only (the legacy default stream; the copy and NCCL streams are
-  // non-blocking): a step's backward phase ends when its kernels have run, not when the gradient
-  // bucket NCCL is reducing beside them has (that wait is the reducer's: exposed communication).
-  // (Where the stream has already run everything, say after forward's loss read, the query
-  // says so and the host does not block.)
+  // The kernels' stream only (compute_stream; the copy and NCCL streams are non-blocking): a step's
+  // backward phase ends when its kernels have run, not when the gradient bucket NCCL is reducing
+  // beside them has (that wait is the reducer's: exposed communication). (Where the stream has
+  // already run everything, say after forward's loss read, the query says so and the host does not
+  // block.)
   void synchronize() const override {
-    if (!done(cudaStreamQuery(nullptr))) BT_CUDA_WAIT(cudaStreamSynchronize(nullptr));
+    if (!done(cudaStreamQuery(compute_stream())))
+      BT_CUDA_WAIT(cudaStreamSynchronize(compute_stream()));
   }
-  bool busy() const override { return !done(cudaStreamQuery(nullptr)); }
+  void* queue() const override { return compute_stream(); }
+  bool busy() const override { return !done(cudaStreamQuery(compute_stream())); }
   int64_t mark() const override {
     HostSide& h = t_host_side;
     cudaEvent_t& e = h.marks[h.next % kMarks];
     if (!e) BT_CUDA_CHECK(cudaEventCreate(&e));
-    BT_CUDA_CHECK(cudaEventRecord(e, nullptr));
+    BT_CUDA_CHECK(cudaEventRecord(e, compute_stream()));
     return h.next++;
   }
   double seconds_between(int64_t a, int64_t b) const override {
@@ -269,8 +273,8 @@ class CudaBackend final : public kernels::Backend {
     const Op op("to_host_async");
     HostSide& h = t_host_side;
     if (!h.copied) BT_CUDA_CHECK(cudaEventCreateWithFlags(&h.copied, cudaEventDisableTiming));
-    BT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, nullptr));
-    BT_CUDA_CHECK(cudaEventRecord(h.copied, nullptr));
+    BT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, compute_stream()));
+    BT_CUDA_CHECK(cudaEventRecord(h.copied, compute_stream()));
   }
   void wait_to_host() const override {
     const HostSide& h = t_host_side;
@@ -475,7 +479,7 @@ class CudaBackend final : public kernels::Backend {
     const Op op("copy");
     if (n > 0)
       BT_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float),
-                                    cudaMemcpyDeviceToDevice));
+                                    cudaMemcpyDeviceToDevice, compute_stream()));
   }
   void gather_rows(float* out, const float* seq, const int32_t* positions, int64_t B, int64_t P,
                    int64_t T, int64_t C) const override {
@@ -493,7 +497,8 @@ class CudaBackend final : public kernels::Backend {
   }
   void zero(void* p, int64_t bytes) const override {
     const Op op("zero");
-    if (bytes > 0) BT_CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(bytes)));
+    if (bytes > 0)
+      BT_CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(bytes), compute_stream()));
   }
 
   kernels::CrossEntropySums cross_entropy(float* dlogits, float* losses, int32_t* correct,

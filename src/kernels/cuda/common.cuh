@@ -79,8 +79,14 @@ inline bool done(cudaError_t query) {
   return true;
 }
 
+// The kernels' stream on the calling thread's current device (device.cu): every operation a
+// model issues runs on it, in order. A stream of its own, not the legacy default stream, so that
+// a step can be captured as a CUDA graph (the legacy stream cannot capture); blocking, so that
+// what still runs on the legacy stream (a synchronous copy or memset) stays in order with it.
+cudaStream_t compute_stream();
+// A stream given as void*: null is the kernels' own (compute_stream).
 inline cudaStream_t as_stream(void* s) {
-  return static_cast<cudaStream_t>(s);
+  return s ? static_cast<cudaStream_t>(s) : compute_stream();
 }
 inline unsigned blocks_for(int64_t n, unsigned threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
@@ -88,7 +94,7 @@ inline unsigned blocks_for(int64_t n, unsigned threads) {
 
 // Element-wise kernels: a thread per element, kElementThreads a block; BT_FOR_EACH(n) opens such
 // a kernel with its element's index i (returning past n), BT_EACH(kernel, n, args...) /
-// BT_EACH_ON(stream, kernel, n, args...) run one over n elements on the default stream or the
+// BT_EACH_ON(stream, kernel, n, args...) run one over n elements on the kernels' stream or the
 // given one (nothing when n is 0), under the kernel's own name (the emulator's counts and
 // traces, the traffic model's rows: plan/traffic.h).
 constexpr unsigned kElementThreads = 256;

@@ -3,9 +3,10 @@
 // counter-based masks as the CPU, attention's row passes, the cross-entropy, the optimizers).
 // The fused kernels run the row math the CPU tests check (kernels/row_math.h). Plain C++
 // header, no CUDA types, so CPU code can include it; compiled only with -DBERTRAIN_CUDA=ON.
-// Pointers are device memory unless said otherwise. Kernels run on the default stream unless a
-// stream (cudaStream_t as void*) is given; the ones returning sums synchronise it.
-// Semantics are the CPU kernels' of the same name (kernels/cpu/*.h, kernels/backend.h).
+// Pointers are device memory unless said otherwise. Kernels run on the kernels' stream
+// (compute_stream, common.cuh) unless a stream (cudaStream_t as void*) is given; the ones returning
+// sums synchronise it. Semantics are the CPU kernels' of the same name (kernels/cpu/*.h,
+// kernels/backend.h).
 #pragma once
 
 #include <cstddef>

@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <cstddef>
+#include <mutex>
+#include <vector>
 
 namespace bertrain::cuda {
 
@@ -17,6 +19,21 @@ int device_count() {
 
 void set_device(int device) {
   BT_CUDA_CHECK(cudaSetDevice(device));
+}
+
+cudaStream_t compute_stream() {
+  // One a device, made at its first use and kept for the process (as the legacy stream is):
+  // every thread that runs a device's kernels shares its order.
+  static std::mutex mu;
+  static std::vector<cudaStream_t> streams;
+  int device = 0;
+  BT_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<size_t>(device) >= streams.size())
+    streams.resize(static_cast<size_t>(device) + 1, nullptr);
+  cudaStream_t& s = streams[static_cast<size_t>(device)];
+  if (!s) BT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamDefault));
+  return s;
 }
 
 DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {

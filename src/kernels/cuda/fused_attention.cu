@@ -583,7 +583,7 @@ void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels
   with_fused_types(p, s.C / s.NH, [&](auto* x, auto nt) {
     using X = std::remove_pointer_t<decltype(x)>;
     const auto attention_forward_fused = fused_forward_kernel<X, decltype(nt)::value>;
-    BT_LAUNCH(attention_forward_fused, tile_grid(s), 32)
+    BT_LAUNCH(attention_forward_fused, tile_grid(s), 32, 0, compute_stream())
     (ctx.f32, reinterpret_cast<X*>(ctx.bits), lse, qkv.f32, reinterpret_cast<X*>(qkv.bits), mask, s,
      d);
   });
@@ -610,7 +610,7 @@ void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, con
     const auto attention_backward_fused = fused_backward_kernel<X, decltype(nt)::value>;
     dim3 grid = tile_grid(s);
     grid.x = static_cast<unsigned>(2 * tiles);  // (the dQ blocks, then the dK, dV blocks)
-    BT_LAUNCH(attention_backward_fused, grid, 32)
+    BT_LAUNCH(attention_backward_fused, grid, 32, 0, compute_stream())
     (dqkv.f32, reinterpret_cast<X*>(dqkv.bits), dbias, partial, tickets, dctx,
      reinterpret_cast<const X*>(qkv), reinterpret_cast<const X*>(ctx16), lse, mask, s, d);
   });

@@ -433,8 +433,9 @@ double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds)
   const size_t el = precision_bytes(o);
   DeviceBuffer a(M * K * el), b(N * K * el), c(M * N * 4);
   constexpr unsigned kThreads = 256;
-  BT_LAUNCH(fill_kernel, blocks_for(M * K, kThreads), kThreads)(o, a.data(), M * K, 1);
-  BT_LAUNCH(fill_kernel, blocks_for(N * K, kThreads), kThreads)(o, b.data(), N * K, 2);
+  const cudaStream_t s = compute_stream();
+  BT_LAUNCH(fill_kernel, blocks_for(M * K, kThreads), kThreads, 0, s)(o, a.data(), M * K, 1);
+  BT_LAUNCH(fill_kernel, blocks_for(N * K, kThreads), kThreads, 0, s)(o, b.data(), N * K, 2);
   BT_CUDA_CHECK(cudaGetLastError());
   for (int i = 0; i < 3; ++i) linear_forward(o, c.f32(), a.data(), b.data(), nullptr, M, N, K);
   BT_CUDA_WAIT(cudaDeviceSynchronize());
@@ -444,10 +445,10 @@ double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds)
   double elapsed_ms = 0;
   int64_t runs = 0;
   for (int batch = 1; elapsed_ms < seconds * 1e3; batch *= 2) {
-    BT_CUDA_CHECK(cudaEventRecord(start));
+    BT_CUDA_CHECK(cudaEventRecord(start, s));
     for (int i = 0; i < batch; ++i)
       linear_forward(o, c.f32(), a.data(), b.data(), nullptr, M, N, K);
-    BT_CUDA_CHECK(cudaEventRecord(stop));
+    BT_CUDA_CHECK(cudaEventRecord(stop, s));
     BT_CUDA_WAIT(cudaEventSynchronize(stop));
     float ms = 0;
     BT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));

@@ -115,7 +115,7 @@ std::string profile_table(int64_t steps) {
 Op::Op(const char* name) : name_(name) {
   if (!profile_on()) return;
   start_ = Profile::get().event();
-  BT_CUDA_CHECK(cudaEventRecord(start_, nullptr));
+  BT_CUDA_CHECK(cudaEventRecord(start_, compute_stream()));
 }
 
 Op::~Op() {
@@ -123,7 +123,7 @@ Op::~Op() {
   try {  // (a CUDA error here: the operation's own check, or the next one, reports it)
     Profile& p = Profile::get();
     cudaEvent_t end = p.event();
-    BT_CUDA_CHECK(cudaEventRecord(end, nullptr));
+    BT_CUDA_CHECK(cudaEventRecord(end, compute_stream()));
     p.add(name_, start_, end);
   } catch (const Error&) {
   }
