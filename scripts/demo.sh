@@ -120,11 +120,12 @@ $BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512
 echo "-- what a step asks of a GPU: kernel launches and host synchronisations (docs/gpus.md; none between"
 echo "   logged steps: the norm, finite check, clipping and fp16's loss scale stay on the GPU), counted by"
 echo "   bench --device cuda; with the fused attention (--attention blocked: 2 kernels a layer, every sequence"
-echo "   length of the batch in one launch) 20 launches a layer in all:"
+echo "   length of the batch in one launch) 20 launches a layer in all; padded, forward and backward run as"
+echo "   CUDA graphs (--cuda-graphs auto: 2 graph launches a step, the host issuing the optimizer's kernels alone):"
 if [ -x build-emu/bertrain ]; then
   for a in auto blocked; do
     build-emu/bertrain bench --device cuda --model-config configs/bert-tiny.json --batch-size 4 --seq-len 32 \
-      --max-predictions 5 --steps 2 --warmup 1 --precision bf16 --attention $a | grep -E "^bench|^  device|^  traffic"
+      --max-predictions 5 --steps 2 --warmup 1 --precision bf16 --attention $a | grep -E "^bench|^  device|^  graphs|^  traffic"
   done
   echo "   (measured on an H200, docs/gpus.md: BERT-Large 128 tokens bf16 at 1.76x PyTorch's tokens/s, BERT-base 1.97x)"
 else

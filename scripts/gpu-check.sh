@@ -20,6 +20,8 @@
 #                                 5. BERT-Large 128 tokens bf16 against PyTorch (bench --device
 #                                    cuda, bench/peer_pytorch.py: HF BertForPreTraining, SDPA,
 #                                    autocast, fused AdamW, same batch): tokens/s, ratio, MFU;
+#                                    with its forward and backward as CUDA graphs (the default)
+#                                    and kernel by kernel (--cuda-graphs off);
 #                                 6. where that step's GPU time goes, by operation;
 #                                 7. the rest: BERT-base, fp16, 512 tokens (full and blocked
 #                                    attention); BERT-Large on the bundled sample's real lengths
@@ -231,18 +233,18 @@ print(f"pytorch gemm: {tf:.1f} TFLOP/s bf16 (torch {torch.__version__}, a @ b.T,
 PY
     fi
     # 5-7. Training steps against PyTorch on the same GPU, same batch; the most telling first.
-    bench() {  # config seq predictions batch precision attention
-      local t
-      t=$(limit 100 "$1/$2/$6 $5")
+    bench() {  # config seq predictions batch precision attention [more bench options]
+      local t name="$1/$2/$6${7:+ ${*:7}}"
+      t=$(limit 100 "$name $5")
       [ "$t" -gt 0 ] || return 0
       local bt pt
       bt=$(ours timeout $((t / 2)) "$BT" bench --device cuda --model-config "configs/$1.json" \
         --seq-len "$2" --max-predictions "$3" --batch-size "$4" --precision "$5" --attention "$6" \
-        --steps 5 --warmup 2 --json 2>&1 | tail -1)
+        "${@:7}" --steps 5 --warmup 2 --json 2>&1 | tail -1)
       pt=$(timeout $((t / 2)) python3 bench/peer_pytorch.py --device cuda --model-config \
         "configs/$1.json" --seq-len "$2" --max-predictions "$3" --batch-size "$4" --precision "$5" \
         --steps 5 --warmup 2 2>&1 | tail -1)
-      python3 - "$1/$2/$6" "$5" "$4x$2" "$bt" "$pt" <<'PY'
+      python3 - "$name" "$5" "$4x$2" "$bt" "$pt" <<'PY'
 import json, sys
 name, prec, batch, bt, pt = sys.argv[1:]
 try:
@@ -261,12 +263,15 @@ PY
       printf "%-24s %-4s %-9s %12s %12s %6s %6s %10s %10s\n" config prec "batch" "bertrain t/s" \
         "pytorch t/s" ratio MFU "bt GPU" "pt GPU"
       wants large && bench bert-large 128 20 32 bf16 auto
-      # Where a BERT-Large step's GPU time goes, by operation: the map for what to speed up next.
+      # (the same launched kernel by kernel: what the CUDA graphs save)
+      wants large && bench bert-large 128 20 32 bf16 auto --cuda-graphs off
+      # Where a BERT-Large step's GPU time goes, by operation: the map for what to speed up next
+      # (kernel by kernel: a graph is timed whole).
       t=$(limit 90 "the profiled BERT-Large run")
       wants profile && [ "$t" -gt 0 ] && {
         BERTRAIN_CUDA_PROFILE=1 ours timeout "$t" "$BT" bench --device cuda \
           --model-config configs/bert-large.json --seq-len 128 --max-predictions 20 \
-          --batch-size 32 --precision bf16 --steps 3 --warmup 1 ||
+          --batch-size 32 --precision bf16 --steps 3 --warmup 1 --cuda-graphs off ||
           echo "gpu-check: the profiled BERT-Large run failed (above)"
       }
       if wants more; then
@@ -300,7 +305,7 @@ PY
       t=$(limit 60 "the profiled fp16 run")
       [ "$t" -gt 0 ] && BERTRAIN_CUDA_PROFILE=1 ours timeout "$t" "$BT" bench --device cuda \
         --model-config configs/bert-large.json --seq-len 128 --max-predictions 20 \
-        --batch-size 32 --precision fp16 --steps 3 --warmup 1 2>&1 | head -40
+        --batch-size 32 --precision fp16 --steps 3 --warmup 1 --cuda-graphs off 2>&1 | head -40
     fi
     # A training run from the CLI on the GPU: BERT-tiny on the bundled English sample, LAMB, bf16,
     # checkpoints (the run's summary names the bottleneck).

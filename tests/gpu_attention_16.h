@@ -80,7 +80,8 @@ class Operands16 {
 template <class H, class ForRows>
 void gpu_attention_16_forward(float* ctx, H* probs16, H* work16, const H* qkv16,
                               const int32_t* mask, const kernels::AttentionShape& s,
-                              const kernels::Dropout& d, ForRows for_rows) {
+                              const kernels::Dropout& site, ForRows for_rows) {
+  const kernels::Dropout d = kernels::resolved(site);  // (the step's arguments, where given)
   const int64_t T = s.T, NH = s.NH, pairs = s.B * NH, n_p = pairs * T * T;
   std::vector<float> scores(static_cast<size_t>(n_p));
   Operands16<H> ops({{qkv16, s.B * T * 3 * s.C}, {work16, n_p}});
@@ -100,7 +101,8 @@ void gpu_attention_16_forward(float* ctx, H* probs16, H* work16, const H* qkv16,
 template <class H, class ForRows>
 void gpu_attention_16_backward(float* dqkv, const H* dctx16, const H* qkv16, const H* probs16,
                                H* work16, const kernels::AttentionShape& s,
-                               const kernels::Dropout& d, ForRows for_rows) {
+                               const kernels::Dropout& site, ForRows for_rows) {
+  const kernels::Dropout d = kernels::resolved(site);  // (the step's arguments, where given)
   namespace rm = kernels::row_math;
   const int64_t T = s.T, NH = s.NH, pairs = s.B * NH, n_p = pairs * T * T;
   const float ks = rm::keep_scale_of(d.p);
@@ -142,8 +144,9 @@ struct BlockedFlow {
 
 template <class X, class ForRows>
 void gpu_attention_blocked_forward(float* ctx, float* lse, const X* qkv, const int32_t* mask,
-                                   const kernels::AttentionShape& s, const kernels::Dropout& d,
+                                   const kernels::AttentionShape& s, const kernels::Dropout& site,
                                    ForRows for_rows) {
+  const kernels::Dropout d = kernels::resolved(site);  // (the step's arguments, where given)
   BlockedFlow<X> f(s);
   Operands16<X> ops({{qkv, s.B * s.T * 3 * s.C}, {f.dropped.data(), f.n()}});
   cuda::blocked_forward_schedule(
@@ -159,7 +162,8 @@ void gpu_attention_blocked_forward(float* ctx, float* lse, const X* qkv, const i
 template <class X, class ForRows>
 void gpu_attention_blocked_backward(float* dqkv, const X* dctx, const X* qkv, const float* lse,
                                     const int32_t* mask, const kernels::AttentionShape& s,
-                                    const kernels::Dropout& d, ForRows for_rows) {
+                                    const kernels::Dropout& site, ForRows for_rows) {
+  const kernels::Dropout d = kernels::resolved(site);  // (the step's arguments, where given)
   BlockedFlow<X> f(s);
   Operands16<X> ops({{qkv, s.B * s.T * 3 * s.C},
                      {dctx, s.B * s.T * s.C},

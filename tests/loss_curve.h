@@ -1,7 +1,9 @@
 // Training curves to compare backends and precisions by: train::Step (AdamW or LAMB, dropout
 // on, seed 9, lr 1e-3) from init_params(11) over test::learnable_batch, one new batch a step
 // (read ahead on a backend with memory of its own, as train does), full attention; fp16 with
-// the dynamic loss scaler on, as train runs it.
+// the dynamic loss scaler on, as train runs it. graphs: forward and backward as CUDA graphs
+// (StepSettings::graphs); defer: the step's results read later (StepSettings::defer, settled
+// each step here).
 #pragma once
 
 #include <functional>
@@ -21,7 +23,8 @@ namespace bertrain::test {
 inline std::vector<double> loss_curve(
     const kernels::Backend& be, const model::BertConfig& c, Precision p, int64_t steps,
     train::OptimizerKind kind = train::OptimizerKind::AdamW,
-    const std::function<void(const model::BertModel&, const train::StepReport&)>& after = {}) {
+    const std::function<void(const model::BertModel&, const train::StepReport&)>& after = {},
+    bool graphs = false, bool defer = false) {
   model::ModelDims d{4, 32, 5};
   d.precision = p;
   d.attention = model::ModelDims::Attention::Full;
@@ -36,17 +39,20 @@ inline std::vector<double> loss_curve(
   comm::SingleProcess single;
   train::StepSettings ss;
   ss.seed = 9;
+  ss.graphs = graphs ? model::GraphMode::On : model::GraphMode::Off;
+  ss.defer = defer;
   train::Step step(m, opt, scaler, single, ss);
   std::vector<double> losses;
   for (int64_t k = 0; k < steps; ++k) {
     // (A backend with memory of its own reads the next step's batch during this one's backward.)
-    const auto r = step.run(
+    train::StepReport r = step.run(
         k, 1e-3,
         [&](model::Batch& b) {
           b = learnable_batch(c, step.reading_ahead() ? k + 1 : k);
           return true;
         },
         "", k + 1 < steps);
+    if (r.pending) r = step.settle().back();
     losses.push_back(r.loss);
     if (after) after(m, r);
   }

@@ -12,6 +12,9 @@ enum cublasGemmAlgo_t { CUBLAS_GEMM_DEFAULT = -1 };
 cublasStatus_t cublasCreate(cublasHandle_t* h);
 cublasStatus_t cublasDestroy(cublasHandle_t h);
 cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s);
+// The handle's workspace (device memory: checked; the reference GEMM needs none). Without one a
+// GPU's cuBLAS may allocate its own, which a stream capture forbids.
+cublasStatus_t cublasSetWorkspace(cublasHandle_t h, void* workspace, size_t bytes);
 // C[i] = alpha op(A[i]) op(B[i]) + beta C[i] for i < batch, column-major; the pointer arrays are
 // device memory, read when the stream runs the call.
 cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,

@@ -184,6 +184,15 @@ cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
   h->stream = s;
   return CUBLAS_STATUS_SUCCESS;
 }
+cublasStatus_t cublasSetWorkspace(cublasHandle_t, void* workspace, size_t bytes) {
+  if (bytes == 0) return CUBLAS_STATUS_SUCCESS;
+  const std::string why = cuda_emu::device_range_problem(workspace, bytes, "the workspace");
+  if (!why.empty()) {
+    std::fprintf(stderr, "cuda_emu: cublasSetWorkspace: %s\n", why.c_str());
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
 
 cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
                                    int m, int n, int k, const void* alpha, const void* const A[],

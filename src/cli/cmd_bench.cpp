@@ -99,6 +99,7 @@ struct BenchResult {
   std::string op_profile;  // the device's time by operation (Backend::op_profile), if on
   // A device's kernel launches and host synchronisations per timed step (Backend::device_counts).
   std::optional<double> launches, host_syncs;
+  double graph_launches = 0, graph_kernels = 0;  // (of launches: those the graphs ran)
   // On a GPU where the traffic model applies (plan/traffic.h): its launches, the bytes of the
   // kernels that are not products, and the products' time at the GEMM ceiling measured now.
   std::optional<double> model_launches, non_gemm_bytes, gemm_seconds;
@@ -110,7 +111,7 @@ void add_bench(CLI::App& app) {
   struct Opts {
     ShapeOpts shape{8};
     std::string precision = "fp32", attention = "auto", recompute = "none", data, padding = "auto",
-                device = "cpu";
+                device = "cpu", graphs = "auto";
     int64_t pack = 0;
     int steps = 5, warmup = 2, threads = 0;
     bool json = false;
@@ -140,6 +141,7 @@ void add_bench(CLI::App& app) {
   add_recompute_option(c, o->recompute);
   add_padding_option(c, o->padding);
   add_device_option(c, o->device);
+  add_graphs_option(c, o->graphs);
   c->get_option("--padding")
       ->description(
           "auto (skip, but on a GPU compute unless the attention runs fused), skip (each "
@@ -222,8 +224,8 @@ void add_bench(CLI::App& app) {
       model::BertModel& m = session.m;
       const train::Optimizer& optimizer = session.opt;
       // (deferred as train runs it: a GPU's steps read at the end, not one by one)
-      train::Step& train_step =
-          session.start(train::StepSettings{1, 1.0, false, 0, 1, /*defer=*/true});
+      train::Step& train_step = session.start(train::StepSettings{
+          1, 1.0, false, 0, 1, /*defer=*/true, model::parse_graph_mode(o->graphs)});
       std::vector<double> fwd, bwd, upd;
       size_t taken = 0;  // batches read (a GPU's step reads the next one during its backward)
       auto next = [&](model::Batch& batch) {
@@ -265,9 +267,14 @@ void add_bench(CLI::App& app) {
       if (const auto now = be.device_counts(); now && counted) {
         res.launches = static_cast<double>(now->launches - counted->launches) / o->steps;
         res.host_syncs = static_cast<double>(now->host_syncs - counted->host_syncs) / o->steps;
+        res.graph_launches =
+            static_cast<double>(now->graph_launches - counted->graph_launches) / o->steps;
+        res.graph_kernels =
+            static_cast<double>(now->graph_kernels - counted->graph_kernels) / o->steps;
       }
       if (gpu && plan::traffic_not_modelled(head, m.dims()).empty()) {
-        const plan::StepTraffic t = plan::cuda_step_traffic(cfg, head, m.dims(), /*lamb=*/false);
+        const plan::StepTraffic t = plan::cuda_step_traffic(cfg, head, m.dims(), /*lamb=*/false,
+                                                            /*graphs=*/res.graph_launches > 0);
         res.model_launches = static_cast<double>(t.launches());
         res.non_gemm_bytes = t.non_gemm_bytes();
         res.gemm_seconds = t.flops() / (peak * 1e9);
@@ -348,6 +355,8 @@ void add_bench(CLI::App& app) {
         if (r.launches) {
           j["launches_per_step"] = *r.launches;
           j["host_syncs_per_step"] = *r.host_syncs;
+          j["graph_launches_per_step"] = r.graph_launches;
+          j["graph_kernels_per_step"] = r.graph_kernels;
         }
         if (r.non_gemm_bytes) {
           j["model_launches_per_step"] = *r.model_launches;
@@ -389,12 +398,18 @@ void add_bench(CLI::App& app) {
             human_bytes(r.rss).c_str(), human_bytes(baseline).c_str(),
             human_bytes(r.rss - baseline).c_str(), human_bytes(r.planned).c_str(),
             human_bytes(r.allocated).c_str());
-      if (r.launches)
+      if (r.launches) {
         std::printf(
             "  device     %.0f kernel launches a step (a cuBLAS/cuBLASLt product counted as "
             "one), %.0f host synchronisations in %d steps (%.2f a step: the steps' results read "
             "at the end, as train reads them once a logged window)\n",
             *r.launches, *r.host_syncs * o->steps, o->steps, *r.host_syncs);
+        if (r.graph_launches > 0)
+          std::printf(
+              "  graphs     %.0f of them in %.0f CUDA graph launches a step (forward and "
+              "backward, --cuda-graphs): the host issues %.0f launches a step\n",
+              r.graph_kernels, r.graph_launches, *r.launches - r.graph_kernels + r.graph_launches);
+      }
       if (r.non_gemm_bytes) {
         // What the kernels besides the products move (the traffic model's compulsory bytes),
         // and the rate they moved it at if the products ran at the ceiling measured above.

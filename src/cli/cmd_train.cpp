@@ -136,7 +136,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
     train::TrainConfig cfg;
     std::string precision = "fp32", optimizer = "lamb", on_corrupt = "fail", attention = "auto",
                 recompute = "none", batch = "32", budget, padding = "auto", pack = "0",
-                device = "cpu", stage_dir;
+                graphs = "auto", device = "cpu", stage_dir;
     int64_t global_batch = 0;
     int threads = 0;
   };
@@ -188,6 +188,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
   add_padding_option(c, o->padding);
+  add_graphs_option(c, o->graphs);
   add_device_option(c, o->device);
   c->add_option("--pack", o->pack,
                 "Pack instances (MLPerf's packing, for short sequences): a batch is the instances "
@@ -290,6 +291,7 @@ void add_train(CLI::App& app, comm::Communicator& (*comm)()) {
           "--pack runs unpadded (each instance on its own tokens): it does not go with "
           "--padding compute");
     cfg.optimizer.kind = train::parse_optimizer(o->optimizer);
+    cfg.graphs = model::parse_graph_mode(o->graphs);
     cfg.input.on_corrupt = parse_on_corrupt(o->on_corrupt);
     cfg.backend = &device_backend(o->device);
     comm::Communicator& c = gradient_communicator(*cfg.backend, comm());

@@ -90,6 +90,7 @@ const kernels::Target& device_target(const std::string& device);
 
 void add_recompute_option(CLI::App* c, std::string& recompute);  // --recompute none|attention|layer
 void add_padding_option(CLI::App* c, std::string& padding);      // --padding auto|skip|compute
+void add_graphs_option(CLI::App* c, std::string& graphs);        // --cuda-graphs auto|on|off
 // --padding's value as ModelDims::unpadded (skip: true) for a run on `target` with the attention
 // and precision asked. auto skips the padding, but on a GPU only where attention runs fused
 // (--attention blocked in bf16 or fp16): there the full kernel, auto's, runs a call per run of

@@ -65,6 +65,17 @@ void add_padding_option(CLI::App* c, std::string& padding) {
       ->capture_default_str();
 }
 
+void add_graphs_option(CLI::App* c, std::string& graphs) {
+  c->add_option("--cuda-graphs", graphs,
+                "On a GPU, each step's forward and backward launched as CUDA graphs, captured at "
+                "the first steps (one a kind and input slot) and replayed: two launches for what "
+                "are hundreds, the step's dropout keys and loss divisor read by the kernels. "
+                "Padded pretraining batches (--padding compute: a GPU's auto with the full "
+                "attention); elsewhere kernel by kernel. auto: on, and back to kernel by kernel "
+                "with a note should a capture fail; on: a failed capture is an error; off")
+      ->capture_default_str();
+}
+
 bool parse_padding(const std::string& padding, const kernels::Target& target,
                    model::ModelDims::Attention attention, Precision precision) {
   if (padding == "skip") return true;

@@ -12,11 +12,12 @@
 //   SLURM_LOCALID) modulo the GPUs it sees selects it, before anything else touches the GPU (a
 //   rank the scheduler gave GPUs of its own sees only those: comm/gpu_placement.h); two ranks on
 //   one GPU (by its PCI bus id) is an error naming them and the fix.
-// - Collectives run on a stream of their own, after the work the GPU's default stream has queued
-//   (an event orders them), and return when they have completed: the reducer's thread waits there
-//   while backward's kernels keep running on the default stream. Host buffers (a step's
-//   statistics, flags and norms) are staged through device memory of the communicator's own.
-//   Parts of unequal size (the sharded optimizer's) go as grouped reduces and broadcasts.
+// - Collectives run on a stream of their own, after the work the kernels' stream
+//   (Backend::queue) has queued (an event orders them), and return when they have completed: the
+//   reducer's thread waits there while backward's kernels keep running on the kernels' stream. Host
+//   buffers (a step's statistics, flags and norms) are staged through device memory of the
+//   communicator's own. Parts of unequal size (the sharded optimizer's) go as grouped reduces and
+//   broadcasts.
 // - A NCCL or CUDA error, or a collective that has not completed within the stall timeout (a peer
 //   died, hangs, or cannot be reached), ends the rank with a message naming the rank, its host and
 //   GPU, the collective and its label, and NCCL's settings; the communicator is aborted first so

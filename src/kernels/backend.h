@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -84,6 +85,9 @@ struct DeviceMemory {
 // device never meets.
 struct DeviceCounts {
   int64_t launches = 0, host_syncs = 0, ahead_waits = 0;
+  // Graphs (Backend::launch_graph) launched, and the launches above their launches ran (each
+  // launch of a graph counts the kernels it holds; its capture counts none).
+  int64_t graph_launches = 0, graph_kernels = 0;
 };
 
 class Backend : public Target {
@@ -144,6 +148,20 @@ class Backend : public Target {
     to_host(dst, src, bytes);
   }
   virtual void wait_to_host() const {}
+  // A copy of host memory into the backend's memory queued behind the kernels issued so far (a
+  // GPU's from page-locked memory, staged there: src may be written again on return, and the
+  // host does not wait for the device). What a step's arguments take (BertModel's step_args).
+  virtual void send(void* dst, const void* src, size_t bytes) const { to_device(dst, src, bytes); }
+
+  // -- graphs: the operations issued between begin_capture and end_capture are recorded, not
+  //    run (a GPU's CUDA graph), and launch_graph runs them again, each time with the arguments
+  //    they were issued with (what changes from step to step the kernels read from memory:
+  //    Dropout::at, SumsInto::divisor_at, RowRuns::counts). Where graphs() is false they are
+  //    errors. Nothing in between may wait for the device, allocate, or free. --
+  virtual bool graphs() const { return false; }
+  virtual void begin_capture() const;
+  virtual std::shared_ptr<void> end_capture() const;
+  virtual void launch_graph(const std::shared_ptr<void>& graph) const;
   // The device's memory, for a backend with memory of its own (a GPU's: what a run checks its
   // plan against before it allocates); nothing for host memory (the CPU's budget is the host's).
   virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }

@@ -40,6 +40,7 @@ void RowGrouping::build(const int32_t* keys, int64_t period, int64_t tokens, int
     }
     begin = end;
   }
+  counts_ = {static_cast<int32_t>(chunks_.size()), static_cast<int32_t>(sums_.size())};
 }
 
 }  // namespace bertrain::kernels

@@ -72,6 +72,11 @@ struct ScratchLayout {
   }
   int64_t stride() const { return offset(kParts); }
   int64_t total() const { return rounded(caller) + threads * stride(); }
+  bool operator==(const ScratchLayout& o) const {
+    bool same = threads == o.threads && caller == o.caller;
+    for (int i = 0; i < kParts; ++i) same = same && part[i] == o.part[i];
+    return same;
+  }
 };
 
 // Column sums on a GPU (a linear layer's bias gradient, LayerNorm's parameter gradients; the
@@ -106,11 +111,15 @@ struct EmbeddingChunk {
 struct EmbeddingSum {
   int32_t row, first, count;  // partial rows [first, first + count) add to table row `row`
 };
+// num_chunks and num_sums are the grids' blocks; where counts is given (the backend's memory:
+// {chunks, sums} of the batch, staged with it) they are bounds, and blocks past the counts
+// return at once: a CUDA graph's launches, whose grids are the capture's, hold any batch.
 struct RowRuns {
   const int32_t* order = nullptr;
   const EmbeddingChunk* chunks = nullptr;
   const EmbeddingSum* sums = nullptr;
   int64_t num_chunks = 0, num_sums = 0, partials = 0;
+  const int32_t* counts = nullptr;
 };
 // The three tables' (word, position, token type) of one batch.
 struct EmbeddingRuns {
@@ -156,6 +165,10 @@ struct SumsInto {
   double loss_divisor = 1.0;
   double* hits = nullptr;
   double* nonfinite = nullptr;
+  // The backend's memory (null: none): the divisor as the step's arguments hold it when the
+  // kernel runs, in place of loss_divisor (Dropout::at's reason).
+  const double* divisor_at = nullptr;
+  BT_HOST_DEVICE double divisor() const { return divisor_at ? *divisor_at : loss_divisor; }
 };
 
 // torch.optim.AdamW with g * gscale: p = p * decay - step_size * m / (sqrt(v) / sqrt_bc2 + eps)
@@ -363,11 +376,24 @@ struct AttentionSaved {
 // Dropout of one site: element i kept iff rng_uniform(key, offset + i) >= p (core/rng.h, the
 // same on host and device). rows (the row kernels: embedding and the LayerNorm blocks): element
 // (r, c) of a C-wide row is element rows[r] * C + c, so an unpadded model's packed row draws
-// its padded row's mask.
+// its padded row's mask. at (the backend's memory, null: none): the site's key and first index
+// as the step's arguments hold them when the kernels run, {key, offset}, in place of key and
+// added to offset: what a kernel replayed from a CUDA graph draws with (its launch arguments
+// are the capture's, the step's are not).
 struct Dropout {
   float p = 0;
   uint64_t key = 0, offset = 0;
   const int32_t* rows = nullptr;
+  const uint64_t* at = nullptr;
 };
+// d with at's key and offset in place: what a kernel draws with (read where it runs).
+BT_HOST_DEVICE inline Dropout resolved(Dropout d) {
+  if (d.at) {
+    d.key = d.at[0];
+    d.offset += d.at[1];
+    d.at = nullptr;
+  }
+  return d;
+}
 
 }  // namespace bertrain::kernels

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstring>
 
@@ -18,6 +19,23 @@ namespace {
 
 // Dropout sites: one RNG stream per (seed, step, layer, site).
 enum Site : uint64_t { kEmbedding = 1, kAttnProbs, kAttnOut, kFfnOut, kPooler, kTokens };
+
+// The step's arguments (BertModel::step_args_): {key, offset} of every site kind at layers 0 (the
+// embeddings) to L + 1 (the heads), then the MLM loss's divisor and gradient scale.
+int64_t site_index(int64_t layer, uint64_t s) {
+  return (layer * static_cast<int64_t>(kTokens) + static_cast<int64_t>(s) - 1) * 2;
+}
+int64_t step_args_count(const BertConfig& cfg) {
+  return site_index(cfg.num_hidden_layers + 2, kEmbedding) + 2;
+}
+// Site s of layer l (0: the embeddings, L + 1: the heads), dropping with probability p: its key
+// and first index the step's arguments' (BertModel::send_step_args), which kernels read where
+// they run; offset (0 here) is what a run of rows adds to the first index.
+kernels::Dropout site_of(const StepOptions& opt, const uint64_t* args, int64_t layer, Site s,
+                         float p) {
+  return kernels::Dropout{p, rng_key(opt.seed, opt.step, layer, s), 0, nullptr,
+                          args + site_index(layer, s)};
+}
 
 constexpr float kMlmDenominatorEps = 1e-5f;  // Google BERT: sum(w*ce) / (sum(w) + 1e-5)
 
@@ -151,6 +169,7 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
   plan.add(g, "head.row_loss", f32s(std::max({BP, 2 * B, NT})));
   plan.add(g, "head.row_correct", f32s(std::max({BP, 2 * B, NT})));
   plan.add(g, "head.step_sums", StepSums::kCount * sizeof(double));
+  plan.add(g, "head.step_args", static_cast<size_t>(step_args_count(cfg)) * sizeof(uint64_t));
   const std::string s = "scratch";
   plan.add(s, "grad.dh", f32s(N * C));
   plan.add(s, "grad.dA", f32s(N * C));
@@ -245,7 +264,7 @@ size_t input_bytes(const ModelDims& d) {
   // Then the tokens grouped by embedding table row, 3 tables (kernels::RowRuns): the order, a
   // chunk per row at most (4 values each), a sum per kEmbeddingChunk tokens at most (3 values).
   const int64_t chunks = std::max<int64_t>(1, rows), sums = rows / kernels::kEmbeddingChunk + 1;
-  const size_t runs = arr(rows) + arr(4 * chunks) + arr(3 * sums);
+  const size_t runs = arr(rows) + arr(4 * chunks) + arr(3 * sums) + arr(2);  // (+ the counts)
   return 7 * arr(rows) + 3 * arr(P) + 4 * arr(B) + arr(2 * B) + arr(B + 1) + 3 * runs;
 }
 
@@ -410,6 +429,8 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
   act_.row_loss = a.f32("head.row_loss");
   act_.row_correct = reinterpret_cast<int32_t*>(a.f32("head.row_correct"));
   act_.step_sums = reinterpret_cast<double*>(a.f32("head.step_sums"));
+  step_args_ = reinterpret_cast<uint64_t*>(a.f32("head.step_args"));
+  step_args_host_.assign(static_cast<size_t>(step_args_count(cfg_)), 0);
   static_assert(sizeof(StepSums) == StepSums::kCount * sizeof(double));
   step_sums_host_ = std::shared_ptr<StepSums>(
       new (be_.allocate_host(sizeof(StepSums))) StepSums{}, [be = &be_](StepSums* p) {
@@ -449,14 +470,17 @@ void BertModel::stage_inputs(const Batch& b, Staged& st, int slot) {
   KernelInputs& in = st.in;
   struct Source {
     const void* data;
-    size_t bytes;
+    size_t bytes, room;
     const void** at;
   };
-  std::array<Source, 25> sources;  // (no allocation in a step: tests/test_no_alloc.cpp)
+  std::array<Source, 28> sources;  // (no allocation in a step: tests/test_no_alloc.cpp)
   size_t count = 0;
-  auto use = [&](const auto& v, auto& field) {
+  // (room: the bytes the array may take in a batch of this shape, so that each array of every
+  // such batch lies where a CUDA graph's launches read it)
+  auto use = [&](const auto& v, auto& field, size_t room = 0) {
     field = v.data();
-    sources[count++] = {v.data(), v.size() * sizeof(*v.data()),
+    const size_t bytes = v.size() * sizeof(*v.data());
+    sources[count++] = {v.data(), bytes, std::max(bytes, room),
                         reinterpret_cast<const void**>(&field)};
   };
   use(up ? pk.ids : b.input_ids, in.ids);
@@ -485,8 +509,11 @@ void BertModel::stage_inputs(const Batch& b, Staged& st, int slot) {
                    int64_t rows) {
     g.build(keys, b.T, tokens, rows);
     use(g.order(), r.order);
-    use(g.chunks(), r.chunks);
-    use(g.sums(), r.sums);
+    use(g.chunks(), r.chunks,
+        static_cast<size_t>(kernels::max_chunks(tokens, rows)) * sizeof(kernels::EmbeddingChunk));
+    use(g.sums(), r.sums,
+        static_cast<size_t>(kernels::max_sums(tokens, rows)) * sizeof(kernels::EmbeddingSum));
+    use(g.counts(), r.counts);
     r.num_chunks = static_cast<int64_t>(g.chunks().size());
     r.num_sums = static_cast<int64_t>(g.sums().size());
     r.partials = g.partials();
@@ -500,7 +527,7 @@ void BertModel::stage_inputs(const Batch& b, Staged& st, int slot) {
   // backend's host staging memory (once the slot's last copy out of it has run), then one copy
   // (which waits on the device for the kernels that last read the slot).
   size_t need = 0;
-  for (size_t i = 0; i < count; ++i) need += align_up(sources[i].bytes, 256);
+  for (size_t i = 0; i < count; ++i) need += align_up(sources[i].room, 256);
   const size_t room = input_bytes(dims_);
   BT_CHECK(need <= room, "the batch arrays take ", need, " bytes, the plan's input slot ", room,
            " (model::input_bytes)");
@@ -512,7 +539,7 @@ void BertModel::stage_inputs(const Batch& b, Staged& st, int slot) {
     const Source& x = sources[i];
     if (x.bytes) std::memcpy(staging + at, x.data, x.bytes);
     *x.at = x.bytes ? region + at : nullptr;
-    at += align_up(x.bytes, 256);
+    at += align_up(x.room, 256);
   }
   be_.upload(region, staging, at);
 }
@@ -674,7 +701,8 @@ void BertModel::dropout_rows(bool backward, float* x, const float* dy, int64_t N
                              const Dropout& d) const {
   const int64_t C = cfg_.hidden_size, T = cur_.packed.T;
   auto run = [&](int64_t row, int64_t rows, uint64_t offset) {
-    const Dropout at{d.p, d.key, offset};
+    Dropout at = d;
+    at.offset = offset;
     if (backward)
       be_.dropout_backward(x + row * C, dy + row * C, rows * C, at);
     else
@@ -695,12 +723,12 @@ void BertModel::packed_attention(int64_t l, bool forward, Kept dqkv, float* dbia
   const Packed& pk = cur_.packed;
   const int64_t C = cfg_.hidden_size, NH = cfg_.num_attention_heads, T = pk.T;
   const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
-  const uint64_t key = rng_key(opt.seed, opt.step, l + 1, kAttnProbs);
+  const Dropout site = site_of(opt, step_args_, l + 1, kAttnProbs, p_attn);
   const LayerActs& a = act_.layers[l];
   // One call for every sequence, each over its length, where the backend takes them.
   const AttentionShape all{pk.B, T, C, NH, T, cur_.in.starts, pk.rows};
   if (dims_.fused_attention) {
-    const Dropout d{p_attn, key, opt.example_offset * NH * T * T};
+    const Dropout& d = site;
     if (forward)
       be_.attention_forward(prec_, a.ctx, a.saved, a.qkv, cur_.in.mask, all, d, ws_);
     else
@@ -720,7 +748,8 @@ void BertModel::packed_attention(int64_t l, bool forward, Kept dqkv, float* dbia
     saved += count * NH * L * (sv.blocked() ? 1 : L);
     const Kept qkv{a.qkv.f32 + r0 * 3 * C, a.qkv.bits ? a.qkv.bits + r0 * 3 * C : nullptr};
     // The run's probabilities draw the padded model's dropout: its sequences' [NH,T,T] blocks.
-    const Dropout d{p_attn, key, (opt.example_offset + first) * NH * T * T};
+    Dropout d = site;
+    d.offset = static_cast<uint64_t>(first * NH * T * T);
     const int32_t* mask = cur_.in.mask + r0;
     if (forward)
       be_.attention_forward(prec_, {a.ctx.f32 + r0 * C, a.ctx.bits ? a.ctx.bits + r0 * C : nullptr},
@@ -762,9 +791,13 @@ struct BertModel::Pass {
   bool up;
   int64_t B, T, N, C, L;
   float p_hidden;
-  uint64_t off_tc;  // this micro-batch's offset in the [B, T, C] dropout index space
-  Dropout site(int64_t layer, Site s, float p, uint64_t offset) const {
-    return Dropout{p, rng_key(opt.seed, opt.step, layer, s), offset};
+  const uint64_t* args;  // the step's arguments (step_args_), in the backend's memory
+  Dropout site(int64_t layer, Site s, float p) const { return site_of(opt, args, layer, s, p); }
+  // Site s's first index: this micro-batch's offset in the site's index space ([B, T, C] but for
+  // the attention probabilities' [B, NH, T, T] and the pooler's [B, C]).
+  uint64_t site_offset(Site s, int64_t NH) const {
+    const uint64_t e = opt.example_offset;
+    return s == kAttnProbs ? e * NH * T * T : s == kPooler ? e * C : e * T * C;
   }
 };
 
@@ -779,7 +812,7 @@ BertModel::Pass BertModel::pass(const Batch& b, const StepOptions& opt) const {
               C,
               cfg_.num_hidden_layers,
               opt.training ? cfg_.hidden_dropout_prob : 0.0f,
-              opt.example_offset * b.T * C};
+              step_args_};
 }
 
 Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
@@ -797,29 +830,48 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   w16_fresh_ = false;
   ++passes_;  // the outputs copied out before are stale now (backward too)
   const Pass p = pass(b, opt);
+  send_step_args(p, b);
   int64_t real = p.up ? cur_.packed.real : 0;
   if (!p.up)
     for (int64_t e = 0; e < p.B; ++e) real += real_length(b, e);
+  Losses out;
+  out.real_tokens = real;
+  out.computed_tokens = p.N;
+  if (!graphed(b, opt)) {
+    forward_kernels(p, b, out);
+    return out;
+  }
+  // A graph's forward: what the host knows of the losses (the device keeps the sums), as the
+  // kernels' forward leaves it, which the capture checks.
+  Losses known = out;
+  known.mlm_weight = mlm_weight_;
+  run_graph(graph_key(true, opt, 1.0f), [&] {
+    forward_kernels(p, b, out);
+    BT_CHECK(out.loss == 0 && out.mlm_loss == 0 && out.nsp_loss == 0 && out.mlm_correct == 0 &&
+                 out.nsp_correct == 0 && out.mlm_weight == known.mlm_weight,
+             "a graph's forward: the host's losses are not what the captured forward left");
+  });
+  mlm_grad_ready_ = opt.training;
+  seq_out_ = p.L > 0 ? act_.layers[static_cast<size_t>(p.L - 1)].ln2_out : act_.h0;
+  return known;
+}
 
+void BertModel::forward_kernels(const Pass& p, const Batch& b, Losses& out) {
   const ParamTable& t = table_;
-  be_.embedding_layernorm_forward(act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd, cur_.in.ids,
-                                  cur_.in.segments, cur_.in.positions, W(t.embeddings().word),
-                                  W(t.embeddings().position), W(t.embeddings().token_type),
-                                  W(t.embeddings().ln_w), W(t.embeddings().ln_b), p.up ? 1 : p.B,
-                                  p.up ? p.N : p.T, p.C, cfg_.layer_norm_eps,
-                                  on_rows(p.site(0, kEmbedding, p.p_hidden, p.off_tc)));
+  be_.embedding_layernorm_forward(
+      act_.h0, act_.emb_sum, act_.emb_mean, act_.emb_rstd, cur_.in.ids, cur_.in.segments,
+      cur_.in.positions, W(t.embeddings().word), W(t.embeddings().position),
+      W(t.embeddings().token_type), W(t.embeddings().ln_w), W(t.embeddings().ln_b), p.up ? 1 : p.B,
+      p.up ? p.N : p.T, p.C, cfg_.layer_norm_eps, on_rows(p.site(0, kEmbedding, p.p_hidden)));
 
   const float* x = act_.h0;
   for (int64_t l = 0; l < p.L; ++l) {
     obs::Timeline::Span span(timeline_, str("forward layer ", l), "compute");
-    layer_forward(l, x, b, opt);
+    layer_forward(l, x, b, p.opt);
     x = act_.layers[l].ln2_out;
   }
   seq_out_ = const_cast<float*>(x);
 
-  Losses out;
-  out.real_tokens = real;
-  out.computed_tokens = p.N;
   switch (head_) {
     case Head::TokenClassification:
       token_classifier_forward(p, b, x, out);
@@ -836,7 +888,6 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
       classifier_forward(p, out);
       break;
   }
-  return out;
 }
 
 void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const StepOptions& opt) {
@@ -846,11 +897,8 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
   const float eps = cfg_.layer_norm_eps;
   const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
   const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
-  const uint64_t off_tc = opt.example_offset * T * C;
-  const uint64_t off_probs = opt.example_offset * NH * T * T;
-  auto site = [&](Site s, float p, uint64_t offset) {
-    return Dropout{p, rng_key(opt.seed, opt.step, l + 1, s), offset};
-  };
+  const Pass pa = pass(b, opt);
+  auto site = [&](Site s, float p) { return pa.site(l + 1, s, p); };
   const LayerOffsets& o = table_.layer(l);
   const LayerActs& a = act_.layers[l];
   uint16_t* x16 = input16(l);
@@ -871,20 +919,20 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
     if (a.ctx.bits) be_.zero(a.ctx.bits + real * C, dummy * int64_t{sizeof(uint16_t)});
   } else {
     be_.attention_forward(prec_, a.ctx, a.saved, qkv, cur_.in.mask, {B, T, C, NH},
-                          site(kAttnProbs, p_attn, off_probs), ws_);
+                          site(kAttnProbs, p_attn), ws_);
   }
   be_.linear_forward(prec_, a.attn_res, a.ctx, Wt(o.attn_out_w), W(o.attn_out_b), N, C, C, ws_);
   // The LayerNorms write their output's 16-bit copy (none where the matmuls read fp32): the
   // next product's input, and backward's.
   const Kept ln1{a.ln1_out, a.ln1_out16};
   be_.residual_layernorm_forward(prec_, ln1, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
-                                 W(o.ln1_b), N, C, eps, on_rows(site(kAttnOut, p_hidden, off_tc)));
+                                 W(o.ln1_b), N, C, eps, on_rows(site(kAttnOut, p_hidden)));
   be_.linear_forward(prec_, a.inter_pre.f32, ln1, Wt(o.inter_w), W(o.inter_b), N, I, C, ws_);
   be_.activation_forward(prec_, cfg_.activation(), a.inter_act, a.inter_pre, N * I);
   be_.linear_forward(prec_, a.ffn_res, a.inter_act, Wt(o.out_w), W(o.out_b), N, C, I, ws_);
   be_.residual_layernorm_forward(prec_, {a.ln2_out, a.ln2_out16}, a.ln2_mean, a.ln2_rstd, a.ffn_res,
                                  a.ln1_out, W(o.ln2_w), W(o.ln2_b), N, C, eps,
-                                 on_rows(site(kFfnOut, p_hidden, off_tc)));
+                                 on_rows(site(kFfnOut, p_hidden)));
 }
 
 uint16_t* BertModel::input16(int64_t l) const {
@@ -900,6 +948,14 @@ void BertModel::backward(const Batch& b, const StepOptions& opt, kernels::Multip
   ++passes_;
   bind_kernel_scratch();
   const Pass p = pass(b, opt);
+  // (a layer's end reported as backward reaches it: the host must issue it)
+  if (layer_done || !graphed(b, opt)) return backward_kernels(p, b, loss_scale, layer_done);
+  run_graph(graph_key(false, opt, loss_scale), [&] { backward_kernels(p, b, loss_scale, {}); });
+  mlm_grad_ready_ = false;
+}
+
+void BertModel::backward_kernels(const Pass& p, const Batch& b, kernels::Multiplier loss_scale,
+                                 const std::function<void(int64_t)>& layer_done) {
   float* dh = act_.dh;  // gradient of the residual stream [N,C]
   be_.zero(dh, static_cast<int64_t>(f32s(p.N * p.C)));
   // The heads: all of dh (token classification, QA), or the MLM rows of dh and dpooled.
@@ -939,7 +995,6 @@ void BertModel::linear_backward(float* dinp, int64_t w_off, int64_t b_off, kerne
 void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* dh) {
   const int64_t N = p.N, C = p.C, I = cfg_.intermediate_size, NH = cfg_.num_attention_heads;
   const float p_attn = p.opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
-  const uint64_t off_probs = p.opt.example_offset * NH * p.T * p.T;
   const LayerOffsets& o = table_.layer(l);
   const LayerActs& a = act_.layers[l];
   float *dA = act_.dA, *dB = act_.dB, *dI = act_.dI;
@@ -959,7 +1014,7 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   // (with the output projection's bias gradient: one launch over the rows on a GPU)
   be_.layernorm_dropout_backward(prec_, dA, dB_made, G(o.ln2_w), G(o.ln2_b), G(o.out_b), dh,
                                  a.ffn_res, W(o.ln2_w), a.ln2_mean, a.ln2_rstd, N, C, false,
-                                 on_rows(p.site(l + 1, kFfnOut, p.p_hidden, p.off_tc)));
+                                 on_rows(p.site(l + 1, kFfnOut, p.p_hidden)));
   linear_backward(dI, o.out_w, kBiasDone, dB16, a.inter_act, N, C, I);
   // dGELU with the intermediate layer's bias gradient (one pass over dI on a GPU; bits_only: dI's
   // 16-bit copy alone)
@@ -971,7 +1026,7 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x
   be_.layernorm_dropout_backward(prec_, dh, dB_made, G(o.ln1_w), G(o.ln1_b), G(o.attn_out_b), dA,
                                  a.attn_res, W(o.ln1_w), a.ln1_mean, a.ln1_rstd, N, C, false,
-                                 on_rows(p.site(l + 1, kAttnOut, p.p_hidden, p.off_tc)));
+                                 on_rows(p.site(l + 1, kAttnOut, p.p_hidden)));
   // The context's gradient: where QKV's and the context's products write their 16-bit copies
   // (ModelDims::qkv16_output: the full kernel's products on a GPU), the output projection's
   // product writes dctx's copy alone, what the attention's products read (no rounding pass).
@@ -992,8 +1047,7 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
     if (dI16.bits) be_.zero(dI16.bits + first, dummies * int64_t{sizeof(uint16_t)});
   } else {
     be_.attention_bias_backward(prec_, dI16, G(o.qkv_b), dctx, a.qkv, a.saved, cur_.in.mask,
-                                {p.B, p.T, C, NH}, p.site(l + 1, kAttnProbs, p_attn, off_probs),
-                                ws_);
+                                {p.B, p.T, C, NH}, p.site(l + 1, kAttnProbs, p_attn), ws_);
   }
   linear_backward(dh, o.qkv_w, kBiasDone, dI16, {x, input16(l)}, N, 3 * C, C,
                   /*accumulate=*/true);  // dh = d x (residual + attention path)
@@ -1003,7 +1057,7 @@ void BertModel::embeddings_backward(const Pass& p, float* dh) {
   const ParamTable& t = table_;
   const int64_t word = t.embeddings().word, C = p.C;
   float* dA = act_.dA;
-  dropout_rows(true, dh, dh, p.N, p.site(0, kEmbedding, p.p_hidden, p.off_tc));
+  dropout_rows(true, dh, dh, p.N, p.site(0, kEmbedding, p.p_hidden));
   be_.layernorm_backward(dA, G(t.embeddings().ln_w), G(t.embeddings().ln_b), dh, act_.emb_sum,
                          W(t.embeddings().ln_w), act_.emb_mean, act_.emb_rstd, p.N, C);
   // HF's padding_idx: the [PAD] row gets no gradient from the embedding lookup (only the question
@@ -1011,9 +1065,21 @@ void BertModel::embeddings_backward(const Pass& p, float* dh) {
   // row is kept aside and put back: a tied MLM decoder has already added its own gradient to it.
   float* pad_row = G(word + cfg_.pad_token_id * C);
   be_.copy(act_.dhead1, pad_row, C);
+  // A graph's: grids for any batch of the shape, the blocks past the batch's groups idle.
+  kernels::EmbeddingRuns runs = cur_.in.runs;
+  if (capturing_) {
+    auto bound = [&](kernels::RowRuns& r, int64_t rows) {
+      r.num_chunks = kernels::max_chunks(p.N, rows);
+      r.num_sums = kernels::max_sums(p.N, rows);
+      r.partials = kernels::max_partials(p.N);
+    };
+    bound(runs.word, cfg_.vocab_size);
+    bound(runs.position, cfg_.max_position_embeddings);
+    bound(runs.token_type, cfg_.type_vocab_size);
+  }
   be_.embedding_backward(G(word), G(t.embeddings().position), G(t.embeddings().token_type), dA,
                          cur_.in.ids, cur_.in.segments, cur_.in.positions, p.up ? 1 : p.B,
-                         p.up ? p.N : p.T, C, be_.host_memory() ? nullptr : &cur_.in.runs);
+                         p.up ? p.N : p.T, C, be_.host_memory() ? nullptr : &runs);
   be_.copy(pad_row, act_.dhead1, C);
 }
 
@@ -1025,15 +1091,96 @@ void BertModel::embeddings_backward(const Pass& p, float* dh) {
 CrossEntropySums BertModel::head_loss(const Pass& p, double divisor, double* hits, float* dlogits,
                                       const float* logits, const int32_t* targets,
                                       const float* weights, int64_t N, kernels::Classes c,
-                                      float dscale) {
+                                      kernels::Multiplier dscale, const double* divisor_at) {
   if (!p.opt.device_sums)
     return be_.cross_entropy(dlogits, act_.row_loss, act_.row_correct, logits, targets, weights, N,
                              c, dscale);
   static_assert(offsetof(StepSums, nonfinite) == 4 * sizeof(double));
-  const kernels::SumsInto into{act_.step_sums, divisor, hits, act_.step_sums + 4};
+  const kernels::SumsInto into{act_.step_sums, divisor, hits, act_.step_sums + 4, divisor_at};
   be_.cross_entropy_into(into, dlogits, act_.row_loss, act_.row_correct, logits, targets, weights,
                          N, c, dscale);
   return {};
+}
+
+GraphMode parse_graph_mode(const std::string& s) {
+  if (s == "off") return GraphMode::Off;
+  if (s == "auto") return GraphMode::Auto;
+  if (s == "on") return GraphMode::On;
+  fail(setting("cuda_graphs"), " must be auto, on or off, got '", s, "'");
+}
+
+const char* graph_mode_name(GraphMode m) {
+  return m == GraphMode::Off ? "off" : m == GraphMode::Auto ? "auto" : "on";
+}
+
+bool BertModel::graphed(const Batch& /*b: its shape keys the graph*/,
+                        const StepOptions& opt) const {
+  // (padded rows: an unpadded batch's runs and rows change the launches from batch to batch;
+  // the other heads' loss divisors are the host's)
+  return graphs_ != GraphMode::Off && be_.graphs() && !unpadded() && head_ == Head::Pretraining &&
+         opt.device_sums;
+}
+
+BertModel::GraphKey BertModel::graph_key(bool forward, const StepOptions& opt,
+                                         kernels::Multiplier scale) const {
+  const Packed& pk = cur_.packed;
+  return {forward, slot_, pk.B, pk.T, pk.P, opt.training, scale.by, scale.times, mlm_grad_ready_};
+}
+
+void BertModel::run_graph(const GraphKey& key, const std::function<void()>& issue) {
+  auto it = graph_of_.find(key);
+  if (it == graph_of_.end()) {
+    std::shared_ptr<void> g;
+    be_.begin_capture();
+    capturing_ = true;
+    try {
+      issue();
+      capturing_ = false;
+      g = be_.end_capture();
+    } catch (const Error& e) {
+      if (capturing_) {
+        capturing_ = false;
+        try {
+          be_.end_capture();
+        } catch (const Error&) {  // (the first error is the one to report)
+        }
+      }
+      if (graphs_ == GraphMode::On) throw;
+      // auto: nothing of the capture ran; the same work issued kernel by kernel from now on.
+      std::fprintf(stderr,
+                   "bertrain: CUDA graphs off for this run (--cuda-graphs auto): the %s's capture "
+                   "failed: %s\n",
+                   key.forward ? "forward" : "backward", e.what());
+      graphs_ = GraphMode::Off;
+      graph_of_.clear();
+      return issue();
+    }
+    it = graph_of_.emplace(key, std::move(g)).first;
+  }
+  be_.launch_graph(it->second);
+}
+
+void BertModel::send_step_args(const Pass& p, const Batch& b) {
+  const int64_t NH = cfg_.num_attention_heads;
+  uint64_t* h = step_args_host_.data();
+  for (int64_t layer = 0; layer <= p.L + 1; ++layer)
+    for (uint64_t s = kEmbedding; s <= kTokens; ++s) {
+      uint64_t* at = h + site_index(layer, s);
+      at[0] = rng_key(p.opt.seed, p.opt.step, static_cast<uint64_t>(layer), s);
+      at[1] = p.site_offset(static_cast<Site>(s), NH);
+    }
+  // The MLM loss's divisor and gradient scale (pretraining_forward: Google BERT's mean).
+  mlm_weight_ = 0;
+  if (head_ == Head::Pretraining) {
+    const int64_t BP = p.up ? cur_.packed.mlm_rows : p.B * b.P;
+    for (int64_t r = 0; r < BP; ++r) mlm_weight_ += mlm_weights(b)[r];
+  }
+  const double divisor = mlm_weight_ + kMlmDenominatorEps;
+  const float dscale = static_cast<float>(1.0 / divisor);
+  uint64_t* tail = h + site_index(p.L + 2, kEmbedding);
+  tail[0] = std::bit_cast<uint64_t>(divisor);
+  tail[1] = std::bit_cast<uint32_t>(dscale);
+  be_.send(step_args_, h, step_args_host_.size() * sizeof(uint64_t));
 }
 
 void BertModel::read_step_sums(StepSums* into) {
@@ -1053,7 +1200,7 @@ void BertModel::token_classifier_forward(const Pass& p, const Batch& b, const fl
                                          Losses& out) {
   const int64_t N = p.N, C = p.C, NL = cfg_.num_labels;
   be_.copy(act_.tok_drop, x, N * C);
-  dropout_rows(false, act_.tok_drop, nullptr, N, p.site(p.L + 1, kTokens, p.p_hidden, p.off_tc));
+  dropout_rows(false, act_.tok_drop, nullptr, N, p.site(p.L + 1, kTokens, p.p_hidden));
   be_.linear_forward(prec_, act_.tok_logits, {act_.tok_drop}, Wt(table_.heads().classifier_w),
                      W(table_.heads().classifier_b), N, NL, C, ws_);
   double scored = 0;
@@ -1077,7 +1224,7 @@ void BertModel::token_classifier_backward(const Pass& p, const Batch& b,
                     scored > 0 ? loss_scale.over(scored) : kernels::Multiplier(0.0f));
   linear_backward(dh, table_.heads().classifier_w, table_.heads().classifier_b, dlog,
                   {act_.tok_drop}, N, NL, p.C);
-  dropout_rows(true, dh, dh, N, p.site(p.L + 1, kTokens, p.p_hidden, p.off_tc));
+  dropout_rows(true, dh, dh, N, p.site(p.L + 1, kTokens, p.p_hidden));
 }
 
 // HF's BertForQuestionAnswering: qa_outputs on every token's final hidden state, no dropout.
@@ -1153,13 +1300,16 @@ void BertModel::pretraining_forward(const Pass& p, const Batch& b, const float* 
                      W(t.heads().mlm_bias), BP, Vr, C, ws_);
   // Training: the gradient (for loss scale 1) is written over the logits in the same passes
   // that compute the loss, so backward does not recompute the softmax over the vocabulary.
-  for (int64_t r = 0; r < BP; ++r) out.mlm_weight += mlm_weights(b)[r];
-  const float dscale1 = static_cast<float>(1.0 / (out.mlm_weight + kMlmDenominatorEps));
+  // (the weights' sum, the divisor and the gradient's scale 1 / divisor: send_step_args', which
+  // the kernels read from the step's arguments)
+  out.mlm_weight = mlm_weight_;
+  const uint64_t* tail = p.args + site_index(p.L + 2, kEmbedding);
+  const kernels::Multiplier dscale1{1.0f, reinterpret_cast<const float*>(tail + 1)};
   const bool training = p.opt.training;
-  const CrossEntropySums mlm =
-      head_loss(p, out.mlm_weight + kMlmDenominatorEps, &act_.step_sums[1],
-                training ? act_.mlm_logits : nullptr, act_.mlm_logits, cur_.in.mlm_ids,
-                cur_.in.mlm_weights, BP, kernels::Classes{V, Vr}, dscale1);
+  const CrossEntropySums mlm = head_loss(
+      p, out.mlm_weight + kMlmDenominatorEps, &act_.step_sums[1],
+      training ? act_.mlm_logits : nullptr, act_.mlm_logits, cur_.in.mlm_ids, cur_.in.mlm_weights,
+      BP, kernels::Classes{V, Vr}, dscale1, reinterpret_cast<const double*>(tail));
   mlm_grad_ready_ = training;
   out.mlm_correct = mlm.correct;
   out.mlm_loss = mlm.loss / (out.mlm_weight + kMlmDenominatorEps);
@@ -1206,8 +1356,7 @@ void BertModel::pretraining_backward(const Pass& p, const Batch& b, kernels::Mul
 void BertModel::classifier_forward(const Pass& p, Losses& out) {
   const int64_t B = p.B, C = p.C, NL = cfg_.num_labels;
   be_.copy(act_.pooled_drop, act_.pooled, B * C);
-  be_.dropout_forward(act_.pooled_drop, B * C,
-                      p.site(p.L + 1, kPooler, p.p_hidden, p.opt.example_offset * C));
+  be_.dropout_forward(act_.pooled_drop, B * C, p.site(p.L + 1, kPooler, p.p_hidden));
   be_.linear_forward(prec_, act_.cls_logits, {act_.pooled_drop}, Wt(table_.heads().classifier_w),
                      W(table_.heads().classifier_b), B, NL, C, ws_);
   if (NL == 1) {  // regression (HF's rule for one label): mean squared error
@@ -1232,8 +1381,7 @@ void BertModel::classifier_backward(const Pass& p, kernels::Multiplier loss_scal
                       loss_scale.over(static_cast<double>(B)));
   linear_backward(dpooled, table_.heads().classifier_w, table_.heads().classifier_b, dlog,
                   {act_.pooled_drop}, B, NL, C);
-  be_.dropout_backward(dpooled, dpooled, B * C,
-                       p.site(p.L + 1, kPooler, p.p_hidden, p.opt.example_offset * C));
+  be_.dropout_backward(dpooled, dpooled, B * C, p.site(p.L + 1, kPooler, p.p_hidden));
 }
 
 double BertModel::last_step_flops() const {

@@ -10,8 +10,10 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -111,6 +113,13 @@ struct ModelDims {
 
 ModelDims::Attention parse_attention(const std::string& s);
 const char* attention_name(ModelDims::Attention a);
+
+// CUDA graphs for forward and backward (BertModel::set_graphs): off; auto (where the model can,
+// and back to launching kernel by kernel, with a note, should a capture fail); on (a failed
+// capture is an error).
+enum class GraphMode { Off, Auto, On };
+GraphMode parse_graph_mode(const std::string& s);
+const char* graph_mode_name(GraphMode m);
 
 struct StepOptions {
   bool training = false;  // dropout on
@@ -263,6 +272,14 @@ class BertModel {
   // kept on the device), which the heads' kernels read where they run.
   void backward(const Batch& b, const StepOptions& opt, kernels::Multiplier loss_scale = 1.0f,
                 const std::function<void(int64_t)>& layer_done = {});
+  // CUDA graphs (Backend::graphs): with them on, forward and backward of a padded pretraining
+  // batch each run as a graph, one a kind, input slot and shape, captured at its first use and
+  // launched from then on (the host issues one launch instead of hundreds). What changes from
+  // step to step the kernels read where they run: the dropout keys and offsets and the MLM
+  // loss's divisor from the step's arguments (sent before each forward), the embedding
+  // gradient's groups from the batch's input slot. graphed(b, opt): whether they run so.
+  void set_graphs(GraphMode m) { graphs_ = m; }
+  bool graphed(const Batch& b, const StepOptions& opt) const;
   // Gradient offsets [begin, end) of encoder layer l: final once backward reports layer l done
   // (layers are contiguous in the flat buffer). Everything else is final when backward returns.
   std::pair<int64_t, int64_t> layer_range(int64_t l) const;
@@ -407,8 +424,35 @@ class BertModel {
   kernels::CrossEntropySums head_loss(const Pass& p, double divisor, double* hits, float* dlogits,
                                       const float* logits, const int32_t* targets,
                                       const float* weights, int64_t N, kernels::Classes c,
-                                      float dscale);
+                                      kernels::Multiplier dscale,
+                                      const double* divisor_at = nullptr);
   Pass pass(const Batch& b, const StepOptions& opt) const;
+  // forward's and backward's kernels (after their host-side preludes).
+  void forward_kernels(const Pass& p, const Batch& b, Losses& out);
+  void backward_kernels(const Pass& p, const Batch& b, kernels::Multiplier loss_scale,
+                        const std::function<void(int64_t)>& layer_done);
+  // The step's arguments (step_args_) for pass p: each dropout site's key and first index,
+  // the MLM loss's divisor and gradient scale, sent to the backend's memory.
+  void send_step_args(const Pass& p, const Batch& b);
+  // What a graph's launch arguments hold besides the model's own memory: forward or backward,
+  // the input slot, the shapes, dropout on or off, the loss scale (its value, or where the device
+  // keeps it), whether forward left the MLM gradient.
+  struct GraphKey {
+    bool forward;
+    int slot;
+    int64_t B, T, P;
+    bool training;
+    float scale;
+    const float* scale_at;
+    bool ready;
+    bool operator<(const GraphKey& o) const {
+      return std::tie(forward, slot, B, T, P, training, scale, scale_at, ready) <
+             std::tie(o.forward, o.slot, o.B, o.T, o.P, o.training, o.scale, o.scale_at, o.ready);
+    }
+  };
+  GraphKey graph_key(bool forward, const StepOptions& opt, kernels::Multiplier scale) const;
+  // The graph of `key` launched, captured first from what issue() issues where it is new.
+  void run_graph(const GraphKey& key, const std::function<void()>& issue);
   void layer_backward(int64_t l, const Pass& p, const Batch& b, float* dh);
   void embeddings_backward(const Pass& p, float* dh);
   // A linear layer's backward in the model's precision, its weight and bias by offset (the bias
@@ -482,6 +526,16 @@ class BertModel {
   bool w16_fresh_ = false;       // weights16() already equals params() rounded
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
+  // The step's arguments in the backend's memory (the plan's "head.step_args") and their host
+  // copy: {key, offset} of each dropout site by (layer, site kind), then the MLM loss's divisor
+  // (a double's bits) and gradient scale (a float's); the MLM weight they came from.
+  uint64_t* step_args_ = nullptr;
+  std::vector<uint64_t> step_args_host_;
+  double mlm_weight_ = 0;
+  // The graphs (set_graphs) by kind, input slot and shape, and whether one is being captured.
+  GraphMode graphs_ = GraphMode::Off;
+  bool capturing_ = false;
+  std::map<GraphKey, std::shared_ptr<void>> graph_of_;
 };
 
 }  // namespace bertrain::model

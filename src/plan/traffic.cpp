@@ -94,7 +94,8 @@ constexpr double kF = 4;  // an fp32 value's bytes
 // The step's dimensions as the kernels see them.
 struct Dims {
   bool half, fp16, fused, qkv16_output;
-  double h;  // the products' operand bytes: 2 in bf16 and fp16, 4 in fp32
+  bool graphs = false;  // forward and backward as CUDA graphs: the pointer tables made each step
+  double h;             // the products' operand bytes: 2 in bf16 and fp16, 4 in fp32
   double R, T, N, C, I, NH, S, head, BP, Vr, P;
   double dropout_attn;
   int64_t layers;
@@ -220,7 +221,9 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
             {whole("qkv16", N * 3 * C * h), whole("qkv", N * 3 * C * kF)});
     else if (g.half && !g.qkv16_output)
       k.run(g.keep_kernel, {whole("qkv", N * 3 * C * kF)}, {whole("qkv16", N * 3 * C * h)});
-    // (the batched products' pointer tables: made in the first step, kept: pair_pointers)
+    // (the batched products' pointer tables, forward's two: made in the first step and kept, or
+    // in each launch of a graph: pair_pointers)
+    if (g.graphs) k.run("pair_pointers_kernel", {}, {whole("pointers", 2 * pointers)});
     k.run("cublasGemmBatchedEx",
           {slice(qkvh, N * C * h, N * 3 * C * h), slice(qkvh, N * C * h, N * 3 * C * h),
            whole("pointers", pointers)},
@@ -312,6 +315,7 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
     const std::string p = dropped ? "dropped" : "probs";
     const double qkv_extent = N * 3 * C * h, dqkv_extent = N * 3 * C * kF;
     const Use ptrs = whole("pointers", pointers);
+    if (g.graphs) k.run("pair_pointers_kernel", {}, {whole("pointers", 4 * pointers)});
     k.run("cublasGemmBatchedEx", {whole(p, S * h), whole(dctx, N * C * h), ptrs},  // dV
           {slice("dqkv", N * C * kF, dqkv_extent)}, 2 * S * g.head);
     k.run("cublasGemmBatchedEx",  // dd
@@ -380,10 +384,11 @@ std::string traffic_not_modelled(model::Head head, const model::ModelDims& d) {
 }
 
 StepTraffic cuda_step_traffic(const model::BertConfig& cfg, model::Head head,
-                              const model::ModelDims& d, bool lamb) {
+                              const model::ModelDims& d, bool lamb, bool graphs) {
   const std::string why = traffic_not_modelled(head, d);
   BT_CHECK(why.empty(), "the traffic model covers ", why);
-  const Dims g = dims_of(cfg, head, d);
+  Dims g = dims_of(cfg, head, d);
+  g.graphs = graphs;
   StepTraffic t;
   t.layers = g.layers;
   Kernels layer("layer");
@@ -489,6 +494,8 @@ StepTraffic cuda_step_traffic(const model::BertConfig& cfg, model::Head head,
             {whole("partial", partial_rows * C * kF), whole("sums", t.rows * 12),
              whole(t.name, t.rows * C * kF)},
             {whole(t.name, t.rows * C * kF)});
+    else if (g.graphs)  // (a graph's launch whatever the batch: its blocks find no sums, idle)
+      k.run("embedding_sums_kernel", {whole("counts", 8)}, {});
   }
   // ---- the update over every parameter: the gradients' norm (the gate's sum), then AdamW's
   // or LAMB's passes; the weights' 16-bit copy written by the update where the products read it

@@ -10,7 +10,9 @@
 // kernel reads again (the fused attention's K and V tiles, a product's operand tiles); an
 // operand read as a strided slice (Q, K or V out of the QKV rows) counts its slice's bytes.
 // Memsets (zeroing the gradients and dh) are rows of their own, not kernels. A step after the
-// first: the full attention's pointer tables (cuda.h, pair_pointers) are made once and kept.
+// first: the full attention's pointer tables (cuda.h, pair_pointers) are made once and kept, but
+// where forward and backward run as CUDA graphs (BertModel::set_graphs), which make them in
+// each launch.
 #pragma once
 
 #include <string>
@@ -53,9 +55,10 @@ struct StepTraffic {
 std::string traffic_not_modelled(model::Head head, const model::ModelDims& d);
 
 // The step's traffic; dims as model::on_backend made them for the GPU (Target cuda), `lamb`
-// LAMB's update passes, else AdamW's. Fails where traffic_not_modelled says why.
+// LAMB's update passes, else AdamW's; `graphs`: forward and backward run as CUDA graphs. Fails
+// where traffic_not_modelled says why.
 StepTraffic cuda_step_traffic(const model::BertConfig& cfg, model::Head head,
-                              const model::ModelDims& d, bool lamb);
+                              const model::ModelDims& d, bool lamb, bool graphs = false);
 
 // A roofline: a kernel takes max(flops / tflops, bytes / bandwidth), and a step the sum.
 struct Roofline {

@@ -95,6 +95,7 @@ Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, comm::Commun
            const StepSettings& s, obs::Timeline* timeline)
     : m_(m), opt_(opt), scaler_(scaler), comm_(comm), s_(s), tl_(timeline) {
   if (s_.accumulation <= 0) fail("accumulation must be positive, got ", s_.accumulation);
+  m_.set_graphs(s_.graphs);
   if (!(s_.predivide > 0)) fail("the gradient predivide factor must be positive");
   const int64_t P = m_.table().total();
   if (comm_.size() > 1 && m_.backend().host_memory() == comm_.device_memory())

@@ -45,6 +45,9 @@ struct StepSettings {
   // stay on the device until settle() (Step::run says how). Else (and by default) each step is
   // read when it ends.
   bool defer = false;
+  // Forward and backward launched as CUDA graphs where the model can (BertModel::set_graphs:
+  // a GPU, padded pretraining batches), captured at their first use.
+  model::GraphMode graphs = model::GraphMode::Off;
 };
 
 // The factors of one step (see the header comment). Deferred with a loss scaler, the loss scale

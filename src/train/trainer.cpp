@@ -739,7 +739,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Communicator& comm) {
   }
   s.step = &s.session.start(
       StepSettings{s.cfg.accumulation, cfg.predivide, cfg.overlap, cfg.bucket_mb << 20, cfg.seed,
-                   /*defer=*/true},
+                   /*defer=*/true, cfg.graphs},
       &s.tl);
   s.peak_gflops =
       backend_of(cfg).gemm_peak_gflops(cfg.precision, cfg.batch_size * cfg.seq_len,
@@ -774,7 +774,7 @@ std::string Trainer::banner() const {
   std::snprintf(
       line, sizeof line,
       "  %s lr %.3g (warmup %lld, decay power %.1f to %.3g), wd %.3g, clip %.3g, %s%s, %s "
-      "attention%s, padding %s, seed %llu\n",
+      "attention%s, padding %s%s, seed %llu\n",
       optimizer_name(cfg.optimizer.kind), cfg.lr, (long long)s.warmup, cfg.power, cfg.end_lr,
       cfg.optimizer.weight_decay, cfg.optimizer.max_grad_norm, precision_name(cfg.precision),
       cfg.precision == Precision::FP32 ? ""
@@ -786,7 +786,14 @@ std::string Trainer::banner() const {
           : " (fp32 weights and optimizer; activations kept in fp16 for backward, kernels "
             "compute in fp32; dynamic loss scaling)",
       s.m.attention_kernel(), s.m.dims().recompute_layers ? ", layers recomputed in backward" : "",
-      s.m.dims().unpadded ? "skipped" : "computed", (unsigned long long)cfg.seed);
+      s.m.dims().unpadded ? "skipped" : "computed",
+      backend_of(cfg).graphs()
+          ? str(", CUDA graphs ", model::graph_mode_name(cfg.graphs),
+                cfg.graphs == model::GraphMode::Off || s.m.unpadded() ? ""
+                                                                      : " (forward and backward)")
+                .c_str()
+          : "",
+      (unsigned long long)cfg.seed);
   out += line;
   out += str(
       "  steps ", s.start_step, "..", cfg.steps, ", save every ", cfg.save_every, " to ",

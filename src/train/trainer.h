@@ -28,8 +28,9 @@ struct TrainConfig {
   int64_t steps = 1000, accumulation = 1;
   Precision precision = Precision::FP32;
   model::ModelDims::Attention attention = model::ModelDims::Attention::Auto;
-  bool recompute_layers = false;  // model::ModelDims::recompute_layers
-  bool unpadded = true;           // model::ModelDims::unpadded
+  bool recompute_layers = false;                     // model::ModelDims::recompute_layers
+  bool unpadded = true;                              // model::ModelDims::unpadded
+  model::GraphMode graphs = model::GraphMode::Auto;  // train::StepSettings::graphs
   OptimizerConfig optimizer;
   double lr = 1e-3, warmup = 0.1, end_lr = 0.0, power = 1.0;  // warmup < 1: fraction of steps
   uint64_t seed = 42;

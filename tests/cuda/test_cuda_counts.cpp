@@ -411,7 +411,7 @@ TEST(CudaCounts, BenchPrintsThem) {
   const nlohmann::json j = test::bench_json(
       std::string("--device cuda --model-config ") + BERTRAIN_TEST_DATA +
       "/../configs/bert-tiny.json --batch-size 4 --seq-len 32 --max-predictions 5 --steps 2 " +
-      "--warmup 1 --padding compute");
+      "--warmup 1 --padding compute --cuda-graphs off");
   ASSERT_TRUE(j.contains("launches_per_step")) << j.dump();
   const Counted two = count_steps(2, false, 2, train::OptimizerKind::AdamW, true);
   EXPECT_EQ(j["launches_per_step"].get<double>(), two.launches) << j.dump();
@@ -422,6 +422,23 @@ TEST(CudaCounts, BenchPrintsThem) {
   EXPECT_EQ(j["model_launches_per_step"].get<double>(), two.launches) << j.dump();
   EXPECT_GT(j["non_gemm_bytes_per_step"].get<double>(), 0) << j.dump();
   EXPECT_GT(j["gemm_ms_at_ceiling"].get<double>(), 0) << j.dump();
+  EXPECT_EQ(j["graph_launches_per_step"].get<double>(), 0) << j.dump();
+  // With CUDA graphs (bench's default, auto, as train's): forward and backward 2 graph launches
+  // a step, which run the same kernels, the attention's pointer tables (2 a layer, kept from
+  // step to step without graphs) and the embedding tables' sums kernels (3, launched whatever
+  // the batch; this one has no sums, which the eager step does not launch for); the traffic
+  // model counts them too; no more host waits.
+  const nlohmann::json g = test::bench_json(
+      std::string("--device cuda --model-config ") + BERTRAIN_TEST_DATA +
+      "/../configs/bert-tiny.json --batch-size 4 --seq-len 32 --max-predictions 5 --steps 2 " +
+      "--warmup 1 --padding compute");
+  EXPECT_EQ(g["graph_launches_per_step"].get<double>(), 2) << g.dump();
+  EXPECT_EQ(g["launches_per_step"].get<double>(), two.launches + 2 * 2 + 3) << g.dump();
+  EXPECT_EQ(g["model_launches_per_step"].get<double>(), two.launches + 2 * 2 + 3) << g.dump();
+  EXPECT_LT(g["launches_per_step"].get<double>() - g["graph_kernels_per_step"].get<double>(),
+            two.launches / 10)
+      << "the host's own launches: the optimizer's";
+  EXPECT_EQ(g["host_syncs_per_step"].get<double>(), 0.5) << g.dump();
   // --padding auto on a GPU: computed where the attention runs full (auto's in bf16: a call per
   // run of equal lengths otherwise), skipped where it runs fused (one call for every length).
   for (const char* attention : {"auto", "blocked"}) {

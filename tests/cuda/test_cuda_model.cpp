@@ -139,6 +139,72 @@ TEST(CudaModel, LossCurveTracksTheCpu) {
   }
 }
 
+// CUDA graphs (train::StepSettings::graphs): 8 training steps (train::Step, AdamW, dropout on, a
+// new batch each step read ahead into the other input slot) with forward and backward launched
+// as graphs equal the same steps issued kernel by kernel, bit for bit: every step's loss and the
+// parameters after each step, in fp32, bf16 and fp16 (the loss scaler on), read each step and
+// deferred (the loss scale on the device). What changes from step to step (the dropout keys and
+// offsets, the batch's MLM weight, its embedding-gradient groups) the kernels read where they
+// run, so each step's graphs draw that step's masks. Each step launches 2 graphs (forward and
+// backward: 4 captured, one a kind and input slot), which run the kernels the eager step
+// issues, the attention's pointer tables (2 a layer, which the eager steps keep from the first)
+// and the embedding tables' sums kernels (3, whatever the batch; eagerly only where a table row
+// has more than kEmbeddingChunk tokens), and the host issues the optimizer's kernels alone; no
+// more host waits.
+TEST(CudaModel, GraphsReplayTheEagerStepsBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  constexpr int64_t kSteps = 8;
+  struct Run {
+    std::vector<double> losses;
+    std::vector<std::vector<float>> params;     // after each step
+    std::vector<kernels::DeviceCounts> counts;  // after each step
+  };
+  auto train = [&](Precision p, bool graphs, bool defer) {
+    Run r;
+    r.losses = test::loss_curve(
+        cuda::cuda_backend(), c, p, kSteps, train::OptimizerKind::AdamW,
+        [&](const model::BertModel& m, const train::StepReport&) {
+          r.counts.push_back(cuda::device_counts());
+          std::vector<float> host(static_cast<size_t>(m.table().total()));
+          m.backend().to_host(host.data(), m.params(), host.size() * sizeof(float));
+          r.params.push_back(std::move(host));
+        },
+        graphs, defer);
+    return r;
+  };
+  for (auto p : {Precision::FP32, Precision::BF16, Precision::FP16})
+    for (bool defer : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "precision " << static_cast<int>(p) << " defer " << defer);
+      const Run eager = train(p, false, defer), graphed = train(p, true, defer);
+      EXPECT_EQ(graphed.losses, eager.losses);
+      for (int64_t k = 0; k < kSteps; ++k)
+        ASSERT_TRUE(graphed.params[k] == eager.params[k]) << "parameters after step " << k;
+      // Per step (the first's counts include the model's setup: from the second on).
+      for (int64_t k = 1; k < kSteps; ++k) {
+        SCOPED_TRACE(testing::Message() << "step " << k);
+        auto step = [&](const Run& r, int64_t kernels::DeviceCounts::*f) {
+          return r.counts[k].*f - r.counts[k - 1].*f;
+        };
+        using C = kernels::DeviceCounts;
+        EXPECT_EQ(step(graphed, &C::graph_launches), 2);
+        EXPECT_EQ(step(eager, &C::graph_launches), 0);
+        EXPECT_GE(step(graphed, &C::launches), step(eager, &C::launches) + 2 * c.num_hidden_layers);
+        EXPECT_LE(step(graphed, &C::launches),
+                  step(eager, &C::launches) + 2 * c.num_hidden_layers + 3);
+        const int64_t issued = step(graphed, &C::launches) - step(graphed, &C::graph_kernels);
+        EXPECT_LT(issued, step(eager, &C::launches) / 10);
+        EXPECT_EQ(step(graphed, &C::host_syncs), step(eager, &C::host_syncs));
+        if (k == kSteps - 1)
+          std::printf(
+              "precision %d defer %d: launches a step %lld eager; with graphs %lld, of "
+              "them the host's %lld and 2 graphs'\n",
+              static_cast<int>(p), defer, static_cast<long long>(step(eager, &C::launches)),
+              static_cast<long long>(step(graphed, &C::launches)), static_cast<long long>(issued));
+      }
+    }
+}
+
 // A checkpoint written from the GPU model is the CPU model's parameters.
 // A training run stopped on one device resumes on the other (model, AdamW's moments, the step
 // and the input position, through the run checkpoint): stopped after 6 of 12 steps on the GPU

@@ -512,7 +512,8 @@ AttentionScratch attention_scratch(const AttentionShape& s, bool bf16, bool bloc
 }
 
 void attention_forward(Precision p, float* ctx, AttentionSaved saved, Kept qkv, const int32_t* mask,
-                       const AttentionShape& s, const Dropout& d, const Workspace& ws) {
+                       const AttentionShape& s, const Dropout& site, const Workspace& ws) {
+  const Dropout d = resolved(site);
   if (p == Precision::FP16) round_to_f16(qkv.f32, qkv.f32, s.B * s.T * 3 * s.C, qkv.bits);
   // BF16: the kernels round QKV into qkv.bits themselves and keep the probabilities in bf16.
   const AttentionBf16 a16{qkv.bits, ws.attn_probs16, ws.attn_dctx16, saved.probs16};
@@ -524,8 +525,9 @@ void attention_forward(Precision p, float* ctx, AttentionSaved saved, Kept qkv, 
 }
 
 void attention_backward(Precision p, float* dqkv, const float* dctx, Kept qkv, AttentionSaved saved,
-                        const int32_t* mask, const AttentionShape& s, const Dropout& d,
+                        const int32_t* mask, const AttentionShape& s, const Dropout& site,
                         const Workspace& ws) {
+  const Dropout d = resolved(site);
   const AttentionBf16 a16{qkv.bits, ws.attn_probs16, ws.attn_dctx16, saved.probs16};
   const AttentionBf16* bf16 = p == Precision::BF16 ? &a16 : nullptr;
   const float* x = qkv.f32;  // BF16: null, the kernels read a16.qkv (forward's rounding)

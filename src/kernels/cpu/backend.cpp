@@ -329,7 +329,9 @@ void Backend::cross_entropy_into(const SumsInto& into, float* dlogits, float* lo
     h += v;
     to_device(to, &h, sizeof h);
   };
-  add(into.loss, s.loss / into.loss_divisor);
+  double divisor = into.loss_divisor;  // (the step's arguments' where given: its memory's)
+  if (into.divisor_at) to_host(&divisor, into.divisor_at, sizeof divisor);
+  add(into.loss, s.loss / divisor);
   add(into.hits, s.correct);
   if (!std::isfinite(s.loss)) add(into.nonfinite, 1.0);
 }
@@ -375,6 +377,16 @@ void Backend::bias_gradient(float* db, const float* dout, int64_t M, int64_t N) 
 void Backend::rounded_column_sums(Precision p, float* db, Kept x, int64_t M, int64_t N) const {
   if (db) bias_gradient(db, x.f32, M, N);
   if (x.bits && p != Precision::FP32) round_to_16(p, x.bits, x.f32, M * N, nullptr);
+}
+
+void Backend::begin_capture() const {
+  fail("the ", name(), " backend has no graphs to capture (Backend::graphs)");
+}
+std::shared_ptr<void> Backend::end_capture() const {
+  fail("the ", name(), " backend has no graphs to capture (Backend::graphs)");
+}
+void Backend::launch_graph(const std::shared_ptr<void>&) const {
+  fail("the ", name(), " backend has no graphs to launch (Backend::graphs)");
 }
 
 int64_t Backend::mark() const {

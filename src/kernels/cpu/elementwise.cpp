@@ -319,7 +319,8 @@ void add_inplace(float* out, const float* a, int64_t n) {
 void dropout_forward(float* x, int64_t n, const Dropout& d) {
   BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
   const float p = d.p;
-  const uint64_t key = d.key, offset = d.offset;
+  const Dropout at = resolved(d);  // (the step's arguments' key and offset, where given)
+  const uint64_t key = at.key, offset = at.offset;
   if (p <= 0.0f) return;
   with_isa([&](auto tag) {
     parallel_chunks(n,
@@ -330,7 +331,8 @@ void dropout_forward(float* x, int64_t n, const Dropout& d) {
 void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) {
   BT_CHECK(!d.rows, "dropout_backward: a row map is for the row kernels");
   const float p = d.p;
-  const uint64_t key = d.key, offset = d.offset;
+  const Dropout at = resolved(d);  // (the step's arguments' key and offset, where given)
+  const uint64_t key = at.key, offset = at.offset;
   if (p <= 0.0f) {
     if (dx != dy)
       for (int64_t i = 0; i < n; ++i) dx[i] = dy[i];

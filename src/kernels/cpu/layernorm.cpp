@@ -141,7 +141,8 @@ void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                 const float* residual, const float* gamma, const float* beta,
                                 int64_t N, int64_t C, float eps, const Dropout& d) {
   const float dropout_p = d.p;
-  const uint64_t key = d.key, offset = d.offset;
+  const Dropout at = resolved(d);  // (the step's arguments' key and offset, where given)
+  const uint64_t key = at.key, offset = at.offset;
   const int32_t* rows = d.rows;
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   with_isa([&](auto tag) {
@@ -188,7 +189,8 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
                                  const float* token_type, const float* gamma, const float* beta,
                                  int64_t B, int64_t T, int64_t C, float eps, const Dropout& d) {
   const float dropout_p = d.p;
-  const uint64_t key = d.key, offset = d.offset;
+  const Dropout at = resolved(d);  // (the step's arguments' key and offset, where given)
+  const uint64_t key = at.key, offset = at.offset;
   const int32_t* rows = d.rows;
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;
   with_isa([&](auto tag) {
@@ -306,7 +308,8 @@ void layernorm_dropout_backward(float* dinp, float* ddropped, float* dgamma, flo
                                 const float* mean, const float* rstd, int64_t N, int64_t C,
                                 bool accumulate_dinp, const Dropout& d) {
   const float dropout_p = d.p;
-  const uint64_t key = d.key, offset = d.offset;
+  const Dropout at = resolved(d);  // (the step's arguments' key and offset, where given)
+  const uint64_t key = at.key, offset = at.offset;
   const int32_t* rows = d.rows;
   // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat)), xhat = (x - mean) * rstd
   const float keep_scale = dropout_p > 0.0f ? 1.0f / (1.0f - dropout_p) : 1.0f;

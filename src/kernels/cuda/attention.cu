@@ -24,8 +24,12 @@ namespace {
 // row: fp32, or 16-bit (rm::Bf16Bits / rm::F16Bits) into the same format.
 template <class H>
 __global__ void attention_dropped_kernel(H* dropped, const H* probs, AttentionShape s, float dp,
-                                         uint64_t key, uint64_t offset) {
+                                         uint64_t key, uint64_t offset, const uint64_t* at) {
   BT_FOR_EACH(s.B * s.NH * s.T * s.T);
+  if (at) {  // (the step's arguments: Dropout::at)
+    key = at[0];
+    offset += at[1];
+  }
   const int64_t r = i / s.T, j = i % s.T;
   const uint64_t idx = offset + s.dropout_row(r / s.T, r % s.T) + j;
   rm::store(dropped + i, rm::dropout(rm::widen(probs[i]), dp, rm::keep_scale_of(dp), key, idx));
@@ -36,7 +40,12 @@ __global__ void attention_dropped_kernel(H* dropped, const H* probs, AttentionSh
 template <class P, class D>
 __global__ void softmax_backward_rows_kernel(D* ds, const float* dd, const P* probs,
                                              AttentionShape s, int64_t first, int64_t rows,
-                                             float dp, uint64_t key, uint64_t offset) {
+                                             float dp, uint64_t key, uint64_t offset,
+                                             const uint64_t* at) {
+  if (at) {  // (the step's arguments: Dropout::at)
+    key = at[0];
+    offset += at[1];
+  }
   const int64_t w = warp_row();
   if (w >= rows) return;
   const int64_t r = first + w, T = s.T;
@@ -51,6 +60,7 @@ __global__ void blocked_rows_forward_kernel(BlockRows r, X* dropped, float* lse,
                                             const float* scores) {
   const int64_t w = warp_row();
   if (w >= r.rows()) return;
+  r.d = kernels::resolved(r.d);  // (the step's arguments: Dropout::at)
   r.forward(w, dropped, lse, scores, warp_lanes());
 }
 template <class X>
@@ -58,6 +68,7 @@ __global__ void blocked_rows_backward_kernel(BlockRows r, X* dropped, X* ds, flo
                                              float* dd, const float* lse) {
   const int64_t w = warp_row();
   if (w >= r.rows()) return;
+  r.d = kernels::resolved(r.d);
   r.backward(w, dropped, ds, scores, dd, lse, warp_lanes());
 }
 
@@ -209,16 +220,16 @@ void products_backward(Precision p, float* dqkv, kernels::KeptIn dctx, Kept qkv,
     if (f16)
       BT_EACH(attention_dropped_kernel<rm::F16Bits>, n_probs,
               reinterpret_cast<rm::F16Bits*>(ws.attn_probs16),
-              reinterpret_cast<const rm::F16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
+              reinterpret_cast<const rm::F16Bits*>(saved.probs16), s, d.p, d.key, d.offset, d.at);
     else
       BT_EACH(attention_dropped_kernel<rm::Bf16Bits>, n_probs,
               reinterpret_cast<rm::Bf16Bits*>(ws.attn_probs16),
-              reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, d.p, d.key, d.offset);
+              reinterpret_cast<const rm::Bf16Bits*>(saved.probs16), s, d.p, d.key, d.offset, d.at);
     dropped = ws.attn_probs16;
   } else if (d.p > 0.0f) {
     float* dr = static_cast<float*>(scratch(kAttentionDroppedSlot, n_probs * 4));
     BT_EACH(attention_dropped_kernel<float>, n_probs, dr, static_cast<const float*>(saved.probs), s,
-            d.p, d.key, d.offset);
+            d.p, d.key, d.offset, d.at);
     dropped = dr;
   }
   // dd (then ds) for every pair in a [B, NH, T, T] buffer; the 16-bit precisions' ds rounded
@@ -232,7 +243,7 @@ void products_backward(Precision p, float* dqkv, kernels::KeptIn dctx, Kept qkv,
   const int64_t rows = B * NH * T;
   auto backward_rows = [&](auto* out, const auto* probs) {
     BT_LAUNCH(softmax_backward_rows_kernel, row_blocks(rows), kRowThreads, 0, compute_stream())
-    (out, dd, probs, s, 0, rows, d.p, d.key, d.offset);
+    (out, dd, probs, s, 0, rows, d.p, d.key, d.offset, d.at);
   };
   if (f16)
     backward_rows(reinterpret_cast<rm::F16Bits*>(ws.attn_probs16),

@@ -50,6 +50,7 @@ __global__ void add_inplace_kernel(float* out, const float* a, int64_t n) {
 // their partial rows in order. Deterministic, no atomics; rows of one chunk get the CPU's sums.
 __global__ void embedding_chunks_kernel(float* table, float* partial, kernels::RowRuns r,
                                         const float* dout, int64_t C) {
+  if (r.counts && blockIdx.x >= static_cast<unsigned>(r.counts[0])) return;  // (a bound's grid)
   const kernels::EmbeddingChunk k = r.chunks[blockIdx.x];
   for (int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; c < C;
        c += static_cast<int64_t>(gridDim.y) * blockDim.x)
@@ -58,6 +59,7 @@ __global__ void embedding_chunks_kernel(float* table, float* partial, kernels::R
 
 __global__ void embedding_sums_kernel(float* table, const float* partial, kernels::RowRuns r,
                                       int64_t C) {
+  if (r.counts && blockIdx.x >= static_cast<unsigned>(r.counts[1])) return;
   const kernels::EmbeddingSum s = r.sums[blockIdx.x];
   for (int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; c < C;
        c += static_cast<int64_t>(gridDim.y) * blockDim.x)
@@ -116,10 +118,10 @@ __global__ void squared_error_kernel(float* dpred, double* sq, const float* pred
 
 // The batches' copies into the models' input slots (Backend::upload), on the calling thread's
 // current GPU (one thread may run several GPUs in turn: a test's ranks): on a stream of their
-// own, non-blocking (it does not wait for the legacy default stream), so a copy runs beside the
-// kernels. Each slot has two events: its last copy (kernels issued after
-// use_input wait for it) and its last release (its next copy waits for it). An event waited for
-// before its first record counts as complete.
+// own, non-blocking (it waits for no other stream's work), so a copy runs beside the kernels. Each
+// slot has two events: its last copy (kernels issued after use_input wait for it) and its last
+// release (its next copy waits for it). An event waited for before its first record counts as
+// complete.
 struct InputSlot {
   cudaEvent_t copied = nullptr, released = nullptr;
 };
@@ -174,6 +176,18 @@ struct HostSide {
   }
 };
 thread_local HostSide t_host_side;
+
+// An instantiated CUDA graph and the launches it holds (Backend::end_capture).
+struct Graph {
+  cudaGraphExec_t exec = nullptr;
+  int64_t kernels = 0;
+  Graph() = default;
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  ~Graph() {
+    if (exec) cudaGraphExecDestroy(exec);
+  }
+};
 
 class CudaBackend final : public kernels::Backend {
  public:
@@ -279,6 +293,41 @@ class CudaBackend final : public kernels::Backend {
   void wait_to_host() const override {
     const HostSide& h = t_host_side;
     if (h.copied && !done(cudaEventQuery(h.copied))) BT_CUDA_WAIT(cudaEventSynchronize(h.copied));
+  }
+  void send(void* dst, const void* src, size_t bytes) const override {
+    const Op op("send");
+    cuda::send(dst, src, bytes);
+  }
+
+  // CUDA graphs by stream capture on the kernels' stream. Thread-local mode: this thread may
+  // not allocate, free or wait for the device meanwhile (each is an error that names itself and
+  // ends the capture); other threads may.
+  bool graphs() const override { return true; }
+  void begin_capture() const override {
+    BT_CUDA_CHECK(cudaStreamBeginCapture(compute_stream(), cudaStreamCaptureModeThreadLocal));
+    set_capturing(true);
+  }
+  std::shared_ptr<void> end_capture() const override {
+    set_capturing(false);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t e = cudaStreamEndCapture(compute_stream(), &graph);
+    if (e != cudaSuccess)
+      fail("a step's capture as a CUDA graph failed: ", cudaGetErrorString(e),
+           " (run with --cuda-graphs off, and report it: a step's work must not wait for the "
+           "device, allocate or free)");
+    auto g = std::make_shared<Graph>();
+    g->kernels = captured_launches();
+    const cudaError_t i = cudaGraphInstantiate(&g->exec, graph, 0);
+    cudaGraphDestroy(graph);
+    BT_CUDA_CHECK(i);
+    return g;
+  }
+  void launch_graph(const std::shared_ptr<void>& graph) const override {
+    const Op op("graph");
+    const auto* g = static_cast<const Graph*>(graph.get());
+    BT_CUDA_CHECK(cudaGraphLaunch(g->exec, compute_stream()));
+    count_graph_launch(g->kernels);
+    forget_device_records();  // (its pointer tables were made where the host kept others)
   }
   std::string op_profile(int64_t steps) const override { return profile_table(steps); }
   std::optional<kernels::DeviceCounts> device_counts() const override {

@@ -49,13 +49,31 @@ class DeviceBuffer {
 
 void synchronize();
 
+// A copy of host memory into device memory queued on the stream, staged in page-locked memory
+// (Backend::send): the host may write src again on return, and waits only where the device is
+// several sends behind.
+void send(void* device, const void* host, size_t bytes, void* stream = nullptr);
+
 // What this process gave its GPUs so far (every thread): kernel launches, each cuBLAS or cuBLASLt
 // product counted as one (on a GPU it is one kernel or more), and host synchronisations (a
 // call in which the host waited for the device: a stream, event or device synchronisation, a
 // blocking copy or memset, a free). Counted by bertrain's CUDA code as it issues them; on the
 // emulated device, tests check them against the emulator's own counts (cuda_emu/counts.h).
-// `bench --device cuda` prints them per step.
+// `bench --device cuda` prints them per step. A CUDA graph's kernels count at each launch of the
+// graph (DeviceCounts::graph_kernels), not at its capture.
 kernels::DeviceCounts device_counts();
+// The launches counted since the calling thread's capture began (set_capturing), and a graph's
+// launch running that many.
+int64_t captured_launches();
+void count_graph_launch(int64_t kernels);
+
+// Stream capture on the calling thread (Backend::begin_capture, end_capture): while it is on,
+// what would rely on the device's earlier work without issuing it is issued anyway
+// (pair_pointers makes its tables in the graph); after a graph's launch, what the host
+// remembered of the device's memory is forgotten (forget_device_records).
+void set_capturing(bool on);
+bool capturing();
+void forget_device_records();
 
 // A linear layer's operands are the precision's (Precision `o`): fp32, or 16-bit (raw bf16 /
 // fp16 bits) with fp32 accumulation and an fp32 result.
@@ -109,6 +127,7 @@ void gemm_pairs(Precision o, int64_t pairs, int64_t NH, const PairProduct& p,
 // was bound find that table, no launch (a model's arenas keep their addresses, so a step after
 // the first makes none); else the least recently used table is made again. Valid until
 // kPairTables other tables are made (what the stream runs before then reads it as it was).
+// While capturing (set_capturing), every table is made in the graph, none kept.
 struct PairPointers {
   void** base = nullptr;
   int64_t pairs = 0, count = 0;

@@ -86,10 +86,7 @@ std::atomic<int64_t> g_unplanned{0};
 
 void bind_scratch(void* region, const kernels::ScratchLayout& layout) {
   const Binding& b = g_binding;
-  bool same =
-      b.base == region && b.layout.threads == layout.threads && b.layout.caller == layout.caller;
-  for (int i = 0; i < kernels::ScratchLayout::kParts; ++i)
-    same = same && b.layout.part[i] == layout.part[i];
+  const bool same = b.base == region && b.layout == layout;
   // (a model binds its region before each pass: the same binding; a model freed binds none)
   g_binding = {static_cast<std::byte*>(region), layout, same ? b.generation : b.generation + 1};
 }
@@ -124,7 +121,10 @@ void synchronize() {
 }
 
 namespace {
-std::atomic<int64_t> g_launches{0}, g_host_syncs{0}, g_ahead_waits{0};
+std::atomic<int64_t> g_launches{0}, g_host_syncs{0}, g_ahead_waits{0}, g_graph_launches{0},
+    g_graph_kernels{0};
+thread_local bool t_capturing = false;
+thread_local int64_t t_captured = 0;  // launches issued into the capture
 std::atomic<uint64_t> g_frees{0};
 }  // namespace
 
@@ -142,7 +142,10 @@ uint64_t memory_generation() {
 }
 
 void count_launch() {
-  g_launches.fetch_add(1, std::memory_order_relaxed);
+  if (t_capturing)
+    ++t_captured;
+  else
+    g_launches.fetch_add(1, std::memory_order_relaxed);
 }
 
 void count_host_sync() {
@@ -150,7 +153,30 @@ void count_host_sync() {
 }
 
 kernels::DeviceCounts device_counts() {
-  return {g_launches.load(), g_host_syncs.load(), g_ahead_waits.load()};
+  return {g_launches.load(), g_host_syncs.load(), g_ahead_waits.load(), g_graph_launches.load(),
+          g_graph_kernels.load()};
+}
+
+int64_t captured_launches() {
+  return t_captured;
+}
+
+void count_graph_launch(int64_t kernels) {
+  g_graph_launches.fetch_add(1, std::memory_order_relaxed);
+  g_graph_kernels.fetch_add(kernels, std::memory_order_relaxed);
+  g_launches.fetch_add(kernels, std::memory_order_relaxed);
+}
+
+void set_capturing(bool on) {
+  t_capturing = on;
+  if (on) {
+    t_captured = 0;
+    forget_device_records();
+  }
+}
+
+bool capturing() {
+  return t_capturing;
 }
 
 }  // namespace bertrain::cuda

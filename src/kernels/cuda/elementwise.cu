@@ -52,7 +52,11 @@ __global__ void round_f16_kernel(uint16_t* dst, const float* src, int64_t n) {
 }
 
 __global__ void dropout_kernel(float* x, int64_t n, float p, float scale, uint64_t key,
-                               uint64_t offset) {
+                               uint64_t offset, const uint64_t* at) {
+  if (at) {  // (the step's arguments: Dropout::at)
+    key = at[0];
+    offset += at[1];
+  }
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   x[i] = rng_uniform(key, offset + i) >= p ? x[i] * scale : 0.0f;
@@ -66,7 +70,11 @@ __device__ inline uint16_t to_half(float x) {
 }
 
 __global__ void dropout_backward_kernel(float* dx, const float* dy, int64_t n, float p,
-                                        uint64_t key, uint64_t offset) {
+                                        uint64_t key, uint64_t offset, const uint64_t* at) {
+  if (at) {  // (the step's arguments: Dropout::at)
+    key = at[0];
+    offset += at[1];
+  }
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n)
     dx[i] =
@@ -144,7 +152,7 @@ void keep(Precision p, kernels::Kept x, int64_t n, void* stream) {
 void dropout_forward(float* x, int64_t n, const kernels::Dropout& d, void* stream) {
   BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
   if (d.p <= 0.0f) return;
-  BT_EACH_ON(stream, dropout_kernel, n, x, n, d.p, 1.0f / (1.0f - d.p), d.key, d.offset);
+  BT_EACH_ON(stream, dropout_kernel, n, x, n, d.p, 1.0f / (1.0f - d.p), d.key, d.offset, d.at);
 }
 
 void dropout_backward(float* dx, const float* dy, int64_t n, const kernels::Dropout& d,
@@ -156,7 +164,7 @@ void dropout_backward(float* dx, const float* dy, int64_t n, const kernels::Drop
                                     cudaMemcpyDeviceToDevice, as_stream(stream)));
     return;
   }
-  BT_EACH_ON(stream, dropout_backward_kernel, n, dx, dy, n, d.p, d.key, d.offset);
+  BT_EACH_ON(stream, dropout_backward_kernel, n, dx, dy, n, d.p, d.key, d.offset, d.at);
 }
 
 void scale(float* x, int64_t n, kernels::Multiplier s, void* stream) {

@@ -230,6 +230,7 @@ __global__ void __launch_bounds__(32)
     fused_forward_kernel(float* ctx, X* ctx16, float* lse, const float* qkv, X* qkv16,
                          const int32_t* mask, AttentionShape s, Dropout d) {
   constexpr int HD = NT * 16;
+  d = kernels::resolved(d);  // (the step's arguments: Dropout::at)
   const Block hd(s, d);
   if (hd.idle()) return;
   const int64_t i0 = hd.first, L = hd.q.L;
@@ -522,6 +523,7 @@ __global__ void __launch_bounds__(32)
                           const float* dctx, const X* qkv, const X* ctx16, const float* lse,
                           const int32_t* mask, AttentionShape s, Dropout d) {
   constexpr int HD = NT * 16;
+  d = kernels::resolved(d);  // (the step's arguments: Dropout::at)
   constexpr int64_t dq_bytes = shared_bytes<DqArrays<X, HD>>(),
                     dkv_bytes = shared_bytes<DkvArrays<X, HD>>();
   alignas(128) __shared__ unsigned char shared[dq_bytes > dkv_bytes ? dq_bytes : dkv_bytes];

@@ -20,7 +20,11 @@ __global__ void layernorm_forward_kernel(float* out, uint16_t* out16, Precision 
                                          float* rstd, float* x, const float* residual,
                                          const float* gamma, const float* beta, int64_t N,
                                          int64_t C, float eps, float p, uint64_t key,
-                                         uint64_t offset, const int32_t* rows) {
+                                         uint64_t offset, const int32_t* rows, const uint64_t* at) {
+  if (at) {  // (the step's arguments: Dropout::at)
+    key = at[0];
+    offset += at[1];
+  }
   const int64_t i = warp_row();
   if (i >= N) return;
   const WarpLanes l = warp_lanes();
@@ -31,13 +35,15 @@ __global__ void layernorm_forward_kernel(float* out, uint16_t* out16, Precision 
     for (int64_t c = l.lane; c < C; c += l.count) out16[i * C + c] = to_16(o, out[i * C + c]);
 }
 
-__global__ void embedding_layernorm_kernel(float* out, float* sum, float* mean, float* rstd,
-                                           const int32_t* ids, const int32_t* segment,
-                                           const int32_t* positions, const float* word,
-                                           const float* position, const float* token_type,
-                                           const float* gamma, const float* beta, int64_t N,
-                                           int64_t T, int64_t C, float eps, float p, uint64_t key,
-                                           uint64_t offset, const int32_t* rows) {
+__global__ void embedding_layernorm_kernel(
+    float* out, float* sum, float* mean, float* rstd, const int32_t* ids, const int32_t* segment,
+    const int32_t* positions, const float* word, const float* position, const float* token_type,
+    const float* gamma, const float* beta, int64_t N, int64_t T, int64_t C, float eps, float p,
+    uint64_t key, uint64_t offset, const int32_t* rows, const uint64_t* at) {
+  if (at) {  // (the step's arguments: Dropout::at)
+    key = at[0];
+    offset += at[1];
+  }
   const int64_t i = warp_row();
   if (i >= N) return;
   const WarpLanes l = warp_lanes();
@@ -76,7 +82,11 @@ __global__ void __launch_bounds__(kBackwardThreads)
                               unsigned* tickets, const float* dout, const float* in,
                               const float* gamma, const float* mean, const float* rstd, int64_t N,
                               int64_t C, int64_t per, bool accumulate, float p, uint64_t key,
-                              uint64_t offset, const int32_t* rows) {
+                              uint64_t offset, const int32_t* rows, const uint64_t* at) {
+  if (at) {  // (the step's arguments: Dropout::at)
+    key = at[0];
+    offset += at[1];
+  }
   const int64_t chunk = blockIdx.x, chunks = gridDim.x;
   const int64_t r0 = chunk * per, end = r0 + per < N ? r0 + per : N;
   const int64_t warps = blockDim.x / 32;
@@ -135,7 +145,7 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
   if (N == 0) return;
   BT_LAUNCH(layernorm_forward_kernel, row_blocks(N), kRowThreads, 0, as_stream(stream))
   (out, nullptr, Precision::FP32, mean, rstd, const_cast<float*>(inp), nullptr, gamma, beta, N, C,
-   eps, 0.0f, 0, 0, nullptr);
+   eps, 0.0f, 0, 0, nullptr, nullptr);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -154,7 +164,8 @@ void residual_layernorm_forward(Precision p, kernels::Kept out, float* mean, flo
   if (N == 0) return;
   uint16_t* bits = p != Precision::FP32 ? out.bits : nullptr;
   BT_LAUNCH(layernorm_forward_kernel, row_blocks(N), kRowThreads, 0, as_stream(stream))
-  (out.f32, bits, p, mean, rstd, x, residual, gamma, beta, N, C, eps, d.p, d.key, d.offset, d.rows);
+  (out.f32, bits, p, mean, rstd, x, residual, gamma, beta, N, C, eps, d.p, d.key, d.offset, d.rows,
+   d.at);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -167,7 +178,7 @@ void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rst
   if (B * T == 0) return;
   BT_LAUNCH(embedding_layernorm_kernel, row_blocks(B * T), kRowThreads, 0, as_stream(stream))
   (out, sum, mean, rstd, ids, segment, positions, word, position, token_type, gamma, beta, B * T, T,
-   C, eps, d.p, d.key, d.offset, d.rows);
+   C, eps, d.p, d.key, d.offset, d.rows, d.at);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -194,7 +205,7 @@ void layernorm_dropout_backward(Precision p, float* dinp, kernels::Kept ddropped
             as_stream(stream))
   (dinp, ddropped.f32, bits, p, dgamma, dbeta, dbias, partial,
    column_tickets(blocks_for(C, kColumnTile)), dout, in, gamma, mean, rstd, N, C, per,
-   accumulate_dinp, d.p, d.key, d.offset, d.rows);
+   accumulate_dinp, d.p, d.key, d.offset, d.rows, d.at);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

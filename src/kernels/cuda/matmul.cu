@@ -320,6 +320,10 @@ thread_local uint64_t t_uses = 0;
 
 }  // namespace
 
+void forget_device_records() {
+  for (PairTable& t : t_tables) t.used = 0;
+}
+
 PairPointers pair_pointers(int64_t pairs, int64_t NH, const PairProduct* p, int64_t count,
                            void* stream) {
   BT_CHECK(count >= 1 && count <= kMaxPairProducts, "pair_pointers: ", count, " products");
@@ -333,6 +337,18 @@ PairPointers pair_pointers(int64_t pairs, int64_t NH, const PairProduct* p, int6
     o.b[j] = p[j].b;
     o.c[j] = p[j].c;
   }
+  // Table k made (a launch).
+  auto make = [&](int64_t k) {
+    const PairPointers at{part + k * stride, pairs, count};
+    constexpr unsigned kThreads = 256;
+    BT_LAUNCH(pair_pointers_kernel, blocks_for(pairs * count, kThreads), kThreads, 0,
+              as_stream(stream))
+    (at.base, pairs, count, NH, o);
+    BT_CUDA_CHECK(cudaGetLastError());
+    return at;
+  };
+  // (captured: made in the graph, in turn; the stream's order keeps each until it is used)
+  if (capturing()) return make(static_cast<int64_t>(t_uses++ % kPairTables));
   const uint64_t bound = scratch_binding();
   PairTable* oldest = &t_tables[0];
   for (PairTable& t : t_tables) {
@@ -344,13 +360,7 @@ PairPointers pair_pointers(int64_t pairs, int64_t NH, const PairProduct* p, int6
     if (t.used < oldest->used) oldest = &t;
   }
   *oldest = PairTable{bound, part, stride, pairs, NH, count, o, ++t_uses};
-  const PairPointers at{part + (oldest - t_tables) * stride, pairs, count};
-  constexpr unsigned kThreads = 256;
-  BT_LAUNCH(pair_pointers_kernel, blocks_for(pairs * count, kThreads), kThreads, 0,
-            as_stream(stream))
-  (at.base, pairs, count, NH, o);
-  BT_CUDA_CHECK(cudaGetLastError());
-  return at;
+  return make(oldest - t_tables);
 }
 
 void gemm_pairs(Precision o, const PairPointers& at, int64_t j, const PairProduct& p,
@@ -361,6 +371,10 @@ void gemm_pairs(Precision o, const PairPointers& at, int64_t j, const PairProduc
   void** ptrs = at.base + 3 * pairs * j;
   cublasHandle_t h = blas_handle();
   BT_CUBLAS_CHECK(cublasSetStream(h, as_stream(stream)));
+  // (the products' workspace, cuBLASLt's, used in the stream's order: cuBLAS allocating one of
+  // its own would break a CUDA graph's capture)
+  BT_CUBLAS_CHECK(cublasSetWorkspace(h, scratch(kMatmulWorkspaceSlot, kMatmulWorkspaceBytes),
+                                     kMatmulWorkspaceBytes));
   // Column-major C^T = op(B)^T op(A)^T (blas_calls.h): the product's B pointers first.
   const ColumnMajorCall g = pair_call(p);
   const cudaDataType_t t = operand_type(o);

@@ -1,5 +1,6 @@
 // BERTRAIN_CUDA_PROFILE=1 (profile.cuh): events around each backend operation, their times
 // summed by name and read back every kFold operations.
+#include "kernels/cuda/cuda.h"
 #include "kernels/cuda/profile.cuh"
 
 #include <algorithm>
@@ -113,7 +114,8 @@ std::string profile_table(int64_t steps) {
 }
 
 Op::Op(const char* name) : name_(name) {
-  if (!profile_on()) return;
+  // (inside a CUDA graph's capture the events would be the graph's: the graph is timed whole)
+  if (!profile_on() || capturing()) return;
   start_ = Profile::get().event();
   BT_CUDA_CHECK(cudaEventRecord(start_, compute_stream()));
 }

@@ -23,7 +23,11 @@ namespace {
 template <class P>
 __global__ void attention_softmax_kernel(P* probs, P* dropped, const float* scores,
                                          const int32_t* mask, kernels::AttentionShape s, float p,
-                                         uint64_t key, uint64_t offset) {
+                                         uint64_t key, uint64_t offset, const uint64_t* at) {
+  if (at) {  // (the step's arguments: Dropout::at)
+    key = at[0];
+    offset += at[1];
+  }
   const int64_t r = warp_row();
   if (r >= s.B * s.NH * s.T) return;
   const int64_t bh = r / s.T, i = r % s.T, T = s.T;
@@ -39,7 +43,11 @@ __global__ void attention_softmax_kernel(P* probs, P* dropped, const float* scor
 
 __global__ void attention_softmax_backward_kernel(float* ds, const float* dd, const float* probs,
                                                   kernels::AttentionShape s, float p, uint64_t key,
-                                                  uint64_t offset) {
+                                                  uint64_t offset, const uint64_t* at) {
+  if (at) {  // (the step's arguments: Dropout::at)
+    key = at[0];
+    offset += at[1];
+  }
   const int64_t r = warp_row();
   if (r >= s.B * s.NH * s.T) return;
   const int64_t bh = r / s.T, i = r % s.T, T = s.T;
@@ -350,16 +358,17 @@ size_t aligned(size_t b) {
   return (b + 255) / 256 * 256;
 }
 
-// Tables cross from page-locked memory (a copy from pageable memory may make the host wait for
-// the stream): two buffers of the calling thread's in turn, each written again only once the
-// copy from it has run (its event; a query finds it done unless the device is a table change
-// behind).
+// Tables and a step's arguments cross from page-locked memory (a copy from pageable memory may
+// make the host wait for the stream): kTurns buffers of the calling thread's in turn, each
+// written again only once the copy from it has run (its event; a query finds it done unless
+// the device is kTurns sends behind).
+constexpr int kTurns = 4;
 struct PinnedTables {
   struct Buffer {
     char* host = nullptr;
     size_t bytes = 0;
     cudaEvent_t copied = nullptr;
-  } buffer[2];
+  } buffer[kTurns];
   int turn = 0;
   PinnedTables() = default;
   PinnedTables(const PinnedTables&) = delete;
@@ -396,14 +405,24 @@ char* pinned_tables(size_t bytes) {
   return b.host;
 }
 
+}  // namespace
+
+void send(void* device, const void* host, size_t bytes, void* stream) {
+  if (bytes == 0) return;
+  const cudaStream_t s = as_stream(stream);
+  PinnedTables& t = t_tables;
+  char* pinned = pinned_tables(bytes);
+  std::memcpy(pinned, host, bytes);
+  BT_CUDA_CHECK(cudaMemcpyAsync(device, pinned, bytes, cudaMemcpyHostToDevice, s));
+  BT_CUDA_CHECK(cudaEventRecord(t.buffer[t.turn].copied, s));
+  t.turn = (t.turn + 1) % kTurns;
+}
+
+namespace {
+
 // The tables `host` copied to `device`.
 void send_tables(char* device, const std::vector<char>& host, cudaStream_t s) {
-  PinnedTables& t = t_tables;
-  char* pinned = pinned_tables(host.size());
-  std::memcpy(pinned, host.data(), host.size());
-  BT_CUDA_CHECK(cudaMemcpyAsync(device, pinned, host.size(), cudaMemcpyHostToDevice, s));
-  BT_CUDA_CHECK(cudaEventRecord(t.buffer[t.turn].copied, s));
-  t.turn ^= 1;
+  send(device, host.data(), host.size(), s);
 }
 
 // Each span's step kind (kind[i] into the returned kinds), as exact bits: an optimizer's steps
@@ -520,7 +539,7 @@ void attention_softmax_forward(float* probs, float* dropped, const float* scores
   const int64_t rows = s.B * s.NH * s.T;
   if (rows == 0) return;
   BT_LAUNCH(attention_softmax_kernel, row_blocks(rows), kRowThreads, 0, as_stream(stream))
-  (probs, dropped, scores, mask, s, d.p, d.key, d.offset);
+  (probs, dropped, scores, mask, s, d.p, d.key, d.offset, d.at);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -532,7 +551,7 @@ void attention_softmax_forward_16(Precision p, uint16_t* probs16, uint16_t* drop
   if (rows == 0) return;
   auto run = [&](auto* probs, auto* dropped) {
     BT_LAUNCH(attention_softmax_kernel, row_blocks(rows), kRowThreads, 0, as_stream(stream))
-    (probs, dropped, scores, mask, s, d.p, d.key, d.offset);
+    (probs, dropped, scores, mask, s, d.p, d.key, d.offset, d.at);
   };
   BT_CHECK(p != Precision::FP32, "attention_softmax_forward_16: fp32 is not a 16-bit precision");
   if (p == Precision::FP16)
@@ -548,7 +567,7 @@ void attention_softmax_backward(float* ds, const float* dd, const float* probs,
   const int64_t rows = s.B * s.NH * s.T;
   if (rows == 0) return;
   BT_LAUNCH(attention_softmax_backward_kernel, row_blocks(rows), kRowThreads, 0, as_stream(stream))
-  (ds, dd, probs, s, d.p, d.key, d.offset);
+  (ds, dd, probs, s, d.p, d.key, d.offset, d.at);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -582,7 +601,7 @@ __global__ void add_row_sums_kernel(const float* row_sums, int64_t N, kernels::S
   block_sum(hits, total + 1);
   __syncthreads();
   if (threadIdx.x != 0) return;
-  const double l = total[0] / into.loss_divisor;
+  const double l = total[0] / into.divisor();
   if (into.loss) *into.loss += l;
   if (into.hits) *into.hits += total[1];
   if (into.nonfinite && !isfinite(l)) *into.nonfinite += 1.0;
