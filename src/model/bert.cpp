@@ -538,7 +538,7 @@ void BertModel::stage_inputs(const Batch& b, Staged& st, int slot) {
   for (size_t i = 0; i < count; ++i) {
     const Source& x = sources[i];
     if (x.bytes) std::memcpy(staging + at, x.data, x.bytes);
-    *x.at = x.bytes ? region + at : nullptr;
+    *x.at = x.room ? region + at : nullptr;  // (where a graph read it, whatever the batch)
     at += align_up(x.room, 256);
   }
   be_.upload(region, staging, at);

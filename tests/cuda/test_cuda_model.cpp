@@ -205,6 +205,59 @@ TEST(CudaModel, GraphsReplayTheEagerStepsBitForBit) {
     }
 }
 
+// A graph holds every batch of its shape, not only the one it was captured with: three batches
+// of 4 x 32 tokens through the two input slots (the first slot's graphs captured with a batch
+// whose embedding tables have no row of more than kEmbeddingChunk tokens, so no partial sums,
+// then replayed with one whose every token is one word: a row of 128 tokens, summed from two
+// chunks; and some of its MLM weights 0: another loss divisor), each a training forward and
+// backward: the gradients and loss sums equal the same passes issued kernel by kernel, bit for
+// bit.
+TEST(CudaModel, AGraphHoldsEveryBatchOfItsShape) {
+  SKIP_WITHOUT_GPU();
+  const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  const model::Batch first = test::random_batch(c, 4, 32, 5);
+  model::Batch second = first, third = first;
+  for (int32_t& id : second.input_ids) id = (id + 17) % 300;
+  for (int32_t& id : third.input_ids) id = 7;
+  for (size_t i = 0; i < third.masked_lm_weights.size(); i += 3) third.masked_lm_weights[i] = 0;
+  struct Pass {
+    std::vector<float> grads;
+    model::StepSums sums;
+  };
+  auto run = [&](model::GraphMode graphs) {
+    const kernels::Backend& be = cuda::cuda_backend();
+    ModelDims d{4, 32, 5};
+    d.attention = ModelDims::Attention::Full;
+    d.unpadded = false;
+    BertModel m(c, Head::Pretraining, d, be);
+    m.set_graphs(graphs);
+    m.init_params(11);
+    std::vector<Pass> passes;
+    int64_t k = 0;
+    for (const model::Batch* b : std::vector<const model::Batch*>{&first, &second, &third}) {
+      const model::StepOptions opt{true, 5, static_cast<uint64_t>(k++), 0, /*device_sums=*/true};
+      EXPECT_EQ(m.graphed(*b, opt), graphs != model::GraphMode::Off);
+      m.zero_grads();
+      m.forward(*b, opt);
+      m.backward(*b, opt, 1.0f);
+      m.read_step_sums();
+      Pass p;
+      p.sums = m.step_sums();
+      p.grads.resize(static_cast<size_t>(m.table().total()));
+      be.to_host(p.grads.data(), m.grads(), p.grads.size() * sizeof(float));
+      passes.push_back(std::move(p));
+    }
+    return passes;
+  };
+  const auto eager = run(model::GraphMode::Off), graphed = run(model::GraphMode::On);
+  for (size_t k = 0; k < eager.size(); ++k) {
+    SCOPED_TRACE(testing::Message() << "batch " << k);
+    EXPECT_EQ(graphed[k].sums.loss, eager[k].sums.loss);
+    EXPECT_EQ(graphed[k].sums.mlm_correct, eager[k].sums.mlm_correct);
+    EXPECT_TRUE(graphed[k].grads == eager[k].grads);
+  }
+}
+
 // A checkpoint written from the GPU model is the CPU model's parameters.
 // A training run stopped on one device resumes on the other (model, AdamW's moments, the step
 // and the input position, through the run checkpoint): stopped after 6 of 12 steps on the GPU
