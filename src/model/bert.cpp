@@ -1155,6 +1155,14 @@ void BertModel::run_graph(const GraphKey& key, const std::function<void()>& issu
       graph_of_.clear();
       return issue();
     }
+    // (a loss scale the host keeps keys graphs of its own each value, a long fp16 run meeting a
+    // few dozen: past kGraphs the graphs are made again as they come up, once the device has
+    // run the launches of those it drops)
+    constexpr size_t kGraphs = 16;
+    if (graph_of_.size() >= kGraphs) {
+      be_.synchronize();
+      graph_of_.clear();
+    }
     it = graph_of_.emplace(key, std::move(g)).first;
   }
   be_.launch_graph(it->second);
