@@ -26,10 +26,7 @@ template <class H>
 __global__ void attention_dropped_kernel(H* dropped, const H* probs, AttentionShape s, float dp,
                                          uint64_t key, uint64_t offset, const uint64_t* at) {
   BT_FOR_EACH(s.B * s.NH * s.T * s.T);
-  if (at) {  // (the step's arguments: Dropout::at)
-    key = at[0];
-    offset += at[1];
-  }
+  step_key(key, offset, at);
   const int64_t r = i / s.T, j = i % s.T;
   const uint64_t idx = offset + s.dropout_row(r / s.T, r % s.T) + j;
   rm::store(dropped + i, rm::dropout(rm::widen(probs[i]), dp, rm::keep_scale_of(dp), key, idx));
@@ -42,10 +39,7 @@ __global__ void softmax_backward_rows_kernel(D* ds, const float* dd, const P* pr
                                              AttentionShape s, int64_t first, int64_t rows,
                                              float dp, uint64_t key, uint64_t offset,
                                              const uint64_t* at) {
-  if (at) {  // (the step's arguments: Dropout::at)
-    key = at[0];
-    offset += at[1];
-  }
+  step_key(key, offset, at);
   const int64_t w = warp_row();
   if (w >= rows) return;
   const int64_t r = first + w, T = s.T;

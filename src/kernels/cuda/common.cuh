@@ -59,6 +59,14 @@ __device__ inline uint16_t to_16(Precision p, float v) {
   return p == Precision::BF16 ? f32_to_bf16(v) : __half_as_ushort(__float2half_rn(v));
 }
 
+// A dropout site's key and first index where a kernel runs: the step's arguments' where given
+// (kernels::Dropout::at: {key, offset}, the offset added), else the launch's.
+__device__ inline void step_key(uint64_t& key, uint64_t& offset, const uint64_t* at) {
+  if (!at) return;
+  key = at[0];
+  offset += at[1];
+}
+
 // The counts of device_counts (cuda.h): a kernel or library product queued, a host wait, a wait
 // of the host ahead.
 void count_launch();

@@ -53,10 +53,7 @@ __global__ void round_f16_kernel(uint16_t* dst, const float* src, int64_t n) {
 
 __global__ void dropout_kernel(float* x, int64_t n, float p, float scale, uint64_t key,
                                uint64_t offset, const uint64_t* at) {
-  if (at) {  // (the step's arguments: Dropout::at)
-    key = at[0];
-    offset += at[1];
-  }
+  step_key(key, offset, at);
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   x[i] = rng_uniform(key, offset + i) >= p ? x[i] * scale : 0.0f;
@@ -71,10 +68,7 @@ __device__ inline uint16_t to_half(float x) {
 
 __global__ void dropout_backward_kernel(float* dx, const float* dy, int64_t n, float p,
                                         uint64_t key, uint64_t offset, const uint64_t* at) {
-  if (at) {  // (the step's arguments: Dropout::at)
-    key = at[0];
-    offset += at[1];
-  }
+  step_key(key, offset, at);
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n)
     dx[i] =

@@ -21,10 +21,7 @@ __global__ void layernorm_forward_kernel(float* out, uint16_t* out16, Precision 
                                          const float* gamma, const float* beta, int64_t N,
                                          int64_t C, float eps, float p, uint64_t key,
                                          uint64_t offset, const int32_t* rows, const uint64_t* at) {
-  if (at) {  // (the step's arguments: Dropout::at)
-    key = at[0];
-    offset += at[1];
-  }
+  step_key(key, offset, at);
   const int64_t i = warp_row();
   if (i >= N) return;
   const WarpLanes l = warp_lanes();
@@ -40,10 +37,7 @@ __global__ void embedding_layernorm_kernel(
     const int32_t* positions, const float* word, const float* position, const float* token_type,
     const float* gamma, const float* beta, int64_t N, int64_t T, int64_t C, float eps, float p,
     uint64_t key, uint64_t offset, const int32_t* rows, const uint64_t* at) {
-  if (at) {  // (the step's arguments: Dropout::at)
-    key = at[0];
-    offset += at[1];
-  }
+  step_key(key, offset, at);
   const int64_t i = warp_row();
   if (i >= N) return;
   const WarpLanes l = warp_lanes();
@@ -83,10 +77,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
                               const float* gamma, const float* mean, const float* rstd, int64_t N,
                               int64_t C, int64_t per, bool accumulate, float p, uint64_t key,
                               uint64_t offset, const int32_t* rows, const uint64_t* at) {
-  if (at) {  // (the step's arguments: Dropout::at)
-    key = at[0];
-    offset += at[1];
-  }
+  step_key(key, offset, at);
   const int64_t chunk = blockIdx.x, chunks = gridDim.x;
   const int64_t r0 = chunk * per, end = r0 + per < N ? r0 + per : N;
   const int64_t warps = blockDim.x / 32;

@@ -24,10 +24,7 @@ template <class P>
 __global__ void attention_softmax_kernel(P* probs, P* dropped, const float* scores,
                                          const int32_t* mask, kernels::AttentionShape s, float p,
                                          uint64_t key, uint64_t offset, const uint64_t* at) {
-  if (at) {  // (the step's arguments: Dropout::at)
-    key = at[0];
-    offset += at[1];
-  }
+  step_key(key, offset, at);
   const int64_t r = warp_row();
   if (r >= s.B * s.NH * s.T) return;
   const int64_t bh = r / s.T, i = r % s.T, T = s.T;
@@ -44,10 +41,7 @@ __global__ void attention_softmax_kernel(P* probs, P* dropped, const float* scor
 __global__ void attention_softmax_backward_kernel(float* ds, const float* dd, const float* probs,
                                                   kernels::AttentionShape s, float p, uint64_t key,
                                                   uint64_t offset, const uint64_t* at) {
-  if (at) {  // (the step's arguments: Dropout::at)
-    key = at[0];
-    offset += at[1];
-  }
+  step_key(key, offset, at);
   const int64_t r = warp_row();
   if (r >= s.B * s.NH * s.T) return;
   const int64_t bh = r / s.T, i = r % s.T, T = s.T;
