@@ -16,7 +16,7 @@ void add_estimate(CLI::App& app) {
   struct Opts {
     ShapeOpts shape{32};
     std::string budget, precision = "fp32", attention = "auto", recompute = "none", device = "cpu",
-                        optimizer = "lamb";
+                        optimizer = "lamb", graphs = "auto";
     int slots = 2, ranks = 1;
     bool shard = false, explain = false;
   };
@@ -43,6 +43,7 @@ void add_estimate(CLI::App& app) {
       ->capture_default_str();
   add_attention_option(c, o->attention);
   add_recompute_option(c, o->recompute);
+  add_graphs_option(c, o->graphs);
   c->add_option("--precision", o->precision,
                 "fp32, bf16 or fp16 (bf16 adds the bf16 weight copy, fp16 on a GPU an fp16 one; "
                 "both keep some activations in 16 bits, as train allocates)")
@@ -133,7 +134,9 @@ void add_estimate(CLI::App& app) {
       const std::string why = plan::traffic_not_modelled(head, d);
       if (why.empty())
         std::printf("%s", plan::explain_traffic(
-                              plan::cuda_step_traffic(cfg, head, d, o->optimizer == "lamb"),
+                              plan::cuda_step_traffic(
+                                  cfg, head, d, o->optimizer == "lamb",
+                                  model::parse_graph_mode(o->graphs) != model::GraphMode::Off),
                               plan::h200_roofline(d.precision), d.precision)
                               .c_str());
       else
