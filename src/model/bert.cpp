@@ -897,8 +897,7 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
   const float eps = cfg_.layer_norm_eps;
   const float p_hidden = opt.training ? cfg_.hidden_dropout_prob : 0.0f;
   const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
-  const Pass pa = pass(b, opt);
-  auto site = [&](Site s, float p) { return pa.site(l + 1, s, p); };
+  auto site = [&](Site s, float p) { return site_of(opt, step_args_, l + 1, s, p); };
   const LayerOffsets& o = table_.layer(l);
   const LayerActs& a = act_.layers[l];
   uint16_t* x16 = input16(l);

@@ -23,16 +23,22 @@ void set_device(int device) {
 
 cudaStream_t compute_stream() {
   // One a device, made at its first use and kept for the process (as the legacy stream is):
-  // every thread that runs a device's kernels shares its order.
+  // every thread that runs a device's kernels shares its order. (Every launch asks: the calling
+  // thread keeps the last device's, the lock taken only when its device changes.)
   static std::mutex mu;
   static std::vector<cudaStream_t> streams;
+  thread_local int t_device = -1;
+  thread_local cudaStream_t t_stream = nullptr;
   int device = 0;
   BT_CUDA_CHECK(cudaGetDevice(&device));
+  if (device == t_device) return t_stream;
   std::lock_guard<std::mutex> lock(mu);
   if (static_cast<size_t>(device) >= streams.size())
     streams.resize(static_cast<size_t>(device) + 1, nullptr);
   cudaStream_t& s = streams[static_cast<size_t>(device)];
   if (!s) BT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamDefault));
+  t_device = device;
+  t_stream = s;
   return s;
 }
 
