@@ -21,7 +21,8 @@
 #                                    cuda, bench/peer_pytorch.py: HF BertForPreTraining, SDPA,
 #                                    autocast, fused AdamW, same batch): tokens/s, ratio, MFU;
 #                                    with its forward and backward as CUDA graphs (the default)
-#                                    and kernel by kernel (--cuda-graphs off);
+#                                    and kernel by kernel (--cuda-graphs off), and with the
+#                                    fused attention (--attention blocked);
 #                                 6. where that step's GPU time goes, by operation;
 #                                 7. the rest: BERT-base, fp16, 512 tokens (full and blocked
 #                                    attention); BERT-Large on the bundled sample's real lengths
@@ -265,6 +266,9 @@ PY
       wants large && bench bert-large 128 20 32 bf16 auto
       # (the same launched kernel by kernel: what the CUDA graphs save)
       wants large && bench bert-large 128 20 32 bf16 auto --cuda-graphs off
+      # (the fused attention, FlashAttention-2's layout since its first H200 run: whether auto
+      # should pick it, cuda::full_attention_preferred)
+      wants large && bench bert-large 128 20 32 bf16 blocked
       # Where a BERT-Large step's GPU time goes, by operation: the map for what to speed up next
       # (kernel by kernel: a graph is timed whole).
       t=$(limit 90 "the profiled BERT-Large run")

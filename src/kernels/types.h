@@ -92,7 +92,7 @@ inline int64_t column_chunks(int64_t rows) {
   const int64_t c = (rows + kColumnRows - 1) / kColumnRows;
   return c < 1 ? 1 : c > kColumnChunks ? kColumnChunks : c;
 }
-constexpr int64_t kFusedAttentionTile = 16;
+constexpr int64_t kFusedAttentionTile = 64;  // (a block of four warps' rows)
 inline int64_t fused_attention_tiles(int64_t sequences, int64_t T) {
   return sequences * ((T + kFusedAttentionTile - 1) / kFusedAttentionTile);
 }

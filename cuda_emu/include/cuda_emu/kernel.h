@@ -24,6 +24,17 @@
 struct uint3 {
   unsigned x, y, z;
 };
+// The vector types a kernel loads and stores 8 or 16 bytes at a time with (CUDA's
+// vector_types.h; the address must be aligned to the type's size, which UBSan checks here).
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
 struct dim3 {
   unsigned x, y, z;
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}

@@ -246,12 +246,12 @@ void attention_backward(Precision p, kernels::Kept dqkv, float* dbias, kernels::
 // kernel's products otherwise. Forward reads QKV in fp32, rounds it as it stages it and writes
 // its kept bits, and writes ctx with its 16-bit copy where ctx.bits is given (keep's contract);
 // backward reads the kept bits, that copy of ctx (ctx16), lse [NH rows] and dctx in fp32
-// (rounded as it is read).
+// (rounded as it is read). QKV, its copy and dctx at 16-byte boundaries (16-byte accesses).
 void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels::Kept qkv,
                              const int32_t* mask, const kernels::AttentionShape& s,
                              const kernels::Dropout& d);
 // Backward's dqkv.bits and dbias (each may be null): dqkv rounded, and += its column sums over
-// the sequences' rows (partial sums a tile of 16 rows, added in order by the last block of each
+// the sequences' rows (partial sums a tile of 64 rows, added in order by the last block of each
 // head's Q, K or V columns: column_tickets.cuh).
 void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, const float* dctx,
                               const uint16_t* qkv, const uint16_t* ctx16, const float* lse,

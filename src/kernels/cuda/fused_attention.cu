@@ -1,30 +1,41 @@
 // The fused attention kernels (cuda.h, fused_attention_forward / _backward): the blocked
 // (flash-style) algorithm of kernels/cpu/attention_blocked.cpp in two launches a layer (one
 // forward, one backward), the scores never in global memory, for BF16 and FP16 with head sizes a
-// multiple of 16 up to 128 and at most 512 tokens. The products on tensor cores (warp matrix
-// operations, m16n16k16: 16-bit operands, fp32 accumulation), each block one warp and a tile of
-// 16 rows:
-//   forward      a block per 16 query rows of a (sequence, head): S = scale Q K^T for the whole
-//                rows into shared memory, the row pass (row_math's attention_softmax_lse: the
-//                same operations in the same order), the dropped probabilities rounded to the
-//                operand in place, ctx = P V; the row log-sum-exp kept.
-//   backward     two kinds of block side by side. dQ: a block per 16 query rows, S and
-//                dd = dO V^T again, 32 keys at a time, dS = P (g - D) rounded, dQ = scale dS K.
-//                dK, dV: a block per 16 keys, over the query tiles, S, dd, P, g and dS again
-//                (the same operations on the same values: the same bits as dQ's),
-//                dV += dropped^T dO, dK += scale dS^T Q. Each row's D = sum_j P_j g_j is
-//                computed as dO . O (FlashAttention-2's identity: O = dropped P V), from the
-//                context's kept 16-bit copy, by whichever block needs it, so neither kind waits
-//                for the other (the CPU's blocked kernel sums P g: the two differ by the
-//                context's rounding).
+// multiple of 16 up to 128 and at most 512 tokens, laid out as FlashAttention-2 lays its work
+// out: a block of four warps takes 64 rows of a (sequence, head) (kFusedAttentionTile), each
+// warp 16 of them, and the tiles every warp multiplies with (keys and values forward, the other
+// side's rows backward) are staged once a block into shared memory by all its threads, so a
+// tile is read from global memory once for 64 rows; the warps' own operands stay in registers as
+// fragments. The products on tensor cores (warp matrix operations, m16n16k16: 16-bit operands,
+// fp32 accumulation).
+//   forward      a block per 64 query rows: two passes over the keys, 64 at a time (32 for
+//                head size 128). The first takes each row's running maximum and sum of
+//                exponentials (the row's log-sum-exp); the second computes the scores again,
+//                P = dropout(exp(s - max) / sum) rounded to the operand, and adds P V to the
+//                context's accumulators. (FlashAttention-2 rescales its accumulators instead of
+//                computing S twice; a warp matrix fragment does not say which lane holds which
+//                row, so a rescale would go through shared memory: the second QK^T is the
+//                cheaper price at BERT's lengths.)
+//   backward     two kinds of block side by side, neither waiting for the other and no atomics
+//                (the result is the same every run). dQ: a block per 64 query rows, over the
+//                keys 32 at a time: S and dd = dO V^T again, dS = P (g - D) rounded,
+//                dQ += dS K. dK, dV: a block per 64 keys, over the queries 32 at a time: the
+//                same S, dd, P, g and dS (the same 16 x 16 products of the same fragments, so
+//                the same bits as dQ's), dV += dropped^T dO, dK += dS^T Q. Each row's
+//                D = sum_j P_j g_j is computed as dO . O (FlashAttention-2's identity:
+//                O = dropped P V), from the context's kept 16-bit copy, by one function in both
+//                kinds (the CPU's blocked kernel sums P g: the two differ by the context's
+//                rounding).
 //                Where asked, each block also rounds what it writes into dQKV's 16-bit copy
 //                (what QKV's backward reads) and sums its columns for QKV's bias gradient.
 // Variable lengths directly: AttentionShape::starts (the sequences' first rows, as
 // FlashAttention's cumulative offsets) makes one launch run every sequence of a packed or
 // unpadded batch, each over its own length; without it sequence b is rows [b T, b T + T).
 // QKV (forward) and dO (dctx) are read in fp32 and rounded to the operand as they are staged:
-// the forward's blocks write QKV's kept bits (each its rows of its head) and the context with
-// its 16-bit copy, so no rounding launch is left around attention.
+// the forward's blocks write QKV's kept bits (each its rows) and the context with its 16-bit
+// copy, so no rounding launch is left around attention.
+// Shared memory: static, at most 41 KiB a block (below the 48 KiB a static allocation may
+// take), 33 KiB at head size 64: six blocks (24 warps) a multiprocessor of an H100 or H200.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
@@ -46,12 +57,10 @@ namespace wmma = nvcuda::wmma;
 
 namespace {
 
-constexpr int kTile =
-    static_cast<int>(kernels::kFusedAttentionTile);  // a tile's rows, a fragment's side
-constexpr int kChunk32 = 32;                         // dQ's keys at a time (a lane a column)
-constexpr int kMaxT = static_cast<int>(kFusedAttentionTokens);
-constexpr int kMaxHead = 128;           // the largest head size (fused_attention_runs)
-constexpr int kRowValues = kMaxT / 32;  // a row's values a lane holds in the forward row pass
+constexpr int kRows = static_cast<int>(kernels::kFusedAttentionTile);  // a block's rows
+constexpr int kWarps = kRows / 16, kThreads = 32 * kWarps;             // a warp's 16 rows
+constexpr int kChunk = 32;  // backward: the keys (dQ) or queries (dK, dV) a step takes
+static_assert(kRows % 64 == 0 && kRows / 16 == kWarps);
 
 // The tensor cores' element type of an operand's bits.
 template <class X>
@@ -113,19 +122,22 @@ struct Head {
   }
 };
 
-// A block's (sequence, head), the first row of its tile (16 rows a tile: queries, or keys for dK
-// and dV; blockIdx.x's unless given), its lane, and the products' scale and dropout's keep factor.
+// A block's (sequence, head), the first of its 64 rows (queries, or keys for dK and dV;
+// blockIdx.x's tile unless given), the thread's warp and lane, the products' scale and dropout's
+// keep factor. A warp's rows are first + 16 warp on.
 struct Block : Head {
   int64_t first;
-  int lane;
+  int warp, lane;
   float scale, keep;
   __device__ Block(const AttentionShape& shape, const Dropout& d, int64_t tile = blockIdx.x)
       : Head(shape, blockIdx.z, blockIdx.y),
-        first(tile * kTile),
-        lane(static_cast<int>(threadIdx.x)),
+        first(tile * kRows),
+        warp(static_cast<int>(threadIdx.x) / 32),
+        lane(static_cast<int>(threadIdx.x) % 32),
         scale(1.0f / sqrtf(static_cast<float>(HD))),
         keep(rm::keep_scale_of(d.p)) {}
   __device__ bool idle() const { return first >= q.L; }
+  __device__ int64_t warp_first() const { return first + 16 * warp; }
   // Row 0 of the head's columns in a [rows, C] tensor (the context, dctx).
   template <class T>
   __device__ T* rows(T* t) const {
@@ -133,75 +145,101 @@ struct Block : Head {
   }
 };
 
-// Rows [first, first + n) of a head's part (row stride ld) into dst [n, HD]; rows at or past L
-// zero. fp32 sources are rounded to the operand X as they are written.
+// Rows [first, first + n) of a head's part (row stride ld) into dst [n, HD] by every thread of
+// the block, 16 bytes a load (8 16-bit values, copied; or 4 fp32 ones, rounded to the operand),
+// rows at or past L zero. The caller puts the barriers around it. (Every row and head starts at a
+// multiple of 16 values; fused_attention_forward checks the tensors' alignment.)
 template <class X>
-__device__ void stage(X* dst, const X* src, int64_t ld, int64_t first, int n, int64_t L, int64_t HD,
-                      int lane) {
-  __syncwarp();  // (the tile's last readers are done)
-  for (int64_t e = lane; e < n * HD; e += 32) {
+__device__ void stage(X* dst, const X* src, int64_t ld, int64_t first, int n, int64_t L,
+                      int64_t HD) {
+  for (int64_t e = 8 * threadIdx.x; e < n * HD; e += 8 * kThreads) {
     const int64_t r = first + e / HD;
-    dst[e] = r < L ? src[r * ld + e % HD] : X{0};
+    uint4 v = {0, 0, 0, 0};
+    if (r < L) v = *reinterpret_cast<const uint4*>(src + r * ld + e % HD);
+    *reinterpret_cast<uint4*>(dst + e) = v;
   }
-  __syncwarp();
 }
 template <class X>
 __device__ void stage(X* dst, const float* src, int64_t ld, int64_t first, int n, int64_t L,
-                      int64_t HD, int lane) {
-  __syncwarp();
-  for (int64_t e = lane; e < n * HD; e += 32) {
+                      int64_t HD) {
+  for (int64_t e = 4 * threadIdx.x; e < n * HD; e += 4 * kThreads) {
     const int64_t r = first + e / HD;
-    rm::store(dst + e, r < L ? src[r * ld + e % HD] : 0.0f);
-  }
-  __syncwarp();
-}
-
-// A staged tile's rows [first, first + 16) (those before L) to a head's part of the kept bits
-// (row stride ld): QKV's 16-bit copy, written by the block that staged them from fp32.
-template <class X>
-__device__ void keep_rows(X* dst, int64_t ld, const X* tile, int64_t first, int64_t L, int64_t HD,
-                          int lane) {
-  for (int64_t e = lane; e < kTile * HD; e += 32) {
-    const int64_t r = first + e / HD;
-    if (r < L) dst[r * ld + e % HD] = tile[e];
+    float4 v = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (r < L) v = *reinterpret_cast<const float4*>(src + r * ld + e % HD);
+    X o[4];
+    rm::store(o, v.x);
+    rm::store(o + 1, v.y);
+    rm::store(o + 2, v.z);
+    rm::store(o + 3, v.w);
+    *reinterpret_cast<uint2*>(dst + e) = {o[0].bits | unsigned{o[1].bits} << 16,
+                                          o[2].bits | unsigned{o[3].bits} << 16};
   }
 }
 
-// A 16 x 16 product tile of a (16 x HD) and b^T (b: 16 x HD, both row-major with stride HD),
-// times scale, into out (row stride ld).
+// A staged tile's rows [first, first + n) (those before L) to a head's part of the kept bits
+// (row stride ld), 16 bytes a store: QKV's 16-bit copy, written by the block that staged them
+// from fp32.
 template <class X>
-__device__ void product_abt(float* out, int64_t ld, const X* a, const X* b, int64_t HD,
-                            float scale) {
-  Acc acc;
+__device__ void keep_rows(X* dst, int64_t ld, const X* tile, int64_t first, int n, int64_t L,
+                          int64_t HD) {
+  for (int64_t e = 8 * threadIdx.x; e < n * HD; e += 8 * kThreads) {
+    const int64_t r = first + e / HD;
+    if (r < L)
+      *reinterpret_cast<uint4*>(dst + r * ld + e % HD) = *reinterpret_cast<const uint4*>(tile + e);
+  }
+}
+
+// A 16 x 16 product tile: scale times the sum over the head's 16-column steps of a[n] b[n]^T,
+// one side the warp's own rows held as fragments, the other a staged tile's 16 rows (row-major,
+// stride HD) loaded a fragment at a time as the sum needs it. The same fragments in the same
+// order give the same bits, whichever side is held: what the two kinds of backward block rely
+// on.
+template <class X, int NT>
+__device__ void product_tile(Acc& acc, const FragA<X> (&a)[NT], const X* b_rows, float scale) {
   wmma::fill_fragment(acc, 0.0f);
-  for (int64_t k = 0; k < HD; k += 16) {
-    FragA<X> fa;
-    FragBT<X> fb;
-    wmma::load_matrix_sync(fa, el(a) + k, static_cast<unsigned>(HD));
-    wmma::load_matrix_sync(fb, el(b) + k, static_cast<unsigned>(HD));
-    wmma::mma_sync(acc, fa, fb, acc);
+  for (int n = 0; n < NT; ++n) {
+    FragBT<X> b;
+    wmma::load_matrix_sync(b, el(b_rows) + n * 16, NT * 16);
+    wmma::mma_sync(acc, a[n], b, acc);
   }
   for (int e = 0; e < acc.num_elements; ++e) acc.x[e] = scale * acc.x[e];
-  wmma::store_matrix_sync(out, acc, static_cast<unsigned>(ld), wmma::mem_row_major);
+}
+template <class X, int NT>
+__device__ void product_tile(Acc& acc, const X* a_rows, const FragBT<X> (&b)[NT], float scale) {
+  wmma::fill_fragment(acc, 0.0f);
+  for (int n = 0; n < NT; ++n) {
+    FragA<X> a;
+    wmma::load_matrix_sync(a, el(a_rows) + n * 16, NT * 16);
+    wmma::mma_sync(acc, a, b[n], acc);
+  }
+  for (int e = 0; e < acc.num_elements; ++e) acc.x[e] = scale * acc.x[e];
 }
 
-// The accumulators' rows (row-major [16, HD] through `tile`, fp32) times scale, those before L,
-// into a head's part (row stride ld) from row first; where `bits` is given also rounded to the
-// operand X there (with `keep`, keep's contract: FP16 writes the rounded value in fp32 too).
-// `tile` keeps the accumulators (tile_column_sums).
-template <int NT, class X = rm::Bf16Bits>
-__device__ void write_rows(float* dst, int64_t ld, int64_t first, int64_t L, Acc (&acc)[NT],
-                           float* tile, float scale, int lane, X* bits = nullptr,
-                           bool keep = true) {
-  const int64_t HD = NT * 16;
-  __syncwarp();
+// A warp's 16 rows of a head's part (row-major [16, HD] at `rows`, stride HD) as fragments.
+template <class Frag, int NT, class X>
+__device__ void load_rows(Frag (&f)[NT], const X* rows) {
+  for (int n = 0; n < NT; ++n) wmma::load_matrix_sync(f[n], el(rows) + n * 16, NT * 16);
+}
+
+// The block's 64 rows of an output (the warps' accumulators through `out` [64, HD] fp32) times
+// scale, those before L, into a head's part (row stride ld) from row first; where `bits` is
+// given also rounded to the operand X there (with `keep`, keep's contract: FP16 writes the
+// rounded value in fp32 too). Where `partial` is given, the rows' column sums in row order (a
+// tile's partial sums of the bias gradient). `out` may alias what the block used before: the
+// first barrier waits for every warp.
+template <int NT, class X>
+__device__ void write_block(float* dst, int64_t ld, int64_t first, int64_t L, const Acc (&acc)[NT],
+                            float* out, float scale, int warp, X* bits, bool keep,
+                            float* partial = nullptr) {
+  constexpr int HD = NT * 16;
+  __syncthreads();
   for (int n = 0; n < NT; ++n)
-    wmma::store_matrix_sync(tile + n * 16, acc[n], static_cast<unsigned>(HD), wmma::mem_row_major);
-  __syncwarp();
-  for (int64_t e = lane; e < kTile * HD; e += 32) {
+    wmma::store_matrix_sync(out + warp * 16 * HD + n * 16, acc[n], HD, wmma::mem_row_major);
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < kRows * HD; e += kThreads) {
     const int64_t r = first + e / HD, at = r * ld + e % HD;
     if (r >= L) continue;
-    const float v = scale * tile[e];
+    const float v = scale * out[e];
     if (!bits) {
       dst[at] = v;
       continue;
@@ -209,90 +247,135 @@ __device__ void write_rows(float* dst, int64_t ld, int64_t first, int64_t L, Acc
     rm::store(bits + at, v);
     dst[at] = keep && std::is_same_v<X, rm::F16Bits> ? rm::widen(bits[at]) : v;
   }
-}
-
-// The column sums of the rows write_rows wrote (scale times `tile`'s accumulators, the rows
-// before L in order) into partial[HD]: a tile's partial sums of the bias gradient.
-template <int NT>
-__device__ void tile_column_sums(float* partial, const float* tile, float scale, int64_t first,
-                                 int64_t L, int lane) {
-  constexpr int HD = NT * 16;
-  __syncwarp();
-  for (int c = lane; c < HD; c += 32) {
+  if (!partial) return;
+  for (int c = static_cast<int>(threadIdx.x); c < HD; c += kThreads) {
     float v = 0.0f;
-    for (int r = 0; r < kTile && first + r < L; ++r) v += scale * tile[r * HD + c];
+    for (int r = 0; r < kRows && first + r < L; ++r) v += scale * out[r * HD + c];
     partial[c] = v;
   }
 }
 
+// ---- forward
+
+// The forward's shared memory: the block's Q rows while they are staged; then the key tile's K
+// and V [keys, HD] and each warp's scores [16, keys] (row stride ld floats: 4 more than the
+// keys, so the lanes of a row pair read different banks), whose rows then hold the dropped
+// probabilities as operands in their first half (row stride 2 ld elements); at the end the
+// context [64, HD] fp32.
+template <int HD>
+struct ForwardShared {
+  static constexpr int kKeys = HD <= 64 ? 64 : 32, kLd = kKeys + 4;
+  static constexpr int64_t kKv = 2 * int64_t{kKeys} * HD * 2, kScores = kWarps * 16 * kLd * 4;
+  static constexpr int64_t kBytes = kKv + kScores > kRows* HD * 4 ? kKv + kScores : kRows* HD * 4;
+};
+
 template <class X, int NT>
-__global__ void __launch_bounds__(32)
+__global__ void __launch_bounds__(kThreads)
     fused_forward_kernel(float* ctx, X* ctx16, float* lse, const float* qkv, X* qkv16,
                          const int32_t* mask, AttentionShape s, Dropout d) {
   constexpr int HD = NT * 16;
+  using Sh = ForwardShared<HD>;
+  constexpr int kKeys = Sh::kKeys, kLd = Sh::kLd;
+  static_assert(Sh::kBytes <= 48 * 1024 && kRows * HD * 2 <= Sh::kKv);
+  alignas(128) __shared__ unsigned char shared[Sh::kBytes];
   d = kernels::resolved(d);  // (the step's arguments: Dropout::at)
   const Block hd(s, d);
   if (hd.idle()) return;
-  const int64_t i0 = hd.first, L = hd.q.L;
+  const int64_t L = hd.q.L, w0 = hd.warp_first();
   const int lane = hd.lane;
-  // The tile's scores [16, ld] (fp32); each row then holds its dropped probabilities as
-  // operands in its first half (row stride 2 ld elements); at the end the context [16, HD].
-  alignas(32) __shared__ float sc[kTile * kMaxT];
-  alignas(32) __shared__ X qs[kTile * kMaxHead];
-  alignas(32) __shared__ X kv[kTile * kMaxHead];
-  const int64_t tiles = (L + kTile - 1) / kTile, ld = tiles * kTile;
-  const float scale = hd.scale;
-  // Q, K and V rounded as they are staged; this block writes the kept bits of its rows.
-  stage(qs, hd.part(qkv, 0), hd.C3, i0, kTile, L, HD, lane);
-  keep_rows(hd.part(qkv16, 0), hd.C3, qs, i0, L, HD, lane);
-  for (int64_t t = 0; t < tiles; ++t) {
-    stage(kv, hd.part(qkv, 1), hd.C3, t * kTile, kTile, L, HD, lane);
-    if (t * kTile == i0) keep_rows(hd.part(qkv16, 1), hd.C3, kv, i0, L, HD, lane);
-    product_abt(sc + t * kTile, ld, qs, kv, HD, scale);
-  }
-  __syncwarp();
-  // The row pass: row_math::attention_softmax_lse, the row's values held by its lanes so the
-  // operands can be written over the scores.
-  const WarpLanes l{lane};
+  X* const kt = reinterpret_cast<X*>(shared);
+  X* const vt = kt + kKeys * HD;
+  float* const sw = reinterpret_cast<float*>(shared + Sh::kKv) + hd.warp * 16 * kLd;
+  X* const ops = reinterpret_cast<X*>(sw);
+  const bool active = w0 < L;  // (a warp past the sequence only takes part in the barriers)
+  // Q rounded as it is staged (through the K and V tiles' memory); the block writes its rows'
+  // kept bits; each warp keeps its 16 rows as fragments.
+  stage(kt, hd.part(qkv, 0), hd.C3, hd.first, kRows, L, HD);
+  __syncthreads();
+  keep_rows(hd.part(qkv16, 0), hd.C3, kt, hd.first, kRows, L, HD);
+  FragA<X> qf[NT];
+  load_rows(qf, kt + 16 * hd.warp * HD);
+  // The lane's row r (a pair of lanes a row: columns 2c + half) and its statistics.
+  const int r = lane / 2, half = lane % 2;
+  const int64_t i = w0 + r;
   const int32_t* m = hd.mask(mask);
-  const float ks = hd.keep;
-  for (int r = 0; r < kTile; ++r) {
-    const int64_t i = i0 + r;
-    float* row = sc + r * ld;
-    X* ops = reinterpret_cast<X*>(row);
-    float v[kRowValues];
-    if (i < L) {
-      const auto [mx, sum] = rm::masked_exp_sum(row, m, L, l);
-      const float inv = 1.0f / sum;
-      const uint64_t index0 = hd.index0(d, i);
-      int c = 0;
-      for (int64_t j = lane; j < L; j += 32, ++c)
-        v[c] = rm::dropout(expf(rm::masked(row, m, j) - mx) * inv, d.p, ks, d.key, index0 + j);
-      if (lane == 0) lse[hd.row_value(i)] = mx + logf(sum);
+  const int64_t tiles = (L + kKeys - 1) / kKeys;
+  // S = scale Q K^T of the tile's keys into the warp's scores.
+  auto scores = [&] {
+    __syncwarp();  // (the warp's last readers of its scores are done)
+    for (int kb = 0; kb < kKeys / 16; ++kb) {
+      Acc acc;
+      product_tile<X, NT>(acc, qf, kt + kb * 16 * HD, hd.scale);
+      wmma::store_matrix_sync(sw + kb * 16, acc, kLd, wmma::mem_row_major);
     }
-    __syncwarp();  // (every lane has read the row)
-    int c = 0;
-    for (int64_t j = lane; j < ld; j += 32, ++c) rm::store(ops + j, i < L && j < L ? v[c] : 0.0f);
+    __syncwarp();
+  };
+  // Pass 1: each row's running maximum and sum of exponentials.
+  float mx = -INFINITY, sum = 0.0f;
+  for (int64_t t = 0; t < tiles; ++t) {
+    __syncthreads();  // (every warp is done with the tile before)
+    stage(kt, hd.part(qkv, 1), hd.C3, t * kKeys, kKeys, L, HD);
+    __syncthreads();
+    if (!active) continue;
+    scores();
+    const float* row = sw + r * kLd;
+    float tmx = -INFINITY;
+    for (int c = half; c < kKeys; c += 2)
+      if (t * kKeys + c < L) tmx = fmaxf(tmx, rm::masked_score(row[c], m, t * kKeys + c));
+    const float nm = fmaxf(mx, fmaxf(tmx, __shfl_xor_sync(kFullMask, tmx, 1)));
+    float ts = 0.0f;
+    for (int c = half; c < kKeys; c += 2)
+      if (t * kKeys + c < L) ts += expf(rm::masked_score(row[c], m, t * kKeys + c) - nm);
+    ts += __shfl_xor_sync(kFullMask, ts, 1);  // (a + b in one lane, b + a in the other)
+    sum = sum * expf(mx - nm) + ts;
+    mx = nm;
   }
-  // ctx = P V, 16 keys at a time.
+  if (active && i < L && half == 0) lse[hd.row_value(i)] = mx + logf(sum);
+  // Pass 2: the scores again, the dropped probabilities, ctx += P V.
+  const float inv = 1.0f / sum, ks = hd.keep;
+  const uint64_t index0 = i < L ? hd.index0(d, i) : 0;
   Acc o[NT];
   for (int n = 0; n < NT; ++n) wmma::fill_fragment(o[n], 0.0f);
   for (int64_t t = 0; t < tiles; ++t) {
-    stage(kv, hd.part(qkv, 2), hd.C3, t * kTile, kTile, L, HD, lane);
-    if (t * kTile == i0) keep_rows(hd.part(qkv16, 2), hd.C3, kv, i0, L, HD, lane);
-    FragA<X> p;
-    wmma::load_matrix_sync(p, el(reinterpret_cast<const X*>(sc)) + t * kTile,
-                           static_cast<unsigned>(2 * ld));
-    for (int n = 0; n < NT; ++n) {
-      FragB<X> v;
-      wmma::load_matrix_sync(v, el(kv) + n * 16, HD);
-      wmma::mma_sync(o[n], p, v, o[n]);
+    const int64_t j0 = t * kKeys;
+    __syncthreads();
+    stage(kt, hd.part(qkv, 1), hd.C3, j0, kKeys, L, HD);
+    stage(vt, hd.part(qkv, 2), hd.C3, j0, kKeys, L, HD);
+    __syncthreads();
+    if (j0 >= hd.first && j0 < hd.first + kRows) {  // (the block's own rows: their kept bits)
+      keep_rows(hd.part(qkv16, 1), hd.C3, kt, j0, kKeys, L, HD);
+      keep_rows(hd.part(qkv16, 2), hd.C3, vt, j0, kKeys, L, HD);
+    }
+    if (!active) continue;
+    scores();
+    float v[kKeys / 2];
+    const float* row = sw + r * kLd;
+    for (int c = half, k = 0; c < kKeys; c += 2, ++k) {
+      const int64_t j = j0 + c;
+      v[k] = i < L && j < L ? rm::dropout(expf(rm::masked_score(row[c], m, j) - mx) * inv, d.p, ks,
+                                          d.key, index0 + j)
+                            : 0.0f;
+    }
+    __syncwarp();  // (every lane has read its scores: the operands overwrite them)
+    for (int c = half, k = 0; c < kKeys; c += 2, ++k) rm::store(ops + r * 2 * kLd + c, v[k]);
+    __syncwarp();
+    for (int kb = 0; kb < kKeys / 16; ++kb) {
+      FragA<X> p;
+      wmma::load_matrix_sync(p, el(ops) + kb * 16, 2 * kLd);
+      for (int n = 0; n < NT; ++n) {
+        FragB<X> vf;
+        wmma::load_matrix_sync(vf, el(vt) + kb * 16 * HD + n * 16, HD);
+        wmma::mma_sync(o[n], p, vf, o[n]);
+      }
     }
   }
-  write_rows<NT>(hd.rows(ctx), s.C, i0, L, o, sc, 1.0f, lane, ctx16 ? hd.rows(ctx16) : nullptr);
+  write_block<NT>(hd.rows(ctx), s.C, hd.first, L, o, reinterpret_cast<float*>(shared), 1.0f,
+                  hd.warp, ctx16 ? hd.rows(ctx16) : static_cast<X*>(nullptr), true);
 }
 
-// P, g = dropout(dd) and the keep factor of score (r, j) of a tile: row_math's
+// ---- backward
+
+// P, g = dropout(dd) and the keep factor of score (i, j): row_math's
 // attention_softmax_backward_lse, element by element.
 struct BackwardElement {
   float P, g, k;
@@ -305,228 +388,223 @@ __device__ inline BackwardElement backward_element(float score, float dd, const 
   return {P, dd * k, k};
 }
 
-// D of rows [first, first + 16) of the block's head: dO . O over the head's columns (dctx in
-// fp32, the context's kept 16-bit copy), each lane adding its columns in order, then the warp's
-// sum; 0 past L. Equal to sum_j P_j g_j (attention_softmax_backward_lse's dot: O = dropped P V)
-// up to the context's rounding, and the same bits in both roles of the backward kernel.
+// D of row i of the block's head: dO . O over the head's columns (dctx in fp32, the context's
+// kept 16-bit copy), each lane adding its columns in order, then the warp's sum; 0 past L.
+// Equal to sum_j P_j g_j (attention_softmax_backward_lse's dot: O = dropped P V) up to the
+// context's rounding; both kinds of block compute a row's D with it, so the same bits.
 template <class X>
-__device__ void row_dots(float (&dot)[kTile], const Block& hd, const float* dctx, const X* ctx16,
-                         int64_t first) {
-  const WarpLanes l{hd.lane};
-  const float* g = hd.rows(dctx);
-  const X* o = hd.rows(ctx16);
-  for (int r = 0; r < kTile; ++r) {
-    const int64_t i = first + r;
-    float v = 0.0f;
-    if (i < hd.q.L)
-      for (int64_t c = hd.lane; c < hd.HD; c += 32)
-        v += g[i * hd.s.C + c] * rm::widen(o[i * hd.s.C + c]);
-    dot[r] = l.sum(v);
+__device__ float row_dot(const Block& hd, const float* dctx, const X* ctx16, int64_t i) {
+  float v = 0.0f;
+  if (i < hd.q.L) {
+    const float* g = hd.rows(dctx) + i * hd.s.C;
+    const X* o = hd.rows(ctx16) + i * hd.s.C;
+    for (int64_t c = hd.lane; c < hd.HD; c += 32) v += g[c] * rm::widen(o[c]);
   }
+  return WarpLanes{hd.lane}.sum(v);
 }
 
-// Shared memory carved into a role's arrays, each at 32 bytes (the fragments' alignment).
-__host__ __device__ constexpr int64_t carved(int64_t bytes) {
-  return (bytes + 31) / 32 * 32;
-}
-struct Carve {
-  unsigned char* at;
-  template <class T>
-  __device__ T* take(int64_t n) {
-    T* p = reinterpret_cast<T*>(at);
-    at += carved(n * static_cast<int64_t>(sizeof(T)));
-    return p;
-  }
-};
-// The same carve counting bytes only: a role's size (shared_bytes) comes from its arrays' list.
-struct CarveCount {
-  int64_t used = 0;
-  template <class T>
-  __host__ __device__ constexpr T* take(int64_t n) {
-    used += carved(n * static_cast<int64_t>(sizeof(T)));
-    return nullptr;
-  }
-};
-template <class Arrays>
-__host__ __device__ constexpr int64_t shared_bytes() {
-  CarveCount c;
-  const Arrays a(c);
-  return c.used;
-}
-
-// The dQ role's arrays: the query tile, its dO rows, 32 keys' K and V, S and dd of those keys,
-// dS rounded, the output tile.
-template <class X, int HD>
-struct DqArrays {
-  X *qs, *dos, *ks, *vs;
-  float *st, *gt;
-  X* ds;
-  float* out;
-  template <class C>
-  __host__ __device__ constexpr explicit DqArrays(C& c)
-      : qs(c.template take<X>(kTile * HD)),
-        dos(c.template take<X>(kTile * HD)),
-        ks(c.template take<X>(kChunk32 * HD)),
-        vs(c.template take<X>(kChunk32 * HD)),
-        st(c.template take<float>(kTile * kChunk32)),
-        gt(c.template take<float>(kTile * kChunk32)),
-        ds(c.template take<X>(kTile * kChunk32)),
-        out(c.template take<float>(kTile * HD)) {}
+// The backward's shared memory, one buffer in three uses. First the block's 64 rows of its two
+// operands [64, HD] each (Q and dO, or K and V) while the warps load their fragments; then a
+// step's two tiles of the other side [32, HD] each, each warp's S and dd [16 x 32 pairs] fp32
+// and dS and the dropped probabilities as operands, and a query step's D and log-sum-exp; at
+// the end the outputs [64, HD] fp32.
+template <int HD>
+struct BackwardShared {
+  static constexpr int64_t kPairs = 16 * kChunk;  // a warp's scores in a step
+  static constexpr int64_t kTiles = 2 * int64_t{kChunk} * HD * 2,
+                           kStep = kTiles + kWarps * kPairs * (4 + 4 + 2 + 2) + 2 * kChunk * 4,
+                           kOwn = 2 * int64_t{kRows} * HD * 2, kOut = int64_t{kRows} * HD * 4;
+  static constexpr int64_t kBytes = kStep > kOut ? kStep : kOut;
+  // (the step's arrays from byte 0: the two tiles, S, dd, dS, dropped, D, the log-sum-exp)
+  static constexpr int64_t kS = kTiles, kDd = kS + kWarps * kPairs * 4,
+                           kDs = kDd + kWarps * kPairs * 4, kDropped = kDs + kWarps * kPairs * 2,
+                           kD = kDropped + kWarps * kPairs * 2, kLse = kD + kChunk * 4;
+  static_assert(kOwn <= kOut && kBytes <= 48 * 1024);
 };
 
-// The dK, dV role's arrays: the key tile's K and V, a query tile and its dO rows, S and dd of the
-// 16 x 16 pairs, the dropped probabilities and dS rounded, the output tile.
-template <class X, int HD>
-struct DkvArrays {
-  X *kt, *vt, *qs, *dos;
-  float *st, *gt;
-  X *dropped, *ds;
-  float* out;
-  template <class C>
-  __host__ __device__ constexpr explicit DkvArrays(C& c)
-      : kt(c.template take<X>(kTile * HD)),
-        vt(c.template take<X>(kTile * HD)),
-        qs(c.template take<X>(kTile * HD)),
-        dos(c.template take<X>(kTile * HD)),
-        st(c.template take<float>(kTile * kTile)),
-        gt(c.template take<float>(kTile * kTile)),
-        dropped(c.template take<X>(kTile * kTile)),
-        ds(c.template take<X>(kTile * kTile)),
-        out(c.template take<float>(kTile * HD)) {}
-};
-
-// The dQ role: a block's 16 query rows. S and dd = dO V^T again, 32 keys at a time; dS = P (g - D)
-// rounded, dQ = scale dS K.
+// The dQ kind: a block's 64 query rows (a warp's 16 Q and dO rows as fragments), over the keys
+// 32 at a time: S and dd = dO V^T again, dS = P (g - D) rounded, dQ += dS K.
 template <class X, int NT>
-__device__ void dq_tile(const Block& hd, Carve& sh, float* dqkv, X* dqkv16, float* prow,
+__device__ void dq_rows(const Block& hd, unsigned char* shared, float* dqkv, X* dqkv16, float* prow,
                         const float* dctx, const X* qkv, const X* ctx16, const float* lse,
                         const int32_t* mask, const Dropout& d) {
   constexpr int HD = NT * 16;
+  using Sh = BackwardShared<HD>;
   const AttentionShape& s = hd.s;
-  const int64_t i0 = hd.first, L = hd.q.L;
+  const int64_t L = hd.q.L, w0 = hd.warp_first();
   const int lane = hd.lane;
-  const auto [qs, dos, ks_, vs, st, gt, ds, out] = DqArrays<X, HD>(sh);
-  const float scale = hd.scale, keep = hd.keep;
+  const bool active = w0 < L;
+  X* const own = reinterpret_cast<X*>(shared);
+  stage(own, hd.part(qkv, 0), hd.C3, hd.first, kRows, L, HD);
+  stage(own + kRows * HD, hd.rows(dctx), s.C, hd.first, kRows, L, HD);
+  __syncthreads();
+  FragA<X> qf[NT], gf[NT];
+  load_rows(qf, own + 16 * hd.warp * HD);
+  load_rows(gf, own + (kRows + 16 * hd.warp) * HD);
+  float row_lse[16], dot[16];
+  for (int r = 0; r < 16; ++r) {
+    row_lse[r] = w0 + r < L ? lse[hd.row_value(w0 + r)] : 0.0f;
+    dot[r] = row_dot(hd, dctx, ctx16, w0 + r);
+  }
+  X* const kt = reinterpret_cast<X*>(shared);
+  X* const vt = kt + kChunk * HD;
+  float* const st = reinterpret_cast<float*>(shared + Sh::kS) + hd.warp * Sh::kPairs;
+  float* const gt = reinterpret_cast<float*>(shared + Sh::kDd) + hd.warp * Sh::kPairs;
+  X* const ds = reinterpret_cast<X*>(shared + Sh::kDs) + hd.warp * Sh::kPairs;
   const int32_t* m = hd.mask(mask);
-  stage(qs, hd.part(qkv, 0), hd.C3, i0, kTile, L, HD, lane);
-  stage(dos, hd.rows(dctx), s.C, i0, kTile, L, HD, lane);
-  float row_lse[kTile], dot[kTile];
-  for (int r = 0; r < kTile; ++r) row_lse[r] = i0 + r < L ? lse[hd.row_value(i0 + r)] : 0.0f;
-  row_dots(dot, hd, dctx, ctx16, i0);
   Acc dq[NT];
   for (int n = 0; n < NT; ++n) wmma::fill_fragment(dq[n], 0.0f);
-  for (int64_t j0 = 0; j0 < L; j0 += kChunk32) {
+  for (int64_t j0 = 0; j0 < L; j0 += kChunk) {
+    __syncthreads();  // (every warp is done with the step before, and with its own rows)
+    stage(kt, hd.part(qkv, 1), hd.C3, j0, kChunk, L, HD);
+    stage(vt, hd.part(qkv, 2), hd.C3, j0, kChunk, L, HD);
+    __syncthreads();
+    if (!active) continue;
     // S and dd of keys [j0, j0 + 32): st and gt [16, 32].
-    stage(ks_, hd.part(qkv, 1), hd.C3, j0, kChunk32, L, HD, lane);
-    stage(vs, hd.part(qkv, 2), hd.C3, j0, kChunk32, L, HD, lane);
-    for (int half = 0; half < 2; ++half) {
-      product_abt(st + half * 16, kChunk32, qs, ks_ + half * 16 * HD, HD, scale);
-      product_abt(gt + half * 16, kChunk32, dos, vs + half * 16 * HD, HD, 1.0f);
+    for (int kb = 0; kb < kChunk / 16; ++kb) {
+      Acc acc;
+      product_tile<X, NT>(acc, qf, kt + kb * 16 * HD, hd.scale);
+      wmma::store_matrix_sync(st + kb * 16, acc, kChunk, wmma::mem_row_major);
+      product_tile<X, NT>(acc, gf, vt + kb * 16 * HD, 1.0f);
+      wmma::store_matrix_sync(gt + kb * 16, acc, kChunk, wmma::mem_row_major);
     }
     __syncwarp();
     const int64_t j = j0 + lane;
-    for (int r = 0; r < kTile; ++r) {
+    for (int r = 0; r < 16; ++r) {
+      const int64_t i = w0 + r;
       float v = 0.0f;
-      if (j < L && i0 + r < L) {
-        const BackwardElement e = backward_element(st[r * kChunk32 + lane], gt[r * kChunk32 + lane],
-                                                   m, j, row_lse[r], d, keep, hd.index0(d, i0 + r));
+      if (j < L && i < L) {
+        const BackwardElement e = backward_element(st[r * kChunk + lane], gt[r * kChunk + lane], m,
+                                                   j, row_lse[r], d, hd.keep, hd.index0(d, i));
         v = e.P * (e.g - dot[r]);
       }
-      rm::store(ds + r * kChunk32 + lane, v);
+      rm::store(ds + r * kChunk + lane, v);
     }
     __syncwarp();
-    for (int half = 0; half < 2; ++half) {
+    for (int kb = 0; kb < kChunk / 16; ++kb) {
       FragA<X> a;
-      wmma::load_matrix_sync(a, el(ds) + half * 16, kChunk32);
+      wmma::load_matrix_sync(a, el(ds) + kb * 16, kChunk);
       for (int n = 0; n < NT; ++n) {
         FragB<X> k;
-        wmma::load_matrix_sync(k, el(ks_) + half * 16 * HD + n * 16, HD);
+        wmma::load_matrix_sync(k, el(kt) + kb * 16 * HD + n * 16, HD);
         wmma::mma_sync(dq[n], a, k, dq[n]);
       }
     }
   }
-  write_rows<NT>(hd.part(dqkv, 0), hd.C3, i0, L, dq, out, scale, lane,
-                 dqkv16 ? hd.part(dqkv16, 0) : nullptr, false);
-  if (prow) tile_column_sums<NT>(prow + hd.h * HD, out, scale, i0, L, lane);
+  write_block<NT>(hd.part(dqkv, 0), hd.C3, hd.first, L, dq, reinterpret_cast<float*>(shared),
+                  hd.scale, hd.warp, dqkv16 ? hd.part(dqkv16, 0) : static_cast<X*>(nullptr), false,
+                  prow ? prow + hd.h * HD : nullptr);
 }
 
-// The dK, dV role: a block's 16 keys, over the query tiles: S, dd, P, g, D and dS again (the same
-// operations on the same values: the same bits as the dQ role's), dV += dropped^T dO,
-// dK += scale dS^T Q.
+// The dK, dV kind: a block's 64 keys (a warp's 16 K and V rows as fragments), over the queries
+// 32 at a time: S, dd, P, g, D and dS again (the same 16 x 16 products of the same fragments and
+// the same operations: the same bits as the dQ kind's), dV += dropped^T dO, dK += dS^T Q.
 template <class X, int NT>
-__device__ void dkv_tile(const Block& hd, Carve& sh, float* dqkv, X* dqkv16, float* prow,
-                         const float* dctx, const X* qkv, const X* ctx16, const float* lse,
-                         const int32_t* mask, const Dropout& d) {
+__device__ void dkv_rows(const Block& hd, unsigned char* shared, float* dqkv, X* dqkv16,
+                         float* prow, const float* dctx, const X* qkv, const X* ctx16,
+                         const float* lse, const int32_t* mask, const Dropout& d) {
   constexpr int HD = NT * 16;
+  using Sh = BackwardShared<HD>;
   const AttentionShape& s = hd.s;
-  const int64_t j0 = hd.first, L = hd.q.L;
+  const int64_t L = hd.q.L, w0 = hd.warp_first();
   const int lane = hd.lane;
-  const auto [kt, vt, qs, dos, st, gt, dropped, ds, out] = DkvArrays<X, HD>(sh);
-  const float scale = hd.scale, keep = hd.keep;
+  const bool active = w0 < L;
+  X* const own = reinterpret_cast<X*>(shared);
+  stage(own, hd.part(qkv, 1), hd.C3, hd.first, kRows, L, HD);
+  stage(own + kRows * HD, hd.part(qkv, 2), hd.C3, hd.first, kRows, L, HD);
+  __syncthreads();
+  FragBT<X> kf[NT], vf[NT];  // (K^T and V^T: the products' right operands)
+  load_rows(kf, own + 16 * hd.warp * HD);
+  load_rows(vf, own + (kRows + 16 * hd.warp) * HD);
+  X* const qs = reinterpret_cast<X*>(shared);
+  X* const gs = qs + kChunk * HD;  // (dO)
+  float* const st = reinterpret_cast<float*>(shared + Sh::kS) + hd.warp * Sh::kPairs;
+  float* const gt = reinterpret_cast<float*>(shared + Sh::kDd) + hd.warp * Sh::kPairs;
+  X* const ds = reinterpret_cast<X*>(shared + Sh::kDs) + hd.warp * Sh::kPairs;
+  X* const dropped = reinterpret_cast<X*>(shared + Sh::kDropped) + hd.warp * Sh::kPairs;
+  float* const dot = reinterpret_cast<float*>(shared + Sh::kD);
+  float* const row_lse = reinterpret_cast<float*>(shared + Sh::kLse);
   const int32_t* m = hd.mask(mask);
-  stage(kt, hd.part(qkv, 1), hd.C3, j0, kTile, L, HD, lane);
-  stage(vt, hd.part(qkv, 2), hd.C3, j0, kTile, L, HD, lane);
   Acc dk[NT], dv[NT];
   for (int n = 0; n < NT; ++n) {
     wmma::fill_fragment(dk[n], 0.0f);
     wmma::fill_fragment(dv[n], 0.0f);
   }
-  for (int64_t i0 = 0; i0 < L; i0 += kTile) {
-    stage(qs, hd.part(qkv, 0), hd.C3, i0, kTile, L, HD, lane);
-    stage(dos, hd.rows(dctx), s.C, i0, kTile, L, HD, lane);
-    float dot[kTile];
-    row_dots(dot, hd, dctx, ctx16, i0);
-    product_abt(st, kTile, qs, kt, HD, scale);
-    product_abt(gt, kTile, dos, vt, HD, 1.0f);
+  for (int64_t i0 = 0; i0 < L; i0 += kChunk) {
+    __syncthreads();
+    stage(qs, hd.part(qkv, 0), hd.C3, i0, kChunk, L, HD);
+    stage(gs, hd.rows(dctx), s.C, i0, kChunk, L, HD);
+    for (int r = hd.warp; r < kChunk; r += kWarps) {  // (the step's D and log-sum-exp)
+      const int64_t i = i0 + r;
+      const float v = row_dot(hd, dctx, ctx16, i);
+      if (lane == 0) {
+        dot[r] = v;
+        row_lse[r] = i < L ? lse[hd.row_value(i)] : 0.0f;
+      }
+    }
+    __syncthreads();
+    if (!active) continue;
+    // S and dd of queries [i0, i0 + 32) and the warp's keys: st and gt [32, 16].
+    for (int qb = 0; qb < kChunk / 16; ++qb) {
+      Acc acc;
+      product_tile<X, NT>(acc, qs + qb * 16 * HD, kf, hd.scale);
+      wmma::store_matrix_sync(st + qb * 256, acc, 16, wmma::mem_row_major);
+      product_tile<X, NT>(acc, gs + qb * 16 * HD, vf, 1.0f);
+      wmma::store_matrix_sync(gt + qb * 256, acc, 16, wmma::mem_row_major);
+    }
     __syncwarp();
-    for (int e = lane; e < kTile * kTile; e += 32) {
-      const int64_t i = i0 + e / kTile, j = j0 + e % kTile;
+    for (int e = lane; e < Sh::kPairs; e += 32) {
+      const int q = e / 16;
+      const int64_t i = i0 + q, j = w0 + e % 16;
       float p = 0.0f, g = 0.0f;
       if (i < L && j < L) {
         const BackwardElement x =
-            backward_element(st[e], gt[e], m, j, lse[hd.row_value(i)], d, keep, hd.index0(d, i));
+            backward_element(st[e], gt[e], m, j, row_lse[q], d, hd.keep, hd.index0(d, i));
         p = x.P * x.k;
-        g = x.P * (x.g - dot[e / kTile]);
+        g = x.P * (x.g - dot[q]);
       }
       rm::store(dropped + e, p);
       rm::store(ds + e, g);
     }
     __syncwarp();
-    FragAT<X> pt, dst;  // dropped^T and dS^T: [keys, queries]
-    wmma::load_matrix_sync(pt, el(dropped), kTile);
-    wmma::load_matrix_sync(dst, el(ds), kTile);
-    for (int n = 0; n < NT; ++n) {
-      FragB<X> o, q;
-      wmma::load_matrix_sync(o, el(dos) + n * 16, HD);
-      wmma::load_matrix_sync(q, el(qs) + n * 16, HD);
-      wmma::mma_sync(dv[n], pt, o, dv[n]);
-      wmma::mma_sync(dk[n], dst, q, dk[n]);
+    for (int qb = 0; qb < kChunk / 16; ++qb) {
+      FragAT<X> pt, dst;  // dropped^T and dS^T: [keys, queries]
+      wmma::load_matrix_sync(pt, el(dropped) + qb * 256, 16);
+      wmma::load_matrix_sync(dst, el(ds) + qb * 256, 16);
+      for (int n = 0; n < NT; ++n) {
+        FragB<X> o, q;
+        wmma::load_matrix_sync(o, el(gs) + qb * 16 * HD + n * 16, HD);
+        wmma::load_matrix_sync(q, el(qs) + qb * 16 * HD + n * 16, HD);
+        wmma::mma_sync(dv[n], pt, o, dv[n]);
+        wmma::mma_sync(dk[n], dst, q, dk[n]);
+      }
     }
   }
-  write_rows<NT>(hd.part(dqkv, 1), hd.C3, j0, L, dk, out, scale, lane,
-                 dqkv16 ? hd.part(dqkv16, 1) : nullptr, false);
-  if (prow) tile_column_sums<NT>(prow + s.C + hd.h * HD, out, scale, j0, L, lane);
-  write_rows<NT>(hd.part(dqkv, 2), hd.C3, j0, L, dv, out, 1.0f, lane,
-                 dqkv16 ? hd.part(dqkv16, 2) : nullptr, false);
-  if (prow) tile_column_sums<NT>(prow + 2 * s.C + hd.h * HD, out, 1.0f, j0, L, lane);
+  float* const out = reinterpret_cast<float*>(shared);
+  write_block<NT>(hd.part(dqkv, 1), hd.C3, hd.first, L, dk, out, hd.scale, hd.warp,
+                  dqkv16 ? hd.part(dqkv16, 1) : static_cast<X*>(nullptr), false,
+                  prow ? prow + s.C + hd.h * HD : nullptr);
+  write_block<NT>(hd.part(dqkv, 2), hd.C3, hd.first, L, dv, out, 1.0f, hd.warp,
+                  dqkv16 ? hd.part(dqkv16, 2) : static_cast<X*>(nullptr), false,
+                  prow ? prow + 2 * s.C + hd.h * HD : nullptr);
 }
 
-// The backward in one launch: blockIdx.x below the tiles of T a dQ block (16 query rows), from
-// there a dK, dV block (16 keys). The roles share nothing (each computes the D it needs), so they
-// run side by side; their shared memory is one buffer, the larger role's size. Where dbias is
-// given, each block writes its tile's column sums of what it wrote (zeros where its tile is past
-// the sequence) into partial row b * tiles + tile, and the last block of a head's Q, K or V
-// columns adds those rows in order onto dbias (column_tickets.cuh): deterministic, one launch.
+// The backward in one launch: blockIdx.x below the tiles of T a dQ block (64 query rows), from
+// there a dK, dV block (64 keys). The kinds share nothing (each computes the D it needs), so they
+// run side by side. Where dbias is given, each block writes its tile's column sums of what it
+// wrote (zeros where its tile is past the sequence) into partial row b * tiles + tile, and the
+// last block of a head's Q, K or V columns adds those rows in order onto dbias
+// (column_tickets.cuh): deterministic, one launch. At most 168 registers a thread up to head
+// size 64 (three blocks, 12 warps, a multiprocessor; nvcc -Xptxas -v: 60-68 bytes spilled); 255
+// at 128.
 template <class X, int NT>
-__global__ void __launch_bounds__(32)
+__global__ void __launch_bounds__(kThreads, NT <= 4 ? 3 : 1)
     fused_backward_kernel(float* dqkv, X* dqkv16, float* dbias, float* partial, unsigned* tickets,
                           const float* dctx, const X* qkv, const X* ctx16, const float* lse,
                           const int32_t* mask, AttentionShape s, Dropout d) {
   constexpr int HD = NT * 16;
+  alignas(128) __shared__ unsigned char shared[BackwardShared<HD>::kBytes];
   d = kernels::resolved(d);  // (the step's arguments: Dropout::at)
-  constexpr int64_t dq_bytes = shared_bytes<DqArrays<X, HD>>(),
-                    dkv_bytes = shared_bytes<DkvArrays<X, HD>>();
-  alignas(128) __shared__ unsigned char shared[dq_bytes > dkv_bytes ? dq_bytes : dkv_bytes];
   const int64_t tiles = gridDim.x / 2, x = blockIdx.x;
   const bool dq = x < tiles;
   const int64_t tile = dq ? x : x - tiles;
@@ -534,20 +612,20 @@ __global__ void __launch_bounds__(32)
   float* prow = dbias ? partial + (hd.b * tiles + tile) * hd.C3 : nullptr;
   const int first_part = dq ? 0 : 1, parts = dq ? 1 : 2;
   if (!hd.idle()) {
-    Carve sh{shared};
     if (dq)
-      dq_tile<X, NT>(hd, sh, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
+      dq_rows<X, NT>(hd, shared, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
     else
-      dkv_tile<X, NT>(hd, sh, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
+      dkv_rows<X, NT>(hd, shared, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
   } else if (prow) {
     for (int k = first_part; k < first_part + parts; ++k)
-      for (int c = hd.lane; c < HD; c += 32) prow[k * s.C + hd.h * HD + c] = 0.0f;
+      for (int c = static_cast<int>(threadIdx.x); c < HD; c += kThreads)
+        prow[k * s.C + hd.h * HD + c] = 0.0f;
   }
   if (!dbias) return;
   const unsigned blocks = gridDim.z * static_cast<unsigned>(tiles);  // (a column's partial rows)
   for (int k = first_part; k < first_part + parts; ++k)
     if (last_ticket(tickets + k * s.NH + hd.h, blocks))
-      for (int c = hd.lane; c < HD; c += 32)
+      for (int c = static_cast<int>(threadIdx.x); c < HD; c += kThreads)
         add_chunks(dbias, partial, blocks, hd.C3, k * s.C + hd.h * HD + c);
 }
 
@@ -572,8 +650,16 @@ void with_fused_types(Precision p, int64_t head, F&& f) {
   return tiles(static_cast<rm::F16Bits*>(nullptr));
 }
 
+// The tensors the kernels stage and keep 16 bytes at a time: each at a 16-byte boundary (a
+// head's rows then start at one too: head sizes are multiples of 16).
+void check_aligned(const char* what, const void* p) {
+  BT_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "the fused attention reads and writes ", what,
+           " 16 bytes at a time, and it does not start at a 16-byte boundary (", p,
+           "): an arena's tensors do; a caller's must too");
+}
+
 dim3 tile_grid(const AttentionShape& s) {
-  return dim3(static_cast<unsigned>((s.T + kTile - 1) / kTile), static_cast<unsigned>(s.NH),
+  return dim3(static_cast<unsigned>((s.T + kRows - 1) / kRows), static_cast<unsigned>(s.NH),
               static_cast<unsigned>(s.B));
 }
 
@@ -582,10 +668,12 @@ dim3 tile_grid(const AttentionShape& s) {
 void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels::Kept qkv,
                              const int32_t* mask, const AttentionShape& s, const Dropout& d) {
   if (s.B == 0) return;
+  check_aligned("QKV", qkv.f32);
+  check_aligned("QKV's 16-bit copy", qkv.bits);
   with_fused_types(p, s.C / s.NH, [&](auto* x, auto nt) {
     using X = std::remove_pointer_t<decltype(x)>;
     const auto attention_forward_fused = fused_forward_kernel<X, decltype(nt)::value>;
-    BT_LAUNCH(attention_forward_fused, tile_grid(s), 32, 0, compute_stream())
+    BT_LAUNCH(attention_forward_fused, tile_grid(s), kThreads, 0, compute_stream())
     (ctx.f32, reinterpret_cast<X*>(ctx.bits), lse, qkv.f32, reinterpret_cast<X*>(qkv.bits), mask, s,
      d);
   });
@@ -599,7 +687,9 @@ void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, con
   BT_CHECK(ctx16,
            "the fused attention's backward reads the context's 16-bit copy its forward wrote "
            "(AttentionSaved::ctx16), and none was given");
-  const int64_t tiles = (s.T + kTile - 1) / kTile;
+  check_aligned("QKV's 16-bit copy", qkv);
+  check_aligned("dctx", dctx);
+  const int64_t tiles = (s.T + kRows - 1) / kRows;
   float* partial = nullptr;
   unsigned* tickets = nullptr;
   if (dbias) {
@@ -612,7 +702,7 @@ void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, con
     const auto attention_backward_fused = fused_backward_kernel<X, decltype(nt)::value>;
     dim3 grid = tile_grid(s);
     grid.x = static_cast<unsigned>(2 * tiles);  // (the dQ blocks, then the dK, dV blocks)
-    BT_LAUNCH(attention_backward_fused, grid, 32, 0, compute_stream())
+    BT_LAUNCH(attention_backward_fused, grid, kThreads, 0, compute_stream())
     (dqkv.f32, reinterpret_cast<X*>(dqkv.bits), dbias, partial, tickets, dctx,
      reinterpret_cast<const X*>(qkv), reinterpret_cast<const X*>(ctx16), lse, mask, s, d);
   });
