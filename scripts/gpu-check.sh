@@ -278,6 +278,14 @@ PY
           --batch-size 32 --precision bf16 --steps 3 --warmup 1 --cuda-graphs off ||
           echo "gpu-check: the profiled BERT-Large run failed (above)"
       }
+      # (the fused attention's two kernels beside the full kernel's operations above)
+      t=$(limit 60 "the profiled BERT-Large run, fused attention")
+      wants profile && [ "$t" -gt 0 ] && {
+        BERTRAIN_CUDA_PROFILE=1 ours timeout "$t" "$BT" bench --device cuda \
+          --model-config configs/bert-large.json --seq-len 128 --max-predictions 20 \
+          --batch-size 32 --precision bf16 --steps 3 --warmup 1 --cuda-graphs off \
+          --attention blocked || echo "gpu-check: the profiled fused-attention run failed (above)"
+      }
       if wants more; then
         bench bert-large 512 80 8 bf16 auto
         bench bert-base 128 20 32 bf16 auto
