@@ -24,6 +24,8 @@ MUTATIONS=(
   "shuffle with a mask of half the warp|src/kernels/cuda/lanes.cuh|v += __shfl_xor_sync(kFullMask, v, o)|v += __shfl_xor_sync(0x0000ffffu, v, o)|$PLAIN|late|Cuda.LayerNormMatchesCpu"
   "shuffle reading a lane outside its mask|src/kernels/cuda/lanes.cuh|v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o))|v = fmaxf(v, lane < 16 ? __shfl_xor_sync(0x0000ffffu, v, o) : v)|$PLAIN|late|Cuda.AttentionRowPassesMatchHost"
   "shared buffer one element short|src/kernels/cuda/rows.cu|__shared__ double part[kThreads];|__shared__ double part[kThreads - 1];|$ASAN|late|Cuda.OptimizerMatchesCpu"
+  "fused attention restaging keys under the warps still reading them|src/kernels/cuda/fused_attention.cu|    __syncthreads();
+    stage(kt, hd.part(qkv, 1), hd.C3, j0, kKeys, L, HD);|    stage(kt, hd.part(qkv, 1), hd.C3, j0, kKeys, L, HD);|$PLAIN|late|CudaBackend.FusedAttentionMatchesTheBlockedProducts"
   "kernels not waiting for the input copy|src/kernels/cuda/backend.cu|BT_CUDA_CHECK(cudaStreamWaitEvent(nullptr, uploads().slot(slot).copied, 0));|(void)slot;|$PLAIN|late|CudaModel.ForwardBackwardEqualsCpu"
   "input copy not waiting for the kernels reading the slot|src/kernels/cuda/backend.cu|BT_CUDA_CHECK(cudaStreamWaitEvent(u.stream, s.released, 0));|(void)s;|$PLAIN|eager|CudaBackend.InputCopiesRunBesideTheKernels"
 )
