@@ -121,7 +121,7 @@ echo "-- what a step asks of a GPU: kernel launches and host synchronisations (d
 echo "   logged steps: the norm, finite check, clipping and fp16's loss scale stay on the GPU), counted by"
 echo "   bench --device cuda; with the fused attention (--attention blocked: 2 kernels a layer, every sequence"
 echo "   length of the batch in one launch) 20 launches a layer in all; padded, forward and backward run as"
-echo "   CUDA graphs (--cuda-graphs auto: 2 graph launches a step, the host issuing the optimizer's kernels alone):"
+echo "   CUDA graphs (--cuda-graphs auto: 3 graph launches a step, forward, backward and the update; the host issues no kernel):"
 if [ -x build-emu/bertrain ]; then
   for a in auto blocked; do
     build-emu/bertrain bench --device cuda --model-config configs/bert-tiny.json --batch-size 4 --seq-len 32 \

@@ -67,12 +67,13 @@ void add_padding_option(CLI::App* c, std::string& padding) {
 
 void add_graphs_option(CLI::App* c, std::string& graphs) {
   c->add_option("--cuda-graphs", graphs,
-                "On a GPU, each step's forward and backward launched as CUDA graphs, captured at "
-                "the first steps (one a kind and input slot) and replayed: two launches for what "
-                "are hundreds, the step's dropout keys and loss divisor read by the kernels. "
-                "Padded pretraining batches (--padding compute: a GPU's auto with the full "
-                "attention); elsewhere kernel by kernel. auto: on, and back to kernel by kernel "
-                "with a note should a capture fail; on: a failed capture is an error; off")
+                "On a GPU, each step's forward, backward and optimizer update launched as CUDA "
+                "graphs, captured at the first steps (one a kind and input slot) and replayed: "
+                "three launches for what are hundreds, the step's dropout keys, loss divisor and "
+                "learning rate read by the kernels. Forward and backward for padded pretraining "
+                "batches (--padding compute: a GPU's auto with the full attention), kernel by "
+                "kernel elsewhere; the update for every model. auto: on, and back to kernel by "
+                "kernel with a note should a capture fail; on: a failed capture is an error; off")
       ->capture_default_str();
 }
 

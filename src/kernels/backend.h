@@ -429,6 +429,14 @@ class Backend : public Target {
   // add_sum_squares and copies the gates across.
   virtual void gate_gradients(GradientGate* gate, const float* g, const TensorSpan* t,
                               int64_t count, float unscale, float max_norm) const;
+  // The arguments of an adamw_update / lamb_update over these spans placed where its kernels
+  // read them, ahead of a graph (begin_capture) that holds the update: inside a capture the
+  // update finds them there (a GPU sends them to the device; a graph's copy would read the
+  // host's buffer when it runs). Nothing to do where the update reads its arguments as called.
+  virtual void stage_update(const AdamwStep* /*a*/, const TensorSpan* /*t*/,
+                            int64_t /*count*/) const {}
+  virtual void stage_update(const LambStep* /*a*/, const TensorSpan* /*t*/,
+                            int64_t /*count*/) const {}
   // pn[i] and un[i] += span i's squared norms.
   virtual void lamb_moments(const LambStep* a, const float* p, const float* g, float* m, float* v,
                             const TensorSpan* t, int64_t count, double* pn, double* un) const;

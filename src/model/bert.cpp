@@ -1066,7 +1066,7 @@ void BertModel::embeddings_backward(const Pass& p, float* dh) {
   be_.copy(act_.dhead1, pad_row, C);
   // A graph's: grids for any batch of the shape, the blocks past the batch's groups idle.
   kernels::EmbeddingRuns runs = cur_.in.runs;
-  if (capturing_) {
+  if (graph_of_.capturing()) {
     auto bound = [&](kernels::RowRuns& r, int64_t rows) {
       r.num_chunks = kernels::max_chunks(p.N, rows);
       r.num_sums = kernels::max_sums(p.N, rows);
@@ -1127,44 +1127,7 @@ BertModel::GraphKey BertModel::graph_key(bool forward, const StepOptions& opt,
 }
 
 void BertModel::run_graph(const GraphKey& key, const std::function<void()>& issue) {
-  auto it = graph_of_.find(key);
-  if (it == graph_of_.end()) {
-    std::shared_ptr<void> g;
-    be_.begin_capture();
-    capturing_ = true;
-    try {
-      issue();
-      capturing_ = false;
-      g = be_.end_capture();
-    } catch (const Error& e) {
-      if (capturing_) {
-        capturing_ = false;
-        try {
-          be_.end_capture();
-        } catch (const Error&) {  // (the first error is the one to report)
-        }
-      }
-      if (graphs_ == GraphMode::On) throw;
-      // auto: nothing of the capture ran; the same work issued kernel by kernel from now on.
-      std::fprintf(stderr,
-                   "bertrain: CUDA graphs off for this run (--cuda-graphs auto): the %s's capture "
-                   "failed: %s\n",
-                   key.forward ? "forward" : "backward", e.what());
-      graphs_ = GraphMode::Off;
-      graph_of_.clear();
-      return issue();
-    }
-    // (a loss scale the host keeps keys graphs of its own each value, a long fp16 run meeting a
-    // few dozen: past kGraphs the graphs are made again as they come up, once the device has
-    // run the launches of those it drops)
-    constexpr size_t kGraphs = 16;
-    if (graph_of_.size() >= kGraphs) {
-      be_.synchronize();
-      graph_of_.clear();
-    }
-    it = graph_of_.emplace(key, std::move(g)).first;
-  }
-  be_.launch_graph(it->second);
+  graph_of_.run(be_, graphs_, key, key.forward ? "forward" : "backward", issue);
 }
 
 void BertModel::send_step_args(const Pass& p, const Batch& b) {

@@ -23,6 +23,7 @@
 #include "kernels/embedding_runs.h"
 #include "model/batch.h"
 #include "model/config.h"
+#include "model/graphs.h"
 #include "model/params.h"
 #include "obs/timeline.h"
 
@@ -113,13 +114,6 @@ struct ModelDims {
 
 ModelDims::Attention parse_attention(const std::string& s);
 const char* attention_name(ModelDims::Attention a);
-
-// CUDA graphs for forward and backward (BertModel::set_graphs): off; auto (where the model can,
-// and back to launching kernel by kernel, with a note, should a capture fail); on (a failed
-// capture is an error).
-enum class GraphMode { Off, Auto, On };
-GraphMode parse_graph_mode(const std::string& s);
-const char* graph_mode_name(GraphMode m);
 
 struct StepOptions {
   bool training = false;  // dropout on
@@ -534,8 +528,7 @@ class BertModel {
   double mlm_weight_ = 0;
   // The graphs (set_graphs) by kind, input slot and shape, and whether one is being captured.
   GraphMode graphs_ = GraphMode::Off;
-  bool capturing_ = false;
-  std::map<GraphKey, std::shared_ptr<void>> graph_of_;
+  GraphCache<GraphKey> graph_of_;
 };
 
 }  // namespace bertrain::model

@@ -133,10 +133,26 @@ void Optimizer::start_gate(const kernels::LossScale& scale) {
   write_gate(g);
 }
 
-void Optimizer::gate(const float* grads, float inv_scale) {
-  BT_CHECK(!sharded(), "Optimizer::gate: a sharded optimizer's norm needs every rank's part");
+void Optimizer::gated_step(float* params, const float* grads, float inv_scale, float lr,
+                           kernels::WeightCopy copy, const Issue& run) {
+  BT_CHECK(!sharded(), "Optimizer::gated_step: a sharded optimizer's norm needs every rank's part");
   ++gated_in_flight_;
-  be_->gate_gradients(gate_, grads, spans_.data(), count(), inv_scale, cfg_.max_grad_norm);
+  ++steps_;
+  fill_steps(lr, 1.0f, copy);
+  const bool adamw = cfg_.kind == OptimizerKind::AdamW;
+  if (adamw)
+    be_->stage_update(adamw_.data(), spans_.data(), count());
+  else
+    be_->stage_update(lamb_.data(), spans_.data(), count());
+  run([&] {
+    be_->gate_gradients(gate_, grads, spans_.data(), count(), inv_scale, cfg_.max_grad_norm);
+    if (adamw)
+      be_->adamw_update(adamw_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count(),
+                        gate_);
+    else
+      be_->lamb_update(lamb_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count(),
+                       gate_);
+  });
 }
 
 void Optimizer::gate_read(const kernels::GradientGate& last) {
@@ -145,23 +161,9 @@ void Optimizer::gate_read(const kernels::GradientGate& last) {
   gated_in_flight_ = 0;
 }
 
-void Optimizer::apply_gated(float* params, const float* grads, float lr, kernels::WeightCopy copy) {
-  BT_CHECK(!sharded(), "Optimizer::apply_gated: sharded optimizers apply with the ranks' norm");
-  update(params, grads, lr, 1.0f, gate_, copy, {});
-}
-
-void Optimizer::update(float* params, const float* grads, float lr, float gscale,
-                       const kernels::GradientGate* gate, kernels::WeightCopy copy,
-                       const SumOverRanks& sum_over_ranks) {
-  ++steps_;
+void Optimizer::fill_steps(float lr, float gscale, kernels::WeightCopy copy) {
   const float b1 = cfg_.beta1, b2 = cfg_.beta2, eps = cfg_.eps;
   // (bias corrections of update steps_; under a gate the device's count replaces it: gated)
-  auto lamb_step = [&](const ParamSlice& s) {
-    const float wd = s.decay ? cfg_.weight_decay : 0.0f;
-    kernels::LambStep a{gscale, b1, b2, 0.0f, 0.0f, eps, wd, lr, copy.f16};
-    kernels::bias_correct(a, steps_);
-    return a;
-  };
   if (cfg_.kind == OptimizerKind::AdamW) {
     // torch.optim.AdamW: p *= 1 - lr*wd; p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
     for (size_t i = 0; i < pieces_.size(); ++i) {
@@ -169,12 +171,26 @@ void Optimizer::update(float* params, const float* grads, float lr, float gscale
       adamw_[i] = {gscale, b1, b2, 0.0f, 0.0f, eps, 1.0f - lr * wd, copy.f16, lr};
       kernels::bias_correct(adamw_[i], steps_);
     }
+    return;
+  }
+  // LAMB: u = m_hat / (sqrt(v_hat) + eps) + wd * p; p -= lr * trust * u
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const float wd = slices_[pieces_[i].slice].decay ? cfg_.weight_decay : 0.0f;
+    lamb_[i] = {gscale, b1, b2, 0.0f, 0.0f, eps, wd, lr, copy.f16};
+    kernels::bias_correct(lamb_[i], steps_);
+  }
+}
+
+void Optimizer::update(float* params, const float* grads, float lr, float gscale,
+                       const kernels::GradientGate* gate, kernels::WeightCopy copy,
+                       const SumOverRanks& sum_over_ranks) {
+  ++steps_;
+  fill_steps(lr, gscale, copy);
+  if (cfg_.kind == OptimizerKind::AdamW) {
     be_->adamw_update(adamw_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count(),
                       gate);
     return;
   }
-  // LAMB: u = m_hat / (sqrt(v_hat) + eps) + wd * p; p -= lr * trust * u
-  for (size_t i = 0; i < pieces_.size(); ++i) lamb_[i] = lamb_step(slices_[pieces_[i].slice]);
   if (!sharded()) {
     be_->lamb_update(lamb_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count(), gate);
     return;

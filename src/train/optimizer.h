@@ -85,17 +85,24 @@ class Optimizer {
                   kernels::WeightCopy copy = {});
 
   // measure and apply decided where the gradients are, the host reading nothing (a GPU's: no
-  // synchronisation): gate() writes the step's gate (kernels::GradientGate: the norm, whether
-  // every gradient is finite, the factor of unscaling and clipping, the updates applied and the
-  // loss scale on) in the backend's memory, apply_gated() updates as apply() would with
+  // synchronisation): gated_step() writes the step's gate (kernels::GradientGate: the norm,
+  // whether every gradient is finite, the factor of unscaling and clipping, the updates applied
+  // and the loss scale on) in the backend's memory, then updates as apply() would with
   // measure()'s result, or leaves everything as it was where a gradient is not finite. The
   // gradients carry the gate's loss scale (inv_scale does not count it). Unsharded only.
+  // Its kernels are issued through `run`, which calls the function it is given once (run_now),
+  // or inside a capture whose graph it launches (a graph may hold them: the step's arguments,
+  // its learning rate, are staged on the backend before, Backend::stage_update), or launches
+  // the graph it captured before without calling it: the host's part of the step is done
+  // either way.
   // start_gate() before a step's backward: where no gated step is in flight (unread: gate_read)
   // and the gate carries another count than steps() or another scale than `scale` (the first
   // gated step, a resume), the gate starts from them; else it goes on from its own.
   void start_gate(const kernels::LossScale& scale);
-  void gate(const float* grads, float inv_scale);
-  void apply_gated(float* params, const float* grads, float lr, kernels::WeightCopy copy = {});
+  using Issue = std::function<void(const std::function<void()>&)>;
+  static void run_now(const std::function<void()>& issue) { issue(); }
+  void gated_step(float* params, const float* grads, float inv_scale, float lr,
+                  kernels::WeightCopy copy = {}, const Issue& run = run_now);
   const kernels::GradientGate* device_gate() const { return gate_; }
   // The host read the gate of the last gated step issued (its copy of device_gate()): every
   // gated step is read, and steps() becomes the gate's count (skipped steps not counted).
@@ -124,10 +131,12 @@ class Optimizer {
     int64_t slice, offset, numel;
   };
   std::vector<Piece> pieces() const;
-  // The update of apply() with gradient factor gscale, or with the gate's (apply_gated).
+  // The update of apply() with gradient factor gscale, or with the gate's (gated_step).
   void update(float* params, const float* grads, float lr, float gscale,
               const kernels::GradientGate* gate, kernels::WeightCopy copy,
               const SumOverRanks& sum_over_ranks);
+  // The step's per-tensor arguments (adamw_ or lamb_) for update steps_.
+  void fill_steps(float lr, float gscale, kernels::WeightCopy copy);
   std::vector<ParamSlice> slices_;
   Shard shard_;
   // The pieces (fixed by the shard) as the backend's tensor spans, and each step's per-tensor

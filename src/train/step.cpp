@@ -96,6 +96,7 @@ Step::Step(model::BertModel& m, Optimizer& opt, LossScaler& scaler, comm::Commun
     : m_(m), opt_(opt), scaler_(scaler), comm_(comm), s_(s), tl_(timeline) {
   if (s_.accumulation <= 0) fail("accumulation must be positive, got ", s_.accumulation);
   m_.set_graphs(s_.graphs);
+  update_graphs_mode_ = s_.graphs;
   if (!(s_.predivide > 0)) fail("the gradient predivide factor must be positive");
   const int64_t P = m_.table().total();
   if (comm_.size() > 1 && m_.backend().host_memory() == comm_.device_memory())
@@ -381,8 +382,14 @@ void Step::update_deferred(int64_t step, double lr, const GradientScale& g, cons
   m_.bind_kernel_scratch();  // the gate's partial sums come from it
   PendingStep p;
   p.optimizer_begin = be.mark();
-  opt_.gate(m_.grads(), g.unscale);  // (the loss scale: the gate's own)
-  opt_.apply_gated(m_.params(), m_.grads(), static_cast<float>(lr), m_.weight_copy());
+  // (the loss scale: the gate's own; the update as a graph where the backend has them)
+  Optimizer::Issue run = Optimizer::run_now;
+  if (update_graphs_mode_ != model::GraphMode::Off && be.graphs())
+    run = [&](const std::function<void()>& issue) {
+      update_graphs_.run(be, update_graphs_mode_, {g.unscale}, "optimizer's update", issue);
+    };
+  opt_.gated_step(m_.params(), m_.grads(), g.unscale, static_cast<float>(lr), m_.weight_copy(),
+                  run);
   m_.weights16_updated();
   p.optimizer_end = be.mark();
   auto* record = static_cast<StepRecord*>(records_.get()) + next_record_;

@@ -46,7 +46,8 @@ struct StepSettings {
   // read when it ends.
   bool defer = false;
   // Forward and backward launched as CUDA graphs where the model can (BertModel::set_graphs:
-  // a GPU, padded pretraining batches), captured at their first use.
+  // a GPU, padded pretraining batches), and a deferred step's update (Optimizer::gated_step:
+  // any model), captured at their first use.
   model::GraphMode graphs = model::GraphMode::Off;
 };
 
@@ -208,6 +209,14 @@ class Step {
   std::vector<StepReport> settled_;
   int cur_ = 0;
   bool held_ = false, reading_ahead_ = false, interrupted_ahead_ = false;
+  // The deferred update's graphs (Optimizer::gated_step), by what their launches hold besides
+  // the model's and the optimizer's memory: the gradients' unscaling factor.
+  struct UpdateKey {
+    float unscale;
+    bool operator<(const UpdateKey& o) const { return unscale < o.unscale; }
+  };
+  model::GraphCache<UpdateKey> update_graphs_;
+  model::GraphMode update_graphs_mode_ = model::GraphMode::Off;
 };
 
 }  // namespace bertrain::train

@@ -149,8 +149,10 @@ TEST(CudaModel, LossCurveTracksTheCpu) {
 // backward: 4 captured, one a kind and input slot), which run the kernels the eager step
 // issues, the attention's pointer tables (2 a layer, which the eager steps keep from the first)
 // and the embedding tables' sums kernels (3, whatever the batch; eagerly only where a table row
-// has more than kEmbeddingChunk tokens), and the host issues the optimizer's kernels alone; no
-// more host waits.
+// has more than kEmbeddingChunk tokens); deferred, a third holds the update (the gate and the
+// optimizer's kernels: Optimizer::gated_step, the learning rate staged before each launch), so
+// the host issues no kernel at all, with AdamW and with LAMB (bf16); read each step, the host
+// issues the optimizer's kernels. No more host waits.
 TEST(CudaModel, GraphsReplayTheEagerStepsBitForBit) {
   SKIP_WITHOUT_GPU();
   const model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
@@ -160,10 +162,10 @@ TEST(CudaModel, GraphsReplayTheEagerStepsBitForBit) {
     std::vector<std::vector<float>> params;     // after each step
     std::vector<kernels::DeviceCounts> counts;  // after each step
   };
-  auto train = [&](Precision p, bool graphs, bool defer) {
+  auto train = [&](Precision p, bool graphs, bool defer, train::OptimizerKind kind) {
     Run r;
     r.losses = test::loss_curve(
-        cuda::cuda_backend(), c, p, kSteps, train::OptimizerKind::AdamW,
+        cuda::cuda_backend(), c, p, kSteps, kind,
         [&](const model::BertModel& m, const train::StepReport&) {
           r.counts.push_back(cuda::device_counts());
           std::vector<float> host(static_cast<size_t>(m.table().total()));
@@ -173,36 +175,51 @@ TEST(CudaModel, GraphsReplayTheEagerStepsBitForBit) {
         graphs, defer);
     return r;
   };
+  struct Case {
+    Precision p;
+    bool defer;
+    train::OptimizerKind kind;
+  };
+  std::vector<Case> cases;
   for (auto p : {Precision::FP32, Precision::BF16, Precision::FP16})
-    for (bool defer : {false, true}) {
-      SCOPED_TRACE(testing::Message() << "precision " << static_cast<int>(p) << " defer " << defer);
-      const Run eager = train(p, false, defer), graphed = train(p, true, defer);
-      EXPECT_EQ(graphed.losses, eager.losses);
-      for (int64_t k = 0; k < kSteps; ++k)
-        ASSERT_TRUE(graphed.params[k] == eager.params[k]) << "parameters after step " << k;
-      // Per step (the first's counts include the model's setup: from the second on).
-      for (int64_t k = 1; k < kSteps; ++k) {
-        SCOPED_TRACE(testing::Message() << "step " << k);
-        auto step = [&](const Run& r, int64_t kernels::DeviceCounts::*f) {
-          return r.counts[k].*f - r.counts[k - 1].*f;
-        };
-        using C = kernels::DeviceCounts;
-        EXPECT_EQ(step(graphed, &C::graph_launches), 2);
-        EXPECT_EQ(step(eager, &C::graph_launches), 0);
-        EXPECT_GE(step(graphed, &C::launches), step(eager, &C::launches) + 2 * c.num_hidden_layers);
-        EXPECT_LE(step(graphed, &C::launches),
-                  step(eager, &C::launches) + 2 * c.num_hidden_layers + 3);
-        const int64_t issued = step(graphed, &C::launches) - step(graphed, &C::graph_kernels);
+    for (bool defer : {false, true}) cases.push_back({p, defer, train::OptimizerKind::AdamW});
+  cases.push_back({Precision::BF16, true, train::OptimizerKind::Lamb});
+  for (const auto& [p, defer, kind] : cases) {
+    const bool lamb = kind == train::OptimizerKind::Lamb;
+    SCOPED_TRACE(testing::Message() << "precision " << static_cast<int>(p) << " defer " << defer
+                                    << (lamb ? " LAMB" : " AdamW"));
+    const Run eager = train(p, false, defer, kind), graphed = train(p, true, defer, kind);
+    EXPECT_EQ(graphed.losses, eager.losses);
+    for (int64_t k = 0; k < kSteps; ++k)
+      ASSERT_TRUE(graphed.params[k] == eager.params[k]) << "parameters after step " << k;
+    // Per step (the first's counts include the model's setup: from the second on).
+    for (int64_t k = 1; k < kSteps; ++k) {
+      SCOPED_TRACE(testing::Message() << "step " << k);
+      auto step = [&](const Run& r, int64_t kernels::DeviceCounts::*f) {
+        return r.counts[k].*f - r.counts[k - 1].*f;
+      };
+      using C = kernels::DeviceCounts;
+      EXPECT_EQ(step(graphed, &C::graph_launches), defer ? 3 : 2);
+      EXPECT_EQ(step(eager, &C::graph_launches), 0);
+      EXPECT_GE(step(graphed, &C::launches), step(eager, &C::launches) + 2 * c.num_hidden_layers);
+      EXPECT_LE(step(graphed, &C::launches),
+                step(eager, &C::launches) + 2 * c.num_hidden_layers + 3);
+      const int64_t issued = step(graphed, &C::launches) - step(graphed, &C::graph_kernels);
+      if (defer)
+        EXPECT_EQ(issued, 0);
+      else
         EXPECT_LT(issued, step(eager, &C::launches) / 10);
-        EXPECT_EQ(step(graphed, &C::host_syncs), step(eager, &C::host_syncs));
-        if (k == kSteps - 1)
-          std::printf(
-              "precision %d defer %d: launches a step %lld eager; with graphs %lld, of "
-              "them the host's %lld and 2 graphs'\n",
-              static_cast<int>(p), defer, static_cast<long long>(step(eager, &C::launches)),
-              static_cast<long long>(step(graphed, &C::launches)), static_cast<long long>(issued));
-      }
+      EXPECT_EQ(step(graphed, &C::host_syncs), step(eager, &C::host_syncs));
+      if (k == kSteps - 1)
+        std::printf(
+            "precision %d defer %d %s: launches a step %lld eager; with graphs %lld, of "
+            "them the host's %lld and %d graphs'\n",
+            static_cast<int>(p), defer, lamb ? "LAMB" : "AdamW",
+            static_cast<long long>(step(eager, &C::launches)),
+            static_cast<long long>(step(graphed, &C::launches)), static_cast<long long>(issued),
+            defer ? 3 : 2);
     }
+  }
 }
 
 // A graph holds every batch of its shape, not only the one it was captured with: three batches

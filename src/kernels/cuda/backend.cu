@@ -629,6 +629,14 @@ class CudaBackend final : public kernels::Backend {
     const Op op("lamb_update (all tensors)");
     cuda::lamb_update(a, p, p16, g, m, v, t, count, nullptr, nullptr, /*apply=*/true, gate);
   }
+  void stage_update(const kernels::AdamwStep* a, const kernels::TensorSpan* t,
+                    int64_t count) const override {
+    cuda::stage_update(a, t, count);
+  }
+  void stage_update(const kernels::LambStep* a, const kernels::TensorSpan* t,
+                    int64_t count) const override {
+    cuda::stage_update(a, t, count);
+  }
   void lamb_moments(const kernels::LambStep* a, const float* p, const float* g, float* m, float* v,
                     const kernels::TensorSpan* t, int64_t count, double* pn,
                     double* un) const override {

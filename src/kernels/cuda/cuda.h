@@ -301,8 +301,9 @@ void lamb_apply(const kernels::LambStep& a, float* p, uint16_t* p16, const float
                 int64_t n, float step, void* stream = nullptr);
 
 // The same over many tensors of flat buffers (kernels/backend.h, TensorSpan), one pass each
-// (scratch.h: a block per chunk; the spans' tables cross to the device only when they change,
-// the steps are the kernels' arguments). add_sum_squares synchronises once; gate_gradients
+// (scratch.h: a block per chunk; the spans' tables and the steps cross to the device only when
+// they change: stage_update sends them ahead of a CUDA graph that holds the pass, which may not
+// send them itself). add_sum_squares synchronises once; gate_gradients
 // not at all (the sum and the gate in a kernel after the chunks'). lamb_update with `apply`:
 // the moments, each span's trust ratio and step (lr x trust) on the device, the update pass:
 // no synchronisation (pn, un unused); without: the moments only, pn and un receiving each span's
@@ -321,5 +322,10 @@ void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const floa
 void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float* m, const float* v,
                 const kernels::TensorSpan* t, int64_t count, const float* step,
                 void* stream = nullptr);
+// The tables and steps adamw_update / lamb_update with these arguments would send, sent now.
+void stage_update(const kernels::AdamwStep* a, const kernels::TensorSpan* t, int64_t count,
+                  void* stream = nullptr);
+void stage_update(const kernels::LambStep* a, const kernels::TensorSpan* t, int64_t count,
+                  void* stream = nullptr);
 
 }  // namespace bertrain::cuda

@@ -159,21 +159,26 @@ __global__ void sum_squares_many_kernel(double* partial, const float* g,
   block_sum(acc, partial + blockIdx.x);
 }
 
-// A pass's steps (AdamW's or LAMB's) by value, a kernel argument: the optimizer's differ only in
-// weight decay, so a step kind a span (Many::kind) and no table of steps to upload each step.
+// A pass's steps (AdamW's or LAMB's): the optimizer's differ only in weight decay, so a step
+// kind a span (Many::kind) and no table of steps a span. The kernels read them from the device
+// (Many::steps), where each call sends them unless they are there already, so a CUDA graph that
+// holds the update reads the step a launch was staged for (stage_update): the learning rate
+// changes every step.
 constexpr int kStepKinds = 8;
 template <class StepArgs>
 struct StepKinds {
   StepArgs kind[kStepKinds];
   int count = 0;
 };
+static_assert(sizeof(StepKinds<kernels::AdamwStep>) <= kStepArgsBytes &&
+              sizeof(StepKinds<kernels::LambStep>) <= kStepArgsBytes);
 
 // Span i's step, under the gate where there is one (types.h gated: its gscale and bias
 // corrections).
 template <class StepArgs>
-__device__ StepArgs span_step(const StepKinds<StepArgs>& steps, const int32_t* kind, int64_t i,
+__device__ StepArgs span_step(const StepKinds<StepArgs>* steps, const int32_t* kind, int64_t i,
                               const kernels::GradientGate* gate) {
-  const StepArgs& a = steps.kind[kind[i]];
+  const StepArgs& a = steps->kind[kind[i]];
   return gate ? kernels::gated(a, *gate) : a;
 }
 
@@ -210,7 +215,7 @@ struct MomentTurn {
   }
 };
 
-__global__ void adamw_many_kernel(StepKinds<kernels::AdamwStep> steps, const int32_t* kind,
+__global__ void adamw_many_kernel(const StepKinds<kernels::AdamwStep>* steps, const int32_t* kind,
                                   const kernels::GradientGate* gate, float* p, uint16_t* p16,
                                   const float* g, float* m, float* v,
                                   const kernels::TensorSpan* spans, const Chunk* chunks) {
@@ -232,7 +237,7 @@ __global__ void adamw_many_kernel(StepKinds<kernels::AdamwStep> steps, const int
 }
 
 // partial[2 b] = sum of p^2 over chunk b, partial[2 b + 1] = sum of u^2.
-__global__ void lamb_moments_many_kernel(double* partial, StepKinds<kernels::LambStep> steps,
+__global__ void lamb_moments_many_kernel(double* partial, const StepKinds<kernels::LambStep>* steps,
                                          const int32_t* kind, const kernels::GradientGate* gate,
                                          const float* p, const float* g, float* m, float* v,
                                          const kernels::TensorSpan* spans, const Chunk* chunks) {
@@ -257,7 +262,7 @@ __global__ void lamb_moments_many_kernel(double* partial, StepKinds<kernels::Lam
 
 // LAMB's step per span on the device: thread i adds span i's chunks' partial norms in chunk
 // order (the order the host added them in: the same bits) and writes lr x trust ratio.
-__global__ void lamb_trust_kernel(float* trust, StepKinds<kernels::LambStep> steps,
+__global__ void lamb_trust_kernel(float* trust, const StepKinds<kernels::LambStep>* steps,
                                   const int32_t* kind, const double* partial, const int64_t* first,
                                   int64_t count) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -267,15 +272,16 @@ __global__ void lamb_trust_kernel(float* trust, StepKinds<kernels::LambStep> ste
     pn += partial[2 * b];
     un += partial[2 * b + 1];
   }
-  const kernels::LambStep& a = steps.kind[kind[i]];
+  const kernels::LambStep& a = steps->kind[kind[i]];
   trust[i] = a.lr * kernels::lamb_trust(a, pn, un);
 }
 
 // (trust: each span's lr x trust ratio; the gate, where given, only says whether to move)
-__global__ void lamb_apply_many_kernel(StepKinds<kernels::LambStep> steps, const int32_t* kind,
-                                       const kernels::GradientGate* gate, const float* trust,
-                                       float* p, uint16_t* p16, const float* m, const float* v,
-                                       const kernels::TensorSpan* spans, const Chunk* chunks) {
+__global__ void lamb_apply_many_kernel(const StepKinds<kernels::LambStep>* steps,
+                                       const int32_t* kind, const kernels::GradientGate* gate,
+                                       const float* trust, float* p, uint16_t* p16, const float* m,
+                                       const float* v, const kernels::TensorSpan* spans,
+                                       const Chunk* chunks) {
   if (gate && !gate->apply) return;
   const Chunk c = chunks[blockIdx.x];
   const kernels::TensorSpan t = spans[c.tensor];
@@ -337,7 +343,7 @@ std::vector<double> download_partials(const double* partial, size_t count, cudaS
 
 // A multi-tensor pass's arguments in the scratch (scratch.h, kMultiTensorSlot): the spans, their
 // chunks, each span's first chunk (and the end) and step kind; then room for a trust ratio per
-// span and two partials per chunk.
+// span, two partials per chunk and the pass's steps (StepKinds).
 struct Many {
   const kernels::TensorSpan* spans = nullptr;
   const Chunk* chunks = nullptr;
@@ -345,6 +351,7 @@ struct Many {
   const int32_t* kind = nullptr;
   float* trust = nullptr;
   double* partials = nullptr;
+  void* steps = nullptr;
   std::vector<Chunk> host_chunks;
 };
 
@@ -355,8 +362,9 @@ size_t aligned(size_t b) {
 // Tables and a step's arguments cross from page-locked memory (a copy from pageable memory may
 // make the host wait for the stream): kTurns buffers of the calling thread's in turn, each
 // written again only once the copy from it has run (its event; a query finds it done unless
-// the device is kTurns sends behind).
-constexpr int kTurns = 4;
+// the device is kTurns sends behind: a step sends two, the model's arguments and the optimizer's
+// steps, and the host may run a few steps ahead of the device).
+constexpr int kTurns = 16;
 struct PinnedTables {
   struct Buffer {
     char* host = nullptr;
@@ -461,6 +469,8 @@ struct UploadedTables {
   const char* to = nullptr;
   uint64_t generation = 0;
   Many w;
+  std::vector<char> steps;  // the steps last sent to w.steps (their bytes; empty: none)
+  int steps_type = 0;       // (theirs: 1 AdamW's, 2 LAMB's)
   bool holds(const kernels::TensorSpan* t, int64_t count, const std::vector<int32_t>* k,
              const char* base) const {
     return to == base && generation == memory_generation() &&
@@ -485,13 +495,16 @@ const Many& upload(const kernels::TensorSpan* t, int64_t count, const std::vecto
   const size_t spans_b = aligned(n * sizeof(kernels::TensorSpan)),
                chunks_b = aligned(c * sizeof(Chunk)), first_b = aligned((n + 1) * sizeof(int64_t)),
                kind_b = aligned(n * 4), trust_b = aligned(n * 4),
-               partial_b = 2 * c * sizeof(double);
+               partial_b = aligned(2 * c * sizeof(double));
   const size_t table_b = spans_b + chunks_b + first_b + kind_b;
   auto* base = static_cast<char*>(scratch(
-      kMultiTensorSlot, std::max<size_t>(table_b + trust_b + partial_b,
+      kMultiTensorSlot, std::max<size_t>(table_b + trust_b + partial_b + kStepArgsBytes,
                                          static_cast<size_t>(multi_tensor_bytes(values, count)))));
   UploadedTables& u = t_uploaded;
   if (u.holds(t, count, kind, base)) return u.w;
+  BT_CHECK(!capturing(),
+           "the optimizer's tensor tables changed while a CUDA graph was captured: they cross to "
+           "the device before the capture (stage_update)");
   Many& w = u.w;
   w.host_chunks.clear();
   std::vector<int64_t> first;
@@ -517,7 +530,48 @@ const Many& upload(const kernels::TensorSpan* t, int64_t count, const std::vecto
   w.kind = reinterpret_cast<const int32_t*>(base + spans_b + chunks_b + first_b);
   w.trust = reinterpret_cast<float*>(base + table_b);
   w.partials = reinterpret_cast<double*>(base + table_b + trust_b);
+  w.steps = base + table_b + trust_b + partial_b;
+  u.steps.clear();  // (what the steps' room holds: nothing sent there yet)
   return w;
+}
+
+template <class StepArgs>
+constexpr int steps_type() {
+  return std::is_same_v<StepArgs, kernels::AdamwStep> ? 1 : 2;
+}
+
+// The pass's steps where its kernels read them (Many::steps): sent unless the room holds them
+// already (the same steps by same_step); inside a capture they must be there (a copy captured
+// from the page-locked ring would read whatever the ring holds when the graph runs).
+template <class StepArgs>
+const StepKinds<StepArgs>* place_steps(const StepKinds<StepArgs>& k, const Many& w,
+                                       cudaStream_t s) {
+  UploadedTables& u = t_uploaded;
+  bool there = u.steps_type == steps_type<StepArgs>() && u.steps.size() == sizeof k;
+  if (there) {
+    StepKinds<StepArgs> held;
+    std::memcpy(static_cast<void*>(&held), u.steps.data(), sizeof held);
+    there = held.count == k.count;
+    for (int i = 0; there && i < k.count; ++i) there = same_step(held.kind[i], k.kind[i]);
+  }
+  if (!there) {
+    BT_CHECK(!capturing(),
+             "the optimizer's steps (its learning rate) changed while a CUDA graph was captured: "
+             "they cross to the device before the capture (stage_update)");
+    send(w.steps, &k, sizeof k, s);
+    const auto* bytes = reinterpret_cast<const char*>(&k);
+    u.steps.assign(bytes, bytes + sizeof k);
+    u.steps_type = steps_type<StepArgs>();
+  }
+  return static_cast<const StepKinds<StepArgs>*>(w.steps);
+}
+
+// A pass's tables and steps on the device, as the pass would put them there (stage_update).
+template <class StepArgs>
+void stage_steps(const StepArgs* a, const kernels::TensorSpan* t, int64_t count, cudaStream_t s) {
+  std::vector<int32_t> kind;
+  const StepKinds<StepArgs> steps = step_kinds(a, count, kind);
+  place_steps(steps, upload(t, count, &kind, s), s);
 }
 
 // The reductions' partial sums.
@@ -708,8 +762,9 @@ void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const fl
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
   std::vector<int32_t> kind;
-  const StepKinds<kernels::AdamwStep> steps = step_kinds(a, count, kind);
+  const StepKinds<kernels::AdamwStep> k = step_kinds(a, count, kind);
   const Many& w = upload(t, count, &kind, s);
+  const auto* steps = place_steps(k, w, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   BT_LAUNCH(adamw_many_kernel, blocks, kThreads, 0, s)
@@ -723,8 +778,9 @@ void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const floa
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
   std::vector<int32_t> kind;
-  const StepKinds<kernels::LambStep> steps = step_kinds(a, count, kind);
+  const StepKinds<kernels::LambStep> k = step_kinds(a, count, kind);
   const Many& w = upload(t, count, &kind, s);
+  const auto* steps = place_steps(k, w, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   BT_LAUNCH(lamb_moments_many_kernel, blocks, kThreads, 0, s)
@@ -746,13 +802,24 @@ void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const floa
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
+void stage_update(const kernels::AdamwStep* a, const kernels::TensorSpan* t, int64_t count,
+                  void* stream) {
+  if (count > 0) stage_steps(a, t, count, as_stream(stream));
+}
+
+void stage_update(const kernels::LambStep* a, const kernels::TensorSpan* t, int64_t count,
+                  void* stream) {
+  if (count > 0) stage_steps(a, t, count, as_stream(stream));
+}
+
 void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float* m, const float* v,
                 const kernels::TensorSpan* t, int64_t count, const float* step, void* stream) {
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
   std::vector<int32_t> kind;
-  const StepKinds<kernels::LambStep> steps = step_kinds(a, count, kind);
+  const StepKinds<kernels::LambStep> k = step_kinds(a, count, kind);
   const Many& w = upload(t, count, &kind, s);
+  const auto* steps = place_steps(k, w, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   // (from pageable memory: the host may wait for the stream first)

@@ -66,7 +66,8 @@ int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors) {
   return tensors * (int64_t{sizeof(kernels::TensorSpan)} + int64_t{sizeof(int32_t)} +
                     int64_t{sizeof(float)} + int64_t{sizeof(int64_t)}) +
          int64_t{sizeof(int64_t)} +
-         chunks * (int64_t{sizeof(Chunk)} + 2 * int64_t{sizeof(double)}) + 5 * 256;  // alignment
+         chunks * (int64_t{sizeof(Chunk)} + 2 * int64_t{sizeof(double)}) + kStepArgsBytes +
+         6 * 256;  // alignment
 }
 
 namespace {

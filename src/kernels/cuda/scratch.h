@@ -56,8 +56,9 @@ struct Chunk {
   int64_t tensor, begin, n;  // values [begin, begin + n) of span `tensor`
 };
 // Bytes of the multi-tensor scratch for `tensors` spans over `parameters` values: the spans, the
-// chunks, a step kind (rows.cu: the steps themselves are the kernels' arguments), a first chunk
-// and a trust ratio per span, two partial sums per chunk.
+// chunks, a step kind, a first chunk and a trust ratio per span, two partial sums per chunk, and
+// the pass's steps themselves (rows.cu StepKinds: at most kStepArgsBytes).
+constexpr int64_t kStepArgsBytes = 512;
 int64_t multi_tensor_bytes(int64_t parameters, int64_t tensors);
 
 // The scratch the CUDA kernels use for a model's shapes.
