@@ -789,8 +789,11 @@ std::string Trainer::banner() const {
       s.m.dims().unpadded ? "skipped" : "computed",
       backend_of(cfg).graphs()
           ? str(", CUDA graphs ", model::graph_mode_name(cfg.graphs),
-                cfg.graphs == model::GraphMode::Off || s.m.unpadded() ? ""
-                                                                      : " (forward and backward)")
+                cfg.graphs == model::GraphMode::Off ? ""
+                : s.m.unpadded()
+                    ? (s.step->deferring() ? " (the update)" : " (none: padding skipped)")
+                    : (s.step->deferring() ? " (forward, backward and the update)"
+                                           : " (forward and backward)"))
                 .c_str()
           : "",
       (unsigned long long)cfg.seed);

@@ -35,7 +35,9 @@
 // the forward's blocks write QKV's kept bits (each its rows) and the context with its 16-bit
 // copy, so no rounding launch is left around attention.
 // Shared memory: static, at most 41 KiB a block (below the 48 KiB a static allocation may
-// take), 33 KiB at head size 64: six blocks (24 warps) a multiprocessor of an H100 or H200.
+// take), 33 KiB at head size 64; with nvcc's registers (sm_90, -Xptxas -v: 128 a thread forward,
+// 168 backward) four blocks forward and three backward fit a multiprocessor of an H100 or H200
+// (16 and 12 warps; the first version, a warp a block, had 5 and 10).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
@@ -258,15 +260,17 @@ __device__ void write_block(float* dst, int64_t ld, int64_t first, int64_t L, co
 // ---- forward
 
 // The forward's shared memory: the block's Q rows while they are staged; then the key tile's K
-// and V [keys, HD] and each warp's scores [16, keys] (row stride ld floats: 4 more than the
-// keys, so the lanes of a row pair read different banks), whose rows then hold the dropped
+// and V [keys, HD] and each warp's scores [16, keys] (row stride ld floats, 4 more than the
+// keys: the 16 rows a warp's lanes read at once fall on 16 banks, two rows a bank, where a
+// stride of the keys would put them all on one), whose rows then hold the dropped
 // probabilities as operands in their first half (row stride 2 ld elements); at the end the
 // context [64, HD] fp32.
 template <int HD>
 struct ForwardShared {
   static constexpr int kKeys = HD <= 64 ? 64 : 32, kLd = kKeys + 4;
   static constexpr int64_t kKv = 2 * int64_t{kKeys} * HD * 2, kScores = kWarps * 16 * kLd * 4;
-  static constexpr int64_t kBytes = kKv + kScores > kRows* HD * 4 ? kKv + kScores : kRows* HD * 4;
+  static constexpr int64_t kOut = int64_t{kRows} * HD * 4;
+  static constexpr int64_t kBytes = kKv + kScores > kOut ? kKv + kScores : kOut;
 };
 
 template <class X, int NT>
