@@ -406,9 +406,9 @@ void add_bench(CLI::App& app) {
             *r.launches, *r.host_syncs * o->steps, o->steps, *r.host_syncs);
         if (r.graph_launches > 0)
           std::printf(
-              "  graphs     %.0f of them in %.0f CUDA graph launches a step (forward, backward "
-              "and the optimizer's update: --cuda-graphs): the host issues %.0f launches a "
-              "step\n",
+              "  graphs     %.0f of them in %.0f CUDA graph launches a step (--cuda-graphs: the "
+              "optimizer's update, and forward and backward where the batch is padded): the host "
+              "issues %.0f launches a step\n",
               r.graph_kernels, r.graph_launches, *r.launches - r.graph_kernels + r.graph_launches);
       }
       if (r.non_gemm_bytes) {
