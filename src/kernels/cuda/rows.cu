@@ -427,14 +427,16 @@ void send_tables(char* device, const std::vector<char>& host, cudaStream_t s) {
   send(device, host.data(), host.size(), s);
 }
 
-// Each span's step kind (kind[i] into the returned kinds), as exact bits: an optimizer's steps
-// differ in weight decay only.
+// Each span's step kind (kind[i] into the returned kinds), as exact bits of every field a kernel
+// reads (a gated step's bias corrections come from the learning rate: types.h gated): an
+// optimizer's steps differ in weight decay only. (place_steps compares a step's with the last
+// step's the same way.)
 template <class StepArgs>
 bool same_step(const StepArgs& a, const StepArgs& b);
 template <>
 bool same_step(const kernels::AdamwStep& a, const kernels::AdamwStep& b) {
-  const float x[] = {a.gscale, a.beta1, a.beta2, a.step_size, a.sqrt_bc2, a.eps, a.decay};
-  const float y[] = {b.gscale, b.beta1, b.beta2, b.step_size, b.sqrt_bc2, b.eps, b.decay};
+  const float x[] = {a.gscale, a.beta1, a.beta2, a.step_size, a.sqrt_bc2, a.eps, a.decay, a.lr};
+  const float y[] = {b.gscale, b.beta1, b.beta2, b.step_size, b.sqrt_bc2, b.eps, b.decay, b.lr};
   return std::memcmp(x, y, sizeof x) == 0 && a.f16_copy == b.f16_copy;
 }
 template <>
