@@ -105,8 +105,7 @@ void Optimizer::apply(float* params, const float* grads, float lr, float inv_sca
                       const StepResult& r, kernels::WeightCopy copy,
                       const SumOverRanks& sum_over_ranks) {
   // (kernels::gradient_gate's factor: the same float from the same doubles)
-  update(params, grads, lr, static_cast<float>(inv_scale * r.clip_coef), nullptr, copy,
-         sum_over_ranks);
+  update(params, grads, lr, static_cast<float>(inv_scale * r.clip_coef), copy, sum_over_ranks);
 }
 
 void Optimizer::write_gate(const kernels::GradientGate& g) {
@@ -182,17 +181,17 @@ void Optimizer::fill_steps(float lr, float gscale, kernels::WeightCopy copy) {
 }
 
 void Optimizer::update(float* params, const float* grads, float lr, float gscale,
-                       const kernels::GradientGate* gate, kernels::WeightCopy copy,
-                       const SumOverRanks& sum_over_ranks) {
+                       kernels::WeightCopy copy, const SumOverRanks& sum_over_ranks) {
   ++steps_;
   fill_steps(lr, gscale, copy);
   if (cfg_.kind == OptimizerKind::AdamW) {
     be_->adamw_update(adamw_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count(),
-                      gate);
+                      nullptr);
     return;
   }
   if (!sharded()) {
-    be_->lamb_update(lamb_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count(), gate);
+    be_->lamb_update(lamb_.data(), params, copy.bits, grads, m_, v_, spans_.data(), count(),
+                     nullptr);
     return;
   }
   // A tensor may be split between ranks: its trust ratio needs the norms of all its parts.

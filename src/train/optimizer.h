@@ -131,9 +131,8 @@ class Optimizer {
     int64_t slice, offset, numel;
   };
   std::vector<Piece> pieces() const;
-  // The update of apply() with gradient factor gscale, or with the gate's (gated_step).
-  void update(float* params, const float* grads, float lr, float gscale,
-              const kernels::GradientGate* gate, kernels::WeightCopy copy,
+  // The update of apply() with gradient factor gscale (gated_step issues its own).
+  void update(float* params, const float* grads, float lr, float gscale, kernels::WeightCopy copy,
               const SumOverRanks& sum_over_ranks);
   // The step's per-tensor arguments (adamw_ or lamb_) for update steps_.
   void fill_steps(float lr, float gscale, kernels::WeightCopy copy);
