@@ -568,12 +568,20 @@ const StepKinds<StepArgs>* place_steps(const StepKinds<StepArgs>& k, const Many&
   return static_cast<const StepKinds<StepArgs>*>(w.steps);
 }
 
-// A pass's tables and steps on the device, as the pass would put them there (stage_update).
+// A pass's tables and steps on the device (what every pass with steps and stage_update do first):
+// the tables and where the kernels read the steps.
 template <class StepArgs>
-void stage_steps(const StepArgs* a, const kernels::TensorSpan* t, int64_t count, cudaStream_t s) {
+struct Staged {
+  const Many& w;
+  const StepKinds<StepArgs>* steps;
+};
+template <class StepArgs>
+Staged<StepArgs> stage_steps(const StepArgs* a, const kernels::TensorSpan* t, int64_t count,
+                             cudaStream_t s) {
   std::vector<int32_t> kind;
-  const StepKinds<StepArgs> steps = step_kinds(a, count, kind);
-  place_steps(steps, upload(t, count, &kind, s), s);
+  const StepKinds<StepArgs> k = step_kinds(a, count, kind);
+  const Many& w = upload(t, count, &kind, s);
+  return {w, place_steps(k, w, s)};
 }
 
 // The reductions' partial sums.
@@ -763,10 +771,7 @@ void adamw_update(const kernels::AdamwStep* a, float* p, uint16_t* p16, const fl
                   const kernels::GradientGate* gate, void* stream) {
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
-  std::vector<int32_t> kind;
-  const StepKinds<kernels::AdamwStep> k = step_kinds(a, count, kind);
-  const Many& w = upload(t, count, &kind, s);
-  const auto* steps = place_steps(k, w, s);
+  const auto [w, steps] = stage_steps(a, t, count, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   BT_LAUNCH(adamw_many_kernel, blocks, kThreads, 0, s)
@@ -779,10 +784,7 @@ void lamb_update(const kernels::LambStep* a, float* p, uint16_t* p16, const floa
                  bool apply, const kernels::GradientGate* gate, void* stream) {
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
-  std::vector<int32_t> kind;
-  const StepKinds<kernels::LambStep> k = step_kinds(a, count, kind);
-  const Many& w = upload(t, count, &kind, s);
-  const auto* steps = place_steps(k, w, s);
+  const auto [w, steps] = stage_steps(a, t, count, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   BT_LAUNCH(lamb_moments_many_kernel, blocks, kThreads, 0, s)
@@ -818,10 +820,7 @@ void lamb_apply(const kernels::LambStep* a, float* p, uint16_t* p16, const float
                 const kernels::TensorSpan* t, int64_t count, const float* step, void* stream) {
   if (count == 0) return;
   const cudaStream_t s = as_stream(stream);
-  std::vector<int32_t> kind;
-  const StepKinds<kernels::LambStep> k = step_kinds(a, count, kind);
-  const Many& w = upload(t, count, &kind, s);
-  const auto* steps = place_steps(k, w, s);
+  const auto [w, steps] = stage_steps(a, t, count, s);
   const auto blocks = static_cast<unsigned>(w.host_chunks.size());
   if (blocks == 0) return;
   // (from pageable memory: the host may wait for the stream first)
