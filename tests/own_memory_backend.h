@@ -522,15 +522,18 @@ class OwnMemoryBackend final : public Backend {
     cpu().layernorm_dropout_backward(p, dinp, ddropped, dgamma, dbeta, dbias, dout, in, gamma, mean,
                                      rstd, N, C, acc, d);
   }
-  void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
+  void dropout_forward(float* x, int64_t N, int64_t C, const Dropout& d) const override {
     const Open open(*this);
     own(x, "dropout x");
-    cpu().dropout_forward(x, n, d);
+    own(d.rows, "dropout rows");
+    cpu().dropout_forward(x, N, C, d);
   }
-  void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const override {
+  void dropout_backward(float* dx, const float* dy, int64_t N, int64_t C,
+                        const Dropout& d) const override {
     const Open open(*this);
     own(dx, "dropout dx");
-    cpu().dropout_backward(dx, dy, n, d);
+    own(d.rows, "dropout rows");
+    cpu().dropout_backward(dx, dy, N, C, d);
   }
   void add_inplace(float* out, const float* a, int64_t n) const override {
     const Open open(*this);

@@ -407,7 +407,8 @@ void add_bench(CLI::App& app) {
         if (r.graph_launches > 0)
           std::printf(
               "  graphs     %.0f of them in %.0f CUDA graph launches a step (--cuda-graphs: the "
-              "optimizer's update, and forward and backward where the batch is padded): the host "
+              "optimizer's update, and forward and backward where the batch is padded or the "
+              "attention fused): the host "
               "issues %.0f launches a step\n",
               r.graph_kernels, r.graph_launches, *r.launches - r.graph_kernels + r.graph_launches);
       }

@@ -70,10 +70,12 @@ void add_graphs_option(CLI::App* c, std::string& graphs) {
                 "On a GPU, each step's forward, backward and optimizer update launched as CUDA "
                 "graphs, captured at the first steps (one a kind and input slot) and replayed: "
                 "three launches for what are hundreds, the step's dropout keys, loss divisor and "
-                "learning rate read by the kernels. Forward and backward for padded pretraining "
-                "batches (--padding compute: a GPU's auto with the full attention), kernel by "
-                "kernel elsewhere; the update for every model. auto: on, and back to kernel by "
-                "kernel with a note should a capture fail; on: a failed capture is an error; off")
+                "learning rate read by the kernels. Forward and backward for pretraining: "
+                "padded batches, and with the padding skipped or packed where the attention runs "
+                "fused (--attention blocked in bf16 or fp16; the rows rounded up to one of 64 "
+                "buckets of the planned rows, a graph each), kernel by kernel elsewhere; the "
+                "update for every model. auto: on, and back to kernel by kernel with a note "
+                "should a capture fail; on: a failed capture is an error; off")
       ->capture_default_str();
 }
 

@@ -346,8 +346,12 @@ class Backend : public Target {
                                           bool accumulate_dinp, const Dropout& d) const = 0;
 
   // -- elementwise --
-  virtual void dropout_forward(float* x, int64_t n, const Dropout& d) const = 0;
-  virtual void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const = 0;
+  // x = dropout(x) in place, dx = dropout(dy) with its mask (dx may alias dy): N rows of C
+  // values, element (r, c) keyed at d.offset + R C + c, R = d.rows[r] where a row map is given
+  // (an unpadded model's rows drawing as their padded rows: one call for every sequence), else r.
+  virtual void dropout_forward(float* x, int64_t N, int64_t C, const Dropout& d) const = 0;
+  virtual void dropout_backward(float* dx, const float* dy, int64_t N, int64_t C,
+                                const Dropout& d) const = 0;
   virtual void add_inplace(float* out, const float* a, int64_t n) const = 0;
   virtual void copy(float* dst, const float* src, int64_t n) const = 0;
 

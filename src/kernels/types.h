@@ -23,7 +23,9 @@ struct AttentionShape {
   // Variable lengths (a backend whose fused_attention says so): sequence b is rows
   // [starts[b], starts[b + 1]) of the QKV and context rows (backend memory, B + 1 values, each
   // length at most T; its mask row and dropout those of its rows), `rows` rows in all; its row
-  // log-sum-exp from NH starts[b] on. Null: sequence b is rows [b T, b T + T).
+  // log-sum-exp from NH starts[b] on. The rows past the sequences, [starts[B], rows), are
+  // written zero (the context forward, dQKV backward, with their 16-bit copies): whatever the
+  // batch's lengths, the call's launches are the same. Null: sequence b is rows [b T, b T + T).
   const int32_t* starts = nullptr;
   int64_t rows = 0;
   // The dropout index of row i of (sequence, head) bh, before the column.

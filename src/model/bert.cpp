@@ -636,7 +636,8 @@ void BertModel::pack(const Batch& b, Packed& pk) const {
     fail("the batch's ", B, " sequences hold ", r, " real tokens, more than the ", budget,
          " planned (", dims_.pack_rows, " packed rows of ", dims_.seq_len,
          "); pack the batch with the same --batch-size and --seq-len as the model");
-  pk.rows = std::min(budget, (r + kRowQuantum - 1) / kRowQuantum * kRowQuantum);
+  const int64_t quantum = row_quantum();
+  pk.rows = std::min(budget, (r + quantum - 1) / quantum * quantum);
   pk.ids.assign(pk.rows, cfg_.pad_token_id);
   pk.segments.assign(pk.rows, 0);
   pk.positions.assign(pk.rows, 0);
@@ -688,29 +689,15 @@ void BertModel::pack(const Batch& b, Packed& pk) const {
     fail("the batch holds ", n, " weighted masked predictions, more than the ", most, " planned (",
          dims_.pack_rows, " packed rows x ", setting("max_predictions"), " ", dims_.max_predictions,
          ")");
-  if (n == 0) {
-    pk.mlm[n++] = 0;
+  // (graphed: every slot the batch's shape has room for, one shape, those past the predictions
+  // weight 0)
+  for (const int64_t rows = graph_shapes() ? std::min(most, B * P) : 1; n < rows; ++n) {
+    pk.mlm[n] = 0;
     pk.mlm_ids.push_back(0);
     pk.mlm_weights.push_back(0.0f);
   }
   pk.mlm.resize(n);
   pk.mlm_rows = n;
-}
-
-void BertModel::dropout_rows(bool backward, float* x, const float* dy, int64_t N,
-                             const Dropout& d) const {
-  const int64_t C = cfg_.hidden_size, T = cur_.packed.T;
-  auto run = [&](int64_t row, int64_t rows, uint64_t offset) {
-    Dropout at = d;
-    at.offset = offset;
-    if (backward)
-      be_.dropout_backward(x + row * C, dy + row * C, rows * C, at);
-    else
-      be_.dropout_forward(x + row * C, rows * C, at);
-  };
-  if (!unpadded()) return run(0, N, d.offset);
-  for (int64_t e = 0; e < cur_.packed.B; ++e)
-    run(cur_.packed.start(e), cur_.packed.len(e), d.offset + static_cast<uint64_t>(e * T * C));
 }
 
 int64_t BertModel::sequence_row(int64_t b, int64_t t) const {
@@ -725,7 +712,11 @@ void BertModel::packed_attention(int64_t l, bool forward, Kept dqkv, float* dbia
   const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
   const Dropout site = site_of(opt, step_args_, l + 1, kAttnProbs, p_attn);
   const LayerActs& a = act_.layers[l];
-  // One call for every sequence, each over its length, where the backend takes them.
+  // The dummy rows past the real tokens take no part in attention: their context is zero, not
+  // stale values (their kept bits +0 in bf16 and fp16), and no gradient reaches the QKV weights
+  // from them (dQKV zero there too).
+  // One call for every sequence, each over its length, where the backend takes them (the
+  // dummy rows zeroed by that call: AttentionShape::starts).
   const AttentionShape all{pk.B, T, C, NH, T, cur_.in.starts, pk.rows};
   if (dims_.fused_attention) {
     const Dropout& d = site;
@@ -757,6 +748,10 @@ void BertModel::packed_attention(int64_t l, bool forward, Kept dqkv, float* dbia
     else
       be_.attention_backward(prec_, dqkv.f32 + r0 * 3 * C, dctx + r0 * C, qkv, sv, mask, s, d, ws_);
   }
+  const int64_t width = forward ? C : 3 * C, dummies = (pk.rows - pk.real) * width;
+  const Kept out = forward ? a.ctx : dqkv;
+  be_.zero(out.f32 + pk.real * width, static_cast<int64_t>(f32s(dummies)));
+  if (out.bits) be_.zero(out.bits + pk.real * width, dummies * int64_t{sizeof(uint16_t)});
   if (forward) return;
   // The runs' rows at once (a pass each, not one a run): the bias gradient and the 16-bit copy.
   be_.rounded_column_sums(prec_, dbias, dqkv, pk.real, 3 * C);
@@ -911,11 +906,6 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
                        3 * C, C, ws_);
   if (up) {
     packed_attention(l, true, Kept{}, nullptr, nullptr, opt);
-    // The dummy rows past the real tokens take no part in attention: zeros, not stale values
-    // (and their kept bits: +0 in bf16 and fp16).
-    const int64_t real = cur_.packed.real, dummy = (N - real) * C;
-    be_.zero(a.ctx.f32 + real * C, static_cast<int64_t>(f32s(dummy)));
-    if (a.ctx.bits) be_.zero(a.ctx.bits + real * C, dummy * int64_t{sizeof(uint16_t)});
   } else {
     be_.attention_forward(prec_, a.ctx, a.saved, qkv, cur_.in.mask, {B, T, C, NH},
                           site(kAttnProbs, p_attn), ws_);
@@ -1040,10 +1030,6 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   // dQKV with QKV's bias gradient and its 16-bit copy (the fused kernel's own, on a GPU)
   if (p.up) {
     packed_attention(l, false, dI16, G(o.qkv_b), dA, p.opt);
-    // The dummy rows: no gradient reaches the QKV weights from them.
-    const int64_t dummies = (N - cur_.packed.real) * 3 * C, first = cur_.packed.real * 3 * C;
-    be_.zero(dI + first, static_cast<int64_t>(f32s(dummies)));
-    if (dI16.bits) be_.zero(dI16.bits + first, dummies * int64_t{sizeof(uint16_t)});
   } else {
     be_.attention_bias_backward(prec_, dI16, G(o.qkv_b), dctx, a.qkv, a.saved, cur_.in.mask,
                                 {p.B, p.T, C, NH}, p.site(l + 1, kAttnProbs, p_attn), ws_);
@@ -1056,7 +1042,7 @@ void BertModel::embeddings_backward(const Pass& p, float* dh) {
   const ParamTable& t = table_;
   const int64_t word = t.embeddings().word, C = p.C;
   float* dA = act_.dA;
-  dropout_rows(true, dh, dh, p.N, p.site(0, kEmbedding, p.p_hidden));
+  be_.dropout_backward(dh, dh, p.N, C, on_rows(p.site(0, kEmbedding, p.p_hidden)));
   be_.layernorm_backward(dA, G(t.embeddings().ln_w), G(t.embeddings().ln_b), dh, act_.emb_sum,
                          W(t.embeddings().ln_w), act_.emb_mean, act_.emb_rstd, p.N, C);
   // HF's padding_idx: the [PAD] row gets no gradient from the embedding lookup (only the question
@@ -1112,18 +1098,40 @@ const char* graph_mode_name(GraphMode m) {
   return m == GraphMode::Off ? "off" : m == GraphMode::Auto ? "auto" : "on";
 }
 
+int64_t BertModel::row_quantum() const {
+  if (!graph_shapes()) return kRowQuantum;
+  // (a bucket of the planned rows, one graph each, rather than every 64 rows)
+  const int64_t planned = dims_.token_rows() * dims_.seq_len;
+  return std::max(kRowQuantum,
+                  (planned / kGraphRowBuckets + kRowQuantum - 1) / kRowQuantum * kRowQuantum);
+}
+
+bool BertModel::graph_shapes() const {
+  // (unpadded: the blocked attention's runs of equal lengths change the launches from batch to
+  // batch, the fused kernel's one launch does not; the other heads' loss divisors are the host's)
+  return be_.graphs() && head_ == Head::Pretraining && (!unpadded() || dims_.fused_attention);
+}
+
 bool BertModel::graphed(const Batch& /*b: its shape keys the graph*/,
                         const StepOptions& opt) const {
-  // (padded rows: an unpadded batch's runs and rows change the launches from batch to batch;
-  // the other heads' loss divisors are the host's)
-  return graphs_ != GraphMode::Off && be_.graphs() && !unpadded() && head_ == Head::Pretraining &&
-         opt.device_sums;
+  return graphs_ != GraphMode::Off && graph_shapes() && opt.device_sums;
 }
 
 BertModel::GraphKey BertModel::graph_key(bool forward, const StepOptions& opt,
                                          kernels::Multiplier scale) const {
   const Packed& pk = cur_.packed;
-  return {forward, slot_, pk.B, pk.T, pk.P, opt.training, scale.by, scale.times, mlm_grad_ready_};
+  const bool up = unpadded();
+  return {forward,
+          slot_,
+          pk.B,
+          pk.T,
+          pk.P,
+          up ? pk.rows : 0,
+          up ? pk.mlm_rows : 0,
+          opt.training,
+          scale.by,
+          scale.times,
+          mlm_grad_ready_};
 }
 
 void BertModel::run_graph(const GraphKey& key, const std::function<void()>& issue) {
@@ -1170,7 +1178,7 @@ void BertModel::token_classifier_forward(const Pass& p, const Batch& b, const fl
                                          Losses& out) {
   const int64_t N = p.N, C = p.C, NL = cfg_.num_labels;
   be_.copy(act_.tok_drop, x, N * C);
-  dropout_rows(false, act_.tok_drop, nullptr, N, p.site(p.L + 1, kTokens, p.p_hidden));
+  be_.dropout_forward(act_.tok_drop, N, C, on_rows(p.site(p.L + 1, kTokens, p.p_hidden)));
   be_.linear_forward(prec_, act_.tok_logits, {act_.tok_drop}, Wt(table_.heads().classifier_w),
                      W(table_.heads().classifier_b), N, NL, C, ws_);
   double scored = 0;
@@ -1194,7 +1202,7 @@ void BertModel::token_classifier_backward(const Pass& p, const Batch& b,
                     scored > 0 ? loss_scale.over(scored) : kernels::Multiplier(0.0f));
   linear_backward(dh, table_.heads().classifier_w, table_.heads().classifier_b, dlog,
                   {act_.tok_drop}, N, NL, p.C);
-  dropout_rows(true, dh, dh, N, p.site(p.L + 1, kTokens, p.p_hidden));
+  be_.dropout_backward(dh, dh, N, p.C, on_rows(p.site(p.L + 1, kTokens, p.p_hidden)));
 }
 
 // HF's BertForQuestionAnswering: qa_outputs on every token's final hidden state, no dropout.
@@ -1326,7 +1334,7 @@ void BertModel::pretraining_backward(const Pass& p, const Batch& b, kernels::Mul
 void BertModel::classifier_forward(const Pass& p, Losses& out) {
   const int64_t B = p.B, C = p.C, NL = cfg_.num_labels;
   be_.copy(act_.pooled_drop, act_.pooled, B * C);
-  be_.dropout_forward(act_.pooled_drop, B * C, p.site(p.L + 1, kPooler, p.p_hidden));
+  be_.dropout_forward(act_.pooled_drop, B, C, p.site(p.L + 1, kPooler, p.p_hidden));
   be_.linear_forward(prec_, act_.cls_logits, {act_.pooled_drop}, Wt(table_.heads().classifier_w),
                      W(table_.heads().classifier_b), B, NL, C, ws_);
   if (NL == 1) {  // regression (HF's rule for one label): mean squared error
@@ -1351,7 +1359,7 @@ void BertModel::classifier_backward(const Pass& p, kernels::Multiplier loss_scal
                       loss_scale.over(static_cast<double>(B)));
   linear_backward(dpooled, table_.heads().classifier_w, table_.heads().classifier_b, dlog,
                   {act_.pooled_drop}, B, NL, C);
-  be_.dropout_backward(dpooled, dpooled, B * C, p.site(p.L + 1, kPooler, p.p_hidden));
+  be_.dropout_backward(dpooled, dpooled, B, C, p.site(p.L + 1, kPooler, p.p_hidden));
 }
 
 double BertModel::last_step_flops() const {

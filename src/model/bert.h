@@ -266,14 +266,31 @@ class BertModel {
   // kept on the device), which the heads' kernels read where they run.
   void backward(const Batch& b, const StepOptions& opt, kernels::Multiplier loss_scale = 1.0f,
                 const std::function<void(int64_t)>& layer_done = {});
-  // CUDA graphs (Backend::graphs): with them on, forward and backward of a padded pretraining
-  // batch each run as a graph, one a kind, input slot and shape, captured at its first use and
+  // CUDA graphs (Backend::graphs): with them on, forward and backward of a pretraining batch
+  // each run as a graph, one a kind, input slot and shape, captured at its first use and
   // launched from then on (the host issues one launch instead of hundreds). What changes from
   // step to step the kernels read where they run: the dropout keys and offsets and the MLM
   // loss's divisor from the step's arguments (sent before each forward), the embedding
-  // gradient's groups from the batch's input slot. graphed(b, opt): whether they run so.
+  // gradient's groups and an unpadded batch's sequence offsets from the batch's input slot.
+  // Padded batches; unpadded and packed ones where the attention runs fused (one launch for any
+  // lengths), their rows rounded up to a bucket (kGraphRowBuckets of the planned rows) and the
+  // MLM head run on all its planned rows: a shape a graph. graphed(b, opt): whether they run so.
   void set_graphs(GraphMode m) { graphs_ = m; }
   bool graphed(const Batch& b, const StepOptions& opt) const;
+  // Whether forward and backward can run as graphs on this backend and head (graphed: with
+  // graphs on and the losses' sums on the device too): then an unpadded batch's shapes are a
+  // graph's (pack), graphs on or off, so that both run the same products.
+  bool graph_shapes() const;
+  // What an unpadded batch's rows are rounded up to: 64, or with graph_shapes a bucket of the
+  // planned rows (kGraphRowBuckets).
+  int64_t row_quantum() const;
+  // Graphs captured so far (one each kind, input slot, shape and loss scale; again where one
+  // kept longest unused made room).
+  int64_t graph_captures() const { return graph_of_.captures(); }
+  // Unpadded batches' row counts a graphed model rounds to: the planned rows in this many
+  // buckets at most (each a multiple of 64 rows; kept graphs: kKeptGraphs).
+  static constexpr int64_t kGraphRowBuckets = 64;
+  static constexpr size_t kKeptGraphs = 64;
   // Gradient offsets [begin, end) of encoder layer l: final once backward reports layer l done
   // (layers are contiguous in the flat buffer). Everything else is final when backward returns.
   std::pair<int64_t, int64_t> layer_range(int64_t l) const;
@@ -404,11 +421,8 @@ class BertModel {
     return unpadded() ? cur_.packed.token_weights.data() : b.token_label_weights.data();
   }
   void pack(const Batch& b, Packed& pk) const;
-  // Dropout of the N rows of x (forward: in place) or its backward (dx from dy) at site d:
-  // unpadded, one call per sequence at its padded rows' offset (its rows are their prefix).
-  void dropout_rows(bool backward, float* x, const float* dy, int64_t N,
-                    const kernels::Dropout& d) const;
-  // A row kernel's dropout site, keyed by the padded rows when running unpadded.
+  // A dropout site drawn by rows (the row kernels', Backend::dropout_forward's), keyed by the
+  // padded rows when running unpadded.
   kernels::Dropout on_rows(kernels::Dropout d) const {
     if (unpadded()) d.rows = cur_.in.padded_row;
     return d;
@@ -429,19 +443,21 @@ class BertModel {
   // the MLM loss's divisor and gradient scale, sent to the backend's memory.
   void send_step_args(const Pass& p, const Batch& b);
   // What a graph's launch arguments hold besides the model's own memory: forward or backward,
-  // the input slot, the shapes, dropout on or off, the loss scale (its value, or where the device
-  // keeps it), whether forward left the MLM gradient.
+  // the input slot, the shapes (an unpadded batch's rows and MLM rows too), dropout on or off,
+  // the loss scale (its value, or where the device keeps it), whether forward left the MLM
+  // gradient.
   struct GraphKey {
     bool forward;
     int slot;
-    int64_t B, T, P;
+    int64_t B, T, P, rows, mlm_rows;
     bool training;
     float scale;
     const float* scale_at;
     bool ready;
     bool operator<(const GraphKey& o) const {
-      return std::tie(forward, slot, B, T, P, training, scale, scale_at, ready) <
-             std::tie(o.forward, o.slot, o.B, o.T, o.P, o.training, o.scale, o.scale_at, o.ready);
+      return std::tie(forward, slot, B, T, P, rows, mlm_rows, training, scale, scale_at, ready) <
+             std::tie(o.forward, o.slot, o.B, o.T, o.P, o.rows, o.mlm_rows, o.training, o.scale,
+                      o.scale_at, o.ready);
     }
   };
   GraphKey graph_key(bool forward, const StepOptions& opt, kernels::Multiplier scale) const;
@@ -528,7 +544,7 @@ class BertModel {
   double mlm_weight_ = 0;
   // The graphs (set_graphs) by kind, input slot and shape, and whether one is being captured.
   GraphMode graphs_ = GraphMode::Off;
-  GraphCache<GraphKey> graph_of_;
+  GraphCache<GraphKey> graph_of_{kKeptGraphs};
 };
 
 }  // namespace bertrain::model

@@ -5,6 +5,7 @@
 // stage_update); a graph replays its launches with the arguments they were captured with.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -25,13 +26,13 @@ const char* graph_mode_name(GraphMode m);
 
 // Graphs by key (Key: ordered by operator<; what a graph's launches hold besides the memory they
 // point at). run() launches the key's graph, captured first from what issue() issues where the
-// key is new. At most kGraphs are kept: past that the device runs the launches already issued
-// and the graphs are made again as they come up (a loss scale the host keeps keys graphs of its
-// own each value: a long fp16 run meets a few dozen).
+// key is new. At most `most` are kept: past that the device runs the launches already issued and
+// the graph used longest ago goes (a loss scale the host keeps keys graphs of its own each
+// value: a long fp16 run meets a few dozen; an unpadded batch's rows key one each bucket).
 template <class Key>
 class GraphCache {
  public:
-  static constexpr size_t kGraphs = 16;
+  explicit GraphCache(size_t most = 16) : most_(most) {}
   // Whether run() is capturing now (code that issues for any batch of a shape asks).
   bool capturing() const { return capturing_; }
   // `mode` auto: a capture that fails prints a note naming `what` and sets `mode` off, nothing
@@ -64,18 +65,33 @@ class GraphCache {
         graphs_.clear();
         return issue();
       }
-      if (graphs_.size() >= kGraphs) {
+      if (graphs_.size() >= most_) {
         be.synchronize();
-        graphs_.clear();
+        auto oldest = graphs_.begin();
+        for (auto o = graphs_.begin(); o != graphs_.end(); ++o)
+          if (o->second.used < oldest->second.used) oldest = o;
+        graphs_.erase(oldest);
       }
-      it = graphs_.emplace(key, std::move(g)).first;
+      it = graphs_.emplace(key, Kept{std::move(g), 0}).first;
+      ++captures_;
     }
-    be.launch_graph(it->second);
+    it->second.used = ++uses_;
+    be.launch_graph(it->second.graph);
   }
   void clear() { graphs_.clear(); }
+  // Graphs captured so far (evicted ones captured again counted again), and kept now.
+  int64_t captures() const { return captures_; }
+  size_t size() const { return graphs_.size(); }
 
  private:
-  std::map<Key, std::shared_ptr<void>> graphs_;
+  struct Kept {
+    std::shared_ptr<void> graph;
+    uint64_t used;  // (the uses_ count at its last launch)
+  };
+  std::map<Key, Kept> graphs_;
+  size_t most_;
+  uint64_t uses_ = 0;
+  int64_t captures_ = 0;
   bool capturing_ = false;
 };
 

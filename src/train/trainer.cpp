@@ -790,8 +790,11 @@ std::string Trainer::banner() const {
       backend_of(cfg).graphs()
           ? str(", CUDA graphs ", model::graph_mode_name(cfg.graphs),
                 cfg.graphs == model::GraphMode::Off ? ""
-                : s.m.unpadded()
-                    ? (s.step->deferring() ? " (the update)" : " (none: padding skipped)")
+                : !s.m.graph_shapes()
+                    ? (s.step->deferring()
+                           ? " (the update; not forward and backward: the padding skipped "
+                             "without the fused attention)"
+                           : " (none: the padding skipped without the fused attention)")
                     : (s.step->deferring() ? " (forward, backward and the update)"
                                            : " (forward and backward)"))
                 .c_str()
@@ -1044,7 +1047,8 @@ std::string Trainer::summary() const {
                 t.real_tokens / std::max(t.total, 1e-9),
                 100.0 * (1.0 - t.real_tokens / std::max(t.token_slots, 1.0)),
                 100.0 * (1.0 - t.real_tokens / std::max(t.computed_tokens, 1.0)),
-                s.m.unpadded() ? "unpadded: rows rounded up to 64" : "padded to --seq-len");
+                s.m.unpadded() ? str("unpadded: rows rounded up to ", s.m.row_quantum()).c_str()
+                               : "padded to --seq-len");
   out += line;
   if (cfg.input.pack_per_row > 0) {
     std::snprintf(line, sizeof line,

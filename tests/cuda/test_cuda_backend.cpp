@@ -605,7 +605,9 @@ TEST(CudaBackend, FusedAttentionTakesVariableLengthsInOneCall) {
   const int64_t B = static_cast<int64_t>(len.size());
   std::vector<int32_t> starts_h = {0};
   for (int64_t l : len) starts_h.push_back(starts_h.back() + static_cast<int32_t>(l));
-  const int64_t rows = starts_h.back() + 6;  // (rows past the last sequence: untouched)
+  // (rows past the last sequence: zero in the one call's context and dQKV with their copies,
+  // AttentionShape::starts; untouched by the calls a sequence)
+  const int64_t real = starts_h.back(), rows = real + 70;
   std::vector<int32_t> mask_h(rows, 1);
   mask_h[starts_h[2] + 5] = 0;
   const kernels::Dropout d{0.1f, 5, 11, nullptr};
@@ -616,12 +618,13 @@ TEST(CudaBackend, FusedAttentionTakesVariableLengthsInOneCall) {
     Twin<int32_t> mask(mask_h), starts(starts_h);
     struct Out {
       std::vector<float> ctx, dqkv, lse;
+      std::vector<uint16_t> ctx16;
     };
     auto run = [&](bool one_call) {
       Twin<float> qkv(random_vector(rows * 3 * C, 1)), ctx(random_vector(rows * C, 3)),
           dctx(random_vector(rows * C, 2)), dqkv(random_vector(rows * 3 * C, 4)),
           lse(random_vector(rows * NH, 5));
-      Twin<uint16_t> qkv16(rows * 3 * C), ctx16(rows * C);
+      Twin<uint16_t> qkv16(rows * 3 * C), ctx16(std::vector<uint16_t>(rows * C, 0x3c00));
       const kernels::Workspace ws;
       auto call = [&](int64_t first, int64_t count, int64_t L, const int32_t* st) {
         const int64_t r0 = starts_h[first];
@@ -643,9 +646,21 @@ TEST(CudaBackend, FusedAttentionTakesVariableLengthsInOneCall) {
         for (int64_t b = 0; b < B; ++b) call(b, 1, len[b], nullptr);
       }
       cuda::synchronize();
-      return Out{ctx.back(), dqkv.back(), lse.back()};
+      return Out{ctx.back(), dqkv.back(), lse.back(), ctx16.back()};
     };
-    const Out one = run(true), each = run(false);
+    const Out one = run(true);
+    Out each = run(false);
+    auto zero_tail = [&](auto& v, int64_t width, auto& tail) {
+      tail.assign(v.begin() + real * width, v.end());
+      std::fill(v.begin() + real * width, v.end(), 0);
+    };
+    std::vector<float> tail;
+    std::vector<uint16_t> tail16;
+    zero_tail(each.ctx, C, tail);
+    EXPECT_NE(tail, std::vector<float>(tail.size(), 0.0f)) << "(stale values to zero)";
+    zero_tail(each.dqkv, 3 * C, tail);
+    zero_tail(each.ctx16, C, tail16);
+    EXPECT_EQ(one.ctx16, each.ctx16);
     EXPECT_EQ(one.ctx, each.ctx);
     EXPECT_EQ(one.dqkv, each.dqkv);
     EXPECT_EQ(one.lse, each.lse);
@@ -767,7 +782,7 @@ TEST(CudaBackend, ElementwiseAndRowOpsMatchCpu) {
     be->gather_rows(P(rows), P(seq), P(pos), B, Pn, T, C);
     be->scatter_add_rows(P(dseq), P(drows), P(pos), B, Pn, T, C);
     sq[g] = be->squared_error(P(dpred), P(pred), P(target), 50, 0.5f);
-    be->dropout_backward(P(x), P(x), n, kernels::Dropout{0.1f, 3, 4, nullptr});
+    be->dropout_backward(P(x), P(x), n, 1, kernels::Dropout{0.1f, 3, 4, nullptr});
     be->add_inplace(P(x), P(y), n);
     be->scale_inplace(P(x), n, 0.25f);
     be->tanh_forward(P(y), P(x), n);
@@ -779,6 +794,35 @@ TEST(CudaBackend, ElementwiseAndRowOpsMatchCpu) {
   EXPECT_EQ(dpred.back(), dpred.h);
   EXPECT_EQ(x.back(), x.h);
   EXPECT_TRUE(all_close("tanh", y.back().data(), y.host(), n, 1e-6, 1e-7));
+}
+
+// Dropout with a row map (an unpadded model's rows drawing as their padded rows, one call for
+// every sequence): row r's mask is the flat mask's row rows[r], on both backends, bit for bit;
+// forward and backward the same mask.
+TEST(CudaBackend, DropoutDrawsMappedRowsAsTheirRows) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 6, C = 40;
+  Twin<int32_t> map(std::vector<int32_t>{3, 0, 7, 7, 1, 12});
+  const kernels::Dropout d{0.25f, 11, 96, map.dev()}, dh{0.25f, 11, 96, map.host()};
+  std::vector<float> dy = random_vector(N * C, 1), want(N * C);
+  for (int64_t r = 0; r < N; ++r) {  // the flat kernel at the mapped row's place
+    std::copy(dy.begin() + r * C, dy.begin() + (r + 1) * C, want.begin() + r * C);
+    kernels::dropout_backward(want.data() + r * C, want.data() + r * C, C,
+                              {0.25f, 11, 96 + static_cast<uint64_t>(map.h[r] * C)});
+  }
+  Twin<float> dx(N * C), dyt(dy), x(dy);
+  cpu().dropout_backward(dx.host(), dyt.host(), N, C, dh);
+  gpu().dropout_backward(dx.dev(), dyt.dev(), N, C, d);
+  cpu().dropout_forward(x.host(), N, C, dh);
+  gpu().dropout_forward(x.dev(), N, C, d);
+  cuda::synchronize();
+  EXPECT_EQ(dx.h, want);
+  EXPECT_EQ(dx.back(), want);
+  EXPECT_EQ(x.h, want);
+  EXPECT_EQ(x.back(), want);
+  int dropped = 0;
+  for (float v : want) dropped += v == 0.0f;
+  EXPECT_GT(dropped, 0);  // (the mask is not all ones)
 }
 
 // Embedding backward: the three tables' gradients, summed by the tokens grouped on the host

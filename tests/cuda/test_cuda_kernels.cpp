@@ -86,7 +86,7 @@ TEST(Cuda, ActivationsAndDropoutMatchCpu) {
   std::vector<float> ones(n, 1.0f);
   auto d = to_device(ones);
   kernels::dropout_forward(ones.data(), n, {0.1f, 1234, 77});
-  cuda::dropout_forward(d.f32(), n, {0.1f, 1234, 77});
+  cuda::dropout_forward(d.f32(), n, 1, {0.1f, 1234, 77});
   cuda::synchronize();
   EXPECT_EQ(to_host(d, n), ones);  // bit-identical masks on both backends
 }

@@ -197,11 +197,12 @@ class CpuBackend final : public Backend {
     rounded_column_sums(p, dbias, ddropped, N, C);
   }
 
-  void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
-    kernels::dropout_forward(x, n, d);
+  void dropout_forward(float* x, int64_t N, int64_t C, const Dropout& d) const override {
+    kernels::dropout_forward(x, N, C, d);
   }
-  void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const override {
-    kernels::dropout_backward(dx, dy, n, d);
+  void dropout_backward(float* dx, const float* dy, int64_t N, int64_t C,
+                        const Dropout& d) const override {
+    kernels::dropout_backward(dx, dy, N, C, d);
   }
   void add_inplace(float* out, const float* a, int64_t n) const override {
     kernels::add_inplace(out, a, n);

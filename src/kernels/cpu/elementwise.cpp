@@ -317,7 +317,7 @@ void add_inplace(float* out, const float* a, int64_t n) {
 }
 
 void dropout_forward(float* x, int64_t n, const Dropout& d) {
-  BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
+  BT_CHECK(!d.rows, "dropout_forward: a row map needs the row width (N rows of C)");
   const float p = d.p;
   const Dropout at = resolved(d);  // (the step's arguments' key and offset, where given)
   const uint64_t key = at.key, offset = at.offset;
@@ -329,7 +329,7 @@ void dropout_forward(float* x, int64_t n, const Dropout& d) {
 }
 
 void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) {
-  BT_CHECK(!d.rows, "dropout_backward: a row map is for the row kernels");
+  BT_CHECK(!d.rows, "dropout_backward: a row map needs the row width (N rows of C)");
   const float p = d.p;
   const Dropout at = resolved(d);  // (the step's arguments' key and offset, where given)
   const uint64_t key = at.key, offset = at.offset;
@@ -341,6 +341,48 @@ void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) {
   with_isa([&](auto tag) {
     parallel_chunks(n,
                     [&](int64_t b, int64_t e) { dropout_rows(tag, dx, dy, b, e, p, key, offset); });
+  });
+}
+
+namespace {
+// Rows of C values, row r drawing as row rows[r]: each a flat call of its own (in one thread;
+// the rows spread over the threads).
+template <class F>
+void each_mapped_row(int64_t N, int64_t C, const Dropout& d, F&& f) {
+  const Dropout at = resolved(d);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < N; ++r) {
+    Dropout row = at;
+    row.rows = nullptr;
+    row.offset = at.offset + static_cast<uint64_t>(at.rows[r]) * static_cast<uint64_t>(C);
+    f(r, row);
+  }
+}
+}  // namespace
+
+void dropout_forward(float* x, int64_t N, int64_t C, const Dropout& d) {
+  if (!d.rows || d.p <= 0.0f) {
+    Dropout flat = d;
+    flat.rows = nullptr;
+    return dropout_forward(x, N * C, flat);
+  }
+  each_mapped_row(N, C, d, [&](int64_t r, const Dropout& row) {
+    with_isa([&](auto tag) {
+      dropout_rows(tag, x + r * C, x + r * C, 0, C, row.p, row.key, row.offset);
+    });
+  });
+}
+
+void dropout_backward(float* dx, const float* dy, int64_t N, int64_t C, const Dropout& d) {
+  if (!d.rows || d.p <= 0.0f) {
+    Dropout flat = d;
+    flat.rows = nullptr;
+    return dropout_backward(dx, dy, N * C, flat);
+  }
+  each_mapped_row(N, C, d, [&](int64_t r, const Dropout& row) {
+    with_isa([&](auto tag) {
+      dropout_rows(tag, dx + r * C, dy + r * C, 0, C, row.p, row.key, row.offset);
+    });
   });
 }
 

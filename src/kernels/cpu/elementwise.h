@@ -54,6 +54,10 @@ void add_inplace(float* out, const float* a, int64_t n);
 void dropout_forward(float* x, int64_t n, const Dropout& d);
 // dx = dy * keep / (1 - d.p) with the same mask (dx may alias dy).
 void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d);
+// The same over N rows of C values with d.rows (may be null) mapping row r to the row it draws
+// as: element (r, c) keyed at d.offset + d.rows[r] C + c (Backend::dropout_forward's rows).
+void dropout_forward(float* x, int64_t N, int64_t C, const Dropout& d);
+void dropout_backward(float* dx, const float* dy, int64_t N, int64_t C, const Dropout& d);
 inline bool dropout_keep(float p, uint64_t key, uint64_t index);
 
 }  // namespace bertrain::kernels

@@ -512,13 +512,14 @@ class CudaBackend final : public kernels::Backend {
                                      rstd, N, C, accumulate_dinp, d);
   }
 
-  void dropout_forward(float* x, int64_t n, const Dropout& d) const override {
+  void dropout_forward(float* x, int64_t N, int64_t C, const Dropout& d) const override {
     const Op op("dropout_forward");
-    cuda::dropout_forward(x, n, d);
+    cuda::dropout_forward(x, N, C, d);
   }
-  void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) const override {
+  void dropout_backward(float* dx, const float* dy, int64_t N, int64_t C,
+                        const Dropout& d) const override {
     const Op op("dropout_backward");
-    cuda::dropout_backward(dx, dy, n, d);
+    cuda::dropout_backward(dx, dy, N, C, d);
   }
   void add_inplace(float* out, const float* a, int64_t n) const override {
     const Op op("add_inplace");

@@ -200,9 +200,11 @@ void activation_bias_backward(Precision p, kernels::Activation a, kernels::Kept 
                               void* stream = nullptr);
 void keep(Precision p, kernels::Kept x, int64_t n, void* stream = nullptr);
 
-// x = dropout(x), element i keyed at d.offset + i; dx = dropout(dy) with the same mask.
-void dropout_forward(float* x, int64_t n, const kernels::Dropout& d, void* stream = nullptr);
-void dropout_backward(float* dx, const float* dy, int64_t n, const kernels::Dropout& d,
+// x = dropout(x), dx = dropout(dy) with the same mask: N rows of C values, element (r, c) keyed
+// at d.offset + R C + c, R = d.rows[r] where a row map is given, else r.
+void dropout_forward(float* x, int64_t N, int64_t C, const kernels::Dropout& d,
+                     void* stream = nullptr);
+void dropout_backward(float* dx, const float* dy, int64_t N, int64_t C, const kernels::Dropout& d,
                       void* stream = nullptr);
 // x *= s (n values).
 void scale(float* x, int64_t n, kernels::Multiplier s, void* stream = nullptr);

@@ -51,12 +51,20 @@ __global__ void round_f16_kernel(uint16_t* dst, const float* src, int64_t n) {
   if (i < n) dst[i] = to_16(Precision::FP16, src[i]);
 }
 
+// Element i's dropout index: i, or its row's mapped row (rows: Dropout::rows) and column.
+__device__ inline uint64_t dropout_index(int64_t i, const int32_t* rows, int64_t C) {
+  if (!rows) return static_cast<uint64_t>(i);
+  return static_cast<uint64_t>(rows[i / C]) * static_cast<uint64_t>(C) +
+         static_cast<uint64_t>(i % C);
+}
+
 __global__ void dropout_kernel(float* x, int64_t n, float p, float scale, uint64_t key,
-                               uint64_t offset, const uint64_t* at) {
+                               uint64_t offset, const int32_t* rows, int64_t C,
+                               const uint64_t* at) {
   step_key(key, offset, at);
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  x[i] = rng_uniform(key, offset + i) >= p ? x[i] * scale : 0.0f;
+  x[i] = rng_uniform(key, offset + dropout_index(i, rows, C)) >= p ? x[i] * scale : 0.0f;
 }
 
 __device__ inline float widen_half(uint16_t b) {
@@ -67,12 +75,13 @@ __device__ inline uint16_t to_half(float x) {
 }
 
 __global__ void dropout_backward_kernel(float* dx, const float* dy, int64_t n, float p,
-                                        uint64_t key, uint64_t offset, const uint64_t* at) {
+                                        uint64_t key, uint64_t offset, const int32_t* rows,
+                                        int64_t C, const uint64_t* at) {
   step_key(key, offset, at);
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n)
-    dx[i] =
-        kernels::row_math::dropout(dy[i], p, kernels::row_math::keep_scale_of(p), key, offset + i);
+    dx[i] = kernels::row_math::dropout(dy[i], p, kernels::row_math::keep_scale_of(p), key,
+                                       offset + dropout_index(i, rows, C));
 }
 
 // FP16 storage: x rounded to fp16 in place, its bits kept.
@@ -143,22 +152,23 @@ void keep(Precision p, kernels::Kept x, int64_t n, void* stream) {
   if (p == Precision::FP16) BT_EACH_ON(stream, keep_f16_kernel, n, x.f32, x.bits, n);
 }
 
-void dropout_forward(float* x, int64_t n, const kernels::Dropout& d, void* stream) {
-  BT_CHECK(!d.rows, "dropout_forward: a row map is for the row kernels");
+void dropout_forward(float* x, int64_t N, int64_t C, const kernels::Dropout& d, void* stream) {
   if (d.p <= 0.0f) return;
-  BT_EACH_ON(stream, dropout_kernel, n, x, n, d.p, 1.0f / (1.0f - d.p), d.key, d.offset, d.at);
+  const int64_t n = N * C;
+  BT_EACH_ON(stream, dropout_kernel, n, x, n, d.p, 1.0f / (1.0f - d.p), d.key, d.offset, d.rows, C,
+             d.at);
 }
 
-void dropout_backward(float* dx, const float* dy, int64_t n, const kernels::Dropout& d,
+void dropout_backward(float* dx, const float* dy, int64_t N, int64_t C, const kernels::Dropout& d,
                       void* stream) {
-  BT_CHECK(!d.rows, "dropout_backward: a row map is for the row kernels");
+  const int64_t n = N * C;
   if (d.p <= 0.0f) {
     if (dx != dy && n > 0)
       BT_CUDA_CHECK(cudaMemcpyAsync(dx, dy, static_cast<size_t>(n) * sizeof(float),
                                     cudaMemcpyDeviceToDevice, as_stream(stream)));
     return;
   }
-  BT_EACH_ON(stream, dropout_backward_kernel, n, dx, dy, n, d.p, d.key, d.offset, d.at);
+  BT_EACH_ON(stream, dropout_backward_kernel, n, dx, dy, n, d.p, d.key, d.offset, d.rows, C, d.at);
 }
 
 void scale(float* x, int64_t n, kernels::Multiplier s, void* stream) {

@@ -147,6 +147,20 @@ struct Block : Head {
   }
 };
 
+// An unpadded batch's rows past its sequences, [starts[B], rows) (its rounding up), zero in
+// columns [col0, col0 + HD) of a [rows, ld] tensor and its 16-bit copy (may be null): the blocks
+// of the launch's z slice past the sequences (AttentionShape::starts), striding over the rows.
+__device__ void zero_tail(float* t, uint16_t* bits, int64_t ld, int64_t col0, int64_t HD,
+                          const AttentionShape& s) {
+  const int64_t first = s.starts[s.B], n = (s.rows - first) * HD;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t at = (first + e / HD) * ld + col0 + e % HD;
+    t[at] = 0.0f;
+    if (bits) bits[at] = 0;
+  }
+}
+
 // Rows [first, first + n) of a head's part (row stride ld) into dst [n, HD] by every thread of
 // the block, 16 bytes a load (8 16-bit values, copied; or 4 fp32 ones, rounded to the operand),
 // rows at or past L zero. The caller puts the barriers around it. (Every row and head starts at a
@@ -282,6 +296,8 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kKeys = Sh::kKeys, kLd = Sh::kLd;
   static_assert(Sh::kBytes <= 48 * 1024 && kRows * HD * 2 <= Sh::kKv);
   alignas(128) __shared__ unsigned char shared[Sh::kBytes];
+  if (blockIdx.z == s.B)  // (the slice past the sequences: the rows none holds)
+    return zero_tail(ctx, reinterpret_cast<uint16_t*>(ctx16), s.C, blockIdx.y * HD, HD, s);
   d = kernels::resolved(d);  // (the step's arguments: Dropout::at)
   const Block hd(s, d);
   if (hd.idle()) return;
@@ -608,6 +624,12 @@ __global__ void __launch_bounds__(kThreads, NT <= 4 ? 3 : 1)
                           const int32_t* mask, AttentionShape s, Dropout d) {
   constexpr int HD = NT * 16;
   alignas(128) __shared__ unsigned char shared[BackwardShared<HD>::kBytes];
+  if (blockIdx.z == s.B) {  // (the slice past the sequences: the rows none holds)
+    for (int k = 0; k < 3; ++k)
+      zero_tail(dqkv, reinterpret_cast<uint16_t*>(dqkv16), 3 * s.C, k * s.C + blockIdx.y * HD, HD,
+                s);
+    return;
+  }
   d = kernels::resolved(d);  // (the step's arguments: Dropout::at)
   const int64_t tiles = gridDim.x / 2, x = blockIdx.x;
   const bool dq = x < tiles;
@@ -626,7 +648,7 @@ __global__ void __launch_bounds__(kThreads, NT <= 4 ? 3 : 1)
         prow[k * s.C + hd.h * HD + c] = 0.0f;
   }
   if (!dbias) return;
-  const unsigned blocks = gridDim.z * static_cast<unsigned>(tiles);  // (a column's partial rows)
+  const unsigned blocks = static_cast<unsigned>(s.B * tiles);  // (a column's partial rows)
   for (int k = first_part; k < first_part + parts; ++k)
     if (last_ticket(tickets + k * s.NH + hd.h, blocks))
       for (int c = static_cast<int>(threadIdx.x); c < HD; c += kThreads)
@@ -662,9 +684,11 @@ void check_aligned(const char* what, const void* p) {
            "): an arena's tensors do; a caller's must too");
 }
 
+// Tiles of 64 rows by heads by sequences, and with variable lengths a slice more: the blocks
+// that zero the rows past the sequences (whatever the batch: a graph's launch).
 dim3 tile_grid(const AttentionShape& s) {
   return dim3(static_cast<unsigned>((s.T + kRows - 1) / kRows), static_cast<unsigned>(s.NH),
-              static_cast<unsigned>(s.B));
+              static_cast<unsigned>(s.B + (s.starts ? 1 : 0)));
 }
 
 }  // namespace
