@@ -54,8 +54,9 @@ class Target {
   virtual bool prefers_full_attention(Precision, int64_t /*seq_len*/) const { return false; }
   // Whether blocked attention (the row log-sum-exp kept) of this precision and shape (its
   // longest sequence T) runs as one fused kernel forward (a GPU's): it takes variable lengths
-  // (AttentionShape::starts), a batch of sequences of any lengths in one call, and rounds dctx
-  // to 16 bits as it reads it (no Workspace::attn_dctx16). Otherwise a caller runs sequences
+  // (AttentionShape::starts), a batch of sequences of any lengths in one call, and reads QKV and
+  // dctx in 16 bits (their copies alone) or rounds their fp32 values as it reads them (no
+  // rounding pass, no Workspace::attn_dctx16 for them). Otherwise a caller runs sequences
   // of equal length a call each.
   virtual bool fused_attention(Precision, const AttentionShape&) const { return false; }
   // Whether a product's output can be written in a 16-bit precision's bits alone

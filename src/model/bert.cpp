@@ -194,10 +194,12 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
     plan.add(g16, g16 + ".scratch_b",
              static_cast<size_t>(std::max(N * std::max(C, I), BP * C)) * h);
     // Attention's matmul operands: the dropped probabilities (then dS), dctx (QKV: per layer;
-    // the fused kernel rounds dctx as it reads it).
+    // the fused kernel rounds dctx's fp32 values as it reads them, unless the output
+    // projection's product writes the copy: ModelDims::qkv16_output).
     if (!d.blocked_attention())
       plan.add(g16, g16 + ".attn_probs", static_cast<size_t>(R * NH * T * T) * h);
-    if (!d.fused_attention) plan.add(g16, g16 + ".attn_dctx", static_cast<size_t>(N * C) * h);
+    if (!d.fused_attention || d.qkv16_output)
+      plan.add(g16, g16 + ".attn_dctx", static_cast<size_t>(N * C) * h);
   }
 }
 
@@ -209,8 +211,9 @@ ModelDims on_backend(ModelDims d, const BertConfig& cfg, const kernels::Target& 
   const kernels::AttentionShape s{d.token_rows(), d.seq_len, cfg.hidden_size,
                                   cfg.num_attention_heads};
   d.fused_attention = d.blocked_attention() && be.fused_attention(d.precision, s);
-  d.qkv16_output = be.writes_16bit_outputs() && d.weight_copy() && !d.blocked_attention() &&
-                   !d.unpadded && d.pack_rows == 0;
+  d.qkv16_output =
+      be.writes_16bit_outputs() && d.weight_copy() &&
+      (d.fused_attention || (!d.blocked_attention() && !d.unpadded && d.pack_rows == 0));
   return d;
 }
 
@@ -360,7 +363,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
     ws_.half_a = b16(".scratch_a");
     ws_.half_b = b16(".scratch_b");
     if (!blocked) ws_.attn_probs16 = b16(".attn_probs");
-    if (!dims_.fused_attention) ws_.attn_dctx16 = b16(".attn_dctx");
+    if (!dims_.fused_attention || dims_.qkv16_output) ws_.attn_dctx16 = b16(".attn_dctx");
   }
   if (dims_.fp16()) ws_.wide = scratch_.f32("fp16.wide");
 
@@ -706,7 +709,7 @@ int64_t BertModel::sequence_row(int64_t b, int64_t t) const {
 }
 
 void BertModel::packed_attention(int64_t l, bool forward, Kept dqkv, float* dbias,
-                                 const float* dctx, const StepOptions& opt) {
+                                 kernels::KeptIn dctx, const StepOptions& opt) {
   const Packed& pk = cur_.packed;
   const int64_t C = cfg_.hidden_size, NH = cfg_.num_attention_heads, T = pk.T;
   const float p_attn = opt.training ? cfg_.attention_probs_dropout_prob : 0.0f;
@@ -720,8 +723,10 @@ void BertModel::packed_attention(int64_t l, bool forward, Kept dqkv, float* dbia
   const AttentionShape all{pk.B, T, C, NH, T, cur_.in.starts, pk.rows};
   if (dims_.fused_attention) {
     const Dropout& d = site;
+    // (its 16-bit copy alone where its product wrote only that: ModelDims::qkv16_output)
+    const Kept qkv = dims_.qkv16_output ? Kept{nullptr, a.qkv.bits} : a.qkv;
     if (forward)
-      be_.attention_forward(prec_, a.ctx, a.saved, a.qkv, cur_.in.mask, all, d, ws_);
+      be_.attention_forward(prec_, a.ctx, a.saved, qkv, cur_.in.mask, all, d, ws_);
     else
       be_.attention_bias_backward(prec_, dqkv, dbias, dctx, a.qkv, a.saved, cur_.in.mask, all, d,
                                   ws_);
@@ -746,7 +751,8 @@ void BertModel::packed_attention(int64_t l, bool forward, Kept dqkv, float* dbia
       be_.attention_forward(prec_, {a.ctx.f32 + r0 * C, a.ctx.bits ? a.ctx.bits + r0 * C : nullptr},
                             sv, qkv, mask, s, d, ws_);
     else
-      be_.attention_backward(prec_, dqkv.f32 + r0 * 3 * C, dctx + r0 * C, qkv, sv, mask, s, d, ws_);
+      be_.attention_backward(prec_, dqkv.f32 + r0 * 3 * C, dctx.f32 + r0 * C, qkv, sv, mask, s, d,
+                             ws_);
   }
   const int64_t width = forward ? C : 3 * C, dummies = (pk.rows - pk.real) * width;
   const Kept out = forward ? a.ctx : dqkv;
@@ -905,7 +911,7 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
     be_.linear_forward(prec_, qkv.f32, {const_cast<float*>(x), x16}, Wt(o.qkv_w), W(o.qkv_b), N,
                        3 * C, C, ws_);
   if (up) {
-    packed_attention(l, true, Kept{}, nullptr, nullptr, opt);
+    packed_attention(l, true, Kept{}, nullptr, {}, opt);
   } else {
     be_.attention_forward(prec_, a.ctx, a.saved, qkv, cur_.in.mask, {B, T, C, NH},
                           site(kAttnProbs, p_attn), ws_);
@@ -1016,9 +1022,10 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   be_.layernorm_dropout_backward(prec_, dh, dB_made, G(o.ln1_w), G(o.ln1_b), G(o.attn_out_b), dA,
                                  a.attn_res, W(o.ln1_w), a.ln1_mean, a.ln1_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kAttnOut, p.p_hidden)));
-  // The context's gradient: where QKV's and the context's products write their 16-bit copies
-  // (ModelDims::qkv16_output: the full kernel's products on a GPU), the output projection's
-  // product writes dctx's copy alone, what the attention's products read (no rounding pass).
+  // The context's gradient: where QKV's product writes its 16-bit copy alone
+  // (ModelDims::qkv16_output: a GPU's, the full kernel's products or the fused kernel), the
+  // output projection's product writes dctx's copy alone, what the attention reads (no rounding
+  // pass).
   kernels::KeptIn dctx{dA};
   if (dims_.qkv16_output) {
     be_.linear_backward_16(prec_, ws_.attn_dctx16, G(o.attn_out_w), nullptr, dB16, a.ctx,
@@ -1029,7 +1036,7 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   }
   // dQKV with QKV's bias gradient and its 16-bit copy (the fused kernel's own, on a GPU)
   if (p.up) {
-    packed_attention(l, false, dI16, G(o.qkv_b), dA, p.opt);
+    packed_attention(l, false, dI16, G(o.qkv_b), dctx, p.opt);
   } else {
     be_.attention_bias_backward(prec_, dI16, G(o.qkv_b), dctx, a.qkv, a.saved, cur_.in.mask,
                                 {p.B, p.T, C, NH}, p.site(l + 1, kAttnProbs, p_attn), ws_);

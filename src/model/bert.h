@@ -59,8 +59,9 @@ struct ModelDims {
   bool fused_attention = false;
   // QKV's product writes its 16-bit copy alone, no fp32 output (Target::writes_16bit_outputs, a
   // GPU's; set by on_backend, not by users): 16-bit operands and the full attention over padded
-  // rows, whose products read only the copy (the fused kernel reads QKV's fp32 values and
-  // rounds them itself; sequences a call each round theirs a call each). The product adds the
+  // rows, whose products read only the copy, or the fused kernel, which reads it too (sequences
+  // a call each, the blocked products over runs of equal lengths, round theirs a call each:
+  // not there). The product adds the
   // bias's 16-bit copy (cuBLASLt's bias is of its output's type): QKV differs from the CPU's by
   // that rounding of the bias, at most half a unit of the bias in the format, before its own.
   // Backward the same way: the output projection's product writes dctx's 16-bit copy alone
@@ -484,9 +485,10 @@ class BertModel {
                             float* dpooled, float* dh);
   void classifier_forward(const Pass& p, Losses& out);
   void classifier_backward(const Pass& p, kernels::Multiplier loss_scale, float* dpooled);
-  // The attention core of layer l over the packed rows, forward or backward (one call per run).
+  // The attention core of layer l over the packed rows, forward or backward (one call, or one
+  // per run of equal lengths).
   void packed_attention(int64_t l, bool forward, kernels::Kept dqkv, float* dbias,
-                        const float* dctx, const StepOptions& opt);
+                        kernels::KeptIn dctx, const StepOptions& opt);
   // Layer l's input's 16-bit copy: the previous layer's output's (null for the first layer,
   // whose products round the embeddings' output, and where the matmuls read fp32).
   uint16_t* input16(int64_t l) const;

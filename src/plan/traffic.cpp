@@ -209,7 +209,10 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
     product(k, g, N, 3 * C, C, "x16", "W_qkv", "qkv16", false, true, h);
   else
     product(k, g, N, 3 * C, C, "x16", "W_qkv", "qkv", false, true);
-  if (g.fused) {
+  if (g.fused && g.qkv16_output) {  // (QKV's 16-bit copy, as its product wrote it)
+    k.run("attention_forward_fused", {whole("qkv16", N * 3 * C * h), whole("mask", mask)},
+          {whole("ctx", N * C * kF), whole("ctx16", N * C * h), whole("lse", lse)});
+  } else if (g.fused) {  // (QKV's fp32 values, its copy written as they are staged)
     k.run("attention_forward_fused", {whole("qkv", N * 3 * C * kF), whole("mask", mask)},
           {whole("qkv16", N * 3 * C * h), whole("ctx", N * C * kF), whole("ctx16", N * C * h),
            whole("lse", lse)});
@@ -293,8 +296,9 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
   product(k, g, C, C, N, ctxh, dBh, "dW_o", true);
   const std::string dqkvh = g.half ? "dqkv16" : "dqkv";
   if (g.fused) {
-    std::vector<Use> reads = {whole("dA", N * C * kF), whole("qkv16", N * 3 * C * h),
-                              whole("ctx16", N * C * h), whole("lse", lse), whole("mask", mask)};
+    std::vector<Use> reads = {g.qkv16_output ? whole("dctx16", N * C * h) : whole("dA", N * C * kF),
+                              whole("qkv16", N * 3 * C * h), whole("ctx16", N * C * h),
+                              whole("lse", lse), whole("mask", mask)};
     std::vector<Use> writes = {whole("dqkv", N * 3 * C * kF), whole("dqkv16", N * 3 * C * h)};
     // (the bias gradient's partial sums: a row a tile of 64 rows of each sequence)
     const double tiles = static_cast<double>(

@@ -595,6 +595,70 @@ TEST(CudaBackend, FusedAttentionMatchesTheBlockedProducts) {
     }
 }
 
+// QKV and dctx given as their 16-bit copies alone (what the model's products write on a GPU:
+// ModelDims::qkv16_output): the fused kernels read them as they are. Forward: the context, its
+// copy and the log-sum-exp bit for bit those of the same call given the fp32 values (which the
+// kernel rounds to the same bits as it stages them), QKV's copy left as it was. Backward: dV
+// bit for bit (dropped P^T dO: the same operands), dQ and dK within the 16-bit format's few
+// units (each row's D = dO . O then sums the rounded dO: a relative change of at most the
+// format's unit roundoff in D, which dS = P (g - D) carries).
+TEST(CudaBackend, FusedAttentionReadsQkvAndDctxsCopies) {
+  SKIP_WITHOUT_GPU();
+  const kernels::AttentionShape s{2, 72, 128, 2};
+  const int64_t B = s.B, T = s.T, C = s.C, NH = s.NH, n_qkv = B * T * 3 * C;
+  const kernels::Dropout d{0.1f, 5, 11, nullptr};
+  std::vector<int32_t> mask_h(B * T, 1);
+  for (int64_t t = T - 5; t < T; ++t) mask_h[t] = 0;
+  for (Precision p : {Precision::BF16, Precision::FP16}) {
+    SCOPED_TRACE(name_of(p));
+    ASSERT_TRUE(cuda::fused_attention_runs(p, s));
+    auto round = [&](const std::vector<float>& v) {
+      std::vector<uint16_t> b(v.size());
+      for (size_t i = 0; i < v.size(); ++i)
+        b[i] = p == Precision::BF16 ? f32_to_bf16(v[i]) : f32_to_f16(v[i]);
+      return b;
+    };
+    const std::vector<float> qkv_h = random_vector(n_qkv, 1), dctx_h = random_vector(B * T * C, 2);
+    Twin<int32_t> mask(mask_h);
+    struct Out {
+      std::vector<float> ctx, dqkv, lse;
+      std::vector<uint16_t> ctx16, qkv16;
+    };
+    auto run = [&](bool copies) {
+      Twin<float> qkv(qkv_h), ctx(B * T * C), dctx(dctx_h), dqkv(n_qkv), lse(B * NH * T);
+      Twin<uint16_t> qkv16(round(qkv_h)), dctx16(round(dctx_h)), ctx16(B * T * C);
+      kernels::AttentionSaved saved;
+      saved.lse = lse.dev();
+      saved.ctx16 = ctx16.dev();
+      const kernels::Workspace ws;
+      const Kept x{copies ? nullptr : qkv.dev(), qkv16.dev()};
+      const kernels::KeptIn g{copies ? nullptr : dctx.dev(), copies ? dctx16.dev() : nullptr};
+      gpu().attention_forward(p, {ctx.dev(), ctx16.dev()}, saved, x, mask.dev(), s, d, ws);
+      gpu().attention_bias_backward(p, {dqkv.dev(), nullptr}, nullptr, g, x, saved, mask.dev(), s,
+                                    d, ws);
+      cuda::synchronize();
+      return Out{ctx.back(), dqkv.back(), lse.back(), ctx16.back(), qkv16.back()};
+    };
+    const Out f32 = run(false), copies = run(true);
+    EXPECT_EQ(copies.ctx, f32.ctx);
+    EXPECT_EQ(copies.ctx16, f32.ctx16);
+    EXPECT_EQ(copies.lse, f32.lse);
+    EXPECT_EQ(copies.qkv16, f32.qkv16);
+    EXPECT_EQ(copies.qkv16, round(qkv_h));
+    std::vector<float> qk[2], v[2];
+    for (int k = 0; k < 2; ++k) {
+      const std::vector<float>& x = k ? copies.dqkv : f32.dqkv;
+      for (int64_t r = 0; r < B * T; ++r) {
+        qk[k].insert(qk[k].end(), x.begin() + r * 3 * C, x.begin() + r * 3 * C + 2 * C);
+        v[k].insert(v[k].end(), x.begin() + r * 3 * C + 2 * C, x.begin() + (r + 1) * 3 * C);
+      }
+    }
+    EXPECT_EQ(v[1], v[0]);
+    EXPECT_NE(qk[1], qk[0]) << "(dO rounded before D: some bits differ)";
+    EXPECT_TRUE(all_close("dQ, dK", qk[1].data(), qk[0].data(), qk[0].size(), tol(p), tol(p)));
+  }
+}
+
 // Variable lengths (AttentionShape::starts): 4 sequences of 40, 17, 33 and 40 tokens packed
 // into 130 rows (a mask 0 inside one), in one call, equal bit for bit to a call per sequence
 // (the same tiles and row passes over the same values), dropout keyed as the padded batch's.

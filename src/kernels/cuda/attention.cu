@@ -271,11 +271,9 @@ void attention_backward(Precision p, Kept dqkv, float* dbias, kernels::KeptIn dc
                         const Dropout& d, const kernels::Workspace& ws) {
   BT_CHECK(dctx.f32 || (dctx.bits && p != Precision::FP32),
            "attention_backward: no dctx (neither its fp32 values nor a 16-bit copy)");
-  if (saved.blocked() && fused_attention_runs(p, s)) {  // (dctx rounded as it is read)
-    BT_CHECK(dctx.f32, "attention_backward: the fused kernel reads dctx's fp32 values");
-    return fused_attention_backward(p, dqkv, dbias, dctx.f32, qkv.bits, saved.ctx16, saved.lse,
-                                    mask, s, d);
-  }
+  if (saved.blocked() && fused_attention_runs(p, s))  // (dctx's fp32 values rounded as read)
+    return fused_attention_backward(p, dqkv, dbias, dctx, qkv.bits, saved.ctx16, saved.lse, mask, s,
+                                    d);
   BT_CHECK(!s.starts, "attention_backward: variable lengths need the fused kernel");
   products_backward(p, dqkv.f32, dctx, qkv, saved, mask, s, d, ws);
   // (the 16-bit copy and the bias gradient in one pass over dqkv)

@@ -245,17 +245,19 @@ void attention_backward(Precision p, kernels::Kept dqkv, float* dbias, kernels::
 // The fused attention (fused_attention.cu): the blocked algorithm (the row log-sum-exp kept) in
 // one kernel forward and one backward, variable lengths through AttentionShape::starts, where
 // fused_attention_runs (scratch.h). attention_forward and _backward run it there and the blocked
-// kernel's products otherwise. Forward reads QKV in fp32, rounds it as it stages it and writes
-// its kept bits, and writes ctx with its 16-bit copy where ctx.bits is given (keep's contract);
-// backward reads the kept bits, that copy of ctx (ctx16), lse [NH rows] and dctx in fp32
-// (rounded as it is read). QKV, its copy and dctx at 16-byte boundaries (16-byte accesses).
+// kernel's products otherwise. Forward reads QKV's 16-bit copy (qkv.f32 null: its product wrote
+// only that), or its fp32 values, rounded as it stages them, writing the kept bits; it writes
+// ctx with its 16-bit copy where ctx.bits is given (keep's contract); backward reads the kept
+// bits, that copy of ctx (ctx16), lse [NH rows] and dctx in fp32 (rounded as it is read) or,
+// where dctx.f32 is null, its 16-bit copy. QKV, dctx and their copies at 16-byte boundaries
+// (16-byte accesses).
 void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels::Kept qkv,
                              const int32_t* mask, const kernels::AttentionShape& s,
                              const kernels::Dropout& d);
 // Backward's dqkv.bits and dbias (each may be null): dqkv rounded, and += its column sums over
 // the sequences' rows (partial sums a tile of 64 rows, added in order by the last block of each
 // head's Q, K or V columns: column_tickets.cuh).
-void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, const float* dctx,
+void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, kernels::KeptIn dctx,
                               const uint16_t* qkv, const uint16_t* ctx16, const float* lse,
                               const int32_t* mask, const kernels::AttentionShape& s,
                               const kernels::Dropout& d);

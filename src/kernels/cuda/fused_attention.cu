@@ -31,9 +31,10 @@
 // Variable lengths directly: AttentionShape::starts (the sequences' first rows, as
 // FlashAttention's cumulative offsets) makes one launch run every sequence of a packed or
 // unpadded batch, each over its own length; without it sequence b is rows [b T, b T + T).
-// QKV (forward) and dO (dctx) are read in fp32 and rounded to the operand as they are staged:
-// the forward's blocks write QKV's kept bits (each its rows) and the context with its 16-bit
-// copy, so no rounding launch is left around attention.
+// QKV (forward) and dO (dctx) are read as their products wrote them: in 16 bits (the model's,
+// ModelDims::qkv16_output: cuBLASLt's epilogue rounds them), or in fp32, rounded to the operand
+// as they are staged, the forward's blocks then writing QKV's kept bits (each its rows); the
+// context is written with its 16-bit copy: no rounding launch is left around attention.
 // Shared memory: static, at most 41 KiB a block (below the 48 KiB a static allocation may
 // take), 33 KiB at head size 64; with nvcc's registers (sm_90, -Xptxas -v: 128 a thread forward,
 // 168 backward) four blocks forward and three backward fit a multiprocessor of an H100 or H200
@@ -308,11 +309,19 @@ __global__ void __launch_bounds__(kThreads)
   float* const sw = reinterpret_cast<float*>(shared + Sh::kKv) + hd.warp * 16 * kLd;
   X* const ops = reinterpret_cast<X*>(sw);
   const bool active = w0 < L;  // (a warp past the sequence only takes part in the barriers)
-  // Q rounded as it is staged (through the K and V tiles' memory); the block writes its rows'
-  // kept bits; each warp keeps its 16 rows as fragments.
-  stage(kt, hd.part(qkv, 0), hd.C3, hd.first, kRows, L, HD);
+  // Q staged (through the K and V tiles' memory): its 16-bit copy as its product wrote it, or
+  // its fp32 values rounded, the block then writing its rows' kept bits; each warp keeps its 16
+  // rows as fragments.
+  const X* const q16 = qkv16;
+  auto stage_part = [&](X* dst, int part, int64_t first, int n) {
+    if (qkv)
+      stage(dst, hd.part(qkv, part), hd.C3, first, n, L, HD);
+    else
+      stage(dst, hd.part(q16, part), hd.C3, first, n, L, HD);
+  };
+  stage_part(kt, 0, hd.first, kRows);
   __syncthreads();
-  keep_rows(hd.part(qkv16, 0), hd.C3, kt, hd.first, kRows, L, HD);
+  if (qkv) keep_rows(hd.part(qkv16, 0), hd.C3, kt, hd.first, kRows, L, HD);
   FragA<X> qf[NT];
   load_rows(qf, kt + 16 * hd.warp * HD);
   // The lane's row r (a pair of lanes a row: columns 2c + half) and its statistics.
@@ -334,7 +343,7 @@ __global__ void __launch_bounds__(kThreads)
   float mx = -INFINITY, sum = 0.0f;
   for (int64_t t = 0; t < tiles; ++t) {
     __syncthreads();  // (every warp is done with the tile before)
-    stage(kt, hd.part(qkv, 1), hd.C3, t * kKeys, kKeys, L, HD);
+    stage_part(kt, 1, t * kKeys, kKeys);
     __syncthreads();
     if (!active) continue;
     scores();
@@ -359,10 +368,10 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t j0 = t * kKeys;
     __syncthreads();
-    stage(kt, hd.part(qkv, 1), hd.C3, j0, kKeys, L, HD);
-    stage(vt, hd.part(qkv, 2), hd.C3, j0, kKeys, L, HD);
+    stage_part(kt, 1, j0, kKeys);
+    stage_part(vt, 2, j0, kKeys);
     __syncthreads();
-    if (j0 >= hd.first && j0 < hd.first + kRows) {  // (the block's own rows: their kept bits)
+    if (qkv && j0 >= hd.first && j0 < hd.first + kRows) {  // (the block's own rows' kept bits)
       keep_rows(hd.part(qkv16, 1), hd.C3, kt, j0, kKeys, L, HD);
       keep_rows(hd.part(qkv16, 2), hd.C3, vt, j0, kKeys, L, HD);
     }
@@ -408,17 +417,46 @@ __device__ inline BackwardElement backward_element(float score, float dd, const 
   return {P, dd * k, k};
 }
 
-// D of row i of the block's head: dO . O over the head's columns (dctx in fp32, the context's
+// dO (dctx): its fp32 values, rounded to the operand as they are staged, or its 16-bit copy as
+// the output projection's backward product wrote it (then f32 is null).
+template <class X>
+struct Dctx {
+  const float* f32;
+  const X* bits;
+};
+__device__ inline float value_of(float x) {
+  return x;
+}
+template <class X>
+__device__ float value_of(X x) {
+  return rm::widen(x);
+}
+// Rows [first, first + n) of the block's head of dO into dst [n, HD] (stage's).
+template <class X>
+__device__ void stage_dctx(X* dst, const Block& hd, Dctx<X> g, int64_t first, int n) {
+  if (g.f32)
+    stage(dst, hd.rows(g.f32), hd.s.C, first, n, hd.q.L, hd.HD);
+  else
+    stage(dst, hd.rows(g.bits), hd.s.C, first, n, hd.q.L, hd.HD);
+}
+
+// D of row i of the block's head: dO . O over the head's columns (dO as given, the context's
 // kept 16-bit copy), each lane adding its columns in order, then the warp's sum; 0 past L.
 // Equal to sum_j P_j g_j (attention_softmax_backward_lse's dot: O = dropped P V) up to the
-// context's rounding; both kinds of block compute a row's D with it, so the same bits.
+// context's rounding (and dO's, given in 16 bits); both kinds of block compute a row's D with
+// it, so the same bits.
 template <class X>
-__device__ float row_dot(const Block& hd, const float* dctx, const X* ctx16, int64_t i) {
+__device__ float row_dot(const Block& hd, Dctx<X> dctx, const X* ctx16, int64_t i) {
   float v = 0.0f;
   if (i < hd.q.L) {
-    const float* g = hd.rows(dctx) + i * hd.s.C;
     const X* o = hd.rows(ctx16) + i * hd.s.C;
-    for (int64_t c = hd.lane; c < hd.HD; c += 32) v += g[c] * rm::widen(o[c]);
+    if (dctx.f32) {
+      const float* g = hd.rows(dctx.f32) + i * hd.s.C;
+      for (int64_t c = hd.lane; c < hd.HD; c += 32) v += value_of(g[c]) * rm::widen(o[c]);
+    } else {
+      const X* g = hd.rows(dctx.bits) + i * hd.s.C;
+      for (int64_t c = hd.lane; c < hd.HD; c += 32) v += value_of(g[c]) * rm::widen(o[c]);
+    }
   }
   return WarpLanes{hd.lane}.sum(v);
 }
@@ -446,7 +484,7 @@ struct BackwardShared {
 // 32 at a time: S and dd = dO V^T again, dS = P (g - D) rounded, dQ += dS K.
 template <class X, int NT>
 __device__ void dq_rows(const Block& hd, unsigned char* shared, float* dqkv, X* dqkv16, float* prow,
-                        const float* dctx, const X* qkv, const X* ctx16, const float* lse,
+                        Dctx<X> dctx, const X* qkv, const X* ctx16, const float* lse,
                         const int32_t* mask, const Dropout& d) {
   constexpr int HD = NT * 16;
   using Sh = BackwardShared<HD>;
@@ -456,7 +494,7 @@ __device__ void dq_rows(const Block& hd, unsigned char* shared, float* dqkv, X* 
   const bool active = w0 < L;
   X* const own = reinterpret_cast<X*>(shared);
   stage(own, hd.part(qkv, 0), hd.C3, hd.first, kRows, L, HD);
-  stage(own + kRows * HD, hd.rows(dctx), s.C, hd.first, kRows, L, HD);
+  stage_dctx(own + kRows * HD, hd, dctx, hd.first, kRows);
   __syncthreads();
   FragA<X> qf[NT], gf[NT];
   load_rows(qf, own + 16 * hd.warp * HD);
@@ -521,8 +559,8 @@ __device__ void dq_rows(const Block& hd, unsigned char* shared, float* dqkv, X* 
 // the same operations: the same bits as the dQ kind's), dV += dropped^T dO, dK += dS^T Q.
 template <class X, int NT>
 __device__ void dkv_rows(const Block& hd, unsigned char* shared, float* dqkv, X* dqkv16,
-                         float* prow, const float* dctx, const X* qkv, const X* ctx16,
-                         const float* lse, const int32_t* mask, const Dropout& d) {
+                         float* prow, Dctx<X> dctx, const X* qkv, const X* ctx16, const float* lse,
+                         const int32_t* mask, const Dropout& d) {
   constexpr int HD = NT * 16;
   using Sh = BackwardShared<HD>;
   const AttentionShape& s = hd.s;
@@ -553,7 +591,7 @@ __device__ void dkv_rows(const Block& hd, unsigned char* shared, float* dqkv, X*
   for (int64_t i0 = 0; i0 < L; i0 += kChunk) {
     __syncthreads();
     stage(qs, hd.part(qkv, 0), hd.C3, i0, kChunk, L, HD);
-    stage(gs, hd.rows(dctx), s.C, i0, kChunk, L, HD);
+    stage_dctx(gs, hd, dctx, i0, kChunk);
     for (int r = hd.warp; r < kChunk; r += kWarps) {  // (the step's D and log-sum-exp)
       const int64_t i = i0 + r;
       const float v = row_dot(hd, dctx, ctx16, i);
@@ -620,8 +658,8 @@ __device__ void dkv_rows(const Block& hd, unsigned char* shared, float* dqkv, X*
 template <class X, int NT>
 __global__ void __launch_bounds__(kThreads, NT <= 4 ? 3 : 1)
     fused_backward_kernel(float* dqkv, X* dqkv16, float* dbias, float* partial, unsigned* tickets,
-                          const float* dctx, const X* qkv, const X* ctx16, const float* lse,
-                          const int32_t* mask, AttentionShape s, Dropout d) {
+                          const float* dctx, const X* dctx16, const X* qkv, const X* ctx16,
+                          const float* lse, const int32_t* mask, AttentionShape s, Dropout d) {
   constexpr int HD = NT * 16;
   alignas(128) __shared__ unsigned char shared[BackwardShared<HD>::kBytes];
   if (blockIdx.z == s.B) {  // (the slice past the sequences: the rows none holds)
@@ -638,10 +676,11 @@ __global__ void __launch_bounds__(kThreads, NT <= 4 ? 3 : 1)
   float* prow = dbias ? partial + (hd.b * tiles + tile) * hd.C3 : nullptr;
   const int first_part = dq ? 0 : 1, parts = dq ? 1 : 2;
   if (!hd.idle()) {
+    const Dctx<X> g{dctx, dctx16};
     if (dq)
-      dq_rows<X, NT>(hd, shared, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
+      dq_rows<X, NT>(hd, shared, dqkv, dqkv16, prow, g, qkv, ctx16, lse, mask, d);
     else
-      dkv_rows<X, NT>(hd, shared, dqkv, dqkv16, prow, dctx, qkv, ctx16, lse, mask, d);
+      dkv_rows<X, NT>(hd, shared, dqkv, dqkv16, prow, g, qkv, ctx16, lse, mask, d);
   } else if (prow) {
     for (int k = first_part; k < first_part + parts; ++k)
       for (int c = static_cast<int>(threadIdx.x); c < HD; c += kThreads)
@@ -696,7 +735,10 @@ dim3 tile_grid(const AttentionShape& s) {
 void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels::Kept qkv,
                              const int32_t* mask, const AttentionShape& s, const Dropout& d) {
   if (s.B == 0) return;
-  check_aligned("QKV", qkv.f32);
+  BT_CHECK(
+      qkv.bits,
+      "the fused attention writes or reads QKV's 16-bit copy (Kept::bits), and none was given");
+  if (qkv.f32) check_aligned("QKV", qkv.f32);
   check_aligned("QKV's 16-bit copy", qkv.bits);
   with_fused_types(p, s.C / s.NH, [&](auto* x, auto nt) {
     using X = std::remove_pointer_t<decltype(x)>;
@@ -708,7 +750,7 @@ void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels
   check_launch();
 }
 
-void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, const float* dctx,
+void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, kernels::KeptIn dctx,
                               const uint16_t* qkv, const uint16_t* ctx16, const float* lse,
                               const int32_t* mask, const AttentionShape& s, const Dropout& d) {
   if (s.B == 0) return;
@@ -716,7 +758,13 @@ void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, con
            "the fused attention's backward reads the context's 16-bit copy its forward wrote "
            "(AttentionSaved::ctx16), and none was given");
   check_aligned("QKV's 16-bit copy", qkv);
-  check_aligned("dctx", dctx);
+  BT_CHECK(dctx.f32 || dctx.bits,
+           "the fused attention's backward: no dctx (neither its fp32 "
+           "values nor its 16-bit copy)");
+  if (dctx.f32)
+    check_aligned("dctx", dctx.f32);
+  else
+    check_aligned("dctx's 16-bit copy", dctx.bits);
   const int64_t tiles = (s.T + kRows - 1) / kRows;
   float* partial = nullptr;
   unsigned* tickets = nullptr;
@@ -731,8 +779,9 @@ void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, con
     dim3 grid = tile_grid(s);
     grid.x = static_cast<unsigned>(2 * tiles);  // (the dQ blocks, then the dK, dV blocks)
     BT_LAUNCH(attention_backward_fused, grid, kThreads, 0, compute_stream())
-    (dqkv.f32, reinterpret_cast<X*>(dqkv.bits), dbias, partial, tickets, dctx,
-     reinterpret_cast<const X*>(qkv), reinterpret_cast<const X*>(ctx16), lse, mask, s, d);
+    (dqkv.f32, reinterpret_cast<X*>(dqkv.bits), dbias, partial, tickets, dctx.f32,
+     dctx.f32 ? nullptr : reinterpret_cast<const X*>(dctx.bits), reinterpret_cast<const X*>(qkv),
+     reinterpret_cast<const X*>(ctx16), lse, mask, s, d);
   });
   check_launch();
 }
