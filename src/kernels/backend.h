@@ -279,7 +279,9 @@ class Backend : public Target {
 
   // -- activations (out / in kept in the precision: BF16 writes out.bits and in.bits, FP16
   //    rounds both and writes their bits, and out.f32 the rounded output where given (a model
-  //    whose products read 16-bit operands gives none); FP32 reads in.f32 and writes out.f32) --
+  //    whose products read 16-bit operands gives none); FP32 reads in.f32 and writes out.f32;
+  //    on a backend that writes_16bit_outputs, in.f32 may be null in a 16-bit precision: the
+  //    input's copy alone, as its product wrote it, read at its value) --
   virtual void activation_forward(Precision p, Activation a, Kept out, Kept in,
                                   int64_t n) const = 0;
   // dinp = dout * act'(in) at the kept input (dinp may alias dout).
@@ -291,9 +293,10 @@ class Backend : public Target {
   // one launch, dinp read once less); the default calls the two. Where dinp.bits is given (a
   // 16-bit precision), dinp rounded is written there too (KeptIn: what the next product reads);
   // on a backend that writes 16-bit outputs (writes_16bit_outputs) dinp.f32 may be null, where
-  // only the bits are read next: then they alone are written.
+  // only the bits are read next: then they alone are written, and dout may be its 16-bit copy
+  // alone (dout.f32 null: what linear_backward_16 wrote), read at its value.
   virtual void activation_bias_backward(Precision p, Activation a, Kept dinp, float* db, Kept in,
-                                        const float* dout, int64_t M, int64_t N) const;
+                                        KeptIn dout, int64_t M, int64_t N) const;
   // db[N] += dout[M,N]'s column sums: linear_backward's bias gradient alone (what the defaults
   // of the fused calls above and below add).
   void bias_gradient(float* db, const float* dout, int64_t M, int64_t N) const;

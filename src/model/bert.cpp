@@ -214,6 +214,7 @@ ModelDims on_backend(ModelDims d, const BertConfig& cfg, const kernels::Target& 
   d.qkv16_output =
       be.writes_16bit_outputs() && d.weight_copy() &&
       (d.fused_attention || (!d.blocked_attention() && !d.unpadded && d.pack_rows == 0));
+  d.inter16_output = be.writes_16bit_outputs() && d.weight_copy();
   return d;
 }
 
@@ -922,8 +923,15 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
   const Kept ln1{a.ln1_out, a.ln1_out16};
   be_.residual_layernorm_forward(prec_, ln1, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
                                  W(o.ln1_b), N, C, eps, on_rows(site(kAttnOut, p_hidden)));
-  be_.linear_forward(prec_, a.inter_pre.f32, ln1, Wt(o.inter_w), W(o.inter_b), N, I, C, ws_);
-  be_.activation_forward(prec_, cfg_.activation(), a.inter_act, a.inter_pre, N * I);
+  if (dims_.inter16_output) {  // (GELU's input's 16-bit copy alone: ModelDims::inter16_output)
+    be_.linear_forward_16(prec_, a.inter_pre.bits, ln1, Wt(o.inter_w), Wt(o.inter_b).bits, N, I, C,
+                          ws_);
+    be_.activation_forward(prec_, cfg_.activation(), a.inter_act, {nullptr, a.inter_pre.bits},
+                           N * I);
+  } else {
+    be_.linear_forward(prec_, a.inter_pre.f32, ln1, Wt(o.inter_w), W(o.inter_b), N, I, C, ws_);
+    be_.activation_forward(prec_, cfg_.activation(), a.inter_act, a.inter_pre, N * I);
+  }
   be_.linear_forward(prec_, a.ffn_res, a.inter_act, Wt(o.out_w), W(o.out_b), N, C, I, ws_);
   be_.residual_layernorm_forward(prec_, {a.ln2_out, a.ln2_out16}, a.ln2_mean, a.ln2_rstd, a.ffn_res,
                                  a.ln1_out, W(o.ln2_w), W(o.ln2_b), N, C, eps,
@@ -1010,12 +1018,23 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   be_.layernorm_dropout_backward(prec_, dA, dB_made, G(o.ln2_w), G(o.ln2_b), G(o.out_b), dh,
                                  a.ffn_res, W(o.ln2_w), a.ln2_mean, a.ln2_rstd, N, C, false,
                                  on_rows(p.site(l + 1, kFfnOut, p.p_hidden)));
-  linear_backward(dI, o.out_w, kBiasDone, dB16, a.inter_act, N, C, I);
   // dGELU with the intermediate layer's bias gradient (one pass over dI on a GPU; bits_only: dI's
-  // 16-bit copy alone)
+  // 16-bit copy alone), from GELU's output gradient: fp32, or its 16-bit copy alone
+  // (ModelDims::inter16_output: the product writes it into dI's memory, whose fp32 values
+  // nothing writes then)
+  kernels::KeptIn dact{dI};
+  if (dims_.inter16_output) {
+    auto* dact16 = reinterpret_cast<uint16_t*>(dI);
+    be_.linear_backward_16(prec_, dact16, G(o.out_w), nullptr, dB16, a.inter_act, Wt(o.out_w), N, C,
+                           I, ws_);
+    dact = {nullptr, dact16};
+  } else {
+    linear_backward(dI, o.out_w, kBiasDone, dB16, a.inter_act, N, C, I);
+  }
+  BT_CHECK(!dims_.inter16_output || bits_only, "inter16_output writes dI's 16-bit copy alone");
   be_.activation_bias_backward(prec_, cfg_.activation(),
                                bits_only ? Kept{nullptr, dI16.bits} : dI16, G(o.inter_b),
-                               a.inter_pre, dI, N, I);
+                               a.inter_pre, dact, N, I);
   linear_backward(dA, o.inter_w, kBiasDone, dI16, {a.ln1_out, a.ln1_out16}, N, I, C,
                   /*accumulate=*/true);  // dA = d ln1_out (residual + FFN path)
   // ln1_out = LN1(attn_res), attn_res = drop(ctx W_o + b) + x

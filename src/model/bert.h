@@ -68,6 +68,13 @@ struct ModelDims {
   // (Backend::linear_backward_16), which the attention's products read (the same bits as
   // rounding fp32 values: no difference there).
   bool qkv16_output = false;
+  // The FFN's intermediate product writes its output's (GELU's input's) 16-bit copy alone, the
+  // bias's 16-bit copy added in its epilogue, and GELU reads it (a GPU's, with the weights'
+  // copy; set by on_backend): the layer's widest fp32 tensor [N, I] neither written nor read.
+  // GELU then takes the rounded input (in bf16; fp16 rounds it in every case): its output
+  // differs from the CPU's by at most the rounding of its input and the bias (GELU's slope is at
+  // most 1.13), a unit of the format after its own rounding.
+  bool inter16_output = false;
   // Layer recomputation: an encoder layer keeps only its output (the next layer's input); its
   // activations live in one slot shared by all layers, and backward recomputes each layer's
   // forward from its input first (dropout masks regenerated from the same counter RNG, so the

@@ -93,7 +93,7 @@ constexpr double kF = 4;  // an fp32 value's bytes
 
 // The step's dimensions as the kernels see them.
 struct Dims {
-  bool half, fp16, fused, qkv16_output;
+  bool half, fp16, fused, qkv16_output, inter16_output;
   bool graphs = false;  // forward and backward as CUDA graphs: the pointer tables made each step
   double h;             // the products' operand bytes: 2 in bf16 and fp16, 4 in fp32
   double R, T, N, C, I, NH, S, head, BP, Vr, P;
@@ -109,6 +109,7 @@ Dims dims_of(const model::BertConfig& cfg, model::Head head, const model::ModelD
   g.fp16 = d.precision == Precision::FP16;
   g.fused = d.fused_attention;
   g.qkv16_output = d.qkv16_output;
+  g.inter16_output = d.inter16_output;
   g.h = g.half ? 2 : 4;
   g.R = static_cast<double>(d.token_rows());
   g.T = static_cast<double>(d.seq_len);
@@ -253,12 +254,17 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
           writes);
   };
   layernorm_forward("attn_res", "x", "ln1");
-  product(k, g, N, I, C, g.half ? "ln116" : "ln1", "W_i", "pre", false, true);
-  if (g.half)
+  if (g.inter16_output) {  // (GELU's input's 16-bit copy alone: ModelDims::inter16_output)
+    product(k, g, N, I, C, "ln116", "W_i", "pre16", false, true, h);
+    k.run("activation_forward_16_kernel", {whole("pre16", N * I * h)}, {whole("act16", N * I * h)});
+  } else if (g.half) {
+    product(k, g, N, I, C, "ln116", "W_i", "pre", false, true);
     k.run("activation_forward_16_kernel", {whole("pre", N * I * kF)},
           {whole("pre16", N * I * h), whole("act16", N * I * h)});
-  else
+  } else {
+    product(k, g, N, I, C, "ln1", "W_i", "pre", false, true);
     k.run("activation_forward_kernel", {whole("pre", N * I * kF)}, {whole("act", N * I * kF)});
+  }
   product(k, g, N, C, I, g.half ? "act16" : "act", "W_o2", "ffn_res", false, true);
   layernorm_forward("ffn_res", "ln1", "ln2");
   // ---- backward
@@ -276,12 +282,17 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
     k.run("layernorm_backward_kernel", reads, writes);
   };
   layernorm_backward("dh", "ffn_res", "dA");
-  product(k, g, N, I, C, dBh, "W_o2", "dI", false);
+  // (GELU's output gradient: its 16-bit copy alone where its input's is: inter16_output)
+  if (g.inter16_output)
+    product(k, g, N, I, C, dBh, "W_o2", "dact16", false, false, h);
+  else
+    product(k, g, N, I, C, dBh, "W_o2", "dI", false);
   product(k, g, I, C, N, g.half ? "act16" : "act", dBh, "dW_o2", true);
   {  // dGELU with the intermediate bias gradient: dI's 16-bit copy alone in 16 bits (nothing
      // reads its fp32 values there), dI in fp32
-    std::vector<Use> reads = {whole(g.half ? "pre16" : "pre", N * I * (g.half ? h : kF)),
-                              whole("dI", N * I * kF)};
+    std::vector<Use> reads = {
+        whole(g.half ? "pre16" : "pre", N * I * (g.half ? h : kF)),
+        g.inter16_output ? whole("dact16", N * I * h) : whole("dI", N * I * kF)};
     std::vector<Use> writes = {g.half ? whole("dI16", N * I * h) : whole("dI", N * I * kF)};
     column_pass(reads, writes, N, I, 1, {"db_i"});
     k.run("column_sums_kernel<Value>", reads, writes);

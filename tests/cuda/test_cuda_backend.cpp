@@ -795,6 +795,35 @@ TEST(CudaBackend, AttentionBackwardWritesQkvsBiasGradientAndCopy) {
     }
 }
 
+// The activation given its input's 16-bit copy alone (in.f32 null: what the FFN's intermediate
+// product writes on a GPU, ModelDims::inter16_output) is the activation of that copy's value:
+// bit for bit the call given those values in fp32, in bf16 and fp16; the copy is only read.
+TEST(CudaBackend, ActivationReadsItsInputsCopy) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 3000;
+  std::vector<float> x = random_vector(n, 5);
+  for (float& v : x) v *= 6.0f;  // (GELU's tails too)
+  for (Precision p : {Precision::BF16, Precision::FP16}) {
+    SCOPED_TRACE(name_of(p));
+    std::vector<uint16_t> bits(n);
+    std::vector<float> values(n);
+    for (int64_t i = 0; i < n; ++i) {
+      bits[i] = p == Precision::BF16 ? f32_to_bf16(x[i]) : f32_to_f16(x[i]);
+      values[i] = p == Precision::BF16 ? bf16_to_f32(bits[i]) : f16_to_f32(bits[i]);
+    }
+    for (auto a : {kernels::Activation::GeluErf, kernels::Activation::GeluTanh}) {
+      Twin<uint16_t> copy(bits), out_copy(n), out_values(n), kept(n);
+      Twin<float> in(values);
+      gpu().activation_forward(p, a, {nullptr, out_copy.dev()}, {nullptr, copy.dev()}, n);
+      gpu().activation_forward(p, a, {nullptr, out_values.dev()}, {in.dev(), kept.dev()}, n);
+      cuda::synchronize();
+      EXPECT_EQ(out_copy.back(), out_values.back());
+      EXPECT_EQ(copy.back(), bits);
+      EXPECT_EQ(kept.back(), bits);  // (the rounded values' copy: the same bits)
+    }
+  }
+}
+
 // The 16-bit activations, the elementwise ops, the row gathers and the regression loss.
 TEST(CudaBackend, ElementwiseAndRowOpsMatchCpu) {
   SKIP_WITHOUT_GPU();

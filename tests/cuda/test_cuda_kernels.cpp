@@ -109,7 +109,8 @@ std::vector<T> to_host_as(const cuda::DeviceBuffer& b, size_t n) {
 // GPU (activation_backward, then linear_backward's column sums: Backend's default), bit for
 // bit, in every precision (fp32 input, the kept bf16 or fp16 bits), over rows and columns that
 // leave partial chunks and tiles, dinp aliasing dout as the model calls it; and against the CPU
-// backend's (a column summed in one run: fp32 rounding of sums of 700 terms, rtol 1e-5).
+// backend's (a column summed in one run: fp32 rounding of sums of 700 terms, rtol 1e-5); dout
+// given as its 16-bit copy alone, as the call given that copy's values.
 TEST(Cuda, ActivationBiasBackwardMatchesTheTwoItFuses) {
   SKIP_WITHOUT_GPU();
   const int64_t M = 700, N = 300;
@@ -157,6 +158,27 @@ TEST(Cuda, ActivationBiasBackwardMatchesTheTwoItFuses) {
                                  db.data(), {wide.data()}, dx.data(), M, N);
     EXPECT_TRUE(all_close("dinp", to_host(fused, M * N).data(), dx.data(), M * N, 1e-5, 1e-6));
     EXPECT_TRUE(all_close("db", to_host(db_fused, N).data(), db.data(), N, 1e-5, 1e-5));
+    if (p == Precision::FP32) continue;
+    // dout given as its 16-bit copy alone (what the FFN's output product writes on a GPU:
+    // ModelDims::inter16_output), dinp's copy alone written: bit for bit the call given that
+    // copy's values in fp32.
+    std::vector<uint16_t> dy16(M * N);
+    std::vector<float> dy_wide(M * N);
+    for (int64_t i = 0; i < M * N; ++i) {
+      dy16[i] = p == Precision::FP16 ? f32_to_f16(dy[i]) : f32_to_bf16(dy[i]);
+      dy_wide[i] = p == Precision::FP16 ? f16_to_f32(dy16[i]) : bf16_to_f32(dy16[i]);
+    }
+    const auto dy16_d = to_device_as(dy16), dy_wide_d = to_device(dy_wide);
+    auto db_copy = to_device(b0), db_values = to_device(b0);
+    cuda::DeviceBuffer from_copy(M * N * 2), from_values(M * N * 2);
+    gpu.activation_bias_backward(p, kernels::Activation::GeluErf, {nullptr, copy(from_copy)},
+                                 db_copy.f32(), in,
+                                 {nullptr, static_cast<const uint16_t*>(dy16_d.data())}, M, N);
+    gpu.activation_bias_backward(p, kernels::Activation::GeluErf, {nullptr, copy(from_values)},
+                                 db_values.f32(), in, dy_wide_d.f32(), M, N);
+    cuda::synchronize();
+    EXPECT_EQ(to_host_as<uint16_t>(from_copy, M * N), to_host_as<uint16_t>(from_values, M * N));
+    EXPECT_EQ(to_host(db_copy, N), to_host(db_values, N));
   }
 }
 

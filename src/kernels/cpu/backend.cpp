@@ -344,8 +344,10 @@ void Backend::linear_forward_16(Precision, uint16_t*, Kept, Weight, const uint16
 }
 
 void Backend::activation_bias_backward(Precision p, Activation a, Kept dinp, float* db, Kept in,
-                                       const float* dout, int64_t M, int64_t N) const {
-  activation_backward(p, a, dinp.f32, in, dout, M * N);
+                                       KeptIn dout, int64_t M, int64_t N) const {
+  BT_CHECK(dout.f32, "activation_bias_backward: the ", name(),
+           " backend reads dout's fp32 values (given only its 16-bit copy)");
+  activation_backward(p, a, dinp.f32, in, dout.f32, M * N);
   rounded_column_sums(p, db, dinp, M, N);
 }
 

@@ -442,7 +442,7 @@ class CudaBackend final : public kernels::Backend {
   }
 
   void activation_bias_backward(Precision p, Activation a, Kept dinp, float* db, Kept in,
-                                const float* dout, int64_t M, int64_t N) const override {
+                                kernels::KeptIn dout, int64_t M, int64_t N) const override {
     const Op op("activation_bias_backward");
     cuda::activation_bias_backward(p, a, dinp, db, in, dout, M, N);
   }

@@ -194,9 +194,10 @@ void activation_backward(Precision p, kernels::Activation a, float* dinp, kernel
                          const float* dout, int64_t n, void* stream = nullptr);
 // activation_backward over M rows of N and db[N] += dinp's column sums, in one launch (the
 // grid, chunks and order of linear_backward's column sums: the same bits); dinp.bits, where
-// given, receives dinp rounded to p's 16 bits as it is written.
+// given, receives dinp rounded to p's 16 bits as it is written; dout.f32 null: its 16-bit copy
+// read (a 16-bit p).
 void activation_bias_backward(Precision p, kernels::Activation a, kernels::Kept dinp, float* db,
-                              kernels::Kept in, const float* dout, int64_t M, int64_t N,
+                              kernels::Kept in, kernels::KeptIn dout, int64_t M, int64_t N,
                               void* stream = nullptr);
 void keep(Precision p, kernels::Kept x, int64_t n, void* stream = nullptr);
 

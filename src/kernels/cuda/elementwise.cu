@@ -94,19 +94,22 @@ __global__ void keep_f16_kernel(float* x, uint16_t* bits, int64_t n) {
 }
 
 // The activation in the kept precision (kernels/backend.h): BF16 writes out16 = bf16(act(x))
-// and in16 = bf16(x); FP16 rounds the input first, then the output (bits and value).
+// and in16 = bf16(x); FP16 rounds the input first, then the output (bits and value). `in` null:
+// the input is its 16-bit copy alone (what its product wrote: Backend::linear_forward_16), x
+// that copy's value.
 __global__ void activation_forward_16_kernel(Precision p, kernels::Activation a, float* out,
                                              uint16_t* out16, const float* in, uint16_t* in16,
                                              int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   if (p == Precision::BF16) {
-    out16[i] = f32_to_bf16(kernels::row_math::activation(a, in[i]));
-    if (in16) in16[i] = f32_to_bf16(in[i]);
+    // (in null: the product wrote the input's 16-bit copy alone; its activation at that value)
+    out16[i] = f32_to_bf16(kernels::row_math::activation(a, in ? in[i] : bf16_to_f32(in16[i])));
+    if (in && in16) in16[i] = f32_to_bf16(in[i]);
     return;
   }
-  const uint16_t xb = to_half(in[i]);
-  if (in16) in16[i] = xb;
+  const uint16_t xb = in ? to_half(in[i]) : in16[i];
+  if (in && in16) in16[i] = xb;
   const uint16_t yb = to_half(kernels::row_math::activation(a, widen_half(xb)));
   if (out16) out16[i] = yb;
   if (out) out[i] = widen_half(yb);

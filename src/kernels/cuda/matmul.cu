@@ -194,7 +194,8 @@ struct Elements {
 };
 
 // dinp[i] = dout[i] x act'(in[i]) (in: fp32, or the kept 16-bit bits, In uint16_t with p saying
-// which), written (and rounded into dinp16 where given) and returned.
+// which; dout: fp32, or where null its 16-bit copy dout16), written (and rounded into dinp16
+// where given) and returned.
 template <typename In>
 struct ActivationGrad {
   Precision p;
@@ -203,13 +204,17 @@ struct ActivationGrad {
   uint16_t* dinp16;
   const In* in;
   const float* dout;
+  const uint16_t* dout16;
+  __device__ float widen16(uint16_t b) const {
+    return p == Precision::BF16 ? bf16_to_f32(b) : __half2float(__ushort_as_half(b));
+  }
   __device__ float operator()(int64_t i) const {
     float x;
     if constexpr (sizeof(In) == 4)
       x = in[i];
     else
-      x = p == Precision::BF16 ? bf16_to_f32(in[i]) : __half2float(__ushort_as_half(in[i]));
-    const float g = rm::activation_grad(a, x, dout[i]);
+      x = widen16(in[i]);
+    const float g = rm::activation_grad(a, x, dout ? dout[i] : widen16(dout16[i]));
     if (dinp) dinp[i] = g;
     if (dinp16) dinp16[i] = to_16(p, g);
     return g;
@@ -433,14 +438,20 @@ __global__ void fill_kernel(Precision o, void* x, int64_t n, uint64_t key) {
 }  // namespace
 
 void activation_bias_backward(Precision p, kernels::Activation a, kernels::Kept dinp, float* db,
-                              kernels::Kept in, const float* dout, int64_t M, int64_t N,
+                              kernels::Kept in, kernels::KeptIn dout, int64_t M, int64_t N,
                               void* stream) {
   if (M == 0 || N == 0) return;
   const cudaStream_t s = as_stream(stream);
+  BT_CHECK(dout.f32 || (dout.bits && p != Precision::FP32),
+           "activation_bias_backward: no dout (neither its fp32 values nor a 16-bit copy)");
   if (p == Precision::FP32)
-    column_sums_of(db, ActivationGrad<float>{p, a, dinp.f32, nullptr, in.f32, dout}, M, N, s);
+    column_sums_of(db, ActivationGrad<float>{p, a, dinp.f32, nullptr, in.f32, dout.f32, nullptr}, M,
+                   N, s);
   else
-    column_sums_of(db, ActivationGrad<uint16_t>{p, a, dinp.f32, dinp.bits, in.bits, dout}, M, N, s);
+    column_sums_of(db,
+                   ActivationGrad<uint16_t>{p, a, dinp.f32, dinp.bits, in.bits, dout.f32,
+                                            dout.f32 ? nullptr : dout.bits},
+                   M, N, s);
 }
 
 double gemm_tflops(Precision o, int64_t M, int64_t N, int64_t K, double seconds) {
