@@ -275,6 +275,35 @@ TEST(CudaModel, AGraphHoldsEveryBatchOfItsShape) {
   }
 }
 
+// The graph cache (model/graphs.h) keeps its `most` graphs, the one launched longest ago making
+// room: with room for 2, keys 0, 1, 2, 0, 0, 1 capture 5 graphs (2 evicts 0, 0 evicts 1, 1
+// evicts 2) and each run launches its own key's graph once (key k adds k + 1 to a sum: 10).
+TEST(CudaModel, GraphCacheEvictsTheLeastRecentlyLaunched) {
+  SKIP_WITHOUT_GPU();
+  const kernels::Backend& be = cuda::cuda_backend();
+  float* sum = static_cast<float*>(be.allocate(sizeof(float)));
+  float* adds = static_cast<float*>(be.allocate(3 * sizeof(float)));
+  const float values[3] = {1.0f, 2.0f, 3.0f};
+  be.to_device(adds, values, sizeof values);
+  model::GraphCache<int> cache(2);
+  model::GraphMode mode = model::GraphMode::On;
+  for (int key : {0, 1, 2, 0, 0, 1}) {
+    const int64_t l0 = cuda::device_counts().graph_launches;
+    cache.run(be, mode, key, "test", [&] { be.add_inplace(sum, adds + key, 1); });
+    EXPECT_EQ(cuda::device_counts().graph_launches - l0, 1);
+    EXPECT_LE(cache.size(), 2u);
+  }
+  float got = 0;
+  be.synchronize();
+  be.to_host(&got, sum, sizeof got);
+  EXPECT_EQ(got, 10.0f);
+  EXPECT_EQ(cache.captures(), 5);
+  EXPECT_EQ(mode, model::GraphMode::On);
+  cache.clear();
+  be.release(sum);
+  be.release(adds);
+}
+
 // The padding skipped, with the fused attention (one launch for any lengths, zeroing the rows
 // past the sequences), forward and backward run as graphs too: a batch's rows rounded up to a
 // bucket, the MLM head on all its slots, a graph each bucket and input slot. Four batches of
