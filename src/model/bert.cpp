@@ -724,10 +724,12 @@ void BertModel::packed_attention(int64_t l, bool forward, Kept dqkv, float* dbia
   const AttentionShape all{pk.B, T, C, NH, T, cur_.in.starts, pk.rows};
   if (dims_.fused_attention) {
     const Dropout& d = site;
-    // (its 16-bit copy alone where its product wrote only that: ModelDims::qkv16_output)
+    // (QKV's 16-bit copy alone where its product wrote only that, and the context's written
+    // alone: ModelDims::qkv16_output)
     const Kept qkv = dims_.qkv16_output ? Kept{nullptr, a.qkv.bits} : a.qkv;
+    const Kept ctx = dims_.qkv16_output ? Kept{nullptr, a.ctx.bits} : a.ctx;
     if (forward)
-      be_.attention_forward(prec_, a.ctx, a.saved, qkv, cur_.in.mask, all, d, ws_);
+      be_.attention_forward(prec_, ctx, a.saved, qkv, cur_.in.mask, all, d, ws_);
     else
       be_.attention_bias_backward(prec_, dqkv, dbias, dctx, a.qkv, a.saved, cur_.in.mask, all, d,
                                   ws_);
@@ -914,8 +916,10 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
   if (up) {
     packed_attention(l, true, Kept{}, nullptr, {}, opt);
   } else {
-    be_.attention_forward(prec_, a.ctx, a.saved, qkv, cur_.in.mask, {B, T, C, NH},
-                          site(kAttnProbs, p_attn), ws_);
+    // (the fused kernel: the context's 16-bit copy alone, what the products read)
+    const bool copy_alone = dims_.qkv16_output && dims_.fused_attention;
+    be_.attention_forward(prec_, copy_alone ? Kept{nullptr, a.ctx.bits} : a.ctx, a.saved, qkv,
+                          cur_.in.mask, {B, T, C, NH}, site(kAttnProbs, p_attn), ws_);
   }
   be_.linear_forward(prec_, a.attn_res, a.ctx, Wt(o.attn_out_w), W(o.attn_out_b), N, C, C, ws_);
   // The LayerNorms write their output's 16-bit copy (none where the matmuls read fp32): the

@@ -54,8 +54,8 @@ struct ModelDims {
   bool fp16_operands = false;
   // Blocked attention that runs as one fused kernel on the backend (kernels::Target::
   // fused_attention, a GPU's in bf16 and fp16; set by on_backend, not by users): a batch of
-  // packed sequences in one call, and no 16-bit dctx scratch planned (the kernel rounds dctx as
-  // it reads it).
+  // packed sequences in one call (dctx's 16-bit copy planned only where its product writes it:
+  // qkv16_output; otherwise the kernel rounds dctx as it reads it).
   bool fused_attention = false;
   // QKV's product writes its 16-bit copy alone, no fp32 output (Target::writes_16bit_outputs, a
   // GPU's; set by on_backend, not by users): 16-bit operands and the full attention over padded
@@ -66,7 +66,8 @@ struct ModelDims {
   // that rounding of the bias, at most half a unit of the bias in the format, before its own.
   // Backward the same way: the output projection's product writes dctx's 16-bit copy alone
   // (Backend::linear_backward_16), which the attention's products read (the same bits as
-  // rounding fp32 values: no difference there).
+  // rounding fp32 values: no difference there). The fused kernel then writes the context's
+  // 16-bit copy alone too (what the output projection's products read).
   bool qkv16_output = false;
   // The FFN's intermediate product writes its output's (GELU's input's) 16-bit copy alone, the
   // bias's 16-bit copy added in its epilogue, and GELU reads it (a GPU's, with the weights'

@@ -210,9 +210,9 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
     product(k, g, N, 3 * C, C, "x16", "W_qkv", "qkv16", false, true, h);
   else
     product(k, g, N, 3 * C, C, "x16", "W_qkv", "qkv", false, true);
-  if (g.fused && g.qkv16_output) {  // (QKV's 16-bit copy, as its product wrote it)
+  if (g.fused && g.qkv16_output) {  // (QKV's 16-bit copy, as its product wrote it; ctx's alone)
     k.run("attention_forward_fused", {whole("qkv16", N * 3 * C * h), whole("mask", mask)},
-          {whole("ctx", N * C * kF), whole("ctx16", N * C * h), whole("lse", lse)});
+          {whole("ctx16", N * C * h), whole("lse", lse)});
   } else if (g.fused) {  // (QKV's fp32 values, its copy written as they are staged)
     k.run("attention_forward_fused", {whole("qkv", N * 3 * C * kF), whole("mask", mask)},
           {whole("qkv16", N * 3 * C * h), whole("ctx", N * C * kF), whole("ctx16", N * C * h),

@@ -248,7 +248,8 @@ void attention_backward(Precision p, kernels::Kept dqkv, float* dbias, kernels::
 // fused_attention_runs (scratch.h). attention_forward and _backward run it there and the blocked
 // kernel's products otherwise. Forward reads QKV's 16-bit copy (qkv.f32 null: its product wrote
 // only that), or its fp32 values, rounded as it stages them, writing the kept bits; it writes
-// ctx with its 16-bit copy where ctx.bits is given (keep's contract); backward reads the kept
+// ctx with its 16-bit copy where ctx.bits is given (keep's contract; ctx.f32 null: the copy
+// alone); backward reads the kept
 // bits, that copy of ctx (ctx16), lse [NH rows] and dctx in fp32 (rounded as it is read) or,
 // where dctx.f32 is null, its 16-bit copy. QKV, dctx and their copies at 16-byte boundaries
 // (16-byte accesses).

@@ -149,15 +149,16 @@ struct Block : Head {
 };
 
 // An unpadded batch's rows past its sequences, [starts[B], rows) (its rounding up), zero in
-// columns [col0, col0 + HD) of a [rows, ld] tensor and its 16-bit copy (may be null): the blocks
-// of the launch's z slice past the sequences (AttentionShape::starts), striding over the rows.
+// columns [col0, col0 + HD) of a [rows, ld] tensor and its 16-bit copy (each may be null): the
+// blocks of the launch's z slice past the sequences (AttentionShape::starts), striding over the
+// rows.
 __device__ void zero_tail(float* t, uint16_t* bits, int64_t ld, int64_t col0, int64_t HD,
                           const AttentionShape& s) {
   const int64_t first = s.starts[s.B], n = (s.rows - first) * HD;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int64_t at = (first + e / HD) * ld + col0 + e % HD;
-    t[at] = 0.0f;
+    if (t) t[at] = 0.0f;
     if (bits) bits[at] = 0;
   }
 }
@@ -239,11 +240,11 @@ __device__ void load_rows(Frag (&f)[NT], const X* rows) {
 }
 
 // The block's 64 rows of an output (the warps' accumulators through `out` [64, HD] fp32) times
-// scale, those before L, into a head's part (row stride ld) from row first; where `bits` is
-// given also rounded to the operand X there (with `keep`, keep's contract: FP16 writes the
-// rounded value in fp32 too). Where `partial` is given, the rows' column sums in row order (a
-// tile's partial sums of the bias gradient). `out` may alias what the block used before: the
-// first barrier waits for every warp.
+// scale, those before L, into a head's part (row stride ld) from row first (dst may be null
+// where `bits` is given: the copy alone); where `bits` is given also rounded to the operand X there
+// (with `keep`, keep's contract: FP16 writes the rounded value in fp32 too). Where `partial` is
+// given, the rows' column sums in row order (a tile's partial sums of the bias gradient). `out` may
+// alias what the block used before: the first barrier waits for every warp.
 template <int NT, class X>
 __device__ void write_block(float* dst, int64_t ld, int64_t first, int64_t L, const Acc (&acc)[NT],
                             float* out, float scale, int warp, X* bits, bool keep,
@@ -262,7 +263,7 @@ __device__ void write_block(float* dst, int64_t ld, int64_t first, int64_t L, co
       continue;
     }
     rm::store(bits + at, v);
-    dst[at] = keep && std::is_same_v<X, rm::F16Bits> ? rm::widen(bits[at]) : v;
+    if (dst) dst[at] = keep && std::is_same_v<X, rm::F16Bits> ? rm::widen(bits[at]) : v;
   }
   if (!partial) return;
   for (int c = static_cast<int>(threadIdx.x); c < HD; c += kThreads) {
@@ -398,8 +399,9 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  write_block<NT>(hd.rows(ctx), s.C, hd.first, L, o, reinterpret_cast<float*>(shared), 1.0f,
-                  hd.warp, ctx16 ? hd.rows(ctx16) : static_cast<X*>(nullptr), true);
+  write_block<NT>(ctx ? hd.rows(ctx) : nullptr, s.C, hd.first, L, o,
+                  reinterpret_cast<float*>(shared), 1.0f, hd.warp,
+                  ctx16 ? hd.rows(ctx16) : static_cast<X*>(nullptr), true);
 }
 
 // ---- backward
