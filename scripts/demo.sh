@@ -120,9 +120,9 @@ $BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512
 echo "-- what a step asks of a GPU: kernel launches and host synchronisations (docs/gpus.md; none between"
 echo "   logged steps: the norm, finite check, clipping and fp16's loss scale stay on the GPU), counted by"
 echo "   bench --device cuda; with the fused attention (--attention blocked: 2 kernels a layer, every sequence"
-echo "   length of the batch in one launch, the padding skipped) 20 launches a layer in all; padded or so, forward and"
-echo "   backward run as CUDA graphs (--cuda-graphs auto: 3 graph launches a step, forward, backward and the update;"
-echo "   the host issues no kernel):"
+echo "   length of the batch in one launch, the padding skipped) 20 launches a layer in all; padded or not, forward"
+echo "   and backward run as CUDA graphs (--cuda-graphs auto: 3 graph launches a step, forward, backward and the"
+echo "   update; the host issues no kernel):"
 if [ -x build-emu/bertrain ]; then
   for a in auto blocked; do
     build-emu/bertrain bench --device cuda --model-config configs/bert-tiny.json --batch-size 4 --seq-len 32 \
