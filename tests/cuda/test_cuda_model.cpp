@@ -222,6 +222,44 @@ TEST(CudaModel, GraphsReplayTheEagerStepsBitForBit) {
   }
 }
 
+// A training pass's loss sums, gradients and what it asked of the device, read back.
+struct GraphPass {
+  std::vector<float> grads;
+  model::StepSums sums;
+  kernels::DeviceCounts counts;
+};
+// One training forward and backward (dropout on, the sums kept on the device) of step k.
+GraphPass graph_pass(BertModel& m, const model::Batch& b, uint64_t k,
+                     model::Losses* losses = nullptr) {
+  const model::StepOptions opt{true, 5, k, 0, /*device_sums=*/true};
+  m.zero_grads();
+  const kernels::DeviceCounts before = cuda::device_counts();
+  const model::Losses l = m.forward(b, opt);
+  if (losses) *losses = l;
+  m.backward(b, opt, 1.0f);
+  GraphPass p;
+  p.counts = cuda::device_counts();
+  p.counts.launches -= before.launches;
+  p.counts.graph_launches -= before.graph_launches;
+  p.counts.graph_kernels -= before.graph_kernels;
+  m.read_step_sums();
+  p.sums = m.step_sums();
+  p.grads.resize(static_cast<size_t>(m.table().total()));
+  m.backend().to_host(p.grads.data(), m.grads(), p.grads.size() * sizeof(float));
+  return p;
+}
+// The graphed passes equal the eager ones bit for bit: loss sums and gradients.
+void expect_same_passes(const std::vector<GraphPass>& graphed,
+                        const std::vector<GraphPass>& eager) {
+  ASSERT_EQ(graphed.size(), eager.size());
+  for (size_t k = 0; k < eager.size(); ++k) {
+    SCOPED_TRACE(testing::Message() << "batch " << k);
+    EXPECT_EQ(graphed[k].sums.loss, eager[k].sums.loss);
+    EXPECT_EQ(graphed[k].sums.mlm_correct, eager[k].sums.mlm_correct);
+    EXPECT_TRUE(graphed[k].grads == eager[k].grads);
+  }
+}
+
 // A graph holds every batch of its shape, not only the one it was captured with: three batches
 // of 4 x 32 tokens through the two input slots (the first slot's graphs captured with a batch
 // whose embedding tables have no row of more than kEmbeddingChunk tokens, so no partial sums,
@@ -237,42 +275,22 @@ TEST(CudaModel, AGraphHoldsEveryBatchOfItsShape) {
   for (int32_t& id : second.input_ids) id = (id + 17) % 300;
   for (int32_t& id : third.input_ids) id = 7;
   for (size_t i = 0; i < third.masked_lm_weights.size(); i += 3) third.masked_lm_weights[i] = 0;
-  struct Pass {
-    std::vector<float> grads;
-    model::StepSums sums;
-  };
   auto run = [&](model::GraphMode graphs) {
-    const kernels::Backend& be = cuda::cuda_backend();
     ModelDims d{4, 32, 5};
     d.attention = ModelDims::Attention::Full;
     d.unpadded = false;
-    BertModel m(c, Head::Pretraining, d, be);
+    BertModel m(c, Head::Pretraining, d, cuda::cuda_backend());
     m.set_graphs(graphs);
     m.init_params(11);
-    std::vector<Pass> passes;
-    int64_t k = 0;
+    std::vector<GraphPass> passes;
+    uint64_t k = 0;
     for (const model::Batch* b : std::vector<const model::Batch*>{&first, &second, &third}) {
-      const model::StepOptions opt{true, 5, static_cast<uint64_t>(k++), 0, /*device_sums=*/true};
-      EXPECT_EQ(m.graphed(*b, opt), graphs != model::GraphMode::Off);
-      m.zero_grads();
-      m.forward(*b, opt);
-      m.backward(*b, opt, 1.0f);
-      m.read_step_sums();
-      Pass p;
-      p.sums = m.step_sums();
-      p.grads.resize(static_cast<size_t>(m.table().total()));
-      be.to_host(p.grads.data(), m.grads(), p.grads.size() * sizeof(float));
-      passes.push_back(std::move(p));
+      EXPECT_EQ(m.graphed(*b, {true, 5, k, 0, true}), graphs != model::GraphMode::Off);
+      passes.push_back(graph_pass(m, *b, k++));
     }
     return passes;
   };
-  const auto eager = run(model::GraphMode::Off), graphed = run(model::GraphMode::On);
-  for (size_t k = 0; k < eager.size(); ++k) {
-    SCOPED_TRACE(testing::Message() << "batch " << k);
-    EXPECT_EQ(graphed[k].sums.loss, eager[k].sums.loss);
-    EXPECT_EQ(graphed[k].sums.mlm_correct, eager[k].sums.mlm_correct);
-    EXPECT_TRUE(graphed[k].grads == eager[k].grads);
-  }
+  expect_same_passes(run(model::GraphMode::On), run(model::GraphMode::Off));
 }
 
 // The graph cache (model/graphs.h) keeps its `most` graphs, the one launched longest ago making
@@ -334,50 +352,29 @@ TEST(CudaModel, UnpaddedGraphsHoldEveryBatchOfTheirRows) {
       batch({47, 41, 29, 21, 45, 17}, 3), batch({48, 48, 48, 48, 48, 48}, 4)};
   batches[2].masked_lm_weights[4] = 0;
   const std::vector<int64_t> rows = {256, 128, 256, 288};
-  struct Pass {
-    std::vector<float> grads;
-    model::StepSums sums;
-    kernels::DeviceCounts counts;
-  };
-  const kernels::Backend& be = cuda::cuda_backend();
   auto run = [&](model::GraphMode graphs) {
     ModelDims d{B, T, P};
     d.precision = Precision::BF16;
     d.attention = ModelDims::Attention::Blocked;
     d.unpadded = true;
-    BertModel m(c, Head::Pretraining, d, be);
+    BertModel m(c, Head::Pretraining, d, cuda::cuda_backend());
     EXPECT_TRUE(m.dims().fused_attention);
     m.set_graphs(graphs);
     m.init_params(11);
-    std::vector<Pass> passes;
-    for (size_t k = 0; k < batches.size(); ++k) {
-      const model::StepOptions opt{true, 5, k, 0, /*device_sums=*/true};
-      EXPECT_EQ(m.graphed(batches[k], opt), graphs != model::GraphMode::Off);
-      m.zero_grads();
-      const kernels::DeviceCounts before = cuda::device_counts();
-      const model::Losses l = m.forward(batches[k], opt);
-      m.backward(batches[k], opt, 1.0f);
-      Pass p;
-      p.counts = cuda::device_counts();
-      p.counts.launches -= before.launches;
-      p.counts.graph_launches -= before.graph_launches;
-      p.counts.graph_kernels -= before.graph_kernels;
+    std::vector<GraphPass> passes;
+    for (uint64_t k = 0; k < batches.size(); ++k) {
+      EXPECT_EQ(m.graphed(batches[k], {true, 5, k, 0, true}), graphs != model::GraphMode::Off);
+      model::Losses l;
+      passes.push_back(graph_pass(m, batches[k], k, &l));
       EXPECT_EQ(l.computed_tokens, rows[k]) << "batch " << k;
-      m.read_step_sums();
-      p.sums = m.step_sums();
-      p.grads.resize(static_cast<size_t>(m.table().total()));
-      be.to_host(p.grads.data(), m.grads(), p.grads.size() * sizeof(float));
-      passes.push_back(std::move(p));
     }
     if (graphs != model::GraphMode::Off) EXPECT_EQ(m.graph_captures(), 6);
     return passes;
   };
   const auto eager = run(model::GraphMode::Off), graphed = run(model::GraphMode::On);
+  expect_same_passes(graphed, eager);
   for (size_t k = 0; k < eager.size(); ++k) {
     SCOPED_TRACE(testing::Message() << "batch " << k);
-    EXPECT_EQ(graphed[k].sums.loss, eager[k].sums.loss);
-    EXPECT_EQ(graphed[k].sums.mlm_correct, eager[k].sums.mlm_correct);
-    EXPECT_TRUE(graphed[k].grads == eager[k].grads);
     EXPECT_EQ(graphed[k].counts.graph_launches, 2);
     EXPECT_EQ(eager[k].counts.graph_launches, 0);
     // (the host's: the 16-bit weights' copy, without an optimizer step to refresh them)
