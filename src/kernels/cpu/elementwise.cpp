@@ -344,46 +344,25 @@ void dropout_backward(float* dx, const float* dy, int64_t n, const Dropout& d) {
   });
 }
 
-namespace {
-// Rows of C values, row r drawing as row rows[r]: each a flat call of its own (in one thread;
-// the rows spread over the threads).
-template <class F>
-void each_mapped_row(int64_t N, int64_t C, const Dropout& d, F&& f) {
-  const Dropout at = resolved(d);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < N; ++r) {
-    Dropout row = at;
-    row.rows = nullptr;
-    row.offset = at.offset + static_cast<uint64_t>(at.rows[r]) * static_cast<uint64_t>(C);
-    f(r, row);
-  }
-}
-}  // namespace
-
-void dropout_forward(float* x, int64_t N, int64_t C, const Dropout& d) {
-  if (!d.rows || d.p <= 0.0f) {
-    Dropout flat = d;
-    flat.rows = nullptr;
-    return dropout_forward(x, N * C, flat);
-  }
-  each_mapped_row(N, C, d, [&](int64_t r, const Dropout& row) {
-    with_isa([&](auto tag) {
-      dropout_rows(tag, x + r * C, x + r * C, 0, C, row.p, row.key, row.offset);
-    });
-  });
-}
-
 void dropout_backward(float* dx, const float* dy, int64_t N, int64_t C, const Dropout& d) {
   if (!d.rows || d.p <= 0.0f) {
     Dropout flat = d;
     flat.rows = nullptr;
     return dropout_backward(dx, dy, N * C, flat);
   }
-  each_mapped_row(N, C, d, [&](int64_t r, const Dropout& row) {
-    with_isa([&](auto tag) {
-      dropout_rows(tag, dx + r * C, dy + r * C, 0, C, row.p, row.key, row.offset);
-    });
+  // Row r drawing as row rows[r]: a flat pass of its own in one thread, the rows spread over the
+  // threads.
+  const Dropout at = resolved(d);
+  with_isa([&](auto tag) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < N; ++r)
+      dropout_rows(tag, dx + r * C, dy + r * C, 0, C, at.p, at.key,
+                   at.offset + static_cast<uint64_t>(at.rows[r]) * static_cast<uint64_t>(C));
   });
+}
+
+void dropout_forward(float* x, int64_t N, int64_t C, const Dropout& d) {
+  dropout_backward(x, x, N, C, d);  // (the same mask, in place)
 }
 
 }  // namespace bertrain::kernels
