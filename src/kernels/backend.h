@@ -271,7 +271,9 @@ class Backend : public Target {
   // linear_backward's, within fp32 rounding); the default calls attention_backward, then sums
   // and rounds. dctx.bits: dctx's 16-bit copy made already (linear_backward_16, the output
   // projection's product writing it), read by the full kernel's products instead of a rounding
-  // of dctx.f32 (which may be null then; the fused kernel reads dctx.f32).
+  // of dctx.f32 (which may be null then; the fused kernel reads dctx.f32). dqkv.f32 may be null
+  // where the fused kernel runs (Target::fused_attention) and dqkv.bits is given: the 16-bit copy
+  // alone, what a GPU's products read.
   virtual void attention_bias_backward(Precision p, Kept dqkv, float* dbias, KeptIn dctx, Kept qkv,
                                        AttentionSaved saved, const int32_t* mask,
                                        const AttentionShape& s, const Dropout& d,

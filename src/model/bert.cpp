@@ -1057,11 +1057,13 @@ void BertModel::layer_backward(int64_t l, const Pass& p, const Batch& b, float* 
   } else {
     linear_backward(dA, o.attn_out_w, kBiasDone, dB16, a.ctx, N, C, C);
   }
-  // dQKV with QKV's bias gradient and its 16-bit copy (the fused kernel's own, on a GPU)
+  // dQKV with QKV's bias gradient and its 16-bit copy (the fused kernel's own, on a GPU: the copy
+  // alone where the products read only that, bits_only)
+  const Kept dqkv_made = bits_only && dims_.fused_attention ? Kept{nullptr, dI16.bits} : dI16;
   if (p.up) {
-    packed_attention(l, false, dI16, G(o.qkv_b), dctx, p.opt);
+    packed_attention(l, false, dqkv_made, G(o.qkv_b), dctx, p.opt);
   } else {
-    be_.attention_bias_backward(prec_, dI16, G(o.qkv_b), dctx, a.qkv, a.saved, cur_.in.mask,
+    be_.attention_bias_backward(prec_, dqkv_made, G(o.qkv_b), dctx, a.qkv, a.saved, cur_.in.mask,
                                 {p.B, p.T, C, NH}, p.site(l + 1, kAttnProbs, p_attn), ws_);
   }
   linear_backward(dh, o.qkv_w, kBiasDone, dI16, {x, input16(l)}, N, 3 * C, C,

@@ -310,7 +310,8 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
     std::vector<Use> reads = {g.qkv16_output ? whole("dctx16", N * C * h) : whole("dA", N * C * kF),
                               whole("qkv16", N * 3 * C * h), whole("ctx16", N * C * h),
                               whole("lse", lse), whole("mask", mask)};
-    std::vector<Use> writes = {whole("dqkv", N * 3 * C * kF), whole("dqkv16", N * 3 * C * h)};
+    // (dQKV's 16-bit copy alone: the fused kernel runs in 16 bits, where the products read that)
+    std::vector<Use> writes = {whole("dqkv16", N * 3 * C * h)};
     // (the bias gradient's partial sums: a row a tile of 64 rows of each sequence)
     const double tiles = static_cast<double>(
         kernels::fused_attention_tiles(static_cast<int64_t>(g.R), static_cast<int64_t>(g.T)));

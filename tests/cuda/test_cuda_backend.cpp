@@ -602,7 +602,9 @@ TEST(CudaBackend, FusedAttentionMatchesTheBlockedProducts) {
 // fp32 context written, QKV's copy left as it was. Backward: dV
 // bit for bit (dropped P^T dO: the same operands), dQ and dK within the 16-bit format's few
 // units (each row's D = dO . O then sums the rounded dO: a relative change of at most the
-// format's unit roundoff in D, which dS = P (g - D) carries).
+// format's unit roundoff in D, which dS = P (g - D) carries). And dQKV's copy asked for alone
+// (what the model asks on a GPU, whose products read only that): the same bits as beside the
+// fp32 values, no fp32 dQKV written.
 TEST(CudaBackend, FusedAttentionReadsQkvAndDctxsCopies) {
   SKIP_WITHOUT_GPU();
   const kernels::AttentionShape s{2, 72, 128, 2};
@@ -623,11 +625,11 @@ TEST(CudaBackend, FusedAttentionReadsQkvAndDctxsCopies) {
     Twin<int32_t> mask(mask_h);
     struct Out {
       std::vector<float> ctx, dqkv, lse;
-      std::vector<uint16_t> ctx16, qkv16;
+      std::vector<uint16_t> ctx16, qkv16, dqkv16;
     };
-    auto run = [&](bool copies) {
+    auto run = [&](bool copies, bool dqkv16_alone = false) {
       Twin<float> qkv(qkv_h), ctx(B * T * C), dctx(dctx_h), dqkv(n_qkv), lse(B * NH * T);
-      Twin<uint16_t> qkv16(round(qkv_h)), dctx16(round(dctx_h)), ctx16(B * T * C);
+      Twin<uint16_t> qkv16(round(qkv_h)), dctx16(round(dctx_h)), ctx16(B * T * C), dqkv16(n_qkv);
       kernels::AttentionSaved saved;
       saved.lse = lse.dev();
       saved.ctx16 = ctx16.dev();
@@ -636,12 +638,15 @@ TEST(CudaBackend, FusedAttentionReadsQkvAndDctxsCopies) {
       const kernels::KeptIn g{copies ? nullptr : dctx.dev(), copies ? dctx16.dev() : nullptr};
       gpu().attention_forward(p, {copies ? nullptr : ctx.dev(), ctx16.dev()}, saved, x, mask.dev(),
                               s, d, ws);
-      gpu().attention_bias_backward(p, {dqkv.dev(), nullptr}, nullptr, g, x, saved, mask.dev(), s,
-                                    d, ws);
+      gpu().attention_bias_backward(p, {dqkv16_alone ? nullptr : dqkv.dev(), dqkv16.dev()}, nullptr,
+                                    g, x, saved, mask.dev(), s, d, ws);
       cuda::synchronize();
-      return Out{ctx.back(), dqkv.back(), lse.back(), ctx16.back(), qkv16.back()};
+      return Out{ctx.back(), dqkv.back(), lse.back(), ctx16.back(), qkv16.back(), dqkv16.back()};
     };
-    const Out f32 = run(false), copies = run(true);
+    const Out f32 = run(false), copies = run(true), alone = run(true, true);
+    EXPECT_EQ(alone.dqkv16, copies.dqkv16);
+    EXPECT_EQ(copies.dqkv16, round(copies.dqkv));
+    EXPECT_EQ(alone.dqkv, std::vector<float>(alone.dqkv.size(), 0.0f)) << "(dQKV's copy alone)";
     EXPECT_EQ(copies.ctx, std::vector<float>(copies.ctx.size(), 0.0f)) << "(ctx's copy alone)";
     EXPECT_EQ(copies.ctx16, f32.ctx16);
     EXPECT_EQ(copies.lse, f32.lse);

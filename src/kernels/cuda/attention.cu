@@ -275,6 +275,9 @@ void attention_backward(Precision p, Kept dqkv, float* dbias, kernels::KeptIn dc
     return fused_attention_backward(p, dqkv, dbias, dctx, qkv.bits, saved.ctx16, saved.lse, mask, s,
                                     d);
   BT_CHECK(!s.starts, "attention_backward: variable lengths need the fused kernel");
+  BT_CHECK(dqkv.f32,
+           "attention_backward: the attention's products write dQKV's fp32 values (its "
+           "16-bit copy alone is the fused kernel's)");
   products_backward(p, dqkv.f32, dctx, qkv, saved, mask, s, d, ws);
   // (the 16-bit copy and the bias gradient in one pass over dqkv)
   rounded_column_sums(p, dbias, dqkv.f32, p != Precision::FP32 ? dqkv.bits : nullptr, s.B * s.T,

@@ -256,9 +256,9 @@ void attention_backward(Precision p, kernels::Kept dqkv, float* dbias, kernels::
 void fused_attention_forward(Precision p, kernels::Kept ctx, float* lse, kernels::Kept qkv,
                              const int32_t* mask, const kernels::AttentionShape& s,
                              const kernels::Dropout& d);
-// Backward's dqkv.bits and dbias (each may be null): dqkv rounded, and += its column sums over
-// the sequences' rows (partial sums a tile of 64 rows, added in order by the last block of each
-// head's Q, K or V columns: column_tickets.cuh).
+// Backward's dqkv.f32, dqkv.bits and dbias (each may be null, not both of dqkv's): dqkv, rounded,
+// and += its column sums over the sequences' rows (partial sums a tile of 64 rows, added in order
+// by the last block of each head's Q, K or V columns: column_tickets.cuh).
 void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, kernels::KeptIn dctx,
                               const uint16_t* qkv, const uint16_t* ctx16, const float* lse,
                               const int32_t* mask, const kernels::AttentionShape& s,

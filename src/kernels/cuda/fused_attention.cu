@@ -490,7 +490,6 @@ __device__ void dq_rows(const Block& hd, unsigned char* shared, float* dqkv, X* 
                         const int32_t* mask, const Dropout& d) {
   constexpr int HD = NT * 16;
   using Sh = BackwardShared<HD>;
-  const AttentionShape& s = hd.s;
   const int64_t L = hd.q.L, w0 = hd.warp_first();
   const int lane = hd.lane;
   const bool active = w0 < L;
@@ -551,8 +550,9 @@ __device__ void dq_rows(const Block& hd, unsigned char* shared, float* dqkv, X* 
       }
     }
   }
-  write_block<NT>(hd.part(dqkv, 0), hd.C3, hd.first, L, dq, reinterpret_cast<float*>(shared),
-                  hd.scale, hd.warp, dqkv16 ? hd.part(dqkv16, 0) : static_cast<X*>(nullptr), false,
+  write_block<NT>(dqkv ? hd.part(dqkv, 0) : nullptr, hd.C3, hd.first, L, dq,
+                  reinterpret_cast<float*>(shared), hd.scale, hd.warp,
+                  dqkv16 ? hd.part(dqkv16, 0) : static_cast<X*>(nullptr), false,
                   prow ? prow + hd.h * HD : nullptr);
 }
 
@@ -641,10 +641,10 @@ __device__ void dkv_rows(const Block& hd, unsigned char* shared, float* dqkv, X*
     }
   }
   float* const out = reinterpret_cast<float*>(shared);
-  write_block<NT>(hd.part(dqkv, 1), hd.C3, hd.first, L, dk, out, hd.scale, hd.warp,
+  write_block<NT>(dqkv ? hd.part(dqkv, 1) : nullptr, hd.C3, hd.first, L, dk, out, hd.scale, hd.warp,
                   dqkv16 ? hd.part(dqkv16, 1) : static_cast<X*>(nullptr), false,
                   prow ? prow + s.C + hd.h * HD : nullptr);
-  write_block<NT>(hd.part(dqkv, 2), hd.C3, hd.first, L, dv, out, 1.0f, hd.warp,
+  write_block<NT>(dqkv ? hd.part(dqkv, 2) : nullptr, hd.C3, hd.first, L, dv, out, 1.0f, hd.warp,
                   dqkv16 ? hd.part(dqkv16, 2) : static_cast<X*>(nullptr), false,
                   prow ? prow + 2 * s.C + hd.h * HD : nullptr);
 }
@@ -767,6 +767,9 @@ void fused_attention_backward(Precision p, kernels::Kept dqkv, float* dbias, ker
     check_aligned("dctx", dctx.f32);
   else
     check_aligned("dctx's 16-bit copy", dctx.bits);
+  BT_CHECK(dqkv.f32 || dqkv.bits,
+           "the fused attention's backward: nowhere to write dQKV (neither fp32 values nor a "
+           "16-bit copy)");
   const int64_t tiles = (s.T + kRows - 1) / kRows;
   float* partial = nullptr;
   unsigned* tickets = nullptr;
