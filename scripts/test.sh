@@ -75,8 +75,10 @@ fi
 # every precision, BertModel and train::Step on it, NCCL between two emulated GPUs); then again
 # with the kernels and the emulator under AddressSanitizer + UBSan, so an out-of-bounds access in
 # a kernel fails with a stack (all but the two long training runs, whose kernels the others run,
-# and the two counts of the pages a step touches, a fault a page: minutes each under ASan; the
-# emulator's own touch test stays), and the device running its streams' work as early as it may
+# the two counts of the pages a step touches, a fault a page: minutes each under ASan; the
+# emulator's own touch test stays; two counts of launches and waits over BERT-tiny steps whose
+# kernels the model tests run at the same shapes; and the fine-tuning runs with and without
+# graphs, whose kernels the heads' graph test runs), and the device running its streams' work as early as it may
 # instead of as late.
 # BERTRAIN_SKIP_CUDA_EMU=1 skips both.
 if [ "${BERTRAIN_SKIP_CUDA_EMU:-0}" != 1 ]; then
@@ -95,7 +97,7 @@ if [ "${BERTRAIN_SKIP_CUDA_EMU:-0}" != 1 ]; then
   CUDA_EMU_SCHEDULE=eager UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ctest \
     --test-dir build-emu-asan \
     --output-on-failure -j"$(nproc)" -R "$GPU_TESTS" \
-    -E 'LossCurveTracksTheCpu|ReduceBucketsWhileBackwardRuns|TheBytesTheUpdateTouches|TheBytesEachKernel' \
+    -E 'LossCurveTracksTheCpu|ReduceBucketsWhileBackwardRuns|TheBytesTheUpdateTouches|TheBytesEachKernel|NoHostSyncBetweenLoggedSteps|BenchPrintsThem|FineTuningAsGraphs' \
     --timeout 600
   lap "emulated device under ASan"
 fi

@@ -47,7 +47,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
     train::FinetuneConfig cfg;
     TaskOpts task;
     std::string lower = "auto", precision = "fp32", padding = "auto", device = "cpu";
-    std::string stage_dir;
+    std::string stage_dir, graphs = "auto";
     int threads = 0;
   };
   auto o = std::make_shared<Opts>();
@@ -117,6 +117,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
       ->capture_default_str();
   add_padding_option(c, o->padding);
   add_device_option(c, o->device);
+  add_graphs_option(c, o->graphs);
   add_dist_options(c);
   add_storage_options(c);
   c->callback([o, comm] {
@@ -125,6 +126,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
     cfg.backend = &device_backend(o->device);
     cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
     cfg.precision = parse_precision(o->precision);
+    cfg.graphs = model::parse_graph_mode(o->graphs);
     cfg.unpadded =
         parse_padding(o->padding, *cfg.backend, model::ModelDims::Attention::Auto, cfg.precision);
     cfg.columns = o->task.columns();

@@ -797,6 +797,8 @@ struct BertModel::Pass {
   float p_hidden;
   const uint64_t* args;  // the step's arguments (step_args_), in the backend's memory
   Dropout site(int64_t layer, Site s, float p) const { return site_of(opt, args, layer, s, p); }
+  // The head's loss divisor (a double) and gradient scale (a float), after the sites' arguments.
+  const uint64_t* head_args() const { return args + site_index(L + 2, kEmbedding); }
   // Site s's first index: this micro-batch's offset in the site's index space ([B, T, C] but for
   // the attention probabilities' [B, NH, T, T] and the pooler's [B, C]).
   uint64_t site_offset(Site s, int64_t NH) const {
@@ -849,13 +851,17 @@ Losses BertModel::forward(const Batch& b, const StepOptions& opt) {
   // kernels' forward leaves it, which the capture checks.
   Losses known = out;
   known.mlm_weight = mlm_weight_;
+  known.tokens_scored = head_ == Head::TokenClassification ? static_cast<int64_t>(tokens_scored_)
+                        : head_ == Head::QuestionAnswering ? 2 * p.B
+                                                           : 0;
   run_graph(graph_key(true, opt, 1.0f), [&] {
     forward_kernels(p, b, out);
     BT_CHECK(out.loss == 0 && out.mlm_loss == 0 && out.nsp_loss == 0 && out.mlm_correct == 0 &&
-                 out.nsp_correct == 0 && out.mlm_weight == known.mlm_weight,
+                 out.nsp_correct == 0 && out.cls_correct == 0 && out.tokens_correct == 0 &&
+                 out.mlm_weight == known.mlm_weight && out.tokens_scored == known.tokens_scored,
              "a graph's forward: the host's losses are not what the captured forward left");
   });
-  mlm_grad_ready_ = opt.training;
+  mlm_grad_ready_ = opt.training && head_ == Head::Pretraining;
   seq_out_ = p.L > 0 ? act_.layers[static_cast<size_t>(p.L - 1)].ln2_out : act_.h0;
   return known;
 }
@@ -878,7 +884,7 @@ void BertModel::forward_kernels(const Pass& p, const Batch& b, Losses& out) {
 
   switch (head_) {
     case Head::TokenClassification:
-      token_classifier_forward(p, b, x, out);
+      token_classifier_forward(p, x, out);
       break;
     case Head::QuestionAnswering:
       qa_forward(p, x, out);
@@ -969,7 +975,7 @@ void BertModel::backward_kernels(const Pass& p, const Batch& b, kernels::Multipl
   float* dpooled = act_.dhead2;  // [B,C]
   switch (head_) {
     case Head::TokenClassification:
-      token_classifier_backward(p, b, loss_scale, dh);
+      token_classifier_backward(p, loss_scale, dh);
       break;
     case Head::QuestionAnswering:
       qa_backward(p, loss_scale, dh);
@@ -1140,8 +1146,11 @@ int64_t BertModel::row_quantum() const {
 
 bool BertModel::graph_shapes() const {
   // (unpadded: the blocked attention's runs of equal lengths change the launches from batch to
-  // batch, the fused kernel's one launch does not; the other heads' loss divisors are the host's)
-  return be_.graphs() && head_ == Head::Pretraining && (!unpadded() || dims_.fused_attention);
+  // batch, the fused kernel's one launch does not. Every head's loss is summed on the device,
+  // its divisor the shape's or the step's arguments', but a regression's squared error, which
+  // the host sums)
+  const bool regression = head_ == Head::SequenceClassification && cfg_.num_labels == 1;
+  return be_.graphs() && !regression && (!unpadded() || dims_.fused_attention);
 }
 
 bool BertModel::graphed(const Batch& /*b: its shape keys the graph*/,
@@ -1179,14 +1188,23 @@ void BertModel::send_step_args(const Pass& p, const Batch& b) {
       at[0] = rng_key(p.opt.seed, p.opt.step, static_cast<uint64_t>(layer), s);
       at[1] = p.site_offset(static_cast<Site>(s), NH);
     }
-  // The MLM loss's divisor and gradient scale (pretraining_forward: Google BERT's mean).
+  // The head's loss divisor and gradient scale, which its kernels read where they run (a
+  // graph's replays too): the MLM loss's (pretraining_forward: Google BERT's mean), or the
+  // token classifier's (HF's mean over the scored tokens; none scored: a loss and gradient 0).
   mlm_weight_ = 0;
+  tokens_scored_ = 0;
+  double divisor = kMlmDenominatorEps;
+  float dscale = static_cast<float>(1.0 / divisor);
   if (head_ == Head::Pretraining) {
     const int64_t BP = p.up ? cur_.packed.mlm_rows : p.B * b.P;
     for (int64_t r = 0; r < BP; ++r) mlm_weight_ += mlm_weights(b)[r];
+    divisor = mlm_weight_ + kMlmDenominatorEps;
+    dscale = static_cast<float>(1.0 / divisor);
+  } else if (head_ == Head::TokenClassification) {
+    for (int64_t i = 0; i < p.N; ++i) tokens_scored_ += token_weights_host(b)[i];
+    divisor = tokens_scored_ > 0 ? tokens_scored_ : 1.0;
+    dscale = tokens_scored_ > 0 ? static_cast<float>(1.0 / tokens_scored_) : 0.0f;
   }
-  const double divisor = mlm_weight_ + kMlmDenominatorEps;
-  const float dscale = static_cast<float>(1.0 / divisor);
   uint64_t* tail = h + site_index(p.L + 2, kEmbedding);
   tail[0] = std::bit_cast<uint64_t>(divisor);
   tail[1] = std::bit_cast<uint32_t>(dscale);
@@ -1206,32 +1224,32 @@ StepSums BertModel::step_sums() const {
 // HF's BertForTokenClassification: classifier(dropout(h)) on every token; the loss is the mean
 // cross-entropy over the scored tokens (weight 1; HF's ignore_index -100 is weight 0). Unpadded:
 // the packed rows' labels and weights (dummy rows weigh 0).
-void BertModel::token_classifier_forward(const Pass& p, const Batch& b, const float* x,
-                                         Losses& out) {
+void BertModel::token_classifier_forward(const Pass& p, const float* x, Losses& out) {
   const int64_t N = p.N, C = p.C, NL = cfg_.num_labels;
   be_.copy(act_.tok_drop, x, N * C);
   be_.dropout_forward(act_.tok_drop, N, C, on_rows(p.site(p.L + 1, kTokens, p.p_hidden)));
   be_.linear_forward(prec_, act_.tok_logits, {act_.tok_drop}, Wt(table_.heads().classifier_w),
                      W(table_.heads().classifier_b), N, NL, C, ws_);
-  double scored = 0;
-  for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
-  const CrossEntropySums ce =
-      head_loss(p, scored > 0 ? scored : 1.0, nullptr, nullptr, act_.tok_logits,
-                cur_.in.token_labels, cur_.in.token_weights, N, NL, 0.0f);
+  // (the divisor as the kernels read it from the step's arguments: send_step_args')
+  const double scored = tokens_scored_;
+  const CrossEntropySums ce = head_loss(
+      p, scored > 0 ? scored : 1.0, nullptr, nullptr, act_.tok_logits, cur_.in.token_labels,
+      cur_.in.token_weights, N, NL, 0.0f, reinterpret_cast<const double*>(p.head_args()));
   out.loss = scored > 0 ? ce.loss / scored : 0.0;
   out.tokens_scored = static_cast<int64_t>(scored);
   out.tokens_correct = static_cast<int64_t>(ce.correct);
 }
 
-void BertModel::token_classifier_backward(const Pass& p, const Batch& b,
-                                          kernels::Multiplier loss_scale, float* dh) {
+void BertModel::token_classifier_backward(const Pass& p, kernels::Multiplier loss_scale,
+                                          float* dh) {
   const int64_t N = p.N, NL = cfg_.num_labels;
-  double scored = 0;
-  for (int64_t i = 0; i < N; ++i) scored += token_weights_host(b)[i];
   float* dlog = act_.dsmall;  // [N,NL]
+  // The gradient for loss scale 1 (1 / the scored tokens, or 0, as the kernel reads it from the
+  // step's arguments), then the loss scale's factor.
   be_.cross_entropy(dlog, nullptr, nullptr, act_.tok_logits, cur_.in.token_labels,
                     cur_.in.token_weights, N, NL,
-                    scored > 0 ? loss_scale.over(scored) : kernels::Multiplier(0.0f));
+                    kernels::Multiplier{1.0f, reinterpret_cast<const float*>(p.head_args() + 1)});
+  if (!loss_scale.is_one()) be_.scale_inplace(dlog, N * NL, loss_scale);
   linear_backward(dh, table_.heads().classifier_w, table_.heads().classifier_b, dlog,
                   {act_.tok_drop}, N, NL, p.C);
   be_.dropout_backward(dh, dh, N, p.C, on_rows(p.site(p.L + 1, kTokens, p.p_hidden)));
@@ -1313,7 +1331,7 @@ void BertModel::pretraining_forward(const Pass& p, const Batch& b, const float* 
   // (the weights' sum, the divisor and the gradient's scale 1 / divisor: send_step_args', which
   // the kernels read from the step's arguments)
   out.mlm_weight = mlm_weight_;
-  const uint64_t* tail = p.args + site_index(p.L + 2, kEmbedding);
+  const uint64_t* tail = p.head_args();
   const kernels::Multiplier dscale1{1.0f, reinterpret_cast<const float*>(tail + 1)};
   const bool training = p.opt.training;
   const CrossEntropySums mlm = head_loss(

@@ -449,7 +449,8 @@ class BertModel {
   void backward_kernels(const Pass& p, const Batch& b, kernels::Multiplier loss_scale,
                         const std::function<void(int64_t)>& layer_done);
   // The step's arguments (step_args_) for pass p: each dropout site's key and first index,
-  // the MLM loss's divisor and gradient scale, sent to the backend's memory.
+  // the head's loss divisor and gradient scale (the MLM's, or the token classifier's), sent to
+  // the backend's memory.
   void send_step_args(const Pass& p, const Batch& b);
   // What a graph's launch arguments hold besides the model's own memory: forward or backward,
   // the input slot, the shapes (an unpadded batch's rows and MLM rows too), dropout on or off,
@@ -481,9 +482,8 @@ class BertModel {
                        kernels::Kept in, int64_t M, int64_t N, int64_t K, bool accumulate = false);
   // The heads (bert.cpp, each forward beside its backward): the losses into `out`, the gradient
   // into dh (the sequence output's rows) or dpooled.
-  void token_classifier_forward(const Pass& p, const Batch& b, const float* x, Losses& out);
-  void token_classifier_backward(const Pass& p, const Batch& b, kernels::Multiplier loss_scale,
-                                 float* dh);
+  void token_classifier_forward(const Pass& p, const float* x, Losses& out);
+  void token_classifier_backward(const Pass& p, kernels::Multiplier loss_scale, float* dh);
   void qa_forward(const Pass& p, const float* x, Losses& out);
   void qa_backward(const Pass& p, kernels::Multiplier loss_scale, float* dh);
   void pooler_forward(const Pass& p, const float* x);
@@ -547,11 +547,12 @@ class BertModel {
   obs::Timeline* timeline_ = nullptr;
   float* seq_out_ = nullptr;
   // The step's arguments in the backend's memory (the plan's "head.step_args") and their host
-  // copy: {key, offset} of each dropout site by (layer, site kind), then the MLM loss's divisor
-  // (a double's bits) and gradient scale (a float's); the MLM weight they came from.
+  // copy: {key, offset} of each dropout site by (layer, site kind), then the head's loss
+  // divisor (a double's bits) and gradient scale (a float's); the MLM weight or the token
+  // classifier's scored tokens they came from.
   uint64_t* step_args_ = nullptr;
   std::vector<uint64_t> step_args_host_;
-  double mlm_weight_ = 0;
+  double mlm_weight_ = 0, tokens_scored_ = 0;
   // The graphs (set_graphs) by kind, input slot and shape, and whether one is being captured.
   GraphMode graphs_ = GraphMode::Off;
   GraphCache<GraphKey> graph_of_{kKeptGraphs};

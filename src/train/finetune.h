@@ -10,6 +10,7 @@
 #include "comm/communicator.h"
 #include "data/tfrecord.h"
 #include "kernels/backend.h"
+#include "model/graphs.h"
 #include "tasks/qa.h"
 #include "tasks/task_files.h"
 #include "train/precision.h"
@@ -40,6 +41,9 @@ struct FinetuneConfig {
   // Where the model and the optimizer state live and run (null: the CPU's backend); a backend
   // with memory of its own (a GPU's) fine-tunes on one rank, with the full attention kernel.
   const kernels::Backend* backend = nullptr;
+  // On a backend that captures them (a GPU's): forward, backward and the update as CUDA graphs
+  // (train::StepSettings::graphs; a regression head's forward and backward kernel by kernel).
+  model::GraphMode graphs = model::GraphMode::Auto;
 };
 
 struct FinetuneResult {

@@ -45,8 +45,9 @@ struct StepSettings {
   // stay on the device until settle() (Step::run says how). Else (and by default) each step is
   // read when it ends.
   bool defer = false;
-  // Forward and backward launched as CUDA graphs where the model can (BertModel::set_graphs:
-  // a GPU, padded pretraining batches), and a deferred step's update (Optimizer::gated_step:
+  // Forward and backward launched as CUDA graphs where the model can (BertModel::graph_shapes:
+  // a GPU; padded batches, or unpadded with the fused attention; any head but a regression),
+  // and a deferred step's update (Optimizer::gated_step:
   // any model), captured at their first use.
   model::GraphMode graphs = model::GraphMode::Off;
 };

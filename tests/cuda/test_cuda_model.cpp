@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "comm/communicator.h"
 #include "core/rng.h"
@@ -19,6 +20,7 @@
 #include "model/checkpoint.h"
 #include "prep/prepare.h"
 #include "test_util.h"
+#include "train/finetune.h"
 #include "train/loss_scaler.h"
 #include "train/optimizer.h"
 #include "train/step.h"
@@ -291,6 +293,152 @@ TEST(CudaModel, AGraphHoldsEveryBatchOfItsShape) {
     return passes;
   };
   expect_same_passes(run(model::GraphMode::On), run(model::GraphMode::Off));
+}
+
+// The fine-tuning heads as graphs too (BertModel::graph_shapes: every head but a regression's,
+// whose squared error the host sums): four batches of each head through the two input slots
+// (the last two replaying the graphs the first two captured), each a training forward and
+// backward, equal the same passes issued kernel by kernel bit for bit (loss sums, the
+// classifier's hits, gradients), each pass two graph launches. What changes from batch to batch
+// is read where the kernels run: the classifier's labels, the answer spans, and the token
+// classifier's scored tokens (its loss divisor and gradient scale, the step's arguments: padded,
+// 128, 64, none, whose loss and gradient are 0, and 96). Padded in fp32 and bf16; with the
+// padding skipped (the fused attention) in bf16, the second batch's first sequence shorter.
+TEST(CudaModel, FineTuningHeadsReplayTheirEagerPassesBitForBit) {
+  SKIP_WITHOUT_GPU();
+  model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
+  c.num_labels = 3;
+  const model::Batch first = test::task_batch(c);
+  model::Batch second = first, third = first;
+  for (int32_t& id : second.input_ids) id = (id + 17) % 300;
+  for (int64_t t = 20; t < 32; ++t) second.input_mask[t] = 0;
+  second.label_ids = {1, 1, 0, 2};
+  for (size_t i = 0; i < second.token_label_weights.size(); i += 2)
+    second.token_label_weights[i] = 0.0f;
+  second.span_positions = {0, 4, 2, 9, 6, 11, 0, 29};
+  std::fill(third.token_label_weights.begin(), third.token_label_weights.end(), 0.0f);
+  third.label_ids = {2, 2, 2, 0};
+  model::Batch fourth = second;
+  fourth.token_label_weights.assign(fourth.token_label_weights.size(), 1.0f);
+  for (size_t i = 0; i < fourth.token_label_weights.size(); i += 4)
+    fourth.token_label_weights[i] = 0.0f;
+  fourth.label_ids = {0, 1, 2, 0};
+  fourth.span_positions = {1, 1, 1, 1, 8, 2, 3, 4};
+  struct Case {
+    Head head;
+    Precision p;
+    bool unpadded;
+  };
+  std::vector<Case> cases;
+  for (Head head :
+       {Head::SequenceClassification, Head::TokenClassification, Head::QuestionAnswering})
+    for (Precision p : {Precision::FP32, Precision::BF16}) cases.push_back({head, p, false});
+  cases.push_back({Head::SequenceClassification, Precision::BF16, true});
+  cases.push_back({Head::TokenClassification, Precision::BF16, true});
+  for (const auto& [head, p, unpadded] : cases) {
+    SCOPED_TRACE(testing::Message() << model::head_architecture(head) << " precision "
+                                    << static_cast<int>(p) << (unpadded ? " unpadded" : ""));
+    std::vector<model::Losses> losses[2];
+    auto run = [&](model::GraphMode graphs) {
+      ModelDims d{4, 32, 5, p, ModelDims::Attention::Blocked};
+      d.unpadded = unpadded;
+      BertModel m(c, head, d, cuda::cuda_backend());
+      EXPECT_TRUE(m.graph_shapes());
+      if (unpadded) EXPECT_TRUE(m.dims().fused_attention);
+      m.set_graphs(graphs);
+      m.init_params(11);
+      std::vector<GraphPass> passes;
+      uint64_t k = 0;
+      for (const model::Batch* b :
+           std::vector<const model::Batch*>{&first, &second, &third, &fourth}) {
+        EXPECT_EQ(m.graphed(*b, {true, 5, k, 0, true}), graphs != model::GraphMode::Off);
+        model::Losses l;
+        passes.push_back(graph_pass(m, *b, k++, &l));
+        losses[graphs == model::GraphMode::On].push_back(l);
+        EXPECT_EQ(passes.back().counts.graph_launches, graphs == model::GraphMode::On ? 2 : 0);
+      }
+      return passes;
+    };
+    const std::vector<GraphPass> graphed = run(model::GraphMode::On),
+                                 eager = run(model::GraphMode::Off);
+    expect_same_passes(graphed, eager);
+    const int64_t scored[] = {128, 64, 0, 96};
+    for (size_t k = 0; k < eager.size(); ++k) {
+      SCOPED_TRACE(testing::Message() << "batch " << k);
+      EXPECT_EQ(graphed[k].sums.cls_correct, eager[k].sums.cls_correct);
+      EXPECT_EQ(losses[1][k].tokens_scored, losses[0][k].tokens_scored);
+      if (head == Head::TokenClassification && !unpadded)  // (padded: the padding's weights too)
+        EXPECT_EQ(losses[1][k].tokens_scored, scored[k]);
+    }
+    // The third batch scores no token: the token classifier's loss and gradient 0.
+    if (head == Head::TokenClassification)
+      EXPECT_EQ(eager[2].sums.loss, 0.0);
+    else
+      EXPECT_GT(eager[2].sums.loss, 0.0);
+  }
+  // A regression head: its forward and backward kernel by kernel (the update may be a graph).
+  c.num_labels = 1;
+  model::Batch r = first;
+  r.label_values = {0.5f, -1.0f, 2.0f, 0.0f};
+  BertModel m(c, Head::SequenceClassification, ModelDims{4, 32, 5}, cuda::cuda_backend());
+  m.set_graphs(model::GraphMode::On);
+  EXPECT_FALSE(m.graph_shapes());
+  EXPECT_FALSE(m.graphed(r, {true, 5, 0, 0, true}));
+}
+
+// `finetune --device cuda` with its steps as graphs (FinetuneConfig::graphs, the default auto:
+// forward, backward and the deferred update): entity tagging (100 CLUENER sentences) and question
+// answering (a CMRC 2018 article) in bf16, padded, 2 epochs, the same dev metrics and saved model
+// byte for byte as with the graphs off, 3 graph launches a step.
+TEST(CudaModel, FineTuningAsGraphsSavesTheSameModel) {
+  SKIP_WITHOUT_GPU();
+  test::TempDir tmp;
+  {
+    std::ifstream in(test::data_path("data/tasks/cluener_train_head2000.json"));
+    std::ofstream out(tmp / "ner.json");
+    std::string line;
+    for (int i = 0; i < 100 && std::getline(in, line); ++i) out << line << "\n";
+    nlohmann::json qa;
+    std::ifstream(test::data_path("data/tasks/cmrc2018_dev_head.json")) >> qa;
+    qa["data"] = nlohmann::json::array({qa["data"][0]});
+    std::ofstream(tmp / "qa.json") << qa.dump();
+  }
+  for (const std::string task : {"cluener", "cmrc2018"}) {
+    SCOPED_TRACE(task);
+    const std::string data = tmp / (task == "cluener" ? "ner.json" : "qa.json");
+    auto run = [&](model::GraphMode graphs, const std::string& out) {
+      train::FinetuneConfig f;
+      f.init_checkpoint = test::data_path("data/pretrained/zh-h64");
+      f.vocab = test::data_path("../data/vocab/bert-base-chinese-vocab.txt");
+      f.train = f.dev = data;
+      f.columns = tasks::task_columns(task);
+      f.seq_len = 64;
+      f.qa.max_query_length = 16;
+      f.batch_size = 16;
+      f.epochs = 2;
+      f.lr = 1e-3;
+      f.precision = Precision::BF16;
+      f.unpadded = false;  // (--padding auto on a GPU, whose fine-tuning runs the full attention)
+      f.output = tmp / out;
+      f.quiet = true;
+      f.backend = &cuda::cuda_backend();
+      f.graphs = graphs;
+      const kernels::DeviceCounts before = cuda::device_counts();
+      const train::FinetuneResult r = train::finetune(f);
+      return std::pair{r, cuda::device_counts().graph_launches - before.graph_launches};
+    };
+    const auto [graphed, graph_launches] = run(model::GraphMode::On, task + "-graphs");
+    const auto [eager, eager_launches] = run(model::GraphMode::Off, task + "-eager");
+    EXPECT_GT(graph_launches, 0);
+    EXPECT_EQ(graph_launches % 3, 0) << "(forward, backward and the update a step)";
+    EXPECT_EQ(eager_launches, 0);
+    EXPECT_EQ(graphed.dev_f1, eager.dev_f1);
+    EXPECT_EQ(graphed.dev_qa_f1, eager.dev_qa_f1);
+    EXPECT_EQ(graphed.dev_exact_match, eager.dev_exact_match);
+    EXPECT_EQ(graphed.train_loss, eager.train_loss);
+    EXPECT_EQ(test::read_file(tmp / (task + "-graphs/model.safetensors")),
+              test::read_file(tmp / (task + "-eager/model.safetensors")));
+  }
 }
 
 // The graph cache (model/graphs.h) keeps its `most` graphs, the one launched longest ago making
