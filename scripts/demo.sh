@@ -128,7 +128,7 @@ if [ -x build-emu/bertrain ]; then
     build-emu/bertrain bench --device cuda --model-config configs/bert-tiny.json --batch-size 4 --seq-len 32 \
       --max-predictions 5 --steps 2 --warmup 1 --precision bf16 --attention $a | grep -E "^bench|^  device|^  graphs|^  traffic"
   done
-  echo "   fine-tuning too (every head but a regression's; the same model bit for bit as --cuda-graphs off):"
+  echo "   fine-tuning too (every head; the same model bit for bit as --cuda-graphs off):"
   build-emu/bertrain finetune --device cuda --init-checkpoint "$OUT/run" --vocab data/vocab/bert-base-chinese-vocab.txt \
     --task cluener --train tests/data/tasks/cluener_dev_head200.json --output "$OUT/ner-gpu" --seq-len 32 \
     --batch-size 16 --epochs 1 --lr 4e-3 --precision bf16 | grep -E "^finetune: .* from|^epoch" | fold -w 110 | sed 's/^/     /'

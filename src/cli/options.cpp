@@ -71,7 +71,7 @@ void add_graphs_option(CLI::App* c, std::string& graphs) {
                 "graphs, captured at the first steps (one a kind and input slot) and replayed: "
                 "three launches for what are hundreds, the step's dropout keys, loss divisor and "
                 "learning rate read by the kernels. Forward and backward for pretraining and "
-                "fine-tuning (not a regression head, whose loss the host sums): padded batches, "
+                "fine-tuning: padded batches, "
                 "and with the padding skipped or packed where the attention runs "
                 "fused (--attention blocked in bf16 or fp16; the rows rounded up to one of 64 "
                 "buckets of the planned rows, a graph each), kernel by kernel elsewhere; the "

@@ -400,6 +400,12 @@ class Backend : public Target {
   // dpred[i] = dscale * 2 * (pred[i] - target[i]).
   virtual double squared_error(float* dpred, const float* pred, const float* target, int64_t N,
                                Multiplier dscale) const = 0;
+  // The same, the sum / the divisor added where `into` says (types.h SumsInto: its loss and
+  // nonfinite; no hits) instead of returned: on a GPU a kernel adding the rows in order (the
+  // bits of the returned sum), no host synchronisation; neither given, the gradient alone. The
+  // default adds squared_error's sum through to_host/to_device.
+  virtual void squared_error_into(const SumsInto& into, float* dpred, const float* pred,
+                                  const float* target, int64_t N, Multiplier dscale) const;
 
   // -- optimizer (one parameter tensor; kernels/cpu/optimizer.h) --
   virtual void add_sum_squares(double& sum, const float* g, int64_t n, double scale) const = 0;

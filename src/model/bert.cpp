@@ -1147,10 +1147,8 @@ int64_t BertModel::row_quantum() const {
 bool BertModel::graph_shapes() const {
   // (unpadded: the blocked attention's runs of equal lengths change the launches from batch to
   // batch, the fused kernel's one launch does not. Every head's loss is summed on the device,
-  // its divisor the shape's or the step's arguments', but a regression's squared error, which
-  // the host sums)
-  const bool regression = head_ == Head::SequenceClassification && cfg_.num_labels == 1;
-  return be_.graphs() && !regression && (!unpadded() || dims_.fused_attention);
+  // its divisor the shape's or the step's arguments')
+  return be_.graphs() && (!unpadded() || dims_.fused_attention);
 }
 
 bool BertModel::graphed(const Batch& /*b: its shape keys the graph*/,
@@ -1387,7 +1385,11 @@ void BertModel::classifier_forward(const Pass& p, Losses& out) {
   be_.dropout_forward(act_.pooled_drop, B, C, p.site(p.L + 1, kPooler, p.p_hidden));
   be_.linear_forward(prec_, act_.cls_logits, {act_.pooled_drop}, Wt(table_.heads().classifier_w),
                      W(table_.heads().classifier_b), B, NL, C, ws_);
-  if (NL == 1) {  // regression (HF's rule for one label): mean squared error
+  if (NL == 1 && p.opt.device_sums) {  // regression (HF's rule for one label): mean squared error
+    const kernels::SumsInto into{act_.step_sums, static_cast<double>(B), nullptr,
+                                 act_.step_sums + 4};
+    be_.squared_error_into(into, nullptr, act_.cls_logits, cur_.in.label_values, B, 0.0f);
+  } else if (NL == 1) {
     out.loss = be_.squared_error(nullptr, act_.cls_logits, cur_.in.label_values, B, 0.0f) / B;
   } else {
     const CrossEntropySums cls =
@@ -1401,9 +1403,9 @@ void BertModel::classifier_forward(const Pass& p, Losses& out) {
 void BertModel::classifier_backward(const Pass& p, kernels::Multiplier loss_scale, float* dpooled) {
   const int64_t B = p.B, C = p.C, NL = cfg_.num_labels;
   float* dlog = act_.dsmall;
-  if (NL == 1)
-    be_.squared_error(dlog, act_.cls_logits, cur_.in.label_values, B,
-                      loss_scale.over(static_cast<double>(B)));
+  if (NL == 1)  // (the gradient alone: no sums, so no host synchronisation)
+    be_.squared_error_into({}, dlog, act_.cls_logits, cur_.in.label_values, B,
+                           loss_scale.over(static_cast<double>(B)));
   else
     be_.cross_entropy(dlog, nullptr, nullptr, act_.cls_logits, cur_.in.label_ids, nullptr, B, NL,
                       loss_scale.over(static_cast<double>(B)));

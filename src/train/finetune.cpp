@@ -358,8 +358,8 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
           ? ", CUDA graphs off"
           : str(", CUDA graphs ", model::graph_mode_name(cfg.graphs),
                 m.graph_shapes() ? " (forward, backward and the update)"
-                                 : " (the update; not forward and backward: a regression head's "
-                                   "loss is the host's)");
+                                 : " (the update; not forward and backward: the padding skipped "
+                                   "without the fused attention)");
   if (say)
     std::printf(
         "finetune: %s from %s (%zu tensors loaded), %lld train / %zu dev examples, %s, "

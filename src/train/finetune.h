@@ -42,7 +42,7 @@ struct FinetuneConfig {
   // with memory of its own (a GPU's) fine-tunes on one rank, with the full attention kernel.
   const kernels::Backend* backend = nullptr;
   // On a backend that captures them (a GPU's): forward, backward and the update as CUDA graphs
-  // (train::StepSettings::graphs; a regression head's forward and backward kernel by kernel).
+  // (train::StepSettings::graphs; forward and backward where BertModel::graph_shapes).
   model::GraphMode graphs = model::GraphMode::Auto;
 };
 

@@ -46,7 +46,7 @@ struct StepSettings {
   // read when it ends.
   bool defer = false;
   // Forward and backward launched as CUDA graphs where the model can (BertModel::graph_shapes:
-  // a GPU; padded batches, or unpadded with the fused attention; any head but a regression),
+  // a GPU; padded batches, or unpadded with the fused attention; every head),
   // and a deferred step's update (Optimizer::gated_step:
   // any model), captured at their first use.
   model::GraphMode graphs = model::GraphMode::Off;

@@ -118,6 +118,21 @@ TEST(CudaModel, TaskHeadsEqualCpu) {
     EXPECT_NEAR(s.loss, l.loss, 1e-12 * std::fabs(l.loss));
     EXPECT_EQ(s.cls_correct, static_cast<double>(l.cls_correct));
   }
+  // A regression's squared error added on the device (Backend::squared_error_into): the rows in
+  // order, the host's bits.
+  c.num_labels = 1;
+  b.label_values = {0.5f, -1.0f, 2.0f, 0.0f};
+  ModelDims d{b.B, b.T, b.P};
+  d.attention = ModelDims::Attention::Full;
+  BertModel m(c, Head::SequenceClassification, d, cuda::cuda_backend());
+  m.init_params(5);
+  const model::Losses l = m.forward(b, {});
+  model::StepOptions dev;
+  dev.device_sums = true;
+  EXPECT_EQ(m.forward(b, dev).loss, 0.0) << "(the device's sums)";
+  m.read_step_sums();
+  EXPECT_EQ(m.step_sums().loss, l.loss);
+  EXPECT_GT(l.loss, 0.0);
 }
 
 // 300 training steps (train::Step, AdamW, dropout on) on the GPU in fp32, bf16 and fp16 (fp16
@@ -295,49 +310,56 @@ TEST(CudaModel, AGraphHoldsEveryBatchOfItsShape) {
   expect_same_passes(run(model::GraphMode::On), run(model::GraphMode::Off));
 }
 
-// The fine-tuning heads as graphs too (BertModel::graph_shapes: every head but a regression's,
-// whose squared error the host sums): four batches of each head through the two input slots
-// (the last two replaying the graphs the first two captured), each a training forward and
-// backward, equal the same passes issued kernel by kernel bit for bit (loss sums, the
-// classifier's hits, gradients), each pass two graph launches. What changes from batch to batch
-// is read where the kernels run: the classifier's labels, the answer spans, and the token
+// The fine-tuning heads as graphs too (BertModel::graph_shapes: every head): four batches of each
+// head through the two input slots (the last two replaying the graphs the first two captured), each
+// a training forward and backward, equal the same passes issued kernel by kernel bit for bit (loss
+// sums, the classifier's hits, gradients), each pass two graph launches. What changes from batch to
+// batch is read where the kernels run: the classifier's labels, a regression's targets (its squared
+// error summed on the device: Backend::squared_error_into), the answer spans, and the token
 // classifier's scored tokens (its loss divisor and gradient scale, the step's arguments: padded,
 // 128, 64, none, whose loss and gradient are 0, and 96). Padded in fp32 and bf16; with the
 // padding skipped (the fused attention) in bf16, the second batch's first sequence shorter.
 TEST(CudaModel, FineTuningHeadsReplayTheirEagerPassesBitForBit) {
   SKIP_WITHOUT_GPU();
   model::BertConfig c = test::small_bert(300, 64, 2, 4, 256, 64);
-  c.num_labels = 3;
-  const model::Batch first = test::task_batch(c);
+  model::Batch first = test::task_batch(c);
+  first.label_values = {0.5f, -1.0f, 2.0f, 0.0f};
   model::Batch second = first, third = first;
   for (int32_t& id : second.input_ids) id = (id + 17) % 300;
   for (int64_t t = 20; t < 32; ++t) second.input_mask[t] = 0;
   second.label_ids = {1, 1, 0, 2};
+  second.label_values = {1.5f, 0.25f, -2.0f, 3.0f};
   for (size_t i = 0; i < second.token_label_weights.size(); i += 2)
     second.token_label_weights[i] = 0.0f;
   second.span_positions = {0, 4, 2, 9, 6, 11, 0, 29};
   std::fill(third.token_label_weights.begin(), third.token_label_weights.end(), 0.0f);
   third.label_ids = {2, 2, 2, 0};
+  third.label_values = {0.0f, 0.0f, 1.0f, 1.0f};
   model::Batch fourth = second;
   fourth.token_label_weights.assign(fourth.token_label_weights.size(), 1.0f);
   for (size_t i = 0; i < fourth.token_label_weights.size(); i += 4)
     fourth.token_label_weights[i] = 0.0f;
   fourth.label_ids = {0, 1, 2, 0};
+  fourth.label_values = {-0.5f, 4.0f, 0.75f, 2.0f};
   fourth.span_positions = {1, 1, 1, 1, 8, 2, 3, 4};
   struct Case {
     Head head;
+    int64_t labels;
     Precision p;
     bool unpadded;
   };
   std::vector<Case> cases;
   for (Head head :
        {Head::SequenceClassification, Head::TokenClassification, Head::QuestionAnswering})
-    for (Precision p : {Precision::FP32, Precision::BF16}) cases.push_back({head, p, false});
-  cases.push_back({Head::SequenceClassification, Precision::BF16, true});
-  cases.push_back({Head::TokenClassification, Precision::BF16, true});
-  for (const auto& [head, p, unpadded] : cases) {
-    SCOPED_TRACE(testing::Message() << model::head_architecture(head) << " precision "
-                                    << static_cast<int>(p) << (unpadded ? " unpadded" : ""));
+    for (Precision p : {Precision::FP32, Precision::BF16}) cases.push_back({head, 3, p, false});
+  cases.push_back({Head::SequenceClassification, 1, Precision::BF16, false});  // regression
+  cases.push_back({Head::SequenceClassification, 3, Precision::BF16, true});
+  cases.push_back({Head::TokenClassification, 3, Precision::BF16, true});
+  for (const auto& [head, labels, p, unpadded] : cases) {
+    SCOPED_TRACE(testing::Message()
+                 << model::head_architecture(head) << " labels " << labels << " precision "
+                 << static_cast<int>(p) << (unpadded ? " unpadded" : ""));
+    c.num_labels = labels;
     std::vector<model::Losses> losses[2];
     auto run = [&](model::GraphMode graphs) {
       ModelDims d{4, 32, 5, p, ModelDims::Attention::Blocked};
@@ -376,14 +398,6 @@ TEST(CudaModel, FineTuningHeadsReplayTheirEagerPassesBitForBit) {
     else
       EXPECT_GT(eager[2].sums.loss, 0.0);
   }
-  // A regression head: its forward and backward kernel by kernel (the update may be a graph).
-  c.num_labels = 1;
-  model::Batch r = first;
-  r.label_values = {0.5f, -1.0f, 2.0f, 0.0f};
-  BertModel m(c, Head::SequenceClassification, ModelDims{4, 32, 5}, cuda::cuda_backend());
-  m.set_graphs(model::GraphMode::On);
-  EXPECT_FALSE(m.graph_shapes());
-  EXPECT_FALSE(m.graphed(r, {true, 5, 0, 0, true}));
 }
 
 // `finetune --device cuda` with its steps as graphs (FinetuneConfig::graphs, the default auto:

@@ -317,24 +317,39 @@ void Backend::release_host(void* p) const {
   ::operator delete (p, std::align_val_t{256});
 }
 
+namespace {
+// A loss's sums added where `into` says (a backend's memory, through to_host / to_device): the
+// defaults of cross_entropy_into and squared_error_into.
+void add_sums(const Backend& be, const SumsInto& into, double loss, double hits) {
+  auto add = [&](double* to, double v) {
+    if (!to) return;
+    double h = 0;
+    be.to_host(&h, to, sizeof h);
+    h += v;
+    be.to_device(to, &h, sizeof h);
+  };
+  double divisor = into.loss_divisor;  // (the step's arguments' where given: its memory's)
+  if (into.divisor_at) be.to_host(&divisor, into.divisor_at, sizeof divisor);
+  add(into.loss, loss / divisor);
+  add(into.hits, hits);
+  if (!std::isfinite(loss)) add(into.nonfinite, 1.0);
+}
+}  // namespace
+
 void Backend::cross_entropy_into(const SumsInto& into, float* dlogits, float* losses,
                                  int32_t* correct, const float* logits, const int32_t* targets,
                                  const float* weights, int64_t N, Classes c,
                                  Multiplier dscale) const {
   const CrossEntropySums s =
       cross_entropy(dlogits, losses, correct, logits, targets, weights, N, c, dscale);
-  auto add = [&](double* to, double v) {
-    if (!to) return;
-    double h = 0;
-    to_host(&h, to, sizeof h);
-    h += v;
-    to_device(to, &h, sizeof h);
-  };
-  double divisor = into.loss_divisor;  // (the step's arguments' where given: its memory's)
-  if (into.divisor_at) to_host(&divisor, into.divisor_at, sizeof divisor);
-  add(into.loss, s.loss / divisor);
-  add(into.hits, s.correct);
-  if (!std::isfinite(s.loss)) add(into.nonfinite, 1.0);
+  add_sums(*this, into, s.loss, s.correct);
+}
+
+void Backend::squared_error_into(const SumsInto& into, float* dpred, const float* pred,
+                                 const float* target, int64_t N, Multiplier dscale) const {
+  SumsInto loss_only = into;
+  loss_only.hits = nullptr;
+  add_sums(*this, loss_only, squared_error(dpred, pred, target, N, dscale), 0.0);
 }
 
 void Backend::linear_forward_16(Precision, uint16_t*, Kept, Weight, const uint16_t*, int64_t,

@@ -116,6 +116,15 @@ __global__ void squared_error_kernel(float* dpred, double* sq, const float* pred
   if (dpred) dpred[i] = dscale.value() * 2.0f * d;
 }
 
+// The squared errors' sum (in row order, one thread: the host's bits) / the divisor into `into`.
+__global__ void add_squared_errors_kernel(const double* sq, int64_t n, kernels::SumsInto into) {
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += sq[i];
+  const double l = sum / into.divisor();
+  if (into.loss) *into.loss += l;
+  if (into.nonfinite && !isfinite(l)) *into.nonfinite += 1.0;
+}
+
 // The batches' copies into the models' input slots (Backend::upload), on the calling thread's
 // current GPU (one thread may run several GPUs in turn: a test's ranks): on a stream of their
 // own, non-blocking (it waits for no other stream's work), so a copy runs beside the kernels. Each
@@ -584,6 +593,17 @@ class CudaBackend final : public kernels::Backend {
     double sum = 0;
     for (double x : h) sum += x;
     return sum;
+  }
+  void squared_error_into(const kernels::SumsInto& into, float* dpred, const float* pred,
+                          const float* target, int64_t N,
+                          kernels::Multiplier dscale) const override {
+    const Op op("squared_error");
+    if (N == 0) return;
+    double* sq = static_cast<double*>(scratch(kSquaredErrorSlot, N * sizeof(double)));
+    BT_EACH(squared_error_kernel, N, dpred, sq, pred, target, N, dscale);
+    if (!into.loss && !into.nonfinite) return;  // (the gradient alone)
+    BT_LAUNCH(add_squared_errors_kernel, 1, 1, 0, compute_stream())(sq, N, into);
+    check_launch();
   }
 
   void add_sum_squares(double& sum, const float* g, int64_t n, double scale) const override {
