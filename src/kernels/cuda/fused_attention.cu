@@ -113,10 +113,11 @@ struct Head {
   int64_t b, h, HD, C3;
   __device__ Head(const AttentionShape& shape, int64_t b_, int64_t h_)
       : s(shape), q(sequence(shape, b_)), b(b_), h(h_), HD(shape.C / shape.NH), C3(3 * shape.C) {}
-  // Row 0 of part (0 Q, 1 K, 2 V) of the head in a [rows, 3C] tensor.
+  // Row 0 of part (0 Q, 1 K, 2 V) of the head in a [rows, 3C] tensor (null where it is: an
+  // output not written).
   template <class T>
   __device__ T* part(T* qkv, int p) const {
-    return qkv + q.start * C3 + p * s.C + h * HD;
+    return qkv ? qkv + q.start * C3 + p * s.C + h * HD : nullptr;
   }
   __device__ int64_t row_value(int64_t i) const { return s.NH * q.start + h * q.L + i; }
   __device__ const int32_t* mask(const int32_t* m) const { return m + q.start; }
@@ -141,10 +142,10 @@ struct Block : Head {
         keep(rm::keep_scale_of(d.p)) {}
   __device__ bool idle() const { return first >= q.L; }
   __device__ int64_t warp_first() const { return first + 16 * warp; }
-  // Row 0 of the head's columns in a [rows, C] tensor (the context, dctx).
+  // Row 0 of the head's columns in a [rows, C] tensor (the context, dctx; null where it is).
   template <class T>
   __device__ T* rows(T* t) const {
-    return t + q.start * s.C + h * HD;
+    return t ? t + q.start * s.C + h * HD : nullptr;
   }
 };
 
@@ -399,9 +400,8 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  write_block<NT>(ctx ? hd.rows(ctx) : nullptr, s.C, hd.first, L, o,
-                  reinterpret_cast<float*>(shared), 1.0f, hd.warp,
-                  ctx16 ? hd.rows(ctx16) : static_cast<X*>(nullptr), true);
+  write_block<NT>(hd.rows(ctx), s.C, hd.first, L, o, reinterpret_cast<float*>(shared), 1.0f,
+                  hd.warp, hd.rows(ctx16), true);
 }
 
 // ---- backward
@@ -550,10 +550,8 @@ __device__ void dq_rows(const Block& hd, unsigned char* shared, float* dqkv, X* 
       }
     }
   }
-  write_block<NT>(dqkv ? hd.part(dqkv, 0) : nullptr, hd.C3, hd.first, L, dq,
-                  reinterpret_cast<float*>(shared), hd.scale, hd.warp,
-                  dqkv16 ? hd.part(dqkv16, 0) : static_cast<X*>(nullptr), false,
-                  prow ? prow + hd.h * HD : nullptr);
+  write_block<NT>(hd.part(dqkv, 0), hd.C3, hd.first, L, dq, reinterpret_cast<float*>(shared),
+                  hd.scale, hd.warp, hd.part(dqkv16, 0), false, prow ? prow + hd.h * HD : nullptr);
 }
 
 // The dK, dV kind: a block's 64 keys (a warp's 16 K and V rows as fragments), over the queries
@@ -641,12 +639,10 @@ __device__ void dkv_rows(const Block& hd, unsigned char* shared, float* dqkv, X*
     }
   }
   float* const out = reinterpret_cast<float*>(shared);
-  write_block<NT>(dqkv ? hd.part(dqkv, 1) : nullptr, hd.C3, hd.first, L, dk, out, hd.scale, hd.warp,
-                  dqkv16 ? hd.part(dqkv16, 1) : static_cast<X*>(nullptr), false,
-                  prow ? prow + s.C + hd.h * HD : nullptr);
-  write_block<NT>(dqkv ? hd.part(dqkv, 2) : nullptr, hd.C3, hd.first, L, dv, out, 1.0f, hd.warp,
-                  dqkv16 ? hd.part(dqkv16, 2) : static_cast<X*>(nullptr), false,
-                  prow ? prow + 2 * s.C + hd.h * HD : nullptr);
+  write_block<NT>(hd.part(dqkv, 1), hd.C3, hd.first, L, dk, out, hd.scale, hd.warp,
+                  hd.part(dqkv16, 1), false, prow ? prow + s.C + hd.h * HD : nullptr);
+  write_block<NT>(hd.part(dqkv, 2), hd.C3, hd.first, L, dv, out, 1.0f, hd.warp, hd.part(dqkv16, 2),
+                  false, prow ? prow + 2 * s.C + hd.h * HD : nullptr);
 }
 
 // The backward in one launch: blockIdx.x below the tiles of T a dQ block (64 query rows), from
