@@ -351,22 +351,20 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   const int64_t steps_per_epoch = (n + global_batch - 1) / global_batch;
   const int64_t total = steps_per_epoch * cfg.epochs;
   const LrSchedule sched{cfg.lr, 0.0, 1.0, static_cast<int64_t>(cfg.warmup * total), total};
-  // (a backend that captures CUDA graphs: which parts of a step run as graphs)
-  const std::string graphs =
-      !m.backend().graphs() ? ""
-      : cfg.graphs == model::GraphMode::Off
-          ? ", CUDA graphs off"
-          : str(", CUDA graphs ", model::graph_mode_name(cfg.graphs),
-                m.graph_shapes() ? " (forward, backward and the update)"
-                                 : " (the update; not forward and backward: the padding skipped "
-                                   "without the fused attention)");
+  // A non-finite gradient skips the step in fp16 (the scale halves) and stops fp32/bf16
+  // fine-tuning with a message (LossScaler::update). On one GPU the steps' results are read once
+  // an epoch (StepSettings::defer: no host synchronisation between).
+  StepSettings settings{1, 1.0, false, 0, cfg.seed, /*defer=*/true};
+  settings.graphs = cfg.graphs;
+  Step& one_step = session.start(settings);
   if (say)
     std::printf(
         "finetune: %s from %s (%zu tensors loaded), %lld train / %zu dev examples, %s, "
         "seq %lld, batch %lld, %lld epochs, adamw lr %.3g, %s%s\n",
         cfg.train.c_str(), pre.src.c_str(), rep.loaded.size(), (long long)n, task.dev_size(),
         task.describe(mc.num_labels).c_str(), (long long)cfg.seq_len, (long long)cfg.batch_size,
-        (long long)cfg.epochs, cfg.lr, precision_name(cfg.precision), graphs.c_str());
+        (long long)cfg.epochs, cfg.lr, precision_name(cfg.precision),
+        one_step.graphs_summary().c_str());
   // TensorBoard events and metrics.jsonl per epoch, beside the saved model.
   std::unique_ptr<obs::EventWriter> events;
   std::unique_ptr<obs::MetricsLog> metrics;
@@ -374,12 +372,6 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
     events = std::make_unique<obs::EventWriter>(cfg.output, 0);
     metrics = std::make_unique<obs::MetricsLog>(cfg.output, 0);
   }
-  // A non-finite gradient skips the step in fp16 (the scale halves) and stops fp32/bf16
-  // fine-tuning with a message (LossScaler::update). On one GPU the steps' results are read once
-  // an epoch (StepSettings::defer: no host synchronisation between).
-  StepSettings settings{1, 1.0, false, 0, cfg.seed, /*defer=*/true};
-  settings.graphs = cfg.graphs;
-  Step& one_step = session.start(settings);
   std::vector<size_t> order(n);
   std::vector<size_t> mine(cfg.batch_size);  // this rank's rows of a step (several ranks)
   // The batch of the step at example i of the order: one process, rows [i, i + batch) (the

@@ -138,6 +138,18 @@ bool Step::deferring() const {
   return s_.defer && !m_.backend().host_memory() && comm_.size() == 1 && !opt_.sharded();
 }
 
+std::string Step::graphs_summary() const {
+  if (!m_.backend().graphs()) return "";
+  const char* what =
+      s_.graphs == model::GraphMode::Off ? ""
+      : !m_.graph_shapes()
+          ? (deferring() ? " (the update; not forward and backward: the padding skipped without "
+                           "the fused attention)"
+                         : " (none: the padding skipped without the fused attention)")
+          : (deferring() ? " (forward, backward and the update)" : " (forward and backward)");
+  return str(", CUDA graphs ", model::graph_mode_name(s_.graphs), what);
+}
+
 GradientScale Step::scale() const {
   // Deferred, the loss scale is the gate's on the device (1 here: the factors read it there).
   const bool on_device = deferring() && scaler_.enabled();

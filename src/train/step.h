@@ -148,6 +148,9 @@ class Step {
                  bool ahead = false);
   std::vector<StepReport> settle();
   bool deferring() const;
+  // What runs as CUDA graphs, for a run's header: ", CUDA graphs auto (forward, backward and the
+  // update)" and the like; empty on a backend that captures none.
+  std::string graphs_summary() const;
   bool reading_ahead() const { return reading_ahead_; }
   // Whether the next step's first micro-batch is already read (the input position after this
   // step is then the one before that read).

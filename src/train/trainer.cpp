@@ -786,19 +786,7 @@ std::string Trainer::banner() const {
           : " (fp32 weights and optimizer; activations kept in fp16 for backward, kernels "
             "compute in fp32; dynamic loss scaling)",
       s.m.attention_kernel(), s.m.dims().recompute_layers ? ", layers recomputed in backward" : "",
-      s.m.dims().unpadded ? "skipped" : "computed",
-      backend_of(cfg).graphs()
-          ? str(", CUDA graphs ", model::graph_mode_name(cfg.graphs),
-                cfg.graphs == model::GraphMode::Off ? ""
-                : !s.m.graph_shapes()
-                    ? (s.step->deferring()
-                           ? " (the update; not forward and backward: the padding skipped "
-                             "without the fused attention)"
-                           : " (none: the padding skipped without the fused attention)")
-                    : (s.step->deferring() ? " (forward, backward and the update)"
-                                           : " (forward and backward)"))
-                .c_str()
-          : "",
+      s.m.dims().unpadded ? "skipped" : "computed", s.step->graphs_summary().c_str(),
       (unsigned long long)cfg.seed);
   out += line;
   out += str(
