@@ -47,7 +47,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
     train::FinetuneConfig cfg;
     TaskOpts task;
     std::string lower = "auto", precision = "fp32", padding = "auto", device = "cpu";
-    std::string stage_dir, graphs = "auto";
+    std::string stage_dir, graphs = "auto", attention = "auto";
     int threads = 0;
   };
   auto o = std::make_shared<Opts>();
@@ -115,6 +115,7 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
       ->capture_default_str();
   c->add_option("--threads", o->threads, "Compute threads (0: OpenMP default)")
       ->capture_default_str();
+  add_attention_option(c, o->attention);
   add_padding_option(c, o->padding);
   add_device_option(c, o->device);
   add_graphs_option(c, o->graphs);
@@ -127,8 +128,8 @@ void add_finetune(CLI::App& app, comm::Communicator& (*comm)()) {
     cfg.lower_case = o->lower == "auto" ? -1 : (o->lower == "true" ? 1 : 0);
     cfg.precision = parse_precision(o->precision);
     cfg.graphs = model::parse_graph_mode(o->graphs);
-    cfg.unpadded =
-        parse_padding(o->padding, *cfg.backend, model::ModelDims::Attention::Auto, cfg.precision);
+    cfg.attention = model::parse_attention(o->attention);
+    cfg.unpadded = parse_padding(o->padding, *cfg.backend, cfg.attention, cfg.precision);
     cfg.columns = o->task.columns();
     if (data::is_object_url(cfg.output)) {
       cfg.publish_to = cfg.output;

@@ -298,6 +298,7 @@ SessionSettings finetune_session(const FinetuneConfig& cfg, model::Head head) {
   s.head = head;
   s.dims = model::ModelDims{cfg.batch_size, cfg.seq_len, 0, cfg.precision};
   s.dims.unpadded = cfg.unpadded;
+  s.dims.attention = cfg.attention;
   s.backend = cfg.backend;
   s.optimizer.kind = OptimizerKind::AdamW;
   s.optimizer.weight_decay = static_cast<float>(cfg.weight_decay);
@@ -360,11 +361,11 @@ FinetuneResult finetune(const FinetuneConfig& cfg) {
   if (say)
     std::printf(
         "finetune: %s from %s (%zu tensors loaded), %lld train / %zu dev examples, %s, "
-        "seq %lld, batch %lld, %lld epochs, adamw lr %.3g, %s%s\n",
+        "seq %lld, batch %lld, %lld epochs, adamw lr %.3g, %s, %s attention, padding %s%s\n",
         cfg.train.c_str(), pre.src.c_str(), rep.loaded.size(), (long long)n, task.dev_size(),
         task.describe(mc.num_labels).c_str(), (long long)cfg.seq_len, (long long)cfg.batch_size,
-        (long long)cfg.epochs, cfg.lr, precision_name(cfg.precision),
-        one_step.graphs_summary().c_str());
+        (long long)cfg.epochs, cfg.lr, precision_name(cfg.precision), m.attention_kernel(),
+        m.unpadded() ? "skipped" : "computed", one_step.graphs_summary().c_str());
   // TensorBoard events and metrics.jsonl per epoch, beside the saved model.
   std::unique_ptr<obs::EventWriter> events;
   std::unique_ptr<obs::MetricsLog> metrics;

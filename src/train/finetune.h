@@ -10,6 +10,7 @@
 #include "comm/communicator.h"
 #include "data/tfrecord.h"
 #include "kernels/backend.h"
+#include "model/bert.h"
 #include "model/graphs.h"
 #include "tasks/qa.h"
 #include "tasks/task_files.h"
@@ -38,9 +39,11 @@ struct FinetuneConfig {
   // shared training step; rank 0 prints, logs and saves. Null: one process.
   comm::Communicator* comm = nullptr;
   bool shard_optimizer = false;  // several ranks: each holds 1/ranks of the AdamW state (ZeRO-1)
-  // Where the model and the optimizer state live and run (null: the CPU's backend); a backend
-  // with memory of its own (a GPU's) fine-tunes on one rank, with the full attention kernel.
+  // Where the model and the optimizer state live and run (null: the CPU's backend).
   const kernels::Backend* backend = nullptr;
+  // The attention kernel (model::ModelDims::attention; auto: on a GPU in bf16/fp16 the full one,
+  // whose batches are padded; blocked there runs fused, every sequence on its real tokens).
+  model::ModelDims::Attention attention = model::ModelDims::Attention::Auto;
   // On a backend that captures them (a GPU's): forward, backward and the update as CUDA graphs
   // (train::StepSettings::graphs; forward and backward where BertModel::graph_shapes).
   model::GraphMode graphs = model::GraphMode::Auto;
