@@ -15,7 +15,9 @@
 #                                 2. every GPU test (Cuda.*, CudaBackend.*, CudaModel.*,
 #                                    CudaCounts.*, Nccl*) in one process, then each that did
 #                                    not pass there in a process of its own;
-#                                 3. compute-sanitizer memcheck on a few kernel tests, if present;
+#                                 3. compute-sanitizer on a few kernel tests, if present: memcheck,
+#                                    then racecheck and synccheck on the fused attention's and
+#                                    the LayerNorms' shared memory;
 #                                 4. `bertrain doctor`'s GEMM ceiling beside PyTorch's;
 #                                 5. BERT-Large 128 tokens bf16 against PyTorch (bench --device
 #                                    cuda, bench/peer_pytorch.py: HF BertForPreTraining, SDPA,
@@ -199,11 +201,31 @@ PY
       SKIPPED+=("memcheck ($why)")
     elif [ "$t" -gt 0 ]; then
       ours timeout "$t" "$CS" --tool memcheck --error-exitcode 9 "$TESTS" \
-        --gtest_filter='Cuda.LayerNorm*:Cuda.Attention*:Cuda.CrossEntropy*:Cuda.Optimizer*:CudaBackend.Attention*' \
+        --gtest_filter='Cuda.LayerNorm*:Cuda.Attention*:Cuda.CrossEntropy*:Cuda.Optimizer*:CudaBackend.Attention*:CudaBackend.FusedAttentionTakesVariableLengthsInOneCall' \
         >"$ONE" 2>&1
       rc=$?
       tail -15 "$ONE"
       [ $rc = 0 ] && PASSED+=("memcheck") || FAILED+=("memcheck (exit $rc)")
+      # Shared memory shared by a block's warps: the fused attention's staged tiles (four warps
+      # a block; the emulated device runs a block's threads in turn, so a missing barrier there
+      # may still read what it should) and the LayerNorm kernels' block sums: racecheck for
+      # hazards, synccheck for barriers not all threads reach.
+      for tool in racecheck synccheck; do
+        t=$(limit 60 "compute-sanitizer $tool")
+        [ "$t" -gt 0 ] || break
+        ours timeout "$t" "$CS" --tool "$tool" --error-exitcode 9 "$TESTS" \
+          --gtest_filter='CudaBackend.FusedAttentionTakesVariableLengthsInOneCall:Cuda.LayerNormMatchesCpu:Cuda.FusedLayerNormBlocksMatchCpu' \
+          >"$ONE" 2>&1
+        rc=$?
+        tail -8 "$ONE"
+        if [ $rc = 0 ]; then
+          PASSED+=("$tool")
+        elif [ $rc = 124 ]; then
+          SKIPPED+=("$tool (not done in $t s)")
+        else
+          FAILED+=("$tool (exit $rc)")
+        fi
+      done
     fi
     rm -f "$ONE"
     # 4. The GEMM ceiling: ours (cuBLASLt, bertrain doctor) and PyTorch's on the same GPU.
