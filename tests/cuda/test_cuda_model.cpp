@@ -404,14 +404,19 @@ TEST(CudaModel, FineTuningHeadsReplayTheirEagerPassesBitForBit) {
 // forward, backward and the deferred update): entity tagging (100 CLUENER sentences) and question
 // answering (a CMRC 2018 article) in bf16, padded, 2 epochs, the same dev metrics and saved model
 // byte for byte as with the graphs off, 3 graph launches a step.
+// The first n CLUENER training sentences, into `to`.
+void cluener_head(int n, const std::string& to) {
+  std::ifstream in(test::data_path("data/tasks/cluener_train_head2000.json"));
+  std::ofstream out(to);
+  std::string line;
+  for (int i = 0; i < n && std::getline(in, line); ++i) out << line << "\n";
+}
+
 TEST(CudaModel, FineTuningAsGraphsSavesTheSameModel) {
   SKIP_WITHOUT_GPU();
   test::TempDir tmp;
+  cluener_head(100, tmp / "ner.json");
   {
-    std::ifstream in(test::data_path("data/tasks/cluener_train_head2000.json"));
-    std::ofstream out(tmp / "ner.json");
-    std::string line;
-    for (int i = 0; i < 100 && std::getline(in, line); ++i) out << line << "\n";
     nlohmann::json qa;
     std::ifstream(test::data_path("data/tasks/cmrc2018_dev_head.json")) >> qa;
     qa["data"] = nlohmann::json::array({qa["data"][0]});
@@ -467,12 +472,7 @@ TEST(CudaModel, FineTuningAsGraphsSavesTheSameModel) {
 TEST(CudaModel, FineTuningSkipsThePaddingWithTheFusedAttention) {
   SKIP_WITHOUT_GPU();
   test::TempDir tmp;
-  {
-    std::ifstream in(test::data_path("data/tasks/cluener_train_head2000.json"));
-    std::ofstream out(tmp / "ner.json");
-    std::string line;
-    for (int i = 0; i < 64 && std::getline(in, line); ++i) out << line << "\n";
-  }
+  cluener_head(64, tmp / "ner.json");
   auto run = [&](ModelDims::Attention attention, model::GraphMode graphs, const std::string& out,
                  std::string* header) {
     train::FinetuneConfig f;
