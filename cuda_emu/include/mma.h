@@ -96,11 +96,17 @@ void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a,
               const fragment<matrix_b, M, N, K, T, LB>& b,
               const fragment<accumulator, M, N, K, float>& c) {
   __syncwarp();
+  // (the operands widened once, not once a product: the same values, a 16th of the conversions)
+  float wa[M][K], wb[K][N];
+  for (int m = 0; m < M; ++m)
+    for (int k = 0; k < K; ++k) wa[m][k] = detail::widen(a.at(m, k));
+  for (int k = 0; k < K; ++k)
+    for (int n = 0; n < N; ++n) wb[k][n] = detail::widen(b.at(k, n));
   fragment<accumulator, M, N, K, float> out;
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) {
       float acc = c.at(m, n);
-      for (int k = 0; k < K; ++k) acc = acc + detail::widen(a.at(m, k)) * detail::widen(b.at(k, n));
+      for (int k = 0; k < K; ++k) acc = acc + wa[m][k] * wb[k][n];
       out.at(m, n) = acc;
     }
   d = out;

@@ -14,6 +14,7 @@
 
 #include "cublasLt.h"
 #include "cublas_v2.h"
+#include "cuda_fp16.h"
 #include "runtime.h"
 
 struct cublasContext {
@@ -57,9 +58,7 @@ float widen(const void* p, int64_t i, cudaDataType_t t) {
     std::memcpy(&f, &u, 4);
     return f;
   }
-  _Float16 h;
-  std::memcpy(&h, &b, 2);
-  return static_cast<float>(h);
+  return cuda_emu::half_bits_to_float(b);  // (cuda_fp16.h: libgcc's widening is slow)
 }
 
 // A column-major operand: `rows` x `cols` stored with leading dimension ld.

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_fp16.h"
 #include "nccl.h"
 #include "runtime.h"
 
@@ -88,9 +89,7 @@ double load(const void* p, size_t i, ncclDataType_t t) {
     case ncclFloat64:
       return static_cast<const double*>(p)[i];
     case ncclFloat16: {
-      _Float16 h;
-      std::memcpy(&h, static_cast<const uint16_t*>(p) + i, 2);
-      return static_cast<double>(h);
+      return cuda_emu::half_bits_to_float(static_cast<const uint16_t*>(p)[i]);
     }
     case ncclBfloat16: {
       const uint32_t u = uint32_t{static_cast<const uint16_t*>(p)[i]} << 16;

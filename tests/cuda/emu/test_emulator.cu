@@ -136,6 +136,22 @@ __global__ void wmma_kernel(float* d, const T* a, const T* b, const float* c, in
 // The emulated tensor-core product: each output c + sum over k in order of a b, the 16-bit
 // operands widened, in fp32 (what a GPU's m16n16k16 computes, up to its own order), for bf16 and
 // fp16; and an operand that is not 256-bit aligned stops the kernel, as the hardware faults.
+// fp16 widened bit by bit (cuda_fp16.h, in place of libgcc's slow routine) equals the compiler's
+// IEEE widening for every one of the 65536 halves: zeros, subnormals, normals, infinities, and
+// each NaN quiet with its payload.
+TEST(CudaEmu, HalvesWidenAsTheCompilersBinary16) {
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    _Float16 h;
+    const auto bits = static_cast<uint16_t>(b);
+    std::memcpy(&h, &bits, 2);
+    const float want = static_cast<float>(h), got = __half2float(__ushort_as_half(bits));
+    uint32_t w, g;
+    std::memcpy(&w, &want, 4);
+    std::memcpy(&g, &got, 4);
+    ASSERT_EQ(g, w) << "half 0x" << std::hex << b;
+  }
+}
+
 TEST(CudaEmu, WarpMatrixProductsAndTheirAlignment) {
   auto check = [](auto zero, auto to_16, auto to_float) {
     using T = decltype(zero);
