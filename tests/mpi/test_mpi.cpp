@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -835,6 +836,24 @@ TEST(LossScaling, OverflowOnOneRankSkipsOnAll) {
 }  // namespace
 }  // namespace bertrain::comm
 
+// Ranks other than 0 print only their failures, each named by rank and test (rank 0 prints
+// gtest's usual output): without it, a check that fails on rank 2 alone shows as nothing but
+// mpiexec's "exit code 1".
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (!r.failed()) return;
+    const ::testing::TestInfo* t = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::fprintf(stderr, "rank %d: %s.%s failed: %s:%d: %s\n", rank_,
+                 t ? t->test_suite_name() : "-", t ? t->name() : "-",
+                 r.file_name() ? r.file_name() : "-", r.line_number(), r.message());
+  }
+
+ private:
+  int rank_;
+};
+
 int main(int argc, char** argv) {
   auto* comm = new bertrain::comm::MpiCommunicator(&argc, &argv);
   bertrain::comm::g_comm = comm;
@@ -858,6 +877,7 @@ int main(int argc, char** argv) {
   if (comm->rank() != 0) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter(comm->rank()));
   }
   int rc = RUN_ALL_TESTS();
   MPI_Allreduce(MPI_IN_PLACE, &rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
