@@ -146,7 +146,14 @@ NFT
     ;;
   kill)
     ns=$(ns_of "${1:?}")
-    ip netns pids "$ns" | xargs -r kill -9
+    # (a process may end between the listing and its kill, and a dying rank may start another:
+    # kill what is listed until nothing is, a second at most; a process already gone is no error)
+    for _ in $(seq 1 10); do
+      pids=$(ip netns pids "$ns")
+      [ -n "$pids" ] || break
+      kill -9 $pids 2>/dev/null || true
+      sleep 0.1
+    done
     ;;
   mca)
     echo "OMPI_MCA_plm_rsh_agent=$(realpath "$dir")/agent"
