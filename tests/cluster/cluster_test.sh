@@ -73,8 +73,10 @@ python3 -c "import sys; sys.exit(0 if $took < $STALL else 1)" || { cat "$TMP/los
 # Open MPI stops forwarding the ranks' output once it ends a job: their messages are also in
 # the run directory's incidents.log.
 # Named as the host waited for, or as the one the probe found gone.
-named_h1() { grep -q -E "h1 \(ranks 2-3\)|ranks 2-3 on host h1"; }
-cat "$TMP/lost.log" "$TMP/lost/incidents.log" 2> /dev/null | named_h1 ||
+# grep reads the files itself: `cat ... | grep -q` under pipefail failed when grep, done at the
+# first match, left cat writing the second file (SIGPIPE; seen in CI).
+named_h1() { grep -q -E "h1 \(ranks 2-3\)|ranks 2-3 on host h1" "$@" 2> /dev/null; }
+named_h1 "$TMP/lost.log" "$TMP/lost/incidents.log" ||
   { cat "$TMP/lost.log"; fail "no message names h1 and its ranks"; }
 last=$(cat "$TMP/lost/latest")
 [ -f "$TMP/lost/$last/model.safetensors" ] || fail "no complete checkpoint after the loss"
@@ -143,7 +145,7 @@ wait $job && fail "the job survived a cut link"
 launcher_took=$(python3 -c "print(round($(date +%s.%N) - $cut_at, 1))")
 python3 -c "import sys; sys.exit(0 if $ranks_took < $STALL + 6 else 1)" ||
   { cat "$TMP/cut.log"; fail "ranks still running ${ranks_took} s after the cut"; }
-cat "$TMP/cut.log" "$TMP/cut/incidents.log" 2> /dev/null | named_h1 ||
+named_h1 "$TMP/cut.log" "$TMP/cut/incidents.log" ||
   { cat "$TMP/cut.log"; fail "no message names h1 after the cut"; }
 echo "ok: h1's link cut: every rank gone ${ranks_took} s later (stall timeout $STALL s), mpirun ${launcher_took} s; message names h1 (ranks 2-3)"
 grep -h "bertrain: rank" "$TMP/cut/incidents.log" || true
