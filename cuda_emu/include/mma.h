@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "cuda_bf16.h"
+#include "cuda_emu/counts.h"
 #include "cuda_emu/kernel.h"
 #include "cuda_fp16.h"
 
@@ -96,6 +97,10 @@ void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a,
               const fragment<matrix_b, M, N, K, T, LB>& b,
               const fragment<accumulator, M, N, K, float>& c) {
   __syncwarp();
+  // (one operation of the warp's tensor cores: counted once, by its first lane)
+  const cuda_emu::ThreadIndex& t = cuda_emu::current();
+  if ((t.thread.x + t.block_dim.x * (t.thread.y + t.block_dim.y * t.thread.z)) % 32 == 0)
+    cuda_emu::count_products(2.0 * M * N * K);
   // (the operands widened once, not once a product: the same values, a 16th of the conversions)
   float wa[M][K], wb[K][N];
   for (int m = 0; m < M; ++m)

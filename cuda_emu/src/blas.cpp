@@ -102,6 +102,7 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
           const Matrix& B, float beta, void* C, cudaDataType_t c_type, int64_t ldc,
           const void* bias) {
   if (m == 0 || n == 0) return;
+  count_products(2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k));
   std::vector<float> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(k * n)),
       ab(static_cast<size_t>(m * n), 0.0f);
   for (int64_t p = 0; p < k; ++p)

@@ -460,6 +460,7 @@ std::mutex g_touch_mu;  // one counted kernel at a time; guards what follows
 std::vector<Tracked> g_tracked;
 std::vector<uint8_t> g_page_state;
 std::map<std::string, Touched> g_touched;
+double g_flops = 0;  // the counted kernel's products (one kernel at a time: g_touch_mu)
 
 // Whether the fault at `addr` was a tracked page's, handled: the page counted and given back
 // (read: readable; written: readable and writable).
@@ -541,6 +542,10 @@ void reset_touched() {
   g_touched.clear();
 }
 
+void count_products(double flops) {
+  if (g_tracking.load(std::memory_order_acquire)) g_flops += flops;
+}
+
 void count_touches(int device, const char* name, const std::function<void()>& run) {
   if (!g_counting.load()) return run();
   std::vector<std::pair<char*, size_t>> allocations = paged_allocations(device);
@@ -563,10 +568,12 @@ void count_touches(int device, const char* name, const std::function<void()>& ru
   };
   Touched& k = g_touched[name];
   ++k.launches;
+  g_flops = 0;
   {
     const GiveBack give_back;
     run();
   }
+  k.flops += g_flops;
   for (uint8_t s : g_page_state) {
     k.pages_read += s & 1;
     k.pages_written += s >> 1 & 1;

@@ -414,7 +414,8 @@ void add_bench(CLI::App& app) {
       }
       if (r.non_gemm_bytes) {
         // What the kernels besides the products move (the traffic model's compulsory bytes),
-        // and the rate they moved it at if the products ran at the ceiling measured above.
+        // and the rate they moved it at if the products (cuBLAS's, and the fused attention's on
+        // the tensor cores) ran at the ceiling measured above.
         const double rest = step - *r.gemm_seconds;
         std::printf(
             "  traffic    the model (estimate --device cuda --explain): %.0f launches, %.2f GB a "

@@ -98,6 +98,20 @@ constexpr int64_t kFusedAttentionTile = 64;  // (a block of four warps' rows)
 inline int64_t fused_attention_tiles(int64_t sequences, int64_t T) {
   return sequences * ((T + kFusedAttentionTile - 1) / kFusedAttentionTile);
 }
+// The fused kernels' tensor-core work (2 M N K a product) over `sequences` sequences of T tokens
+// (a variable-length batch: the sum of each sequence's), each of `heads` heads of `head_size`:
+// a warp takes 16 rows (the rows rounded up to 16, warps past the sequence idle) against the
+// other side a step at a time (forward: 64 keys, 32 at head sizes past 64; backward: 32), the
+// length rounded up to the step. Forward: Q K^T twice (the row statistics' pass, then the
+// probabilities') and P V, 3 products; backward: S and dd = dO V^T in both kinds of block, dQ
+// in one, dK and dV in the other, 7. What the traffic model counts (the emulator checks it).
+inline double fused_attention_flops(int64_t sequences, int64_t heads, int64_t T, int64_t head_size,
+                                    bool forward) {
+  const auto up = [](int64_t x, int64_t to) { return static_cast<double>((x + to - 1) / to * to); };
+  const double other = up(T, forward && head_size <= 64 ? 64 : 32);
+  return (forward ? 3 : 7) * 2 * up(T, 16) * other *
+         static_cast<double>(head_size * heads * sequences);
+}
 
 // Embedding backward's token rows grouped by the table row they add to, for a backend whose
 // threads each sum one table row's gradients (a GPU's, which has no order among atomics; built on

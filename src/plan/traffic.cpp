@@ -1,7 +1,6 @@
 #include "plan/traffic.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <map>
 #include <set>
@@ -197,6 +196,12 @@ void head_linear_backward(Kernels& k, const Dims& g, double M, double Nn, double
   if (!g.half) sums();
 }
 
+// The fused attention's products (kernels/types.h: as its warps run them).
+double fused_attention_flops(const Dims& g, bool forward) {
+  const auto n = [](double x) { return static_cast<int64_t>(x); };
+  return kernels::fused_attention_flops(n(g.R), n(g.NH), n(g.T), n(g.head), forward);
+}
+
 // One encoder layer, forward and backward (bert.cpp's layer_forward, layer_backward), its input
 // kept in 16 bits where the products read them (every layer's but the first: `first` adds the
 // input's rounding, forward and backward).
@@ -212,11 +217,12 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
     product(k, g, N, 3 * C, C, "x16", "W_qkv", "qkv", false, true);
   if (g.fused && g.qkv16_output) {  // (QKV's 16-bit copy, as its product wrote it; ctx's alone)
     k.run("attention_forward_fused", {whole("qkv16", N * 3 * C * h), whole("mask", mask)},
-          {whole("ctx16", N * C * h), whole("lse", lse)});
+          {whole("ctx16", N * C * h), whole("lse", lse)}, fused_attention_flops(g, true));
   } else if (g.fused) {  // (QKV's fp32 values, its copy written as they are staged)
     k.run("attention_forward_fused", {whole("qkv", N * 3 * C * kF), whole("mask", mask)},
           {whole("qkv16", N * 3 * C * h), whole("ctx", N * C * kF), whole("ctx16", N * C * h),
-           whole("lse", lse)});
+           whole("lse", lse)},
+          fused_attention_flops(g, true));
   } else {
     // QKV rounded (fp16: the fp32 values become the rounded ones too), unless its product wrote
     // the 16-bit copy
@@ -321,7 +327,7 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
       uses->push_back(whole("db_qkv", 3 * C * kF));
       uses->push_back(whole("tickets", 3 * g.NH * 4));
     }
-    k.run("attention_backward_fused", reads, writes);
+    k.run("attention_backward_fused", reads, writes, fused_attention_flops(g, false));
   } else {
     const std::string dctx = g.half ? "dctx16" : "dA";
     if (g.half && !g.qkv16_output)
@@ -593,7 +599,12 @@ std::string explain_traffic(const StepTraffic& t, const Roofline& r, Precision p
     total += s;
     (k.flops > 0 ? gemm : other) += s;
   };
-  for (const KernelTraffic& k : t.layer) add(k, row(k, static_cast<double>(t.layers)));
+  double own = 0;  // the products of kernels of our own (the fused attention's)
+  for (const KernelTraffic& k : t.layer) {
+    add(k, row(k, static_cast<double>(t.layers)));
+    if (k.flops > 0 && k.kernel.rfind("cublas", 0) != 0)
+      own += k.flops * static_cast<double>(t.layers);
+  }
   for (const KernelTraffic& k : t.rest) add(k, row(k, 1.0));
   std::snprintf(line, sizeof line,
                 "  (the layer's rows are its %lld layers' together)\n"
@@ -605,6 +616,13 @@ std::string explain_traffic(const StepTraffic& t, const Roofline& r, Precision p
                 t.bytes() / 1e9, t.flops() / 1e12, r.source.c_str(), total * 1e3, gemm * 1e3,
                 other * 1e3);
   out += line;
+  if (own > 0) {
+    std::snprintf(line, sizeof line,
+                  "  (the fused attention's %.2f TFLOP on the tensor cores are put at that rate "
+                  "too: a lower bound on its time, its own rate on a GPU unmeasured)\n",
+                  own / 1e12);
+    out += line;
+  }
   return out;
 }
 

@@ -27,7 +27,7 @@ struct KernelTraffic {
   std::string part;    // "layer", "embeddings", "heads", "update", "memset"
   int64_t launches = 0;
   double read = 0, written = 0;  // bytes
-  double flops = 0;              // the products' 2 M N K
+  double flops = 0;  // the products' 2 M N K: cuBLAS's, the fused attention's tensor cores'
   // The arrays' whole extents, each array counted once a launch (a strided slice: its whole
   // array): what a page-granular count of the touched memory sees (the emulator's), and how
   // many arrays a launch names (each may start or end inside a page).
@@ -46,7 +46,9 @@ struct StepTraffic {
   int64_t launches() const;
   double bytes() const;
   double flops() const;
-  double non_gemm_bytes() const;  // the kernels' but the products' (memsets included)
+  // The bytes of the kernels without products (memsets included; the fused attention, whose
+  // products the tensor cores do, is one of those with).
+  double non_gemm_bytes() const;
 };
 
 // Where the model applies: a pretraining step (the head `bench` and issue 44 measure) on a GPU
@@ -60,7 +62,8 @@ std::string traffic_not_modelled(model::Head head, const model::ModelDims& d);
 StepTraffic cuda_step_traffic(const model::BertConfig& cfg, model::Head head,
                               const model::ModelDims& d, bool lamb, bool graphs = false);
 
-// A roofline: a kernel takes max(flops / tflops, bytes / bandwidth), and a step the sum.
+// A roofline: a kernel takes max(flops / tflops, bytes / bandwidth), and a step the sum (the
+// fused attention's products at the same rate as cuBLASLt's: a lower bound on its time).
 struct Roofline {
   double flops_per_s = 0, bytes_per_s = 0;
   std::string source;  // where the two numbers come from

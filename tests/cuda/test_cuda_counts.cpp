@@ -327,9 +327,11 @@ TEST(CudaCounts, TheBytesTheUpdateTouchesAreItsModel) {
 // GPU's --attention auto) and with the fused one, fp32. Each kernel's launches are the model's
 // exactly (a layer's too: 3 layers less 2), and the pages it reads and writes (4 KiB each) lie
 // between the model's floor and extent within 2 pages an array a launch (an array in an arena
-// may start and end inside a page another array shares). The floor and the extent differ where
-// a kernel reads a slice of an array (Q, K or V out of the QKV rows: the slice's bytes, the
-// array's pages) or gathers rows (the heads' masked positions). Emulated device only.
+// may start and end inside a page another array shares); its products' operations are the
+// emulator's count exactly (cuBLAS's 2 M N K, the fused attention's tensor-core operations). The
+// floor and the extent differ where a kernel reads a slice of an array (Q, K or V out of the QKV
+// rows: the slice's bytes, the array's pages) or gathers rows (the heads' masked positions).
+// Emulated device only.
 TEST(CudaCounts, TheBytesEachKernelTouchesAreTheModels) {
   SKIP_WITHOUT_GPU();
 #ifndef BT_EMULATED_DEVICE
@@ -367,6 +369,7 @@ TEST(CudaCounts, TheBytesEachKernelTouchesAreTheModels) {
         s.written_floor += t.written_floor * x;
         s.written_extent += t.written_extent * x;
         s.arrays += t.arrays * times;
+        s.flops += t.flops * x;
       };
       for (const plan::KernelTraffic& t : model[layers].layer) add(t, layers);
       for (const plan::KernelTraffic& t : model[layers].rest)
@@ -388,6 +391,8 @@ TEST(CudaCounts, TheBytesEachKernelTouchesAreTheModels) {
             written / 1024);
         const std::string what = name + ", " + std::to_string(layers) + " layers: " + kernel;
         EXPECT_EQ(t.launches, a.launches) << what;
+        // (sums of whole numbers below 2^53: exact)
+        EXPECT_EQ(t.flops, a.flops) << what << " products' operations";
         const double slack = 2 * page * static_cast<double>(t.arrays);
         EXPECT_GE(read, t.read_floor - slack) << what << " read";
         EXPECT_LE(read, t.read_extent + slack) << what << " read";

@@ -36,11 +36,17 @@ Counts counts();
 // fault in a page of the running kernel's device counts for that kernel, whoever touched it)
 // and for counting only: every touched page costs a fault.
 constexpr int64_t kTouchPage = 4096;
+// With the pages, the products' floating-point operations (2 M N K each) a kernel did: a library
+// product's, and each tensor-core operation's (wmma::mma_sync, once a warp), as a GPU's own
+// kernels would do them: what a model of the kernels' work is checked against.
 struct Touched {
   int64_t launches = 0;
   int64_t pages_read = 0, pages_written = 0;
+  double flops = 0;
 };
 void set_touch_counting(bool on);
+// Adds a product's operations to the kernel being counted (nothing while none is).
+void count_products(double flops);
 std::map<std::string, Touched> touched();  // since the last reset_touched()
 void reset_touched();
 

@@ -518,8 +518,9 @@ TEST(CudaEmu, AKernelThatFailsInAGraphNamesItself) {
 // Touch counting (cuda_emu/counts.h): the pages each kernel reads and writes, by its name. 1 MiB
 // buffers are 256 pages: y = 2x reads x's 256 and writes y's 256; over the first 1000 floats
 // only, one page of each (1000 x 4 bytes < 4096); in place, x's 256 pages read and written; a
-// buffer allocated before counting began is not counted; a fill writes without reading. The
-// values are the kernels' as ever, and counting off counts nothing.
+// buffer allocated before counting began is not counted; a fill writes without reading; a warp's
+// tensor-core operation counts its 2 M N K once. The values are the kernels' as ever, and
+// counting off counts nothing.
 TEST(CudaEmu, TouchCountingCountsThePagesEachKernelReadsAndWrites) {
   Buffer<float> before(1 << 18);
   cuda_emu::set_touch_counting(true);
@@ -532,6 +533,9 @@ TEST(CudaEmu, TouchCountingCountsThePagesEachKernelReadsAndWrites) {
     BT_LAUNCH(doubled_kernel, 4, 256)(y.d, x.d, 1000);
     BT_LAUNCH(scale_in_place_kernel, n / 256, 256)(x.d, n);
     BT_LAUNCH(fill_kernel, n / 256, 256)(before.d, 2.0f, n);
+    Buffer<__nv_bfloat16> a16(256), b16(256);
+    Buffer<float> c16(256), d16(256);
+    BT_LAUNCH(wmma_kernel<__nv_bfloat16>, 3, 64)(d16.d, a16.d, b16.d, c16.d, 0);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(y.host()[n - 1], 3.0f);
     EXPECT_EQ(x.host()[0], 3.0f);
@@ -548,6 +552,11 @@ TEST(CudaEmu, TouchCountingCountsThePagesEachKernelReadsAndWrites) {
     EXPECT_EQ(f.launches, 2);
     EXPECT_EQ(f.pages_read, 0);
     EXPECT_EQ(f.pages_written, 256) << "x's; `before` was allocated before counting began";
+    EXPECT_EQ(f.flops, 0);
+    // 3 blocks of 2 warps, each warp one 16 x 16 x 16 tensor-core operation: counted a warp's
+    // once, not once a lane.
+    ASSERT_EQ(t.count("wmma_kernel<__nv_bfloat16>"), 1u);
+    EXPECT_EQ(t.at("wmma_kernel<__nv_bfloat16>").flops, 3 * 2 * 2.0 * 16 * 16 * 16);
   }
   cuda_emu::set_touch_counting(false);
   cuda_emu::reset_touched();
