@@ -676,7 +676,10 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
         // kernels read only forward's fp32 context [8 T, 64]. The fused kernel reads dctx's
         // 16-bit copy [8 T, 64] that the output projection's product writes alone
         // (ModelDims::qkv16_output), as the CPU's blocked products read theirs: the same copy.
+        // A GPU's 16-bit group holds the projections' 16-bit output [8 T, 64] too, which the
+        // residual LayerNorms read (ModelDims::proj16_output; the CPU's read fp32).
         const int64_t N = 8 * T, C = 64, I = 256;
+        const size_t proj16 = precision != 0 ? N * C * 2 : 0;
         for (const char* g : {"parameters", "gradients"})
           EXPECT_EQ(gpu.group_bytes(g), cpu.group_bytes(g)) << g;
         EXPECT_EQ(gpu.group_bytes("activations"),
@@ -684,10 +687,12 @@ TEST(DeviceMemory, TheCudaPlanHoldsItsKernelsScratchAndTheBatch) {
         EXPECT_EQ(on_gpu.qkv16_output, precision != 0 && (fused || !blocked));
         model::ModelDims as_bf16 = on_cpu;
         if (d.fp16()) as_bf16.precision = Precision::BF16;
-        EXPECT_EQ(gpu.group_bytes("bf16"), cpu.group_bytes("bf16"));
+        EXPECT_EQ(on_gpu.proj16_output, precision != 0);
+        EXPECT_EQ(gpu.group_bytes("bf16"), cpu.group_bytes("bf16") + (d.bf16() ? proj16 : 0));
         EXPECT_EQ(gpu.group_bytes("fp16"),
                   d.fp16() ? model::BertModel::make_plan(c, model::Head::Pretraining, as_bf16)
-                                 .group_bytes("bf16")
+                                     .group_bytes("bf16") +
+                                 proj16
                            : 0u);
         EXPECT_EQ(cpu.group_bytes("fp16"), 0u);
         EXPECT_EQ(gpu.group_bytes("scratch") + (d.fp16() ? (N * I - N * C) * 4 : 0),

@@ -339,6 +339,13 @@ class Backend : public Target {
                                           const float* residual, const float* gamma,
                                           const float* beta, int64_t N, int64_t C, float eps,
                                           const Dropout& d) const = 0;
+  // The same with the projection's output given as its 16-bit copy alone (y16, p's bits, as its
+  // product wrote them: linear_forward_16): x = dropout(y16 widened) + residual written (what
+  // backward reads), out = LayerNorm(x), where Target::writes_16bit_outputs; the default fails.
+  virtual void residual_layernorm_forward_16(Precision p, Kept out, float* mean, float* rstd,
+                                             float* x, const uint16_t* y16, const float* residual,
+                                             const float* gamma, const float* beta, int64_t N,
+                                             int64_t C, float eps, const Dropout& d) const;
   // Its backward: dinp (= or +=) the gradient of x (and of the residual), ddropped that of the
   // projection's output (through the dropout), and where ddropped.bits is given (p a 16-bit
   // precision) that rounded in the same pass (KeptIn: what the projection's backward reads; on

@@ -200,6 +200,8 @@ void plan_activations(MemoryPlan& plan, const BertConfig& cfg, Head head, const 
       plan.add(g16, g16 + ".attn_probs", static_cast<size_t>(R * NH * T * T) * h);
     if (!d.fused_attention || d.qkv16_output)
       plan.add(g16, g16 + ".attn_dctx", static_cast<size_t>(N * C) * h);
+    // The projections' 16-bit output, read at once by the residual LayerNorm (every layer's).
+    if (d.proj16_output) plan.add(g16, g16 + ".proj_out", static_cast<size_t>(N * C) * h);
   }
 }
 
@@ -215,6 +217,7 @@ ModelDims on_backend(ModelDims d, const BertConfig& cfg, const kernels::Target& 
       be.writes_16bit_outputs() && d.weight_copy() &&
       (d.fused_attention || (!d.blocked_attention() && !d.unpadded && d.pack_rows == 0));
   d.inter16_output = be.writes_16bit_outputs() && d.weight_copy();
+  d.proj16_output = be.writes_16bit_outputs() && d.weight_copy();
   return d;
 }
 
@@ -365,6 +368,7 @@ BertModel::BertModel(const BertConfig& cfg, Head head, const ModelDims& dims,
     ws_.half_b = b16(".scratch_b");
     if (!blocked) ws_.attn_probs16 = b16(".attn_probs");
     if (!dims_.fused_attention || dims_.qkv16_output) ws_.attn_dctx16 = b16(".attn_dctx");
+    if (dims_.proj16_output) proj16_ = b16(".proj_out");
   }
   if (dims_.fp16()) ws_.wide = scratch_.f32("fp16.wide");
 
@@ -927,12 +931,26 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
     be_.attention_forward(prec_, copy_alone ? Kept{nullptr, a.ctx.bits} : a.ctx, a.saved, qkv,
                           cur_.in.mask, {B, T, C, NH}, site(kAttnProbs, p_attn), ws_);
   }
-  be_.linear_forward(prec_, a.attn_res, a.ctx, Wt(o.attn_out_w), W(o.attn_out_b), N, C, C, ws_);
-  // The LayerNorms write their output's 16-bit copy (none where the matmuls read fp32): the
-  // next product's input, and backward's.
+  // The projections and their residual LayerNorms: x = dropout(y) + residual in fp32 (what
+  // backward reads), y written in fp32 there, or its 16-bit copy alone (ModelDims::
+  // proj16_output). The LayerNorms write their output's 16-bit copy (none where the matmuls read
+  // fp32): the next product's input, and backward's.
+  const auto project = [&](float* sum, Kept in, int64_t w, int64_t bias, int64_t K,
+                           const float* residual, Kept out, float* mean, float* rstd, int64_t ln_w,
+                           int64_t ln_b, const kernels::Dropout& d) {
+    if (dims_.proj16_output) {
+      be_.linear_forward_16(prec_, proj16_, in, Wt(w), Wt(bias).bits, N, C, K, ws_);
+      be_.residual_layernorm_forward_16(prec_, out, mean, rstd, sum, proj16_, residual, W(ln_w),
+                                        W(ln_b), N, C, eps, d);
+    } else {
+      be_.linear_forward(prec_, sum, in, Wt(w), W(bias), N, C, K, ws_);
+      be_.residual_layernorm_forward(prec_, out, mean, rstd, sum, residual, W(ln_w), W(ln_b), N, C,
+                                     eps, d);
+    }
+  };
   const Kept ln1{a.ln1_out, a.ln1_out16};
-  be_.residual_layernorm_forward(prec_, ln1, a.ln1_mean, a.ln1_rstd, a.attn_res, x, W(o.ln1_w),
-                                 W(o.ln1_b), N, C, eps, on_rows(site(kAttnOut, p_hidden)));
+  project(a.attn_res, a.ctx, o.attn_out_w, o.attn_out_b, C, x, ln1, a.ln1_mean, a.ln1_rstd, o.ln1_w,
+          o.ln1_b, on_rows(site(kAttnOut, p_hidden)));
   if (dims_.inter16_output) {  // (GELU's input's 16-bit copy alone: ModelDims::inter16_output)
     be_.linear_forward_16(prec_, a.inter_pre.bits, ln1, Wt(o.inter_w), Wt(o.inter_b).bits, N, I, C,
                           ws_);
@@ -942,10 +960,8 @@ void BertModel::layer_forward(int64_t l, const float* x, const Batch& b, const S
     be_.linear_forward(prec_, a.inter_pre.f32, ln1, Wt(o.inter_w), W(o.inter_b), N, I, C, ws_);
     be_.activation_forward(prec_, cfg_.activation(), a.inter_act, a.inter_pre, N * I);
   }
-  be_.linear_forward(prec_, a.ffn_res, a.inter_act, Wt(o.out_w), W(o.out_b), N, C, I, ws_);
-  be_.residual_layernorm_forward(prec_, {a.ln2_out, a.ln2_out16}, a.ln2_mean, a.ln2_rstd, a.ffn_res,
-                                 a.ln1_out, W(o.ln2_w), W(o.ln2_b), N, C, eps,
-                                 on_rows(site(kFfnOut, p_hidden)));
+  project(a.ffn_res, a.inter_act, o.out_w, o.out_b, I, a.ln1_out, {a.ln2_out, a.ln2_out16},
+          a.ln2_mean, a.ln2_rstd, o.ln2_w, o.ln2_b, on_rows(site(kFfnOut, p_hidden)));
 }
 
 uint16_t* BertModel::input16(int64_t l) const {

@@ -76,6 +76,14 @@ struct ModelDims {
   // differs from the CPU's by at most the rounding of its input and the bias (GELU's slope is at
   // most 1.13), a unit of the format after its own rounding.
   bool inter16_output = false;
+  // The attention-output and FFN-output projections write their output's 16-bit copy alone (one
+  // buffer all layers share, read at once), the bias's 16-bit copy added in the epilogue, and the
+  // residual LayerNorm reads it (Backend::residual_layernorm_forward_16; a GPU's, with the
+  // weights' copy; set by on_backend): the sum x = dropout(y) + residual is of the rounded y, as
+  // PyTorch's autocast rounds a Linear's output to 16 bits before the residual add; the residual
+  // stream, the sum and LayerNorm stay fp32. x differs from the CPU's by y's rounding (half a unit
+  // of y in the format, the bias's rounding before it, at most half a unit of the bias).
+  bool proj16_output = false;
   // Layer recomputation: an encoder layer keeps only its output (the next layer's input); its
   // activations live in one slot shared by all layers, and backward recomputes each layer's
   // forward from its input first (dropout masks regenerated from the same counter RNG, so the
@@ -542,6 +550,7 @@ class BertModel {
   Precision prec_;
   kernels::Workspace ws_;        // the precision paths' scratch, regions of the plan
   uint16_t* w16_ = nullptr;      // the weights' 16-bit copy the matmuls read (weight_copy())
+  uint16_t* proj16_ = nullptr;   // the projections' 16-bit output (ModelDims::proj16_output)
   bool mlm_grad_ready_ = false;  // the training forward left the MLM logits' gradient in place
   bool w16_fresh_ = false;       // weights16() already equals params() rounded
   obs::Timeline* timeline_ = nullptr;

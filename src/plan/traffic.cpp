@@ -92,7 +92,7 @@ constexpr double kF = 4;  // an fp32 value's bytes
 
 // The step's dimensions as the kernels see them.
 struct Dims {
-  bool half, fp16, fused, qkv16_output, inter16_output;
+  bool half, fp16, fused, qkv16_output, inter16_output, proj16_output;
   bool graphs = false;  // forward and backward as CUDA graphs: the pointer tables made each step
   double h;             // the products' operand bytes: 2 in bf16 and fp16, 4 in fp32
   double R, T, N, C, I, NH, S, head, BP, Vr, P;
@@ -109,6 +109,7 @@ Dims dims_of(const model::BertConfig& cfg, model::Head head, const model::ModelD
   g.fused = d.fused_attention;
   g.qkv16_output = d.qkv16_output;
   g.inter16_output = d.inter16_output;
+  g.proj16_output = d.proj16_output;
   g.h = g.half ? 2 : 4;
   g.R = static_cast<double>(d.token_rows());
   g.T = static_cast<double>(d.seq_len);
@@ -248,18 +249,23 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
            whole("pointers", pointers)},
           {whole(ctxh, N * C * (g.half ? h : kF))}, 2 * S * g.head);
   }
-  product(k, g, N, C, C, ctxh, "W_o", "attn_res", false, true);
-  const auto layernorm_forward = [&](const std::string& x, const std::string& residual,
-                                     const std::string& out) {
+  // A projection's output y and its residual LayerNorm: x = dropout(y) + residual, y written in
+  // fp32 into x's memory (read, then written), or its 16-bit copy alone into the buffer the
+  // layers share (ModelDims::proj16_output: read, x written).
+  const auto project = [&](double K, const std::string& in, const std::string& w,
+                           const std::string& x, const std::string& residual,
+                           const std::string& out) {
+    const std::string y = g.proj16_output ? "proj16" : x;
+    product(k, g, N, C, K, in, w, y, false, true, g.proj16_output ? h : kF);
     std::vector<Use> writes = {whole(x, N * C * kF), whole(out, N * C * kF), whole("mean", N * kF),
                                whole("rstd", N * kF)};
     if (g.half) writes.push_back(whole(out + "16", N * C * h));
     k.run("layernorm_forward_kernel",
-          {whole(x, N * C * kF), whole(residual, N * C * kF), whole("gamma", C * kF),
-           whole("beta", C * kF)},
+          {whole(y, N * C * (g.proj16_output ? h : kF)), whole(residual, N * C * kF),
+           whole("gamma", C * kF), whole("beta", C * kF)},
           writes);
   };
-  layernorm_forward("attn_res", "x", "ln1");
+  project(C, ctxh, "W_o", "attn_res", "x", "ln1");
   if (g.inter16_output) {  // (GELU's input's 16-bit copy alone: ModelDims::inter16_output)
     product(k, g, N, I, C, "ln116", "W_i", "pre16", false, true, h);
     k.run("activation_forward_16_kernel", {whole("pre16", N * I * h)}, {whole("act16", N * I * h)});
@@ -271,8 +277,7 @@ void encoder_layer(Kernels& k, const Dims& g, bool first) {
     product(k, g, N, I, C, "ln1", "W_i", "pre", false, true);
     k.run("activation_forward_kernel", {whole("pre", N * I * kF)}, {whole("act", N * I * kF)});
   }
-  product(k, g, N, C, I, g.half ? "act16" : "act", "W_o2", "ffn_res", false, true);
-  layernorm_forward("ffn_res", "ln1", "ln2");
+  project(I, g.half ? "act16" : "act", "W_o2", "ffn_res", "ln1", "ln2");
   // ---- backward
   const std::string dBh = g.half ? "dB16" : "dB", dIh = g.half ? "dI16" : "dI";
   const auto layernorm_backward = [&](const std::string& dout, const std::string& in,

@@ -244,6 +244,59 @@ TEST(CudaBackend, ResidualLayerNormWritesItsOutputsCopy) {
     }
 }
 
+// The projections' 16-bit outputs (ModelDims::proj16_output): residual_layernorm_forward_16
+// given y's 16-bit copy alone writes the sum x = dropout(y) + residual, out, its copy, mean and
+// rstd bit for bit as residual_layernorm_forward given the copy's values in fp32, in bf16 and
+// fp16, 70 rows of 96 with dropout on. The CPU backend, which writes no 16-bit outputs, says so.
+TEST(CudaBackend, ResidualLayerNormReadsTheProjectionsCopy) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 70, C = 96;
+  const kernels::Dropout d{0.1f, 3, 7, nullptr};
+  for (Precision p : {Precision::BF16, Precision::FP16}) {
+    SCOPED_TRACE(name_of(p));
+    Twin<float> gamma(random_vector(C, 3)), beta(random_vector(C, 4)),
+        residual(random_vector(N * C, 5)), y(random_vector(N * C, 6));
+    Twin<uint16_t> y16(N * C);
+    gpu().round_to_16(p, y16.dev(), y.dev(), N * C, nullptr);
+    std::vector<float> widened(N * C);
+    const std::vector<uint16_t> bits = y16.back();
+    for (int64_t i = 0; i < N * C; ++i)
+      widened[i] = p == Precision::BF16 ? bf16_to_f32(bits[i]) : f16_to_f32(bits[i]);
+    struct Out {
+      std::vector<float> x, out, mean, rstd;
+      std::vector<uint16_t> bits;
+    };
+    auto run = [&](bool from_copy) {
+      // (from the copy, x is written by the call: NaN before)
+      Twin<float> x(from_copy ? std::vector<float>(N * C, std::nanf("")) : widened), out(N * C),
+          mean(N), rstd(N);
+      Twin<uint16_t> out16(N * C);
+      if (from_copy)
+        gpu().residual_layernorm_forward_16(p, {out.dev(), out16.dev()}, mean.dev(), rstd.dev(),
+                                            x.dev(), y16.dev(), residual.dev(), gamma.dev(),
+                                            beta.dev(), N, C, 1e-12f, d);
+      else
+        gpu().residual_layernorm_forward(p, {out.dev(), out16.dev()}, mean.dev(), rstd.dev(),
+                                         x.dev(), residual.dev(), gamma.dev(), beta.dev(), N, C,
+                                         1e-12f, d);
+      cuda::synchronize();
+      return Out{x.back(), out.back(), mean.back(), rstd.back(), out16.back()};
+    };
+    const Out copy = run(true), values = run(false);
+    EXPECT_EQ(copy.x, values.x);
+    EXPECT_EQ(copy.out, values.out);
+    EXPECT_EQ(copy.bits, values.bits);
+    EXPECT_EQ(copy.mean, values.mean);
+    EXPECT_EQ(copy.rstd, values.rstd);
+  }
+  const std::string e = test::error_of([] {
+    cpu().residual_layernorm_forward_16(Precision::BF16, Kept{}, nullptr, nullptr, nullptr, nullptr,
+                                        nullptr, nullptr, nullptr, 1, 1, 1e-12f,
+                                        kernels::Dropout{});
+  });
+  EXPECT_NE(e.find("the cpu backend writes no 16-bit product outputs"), std::string::npos) << e;
+}
+
 // The 16-bit dataflow's output gradients: linear_backward given dout's 16-bit copy (KeptIn, what
 // its producer writes in the same pass: layernorm_dropout_backward, activation_bias_backward)
 // reads it instead of rounding dout: dinp, dw and db bit for bit as without it, in bf16 and

@@ -358,6 +358,14 @@ void Backend::linear_forward_16(Precision, uint16_t*, Kept, Weight, const uint16
        " backend writes no 16-bit product outputs (Target::writes_16bit_outputs)");
 }
 
+void Backend::residual_layernorm_forward_16(Precision, Kept, float*, float*, float*,
+                                            const uint16_t*, const float*, const float*,
+                                            const float*, int64_t, int64_t, float,
+                                            const Dropout&) const {
+  fail("residual_layernorm_forward_16: the ", name(),
+       " backend writes no 16-bit product outputs (Target::writes_16bit_outputs)");
+}
+
 void Backend::activation_bias_backward(Precision p, Activation a, Kept dinp, float* db, Kept in,
                                        KeptIn dout, int64_t M, int64_t N) const {
   BT_CHECK(dout.f32, "activation_bias_backward: the ", name(),

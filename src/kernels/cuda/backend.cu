@@ -511,6 +511,16 @@ class CudaBackend final : public kernels::Backend {
     const Op op("residual_layernorm_forward");
     cuda::residual_layernorm_forward(p, out, mean, rstd, x, residual, gamma, beta, N, C, eps, d);
   }
+  void residual_layernorm_forward_16(Precision p, Kept out, float* mean, float* rstd, float* x,
+                                     const uint16_t* y16, const float* residual, const float* gamma,
+                                     const float* beta, int64_t N, int64_t C, float eps,
+                                     const Dropout& d) const override {
+    BT_CHECK(p != Precision::FP32 && y16, "residual_layernorm_forward_16: ", precision_name(p),
+             ", the projection's 16-bit output ", y16 ? "given" : "missing");
+    const Op op("residual_layernorm_forward");
+    cuda::residual_layernorm_forward(p, out, mean, rstd, x, residual, gamma, beta, N, C, eps, d,
+                                     nullptr, y16);
+  }
   void layernorm_dropout_backward(Precision p, float* dinp, Kept ddropped, float* dgamma,
                                   float* dbeta, float* dbias, const float* dout, const float* in,
                                   const float* gamma, const float* mean, const float* rstd,

@@ -58,6 +58,10 @@ namespace bertrain::cuda {
 __device__ inline uint16_t to_16(Precision p, float v) {
   return p == Precision::BF16 ? f32_to_bf16(v) : __half_as_ushort(__float2half_rn(v));
 }
+// p's 16-bit operand bits widened (exactly) to fp32.
+__device__ inline float from_16(Precision p, uint16_t b) {
+  return p == Precision::BF16 ? bf16_to_f32(b) : __half2float(__ushort_as_half(b));
+}
 
 // A dropout site's key and first index where a kernel runs: the step's arguments' where given
 // (kernels::Dropout::at: {key, offset}, the offset added), else the launch's.

@@ -160,11 +160,13 @@ void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
                                 const float* residual, const float* gamma, const float* beta,
                                 int64_t N, int64_t C, float eps, const kernels::Dropout& d,
                                 void* stream = nullptr);
-// The same with out's 16-bit copy written in the pass where out.bits is given (p 16-bit).
+// The same with out's 16-bit copy written in the pass where out.bits is given (p 16-bit), and
+// where y16 is given the projection's output read from that 16-bit copy (p's bits), x written:
+// Backend::residual_layernorm_forward_16.
 void residual_layernorm_forward(Precision p, kernels::Kept out, float* mean, float* rstd, float* x,
                                 const float* residual, const float* gamma, const float* beta,
                                 int64_t N, int64_t C, float eps, const kernels::Dropout& d,
-                                void* stream = nullptr);
+                                void* stream = nullptr, const uint16_t* y16 = nullptr);
 // out = dropout(LayerNorm(word[id] + position[t] + token_type[segment])), the sum kept.
 void embedding_layernorm_forward(float* out, float* sum, float* mean, float* rstd,
                                  const int32_t* ids, const int32_t* segment,

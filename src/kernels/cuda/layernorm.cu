@@ -14,17 +14,21 @@ namespace rm = kernels::row_math;
 
 namespace {
 
-// Optionally x = dropout(x) + residual in place first (residual non-null); out16 (may be null)
-// out rounded to `o`'s 16 bits, each lane the columns it wrote.
+// Optionally x = dropout(x) + residual in place first (residual non-null; where y16 is given,
+// x = dropout(y16 widened from `o`'s 16 bits) + residual written); out16 (may be null) out
+// rounded to `o`'s 16 bits, each lane the columns it wrote.
 __global__ void layernorm_forward_kernel(float* out, uint16_t* out16, Precision o, float* mean,
-                                         float* rstd, float* x, const float* residual,
-                                         const float* gamma, const float* beta, int64_t N,
-                                         int64_t C, float eps, float p, uint64_t key,
-                                         uint64_t offset, const int32_t* rows, const uint64_t* at) {
+                                         float* rstd, float* x, const uint16_t* y16,
+                                         const float* residual, const float* gamma,
+                                         const float* beta, int64_t N, int64_t C, float eps,
+                                         float p, uint64_t key, uint64_t offset,
+                                         const int32_t* rows, const uint64_t* at) {
   step_key(key, offset, at);
   const int64_t i = warp_row();
   if (i >= N) return;
   const WarpLanes l = warp_lanes();
+  if (y16)
+    for (int64_t c = l.lane; c < C; c += l.count) x[i * C + c] = from_16(o, y16[i * C + c]);
   if (residual)
     rm::dropout_residual(x + i * C, residual + i * C, C, p, key, row_index0(offset, rows, i, C), l);
   rm::layernorm(out + i * C, mean + i, rstd + i, x + i * C, gamma, beta, C, eps, l);
@@ -135,8 +139,8 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
                        const float* beta, int64_t N, int64_t C, float eps, void* stream) {
   if (N == 0) return;
   BT_LAUNCH(layernorm_forward_kernel, row_blocks(N), kRowThreads, 0, as_stream(stream))
-  (out, nullptr, Precision::FP32, mean, rstd, const_cast<float*>(inp), nullptr, gamma, beta, N, C,
-   eps, 0.0f, 0, 0, nullptr, nullptr);
+  (out, nullptr, Precision::FP32, mean, rstd, const_cast<float*>(inp), nullptr, nullptr, gamma,
+   beta, N, C, eps, 0.0f, 0, 0, nullptr, nullptr);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -151,12 +155,12 @@ void residual_layernorm_forward(float* out, float* mean, float* rstd, float* x,
 void residual_layernorm_forward(Precision p, kernels::Kept out, float* mean, float* rstd, float* x,
                                 const float* residual, const float* gamma, const float* beta,
                                 int64_t N, int64_t C, float eps, const kernels::Dropout& d,
-                                void* stream) {
+                                void* stream, const uint16_t* y16) {
   if (N == 0) return;
   uint16_t* bits = p != Precision::FP32 ? out.bits : nullptr;
   BT_LAUNCH(layernorm_forward_kernel, row_blocks(N), kRowThreads, 0, as_stream(stream))
-  (out.f32, bits, p, mean, rstd, x, residual, gamma, beta, N, C, eps, d.p, d.key, d.offset, d.rows,
-   d.at);
+  (out.f32, bits, p, mean, rstd, x, y16, residual, gamma, beta, N, C, eps, d.p, d.key, d.offset,
+   d.rows, d.at);
   BT_CUDA_CHECK(cudaGetLastError());
 }
 

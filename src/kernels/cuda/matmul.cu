@@ -205,9 +205,7 @@ struct ActivationGrad {
   const In* in;
   const float* dout;
   const uint16_t* dout16;
-  __device__ float widen16(uint16_t b) const {
-    return p == Precision::BF16 ? bf16_to_f32(b) : __half2float(__ushort_as_half(b));
-  }
+  __device__ float widen16(uint16_t b) const { return from_16(p, b); }
   __device__ float operator()(int64_t i) const {
     float x;
     if constexpr (sizeof(In) == 4)
