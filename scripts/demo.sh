@@ -138,11 +138,16 @@ else
   echo "   (on the emulated device once scripts/test.sh has built it: build-emu/bertrain bench --device cuda ...)"
 fi
 echo "-- and the bytes behind the launches: the traffic model of a BERT-Large step (estimate --device cuda --explain;"
-echo "   checked kernel by kernel against the pages the emulated device sees each kernel touch), a few rows and"
-echo "   the time it predicts on an H200 (which measured 36.9 ms for this step: the gap is kernels short of their floor):"
+echo "   checked kernel by kernel against the pages the emulated device sees each kernel touch and the products"
+echo "   it computes), a few rows and the time it predicts on an H200 (which measured 36.9 ms for this step: the"
+echo "   gap is kernels short of their floor):"
 $BT estimate --model-config configs/bert-large.json --batch-size 32 --precision bf16 --device cuda --explain \
   --optimizer adamw | sed -n '/^GPU traffic model/,$p' |
   grep -E "^GPU traffic|^  kernel|cublasLtMatmul +layer|layernorm_backward_kernel +layer|adamw_many|^step|^pred|ms a step"
+echo "   at 512 tokens with the attention fused (two kernels a layer), their tensor-core products counted too:"
+$BT estimate --model-config configs/bert-large.json --batch-size 8 --seq-len 512 --max-predictions 80 --precision bf16 \
+  --device cuda --explain --optimizer adamw --attention blocked | sed -n '/^GPU traffic model/,$p' |
+  grep -E "attention_(forward|backward)_fused|ms a step|fused attention's"
 
 echo; echo "== 7. one job description for every launcher: BERT-Large on 32 hosts x 4 GPUs"
 for emit in mpirun slurm mpijob dlc; do $BT launch configs/jobs/bert-large-128.yaml --emit $emit --output "$OUT/jobs"; done
