@@ -27,10 +27,15 @@ __global__ void layernorm_forward_kernel(float* out, uint16_t* out16, Precision 
   const int64_t i = warp_row();
   if (i >= N) return;
   const WarpLanes l = warp_lanes();
-  if (y16)
-    for (int64_t c = l.lane; c < C; c += l.count) x[i * C + c] = from_16(o, y16[i * C + c]);
-  if (residual)
+  if (y16) {  // (row_math's dropout_residual, the projection's values widened as they are read)
+    const float ks = rm::keep_scale_of(p);
+    const uint64_t index0 = row_index0(offset, rows, i, C);
+    for (int64_t c = l.lane; c < C; c += l.count)
+      x[i * C + c] =
+          rm::dropout(from_16(o, y16[i * C + c]), p, ks, key, index0 + c) + residual[i * C + c];
+  } else if (residual) {
     rm::dropout_residual(x + i * C, residual + i * C, C, p, key, row_index0(offset, rows, i, C), l);
+  }
   rm::layernorm(out + i * C, mean + i, rstd + i, x + i * C, gamma, beta, C, eps, l);
   if (out16)
     for (int64_t c = l.lane; c < C; c += l.count) out16[i * C + c] = to_16(o, out[i * C + c]);
